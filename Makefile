@@ -1,0 +1,37 @@
+# kvgate — every target creates or reuses .venv by itself.
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
+ARGS    ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help run test lint typecheck bench clean
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+run: $(STAMP) ## 4 simulated engines + the gateway + the agent working day per policy (ARGS=--once to exit)
+	$(VENV)/bin/kvgate demo $(ARGS)
+
+test: $(STAMP) ## the test suite (starts its own engines and servers on loopback)
+	$(PY) -m pytest $(ARGS)
+
+lint: $(STAMP) ## ruff format --check and ruff check
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+typecheck: $(STAMP) ## mypy --strict on the packages
+	$(VENV)/bin/mypy
+
+bench: $(STAMP) ## the gateway's CPU time per proxied request
+	$(VENV)/bin/kvgate bench-cpu $(ARGS)
+
+clean: ## remove the virtualenv
+	rm -rf $(VENV)
