@@ -1,0 +1,55 @@
+"""The cache directory protocol: which replica holds which prefix blocks (after llm-d's
+`kvblock.Index`).
+
+Every store (in-process, Redis, Redis Cluster) implements this protocol and passes the same
+contract tests. Semantics shared by all of them:
+
+- `lookup(hashes)` returns, for each replica, how many LEADING blocks of the chain it holds
+  (contiguously, from block 0). Replicas holding nothing are absent. The walk stops at the first
+  block no replica holds, because the chain breaks there.
+- `record(replica, hashes)` says the replica now holds the chain (after its first token, when
+  the engine has written the KV). It refreshes every entry's TTL and LRU position.
+- `drop(replica, hashes)` says the engine did NOT hold these blocks (reconciliation).
+- `forget(replica)` says it restarted or left: its entries stop matching at once. An epoch
+  bump, never a scan over keys.
+- Entries age out like an engine evicts: a TTL refreshed on use, and a per-replica capacity
+  with LRU eviction where, on ties, the longer chain's tail goes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from cachemap.keys import BlockHash
+
+DEFAULT_REPLICA_CAPACITY_BLOCKS = 65_536
+"""Directory entries kept per replica.
+
+An H100-80GB serving an 8B model keeps ~500k tokens of KV (≈60 GB free / 128 KiB per token),
+≈2 MB of prompt at ~4 bytes/token, ≈8,000 blocks of 256 B. The directory remembers up to 8×
+that: an entry the engine has already evicted costs one wrong prediction (reconciliation drops
+it), an entry forgotten too early costs a lost hit.
+"""
+
+DEFAULT_TTL_S = 3600.0
+"""Entries not used for an hour stop matching: engines under load evict far sooner, and an idle
+engine's prefix is still worth a try (a wrong guess costs no more than a miss)."""
+
+
+class Directory(Protocol):
+    async def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """replica -> number of leading blocks of `hashes` it holds."""
+        ...
+
+    async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None: ...
+
+    async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        """The engine did not hold these blocks."""
+        ...
+
+    async def forget(self, replica: str) -> None:
+        """The replica restarted or left: an epoch bump, not a scan."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,82 @@
+"""Salted, chained block hashes: the identity of a prompt prefix.
+
+The one hash function of kvgate (after vLLM's `hash_block_tokens` and GIE's `hashPrompt`):
+
+    root    = H(b"kvgate/v1" || salt || 0x00 || model)
+    hash(0) = H(root || block 0)
+    hash(i) = H(hash(i-1) || block i)
+
+H is 128-bit MurmurHash3 (x64). Blocks are fixed-size slices of the canonical rendering's
+UTF-8 bytes; only full blocks are hashed, so a prompt shorter than one block has no hashes and
+no locality. Because every hash chains its parent, hash(i) names the whole prefix up to the end
+of block i: equal prefixes give equal leading hashes, one changed byte changes every hash from
+its block on, and different salts (tenants) or models share nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NewType
+
+import mmh3
+
+BlockHash = NewType("BlockHash", bytes)
+"""16 bytes naming a prefix: every byte from the start of the prompt to the end of a block."""
+
+DEFAULT_BLOCK_BYTES = 256
+"""Block size in bytes of the canonical rendering.
+
+~64 tokens of English BPE (~4 bytes/token), i.e. four vLLM blocks of 16 tokens: a prediction
+loses at most one block (<1% of a 10k-token prompt) to granularity, while a 100k-token prompt
+is ~1,600 hashes (~0.7 ms in CPython) and one directory entry per 256 bytes keeps the directory
+small. Chains of 8/64/512 blocks are 2 KB / 16 KB / 128 KB prompts.
+"""
+
+_DOMAIN = b"kvgate/v1"
+
+
+def root_hash(salt: bytes, model: str) -> BlockHash:
+    """The parent of block 0: binds every chain to one isolation scope (salt) and one model."""
+    return BlockHash(mmh3.mmh3_x64_128_digest(_DOMAIN + salt + b"\x00" + model.encode()))
+
+
+def chain_hashes(
+    data: bytes, root: BlockHash, block_bytes: int = DEFAULT_BLOCK_BYTES
+) -> list[BlockHash]:
+    """hash(i) = H(hash(i-1) || block i) for every full block of `data`, hash(-1) = `root`."""
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    view = memoryview(data)
+    digest = mmh3.mmh3_x64_128_digest
+    parent: bytes = root
+    out: list[BlockHash] = []
+    for start in range(0, len(data) - block_bytes + 1, block_bytes):
+        parent = digest(parent + view[start : start + block_bytes])
+        out.append(BlockHash(parent))
+    return out
+
+
+def affinity_key(
+    data: bytes,
+    root: BlockHash,
+    hashes: Sequence[BlockHash],
+    num_blocks: int,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> bytes:
+    """A key naming the first `num_blocks` blocks, for consistent hashing.
+
+    The chain already names every prefix, so this is hashes[num_blocks-1] when the prompt has
+    that many blocks; a shorter prompt is named by a hash of all of it.
+    """
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    if len(hashes) >= num_blocks:
+        return hashes[num_blocks - 1]
+    return mmh3.mmh3_x64_128_digest(root + data[: num_blocks * block_bytes])
+
+
+def hash_prompt(
+    data: bytes, salt: bytes, model: str, block_bytes: int = DEFAULT_BLOCK_BYTES
+) -> list[BlockHash]:
+    """Convenience: the chained hashes of `data` in the scope (salt, model)."""
+    return chain_hashes(data, root_hash(salt, model), block_bytes)

@@ -1,0 +1,164 @@
+"""The in-process directory: the reference implementation and the default store."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
+from cachemap.keys import BlockHash
+
+Clock = Callable[[], float]
+
+_REAP_PER_CALL = 1024
+"""Entries of forgotten epochs cleaned up per record() call: bounded work on the hot path."""
+
+
+class _Epoch:
+    """One replica's entries in one epoch: an LRU of block hash -> last use time.
+
+    LRU at the front. A chain is touched tail first, so block 0 is the most recent of its
+    chain and, on ties, the longer chain's tail is evicted first (as vLLM frees blocks).
+    """
+
+    __slots__ = ("lru", "replica")
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.lru: OrderedDict[BlockHash, float] = OrderedDict()
+
+
+class MemoryIndex:
+    """The synchronous core of the in-process directory, shared by the gateway and the simulator.
+
+    Invariants:
+    - `_index[h][replica]` is the `_Epoch` that recorded h; it matches only while that epoch
+      is the replica's current one (`_current[replica]`) and its entry is younger than the TTL.
+    - Every live index entry of a current epoch is in that epoch's LRU, and vice versa;
+      len(lru) <= capacity after every record().
+    - forget() swaps in a fresh epoch in O(1); the old epoch's entries are reaped a bounded
+      number per record() call.
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity_blocks: int = DEFAULT_REPLICA_CAPACITY_BLOCKS,
+        ttl_s: float = DEFAULT_TTL_S,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.capacity_blocks = capacity_blocks
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._index: dict[BlockHash, dict[str, _Epoch]] = {}
+        self._current: dict[str, _Epoch] = {}
+        self._graveyard: list[_Epoch] = []
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        expired_before = self.clock() - self.ttl_s
+        depth: dict[str, int] = {}
+        for i, block in enumerate(hashes):
+            holders = self._index.get(block)
+            if not holders:
+                break
+            advanced = False
+            for replica, epoch in holders.items():
+                if (
+                    depth.get(replica, 0) == i
+                    and self._current.get(replica) is epoch
+                    and epoch.lru[block] > expired_before
+                ):
+                    depth[replica] = i + 1
+                    advanced = True
+            if not advanced:
+                break
+        return depth
+
+    def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        now = self.clock()
+        epoch = self._current.get(replica)
+        if epoch is None:
+            epoch = self._current[replica] = _Epoch(replica)
+        lru = epoch.lru
+        for block in reversed(hashes):
+            lru[block] = now
+            lru.move_to_end(block)
+            holders = self._index.get(block)
+            if holders is None:
+                self._index[block] = {replica: epoch}
+            else:
+                holders[replica] = epoch
+        expired_before = now - self.ttl_s
+        while lru and (
+            len(lru) > self.capacity_blocks or next(iter(lru.values())) <= expired_before
+        ):
+            block, _ = lru.popitem(last=False)
+            self._unindex(block, epoch)
+        self._reap()
+
+    def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        epoch = self._current.get(replica)
+        if epoch is None:
+            return
+        for block in hashes:
+            if epoch.lru.pop(block, None) is not None:
+                self._unindex(block, epoch)
+
+    def forget(self, replica: str) -> None:
+        epoch = self._current.pop(replica, None)
+        if epoch is not None and epoch.lru:
+            self._graveyard.append(epoch)
+
+    def num_entries(self, replica: str | None = None) -> int:
+        if replica is not None:
+            epoch = self._current.get(replica)
+            return len(epoch.lru) if epoch else 0
+        return sum(len(e.lru) for e in self._current.values())
+
+    def replicas(self) -> list[str]:
+        return sorted(self._current)
+
+    def _unindex(self, block: BlockHash, epoch: _Epoch) -> None:
+        holders = self._index.get(block)
+        if holders is not None and holders.get(epoch.replica) is epoch:
+            del holders[epoch.replica]
+            if not holders:
+                del self._index[block]
+
+    def _reap(self) -> None:
+        budget = _REAP_PER_CALL
+        while self._graveyard and budget > 0:
+            epoch = self._graveyard[-1]
+            while epoch.lru and budget > 0:
+                block, _ = epoch.lru.popitem()
+                self._unindex(block, epoch)
+                budget -= 1
+            if not epoch.lru:
+                self._graveyard.pop()
+
+
+class MemoryDirectory:
+    """The `Directory` protocol over a `MemoryIndex`: the default, per-gateway store."""
+
+    def __init__(self, index: MemoryIndex | None = None) -> None:
+        self.index = index if index is not None else MemoryIndex()
+
+    async def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        return self.index.lookup(hashes)
+
+    async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        self.index.record(replica, hashes)
+
+    async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        self.index.drop(replica, hashes)
+
+    async def forget(self, replica: str) -> None:
+        self.index.forget(replica)
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,111 @@
+"""One canonical rendering of what the engine will see: tools → system → messages.
+
+Routers that hash raw JSON while the engine caches chat-templated tokens see no overlap
+(sglang PR #27386). kvgate hashes one canonical text instead, built from an OpenAI-shaped chat
+request (the Anthropic and gRPC front ends convert to that shape first, so one conversation maps
+to the same blocks through every API). The layout is ChatML-like:
+
+    <|im_start|>tools\\n[...tools as canonical JSON...]<|im_end|>\\n      (only with tools)
+    <|im_start|>system\\nYou are ...<|im_end|>\\n
+    <|im_start|>user\\nHello<|im_end|>\\n
+    <|im_start|>assistant\\nHi<|tool_call|>{"arguments":{},"id":"c1","name":"ls"}<|im_end|>\\n
+    <|im_start|>tool\\n<|tool_call_id|>c1\\n...<|im_end|>\\n
+    <|im_start|>assistant\\n                                             (generation prompt)
+
+Invariants:
+- Prefix-monotone: appending messages to a conversation appends to its rendering, and the
+  generation prompt of turn k is a prefix of the assistant message that turn k+1 carries.
+- Canonical JSON: sorted keys, compact separators, so key order in a client's JSON never
+  splits the tree. Tool-call arguments that parse as JSON are re-serialized canonically.
+- A string content and a list of text parts with the same text render identically.
+
+loadgen's simulated engine uses this exact rendering as its chat template, so the gateway's byte
+blocks and the engine's token blocks describe the same text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>\n"
+GENERATION_PROMPT = IM_START + "assistant\n"
+
+
+def canonical_json(value: Any) -> str:
+    """JSON with sorted keys and no whitespace; the only serialization that enters a hash."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:  # ints beyond 64 bits, which orjson refuses
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def render_content(content: Any) -> str:
+    """A message's content: a string, null, or a list of parts (text, image_url, others)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    pieces: list[str] = []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text":
+            pieces.append(part.get("text", ""))
+        elif kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url", "") if isinstance(image, Mapping) else str(image)
+            pieces.append("<|image|>" + url)
+        else:
+            pieces.append("<|part|>" + canonical_json(part))
+    return "".join(pieces)
+
+
+def _render_tool_call(call: Mapping[str, Any]) -> str:
+    function = call.get("function") or {}
+    arguments: Any = function.get("arguments", "")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):  # not JSON: hash the string exactly as sent
+            arguments = json.loads(arguments) if arguments else {}
+    body = {"id": call.get("id", ""), "name": function.get("name", ""), "arguments": arguments}
+    return "<|tool_call|>" + canonical_json(body)
+
+
+def render_message(message: Mapping[str, Any]) -> str:
+    role = str(message.get("role", ""))
+    header = IM_START + role
+    name = message.get("name")
+    if name:
+        header += " name=" + str(name)
+    body = render_content(message.get("content"))
+    if role == "tool":
+        body = "<|tool_call_id|>" + str(message.get("tool_call_id", "")) + "\n" + body
+    for call in message.get("tool_calls") or ():
+        body += _render_tool_call(call)
+    return header + "\n" + body + IM_END
+
+
+def render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The canonical text of a chat request, in the order tools → system → messages."""
+    parts: list[str] = []
+    if tools:
+        parts.append(IM_START + "tools\n" + canonical_json(list(tools)) + IM_END)
+    parts.extend(render_message(m) for m in messages)
+    if add_generation_prompt:
+        parts.append(GENERATION_PROMPT)
+    return "".join(parts)
+
+
+def render_completion(prompt: str | Sequence[int]) -> str:
+    """The canonical text of a completion prompt: the string itself, or its token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    return "<|token_ids|>" + " ".join(str(int(t)) for t in prompt)

@@ -1,0 +1,111 @@
+"""The in-process directory, told as stories with exact outcomes."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachemap.keys import BlockHash
+from cachemap.memory import MemoryDirectory, MemoryIndex
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chain(name: str, n: int) -> list[BlockHash]:
+    return [BlockHash(f"{name}{i}".encode()) for i in range(n)]
+
+
+def test_lookup_returns_each_replicas_contiguous_leading_depth() -> None:
+    index = MemoryIndex(clock=Clock())
+    a = chain("a", 6)
+    index.record("r1", a[:4])
+    index.record("r2", a[:2])
+    index.record("r3", a[1:5])  # holds blocks 1..4 but not block 0: no usable prefix
+    assert index.lookup(a) == {"r1": 4, "r2": 2}
+    assert index.lookup(chain("b", 3)) == {}
+    assert index.lookup([]) == {}
+
+
+def test_the_walk_stops_at_the_first_block_no_replica_holds() -> None:
+    index = MemoryIndex(clock=Clock())
+    a = chain("a", 5)
+    index.record("r1", a[:2])
+    index.record("r1", a[3:5])  # a gap at block 2
+    assert index.lookup(a) == {"r1": 2}
+
+
+def test_entries_expire_after_the_ttl_and_recording_refreshes_them() -> None:
+    clock = Clock()
+    index = MemoryIndex(ttl_s=60, clock=clock)
+    a = chain("a", 3)
+    index.record("r1", a)
+    clock.now += 59
+    assert index.lookup(a) == {"r1": 3}
+    index.record("r1", a[:1])  # a shorter request refreshed block 0 only
+    clock.now += 2
+    assert index.lookup(a) == {"r1": 1}
+    clock.now += 60
+    assert index.lookup(a) == {}
+
+
+def test_capacity_evicts_least_recent_first_and_a_chains_tail_before_its_head() -> None:
+    index = MemoryIndex(capacity_blocks=5, clock=Clock())
+    a, b = chain("a", 3), chain("b", 3)
+    index.record("r1", a)
+    index.record("r1", b)  # 6 entries > 5: the oldest chain's tail (a2) goes first
+    assert index.num_entries("r1") == 5
+    assert index.lookup(a) == {"r1": 2}
+    assert index.lookup(b) == {"r1": 3}
+    index.record("r1", chain("c", 2))  # two more evictions: a1, then a0
+    assert index.lookup(a) == {}
+    assert index.lookup(b) == {"r1": 3}
+
+
+def test_drop_removes_what_the_engine_did_not_hold() -> None:
+    index = MemoryIndex(clock=Clock())
+    a = chain("a", 4)
+    index.record("r1", a)
+    index.record("r2", a)
+    index.drop("r1", a[2:])
+    assert index.lookup(a) == {"r1": 2, "r2": 4}
+    index.drop("r9", a)  # an unknown replica is a no-op
+
+
+def test_forget_is_an_epoch_bump_and_old_entries_are_reaped_in_bounded_steps() -> None:
+    index = MemoryIndex(clock=Clock())
+    a = chain("a", 3000)
+    index.record("r1", a)
+    index.record("r2", a[:10])
+    index.forget("r1")
+    assert index.lookup(a) == {"r2": 10}  # at once, before any cleanup
+    assert index.num_entries("r1") == 0
+    index.record("r1", a[:5])  # the new epoch works, and this call reaped a bounded batch
+    assert index.lookup(a) == {"r1": 5, "r2": 10}
+    for _ in range(3):
+        index.record("r2", a[:1])
+    # every stale entry of the old epoch is gone from the index, the new epoch's stay
+    assert sum(1 for holders in index._index.values() if "r1" in holders) == 5
+
+
+def test_invalid_configuration_names_the_field() -> None:
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        MemoryIndex(capacity_blocks=0)
+    with pytest.raises(ValueError, match="ttl_s"):
+        MemoryIndex(ttl_s=0)
+
+
+async def test_the_async_directory_delegates_to_the_index() -> None:
+    directory = MemoryDirectory(MemoryIndex(clock=Clock()))
+    a = chain("a", 3)
+    await directory.record("r1", a)
+    assert await directory.lookup(a) == {"r1": 3}
+    await directory.drop("r1", a[1:])
+    assert await directory.lookup(a) == {"r1": 1}
+    await directory.forget("r1")
+    assert await directory.lookup(a) == {}
+    await directory.close()
