@@ -1,0 +1,70 @@
+"""A scheduling profile: filters, then weighted scorers, then a picker (GIE
+`scheduler_profile.go`).
+
+Hard filters (health) remove replicas for good. Soft filters (the load bound) demote them: the
+ranking lists the replicas that pass every filter first and the demoted ones after, each group
+ordered by weighted score, so a retry after an upstream failure still has somewhere to go.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.filters import Filter, HealthyFilter
+from router.pickers import max_score_ranking
+from router.scorers import Scorer
+from router.types import Decision, Replica, RouteRequest
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    filters: tuple[Filter, ...]
+    scorers: tuple[tuple[Scorer, float], ...]
+    locality: bool = False
+    """A locality profile explains its choice as prefix / load_bound / no_match."""
+
+    def decide(
+        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+    ) -> Decision | None:
+        """Rank the replicas for `req`; None when no replica survives the hard filters."""
+        candidates = list(replicas)
+        demoted: list[Replica] = []
+        for f in self.filters:
+            kept = f.filter(req, candidates)
+            if not isinstance(f, HealthyFilter):
+                kept_ids = {r.id for r in kept}
+                demoted.extend(r for r in candidates if r.id not in kept_ids)
+            candidates = kept
+            if not candidates:
+                break
+        if not candidates and not demoted:
+            return None
+        ranking = self._rank(req, candidates, rng) + self._rank(req, demoted, rng)
+        matched = req.overlap.get(ranking[0], 0)
+        return Decision(tuple(ranking), self._reason(req, candidates, demoted, matched), matched)
+
+    def _rank(self, req: RouteRequest, group: list[Replica], rng: random.Random) -> list[str]:
+        if not group:
+            return []
+        total = dict.fromkeys((r.id for r in group), 0.0)
+        for scorer, weight in self.scorers:
+            for rid, value in scorer.score(req, group, rng).items():
+                total[rid] += weight * min(max(value, 0.0), 1.0)
+        return max_score_ranking(total, rng)
+
+    def _reason(
+        self,
+        req: RouteRequest,
+        eligible: list[Replica],
+        demoted: list[Replica],
+        matched: int,
+    ) -> str:
+        if not self.locality:
+            return self.name
+        best_demoted = max((req.overlap.get(r.id, 0) for r in demoted), default=0)
+        if best_demoted > matched:
+            return "load_bound"
+        return "prefix" if matched > 0 else "no_match"

@@ -1,0 +1,83 @@
+"""Routing policies by name: one explicit dict, no import side effects."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.filters import (
+    DEFAULT_ABSOLUTE_SLACK_TOKENS,
+    DEFAULT_RELATIVE_SLACK,
+    HealthyFilter,
+    LoadBoundFilter,
+)
+from router.profile import Profile
+from router.scorers import (
+    EstimatedWorkScorer,
+    InflightScorer,
+    PrefixScorer,
+    RandomScorer,
+    RendezvousScorer,
+    RoundRobinScorer,
+)
+
+DEFAULT_CONSISTENT_HASH_BLOCKS = 4
+"""Consistent hashing keys on the first 4 blocks (1 KB): hashing block 0 alone sends every
+request to one replica when all prompts share a system prompt."""
+
+_TIE_BREAK = 1e-6
+"""Weight of the load scorer in `cache_aware`: below 1/num_blocks for any real prompt, so it
+only breaks ties between equal matches."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    absolute_slack_tokens: float = DEFAULT_ABSOLUTE_SLACK_TOKENS
+    relative_slack: float = DEFAULT_RELATIVE_SLACK
+    consistent_hash_blocks: int = DEFAULT_CONSISTENT_HASH_BLOCKS
+
+
+def cache_aware(config: RouterConfig) -> Profile:
+    """The longest cached prefix among the replicas within the load bound."""
+    return Profile(
+        "cache_aware",
+        (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
+        ((PrefixScorer(), 1.0), (EstimatedWorkScorer(), _TIE_BREAK)),
+        locality=True,
+    )
+
+
+def round_robin(config: RouterConfig) -> Profile:
+    return Profile("round_robin", (HealthyFilter(),), ((RoundRobinScorer(), 1.0),))
+
+
+def random_choice(config: RouterConfig) -> Profile:
+    return Profile("random", (HealthyFilter(),), ((RandomScorer(), 1.0),))
+
+
+def least_load(config: RouterConfig) -> Profile:
+    """Fewest requests in flight, ties at random: blind to the cache, as the peers' baseline."""
+    return Profile("least_load", (HealthyFilter(),), ((InflightScorer(), 1.0),))
+
+
+def consistent_hash(config: RouterConfig) -> Profile:
+    return Profile("consistent_hash", (HealthyFilter(),), ((RendezvousScorer(), 1.0),))
+
+
+POLICIES: dict[str, Callable[[RouterConfig], Profile]] = {
+    "cache_aware": cache_aware,
+    "round_robin": round_robin,
+    "random": random_choice,
+    "least_load": least_load,
+    "consistent_hash": consistent_hash,
+}
+
+
+def build_policy(name: str, config: RouterConfig | None = None) -> Profile:
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}"
+        ) from None
+    return factory(config or RouterConfig())
