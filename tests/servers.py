@@ -1,0 +1,73 @@
+"""Real servers on loopback sockets for the tests: uvicorn in a thread (in-process, so a test
+can reach into an engine's state) or a subprocess (see loadgen.processes)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from loadgen.processes import free_port
+
+READY_TIMEOUT_S = 20.0
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
+    """Poll a condition until it holds (bounded); the condition, not a sleep, synchronises."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
+        time.sleep(0.01)
+
+
+@dataclass
+class Served:
+    app: Any
+    port: int
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def start_app(app: Any, port: int | None = None) -> Served:
+    port = port or free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", access_log=False
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), READY_TIMEOUT_S, "server start")
+    if not server.started:
+        raise RuntimeError(f"server on port {port} failed to start")
+    return Served(app, port, server, thread)
+
+
+def stop_all(servers: list[Served]) -> None:
+    """Stop servers together: each shutdown waits on uvicorn's tick, so do them in parallel."""
+    for s in servers:
+        s.server.should_exit = True
+    for s in servers:
+        s.thread.join(timeout=15)
+
+
+@contextlib.contextmanager
+def serve(app: Any, port: int | None = None) -> Iterator[Served]:
+    served = start_app(app, port)
+    try:
+        yield served
+    finally:
+        served.stop()
