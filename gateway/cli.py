@@ -1,0 +1,73 @@
+"""`kvgate serve`: run the gateway."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from router.registry import POLICIES
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="HTTP port (default 8080)")
+    parser.add_argument(
+        "--engine", action="append", dest="engines", metavar="URL", help="an engine replica URL"
+    )
+    parser.add_argument("--policy", choices=sorted(POLICIES), help="routing policy")
+    parser.add_argument(
+        "--tenant", action="append", dest="tenants", metavar="NAME:KEY", help="a tenant's key"
+    )
+    parser.add_argument("--config", type=Path, help="a YAML file of settings")
+    parser.add_argument("--server-secret-file", type=Path, help="file holding the server secret")
+    parser.add_argument(
+        "--debug-headers",
+        action="store_true",
+        default=None,
+        help="add x-kvgate-* routing headers to responses (operators only: leaks cache state)",
+    )
+    parser.add_argument("--log-level", help="debug, info, warning, error")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from gateway.app import create_app
+    from gateway.settings import load_settings
+
+    try:
+        settings = load_settings(
+            args.config,
+            host=args.host,
+            port=args.port,
+            engines=args.engines,
+            policy=args.policy,
+            tenants=args.tenants,
+            server_secret_file=args.server_secret_file,
+            debug_headers=args.debug_headers,
+            log_level=args.log_level,
+        )
+    except ValidationError as exc:
+        print(f"kvgate serve: invalid settings:\n{exc}")
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not settings.engines:
+        print("kvgate serve: no engines; pass --engine URL (repeatable) or set KVGATE_ENGINES")
+        return 2
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
+    )
+    return 0

@@ -1,0 +1,158 @@
+"""The gateway's configuration: one frozen settings object.
+
+Sources, strongest first: command-line flags (passed as init arguments), `KVGATE_*` environment
+variables (lists as JSON, e.g. KVGATE_ENGINES='["http://a:8000"]'), the YAML file given by
+`--config` (same field names), then the defaults below, each a named constant with its reason.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
+from cachemap.keys import DEFAULT_BLOCK_BYTES
+from router.filters import DEFAULT_ABSOLUTE_SLACK_TOKENS, DEFAULT_RELATIVE_SLACK
+from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8080
+DEFAULT_HEALTH_INTERVAL_S = 2.0
+"""Probe every replica every 2 s: a dead replica stops receiving traffic within ~2 probes."""
+DEFAULT_HEALTH_TIMEOUT_S = 1.0
+"""vLLM answers /health from its API process in milliseconds even under load."""
+DEFAULT_UNHEALTHY_AFTER = 2
+"""Consecutive failed probes before a replica is marked down (one lost packet is not a death)."""
+DEFAULT_CONNECT_TIMEOUT_S = 2.0
+"""A replica that cannot accept a TCP connection in 2 s is down; retry the next one."""
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 600.0
+"""Time to the response headers and between streamed bytes: a 128k-token prefill behind a queue
+can take minutes on a busy engine."""
+DEFAULT_MAX_ATTEMPTS = 3
+"""An upstream failure before the first byte is retried on the next-best replica, twice."""
+DEFAULT_MAX_PROMPT_BYTES = 4 * 1024 * 1024
+"""4 MiB of rendered prompt (~1M tokens): beyond any served context window."""
+DEFAULT_BYTES_PER_TOKEN = 4.0
+"""English BPE averages ~4 bytes per token; the gateway learns the real ratio per model from the
+engines' usage and uses this only until the first response."""
+DEFAULT_UPSTREAM_MAX_CONNECTIONS = 1024
+
+_config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "kvgate_config_file", default=None
+)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    engines: list[str] = Field(default_factory=list)
+    policy: str = "cache_aware"
+    tenants: list[str] = Field(default_factory=list)
+    """`NAME:KEY` pairs for the quick start; keys are hashed on load and never kept in clear."""
+    server_secret: SecretStr | None = None
+    server_secret_file: Path | None = None
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    directory_capacity_blocks: int = DEFAULT_REPLICA_CAPACITY_BLOCKS
+    directory_ttl_s: float = DEFAULT_TTL_S
+    absolute_slack_tokens: float = DEFAULT_ABSOLUTE_SLACK_TOKENS
+    relative_slack: float = DEFAULT_RELATIVE_SLACK
+    consistent_hash_blocks: int = DEFAULT_CONSISTENT_HASH_BLOCKS
+    bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN
+    health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S
+    unhealthy_after: int = DEFAULT_UNHEALTHY_AFTER
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
+    debug_headers: bool = False
+    """Operator debugging only: adds x-kvgate-replica / -matched-blocks / -decision headers.
+    Off by default, because they tell a client about cache state."""
+    seed: int | None = None
+    log_level: str = "info"
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(POLICIES)}")
+        return value
+
+    @field_validator("engines")
+    @classmethod
+    def _engine_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine URL {url!r} must start with http:// or https://")
+        return [url.rstrip("/") for url in value]
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_pairs(cls, value: list[str]) -> list[str]:
+        for pair in value:
+            name, sep, key = pair.partition(":")
+            if not sep or not name or not key:
+                raise ValueError(f"tenant {pair.split(':')[0]!r} must be given as NAME:KEY")
+        return value
+
+    @field_validator("block_bytes", "directory_capacity_blocks", "max_attempts", "unhealthy_after")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be positive")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file.get()
+        if path is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    def secret_bytes(self) -> bytes:
+        """The server secret that keys every tenant's salt.
+
+        Gateways that share a directory must share it. Without one, a random secret is made and
+        a warning logged: fine for a single gateway, wrong for a fleet.
+        """
+        if self.server_secret is not None:
+            return self.server_secret.get_secret_value().encode()
+        if self.server_secret_file is not None:
+            return self.server_secret_file.read_bytes().strip()
+        log.warning(
+            "no server secret configured (KVGATE_SERVER_SECRET or --server-secret-file): "
+            "using a random one; gateways that must agree on salts need the same secret"
+        )
+        return secrets.token_bytes(32)
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Settings from flags (`overrides`, None values ignored), env, the YAML file, defaults."""
+    token = _config_file.set(config_file)
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    finally:
+        _config_file.reset(token)
