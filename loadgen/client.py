@@ -1,0 +1,90 @@
+"""One request over the wire, measured: streaming, time to first token, usage.
+
+TTFT is measured on the client with a monotonic clock from sending the request to the first SSE
+data event (vLLM sends its first chunk with the first generated token). Works against kvgate,
+another router, or an engine directly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+
+@dataclass
+class Result:
+    label: str
+    ok: bool
+    status: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    engine_cached_tokens: int = 0
+    completion_tokens: int = 0
+    text: str = ""
+    error: str = ""
+    start_s: float = 0.0
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    api_key: str | None,
+    body: dict[str, Any],
+    label: str = "",
+    path: str = "/v1/chat/completions",
+) -> Result:
+    """POST a streaming request (usage included) and measure it."""
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"content-type": "application/json"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    start = time.monotonic()
+    result = Result(label, ok=False, start_s=start)
+    pieces: list[str] = []
+    try:
+        async with session.post(
+            base_url.rstrip("/") + path, data=orjson.dumps(payload), headers=headers
+        ) as resp:
+            result.status = resp.status
+            if resp.status != 200:
+                result.error = (await resp.read())[:300].decode(errors="replace")
+                result.latency_s = time.monotonic() - start
+                return result
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if not result.ttft_s:
+                    result.ttft_s = time.monotonic() - start
+                if data == b"[DONE]":
+                    break
+                chunk = orjson.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])
+                    return result
+                for choice in chunk.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    pieces.append(delta.get("content") or choice.get("text") or "")
+                usage = chunk.get("usage")
+                if usage:
+                    details = usage.get("prompt_tokens_details") or {}
+                    result.prompt_tokens = usage.get("prompt_tokens", 0)
+                    result.completion_tokens = usage.get("completion_tokens", 0)
+                    result.cached_tokens = details.get("cached_tokens") or 0
+                    result.engine_cached_tokens = usage.get(
+                        "engine_cached_tokens", result.cached_tokens
+                    )
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.latency_s = time.monotonic() - start
+        return result
+    result.latency_s = time.monotonic() - start
+    result.text = "".join(pieces)
+    result.ok = True
+    return result

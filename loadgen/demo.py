@@ -1,0 +1,153 @@
+"""`make run`: 4 simulated engines, the gateway, and the agent working day once per policy on
+freshly started engines; a table of hit ratio and TTFT; then a gateway left serving."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+
+from rich.console import Console
+from rich.table import Table
+
+from loadgen import processes
+from loadgen.engine import DEFAULT_MODEL
+from loadgen.runner import Summary, run_phases, summarise
+from loadgen.workloads import agent_day, count_requests
+
+DEMO_KEY = "sk-demo"
+POLICY_ORDER = ("cache_aware", "consistent_hash", "least_load", "round_robin", "random")
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=int, default=4, help="simulated engine replicas")
+    parser.add_argument(
+        "--time-scale", type=float, default=10.0, help="engines run this many times faster"
+    )
+    parser.add_argument("--capacity-blocks", type=int, default=8192)
+    parser.add_argument("--policies", default=",".join(POLICY_ORDER))
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--port", type=int, default=8080, help="port of the gateway left serving")
+    parser.add_argument("--once", action="store_true", help="exit after the table")
+
+
+def _engine_args(args: argparse.Namespace) -> list[str]:
+    return [
+        "--time-scale",
+        str(args.time_scale),
+        "--capacity-blocks",
+        str(args.capacity_blocks),
+        "--model",
+        DEFAULT_MODEL,
+    ]
+
+
+def _gateway_args(policy: str) -> list[str]:
+    return ["--policy", policy, "--tenant", f"demo:{DEMO_KEY}", "--log-level", "warning"]
+
+
+def run_policy(args: argparse.Namespace, policy: str) -> Summary:
+    with (
+        processes.engines(args.engines, _engine_args(args)) as engines,
+        processes.gateway([e.url for e in engines], _gateway_args(policy)) as gw,
+    ):
+        results = asyncio.run(
+            run_phases(agent_day(), gw.url, DEMO_KEY, DEFAULT_MODEL, max_tokens=args.max_tokens)
+        )
+    return summarise(results, time_scale=args.time_scale)
+
+
+def run_ideal(args: argparse.Namespace) -> Summary:
+    """The reference: one engine with an unlimited cache sees every request (hit ratio only)."""
+    unlimited = [*_engine_args(args), "--capacity-blocks", str(1 << 30)]
+    with processes.engines(1, unlimited) as engines:
+        results = asyncio.run(
+            run_phases(agent_day(), engines[0].url, None, DEFAULT_MODEL, max_tokens=args.max_tokens)
+        )
+    return summarise(results, time_scale=args.time_scale)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    console = Console()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    phases = agent_day()
+    console.print(
+        f"[bold]kvgate demo[/]: {args.engines} simulated engines, the agent working day "
+        f"({count_requests(phases)} requests) once per policy, engines {args.time_scale:g}x "
+        "faster than real time (TTFT below in real-engine seconds)"
+    )
+    table = Table(title="agent working day")
+    for column in (
+        "policy",
+        "requests",
+        "errors",
+        "hit ratio",
+        "TTFT mean s",
+        "TTFT p50 s",
+        "TTFT p99 s",
+    ):
+        table.add_column(column, justify="right" if column != "policy" else "left")
+    summaries: dict[str, Summary] = {}
+    for policy in policies:
+        with console.status(f"replaying through {policy} ..."):
+            s = summaries[policy] = run_policy(args, policy)
+        table.add_row(
+            policy,
+            str(s.requests),
+            str(s.errors),
+            f"{s.hit_ratio:.1%}",
+            f"{s.ttft_mean_s:.3f}",
+            f"{s.ttft_p50_s:.3f}",
+            f"{s.ttft_p99_s:.3f}",
+        )
+    with console.status("replaying against one unlimited cache (the ideal) ..."):
+        ideal = run_ideal(args)
+    table.add_row(
+        "[dim]one unlimited cache[/]",
+        str(ideal.requests),
+        str(ideal.errors),
+        f"[dim]{ideal.hit_ratio:.1%}[/]",
+        "",
+        "",
+        "",
+    )
+    console.print(table)
+    if "cache_aware" in summaries and "round_robin" in summaries:
+        ca, rr = summaries["cache_aware"], summaries["round_robin"]
+        console.print(
+            f"cache_aware hit ratio {ca.hit_ratio:.1%} vs round_robin {rr.hit_ratio:.1%}: "
+            f"{ca.prompt_tokens - ca.cached_tokens:,} vs {rr.prompt_tokens - rr.cached_tokens:,} "
+            "prompt tokens prefilled"
+        )
+    if any(s.errors for s in summaries.values()):
+        console.print("[red]some requests failed[/]")
+        return 1
+    if args.once:
+        return 0
+    return _serve_forever(args, console)
+
+
+def _serve_forever(args: argparse.Namespace, console: Console) -> int:
+    port = args.port if processes.port_is_free(args.port) else processes.free_port()
+    with (
+        processes.engines(args.engines, _engine_args(args)) as engines,
+        processes.gateway([e.url for e in engines], _gateway_args("cache_aware"), port=port) as gw,
+    ):
+        console.print(
+            f"\n[bold]kvgate is serving on {gw.url}[/] (cache_aware, {args.engines} engines). "
+            "Try:\n"
+            f"  curl {gw.url}/v1/chat/completions -H 'Authorization: Bearer {DEMO_KEY}' "
+            "-H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{DEFAULT_MODEL}", "messages": '
+            '[{"role": "user", "content": "Hello"}], "max_tokens": 16}\'\n'
+            "or, in Python:\n"
+            f"  from openai import OpenAI\n"
+            f"  client = OpenAI(base_url='{gw.url}/v1', api_key='{DEMO_KEY}')\n"
+            f"  client.chat.completions.create(model='{DEFAULT_MODEL}', "
+            "messages=[{'role': 'user', 'content': 'Hello'}])\n"
+            f"Metrics: {gw.url}/metrics   Ctrl-C stops."
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    return 0

@@ -1,0 +1,141 @@
+"""Start and stop engines and gateways as subprocesses on loopback, and wait for them.
+
+Every wait is bounded by a deadline; every process is stopped (terminate, then kill) on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    popen: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+def _kvgate(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvgate_cli", *args]
+
+
+def wait_ready(url: str, path: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + path, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url}{path} not ready after {timeout_s:.0f} s")
+
+
+def start_engine(port: int, engine_args: Sequence[str] = (), quiet: bool = True) -> Proc:
+    url = f"http://127.0.0.1:{port}"
+    popen = subprocess.Popen(
+        _kvgate("engine", "--port", str(port), *engine_args),
+        stdout=subprocess.DEVNULL if quiet else None,
+        stderr=subprocess.DEVNULL if quiet else None,
+    )
+    return Proc(f"engine:{port}", url, popen)
+
+
+def start_gateway(
+    port: int,
+    engines: Sequence[str],
+    gateway_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    quiet: bool = True,
+) -> Proc:
+    url = f"http://127.0.0.1:{port}"
+    args = ["serve", "--port", str(port), *[a for e in engines for a in ("--engine", e)]]
+    popen = subprocess.Popen(
+        _kvgate(*args, *gateway_args),
+        stdout=subprocess.DEVNULL if quiet else None,
+        stderr=subprocess.DEVNULL if quiet else None,
+        env={**os.environ, **(env or {})},
+    )
+    return Proc(f"gateway:{port}", url, popen)
+
+
+def stop(procs: Sequence[Proc]) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.terminate()
+    for p in procs:
+        try:
+            p.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def engines(
+    num: int, engine_args: Sequence[str] = (), ports: Sequence[int] | None = None
+) -> Iterator[list[Proc]]:
+    chosen = list(ports) if ports else [free_port() for _ in range(num)]
+    procs = [start_engine(p, engine_args) for p in chosen]
+    try:
+        for p in procs:
+            wait_ready(p.url, "/health", p.popen, STARTUP_TIMEOUT_S)
+        yield procs
+    finally:
+        stop(procs)
+
+
+@contextlib.contextmanager
+def gateway(
+    engine_urls: Sequence[str],
+    gateway_args: Sequence[str] = (),
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+    quiet: bool = True,
+) -> Iterator[Proc]:
+    proc = start_gateway(port or free_port(), engine_urls, gateway_args, env, quiet)
+    try:
+        wait_ready(proc.url, "/readyz", proc.popen, STARTUP_TIMEOUT_S)
+        yield proc
+    finally:
+        stop([proc])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks

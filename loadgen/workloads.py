@@ -1,0 +1,155 @@
+"""Workloads: agent traffic as sessions of dependent requests.
+
+A `Session` is a list of steps; each step's prompt is the session's history plus new content,
+and the history grows by the actual reply the gateway returned, as an agent's does. Sessions of
+one `Phase` run in parallel; phases run one after another.
+
+The agent working day (`agent_day`), ~30 requests:
+- every request starts with the tenant's tools + system prompt (2,900 tokens);
+- the main session opens with the project file (1,200 tokens) and runs 9 turns whose new content
+  is 900 / 600 / 800 tokens in turn (instruction, tool result, diff);
+- after turn 6, three subagents fan out in parallel, each with the system prompt, the project
+  file and its own 400-token task, for 3 steps (each adds a 600-token tool result);
+- a retry branch forks off turn 7: turns 8 and 9 again, with different content;
+- the next day a new session in the same repository runs 9 more turns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadgen.text import words
+
+SYSTEM_TOKENS = 2_700
+TOOLS_TOKENS = 200
+PROJECT_FILE_TOKENS = 1_200
+TURN_TOKENS = (900, 600, 800)
+SUBAGENT_TASK_TOKENS = 400
+SUBAGENT_STEP_TOKENS = 600
+
+
+@dataclass
+class Step:
+    """New messages appended to the session's history before this request."""
+
+    messages: list[dict[str, Any]]
+    label: str
+
+
+@dataclass
+class Session:
+    name: str
+    prefix: list[dict[str, Any]]
+    steps: list[Step]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    fork_of: str | None = None
+    """A session that forks another starts from that session's history after `fork_at` steps."""
+    fork_at: int = 0
+
+
+@dataclass
+class Phase:
+    name: str
+    sessions: list[Session]
+
+
+def _tools(tenant: str) -> list[dict[str, Any]]:
+    names = ("read_file", "write_file", "run_tests", "search_code")
+    per_tool = max(TOOLS_TOKENS // len(names) - 12, 1)
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": words(f"{tenant}/tool/{name}", per_tool).strip(),
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+            },
+        }
+        for name in names
+    ]
+
+
+def _system(tenant: str) -> dict[str, Any]:
+    return {
+        "role": "system",
+        "content": "You are a coding agent." + words(f"{tenant}/system", SYSTEM_TOKENS),
+    }
+
+
+def _turn(session: str, i: int) -> dict[str, Any]:
+    role = "user"
+    return {"role": role, "content": words(f"{session}/turn{i}", TURN_TOKENS[i % len(TURN_TOKENS)])}
+
+
+def agent_day(tenant: str = "acme", repo: str = "repo") -> list[Phase]:
+    tools = _tools(tenant)
+    system = _system(tenant)
+    project = words(f"{tenant}/{repo}/project-file", PROJECT_FILE_TOKENS)
+
+    def opening(session: str) -> dict[str, Any]:
+        return {
+            "role": "user",
+            "content": "Project file:"
+            + project
+            + "\n\nTask:"
+            + words(f"{session}/task", TURN_TOKENS[0]),
+        }
+
+    def main_steps(session: str, first: int, last: int) -> list[Step]:
+        steps = []
+        for i in range(first, last + 1):
+            message = opening(session) if i == 1 else _turn(session, i)
+            steps.append(Step([message], f"{session} turn {i}"))
+        return steps
+
+    main = Session("main", [system], main_steps("main", 1, 6), tools)
+    subagents = [
+        Session(
+            f"subagent-{k}",
+            [
+                system,
+                {
+                    "role": "user",
+                    "content": "Project file:"
+                    + project
+                    + "\n\nSubtask:"
+                    + words(f"sub{k}/task", SUBAGENT_TASK_TOKENS),
+                },
+            ],
+            [
+                Step(
+                    []
+                    if j == 0
+                    else [
+                        {"role": "user", "content": words(f"sub{k}/step{j}", SUBAGENT_STEP_TOKENS)}
+                    ],
+                    f"subagent {k} step {j + 1}",
+                )
+                for j in range(3)
+            ],
+            tools,
+        )
+        for k in range(1, 4)
+    ]
+    main_rest = Session("main", [], main_steps("main", 7, 9), tools)
+    retry = Session(
+        "retry",
+        [],
+        [Step([_turn("retry", i)], f"retry of turn {i}") for i in (8, 9)],
+        tools,
+        fork_of="main",
+        fork_at=7,
+    )
+    next_day = Session("next-day", [system], main_steps("next-day", 1, 9), tools)
+    return [
+        Phase("main session, turns 1-6", [main]),
+        Phase("three subagents in parallel", subagents),
+        Phase("main session, turns 7-9", [main_rest]),
+        Phase("retry branch off turn 7", [retry]),
+        Phase("next day, same repository", [next_day]),
+    ]
+
+
+def count_requests(phases: list[Phase]) -> int:
+    return sum(max(len(s.steps), 1) for p in phases for s in p.sessions)
