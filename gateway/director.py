@@ -6,41 +6,31 @@ import asyncio
 import itertools
 import logging
 import random
-from collections.abc import AsyncIterator
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 from starlette.responses import Response
 
 from cachemap.directory import Directory
-from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
+from cachemap.keys import affinity_key, chain_hashes, root_hash
 from gateway.errors import ModelNotFound, NoReplica, UpstreamError
-from gateway.forwarder import Complete, Forwarder, Passthrough, RetryableFailure, Streaming
+from gateway.exchange import Exchange, ExchangeObserver, Routed
+from gateway.forwarder import Complete, Forwarder, Passthrough, RetryableFailure
 from gateway.replicas import ReplicaSet, ReplicaState
 from gateway.requests import CHAT, ParsedRequest
 from gateway.settings import Settings
 from gateway.tenants import Tenant
 from router.profile import Profile
-from router.types import Decision, RouteRequest
+from router.types import RouteRequest
 
 log = logging.getLogger(__name__)
 
 _PATHS = {CHAT: "/v1/chat/completions", "completion": "/v1/completions"}
 _LEARNING_RATE = 0.1
 """Weight of each response in the bytes-per-token estimate (an EMA over ~10 responses)."""
-
-
-@dataclass(slots=True)
-class Routed:
-    """A request after routing: its hashes, the decision and the estimates behind it."""
-
-    parsed: ParsedRequest
-    tenant: Tenant
-    hashes: list[BlockHash]
-    route: RouteRequest
-    decision: Decision
 
 
 @dataclass
@@ -57,31 +47,18 @@ class Director:
         replicas: ReplicaSet,
         forwarder: Forwarder,
         policy: Profile,
+        observers: Sequence[ExchangeObserver] = (),
     ) -> None:
         self.settings = settings
         self.directory = directory
         self.replicas = replicas
         self.forwarder = forwarder
         self.policy = policy
+        self.observers = list(observers)
         self.rng = random.Random(settings.seed)
         self.stats = DirectorStats()
         self._sequence = itertools.count()
         self._bytes_per_token: dict[str, float] = {}
-
-    async def handle(self, parsed: ParsedRequest, tenant: Tenant) -> Response:
-        """Serve one completion.
-
-        1. Admit: the tenant is authenticated and the body valid (by the caller); the model must
-           be served by some replica.
-        2. Route: hash the canonical rendering in the tenant's scope, look up each replica's
-           cached prefix, let the policy rank the replicas.
-        3. Forward: try the ranking in order until an attempt commits (first byte).
-        4. Record: after the first token, the prompt's blocks are on the chosen replica; the
-           response's usage gains `engine_cached_tokens`.
-        """
-        candidates = self._admit(parsed)
-        routed = await self._route(parsed, tenant, candidates)
-        return await self._forward(routed)
 
     # -- 1. admit --------------------------------------------------------------------------
     def _admit(self, parsed: ParsedRequest) -> list[ReplicaState]:
@@ -127,7 +104,14 @@ class Director:
             body["stream_options"] = {"include_usage": True}
         return orjson.dumps(body)
 
-    async def _forward(self, routed: Routed) -> Response:
+    async def open(self, parsed: ParsedRequest, tenant: Tenant) -> Exchange | Passthrough:
+        """Admit, route and forward until an attempt commits: an exchange whose first byte has
+        arrived, or an engine's 4xx to pass through."""
+        candidates = self._admit(parsed)
+        routed = await self._route(parsed, tenant, candidates)
+        return await self._forward(routed)
+
+    async def _forward(self, routed: Routed) -> Exchange | Passthrough:
         parsed = routed.parsed
         payload = self._upstream_payload(routed)
         path = _PATHS[parsed.kind]
@@ -143,7 +127,8 @@ class Director:
             try:
                 outcome = await self.forwarder.attempt(state.url + path, payload, parsed.stream)
             except RetryableFailure as exc:
-                self._release(state, uncached, finished=True)
+                self._release_prefill(state, uncached)
+                state.num_inflight -= 1
                 failures.append(f"{replica_id}: {exc}")
                 if exc.connection:
                     self.replicas.mark_down(replica_id, str(exc))
@@ -151,29 +136,16 @@ class Director:
                 log.warning("attempt %d at %s failed: %s", attempt + 1, replica_id, exc)
                 continue
             except BaseException:
-                self._release(state, uncached, finished=True)
+                self._release_prefill(state, uncached)
+                state.num_inflight -= 1
                 raise
+            self._release_prefill(state, uncached)
             if isinstance(outcome, Passthrough):
-                self._release(state, uncached, finished=True)
-                return Response(
-                    outcome.body, status_code=outcome.status, media_type="application/json"
-                )
+                state.num_inflight -= 1
+                return outcome
             if isinstance(outcome, Complete):
-                self._release(state, uncached, finished=True)
-                await self._record(routed, state)
-                self._augment_usage(routed, outcome.body)
-                return Response(
-                    orjson.dumps(outcome.body),
-                    media_type="application/json",
-                    headers=self._debug_headers(routed, state),
-                )
-            self._release(state, uncached, finished=False)
-            relay = _Relay(self, routed, state, outcome)
-            return _RelayResponse(
-                relay,
-                media_type="text/event-stream",
-                headers={"cache-control": "no-cache", **self._debug_headers(routed, state)},
-            )
+                return Exchange(self, routed, state, body=outcome.body)
+            return Exchange(self, routed, state, stream=outcome)
         raise UpstreamError(
             "every attempt at an engine failed: " + "; ".join(failures)
             if failures
@@ -181,145 +153,107 @@ class Director:
         )
 
     @staticmethod
-    def _release(state: ReplicaState, uncached: float, *, finished: bool) -> None:
+    def _release_prefill(state: ReplicaState, uncached: float) -> None:
         state.pending_prefill_tokens = max(state.pending_prefill_tokens - uncached, 0.0)
-        if finished:
-            state.num_inflight -= 1
 
-    def _rewrite_batch(self, routed: Routed, events: list[bytes], include_usage: bool) -> bytes:
-        return b"".join(self._rewrite_event(routed, e, include_usage) for e in events)
+    # -- 4. record: the exchange's hooks ---------------------------------------------------
+    async def _on_first_token(self, exchange: Exchange) -> None:
+        exchange.first_token_s = time.monotonic()
+        if exchange.routed.hashes:
+            await self.directory.record(exchange.replica.id, exchange.routed.hashes)
+        for observer in self.observers:
+            await observer.on_first_token(exchange)
 
-    def _rewrite_event(self, routed: Routed, event: bytes, include_usage: bool) -> bytes:
-        """Pass an SSE event on; the usage chunk gains `engine_cached_tokens`, or is dropped
-        when the client did not ask for usage (the gateway always asks the engine)."""
-        if b'"usage"' not in event or not event.startswith(b"data: {"):
-            return event + b"\n\n"
-        try:
-            chunk = orjson.loads(event[6:])
-        except orjson.JSONDecodeError:
-            return event + b"\n\n"
-        usage = chunk.get("usage")
-        if not isinstance(usage, dict):
-            return event + b"\n\n"
-        self._augment_usage(routed, chunk)
-        if not include_usage and not chunk.get("choices"):
-            return b""
-        if not include_usage:
-            chunk.pop("usage", None)
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-    def _augment_usage(self, routed: Routed, body: dict[str, Any]) -> None:
-        usage = body.get("usage")
-        if not isinstance(usage, dict):
-            return
+    async def _on_usage(self, exchange: Exchange, usage: dict[str, Any]) -> None:
+        """`engine_cached_tokens` (the physical hit) joins the usage; the bytes-per-token
+        estimate learns from `prompt_tokens`; then the observers may rewrite the rest."""
+        exchange.usage = usage
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         usage["engine_cached_tokens"] = cached if isinstance(cached, int) else 0
         prompt_tokens = usage.get("prompt_tokens")
         if isinstance(prompt_tokens, int) and prompt_tokens > 0:
-            model = routed.parsed.model
-            observed = len(routed.parsed.rendered) / prompt_tokens
+            model = exchange.parsed.model
+            observed = len(exchange.parsed.rendered) / prompt_tokens
             old = self._bytes_per_token.get(model)
             self._bytes_per_token[model] = (
                 observed if old is None else old + _LEARNING_RATE * (observed - old)
             )
+        for observer in self.observers:
+            await observer.on_usage(exchange, usage)
 
-    # -- 4. record -------------------------------------------------------------------------
-    async def _record(self, routed: Routed, state: ReplicaState) -> None:
-        if routed.hashes:
-            await self.directory.record(state.id, routed.hashes)
+    async def _on_finish(self, exchange: Exchange) -> None:
+        exchange.replica.num_inflight -= 1
+        for observer in self.observers:
+            await observer.on_finish(exchange, exchange.ok)
 
-    def _debug_headers(self, routed: Routed, state: ReplicaState) -> dict[str, str]:
+    def stream_broke(self, exchange: Exchange, exc: BaseException) -> None:
+        log.warning("stream from %s broke after its first byte: %s", exchange.replica.url, exc)
+
+    # -- the OpenAI HTTP shape ---------------------------------------------------------------
+    async def handle(self, parsed: ParsedRequest, tenant: Tenant) -> Response:
+        """Serve one OpenAI-shaped completion.
+
+        1. Admit: the tenant is authenticated and the body valid (by the caller); the model must
+           be served by some replica.
+        2. Route: hash the canonical rendering in the tenant's scope, look up each replica's
+           cached prefix, let the policy rank the replicas.
+        3. Forward: try the ranking in order until an attempt commits (first byte).
+        4. Record: after the first token the prompt's blocks are on the chosen replica; the
+           usage gains `engine_cached_tokens` and passes the observers (billing, metrics).
+        """
+        opened = await self.open(parsed, tenant)
+        if isinstance(opened, Passthrough):
+            return Response(opened.body, status_code=opened.status, media_type="application/json")
+        headers = self._debug_headers(opened)
+        if opened.stream is None:
+            body = await opened.complete()
+            return Response(orjson.dumps(body), media_type="application/json", headers=headers)
+        return _SSEResponse(opened, {"cache-control": "no-cache", **headers})
+
+    def _debug_headers(self, exchange: Exchange) -> dict[str, str]:
         if not self.settings.debug_headers:
             return {}
+        routed = exchange.routed
         return {
-            "x-kvgate-replica": state.url,
-            "x-kvgate-matched-blocks": str(routed.route.overlap.get(state.id, 0)),
+            "x-kvgate-replica": exchange.replica.url,
+            "x-kvgate-matched-blocks": str(routed.route.overlap.get(exchange.replica.id, 0)),
             "x-kvgate-decision": routed.decision.reason,
         }
 
 
-class _Relay:
-    """Relays one upstream SSE stream to the client; `close()` releases it exactly once, whether
-    the stream ends, breaks, or the client leaves before the first chunk is pulled."""
-
-    def __init__(
-        self, director: Director, routed: Routed, state: ReplicaState, upstream: Streaming
-    ) -> None:
-        self.director = director
-        self.routed = routed
-        self.state = state
-        self.upstream = upstream
-        self.closed = False
-        self.client_gone = False
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.upstream.response.release()  # an unfinished response closes its connection
-            self.state.num_inflight -= 1
-
-    def abort(self) -> None:
-        """The client left: drop the upstream connection, so the engine aborts the request."""
-        self.client_gone = True
-        self.upstream.response.close()
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        director, routed = self.director, self.routed
-        include_usage = routed.parsed.include_usage
-        try:
-            out = director._rewrite_batch(routed, self.upstream.first_batch, include_usage)
-            if out:
-                yield out
-            await director._record(routed, self.state)
-            async for batch in self.upstream.batches:
-                out = director._rewrite_batch(routed, batch, include_usage)
-                if out:
-                    yield out
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            if self.client_gone:
-                return
-            log.warning("stream from %s broke after its first byte: %s", self.state.url, exc)
-            error = {
-                "error": {"message": f"upstream stream broke: {exc}", "type": "upstream_error"}
-            }
-            yield b"data: " + orjson.dumps(error) + b"\n\n"
-        finally:
-            self.close()
-
-
-class _RelayResponse(Response):
-    """Streams a `_Relay` to the client.
+class _SSEResponse(Response):
+    """Streams an exchange's SSE bytes to the client.
 
     Starlette's StreamingResponse watches for a disconnect through an anyio task group, which
     cost ~10% of the gateway's CPU per streamed request; here one plain task watches, and a
     disconnect closes the upstream connection (the relay then ends and the engine aborts).
     """
 
-    def __init__(self, relay: _Relay, *, media_type: str, headers: dict[str, str]) -> None:
+    def __init__(self, exchange: Exchange, headers: dict[str, str]) -> None:
         # no body and no content-length: the server sends it chunked
         self.status_code = 200
         self.background = None
         self.raw_headers = [
-            (b"content-type", media_type.encode()),
+            (b"content-type", b"text/event-stream; charset=utf-8"),
             *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
         ]
-        self._relay = relay
+        self._exchange = exchange
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        relay = self._relay
+        exchange = self._exchange
 
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
-            relay.abort()
+            exchange.abort()
 
         watcher = asyncio.create_task(watch())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in relay.__aiter__():
+            async for chunk in exchange.batches(exchange.parsed.include_usage):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
-            relay.close()
+            await exchange.finish()

@@ -1,0 +1,182 @@
+"""An exchange: one request committed to one replica (its first byte has arrived), and the hooks
+that later stages (reconciliation, billing, metrics) attach to it.
+
+Front ends consume an exchange in the shape they speak: the OpenAI HTTP API relays the engine's
+SSE bytes (`batches`), other front ends read parsed chunks (`chunks`) or the whole body
+(`body`). Whatever the shape, the usage object passes through `Director._on_usage` exactly once
+before the client sees it, and `finish()` runs exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import aiohttp
+import orjson
+
+from cachemap.keys import BlockHash
+from gateway.forwarder import Streaming
+from gateway.replicas import ReplicaState
+from gateway.requests import ParsedRequest
+from gateway.tenants import Tenant
+from router.types import Decision, RouteRequest
+
+if TYPE_CHECKING:
+    from gateway.director import Director
+
+
+@dataclass(slots=True)
+class Routed:
+    """A request after routing: its hashes, the decision and the estimates behind it."""
+
+    parsed: ParsedRequest
+    tenant: Tenant
+    hashes: list[BlockHash]
+    route: RouteRequest
+    decision: Decision
+    start_s: float = field(default_factory=time.monotonic)
+    """When the request arrived (monotonic): TTFT and billing clocks start here."""
+
+
+class ExchangeObserver(Protocol):
+    """Hooks around a committed exchange. All are awaited on the request's path.
+
+    - `on_first_token`: the engine has written the prompt's KV (placement is known).
+    - `on_usage`: the engine's usage object, before the client sees it; may rewrite it in place
+      (the usage fields of a billing profile), and a durable write here happens before the
+      response completes.
+    - `on_finish`: once, when the exchange ends; `ok` is False when it broke or the client left.
+    """
+
+    async def on_first_token(self, exchange: Exchange) -> None: ...
+
+    async def on_usage(self, exchange: Exchange, usage: dict[str, Any]) -> None: ...
+
+    async def on_finish(self, exchange: Exchange, ok: bool) -> None: ...
+
+
+class Exchange:
+    def __init__(
+        self,
+        director: Director,
+        routed: Routed,
+        replica: ReplicaState,
+        *,
+        body: dict[str, Any] | None = None,
+        stream: Streaming | None = None,
+    ) -> None:
+        self.director = director
+        self.routed = routed
+        self.replica = replica
+        self.body = body
+        self.stream = stream
+        self.first_token_s: float | None = None
+        self.usage: dict[str, Any] | None = None
+        self.client_gone = False
+        self.closed = False
+        self.ok = True
+
+    @property
+    def parsed(self) -> ParsedRequest:
+        return self.routed.parsed
+
+    # -- non-streamed --------------------------------------------------------------------------
+    async def complete(self) -> dict[str, Any]:
+        """The whole body, its usage passed through the hooks; finishes the exchange."""
+        assert self.body is not None
+        try:
+            await self.director._on_first_token(self)
+            usage = self.body.get("usage")
+            if isinstance(usage, dict):
+                await self.director._on_usage(self, usage)
+            return self.body
+        finally:
+            await self.finish()
+
+    # -- streamed --------------------------------------------------------------------------------
+    async def batches(self, include_usage: bool) -> AsyncIterator[bytes]:
+        """The engine's SSE events as bytes, a batch per network read; the usage event passes
+        through the hooks and is dropped when the client did not ask for usage."""
+        async for events in self._raw_batches():
+            out = []
+            for event in events:
+                if b'"usage"' in event and event.startswith(b"data: {"):
+                    rewritten = await self._usage_event(event, include_usage)
+                    if rewritten:
+                        out.append(rewritten)
+                else:
+                    out.append(event + b"\n\n")
+            if out:
+                yield b"".join(out)
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """The engine's SSE chunks, parsed (the usage chunk after the hooks)."""
+        async for events in self._raw_batches():
+            for event in events:
+                if not event.startswith(b"data:"):
+                    continue
+                data = event[5:].strip()
+                if data == b"[DONE]":
+                    return
+                try:
+                    chunk = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    continue
+                usage = chunk.get("usage") if isinstance(chunk, dict) else None
+                if isinstance(usage, dict):
+                    await self.director._on_usage(self, usage)
+                if isinstance(chunk, dict):
+                    yield chunk
+
+    async def _raw_batches(self) -> AsyncIterator[list[bytes]]:
+        stream = self.stream
+        assert stream is not None
+        try:
+            yield stream.first_batch
+            await self.director._on_first_token(self)
+            async for batch in stream.batches:
+                yield batch
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.ok = False
+            if not self.client_gone:
+                self.director.stream_broke(self, exc)
+                error = {
+                    "error": {"message": f"upstream stream broke: {exc}", "type": "upstream_error"}
+                }
+                yield [b"data: " + orjson.dumps(error)]
+        finally:
+            await self.finish()
+
+    async def _usage_event(self, event: bytes, include_usage: bool) -> bytes:
+        try:
+            chunk = orjson.loads(event[6:])
+        except orjson.JSONDecodeError:
+            return event + b"\n\n"
+        usage = chunk.get("usage") if isinstance(chunk, dict) else None
+        if not isinstance(usage, dict):
+            return event + b"\n\n"
+        await self.director._on_usage(self, usage)
+        if not include_usage:
+            if not chunk.get("choices"):
+                return b""
+            chunk.pop("usage", None)
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """The client left: drop the upstream connection, so the engine aborts the request."""
+        self.client_gone = True
+        self.ok = False
+        if self.stream is not None:
+            self.stream.response.close()
+
+    async def finish(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.stream is not None:
+            self.stream.response.release()  # an unfinished response closes its connection
+        await self.director._on_finish(self)
