@@ -12,6 +12,10 @@ contract tests. Semantics shared by all of them:
 - `drop(replica, hashes)` says the engine did NOT hold these blocks (reconciliation).
 - `forget(replica)` says it restarted or left: its entries stop matching at once. An epoch
   bump, never a scan over keys.
+- `expire(replica, before_s)` says the engine (LRU) has evicted everything of its entries last
+  used at or before `before_s`: they stop matching (reconciliation's correction).
+- `lookup_detail(hashes)` is `lookup` plus, per replica, the last use of the deepest matched
+  block: the oldest entry the prediction relied on.
 - Entries age out like an engine evicts: a TTL refreshed on use, and a per-replica capacity
   with LRU eviction where, on ties, the longer chain's tail goes first.
 """
@@ -50,6 +54,14 @@ class Directory(Protocol):
 
     async def forget(self, replica: str) -> None:
         """The replica restarted or left: an epoch bump, not a scan."""
+        ...
+
+    async def expire(self, replica: str, before_s: float) -> None:
+        """Entries of `replica` last used at or before `before_s` stop matching."""
+        ...
+
+    async def lookup_detail(self, hashes: Sequence[BlockHash]) -> dict[str, tuple[int, float]]:
+        """replica -> (leading blocks held, last use of the deepest of them)."""
         ...
 
     async def close(self) -> None: ...

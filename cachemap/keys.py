@@ -4,13 +4,17 @@ The one hash function of kvgate (after vLLM's `hash_block_tokens` and GIE's `has
 
     root    = H(b"kvgate/v1" || salt || 0x00 || model)
     hash(0) = H(root || block 0)
-    hash(i) = H(hash(i-1) || block i)
+    hash(i) = tag || H(hash(i-1) || block i)[:10]       tag = hash(0)[:6]
 
 H is 128-bit MurmurHash3 (x64). Blocks are fixed-size slices of the canonical rendering's
 UTF-8 bytes; only full blocks are hashed, so a prompt shorter than one block has no hashes and
 no locality. Because every hash chains its parent, hash(i) names the whole prefix up to the end
 of block i: equal prefixes give equal leading hashes, one changed byte changes every hash from
 its block on, and different salts (tenants) or models share nothing.
+
+Every hash of a chain starts with the same 6-byte tag, taken from the salted block 0: any slice
+of a chain (a reconciliation drops a tail) names its chain's Redis Cluster slot by itself, and
+the other 80 bits keep collisions within one chain family out of reach.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ small. Chains of 8/64/512 blocks are 2 KB / 16 KB / 128 KB prompts.
 """
 
 _DOMAIN = b"kvgate/v1"
+TAG_BYTES = 6
+"""48 bits of the salted block 0 shared by every hash of a chain (the cluster hash tag)."""
 
 
 def root_hash(salt: bytes, model: str) -> BlockHash:
@@ -46,12 +52,15 @@ def chain_hashes(
     """hash(i) = H(hash(i-1) || block i) for every full block of `data`, hash(-1) = `root`."""
     if block_bytes <= 0:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    if len(data) < block_bytes:
+        return []
     view = memoryview(data)
     digest = mmh3.mmh3_x64_128_digest
-    parent: bytes = root
-    out: list[BlockHash] = []
-    for start in range(0, len(data) - block_bytes + 1, block_bytes):
-        parent = digest(parent + view[start : start + block_bytes])
+    parent = digest(root + view[:block_bytes])
+    tag = parent[:TAG_BYTES]
+    out: list[BlockHash] = [BlockHash(parent)]
+    for start in range(block_bytes, len(data) - block_bytes + 1, block_bytes):
+        parent = tag + digest(parent + view[start : start + block_bytes])[TAG_BYTES:]
         out.append(BlockHash(parent))
     return out
 

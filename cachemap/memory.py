@@ -60,6 +60,9 @@ class MemoryIndex:
         self._graveyard: list[_Epoch] = []
 
     def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        return {r: d for r, (d, _) in self.lookup_detail(hashes).items()}
+
+    def lookup_detail(self, hashes: Sequence[BlockHash]) -> dict[str, tuple[int, float]]:
         expired_before = self.clock() - self.ttl_s
         depth: dict[str, int] = {}
         for i, block in enumerate(hashes):
@@ -77,7 +80,9 @@ class MemoryIndex:
                     advanced = True
             if not advanced:
                 break
-        return depth
+        return {
+            replica: (d, self._current[replica].lru[hashes[d - 1]]) for replica, d in depth.items()
+        }
 
     def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         now = self.clock()
@@ -108,6 +113,17 @@ class MemoryIndex:
         for block in hashes:
             if epoch.lru.pop(block, None) is not None:
                 self._unindex(block, epoch)
+
+    def expire(self, replica: str, before_s: float) -> None:
+        """Drop the replica's entries last used at or before `before_s`: the LRU's front, since
+        entries are kept in order of last use."""
+        epoch = self._current.get(replica)
+        if epoch is None:
+            return
+        lru = epoch.lru
+        while lru and next(iter(lru.values())) <= before_s:
+            block, _ = lru.popitem(last=False)
+            self._unindex(block, epoch)
 
     def forget(self, replica: str) -> None:
         epoch = self._current.pop(replica, None)
@@ -159,6 +175,12 @@ class MemoryDirectory:
 
     async def forget(self, replica: str) -> None:
         self.index.forget(replica)
+
+    async def expire(self, replica: str, before_s: float) -> None:
+        self.index.expire(replica, before_s)
+
+    async def lookup_detail(self, hashes: Sequence[BlockHash]) -> dict[str, tuple[int, float]]:
+        return self.index.lookup_detail(hashes)
 
     async def close(self) -> None:
         return None

@@ -1,0 +1,363 @@
+"""The Redis directory: the same protocol as the in-process one, shared by every gateway.
+
+Key schema (all binary-safe; `{...}` is the Redis Cluster hash tag):
+
+    kvg:{TAG}:<16-byte block hash>   HASH  replica id -> "<generation>:<last use, ms>"
+                                     PEXPIRE = ttl, refreshed on every record
+    kvg:{kvg-meta}:gen               HASH  replica id -> current generation
+    kvg:{kvg-meta}:count             HASH  replica id -> blocks recorded in this generation
+    kvg:{kvg-meta}:start             HASH  replica id -> the engine's last seen start marker
+    kvg:{kvg-meta}:floor             HASH  replica id -> entries last used at or before this
+                                           (ms) no longer match (reconciliation's `expire`)
+    channel kvg:gen                  "<replica id>:<generation>" on every generation change
+
+TAG is the hex of the 6-byte tag every block hash of a chain starts with (`cachemap.keys`: the
+salted block 0's first bytes), so every key of one chain sits in one cluster slot — a lookup is
+ONE script call whatever the chain length, and any slice of a chain is addressed by itself —
+while tenants and system prompts spread over the shards.
+A replica id is the 32-bit MurmurHash3 of the replica's name, in hex: every gateway derives the
+same id without coordination.
+
+Generations do three jobs with one number per replica:
+- An entry matches only if its generation is the replica's current one or the one before.
+- Capacity: after `capacity_blocks / 2` blocks are recorded on a replica its generation
+  advances, so at most `capacity_blocks` entries (two generations' worth) match — an LRU
+  approximation in which a recorded (used) block is rewritten at the current generation.
+- Restart epochs: `forget()` (and a new engine start marker) advances it by 2, so every old
+  entry stops matching at once: an epoch bump, never a scan. Stale fields die with their keys'
+  TTL.
+Gateways keep the current generations and floors in memory (refreshed by the channel and every
+`GEN_REFRESH_S`) and pass them to the lookup script, which also applies the TTL to each entry's
+last use, so an entry refreshed by one replica does not keep another's alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import mmh3
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
+from cachemap.keys import TAG_BYTES, BlockHash
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+AnyRedis = aioredis.Redis | RedisCluster
+
+GEN_KEY = b"kvg:{kvg-meta}:gen"
+COUNT_KEY = b"kvg:{kvg-meta}:count"
+START_KEY = b"kvg:{kvg-meta}:start"
+FLOOR_KEY = b"kvg:{kvg-meta}:floor"
+CHANNEL = "kvg:gen"
+GEN_REFRESH_S = 1.0
+"""Safety net behind the channel: a gateway that missed a message is stale for at most 1 s."""
+
+# KEYS: the chain's block keys. ARGV: now ms, ttl ms, then (rid, oldest live gen, floor ms)*
+_LOOKUP = """
+local now = tonumber(ARGV[1])
+local ttl = tonumber(ARGV[2])
+local mingen = {}
+local floor = {}
+for i = 3, #ARGV, 3 do
+  mingen[ARGV[i]] = tonumber(ARGV[i + 1])
+  floor[ARGV[i]] = tonumber(ARGV[i + 2])
+end
+local depth = {}
+local last = {}
+for i = 1, #KEYS do
+  local fields = redis.call('HGETALL', KEYS[i])
+  local advanced = false
+  for j = 1, #fields, 2 do
+    local rid = fields[j]
+    local value = fields[j + 1]
+    local sep = string.find(value, ':', 1, true)
+    local gen = tonumber(string.sub(value, 1, sep - 1))
+    local used = tonumber(string.sub(value, sep + 1))
+    if (depth[rid] or 0) == i - 1 and gen >= (mingen[rid] or 0) and now - used < ttl
+        and used > (floor[rid] or -1) then
+      depth[rid] = i
+      last[rid] = used
+      advanced = true
+    end
+  end
+  if not advanced then break end
+end
+local out = {}
+for rid, d in pairs(depth) do
+  out[#out + 1] = rid
+  out[#out + 1] = d
+  out[#out + 1] = last[rid]
+end
+return out
+"""
+
+_RECORD = """
+local value = ARGV[2] .. ':' .. ARGV[3]
+for i = 1, #KEYS do
+  redis.call('HSET', KEYS[i], ARGV[1], value)
+  redis.call('PEXPIRE', KEYS[i], ARGV[4])
+end
+return #KEYS
+"""
+
+_DROP = """
+for i = 1, #KEYS do redis.call('HDEL', KEYS[i], ARGV[1]) end
+return #KEYS
+"""
+
+# KEYS: gen, count. ARGV: rid, blocks recorded, blocks per generation
+_COUNT = """
+local n = redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[2])
+local gen = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if n >= tonumber(ARGV[3]) then
+  gen = redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+  redis.call('HSET', KEYS[2], ARGV[1], 0)
+  redis.call('PUBLISH', ARGV[4], ARGV[1] .. ':' .. gen)
+end
+return gen
+"""
+
+# KEYS: floor. ARGV: rid, ms, channel. Floors only rise.
+_EXPIRE = """
+local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
+if tonumber(ARGV[2]) > old then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  redis.call('PUBLISH', ARGV[3], ARGV[1] .. ':floor:' .. ARGV[2])
+  return tonumber(ARGV[2])
+end
+return old
+"""
+
+# KEYS: gen, count, start. ARGV: rid, start marker ('' = unconditional), channel
+_BUMP = """
+if ARGV[2] ~= '' then
+  local old = redis.call('HGET', KEYS[3], ARGV[1])
+  redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+  if (not old) or old == ARGV[2] then
+    return {tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0'), 0}
+  end
+end
+local gen = redis.call('HINCRBY', KEYS[1], ARGV[1], 2)
+redis.call('HSET', KEYS[2], ARGV[1], 0)
+redis.call('PUBLISH', ARGV[3], ARGV[1] .. ':' .. gen)
+return {gen, 1}
+"""
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def replica_id(replica: str) -> str:
+    return format(mmh3.hash(replica, signed=False), "08x")
+
+
+def block_keys(hashes: Sequence[BlockHash]) -> list[bytes]:
+    """The Redis key of each block: its chain's tag in braces, then the rest of the hash."""
+    if not hashes:
+        return []
+    prefix = b"kvg:{" + hashes[0][:TAG_BYTES].hex().encode() + b"}:"
+    assert all(h[:TAG_BYTES] == hashes[0][:TAG_BYTES] for h in hashes[-1:]), "one chain per call"
+    return [prefix + h[TAG_BYTES:] for h in hashes]
+
+
+async def open_redis(url: str, *, cluster: bool | None = None, timeout_s: float = 1.0) -> AnyRedis:
+    """One client for `redis://`, `rediss://` or `unix://` URLs; a Redis Cluster when
+    `cluster` is True, or when None and the server says `cluster_enabled:1`.
+
+    Retries only connection errors and timeouts (3 times, exponential backoff with jitter);
+    every write kvgate makes is idempotent, so a replayed one does no harm.
+    """
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(ExponentialWithJitterBackoff(), 3),
+    }
+    if cluster is None:
+        probe = aioredis.Redis.from_url(url, **options)
+        try:
+            info = await probe.info("cluster")
+            cluster = bool(info.get("cluster_enabled"))
+        finally:
+            await probe.aclose()
+    if cluster:
+        if url.startswith("unix://"):
+            raise ValueError("a Redis Cluster is reached over TCP (redis:// or rediss://)")
+        return RedisCluster.from_url(url, **options)
+    return aioredis.Redis.from_url(url, **options)
+
+
+class RedisDirectory:
+    """The `Directory` protocol on Redis or Redis Cluster (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: AnyRedis,
+        *,
+        capacity_blocks: int = DEFAULT_REPLICA_CAPACITY_BLOCKS,
+        ttl_s: float = DEFAULT_TTL_S,
+        clock: Clock = time.time,
+    ) -> None:
+        if capacity_blocks < 2:
+            raise ValueError(f"capacity_blocks must be at least 2, got {capacity_blocks}")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.client = client
+        self.capacity_blocks = capacity_blocks
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.cluster = isinstance(client, RedisCluster)
+        self._lookup = client.register_script(_LOOKUP)
+        self._record = client.register_script(_RECORD)
+        self._drop = client.register_script(_DROP)
+        self._count = client.register_script(_COUNT)
+        self._bump = client.register_script(_BUMP)
+        self._expire = client.register_script(_EXPIRE)
+        self._names: dict[str, str] = {}
+        self._gens: dict[str, int] = {}
+        self._floors: dict[str, int] = {}
+        self._watcher: asyncio.Task[None] | None = None
+
+    # -- the protocol ------------------------------------------------------------------------
+    async def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        return {r: d for r, (d, _) in (await self.lookup_detail(hashes)).items()}
+
+    async def lookup_detail(self, hashes: Sequence[BlockHash]) -> dict[str, tuple[int, float]]:
+        if not hashes:
+            return {}
+        args: list[Any] = [int(self.clock() * 1000), int(self.ttl_s * 1000)]
+        for rid in self._gens.keys() | self._floors.keys():
+            args += [rid, self._gens.get(rid, 0) - 1, self._floors.get(rid, -1)]
+        flat = await self._lookup(keys=block_keys(hashes), args=args)
+        names = self._names
+        out: dict[str, tuple[int, float]] = {}
+        for i in range(0, len(flat), 3):
+            rid = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
+            name = names.get(rid)
+            if name is not None:
+                out[name] = (int(flat[i + 1]), int(flat[i + 2]) / 1000)
+        return out
+
+    async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        await self.record_many([(replica, hashes)])
+
+    async def record_many(self, items: Iterable[tuple[str, Sequence[BlockHash]]]) -> None:
+        """Several records at once: one script call per chain, then one count per replica."""
+        now_ms = int(self.clock() * 1000)
+        ttl_ms = int(self.ttl_s * 1000)
+        counts: dict[str, int] = {}
+        calls = []
+        for replica, hashes in items:
+            if not hashes:
+                continue
+            rid = self._rid(replica)
+            gen = self._gens.get(rid, 0)
+            calls.append(self._record(keys=block_keys(hashes), args=[rid, gen, now_ms, ttl_ms]))
+            counts[rid] = counts.get(rid, 0) + len(hashes)
+        if not calls:
+            return
+        await asyncio.gather(*calls)
+        per_generation = max(self.capacity_blocks // 2, 1)
+        gens = await asyncio.gather(
+            *(
+                self._count(keys=[GEN_KEY, COUNT_KEY], args=[rid, n, per_generation, CHANNEL])
+                for rid, n in counts.items()
+            )
+        )
+        for rid, gen in zip(counts, gens, strict=True):
+            self._gens[rid] = max(self._gens.get(rid, 0), int(gen))
+
+    async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        if hashes:
+            await self._drop(keys=block_keys(hashes), args=[self._rid(replica)])
+
+    async def forget(self, replica: str) -> None:
+        await self._bump_generation(replica, "")
+
+    async def expire(self, replica: str, before_s: float) -> None:
+        rid = self._rid(replica)
+        floor = await self._expire(keys=[FLOOR_KEY], args=[rid, int(before_s * 1000), CHANNEL])
+        self._floors[rid] = max(self._floors.get(rid, -1), int(floor))
+
+    async def restarted(self, replica: str, start_marker: str) -> bool:
+        """Report the engine's start marker (its start time); a changed marker is a restart and
+        bumps the epoch — once, however many gateways report the same restart."""
+        return await self._bump_generation(replica, start_marker)
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        await self.client.aclose()
+
+    # -- generations -------------------------------------------------------------------------
+    def register(self, replicas: Iterable[str]) -> None:
+        """The replica names this gateway routes to (lookups report only these)."""
+        for name in replicas:
+            self._rid(name)
+
+    async def refresh_generations(self) -> None:
+        """Reload every replica's generation and floor (both live in the meta slot)."""
+        gens = await self.client.hgetall(GEN_KEY)
+        floors = await self.client.hgetall(FLOOR_KEY)
+        self._gens = {_text(k): int(v) for k, v in gens.items()}
+        self._floors = {_text(k): int(v) for k, v in floors.items()}
+
+    async def start(self) -> None:
+        """Load the generations and keep them fresh (channel + periodic refresh)."""
+        await self.refresh_generations()
+        self._watcher = asyncio.create_task(self._watch_generations())
+
+    async def _watch_generations(self) -> None:
+        while True:
+            try:
+                pubsub = self.client.pubsub()
+                await pubsub.subscribe(CHANNEL)
+                try:
+                    while True:
+                        message = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=GEN_REFRESH_S
+                        )
+                        if message is not None:
+                            self._apply(_text(message["data"]))
+                        else:
+                            await self.refresh_generations()
+                finally:
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: retry; lookups fall back meanwhile
+                log.debug("generation watcher: %s", exc)
+                await asyncio.sleep(GEN_REFRESH_S)
+
+    async def _bump_generation(self, replica: str, marker: str) -> bool:
+        rid = self._rid(replica)
+        gen, bumped = await self._bump(
+            keys=[GEN_KEY, COUNT_KEY, START_KEY], args=[rid, marker, CHANNEL]
+        )
+        self._gens[rid] = max(self._gens.get(rid, 0), int(gen))
+        return bool(bumped)
+
+    def _apply(self, message: str) -> None:
+        """A channel message: "rid:gen" or "rid:floor:ms"; values only ever rise."""
+        parts = message.split(":")
+        if len(parts) == 2:
+            self._gens[parts[0]] = max(self._gens.get(parts[0], 0), int(parts[1]))
+        elif len(parts) == 3 and parts[1] == "floor":
+            self._floors[parts[0]] = max(self._floors.get(parts[0], -1), int(parts[2]))
+
+    def _rid(self, replica: str) -> str:
+        rid = replica_id(replica)
+        self._names.setdefault(rid, replica)
+        return rid
