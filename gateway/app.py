@@ -13,32 +13,37 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
+from cachemap.redis import RedisDirectory, open_redis
 from gateway.director import Director
 from gateway.forwarder import Forwarder
 from gateway.http_api import GatewayASGI, build_router, install_openapi
+from gateway.reconcile import Reconciler
 from gateway.replicas import ReplicaSet
+from gateway.routing_directory import RoutingDirectory
 from gateway.settings import Settings
-from gateway.telemetry import build_registry, render
+from gateway.telemetry import build_registry, register_collector, render
 from gateway.tenants import TenantRegistry
-from router.registry import RouterConfig, build_policy
+from router.registry import RouterConfig, build_fallback, build_policy
 
 log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings) -> GatewayASGI:
     tenants = TenantRegistry.from_pairs(settings.secret_bytes(), settings.tenants)
-    policy = build_policy(
-        settings.policy,
-        RouterConfig(
-            absolute_slack_tokens=settings.absolute_slack_tokens,
-            relative_slack=settings.relative_slack,
-            consistent_hash_blocks=settings.consistent_hash_blocks,
-        ),
+    router_config = RouterConfig(
+        absolute_slack_tokens=settings.absolute_slack_tokens,
+        relative_slack=settings.relative_slack,
+        consistent_hash_blocks=settings.consistent_hash_blocks,
     )
-    directory = MemoryDirectory(
-        MemoryIndex(
-            capacity_blocks=settings.directory_capacity_blocks, ttl_s=settings.directory_ttl_s
-        )
+    policy = build_policy(settings.policy, router_config)
+    directory = RoutingDirectory(
+        MemoryDirectory(
+            MemoryIndex(
+                capacity_blocks=settings.directory_capacity_blocks, ttl_s=settings.directory_ttl_s
+            )
+        ),
+        deadline_s=settings.redis_deadline_s,
+        write_deadline_s=settings.redis_write_deadline_s,
     )
     replicas = ReplicaSet(
         settings.engines,
@@ -46,10 +51,22 @@ def create_app(settings: Settings) -> GatewayASGI:
         timeout_s=settings.health_timeout_s,
         unhealthy_after=settings.unhealthy_after,
         on_restart=directory.forget,
+        on_start_marker=directory.observe_start,
+        scrape_metrics=settings.scrape_metrics,
     )
     forwarder = Forwarder()
-    director = Director(settings, directory, replicas, forwarder, policy)
-    registry = build_registry(director)
+    registry = build_registry()
+    reconciler = Reconciler(directory, settings.block_bytes, registry)
+    director = Director(
+        settings,
+        directory,
+        replicas,
+        forwarder,
+        policy,
+        observers=[reconciler],
+        fallback_policy=build_fallback(settings.policy, router_config),
+    )
+    register_collector(registry, director)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -65,6 +82,14 @@ def create_app(settings: Settings) -> GatewayASGI:
             connector=connector, timeout=timeout, auto_decompress=False
         ) as session:
             forwarder.session = session
+            if settings.redis_url:
+                directory.shared = RedisDirectory(
+                    await open_redis(settings.redis_url, cluster=settings.redis_cluster),
+                    capacity_blocks=settings.directory_capacity_blocks,
+                    ttl_s=settings.directory_ttl_s,
+                )
+                directory.register(settings.engines)
+            await directory.start()
             await replicas.start(session)
             log.info(
                 "kvgate: %d/%d replicas healthy, policy %s",

@@ -14,13 +14,13 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from cachemap.directory import Directory
 from cachemap.keys import affinity_key, chain_hashes, root_hash
 from gateway.errors import ModelNotFound, NoReplica, UpstreamError
 from gateway.exchange import Exchange, ExchangeObserver, Routed
 from gateway.forwarder import Complete, Forwarder, Passthrough, RetryableFailure
 from gateway.replicas import ReplicaSet, ReplicaState
 from gateway.requests import CHAT, ParsedRequest
+from gateway.routing_directory import RoutingDirectory
 from gateway.settings import Settings
 from gateway.tenants import Tenant
 from router.profile import Profile
@@ -43,17 +43,19 @@ class Director:
     def __init__(
         self,
         settings: Settings,
-        directory: Directory,
+        directory: RoutingDirectory,
         replicas: ReplicaSet,
         forwarder: Forwarder,
         policy: Profile,
         observers: Sequence[ExchangeObserver] = (),
+        fallback_policy: Profile | None = None,
     ) -> None:
         self.settings = settings
         self.directory = directory
         self.replicas = replicas
         self.forwarder = forwarder
         self.policy = policy
+        self.fallback_policy = fallback_policy or policy
         self.observers = list(observers)
         self.rng = random.Random(settings.seed)
         self.stats = DirectorStats()
@@ -76,7 +78,7 @@ class Director:
         block_bytes = self.settings.block_bytes
         root = root_hash(tenant.salt, parsed.model)
         hashes = chain_hashes(parsed.rendered, root, block_bytes)
-        overlap = await self.directory.lookup(hashes) if hashes else {}
+        lookup = await self.directory.lookup(hashes)
         bytes_per_token = self._bytes_per_token.get(parsed.model, self.settings.bytes_per_token)
         key = affinity_key(
             parsed.rendered, root, hashes, self.settings.consistent_hash_blocks, block_bytes
@@ -84,17 +86,18 @@ class Director:
         route = RouteRequest(
             num_blocks=len(hashes),
             num_prompt_tokens=len(parsed.rendered) / bytes_per_token,
-            overlap=overlap,
+            overlap=lookup.overlap,
             tokens_per_block=block_bytes / bytes_per_token,
             affinity_key=key,
             sequence=next(self._sequence),
         )
-        decision = self.policy.decide(route, [c.snapshot() for c in candidates], self.rng)
+        policy = self.fallback_policy if lookup.degraded else self.policy
+        decision = policy.decide(route, [c.snapshot() for c in candidates], self.rng)
         if decision is None:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
-        counter_key = (self.policy.name, decision.reason)
+        counter_key = (policy.name, decision.reason)
         self.stats.decisions[counter_key] = self.stats.decisions.get(counter_key, 0) + 1
-        return Routed(parsed, tenant, hashes, route, decision)
+        return Routed(parsed, tenant, hashes, route, decision, lookup.last_use)
 
     # -- 3. forward ------------------------------------------------------------------------
     def _upstream_payload(self, routed: Routed) -> bytes:

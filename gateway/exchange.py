@@ -37,6 +37,8 @@ class Routed:
     hashes: list[BlockHash]
     route: RouteRequest
     decision: Decision
+    last_use: dict[str, float] = field(default_factory=dict)
+    """replica -> last use of the deepest matched block (see `RoutingDirectory.Lookup`)"""
     start_s: float = field(default_factory=time.monotonic)
     """When the request arrived (monotonic): TTFT and billing clocks start here."""
 

@@ -3,9 +3,14 @@ has put on each (requests in flight, prefill tokens not yet answered by a first 
 
 Health: every replica is probed (GET /health) every `health_interval_s`; `unhealthy_after`
 consecutive failures — or a connection failure while forwarding — mark it down, and one
-successful probe marks it up again. A replica that comes back up is treated as restarted: its
-directory entries are forgotten (an epoch bump), because an engine we could not reach may have
-lost its KV cache, and a wrong prediction costs a request each to discover.
+successful probe marks it up again.
+
+Restarts: each healthy probe also reads the replica's `/metrics` (`scrape_metrics`). A new
+`process_start_time_seconds` is reported through `on_start_marker` (the directory compares it
+with what every gateway saw, so a restart bumps the epoch once); prefix-cache counters that went
+backwards call `on_restart`. A replica that reports no start time and comes back up after being
+marked down is treated as restarted too: an engine we could not reach may have lost its KV
+cache, and a wrong prediction costs a request each to discover.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from gateway.engine_metrics import EngineMetrics, parse_engine_metrics
 from router.types import Replica
 
 log = logging.getLogger(__name__)
@@ -34,6 +40,7 @@ class ReplicaState:
     num_inflight: int = 0
     pending_prefill_tokens: float = 0.0
     num_requests: int = 0
+    metrics: EngineMetrics | None = None
     probed: bool = field(default=False, repr=False)
 
     @property
@@ -53,6 +60,8 @@ class ReplicaSet:
         timeout_s: float,
         unhealthy_after: int,
         on_restart: Callable[[str], Awaitable[None]],
+        on_start_marker: Callable[[str, str], Awaitable[object]] | None = None,
+        scrape_metrics: bool = True,
     ) -> None:
         self.states = {url: ReplicaState(url) for url in urls}
         self._session: aiohttp.ClientSession | None = None
@@ -60,6 +69,8 @@ class ReplicaSet:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._unhealthy_after = unhealthy_after
         self._on_restart = on_restart
+        self._on_start_marker = on_start_marker
+        self._scrape_metrics = scrape_metrics
         self._task: asyncio.Task[None] | None = None
 
     def get(self, replica_id: str) -> ReplicaState:
@@ -108,17 +119,45 @@ class ReplicaSet:
             ok = False
         if ok:
             state.consecutive_failures = 0
+            before = state.metrics
+            if self._scrape_metrics:
+                await self._scrape(state)
             if not state.healthy:
                 if state.probed:
                     log.info("replica %s is back up", state.url)
-                    await self._on_restart(state.url)
+                    if state.metrics is None or state.metrics.start_marker is None:
+                        await self._on_restart(state.url)
                 state.healthy = True
+            await self._maybe_restarted(state, before)
             state.probed = True
         else:
             state.consecutive_failures += 1
             if state.healthy and state.consecutive_failures >= self._unhealthy_after:
                 self.mark_down(state.url, "failed health probes")
             state.probed = True
+
+    async def _scrape(self, state: ReplicaState) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(state.url + "/metrics", timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    return
+                text = (await resp.read()).decode(errors="replace")
+            state.metrics = parse_engine_metrics(text)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            log.debug("metrics of %s unavailable: %s", state.url, exc)
+
+    async def _maybe_restarted(self, state: ReplicaState, before: EngineMetrics | None) -> None:
+        now = state.metrics
+        if now is None:
+            return
+        marker = now.start_marker
+        if marker is not None and self._on_start_marker is not None:
+            if before is None or before.start_marker != marker:
+                await self._on_start_marker(state.url, marker)
+        elif before is not None and now.restarted_since(before):
+            log.info("replica %s restarted (its prefix-cache counters went backwards)", state.url)
+            await self._on_restart(state.url)
 
     async def _learn_models(self, state: ReplicaState) -> bool:
         assert self._session is not None

@@ -48,6 +48,12 @@ DEFAULT_BYTES_PER_TOKEN = 4.0
 """English BPE averages ~4 bytes per token; the gateway learns the real ratio per model from the
 engines' usage and uses this only until the first response."""
 DEFAULT_UPSTREAM_MAX_CONNECTIONS = 1024
+DEFAULT_REDIS_DEADLINE_S = 0.005
+"""A lookup is one script call, ~0.2 ms on a LAN: 5 ms is 25× that, and routing locally beats
+waiting longer (a prefill of the whole prompt costs tens of ms at worst)."""
+DEFAULT_REDIS_WRITE_DEADLINE_S = 0.5
+"""Records, drops and epoch bumps run off the request path; half a second rides out a Redis
+failover's first hiccup without piling up writes."""
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
@@ -85,6 +91,16 @@ class Settings(BaseSettings):
     Off by default, because they tell a client about cache state."""
     seed: int | None = None
     log_level: str = "info"
+
+    # -- the shared directory (Redis; issue #3) -----------------------------------------------
+    redis_url: str | None = None
+    """redis://, rediss:// or unix:// — every gateway with the same URL shares one directory."""
+    redis_cluster: bool | None = None
+    """True / False, or None to ask the server (`cluster_enabled`)."""
+    redis_deadline_s: float = DEFAULT_REDIS_DEADLINE_S
+    redis_write_deadline_s: float = DEFAULT_REDIS_WRITE_DEADLINE_S
+    scrape_metrics: bool = True
+    """Read each replica's /metrics with every health probe (restarts, load signals)."""
 
     @field_validator("policy")
     @classmethod

@@ -44,12 +44,44 @@ class _GatewayCollector(Collector):
         yield healthy
         yield inflight
         yield requests
+        dstats = d.directory.stats
+        lookups = CounterMetricFamily(
+            "kvgate_directory_lookups",
+            "Directory lookups by where the answer came from.",
+            labels=["source"],
+        )
+        lookups.add_metric(["shared"], dstats.shared_lookups)
+        lookups.add_metric(["local"], dstats.lookups - dstats.shared_lookups)
+        yield lookups
+        yield CounterMetricFamily(
+            "kvgate_directory_fallbacks",
+            "Lookups answered locally because the shared directory did not answer in time.",
+            dstats.fallbacks,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_directory_degraded",
+            "1 while the shared directory is unavailable and routing is local.",
+            1.0 if dstats.degraded else 0.0,
+        )
+        yield CounterMetricFamily(
+            "kvgate_directory_writes_dropped",
+            "Records/drops that did not reach the shared directory.",
+            dstats.writes_dropped,
+        )
+        yield CounterMetricFamily(
+            "kvgate_directory_lookup_seconds",
+            "Time spent in shared directory lookups.",
+            dstats.lookup_seconds,
+        )
 
 
-def build_registry(director: Director) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
+def build_registry() -> CollectorRegistry:
+    """The gateway's own registry (never the process-global one: tests run many gateways)."""
+    return CollectorRegistry(auto_describe=True)
+
+
+def register_collector(registry: CollectorRegistry, director: Director) -> None:
     registry.register(_GatewayCollector(director))
-    return registry
 
 
 def render(registry: CollectorRegistry) -> bytes:

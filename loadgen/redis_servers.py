@@ -1,4 +1,4 @@
-"""Real Redis servers for the tests: never the instance on 6379.
+"""Real Redis servers for tests and benchmarks: never the instance on 6379.
 
 A standalone server listens on a unix socket in a temporary directory (no port at all); a
 cluster is three masters on free loopback ports. Where a Docker engine answers, testcontainers
@@ -121,3 +121,80 @@ def redis_server(port: int | None = None, extra: Sequence[str] = ()) -> Iterator
             yield server
         finally:
             server.stop()
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 < 65536:
+            try:
+                import socket
+
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+@dataclass
+class RedisCluster:
+    """Three masters on free loopback ports, slots spread by `redis-cli --cluster create`."""
+
+    nodes: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    @property
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        return [(n.host, n.port) for n in self.nodes]
+
+
+@contextlib.contextmanager
+def redis_cluster(num_masters: int = 3) -> Iterator[RedisCluster]:
+    with tempfile.TemporaryDirectory(prefix="kvgate-cluster-") as tmp:
+        nodes = []
+        try:
+            for i in range(num_masters):
+                workdir = Path(tmp) / f"node{i}"
+                workdir.mkdir()
+                node = RedisServer(
+                    workdir,
+                    port=_free_cluster_port(),
+                    extra=(
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(workdir / "nodes.conf"),
+                        "--cluster-node-timeout",
+                        "2000",
+                    ),
+                )
+                node.start()
+                nodes.append(node)
+            subprocess.run(
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *[f"127.0.0.1:{n.port}" for n in nodes],
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                capture_output=True,
+                check=True,
+                timeout=60,
+            )
+            _wait_for(
+                lambda: all("cluster_state:ok" in n.cli("cluster", "info") for n in nodes),
+                "redis cluster",
+            )
+            yield RedisCluster(nodes)
+        finally:
+            for node in nodes:
+                node.stop()

@@ -64,6 +64,18 @@ def consistent_hash(config: RouterConfig) -> Profile:
     return Profile("consistent_hash", (HealthyFilter(),), ((RendezvousScorer(), 1.0),))
 
 
+def cache_aware_local(config: RouterConfig) -> Profile:
+    """`cache_aware` while the shared directory is away: the overlap comes from this gateway's
+    own records, and ties (above all: no match anywhere) go by consistent hashing of the first
+    blocks, so every gateway still sends a new prefix to the same replica."""
+    return Profile(
+        "cache_aware_local",
+        (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
+        ((PrefixScorer(), 1.0), (RendezvousScorer(), _TIE_BREAK)),
+        locality=True,
+    )
+
+
 POLICIES: dict[str, Callable[[RouterConfig], Profile]] = {
     "cache_aware": cache_aware,
     "round_robin": round_robin,
@@ -71,6 +83,17 @@ POLICIES: dict[str, Callable[[RouterConfig], Profile]] = {
     "least_load": least_load,
     "consistent_hash": consistent_hash,
 }
+
+
+FALLBACKS: dict[str, Callable[[RouterConfig], Profile]] = {
+    "cache_aware": cache_aware_local,
+}
+"""What a policy becomes while the shared directory does not answer (others are unchanged)."""
+
+
+def build_fallback(name: str, config: RouterConfig | None = None) -> Profile:
+    factory = FALLBACKS.get(name)
+    return factory(config or RouterConfig()) if factory else build_policy(name, config)
 
 
 def build_policy(name: str, config: RouterConfig | None = None) -> Profile:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from tests.redis_servers import RedisServer
+from loadgen.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
 
