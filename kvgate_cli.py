@@ -38,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_cpu_arguments(bench_cpu)
 
+    bench_directory = commands.add_parser(
+        "bench-directory",
+        help="the Redis directory: lookup latency/throughput, memory (a benchmark)",
+    )
+    from loadgen.bench_directory import add_bench_directory_arguments
+
+    add_bench_directory_arguments(bench_directory)
+
     args = parser.parse_args(argv)
     if args.command == "engine":
         from loadgen.engine import serve_engine
@@ -51,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.demo import run_demo
 
         return run_demo(args)
+    elif args.command == "bench-directory":
+        from loadgen.bench_directory import run_bench_directory
+
+        return run_bench_directory(args)
     elif args.command == "bench-cpu":
         from loadgen.bench_cpu import run_bench_cpu
 

@@ -22,6 +22,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="a YAML file of settings")
     parser.add_argument("--server-secret-file", type=Path, help="file holding the server secret")
     parser.add_argument(
+        "--redis-url", help="share the directory through Redis (redis://, rediss://, unix://)"
+    )
+    parser.add_argument(
         "--debug-headers",
         action="store_true",
         default=None,
@@ -46,6 +49,7 @@ def run_serve(args: argparse.Namespace) -> int:
             policy=args.policy,
             tenants=args.tenants,
             server_secret_file=args.server_secret_file,
+            redis_url=args.redis_url,
             debug_headers=args.debug_headers,
             log_level=args.log_level,
         )

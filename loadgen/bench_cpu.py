@@ -25,6 +25,9 @@ def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="cache_aware")
     parser.add_argument("--stream", action="store_true", help="streaming requests")
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra serve flags")
+    parser.add_argument(
+        "--redis", action="store_true", help="also measure with the Redis directory (started here)"
+    )
 
 
 async def _load(url: str, key: str | None, n: int, concurrency: int, stream: bool) -> int:
@@ -57,23 +60,14 @@ async def _load(url: str, key: str | None, n: int, concurrency: int, stream: boo
     return errors
 
 
-def run_bench_cpu(args: argparse.Namespace) -> int:
+def _measure(
+    args: argparse.Namespace, gateway_args: list[str], key: str
+) -> list[tuple[str, int, float, float, float]]:
     engine_args = ["--time-scale", "1000000", "--max-batch", "1024"]
-    key = "sk-bench"
+    serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
     with (
         processes.engines(1, engine_args) as engines,
-        processes.gateway(
-            [engines[0].url],
-            [
-                "--policy",
-                args.policy,
-                "--tenant",
-                f"bench:{key}",
-                "--log-level",
-                "warning",
-                *args.gateway_arg,
-            ],
-        ) as gw,
+        processes.gateway([engines[0].url], [*serve, *gateway_args, *args.gateway_arg]) as gw,
     ):
         # warm up both paths (connections, caches, code)
         asyncio.run(_load(gw.url, key, 200, args.concurrency, args.stream))
@@ -90,14 +84,28 @@ def run_bench_cpu(args: argparse.Namespace) -> int:
             engine_cpu = processes.cpu_seconds(engines[0].pid) - engine_cpu0
             gw_cpu = (processes.cpu_seconds(pid) - gw_cpu0) if pid else 0.0
             rows.append((name, errors, wall, engine_cpu, gw_cpu))
+    return rows
+
+
+def run_bench_cpu(args: argparse.Namespace) -> int:
+    key = "sk-bench"
+    rows = [(n, "in-process", *rest) for n, *rest in _measure(args, [], key)]
+    if args.redis:
+        from loadgen.redis_servers import redis_server
+
+        with redis_server(port=0) as server:
+            redis_rows = _measure(args, ["--redis-url", server.url], key)
+        rows += [(n, "redis", *rest) for n, *rest in redis_rows if n == "through kvgate"]
     print(
         f"{args.requests} requests, concurrency {args.concurrency}, policy {args.policy}, "
         f"stream={args.stream}"
     )
-    print(f"{'path':<18} {'errors':>6} {'req/s':>8} {'engine ms/req':>14} {'gateway ms/req':>15}")
-    for name, errors, wall, engine_cpu, gw_cpu in rows:
+    header = f"{'path':<18} {'directory':<10} {'errors':>6} {'req/s':>8}"
+    print(f"{header} {'engine ms/req':>14} {'gateway ms/req':>15}")
+    for name, directory, errors, wall, engine_cpu, gw_cpu in rows:
+        shown = directory if name == "through kvgate" else "-"
         print(
-            f"{name:<18} {errors:>6} {args.requests / wall:>8.0f} "
+            f"{name:<18} {shown:<10} {errors:>6} {args.requests / wall:>8.0f} "
             f"{engine_cpu / args.requests * 1e3:>14.3f} {gw_cpu / args.requests * 1e3:>15.3f}"
         )
-    return 1 if any(r[1] for r in rows) else 0
+    return 1 if any(r[2] for r in rows) else 0

@@ -36,3 +36,16 @@ def test_the_cpu_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench_cpu(_args(add_bench_cpu_arguments, "--requests", "200")) == 0
     out = capsys.readouterr().out
     assert "through kvgate" in out and "direct to engine" in out
+
+
+@pytest.mark.redis
+def test_the_directory_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadgen.bench_directory import add_bench_directory_arguments, run_bench_directory
+
+    args = _args(
+        add_bench_directory_arguments,
+        *("--lookups", "50", "--chains", "4", "--memory-entries", "2048", "--concurrency", "4"),
+    )
+    assert run_bench_directory(args) == 0
+    out = capsys.readouterr().out
+    assert "redis cluster (3 masters)" in out and "B per cached block entry" in out
