@@ -13,16 +13,21 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
+from cachemap.rates import PrefixRates
 from cachemap.redis import RedisDirectory, open_redis
 from gateway.director import Director
+from gateway.flights import Flights
 from gateway.forwarder import Forwarder
 from gateway.http_api import GatewayASGI, build_router, install_openapi
+from gateway.placement import Placement
 from gateway.reconcile import Reconciler
 from gateway.replicas import ReplicaSet
 from gateway.routing_directory import RoutingDirectory
 from gateway.settings import Settings
 from gateway.telemetry import build_registry, register_collector, render
 from gateway.tenants import TenantRegistry
+from router.filters import LoadBoundFilter
+from router.overflow import OverflowConfig
 from router.registry import RouterConfig, build_fallback, build_policy
 
 log = logging.getLogger(__name__)
@@ -36,6 +41,7 @@ def create_app(settings: Settings) -> GatewayASGI:
         consistent_hash_blocks=settings.consistent_hash_blocks,
     )
     policy = build_policy(settings.policy, router_config)
+    rates = PrefixRates() if settings.overflow else None
     directory = RoutingDirectory(
         MemoryDirectory(
             MemoryIndex(
@@ -44,6 +50,7 @@ def create_app(settings: Settings) -> GatewayASGI:
         ),
         deadline_s=settings.redis_deadline_s,
         write_deadline_s=settings.redis_write_deadline_s,
+        rates=rates,
     )
     replicas = ReplicaSet(
         settings.engines,
@@ -57,6 +64,19 @@ def create_app(settings: Settings) -> GatewayASGI:
     forwarder = Forwarder()
     registry = build_registry()
     reconciler = Reconciler(directory, settings.block_bytes, registry)
+    placement = Placement(
+        prefill_tokens_per_s=settings.engine_prefill_tokens_per_s,
+        overflow=OverflowConfig(
+            settings.engine_prefill_tokens_per_s, hot_share=settings.overflow_hot_share
+        )
+        if settings.overflow
+        else None,
+        fixed_threshold_per_min=settings.overflow_threshold_per_min,
+        flights=Flights(registry) if settings.fanout_hold else None,
+        min_hold_tokens=settings.fanout_min_tokens,
+        max_hold_s=settings.fanout_max_hold_s,
+        bound=LoadBoundFilter(settings.absolute_slack_tokens, settings.relative_slack),
+    )
     director = Director(
         settings,
         directory,
@@ -65,6 +85,7 @@ def create_app(settings: Settings) -> GatewayASGI:
         policy,
         observers=[reconciler],
         fallback_policy=build_fallback(settings.policy, router_config),
+        placement=placement,
     )
     register_collector(registry, director)
 

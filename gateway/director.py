@@ -18,11 +18,13 @@ from cachemap.keys import affinity_key, chain_hashes, root_hash
 from gateway.errors import ModelNotFound, NoReplica, UpstreamError
 from gateway.exchange import Exchange, ExchangeObserver, Routed
 from gateway.forwarder import Complete, Forwarder, Passthrough, RetryableFailure
+from gateway.placement import Placement
 from gateway.replicas import ReplicaSet, ReplicaState
 from gateway.requests import CHAT, ParsedRequest
 from gateway.routing_directory import RoutingDirectory
 from gateway.settings import Settings
 from gateway.tenants import Tenant
+from router.filters import LoadBoundFilter
 from router.profile import Profile
 from router.types import RouteRequest
 
@@ -49,6 +51,7 @@ class Director:
         policy: Profile,
         observers: Sequence[ExchangeObserver] = (),
         fallback_policy: Profile | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.settings = settings
         self.directory = directory
@@ -56,6 +59,15 @@ class Director:
         self.forwarder = forwarder
         self.policy = policy
         self.fallback_policy = fallback_policy or policy
+        self.placement = placement or Placement(
+            prefill_tokens_per_s=settings.engine_prefill_tokens_per_s,
+            overflow=None,
+            fixed_threshold_per_min=None,
+            flights=None,
+            min_hold_tokens=settings.fanout_min_tokens,
+            max_hold_s=settings.fanout_max_hold_s,
+            bound=LoadBoundFilter(settings.absolute_slack_tokens, settings.relative_slack),
+        )
         self.observers = list(observers)
         self.rng = random.Random(settings.seed)
         self.stats = DirectorStats()
@@ -92,12 +104,18 @@ class Director:
             sequence=next(self._sequence),
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
-        decision = policy.decide(route, [c.snapshot() for c in candidates], self.rng)
-        if decision is None:
+        snapshot = [c.snapshot() for c in candidates]
+        placed = await self.placement.place(policy, route, snapshot, hashes, lookup.hot, self.rng)
+        if placed is None:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
+        if placed.new_k is not None and lookup.hot_key is not None:
+            self.directory.set_k(lookup.hot_key, placed.new_k)
+        decision = placed.decision
         counter_key = (policy.name, decision.reason)
         self.stats.decisions[counter_key] = self.stats.decisions.get(counter_key, 0) + 1
-        return Routed(parsed, tenant, hashes, route, decision, lookup.last_use)
+        return Routed(
+            parsed, tenant, hashes, placed.route, decision, lookup.last_use, flight=placed.flight
+        )
 
     # -- 3. forward ------------------------------------------------------------------------
     def _upstream_payload(self, routed: Routed) -> bytes:
@@ -112,7 +130,21 @@ class Director:
         arrived, or an engine's 4xx to pass through."""
         candidates = self._admit(parsed)
         routed = await self._route(parsed, tenant, candidates)
-        return await self._forward(routed)
+        flight = routed.flight
+        if flight is None:
+            return await self._forward(routed)
+        flights = self.placement.flights
+        assert flights is not None
+        landed = False
+        try:
+            opened = await self._forward(routed)
+            # the first byte is in: the engine has prefilled, the KV is written
+            if isinstance(opened, Exchange):
+                landed = True
+                flight.replica = opened.replica.id  # a retry may have moved it
+            return opened
+        finally:
+            flights.end(flight, ok=landed)
 
     async def _forward(self, routed: Routed) -> Exchange | Passthrough:
         parsed = routed.parsed

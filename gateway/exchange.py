@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 
 from cachemap.keys import BlockHash
+from gateway.flights import Flight
 from gateway.forwarder import Streaming
 from gateway.replicas import ReplicaState
 from gateway.requests import ParsedRequest
@@ -40,7 +41,10 @@ class Routed:
     last_use: dict[str, float] = field(default_factory=dict)
     """replica -> last use of the deepest matched block (see `RoutingDirectory.Lookup`)"""
     start_s: float = field(default_factory=time.monotonic)
-    """When the request arrived (monotonic): TTFT and billing clocks start here."""
+    """When the request was routed (monotonic; after any fan-out hold, so a held sibling's
+    clock starts at its release): TTFT and billing clocks start here."""
+    flight: Flight | None = None
+    """Set when this request leads a fan-out: its siblings wait for its first byte."""
 
 
 class ExchangeObserver(Protocol):

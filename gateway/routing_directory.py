@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
+from cachemap.rates import PrefixRate, PrefixRates
 from cachemap.redis import RedisDirectory
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ class Lookup:
     """True when Redis did not answer and this came from the local directory"""
     last_use: dict[str, float] = field(default_factory=dict)
     """replica -> last use of the deepest matched block (what reconciliation may expire)"""
+    hot_key: BlockHash | None = None
+    """The prefix this request matched (the deepest block any replica holds)..."""
+    hot: PrefixRate | None = None
+    """...and its request rate including this request, and how many replicas it spreads over."""
 
 
 @dataclass
@@ -80,8 +85,10 @@ class RoutingDirectory:
         *,
         deadline_s: float = 0.005,
         write_deadline_s: float = 0.5,
+        rates: PrefixRates | None = None,
     ) -> None:
         self.local = local
+        self.rates = rates
         self.shared = shared
         self.deadline_s = deadline_s
         self.write_deadline_s = write_deadline_s
@@ -138,10 +145,22 @@ class RoutingDirectory:
                 self.stats.lookup_latencies.append(elapsed)
                 self.stats.shared_lookups += 1
                 self._failures = 0
-                return _lookup(detail, degraded=False)
+                return self._rated(_lookup(detail, degraded=False), hashes)
         if self.shared is not None:
             self.stats.fallbacks += 1
-        return _lookup(await self.local.lookup_detail(hashes), degraded=self.shared is not None)
+        detail = await self.local.lookup_detail(hashes)
+        return self._rated(_lookup(detail, degraded=self.shared is not None), hashes)
+
+    def _rated(self, lookup: Lookup, hashes: Sequence[BlockHash]) -> Lookup:
+        depth = max(lookup.overlap.values(), default=0)
+        if self.rates is not None and depth > 0:
+            lookup.hot_key = hashes[depth - 1]
+            lookup.hot = self.rates.observe(lookup.hot_key)
+        return lookup
+
+    def set_k(self, prefix: BlockHash, k: int) -> None:
+        if self.rates is not None:
+            self.rates.set_k(prefix, k)
 
     async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.local.record(replica, hashes)

@@ -23,7 +23,9 @@ from pydantic_settings import (
 
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
+from router.fanout import DEFAULT_MIN_HOLD_TOKENS
 from router.filters import DEFAULT_ABSOLUTE_SLACK_TOKENS, DEFAULT_RELATIVE_SLACK
+from router.overflow import DEFAULT_HOT_SHARE
 from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,10 @@ DEFAULT_BYTES_PER_TOKEN = 4.0
 """English BPE averages ~4 bytes per token; the gateway learns the real ratio per model from the
 engines' usage and uses this only until the first response."""
 DEFAULT_UPSTREAM_MAX_CONNECTIONS = 1024
+DEFAULT_ENGINE_PREFILL_TOKENS_PER_S = 13_000.0
+"""An H100 prefilling an 8B model; set it to your engines' measured prefill throughput."""
+DEFAULT_FANOUT_MAX_HOLD_S = 10.0
+"""However long a leader's prefill is expected to take, no sibling waits more than 10 s."""
 DEFAULT_REDIS_DEADLINE_S = 0.005
 """A lookup is one script call, ~0.2 ms on a LAN: 5 ms is 25× that, and routing locally beats
 waiting longer (a prefill of the whole prompt costs tens of ms at worst)."""
@@ -101,6 +107,17 @@ class Settings(BaseSettings):
     redis_write_deadline_s: float = DEFAULT_REDIS_WRITE_DEADLINE_S
     scrape_metrics: bool = True
     """Read each replica's /metrics with every health probe (restarts, load signals)."""
+
+    # -- hot prefixes and fan-out (issue #5) ----------------------------------------------------
+    engine_prefill_tokens_per_s: float = DEFAULT_ENGINE_PREFILL_TOKENS_PER_S
+    """What one replica prefills per second: derives the hot-prefix threshold and hold bounds."""
+    overflow: bool = True
+    overflow_hot_share: float = DEFAULT_HOT_SHARE
+    overflow_threshold_per_min: float | None = None
+    """A fixed requests/min/replica threshold instead of the one derived from the prefill rate."""
+    fanout_hold: bool = True
+    fanout_min_tokens: float = DEFAULT_MIN_HOLD_TOKENS
+    fanout_max_hold_s: float = DEFAULT_FANOUT_MAX_HOLD_S
 
     @field_validator("policy")
     @classmethod

@@ -12,6 +12,9 @@ from prometheus_client.registry import Collector
 
 from gateway.director import Director
 
+HOTTEST_SHOWN = 5
+"""Hot prefixes exported by name (a label each): a handful keeps the cardinality bounded."""
+
 
 class _GatewayCollector(Collector):
     def __init__(self, director: Director) -> None:
@@ -68,6 +71,50 @@ class _GatewayCollector(Collector):
             "Records/drops that did not reach the shared directory.",
             dstats.writes_dropped,
         )
+        placement = d.placement
+        yield CounterMetricFamily(
+            "kvgate_overflow_widenings",
+            "Hot prefixes spread over more replicas.",
+            placement.stats.widenings,
+        )
+        yield CounterMetricFamily(
+            "kvgate_overflow_shrinks",
+            "Hot prefixes spread over fewer replicas.",
+            placement.stats.shrinks,
+        )
+        yield CounterMetricFamily(
+            "kvgate_overflow_spread_requests",
+            "Requests routed with a hot prefix spread to replicas that did not hold it yet.",
+            placement.stats.spread_requests,
+        )
+        rates = d.directory.rates
+        if rates is not None:
+            k = GaugeMetricFamily(
+                "kvgate_hot_prefix_replicas", "k of the hottest prefixes.", labels=["prefix"]
+            )
+            rate = GaugeMetricFamily(
+                "kvgate_hot_prefix_rate_per_min",
+                "Request rate of the hottest prefixes.",
+                labels=["prefix"],
+            )
+            for prefix, observed in rates.hottest(HOTTEST_SHOWN):
+                label = prefix.hex()[:16]
+                k.add_metric([label], observed.k)
+                rate.add_metric([label], observed.rate_per_min)
+            yield k
+            yield rate
+        flights = placement.flights
+        if flights is not None:
+            yield CounterMetricFamily(
+                "kvgate_fanout_holds", "Siblings held for an in-flight leader.", flights.stats.holds
+            )
+            releases = CounterMetricFamily(
+                "kvgate_fanout_releases", "How held siblings were released.", labels=["reason"]
+            )
+            releases.add_metric(["landed"], flights.stats.released_landed)
+            releases.add_metric(["leader_failed"], flights.stats.released_failed)
+            releases.add_metric(["timeout"], flights.stats.timeouts)
+            yield releases
         yield CounterMetricFamily(
             "kvgate_directory_lookup_seconds",
             "Time spent in shared directory lookups.",

@@ -65,8 +65,8 @@ class EngineConfig:
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     timing: TimingModel = field(default_factory=TimingModel)
     fail_first_bytes: int = 0
-    """Test hook (SGLang's mock_worker has the same): answer this many generation requests with
-    a 500 before any byte, to exercise the router's retry."""
+    """Test hook (SGLang's mock_worker has the same): this many generation requests fail with a
+    500 before any byte, after their prefill time (an engine dying mid-prefill), writing no KV."""
 
 
 class BadRequest(Exception):
@@ -389,9 +389,9 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
     stream = body.get("stream") is True
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    if engine.num_failures_left > 0:
+    failing = engine.num_failures_left > 0
+    if failing:
         engine.num_failures_left -= 1
-        return _error("simulated failure before the first byte", 500)
 
     hashes = block_hashes(tokens, config.block_size, salt)
     max_cached = (len(tokens) - 1) // config.block_size * config.block_size
@@ -411,6 +411,11 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
     )
     created = int(time.time())
     first, done = engine.submit(job)
+    if failing:  # the engine dies during the prefill: nothing is cached, the client gets a 500
+        job.block_hashes, job.final_hashes = (), ()
+        await first
+        engine.abort(job)
+        return _error("simulated failure before the first byte", 500)
 
     def usage() -> dict[str, Any]:
         return {

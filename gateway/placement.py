@@ -1,0 +1,117 @@
+"""Placement: the policy's decision with the two agent-traffic refinements around it.
+
+1. Fan-out (`router.fanout`): if an in-flight sibling of the same scope is writing this
+   request's uncached prefix, wait for it to land (bounded), then count its replica as
+   holding that prefix.
+2. Hot prefixes (`router.overflow`): if the prefix this request matched is requested faster
+   than its holders can prefill, let k replicas count as holding it.
+3. The policy ranks the replicas.
+4. A request that will write a long uncached prefix becomes a leader its siblings can find.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cachemap.keys import BlockHash
+from cachemap.rates import PrefixRate
+from gateway.flights import Flight, Flights
+from router.fanout import DEFAULT_HOLD_FACTOR, with_leader, worth_holding
+from router.filters import LoadBoundFilter
+from router.overflow import OverflowConfig, next_k, spread, threshold_per_min
+from router.profile import Profile
+from router.types import Decision, Replica, RouteRequest
+
+
+@dataclass
+class OverflowStats:
+    widenings: int = 0
+    shrinks: int = 0
+    spread_requests: int = 0
+
+
+@dataclass
+class Placed:
+    decision: Decision
+    route: RouteRequest
+    flight: Flight | None
+    new_k: int | None = None
+    """Set when the prefix's k changed: the caller stores it with the prefix's rate."""
+
+
+class Placement:
+    def __init__(
+        self,
+        *,
+        prefill_tokens_per_s: float,
+        overflow: OverflowConfig | None,
+        fixed_threshold_per_min: float | None,
+        flights: Flights | None,
+        min_hold_tokens: float,
+        max_hold_s: float,
+        bound: LoadBoundFilter,
+    ) -> None:
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.overflow = overflow
+        self.fixed_threshold_per_min = fixed_threshold_per_min
+        self.flights = flights
+        self.min_hold_tokens = min_hold_tokens
+        self.max_hold_s = max_hold_s
+        self.bound = bound
+        self.stats = OverflowStats()
+
+    async def place(
+        self,
+        policy: Profile,
+        route: RouteRequest,
+        replicas: Sequence[Replica],
+        hashes: Sequence[BlockHash],
+        hot: PrefixRate | None,
+        rng: random.Random,
+    ) -> Placed | None:
+        depth = max(route.overlap.values(), default=0)
+        # 1. fan-out
+        if self.flights is not None:
+            found = self.flights.find(hashes, depth)
+            if found is not None:
+                leader, shared = found
+                if worth_holding(
+                    route, replicas, leader.replica, depth, shared, self.min_hold_tokens, self.bound
+                ):
+                    timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * leader.expected_s)
+                    if await self.flights.wait(leader, max(timeout, 0.001)):
+                        route = with_leader(route, leader.replica, shared)
+                        depth = max(depth, shared)
+        # 2. hot prefixes
+        new_k = None
+        if self.overflow is not None and hot is not None and depth > 0:
+            uncached = route.num_prompt_tokens - depth * route.tokens_per_block
+            threshold = self.fixed_threshold_per_min or threshold_per_min(self.overflow, uncached)
+            healthy = sum(1 for r in replicas if r.healthy)
+            k = next_k(hot.k, hot.rate_per_min, threshold, self.overflow.shrink_ratio, healthy)
+            if k != hot.k:
+                new_k = k
+                if k > hot.k:
+                    self.stats.widenings += 1
+                else:
+                    self.stats.shrinks += 1
+            route, added = spread(route, replicas, depth, k)
+            if added:
+                self.stats.spread_requests += 1
+        # 3. the policy
+        decision = policy.decide(route, replicas, rng)
+        if decision is None:
+            return None
+        # 4. lead
+        flight = None
+        if self.flights is not None:
+            matched = route.overlap.get(decision.replica, 0)
+            uncached_tokens = (len(hashes) - matched) * route.tokens_per_block
+            if uncached_tokens >= self.min_hold_tokens:
+                target = next(r for r in replicas if r.id == decision.replica)
+                work = target.pending_prefill_tokens + route.uncached_tokens(target.id)
+                expected_s = work / self.prefill_tokens_per_s
+                flight = self.flights.lead(decision.replica, hashes[matched:], expected_s)
+        return Placed(decision, route, flight, new_k)
