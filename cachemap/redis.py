@@ -38,6 +38,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mmh3
@@ -59,21 +60,27 @@ COUNT_KEY = b"kvg:{kvg-meta}:count"
 START_KEY = b"kvg:{kvg-meta}:start"
 FLOOR_KEY = b"kvg:{kvg-meta}:floor"
 CHANNEL = "kvg:gen"
+LAND_CHANNEL = "kvg:land"
+"""Fan-out leaders announce here that their write landed: "<marker>|<replica>|ok|fail"."""
 GEN_REFRESH_S = 1.0
 """Safety net behind the channel: a gateway that missed a message is stale for at most 1 s."""
 
-# KEYS: the chain's block keys. ARGV: now ms, ttl ms, then (rid, oldest live gen, floor ms)*
+# KEYS: the chain's block keys. ARGV: now ms, ttl ms, rate window ms (0: do not count),
+# find writers (0/1), then (rid, oldest live gen, floor ms)*.
+# Returns {{rid, depth, last use}*, {depth, rate, k} | {}, {shared depth, writer} | {}}.
 _LOOKUP = """
 local now = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[2])
+local window_ms = tonumber(ARGV[3])
 local mingen = {}
 local floor = {}
-for i = 3, #ARGV, 3 do
+for i = 5, #ARGV, 3 do
   mingen[ARGV[i]] = tonumber(ARGV[i + 1])
   floor[ARGV[i]] = tonumber(ARGV[i + 2])
 end
 local depth = {}
 local last = {}
+local deepest = 0
 for i = 1, #KEYS do
   local fields = redis.call('HGETALL', KEYS[i])
   local advanced = false
@@ -91,6 +98,7 @@ for i = 1, #KEYS do
     end
   end
   if not advanced then break end
+  deepest = i
 end
 local out = {}
 for rid, d in pairs(depth) do
@@ -98,7 +106,58 @@ for rid, d in pairs(depth) do
   out[#out + 1] = d
   out[#out + 1] = last[rid]
 end
-return out
+local hot = {}
+if window_ms > 0 and deepest > 0 then
+  local key = KEYS[deepest] .. ':r'
+  local v = redis.call('HMGET', key, 'w', 'c', 'p', 'k')
+  local window = math.floor(now / window_ms)
+  local w, c, p = tonumber(v[1]) or window, tonumber(v[2]) or 0, tonumber(v[3]) or 0
+  local k = tonumber(v[4]) or 1
+  if w ~= window then
+    if w == window - 1 then p = c else p = 0 end
+    c = 0
+  end
+  c = c + 1
+  redis.call('HSET', key, 'w', window, 'c', c, 'p', p)
+  redis.call('PEXPIRE', key, 2 * window_ms)
+  local rate = p * math.max(0, 1 - (now / window_ms - window)) + c
+  hot = {deepest, tostring(rate), k}
+end
+local writer = {}
+if ARGV[4] == '1' then
+  for i = deepest + 1, #KEYS do
+    local w = redis.call('GET', KEYS[i] .. ':w')
+    if not w then break end
+    writer = {i, w}
+  end
+end
+return {out, hot, writer}
+"""
+
+# KEYS: a prefix's rate key. ARGV: k.
+_SET_K = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'k', ARGV[1]) end
+return 1
+"""
+
+# KEYS: writer markers of a leader's uncached blocks. ARGV: value, ttl ms. First writer wins.
+_LEAD = """
+local n = 0
+for i = 1, #KEYS do
+  if redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) then n = n + 1 end
+end
+return n
+"""
+
+# KEYS: a leader's markers. ARGV: its pending value, its landed value, ttl ms, channel.
+_LAND = """
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then
+    redis.call('SET', KEYS[i], ARGV[2], 'PX', ARGV[3])
+  end
+end
+redis.call('PUBLISH', ARGV[4], ARGV[2])
+return 1
 """
 
 _RECORD = """
@@ -197,6 +256,16 @@ async def open_redis(url: str, *, cluster: bool | None = None, timeout_s: float 
     return aioredis.Redis.from_url(url, **options)
 
 
+@dataclass
+class SharedLookup:
+    detail: dict[str, tuple[int, float]]
+    hot_depth: int = 0
+    rate_per_min: float = 0.0
+    k: int = 1
+    writer_depth: int = 0
+    writer: str | None = None
+
+
 class RedisDirectory:
     """The `Directory` protocol on Redis or Redis Cluster (see the module docstring)."""
 
@@ -223,6 +292,9 @@ class RedisDirectory:
         self._count = client.register_script(_COUNT)
         self._bump = client.register_script(_BUMP)
         self._expire = client.register_script(_EXPIRE)
+        self._set_k = client.register_script(_SET_K)
+        self._lead = client.register_script(_LEAD)
+        self._land = client.register_script(_LAND)
         self._names: dict[str, str] = {}
         self._gens: dict[str, int] = {}
         self._floors: dict[str, int] = {}
@@ -233,20 +305,63 @@ class RedisDirectory:
         return {r: d for r, (d, _) in (await self.lookup_detail(hashes)).items()}
 
     async def lookup_detail(self, hashes: Sequence[BlockHash]) -> dict[str, tuple[int, float]]:
+        return (await self.lookup_full(hashes)).detail
+
+    async def lookup_full(
+        self, hashes: Sequence[BlockHash], *, rate_window_s: float = 0.0, writers: bool = False
+    ) -> SharedLookup:
+        """One script call: each replica's depth and last use; with `rate_window_s`, the
+        matched prefix's request rate (this request counted) and k; with `writers`, the
+        deepest uncached block an in-flight leader is writing and the leader's marker."""
         if not hashes:
-            return {}
-        args: list[Any] = [int(self.clock() * 1000), int(self.ttl_s * 1000)]
+            return SharedLookup({})
+        args: list[Any] = [
+            int(self.clock() * 1000),
+            int(self.ttl_s * 1000),
+            int(rate_window_s * 1000),
+            1 if writers else 0,
+        ]
         for rid in self._gens.keys() | self._floors.keys():
             args += [rid, self._gens.get(rid, 0) - 1, self._floors.get(rid, -1)]
-        flat = await self._lookup(keys=block_keys(hashes), args=args)
+        flat, hot, writer = await self._lookup(keys=block_keys(hashes), args=args)
         names = self._names
-        out: dict[str, tuple[int, float]] = {}
+        detail: dict[str, tuple[int, float]] = {}
         for i in range(0, len(flat), 3):
-            rid = flat[i].decode() if isinstance(flat[i], bytes) else str(flat[i])
-            name = names.get(rid)
+            name = names.get(_text(flat[i]))
             if name is not None:
-                out[name] = (int(flat[i + 1]), int(flat[i + 2]) / 1000)
-        return out
+                detail[name] = (int(flat[i + 1]), int(flat[i + 2]) / 1000)
+        result = SharedLookup(detail)
+        if hot:
+            result.hot_depth, result.rate_per_min, result.k = (
+                int(hot[0]),
+                float(hot[1]),
+                int(hot[2]),
+            )
+        if writer:
+            result.writer_depth, result.writer = int(writer[0]), _text(writer[1])
+        return result
+
+    async def set_k(self, prefix: BlockHash, k: int) -> None:
+        await self._set_k(keys=[block_keys([prefix])[0] + b":r"], args=[k])
+
+    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> int:
+        """Mark `blocks` as being written by a leader (set if absent); how many it now holds."""
+        if not blocks:
+            return 0
+        keys = [k + b":w" for k in block_keys(blocks)]
+        return int(await self._lead(keys=keys, args=[marker, int(ttl_s * 1000)]))
+
+    async def land(
+        self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float
+    ) -> None:
+        """The leader's write landed (or failed): its markers say so for `ttl_s`, and every
+        gateway hears it on `LAND_CHANNEL`."""
+        keys = [k + b":w" for k in block_keys(blocks)] if blocks else [b"kvg:{kvg-meta}:noop"]
+        await self._land(keys=keys, args=[marker, landed, int(ttl_s * 1000), LAND_CHANNEL])
+
+    async def read_marker(self, block: BlockHash) -> str | None:
+        value = await self.client.get(block_keys([block])[0] + b":w")
+        return None if value is None else _text(value)
 
     async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.record_many([(replica, hashes)])
