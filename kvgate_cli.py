@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_cpu_arguments(bench_cpu)
 
+    tenants = commands.add_parser(
+        "tenants", help="add, list or revoke tenants and keys in a tenants file"
+    )
+    from gateway.tenants_cli import add_tenants_arguments
+
+    add_tenants_arguments(tenants)
+
     args = parser.parse_args(argv)
     if args.command == "engine":
         from loadgen.engine import serve_engine
@@ -55,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.bench_cpu import run_bench_cpu
 
         return run_bench_cpu(args)
+    elif args.command == "tenants":
+        from gateway.tenants_cli import run_tenants
+
+        return run_tenants(args)
     return 0
 
 

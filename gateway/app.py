@@ -13,12 +13,15 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
+from gateway.admission import Admission
 from gateway.director import Director
 from gateway.forwarder import Forwarder
 from gateway.http_api import GatewayASGI, build_router, install_openapi
+from gateway.ratelimit import RateLimiter
 from gateway.replicas import ReplicaSet
 from gateway.settings import Settings
 from gateway.telemetry import build_registry, render
+from gateway.tenant_file import TenantFileWatcher
 from gateway.tenants import TenantRegistry
 from router.registry import RouterConfig, build_policy
 
@@ -27,6 +30,12 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: Settings) -> GatewayASGI:
     tenants = TenantRegistry.from_pairs(settings.secret_bytes(), settings.tenants)
+    watcher = None
+    if settings.tenants_file is not None:
+        watcher = TenantFileWatcher(
+            settings.tenants_file, tenants, settings.tenants_reload_interval_s
+        )
+        watcher.load_now()  # an invalid file fails the start (TenantFileError)
     policy = build_policy(
         settings.policy,
         RouterConfig(
@@ -48,7 +57,11 @@ def create_app(settings: Settings) -> GatewayASGI:
         on_restart=directory.forget,
     )
     forwarder = Forwarder()
-    director = Director(settings, directory, replicas, forwarder, policy)
+    limiter = RateLimiter(settings.redis_url, settings.rate_limit_timeout_s)
+    admission = Admission(tenants, limiter)
+    director = Director(
+        settings, directory, replicas, forwarder, policy, observers=[admission], admission=admission
+    )
     registry = build_registry(director)
 
     @contextlib.asynccontextmanager
@@ -66,6 +79,8 @@ def create_app(settings: Settings) -> GatewayASGI:
         ) as session:
             forwarder.session = session
             await replicas.start(session)
+            if watcher is not None:
+                watcher.start()
             log.info(
                 "kvgate: %d/%d replicas healthy, policy %s",
                 sum(s.healthy for s in replicas.states.values()),
@@ -75,8 +90,11 @@ def create_app(settings: Settings) -> GatewayASGI:
             try:
                 yield
             finally:
+                if watcher is not None:
+                    await watcher.stop()
                 await replicas.stop()
                 await directory.close()
+                await limiter.close()
 
     app = FastAPI(
         title="kvgate",
@@ -92,5 +110,8 @@ def create_app(settings: Settings) -> GatewayASGI:
         return Response(render(registry), media_type="text/plain; version=0.0.4")
 
     app.state.director = director
+    app.state.tenants = tenants
+    app.state.tenants_watcher = watcher
+    app.state.rate_limiter = limiter
     install_openapi(app)
     return GatewayASGI(app, hot)

@@ -28,6 +28,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="add x-kvgate-* routing headers to responses (operators only: leaks cache state)",
     )
     parser.add_argument("--log-level", help="debug, info, warning, error")
+    parser.add_argument(
+        "--tenants-file",
+        type=Path,
+        help="tenants, policies and key hashes (YAML or .json; kvgate tenants), reloaded on change",
+    )
+    parser.add_argument(
+        "--redis-url", help="Redis shared by the gateways (rate limits): redis:// or unix://"
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -36,6 +44,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from gateway.app import create_app
     from gateway.settings import load_settings
+    from gateway.tenant_file import TenantFileError
 
     try:
         settings = load_settings(
@@ -48,6 +57,8 @@ def run_serve(args: argparse.Namespace) -> int:
             server_secret_file=args.server_secret_file,
             debug_headers=args.debug_headers,
             log_level=args.log_level,
+            tenants_file=args.tenants_file,
+            redis_url=args.redis_url,
         )
     except ValidationError as exc:
         print(f"kvgate serve: invalid settings:\n{exc}")
@@ -58,8 +69,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if not settings.engines:
         print("kvgate serve: no engines; pass --engine URL (repeatable) or set KVGATE_ENGINES")
         return 2
+    try:
+        app = create_app(settings)
+    except TenantFileError as exc:
+        print(f"kvgate serve: {exc}")
+        return 2
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),

@@ -39,6 +39,8 @@ class Routed:
     decision: Decision
     start_s: float = field(default_factory=time.monotonic)
     """When the request arrived (monotonic): TTFT and billing clocks start here."""
+    admitted_tokens: int = 0
+    """Tokens charged to the tenant's tokens/min budget at admission; usage settles the rest."""
 
 
 class ExchangeObserver(Protocol):

@@ -23,6 +23,7 @@ from pydantic_settings import (
 
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
+from gateway.tenants import check_tenant_name
 from router.filters import DEFAULT_ABSOLUTE_SLACK_TOKENS, DEFAULT_RELATIVE_SLACK
 from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
 
@@ -48,6 +49,13 @@ DEFAULT_BYTES_PER_TOKEN = 4.0
 """English BPE averages ~4 bytes per token; the gateway learns the real ratio per model from the
 engines' usage and uses this only until the first response."""
 DEFAULT_UPSTREAM_MAX_CONNECTIONS = 1024
+
+# -- tenants, isolation and rate limits (issue 6) ---------------------------------------------
+DEFAULT_TENANTS_RELOAD_INTERVAL_S = 1.0
+"""Look at the tenants file once a second: a revoked key stops working within a second (the
+kubelet takes up to a minute to update a mounted Secret anyway), and a stat() costs nothing."""
+DEFAULT_RATE_LIMIT_TIMEOUT_S = 0.1
+"""The deadline of one rate-limit round trip to Redis (gateway.ratelimit.DEFAULT_TIMEOUT_S)."""
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
@@ -86,6 +94,15 @@ class Settings(BaseSettings):
     seed: int | None = None
     log_level: str = "info"
 
+    # -- tenants, isolation and rate limits (issue 6; docs/tenants.md) ------------------------
+    tenants_file: Path | None = None
+    """A YAML (or *.json) file of tenants, policies and key hashes, edited by `kvgate tenants`,
+    or a mounted Kubernetes Secret holding one; reloaded when it changes."""
+    tenants_reload_interval_s: float = DEFAULT_TENANTS_RELOAD_INTERVAL_S
+    redis_url: str | None = None
+    """Shared state between gateways (redis://, rediss:// or unix://): rate limits here."""
+    rate_limit_timeout_s: float = DEFAULT_RATE_LIMIT_TIMEOUT_S
+
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
@@ -108,6 +125,14 @@ class Settings(BaseSettings):
             name, sep, key = pair.partition(":")
             if not sep or not name or not key:
                 raise ValueError(f"tenant {pair.split(':')[0]!r} must be given as NAME:KEY")
+            check_tenant_name(name)
+        return value
+
+    @field_validator("tenants_reload_interval_s", "rate_limit_timeout_s")
+    @classmethod
+    def _positive_seconds(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be a positive number of seconds")
         return value
 
     @field_validator("block_bytes", "directory_capacity_blocks", "max_attempts", "unhealthy_after")
