@@ -45,6 +45,20 @@ def main(argv: list[str] | None = None) -> int:
 
     add_tenants_arguments(tenants)
 
+    audit = commands.add_parser(
+        "audit", help="the Gu et al. timing audit of cache isolation between tenants"
+    )
+    from loadgen.audit import add_audit_arguments
+
+    add_audit_arguments(audit)
+
+    audit_demo = commands.add_parser(
+        "audit-demo", help="the audit through kvgate (PASS) and at a bare engine (FAIL): make audit"
+    )
+    from loadgen.audit_demo import add_audit_demo_arguments
+
+    add_audit_demo_arguments(audit_demo)
+
     args = parser.parse_args(argv)
     if args.command == "engine":
         from loadgen.engine import serve_engine
@@ -66,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.tenants_cli import run_tenants
 
         return run_tenants(args)
+    elif args.command == "audit":
+        from loadgen.audit import run_audit_command
+
+        return run_audit_command(args)
+    elif args.command == "audit-demo":
+        from loadgen.audit_demo import run_audit_demo
+
+        return run_audit_demo(args)
     return 0
 
 
