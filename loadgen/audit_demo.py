@@ -35,6 +35,8 @@ def add_audit_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="probes of each kind")
     parser.add_argument("--engines", type=int, default=DEFAULT_NUM_ENGINES)
     parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
+    parser.add_argument("--prefix-fraction", type=float, default=1.0)
+    parser.add_argument("--victim-requests", type=int, default=1)
     parser.add_argument(
         "--skip-broken", action="store_true", help="skip the audit of a bare engine (the FAIL)"
     )
@@ -52,6 +54,7 @@ def _add_key(tenants_file: Path, name: str) -> str:
 
 def run_audit_demo(args: argparse.Namespace) -> int:
     engine_args = ["--time-scale", str(args.time_scale)]
+    shape = {"prefix_fraction": args.prefix_fraction, "victim_requests": args.victim_requests}
     ok = True
     with tempfile.TemporaryDirectory(prefix="kvgate-audit-") as tmp:
         tenants_file = Path(tmp) / "tenants.yaml"
@@ -66,7 +69,9 @@ def run_audit_demo(args: argparse.Namespace) -> int:
             with processes.gateway(urls, gateway_args) as gateway:
                 print(f"== through kvgate ({args.engines} engines, time scale {args.time_scale})")
                 started = time.monotonic()
-                config = AuditConfig(gateway.url, victim, attacker, control, samples=args.samples)
+                config = AuditConfig(
+                    gateway.url, victim, attacker, control, samples=args.samples, **shape
+                )
                 report = asyncio.run(run_audit(config))
                 print(format_report(report))
                 print(f"wall time {time.monotonic() - started:.0f} s\n")
@@ -74,7 +79,7 @@ def run_audit_demo(args: argparse.Namespace) -> int:
             if not args.skip_broken:
                 print("== straight at one engine: no cache_salt, one cache shared by everyone")
                 started = time.monotonic()
-                config = AuditConfig(urls[0], victim, attacker, samples=args.samples)
+                config = AuditConfig(urls[0], victim, attacker, samples=args.samples, **shape)
                 report = asyncio.run(run_audit(config))
                 print(format_report(report))
                 print(f"wall time {time.monotonic() - started:.0f} s\n")
