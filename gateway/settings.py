@@ -54,6 +54,7 @@ DEFAULT_UPSTREAM_MAX_CONNECTIONS = 1024
 DEFAULT_TENANTS_RELOAD_INTERVAL_S = 1.0
 """Look at the tenants file once a second: a revoked key stops working within a second (the
 kubelet takes up to a minute to update a mounted Secret anyway), and a stat() costs nothing."""
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 DEFAULT_RATE_LIMIT_TIMEOUT_S = 0.1
 """The deadline of one rate-limit round trip to Redis (gateway.ratelimit.DEFAULT_TIMEOUT_S)."""
 
@@ -126,6 +127,15 @@ class Settings(BaseSettings):
             if not sep or not name or not key:
                 raise ValueError(f"tenant {pair.split(':')[0]!r} must be given as NAME:KEY")
             check_tenant_name(name)
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(REDIS_SCHEMES):
+            raise ValueError(
+                f"redis_url {value!r} must start with one of {', '.join(REDIS_SCHEMES)}"
+            )
         return value
 
     @field_validator("tenants_reload_interval_s", "rate_limit_timeout_s")

@@ -87,7 +87,7 @@ def run_tenants(args: argparse.Namespace) -> int:
                 print(f"revoked {what} in {path}", file=sys.stderr)
             return 0
         content = load(path)
-    except (TenantFileError, ValueError) as exc:
+    except (TenantFileError, ValueError, OSError) as exc:
         print(f"kvgate tenants: {exc}", file=sys.stderr)
         return 1
     if args.json:

@@ -247,3 +247,17 @@ def test_a_kubernetes_secret_update_by_symlink_swap_is_reloaded(tmp_path: Path) 
     assert asyncio.run(watcher.maybe_reload())
     assert registry.authenticate(k2).name == "globex"
     assert watcher.num_reloads == 1
+
+
+def test_serve_refuses_to_start_on_a_bad_tenants_file_or_redis_url(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  acme:\n    scope: everyone\n")
+    serve = ["serve", "--engine", "http://127.0.0.1:9", "--tenants-file"]
+    status, out, _ = kvgate(capsys, *serve, str(path))
+    assert status == 2 and "tenants.yaml" in out and "Input should be 'tenant' or 'user'" in out
+    status, out, _ = kvgate(capsys, *serve, str(tmp_path / "absent.yaml"))
+    assert status == 2 and "create it with 'kvgate tenants add" in out
+    status, out, _ = kvgate(capsys, *serve[:-1], "--redis-url", "localhost:6379")
+    assert status == 2 and "must start with one of redis://, rediss://, unix://" in out
