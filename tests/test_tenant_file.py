@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -225,9 +226,13 @@ def _kubelet_write(volume: Path, content: str, generation: int) -> None:
     new = volume / f"..2026_11_30_10_00_0{generation}.000000001"
     new.mkdir()
     (new / "tenants.yaml").write_text(content)
+    data = volume / "..data"
+    old = os.readlink(data) if data.is_symlink() else None
     tmp_link = volume / "..data_tmp"
     tmp_link.symlink_to(new.name)
-    os.replace(tmp_link, volume / "..data")
+    os.replace(tmp_link, data)
+    if old is not None:  # the kubelet then removes the previous generation
+        shutil.rmtree(volume / old)
     visible = volume / "tenants.yaml"
     if not visible.is_symlink():
         visible.symlink_to("..data/tenants.yaml")
