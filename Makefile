@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 ARGS    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help run test lint typecheck bench clean
+.PHONY: help run test lint typecheck bench audit clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -32,6 +32,9 @@ typecheck: $(STAMP) ## mypy --strict on the packages
 
 bench: $(STAMP) ## the gateway's CPU time per proxied request
 	$(VENV)/bin/kvgate bench-cpu $(ARGS)
+
+audit: $(STAMP) ## the Gu et al. timing audit: through kvgate (PASS) and at a bare engine (FAIL)
+	$(VENV)/bin/kvgate audit-demo $(ARGS)
 
 clean: ## remove the virtualenv
 	rm -rf $(VENV)

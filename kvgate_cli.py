@@ -46,6 +46,27 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_directory_arguments(bench_directory)
 
+    tenants = commands.add_parser(
+        "tenants", help="add, list or revoke tenants and keys in a tenants file"
+    )
+    from gateway.tenants_cli import add_tenants_arguments
+
+    add_tenants_arguments(tenants)
+
+    audit = commands.add_parser(
+        "audit", help="the Gu et al. timing audit of cache isolation between tenants"
+    )
+    from loadgen.audit import add_audit_arguments
+
+    add_audit_arguments(audit)
+
+    audit_demo = commands.add_parser(
+        "audit-demo", help="the audit through kvgate (PASS) and at a bare engine (FAIL): make audit"
+    )
+    from loadgen.audit_demo import add_audit_demo_arguments
+
+    add_audit_demo_arguments(audit_demo)
+
     args = parser.parse_args(argv)
     if args.command == "engine":
         from loadgen.engine import serve_engine
@@ -67,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.bench_cpu import run_bench_cpu
 
         return run_bench_cpu(args)
+    elif args.command == "tenants":
+        from gateway.tenants_cli import run_tenants
+
+        return run_tenants(args)
+    elif args.command == "audit":
+        from loadgen.audit import run_audit_command
+
+        return run_audit_command(args)
+    elif args.command == "audit-demo":
+        from loadgen.audit_demo import run_audit_demo
+
+        return run_audit_demo(args)
     return 0
 
 

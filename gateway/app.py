@@ -15,16 +15,19 @@ from starlette.responses import Response
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
 from cachemap.redis import RedisDirectory, open_redis
+from gateway.admission import Admission
 from gateway.director import Director
 from gateway.flights import Flights
 from gateway.forwarder import Forwarder
 from gateway.http_api import GatewayASGI, build_router, install_openapi
 from gateway.placement import Placement
+from gateway.ratelimit import RateLimiter
 from gateway.reconcile import Reconciler
 from gateway.replicas import ReplicaSet
 from gateway.routing_directory import RoutingDirectory
 from gateway.settings import Settings
 from gateway.telemetry import build_registry, register_collector, render
+from gateway.tenant_file import TenantFileWatcher
 from gateway.tenants import TenantRegistry
 from router.filters import LoadBoundFilter
 from router.overflow import OverflowConfig
@@ -35,6 +38,12 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: Settings) -> GatewayASGI:
     tenants = TenantRegistry.from_pairs(settings.secret_bytes(), settings.tenants)
+    watcher = None
+    if settings.tenants_file is not None:
+        watcher = TenantFileWatcher(
+            settings.tenants_file, tenants, settings.tenants_reload_interval_s
+        )
+        watcher.load_now()  # an invalid file fails the start (TenantFileError)
     router_config = RouterConfig(
         absolute_slack_tokens=settings.absolute_slack_tokens,
         relative_slack=settings.relative_slack,
@@ -77,15 +86,18 @@ def create_app(settings: Settings) -> GatewayASGI:
         max_hold_s=settings.fanout_max_hold_s,
         bound=LoadBoundFilter(settings.absolute_slack_tokens, settings.relative_slack),
     )
+    limiter = RateLimiter(settings.redis_url, settings.rate_limit_timeout_s)
+    admission = Admission(tenants, limiter)
     director = Director(
         settings,
         directory,
         replicas,
         forwarder,
         policy,
-        observers=[reconciler],
+        observers=[admission, reconciler],
         fallback_policy=build_fallback(settings.policy, router_config),
         placement=placement,
+        admission=admission,
     )
     register_collector(registry, director)
 
@@ -112,6 +124,8 @@ def create_app(settings: Settings) -> GatewayASGI:
                 directory.register(settings.engines)
             await directory.start()
             await replicas.start(session)
+            if watcher is not None:
+                watcher.start()
             log.info(
                 "kvgate: %d/%d replicas healthy, policy %s",
                 sum(s.healthy for s in replicas.states.values()),
@@ -121,8 +135,11 @@ def create_app(settings: Settings) -> GatewayASGI:
             try:
                 yield
             finally:
+                if watcher is not None:
+                    await watcher.stop()
                 await replicas.stop()
                 await directory.close()
+                await limiter.close()
 
     app = FastAPI(
         title="kvgate",
@@ -138,5 +155,8 @@ def create_app(settings: Settings) -> GatewayASGI:
         return Response(render(registry), media_type="text/plain; version=0.0.4")
 
     app.state.director = director
+    app.state.tenants = tenants
+    app.state.tenants_watcher = watcher
+    app.state.rate_limiter = limiter
     install_openapi(app)
     return GatewayASGI(app, hot)

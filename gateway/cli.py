@@ -22,7 +22,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="a YAML file of settings")
     parser.add_argument("--server-secret-file", type=Path, help="file holding the server secret")
     parser.add_argument(
-        "--redis-url", help="share the directory through Redis (redis://, rediss://, unix://)"
+        "--redis-url",
+        help="Redis shared by the gateways (directory, rate limits): redis://, rediss://, unix://",
     )
     parser.add_argument(
         "--debug-headers",
@@ -31,6 +32,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="add x-kvgate-* routing headers to responses (operators only: leaks cache state)",
     )
     parser.add_argument("--log-level", help="debug, info, warning, error")
+    parser.add_argument(
+        "--tenants-file",
+        type=Path,
+        help="tenants, policies and key hashes (YAML or .json; kvgate tenants), reloaded on change",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -39,6 +45,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from gateway.app import create_app
     from gateway.settings import load_settings
+    from gateway.tenant_file import TenantFileError
 
     try:
         settings = load_settings(
@@ -52,6 +59,7 @@ def run_serve(args: argparse.Namespace) -> int:
             redis_url=args.redis_url,
             debug_headers=args.debug_headers,
             log_level=args.log_level,
+            tenants_file=args.tenants_file,
         )
     except ValidationError as exc:
         print(f"kvgate serve: invalid settings:\n{exc}")
@@ -62,8 +70,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if not settings.engines:
         print("kvgate serve: no engines; pass --engine URL (repeatable) or set KVGATE_ENGINES")
         return 2
+    try:
+        app = create_app(settings)
+    except TenantFileError as exc:
+        print(f"kvgate serve: {exc}")
+        return 2
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),

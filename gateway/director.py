@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ import orjson
 from starlette.responses import Response
 
 from cachemap.keys import affinity_key, chain_hashes, root_hash
+from gateway.admission import Admission
 from gateway.errors import ModelNotFound, NoReplica, UpstreamError
 from gateway.exchange import Exchange, ExchangeObserver, Routed
 from gateway.forwarder import Complete, Forwarder, Passthrough, RetryableFailure
@@ -52,6 +54,7 @@ class Director:
         observers: Sequence[ExchangeObserver] = (),
         fallback_policy: Profile | None = None,
         placement: Placement | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.settings = settings
         self.directory = directory
@@ -69,19 +72,38 @@ class Director:
             bound=LoadBoundFilter(settings.absolute_slack_tokens, settings.relative_slack),
         )
         self.observers = list(observers)
+        self.admission = admission or Admission(None, None)
         self.rng = random.Random(settings.seed)
         self.stats = DirectorStats()
         self._sequence = itertools.count()
         self._bytes_per_token: dict[str, float] = {}
 
     # -- 1. admit --------------------------------------------------------------------------
-    def _admit(self, parsed: ParsedRequest) -> list[ReplicaState]:
+    async def _admit(
+        self, parsed: ParsedRequest, tenant: Tenant
+    ) -> tuple[list[ReplicaState], Tenant, int]:
+        """The replicas that may serve the request, the tenant as this request sees it (its
+        end user's salt in a `user` scope) and the tokens charged to its rate limit.
+        Order: the tenant's scope, model and size (gateway.admission), then the fleet (404,
+        503), then the rate limit, so a request that cannot be served spends no budget."""
+        prompt_tokens = self.estimate_prompt_tokens(parsed)
+        tenant = self.admission.check(parsed, tenant, prompt_tokens)
         candidates = self.replicas.serving(parsed.model)
         if not candidates:
             if not self.replicas.any_healthy():
                 raise NoReplica("no healthy engine replica is available")
             raise ModelNotFound(parsed.model, self.replicas.models())
-        return candidates
+        charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
+        return candidates, tenant, charged
+
+    def estimate_prompt_tokens(self, parsed: ParsedRequest) -> int:
+        """The gateway does not tokenize: token ids count exactly, text by the bytes-per-token
+        ratio learned from this model's usage."""
+        prompt = parsed.body.get("prompt") if parsed.kind != CHAT else None
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            return len(prompt)
+        ratio = self._bytes_per_token.get(parsed.model, self.settings.bytes_per_token)
+        return math.ceil(len(parsed.rendered) / ratio)
 
     # -- 2. route --------------------------------------------------------------------------
     async def _route(
@@ -128,8 +150,9 @@ class Director:
     async def open(self, parsed: ParsedRequest, tenant: Tenant) -> Exchange | Passthrough:
         """Admit, route and forward until an attempt commits: an exchange whose first byte has
         arrived, or an engine's 4xx to pass through."""
-        candidates = self._admit(parsed)
+        candidates, tenant, charged = await self._admit(parsed, tenant)
         routed = await self._route(parsed, tenant, candidates)
+        routed.admitted_tokens = charged
         flight = routed.flight
         if flight is None:
             return await self._forward(routed)

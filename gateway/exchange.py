@@ -45,6 +45,8 @@ class Routed:
     clock starts at its release): TTFT and billing clocks start here."""
     flight: Flight | None = None
     """Set when this request leads a fan-out: its siblings wait for its first byte."""
+    admitted_tokens: int = 0
+    """Tokens charged to the tenant's tokens/min budget at admission; usage settles the rest."""
 
 
 class ExchangeObserver(Protocol):

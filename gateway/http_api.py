@@ -26,7 +26,9 @@ _ERRORS = {
     for status, why in (
         (400, "Malformed JSON, a missing or ill-typed field, or a prompt over the maximum"),
         (401, "A missing, unknown or revoked API key"),
+        (403, "The tenant may not use the model"),
         (404, "No replica serves the model"),
+        (429, "The tenant is over its rate limit (see Retry-After)"),
         (502, "Every attempt at an engine failed"),
         (503, "No healthy replica"),
     )
@@ -93,11 +95,18 @@ def build_router(
     @router.get("/v1/models", summary="List the models the healthy replicas serve")
     async def models(request: Request) -> Response:
         try:
-            tenants.authenticate(bearer_key(request.headers.get("authorization")))
+            tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
         except GatewayError as err:
             return to_http(err)
+        allowed = tenant.policy.models
         served = sorted(
-            {m for s in director.replicas.states.values() if s.healthy for m in s.models}
+            {
+                m
+                for s in director.replicas.states.values()
+                if s.healthy
+                for m in s.models
+                if not allowed or m in allowed
+            }
         )
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in served]
         return JSONResponse({"object": "list", "data": data})

@@ -23,6 +23,7 @@ from pydantic_settings import (
 
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
+from gateway.tenants import check_tenant_name
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
 from router.filters import DEFAULT_ABSOLUTE_SLACK_TOKENS, DEFAULT_RELATIVE_SLACK
 from router.overflow import DEFAULT_HOT_SHARE
@@ -61,6 +62,14 @@ DEFAULT_REDIS_WRITE_DEADLINE_S = 0.5
 """Records, drops and epoch bumps run off the request path; half a second rides out a Redis
 failover's first hiccup without piling up writes."""
 
+# -- tenants, isolation and rate limits (issue 6) ---------------------------------------------
+DEFAULT_TENANTS_RELOAD_INTERVAL_S = 1.0
+"""Look at the tenants file once a second: a revoked key stops working within a second (the
+kubelet takes up to a minute to update a mounted Secret anyway), and a stat() costs nothing."""
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+DEFAULT_RATE_LIMIT_TIMEOUT_S = 0.1
+"""The deadline of one rate-limit round trip to Redis (gateway.ratelimit.DEFAULT_TIMEOUT_S)."""
+
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
 )
@@ -98,9 +107,10 @@ class Settings(BaseSettings):
     seed: int | None = None
     log_level: str = "info"
 
-    # -- the shared directory (Redis; issue #3) -----------------------------------------------
+    # -- shared state: the directory (issue #3), rate limits (issue #6) ------------------------
     redis_url: str | None = None
-    """redis://, rediss:// or unix:// — every gateway with the same URL shares one directory."""
+    """redis://, rediss:// or unix:// — every gateway with the same URL shares one directory,
+    one set of rate limits and one view of hot prefixes and fan-out leaders."""
     redis_cluster: bool | None = None
     """True / False, or None to ask the server (`cluster_enabled`)."""
     redis_deadline_s: float = DEFAULT_REDIS_DEADLINE_S
@@ -118,6 +128,13 @@ class Settings(BaseSettings):
     fanout_hold: bool = True
     fanout_min_tokens: float = DEFAULT_MIN_HOLD_TOKENS
     fanout_max_hold_s: float = DEFAULT_FANOUT_MAX_HOLD_S
+
+    # -- tenants, isolation and rate limits (issue 6; docs/tenants.md) ------------------------
+    tenants_file: Path | None = None
+    """A YAML (or *.json) file of tenants, policies and key hashes, edited by `kvgate tenants`,
+    or a mounted Kubernetes Secret holding one; reloaded when it changes."""
+    tenants_reload_interval_s: float = DEFAULT_TENANTS_RELOAD_INTERVAL_S
+    rate_limit_timeout_s: float = DEFAULT_RATE_LIMIT_TIMEOUT_S
 
     @field_validator("policy")
     @classmethod
@@ -141,6 +158,23 @@ class Settings(BaseSettings):
             name, sep, key = pair.partition(":")
             if not sep or not name or not key:
                 raise ValueError(f"tenant {pair.split(':')[0]!r} must be given as NAME:KEY")
+            check_tenant_name(name)
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(REDIS_SCHEMES):
+            raise ValueError(
+                f"redis_url {value!r} must start with one of {', '.join(REDIS_SCHEMES)}"
+            )
+        return value
+
+    @field_validator("tenants_reload_interval_s", "rate_limit_timeout_s")
+    @classmethod
+    def _positive_seconds(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError("must be a positive number of seconds")
         return value
 
     @field_validator("block_bytes", "directory_capacity_blocks", "max_attempts", "unhealthy_after")

@@ -1,20 +1,57 @@
 """Tenants, their API keys, and the salt that isolates their caches.
 
-A key is kept only as its SHA-256 hex digest. The salt of a scope is
-HMAC-SHA256(server secret, "tenant:" + name): the gateway derives it, never the client, and
-sends it upstream as `cache_salt` while seeding the directory's hash chains with it, so two
-tenants never share a cache entry anywhere. Rotating the server secret changes every salt, which
-resets all sharing (every prefix is written again once).
+A key is kept only as its SHA-256 hex digest (keys are 256-bit random strings, so a fast hash is
+enough: there is nothing to brute-force). The salt of a scope is HMAC-SHA256(server secret,
+scope), where the scope is `"tenant:" + name`, or `"tenant:" + name + "/user:" + end_user` for a
+tenant isolated per end user. Tenant names cannot contain "/", so no two scopes share a string.
+The gateway derives the salt, never the client, sends it upstream as `cache_salt` and seeds the
+directory's hash chains with it, so two scopes never share a cache entry anywhere. Rotating the
+server secret changes every salt, which resets all sharing (every prefix is written again once).
+
+Unknown and revoked keys fail through one code path: a revoked key is simply absent from the
+registry, so `authenticate` cannot tell the two apart and neither can the client.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
-from dataclasses import dataclass
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 from gateway.errors import TenantError
+
+SCOPE_TENANT = "tenant"
+"""Every key of the tenant shares one cache scope (the default)."""
+SCOPE_USER = "user"
+"""Each end user of the tenant (the request's `user`, else its `prompt_cache_key`) has its own."""
+SCOPES = (SCOPE_TENANT, SCOPE_USER)
+TENANT_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+"""Names travel in salts, Redis keys (inside a {hash tag}) and logs: no '/', ':', '{' or space."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    """What a tenant may do. `None` is no limit; empty `models` allows every served model."""
+
+    scope: str = SCOPE_TENANT
+    billing_profile: str | None = None
+    models: frozenset[str] = frozenset()
+    requests_per_min: int | None = None
+    tokens_per_min: int | None = None
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"unknown isolation scope {self.scope!r}; choose one of {SCOPES}")
+        for name in ("requests_per_min", "tokens_per_min", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive (or absent for no limit)")
+
+
+DEFAULT_POLICY = TenantPolicy()
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +60,9 @@ class Tenant:
     salt: bytes
     cache_salt: str = ""
     """The salt as sent to the engine: its hex form (derived once, not per request)."""
+    policy: TenantPolicy = DEFAULT_POLICY
+    end_user: str | None = None
+    """Set on the per-request copy of a `user`-scoped tenant: the salt is then that user's."""
 
     def __post_init__(self) -> None:
         if not self.cache_salt:
@@ -37,16 +77,61 @@ def derive_salt(secret: bytes, scope: str) -> bytes:
     return hmac.new(secret, scope.encode(), hashlib.sha256).digest()
 
 
-class TenantRegistry:
-    """API key hash -> tenant. Unknown and revoked keys fail the same way: they are absent."""
+def tenant_scope(name: str) -> str:
+    return "tenant:" + name
 
-    def __init__(self, secret: bytes, keys: dict[str, str]) -> None:
-        """`keys`: key hash -> tenant name."""
+
+def user_scope(name: str, end_user: str) -> str:
+    return f"tenant:{name}/user:{end_user}"
+
+
+def check_tenant_name(name: str) -> str:
+    if not TENANT_NAME_PATTERN.fullmatch(name):
+        raise ValueError(
+            f"tenant name {name!r} must be 1-63 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSpec:
+    """One tenant as a source (a `--tenant` flag, the tenants file) declares it."""
+
+    name: str
+    key_hashes: tuple[str, ...]
+    policy: TenantPolicy = DEFAULT_POLICY
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    by_key_hash: dict[str, Tenant] = field(default_factory=dict)
+    names: frozenset[str] = frozenset()
+
+
+class TenantRegistry:
+    """API key hash -> tenant. Unknown and revoked keys fail the same way: they are absent.
+
+    Two sources feed it: the quick-start pairs (`--tenant NAME:KEY`, fixed for the process) and
+    the tenants file (`replace_file_tenants`, on every reload). A name may appear in only one
+    source, and a key hash may belong to only one tenant. A reload swaps one dict reference, so
+    a request sees either the old set of keys or the new one, never a mix.
+    """
+
+    def __init__(
+        self,
+        secret: bytes,
+        keys: Mapping[str, str] | None = None,
+        specs: Iterable[TenantSpec] = (),
+    ) -> None:
+        """`keys`: key hash -> tenant name (default policy); `specs`: tenants with policies."""
         self._secret = secret
-        self._by_key_hash = {
-            key_hash: Tenant(name, derive_salt(secret, "tenant:" + name))
-            for key_hash, name in keys.items()
-        }
+        by_name: dict[str, list[str]] = {}
+        for key_hash, name in (keys or {}).items():
+            by_name.setdefault(check_tenant_name(name), []).append(key_hash)
+        self._fixed = [TenantSpec(n, tuple(h)) for n, h in by_name.items()] + list(specs)
+        self._file: list[TenantSpec] = []
+        self._snapshot = self._build(self._fixed, [])
 
     @classmethod
     def from_pairs(cls, secret: bytes, pairs: Iterable[str]) -> TenantRegistry:
@@ -56,22 +141,64 @@ class TenantRegistry:
             keys[hash_key(key)] = name
         return cls(secret, keys)
 
+    def _build(self, fixed: list[TenantSpec], from_file: list[TenantSpec]) -> _Snapshot:
+        fixed_names = {s.name for s in fixed}
+        by_key_hash: dict[str, Tenant] = {}
+        sources = [(spec, False) for spec in fixed] + [(spec, True) for spec in from_file]
+        for spec, in_file in sources:
+            if in_file and spec.name in fixed_names:
+                raise ValueError(
+                    f"tenant {spec.name!r} is defined both by --tenant and in the tenants file; "
+                    "keep it in one place"
+                )
+            tenant = Tenant(
+                spec.name, derive_salt(self._secret, tenant_scope(spec.name)), policy=spec.policy
+            )
+            for key_hash in spec.key_hashes:
+                owner = by_key_hash.get(key_hash)
+                if owner is not None and owner.name != spec.name:
+                    raise ValueError(
+                        f"one key belongs to both tenant {owner.name!r} and {spec.name!r}"
+                    )
+                by_key_hash[key_hash] = tenant
+        names = frozenset(fixed_names | {s.name for s in from_file})
+        return _Snapshot(by_key_hash, names)
+
+    def replace_file_tenants(self, specs: Iterable[TenantSpec]) -> None:
+        """Swap in the tenants file's current content (all of it: what is absent is revoked).
+        Raises ValueError, leaving the registry as it was, when it conflicts with `--tenant`."""
+        from_file = list(specs)
+        snapshot = self._build(self._fixed, from_file)
+        self._file = from_file
+        self._snapshot = snapshot
+
     def __len__(self) -> int:
-        return len(self._by_key_hash)
+        return len(self._snapshot.by_key_hash)
+
+    @property
+    def tenant_names(self) -> frozenset[str]:
+        return self._snapshot.names
 
     def authenticate(self, key: str | None) -> Tenant:
-        if not self._by_key_hash:
+        snapshot = self._snapshot
+        if not snapshot.by_key_hash:
             raise TenantError(
-                "this gateway has no tenants configured; start it with --tenant NAME:KEY"
+                "this gateway has no tenants configured; start it with --tenant NAME:KEY or "
+                "--tenants-file PATH (kvgate tenants add)"
             )
         if not key:
             raise TenantError(
                 "missing API key: send it as 'Authorization: Bearer KEY'", code="missing_api_key"
             )
-        tenant = self._by_key_hash.get(hash_key(key))
+        tenant = snapshot.by_key_hash.get(hash_key(key))
         if tenant is None:
             raise TenantError("invalid API key", code="invalid_api_key")
         return tenant
+
+    def for_end_user(self, tenant: Tenant, end_user: str) -> Tenant:
+        """The per-request copy of a `user`-scoped tenant: its salt is the end user's own."""
+        salt = derive_salt(self._secret, user_scope(tenant.name, end_user))
+        return replace(tenant, salt=salt, cache_salt=salt.hex(), end_user=end_user)
 
 
 def bearer_key(authorization: str | None) -> str | None:
