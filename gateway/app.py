@@ -1,6 +1,6 @@
 """The composition root: `create_app(settings)` builds every resource once; the lifespan
 opens the one upstream `aiohttp.ClientSession` (explicit timeouts and connection limits), starts
-health probing, and closes both."""
+health probing and (with `grpc_port`) the gRPC server in the same event loop, and stops them."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from starlette.responses import Response
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from gateway.director import Director
 from gateway.forwarder import Forwarder
+from gateway.grpc_api import start_grpc
 from gateway.http_api import GatewayASGI, build_router, install_openapi
 from gateway.replicas import ReplicaSet
 from gateway.settings import Settings
@@ -66,6 +67,10 @@ def create_app(settings: Settings) -> GatewayASGI:
         ) as session:
             forwarder.session = session
             await replicas.start(session)
+            grpc_server = None
+            if settings.grpc_port is not None:
+                grpc_server = await start_grpc(settings, director, tenants)
+                app.state.grpc_port = grpc_server.port
             log.info(
                 "kvgate: %d/%d replicas healthy, policy %s",
                 sum(s.healthy for s in replicas.states.values()),
@@ -75,6 +80,8 @@ def create_app(settings: Settings) -> GatewayASGI:
             try:
                 yield
             finally:
+                if grpc_server is not None:
+                    await grpc_server.stop()
                 await replicas.stop()
                 await directory.close()
 

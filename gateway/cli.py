@@ -28,6 +28,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="add x-kvgate-* routing headers to responses (operators only: leaks cache state)",
     )
     parser.add_argument("--log-level", help="debug, info, warning, error")
+    parser.add_argument(
+        "--grpc-port", type=int, help="also serve gRPC (kvgate.v1.Gateway) on this port"
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -48,6 +51,7 @@ def run_serve(args: argparse.Namespace) -> int:
             server_secret_file=args.server_secret_file,
             debug_headers=args.debug_headers,
             log_level=args.log_level,
+            grpc_port=args.grpc_port,
         )
     except ValidationError as exc:
         print(f"kvgate serve: invalid settings:\n{exc}")

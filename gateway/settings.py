@@ -86,6 +86,17 @@ class Settings(BaseSettings):
     seed: int | None = None
     log_level: str = "info"
 
+    # -- gRPC (issue 8) --
+    grpc_port: int | None = None
+    """Serve `kvgate.v1.Gateway` on this port beside HTTP (0: any free port); None: no gRPC."""
+
+    @field_validator("grpc_port")
+    @classmethod
+    def _port_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= 65535:
+            raise ValueError("must be a TCP port, 0..65535 (0: any free port)")
+        return value
+
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str) -> str:
