@@ -231,7 +231,7 @@ def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _convert_system(system: Any, out: _Converter) -> None:
-    if system is None:
+    if system is None or system == []:
         return
     if isinstance(system, str):
         out.flush(_Segment("system", text=system))

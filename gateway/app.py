@@ -69,7 +69,11 @@ def create_app(settings: Settings) -> GatewayASGI:
             await replicas.start(session)
             grpc_server = None
             if settings.grpc_port is not None:
-                grpc_server = await start_grpc(settings, director, tenants)
+                try:
+                    grpc_server = await start_grpc(settings, director, tenants)
+                except BaseException:  # e.g. the port is taken: stop probing, fail the startup
+                    await replicas.stop()
+                    raise
                 app.state.grpc_port = grpc_server.port
             log.info(
                 "kvgate: %d/%d replicas healthy, policy %s",

@@ -274,3 +274,27 @@ def test_tool_calls_stream_as_tool_use_blocks_the_sdk_parses() -> None:
     events += b"".join(stopped.finish())
     message = _fold(events)
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
+
+
+def test_an_engine_stream_that_breaks_ends_with_an_error_event(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    engines = start_engines(1, timing=TimingModel(decode_s_per_token=0.02))
+    gateway = start_gateway(engines)
+    body = {"model": MODEL, "max_tokens": 300, "stream": True, "messages": [user("go")]}
+    headers = {"x-api-key": TENANT_KEY}
+    url = gateway.url + "/v1/messages"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as r:
+        chunks = r.iter_bytes()
+        assert next(chunks).startswith(b"event: message_start")
+        engines[0].server.should_exit = engines[0].server.force_exit = True  # the engine dies
+        rest = b"".join(chunks)
+    last = rest.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    kind, data = last.split(b"\n")
+    assert kind == b"event: error"
+    error = orjson.loads(data.removeprefix(b"data: "))
+    assert (
+        error["error"]["type"] == "api_error"
+        and "upstream stream broke" in error["error"]["message"]
+    )
+    assert b"message_stop" not in rest

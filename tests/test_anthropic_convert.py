@@ -270,3 +270,14 @@ def test_the_provisional_usage_split_follows_the_mixed_ttl_rule() -> None:
         0,
         0,
     )
+
+
+def test_an_empty_system_list_is_no_system_message() -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with_empty = parse({"model": "m", "max_tokens": 1, "system": [], "messages": messages})
+    without = parse({"model": "m", "max_tokens": 1, "messages": messages})
+    assert (
+        with_empty.rendered
+        == without.rendered
+        == b"<|im_start|>user\nhi" + (IM_END + "<|im_start|>assistant\n").encode()
+    )

@@ -19,11 +19,13 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from gateway._pb import gateway_pb2 as pb
 from gateway._pb import gateway_pb2_grpc
+from gateway.grpc_api import start_grpc
 from gateway.grpc_convert import to_parsed
 from gateway.requests import parse_chat
+from gateway.tenants import TenantRegistry
 from loadgen.text import words
 from loadgen.timing import TimingModel
-from tests.conftest import MODEL, TENANT_KEY, engine_of
+from tests.conftest import MODEL, TENANT_KEY, engine_of, gateway_settings
 from tests.servers import Served, wait_until
 from tests.test_anthropic_convert import OPENAI
 
@@ -407,3 +409,29 @@ def test_the_grpc_port_setting_is_a_port() -> None:
     assert load_settings(grpc_port=0).grpc_port == 0
     with pytest.raises(ValidationError, match="must be a TCP port"):
         load_settings(grpc_port=70000)
+
+
+async def test_a_taken_grpc_port_is_a_clear_error(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    engines = start_engines(1)
+    first = start_gateway(engines, grpc_port=0)
+    taken = first.app.state.grpc_port
+    settings = gateway_settings([e.url for e in engines], grpc_port=taken)
+    tenants = TenantRegistry.from_pairs(b"secret", [f"acme:{TENANT_KEY}"])
+    with pytest.raises(RuntimeError, match=f"Failed to bind to address 127.0.0.1:{taken}"):
+        await start_grpc(settings, first.app.state.director, tenants)
+
+
+def test_an_engine_stream_that_breaks_is_unavailable(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    engines = start_engines(1, timing=TimingModel(decode_s_per_token=0.02))
+    gateway = start_gateway(engines, grpc_port=0)
+    events = stub(gateway).GenerateStream(
+        request([text(pb.ROLE_USER, "go")], 300), metadata=AUTH, timeout=TIMEOUT_S
+    )
+    assert next(events).WhichOneof("event") == "start"
+    engines[0].server.should_exit = engines[0].server.force_exit = True  # the engine dies
+    code, details = code_of(lambda: list(events))
+    assert code == grpc.StatusCode.UNAVAILABLE and "upstream stream broke" in details
