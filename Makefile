@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 ARGS    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help run test lint typecheck bench audit clean
+.PHONY: help run test lint typecheck proto bench audit clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -29,6 +29,9 @@ lint: $(STAMP) ## ruff format --check and ruff check
 
 typecheck: $(STAMP) ## mypy --strict on the packages
 	$(VENV)/bin/mypy
+
+proto: $(STAMP) ## regenerate the gRPC stubs (gateway/_pb, loadgen/_pb) from proto/; fails if they drifted
+	$(PY) -m gateway.protogen
 
 bench: $(STAMP) ## the gateway's CPU time per proxied request
 	$(VENV)/bin/kvgate bench-cpu $(ARGS)

@@ -1,6 +1,6 @@
 """The composition root: `create_app(settings)` builds every resource once; the lifespan
 opens the one upstream `aiohttp.ClientSession` (explicit timeouts and connection limits), starts
-health probing, and closes both."""
+health probing and (with `grpc_port`) the gRPC server in the same event loop, and stops them."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from gateway.admission import Admission
 from gateway.director import Director
 from gateway.flights import Flights
 from gateway.forwarder import Forwarder
+from gateway.grpc_api import start_grpc
 from gateway.http_api import GatewayASGI, build_router, install_openapi
 from gateway.placement import Placement
 from gateway.ratelimit import RateLimiter
@@ -126,6 +127,14 @@ def create_app(settings: Settings) -> GatewayASGI:
             await replicas.start(session)
             if watcher is not None:
                 watcher.start()
+            grpc_server = None
+            if settings.grpc_port is not None:
+                try:
+                    grpc_server = await start_grpc(settings, director, tenants)
+                except BaseException:  # e.g. the port is taken: stop probing, fail the startup
+                    await replicas.stop()
+                    raise
+                app.state.grpc_port = grpc_server.port
             log.info(
                 "kvgate: %d/%d replicas healthy, policy %s",
                 sum(s.healthy for s in replicas.states.values()),
@@ -137,6 +146,8 @@ def create_app(settings: Settings) -> GatewayASGI:
             finally:
                 if watcher is not None:
                     await watcher.stop()
+                if grpc_server is not None:
+                    await grpc_server.stop()
                 await replicas.stop()
                 await directory.close()
                 await limiter.close()

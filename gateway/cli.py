@@ -37,6 +37,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="tenants, policies and key hashes (YAML or .json; kvgate tenants), reloaded on change",
     )
+    parser.add_argument(
+        "--grpc-port", type=int, help="also serve gRPC (kvgate.v1.Gateway) on this port"
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -60,6 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
             debug_headers=args.debug_headers,
             log_level=args.log_level,
             tenants_file=args.tenants_file,
+            grpc_port=args.grpc_port,
         )
     except ValidationError as exc:
         print(f"kvgate serve: invalid settings:\n{exc}")

@@ -128,7 +128,9 @@ class Exchange:
                     continue
                 data = event[5:].strip()
                 if data == b"[DONE]":
-                    return
+                    # not `return`: the batches must run out, or the first-token hook (which
+                    # runs after the first batch) is skipped when [DONE] is in that batch
+                    continue
                 try:
                     chunk = orjson.loads(data)
                 except orjson.JSONDecodeError:

@@ -11,6 +11,8 @@ from fastapi.openapi.utils import get_openapi
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from gateway import anthropic_api
+from gateway.anthropic_schemas import ANTHROPIC_SCHEMAS, SECURITY_SCHEMES
 from gateway.director import Director
 from gateway.errors import GatewayError, to_http
 from gateway.requests import parse_chat, parse_completion
@@ -124,12 +126,14 @@ def build_router(
     hot: dict[str, Handler] = {
         "/v1/chat/completions": chat_completions,
         "/v1/completions": completions,
+        anthropic_api.PATH: anthropic_api.register(router, director, tenants),
     }
     return router, hot
 
 
 class GatewayASGI:
-    """The ASGI app uvicorn serves: the two completion routes go straight to their handlers
+    """The ASGI app uvicorn serves: the completion routes (OpenAI's two and Anthropic's
+    /v1/messages) go straight to their handlers
     (the same functions FastAPI routes to), everything else through FastAPI.
 
     FastAPI's middleware stack cost ~0.15 ms of CPU per proxied request here, about a fifth of
@@ -159,12 +163,13 @@ def install_openapi(app: FastAPI) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in SCHEMAS:
+            for model in (*SCHEMAS, *ANTHROPIC_SCHEMAS):
                 definition = model.model_json_schema(ref_template=_REF)
                 components.update(definition.pop("$defs", {}))
                 components[model.__name__] = definition
             schema["components"]["securitySchemes"] = {
-                "bearer": {"type": "http", "scheme": "bearer"}
+                "bearer": {"type": "http", "scheme": "bearer"},
+                **SECURITY_SCHEMES,
             }
             schema["security"] = [{"bearer": []}]
             app.openapi_schema = schema

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from cachemap.rendering import render_chat, render_completion
+from gateway.cache_control import Breakpoint
 from gateway.errors import InvalidRequest
 
 CHAT = "chat"
@@ -31,6 +32,12 @@ class ParsedRequest:
     rendered: bytes
     stream: bool
     include_usage: bool
+    # -- cache hints (the Anthropic and gRPC front ends; billing reads them) --
+    breakpoints: tuple[Breakpoint, ...] = ()
+    """`cache_control` breakpoints: byte offsets in `rendered`, sorted, with their TTLs."""
+    prewarm: bool = False
+    """`max_tokens: 0`: read and refresh the cache, generate nothing (one token is generated
+    upstream, since engines need max_tokens >= 1, and discarded)."""
 
 
 def _fail(message: str, param: str | None = None) -> InvalidRequest:

@@ -135,6 +135,16 @@ class Settings(BaseSettings):
     or a mounted Kubernetes Secret holding one; reloaded when it changes."""
     tenants_reload_interval_s: float = DEFAULT_TENANTS_RELOAD_INTERVAL_S
     rate_limit_timeout_s: float = DEFAULT_RATE_LIMIT_TIMEOUT_S
+    # -- gRPC (issue 8) --
+    grpc_port: int | None = None
+    """Serve `kvgate.v1.Gateway` on this port beside HTTP (0: any free port); None: no gRPC."""
+
+    @field_validator("grpc_port")
+    @classmethod
+    def _port_range(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= 65535:
+            raise ValueError("must be a TCP port, 0..65535 (0: any free port)")
+        return value
 
     @field_validator("policy")
     @classmethod

@@ -36,7 +36,7 @@ def test_no_server_errors(
     schema = schemathesis.openapi.from_url(gateway.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {op.path for op in operations}
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= paths
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models"} <= paths
     statuses: dict[str, set[int]] = {}
 
     def exercise(operation: Any, mode: GenerationMode) -> None:
@@ -64,3 +64,4 @@ def test_no_server_errors(
     assert 200 in statuses["/v1/chat/completions"]
     assert 200 in statuses["/v1/completions"]
     assert 400 in statuses["/v1/chat/completions"]
+    assert {200, 400} <= statuses["/v1/messages"]
