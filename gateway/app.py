@@ -61,6 +61,7 @@ def create_app(settings: Settings) -> GatewayASGI:
         deadline_s=settings.redis_deadline_s,
         write_deadline_s=settings.redis_write_deadline_s,
         rates=rates,
+        track_writers=settings.fanout_hold and settings.redis_url is not None,
     )
     replicas = ReplicaSet(
         settings.engines,
@@ -74,6 +75,10 @@ def create_app(settings: Settings) -> GatewayASGI:
     forwarder = Forwarder()
     registry = build_registry()
     reconciler = Reconciler(directory, settings.block_bytes, registry)
+    flights = None
+    if settings.fanout_hold:
+        flights = Flights(registry, shared=directory if settings.redis_url else None)
+        directory.on_land = flights.notify
     placement = Placement(
         prefill_tokens_per_s=settings.engine_prefill_tokens_per_s,
         overflow=OverflowConfig(
@@ -82,7 +87,7 @@ def create_app(settings: Settings) -> GatewayASGI:
         if settings.overflow
         else None,
         fixed_threshold_per_min=settings.overflow_threshold_per_min,
-        flights=Flights(registry) if settings.fanout_hold else None,
+        flights=flights,
         min_hold_tokens=settings.fanout_min_tokens,
         max_hold_s=settings.fanout_max_hold_s,
         bound=LoadBoundFilter(settings.absolute_slack_tokens, settings.relative_slack),

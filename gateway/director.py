@@ -127,7 +127,7 @@ class Director:
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
         snapshot = [c.snapshot() for c in candidates]
-        placed = await self.placement.place(policy, route, snapshot, hashes, lookup.hot, self.rng)
+        placed = await self.placement.place(policy, route, snapshot, hashes, lookup, self.rng)
         if placed is None:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
         if placed.new_k is not None and lookup.hot_key is not None:

@@ -8,17 +8,23 @@ lands when its first byte arrives (the engine has prefilled, the KV is written) 
 way every waiter is released at once, and a waiter never waits longer than its bound. A waiter
 is never a leader while it waits, so waits cannot form a cycle.
 
-In-process only: with a shared directory, flights of other gateways are not seen (each gateway
-holds its own siblings; a gateway's siblings still land on one replica).
+Across gateways (with Redis): a leader also sets a marker on each block it writes
+("pending|<gateway:flight>|<replica>|<expected s>", set-if-absent, expiring after the longest
+hold), which other gateways' lookups find in the same script call; when it lands the marker
+becomes "ok|..." (or "fail|...") for a few seconds and the landing is published on a channel
+every gateway listens to. A waiter registers for the landing before it reads the marker again,
+so a landing between its lookup and its wait is never missed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -38,6 +44,8 @@ class Flight:
     landed: asyncio.Event = field(default_factory=asyncio.Event)
     ok: bool = False
     started_s: float = field(default_factory=time.monotonic)
+    marker: str | None = None
+    """The shared marker ("pending|...") when the flight is announced through Redis."""
 
 
 @dataclass
@@ -49,9 +57,28 @@ class HoldStats:
     hold_seconds: list[float] = field(default_factory=list)
 
 
+LANDED_TTL_S = 2.0
+"""How long a landed marker stays: long enough for a sibling that looked up just before the
+landing to read it when it rechecks; short, because a replica may restart after it."""
+
+
+class SharedMarkers(Protocol):
+    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool: ...
+
+    def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None: ...
+
+    async def read_marker(self, block: BlockHash) -> str | None: ...
+
+
 class Flights:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, shared: SharedMarkers | None = None
+    ) -> None:
         self._writing: dict[BlockHash, Flight] = {}
+        self._remote: dict[str, asyncio.Future[str]] = {}
+        self._waiting: dict[str, int] = {}
+        self.shared = shared
+        self.gateway_id = os.urandom(4).hex()
         self.stats = HoldStats()
         self._histogram = Histogram(
             "kvgate_fanout_hold_seconds",
@@ -71,11 +98,18 @@ class Flights:
             found, shared = flight, i + 1
         return (found, shared) if found is not None else None
 
-    def lead(self, replica: str, blocks: Sequence[BlockHash], expected_s: float) -> Flight:
-        """Register a leader; blocks another live flight already writes stay with it."""
+    async def lead(
+        self, replica: str, blocks: Sequence[BlockHash], expected_s: float, ttl_s: float
+    ) -> Flight:
+        """Register a leader; blocks another live flight already writes stay with it. With a
+        shared store the leader is announced to other gateways too (markers live `ttl_s`)."""
         flight = Flight(replica, blocks, expected_s)
         for block in blocks:
             self._writing.setdefault(block, flight)
+        if self.shared is not None:
+            marker = f"pending|{self.gateway_id}:{flight.id}|{replica}|{expected_s:.3f}"
+            if await self.shared.lead(blocks, marker, ttl_s):
+                flight.marker = marker
         return flight
 
     def end(self, flight: Flight, ok: bool) -> None:
@@ -86,6 +120,54 @@ class Flights:
             if self._writing.get(block) is flight:
                 del self._writing[block]
         flight.landed.set()
+        if flight.marker is not None and self.shared is not None:
+            outcome = "ok" if ok else "fail"
+            landed = f"{outcome}|{self.gateway_id}:{flight.id}|{flight.replica}"
+            self.shared.land(flight.blocks, flight.marker, landed, LANDED_TTL_S)
+
+    # -- other gateways' leaders ----------------------------------------------------------------
+    def notify(self, landed: str) -> None:
+        """A landing announced on the channel: "ok|<key>|<replica>" or "fail|<key>|<replica>"."""
+        parts = landed.split("|")
+        if len(parts) >= 3:
+            future = self._remote.get(parts[1])
+            if future is not None and not future.done():
+                future.set_result(landed)
+
+    async def wait_remote(
+        self, key: str, timeout_s: float, recheck: Callable[[], Awaitable[str | None]]
+    ) -> str | None:
+        """Wait for another gateway's leader `key`; its landed marker, or None on timeout."""
+        self.stats.holds += 1
+        started = time.monotonic()
+        future = self._remote.get(key)
+        if future is None:
+            future = self._remote[key] = asyncio.get_running_loop().create_future()
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            current = await recheck()  # it may have landed between the lookup and now
+            if current is not None and not current.startswith("pending|"):
+                landed: str | None = current
+            else:
+                landed = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except TimeoutError:
+            self.stats.timeouts += 1
+            landed = None
+        finally:
+            held = time.monotonic() - started
+            self._histogram.observe(held)
+            self.stats.hold_seconds.append(held)
+            del self.stats.hold_seconds[:-4096]
+            self._waiting[key] -= 1
+            if not self._waiting[key]:  # the last waiter cleans up
+                del self._waiting[key]
+                self._remote.pop(key, None)
+        if landed is not None:
+            if landed.startswith("ok|"):
+                self.stats.released_landed += 1
+            else:
+                self.stats.released_failed += 1
+        return landed
 
     async def wait(self, flight: Flight, timeout_s: float) -> bool:
         """Wait for a leader; True when it landed (its replica now holds the prefix)."""

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cachemap.keys import BlockHash
-from cachemap.rates import PrefixRate
 from gateway.flights import Flight, Flights
+from gateway.routing_directory import Lookup
 from router.fanout import DEFAULT_HOLD_FACTOR, with_leader, worth_holding
 from router.filters import LoadBoundFilter
 from router.overflow import OverflowConfig, next_k, spread, threshold_per_min
@@ -68,22 +68,18 @@ class Placement:
         route: RouteRequest,
         replicas: Sequence[Replica],
         hashes: Sequence[BlockHash],
-        hot: PrefixRate | None,
+        lookup: Lookup,
         rng: random.Random,
     ) -> Placed | None:
         depth = max(route.overlap.values(), default=0)
         # 1. fan-out
         if self.flights is not None:
-            found = self.flights.find(hashes, depth)
-            if found is not None:
-                leader, shared = found
-                if worth_holding(
-                    route, replicas, leader.replica, depth, shared, self.min_hold_tokens, self.bound
-                ):
-                    timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * leader.expected_s)
-                    if await self.flights.wait(leader, max(timeout, 0.001)):
-                        route = with_leader(route, leader.replica, shared)
-                        depth = max(depth, shared)
+            landed = await self._maybe_hold(route, replicas, hashes, lookup, depth)
+            if landed is not None:
+                replica, shared = landed
+                route = with_leader(route, replica, shared)
+                depth = max(depth, shared)
+        hot = lookup.hot
         # 2. hot prefixes
         new_k = None
         if self.overflow is not None and hot is not None and depth > 0:
@@ -113,5 +109,59 @@ class Placement:
                 target = next(r for r in replicas if r.id == decision.replica)
                 work = target.pending_prefill_tokens + route.uncached_tokens(target.id)
                 expected_s = work / self.prefill_tokens_per_s
-                flight = self.flights.lead(decision.replica, hashes[matched:], expected_s)
+                ttl = max(self.max_hold_s, DEFAULT_HOLD_FACTOR * expected_s)
+                flight = await self.flights.lead(
+                    decision.replica, hashes[matched:], expected_s, ttl
+                )
         return Placed(decision, route, flight, new_k)
+
+    async def _maybe_hold(
+        self,
+        route: RouteRequest,
+        replicas: Sequence[Replica],
+        hashes: Sequence[BlockHash],
+        lookup: Lookup,
+        depth: int,
+    ) -> tuple[str, int] | None:
+        """Wait for a leader writing this request's uncached prefix, if that is worth it: a
+        leader of this gateway first, else one another gateway announced through Redis.
+        Returns (the replica that now holds the prefix, its depth) when a leader landed."""
+        flights = self.flights
+        assert flights is not None
+        found = flights.find(hashes, depth)
+        if found is not None:
+            leader, shared = found
+            if not self._worth(route, replicas, leader.replica, depth, shared):
+                return None
+            timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * leader.expected_s)
+            ok = await flights.wait(leader, max(timeout, 0.001))
+            return (leader.replica, shared) if ok else None
+        marker, shared = lookup.writer, lookup.writer_depth
+        if marker is None or shared <= depth:
+            return None
+        state, key, replica, expected = [*marker.split("|"), "", "", ""][:4]
+        # a marker that says the leader already landed is not trusted here: the directory holds
+        # (or within a flush holds) its record, and a replica may have restarted since
+        if state != "pending" or not self._worth(route, replicas, replica, depth, shared):
+            return None
+        try:
+            expected_s = float(expected)
+        except ValueError:
+            expected_s = self.max_hold_s
+        timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * expected_s)
+        shared_markers = flights.shared
+        assert shared_markers is not None
+        block = hashes[shared - 1]
+        landed = await flights.wait_remote(
+            key, max(timeout, 0.001), lambda: shared_markers.read_marker(block)
+        )
+        if landed is None or not landed.startswith("ok|"):
+            return None
+        return landed.split("|")[2], shared
+
+    def _worth(
+        self, route: RouteRequest, replicas: Sequence[Replica], leader: str, depth: int, shared: int
+    ) -> bool:
+        return worth_holding(
+            route, replicas, leader, depth, shared, self.min_hold_tokens, self.bound
+        )

@@ -23,13 +23,13 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
 from cachemap.rates import PrefixRate, PrefixRates
-from cachemap.redis import RedisDirectory
+from cachemap.redis import LAND_CHANNEL, RedisDirectory
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,10 @@ PROBE_INTERVAL_S = 0.5
 WRITE_QUEUE_LIMIT = 10_000
 """Pending records/drops kept while Redis is slow; the oldest go first beyond this."""
 WRITE_BATCH = 256
+
+
+_Write = tuple[str, str, Sequence[BlockHash], float, Callable[[], Awaitable[object]] | None]
+"""A queued write: (op, replica, hashes, time, call) — op "record", "drop", "expire" or "call"."""
 
 
 @dataclass
@@ -55,6 +59,10 @@ class Lookup:
     """The prefix this request matched (the deepest block any replica holds)..."""
     hot: PrefixRate | None = None
     """...and its request rate including this request, and how many replicas it spreads over."""
+    writer_depth: int = 0
+    writer: str | None = None
+    """Another gateway's fan-out leader writing this request's blocks up to `writer_depth`: its
+    marker, "pending|<id>|<replica>|<expected s>" or "ok|..." / "fail|..." once it ended."""
 
 
 @dataclass
@@ -86,18 +94,20 @@ class RoutingDirectory:
         deadline_s: float = 0.005,
         write_deadline_s: float = 0.5,
         rates: PrefixRates | None = None,
+        track_writers: bool = False,
     ) -> None:
         self.local = local
         self.rates = rates
+        self.track_writers = track_writers
+        self.on_land: Callable[[str], None] | None = None
+        """Called with every landing another gateway's (or this one's) leader announces."""
         self.shared = shared
         self.deadline_s = deadline_s
         self.write_deadline_s = write_deadline_s
         self.stats = DirectoryStats()
         self._failures = 0
         self._markers: dict[str, str] = {}
-        self._writes: deque[tuple[str, str, Sequence[BlockHash], float]] = deque(
-            maxlen=WRITE_QUEUE_LIMIT
-        )
+        self._writes: deque[_Write] = deque(maxlen=WRITE_QUEUE_LIMIT)
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -116,6 +126,8 @@ class RoutingDirectory:
             self._set_degraded(True, f"Redis unavailable at start: {exc}")
             self._tasks.append(asyncio.create_task(self._probe()))
         self._tasks.append(asyncio.create_task(self._flush_writes()))
+        if self.track_writers:
+            self._tasks.append(asyncio.create_task(self._watch_landings()))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -133,8 +145,14 @@ class RoutingDirectory:
             return Lookup({}, self.degraded)
         if self.shared is not None and not self.degraded:
             started = time.perf_counter()
+            window = self.rates.window_s if self.rates is not None else 0.0
             try:
-                detail = await asyncio.wait_for(self.shared.lookup_detail(hashes), self.deadline_s)
+                full = await asyncio.wait_for(
+                    self.shared.lookup_full(
+                        hashes, rate_window_s=window, writers=self.track_writers
+                    ),
+                    self.deadline_s,
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -145,7 +163,12 @@ class RoutingDirectory:
                 self.stats.lookup_latencies.append(elapsed)
                 self.stats.shared_lookups += 1
                 self._failures = 0
-                return self._rated(_lookup(detail, degraded=False), hashes)
+                lookup = _lookup(full.detail, degraded=False)
+                if full.hot_depth:
+                    lookup.hot_key = hashes[full.hot_depth - 1]
+                    lookup.hot = PrefixRate(full.rate_per_min, full.k)
+                lookup.writer_depth, lookup.writer = full.writer_depth, full.writer
+                return lookup
         if self.shared is not None:
             self.stats.fallbacks += 1
         detail = await self.local.lookup_detail(hashes)
@@ -161,6 +184,61 @@ class RoutingDirectory:
     def set_k(self, prefix: BlockHash, k: int) -> None:
         if self.rates is not None:
             self.rates.set_k(prefix, k)
+        shared = self.shared
+        if shared is not None:
+            self._enqueue_call(lambda: shared.set_k(prefix, k))
+
+    # -- fan-out leaders across gateways ---------------------------------------------------------
+    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool:
+        """Mark blocks as being written (on the request path, with the lookup's deadline)."""
+        if self.shared is None or self.degraded or not blocks:
+            return False
+        try:
+            await asyncio.wait_for(self.shared.lead(blocks, marker, ttl_s), self.deadline_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("fan-out marker not set: %s", exc)
+            return False
+        return True
+
+    def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None:
+        shared = self.shared
+        if shared is not None:
+            self._enqueue_call(lambda: shared.land(blocks, marker, landed, ttl_s))
+
+    async def read_marker(self, block: BlockHash) -> str | None:
+        if self.shared is None:
+            return None
+        try:
+            return await asyncio.wait_for(self.shared.read_marker(block), self.deadline_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return None
+
+    async def _watch_landings(self) -> None:
+        shared = self.shared
+        assert shared is not None
+        while True:
+            try:
+                pubsub = shared.client.pubsub()
+                await pubsub.subscribe(LAND_CHANNEL)
+                try:
+                    while True:
+                        message = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=PROBE_INTERVAL_S
+                        )
+                        if message is not None and self.on_land is not None:
+                            data = message["data"]
+                            self.on_land(data.decode() if isinstance(data, bytes) else str(data))
+                finally:
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: waiters time out; try again shortly
+                log.debug("landing watcher: %s", exc)
+                await asyncio.sleep(PROBE_INTERVAL_S)
 
     async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.local.record(replica, hashes)
@@ -253,9 +331,16 @@ class RoutingDirectory:
     ) -> None:
         if self.shared is None or (not hashes and op != "expire"):
             return
+        self._push((op, replica, hashes, at_s, None))
+
+    def _enqueue_call(self, call: Callable[[], Awaitable[object]]) -> None:
+        if self.shared is not None:
+            self._push(("call", "", (), 0.0, call))
+
+    def _push(self, item: _Write) -> None:
         if len(self._writes) == self._writes.maxlen:
             self.stats.writes_dropped += 1
-        self._writes.append((op, replica, hashes, at_s))
+        self._writes.append(item)
         self._idle.clear()
         self._wakeup.set()
 
@@ -278,16 +363,17 @@ class RoutingDirectory:
                     log.debug("shared directory write failed: %s", exc)
             self._idle.set()
 
-    async def _write(self, batch: list[tuple[str, str, Sequence[BlockHash], float]]) -> None:
-        """Records first (one script call per chain, concurrently), then drops and expiries."""
+    async def _write(self, batch: list[_Write]) -> None:
+        """Records first (one script call per chain, concurrently), then the rest."""
         shared = self.shared
         assert shared is not None
-        records = [(r, h) for op, r, h, _ in batch if op == "record"]
+        records = [(r, h) for op, r, h, _, _ in batch if op == "record"]
         if records:
             await shared.record_many(records)
         await asyncio.gather(
-            *(shared.drop(r, h) for op, r, h, _ in batch if op == "drop"),
-            *(shared.expire(r, t) for op, r, _, t in batch if op == "expire"),
+            *(shared.drop(r, h) for op, r, h, _, _ in batch if op == "drop"),
+            *(shared.expire(r, t) for op, r, _, t, _ in batch if op == "expire"),
+            *(call() for op, _, _, _, call in batch if op == "call" and call is not None),
         )
 
     async def flushed(self) -> None:
