@@ -120,7 +120,7 @@ if window_ms > 0 and deepest > 0 then
   c = c + 1
   redis.call('HSET', key, 'w', window, 'c', c, 'p', p)
   redis.call('PEXPIRE', key, 2 * window_ms)
-  local rate = p * math.max(0, 1 - (now / window_ms - window)) + c
+  local rate = (p * math.max(0, 1 - (now / window_ms - window)) + c) * 60000 / window_ms
   hot = {deepest, tostring(rate), k}
 end
 local writer = {}

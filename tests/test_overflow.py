@@ -18,9 +18,9 @@ class Clock:
         return self.now
 
 
-def test_the_rate_is_a_sliding_minute() -> None:
+def test_the_rate_is_a_sliding_window_per_minute() -> None:
     clock = Clock()
-    rates = PrefixRates(clock=clock)
+    rates = PrefixRates(window_s=60, clock=clock)
     key = BlockHash(b"spine")
     for _ in range(30):
         rate = rates.observe(key)
@@ -29,6 +29,10 @@ def test_the_rate_is_a_sliding_minute() -> None:
     assert rates.observe(key).rate_per_min == pytest.approx(30 * 0.75 + 1)
     clock.now += 120  # two windows of silence
     assert rates.observe(key).rate_per_min == 1
+    short = PrefixRates(window_s=10, clock=clock)  # ten seconds, scaled to a minute
+    for _ in range(5):
+        rate = short.observe(key)
+    assert rate.rate_per_min == 30
     assert rates.observe(BlockHash(b"other")).k == 1
 
 
