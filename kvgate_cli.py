@@ -67,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_audit_demo_arguments(audit_demo)
 
+    bench_fanout = commands.add_parser(
+        "bench-fanout", help="fan-out holding and hot-prefix overflow, live (a benchmark)"
+    )
+    from loadgen.bench_fanout import add_bench_fanout_arguments
+
+    add_bench_fanout_arguments(bench_fanout)
+
     args = parser.parse_args(argv)
     if args.command == "engine":
         from loadgen.engine import serve_engine
@@ -84,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.bench_directory import run_bench_directory
 
         return run_bench_directory(args)
+    elif args.command == "bench-fanout":
+        from loadgen.bench_fanout import run_bench_fanout
+
+        return run_bench_fanout(args)
     elif args.command == "bench-cpu":
         from loadgen.bench_cpu import run_bench_cpu
 

@@ -153,3 +153,80 @@ def agent_day(tenant: str = "acme", repo: str = "repo") -> list[Phase]:
 
 def count_requests(phases: list[Phase]) -> int:
     return sum(max(len(s.steps), 1) for p in phases for s in p.sessions)
+
+
+PLAN_TOKENS = 1_500
+
+
+def agent_day_with_plan(tenant: str = "acme", repo: str = "repo") -> list[Phase]:
+    """The agent day, but the three subagents share a plan the main agent has just written:
+    system + project file + a 1,500-token plan (cached nowhere yet), then each one's 400-token
+    task — the fan-out a held request turns from three writes of the plan into one."""
+    phases = agent_day(tenant, repo)
+    project = words(f"{tenant}/{repo}/project-file", PROJECT_FILE_TOKENS)
+    plan = words(f"{tenant}/{repo}/plan", PLAN_TOKENS)
+    system = _system(tenant)
+    tools = _tools(tenant)
+    phases[1] = Phase(
+        "three subagents in parallel, sharing a fresh plan",
+        [
+            Session(
+                f"subagent-{k}",
+                [
+                    system,
+                    {
+                        "role": "user",
+                        "content": "Project file:"
+                        + project
+                        + "\n\nPlan:"
+                        + plan
+                        + "\n\nSubtask:"
+                        + words(f"sub{k}/task", SUBAGENT_TASK_TOKENS),
+                    },
+                ],
+                [
+                    Step(
+                        []
+                        if j == 0
+                        else [
+                            {
+                                "role": "user",
+                                "content": words(f"sub{k}/step{j}", SUBAGENT_STEP_TOKENS),
+                            }
+                        ],
+                        f"subagent {k} step {j + 1}",
+                    )
+                    for j in range(3)
+                ],
+                tools,
+            )
+            for k in range(1, 4)
+        ],
+    )
+    return phases
+
+
+def fanout_burst(
+    num_subagents: int = 8, shared_tokens: int = 6_000, task_tokens: int = SUBAGENT_TASK_TOKENS
+) -> list[Phase]:
+    """A fresh job fans out at once: `num_subagents` requests sharing a context no replica holds
+    yet (a new document and instructions), each with its own task, sent in parallel."""
+    context = "Context:" + words("burst/context", shared_tokens)
+    return [
+        Phase(
+            "a fresh fan-out",
+            [
+                Session(
+                    f"burst-{k}",
+                    [
+                        {
+                            "role": "user",
+                            "content": context + "\n\nTask:" + words(f"burst{k}", task_tokens),
+                        }
+                    ],
+                    [Step([], f"burst subagent {k}")],
+                )
+                for k in range(num_subagents)
+            ],
+        )
+    ]

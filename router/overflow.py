@@ -21,9 +21,10 @@ from dataclasses import dataclass, replace
 
 from router.types import Replica, RouteRequest
 
-DEFAULT_HOT_SHARE = 0.5
-"""A prefix may take half of a replica's prefill time before it spreads: the rest is left for
-the conversations (deeper prefixes) that replica also holds."""
+DEFAULT_HOT_SHARE = 0.3
+"""A prefix may take 30% of a replica's prefill time before it spreads: queueing delay grows
+steeply past ~70% utilization, and the replica also serves the conversations (deeper prefixes)
+it holds. Spreading early costs one more write of the spine per replica, nothing more."""
 DEFAULT_SHRINK_RATIO = 0.7
 """Shrink from k to k−1 only at 70% of the (k−1) threshold: a 30% band against flapping."""
 DEFAULT_MIN_THRESHOLD_PER_MIN = 15.0

@@ -49,3 +49,15 @@ def test_the_directory_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> Non
     assert run_bench_directory(args) == 0
     out = capsys.readouterr().out
     assert "redis cluster (3 masters)" in out and "B per cached block entry" in out
+
+
+def test_the_fanout_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadgen.bench_fanout import add_bench_fanout_arguments, run_bench_fanout
+
+    args = _args(
+        add_bench_fanout_arguments,
+        *("--skip-hold", "--seconds", "2", "--rate", "10", "--engines", "2", "--time-scale", "10"),
+    )
+    assert run_bench_fanout(args) == 0
+    out = capsys.readouterr().out
+    assert "hot spine" in out and "imbalance" in out
