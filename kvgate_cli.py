@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_directory_arguments(bench_directory)
 
+    billing = commands.add_parser(
+        "billing", help="prompt-cache billing: simulate a workload, export or sum the ledger"
+    )
+    from gateway.billing.cli import add_billing_arguments
+
+    add_billing_arguments(billing)
+
     args = parser.parse_args(argv)
     if args.command == "engine":
         from loadgen.engine import serve_engine
@@ -63,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.bench_directory import run_bench_directory
 
         return run_bench_directory(args)
+    elif args.command == "billing":
+        from gateway.billing.cli import run_billing
+
+        return run_billing(args)
     elif args.command == "bench-cpu":
         from loadgen.bench_cpu import run_bench_cpu
 
