@@ -29,6 +29,11 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings) -> GatewayASGI:
+    billing = None
+    if settings.billing_wal_dir is not None:  # billing (issue #7): on when a WAL dir is set
+        from gateway.billing.service import Billing
+
+        billing = Billing(settings)
     tenants = TenantRegistry.from_pairs(settings.secret_bytes(), settings.tenants)
     router_config = RouterConfig(
         absolute_slack_tokens=settings.absolute_slack_tokens,
@@ -63,8 +68,9 @@ def create_app(settings: Settings) -> GatewayASGI:
         replicas,
         forwarder,
         policy,
-        observers=[reconciler],
+        observers=[reconciler, *([billing.meter] if billing else [])],
         fallback_policy=build_fallback(settings.policy, router_config),
+        request_hooks=[billing.meter.prepare] if billing else [],
     )
     register_collector(registry, director)
 
@@ -90,6 +96,8 @@ def create_app(settings: Settings) -> GatewayASGI:
                 )
                 directory.register(settings.engines)
             await directory.start()
+            if billing is not None:
+                await billing.start()
             await replicas.start(session)
             log.info(
                 "kvgate: %d/%d replicas healthy, policy %s",
@@ -102,6 +110,8 @@ def create_app(settings: Settings) -> GatewayASGI:
             finally:
                 await replicas.stop()
                 await directory.close()
+                if billing is not None:
+                    await billing.stop()
 
     app = FastAPI(
         title="kvgate",
@@ -111,11 +121,16 @@ def create_app(settings: Settings) -> GatewayASGI:
     )
     routes, hot = build_router(director, tenants)
     app.include_router(routes)
+    if billing is not None:
+        from gateway.billing.routes import build_billing_router
+
+        app.include_router(build_billing_router(billing, director, tenants))
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(render(registry), media_type="text/plain; version=0.0.4")
 
     app.state.director = director
+    app.state.billing = billing
     install_openapi(app)
     return GatewayASGI(app, hot)

@@ -7,7 +7,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,9 @@ from router.types import RouteRequest
 log = logging.getLogger(__name__)
 
 _PATHS = {CHAT: "/v1/chat/completions", "completion": "/v1/completions"}
+RequestHook = Callable[[ParsedRequest, Tenant], Awaitable[ParsedRequest]]
+"""Runs before admission: may validate (raise a GatewayError) or return a replacement request
+(billing expands explicit cached contents and strips billing-only fields)."""
 _LEARNING_RATE = 0.1
 """Weight of each response in the bytes-per-token estimate (an EMA over ~10 responses)."""
 
@@ -49,6 +52,7 @@ class Director:
         policy: Profile,
         observers: Sequence[ExchangeObserver] = (),
         fallback_policy: Profile | None = None,
+        request_hooks: Sequence[RequestHook] = (),
     ) -> None:
         self.settings = settings
         self.directory = directory
@@ -57,6 +61,7 @@ class Director:
         self.policy = policy
         self.fallback_policy = fallback_policy or policy
         self.observers = list(observers)
+        self.request_hooks = list(request_hooks)
         self.rng = random.Random(settings.seed)
         self.stats = DirectorStats()
         self._sequence = itertools.count()
@@ -110,6 +115,8 @@ class Director:
     async def open(self, parsed: ParsedRequest, tenant: Tenant) -> Exchange | Passthrough:
         """Admit, route and forward until an attempt commits: an exchange whose first byte has
         arrived, or an engine's 4xx to pass through."""
+        for hook in self.request_hooks:
+            parsed = await hook(parsed, tenant)
         candidates = self._admit(parsed)
         routed = await self._route(parsed, tenant, candidates)
         return await self._forward(routed)

@@ -122,6 +122,20 @@ def peak_multiplier(start: Decimal, holidays: frozenset[dt.date]) -> Decimal:
     return Decimal(1)
 
 
+def translate_mark(profile: str, ttl: str | None, default: str | None = None) -> str | None:
+    """A segment's cache mark under the target profile: Anthropic takes its TTL as given
+    (validated by the rules); OpenAI keeps 30m/12h and maps any other mark to an explicit
+    breakpoint with `default` (the request's lifetime, else the profile's); prefix-caching
+    profiles have no breakpoints."""
+    if ttl is None:
+        return None
+    if profile == "anthropic":
+        return ttl
+    if profile == "openai":
+        return ttl if ttl in ("30m", "12h") else (default if default in ("30m", "12h") else "")
+    return None
+
+
 # -- entry updates ---------------------------------------------------------------------------------
 def upsert(entries: Entries, key: object, req: MeteredRequest, ttl_s: Decimal) -> None:
     """Write (or join a parallel write of) an entry: a live or pending entry keeps the earlier
@@ -182,17 +196,8 @@ def _ranges(written: list[tuple[int, str]]) -> tuple[tuple[str, int], ...]:
 
 
 # -- the profiles ----------------------------------------------------------------------------------
-def plan_anthropic(
-    req: MeteredRequest, entries: Entries, row: ModelPrice, options: ProfileOptions
-) -> Plan:
-    """Breakpoints write; lookups walk back from each breakpoint; mixed TTLs by A/B/C [A].
-
-    A = the highest hit, B = the highest 1h breakpoint after A (else A), C = the last
-    breakpoint: R = A, W1h = B − A, W5m = C − B. A breakpoint below the model's minimum is
-    silently ignored; more than `max_breakpoints`, or a 1h breakpoint after a 5m one, is refused.
-    """
-    spec = SPECS["anthropic"]
-    marks = breakpoints(req, spec)
+def check_anthropic_marks(marks: list[tuple[int, str]], options: ProfileOptions) -> None:
+    """At most `max_breakpoints`, and every 1h breakpoint before every 5m one (else a 400)."""
     if len(marks) > options.max_breakpoints:
         raise BillingError(
             f"{len(marks)} cache breakpoints; at most {options.max_breakpoints} are allowed"
@@ -203,6 +208,19 @@ def plan_anthropic(
             seen_5m = True
         elif seen_5m:
             raise BillingError("cache breakpoints with ttl '1h' must come before those with '5m'")
+
+
+def plan_anthropic(
+    req: MeteredRequest, entries: Entries, row: ModelPrice, options: ProfileOptions
+) -> Plan:
+    """Breakpoints write; lookups walk back from each breakpoint; mixed TTLs by A/B/C [A].
+
+    A = the highest hit, B = the highest 1h breakpoint after A (else A), C = the last
+    breakpoint: R = A, W1h = B − A, W5m = C − B. A breakpoint below the model's minimum is
+    silently ignored; more than `max_breakpoints`, or a 1h breakpoint after a 5m one, is refused.
+    """
+    marks = breakpoints(req, SPECS["anthropic"])
+    check_anthropic_marks(marks, options)
     minimum = row.min_tokens if row.min_tokens is not None else DEFAULT_OPENAI_MIN_TOKENS
     kept = [(i, tier) for i, tier in marks if req.blocks[i].end_tokens >= minimum]
     t = req.start

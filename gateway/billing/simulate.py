@@ -17,21 +17,8 @@ from gateway.billing.ledger import CacheLedger
 from gateway.billing.model import BillingError, Block, CachedContent, Charge, MeteredRequest
 from gateway.billing.money import ZERO, display, divide, iso, plain
 from gateway.billing.prices import PriceTable
-from gateway.billing.rules import DEFAULT_EXPLICIT_TTL_S, ProfileOptions
+from gateway.billing.rules import DEFAULT_EXPLICIT_TTL_S, ProfileOptions, translate_mark
 from gateway.billing.usage import flat_usage, profile_usage
-
-
-def translate_mark(profile: str, ttl: str | None) -> str | None:
-    """A segment's cache mark under the target profile: Anthropic takes its TTL as given
-    (validated by the rules); OpenAI keeps 30m/12h and maps any other mark to an explicit
-    breakpoint with its default lifetime; prefix-caching profiles have no breakpoints."""
-    if ttl is None:
-        return None
-    if profile == "anthropic":
-        return ttl
-    if profile == "openai":
-        return ttl if ttl in ("30m", "12h") else ""
-    return None
 
 
 @dataclass
