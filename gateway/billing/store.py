@@ -85,14 +85,14 @@ class RedisLedgerStore:
     async def put(self, records: list[dict[str, Any]]) -> int:
         new = 0
         for i in range(0, len(records), SHIP_BATCH):
-            pipe = self.client.pipeline(transaction=False)
-            for record in records[i : i + SHIP_BATCH]:
-                tenant = str(record["tenant"])
-                keys = [f"{PREFIX}:records", f"{PREFIX}:t:{tenant}", f"{PREFIX}:tenants"]
-                score = str(record["start_unix"])
-                args = [str(record["id"]), orjson.dumps(record), score, tenant]
-                self._script(keys=keys, args=args, client=pipe)
-            new += sum(int(x) for x in await pipe.execute())
+            async with self.client.pipeline(transaction=False) as pipe:
+                for record in records[i : i + SHIP_BATCH]:
+                    tenant = str(record["tenant"])
+                    keys = [f"{PREFIX}:records", f"{PREFIX}:t:{tenant}", f"{PREFIX}:tenants"]
+                    score = str(record["start_unix"])
+                    args = [str(record["id"]), orjson.dumps(record), score, tenant]
+                    await self._script(keys=keys, args=args, client=pipe)  # queued, not sent
+                new += sum(int(x) for x in await pipe.execute())
         return new
 
     async def tenants(self) -> list[str]:
