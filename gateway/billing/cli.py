@@ -47,8 +47,9 @@ def add_billing_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument(
             "--wal-dir", action="append", type=Path, default=[], help="read local WALs instead"
         )
-        sub.add_argument("--from", dest="start", help="ISO-8601 start (inclusive)")
-        sub.add_argument("--to", dest="end", help="ISO-8601 end (exclusive)")
+        required = name == "export"
+        sub.add_argument("--from", dest="start", required=required, help="ISO-8601, inclusive")
+        sub.add_argument("--to", dest="end", required=required, help="ISO-8601, exclusive")
         sub.add_argument("--tenant", required=name == "export")
         if name == "export":
             sub.add_argument("--format", choices=("csv", "jsonl", "parquet"), default="jsonl")

@@ -275,8 +275,9 @@ class BillingMeter:
         if not isinstance(object_id, str) or parsed.kind != CHAT:
             raise BillingError("'cached_content' must be an id string on a chat request")
         obj = self.ledger(profile).content(tenant.name, object_id, t)
-        if obj.model != parsed.model:
-            raise BillingError(f"cached content {object_id!r} was created for model {obj.model!r}")
+        served = obj.payload.get("model", obj.model)
+        if served != parsed.model:
+            raise BillingError(f"cached content {object_id!r} was created for model {served!r}")
         if obj.payload.get("tools") and parsed.body.get("tools"):
             raise BillingError("a request naming a cached content with tools may not send tools")
         return obj
@@ -445,7 +446,11 @@ class BillingMeter:
             num_blocks=num_blocks,
             created=pending.start,
             expires=spec["expires"],
-            payload={"messages": spec["messages"], "tools": spec.get("tools")},
+            payload={
+                "model": pending.model,
+                "messages": spec["messages"],
+                "tools": spec.get("tools"),
+            },
         )
         assert flight.ledger is not None
         charge = flight.ledger.create_content(obj)

@@ -62,7 +62,8 @@ def _object_json(obj: CachedContent) -> dict[str, Any]:
     return {
         "id": obj.object_id,
         "object": "cached_content",
-        "model": obj.model,
+        "model": obj.payload.get("model", obj.model),
+        "price_model": obj.model,
         "tokens": obj.num_tokens,
         "create_time": iso(obj.created),
         "expire_time": iso(obj.expires),

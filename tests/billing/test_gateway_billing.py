@@ -4,7 +4,6 @@ clock driven by the test (`app.state.billing.meter.clock`)."""
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -19,7 +18,7 @@ from gateway.billing.wal import read_directory
 from loadgen.text import words
 from loadgen.tokenizer import count_tokens
 from tests.billing.generate import SCENARIOS, session
-from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY
+from tests.conftest import MODEL, TENANT_KEY
 from tests.servers import Served
 
 pytestmark = pytest.mark.e2e

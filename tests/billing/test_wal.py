@@ -40,8 +40,8 @@ async def test_one_gateway_per_directory_and_a_fresh_segment_after_a_crash(tmp_p
         WriteAheadLog(tmp_path).open()
     await wal.append(record(1))
     assert wal.current is not None
-    with open(wal.current, "ab") as f:  # a torn write, as kill -9 mid-write leaves it
-        f.write(b'{"id": "req-2", "ten')
+    torn = wal.current.read_bytes() + b'{"id": "req-2", "ten'  # as kill -9 mid-write leaves it
+    wal.current.write_bytes(torn)
     await wal.aclose()
     again = WriteAheadLog(tmp_path)
     again.open()  # never appends after a torn tail
