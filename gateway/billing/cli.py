@@ -65,7 +65,7 @@ def run_billing(args: argparse.Namespace) -> int:
         if args.billing_command == "export":
             return _export(args)
         return _summary(args)
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:
         print(f"kvgate billing {args.billing_command}: {exc}", file=sys.stderr)
         return 2
 

@@ -32,6 +32,8 @@ import mmh3
 
 from gateway.billing.money import dec
 
+MAX_T = Decimal(253_402_300_800)
+"""9999-12-31T23:59:59Z + 1 s: instants must print as ISO-8601."""
 OPS = ("cache.create", "cache.update", "cache.delete")
 _IMPLICIT_ROLES = frozenset({"user", "tool", "function"})
 _REQUEST_FIELDS = frozenset(
@@ -146,6 +148,8 @@ def parse_event(text: str, line: int) -> Event | None:
     if not isinstance(raw, dict):
         raise EventError(f"{where}: each line must be a JSON object")
     t = _decimal(raw.get("t"), f"{where}: t")
+    if not 0 <= t < MAX_T:
+        raise EventError(f"{where}: t must be ≥ 0 and before the year 10000 (unix seconds)")
     tenant = raw.get("tenant", "default")
     if not isinstance(tenant, str) or not tenant:
         raise EventError(f"{where}: tenant must be a non-empty string")
@@ -185,7 +189,7 @@ def parse_event(text: str, line: int) -> Event | None:
     if mode not in ("implicit", "explicit"):
         raise EventError(f"{where}: mode must be 'implicit' or 'explicit', got {mode!r}")
     first = _decimal(raw.get("first_token_s", 0), f"{where}: first_token_s")
-    if first < 0:
+    if first < 0 or t + first >= MAX_T:
         raise EventError(f"{where}: first_token_s must not be negative")
     cached = raw.get("cached_content")
     if cached is not None and not isinstance(cached, str):

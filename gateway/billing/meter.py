@@ -13,6 +13,9 @@
    `engine_cached_tokens`), the profile's fields join, with `cost` and `kvgate_billing`.
 4. Finish: an exchange that ended without usage is billed from its estimates (`aborted`).
 
+`max_tokens: 0` (Anthropic's ping, which the Messages front end lets through) reads and
+refreshes entries: the engine is asked for one token, the usage reports and bills none.
+
 The bill follows the contract, not the replica: the ledger is per tenant scope and model,
 whichever replica served. Front ends other than the OpenAI one pass their breakpoints as marks
 on an OpenAI-shaped body (see `layout`); a request built elsewhere can carry a ready `Pending`
@@ -239,7 +242,10 @@ class BillingMeter:
         counted = None
         if self.tokenizer is not None:
             counted = counted_ends(rendered, [b.end for b in layout.blocks], self.tokenizer)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        ping = max_tokens == 0
         pending = Pending(
             request_id="req-" + uuid.uuid4().hex,
             tenant=tenant.name,
@@ -254,6 +260,9 @@ class BillingMeter:
         )
         if obj is not None or has_marks(body):
             body = strip_marks(body)
+        if ping:  # Anthropic's ping: the engine generates one token, nobody is billed for it
+            body = {k: v for k, v in body.items() if k != "max_completion_tokens"}
+            body["max_tokens"] = 1
         return BilledRequest(
             parsed.kind,
             parsed.model,
@@ -360,6 +369,10 @@ class BillingMeter:
         n = prompt_tokens if isinstance(prompt_tokens, int) else flight.estimated_tokens
         completion = usage.get("completion_tokens")
         o = completion if isinstance(completion, int) else 0
+        if pending.max_tokens == 0:  # a ping: reads and refreshes, generates nothing
+            o = 0
+            usage["completion_tokens"] = 0
+            usage["total_tokens"] = n
         if n > 0:
             observed = pending.layout.num_bytes / n
             old = self._bytes_per_token.get(pending.model)

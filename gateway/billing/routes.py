@@ -44,6 +44,11 @@ from gateway.requests import load_json_object, parse_chat
 from gateway.tenants import Tenant, TenantRegistry, bearer_key, hash_key
 
 
+MAX_LIFETIME_S = Decimal(366 * 86400)
+"""An explicit cached content lives at most a year: beyond that a TTL is a typo, and the rent
+charged up front through the expiry would be absurd."""
+
+
 class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -155,8 +160,10 @@ def build_billing_router(
                 seconds = dec(ttl)
             except ValueError as exc:
                 raise InvalidRequest(f"'ttl_s': {exc}", param="ttl_s") from None
-            if seconds <= 0:
-                raise InvalidRequest("'ttl_s' must be positive", param="ttl_s")
+            if not 0 < seconds <= MAX_LIFETIME_S:
+                raise InvalidRequest(
+                    f"'ttl_s' must be positive and at most {MAX_LIFETIME_S} s", param="ttl_s"
+                )
             return now + seconds
         if expire is not None:
             if not isinstance(expire, str):
@@ -165,8 +172,10 @@ def build_billing_router(
                 )
             when = _instant(expire, "expire_time")
             assert when is not None
-            if when <= now:
-                raise InvalidRequest("'expire_time' must be in the future", param="expire_time")
+            if not now < when <= now + MAX_LIFETIME_S:
+                raise InvalidRequest(
+                    "'expire_time' must be in the future and within a year", param="expire_time"
+                )
             return when
         if default is None:
             raise InvalidRequest("give 'ttl_s' or 'expire_time'", param="ttl_s")
