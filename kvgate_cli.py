@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_directory_arguments(bench_directory)
 
+    bench_billing = commands.add_parser(
+        "bench-billing", help="billing's CPU cost in the gateway, and the pricing engine's speed"
+    )
+    from loadgen.bench_billing import add_bench_billing_arguments
+
+    add_bench_billing_arguments(bench_billing)
+
     billing = commands.add_parser(
         "billing", help="prompt-cache billing: simulate a workload, export or sum the ledger"
     )
@@ -70,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.bench_directory import run_bench_directory
 
         return run_bench_directory(args)
+    elif args.command == "bench-billing":
+        from loadgen.bench_billing import run_bench_billing
+
+        return run_bench_billing(args)
     elif args.command == "billing":
         from gateway.billing.cli import run_billing
 

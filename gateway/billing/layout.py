@@ -63,6 +63,8 @@ class Layout:
     auto_ttl: str | None = None
     default_tier: str | None = None
     """`prompt_cache_options.ttl`: the tier of marks (and the implicit one) that name none."""
+    marked: bool = False
+    """Some block or the top level carries a billing-only field (validate, then strip)."""
 
 
 def _mark(holder: Any, where: str) -> str | None:
@@ -151,14 +153,19 @@ def chat_layout(body: Mapping[str, Any], rendered: bytes) -> Layout:
         blocks = [ByteBlock(len(rendered), None, eligible=True)]
     explicit, auto, tier = _top_level(body)
     ends = [b.end for b in blocks]
-    return Layout(tuple(blocks), _chain(rendered, ends), len(rendered), explicit, auto, tier)
+    marked = any(b.mark is not None for b in blocks) or any(k in body for k in TOP_LEVEL_KEYS)
+    return Layout(
+        tuple(blocks), _chain(rendered, ends), len(rendered), explicit, auto, tier, marked
+    )
 
 
 def completion_layout(body: Mapping[str, Any], rendered: bytes) -> Layout:
     """A completion prompt is one block (a user's text), marked only at the top level."""
     explicit, auto, tier = _top_level(body)
     block = ByteBlock(len(rendered), None, eligible=True)
-    return Layout((block,), _chain(rendered, [len(rendered)]), len(rendered), explicit, auto, tier)
+    marked = any(k in body for k in TOP_LEVEL_KEYS)
+    keys = _chain(rendered, [len(rendered)])
+    return Layout((block,), keys, len(rendered), explicit, auto, tier, marked)
 
 
 def has_marks(body: Mapping[str, Any]) -> bool:

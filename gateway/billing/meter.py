@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
-import uuid
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -43,7 +43,6 @@ from gateway.billing.layout import (
     completion_layout,
     counted_ends,
     fit_to_total,
-    has_marks,
     proportional_ends,
     strip_marks,
 )
@@ -232,13 +231,11 @@ class BillingMeter:
             if parsed.kind == CHAT
             else completion_layout(body, rendered)
         )
-        if profile == "anthropic":
-            marks = breakpoints(
-                self._metered(profile, layout, [0] * len(layout.blocks)), SPECS[profile]
-            )
-            check_anthropic_marks(marks, self.options)
-        elif profile == "openai":
-            breakpoints(self._metered(profile, layout, [0] * len(layout.blocks)), SPECS[profile])
+        if layout.marked and profile in ("anthropic", "openai"):
+            unpositioned = self._metered(profile, layout, [0] * len(layout.blocks))
+            marks = breakpoints(unpositioned, SPECS[profile])
+            if profile == "anthropic":
+                check_anthropic_marks(marks, self.options)
         counted = None
         if self.tokenizer is not None:
             counted = counted_ends(rendered, [b.end for b in layout.blocks], self.tokenizer)
@@ -247,7 +244,7 @@ class BillingMeter:
             max_tokens = body.get("max_tokens")
         ping = max_tokens == 0
         pending = Pending(
-            request_id="req-" + uuid.uuid4().hex,
+            request_id="req-" + secrets.token_hex(16),
             tenant=tenant.name,
             profile=profile,
             model=parsed.model,
@@ -258,7 +255,7 @@ class BillingMeter:
             cached_content=obj,
             counted=counted,
         )
-        if obj is not None or has_marks(body):
+        if obj is not None or layout.marked:
             body = strip_marks(body)
         if ping:  # Anthropic's ping: the engine generates one token, nobody is billed for it
             body = {k: v for k, v in body.items() if k != "max_completion_tokens"}

@@ -9,6 +9,7 @@ rates); those are computed in a 50-digit context and rent is quantized to `RENT_
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from decimal import ROUND_HALF_UP, Context, Decimal, InvalidOperation, localcontext
 from typing import Any
 
@@ -72,11 +73,16 @@ def to_datetime(unix_s: Decimal) -> dt.datetime:
 
 def iso(unix_s: Decimal) -> str:
     """ISO-8601 UTC with a `Z`, e.g. 2026-09-01T12:00:00.250000Z (microseconds only if any)."""
-    moment = to_datetime(unix_s)
-    text = moment.strftime("%Y-%m-%dT%H:%M:%S")
-    if moment.microsecond:
-        text += f".{moment.microsecond:06d}"
-    return text + "Z"
+    micros = int((unix_s * 1_000_000).to_integral_value(rounding=ROUND_HALF_UP))
+    seconds, fraction = divmod(micros, 1_000_000)
+    text = _iso_seconds(seconds)
+    return f"{text}.{fraction:06d}Z" if fraction else text + "Z"
+
+
+@functools.lru_cache(maxsize=1024)
+def _iso_seconds(seconds: int) -> str:
+    """The whole-second part (cached: a busy gateway formats the same second many times)."""
+    return (EPOCH + dt.timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def parse_instant(text: str) -> Decimal:

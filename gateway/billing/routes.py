@@ -43,7 +43,6 @@ from gateway.forwarder import Passthrough
 from gateway.requests import load_json_object, parse_chat
 from gateway.tenants import Tenant, TenantRegistry, bearer_key, hash_key
 
-
 MAX_LIFETIME_S = Decimal(366 * 86400)
 """An explicit cached content lives at most a year: beyond that a TTL is a typo, and the rent
 charged up front through the expiry would be absurd."""

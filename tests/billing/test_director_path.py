@@ -35,8 +35,8 @@ READY_TIMEOUT_S = 10.0
 
 async def until_ready(director: Director) -> None:
     async with asyncio.timeout(READY_TIMEOUT_S):
-        while not director.replicas.serving(MODEL):
-            await asyncio.sleep(0.01)  # polls the condition; the health probe sets it
+        await director.replicas.probe_all()  # what the health loop does, now
+    assert director.replicas.serving(MODEL)
 
 
 async def test_the_pings_session_through_the_director_with_max_tokens_0(
