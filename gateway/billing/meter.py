@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from cachemap.rendering import GENERATION_PROMPT
 from gateway.billing.clock import Clock, WallClock
 from gateway.billing.layout import (
     Layout,
@@ -447,7 +448,14 @@ class BillingMeter:
         pending = flight.pending
         spec = pending.create
         num_blocks = len(pending.layout.blocks)
-        tokens = ends[num_blocks - 1] if ends else n
+        # the object ends before the generation prompt its prefill carried: a request using it
+        # continues with its own messages there
+        content_bytes = pending.layout.num_bytes - len(GENERATION_PROMPT.encode())
+        if self.tokenizer is not None:
+            tokens = max(n - self.tokenizer(GENERATION_PROMPT), 0)
+        else:
+            tokens = proportional_ends([content_bytes], pending.layout.num_bytes, n)[0]
+        del ends
         obj = CachedContent(
             object_id=spec["id"],
             tenant=pending.tenant,

@@ -3,6 +3,7 @@ cached contents (create, use, extend, delete; rent), through the running gateway
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -188,4 +189,38 @@ def test_explicit_cached_contents_create_use_extend_delete_with_rent(
     rent = sum(Decimal(r["rent"]) for r in records)
     expected = Decimal(obj["tokens"]) * Decimal("4.50") * Decimal(5400) / Decimal(3600) / 10**6
     assert rent == expected.quantize(Decimal("1e-12"))  # from creation to deletion, 1.5 h
+    c.close()
+
+
+def test_explicit_contents_survive_a_gateway_restart(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    tmp_path: Path,
+) -> None:
+    settings: dict[str, Any] = {
+        "billing_profiles": {"acme": "google_explicit"},
+        "billing_model_map": {MODEL: "gemini-3.1-pro"},
+    }
+    gateway, clock = billed_gateway(start_engines, start_gateway, tmp_path, **settings)
+    clock.set(int(time.time()))  # the restarted gateway loads its objects on the wall clock
+    url = "/v1/cached_contents"
+    auth = {"authorization": f"Bearer {TENANT_KEY}"}
+    created = httpx.post(
+        gateway.url + url,
+        json={"model": MODEL, "messages": [{"role": "system", "content": words("kept", 800)}]},
+        headers=auth,
+    ).json()
+    gateway.stop()  # the WAL directory (and its snapshot of live objects) outlives the process
+    again = start_gateway(start_engines(1), billing_wal_dir=tmp_path / "wal", **settings)
+    again.app.state.billing.meter.clock = clock  # the same instant: the object is still live
+    found = httpx.get(again.url + url + "/" + created["id"], headers=auth)
+    assert found.status_code == 200 and found.json()["tokens"] == created["tokens"]
+    c = client(again)
+    response = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "and now?"}],
+        max_tokens=2,
+        extra_body={"cached_content": created["id"]},
+    )
+    assert response.usage.usageMetadata["cachedContentTokenCount"] == created["tokens"]  # type: ignore[union-attr]
     c.close()
