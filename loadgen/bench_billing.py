@@ -3,8 +3,8 @@
 Side by side in one run, the same streaming requests through a gateway without billing, with
 billing on a local WAL (fsync'd, group-committed), and with the WAL shipped to an AOF Redis
 (`appendfsync always`): the gateway's CPU per request from /proc and the throughput, as ratios
-to the gateway without billing. Then the pure pricing engine on its own: an agent session of
-`--steps` steps priced `--sessions` times in-process, in microseconds per request.
+to the gateway without billing. (The gateway is reached only over the wire; the pricing engine
+alone is `kvgate billing bench`.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 from loadgen.bench_cpu import _measure
@@ -26,39 +25,6 @@ def add_bench_billing_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--stream", action="store_true", help="streaming requests")
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis-store run")
-    parser.add_argument("--steps", type=int, default=50, help="agent session length")
-    parser.add_argument("--sessions", type=int, default=40, help="sessions priced in-process")
-
-
-def _session_lines(steps: int, tenant: str) -> list[str]:
-    lines = []
-    for step in range(1, steps + 1):
-        segments: list[dict[str, object]] = [{"id": "task", "tokens": 12_000}]
-        for j in range(1, step):
-            segments += [{"id": f"o{j}", "tokens": 400}, {"id": f"t{j}", "tokens": 1100}]
-        segments[-1]["cache_control"] = {"ttl": "5m"}
-        lines.append(
-            json.dumps(
-                {"t": 60 * step, "tenant": tenant, "segments": segments, "output_tokens": 400}
-            )
-        )
-    return lines
-
-
-def _engine_us_per_request(steps: int, sessions: int) -> tuple[float, float]:
-    """(parse, price) microseconds per request: reading the workload lines, then the ledger."""
-    from gateway.billing.events import parse_events
-    from gateway.billing.prices import PriceTable
-    from gateway.billing.simulate import Simulator
-
-    lines = [line for s in range(sessions) for line in _session_lines(steps, f"tenant-{s}")]
-    t0 = time.perf_counter()
-    events = parse_events(lines)
-    t1 = time.perf_counter()
-    result = Simulator("anthropic", "sonnet-5", PriceTable.default()).run(events)
-    t2 = time.perf_counter()
-    assert result.totals.requests == steps * sessions
-    return (t1 - t0) / len(lines) * 1e6, (t2 - t1) / len(lines) * 1e6
 
 
 def run_bench_billing(args: argparse.Namespace) -> int:
@@ -120,9 +86,5 @@ def run_bench_billing(args: argparse.Namespace) -> int:
             f"{name:<26} {errors:>6} {args.requests / wall:>8.0f} {per * 1e3:>15.3f} "
             f"{per / base_cpu:>13.2f}"
         )
-    parse_us, price_us = _engine_us_per_request(args.steps, args.sessions)
-    print(
-        f"pricing engine alone ({args.sessions} sessions of {args.steps} steps, anthropic): "
-        f"parse {parse_us:.1f} µs + price {price_us:.1f} µs per request"
-    )
+    print("(the pricing engine alone, in-process: kvgate billing bench)")
     return 1 if any(r[1] for r in rows) else 0

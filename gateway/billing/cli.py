@@ -40,6 +40,10 @@ def add_billing_arguments(parser: argparse.ArgumentParser) -> None:
         "--holiday", action="append", default=[], metavar="DATE", help="a DeepSeek off-peak date"
     )
 
+    bench = commands.add_parser("bench", help="the pricing engine's speed, in-process")
+    bench.add_argument("--steps", type=int, default=50, help="agent session length")
+    bench.add_argument("--sessions", type=int, default=40, help="sessions priced")
+
     for name, text in (("export", "one tenant's ledger records"), ("summary", "totals per tenant")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--config", type=Path, help="a YAML file of gateway settings")
@@ -64,6 +68,8 @@ def run_billing(args: argparse.Namespace) -> int:
             return _simulate(args)
         if args.billing_command == "export":
             return _export(args)
+        if args.billing_command == "bench":
+            return _bench(args)
         return _summary(args)
     except (ValueError, OverflowError) as exc:
         print(f"kvgate billing {args.billing_command}: {exc}", file=sys.stderr)
@@ -125,3 +131,39 @@ def _summary(args: argparse.Namespace) -> int:
     from gateway.billing.export import summary_command
 
     return summary_command(args)
+
+
+def session_lines(steps: int, tenant: str) -> list[str]:
+    """RULES.md §2.1's agent session (warm, 60 s apart) as workload lines."""
+    lines = []
+    for step in range(1, steps + 1):
+        segments: list[dict[str, object]] = [{"id": "task", "tokens": 12_000}]
+        for j in range(1, step):
+            segments += [{"id": f"o{j}", "tokens": 400}, {"id": f"t{j}", "tokens": 1100}]
+        segments[-1]["cache_control"] = {"ttl": "5m"}
+        line = {"t": 60 * step, "tenant": tenant, "segments": segments, "output_tokens": 400}
+        lines.append(orjson.dumps(line).decode())
+    return lines
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Parse and price `--sessions` agent sessions; microseconds per request for each."""
+    import time
+
+    from gateway.billing.events import parse_events
+    from gateway.billing.prices import PriceTable
+    from gateway.billing.simulate import Simulator
+
+    lines = [line for s in range(args.sessions) for line in session_lines(args.steps, f"t{s}")]
+    t0 = time.perf_counter()
+    events = parse_events(lines)
+    t1 = time.perf_counter()
+    result = Simulator("anthropic", "sonnet-5", PriceTable.default()).run(events)
+    t2 = time.perf_counter()
+    assert result.totals.requests == len(lines)
+    print(
+        f"{args.sessions} sessions of {args.steps} steps (anthropic, up to {2 * args.steps - 1} "
+        f"blocks): parse {(t1 - t0) / len(lines) * 1e6:.1f} µs + price "
+        f"{(t2 - t1) / len(lines) * 1e6:.1f} µs per request"
+    )
+    return 0
