@@ -28,15 +28,14 @@ import logging
 import os
 import secrets
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from cachemap.rendering import GENERATION_PROMPT
 from gateway.billing.clock import Clock, WallClock
+from gateway.billing.contents import load_snapshot, save_snapshot
 from gateway.billing.layout import (
     Layout,
     Tokenizer,
@@ -49,6 +48,7 @@ from gateway.billing.layout import (
 )
 from gateway.billing.ledger import CacheLedger
 from gateway.billing.model import BillingError, Block, CachedContent, Charge, MeteredRequest, Plan
+from gateway.billing.pending import BilledRequest, Pending, profile_for
 from gateway.billing.prices import PriceTable
 from gateway.billing.records import build_record
 from gateway.billing.rules import (
@@ -73,43 +73,6 @@ log = logging.getLogger(__name__)
 _LEARNING_RATE = 0.1
 """Weight of each response in the meter's bytes-per-token estimate (an EMA over ~10)."""
 CONTENTS_FILE = "contents.json"
-
-
-def profile_for(settings: Settings, tenant: str) -> str:
-    """The billing profile of a tenant: its entry in `billing_profiles`, else the default.
-
-    The one place a tenant's profile is decided: when tenants get their own files, this reads
-    the tenant's `billing_profile` field instead.
-    """
-    return settings.billing_profiles.get(tenant, settings.billing_profile)
-
-
-@dataclass(slots=True)
-class Pending:
-    """What billing learned at a request's start."""
-
-    request_id: str
-    tenant: str
-    profile: str
-    model: str
-    price_model: str | None
-    start: Decimal
-    layout: Layout
-    max_tokens: int | None = None
-    cached_content: CachedContent | None = None
-    counted: list[int] | None = None
-    """Cumulative token counts per block, when a tokenizer is configured."""
-    op: str = "request"
-    """"request", or "cache.create" for the prefill that creates an explicit object."""
-    create: dict[str, Any] = field(default_factory=dict)
-    created: CachedContent | None = None
-
-
-@dataclass(slots=True)
-class BilledRequest(ParsedRequest):
-    """A parsed request with what billing learned at its start (front ends may build one)."""
-
-    billing: Pending | None = None
 
 
 @dataclass(slots=True)
@@ -379,7 +342,7 @@ class BillingMeter:
             )
         ends = self._ends(pending, n)
         if pending.op == "cache.create":
-            record, charge = self._create_content(flight, ends, n)
+            record, charge = self._create_content(flight, n)
         else:
             charge = None
             if flight.ledger is not None:
@@ -442,9 +405,7 @@ class BillingMeter:
         await self.wal.append(record)
 
     # -- explicit cached contents --------------------------------------------------------------
-    def _create_content(
-        self, flight: InFlight, ends: list[int], n: int
-    ) -> tuple[dict[str, Any], Charge]:
+    def _create_content(self, flight: InFlight, n: int) -> tuple[dict[str, Any], Charge]:
         pending = flight.pending
         spec = pending.create
         num_blocks = len(pending.layout.blocks)
@@ -455,7 +416,6 @@ class BillingMeter:
             tokens = max(n - self.tokenizer(GENERATION_PROMPT), 0)
         else:
             tokens = proportional_ends([content_bytes], pending.layout.num_bytes, n)[0]
-        del ends
         obj = CachedContent(
             object_id=spec["id"],
             tenant=pending.tenant,
@@ -501,50 +461,14 @@ class BillingMeter:
         return self.wal.directory / CONTENTS_FILE
 
     def save_contents(self) -> None:
-        """Snapshot the live explicit objects next to the WAL (fsync'd, atomic rename)."""
+        """Snapshot the live explicit objects next to the WAL (see `contents`)."""
         ledger = self.ledgers.get("google_explicit")
         objects = list(ledger.objects.values()) if ledger else []
-        now = self.clock.now()
-        data = [
-            {
-                "id": o.object_id,
-                "tenant": o.tenant,
-                "model": o.model,
-                "tokens": o.num_tokens,
-                "blocks": o.num_blocks,
-                "created": str(o.created),
-                "expires": str(o.expires),
-                "payload": o.payload,
-            }
-            for o in objects
-            if o.deleted is None and o.expires > now
-        ]
-        tmp = self.contents_path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(orjson.dumps(data))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.contents_path)
+        save_snapshot(self.contents_path, objects, self.clock.now())
 
     def load_contents(self) -> int:
         """Restore the explicit objects a previous run kept (expired ones are dropped)."""
-        try:
-            data = orjson.loads(self.contents_path.read_bytes())
-        except (OSError, orjson.JSONDecodeError):
-            return 0
         ledger = self.ledger("google_explicit")
-        now = self.clock.now()
-        for item in data:
-            obj = CachedContent(
-                object_id=item["id"],
-                tenant=item["tenant"],
-                model=item["model"],
-                num_tokens=int(item["tokens"]),
-                num_blocks=int(item["blocks"]),
-                created=Decimal(item["created"]),
-                expires=Decimal(item["expires"]),
-                payload=item["payload"],
-            )
-            if obj.expires > now:
-                ledger.objects[obj.object_id] = obj
+        for obj in load_snapshot(self.contents_path, self.clock.now()):
+            ledger.objects[obj.object_id] = obj
         return len(ledger.objects)

@@ -25,9 +25,9 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.billing.export import FORMATS, MEDIA_TYPES, encode, summarize
-from gateway.billing.meter import Pending, profile_for
 from gateway.billing.model import BillingError, CachedContent
 from gateway.billing.money import dec, iso, parse_instant, plain
+from gateway.billing.pending import Pending, profile_for
 from gateway.billing.rules import DEFAULT_EXPLICIT_TTL_S
 from gateway.billing.service import Billing
 from gateway.director import Director

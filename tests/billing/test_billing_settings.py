@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.billing.meter import profile_for
+from gateway.billing.pending import profile_for
 from gateway.billing.prices import PROFILES
 from gateway.billing.service import admin_key_hashes
 from gateway.settings import BILLING_PROFILES, load_settings
