@@ -184,6 +184,9 @@ class Shipper:
     async def _ship(self) -> int:
         shipped = 0
         for path in segment_paths(self.wal.directory):
+            # decided before reading: the writer moves `current` only after the old segment's
+            # last bytes are synced, so a segment seen finished here is read in full below
+            finished = path != self.wal.current
             offset = self.offsets.get(path.name, 0)
             records, new_offset, _ = await asyncio.to_thread(read_segment, path, offset)
             if records:
@@ -192,8 +195,8 @@ class Shipper:
             if new_offset != offset:
                 self.offsets[path.name] = new_offset
                 self._save_offsets()
-            if path != self.wal.current:
-                # a finished segment: its tail, if any, is a torn write that was never acked
+            if finished:
+                # its tail, if any, is a torn write from a crash that was never acknowledged
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                 self.offsets.pop(path.name, None)
