@@ -119,3 +119,31 @@ async def test_the_store_is_idempotent_and_the_shipper_replays_after_an_outage(
     assert ids == [f"req-{i}" for i in range(10, 25)]  # each exactly once
     await wal.aclose()
     await client.aclose()
+
+
+@pytest.mark.redis
+async def test_shipping_while_segments_rotate_loses_nothing(
+    tmp_path: Path, aof_redis: RedisServer
+) -> None:
+    client = await open_redis(aof_redis.url, cluster=False)
+    wal = WriteAheadLog(tmp_path / "wal", segment_bytes=500)  # a rotation every ~6 records
+    wal.open()
+    shipper = Shipper(wal, RedisLedgerStore(client))
+    done = asyncio.Event()
+
+    async def ship_continuously() -> None:
+        while not done.is_set():
+            await shipper.ship_once()
+            await asyncio.sleep(0)
+
+    shipping = asyncio.create_task(ship_continuously())
+    for start in range(0, 300, 10):
+        await asyncio.gather(*(wal.append(record(i)) for i in range(start, start + 10)))
+    done.set()
+    await shipping
+    await shipper.ship_once()
+    stored = [r["id"] for r in await RedisLedgerStore(client).query("acme", None, None)]
+    assert sorted(stored) == sorted(f"req-{i}" for i in range(300))
+    assert len(segment_paths(wal.directory)) == 1  # only the current one is left
+    await wal.aclose()
+    await client.aclose()
