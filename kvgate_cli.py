@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_directory_arguments(bench_directory)
 
     bench_billing = commands.add_parser(
-        "bench-billing", help="billing's CPU cost in the gateway, and the pricing engine's speed"
+        "bench-billing", help="the gateway's CPU per request without and with billing (a benchmark)"
     )
     from loadgen.bench_billing import add_bench_billing_arguments
 
