@@ -73,6 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     from loadgen.bench_fanout import add_bench_fanout_arguments
 
     add_bench_fanout_arguments(bench_fanout)
+    bench_billing = commands.add_parser(
+        "bench-billing", help="the gateway's CPU per request without and with billing (a benchmark)"
+    )
+    from loadgen.bench_billing import add_bench_billing_arguments
+
+    add_bench_billing_arguments(bench_billing)
+
+    billing = commands.add_parser(
+        "billing", help="prompt-cache billing: simulate a workload, export or sum the ledger"
+    )
+    from gateway.billing.cli import add_billing_arguments
+
+    add_billing_arguments(billing)
 
     args = parser.parse_args(argv)
     if args.command == "engine":
@@ -95,6 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.bench_fanout import run_bench_fanout
 
         return run_bench_fanout(args)
+    elif args.command == "bench-billing":
+        from loadgen.bench_billing import run_bench_billing
+
+        return run_bench_billing(args)
+    elif args.command == "billing":
+        from gateway.billing.cli import run_billing
+
+        return run_billing(args)
     elif args.command == "bench-cpu":
         from loadgen.bench_cpu import run_bench_cpu
 

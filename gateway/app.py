@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings) -> GatewayASGI:
+    billing = None
+    if settings.billing_wal_dir is not None:  # billing (issue #7): on when a WAL dir is set
+        from gateway.billing.service import Billing
+
+        billing = Billing(settings)
     tenants = TenantRegistry.from_pairs(settings.secret_bytes(), settings.tenants)
     watcher = None
     if settings.tenants_file is not None:
@@ -100,10 +105,11 @@ def create_app(settings: Settings) -> GatewayASGI:
         replicas,
         forwarder,
         policy,
-        observers=[admission, reconciler],
+        observers=[admission, reconciler, *([billing.meter] if billing else [])],
         fallback_policy=build_fallback(settings.policy, router_config),
         placement=placement,
         admission=admission,
+        request_hooks=[billing.meter.prepare] if billing else [],
     )
     register_collector(registry, director)
 
@@ -129,6 +135,8 @@ def create_app(settings: Settings) -> GatewayASGI:
                 )
                 directory.register(settings.engines)
             await directory.start()
+            if billing is not None:
+                await billing.start()
             await replicas.start(session)
             if watcher is not None:
                 watcher.start()
@@ -156,6 +164,8 @@ def create_app(settings: Settings) -> GatewayASGI:
                 await replicas.stop()
                 await directory.close()
                 await limiter.close()
+                if billing is not None:
+                    await billing.stop()
 
     app = FastAPI(
         title="kvgate",
@@ -165,6 +175,10 @@ def create_app(settings: Settings) -> GatewayASGI:
     )
     routes, hot = build_router(director, tenants)
     app.include_router(routes)
+    if billing is not None:
+        from gateway.billing.routes import build_billing_router
+
+        app.include_router(build_billing_router(billing, director, tenants))
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
@@ -174,5 +188,6 @@ def create_app(settings: Settings) -> GatewayASGI:
     app.state.tenants = tenants
     app.state.tenants_watcher = watcher
     app.state.rate_limiter = limiter
+    app.state.billing = billing
     install_openapi(app)
     return GatewayASGI(app, hot)

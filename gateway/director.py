@@ -8,7 +8,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,9 @@ from router.types import RouteRequest
 log = logging.getLogger(__name__)
 
 _PATHS = {CHAT: "/v1/chat/completions", "completion": "/v1/completions"}
+RequestHook = Callable[[ParsedRequest, Tenant], Awaitable[ParsedRequest]]
+"""Runs before admission: may validate (raise a GatewayError) or return a replacement request
+(billing expands explicit cached contents and strips billing-only fields)."""
 _LEARNING_RATE = 0.1
 """Weight of each response in the bytes-per-token estimate (an EMA over ~10 responses)."""
 
@@ -55,6 +58,7 @@ class Director:
         fallback_policy: Profile | None = None,
         placement: Placement | None = None,
         admission: Admission | None = None,
+        request_hooks: Sequence[RequestHook] = (),
     ) -> None:
         self.settings = settings
         self.directory = directory
@@ -73,6 +77,7 @@ class Director:
         )
         self.observers = list(observers)
         self.admission = admission or Admission(None, None)
+        self.request_hooks = list(request_hooks)
         self.rng = random.Random(settings.seed)
         self.stats = DirectorStats()
         self._sequence = itertools.count()
@@ -151,6 +156,8 @@ class Director:
         """Admit, route and forward until an attempt commits: an exchange whose first byte has
         arrived, or an engine's 4xx to pass through."""
         candidates, tenant, charged = await self._admit(parsed, tenant)
+        for hook in self.request_hooks:  # after admission: hooks see the scoped tenant
+            parsed = await hook(parsed, tenant)
         routed = await self._route(parsed, tenant, candidates)
         routed.admitted_tokens = charged
         flight = routed.flight

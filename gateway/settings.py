@@ -8,6 +8,7 @@ variables (lists as JSON, e.g. KVGATE_ENGINES='["http://a:8000"]'), the YAML fil
 from __future__ import annotations
 
 import contextvars
+import datetime as dt
 import logging
 import secrets
 from pathlib import Path
@@ -69,6 +70,23 @@ kubelet takes up to a minute to update a mounted Secret anyway), and a stat() co
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 DEFAULT_RATE_LIMIT_TIMEOUT_S = 0.1
 """The deadline of one rate-limit round trip to Redis (gateway.ratelimit.DEFAULT_TIMEOUT_S)."""
+
+# -- billing (issue #7) ---------------------------------------------------------------------------
+BILLING_PROFILES = (
+    "anthropic",
+    "openai",
+    "openai_legacy",
+    "google_implicit",
+    "google_explicit",
+    "deepseek",
+)
+"""The billing profiles of gateway.billing (RULES.md §1); listed here so settings import nothing."""
+DEFAULT_BILLING_PROFILE = "openai"
+"""The gateway speaks OpenAI's API: bill its clients by OpenAI's current (5.6) rules."""
+DEFAULT_BILLING_LOOKBACK_BLOCKS = 20
+"""Anthropic walks back at most 20 blocks from a breakpoint [A]."""
+DEFAULT_BILLING_OPENAI_TTL_S = 1800.0
+"""OpenAI 5.6 keeps entries ≥ 30 minutes after the latest use: simulated as exactly 30."""
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
@@ -144,6 +162,60 @@ class Settings(BaseSettings):
     def _port_range(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= 65535:
             raise ValueError("must be a TCP port, 0..65535 (0: any free port)")
+        return value
+
+    # -- billing (issue #7; docs/billing.md) ------------------------------------------------
+    billing_wal_dir: Path | None = None
+    """Billing is on when set: this gateway's write-ahead log of billing records (one directory
+    per gateway, on a persistent volume)."""
+    billing_profile: str = DEFAULT_BILLING_PROFILE
+    billing_profiles: dict[str, str] = Field(default_factory=dict)
+    """tenant name → billing profile, over `billing_profile`."""
+    billing_prices_file: Path | None = None
+    """A YAML/JSON price table over the defaults (gateway/billing/prices.py)."""
+    billing_model_map: dict[str, str] = Field(default_factory=dict)
+    """Served model → the price-table model it is billed as (e.g. kvgate-sim-8b → sonnet-5);
+    a key "<profile>:<model>" applies under one profile only."""
+    billing_tokenizer: str | None = None
+    """`module:function` counting tokens, for exact breakpoint positions; default: bytes mapped
+    to tokens proportionally (the error bound is in docs/billing.md)."""
+    billing_redis_url: str | None = None
+    """The shared ledger store: a standalone Redis with appendonly yes, appendfsync always.
+    Without one, the WAL directory is the ledger."""
+    billing_lookback_blocks: int = DEFAULT_BILLING_LOOKBACK_BLOCKS
+    billing_openai_ttl_s: float = DEFAULT_BILLING_OPENAI_TTL_S
+    billing_deepseek_unit: str = "64"
+    billing_deepseek_holidays: list[dt.date] = Field(default_factory=list)
+    billing_gateway_id: str | None = None
+    """This gateway's name in ledger records (default host:pid)."""
+    admin_keys: list[str] = Field(default_factory=list)
+    """Keys for /admin/billing/*: clear keys (hashed on load, never kept) or `sha256:<hex>`."""
+
+    @field_validator("billing_profile")
+    @classmethod
+    def _known_billing_profile(cls, value: str) -> str:
+        if value not in BILLING_PROFILES:
+            raise ValueError(
+                f"unknown billing profile {value!r}; choose one of {', '.join(BILLING_PROFILES)}"
+            )
+        return value
+
+    @field_validator("billing_profiles")
+    @classmethod
+    def _known_billing_profiles(cls, value: dict[str, str]) -> dict[str, str]:
+        for tenant, profile in value.items():
+            if profile not in BILLING_PROFILES:
+                raise ValueError(
+                    f"tenant {tenant!r}: unknown billing profile {profile!r}; choose one of "
+                    f"{', '.join(BILLING_PROFILES)}"
+                )
+        return value
+
+    @field_validator("billing_deepseek_unit")
+    @classmethod
+    def _deepseek_unit(cls, value: str) -> str:
+        if value not in ("64", "request_boundaries"):
+            raise ValueError("billing_deepseek_unit must be '64' or 'request_boundaries'")
         return value
 
     @field_validator("policy")

@@ -47,6 +47,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gateway.settings import BILLING_PROFILES
 from gateway.tenants import (
     TenantPolicy,
     TenantRegistry,
@@ -65,15 +66,6 @@ KEY_ID_CHARS = 12
 and no help to anyone guessing a 256-bit key)."""
 MIN_KEY_ID_CHARS = 6
 """`revoke` accepts an id prefix this long or longer, if it names exactly one key."""
-BILLING_PROFILES = (
-    "anthropic",
-    "openai",
-    "openai_legacy",
-    "google_implicit",
-    "google_explicit",
-    "deepseek",
-)
-"""The profiles of ../shared/billing/RULES.md §1; the billing meter (issue 7) gives them rules."""
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]

@@ -1,0 +1,63 @@
+"""The snapshot of live explicit cached contents, kept next to the WAL (`contents.json`).
+
+Objects are few and small next to the records, so the whole set is rewritten on every change:
+written to a temporary file, fsync'd, renamed over the old one (atomic), before the API answers.
+A restarted gateway loads it and drops what expired meanwhile; the money is in the WAL either
+way (creation, extensions and deletions are ledger records).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from decimal import Decimal
+from pathlib import Path
+
+import orjson
+
+from gateway.billing.model import CachedContent
+
+
+def save_snapshot(path: Path, objects: Iterable[CachedContent], now: Decimal) -> None:
+    data = [
+        {
+            "id": o.object_id,
+            "tenant": o.tenant,
+            "model": o.model,
+            "tokens": o.num_tokens,
+            "blocks": o.num_blocks,
+            "created": str(o.created),
+            "expires": str(o.expires),
+            "payload": o.payload,
+        }
+        for o in objects
+        if o.deleted is None and o.expires > now
+    ]
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps(data))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_snapshot(path: Path, now: Decimal) -> list[CachedContent]:
+    """The objects still live at `now` (none when there is no snapshot)."""
+    try:
+        data = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return []
+    objects = [
+        CachedContent(
+            object_id=item["id"],
+            tenant=item["tenant"],
+            model=item["model"],
+            num_tokens=int(item["tokens"]),
+            num_blocks=int(item["blocks"]),
+            created=Decimal(item["created"]),
+            expires=Decimal(item["expires"]),
+            payload=item["payload"],
+        )
+        for item in data
+    ]
+    return [o for o in objects if o.expires > now]

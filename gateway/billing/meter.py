@@ -1,0 +1,474 @@
+"""The meter: the live gateway's side of billing, an `ExchangeObserver` plus a request hook.
+
+1. Start (`prepare`, a director request hook, before routing): the tenant's profile
+   (`profile_for`), an explicit cached-content object expanded into the prompt, the prompt's
+   blocks and marks (`layout`), the marks validated (a 400 names the rule), billing-only fields
+   stripped from what the engine sees, and the start instant read from `clock`.
+2. First token (`on_first_token`): the request is admitted to the tenant-visible cache ledger
+   (lookup, writes, refreshes), its entries visible from now. Token positions come from the
+   engine's count when already known (non-streamed), else a tokenizer or bytes-per-token.
+3. Usage (`on_usage`, before the client sees it): the plan is billed on the engine's exact
+   counts, the record is appended to the WAL (fsync'd) and only then the usage is rewritten:
+   `prompt_tokens_details.cached_tokens` becomes the contract's R (the physical hit stays in
+   `engine_cached_tokens`), the profile's fields join, with `cost` and `kvgate_billing`.
+4. Finish: an exchange that ended without usage is billed from its estimates (`aborted`).
+
+`max_tokens: 0` (Anthropic's ping, which the Messages front end lets through) reads and
+refreshes entries: the engine is asked for one token, the usage reports and bills none.
+
+The bill follows the contract, not the replica: the ledger is per tenant scope and model,
+whichever replica served. Front ends other than the OpenAI one pass their breakpoints as marks
+on an OpenAI-shaped body (see `layout`); a request built elsewhere can carry a ready `Pending`
+on a `BilledRequest`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cachemap.rendering import GENERATION_PROMPT
+from gateway.billing.clock import Clock, WallClock
+from gateway.billing.contents import load_snapshot, save_snapshot
+from gateway.billing.layout import (
+    Layout,
+    Tokenizer,
+    chat_layout,
+    completion_layout,
+    counted_ends,
+    fit_to_total,
+    proportional_ends,
+    strip_marks,
+)
+from gateway.billing.ledger import CacheLedger
+from gateway.billing.model import BillingError, Block, CachedContent, Charge, MeteredRequest, Plan
+from gateway.billing.pending import BilledRequest, Pending, profile_for
+from gateway.billing.prices import PriceTable
+from gateway.billing.records import build_record
+from gateway.billing.rules import (
+    SPECS,
+    ProfileOptions,
+    breakpoints,
+    check_anthropic_marks,
+    translate_mark,
+)
+from gateway.billing.usage import merge_into_openai_usage
+from gateway.billing.wal import WriteAheadLog
+from gateway.errors import InvalidRequest
+from gateway.requests import CHAT, ParsedRequest
+from gateway.tenants import Tenant
+
+if TYPE_CHECKING:
+    from gateway.exchange import Exchange
+    from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_LEARNING_RATE = 0.1
+"""Weight of each response in the meter's bytes-per-token estimate (an EMA over ~10)."""
+CONTENTS_FILE = "contents.json"
+
+
+@dataclass(slots=True)
+class InFlight:
+    pending: Pending
+    request: MeteredRequest
+    plan: Plan
+    ledger: CacheLedger | None
+    visible_at: Decimal
+    estimated_tokens: int
+    billed: bool = False
+
+
+class BillingMeter:
+    """Prices every exchange under its tenant's profile and writes one durable record each.
+
+    Invariants: a record is on stable storage before the usage reaches the client; each
+    exchange is recorded at most once (usage, else an `aborted` record at finish); the cache
+    ledger is keyed by (tenant, model) and never shared across tenants.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        prices: PriceTable,
+        wal: WriteAheadLog,
+        *,
+        tokenizer: Tokenizer | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        self.prices = prices
+        self.wal = wal
+        self.tokenizer = tokenizer
+        self.clock: Clock = clock or WallClock()
+        self.options = ProfileOptions(
+            lookback_blocks=settings.billing_lookback_blocks,
+            openai_ttl_s=Decimal(str(settings.billing_openai_ttl_s)),
+            deepseek_unit=settings.billing_deepseek_unit,
+            deepseek_holidays=frozenset(settings.billing_deepseek_holidays),
+        )
+        self.gateway_id = settings.billing_gateway_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.ledgers: dict[str, CacheLedger] = {}
+        self._inflight: dict[int, InFlight] = {}
+        self._bytes_per_token: dict[str, float] = {}
+        self._unpriced_warned: set[tuple[str, str]] = set()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def ledger(self, profile: str) -> CacheLedger:
+        found = self.ledgers.get(profile)
+        if found is None:
+            found = self.ledgers[profile] = CacheLedger(profile, self.prices, self.options)
+        return found
+
+    def price_model(self, profile: str, model: str) -> str | None:
+        """The price-table model a served model is billed as: `billing_model_map` keys
+        "<profile>:<model>" first, then "<model>", else the served name itself."""
+        mapping = self.settings.billing_model_map
+        name = mapping.get(f"{profile}:{model}", mapping.get(model, model))
+        if self.prices.get(profile, name) is not None:
+            return name
+        if (profile, name) not in self._unpriced_warned:
+            self._unpriced_warned.add((profile, name))
+            log.warning(
+                "billing: no price for model %r under profile %r (map it with "
+                "billing_model_map); its requests are recorded as unpriced",
+                name,
+                profile,
+            )
+        return None
+
+    def _ends(self, pending: Pending, num_tokens: int) -> list[int]:
+        ends = [b.end for b in pending.layout.blocks]
+        if pending.counted is not None:
+            return fit_to_total(pending.counted, num_tokens)
+        return proportional_ends(ends, pending.layout.num_bytes, num_tokens)
+
+    def _estimate_tokens(self, exchange: Exchange, pending: Pending) -> int:
+        body = exchange.body
+        usage = body.get("usage") if isinstance(body, dict) else None
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            return int(usage["prompt_tokens"])
+        if pending.counted:
+            return pending.counted[-1]
+        ratio = self._bytes_per_token.get(pending.model, self.settings.bytes_per_token)
+        return max(round(pending.layout.num_bytes / ratio), 1)
+
+    # -- 1. start ------------------------------------------------------------------------------
+    async def prepare(self, parsed: ParsedRequest, tenant: Tenant) -> ParsedRequest:
+        """The director's request hook (see the module docstring, step 1)."""
+        if isinstance(parsed, BilledRequest) and parsed.billing is not None:
+            return parsed
+        return self.prepare_sync(parsed, tenant)
+
+    def prepare_sync(self, parsed: ParsedRequest, tenant: Tenant) -> BilledRequest:
+        try:
+            return self._prepare(parsed, tenant)
+        except BillingError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def _prepare(self, parsed: ParsedRequest, tenant: Tenant) -> BilledRequest:
+        profile = profile_for(self.settings, tenant)
+        start = self.clock.now()
+        body = parsed.body
+        rendered = parsed.rendered
+        obj = None
+        object_id = body.get("cached_content")
+        if object_id is not None:
+            obj = self._expand(profile, parsed, tenant, object_id, start)
+            leading = obj.payload["messages"]
+            assert isinstance(leading, list)
+            body = {**body, "messages": [*leading, *body["messages"]]}
+            if obj.payload.get("tools"):
+                body["tools"] = obj.payload["tools"]
+            from cachemap.rendering import render_chat
+
+            rendered = render_chat(body["messages"], body.get("tools")).encode()
+        layout = (
+            chat_layout(body, rendered)
+            if parsed.kind == CHAT
+            else completion_layout(body, rendered)
+        )
+        if layout.marked and profile in ("anthropic", "openai"):
+            unpositioned = self._metered(profile, layout, [0] * len(layout.blocks))
+            marks = breakpoints(unpositioned, SPECS[profile])
+            if profile == "anthropic":
+                check_anthropic_marks(marks, self.options)
+        counted = None
+        if self.tokenizer is not None:
+            counted = counted_ends(rendered, [b.end for b in layout.blocks], self.tokenizer)
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        ping = max_tokens == 0
+        pending = Pending(
+            request_id="req-" + secrets.token_hex(16),
+            tenant=tenant.name,
+            profile=profile,
+            model=parsed.model,
+            price_model=self.price_model(profile, parsed.model),
+            start=start,
+            layout=layout,
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            cached_content=obj,
+            counted=counted,
+        )
+        if obj is not None or layout.marked:
+            body = strip_marks(body)
+        if ping:  # Anthropic's ping: the engine generates one token, nobody is billed for it
+            body = {k: v for k, v in body.items() if k != "max_completion_tokens"}
+            body["max_tokens"] = 1
+        return BilledRequest(
+            parsed.kind,
+            parsed.model,
+            body,
+            rendered,
+            parsed.stream,
+            parsed.include_usage,
+            billing=pending,
+        )
+
+    def _expand(
+        self, profile: str, parsed: ParsedRequest, tenant: Tenant, object_id: Any, t: Decimal
+    ) -> CachedContent:
+        if profile != "google_explicit":
+            raise BillingError(
+                f"'cached_content' needs the google_explicit billing profile; this tenant's "
+                f"is {profile!r}"
+            )
+        if not isinstance(object_id, str) or parsed.kind != CHAT:
+            raise BillingError("'cached_content' must be an id string on a chat request")
+        obj = self.ledger(profile).content(tenant.name, object_id, t)
+        served = obj.payload.get("model", obj.model)
+        if served != parsed.model:
+            raise BillingError(f"cached content {object_id!r} was created for model {served!r}")
+        if obj.payload.get("tools") and parsed.body.get("tools"):
+            raise BillingError("a request naming a cached content with tools may not send tools")
+        return obj
+
+    def _metered(
+        self,
+        profile: str,
+        layout: Layout,
+        ends: list[int],
+        pending: Pending | None = None,
+        visible_at: Decimal | None = None,
+        num_tokens: int = 0,
+    ) -> MeteredRequest:
+        blocks = tuple(
+            Block(
+                key,
+                end,
+                translate_mark(profile, block.mark, layout.default_tier),
+                block.eligible,
+            )
+            for block, key, end in zip(layout.blocks, layout.keys, ends, strict=True)
+        )
+        start = pending.start if pending else Decimal(0)
+        return MeteredRequest(
+            request_id=pending.request_id if pending else "",
+            tenant=pending.tenant if pending else "",
+            model=(pending.price_model or pending.model) if pending else "",
+            start=start,
+            visible_at=visible_at if visible_at is not None else start,
+            blocks=blocks,
+            num_prompt_tokens=num_tokens,
+            max_tokens=pending.max_tokens if pending else None,
+            explicit_mode=layout.explicit_mode,
+            auto_ttl=translate_mark(profile, layout.auto_ttl, layout.default_tier),
+            cached_content=(
+                pending.cached_content.object_id if pending and pending.cached_content else None
+            ),
+        )
+
+    # -- 2. first token ------------------------------------------------------------------------
+    async def on_first_token(self, exchange: Exchange) -> None:
+        pending = getattr(exchange.parsed, "billing", None)
+        if not isinstance(pending, Pending) or id(exchange) in self._inflight:
+            return  # not prepared by this meter, or already admitted (see on_usage)
+        visible_at = self.clock.now()
+        estimated = self._estimate_tokens(exchange, pending)
+        request = self._metered(
+            pending.profile,
+            pending.layout,
+            self._ends(pending, estimated),
+            pending,
+            visible_at,
+            estimated,
+        )
+        ledger = None
+        plan = Plan()
+        if pending.price_model is not None and pending.op == "request":
+            ledger = self.ledger(pending.profile)
+            try:
+                plan = ledger.admit(request)
+            except BillingError as exc:  # e.g. the object expired since the start
+                log.warning("billing: %s: %s; billed as uncached", pending.request_id, exc)
+        elif pending.op != "request":
+            ledger = self.ledger(pending.profile)
+        self._inflight[id(exchange)] = InFlight(
+            pending, request, plan, ledger, visible_at, estimated
+        )
+
+    # -- 3. usage ------------------------------------------------------------------------------
+    async def on_usage(self, exchange: Exchange, usage: dict[str, Any]) -> None:
+        flight = self._inflight.get(id(exchange))
+        if flight is None:
+            # a stream whose first network read held the usage too: its first token is now
+            await self.on_first_token(exchange)
+            flight = self._inflight.get(id(exchange))
+        if flight is None or flight.billed:
+            return
+        pending = flight.pending
+        prompt_tokens = usage.get("prompt_tokens")
+        n = prompt_tokens if isinstance(prompt_tokens, int) else flight.estimated_tokens
+        completion = usage.get("completion_tokens")
+        o = completion if isinstance(completion, int) else 0
+        if pending.max_tokens == 0:  # a ping: reads and refreshes, generates nothing
+            o = 0
+            usage["completion_tokens"] = 0
+            usage["total_tokens"] = n
+        if n > 0:
+            observed = pending.layout.num_bytes / n
+            old = self._bytes_per_token.get(pending.model)
+            self._bytes_per_token[pending.model] = (
+                observed if old is None else old + _LEARNING_RATE * (observed - old)
+            )
+        ends = self._ends(pending, n)
+        if pending.op == "cache.create":
+            record, charge = self._create_content(flight, n)
+        else:
+            charge = None
+            if flight.ledger is not None:
+                charge = flight.ledger.bill(flight.request, flight.plan, ends, n, o)
+            record = self._record(flight, exchange, charge, "ok" if charge else "unpriced", usage)
+        await self.wal.append(record)
+        flight.billed = True
+        if pending.op == "request":
+            if charge is not None:
+                merge_into_openai_usage(pending.profile, charge, usage)
+                usage["cost"] = record["cost"]
+            usage["kvgate_billing"] = {
+                "id": pending.request_id,
+                "profile": pending.profile,
+                "price_model": pending.price_model,
+                "cost": record["cost"],
+            }
+
+    def _record(
+        self,
+        flight: InFlight,
+        exchange: Exchange,
+        charge: Charge | None,
+        status: str,
+        usage: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        pending = flight.pending
+        engine_cached = usage.get("engine_cached_tokens") if usage else None
+        from gateway.billing.usage import profile_usage
+
+        return build_record(
+            record_id=pending.request_id,
+            kind="request",
+            status=status,
+            tenant=pending.tenant,
+            profile=pending.profile,
+            model=pending.model,
+            price_model=pending.price_model,
+            start=pending.start,
+            first_token=flight.visible_at,
+            charge=charge,
+            usage=profile_usage(pending.profile, charge) if charge else {},
+            cached_content=(pending.cached_content.object_id if pending.cached_content else None),
+            replica=exchange.replica.id,
+            engine_cached_tokens=engine_cached if isinstance(engine_cached, int) else None,
+            gateway=self.gateway_id,
+        )
+
+    # -- 4. finish -----------------------------------------------------------------------------
+    async def on_finish(self, exchange: Exchange, ok: bool) -> None:
+        flight = self._inflight.pop(id(exchange), None)
+        if flight is None or flight.billed:
+            return
+        if flight.pending.op != "request":
+            return  # a failed creation creates nothing and costs nothing
+        charge = None
+        if flight.ledger is not None:
+            charge = flight.ledger.bill(flight.request, flight.plan, None, None, 0)
+        record = self._record(flight, exchange, charge, "aborted" if charge else "unpriced", None)
+        await self.wal.append(record)
+
+    # -- explicit cached contents --------------------------------------------------------------
+    def _create_content(self, flight: InFlight, n: int) -> tuple[dict[str, Any], Charge]:
+        pending = flight.pending
+        spec = pending.create
+        num_blocks = len(pending.layout.blocks)
+        # the object ends before the generation prompt its prefill carried: a request using it
+        # continues with its own messages there
+        content_bytes = pending.layout.num_bytes - len(GENERATION_PROMPT.encode())
+        if self.tokenizer is not None:
+            tokens = max(n - self.tokenizer(GENERATION_PROMPT), 0)
+        else:
+            tokens = proportional_ends([content_bytes], pending.layout.num_bytes, n)[0]
+        obj = CachedContent(
+            object_id=spec["id"],
+            tenant=pending.tenant,
+            model=pending.price_model or pending.model,
+            num_tokens=tokens,
+            num_blocks=num_blocks,
+            created=pending.start,
+            expires=spec["expires"],
+            payload={
+                "model": pending.model,
+                "messages": spec["messages"],
+                "tools": spec.get("tools"),
+            },
+        )
+        assert flight.ledger is not None
+        charge = flight.ledger.create_content(obj)
+        pending.created = obj
+        self.save_contents()
+        record = self.op_record("cache.create", pending.request_id, obj, charge, pending.start)
+        return record, charge
+
+    def op_record(
+        self, kind: str, record_id: str, obj: CachedContent, charge: Charge, t: Decimal
+    ) -> dict[str, Any]:
+        return build_record(
+            record_id=record_id,
+            kind=kind,
+            status="ok",
+            tenant=obj.tenant,
+            profile="google_explicit",
+            model=obj.model,
+            price_model=obj.model,
+            start=t,
+            first_token=None,
+            charge=charge,
+            usage={"cached_content_tokens": obj.num_tokens},
+            cached_content=obj.object_id,
+            gateway=self.gateway_id,
+        )
+
+    @property
+    def contents_path(self) -> Path:
+        return self.wal.directory / CONTENTS_FILE
+
+    def save_contents(self) -> None:
+        """Snapshot the live explicit objects next to the WAL (see `contents`)."""
+        ledger = self.ledgers.get("google_explicit")
+        objects = list(ledger.objects.values()) if ledger else []
+        save_snapshot(self.contents_path, objects, self.clock.now())
+
+    def load_contents(self) -> int:
+        """Restore the explicit objects a previous run kept (expired ones are dropped)."""
+        ledger = self.ledger("google_explicit")
+        for obj in load_snapshot(self.contents_path, self.clock.now()):
+            ledger.objects[obj.object_id] = obj
+        return len(ledger.objects)

@@ -1,0 +1,86 @@
+"""Billing in a running gateway: the meter, its WAL, the shipper and the ledger store, built
+once by `create_app` and opened and closed by the lifespan."""
+
+from __future__ import annotations
+
+import logging
+from decimal import Decimal
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from gateway.billing.layout import load_tokenizer
+from gateway.billing.meter import BillingMeter
+from gateway.billing.prices import load_price_table
+from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore, Shipper
+from gateway.billing.wal import WriteAheadLog
+from gateway.errors import GatewayError
+from gateway.settings import Settings
+from gateway.tenants import hash_key
+
+log = logging.getLogger(__name__)
+
+EXPORT_DRAIN_TIMEOUT_S = 5.0
+"""An admin export first ships this gateway's WAL; past 5 s the store is taken as down."""
+
+
+class LedgerUnavailable(GatewayError):
+    """503: the shared ledger store cannot be read right now (the WALs still hold everything)."""
+
+    status = 503
+    type = "service_unavailable_error"
+
+
+def admin_key_hashes(keys: list[str]) -> frozenset[str]:
+    """`sha256:<hex>` entries as given, clear keys hashed (never kept in clear)."""
+    return frozenset(k[len("sha256:") :] if k.startswith("sha256:") else hash_key(k) for k in keys)
+
+
+class Billing:
+    def __init__(self, settings: Settings) -> None:
+        assert settings.billing_wal_dir is not None
+        self.settings = settings
+        tokenizer = (
+            load_tokenizer(settings.billing_tokenizer) if settings.billing_tokenizer else None
+        )
+        self.wal = WriteAheadLog(settings.billing_wal_dir)
+        self.meter = BillingMeter(
+            settings, load_price_table(settings.billing_prices_file), self.wal, tokenizer=tokenizer
+        )
+        self.admin_hashes = admin_key_hashes(settings.admin_keys)
+        self.store: LedgerStore | None = None
+        self.shipper: Shipper | None = None
+        self._client: Any = None
+
+    async def start(self) -> None:
+        self.wal.open()
+        restored = self.meter.load_contents()
+        if restored:
+            log.info("billing: restored %d explicit cached contents", restored)
+        url = self.settings.billing_redis_url
+        if url:
+            from cachemap.redis import open_redis
+
+            self._client = await open_redis(url, cluster=False)
+            self.store = RedisLedgerStore(self._client)
+            self.shipper = Shipper(self.wal, self.store)
+            self.shipper.start()  # replays whatever earlier runs left unshipped
+
+    async def stop(self) -> None:
+        if self.shipper is not None:
+            await self.shipper.stop()
+        await self.wal.aclose()
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def records(
+        self, tenant: str | None, start: Decimal | None, end: Decimal | None
+    ) -> list[dict[str, Any]]:
+        """The ledger's records in a window, this gateway's newest included."""
+        if self.shipper is None or self.store is None:
+            return await LocalLedger([self.wal.directory]).query(tenant, start, end)
+        try:
+            await self.shipper.drain(EXPORT_DRAIN_TIMEOUT_S)
+            return await self.store.query(tenant, start, end)
+        except (RedisError, OSError, TimeoutError) as exc:  # a down store: a 503, never a 500
+            raise LedgerUnavailable(f"the ledger store is unavailable: {exc}") from None

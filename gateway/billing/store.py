@@ -1,0 +1,242 @@
+"""The shared ledger store and the shipper that fills it from each gateway's WAL.
+
+Store: a standalone Redis with the append-only file on (`appendonly yes`, `appendfsync always`,
+so a reply means the write is on disk). One script call per record, all keys under one hash
+tag (a Cluster slot), idempotent on the record id:
+
+    {kvgate-billing}:records          HASH  id → the record (JSON)      HSETNX: the first write wins
+    {kvgate-billing}:t:<tenant>       ZSET  id scored by start (unix s)  the time index of exports
+    {kvgate-billing}:tenants          SET   tenant names
+
+Shipper: reads each WAL segment from its shipped offset, puts the complete records, advances
+the offset, deletes segments that are shipped and no longer written. A Redis outage only
+delays shipping (with backoff): requests wait for the local fsync, never for Redis.
+Without a store, the WAL directories are the ledger (`LocalLedger`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Iterable
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, Protocol
+
+import orjson
+from redis.exceptions import RedisError
+
+from gateway.billing.money import dec
+from gateway.billing.wal import WriteAheadLog, read_directory, read_segment, segment_paths
+
+log = logging.getLogger(__name__)
+
+PREFIX = "{kvgate-billing}"
+SHIP_INTERVAL_S = 0.2
+"""Ship every 200 ms: exports lag requests by well under a second while Redis is up."""
+SHIP_BATCH = 500
+"""Records per pipeline: one round trip for ~300 KB."""
+MAX_BACKOFF_S = 5.0
+"""While Redis is down, retry at most every 5 s (the WAL holds everything meanwhile)."""
+QUERY_CHUNK = 1000
+
+_PUT = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[1])
+  redis.call('SADD', KEYS[3], ARGV[4])
+  return 1
+end
+return 0
+"""
+
+
+class LedgerStore(Protocol):
+    async def put(self, records: list[dict[str, Any]]) -> int:
+        """Store records idempotently; returns how many were new."""
+        ...
+
+    async def query(
+        self, tenant: str | None, start: Decimal | None, end: Decimal | None
+    ) -> list[dict[str, Any]]:
+        """Records of one tenant (or all) with start ∈ [start, end), each id once, in order."""
+        ...
+
+
+def in_window(record: dict[str, Any], start: Decimal | None, end: Decimal | None) -> bool:
+    t = dec(record["start_unix"])
+    return (start is None or t >= start) and (end is None or t < end)
+
+
+def ordered(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Deduplicated by id (the first copy wins, as in the store) and sorted by (start, id)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for record in records:
+        seen.setdefault(str(record["id"]), record)
+    return sorted(seen.values(), key=lambda r: (dec(r["start_unix"]), str(r["id"])))
+
+
+class RedisLedgerStore:
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._script = client.register_script(_PUT)
+
+    async def put(self, records: list[dict[str, Any]]) -> int:
+        new = 0
+        for i in range(0, len(records), SHIP_BATCH):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for record in records[i : i + SHIP_BATCH]:
+                    tenant = str(record["tenant"])
+                    keys = [f"{PREFIX}:records", f"{PREFIX}:t:{tenant}", f"{PREFIX}:tenants"]
+                    score = str(record["start_unix"])
+                    args = [str(record["id"]), orjson.dumps(record), score, tenant]
+                    await self._script(keys=keys, args=args, client=pipe)  # queued, not sent
+                new += sum(int(x) for x in await pipe.execute())
+        return new
+
+    async def tenants(self) -> list[str]:
+        names = await self.client.smembers(f"{PREFIX}:tenants")
+        return sorted(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+
+    async def query(
+        self, tenant: str | None, start: Decimal | None, end: Decimal | None
+    ) -> list[dict[str, Any]]:
+        tenants = [tenant] if tenant is not None else await self.tenants()
+        lo = "-inf" if start is None else str(start)
+        hi = "+inf" if end is None else str(end)  # inclusive here; exact filter below
+        out: list[dict[str, Any]] = []
+        for name in tenants:
+            ids = await self.client.zrangebyscore(f"{PREFIX}:t:{name}", lo, hi)
+            for i in range(0, len(ids), QUERY_CHUNK):
+                chunk = ids[i : i + QUERY_CHUNK]
+                values = await self.client.hmget(f"{PREFIX}:records", chunk)
+                out.extend(orjson.loads(v) for v in values if v is not None)
+        # scores are floats: the exact Decimal start decides the window
+        return ordered(r for r in out if in_window(r, start, end))
+
+
+class LocalLedger:
+    """The ledger read straight from WAL directories (no shared store configured)."""
+
+    def __init__(self, directories: Iterable[Path]) -> None:
+        self.directories = list(directories)
+
+    async def put(self, records: list[dict[str, Any]]) -> int:
+        raise RuntimeError("the local ledger is written through the WAL, not put()")
+
+    async def query(
+        self, tenant: str | None, start: Decimal | None, end: Decimal | None
+    ) -> list[dict[str, Any]]:
+        return self.query_sync(tenant, start, end)
+
+    def query_sync(
+        self, tenant: str | None, start: Decimal | None, end: Decimal | None
+    ) -> list[dict[str, Any]]:
+        records = (
+            r
+            for directory in self.directories
+            for r in read_directory(directory)
+            if (tenant is None or r.get("tenant") == tenant) and in_window(r, start, end)
+        )
+        return ordered(records)
+
+
+class Shipper:
+    """Moves WAL records to the store, at least once (the store makes it exactly once)."""
+
+    def __init__(
+        self, wal: WriteAheadLog, store: LedgerStore, interval_s: float = SHIP_INTERVAL_S
+    ) -> None:
+        self.wal = wal
+        self.store = store
+        self.interval_s = interval_s
+        self.offsets: dict[str, int] = self._load_offsets()
+        self.num_shipped = 0
+        self.num_new = 0
+        self.failures = 0
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    @property
+    def _offsets_path(self) -> Path:
+        return self.wal.directory / "shipped.json"
+
+    def _load_offsets(self) -> dict[str, int]:
+        try:
+            data = orjson.loads(self._offsets_path.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return {}
+        return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+    def _save_offsets(self) -> None:
+        tmp = self._offsets_path.with_suffix(".tmp")
+        tmp.write_bytes(orjson.dumps(self.offsets))
+        os.replace(tmp, self._offsets_path)  # no fsync: a lost offset only re-ships
+
+    async def ship_once(self) -> int:
+        """Ship everything complete now; returns the records shipped. Raises on store errors
+        (the offsets only move past what the store acknowledged)."""
+        async with self._lock:
+            return await self._ship()
+
+    async def _ship(self) -> int:
+        shipped = 0
+        for path in segment_paths(self.wal.directory):
+            # decided before reading: the writer moves `current` only after the old segment's
+            # last bytes are synced, so a segment seen finished here is read in full below
+            finished = path != self.wal.current
+            offset = self.offsets.get(path.name, 0)
+            records, new_offset, _ = await asyncio.to_thread(read_segment, path, offset)
+            if records:
+                self.num_new += await self.store.put(records)
+                shipped += len(records)
+            if new_offset != offset:
+                self.offsets[path.name] = new_offset
+                self._save_offsets()
+            if finished:
+                # its tail, if any, is a torn write from a crash that was never acknowledged
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                self.offsets.pop(path.name, None)
+                self._save_offsets()
+        self.num_shipped += shipped
+        return shipped
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        delay = self.interval_s
+        while True:
+            try:
+                await self.ship_once()
+                delay = self.interval_s
+            except (RedisError, OSError, ConnectionError, TimeoutError) as exc:
+                self.failures += 1
+                if delay == self.interval_s:
+                    log.warning("billing: shipping to the ledger store failed, will retry: %s", exc)
+                delay = min(delay * 2, MAX_BACKOFF_S)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Ship what is in the WAL now (for an export that must include this gateway's latest
+        records); raises TimeoutError or the store's error when it cannot."""
+        async with asyncio.timeout(timeout_s):
+            await self.ship_once()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(RedisError, OSError, ConnectionError, TimeoutError):
+            await asyncio.wait_for(self.ship_once(), 2.0)
