@@ -18,6 +18,8 @@ Invariants:
 - Canonical JSON: sorted keys, compact separators, so key order in a client's JSON never
   splits the tree. Tool-call arguments that parse as JSON are re-serialized canonically.
 - A string content and a list of text parts with the same text render identically.
+- Cache hints (`MARK_KEYS` on tools and content parts) are not rendered: they change what a
+  request is billed, not what the engine sees, so a marked and an unmarked request share blocks.
 
 loadgen's simulated engine uses this exact rendering as its chat template, so the gateway's byte
 blocks and the engine's token blocks describe the same text.
@@ -32,6 +34,8 @@ from typing import Any
 
 import orjson
 
+MARK_KEYS = ("cache_control", "prompt_cache_breakpoint")
+"""Cache hints a client may put on a tool, a message or a content part (Anthropic, OpenAI 5.6)."""
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>\n"
 GENERATION_PROMPT = IM_START + "assistant\n"
@@ -61,8 +65,19 @@ def render_content(content: Any) -> str:
             url = image.get("url", "") if isinstance(image, Mapping) else str(image)
             pieces.append("<|image|>" + url)
         else:
-            pieces.append("<|part|>" + canonical_json(part))
+            pieces.append("<|part|>" + canonical_json(_unmarked(part)))
     return "".join(pieces)
+
+
+def _unmarked(item: Mapping[str, Any]) -> Mapping[str, Any]:
+    if any(key in item for key in MARK_KEYS):
+        return {k: v for k, v in item.items() if k not in MARK_KEYS}
+    return item
+
+
+def render_tools(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tools block: canonical JSON of the tool list, cache hints left out."""
+    return IM_START + "tools\n" + canonical_json([_unmarked(t) for t in tools]) + IM_END
 
 
 def _render_tool_call(call: Mapping[str, Any]) -> str:
@@ -97,7 +112,7 @@ def render_chat(
     """The canonical text of a chat request, in the order tools → system → messages."""
     parts: list[str] = []
     if tools:
-        parts.append(IM_START + "tools\n" + canonical_json(list(tools)) + IM_END)
+        parts.append(render_tools(tools))
     parts.extend(render_message(m) for m in messages)
     if add_generation_prompt:
         parts.append(GENERATION_PROMPT)

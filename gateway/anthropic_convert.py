@@ -16,8 +16,11 @@ conversation maps to the same blocks (and the same replica) through either API:
     cache_control on a block / tool / top level →  a `Mark` (see gateway.cache_control)
 
 Invariants: every rule answers a bad request with a 400 naming the field and the valid options;
-`cache_control` never reaches the rendering or the engine; `max_tokens: 0` (a pre-warm) goes
-upstream as 1 (engines require >= 1) and is refused with streaming or a forced tool.
+`cache_control` never reaches the rendering or the engine: the marks stay on the converted
+request's tools, messages and parts (and at the top level), where the billing meter reads them,
+and the director strips them before forwarding (`gateway.cache_control.strip_marks`);
+`max_tokens: 0` (a pre-warm) stays 0 for billing and goes upstream as 1 (engines require
+>= 1); it is refused with streaming or a forced tool.
 """
 
 from __future__ import annotations
@@ -384,12 +387,14 @@ def parse_messages(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
 
     upstream: dict[str, Any] = {
         "model": model,
-        "messages": out.messages,
-        "max_tokens": max(max_tokens, 1),
+        "messages": _annotated(out.messages, out.marks),
+        "max_tokens": max_tokens,
         "stream": stream,
     }
     if tools:
-        upstream["tools"] = tools
+        upstream["tools"] = _annotated_tools(tools, tool_marks)
+    if body.get("cache_control") is not None:
+        upstream["cache_control"] = body["cache_control"]
     if body.get("tool_choice") is not None:
         upstream["tool_choice"] = _tool_choice(body["tool_choice"], prewarm)
         if body["tool_choice"].get("disable_parallel_tool_use") is True:
@@ -413,3 +418,37 @@ def _same_place(a: Mark, b: Mark) -> bool:
         b.num_parts,
         b.num_calls,
     )
+
+
+def _hint(ttl: str) -> dict[str, str]:
+    return {"type": "ephemeral", "ttl": ttl}
+
+
+def _annotated(messages: list[dict[str, Any]], marks: list[Mark]) -> list[dict[str, Any]]:
+    """Copies of the marked messages with `cache_control` on the marked part (or, for a mark
+    covering the whole message or its tool calls, on the message)."""
+    out = list(messages)
+    for mark in marks:
+        if mark.message < 0:
+            continue
+        message = dict(out[mark.message])
+        content = message.get("content")
+        if mark.num_parts and isinstance(content, list) and mark.num_calls == 0:
+            parts = list(content)
+            parts[mark.num_parts - 1] = {
+                **parts[mark.num_parts - 1],
+                "cache_control": _hint(mark.ttl),
+            }
+            message["content"] = parts
+        else:
+            message["cache_control"] = _hint(mark.ttl)
+        out[mark.message] = message
+    return out
+
+
+def _annotated_tools(tools: list[dict[str, Any]], marks: list[Mark]) -> list[dict[str, Any]]:
+    out = list(tools)
+    for mark in marks:
+        if mark.tool >= 0:
+            out[mark.tool] = {**out[mark.tool], "cache_control": _hint(mark.ttl)}
+    return out

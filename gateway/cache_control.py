@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachemap.rendering import IM_END, render_chat, render_message
+from cachemap.rendering import IM_END, MARK_KEYS, render_chat, render_message
 from gateway.errors import InvalidRequest
 
 MAX_BREAKPOINTS = 4
@@ -39,6 +39,10 @@ TTL_5M = "5m"
 TTL_1H = "1h"
 TTLS = (TTL_5M, TTL_1H)
 TTL_SECONDS = {TTL_5M: 300, TTL_1H: 3600}
+
+TOP_LEVEL_KEYS = ("cache_control", "prompt_cache_options", "cached_content")
+"""Request-level cache hints and billing fields (automatic breakpoint, OpenAI 5.6's options, an
+explicit cached-content object): never forwarded to an engine."""
 
 _IM_END_BYTES = len(IM_END.encode())
 _TOOLS_CLOSE_BYTES = len(("]" + IM_END).encode())
@@ -212,3 +216,22 @@ def provisional_cache_usage(
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def strip_marks(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the body without cache hints and billing-only fields, as the engine should
+    see it (the one implementation: the billing meter uses it too)."""
+    out = {k: v for k, v in body.items() if k not in TOP_LEVEL_KEYS}
+
+    def clean(holder: Any) -> Any:
+        if not isinstance(holder, Mapping):
+            return holder
+        copy = {k: v for k, v in holder.items() if k not in MARK_KEYS}
+        if isinstance(copy.get("content"), list):
+            copy["content"] = [clean(part) for part in copy["content"]]
+        return copy
+
+    for key in ("tools", "messages"):
+        if isinstance(out.get(key), list):
+            out[key] = [clean(item) for item in out[key]]
+    return out

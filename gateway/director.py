@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from cachemap.keys import affinity_key, chain_hashes, root_hash
 from gateway.admission import Admission
+from gateway.cache_control import strip_marks
 from gateway.errors import ModelNotFound, NoReplica, UpstreamError
 from gateway.exchange import Exchange, ExchangeObserver, Routed
 from gateway.forwarder import Complete, Forwarder, Passthrough, RetryableFailure
@@ -146,7 +147,11 @@ class Director:
 
     # -- 3. forward ------------------------------------------------------------------------
     def _upstream_payload(self, routed: Routed) -> bytes:
-        body = dict(routed.parsed.body)
+        parsed = routed.parsed
+        body = dict(parsed.body)
+        if parsed.breakpoints or parsed.prewarm:  # a front end that keeps cache hints in the body
+            body = strip_marks(body)
+            body["max_tokens"] = max(body.get("max_tokens") or 1, 1)
         body["cache_salt"] = routed.tenant.cache_salt
         if routed.parsed.stream:
             body["stream_options"] = {"include_usage": True}

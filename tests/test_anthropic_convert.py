@@ -161,9 +161,9 @@ def test_at_most_four_breakpoints_and_one_hour_before_five_minutes() -> None:
     assert "messages[0].content[0] (1h) follows system[0] (5m)" in message
 
 
-def test_a_prewarm_goes_upstream_as_one_token_and_refuses_streaming_and_forced_tools() -> None:
+def test_a_prewarm_keeps_max_tokens_0_for_billing_and_refuses_streaming_and_forced_tools() -> None:
     parsed = parse({**ANTHROPIC, "max_tokens": 0})
-    assert parsed.prewarm and parsed.body["max_tokens"] == 1
+    assert parsed.prewarm and parsed.body["max_tokens"] == 0  # the director sends 1 upstream
     assert "cannot be streamed" in refused({**ANTHROPIC, "max_tokens": 0, "stream": True})
     forced = {**ANTHROPIC, "max_tokens": 0, "tool_choice": {"type": "tool", "name": "read"}}
     assert "cannot force a tool" in refused(forced)

@@ -31,14 +31,21 @@ from typing import Any
 
 import mmh3
 
-from cachemap.rendering import GENERATION_PROMPT, IM_END, IM_START, canonical_json, render_message
+from cachemap.rendering import (
+    GENERATION_PROMPT,
+    IM_END,
+    MARK_KEYS,
+    render_message,
+    render_tools,
+)
 from gateway.billing.model import BillingError
+from gateway.cache_control import TOP_LEVEL_KEYS, strip_marks
+
+__all__ = ["TOP_LEVEL_KEYS", "strip_marks"]
 
 _GP = GENERATION_PROMPT.encode()
 _IMPLICIT_ROLES = frozenset({"user", "tool", "function"})
 _ROOT = b"kvgate-billing-bytes/v1"
-MARK_KEYS = ("cache_control", "prompt_cache_breakpoint")
-TOP_LEVEL_KEYS = ("cache_control", "prompt_cache_options", "cached_content")
 MODES = ("implicit", "explicit")
 
 Tokenizer = Callable[[str], int]
@@ -124,7 +131,7 @@ def chat_layout(body: Mapping[str, Any], rendered: bytes) -> Layout:
     offset = 0
     tools = body.get("tools")
     if tools:
-        text = (IM_START + "tools\n" + canonical_json(list(tools)) + IM_END).encode()
+        text = render_tools(tools).encode()
         offset += len(text)
         marks = [_mark(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
         mark = next((m for m in reversed(marks) if m is not None), None)
@@ -182,24 +189,6 @@ def has_marks(body: Mapping[str, Any]) -> bool:
             ):
                 return True
     return False
-
-
-def strip_marks(body: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of the body without billing-only fields, as the engine should see it."""
-    out = {k: v for k, v in body.items() if k not in TOP_LEVEL_KEYS}
-
-    def clean(holder: Any) -> Any:
-        if not isinstance(holder, Mapping):
-            return holder
-        copy = {k: v for k, v in holder.items() if k not in MARK_KEYS}
-        if isinstance(copy.get("content"), list):
-            copy["content"] = [clean(part) for part in copy["content"]]
-        return copy
-
-    for key in ("tools", "messages"):
-        if isinstance(out.get(key), list):
-            out[key] = [clean(item) for item in out[key]]
-    return out
 
 
 # -- byte offsets → tokens ----------------------------------------------------------------------

@@ -231,6 +231,8 @@ class BillingMeter:
             rendered,
             parsed.stream,
             parsed.include_usage,
+            breakpoints=parsed.breakpoints,
+            prewarm=parsed.prewarm,
             billing=pending,
         )
 

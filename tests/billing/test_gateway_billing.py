@@ -246,3 +246,54 @@ def test_the_50_step_session_through_the_gateway(
     assert str(total) == exact
     assert len(steps) == 50
     c.close()
+
+
+@pytest.mark.parametrize(
+    ("scenario", "exact"),
+    [
+        ("uncached", "5.075"),
+        ("warm_5m", "0.88415"),
+        ("expiries", "1.87775"),
+        ("1h", "1.0124"),
+        ("pings", "0.97055"),
+    ],
+)
+def test_the_50_step_session_through_the_messages_api(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    tmp_path: Path,
+    scenario: str,
+    exact: str,
+) -> None:
+    """The real anthropic SDK against /v1/messages, the meter's clock driven by the test: billed
+    exactly as `kvgate billing simulate` prices the same session (pings included: max_tokens 0)."""
+    import anthropic
+
+    gateway, clock = billed_gateway(
+        start_engines,
+        start_gateway,
+        tmp_path,
+        billing_profiles={"acme": "anthropic"},
+        billing_tokenizer=TOKENIZER,
+    )
+    c = anthropic.Anthropic(base_url=gateway.url, api_key=TENANT_KEY, max_retries=0)
+    total = Decimal(0)
+    steps = session(**SCENARIOS[scenario])
+    for step in steps:
+        clock.set(1_000_000 + step["t"])
+        messages = session_messages(step["segments"])
+        reply = c.messages.create(
+            model=MODEL,
+            max_tokens=step["max_tokens"],
+            messages=messages,  # type: ignore[arg-type]
+        )
+        usage = reply.usage
+        assert usage.output_tokens == step["output_tokens"]
+        prompt = sum(s["tokens"] for s in step["segments"])
+        read = usage.cache_read_input_tokens or 0
+        written = usage.cache_creation_input_tokens or 0
+        assert usage.input_tokens + read + written == prompt
+        total += Decimal(str(usage.model_extra["cost"]))  # type: ignore[index]
+    assert str(total) == exact
+    assert len(steps) == (59 if scenario == "pings" else 50)
+    c.close()
