@@ -22,10 +22,8 @@ A stream is the engine's OpenAI chunks translated event by event:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -44,7 +42,7 @@ from gateway.errors import (
     anthropic_error_body,
     to_anthropic_http,
 )
-from gateway.exchange import Exchange
+from gateway.exchange import ExchangeSSE
 from gateway.forwarder import Passthrough
 from gateway.requests import ParsedRequest
 from gateway.tenants import Tenant, TenantRegistry, bearer_key
@@ -286,50 +284,23 @@ def error_event(err: GatewayError) -> bytes:
     return _event("error", anthropic_error_body(err))
 
 
-class _AnthropicSSE(Response):
-    """Streams an exchange as Anthropic events; a client that leaves aborts the upstream
-    request (as `director._SSEResponse` does for the OpenAI relay)."""
+class _AnthropicSSE(ExchangeSSE):
+    """Streams an exchange as Anthropic events (a client that leaves aborts the upstream)."""
 
-    def __init__(self, exchange: Exchange, headers: dict[str, str]) -> None:
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
-        ]
-        self._exchange = exchange
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        exchange = self._exchange
+    async def events(self) -> AsyncIterator[bytes]:
+        exchange = self.exchange
         translator = StreamTranslator(exchange.parsed)
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            exchange.abort()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in exchange.chunks():
-                error = chunk.get("error")
-                if isinstance(error, Mapping) and "choices" not in chunk:
-                    message = str(error.get("message", "the upstream stream broke"))
-                    body = error_event(UpstreamError(message))
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
-                    return
-                events = b"".join(translator.chunk(chunk))
-                if events:
-                    await send({"type": "http.response.body", "body": events, "more_body": True})
-            if not exchange.client_gone:
-                body = b"".join(translator.finish())
-                await send({"type": "http.response.body", "body": body, "more_body": True})
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            await exchange.finish()
+        async for chunk in exchange.chunks():
+            error = chunk.get("error")
+            if isinstance(error, Mapping) and "choices" not in chunk:
+                message = str(error.get("message", "the upstream stream broke"))
+                yield error_event(UpstreamError(message))
+                return
+            events = b"".join(translator.chunk(chunk))
+            if events:
+                yield events
+        if not exchange.client_gone:
+            yield b"".join(translator.finish())
 
 
 async def serve(director: Director, parsed: ParsedRequest, tenant: Tenant) -> Response:

@@ -91,3 +91,12 @@ def redis_cluster_url() -> Iterator[str]:
 
     with redis_cluster() as cluster:
         yield cluster.url
+
+
+@pytest.fixture(autouse=True)
+def _close_sdk_clients() -> Iterator[None]:
+    """Every SDK client a test opened through tests.clients is closed after it."""
+    yield
+    from tests.clients import close_all
+
+    close_all()

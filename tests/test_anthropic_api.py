@@ -3,7 +3,7 @@ engines on loopback; and the stream translator's events folded by the SDK's own 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -16,6 +16,7 @@ from gateway.anthropic_api import StreamTranslator
 from gateway.requests import CHAT, ParsedRequest
 from loadgen.text import words
 from loadgen.timing import TimingModel
+from tests.clients import anthropic_client as client
 from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of
 from tests.servers import Served, wait_until
 
@@ -36,21 +37,6 @@ TOOLS = [
         "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
     }
 ]
-
-_CLIENTS: list[anthropic.Anthropic] = []
-
-
-def client(gateway: Served, key: str = TENANT_KEY) -> anthropic.Anthropic:
-    c = anthropic.Anthropic(base_url=gateway.url, api_key=key, max_retries=0)
-    _CLIENTS.append(c)
-    return c
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    while _CLIENTS:
-        _CLIENTS.pop().close()
 
 
 @pytest.fixture

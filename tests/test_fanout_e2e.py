@@ -9,9 +9,9 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.director import Director
 from loadgen.text import words
 from loadgen.timing import TimingModel
+from tests.clients import director
 from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of
 from tests.servers import Served
 
@@ -63,11 +63,6 @@ def computed_tokens(engines: list[Served]) -> int:
         counters = engine_of(e).core.counters
         total += counters.prompt_tokens - counters.cached_tokens
     return total
-
-
-def director(gateway: Served) -> Director:
-    d: Director = gateway.app.state.director
-    return d
 
 
 @pytest.mark.parametrize("hold", [True, False])

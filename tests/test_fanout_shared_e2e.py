@@ -11,7 +11,7 @@ import openai
 import pytest
 import redis
 
-from gateway.director import Director
+from tests.clients import director
 from tests.conftest import MODEL, TENANT_KEY
 from tests.servers import Served, wait_until
 from tests.test_fanout_e2e import REAL_TIME, SHARED_TOKENS, computed_tokens, send_all, sibling
@@ -19,11 +19,6 @@ from tests.test_fanout_e2e import REAL_TIME, SHARED_TOKENS, computed_tokens, sen
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
 SHARED = {"redis_deadline_s": 0.5, "server_secret": "fleet", "engine_prefill_tokens_per_s": 6_500}
-
-
-def director(gateway: Served) -> Director:
-    d: Director = gateway.app.state.director
-    return d
 
 
 def test_siblings_at_two_gateways_wait_for_one_leader(

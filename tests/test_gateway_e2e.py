@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from gateway.director import Director
 from loadgen.text import words
 from loadgen.timing import TimingModel
+from tests.clients import director
+from tests.clients import openai_client as client
 from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of
 from tests.servers import Served, serve, wait_until
 from tests.test_engine import metric
@@ -19,27 +20,6 @@ from tests.test_engine import metric
 pytestmark = pytest.mark.e2e
 
 SYSTEM = {"role": "system", "content": "You are a coding agent." + words("gw-system", 1500)}
-
-
-_CLIENTS: list[openai.OpenAI] = []
-
-
-def client(gateway: Served, key: str = TENANT_KEY) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
-    _CLIENTS.append(c)
-    return c
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    while _CLIENTS:
-        _CLIENTS.pop().close()
-
-
-def director(gateway: Served) -> Director:
-    d: Director = gateway.app.state.director
-    return d
 
 
 def ask(c: openai.OpenAI, messages: list[dict[str, Any]], **extra: Any) -> tuple[Any, str]:

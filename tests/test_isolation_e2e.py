@@ -5,38 +5,24 @@ cache. The real openai SDK and httpx against the gateway and simulated engines o
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.tenant_file import add_key, revoke
 from loadgen.engine import EngineConfig, create_engine_app
 from loadgen.text import words
+from tests.clients import openai_client as sdk
 from tests.conftest import FAST, MODEL, OTHER_KEY, TENANT_KEY
 from tests.servers import Served, start_app, stop_all, wait_until
 
 pytestmark = pytest.mark.e2e
 
 SYSTEM = {"role": "system", "content": "You are a coding agent." + words("iso-system", 1200)}
-_CLIENTS: list[openai.OpenAI] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    while _CLIENTS:
-        _CLIENTS.pop().close()
-
-
-def sdk(gateway: Served, key: str) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
-    _CLIENTS.append(c)
-    return c
 
 
 def post(gateway: Served, key: str | None, body: dict[str, Any]) -> httpx.Response:

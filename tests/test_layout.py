@@ -61,3 +61,15 @@ def test_import_linter_contracts_hold() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 broken" in result.stdout
+
+
+def test_the_cli_loads_only_the_chosen_commands_module() -> None:
+    probe = (
+        "import sys, kvgate_cli\n"
+        "try:\n    kvgate_cli.main(['engine', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'gateway', 'loadgen'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip().splitlines()[-1] == "['loadgen']"

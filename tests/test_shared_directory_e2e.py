@@ -3,18 +3,19 @@ restarts, reconciliation, and Redis killed in the middle of a run."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import openai
 import pytest
 
-from gateway.director import Director
 from gateway.reconcile import Reconciler
 from loadgen.engine import EngineConfig, create_engine_app
 from loadgen.redis_servers import RedisServer
 from loadgen.text import words
-from tests.conftest import FAST, MODEL, TENANT_KEY
+from tests.clients import director
+from tests.clients import openai_client as client
+from tests.conftest import FAST, MODEL
 from tests.servers import Served, serve, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -22,26 +23,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 SHARED = {"redis_deadline_s": 0.5, "server_secret": "one-secret-for-the-fleet"}
 """A generous deadline: on a busy 2-core machine a 5 ms budget could silently turn a sharing
 test into a local one. The tests also assert zero fallbacks."""
-
-_CLIENTS: list[openai.OpenAI] = []
-
-
-def client(gateway: Served) -> openai.OpenAI:
-    c = openai.OpenAI(base_url=gateway.url + "/v1", api_key=TENANT_KEY, max_retries=0)
-    _CLIENTS.append(c)
-    return c
-
-
-@pytest.fixture(autouse=True)
-def _close_clients() -> Iterator[None]:
-    yield
-    while _CLIENTS:
-        _CLIENTS.pop().close()
-
-
-def director(gateway: Served) -> Director:
-    d: Director = gateway.app.state.director
-    return d
 
 
 def ask(gateway: Served, messages: list[dict[str, Any]]) -> tuple[Any, str, int]:

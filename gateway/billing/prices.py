@@ -34,16 +34,11 @@ from gateway.billing.money import (
     divide,
     parse_instant,
 )
+from gateway.settings import BILLING_PROFILES
 
-PROFILES = (
-    "anthropic",
-    "openai",
-    "openai_legacy",
-    "google_implicit",
-    "google_explicit",
-    "deepseek",
-)
-"""The billing profiles (RULES.md §1), in the order the docs list them."""
+PROFILES = BILLING_PROFILES
+"""The billing profiles (RULES.md §1), in the order the docs list them (defined with the
+settings, which validate them and import nothing of billing)."""
 
 NEW_YEAR_2027 = parse_instant("2027-01-01T00:00:00Z")
 """Gemini explicit-cache rent doubles on 2027-01-01 [P]."""
