@@ -14,6 +14,7 @@ import pytest
 
 from gateway.director import Director
 from gateway.discovery import Discovery, Endpoint, endpoints_of, merge
+from loadgen import processes
 from loadgen.engine import EngineConfig, create_engine_app
 from loadgen.processes import free_port
 from loadgen.text import words
@@ -311,3 +312,29 @@ def test_a_wrong_token_is_retried_and_never_kills_the_gateway(
     assert not discovery(gateway).stats.synced and not director(gateway).replicas.states
     assert httpx.get(gateway.url + "/healthz").status_code == 200
     assert httpx.get(gateway.url + "/readyz").status_code == 503
+
+
+def test_kvgate_serve_discovers_from_the_command_line(cluster: Cluster) -> None:
+    """The flags as an operator outside the chart would type them, in a real process."""
+    port = free_port()
+    proc = processes.start_gateway(
+        port,
+        [],
+        [
+            "--discovery",
+            "kubernetes",
+            "--label-selector",
+            SELECTOR,
+            "--port-name",
+            "http",
+            "--kubeconfig",
+            str(cluster.kubeconfig),
+            "--tenant",
+            f"acme:{TENANT_KEY}",
+        ],
+    )
+    try:
+        processes.wait_ready(proc.url, "/readyz", proc.popen, processes.STARTUP_TIMEOUT_S)
+        assert httpx.get(proc.url + "/readyz").json() == {"healthy_replicas": 2}
+    finally:
+        processes.stop([proc])
