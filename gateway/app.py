@@ -130,7 +130,7 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         fallback_policy=build_fallback(settings.policy, router_config),
         placement=placement,
         admission=admission,
-        tracer=traces.tracer,
+        tracing=traces,
     )
 
     register_collector(registry, director, request_metrics, discovery)

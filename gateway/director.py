@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from opentelemetry.trace import Span, Tracer, use_span
+from opentelemetry.trace import Span, get_current_span, use_span
 from starlette.responses import Response
 
 from cachemap.keys import affinity_key, chain_hashes, root_hash
@@ -29,6 +29,7 @@ from gateway.requests import CHAT, ParsedRequest
 from gateway.routing_directory import RoutingDirectory
 from gateway.settings import Settings
 from gateway.tenants import Tenant
+from gateway.tracing import Tracing
 from router.filters import LoadBoundFilter
 from router.profile import Profile
 from router.types import RouteRequest
@@ -62,7 +63,7 @@ class Director:
         fallback_policy: Profile | None = None,
         placement: Placement | None = None,
         admission: Admission | None = None,
-        tracer: Tracer | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.directory = directory
@@ -81,8 +82,9 @@ class Director:
         )
         self.observers = list(observers)
         self.admission = admission or Admission(None, None)
-        self.tracer = tracer
+        self.tracer = tracing.tracer if tracing is not None else None
         """Set when tracing is on (gateway.tracing); None: no span is made."""
+        self.trace_ratio = tracing.sample_ratio if tracing is not None else 0.0
         self.rng = random.Random(settings.seed)
         self.stats = DirectorStats()
         self._sequence = itertools.count()
@@ -123,7 +125,7 @@ class Director:
         root = root_hash(tenant.salt, parsed.model)
         hashes = chain_hashes(parsed.rendered, root, block_bytes)
         started = time.perf_counter()
-        if self.tracer is None:
+        if self.tracer is None or not get_current_span().is_recording():
             lookup = await self.directory.lookup(hashes)
         else:
             with self.tracer.start_as_current_span(tracing.LOOKUP_SPAN) as span:
@@ -160,7 +162,7 @@ class Director:
         counter_key = (policy.name, decision.reason)
         self.stats.decisions[counter_key] = self.stats.decisions.get(counter_key, 0) + 1
         if self.tracer is not None:
-            tracing.decided(policy.name, decision, len(hashes))
+            tracing.decided(policy.name, decision, len(hashes))  # no-op when not sampled
         return Routed(
             parsed, tenant, hashes, placed.route, decision, lookup.last_use, flight=placed.flight
         )
@@ -177,7 +179,9 @@ class Director:
         """Admit, route and forward until an attempt commits: an exchange whose first byte has
         arrived, or an engine's 4xx to pass through."""
         opened_s = time.monotonic()
-        if self.tracer is None:
+        # sampled here, at the root, so a request not traced makes no span at all (the global
+        # generator, not self.rng: tracing must not change a seeded router's choices)
+        if self.tracer is None or random.random() >= self.trace_ratio:
             return await self._open(parsed, tenant, opened_s, None)
         span = tracing.start_request(self.tracer, parsed, tenant)
         try:
@@ -225,7 +229,7 @@ class Director:
             state.begin_prefill(uncached)
             state.num_requests += 1
             upstream = None
-            if self.tracer is not None:
+            if routed.span is not None and self.tracer is not None:
                 upstream = tracing.start_upstream(self.tracer, replica_id, attempt + 1, uncached)
             try:
                 outcome = await self.forwarder.attempt(state.url + path, payload, parsed.stream)

@@ -208,6 +208,19 @@ def test_a_retried_attempt_and_a_refused_request_in_spans(
     assert dict(refused.attributes or {})["http.response.status_code"] == 404
 
 
+def test_a_request_not_sampled_makes_no_span(start_engines: Callable[..., list[Served]]) -> None:
+    engines = start_engines(1)
+    exporter = InMemorySpanExporter()
+    settings = gateway_settings([e.url for e in engines], trace_sample_ratio=0.0)
+    gateway = start_app(create_app(settings, span_exporter=exporter))
+    try:
+        for n in range(3):
+            assert chat(gateway, f"unsampled {n}").status_code == 200
+        assert finished(gateway, exporter) == []
+    finally:
+        stop_all([gateway])
+
+
 def test_tracing_is_off_without_an_endpoint() -> None:
     settings = gateway_settings([])
     assert build_tracing(settings).provider is None
