@@ -124,8 +124,9 @@ class Director:
         block_bytes = self.settings.block_bytes
         root = root_hash(tenant.salt, parsed.model)
         hashes = chain_hashes(parsed.rendered, root, block_bytes)
+        traced = self.tracer is not None and get_current_span().is_recording()
         started = time.perf_counter()
-        if self.tracer is None or not get_current_span().is_recording():
+        if not traced or self.tracer is None:
             lookup = await self.directory.lookup(hashes)
         else:
             with self.tracer.start_as_current_span(tracing.LOOKUP_SPAN) as span:
@@ -161,8 +162,8 @@ class Director:
         decision = placed.decision
         counter_key = (policy.name, decision.reason)
         self.stats.decisions[counter_key] = self.stats.decisions.get(counter_key, 0) + 1
-        if self.tracer is not None:
-            tracing.decided(policy.name, decision, len(hashes))  # no-op when not sampled
+        if traced:
+            tracing.decided(policy.name, decision, len(hashes))
         return Routed(
             parsed, tenant, hashes, placed.route, decision, lookup.last_use, flight=placed.flight
         )

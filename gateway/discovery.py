@@ -227,6 +227,7 @@ class SliceWatcher:
             namespace,
             target.label_selector,
         )
+        gone_in_a_row = 0
         try:
             while not self._stopping.is_set():
                 try:
@@ -244,6 +245,7 @@ class SliceWatcher:
                             _request_timeout=(CONNECT_TIMEOUT_S, target.watch_timeout_s + 30),
                         ):
                             self.stats.events += 1
+                            gone_in_a_row = 0
                             kind = event["type"]
                             if kind in ("ADDED", "MODIFIED"):
                                 self._send("put", event["raw_object"])
@@ -256,7 +258,10 @@ class SliceWatcher:
                         break
                     if exc.status == 410:  # our resourceVersion was compacted away: list again
                         self.stats.relists_after_gone += 1
+                        gone_in_a_row += 1
                         log.info("EndpointSlice watch expired (410 Gone): listing again")
+                        if gone_in_a_row > 1:  # gone again straight after a list: do not spin
+                            self._stopping.wait(target.retry_s)
                         continue
                     self.stats.errors += 1
                     log.warning("EndpointSlice list/watch failed: %s %s", exc.status, exc.reason)
