@@ -233,6 +233,33 @@ def test_a_pod_that_restarts_is_a_new_epoch(
     assert home in healthy(gateway)  # forgotten, not removed
 
 
+def test_a_container_restart_in_its_pod_is_a_new_epoch_too(
+    cluster: Cluster, start_gateway: Callable[..., Served]
+) -> None:
+    """The engine process restarts inside the same pod (same uid, same address): the slice
+    says not ready, then ready; the engine's new start time bumps the epoch."""
+    gateway = discovering(start_gateway, cluster)
+    wait_until(lambda: len(healthy(gateway)) == 2, what="both pods healthy")
+    home, _, _ = ask(gateway, "container-restart")
+    assert ask(gateway, "container-restart")[1] > 0 and entries(gateway, home) > 0
+    host = home.removeprefix("http://").split(":")[0]
+    cluster.ready[host] = False
+    cluster.publish()
+    wait_until(lambda: home not in healthy(gateway), what="held down")
+    index = ADDRESSES.index(host)
+    cluster.engines[index].stop()
+    cluster.engines[index] = start_app(
+        create_engine_app(EngineConfig(timing=FAST)), cluster.port, host
+    )
+    cluster.ready[host] = True
+    cluster.publish()
+    wait_until(lambda: home in healthy(gateway), what="back")
+    wait_until(lambda: entries(gateway, home) == 0, what="the start marker's epoch")
+    assert discovery(gateway).stats.epochs == 0  # not discovery's doing: the same pod
+    _, matched, reason = ask(gateway, "container-restart")
+    assert matched == 0 and reason == "no_match"
+
+
 def test_an_expired_watch_lists_again(
     cluster: Cluster, start_gateway: Callable[..., Served]
 ) -> None:
