@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 ARGS    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help run test lint typecheck proto bench audit clean
+.PHONY: help run test lint typecheck proto helm bench audit clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -32,6 +32,9 @@ typecheck: $(STAMP) ## mypy --strict on the packages
 
 proto: $(STAMP) ## regenerate the gRPC stubs (gateway/_pb, loadgen/_pb) from proto/; fails if they drifted
 	$(PY) -m gateway.protogen
+
+helm: $(STAMP) ## the chart: schema drift, helm lint --strict, helm template, kubernetes-validate --strict
+	$(PY) -m gateway.chart check
 
 bench: $(STAMP) ## the gateway's CPU time per proxied request
 	$(VENV)/bin/kvgate bench-cpu $(ARGS)

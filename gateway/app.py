@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 from fastapi import FastAPI
+from opentelemetry.sdk.trace.export import SpanExporter
 from starlette.responses import Response
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
@@ -17,6 +18,7 @@ from cachemap.rates import PrefixRates
 from cachemap.redis import RedisDirectory, open_redis
 from gateway.admission import Admission
 from gateway.director import Director
+from gateway.discovery import Discovery, KubeTarget
 from gateway.flights import Flights
 from gateway.forwarder import Forwarder
 from gateway.grpc_api import start_grpc
@@ -27,9 +29,16 @@ from gateway.reconcile import Reconciler
 from gateway.replicas import ReplicaSet
 from gateway.routing_directory import RoutingDirectory
 from gateway.settings import Settings
-from gateway.telemetry import build_registry, register_collector, render
+from gateway.telemetry import (
+    MeteredASGI,
+    RequestMetrics,
+    build_registry,
+    register_collector,
+    render,
+)
 from gateway.tenant_file import TenantFileWatcher
 from gateway.tenants import TenantRegistry
+from gateway.tracing import build_tracing
 from router.filters import LoadBoundFilter
 from router.overflow import OverflowConfig
 from router.registry import RouterConfig, build_fallback, build_policy
@@ -37,7 +46,9 @@ from router.registry import RouterConfig, build_fallback, build_policy
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings) -> GatewayASGI:
+def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None) -> GatewayASGI:
+    """The gateway. `span_exporter` turns tracing on with that exporter (tests, or an exporter
+    of your own); otherwise `settings.otlp_endpoint` decides (gateway.tracing)."""
     billing = None
     if settings.billing_wal_dir is not None:  # billing (issue #7): on when a WAL dir is set
         from gateway.billing.service import Billing
@@ -76,6 +87,24 @@ def create_app(settings: Settings) -> GatewayASGI:
         on_restart=directory.forget,
         on_start_marker=directory.observe_start,
         scrape_metrics=settings.scrape_metrics,
+        metrics_interval_s=settings.metrics_interval_s,
+    )
+    discovery = (
+        Discovery(
+            KubeTarget(
+                label_selector=settings.discovery_label_selector or "",
+                namespace=settings.discovery_namespace,
+                port_name=settings.discovery_port_name,
+                scheme=settings.discovery_scheme,
+                kubeconfig=settings.kubeconfig,
+                watch_timeout_s=settings.discovery_watch_timeout_s,
+                retry_s=settings.discovery_retry_s,
+            ),
+            replicas,
+            directory,
+        )
+        if settings.discovery == "kubernetes"
+        else None
     )
     forwarder = Forwarder()
     registry = build_registry()
@@ -99,19 +128,28 @@ def create_app(settings: Settings) -> GatewayASGI:
     )
     limiter = RateLimiter(settings.redis_url, settings.rate_limit_timeout_s)
     admission = Admission(tenants, limiter)
+    request_metrics = RequestMetrics()
+    traces = build_tracing(settings, span_exporter)
     director = Director(
         settings,
         directory,
         replicas,
         forwarder,
         policy,
-        observers=[admission, reconciler, *([billing.meter] if billing else [])],
+        observers=[
+            admission,
+            reconciler,
+            *([billing.meter] if billing else []),
+            request_metrics,
+        ],
         fallback_policy=build_fallback(settings.policy, router_config),
         placement=placement,
         admission=admission,
         request_hooks=[billing.meter.prepare] if billing else [],
+        tracing=traces,
     )
-    register_collector(registry, director)
+
+    register_collector(registry, director, request_metrics, discovery)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -138,6 +176,8 @@ def create_app(settings: Settings) -> GatewayASGI:
             if billing is not None:
                 await billing.start()
             await replicas.start(session)
+            if discovery is not None:
+                await discovery.start()
             if watcher is not None:
                 watcher.start()
             grpc_server = None
@@ -145,6 +185,8 @@ def create_app(settings: Settings) -> GatewayASGI:
                 try:
                     grpc_server = await start_grpc(settings, director, tenants)
                 except BaseException:  # e.g. the port is taken: stop probing, fail the startup
+                    if discovery is not None:
+                        await discovery.stop()
                     await replicas.stop()
                     raise
                 app.state.grpc_port = grpc_server.port
@@ -161,11 +203,14 @@ def create_app(settings: Settings) -> GatewayASGI:
                     await watcher.stop()
                 if grpc_server is not None:
                     await grpc_server.stop()
+                if discovery is not None:
+                    await discovery.stop()
                 await replicas.stop()
                 await directory.close()
                 await limiter.close()
                 if billing is not None:
                     await billing.stop()
+                traces.shutdown()  # flushes the spans still batched
 
     app = FastAPI(
         title="kvgate",
@@ -189,5 +234,8 @@ def create_app(settings: Settings) -> GatewayASGI:
     app.state.tenants_watcher = watcher
     app.state.rate_limiter = limiter
     app.state.billing = billing
+    app.state.discovery = discovery
+    app.state.tracing = traces
+    app.state.request_metrics = request_metrics
     install_openapi(app)
-    return GatewayASGI(app, hot)
+    return MeteredASGI(app, hot, request_metrics)

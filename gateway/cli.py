@@ -40,6 +40,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grpc-port", type=int, help="also serve gRPC (kvgate.v1.Gateway) on this port"
     )
+    # -- Kubernetes discovery and tracing (issue 9; docs/operations.md) --
+    parser.add_argument(
+        "--discovery",
+        choices=("static", "kubernetes"),
+        help="static: the --engine list; kubernetes: also the engines' EndpointSlices",
+    )
+    parser.add_argument(
+        "--label-selector",
+        dest="discovery_label_selector",
+        help="which EndpointSlices are engines, e.g. kubernetes.io/service-name=vllm",
+    )
+    parser.add_argument(
+        "--namespace", dest="discovery_namespace", help="the engines' namespace (default: own)"
+    )
+    parser.add_argument(
+        "--port-name", dest="discovery_port_name", help="the EndpointSlice port to use, by name"
+    )
+    parser.add_argument("--kubeconfig", type=Path, help="a kubeconfig (default: in-cluster)")
+    parser.add_argument(
+        "--otlp-endpoint", help="export traces over OTLP/HTTP, e.g. http://collector:4318/v1/traces"
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -64,6 +85,12 @@ def run_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             tenants_file=args.tenants_file,
             grpc_port=args.grpc_port,
+            discovery=args.discovery,
+            discovery_label_selector=args.discovery_label_selector,
+            discovery_namespace=args.discovery_namespace,
+            discovery_port_name=args.discovery_port_name,
+            kubeconfig=args.kubeconfig,
+            otlp_endpoint=args.otlp_endpoint,
         )
     except ValidationError as exc:
         print(f"kvgate serve: invalid settings:\n{exc}")
@@ -71,8 +98,11 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if not settings.engines:
-        print("kvgate serve: no engines; pass --engine URL (repeatable) or set KVGATE_ENGINES")
+    if not settings.engines and settings.discovery == "static":
+        print(
+            "kvgate serve: no engines; pass --engine URL (repeatable), set KVGATE_ENGINES, "
+            "or discover them with --discovery kubernetes --label-selector SELECTOR"
+        )
         return 2
     try:
         app = create_app(settings)

@@ -12,20 +12,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from opentelemetry.trace import Span, get_current_span, use_span
 from starlette.responses import Response
 
 from cachemap.keys import affinity_key, chain_hashes, root_hash
+from gateway import tracing
 from gateway.admission import Admission
 from gateway.cache_control import strip_marks
 from gateway.errors import ModelNotFound, NoReplica, UpstreamError
 from gateway.exchange import Exchange, ExchangeObserver, OpenAISSE, Routed
 from gateway.forwarder import Complete, Forwarder, Passthrough, RetryableFailure
+from gateway.histograms import LOOKUP_BUCKETS_S, LabelledHistograms
 from gateway.placement import Placement
 from gateway.replicas import ReplicaSet, ReplicaState
 from gateway.requests import CHAT, ParsedRequest
 from gateway.routing_directory import RoutingDirectory
 from gateway.settings import Settings
 from gateway.tenants import Tenant
+from gateway.tracing import Tracing
 from router.filters import LoadBoundFilter
 from router.profile import Profile
 from router.types import RouteRequest
@@ -44,6 +48,10 @@ _LEARNING_RATE = 0.1
 class DirectorStats:
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)
     retries: int = 0
+    lookup_seconds: LabelledHistograms = field(
+        default_factory=lambda: LabelledHistograms(LOOKUP_BUCKETS_S)
+    )
+    """Directory lookups as the request path waits for them, by source (shared | local)."""
 
 
 class Director:
@@ -59,6 +67,7 @@ class Director:
         placement: Placement | None = None,
         admission: Admission | None = None,
         request_hooks: Sequence[RequestHook] = (),
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.directory = directory
@@ -78,6 +87,9 @@ class Director:
         self.observers = list(observers)
         self.admission = admission or Admission(None, None)
         self.request_hooks = list(request_hooks)
+        self.tracer = tracing.tracer if tracing is not None else None
+        """Set when tracing is on (gateway.tracing); None: no span is made."""
+        self.trace_ratio = tracing.sample_ratio if tracing is not None else 0.0
         self.rng = random.Random(settings.seed)
         self.stats = DirectorStats()
         self._sequence = itertools.count()
@@ -117,7 +129,22 @@ class Director:
         block_bytes = self.settings.block_bytes
         root = root_hash(tenant.salt, parsed.model)
         hashes = chain_hashes(parsed.rendered, root, block_bytes)
-        lookup = await self.directory.lookup(hashes)
+        traced = self.tracer is not None and get_current_span().is_recording()
+        started = time.perf_counter()
+        if not traced or self.tracer is None:
+            lookup = await self.directory.lookup(hashes)
+        else:
+            with self.tracer.start_as_current_span(tracing.LOOKUP_SPAN) as span:
+                lookup = await self.directory.lookup(hashes)
+                span.set_attributes(
+                    {
+                        "kvgate.blocks": len(hashes),
+                        "kvgate.source": "local" if lookup.degraded else "shared",
+                        "kvgate.matched_blocks": max(lookup.overlap.values(), default=0),
+                    }
+                )
+        source = "shared" if self.directory.shared is not None and not lookup.degraded else "local"
+        self.stats.lookup_seconds.labels(source).observe(time.perf_counter() - started)
         bytes_per_token = self._bytes_per_token.get(parsed.model, self.settings.bytes_per_token)
         key = affinity_key(
             parsed.rendered, root, hashes, self.settings.consistent_hash_blocks, block_bytes
@@ -140,6 +167,8 @@ class Director:
         decision = placed.decision
         counter_key = (policy.name, decision.reason)
         self.stats.decisions[counter_key] = self.stats.decisions.get(counter_key, 0) + 1
+        if traced:
+            tracing.decided(policy.name, decision, len(hashes))
         return Routed(
             parsed, tenant, hashes, placed.route, decision, lookup.last_use, flight=placed.flight
         )
@@ -159,11 +188,29 @@ class Director:
     async def open(self, parsed: ParsedRequest, tenant: Tenant) -> Exchange | Passthrough:
         """Admit, route and forward until an attempt commits: an exchange whose first byte has
         arrived, or an engine's 4xx to pass through."""
+        opened_s = time.monotonic()
+        # sampled here, at the root, so a request not traced makes no span at all (the global
+        # generator, not self.rng: tracing must not change a seeded router's choices)
+        if self.tracer is None or random.random() >= self.trace_ratio:
+            return await self._open(parsed, tenant, opened_s, None)
+        span = tracing.start_request(self.tracer, parsed, tenant)
+        try:
+            with use_span(span, end_on_exit=False, record_exception=False):
+                return await self._open(parsed, tenant, opened_s, span)
+        except BaseException as exc:
+            tracing.fail(span, exc)
+            raise
+
+    async def _open(
+        self, parsed: ParsedRequest, tenant: Tenant, opened_s: float, span: Span | None
+    ) -> Exchange | Passthrough:
         candidates, tenant, charged = await self._admit(parsed, tenant)
         for hook in self.request_hooks:  # after admission: hooks see the scoped tenant
             parsed = await hook(parsed, tenant)
         routed = await self._route(parsed, tenant, candidates)
         routed.admitted_tokens = charged
+        routed.opened_s = opened_s
+        routed.span = span
         flight = routed.flight
         if flight is None:
             return await self._forward(routed)
@@ -191,11 +238,16 @@ class Director:
             state = self.replicas.get(replica_id)
             uncached = routed.route.uncached_tokens(replica_id)
             state.num_inflight += 1
-            state.pending_prefill_tokens += uncached
+            state.begin_prefill(uncached)
             state.num_requests += 1
+            upstream = None
+            if routed.span is not None and self.tracer is not None:
+                upstream = tracing.start_upstream(self.tracer, replica_id, attempt + 1, uncached)
             try:
                 outcome = await self.forwarder.attempt(state.url + path, payload, parsed.stream)
             except RetryableFailure as exc:
+                if upstream is not None:
+                    tracing.fail(upstream, exc)
                 self._release_prefill(state, uncached)
                 state.num_inflight -= 1
                 failures.append(f"{replica_id}: {exc}")
@@ -204,14 +256,19 @@ class Director:
                 self.stats.retries += 1
                 log.warning("attempt %d at %s failed: %s", attempt + 1, replica_id, exc)
                 continue
-            except BaseException:
+            except BaseException as exc:
+                if upstream is not None:
+                    tracing.fail(upstream, exc)
                 self._release_prefill(state, uncached)
                 state.num_inflight -= 1
                 raise
             self._release_prefill(state, uncached)
             if isinstance(outcome, Passthrough):
                 state.num_inflight -= 1
+                if routed.span is not None:
+                    tracing.passthrough(routed.span, upstream, outcome.status)
                 return outcome
+            routed.upstream_span = upstream
             if isinstance(outcome, Complete):
                 return Exchange(self, routed, state, body=outcome.body)
             return Exchange(self, routed, state, stream=outcome)
@@ -223,7 +280,7 @@ class Director:
 
     @staticmethod
     def _release_prefill(state: ReplicaState, uncached: float) -> None:
-        state.pending_prefill_tokens = max(state.pending_prefill_tokens - uncached, 0.0)
+        state.end_prefill(uncached)
 
     # -- 4. record: the exchange's hooks ---------------------------------------------------
     async def _on_first_token(self, exchange: Exchange) -> None:
@@ -255,6 +312,8 @@ class Director:
         exchange.replica.num_inflight -= 1
         for observer in self.observers:
             await observer.on_finish(exchange, exchange.ok)
+        if exchange.routed.span is not None:
+            tracing.finish(exchange.routed, exchange)
 
     def stream_broke(self, exchange: Exchange, exc: BaseException) -> None:
         log.warning("stream from %s broke after its first byte: %s", exchange.replica.url, exc)

@@ -29,6 +29,8 @@ from gateway.tenants import Tenant
 from router.types import Decision, RouteRequest
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from gateway.director import Director
 
 
@@ -50,6 +52,13 @@ class Routed:
     """Set when this request leads a fan-out: its siblings wait for its first byte."""
     admitted_tokens: int = 0
     """Tokens charged to the tenant's tokens/min budget at admission; usage settles the rest."""
+    # -- observability (issue 9) --
+    opened_s: float = 0.0
+    """When `Director.open` began (monotonic): TTFT as the client sees it starts here."""
+    span: Span | None = None
+    """The request's trace span (gateway.tracing), when tracing is on; ends with the exchange."""
+    upstream_span: Span | None = None
+    """The committed attempt's span."""
 
 
 class ExchangeObserver(Protocol):

@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -87,6 +87,17 @@ DEFAULT_BILLING_LOOKBACK_BLOCKS = 20
 """Anthropic walks back at most 20 blocks from a breakpoint [A]."""
 DEFAULT_BILLING_OPENAI_TTL_S = 1800.0
 """OpenAI 5.6 keeps entries ≥ 30 minutes after the latest use: simulated as exactly 30."""
+# -- Kubernetes, engine load signals, observability (issue 9; docs/operations.md) --------------
+DEFAULT_METRICS_INTERVAL_S = 1.0
+"""Read each replica's /metrics once a second: its queue is what other gateways have sent in the
+last second, and every gateway scrapes every engine, so G gateways cost each engine G scrapes/s
+(vLLM renders /metrics in its API process)."""
+DISCOVERY_MODES = ("static", "kubernetes")
+DEFAULT_WATCH_TIMEOUT_S = 290
+"""Ask the API server to end each watch after ~5 min (its own default is 5–10): a quiet watch is
+re-opened from the last resourceVersion, and a dead connection is noticed within that time."""
+DEFAULT_DISCOVERY_RETRY_S = 2.0
+"""After a failed list or watch (API server away, RBAC missing) try again every 2 s."""
 
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
@@ -156,6 +167,72 @@ class Settings(BaseSettings):
     # -- gRPC (issue 8) --
     grpc_port: int | None = None
     """Serve `kvgate.v1.Gateway` on this port beside HTTP (0: any free port); None: no gRPC."""
+
+    # -- Kubernetes discovery, engine load signals, tracing (issue 9; docs/operations.md) ------
+    metrics_interval_s: float | None = DEFAULT_METRICS_INTERVAL_S
+    """How often each replica's /metrics is read (load signals, restarts); None: with every
+    health probe. Needs `scrape_metrics`."""
+    discovery: str = "static"
+    """`static`: the `engines` list. `kubernetes`: the engines list plus the ready endpoints of
+    the EndpointSlices matching `discovery_label_selector`, watched live."""
+    discovery_label_selector: str | None = None
+    """Which EndpointSlices are engines, e.g. `kubernetes.io/service-name=vllm` (required with
+    `discovery: kubernetes`: an empty selector would include the gateway's own Service)."""
+    discovery_namespace: str | None = None
+    """None: the pod's own namespace in a cluster, else the kubeconfig context's (or default)."""
+    discovery_port_name: str | None = None
+    """The EndpointSlice port to use, by name; None: the slice's only port."""
+    discovery_scheme: str = "http"
+    kubeconfig: Path | None = None
+    """None: the in-cluster service account when running in a pod, else ~/.kube/config."""
+    discovery_watch_timeout_s: int = DEFAULT_WATCH_TIMEOUT_S
+    discovery_retry_s: float = DEFAULT_DISCOVERY_RETRY_S
+    otlp_endpoint: str | None = None
+    """Export OpenTelemetry traces over OTLP/HTTP to this URL (e.g.
+    http://otel-collector:4318/v1/traces); None: no tracing, and no span is made."""
+    trace_sample_ratio: float = 1.0
+    """Share of requests traced (the root's decision; a sampled-out request costs no spans)."""
+    service_name: str = "kvgate"
+    """OpenTelemetry `service.name` of the spans."""
+
+    @field_validator("discovery")
+    @classmethod
+    def _known_discovery(cls, value: str) -> str:
+        if value not in DISCOVERY_MODES:
+            raise ValueError(
+                f"unknown discovery {value!r}; choose one of {', '.join(DISCOVERY_MODES)}"
+            )
+        return value
+
+    @field_validator("discovery_scheme")
+    @classmethod
+    def _scheme(cls, value: str) -> str:
+        if value not in ("http", "https"):
+            raise ValueError("discovery_scheme must be http or https")
+        return value
+
+    @field_validator("trace_sample_ratio")
+    @classmethod
+    def _ratio(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError("must be a ratio between 0 and 1")
+        return value
+
+    @field_validator("metrics_interval_s", "discovery_retry_s", "discovery_watch_timeout_s")
+    @classmethod
+    def _positive_interval(cls, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be a positive number of seconds")
+        return value
+
+    @model_validator(mode="after")
+    def _discovery_needs_a_selector(self) -> Settings:
+        if self.discovery == "kubernetes" and not self.discovery_label_selector:
+            raise ValueError(
+                "discovery: kubernetes needs discovery_label_selector (which EndpointSlices are "
+                "engines, e.g. kubernetes.io/service-name=vllm)"
+            )
+        return self
 
     @field_validator("grpc_port")
     @classmethod

@@ -32,20 +32,23 @@ class Served:
     port: int
     server: uvicorn.Server
     thread: threading.Thread
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
 
 
-def start_app(app: Any, port: int | None = None) -> Served:
+def start_app(app: Any, port: int | None = None, host: str = "127.0.0.1") -> Served:
+    """Serve `app` on loopback (any 127.x address: a test may give each replica its own, the
+    way pods have their own IPs behind one port)."""
     port = port or free_port()
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", access_log=False
+        app, host=host, port=port, log_level="warning", lifespan="on", access_log=False
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -53,7 +56,7 @@ def start_app(app: Any, port: int | None = None) -> Served:
     wait_until(lambda: server.started or not thread.is_alive(), READY_TIMEOUT_S, "server start")
     if not server.started:
         raise RuntimeError(f"server on port {port} failed to start")
-    return Served(app, port, server, thread)
+    return Served(app, port, server, thread, host)
 
 
 def stop_all(servers: list[Served]) -> None:

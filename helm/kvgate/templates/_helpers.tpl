@@ -1,0 +1,103 @@
+{{/* Names and labels. */}}
+{{- define "kvgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvgate.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvgate.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvgate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvgate.labels" -}}
+helm.sh/chart: {{ include "kvgate.chart" . }}
+{{ include "kvgate.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "kvgate.gatewayLabels" -}}
+{{ include "kvgate.labels" . }}
+app.kubernetes.io/component: gateway
+{{- end -}}
+
+{{- define "kvgate.gatewaySelector" -}}
+{{ include "kvgate.selectorLabels" . }}
+app.kubernetes.io/component: gateway
+{{- end -}}
+
+{{- define "kvgate.redisSelector" -}}
+{{ include "kvgate.selectorLabels" . }}
+app.kubernetes.io/component: redis
+{{- end -}}
+
+{{- define "kvgate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvgate.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvgate.secretName" -}}
+{{- default (include "kvgate.fullname" .) .Values.secret.existingSecret -}}
+{{- end -}}
+
+{{- define "kvgate.redisName" -}}
+{{- printf "%s-redis" (include "kvgate.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Kubernetes discovery is on: the gateway lists and watches EndpointSlices. */}}
+{{- define "kvgate.discovers" -}}
+{{- if eq (default "static" .Values.config.discovery) "kubernetes" -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kvgate.engineNamespace" -}}
+{{- default .Release.Namespace .Values.config.discovery_namespace -}}
+{{- end -}}
+
+{{/* A shared Redis is configured, in the chart or outside it. */}}
+{{- define "kvgate.sharesRedis" -}}
+{{- if or .Values.redis.enabled .Values.redis.external.url .Values.redis.external.existingSecret -}}true{{- end -}}
+{{- end -}}
+
+{{/* The chart's Secret holds the Redis password when one is set for the in-chart Redis. */}}
+{{- define "kvgate.redisPassword" -}}
+{{- if and .Values.redis.enabled .Values.redis.password -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kvgate.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The settings file: `config` verbatim plus what the chart decides. */}}
+{{- define "kvgate.settings" -}}
+{{- $settings := deepCopy .Values.config -}}
+{{- $_ := set $settings "host" "0.0.0.0" -}}
+{{- $_ := set $settings "port" (int .Values.service.httpPort) -}}
+{{- if .Values.service.grpcPort -}}
+{{- $_ := set $settings "grpc_port" (int .Values.service.grpcPort) -}}
+{{- end -}}
+{{- $_ := set $settings "server_secret_file" "/etc/kvgate/secret/server-secret" -}}
+{{- $_ := set $settings "tenants_file" "/etc/kvgate/secret/tenants.yaml" -}}
+{{- if and (not .Values.redis.enabled) .Values.redis.external.cluster -}}
+{{- $_ := set $settings "redis_cluster" true -}}
+{{- end -}}
+{{- toYaml $settings -}}
+{{- end -}}
