@@ -107,8 +107,8 @@ class Placement:
             uncached_tokens = (len(hashes) - matched) * route.tokens_per_block
             if uncached_tokens >= self.min_hold_tokens:
                 target = next(r for r in replicas if r.id == decision.replica)
-                work = target.pending_prefill_tokens + route.uncached_tokens(target.id)
-                expected_s = work / self.prefill_tokens_per_s
+                # its queue (this gateway's and, from the engine's metrics, others') + its own
+                expected_s = route.estimated_work(target) / self.prefill_tokens_per_s
                 ttl = max(self.max_hold_s, DEFAULT_HOLD_FACTOR * expected_s)
                 flight = await self.flights.lead(
                     decision.replica, hashes[matched:], expected_s, ttl
