@@ -45,6 +45,7 @@ import mmh3
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
@@ -327,6 +328,11 @@ class RedisDirectory:
         self.clock = clock
         self.cluster = isinstance(client, RedisCluster)
         self._lookup = client.register_script(_LOOKUP)
+        self.batch_lookups = not self.cluster
+        """Pipeline the lookups of one event-loop tick (redis-py refuses EVALSHA in a cluster
+        pipeline, so a cluster's lookups go one by one)."""
+        self._batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]] = []
+        self._sending: set[asyncio.Task[None]] = set()
         self._record = client.register_script(_RECORD)
         self._drop = client.register_script(_DROP)
         self._count = client.register_script(_COUNT)
@@ -372,7 +378,7 @@ class RedisDirectory:
             self._replica_arg,
         ]
         keys, head = chain_call(hashes)
-        flat, hot, writer = await self._lookup(keys=keys, args=[*head, *args])
+        flat, hot, writer = await self._call_lookup(keys, [*head, *args])
         names = self._names
         detail: dict[str, tuple[int, float]] = {}
         for i in range(0, len(flat), 3):
@@ -389,6 +395,61 @@ class RedisDirectory:
         if writer:
             result.writer_depth, result.writer = int(writer[0]), _text(writer[1])
         return result
+
+    async def _call_lookup(self, keys: list[bytes], args: list[Any]) -> Any:
+        """One EVALSHA per lookup; the lookups that arrive in the same event-loop tick share one
+        pipelined write and read (each is still its own command and its own answer)."""
+        if not self.batch_lookups:
+            return await self._lookup(keys=keys, args=args)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._batch.append((keys, args, future))
+        if len(self._batch) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_lookups)
+        return await future
+
+    def _flush_lookups(self) -> None:
+        batch, self._batch = self._batch, []
+        task = asyncio.create_task(self._send_lookups(batch))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send_lookups(
+        self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]]
+    ) -> None:
+        live = [item for item in batch if not item[2].done()]  # callers may have given up
+        if not live:
+            return
+        try:
+            if len(live) == 1:
+                results: list[Any] = [await self._lookup(keys=live[0][0], args=live[0][1])]
+            else:
+                results = await self._pipelined(live)
+        except Exception as exc:  # every waiter hears the error (the caller falls back)
+            for _, _, future in live:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, _, future), result in zip(live, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    async def _pipelined(
+        self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]]
+    ) -> list[Any]:
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args, _ in batch:
+                pipe.evalsha(self._lookup.sha, len(keys), *keys, *args)
+            results = await pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                await self._lookup(keys=batch[0][0], args=batch[0][1])  # loads the script
+                continue
+            return list(results)
+        return list(results)
 
     async def set_k(self, prefix: BlockHash, k: int) -> None:
         await self._set_k(keys=[block_keys([prefix])[0] + b":r"], args=[k])

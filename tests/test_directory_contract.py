@@ -3,6 +3,7 @@ Redis Cluster. Chains and replica names are unique per test, so tests share the 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -249,3 +250,27 @@ async def test_expire_drops_what_the_engine_evicted_before_a_time(store: Store) 
     assert await d.lookup(new) == {r1: 3}
     await d.record(r1, old)  # written again later: it matches again
     assert (await d.lookup(old))[r1] == 3
+
+
+async def test_concurrent_lookups_share_a_round_trip_but_stay_one_command_each(
+    fresh_redis: RedisServer,
+) -> None:
+    d = RedisDirectory(await open_redis(fresh_redis.url))
+    await d.refresh_generations()
+    d.register(["r1", "r2"])
+    chains = [
+        chain_hashes(f"chain {i} ".encode() * 800, root_hash(b"s", "m"), 256)[:16]
+        for i in range(10)
+    ]
+    for i, chain in enumerate(chains):
+        await d.record("r1" if i % 2 else "r2", chain[: 4 + i])
+    sync = redis.Redis.from_url(fresh_redis.url)
+    try:
+        await d.lookup(chains[0])  # the script is loaded
+        sync.config_resetstat()
+        results = await asyncio.gather(*(d.lookup(c) for c in chains))
+        assert results == [{("r1" if i % 2 else "r2"): 4 + i} for i in range(10)]
+        assert sync.info("commandstats")["cmdstat_evalsha"]["calls"] == 10
+    finally:
+        sync.close()
+        await d.close()
