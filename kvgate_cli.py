@@ -38,7 +38,22 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_cpu_arguments(bench_cpu)
 
+    replay = commands.add_parser(
+        "replay", help="replay a trace open-loop through any OpenAI-compatible URL, measured"
+    )
+    from loadgen.replay import add_replay_arguments
+
+    add_replay_arguments(replay)
+
+    sim = commands.add_parser(
+        "sim", help="simulate a trace through the router in virtual time (every policy)"
+    )
+    from loadgen.sim import add_sim_arguments
+
+    add_sim_arguments(sim)
+
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # reports print their command
     if args.command == "engine":
         from loadgen.engine import serve_engine
 
@@ -55,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.bench_cpu import run_bench_cpu
 
         return run_bench_cpu(args)
+    elif args.command == "replay":
+        from loadgen.replay import run_replay_command
+
+        return run_replay_command(args)
+    elif args.command == "sim":
+        from loadgen.sim import run_sim
+
+        return run_sim(args)
     return 0
 
 
