@@ -18,10 +18,14 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import os
+import re
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mmh3
@@ -55,6 +59,37 @@ DEFAULT_CHAT_MAX_TOKENS = 64
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 STREAM_INTERVAL_S = 0.005
 VLLM_VERSION = "0.11.0"
+
+_TOKENIZER_STAND_IN: dict[str, Any] = {
+    "version": "1.0",
+    "truncation": None,
+    "padding": None,
+    "added_tokens": [],
+    "normalizer": None,
+    "pre_tokenizer": {"type": "Whitespace"},
+    "post_processor": None,
+    "decoder": None,
+    "model": {"type": "WordLevel", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"},
+}
+
+
+def tokenizer_dir(model: str) -> str:
+    """A local directory with a `tokenizer.json` stand-in, reported as the engine's
+    `model_path` / `tokenizer_path`.
+
+    sglang-router loads a tokenizer for every worker's model when it registers it, from the
+    worker's `model_path`; a model name that is not a local directory makes it try the Hugging
+    Face hub. Routing over HTTP never uses that tokenizer, so a minimal valid one (a WordLevel
+    model in the `tokenizers` JSON format, NOT the engine's tokenizer) keeps it local.
+    """
+    path = Path(tempfile.gettempdir()) / ("kvgate-sim-tokenizer-" + re.sub(r"\W", "_", model))
+    target = path / "tokenizer.json"
+    if not target.exists():
+        path.mkdir(parents=True, exist_ok=True)
+        scratch = path / f"tokenizer.{os.getpid()}.tmp"
+        scratch.write_bytes(orjson.dumps(_TOKENIZER_STAND_IN))
+        os.replace(scratch, target)
+    return str(path)
 
 
 @dataclass(frozen=True)
@@ -245,11 +280,13 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
             "max_model_len": config.max_model_len,
         }
 
+    local_tokenizer = tokenizer_dir(config.model)
+
     def server_info() -> dict[str, Any]:
         t = config.timing
         return {
-            "model_path": config.model,
-            "tokenizer_path": config.model,
+            "model_path": local_tokenizer,
+            "tokenizer_path": local_tokenizer,
             "served_model_name": config.model,
             "version": VLLM_VERSION,
             "start_time": engine.start_time,
@@ -277,7 +314,12 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
 
     async def model_info(request: Request) -> Response:
         return JSONResponse(
-            {"model_path": config.model, "tokenizer_path": config.model, "is_generation": True}
+            {
+                "model_path": local_tokenizer,
+                "tokenizer_path": local_tokenizer,
+                "served_model_name": config.model,
+                "is_generation": True,
+            }
         )
 
     async def metrics(request: Request) -> Response:
