@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_sim_arguments(sim)
 
+    bench = commands.add_parser(
+        "bench", help="kvgate vs sglang-router vs vllm-router on the same engines and trace"
+    )
+    from loadgen.bench import add_bench_arguments
+
+    add_bench_arguments(bench)
+
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # reports print their command
     if args.command == "engine":
@@ -78,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadgen.sim import run_sim
 
         return run_sim(args)
+    elif args.command == "bench":
+        from loadgen.bench import run_bench
+
+        return run_bench(args)
     return 0
 
 

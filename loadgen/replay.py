@@ -110,7 +110,9 @@ def summarise(rows: Sequence[Row], time_scale: float, wall_s: float) -> ReplaySu
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    target: str
+    target: str | tuple[str, ...]
+    """One base URL, or several: the client then spreads requests over them round robin (the
+    baseline with no router at all)."""
     api_keys: tuple[str, ...] = ()
     """One key for every request, or one per tenant (tenant-i uses key i mod len)."""
     time_scale: float = 1.0
@@ -126,8 +128,15 @@ class ReplayOptions:
             raise ValueError(f"time_scale must be positive, got {self.time_scale}")
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {self.max_concurrency}")
-        if not self.target.startswith(("http://", "https://")):
-            raise ValueError(f"target {self.target!r} must start with http:// or https://")
+        if not self.targets:
+            raise ValueError("give at least one target URL")
+        for url in self.targets:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"target {url!r} must start with http:// or https://")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (self.target,) if isinstance(self.target, str) else tuple(self.target)
 
 
 def _key_for(tenant: str | None, keys: Sequence[str]) -> str | None:
@@ -148,13 +157,18 @@ async def replay(trace: Trace, options: ReplayOptions) -> tuple[list[Row], float
     timeout = aiohttp.ClientTimeout(total=options.timeout_s)
     progress = _Progress(len(trace.requests), options.label, options.progress)
     loop = asyncio.get_running_loop()
+    targets = options.targets
 
     async def one(i: int, body: dict[str, Any], due: float, start: float) -> None:
         req = trace.requests[i]
         async with slots:
             sent = loop.time()
             result = await stream_chat(
-                http, options.target, _key_for(req.tenant, options.api_keys), body, str(i)
+                http,
+                targets[i % len(targets)],
+                _key_for(req.tenant, options.api_keys),
+                body,
+                str(i),
             )
         rows[i] = Row(
             index=i,
@@ -322,7 +336,12 @@ def plot_results(out_dir: Path, rows: Sequence[Row], summary: ReplaySummary) -> 
 # -- the command ----------------------------------------------------------------------------
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", help="a Mooncake-format JSONL trace")
-    parser.add_argument("--target", required=True, help="base URL: kvgate, a router or an engine")
+    parser.add_argument(
+        "--target",
+        required=True,
+        action="append",
+        help="base URL: kvgate, a router or an engine; repeat it for client-side round robin",
+    )
     parser.add_argument(
         "--api-key",
         action="append",
@@ -348,7 +367,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
     console = Console()
     try:
         options = ReplayOptions(
-            target=args.target.rstrip("/"),
+            target=tuple(t.rstrip("/") for t in args.target),
             api_keys=tuple(args.api_key),
             time_scale=args.time_scale,
             max_concurrency=args.max_concurrency,
@@ -371,7 +390,7 @@ def run_replay_command(args: argparse.Namespace) -> int:
     rows, wall = asyncio.run(replay(trace, options))
     summary = summarise(rows, options.time_scale, wall)
     command = shlex.join(["kvgate", *getattr(args, "argv", [])])
-    meta = {"trace": str(args.trace), "target": options.target, "command": command}
+    meta = {"trace": str(args.trace), "target": " ".join(options.targets), "command": command}
     console.print(markdown_summary(summary, meta))
     if args.out:
         for path in write_results(Path(args.out), rows, summary, meta, args.plot):
