@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import shlex
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,9 +28,11 @@ from typing import Any
 
 import aiohttp
 
-from loadgen.client import stream_chat
+from loadgen.client import Result, stream_chat
+from loadgen.runner import run_phases
 from loadgen.sim import percentile
 from loadgen.traces import MOONCAKE_BLOCK_SIZE, PromptSynthesizer, Trace, read_trace
+from loadgen.workloads import Phase, agent_day, agent_session
 
 DEFAULT_MODEL = "kvgate-sim-8b"
 DEFAULT_MAX_CONCURRENCY = 512
@@ -57,6 +60,7 @@ class Row:
     output_tokens: int
     tenant: str | None
     error: str = ""
+    label: str = ""
 
 
 @dataclass
@@ -334,8 +338,14 @@ def plot_results(out_dir: Path, rows: Sequence[Row], summary: ReplaySummary) -> 
 
 
 # -- the command ----------------------------------------------------------------------------
+WORKLOADS = ("workload:agent-day", "workload:agent-session")
+
+
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", help="a Mooncake-format JSONL trace")
+    parser.add_argument(
+        "trace",
+        help="a Mooncake-format JSONL trace, or a closed-loop workload: " + ", ".join(WORKLOADS),
+    )
     parser.add_argument(
         "--target",
         required=True,
@@ -359,6 +369,49 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", type=int, default=0, help="assign conversations to N tenants")
     parser.add_argument("--max-output-tokens", type=int, default=None, help="cap output lengths")
     parser.add_argument("--no-progress", action="store_true")
+    group = parser.add_argument_group("workload:agent-session")
+    group.add_argument("--session-steps", type=int, default=50)
+    group.add_argument("--gap-every", type=int, default=0, help="a long gap every N steps")
+    group.add_argument("--gap-s", type=float, default=0.0, help="the gap, in trace seconds")
+    group.add_argument("--fanout-every", type=int, default=0, help="subagents every N steps")
+    group.add_argument("--fanout", type=int, default=0, help="subagents started in parallel")
+
+
+def workload_rows(results: Sequence[Result], time_scale: float) -> list[Row]:
+    """A closed-loop run's results as replay rows (arrival = when the client sent it)."""
+    t0 = min((r.start_s for r in results), default=0.0)
+    return [
+        Row(
+            index=i,
+            arrival_s=(r.start_s - t0) * time_scale,
+            sent_s=r.start_s - t0,
+            client_wait_s=0.0,
+            ok=r.ok,
+            status=r.status,
+            ttft_s=r.ttft_s,
+            e2e_s=r.latency_s,
+            input_tokens=r.prompt_tokens,
+            prompt_tokens=r.prompt_tokens,
+            cached_tokens=r.engine_cached_tokens,
+            output_tokens=r.completion_tokens,
+            tenant=None,
+            error=r.error,
+            label=r.label,
+        )
+        for i, r in enumerate(results)
+    ]
+
+
+def _workload_phases(args: argparse.Namespace) -> list[Phase]:
+    if args.trace == "workload:agent-day":
+        return agent_day()
+    return agent_session(
+        steps=args.session_steps,
+        gap_every=args.gap_every,
+        gap_s=args.gap_s,
+        fanout_every=args.fanout_every,
+        fanout=args.fanout,
+    )
 
 
 def run_replay_command(args: argparse.Namespace) -> int:
@@ -375,19 +428,36 @@ def run_replay_command(args: argparse.Namespace) -> int:
             max_output_tokens=args.max_output_tokens,
             progress=not args.no_progress,
         )
-        trace = read_trace(
-            args.trace,
-            block_size=args.block_size,
-            start=args.start,
-            limit=args.limit,
-            num_tenants=args.tenants,
-        )
         if args.plot and not args.out:
             raise ValueError("--plot writes into --out DIR; pass --out")
+        if args.trace.startswith("workload:"):
+            if args.trace not in WORKLOADS:
+                raise ValueError(f"unknown workload {args.trace!r}; choose {', '.join(WORKLOADS)}")
+            if len(options.targets) != 1:
+                raise ValueError("a closed-loop workload takes one --target")
+            phases = _workload_phases(args)
+        else:
+            trace = read_trace(
+                args.trace,
+                block_size=args.block_size,
+                start=args.start,
+                limit=args.limit,
+                num_tenants=args.tenants,
+            )
     except (OSError, ValueError) as exc:
         console.print(f"[red]kvgate replay: {exc}[/]")
         return 2
-    rows, wall = asyncio.run(replay(trace, options))
+    if args.trace.startswith("workload:"):
+        started = time.monotonic()
+        key = options.api_keys[0] if options.api_keys else None
+        results = asyncio.run(
+            run_phases(
+                phases, options.targets[0], key, options.model, time_scale=options.time_scale
+            )
+        )
+        rows, wall = workload_rows(results, options.time_scale), time.monotonic() - started
+    else:
+        rows, wall = asyncio.run(replay(trace, options))
     summary = summarise(rows, options.time_scale, wall)
     command = shlex.join(["kvgate", *getattr(args, "argv", [])])
     meta = {"trace": str(args.trace), "target": " ".join(options.targets), "command": command}
