@@ -452,6 +452,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 continue
             try:
                 results.append(run_arm(arm, setup, run))
+                print(markdown_table(results[-1:], refs.lru_reference_hit_ratio, setup), flush=True)
             except (RuntimeError, TimeoutError, OSError) as exc:
                 console.print(f"[red]{arm.name}: failed to run: {exc}[/]")
                 results.append(ArmResult(arm.name, run, None, None, 0.0, 0.0, 0.0, str(exc)))

@@ -34,6 +34,7 @@ import heapq
 import random
 import statistics
 import struct
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -441,7 +442,7 @@ def run_sim(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a log keeps whole rows
     try:
         config = config_from_args(args)
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
