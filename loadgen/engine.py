@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import re
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,7 +183,24 @@ class Engine:
 
 
 # -- request parsing ----------------------------------------------------------------------
-def _prompt_tokens(body: dict[str, Any], chat: bool) -> list[str] | list[int]:
+_TOKENIZED_PROMPTS = 256
+"""Prompts whose tokens are kept: a router that renders a request on every worker (vllm-router's
+cache_aware) makes the same text arrive N + 1 times; the simulator's own tokenizer cost (~10 ms
+for 15k tokens in Python) must not be what a benchmark measures."""
+
+
+@functools.lru_cache(maxsize=_TOKENIZED_PROMPTS)
+def _tokenize_cached(text: str) -> tuple[str, ...]:
+    return tuple(tokenize(text))
+
+
+@functools.lru_cache(maxsize=_TOKENIZED_PROMPTS)
+def _ids_cached(text: str) -> tuple[int, ...]:
+    return tuple(token_ids(_tokenize_cached(text)))
+
+
+def _prompt_text(body: dict[str, Any], chat: bool) -> str | list[int]:
+    """The text the engine tokenizes (chat: the canonical rendering), or a token-id prompt."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -194,18 +212,28 @@ def _prompt_tokens(body: dict[str, Any], chat: bool) -> list[str] | list[int]:
             raise BadRequest("'tools' must be a list")
         add_generation_prompt = body.get("add_generation_prompt", True) is not False
         try:
-            text = render_chat(messages, tools, add_generation_prompt)
+            return render_chat(messages, tools, add_generation_prompt)
         except (AttributeError, TypeError) as exc:
             raise BadRequest(f"malformed messages: {exc}") from None
-        return tokenize(text)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenize(prompt)
+        return prompt
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return [int(t) for t in prompt]
     raise BadRequest("'prompt' must be a string or a list of token ids")
+
+
+def _prompt_tokens(body: dict[str, Any], chat: bool) -> Sequence[str] | Sequence[int]:
+    """The prompt's tokens (token ids for a token-id prompt); never mutate the result."""
+    text = _prompt_text(body, chat)
+    return _tokenize_cached(text) if isinstance(text, str) else text
+
+
+def _prompt_ids(body: dict[str, Any], chat: bool) -> list[int]:
+    text = _prompt_text(body, chat)
+    return list(_ids_cached(text)) if isinstance(text, str) else text
 
 
 def _int_field(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
@@ -334,10 +362,9 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
     async def tokenize_endpoint(request: Request) -> Response:
         try:
             body = await _json_body(request)
-            tokens = _prompt_tokens(body, chat="messages" in body)
+            ids = _prompt_ids(body, chat="messages" in body)
         except BadRequest as exc:
             return _error(str(exc), exc.status)
-        ids = token_ids(tokens) if tokens and isinstance(tokens[0], str) else list(tokens)
         return JSONResponse(
             {
                 "count": len(ids),
@@ -354,10 +381,9 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
         async def handler(request: Request) -> Response:
             try:
                 body = await _json_body(request)
-                tokens = _prompt_tokens(body, chat=chat)
+                ids = _prompt_ids(body, chat=chat)
             except BadRequest as exc:
                 return _error(str(exc), exc.status)
-            ids = token_ids(tokens) if tokens and isinstance(tokens[0], str) else list(tokens)
             return JSONResponse({"token_ids": ids, "model": body.get("model", config.model)})
 
         return handler
@@ -437,7 +463,7 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
 
     hashes = block_hashes(tokens, config.block_size, salt)
     max_cached = (len(tokens) - 1) // config.block_size * config.block_size
-    seed = mmh3.hash(hashes[-1] if hashes else repr(tokens[-8:]).encode(), signed=False)
+    seed = mmh3.hash(hashes[-1] if hashes else repr(list(tokens[-8:])).encode(), signed=False)
     pieces = output_tokens(seed, max_tokens)
     final: list[bytes] = []
     if tokens and isinstance(tokens[0], str):
