@@ -79,7 +79,11 @@ AUTO_CPU_BUSY_LIMIT = 0.6
 AUTO_PROBE_REQUESTS = 150
 BENCH_KEY = "sk-bench"
 BLOCK_BYTES = 256
-"""kvgate's default block size in bytes, to size its directory like the engines' KV."""
+"""kvgate's default block size in bytes, to size its directory from the engines' KV."""
+DEFAULT_DIRECTORY_SCALE = 8.0
+"""kvgate's directory holds 8x each engine's KV in entries, as its default capacity is sized
+(`cachemap.directory.DEFAULT_REPLICA_CAPACITY_BLOCKS`): an entry the engine has evicted costs
+one wrong guess, an entry forgotten too early sends a conversation away from its cache."""
 READY_TIMEOUT_S = 60.0
 
 ALL_PEER_ARMS = ("sglang:cache_aware", "vllm:cache_aware", "vllm:round_robin")
@@ -364,6 +368,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="'all' or a comma-separated list, e.g. kvgate:cache_aware,sglang:cache_aware",
     )
     parser.add_argument("--repeat", type=int, default=1, help="run every arm this many times")
+    parser.add_argument(
+        "--directory-scale",
+        type=float,
+        default=DEFAULT_DIRECTORY_SCALE,
+        help="kvgate's directory capacity as a multiple of each engine's KV (default 8)",
+    )
     parser.add_argument("--out", default="bench-results.md", help="markdown table (and .json)")
 
 
@@ -374,6 +384,8 @@ def run_bench(args: argparse.Namespace) -> int:
     command = shlex.join(["kvgate", *getattr(args, "argv", [])])
     try:
         arms = parse_arms(args.arms)
+        if args.directory_scale <= 0:
+            raise ValueError("--directory-scale must be positive")
         if args.engines < 1 or args.requests < 1 or args.repeat < 1:
             raise ValueError("--engines, --requests and --repeat must be at least 1")
         if args.utilization is not None and not 0 < args.utilization < 1:
@@ -415,7 +427,7 @@ def run_bench(args: argparse.Namespace) -> int:
         num_engines=args.engines,
         capacity_blocks=math.ceil(capacity_tokens / ENGINE_BLOCK_SIZE),
         directory_capacity_blocks=max(
-            math.ceil(capacity_tokens * bytes_per_token / BLOCK_BYTES), 1
+            math.ceil(capacity_tokens * bytes_per_token / BLOCK_BYTES * args.directory_scale), 1
         ),
         prefill_tokens_per_s=prefill_rate,
         decode_s_per_token=args.decode_ms_per_token / 1e3,
@@ -428,7 +440,8 @@ def run_bench(args: argparse.Namespace) -> int:
         f"{args.start} ({trace.span_s:,.0f} s of trace), {args.engines} engines × "
         f"{setup.capacity_blocks:,} blocks of {ENGINE_BLOCK_SIZE} tokens (capacity frac "
         f"{args.capacity_frac:g}), prefill {prefill_rate:,.0f} tokens/s, decode "
-        f"{args.decode_ms_per_token:g} ms/token, outputs ≤ {args.max_output_tokens}\n"
+        f"{args.decode_ms_per_token:g} ms/token, outputs ≤ {args.max_output_tokens}; kvgate's "
+        f"directory {setup.directory_capacity_blocks:,} entries per engine\n"
         f"simulator on this slice: round robin prefill utilization {rr.prefill_utilization:.2f}; "
         f"one shared LRU of the same capacity {refs.lru_reference_hit_ratio:.1%} hit ratio; "
         f"ideal {refs.ideal_hit_ratio:.1%}\nbackground CPU load before the bench: "
@@ -463,7 +476,8 @@ def run_bench(args: argparse.Namespace) -> int:
         f"({setup.capacity_blocks:,} engine blocks each), prefill {prefill_rate:,.0f} tokens/s "
         f"(round-robin utilization {rr.prefill_utilization:.2f} by the simulator), decode "
         f"{args.decode_ms_per_token:g} ms/token, outputs ≤ {args.max_output_tokens}, time scale "
-        f"{setup.time_scale:g}. One shared LRU of the same capacity: "
+        f"{setup.time_scale:g}, kvgate's directory {args.directory_scale:g}x the engines' KV. "
+        f"One shared LRU of the same capacity: "
         f"{refs.lru_reference_hit_ratio:.1%}. Background CPU load before the run: "
         f"{background:.0%} of {os.cpu_count()} cores.\n\n"
     )
