@@ -118,3 +118,13 @@ def test_the_command_prints_a_table_and_writes_json(
         assert {"hit_ratio", "share_of_ideal", "ttft_p99_s", "imbalance"} <= set(row)
     assert main(["sim", str(CONVERSATION), "--policy", "fastest"]) == 2
     assert "choose one of cache_aware" in capsys.readouterr().out
+
+
+def test_a_directory_larger_than_the_engines_keeps_conversations_sticky(slice_: Trace) -> None:
+    """Under heavy eviction an engine-sized directory forgets prefixes the engine still holds."""
+    tight = replace(CONFIG, capacity_frac=0.10)
+    _, (small,) = run_policies(slice_, ["cache_aware"], replace(tight, directory_scale=1.0))
+    _, (large,) = run_policies(slice_, ["cache_aware"], replace(tight, directory_scale=8.0))
+    assert large.hit_ratio > small.hit_ratio
+    with pytest.raises(ValueError, match="directory_scale must be positive"):
+        SimConfig(directory_scale=0)
