@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import math
 import os
@@ -41,7 +42,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import orjson
@@ -329,16 +329,12 @@ def pick_time_scale(setup: Setup) -> tuple[float, list[tuple[float, float]]]:
     )
     probes: list[tuple[float, float]] = []
     for scale in AUTO_SCALES:
-        trial = Setup(**{**asdict_shallow(setup), "time_scale": scale})
+        trial = dataclasses.replace(setup, time_scale=scale)
         result = run_arm(Arm("client", "round_robin"), trial, 0, probe)
         probes.append((scale, result.machine_busy_share))
         if result.machine_busy_share < AUTO_CPU_BUSY_LIMIT:
             return scale, probes
     return AUTO_SCALES[-1], probes
-
-
-def asdict_shallow(setup: Setup) -> dict[str, Any]:
-    return {f: getattr(setup, f) for f in Setup.__dataclass_fields__}
 
 
 # -- the command ----------------------------------------------------------------------------
@@ -449,7 +445,7 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     if args.time_scale == "auto":
         scale, probes = pick_time_scale(setup)
-        setup = Setup(**{**asdict_shallow(setup), "time_scale": scale})
+        setup = dataclasses.replace(setup, time_scale=scale)
         console.print(
             "time scale auto: "
             + ", ".join(f"{s:g}× → {b:.0%} busy" for s, b in probes)
@@ -486,7 +482,9 @@ def run_bench(args: argparse.Namespace) -> int:
     out.write_text(header + table)
     payload = {
         "command": command,
-        "setup": {k: v for k, v in asdict_shallow(setup).items() if k != "trace"},
+        "setup": {
+            f.name: getattr(setup, f.name) for f in dataclasses.fields(setup) if f.name != "trace"
+        },
         "trace": {"path": args.trace, "start": args.start, "requests": len(trace.requests)},
         "lru_reference_hit_ratio": refs.lru_reference_hit_ratio,
         "ideal_hit_ratio": refs.ideal_hit_ratio,

@@ -306,7 +306,7 @@ def plot_results(out_dir: Path, rows: Sequence[Row], summary: ReplaySummary) -> 
     ok = [r for r in rows if r.ok]
     ttfts = sorted(r.ttft_s * summary.time_scale for r in ok)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))])
+    ax.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], drawstyle="steps-post")
     ax.set_xlabel("TTFT (trace seconds)")
     ax.set_ylabel("share of requests")
     ax.set_title(f"TTFT CDF (p99 {summary.ttft_p99_trace_s:.2f} s)")
