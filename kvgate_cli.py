@@ -57,6 +57,24 @@ COMMANDS: dict[str, Command] = {
         "add_audit_demo_arguments",
         "run_audit_demo",
     ),
+    "replay": Command(
+        "replay a trace open-loop through any OpenAI-compatible URL, measured",
+        "loadgen.replay",
+        "add_replay_arguments",
+        "run_replay_command",
+    ),
+    "sim": Command(
+        "simulate a trace through the router in virtual time (every policy)",
+        "loadgen.sim",
+        "add_sim_arguments",
+        "run_sim",
+    ),
+    "bench": Command(
+        "kvgate vs sglang-router vs vllm-router on the same engines and trace",
+        "loadgen.bench",
+        "add_bench_arguments",
+        "run_bench",
+    ),
     "bench-cpu": Command(
         "the gateway's CPU time per proxied request (a benchmark)",
         "loadgen.bench_cpu",
@@ -94,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:
             getattr(importlib.import_module(command.module), command.add_arguments)(sub)
     args = parser.parse_args(argv)
+    args.argv = list(argv)  # reports print the command that made them
     command = COMMANDS[args.command]
     result = getattr(importlib.import_module(command.module), command.run)(args)
     return int(result or 0)

@@ -39,12 +39,35 @@ async def stream_chat(
     label: str = "",
     path: str = "/v1/chat/completions",
 ) -> Result:
-    """POST a streaming request (usage included) and measure it."""
+    """POST a streaming request (usage included) and measure it.
+
+    A pooled connection that the server closed as it was reused (uvicorn's keep-alive timeout
+    racing the next request: the server disconnects before any response) is retried once on a
+    new connection, as HTTP clients do for that race; the TTFT still counts from the first try.
+    """
+    start = time.monotonic()
+    result = await _stream_once(session, base_url, api_key, body, label, path, start)
+    if result.status == 0 and result.error.startswith(_RECONNECTABLE):
+        result = await _stream_once(session, base_url, api_key, body, label, path, start)
+    return result
+
+
+_RECONNECTABLE = ("ServerDisconnectedError", "ClientOSError")
+
+
+async def _stream_once(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    api_key: str | None,
+    body: dict[str, Any],
+    label: str,
+    path: str,
+    start: float,
+) -> Result:
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
     headers = {"content-type": "application/json"}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
-    start = time.monotonic()
     result = Result(label, ok=False, start_s=start)
     pieces: list[str] = []
     try:

@@ -17,11 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
+import os
+import re
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mmh3
@@ -55,6 +60,37 @@ DEFAULT_CHAT_MAX_TOKENS = 64
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 STREAM_INTERVAL_S = 0.005
 VLLM_VERSION = "0.11.0"
+
+_TOKENIZER_STAND_IN: dict[str, Any] = {
+    "version": "1.0",
+    "truncation": None,
+    "padding": None,
+    "added_tokens": [],
+    "normalizer": None,
+    "pre_tokenizer": {"type": "Whitespace"},
+    "post_processor": None,
+    "decoder": None,
+    "model": {"type": "WordLevel", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"},
+}
+
+
+def tokenizer_dir(model: str) -> str:
+    """A local directory with a `tokenizer.json` stand-in, reported as the engine's
+    `model_path` / `tokenizer_path`.
+
+    sglang-router loads a tokenizer for every worker's model when it registers it, from the
+    worker's `model_path`; a model name that is not a local directory makes it try the Hugging
+    Face hub. Routing over HTTP never uses that tokenizer, so a minimal valid one (a WordLevel
+    model in the `tokenizers` JSON format, NOT the engine's tokenizer) keeps it local.
+    """
+    path = Path(tempfile.gettempdir()) / ("kvgate-sim-tokenizer-" + re.sub(r"\W", "_", model))
+    target = path / "tokenizer.json"
+    if not target.exists():
+        path.mkdir(parents=True, exist_ok=True)
+        scratch = path / f"tokenizer.{os.getpid()}.tmp"
+        scratch.write_bytes(orjson.dumps(_TOKENIZER_STAND_IN))
+        os.replace(scratch, target)
+    return str(path)
 
 
 @dataclass(frozen=True)
@@ -147,7 +183,25 @@ class Engine:
 
 
 # -- request parsing ----------------------------------------------------------------------
-def _prompt_tokens(body: dict[str, Any], chat: bool) -> list[str] | list[int]:
+_TOKENIZED_PROMPTS = 256
+"""Prompts whose tokens are kept: a router that renders a request on every worker (vllm-router's
+cache_aware) makes the same text arrive N + 1 times; the simulator's own tokenizer cost (~10 ms
+for 15k tokens in Python) must not be what a benchmark measures. Kept per `cache_salt`: a prompt
+tokenized for one tenant must not come back faster for another (the timing audit finds that)."""
+
+
+@functools.lru_cache(maxsize=_TOKENIZED_PROMPTS)
+def _tokenize_cached(text: str, salt: str | None = None) -> tuple[str, ...]:
+    return tuple(tokenize(text))
+
+
+@functools.lru_cache(maxsize=_TOKENIZED_PROMPTS)
+def _ids_cached(text: str) -> tuple[int, ...]:
+    return tuple(token_ids(_tokenize_cached(text)))
+
+
+def _prompt_text(body: dict[str, Any], chat: bool) -> str | list[int]:
+    """The text the engine tokenizes (chat: the canonical rendering), or a token-id prompt."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -159,18 +213,31 @@ def _prompt_tokens(body: dict[str, Any], chat: bool) -> list[str] | list[int]:
             raise BadRequest("'tools' must be a list")
         add_generation_prompt = body.get("add_generation_prompt", True) is not False
         try:
-            text = render_chat(messages, tools, add_generation_prompt)
+            return render_chat(messages, tools, add_generation_prompt)
         except (AttributeError, TypeError) as exc:
             raise BadRequest(f"malformed messages: {exc}") from None
-        return tokenize(text)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenize(prompt)
+        return prompt
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return [int(t) for t in prompt]
     raise BadRequest("'prompt' must be a string or a list of token ids")
+
+
+def _prompt_tokens(body: dict[str, Any], chat: bool) -> Sequence[str] | Sequence[int]:
+    """The prompt's tokens (token ids for a token-id prompt); never mutate the result."""
+    text = _prompt_text(body, chat)
+    salt = body.get("cache_salt")
+    if isinstance(text, str):
+        return _tokenize_cached(text, salt if isinstance(salt, str) else None)
+    return text
+
+
+def _prompt_ids(body: dict[str, Any], chat: bool) -> list[int]:
+    text = _prompt_text(body, chat)
+    return list(_ids_cached(text)) if isinstance(text, str) else text
 
 
 def _int_field(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
@@ -245,11 +312,13 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
             "max_model_len": config.max_model_len,
         }
 
+    local_tokenizer = tokenizer_dir(config.model)
+
     def server_info() -> dict[str, Any]:
         t = config.timing
         return {
-            "model_path": config.model,
-            "tokenizer_path": config.model,
+            "model_path": local_tokenizer,
+            "tokenizer_path": local_tokenizer,
             "served_model_name": config.model,
             "version": VLLM_VERSION,
             "start_time": engine.start_time,
@@ -277,7 +346,12 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
 
     async def model_info(request: Request) -> Response:
         return JSONResponse(
-            {"model_path": config.model, "tokenizer_path": config.model, "is_generation": True}
+            {
+                "model_path": local_tokenizer,
+                "tokenizer_path": local_tokenizer,
+                "served_model_name": config.model,
+                "is_generation": True,
+            }
         )
 
     async def metrics(request: Request) -> Response:
@@ -292,10 +366,9 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
     async def tokenize_endpoint(request: Request) -> Response:
         try:
             body = await _json_body(request)
-            tokens = _prompt_tokens(body, chat="messages" in body)
+            ids = _prompt_ids(body, chat="messages" in body)
         except BadRequest as exc:
             return _error(str(exc), exc.status)
-        ids = token_ids(tokens) if tokens and isinstance(tokens[0], str) else list(tokens)
         return JSONResponse(
             {
                 "count": len(ids),
@@ -312,10 +385,9 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
         async def handler(request: Request) -> Response:
             try:
                 body = await _json_body(request)
-                tokens = _prompt_tokens(body, chat=chat)
+                ids = _prompt_ids(body, chat=chat)
             except BadRequest as exc:
                 return _error(str(exc), exc.status)
-            ids = token_ids(tokens) if tokens and isinstance(tokens[0], str) else list(tokens)
             return JSONResponse({"token_ids": ids, "model": body.get("model", config.model)})
 
         return handler
@@ -395,7 +467,7 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
 
     hashes = block_hashes(tokens, config.block_size, salt)
     max_cached = (len(tokens) - 1) // config.block_size * config.block_size
-    seed = mmh3.hash(hashes[-1] if hashes else repr(tokens[-8:]).encode(), signed=False)
+    seed = mmh3.hash(hashes[-1] if hashes else repr(list(tokens[-8:])).encode(), signed=False)
     pieces = output_tokens(seed, max_tokens)
     final: list[bytes] = []
     if tokens and isinstance(tokens[0], str):

@@ -61,9 +61,11 @@ async def run_phases(
     model: str,
     max_tokens: int = 32,
     timeout_s: float = 600.0,
+    time_scale: float = 1.0,
 ) -> list[Result]:
     """Run the phases in order, the sessions of a phase in parallel, each session's steps in
-    order; every request carries the session's history including the replies it got."""
+    order; every request carries the session's history including the replies it got. A step's
+    `delay_s` is waited (divided by `time_scale`) before it is sent."""
     histories: dict[str, list[list[dict[str, Any]]]] = {}
     results: list[Result] = []
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -79,11 +81,13 @@ async def run_phases(
             history = list(session.prefix)
             snapshots = histories.setdefault(session.name, [list(history)])
         for step in session.steps:
+            if step.delay_s > 0:
+                await asyncio.sleep(step.delay_s / time_scale)
             history = history + step.messages
             body = {
                 "model": model,
                 "messages": history,
-                "max_tokens": max_tokens,
+                "max_tokens": step.max_tokens or max_tokens,
                 "tools": session.tools or None,
             }
             if not session.tools:

@@ -57,7 +57,10 @@ def token_id(token: str) -> int:
 
 
 def token_ids(tokens: Sequence[str]) -> list[int]:
-    return [token_id(t) for t in tokens]
+    """`token_id` of each token, without the per-token cache: synthetic prompts are mostly
+    distinct words, and a straight mmh3 pass is ~10x faster than a missing cache lookup."""
+    hash_ = mmh3.hash
+    return [hash_(t, signed=False) % VOCAB_SIZE for t in tokens]
 
 
 def output_tokens(seed: int, count: int) -> list[str]:

@@ -12,6 +12,17 @@ The agent working day (`agent_day`), ~30 requests:
   file and its own 400-token task, for 3 steps (each adds a 600-token tool result);
 - a retry branch forks off turn 7: turns 8 and 9 again, with different content;
 - the next day a new session in the same repository runs 9 more turns.
+
+The 50-step agent session (`agent_session`):
+- it starts at 12,000 tokens (tools, system prompt, project context, task: the rendered first
+  prompt is exactly `start_tokens` engine tokens);
+- each step appends the agent's reply (400 output tokens, generated) and a 1,100-token tool
+  result, so step k's prompt is ~12,000 + 1,500·(k-1) tokens;
+- optional long gaps: every `gap_every` steps the agent waits `gap_s` (a human reviewing, a
+  long build) before the next step — long enough for a cache to forget the session;
+- optional subagent fan-out: every `fanout_every` steps, `fanout` subagents start in parallel
+  from the session's start (its first 12,000 tokens) plus their own task, and run
+  `subagent_steps` steps each before the main session goes on.
 """
 
 from __future__ import annotations
@@ -19,7 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachemap.rendering import render_chat
 from loadgen.text import words
+from loadgen.tokenizer import count_tokens
 
 SYSTEM_TOKENS = 2_700
 TOOLS_TOKENS = 200
@@ -29,12 +42,23 @@ SUBAGENT_TASK_TOKENS = 400
 SUBAGENT_STEP_TOKENS = 600
 
 
+SESSION_STEPS = 50
+SESSION_START_TOKENS = 12_000
+SESSION_TOOL_TOKENS = 1_100
+SESSION_OUTPUT_TOKENS = 400
+SUBAGENT_TASK_TOKENS_SESSION = 300
+
+
 @dataclass
 class Step:
     """New messages appended to the session's history before this request."""
 
     messages: list[dict[str, Any]]
     label: str
+    delay_s: float = 0.0
+    """Wait this long (trace seconds) after the previous step before sending this one."""
+    max_tokens: int | None = None
+    """Output tokens to ask for; None: the runner's default."""
 
 
 @dataclass
@@ -230,3 +254,109 @@ def fanout_burst(
             ],
         )
     ]
+
+
+def agent_session(
+    *,
+    steps: int = SESSION_STEPS,
+    start_tokens: int = SESSION_START_TOKENS,
+    tool_tokens: int = SESSION_TOOL_TOKENS,
+    output_tokens: int = SESSION_OUTPUT_TOKENS,
+    gap_every: int = 0,
+    gap_s: float = 0.0,
+    fanout_every: int = 0,
+    fanout: int = 0,
+    subagent_steps: int = 3,
+    tenant: str = "acme",
+    name: str = "session",
+) -> list[Phase]:
+    """The 50-step agent session (see the module docstring); phases alternate between runs of
+    main-session steps and parallel subagent fan-outs."""
+    if steps < 1 or start_tokens < 100 or tool_tokens < 1 or output_tokens < 1:
+        raise ValueError("steps, tool_tokens and output_tokens must be >= 1, start >= 100")
+    if gap_every < 0 or gap_s < 0 or fanout_every < 0 or fanout < 0 or subagent_steps < 1:
+        raise ValueError("gaps and fan-out settings must be non-negative")
+    tools = _tools(tenant)
+    head = "You are a coding agent."
+    fixed = [{"role": "system", "content": head}, {"role": "user", "content": "Task:"}]
+    context_tokens = start_tokens - count_tokens(render_chat(fixed, tools))
+    system_tokens = min(SYSTEM_TOKENS, context_tokens // 2)
+    system = {"role": "system", "content": head + words(f"{tenant}/system", system_tokens)}
+    for _ in range(3):  # token merges at message ends shift the count by one or two
+        task = {
+            "role": "user",
+            "content": "Task:" + words(f"{name}/context", context_tokens - system_tokens) + "\n",
+        }
+        error = count_tokens(render_chat([system, task], tools)) - start_tokens
+        if error == 0:
+            break
+        context_tokens -= error
+    start = [system, task]
+
+    def main_step(k: int) -> Step:
+        # step 1 is the start itself; step k > 1 adds a tool result after the agent's reply
+        gap = gap_s if gap_every and k > 1 and (k - 1) % gap_every == 0 else 0.0
+        messages = (
+            []
+            if k == 1
+            else [
+                {
+                    "role": "user",
+                    "content": "Tool result:" + words(f"{name}/tool{k}", tool_tokens - 2),
+                }
+            ]
+        )
+        return Step(messages, f"{name} step {k}", delay_s=gap, max_tokens=output_tokens)
+
+    phases: list[Phase] = []
+    batch: list[Step] = []
+    first = True
+    for k in range(1, steps + 1):
+        batch.append(main_step(k))
+        if fanout_every and fanout and k % fanout_every == 0 and k < steps:
+            phases.append(
+                Phase(f"{name} steps", [Session(name, start if first else [], batch, tools)])
+            )
+            first = False
+            batch = []
+            phases.append(
+                Phase(
+                    f"{fanout} subagents after step {k}",
+                    [
+                        Session(
+                            f"{name}/sub{k}-{j}",
+                            [
+                                *start,
+                                {
+                                    "role": "user",
+                                    "content": "Subtask:"
+                                    + words(
+                                        f"{name}/sub{k}-{j}/task", SUBAGENT_TASK_TOKENS_SESSION
+                                    ),
+                                },
+                            ],
+                            [
+                                Step(
+                                    []
+                                    if i == 0
+                                    else [
+                                        {
+                                            "role": "user",
+                                            "content": "Tool result:"
+                                            + words(f"{name}/sub{k}-{j}/tool{i}", tool_tokens - 2),
+                                        }
+                                    ],
+                                    f"{name} subagent {k}-{j} step {i + 1}",
+                                    max_tokens=output_tokens,
+                                )
+                                for i in range(subagent_steps)
+                            ],
+                            tools,
+                        )
+                        for j in range(fanout)
+                    ],
+                )
+            )
+    if batch:
+        phases.append(Phase(f"{name} steps", [Session(name, start if first else [], batch, tools)]))
+    return phases

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from loadgen.text import words
@@ -144,7 +146,12 @@ def test_vllm_and_sglang_probe_endpoints(engine: Served) -> None:
     assert card["owned_by"] == "vllm" and card["id"] == MODEL and card["max_model_len"] > 0
     assert "version" in httpx.get(url + "/version").json()
     for path in ("/server_info", "/get_server_info"):
-        assert httpx.get(url + path).json()["model_path"] == MODEL
+        info = httpx.get(url + path).json()
+        assert info["served_model_name"] == MODEL
+        # model_path is a local directory with a loadable tokenizer.json, so sglang-router
+        # registers the worker's tokenizer without reaching for the Hugging Face hub
+        tokenizer = orjson.loads((Path(info["model_path"]) / "tokenizer.json").read_bytes())
+        assert tokenizer["model"]["type"] == "WordLevel"
     for path in ("/model_info", "/get_model_info"):
         assert httpx.get(url + path).json()["is_generation"] is True
     assert httpx.get(url + "/get_load").json() == {"load": 0}
