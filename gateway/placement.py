@@ -20,7 +20,7 @@ from gateway.flights import Flight, Flights
 from gateway.routing_directory import Lookup
 from router.fanout import DEFAULT_HOLD_FACTOR, with_leader, worth_holding
 from router.filters import LoadBoundFilter
-from router.overflow import OverflowConfig, next_k, spread, threshold_per_min
+from router.overflow import OverflowConfig, widen
 from router.profile import Profile
 from router.types import Decision, Replica, RouteRequest
 
@@ -83,17 +83,20 @@ class Placement:
         # 2. hot prefixes
         new_k = None
         if self.overflow is not None and hot is not None and depth > 0:
-            uncached = route.num_prompt_tokens - depth * route.tokens_per_block
-            threshold = self.fixed_threshold_per_min or threshold_per_min(self.overflow, uncached)
-            healthy = sum(1 for r in replicas if r.healthy)
-            k = next_k(hot.k, hot.rate_per_min, threshold, self.overflow.shrink_ratio, healthy)
+            route, k, added = widen(
+                route,
+                replicas,
+                hot.rate_per_min,
+                hot.k,
+                self.overflow,
+                self.fixed_threshold_per_min,
+            )
             if k != hot.k:
                 new_k = k
                 if k > hot.k:
                     self.stats.widenings += 1
                 else:
                     self.stats.shrinks += 1
-            route, added = spread(route, replicas, depth, k)
             if added:
                 self.stats.spread_requests += 1
         # 3. the policy

@@ -46,6 +46,7 @@ import orjson
 from cachemap.directory import DEFAULT_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
+from cachemap.rates import PrefixRates
 from loadgen.timing import (
     DEFAULT_DECODE_S_PER_TOKEN,
     DEFAULT_MAX_BATCH,
@@ -56,7 +57,8 @@ from loadgen.timing import (
     PrefixCache,
     TimingModel,
 )
-from loadgen.traces import MOONCAKE_BLOCK_SIZE, Trace, TraceRequest, read_trace
+from loadgen.traces import MOONCAKE_BLOCK_SIZE, Trace, TraceRequest, hot_spine_trace, read_trace
+from router.overflow import OverflowConfig, widen
 from router.registry import POLICIES, RouterConfig, build_policy
 from router.types import Replica, RouteRequest
 
@@ -85,6 +87,10 @@ class SimConfig:
     """Cap outputs (the bench caps them to keep replays short); None keeps the trace's."""
     directory_ttl_s: float = DEFAULT_TTL_S
     directory_scale: float = DEFAULT_DIRECTORY_SCALE
+    overflow: bool = True
+    """Spread hot prefixes as the gateway does (router.overflow.widen, cachemap.rates), with the
+    threshold derived from the engines' prefill rate; `cache_aware` only."""
+    overflow_threshold_per_min: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -249,6 +255,8 @@ def simulate(
         for i in range(config.num_replicas)
     ]
     by_id = {r.id: r for r in replicas}
+    rates = PrefixRates(clock=clock) if config.overflow and policy == "cache_aware" else None
+    overflow = OverflowConfig(config.timing.prefill_tokens_per_s * config.timing.time_scale)
     if keys is None:
         keys = [request_keys(r, config.router.consistent_hash_blocks) for r in trace.requests]
     block = trace.block_size
@@ -308,7 +316,20 @@ def simulate(
             affinity_key=keys[req.index].affinity,
             sequence=req.index,
         )
-        decision = profile.decide(route, [r.snapshot() for r in replicas], rng)
+        snapshot = [r.snapshot() for r in replicas]
+        depth = max(overlap.values(), default=0)
+        if rates is not None and depth > 0:  # the gateway's hot-prefix step, the same code
+            hot = rates.observe(hs[depth - 1])
+            route, k, _ = widen(
+                route,
+                snapshot,
+                hot.rate_per_min,
+                hot.k,
+                overflow,
+                config.overflow_threshold_per_min,
+            )
+            rates.set_k(hs[depth - 1], k)
+        decision = profile.decide(route, snapshot, rng)
         assert decision is not None, "every simulated replica is healthy"
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         rep = by_id[decision.replica]
@@ -397,7 +418,11 @@ def timing_defaults() -> dict[str, float]:
 
 # -- the command ----------------------------------------------------------------------------
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("trace", help="a Mooncake-format JSONL trace")
+    parser.add_argument(
+        "trace",
+        help="a Mooncake-format JSONL trace, or hot-spine[:rate=60,seconds=30,system=4000,"
+        "suffix=300,output=8] (requests sharing a system prompt, faster than one replica)",
+    )
     parser.add_argument("--replicas", type=int, default=DEFAULT_NUM_REPLICAS)
     parser.add_argument(
         "--capacity-frac",
@@ -427,6 +452,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="the router's directory capacity as a multiple of each engine's KV (default 8)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--overflow",
+        choices=("on", "off"),
+        default="on",
+        help="spread hot prefixes as the gateway does (cache_aware; default on)",
+    )
     parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
 
 
@@ -454,6 +485,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         max_output_tokens=args.max_output_tokens,
         directory_scale=args.directory_scale,
+        overflow=args.overflow == "on",
     )
 
 
@@ -465,13 +497,16 @@ def run_sim(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         policies = list(POLICIES) if args.policy == "all" else [args.policy]
-        trace = read_trace(
-            args.trace,
-            block_size=args.block_size,
-            start=args.start,
-            limit=args.limit,
-            num_tenants=args.tenants,
-        )
+        if args.trace.startswith("hot-spine"):
+            trace = hot_spine_trace(args.trace)
+        else:
+            trace = read_trace(
+                args.trace,
+                block_size=args.block_size,
+                start=args.start,
+                limit=args.limit,
+                num_tenants=args.tenants,
+            )
         refs, results = run_policies(trace, policies, config)
     except (OSError, ValueError) as exc:
         console.print(f"[red]kvgate sim: {exc}[/]")

@@ -235,3 +235,38 @@ class PromptSynthesizer:
     ) -> Iterator[dict[str, object]]:
         for req in requests:
             yield {"model": model, "messages": self.messages(req), "max_tokens": req.output_length}
+
+
+HOT_SPINE_DEFAULTS = {"rate": 60.0, "seconds": 30.0, "system": 4000, "suffix": 300, "output": 8}
+HOT_SPINE_BLOCK_SIZE = 16
+WARM_UP_S = 1.0
+
+
+def hot_spine_trace(spec: str = "hot-spine") -> Trace:
+    """A hot spine as a trace: requests at `rate` per second for `seconds`, all sharing a
+    `system`-token prefix (the same hash ids) followed by `suffix` tokens of their own, with
+    `output` output tokens each; vLLM-sized 16-token blocks. One request comes first, alone, and
+    the rest a second later, so one replica holds the spine when the load starts (as in
+    production, where a spine turns hot after it was cached). `spec` is "hot-spine" or
+    "hot-spine:rate=60,seconds=30,system=4000,suffix=300,output=8" (any subset)."""
+    values: dict[str, float] = dict(HOT_SPINE_DEFAULTS)
+    _, _, options = spec.partition(":")
+    for item in filter(None, options.split(",")):
+        name, _, value = item.partition("=")
+        if name not in values:
+            raise ValueError(
+                f"hot-spine option {name!r} unknown; use {', '.join(HOT_SPINE_DEFAULTS)}"
+            )
+        values[name] = float(value)
+    if values["rate"] <= 0 or values["seconds"] <= 0 or values["system"] < HOT_SPINE_BLOCK_SIZE:
+        raise ValueError("hot-spine needs rate > 0, seconds > 0 and a system prompt of a block")
+    bs = HOT_SPINE_BLOCK_SIZE
+    system, suffix, output = int(values["system"]), int(values["suffix"]), int(values["output"])
+    shared = system // bs
+    per_request = -(-(system + suffix) // bs) - shared
+    requests = []
+    for i in range(int(values["rate"] * values["seconds"])):
+        own = range(shared + i * per_request, shared + (i + 1) * per_request)
+        arrival = 0.0 if i == 0 else WARM_UP_S + (i - 1) / values["rate"]
+        requests.append(TraceRequest(i, arrival, system + suffix, output, (*range(shared), *own)))
+    return Trace(spec, bs, requests)

@@ -89,3 +89,26 @@ def spread(
     for rid in added:
         overlap[rid] = depth
     return replace(req, overlap=overlap), added
+
+
+def widen(
+    req: RouteRequest,
+    replicas: Sequence[Replica],
+    rate_per_min: float,
+    current_k: int,
+    config: OverflowConfig,
+    fixed_threshold_per_min: float | None = None,
+) -> tuple[RouteRequest, int, list[str]]:
+    """The whole hot-prefix step, as the gateway and the simulator run it: the prefix this
+    request matched (its deepest block any replica holds) is requested at `rate_per_min`;
+    returns the request with k replicas counting as holding it, the new k, and the replicas
+    added. A request that matched nothing is returned unchanged."""
+    depth = max(req.overlap.values(), default=0)
+    if depth <= 0:
+        return req, current_k, []
+    uncached = req.num_prompt_tokens - depth * req.tokens_per_block
+    threshold = fixed_threshold_per_min or threshold_per_min(config, uncached)
+    healthy = sum(1 for r in replicas if r.healthy)
+    k = next_k(current_k, rate_per_min, threshold, config.shrink_ratio, healthy)
+    widened, added = spread(req, replicas, depth, k)
+    return widened, k, added

@@ -128,3 +128,22 @@ def test_a_directory_larger_than_the_engines_keeps_conversations_sticky(slice_: 
     assert large.hit_ratio > small.hit_ratio
     with pytest.raises(ValueError, match="directory_scale must be positive"):
         SimConfig(directory_scale=0)
+
+
+def test_the_simulator_spreads_a_hot_spine_as_the_gateway_does() -> None:
+    from loadgen.sim import SimConfig, run_policies
+    from loadgen.traces import hot_spine_trace
+
+    trace = hot_spine_trace("hot-spine:rate=60,seconds=8")
+    results = {}
+    for overflow in (True, False):
+        config = SimConfig(num_replicas=4, capacity_frac=4, overflow=overflow)
+        _, (result,) = run_policies(trace, ["cache_aware"], config)
+        results[overflow] = result.summary()
+    on, off = results[True], results[False]
+    # 8 s of load: the first seconds (before the rate passes the threshold) still weigh in
+    assert on["imbalance"] < 2.0 and off["imbalance"] > 3.5
+    assert on["ttft_p99_s"] < off["ttft_p99_s"] / 3
+    assert abs(on["hit_ratio"] - off["hit_ratio"]) < 0.02
+    with pytest.raises(ValueError, match="option 'speed' unknown"):
+        hot_spine_trace("hot-spine:speed=3")
