@@ -8,6 +8,8 @@ The audit measures it the way the paper did:
   spaces (one token per letter; drawn from the OS CSPRNG), sent as one user message, streamed,
   `max_tokens: 1`. TTFT is measured on a monotonic clock from sending to the first streamed
   choice (what vLLM sends with the first token).
+- Before every probe the victim sends a prompt (`victim_requests` times): in a miss trial an
+  unrelated one, so that hit and miss probes follow the same activity back to back.
 - Hit procedure: the victim sends P (`victim_requests` times, each to completion, so the entry
   is visible), then the attacker sends P' = the first `prefix_fraction` of P followed by fresh
   letters (the first of them forced to differ). Miss procedure: the attacker sends a fresh
@@ -283,9 +285,13 @@ async def _run_test(
     started = time.monotonic()
     for trial in trials:
         prompt = random_letters(config.prompt_tokens)
+        # the victim sends before every probe, hit or miss: back to back, what came just before
+        # a probe (a busy engine, warm connections) must be the same on both sides, so that the
+        # only difference is whether the probe shares the victim's prefix
+        victims = prompt if trial == "hit" else random_letters(config.prompt_tokens)
+        for _ in range(config.victim_requests):
+            await victim.send(victims, "victim")
         if trial == "hit":
-            for _ in range(config.victim_requests):
-                await victim.send(prompt, "victim")
             sample = await prober.send(probe_of(prompt, config.prefix_fraction), prober_role)
             result.hit_ttft_s.append(sample.ttft_s)
         else:
