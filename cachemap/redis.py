@@ -67,6 +67,9 @@ CHANNEL = "kvg:gen"
 LAND_CHANNEL = "kvg:land"
 """Fan-out leaders announce here that their write landed: "<marker>|<replica>|ok|fail"."""
 GEN_REFRESH_S = 1.0
+MAX_PIPELINED_LOOKUPS = 8
+"""Lookups per pipelined write: a burst is cut into several pipelines on several connections,
+so the client reads one pipeline's answers while Redis runs the next one's scripts."""
 """Safety net behind the channel: a gateway that missed a message is stale for at most 1 s."""
 
 # The chain scripts declare the chain's first key (it routes the call to the slot every key of
@@ -97,20 +100,28 @@ end
 local depth = {}
 local last = {}
 local deepest = 0
+-- one record call writes the same "<generation>:<last use>" to every block of its chain, so a
+-- value is parsed once per lookup (Lua interns strings: the memo is a pointer lookup)
+local gens, useds = {}, {}
 for i = 1, #KEYS do
   local fields = redis.call('HGETALL', KEYS[i])
   local advanced = false
   for j = 1, #fields, 2 do
     local rid = fields[j]
-    local value = fields[j + 1]
-    local sep = string.find(value, ':', 1, true)
-    local gen = tonumber(string.sub(value, 1, sep - 1))
-    local used = tonumber(string.sub(value, sep + 1))
-    if (depth[rid] or 0) == i - 1 and gen >= (mingen[rid] or 0) and now - used < ttl
-        and used > (floor[rid] or -1) then
-      depth[rid] = i
-      last[rid] = used
-      advanced = true
+    if (depth[rid] or 0) == i - 1 then
+      local value = fields[j + 1]
+      local gen, used = gens[value], useds[value]
+      if not gen then
+        local sep = string.find(value, ':', 1, true)
+        gen = tonumber(string.sub(value, 1, sep - 1))
+        used = tonumber(string.sub(value, sep + 1))
+        gens[value], useds[value] = gen, used
+      end
+      if gen >= (mingen[rid] or 0) and now - used < ttl and used > (floor[rid] or -1) then
+        depth[rid] = i
+        last[rid] = used
+        advanced = true
+      end
     end
   end
   if not advanced then break end
@@ -402,13 +413,19 @@ class RedisDirectory:
         if not self.batch_lookups:
             return await self._lookup(keys=keys, args=args)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._batch.append((keys, args, future))
-        if len(self._batch) == 1:
-            asyncio.get_running_loop().call_soon(self._flush_lookups)
+        batch = self._batch
+        batch.append((keys, args, future))
+        if len(batch) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_lookups, batch)
+        if len(batch) == MAX_PIPELINED_LOOKUPS:
+            self._batch = []  # the next lookups start the next pipeline
         return await future
 
-    def _flush_lookups(self) -> None:
-        batch, self._batch = self._batch, []
+    def _flush_lookups(
+        self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]]
+    ) -> None:
+        if batch is self._batch:
+            self._batch = []
         task = asyncio.create_task(self._send_lookups(batch))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
