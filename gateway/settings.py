@@ -59,6 +59,8 @@ DEFAULT_FANOUT_MAX_HOLD_S = 10.0
 DEFAULT_REDIS_DEADLINE_S = 0.005
 """A lookup is one script call, ~0.2 ms on a LAN: 5 ms is 25× that, and routing locally beats
 waiting longer (a prefill of the whole prompt costs tens of ms at worst)."""
+DEFAULT_BILLING_LEDGER_DEADLINE_S = 0.05
+"""One MGET on the billing store: ~0.2 ms on a LAN; 50 ms before billing from local state."""
 DEFAULT_REDIS_WRITE_DEADLINE_S = 0.5
 """Records, drops and epoch bumps run off the request path; half a second rides out a Redis
 failover's first hiccup without piling up writes."""
@@ -258,7 +260,11 @@ class Settings(BaseSettings):
     to tokens proportionally (the error bound is in docs/billing.md)."""
     billing_redis_url: str | None = None
     """The shared ledger store: a standalone Redis with appendonly yes, appendfsync always.
-    Without one, the WAL directory is the ledger."""
+    Without one, the WAL directory is the ledger. With one, the contract's cache entries are
+    shared there too, so every gateway bills a tenant from one ledger."""
+    billing_ledger_deadline_s: float = DEFAULT_BILLING_LEDGER_DEADLINE_S
+    """How long a request's first token waits for the shared cache entries before this
+    gateway bills from its own (see docs/billing.md)."""
     billing_lookback_blocks: int = DEFAULT_BILLING_LOOKBACK_BLOCKS
     billing_openai_ttl_s: float = DEFAULT_BILLING_OPENAI_TTL_S
     billing_deepseek_unit: str = "64"
@@ -329,7 +335,9 @@ class Settings(BaseSettings):
             )
         return value
 
-    @field_validator("tenants_reload_interval_s", "rate_limit_timeout_s")
+    @field_validator(
+        "tenants_reload_interval_s", "rate_limit_timeout_s", "billing_ledger_deadline_s"
+    )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
         if value <= 0:

@@ -7,6 +7,8 @@
 2. First token (`on_first_token`): the request is admitted to the tenant-visible cache ledger
    (lookup, writes, refreshes), its entries visible from now. Token positions come from the
    engine's count when already known (non-streamed), else a tokenizer or bytes-per-token.
+   With a billing store, the entries the request can touch are read from it first and the
+   ones it changed joined back (`shared`): every gateway bills from one ledger.
 3. Usage (`on_usage`, before the client sees it): the plan is billed on the engine's exact
    counts, the record is appended to the WAL (fsync'd) and only then the usage is rewritten:
    `prompt_tokens_details.cached_tokens` becomes the contract's R (the physical hit stays in
@@ -47,7 +49,15 @@ from gateway.billing.layout import (
     strip_marks,
 )
 from gateway.billing.ledger import CacheLedger
-from gateway.billing.model import BillingError, Block, CachedContent, Charge, MeteredRequest, Plan
+from gateway.billing.model import (
+    BillingError,
+    Block,
+    CachedContent,
+    Charge,
+    Entry,
+    MeteredRequest,
+    Plan,
+)
 from gateway.billing.pending import BilledRequest, Pending, profile_for
 from gateway.billing.prices import PriceTable
 from gateway.billing.records import build_record
@@ -58,6 +68,7 @@ from gateway.billing.rules import (
     check_anthropic_marks,
     translate_mark,
 )
+from gateway.billing.shared import SharedEntries, join, scope_id
 from gateway.billing.usage import merge_into_openai_usage
 from gateway.billing.wal import WriteAheadLog
 from gateway.errors import InvalidRequest
@@ -70,9 +81,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SHARED_PROFILES = frozenset({"anthropic", "openai", "openai_legacy", "google_implicit", "deepseek"})
+"""Profiles whose entries are shared across gateways (google_explicit's objects are not)."""
 _LEARNING_RATE = 0.1
 """Weight of each response in the meter's bytes-per-token estimate (an EMA over ~10)."""
 CONTENTS_FILE = "contents.json"
+
+
+def _state(entry: Entry | None) -> tuple[Decimal, Decimal, Decimal] | None:
+    return None if entry is None else (entry.visible_at, entry.last_use, entry.ttl_s)
 
 
 @dataclass(slots=True)
@@ -119,6 +136,8 @@ class BillingMeter:
         self._inflight: dict[int, InFlight] = {}
         self._bytes_per_token: dict[str, float] = {}
         self._unpriced_warned: set[tuple[str, str]] = set()
+        self.shared: SharedEntries | None = None
+        """The entries every gateway shares (set by `Billing.start` with a billing store)."""
 
     # -- helpers -------------------------------------------------------------------------------
     def ledger(self, profile: str) -> CacheLedger:
@@ -308,10 +327,30 @@ class BillingMeter:
         plan = Plan()
         if pending.price_model is not None and pending.op == "request":
             ledger = self.ledger(pending.profile)
+            shared = self.shared if pending.profile in SHARED_PROFILES else None
+            scope = ""
+            if shared is not None:
+                scope = scope_id(pending.profile, request.tenant, request.model)
+                keys = [b.key for b in request.blocks if isinstance(b.key, bytes)]
+                stored = await shared.fetch(scope, keys)
+                entries = ledger.scopes.setdefault((request.tenant, request.model), {})
+                for key, entry in (stored or {}).items():
+                    mine = entries.get(key)
+                    entries[key] = entry if mine is None else join(mine, entry)
+                before = {k: _state(entries.get(k)) for k in keys}
             try:
                 plan = ledger.admit(request)
             except BillingError as exc:  # e.g. the object expired since the start
                 log.warning("billing: %s: %s; billed as uncached", pending.request_id, exc)
+            if shared is not None:
+                shared.store(
+                    scope,
+                    {
+                        k: e
+                        for k in keys
+                        if (e := entries.get(k)) is not None and _state(e) != before[k]
+                    },
+                )
         elif pending.op != "request":
             ledger = self.ledger(pending.profile)
         self._inflight[id(exchange)] = InFlight(

@@ -12,6 +12,7 @@ from redis.exceptions import RedisError
 from gateway.billing.layout import load_tokenizer
 from gateway.billing.meter import BillingMeter
 from gateway.billing.prices import load_price_table
+from gateway.billing.shared import SharedEntries
 from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore, Shipper
 from gateway.billing.wal import WriteAheadLog
 from gateway.errors import GatewayError
@@ -63,10 +64,13 @@ class Billing:
 
             self._client = await open_redis(url, cluster=False)
             self.store = RedisLedgerStore(self._client)
+            self.meter.shared = SharedEntries(self._client, self.settings.billing_ledger_deadline_s)
             self.shipper = Shipper(self.wal, self.store)
             self.shipper.start()  # replays whatever earlier runs left unshipped
 
     async def stop(self) -> None:
+        if self.meter.shared is not None:
+            await self.meter.shared.drain()
         if self.shipper is not None:
             await self.shipper.stop()
         await self.wal.aclose()
