@@ -251,6 +251,8 @@ class ArmResult:
     client_cpu_ms_per_request: float
     machine_busy_share: float
     note: str = ""
+    decisions: dict[str, int] = dataclasses.field(default_factory=dict)
+    """kvgate arms: the gateway's routing decisions by reason (prefix, load_bound, no_match)."""
 
 
 @dataclass(frozen=True)
@@ -307,6 +309,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         )
         engine_cpu = (sum(processes.cpu_seconds(e.pid) for e in engines) - engine_cpu0) / n
         client_cpu = (time.process_time() - client_cpu0) / n
+        decisions = routing_decisions(router.targets[0]) if arm.kind == "kvgate" else {}
     summary = summarise(rows, setup.time_scale, wall)
     first_error = next((r.error for r in rows if not r.ok), "")
     return ArmResult(
@@ -318,7 +321,22 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         client_cpu * 1e3,
         busy,
         note=first_error[:200],
+        decisions=decisions,
     )
+
+
+def routing_decisions(gateway_url: str) -> dict[str, int]:
+    """`kvgate_routing_decisions_total` by reason, from the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(gateway_url + "/metrics", timeout=10.0).text
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvgate_routing_decisions_total":
+                reason = sample.labels.get("reason", "")
+                out[reason] = out.get(reason, 0) + int(sample.value)
+    return out
 
 
 def pick_time_scale(setup: Setup) -> tuple[float, list[tuple[float, float]]]:
@@ -518,4 +536,10 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
             f"{s.ttft_p99_s:.3f} | {s.ttft_mean_s * k:.2f} | {s.ttft_p99_s * k:.2f} | {cpu} | "
             f"{r.machine_busy_share:.0%} |"
         )
+    decided = [r for r in results if r.decisions]
+    if decided:
+        lines.append("")
+        for r in decided:
+            reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(r.decisions.items()))
+            lines.append(f"{r.arm} (run {r.run}) routing decisions: {reasons}  ")
     return "\n".join(lines) + "\n"

@@ -17,6 +17,7 @@ import orjson
 
 from loadgen import processes
 from loadgen.engine import DEFAULT_MODEL
+from loadgen.text import words
 
 
 def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,14 +29,24 @@ def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis", action="store_true", help="also measure with the Redis directory (started here)"
     )
+    parser.add_argument(
+        "--prompt-bytes",
+        type=int,
+        default=0,
+        help="a shared system prompt of this size (agent-sized: ~50,000); default 300 bytes",
+    )
+    parser.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
 
 
-async def _load(url: str, key: str | None, n: int, concurrency: int, stream: bool) -> int:
+async def _load(url: str, key: str | None, n: int, args: argparse.Namespace) -> int:
     headers = {"content-type": "application/json"}
     if key:
         headers["authorization"] = f"Bearer {key}"
     errors = 0
     counter = iter(range(n))
+    system = (
+        words("bench-cpu", args.prompt_bytes // 5) if args.prompt_bytes else "You are terse. " * 20
+    )
 
     async def worker(http: aiohttp.ClientSession) -> None:
         nonlocal errors
@@ -43,11 +54,11 @@ async def _load(url: str, key: str | None, n: int, concurrency: int, stream: boo
             body = {
                 "model": DEFAULT_MODEL,
                 "messages": [
-                    {"role": "system", "content": "You are terse. " * 20},
+                    {"role": "system", "content": system},
                     {"role": "user", "content": f"request {i % 50}"},
                 ],
-                "max_tokens": 4,
-                "stream": stream,
+                "max_tokens": args.max_tokens,
+                "stream": args.stream,
             }
             async with http.post(
                 url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers
@@ -56,7 +67,7 @@ async def _load(url: str, key: str | None, n: int, concurrency: int, stream: boo
                 errors += resp.status != 200
 
     async with aiohttp.ClientSession() as http:
-        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(http) for _ in range(args.concurrency)))
     return errors
 
 
@@ -70,7 +81,7 @@ def _measure(
         processes.gateway([engines[0].url], [*serve, *gateway_args, *args.gateway_arg]) as gw,
     ):
         # warm up both paths (connections, caches, code)
-        asyncio.run(_load(gw.url, key, 200, args.concurrency, args.stream))
+        asyncio.run(_load(gw.url, key, 200, args))
         rows = []
         for name, url, auth, pid in (
             ("direct to engine", engines[0].url, None, None),
@@ -79,7 +90,7 @@ def _measure(
             engine_cpu0 = processes.cpu_seconds(engines[0].pid)
             gw_cpu0 = processes.cpu_seconds(pid) if pid else 0.0
             t0 = time.monotonic()
-            errors = asyncio.run(_load(url, auth, args.requests, args.concurrency, args.stream))
+            errors = asyncio.run(_load(url, auth, args.requests, args))
             wall = time.monotonic() - t0
             engine_cpu = processes.cpu_seconds(engines[0].pid) - engine_cpu0
             gw_cpu = (processes.cpu_seconds(pid) - gw_cpu0) if pid else 0.0
@@ -98,7 +109,8 @@ def run_bench_cpu(args: argparse.Namespace) -> int:
         rows += [(n, "redis", *rest) for n, *rest in redis_rows if n == "through kvgate"]
     print(
         f"{args.requests} requests, concurrency {args.concurrency}, policy {args.policy}, "
-        f"stream={args.stream}"
+        f"stream={args.stream}, system prompt {args.prompt_bytes or 300:,} bytes, "
+        f"max_tokens {args.max_tokens}"
     )
     header = f"{'path':<18} {'directory':<10} {'errors':>6} {'req/s':>8}"
     print(f"{header} {'engine ms/req':>14} {'gateway ms/req':>15}")
