@@ -18,21 +18,39 @@ import orjson
 from gateway.billing.model import CachedContent
 
 
+def to_json(o: CachedContent) -> dict[str, object]:
+    return {
+        "id": o.object_id,
+        "tenant": o.tenant,
+        "model": o.model,
+        "tokens": o.num_tokens,
+        "blocks": o.num_blocks,
+        "created": str(o.created),
+        "expires": str(o.expires),
+        "deleted": None if o.deleted is None else str(o.deleted),
+        "payload": o.payload,
+    }
+
+
+def from_json(item: dict[str, object]) -> CachedContent:
+    deleted = item.get("deleted")
+    payload = item["payload"]
+    assert isinstance(payload, dict)
+    return CachedContent(
+        object_id=str(item["id"]),
+        tenant=str(item["tenant"]),
+        model=str(item["model"]),
+        num_tokens=int(str(item["tokens"])),
+        num_blocks=int(str(item["blocks"])),
+        created=Decimal(str(item["created"])),
+        expires=Decimal(str(item["expires"])),
+        deleted=None if deleted is None else Decimal(str(deleted)),
+        payload=payload,
+    )
+
+
 def save_snapshot(path: Path, objects: Iterable[CachedContent], now: Decimal) -> None:
-    data = [
-        {
-            "id": o.object_id,
-            "tenant": o.tenant,
-            "model": o.model,
-            "tokens": o.num_tokens,
-            "blocks": o.num_blocks,
-            "created": str(o.created),
-            "expires": str(o.expires),
-            "payload": o.payload,
-        }
-        for o in objects
-        if o.deleted is None and o.expires > now
-    ]
+    data = [to_json(o) for o in objects if o.deleted is None and o.expires > now]
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         f.write(orjson.dumps(data))
@@ -47,17 +65,5 @@ def load_snapshot(path: Path, now: Decimal) -> list[CachedContent]:
         data = orjson.loads(path.read_bytes())
     except (OSError, orjson.JSONDecodeError):
         return []
-    objects = [
-        CachedContent(
-            object_id=item["id"],
-            tenant=item["tenant"],
-            model=item["model"],
-            num_tokens=int(item["tokens"]),
-            num_blocks=int(item["blocks"]),
-            created=Decimal(item["created"]),
-            expires=Decimal(item["expires"]),
-            payload=item["payload"],
-        )
-        for item in data
-    ]
+    objects = [from_json(item) for item in data]
     return [o for o in objects if o.expires > now]

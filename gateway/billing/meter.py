@@ -184,7 +184,24 @@ class BillingMeter:
         """The director's request hook (see the module docstring, step 1)."""
         if isinstance(parsed, BilledRequest) and parsed.billing is not None:
             return parsed
+        object_id = parsed.body.get("cached_content")
+        if isinstance(object_id, str):
+            await self.sync_object(object_id)
         return self.prepare_sync(parsed, tenant)
+
+    async def sync_object(self, object_id: str) -> None:
+        """With a billing store, take an explicit object as the store has it (another gateway
+        may have created, extended or deleted it)."""
+        if self.shared is None:
+            return
+        found = await self.shared.get_object(object_id)
+        if isinstance(found, CachedContent):
+            self.ledger("google_explicit").objects[object_id] = found
+
+    async def publish_object(self, obj: CachedContent) -> None:
+        """With a billing store, store an explicit object's new state for every gateway."""
+        if self.shared is not None:
+            await self.shared.put_object(obj)
 
     def prepare_sync(self, parsed: ParsedRequest, tenant: Tenant) -> BilledRequest:
         try:

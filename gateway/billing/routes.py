@@ -219,6 +219,7 @@ def build_billing_router(
             await opened.complete()
             if pending.created is None:
                 raise UpstreamError("the engine returned no usage: the content was not created")
+            await meter.publish_object(pending.created)
             out = _object_json(pending.created)
             return JSONResponse(out)
         except BillingError as exc:
@@ -226,7 +227,8 @@ def build_billing_router(
         except GatewayError as err:
             return to_http(err)
 
-    def find(tenant: Tenant, object_id: str, now: Decimal) -> CachedContent:
+    async def find(tenant: Tenant, object_id: str, now: Decimal) -> CachedContent:
+        await meter.sync_object(object_id)
         try:
             return meter.ledger("google_explicit").content(tenant.name, object_id, now)
         except BillingError as exc:
@@ -236,7 +238,7 @@ def build_billing_router(
     async def read(request: Request, object_id: str) -> Response:
         try:
             tenant = tenant_of(request)
-            return JSONResponse(_object_json(find(tenant, object_id, meter.clock.now())))
+            return JSONResponse(_object_json(await find(tenant, object_id, meter.clock.now())))
         except GatewayError as err:
             return to_http(err)
 
@@ -246,7 +248,7 @@ def build_billing_router(
             tenant = tenant_of(request)
             body = load_json_object(await request.body())
             now = meter.clock.now()
-            obj = find(tenant, object_id, now)
+            obj = await find(tenant, object_id, now)
             expires = expiry(body, now, None)
             try:
                 charge = meter.ledger("google_explicit").update_content(
@@ -255,6 +257,7 @@ def build_billing_router(
             except BillingError as exc:
                 raise InvalidRequest(str(exc)) from None
             await op_done("cache.update", obj, charge, now)
+            await meter.publish_object(obj)
             return JSONResponse({**_object_json(obj), "rent": plain(charge.rent)})
         except GatewayError as err:
             return to_http(err)
@@ -264,9 +267,10 @@ def build_billing_router(
         try:
             tenant = tenant_of(request)
             now = meter.clock.now()
-            obj = find(tenant, object_id, now)
+            obj = await find(tenant, object_id, now)
             charge = meter.ledger("google_explicit").delete_content(tenant.name, object_id, now)
             await op_done("cache.delete", obj, charge, now)
+            await meter.publish_object(obj)
             return JSONResponse({"id": object_id, "deleted": True, "rent": plain(charge.rent)})
         except GatewayError as err:
             return to_http(err)

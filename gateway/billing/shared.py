@@ -8,6 +8,9 @@ ones the admission created or refreshed; the local ledger stays the working copy
     {kvgate-billing}:e:<scope>:<block key>   STRING "<visible_at>|<last_use>|<ttl_s>"
                                              PEXPIRE ttl_s + 1 h (garbage only; liveness is
                                              judged on the stored times, by the rules)
+    {kvgate-billing}:o:<object id>           STRING an explicit cached content (JSON), kept
+                                             until its end + 1 h; written before the API
+                                             answers, read by a gateway before each use
 
 `<scope>` is the hex of a 64-bit MurmurHash3 of (profile, tenant, model): entries are never
 shared across tenants, nor across profiles (a tenant moved to another profile starts afresh).
@@ -31,9 +34,11 @@ from decimal import Decimal
 from typing import Any
 
 import mmh3
+import orjson
 from redis.exceptions import RedisError
 
-from gateway.billing.model import Entry
+from gateway.billing.contents import from_json, to_json
+from gateway.billing.model import CachedContent, Entry
 from gateway.billing.store import PREFIX
 
 log = logging.getLogger(__name__)
@@ -142,6 +147,36 @@ class SharedEntries:
         expiries = [int((entry.ttl_s + KEY_SLACK_S) * 1000) for _, entry in pairs]
         try:
             await self._join(keys=keys, args=[*values, *expiries])
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._trouble(exc)
+
+    # -- explicit cached contents (google_explicit) --------------------------------------------
+    @staticmethod
+    def _object_key(object_id: str) -> bytes:
+        return f"{PREFIX}:o:{object_id}".encode()
+
+    async def get_object(self, object_id: str) -> CachedContent | None:
+        """The stored object; None when the store has none or did not answer in time."""
+        try:
+            value = await asyncio.wait_for(
+                self.client.get(self._object_key(object_id)), self.read_deadline_s
+            )
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._trouble(exc)
+            return None
+        self._recovered()
+        return None if value is None else from_json(orjson.loads(value))
+
+    async def put_object(self, obj: CachedContent) -> None:
+        """Store an object as this gateway now sees it (created, extended or deleted), before
+        the API answers: any gateway then serves requests naming it. Kept until its end."""
+        end = obj.expires if obj.deleted is None else min(obj.expires, obj.deleted)
+        try:
+            await self.client.set(
+                self._object_key(obj.object_id),
+                orjson.dumps(to_json(obj)),
+                px=int((max(end - obj.created, Decimal(0)) + KEY_SLACK_S) * 1000),
+            )
         except (RedisError, OSError, TimeoutError) as exc:
             self._trouble(exc)
 

@@ -9,6 +9,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import redis
@@ -129,3 +130,63 @@ def test_two_gateways_bill_one_conversation_from_one_ledger(
     clock_b.set(1_000_000 + 420)
     other = turn(b, OTHER_KEY, messages)
     assert other.cache_read_input_tokens == 0 and other.cache_creation_input_tokens == n
+
+
+@pytest.mark.e2e
+@pytest.mark.redis
+def test_an_explicit_content_made_on_one_gateway_serves_on_another(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    fresh_redis: RedisServer,
+    tmp_path: Path,
+) -> None:
+    settings: dict[str, Any] = {
+        "billing_profiles": {"acme": "google_explicit"},
+        "billing_model_map": {MODEL: "gemini-3.1-pro"},
+        "billing_redis_url": fresh_redis.url,
+    }
+    a, clock_a = billed_gateway(start_engines, start_gateway, tmp_path / "a", **settings)
+    b, clock_b = billed_gateway(start_engines, start_gateway, tmp_path / "b", **settings)
+    auth = {"authorization": f"Bearer {TENANT_KEY}"}
+    handbook = [{"role": "system", "content": words("shared handbook", 3000)}]
+    created = httpx.post(
+        a.url + "/v1/cached_contents",
+        json={"model": MODEL, "messages": handbook, "ttl_s": 7200},
+        headers=auth,
+    )
+    assert created.status_code == 200, created.text
+    obj = created.json()
+
+    clock_b.set(1_000_000 + 600)
+    c = openai.OpenAI(base_url=b.url + "/v1", api_key=TENANT_KEY, max_retries=0)
+    used = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "what does it say?"}],
+        max_tokens=2,
+        extra_body={"cached_content": obj["id"]},
+    )
+    assert used.usage.usageMetadata["cachedContentTokenCount"] == obj["tokens"]  # type: ignore[union-attr]
+
+    # extended on B, then deleted on A: each gateway acts on the other's latest state
+    clock_b.set(1_000_000 + 3600)
+    extended = httpx.patch(
+        b.url + f"/v1/cached_contents/{obj['id']}", json={"ttl_s": 7200}, headers=auth
+    )
+    assert extended.status_code == 200 and extended.json()["expire_time"] != obj["expire_time"]
+    clock_a.set(1_000_000 + 5400)
+    seen_by_a = httpx.get(a.url + f"/v1/cached_contents/{obj['id']}", headers=auth).json()
+    assert seen_by_a["expire_time"] == extended.json()["expire_time"]
+    deleted = httpx.delete(a.url + f"/v1/cached_contents/{obj['id']}", headers=auth)
+    # the refund runs from A's now (5,400 s) to the expiry B set (10,800 s), not to the first
+    # (7,200 s): 1.5 times the rent of B's extension (7,200 → 10,800 s), at the same rate
+    assert deleted.status_code == 200
+    assert Decimal(deleted.json()["rent"]) == -Decimal(extended.json()["rent"]) * 3 / 2
+    clock_b.set(1_000_000 + 5500)
+    with pytest.raises(openai.BadRequestError, match="expired or was deleted"):
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "again"}],
+            max_tokens=2,
+            extra_body={"cached_content": obj["id"]},
+        )
+    c.close()
