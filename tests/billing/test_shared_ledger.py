@@ -132,6 +132,15 @@ def test_two_gateways_bill_one_conversation_from_one_ledger(
     assert other.cache_read_input_tokens == 0 and other.cache_creation_input_tokens == n
 
 
+def use_content(c: openai.OpenAI, object_id: str, question: str) -> Any:
+    return c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=2,
+        extra_body={"cached_content": object_id},
+    )
+
+
 @pytest.mark.e2e
 @pytest.mark.redis
 def test_an_explicit_content_made_on_one_gateway_serves_on_another(
@@ -159,12 +168,7 @@ def test_an_explicit_content_made_on_one_gateway_serves_on_another(
 
     clock_b.set(1_000_000 + 600)
     c = openai.OpenAI(base_url=b.url + "/v1", api_key=TENANT_KEY, max_retries=0)
-    used = c.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "what does it say?"}],
-        max_tokens=2,
-        extra_body={"cached_content": obj["id"]},
-    )
+    used = use_content(c, obj["id"], "what does it say?")
     assert used.usage.usageMetadata["cachedContentTokenCount"] == obj["tokens"]  # type: ignore[union-attr]
 
     # extended on B, then deleted on A: each gateway acts on the other's latest state
@@ -183,10 +187,5 @@ def test_an_explicit_content_made_on_one_gateway_serves_on_another(
     assert Decimal(deleted.json()["rent"]) == -Decimal(extended.json()["rent"]) * 3 / 2
     clock_b.set(1_000_000 + 5500)
     with pytest.raises(openai.BadRequestError, match="expired or was deleted"):
-        c.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "again"}],
-            max_tokens=2,
-            extra_body={"cached_content": obj["id"]},
-        )
+        use_content(c, obj["id"], "again")
     c.close()
