@@ -34,7 +34,6 @@ last use, so an entry refreshed by one replica does not keep another's alive.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -256,6 +255,18 @@ return {gen, 1}
 """
 
 
+async def stop_task(task: asyncio.Task[Any], grace_s: float) -> None:
+    """Cancel a background task and wait for it, at most `grace_s`. A pub/sub read inside
+    redis-py has been seen to swallow the cancellation (a teardown hung on it), so loops also
+    check a closing flag, and a close never waits on them unbounded."""
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=grace_s)
+    if not done:
+        log.warning("a background task did not stop within %.1f s: %r", grace_s, task)
+    elif not task.cancelled() and task.exception() is not None:
+        log.debug("background task ended with %r", task.exception())
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -358,6 +369,7 @@ class RedisDirectory:
         self._replica_arg: bytes | None = None
         """The lookup's per-replica argument, cached (see `_set_gen`, `_set_floor`)."""
         self._watcher: asyncio.Task[None] | None = None
+        self._closing = False
 
     # -- the protocol ------------------------------------------------------------------------
     async def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -541,10 +553,9 @@ class RedisDirectory:
         return await self._bump_generation(replica, start_marker)
 
     async def close(self) -> None:
+        self._closing = True
         if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
+            await stop_task(self._watcher, 2 * GEN_REFRESH_S)
         await self.client.aclose()
 
     # -- generations -------------------------------------------------------------------------
@@ -568,12 +579,12 @@ class RedisDirectory:
         self._watcher = asyncio.create_task(self._watch_generations())
 
     async def _watch_generations(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 pubsub = self.client.pubsub()
                 await pubsub.subscribe(CHANNEL)
                 try:
-                    while True:
+                    while not self._closing:
                         message = await pubsub.get_message(
                             ignore_subscribe_messages=True, timeout=GEN_REFRESH_S
                         )

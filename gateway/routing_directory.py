@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
 from cachemap.rates import PrefixRate, PrefixRates
-from cachemap.redis import LAND_CHANNEL, RedisDirectory
+from cachemap.redis import LAND_CHANNEL, RedisDirectory, stop_task
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class RoutingDirectory:
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
 
     @property
     def degraded(self) -> bool:
@@ -130,10 +131,9 @@ class RoutingDirectory:
             self._tasks.append(asyncio.create_task(self._watch_landings()))
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task, 2 * PROBE_INTERVAL_S)
         if self.shared is not None:
             with contextlib.suppress(Exception):
                 await self.shared.close()
@@ -220,12 +220,12 @@ class RoutingDirectory:
     async def _watch_landings(self) -> None:
         shared = self.shared
         assert shared is not None
-        while True:
+        while not self._closing:
             try:
                 pubsub = shared.client.pubsub()
                 await pubsub.subscribe(LAND_CHANNEL)
                 try:
-                    while True:
+                    while not self._closing:
                         message = await pubsub.get_message(
                             ignore_subscribe_messages=True, timeout=PROBE_INTERVAL_S
                         )
