@@ -3,9 +3,12 @@
     kvgate billing simulate EVENTS.jsonl --profile P --model M [--start ISO] [--json PATH|-]
     kvgate billing export --tenant T --from ISO --to ISO --format csv|jsonl|parquet [--output PATH]
     kvgate billing summary [--from ISO] [--to ISO] [--tenant T]
+    kvgate billing ship --wal-dir DIR [--wal-dir DIR ...] --redis-url URL
 
 export and summary read the shared ledger store (`--redis-url`, or `billing_redis_url` from
-`--config`) or, without one, the local write-ahead logs (`--wal-dir`, repeatable).
+`--config`) or, without one, the local write-ahead logs (`--wal-dir`, repeatable). ship takes
+over the WAL directories of gateways that are gone (a pod that did not come back) and ships
+them to the store; a directory a live gateway holds is refused.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from redis.exceptions import RedisError
 
 from gateway.billing.prices import PROFILES
+from gateway.billing.wal import WalLocked
 
 
 def add_billing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +48,12 @@ def add_billing_arguments(parser: argparse.ArgumentParser) -> None:
     bench = commands.add_parser("bench", help="the pricing engine's speed, in-process")
     bench.add_argument("--steps", type=int, default=50, help="agent session length")
     bench.add_argument("--sessions", type=int, default=40, help="sessions priced")
+
+    ship = commands.add_parser(
+        "ship", help="ship the WALs of gateways that are gone to the ledger store"
+    )
+    ship.add_argument("--wal-dir", action="append", type=Path, required=True, help="repeatable")
+    ship.add_argument("--redis-url", required=True, help="the shared ledger store (an AOF Redis)")
 
     for name, text in (("export", "one tenant's ledger records"), ("summary", "totals per tenant")):
         sub = commands.add_parser(name, help=text)
@@ -70,8 +81,10 @@ def run_billing(args: argparse.Namespace) -> int:
             return _export(args)
         if args.billing_command == "bench":
             return _bench(args)
+        if args.billing_command == "ship":
+            return _ship(args)
         return _summary(args)
-    except (ValueError, OverflowError) as exc:
+    except (ValueError, OverflowError, WalLocked, RedisError, OSError) as exc:
         print(f"kvgate billing {args.billing_command}: {exc}", file=sys.stderr)
         return 2
 
@@ -125,6 +138,17 @@ def _export(args: argparse.Namespace) -> int:
     from gateway.billing.export import export_command
 
     return export_command(args)
+
+
+def _ship(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from gateway.billing.store import ship_directories
+
+    shipped = asyncio.run(ship_directories(args.wal_dir, args.redis_url))
+    for path, n in shipped.items():
+        print(f"{path}: {n} records shipped")
+    return 0
 
 
 def _summary(args: argparse.Namespace) -> int:

@@ -240,3 +240,30 @@ class Shipper:
             self._task = None
         with contextlib.suppress(RedisError, OSError, ConnectionError, TimeoutError):
             await asyncio.wait_for(self.ship_once(), 2.0)
+
+
+async def ship_directories(directories: Iterable[Path], redis_url: str) -> dict[Path, int]:
+    """Ship WAL directories whose gateway is gone (`kvgate billing ship`): each is taken over
+    as its gateway would on a restart — its lock first, so a directory a live gateway still
+    writes is refused (`WalLocked`) — shipped in full, and released. Records the store already
+    holds are skipped (ids), so shipping twice is harmless."""
+    from cachemap.redis import open_redis
+
+    paths = list(directories)
+    for path in paths:
+        if not (path / "LOCK").exists():
+            raise ValueError(f"{path} is not a billing WAL directory (no LOCK file)")
+    client = await open_redis(redis_url, cluster=False)
+    shipped: dict[Path, int] = {}
+    try:
+        store = RedisLedgerStore(client)
+        for path in paths:
+            wal = WriteAheadLog(path)
+            wal.open()
+            try:
+                shipped[path] = await Shipper(wal, store).ship_once()
+            finally:
+                await wal.aclose()
+    finally:
+        await client.aclose()
+    return shipped

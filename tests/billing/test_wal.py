@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import kvgate_cli
 from cachemap.redis import open_redis
 from gateway.billing.store import LocalLedger, RedisLedgerStore, Shipper
 from gateway.billing.wal import WalLocked, WriteAheadLog, read_segment, segment_paths
@@ -147,3 +148,40 @@ async def test_shipping_while_segments_rotate_loses_nothing(
     assert len(segment_paths(wal.directory)) == 1  # only the current one is left
     await wal.aclose()
     await client.aclose()
+
+
+@pytest.mark.redis
+async def test_kvgate_billing_ship_takes_over_a_gone_gateways_wal(
+    tmp_path: Path, aof_redis: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gone, live = (
+        WriteAheadLog(tmp_path / "pod-a", segment_bytes=400),
+        WriteAheadLog(tmp_path / "pod-b"),
+    )
+    gone.open()
+    live.open()
+    for i in range(30, 38):
+        await gone.append(record(i))
+    await gone.aclose()  # its pod is gone: nothing ships this directory any more
+
+    # run in a thread: the command has its own event loop
+    def ship(*wal_dir: str) -> int:
+        return kvgate_cli.main(["billing", "ship", "--redis-url", aof_redis.url, *wal_dir])
+
+    assert await asyncio.to_thread(ship, "--wal-dir", str(gone.directory)) == 0
+    assert "8 records shipped" in capsys.readouterr().out
+    client = await open_redis(aof_redis.url, cluster=False)
+    try:
+        stored = [r["id"] for r in await RedisLedgerStore(client).query("acme", None, None)]
+        assert stored == [f"req-{i}" for i in range(30, 38)]
+        # again: nothing new; a directory a live gateway holds: refused, nothing shipped
+        assert await asyncio.to_thread(ship, "--wal-dir", str(gone.directory)) == 0
+        assert "0 records shipped" in capsys.readouterr().out
+        assert await asyncio.to_thread(ship, "--wal-dir", str(live.directory)) == 2
+        assert "in use by another gateway" in capsys.readouterr().err
+        missing = str(tmp_path / "nowhere")
+        assert await asyncio.to_thread(ship, "--wal-dir", missing) == 2
+        assert "not a billing WAL directory" in capsys.readouterr().err
+    finally:
+        await client.aclose()
+        await live.aclose()
