@@ -183,7 +183,7 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
             grpc_server = None
             if settings.grpc_port is not None:
                 try:
-                    grpc_server = await start_grpc(settings, director, tenants)
+                    grpc_server = await start_grpc(settings, director, tenants, request_metrics)
                 except BaseException:  # e.g. the port is taken: stop probing, fail the startup
                     if discovery is not None:
                         await discovery.stop()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, NoReturn
 
@@ -35,6 +36,7 @@ from gateway.forwarder import Passthrough
 from gateway.grpc_convert import to_parsed, usage_message
 from gateway.requests import ParsedRequest
 from gateway.settings import Settings
+from gateway.telemetry import RequestMetrics
 from gateway.tenants import Tenant, TenantRegistry, bearer_key
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,17 @@ async def _abort(context: Any, err: GatewayError) -> NoReturn:
     code, details, trailing = to_grpc(err)
     await context.abort(code, details, trailing)
     raise AssertionError("ServicerContext.abort returns by raising")
+
+
+def _status_name(exc: BaseException, context: Any) -> str:
+    """The status a failed RPC ends with: what the handler aborted with, CANCELLED when the
+    client left (or its deadline passed), else UNKNOWN (grpc's answer to an exception)."""
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code()
+        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    return "UNKNOWN"
 
 
 def _chunk_error(chunk: Mapping[str, Any]) -> UpstreamError | None:
@@ -73,9 +86,12 @@ def _usage(parsed: ParsedRequest, engine: Mapping[str, Any] | None) -> pb.Usage:
 class GatewayService:
     """The `kvgate.v1.Gateway` servicer (registered by the generated `add_..._to_server`)."""
 
-    def __init__(self, director: Director, tenants: TenantRegistry) -> None:
+    def __init__(
+        self, director: Director, tenants: TenantRegistry, metrics: RequestMetrics | None = None
+    ) -> None:
         self.director = director
         self.tenants = tenants
+        self.metrics = metrics
 
     def _authenticate(self, context: Any) -> Tenant:
         metadata = dict(context.invocation_metadata() or ())
@@ -103,6 +119,35 @@ class GatewayService:
         return opened
 
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            return await self._generate(request, context)
+        except BaseException as exc:
+            code = _status_name(exc, context)
+            raise
+        finally:
+            self._observe("Generate", code, started)
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            async for message in self._generate_stream(request, context):
+                yield message
+        except BaseException as exc:
+            code = _status_name(exc, context)
+            raise
+        finally:
+            self._observe("GenerateStream", code, started)
+
+    def _observe(self, method: str, code: str, started: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_grpc(method, code, time.perf_counter() - started)
+
+    async def _generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
         try:
             exchange = await self._open(request, context, streaming=False)
         except GatewayError as err:
@@ -139,7 +184,7 @@ class GatewayService:
         response.usage.CopyFrom(_usage(parsed, exchange.usage))
         return response
 
-    async def GenerateStream(
+    async def _generate_stream(
         self, request: pb.GenerateRequest, context: Any
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         try:
@@ -208,9 +253,14 @@ async def _watch_readiness(director: Director, servicer: Any, interval_s: float)
         await asyncio.sleep(interval_s)
 
 
-async def start_grpc(settings: Settings, director: Director, tenants: TenantRegistry) -> GrpcServer:
+async def start_grpc(
+    settings: Settings,
+    director: Director,
+    tenants: TenantRegistry,
+    metrics: RequestMetrics | None = None,
+) -> GrpcServer:
     """Start the gRPC server on `settings.host:settings.grpc_port` (0: any free port) in the
-    running event loop."""
+    running event loop; `metrics` counts and times its RPCs."""
     assert settings.grpc_port is not None
     server = grpc.aio.server(
         options=[
@@ -221,7 +271,9 @@ async def start_grpc(settings: Settings, director: Director, tenants: TenantRegi
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails, not shares it
         ]
     )
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(director, tenants), server)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(
+        GatewayService(director, tenants, metrics), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -77,6 +77,16 @@ class RequestMetrics:
     )
     tenant_tokens: dict[tuple[str, str], int] = field(default_factory=dict)
     """(tenant, kind) -> tokens; kinds: prompt, completion, cache_read, cache_written"""
+    grpc: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(method, status code) -> RPCs"""
+    grpc_seconds: LabelledHistograms = field(
+        default_factory=lambda: LabelledHistograms(LATENCY_BUCKETS_S)
+    )
+
+    def observe_grpc(self, method: str, code: str, seconds: float) -> None:
+        key = (method, code)
+        self.grpc[key] = self.grpc.get(key, 0) + 1
+        self.grpc_seconds.labels(method).observe(seconds)
 
     def observe_http(self, path: str, status: int, seconds: float) -> None:
         route = path if path in ROUTES else "other"
@@ -165,6 +175,20 @@ class _GatewayCollector(Collector):
         for (route, status), n in sorted(m.http.items()):
             requests.add_metric([route, status], n)
         yield requests
+        rpcs = CounterMetricFamily(
+            "kvgate_grpc_requests",
+            "gRPC calls by method and status code.",
+            labels=["method", "code"],
+        )
+        for (method, code), n in sorted(m.grpc.items()):
+            rpcs.add_metric([method, code], n)
+        yield rpcs
+        yield histograms.family(
+            "kvgate_grpc_request_duration_seconds",
+            "gRPC calls, arrival to the last message, by method.",
+            ["method"],
+            m.grpc_seconds,
+        )
         yield histograms.family(
             "kvgate_http_request_duration_seconds",
             "HTTP requests, arrival to last byte, by route.",

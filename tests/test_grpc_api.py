@@ -4,11 +4,13 @@ and one conversation through OpenAI HTTP, Anthropic HTTP and gRPC on one replica
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import anthropic
 import grpc
+import httpx
 import openai
 import orjson
 import pytest
@@ -16,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway._pb import gateway_pb2 as pb
 from gateway._pb import gateway_pb2_grpc
@@ -223,6 +226,27 @@ def test_each_error_status(
     wait_until(lambda: not director.replicas.any_healthy(), what="replicas marked down")
     code, details = code_of(lambda: s.Generate(ok, metadata=AUTH, timeout=TIMEOUT_S))
     assert code == grpc.StatusCode.UNAVAILABLE and "no healthy" in details
+
+    # /metrics counts every call the service saw by method and status (gRPC refuses an
+    # oversized message itself, before the service: not counted)
+    expected = Counter(
+        (method, code.name)
+        for _, _, code, _ in cases
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED
+        for method in ("Generate", "GenerateStream")
+    )
+    expected[("Generate", "UNAVAILABLE")] += 2
+    counted: Counter[tuple[str, str]] = Counter()
+    text_ = httpx.get(gateway.url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text_):
+        for sample in family.samples:
+            if sample.name == "kvgate_grpc_requests_total":
+                counted[(sample.labels["method"], sample.labels["code"])] += int(sample.value)
+            if sample.name == "kvgate_grpc_request_duration_seconds_count":
+                assert sample.value == sum(
+                    n for (m, _), n in expected.items() if m == sample.labels["method"]
+                )
+    assert counted == expected
 
 
 @pytest.mark.parametrize("before_first_token", [False, True])
