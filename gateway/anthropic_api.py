@@ -30,6 +30,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from gateway import tracing
 from gateway.anthropic_convert import parse_messages
 from gateway.anthropic_schemas import openapi_operation
 from gateway.cache_control import provisional_cache_usage
@@ -303,9 +304,14 @@ class _AnthropicSSE(ExchangeSSE):
             yield b"".join(translator.finish())
 
 
-async def serve(director: Director, parsed: ParsedRequest, tenant: Tenant) -> Response:
+async def serve(
+    director: Director,
+    parsed: ParsedRequest,
+    tenant: Tenant,
+    trace_headers: dict[str, str] | None = None,
+) -> Response:
     """Open an exchange for a converted request and answer in Anthropic's shape."""
-    opened = await director.open(parsed, tenant)
+    opened = await director.open(parsed, tenant, trace_headers)
     if isinstance(opened, Passthrough):
         raise EngineRejected(opened.status, opened.body)
     headers = director._debug_headers(opened)
@@ -330,7 +336,7 @@ def register(
         try:
             tenant = authenticate(tenants, request)
             parsed = parse_messages(await request.body(), max_prompt_bytes)
-            return await serve(director, parsed, tenant)
+            return await serve(director, parsed, tenant, tracing.incoming(request.headers))
         except GatewayError as err:
             return to_anthropic_http(err)
 

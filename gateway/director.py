@@ -185,24 +185,41 @@ class Director:
             body["stream_options"] = {"include_usage": True}
         return orjson.dumps(body)
 
-    async def open(self, parsed: ParsedRequest, tenant: Tenant) -> Exchange | Passthrough:
+    async def open(
+        self,
+        parsed: ParsedRequest,
+        tenant: Tenant,
+        trace_headers: dict[str, str] | None = None,
+    ) -> Exchange | Passthrough:
         """Admit, route and forward until an attempt commits: an exchange whose first byte has
-        arrived, or an engine's 4xx to pass through."""
+        arrived, or an engine's 4xx to pass through. `trace_headers`: the client's W3C trace
+        context (`tracing.incoming`), continued and passed on."""
         opened_s = time.monotonic()
+        if self.tracer is None:
+            return await self._open(parsed, tenant, opened_s, None, trace_headers)
         # sampled here, at the root, so a request not traced makes no span at all (the global
-        # generator, not self.rng: tracing must not change a seeded router's choices)
-        if self.tracer is None or random.random() >= self.trace_ratio:
-            return await self._open(parsed, tenant, opened_s, None)
-        span = tracing.start_request(self.tracer, parsed, tenant)
+        # generator, not self.rng: tracing must not change a seeded router's choices); a
+        # client's traceparent decides by its own sampled flag
+        parent, sampled = tracing.parent_of(trace_headers)
+        if sampled is None:
+            sampled = random.random() < self.trace_ratio
+        if not sampled:
+            return await self._open(parsed, tenant, opened_s, None, trace_headers)
+        span = tracing.start_request(self.tracer, parsed, tenant, parent)
         try:
             with use_span(span, end_on_exit=False, record_exception=False):
-                return await self._open(parsed, tenant, opened_s, span)
+                return await self._open(parsed, tenant, opened_s, span, None)
         except BaseException as exc:
             tracing.fail(span, exc)
             raise
 
     async def _open(
-        self, parsed: ParsedRequest, tenant: Tenant, opened_s: float, span: Span | None
+        self,
+        parsed: ParsedRequest,
+        tenant: Tenant,
+        opened_s: float,
+        span: Span | None,
+        trace_headers: dict[str, str] | None,
     ) -> Exchange | Passthrough:
         candidates, tenant, charged = await self._admit(parsed, tenant)
         for hook in self.request_hooks:  # after admission: hooks see the scoped tenant
@@ -211,6 +228,7 @@ class Director:
         routed.admitted_tokens = charged
         routed.opened_s = opened_s
         routed.span = span
+        routed.trace_headers = trace_headers
         flight = routed.flight
         if flight is None:
             return await self._forward(routed)
@@ -244,7 +262,12 @@ class Director:
             if routed.span is not None and self.tracer is not None:
                 upstream = tracing.start_upstream(self.tracer, replica_id, attempt + 1, uncached)
             try:
-                outcome = await self.forwarder.attempt(state.url + path, payload, parsed.stream)
+                headers = (
+                    tracing.outgoing(upstream) if upstream is not None else routed.trace_headers
+                )
+                outcome = await self.forwarder.attempt(
+                    state.url + path, payload, parsed.stream, headers
+                )
             except RetryableFailure as exc:
                 if upstream is not None:
                     tracing.fail(upstream, exc)
@@ -319,7 +342,12 @@ class Director:
         log.warning("stream from %s broke after its first byte: %s", exchange.replica.url, exc)
 
     # -- the OpenAI HTTP shape ---------------------------------------------------------------
-    async def handle(self, parsed: ParsedRequest, tenant: Tenant) -> Response:
+    async def handle(
+        self,
+        parsed: ParsedRequest,
+        tenant: Tenant,
+        trace_headers: dict[str, str] | None = None,
+    ) -> Response:
         """Serve one OpenAI-shaped completion.
 
         1. Admit: the tenant is authenticated and the body valid (by the caller); the model must
@@ -330,7 +358,7 @@ class Director:
         4. Record: after the first token the prompt's blocks are on the chosen replica; the
            usage gains `engine_cached_tokens` and passes the observers (billing, metrics).
         """
-        opened = await self.open(parsed, tenant)
+        opened = await self.open(parsed, tenant, trace_headers)
         if isinstance(opened, Passthrough):
             return Response(opened.body, status_code=opened.status, media_type="application/json")
         headers = self._debug_headers(opened)

@@ -59,6 +59,9 @@ class Routed:
     """The request's trace span (gateway.tracing), when tracing is on; ends with the exchange."""
     upstream_span: Span | None = None
     """The committed attempt's span."""
+    trace_headers: dict[str, str] | None = None
+    """The client's W3C trace-context headers, passed to the engine when kvgate does not trace
+    the request itself."""
 
 
 class ExchangeObserver(Protocol):

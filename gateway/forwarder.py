@@ -8,12 +8,14 @@ problem and passes through as is. The caller retries retryable failures on the n
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
+
+_JSON = {"content-type": "application/json"}
 
 
 class RetryableFailure(Exception):
@@ -78,13 +80,12 @@ class Forwarder:
         self.session: aiohttp.ClientSession | None = None
 
     async def attempt(
-        self, url: str, payload: bytes, stream: bool
+        self, url: str, payload: bytes, stream: bool, headers: Mapping[str, str] | None = None
     ) -> Passthrough | Complete | Streaming:
         assert self.session is not None, "the lifespan binds the session"
+        sent = _JSON if headers is None else {**_JSON, **headers}
         try:
-            response = await self.session.post(
-                url, data=payload, headers={"content-type": "application/json"}
-            )
+            response = await self.session.post(url, data=payload, headers=sent)
         except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
             raise RetryableFailure(f"{type(exc).__name__}: {exc}", connection=True) from None
         committed = False

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway import tracing
 from gateway._pb import gateway_pb2 as pb
 from gateway._pb import gateway_pb2_grpc
 from gateway.cache_control import provisional_cache_usage
@@ -110,7 +111,8 @@ class GatewayService:
             streaming_rpc=streaming,
             max_prompt_bytes=self.director.settings.max_prompt_bytes,
         )
-        opened = await self.director.open(parsed, tenant)
+        metadata = dict(context.invocation_metadata() or ())
+        opened = await self.director.open(parsed, tenant, tracing.incoming(metadata))
         if isinstance(opened, Passthrough):
             raise EngineRejected(opened.status, opened.body)
         headers = self.director._debug_headers(opened)

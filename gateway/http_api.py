@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from gateway import anthropic_api
+from gateway import anthropic_api, tracing
 from gateway.anthropic_schemas import ANTHROPIC_SCHEMAS, SECURITY_SCHEMES
 from gateway.director import Director
 from gateway.errors import GatewayError, to_http
@@ -77,7 +77,7 @@ def build_router(
         try:
             tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
             parsed = parse_chat(await request.body(), max_prompt_bytes)
-            return await director.handle(parsed, tenant)
+            return await director.handle(parsed, tenant, tracing.incoming(request.headers))
         except GatewayError as err:
             return to_http(err)
 
@@ -90,7 +90,7 @@ def build_router(
         try:
             tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
             parsed = parse_completion(await request.body(), max_prompt_bytes)
-            return await director.handle(parsed, tenant)
+            return await director.handle(parsed, tenant, tracing.incoming(request.headers))
         except GatewayError as err:
             return to_http(err)
 

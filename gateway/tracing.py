@@ -16,20 +16,29 @@ the request path. The exporter is pluggable: `build_tracing(settings, exporter=.
 
 A span's `kvgate.tenant` is the tenant's name; an end user's identity (a `user` scope) is never
 put on a span.
+
+W3C trace context: a client's `traceparent` (HTTP header or gRPC metadata; `tracestate` with it)
+makes the request span a child of the client's span, and the client's sampled flag decides
+(a parent-based sampler: a sampled parent is traced, an unsampled one is not, whatever the
+ratio). Each attempt tells the engine its own span as the parent (vLLM continues it when it
+traces); a request kvgate does not trace passes the client's headers to the engine unchanged.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.settings import Settings
 
@@ -79,10 +88,44 @@ def build_tracing(settings: Settings, exporter: SpanExporter | None = None) -> T
     return Tracing(provider, settings.trace_sample_ratio)
 
 
+# -- W3C trace context ------------------------------------------------------------------------
+TRACE_HEADERS = ("traceparent", "tracestate")
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def incoming(headers: Mapping[str, str]) -> dict[str, str] | None:
+    """The W3C trace-context headers of a client's request (HTTP headers or gRPC metadata),
+    or None: the only headers kvgate continues and passes on."""
+    found = {k: headers[k] for k in TRACE_HEADERS if k in headers}
+    return found if "traceparent" in found else None
+
+
+def parent_of(carrier: Mapping[str, str] | None) -> tuple[Context | None, bool | None]:
+    """(the client's span as a parent context, whether the client sampled it); (None, None)
+    when there is no valid traceparent."""
+    if not carrier:
+        return None, None
+    context = _PROPAGATOR.extract(carrier)
+    parent = trace.get_current_span(context).get_span_context()
+    if not parent.is_valid:
+        return None, None
+    return context, parent.trace_flags.sampled
+
+
+def outgoing(span: Span) -> dict[str, str]:
+    """The trace-context headers that make `span` the engine's parent."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
 # -- the director's hooks ---------------------------------------------------------------------
-def start_request(tracer: Tracer, parsed: ParsedRequest, tenant: Tenant) -> Span:
+def start_request(
+    tracer: Tracer, parsed: ParsedRequest, tenant: Tenant, parent: Context | None = None
+) -> Span:
     return tracer.start_span(
         REQUEST_SPAN,
+        context=parent,
         kind=SpanKind.SERVER,
         attributes={
             "kvgate.tenant": tenant.name,

@@ -129,6 +129,9 @@ class Engine:
         self._wakeup: asyncio.Event | None = None
         self._driver: asyncio.Task[None] | None = None
         self._ids = itertools.count()
+        self.last_traceparent: str | None = None
+        """The W3C `traceparent` of the last generation request (vLLM continues it when it
+        traces): lets a test see what a router passed on."""
 
     # -- driver ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -440,6 +443,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: Request) -> Response:
     config = engine.config
+    engine.last_traceparent = request.headers.get("traceparent")
     model = body.get("model")
     if model is not None and model != config.model:
         raise BadRequest(f"The model `{model}` does not exist.", status=404)

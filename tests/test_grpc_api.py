@@ -110,8 +110,12 @@ def test_generate_and_the_next_turn_reads_what_the_first_wrote(
     assert u.ephemeral_1h_input_tokens > 1000 and u.ephemeral_5m_input_tokens > 200
     assert u.input_tokens + u.cache_creation_input_tokens == u.prompt_tokens
     messages += [text(pb.ROLE_ASSISTANT, first.text), text(pb.ROLE_USER, "and then?")]
-    second, call = s.Generate.with_call(request(messages), metadata=AUTH, timeout=TIMEOUT_S)
+    # the client's W3C trace context in the metadata reaches the engine (kvgate not tracing)
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    metadata = (*AUTH, ("traceparent", traceparent))
+    second, call = s.Generate.with_call(request(messages), metadata=metadata, timeout=TIMEOUT_S)
     assert replica_of(call) == where
+    assert engine_of(next(e for e in engines if e.url == where)).last_traceparent == traceparent
     u2 = second.usage
     assert u2.cache_read_input_tokens == u2.engine_cached_tokens > 0.95 * u.prompt_tokens
     assert u2.input_tokens + u2.cache_read_input_tokens + u2.cache_creation_input_tokens == (

@@ -45,7 +45,13 @@ def value(
     return found.get((name, frozenset(labels.items())), 0.0)
 
 
-def chat(gateway: Served, content: str, key: str = TENANT_KEY, **extra: Any) -> httpx.Response:
+def chat(
+    gateway: Served,
+    content: str,
+    headers: dict[str, str] | None = None,
+    key: str = TENANT_KEY,
+    **extra: Any,
+) -> httpx.Response:
     return httpx.post(
         gateway.url + "/v1/chat/completions",
         json={
@@ -57,7 +63,7 @@ def chat(gateway: Served, content: str, key: str = TENANT_KEY, **extra: Any) -> 
             "max_tokens": 3,
             **extra,
         },
-        headers={"authorization": f"Bearer {key}"},
+        headers={"authorization": f"Bearer {key}", **(headers or {})},
         timeout=30,
     )
 
@@ -217,6 +223,40 @@ def test_a_request_not_sampled_makes_no_span(start_engines: Callable[..., list[S
         for n in range(3):
             assert chat(gateway, f"unsampled {n}").status_code == 200
         assert finished(gateway, exporter) == []
+    finally:
+        stop_all([gateway])
+
+
+def test_a_clients_traceparent_is_continued_and_passed_to_the_engine(
+    start_engines: Callable[..., list[Served]],
+) -> None:
+    engines = start_engines(1)
+    exporter = InMemorySpanExporter()
+    # ratio 0: only the client's sampled flag makes kvgate trace
+    settings = gateway_settings([e.url for e in engines], trace_sample_ratio=0.0)
+    gateway = start_app(create_app(settings, span_exporter=exporter))
+    engine = engine_of(engines[0])
+    trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    try:
+        sampled = {"traceparent": f"00-{trace_id}-{client_span}-01", "tracestate": "k=v"}
+        assert chat(gateway, "traced by the client", sampled).status_code == 200
+        spans = finished(gateway, exporter)
+        (request,) = by_name(spans, REQUEST_SPAN)
+        (upstream,) = by_name(spans, UPSTREAM_SPAN)
+        assert request.context is not None and upstream.context is not None
+        assert format(request.context.trace_id, "032x") == trace_id
+        assert request.parent is not None and format(request.parent.span_id, "016x") == client_span
+        # the engine's parent is the attempt's span, in the client's trace
+        _, seen_trace, seen_parent, flags = str(engine.last_traceparent).split("-")
+        assert seen_trace == trace_id and flags == "01"
+        assert seen_parent == format(upstream.context.span_id, "016x")
+
+        unsampled = {"traceparent": f"00-{trace_id}-{client_span}-00"}
+        assert chat(gateway, "not sampled by the client", unsampled).status_code == 200
+        assert finished(gateway, exporter) == []  # the client's flag, not the ratio, decided
+        assert engine.last_traceparent == unsampled["traceparent"]  # passed on unchanged
+        assert chat(gateway, "no trace context").status_code == 200
+        assert engine.last_traceparent is None
     finally:
         stop_all([gateway])
 
