@@ -82,7 +82,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHARED_PROFILES = frozenset({"anthropic", "openai", "openai_legacy", "google_implicit", "deepseek"})
-"""Profiles whose entries are shared across gateways (google_explicit's objects are not)."""
+"""Profiles with cache entries to share across gateways (google_explicit has none: its objects
+are shared whole, see `sync_object`)."""
 _LEARNING_RATE = 0.1
 """Weight of each response in the meter's bytes-per-token estimate (an EMA over ~10)."""
 CONTENTS_FILE = "contents.json"
