@@ -350,9 +350,9 @@ class RedisDirectory:
         self.clock = clock
         self.cluster = isinstance(client, RedisCluster)
         self._lookup = client.register_script(_LOOKUP)
-        self.batch_lookups = not self.cluster
-        """Pipeline the lookups of one event-loop tick (redis-py refuses EVALSHA in a cluster
-        pipeline, so a cluster's lookups go one by one)."""
+        self.batch_lookups = True
+        """Pipeline the lookups of one event-loop tick (in a cluster, redis-py's pipeline sends
+        each node its own; its `evalsha` helper is blocked there, the raw command is not)."""
         self._batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]] = []
         self._sending: set[asyncio.Task[None]] = set()
         self._record = client.register_script(_RECORD)
@@ -469,13 +469,14 @@ class RedisDirectory:
     async def _pipelined(
         self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]]
     ) -> list[Any]:
+        sha = self._lookup.sha
         for attempt in range(2):
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
             for keys, args, _ in batch:
-                pipe.evalsha(self._lookup.sha, len(keys), *keys, *args)
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
             results = await pipe.execute(raise_on_error=False)
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
-                await self._lookup(keys=batch[0][0], args=batch[0][1])  # loads the script
+                await self.client.script_load(_LOOKUP)  # on every primary of a cluster
                 continue
             return list(results)
         return list(results)

@@ -274,3 +274,27 @@ async def test_concurrent_lookups_share_a_round_trip_but_stay_one_command_each(
     finally:
         sync.close()
         await d.close()
+
+
+async def test_concurrent_cluster_lookups_are_pipelined_per_node_and_survive_a_script_flush(
+    redis_cluster_url: str,
+) -> None:
+    client = await open_redis(redis_cluster_url)
+    d = RedisDirectory(client)
+    await d.refresh_generations()
+    prefix = uuid.uuid4().hex
+    d.register(["r1", "r2"])
+    chains = [  # chains of different roots: their slots spread over the three masters
+        chain_hashes(f"{prefix} {i} ".encode() * 800, root_hash(f"{prefix}{i}".encode(), "m"), 256)[
+            :16
+        ]
+        for i in range(20)
+    ]
+    for i, chain in enumerate(chains):
+        await d.record("r1" if i % 2 else "r2", chain[: 4 + i % 12])
+    try:
+        await client.script_flush()  # every master forgets the lookup script
+        results = await asyncio.gather(*(d.lookup(c) for c in chains))
+        assert results == [{("r1" if i % 2 else "r2"): 4 + i % 12} for i in range(20)]
+    finally:
+        await d.close()
