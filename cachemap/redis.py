@@ -279,7 +279,7 @@ def chain_call(hashes: Sequence[BlockHash]) -> tuple[list[bytes], list[bytes]]:
     """(keys, leading args) of a chain script: the first block's key (for the slot), then the
     key prefix and the blocks' suffixes joined (see `_CHAIN`)."""
     prefix = b"kvg:{" + hashes[0][:TAG_BYTES].hex().encode() + b"}:"
-    blob = b"".join(h[TAG_BYTES:] for h in hashes)
+    blob = b"".join([h[TAG_BYTES:] for h in hashes])
     assert len(blob) == len(hashes) * SUFFIX_BYTES, "block hashes are 16 bytes"
     return [prefix + hashes[0][TAG_BYTES:]], [prefix, blob]
 

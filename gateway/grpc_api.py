@@ -94,8 +94,7 @@ class GatewayService:
         self.tenants = tenants
         self.metrics = metrics
 
-    def _authenticate(self, context: Any) -> Tenant:
-        metadata = dict(context.invocation_metadata() or ())
+    def _authenticate(self, metadata: dict[str, str]) -> Tenant:
         key = bearer_key(metadata.get("authorization"))
         if key is None and len(self.tenants):
             raise TenantError(
@@ -105,13 +104,13 @@ class GatewayService:
         return self.tenants.authenticate(key)
 
     async def _open(self, request: pb.GenerateRequest, context: Any, streaming: bool) -> Exchange:
-        tenant = self._authenticate(context)
+        metadata = dict(context.invocation_metadata() or ())
+        tenant = self._authenticate(metadata)
         parsed = to_parsed(
             request,
             streaming_rpc=streaming,
             max_prompt_bytes=self.director.settings.max_prompt_bytes,
         )
-        metadata = dict(context.invocation_metadata() or ())
         opened = await self.director.open(parsed, tenant, tracing.incoming(metadata))
         if isinstance(opened, Passthrough):
             raise EngineRejected(opened.status, opened.body)
