@@ -30,11 +30,11 @@ lint: $(STAMP) ## ruff format --check and ruff check
 typecheck: $(STAMP) ## mypy --strict on the packages
 	$(VENV)/bin/mypy
 
-proto: $(STAMP) ## regenerate the gRPC stubs (gateway/_pb, loadgen/_pb) from proto/; fails if they drifted
-	$(PY) -m gateway.protogen
+proto: $(STAMP) ## regenerate the gRPC stubs (gateway/api/grpc/_pb, loadgen/_pb) from proto/; fails if they drifted
+	$(PY) -m tools.protogen
 
 helm: $(STAMP) ## the chart: schema drift, helm lint --strict, helm template, kubernetes-validate --strict
-	$(PY) -m gateway.chart check
+	$(PY) -m tools.chart check
 
 bench: $(STAMP) ## the gateway's CPU time per proxied request
 	$(VENV)/bin/kvgate bench-cpu $(ARGS)

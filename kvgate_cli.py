@@ -20,10 +20,10 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "serve": Command("run the gateway", "gateway.cli", "add_serve_arguments", "run_serve"),
+    "serve": Command("run the gateway", "gateway.server.cli", "add_serve_arguments", "run_serve"),
     "engine": Command(
         "run a simulated vLLM engine replica",
-        "loadgen.engine",
+        "loadgen.engine.server",
         "add_engine_arguments",
         "serve_engine",
     ),
@@ -35,7 +35,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "tenants": Command(
         "add, list or revoke tenants and keys in a tenants file",
-        "gateway.tenants_cli",
+        "gateway.tenancy.cli",
         "add_tenants_arguments",
         "run_tenants",
     ),
@@ -47,13 +47,13 @@ COMMANDS: dict[str, Command] = {
     ),
     "audit": Command(
         "the Gu et al. timing audit of cache isolation between tenants",
-        "loadgen.audit",
+        "loadgen.audit.probes",
         "add_audit_arguments",
         "run_audit_command",
     ),
     "audit-demo": Command(
         "the audit through kvgate (PASS) and at a bare engine (FAIL): make audit",
-        "loadgen.audit_demo",
+        "loadgen.audit.demo",
         "add_audit_demo_arguments",
         "run_audit_demo",
     ),
@@ -71,31 +71,31 @@ COMMANDS: dict[str, Command] = {
     ),
     "bench": Command(
         "kvgate vs sglang-router vs vllm-router on the same engines and trace",
-        "loadgen.bench",
+        "loadgen.bench.peers",
         "add_bench_arguments",
         "run_bench",
     ),
     "bench-cpu": Command(
         "the gateway's CPU time per proxied request (a benchmark)",
-        "loadgen.bench_cpu",
+        "loadgen.bench.cpu",
         "add_bench_cpu_arguments",
         "run_bench_cpu",
     ),
     "bench-directory": Command(
         "the Redis directory: lookup latency/throughput, memory (a benchmark)",
-        "loadgen.bench_directory",
+        "loadgen.bench.directory",
         "add_bench_directory_arguments",
         "run_bench_directory",
     ),
     "bench-fanout": Command(
         "fan-out holding and hot-prefix overflow, live (a benchmark)",
-        "loadgen.bench_fanout",
+        "loadgen.bench.fanout",
         "add_bench_fanout_arguments",
         "run_bench_fanout",
     ),
     "bench-billing": Command(
         "the gateway's CPU per request without and with billing (a benchmark)",
-        "loadgen.bench_billing",
+        "loadgen.bench.billing",
         "add_bench_billing_arguments",
         "run_bench_billing",
     ),

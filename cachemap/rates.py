@@ -1,6 +1,6 @@
 """Request rates per prefix: how often requests match a given prefix, and how widely the
 router has spread it (k). The in-process store; the Redis directory keeps the same counters
-inside its lookup script (`cachemap.redis`), so every gateway sees one rate.
+inside its lookup script (`cachemap.redis.directory`), so every gateway sees one rate.
 
 A rate is a sliding window over two fixed windows (the NGINX / Cloudflare approximation):
     count = previous_count × (1 − elapsed / window) + current_count      (requests per window)

@@ -24,7 +24,7 @@ from pydantic_settings import (
 
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
-from gateway.tenants import check_tenant_name
+from gateway.tenancy.registry import check_tenant_name
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
 from router.filters import DEFAULT_ABSOLUTE_SLACK_TOKENS, DEFAULT_RELATIVE_SLACK
 from router.overflow import DEFAULT_HOT_SHARE
@@ -71,7 +71,8 @@ DEFAULT_TENANTS_RELOAD_INTERVAL_S = 1.0
 kubelet takes up to a minute to update a mounted Secret anyway), and a stat() costs nothing."""
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 DEFAULT_RATE_LIMIT_TIMEOUT_S = 0.1
-"""The deadline of one rate-limit round trip to Redis (gateway.ratelimit.DEFAULT_TIMEOUT_S)."""
+"""The deadline of one rate-limit round trip to Redis
+(gateway.pipeline.ratelimit.DEFAULT_TIMEOUT_S)."""
 
 # -- billing (issue #7) ---------------------------------------------------------------------------
 BILLING_PROFILES = (
@@ -251,7 +252,7 @@ class Settings(BaseSettings):
     billing_profiles: dict[str, str] = Field(default_factory=dict)
     """tenant name → billing profile, over `billing_profile`."""
     billing_prices_file: Path | None = None
-    """A YAML/JSON price table over the defaults (gateway/billing/prices.py)."""
+    """A YAML/JSON price table over the defaults (gateway/billing/pricing/prices.py)."""
     billing_model_map: dict[str, str] = Field(default_factory=dict)
     """Served model → the price-table model it is billed as (e.g. kvgate-sim-8b → sonnet-5);
     a key "<profile>:<model>" applies under one profile only."""

@@ -11,8 +11,8 @@ import signal
 from rich.console import Console
 from rich.table import Table
 
-from loadgen import processes
-from loadgen.engine import DEFAULT_MODEL
+from loadgen.engine.server import DEFAULT_MODEL
+from loadgen.harness import processes
 from loadgen.runner import Summary, run_phases, summarise
 from loadgen.workloads import agent_day, count_requests
 

@@ -31,7 +31,7 @@ import aiohttp
 from loadgen.client import Result, stream_chat
 from loadgen.runner import run_phases
 from loadgen.sim import percentile
-from loadgen.traces import MOONCAKE_BLOCK_SIZE, PromptSynthesizer, Trace, read_trace
+from loadgen.traces.readers import MOONCAKE_BLOCK_SIZE, PromptSynthesizer, Trace, read_trace
 from loadgen.workloads import Phase, agent_day, agent_session
 
 DEFAULT_MODEL = "kvgate-sim-8b"

@@ -2,7 +2,7 @@
 
 It runs the code the gateway runs — `router.registry.build_policy` decides, over a
 `cachemap.memory.MemoryIndex` whose clock is the simulation's — in front of N engines driven by
-the engine's own timing model (`loadgen.timing.EngineCore`, `PrefixCache`). It works at the
+the engine's own timing model (`loadgen.engine.timing.EngineCore`, `PrefixCache`). It works at the
 trace's block granularity: block i of a request is its hash id i, and block hashes are the
 chain of `cachemap.keys.chain_hashes` over the ids (8 bytes each), rooted at the tenant's scope,
 so the directory and the engines key the same prefixes the way the gateway would.
@@ -47,7 +47,7 @@ from cachemap.directory import DEFAULT_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
 from cachemap.rates import PrefixRates
-from loadgen.timing import (
+from loadgen.engine.timing import (
     DEFAULT_DECODE_S_PER_TOKEN,
     DEFAULT_MAX_BATCH,
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -57,7 +57,13 @@ from loadgen.timing import (
     PrefixCache,
     TimingModel,
 )
-from loadgen.traces import MOONCAKE_BLOCK_SIZE, Trace, TraceRequest, hot_spine_trace, read_trace
+from loadgen.traces.readers import (
+    MOONCAKE_BLOCK_SIZE,
+    Trace,
+    TraceRequest,
+    hot_spine_trace,
+    read_trace,
+)
 from router.overflow import OverflowConfig, widen
 from router.registry import POLICIES, RouterConfig, build_policy
 from router.types import Replica, RouteRequest

@@ -1,7 +1,7 @@
 """Deterministic synthetic text with an exact token count under the simulated tokenizer.
 
-Every word is " " + 1–7 letters: one token each for `loadgen.tokenizer`, so `words(seed, n)` is
-exactly n tokens, and equal (seed, n) give byte-identical text.
+Every word is " " + 1–7 letters: one token each for `loadgen.engine.tokenizer`, so `words(seed, n)`
+is exactly n tokens, and equal (seed, n) give byte-identical text.
 """
 
 from __future__ import annotations

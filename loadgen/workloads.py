@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachemap.rendering import render_chat
+from loadgen.engine.tokenizer import count_tokens
 from loadgen.text import words
-from loadgen.tokenizer import count_tokens
 
 SYSTEM_TOKENS = 2_700
 TOOLS_TOKENS = 200

@@ -6,7 +6,7 @@ from __future__ import annotations
 import anthropic
 import openai
 
-from gateway.director import Director
+from gateway.pipeline.director import Director
 from tests.conftest import TENANT_KEY
 from tests.servers import Served
 

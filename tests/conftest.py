@@ -5,11 +5,11 @@ from typing import Any
 
 import pytest
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.settings import Settings, load_settings
-from loadgen.engine import Engine, EngineConfig, create_engine_app
-from loadgen.redis_servers import RedisServer
-from loadgen.timing import TimingModel
+from loadgen.engine.server import Engine, EngineConfig, create_engine_app
+from loadgen.engine.timing import TimingModel
+from loadgen.harness.redis_servers import RedisServer
 from tests.servers import Served, start_app, stop_all
 
 FAST = TimingModel(time_scale=1000.0)
@@ -69,7 +69,7 @@ def gateway_settings(engine_urls: list[str], **overrides: Any) -> Settings:
 def redis_url() -> Iterator[str]:
     """A real redis-server for the whole session, on a unix socket (never port 6379).
     Tests that share it use their own key prefixes or flush only what they wrote."""
-    from loadgen.redis_servers import redis_server
+    from loadgen.harness.redis_servers import redis_server
 
     with redis_server() as server:
         yield server.url
@@ -78,7 +78,7 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture
 def fresh_redis() -> Iterator[RedisServer]:
     """A redis-server of the test's own (TCP on a free port): it may be killed and restarted."""
-    from loadgen.redis_servers import redis_server
+    from loadgen.harness.redis_servers import redis_server
 
     with redis_server(port=0) as server:
         yield server
@@ -87,7 +87,7 @@ def fresh_redis() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def redis_cluster_url() -> Iterator[str]:
     """A real 3-master Redis Cluster for the whole session, on free loopback ports."""
-    from loadgen.redis_servers import redis_cluster
+    from loadgen.harness.redis_servers import redis_cluster
 
     with redis_cluster() as cluster:
         yield cluster.url

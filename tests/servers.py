@@ -1,5 +1,5 @@
 """Real servers on loopback sockets for the tests: uvicorn in a thread (in-process, so a test
-can reach into an engine's state) or a subprocess (see loadgen.processes)."""
+can reach into an engine's state) or a subprocess (see loadgen.harness.processes)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import uvicorn
 
-from loadgen.processes import free_port
+from loadgen.harness.processes import free_port
 
 READY_TIMEOUT_S = 20.0
 

@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 from redis.exceptions import RedisError
 
-from gateway.billing.prices import PROFILES
+from gateway.billing.pricing.prices import PROFILES
 from gateway.billing.wal import WalLocked
 
 
@@ -92,9 +92,9 @@ def run_billing(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from decimal import Decimal
 
-    from gateway.billing.money import dec, parse_instant
-    from gateway.billing.prices import load_price_table
-    from gateway.billing.rules import ProfileOptions
+    from gateway.billing.pricing.money import dec, parse_instant
+    from gateway.billing.pricing.prices import load_price_table
+    from gateway.billing.pricing.rules import ProfileOptions
     from gateway.billing.simulate import simulate
 
     options: dict[str, Any] = {}
@@ -175,7 +175,7 @@ def _bench(args: argparse.Namespace) -> int:
     import time
 
     from gateway.billing.events import parse_events
-    from gateway.billing.prices import PriceTable
+    from gateway.billing.pricing.prices import PriceTable
     from gateway.billing.simulate import Simulator
 
     lines = [line for s in range(args.sessions) for line in session_lines(args.steps, f"t{s}")]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orjson
 
-from gateway.billing.model import CachedContent
+from gateway.billing.pricing.model import CachedContent
 
 
 def to_json(o: CachedContent) -> dict[str, object]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import mmh3
 
-from gateway.billing.money import dec
+from gateway.billing.pricing.money import dec
 
 MAX_T = Decimal(253_402_300_800)
 """9999-12-31T23:59:59Z + 1 s: instants must print as ISO-8601."""

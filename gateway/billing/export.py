@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.billing.money import ZERO, display, divide, parse_instant, plain
+from gateway.billing.pricing.money import ZERO, display, divide, parse_instant, plain
 from gateway.billing.records import COLUMNS, INT_COLUMNS, JSON_COLUMNS, MONEY_COLUMNS, money
 from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore
 
@@ -210,7 +210,7 @@ async def _query(args: argparse.Namespace, tenant: str | None) -> list[dict[str,
         if settings.billing_wal_dir is not None:
             directories = [settings.billing_wal_dir]
     if redis_url:
-        from cachemap.redis import open_redis
+        from cachemap.redis.directory import open_redis
 
         client = await open_redis(redis_url, cluster=False)
         try:

@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cachemap.rendering import GENERATION_PROMPT
-from gateway.billing.clock import Clock, WallClock
 from gateway.billing.contents import load_snapshot, save_snapshot
-from gateway.billing.layout import (
+from gateway.billing.pending import BilledRequest, Pending, profile_for
+from gateway.billing.pricing.clock import Clock, WallClock
+from gateway.billing.pricing.layout import (
     Layout,
     Tokenizer,
     chat_layout,
@@ -48,8 +49,8 @@ from gateway.billing.layout import (
     proportional_ends,
     strip_marks,
 )
-from gateway.billing.ledger import CacheLedger
-from gateway.billing.model import (
+from gateway.billing.pricing.ledger import CacheLedger
+from gateway.billing.pricing.model import (
     BillingError,
     Block,
     CachedContent,
@@ -58,25 +59,24 @@ from gateway.billing.model import (
     MeteredRequest,
     Plan,
 )
-from gateway.billing.pending import BilledRequest, Pending, profile_for
-from gateway.billing.prices import PriceTable
-from gateway.billing.records import build_record
-from gateway.billing.rules import (
+from gateway.billing.pricing.prices import PriceTable
+from gateway.billing.pricing.rules import (
     SPECS,
     ProfileOptions,
     breakpoints,
     check_anthropic_marks,
     translate_mark,
 )
+from gateway.billing.pricing.usage import merge_into_openai_usage
+from gateway.billing.records import build_record
 from gateway.billing.shared import SharedEntries, join, scope_id
-from gateway.billing.usage import merge_into_openai_usage
 from gateway.billing.wal import WriteAheadLog
 from gateway.errors import InvalidRequest
-from gateway.requests import CHAT, ParsedRequest
-from gateway.tenants import Tenant
+from gateway.request.parsed import CHAT, ParsedRequest
+from gateway.tenancy.registry import Tenant
 
 if TYPE_CHECKING:
-    from gateway.exchange import Exchange
+    from gateway.pipeline.exchange import Exchange
     from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -430,7 +430,7 @@ class BillingMeter:
     ) -> dict[str, Any]:
         pending = flight.pending
         engine_cached = usage.get("engine_cached_tokens") if usage else None
-        from gateway.billing.usage import profile_usage
+        from gateway.billing.pricing.usage import profile_usage
 
         return build_record(
             record_id=pending.request_id,

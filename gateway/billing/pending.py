@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from gateway.billing.layout import Layout
-from gateway.billing.model import CachedContent
-from gateway.requests import ParsedRequest
+from gateway.billing.pricing.layout import Layout
+from gateway.billing.pricing.model import CachedContent
+from gateway.request.parsed import ParsedRequest
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
-    from gateway.tenants import Tenant
+    from gateway.tenancy.registry import Tenant
 
 
 def profile_for(settings: Settings, tenant: Tenant) -> str:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from gateway.billing.model import Charge
-from gateway.billing.money import ZERO, iso, plain
+from gateway.billing.pricing.model import Charge
+from gateway.billing.pricing.money import ZERO, iso, plain
 
 KINDS = ("request", "cache.create", "cache.update", "cache.delete")
 STATUSES = ("ok", "aborted", "unpriced")

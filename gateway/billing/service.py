@@ -9,15 +9,15 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from gateway.billing.layout import load_tokenizer
 from gateway.billing.meter import BillingMeter
-from gateway.billing.prices import load_price_table
+from gateway.billing.pricing.layout import load_tokenizer
+from gateway.billing.pricing.prices import load_price_table
 from gateway.billing.shared import SharedEntries
 from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore, Shipper
 from gateway.billing.wal import WriteAheadLog
 from gateway.errors import GatewayError
 from gateway.settings import Settings
-from gateway.tenants import hash_key
+from gateway.tenancy.registry import hash_key
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Billing:
             log.info("billing: restored %d explicit cached contents", restored)
         url = self.settings.billing_redis_url
         if url:
-            from cachemap.redis import open_redis
+            from cachemap.redis.directory import open_redis
 
             self._client = await open_redis(url, cluster=False)
             self.store = RedisLedgerStore(self._client)

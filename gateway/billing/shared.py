@@ -38,7 +38,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from gateway.billing.contents import from_json, to_json
-from gateway.billing.model import CachedContent, Entry
+from gateway.billing.pricing.model import CachedContent, Entry
 from gateway.billing.store import PREFIX
 
 log = logging.getLogger(__name__)

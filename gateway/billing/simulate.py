@@ -13,12 +13,12 @@ from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
 from gateway.billing.events import Event, Segment, chain_keys, implicit_flags, parse_events
-from gateway.billing.ledger import CacheLedger
-from gateway.billing.model import BillingError, Block, CachedContent, Charge, MeteredRequest
-from gateway.billing.money import ZERO, display, divide, iso, plain
-from gateway.billing.prices import PriceTable
-from gateway.billing.rules import DEFAULT_EXPLICIT_TTL_S, ProfileOptions, translate_mark
-from gateway.billing.usage import flat_usage, profile_usage
+from gateway.billing.pricing.ledger import CacheLedger
+from gateway.billing.pricing.model import BillingError, Block, CachedContent, Charge, MeteredRequest
+from gateway.billing.pricing.money import ZERO, display, divide, iso, plain
+from gateway.billing.pricing.prices import PriceTable
+from gateway.billing.pricing.rules import DEFAULT_EXPLICIT_TTL_S, ProfileOptions, translate_mark
+from gateway.billing.pricing.usage import flat_usage, profile_usage
 
 
 @dataclass

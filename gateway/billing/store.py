@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import orjson
 from redis.exceptions import RedisError
 
-from gateway.billing.money import dec
+from gateway.billing.pricing.money import dec
 from gateway.billing.wal import WriteAheadLog, read_directory, read_segment, segment_paths
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ async def ship_directories(directories: Iterable[Path], redis_url: str) -> dict[
     as its gateway would on a restart — its lock first, so a directory a live gateway still
     writes is refused (`WalLocked`) — shipped in full, and released. Records the store already
     holds are skipped (ids), so shipping twice is harmless."""
-    from cachemap.redis import open_redis
+    from cachemap.redis.directory import open_redis
 
     paths = list(directories)
     for path in paths:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from gateway.billing.formulas import (
+from gateway.billing.pricing.formulas import (
     break_even_hit_rate,
     break_even_reads,
     compaction_payback_steps,
@@ -13,7 +13,7 @@ from gateway.billing.formulas import (
     pings_for_gap,
     pings_win_until,
 )
-from gateway.billing.money import display, divide
+from gateway.billing.pricing.money import display, divide
 
 W5M, W1H, R = Decimal("1.25"), Decimal("2"), Decimal("0.1")
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from cachemap.rendering import GENERATION_PROMPT, render_chat
-from gateway.billing.layout import (
+from gateway.billing.pricing.layout import (
     chat_layout,
     counted_ends,
     fit_to_total,
@@ -16,9 +16,9 @@ from gateway.billing.layout import (
     proportional_ends,
     strip_marks,
 )
-from gateway.billing.model import BillingError
+from gateway.billing.pricing.model import BillingError
+from loadgen.engine.tokenizer import count_tokens
 from loadgen.text import words
-from loadgen.tokenizer import count_tokens
 
 
 def layout_of(body: dict[str, Any]) -> tuple[bytes, Any]:

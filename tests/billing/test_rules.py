@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from gateway.billing.events import EventError
-from gateway.billing.ledger import CacheLedger
-from gateway.billing.model import BillingError, CachedContent
-from gateway.billing.money import display, parse_instant
-from gateway.billing.prices import PriceTable, load_price_table
-from gateway.billing.rules import ProfileOptions, peak_multiplier
+from gateway.billing.pricing.ledger import CacheLedger
+from gateway.billing.pricing.model import BillingError, CachedContent
+from gateway.billing.pricing.money import display, parse_instant
+from gateway.billing.pricing.prices import PriceTable, load_price_table
+from gateway.billing.pricing.rules import ProfileOptions, peak_multiplier
 from gateway.billing.simulate import Simulation, simulate
 
 

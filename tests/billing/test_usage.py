@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from gateway.billing.pricing.usage import merge_into_openai_usage
 from gateway.billing.simulate import simulate
-from gateway.billing.usage import merge_into_openai_usage
 
 PROFILES = {
     "anthropic": "sonnet-5",

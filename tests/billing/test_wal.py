@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 import kvgate_cli
-from cachemap.redis import open_redis
+from cachemap.redis.directory import open_redis
 from gateway.billing.store import LocalLedger, RedisLedgerStore, Shipper
 from gateway.billing.wal import WalLocked, WriteAheadLog, read_segment, segment_paths
-from loadgen.redis_servers import RedisServer, redis_server
+from loadgen.harness.redis_servers import RedisServer, redis_server
 
 
 def record(i: int, tenant: str = "acme", start: str | None = None) -> dict[str, Any]:

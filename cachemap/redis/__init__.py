@@ -1,0 +1,1 @@
+"""The directory in Redis or Redis Cluster."""

@@ -1,0 +1,1 @@
+"""The front ends: thin adapters from a wire format to the pipeline."""

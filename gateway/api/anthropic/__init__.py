@@ -1,0 +1,1 @@
+"""`POST /v1/messages`: Anthropic's Messages API over the pipeline."""

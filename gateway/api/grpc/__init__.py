@@ -1,0 +1,1 @@
+"""`kvgate.v1.Gateway` over gRPC."""

@@ -1,0 +1,292 @@
+"""The gRPC front end: `kvgate.v1.Gateway` (Generate, GenerateStream), health checking and
+reflection, on a `grpc.aio` server in the HTTP server's event loop (the app's lifespan starts and
+stops it).
+
+Handlers stay thin, as the HTTP ones do: authenticate (the `authorization` metadata), convert
+(`gateway.api.grpc.convert`), `Director.open`, consume the exchange's chunks, map errors in one
+place (`gateway.errors.to_grpc`). Both RPCs stream from the engine, so when an RPC ends early (the
+client's deadline passes or it cancels) the handler's task is cancelled and the exchange
+aborted: the upstream connection closes and the engine drops the request.
+
+Health: the overall service ("") is SERVING while the server runs (liveness, like /healthz);
+"kvgate.v1.Gateway" is SERVING while some replica is healthy (readiness, like /readyz),
+refreshed every `health_interval_s`. Both turn NOT_SERVING at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.api.grpc._pb import gateway_pb2 as pb
+from gateway.api.grpc._pb import gateway_pb2_grpc
+from gateway.api.grpc.convert import to_parsed, usage_message
+from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError, to_grpc
+from gateway.observability import tracing
+from gateway.observability.metrics import RequestMetrics
+from gateway.pipeline.director import Director
+from gateway.pipeline.exchange import Exchange
+from gateway.pipeline.forwarder import Passthrough
+from gateway.request.cache_control import provisional_cache_usage
+from gateway.request.parsed import ParsedRequest
+from gateway.settings import Settings
+from gateway.tenancy.registry import Tenant, TenantRegistry, bearer_key
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
+GRPC_SHUTDOWN_GRACE_S = 5.0
+"""At shutdown, RPCs in flight get 5 s to finish before they are cancelled (an agent's step
+streams for seconds; a longer grace only delays a rolling restart)."""
+GRPC_MESSAGE_HEADROOM_BYTES = 64 * 1024
+"""A request's proto may exceed its rendered prompt by field tags and JSON whitespace; beyond
+`max_prompt_bytes` + this, gRPC itself refuses it with RESOURCE_EXHAUSTED before parsing."""
+
+
+async def _abort(context: Any, err: GatewayError) -> NoReturn:
+    code, details, trailing = to_grpc(err)
+    await context.abort(code, details, trailing)
+    raise AssertionError("ServicerContext.abort returns by raising")
+
+
+def _status_name(exc: BaseException, context: Any) -> str:
+    """The status a failed RPC ends with: what the handler aborted with, CANCELLED when the
+    client left (or its deadline passed), else UNKNOWN (grpc's answer to an exception)."""
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code()
+        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    return "UNKNOWN"
+
+
+def _chunk_error(chunk: Mapping[str, Any]) -> UpstreamError | None:
+    """The error event the exchange inserts when the engine's stream breaks."""
+    error = chunk.get("error")
+    if isinstance(error, Mapping) and "choices" not in chunk:
+        return UpstreamError(str(error.get("message", "the upstream stream broke")))
+    return None
+
+
+def _usage(parsed: ParsedRequest, engine: Mapping[str, Any] | None) -> pb.Usage:
+    engine = engine or {}
+    split = provisional_cache_usage(
+        engine, parsed.breakpoints, len(parsed.rendered), prewarm=parsed.prewarm
+    )
+    return usage_message(split, engine)
+
+
+class GatewayService:
+    """The `kvgate.v1.Gateway` servicer (registered by the generated `add_..._to_server`)."""
+
+    def __init__(
+        self, director: Director, tenants: TenantRegistry, metrics: RequestMetrics | None = None
+    ) -> None:
+        self.director = director
+        self.tenants = tenants
+        self.metrics = metrics
+
+    def _authenticate(self, metadata: dict[str, str]) -> Tenant:
+        key = bearer_key(metadata.get("authorization"))
+        if key is None and len(self.tenants):
+            raise TenantError(
+                "missing API key: send 'authorization: Bearer KEY' in the call's metadata",
+                code="missing_api_key",
+            )
+        return self.tenants.authenticate(key)
+
+    async def _open(self, request: pb.GenerateRequest, context: Any, streaming: bool) -> Exchange:
+        metadata = dict(context.invocation_metadata() or ())
+        tenant = self._authenticate(metadata)
+        parsed = to_parsed(
+            request,
+            streaming_rpc=streaming,
+            max_prompt_bytes=self.director.settings.max_prompt_bytes,
+        )
+        opened = await self.director.open(parsed, tenant, tracing.incoming(metadata))
+        if isinstance(opened, Passthrough):
+            raise EngineRejected(opened.status, opened.body)
+        headers = self.director._debug_headers(opened)
+        if headers:
+            await context.send_initial_metadata(tuple(headers.items()))
+        return opened
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            return await self._generate(request, context)
+        except BaseException as exc:
+            code = _status_name(exc, context)
+            raise
+        finally:
+            self._observe("Generate", code, started)
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            async for message in self._generate_stream(request, context):
+                yield message
+        except BaseException as exc:
+            code = _status_name(exc, context)
+            raise
+        finally:
+            self._observe("GenerateStream", code, started)
+
+    def _observe(self, method: str, code: str, started: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_grpc(method, code, time.perf_counter() - started)
+
+    async def _generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
+        try:
+            exchange = await self._open(request, context, streaming=False)
+        except GatewayError as err:
+            await _abort(context, err)
+        parsed = exchange.parsed
+        response = pb.GenerateResponse(model=parsed.model)
+        pieces: list[str] = []
+        calls: dict[int, pb.ToolCall] = {}
+        try:
+            async for chunk in exchange.chunks():
+                if (error := _chunk_error(chunk)) is not None:
+                    await _abort(context, error)
+                response.id = response.id or str(chunk.get("id") or "")
+                for choice in chunk.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    if isinstance(delta.get("content"), str):
+                        pieces.append(delta["content"])
+                    for call in delta.get("tool_calls") or ():
+                        into = calls.setdefault(int(call.get("index", 0)), pb.ToolCall())
+                        function = call.get("function") or {}
+                        into.id = into.id or call.get("id") or ""
+                        into.name = into.name or function.get("name") or ""
+                        into.arguments_json += function.get("arguments") or ""
+                    if choice.get("finish_reason"):
+                        response.finish_reason = choice["finish_reason"]
+        except asyncio.CancelledError:
+            exchange.abort()
+            raise
+        finally:
+            await exchange.finish()
+        if not parsed.prewarm:
+            response.text = "".join(pieces)
+            response.tool_calls.extend(calls[i] for i in sorted(calls))
+        response.usage.CopyFrom(_usage(parsed, exchange.usage))
+        return response
+
+    async def _generate_stream(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        try:
+            exchange = await self._open(request, context, streaming=True)
+        except GatewayError as err:
+            await _abort(context, err)
+        parsed = exchange.parsed
+        started = False
+        finish = ""
+        try:
+            async for chunk in exchange.chunks():
+                if (error := _chunk_error(chunk)) is not None:
+                    await _abort(context, error)
+                if not started:
+                    started = True
+                    start = pb.StreamStart(id=str(chunk.get("id") or ""), model=parsed.model)
+                    yield pb.GenerateStreamResponse(start=start)
+                for choice in chunk.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    text = delta.get("content")
+                    if isinstance(text, str) and text:
+                        yield pb.GenerateStreamResponse(text=text)
+                    for call in delta.get("tool_calls") or ():
+                        function = call.get("function") or {}
+                        piece = pb.ToolCallDelta(
+                            index=int(call.get("index", 0)),
+                            id=call.get("id") or "",
+                            name=function.get("name") or "",
+                            arguments_json=function.get("arguments") or "",
+                        )
+                        yield pb.GenerateStreamResponse(tool_call=piece)
+                    if choice.get("finish_reason"):
+                        finish = str(choice["finish_reason"])
+        except asyncio.CancelledError:
+            exchange.abort()
+            raise
+        finally:
+            await exchange.finish()
+        end = pb.StreamEnd(finish_reason=finish, usage=_usage(parsed, exchange.usage))
+        yield pb.GenerateStreamResponse(end=end)
+
+
+class GrpcServer:
+    """The running gRPC server of one gateway process."""
+
+    def __init__(self, server: Any, health_servicer: Any, port: int, watcher: asyncio.Task[None]):
+        self.server = server
+        self.health = health_servicer
+        self.port = port
+        self._watcher = watcher
+
+    async def stop(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        self._watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watcher
+        await self.server.stop(GRPC_SHUTDOWN_GRACE_S)
+
+
+async def _watch_readiness(director: Director, servicer: Any, interval_s: float) -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    while True:
+        ready = director.replicas.any_healthy()
+        await servicer.set(SERVICE_NAME, serving if ready else not_serving)
+        await asyncio.sleep(interval_s)
+
+
+async def start_grpc(
+    settings: Settings,
+    director: Director,
+    tenants: TenantRegistry,
+    metrics: RequestMetrics | None = None,
+) -> GrpcServer:
+    """Start the gRPC server on `settings.host:settings.grpc_port` (0: any free port) in the
+    running event loop; `metrics` counts and times its RPCs."""
+    assert settings.grpc_port is not None
+    server = grpc.aio.server(
+        options=[
+            (
+                "grpc.max_receive_message_length",
+                settings.max_prompt_bytes + GRPC_MESSAGE_HEADROOM_BYTES,
+            ),
+            ("grpc.so_reuseport", 0),  # a second server on a taken port fails, not shares it
+        ]
+    )
+    gateway_pb2_grpc.add_GatewayServicer_to_server(
+        GatewayService(director, tenants, metrics), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    address = f"{settings.host}:{settings.grpc_port}"
+    port = server.add_insecure_port(address)
+    if not port:
+        raise RuntimeError(f"cannot listen for gRPC on {address}")
+    await server.start()
+    watcher = asyncio.create_task(
+        _watch_readiness(director, health_servicer, settings.health_interval_s)
+    )
+    log.info("kvgate: gRPC on %s:%d", settings.host, port)
+    return GrpcServer(server, health_servicer, port, watcher)

@@ -1,0 +1,1 @@
+"""OpenAI's chat and completions API (the default shape of the pipeline)."""

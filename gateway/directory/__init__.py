@@ -1,0 +1,2 @@
+"""The gateway's side of the cache directory: deadlines, the local fallback, writes off the request
+path."""

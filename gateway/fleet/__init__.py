@@ -1,0 +1,1 @@
+"""The engine replicas: health, discovery, their load signals."""

@@ -1,0 +1,398 @@
+"""Engine discovery from Kubernetes EndpointSlices: replicas join and leave while the gateway runs.
+
+    API server ──list──▶ every slice matching the selector (+ its resourceVersion)
+               ──watch─▶ ADDED / MODIFIED / DELETED / BOOKMARK from that version on
+                 │ 410 Gone (the version was compacted away): list again, then watch
+                 ▼
+    watcher thread ──call_soon_threadsafe──▶ event queue ──▶ Discovery._apply (event loop)
+                                                              │ diff of the ready endpoints
+                                                              ▼
+                                      ReplicaSet.add / remove / hold + RoutingDirectory
+                                      register / forget
+
+Why a thread: the official `kubernetes` client is synchronous (urllib3), and its `Watch` blocks
+on a chunked HTTP response; the async port is not a dependency we take. One daemon thread per
+gateway lists and watches; everything it learns is handed to the event loop, which alone
+touches the replica set. `Watch.stop()` shuts the socket down, so stopping is prompt.
+
+What the gateway does with what it sees (invariants):
+- The replica set is the static `engines` plus the union of every matching slice's endpoints
+  (`http://address:port`, the port chosen by name), keyed by URL, so every gateway derives the
+  same replica names and shares one directory.
+- An endpoint whose `conditions.ready` is false (starting, failing readiness, terminating) is
+  held down: no new request goes to it, and probes do not bring it back until it is ready.
+- An endpoint that disappears from every slice has left: it is removed and forgotten in the
+  directory (its entries stop matching at once; a pod at that address later is a new cache).
+- A pod that restarts is a new epoch: an address whose pod uid (`targetRef.uid`) changed is
+  forgotten, and a container restart inside the same pod turns the endpoint not ready and back,
+  after which the replica's new start time (or, without one, its coming back up) bumps the
+  epoch (gateway.fleet.replicas).
+- A gateway that (re)starts lists endpoints that already exist: they join without forgetting,
+  so a rolling restart of the gateways does not wipe the shared directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.directory.routing import RoutingDirectory
+from gateway.fleet.replicas import ReplicaSet
+
+log = logging.getLogger(__name__)
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+FIRST_SYNC_TIMEOUT_S = 10.0
+"""How long the gateway's start waits for the first list: enough for a slow API server. If the
+first attempt fails, or past this, the gateway starts anyway and replicas join when a list
+arrives (its readiness says 503 until one is healthy)."""
+CONNECT_TIMEOUT_S = 5.0
+"""Connecting to the API server; the read side of a watch waits for the watch's own timeout."""
+NOT_READY = "not ready in its EndpointSlice"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    ready: bool
+    pod_uid: str | None = None
+    pod_name: str | None = None
+
+
+@dataclass
+class DiscoveryStats:
+    lists: int = 0
+    relists_after_gone: int = 0
+    watches: int = 0
+    events: int = 0
+    errors: int = 0
+    joins: int = 0
+    leaves: int = 0
+    epochs: int = 0
+    """Replicas forgotten because their pod was replaced (a new pod uid at the address)."""
+    synced: bool = False
+
+
+def _host(address: str, address_type: str) -> str:
+    return f"[{address}]" if address_type == "IPv6" and not address.startswith("[") else address
+
+
+def endpoints_of(
+    slice_: dict[str, Any], port_name: str | None, scheme: str = "http"
+) -> list[Endpoint]:
+    """The endpoints of one EndpointSlice (its JSON form), at the named port.
+
+    `ready` absent means ready (the API's rule). A slice without the port (or, with no name
+    given, with several ports) contributes nothing, and says so in the log."""
+    ports = slice_.get("ports") or []
+    name = (slice_.get("metadata") or {}).get("name", "?")
+    if port_name is None:
+        chosen = ports[0] if len(ports) == 1 else None
+        if chosen is None and ports:
+            names = ", ".join(str(p.get("name")) for p in ports)
+            log.warning(
+                "EndpointSlice %s has several ports (%s): set discovery_port_name", name, names
+            )
+    else:
+        chosen = next((p for p in ports if p.get("name") == port_name), None)
+        if chosen is None and ports:
+            names = ", ".join(str(p.get("name")) for p in ports)
+            log.warning("EndpointSlice %s has no port named %r (it has %s)", name, port_name, names)
+    if chosen is None or chosen.get("port") is None:
+        return []
+    port = int(chosen["port"])
+    address_type = str(slice_.get("addressType", "IPv4"))
+    found = []
+    for endpoint in slice_.get("endpoints") or []:
+        conditions = endpoint.get("conditions") or {}
+        ready = conditions.get("ready") is not False
+        target = endpoint.get("targetRef") or {}
+        for address in endpoint.get("addresses") or []:
+            found.append(
+                Endpoint(
+                    f"{scheme}://{_host(address, address_type)}:{port}",
+                    ready,
+                    target.get("uid"),
+                    target.get("name"),
+                )
+            )
+    return found
+
+
+def merge(slices: dict[str, list[Endpoint]]) -> dict[str, Endpoint]:
+    """One endpoint per URL across slices: ready if any slice says so (a pod moving between
+    slices appears in both for a moment)."""
+    merged: dict[str, Endpoint] = {}
+    for endpoints in slices.values():
+        for endpoint in endpoints:
+            seen = merged.get(endpoint.url)
+            if seen is None or (endpoint.ready and not seen.ready):
+                merged[endpoint.url] = endpoint
+    return merged
+
+
+# -- the API server side (a thread) ------------------------------------------------------------
+@dataclass
+class KubeTarget:
+    """Where and what to watch."""
+
+    label_selector: str
+    namespace: str | None = None
+    port_name: str | None = None
+    scheme: str = "http"
+    kubeconfig: Path | None = None
+    watch_timeout_s: int = 290
+    retry_s: float = 2.0
+
+
+def _api(target: KubeTarget) -> tuple[Any, str]:
+    """A DiscoveryV1Api on its own configuration (never the process-wide default: a test runs
+    several gateways) and the namespace to watch."""
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    namespace = target.namespace
+    if target.kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ:
+        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        if namespace is None and SERVICE_ACCOUNT_NAMESPACE.exists():
+            namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    else:
+        path = str(target.kubeconfig) if target.kubeconfig is not None else None
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=path, client_configuration=configuration
+        )
+        if namespace is None:
+            _, active = config.list_kube_config_contexts(config_file=path)  # type: ignore[no-untyped-call]
+            namespace = (active or {}).get("context", {}).get("namespace")
+    api = client.DiscoveryV1Api(client.ApiClient(configuration))
+    return api, namespace or "default"
+
+
+class SliceWatcher:
+    """Lists and watches the matching EndpointSlices in a daemon thread; hands each result to
+    `emit` on the event loop: ("sync", {name: slice}) after a list, ("put", slice) and
+    ("delete", slice) for watch events, ("error", why) after a failed attempt."""
+
+    def __init__(
+        self,
+        target: KubeTarget,
+        loop: asyncio.AbstractEventLoop,
+        emit: Callable[[tuple[str, Any]], None],
+        stats: DiscoveryStats,
+    ) -> None:
+        self.target = target
+        self._loop = loop
+        self._emit = emit
+        self.stats = stats
+        self._stopping = threading.Event()
+        self._watch: Any = None
+        self._thread = threading.Thread(target=self._run, name="kvgate-discovery", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        watch = self._watch
+        if watch is not None:
+            watch.stop()  # shuts the socket down: the blocked read returns
+        self._thread.join(timeout_s)
+
+    def _send(self, kind: str, payload: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed under us: we are stopping
+            self._loop.call_soon_threadsafe(self._emit, (kind, payload))
+
+    def _run(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            api, namespace = _api(self.target)
+        except Exception as exc:
+            log.error("Kubernetes discovery cannot start: %s", exc)
+            self.stats.errors += 1
+            self._send("error", str(exc))
+            return
+        target = self.target
+        log.info(
+            "discovering engines: EndpointSlices in %s matching %r",
+            namespace,
+            target.label_selector,
+        )
+        gone_in_a_row = 0
+        try:
+            while not self._stopping.is_set():
+                try:
+                    version = self._list(api, namespace)
+                    while not self._stopping.is_set():
+                        self._watch = watch.Watch()  # type: ignore[no-untyped-call]
+                        self.stats.watches += 1
+                        for event in self._watch.stream(
+                            api.list_namespaced_endpoint_slice,
+                            namespace,
+                            label_selector=target.label_selector,
+                            resource_version=version,
+                            allow_watch_bookmarks=True,
+                            timeout_seconds=target.watch_timeout_s,
+                            _request_timeout=(CONNECT_TIMEOUT_S, target.watch_timeout_s + 30),
+                        ):
+                            self.stats.events += 1
+                            gone_in_a_row = 0
+                            kind = event["type"]
+                            if kind in ("ADDED", "MODIFIED"):
+                                self._send("put", event["raw_object"])
+                            elif kind == "DELETED":
+                                self._send("delete", event["raw_object"])
+                        # the server closed the watch (its timeout): resume where it ended
+                        version = self._watch.resource_version or version
+                except ApiException as exc:
+                    if self._stopping.is_set():
+                        break
+                    if exc.status == 410:  # our resourceVersion was compacted away: list again
+                        self.stats.relists_after_gone += 1
+                        gone_in_a_row += 1
+                        log.info("EndpointSlice watch expired (410 Gone): listing again")
+                        if gone_in_a_row > 1:  # gone again straight after a list: do not spin
+                            self._stopping.wait(target.retry_s)
+                        continue
+                    self.stats.errors += 1
+                    log.warning("EndpointSlice list/watch failed: %s %s", exc.status, exc.reason)
+                    self._send("error", exc.status)
+                    self._stopping.wait(target.retry_s)
+                except Exception as exc:  # the API server is away: retry, never die
+                    if self._stopping.is_set():
+                        break
+                    self.stats.errors += 1
+                    log.warning("EndpointSlice list/watch failed: %s", exc)
+                    self._send("error", str(exc))
+                    self._stopping.wait(target.retry_s)
+        finally:
+            api.api_client.close()
+
+    def _list(self, api: Any, namespace: str) -> str:
+        response = api.list_namespaced_endpoint_slice(
+            namespace,
+            label_selector=self.target.label_selector,
+            _preload_content=False,
+            _request_timeout=(CONNECT_TIMEOUT_S, self.target.watch_timeout_s),
+        )
+        body = json.loads(response.data)
+        items = body.get("items") or []
+        self.stats.lists += 1
+        slices = {item["metadata"]["name"]: item for item in items}
+        self._send("sync", slices)
+        return str(body.get("metadata", {}).get("resourceVersion", ""))
+
+
+# -- the gateway side (the event loop) ---------------------------------------------------------
+class Discovery:
+    """Applies what the watcher sees to the replica set and the directory, in order."""
+
+    def __init__(
+        self, target: KubeTarget, replicas: ReplicaSet, directory: RoutingDirectory
+    ) -> None:
+        self.target = target
+        self.replicas = replicas
+        self.directory = directory
+        self.stats = DiscoveryStats()
+        self.slices: dict[str, list[Endpoint]] = {}
+        """slice name -> its endpoints, as last seen"""
+        self.known: dict[str, Endpoint] = {}
+        """URL -> the endpoint the replica set reflects"""
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._settled = asyncio.Event()
+        """The first list was applied, or the first attempt failed: the start goes on."""
+        self._task: asyncio.Task[None] | None = None
+        self._watcher: SliceWatcher | None = None
+
+    async def start(self, first_sync_timeout_s: float = FIRST_SYNC_TIMEOUT_S) -> None:
+        """Start watching and wait (bounded) for the first list to be applied, or to fail."""
+        self._task = asyncio.create_task(self._consume())
+        loop = asyncio.get_running_loop()
+        self._watcher = SliceWatcher(self.target, loop, self._queue.put_nowait, self.stats)
+        self._watcher.start()
+        try:
+            await asyncio.wait_for(self._settled.wait(), first_sync_timeout_s)
+        except TimeoutError:
+            log.warning(
+                "no EndpointSlice list within %.0f s: starting without discovered engines",
+                first_sync_timeout_s,
+            )
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            await asyncio.to_thread(self._watcher.stop)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _consume(self) -> None:
+        while True:
+            kind, payload = await self._queue.get()
+            try:
+                await self._apply(kind, payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad event must not stop discovery
+                log.exception("applying an EndpointSlice %s event failed", kind)
+
+    async def _apply(self, kind: str, payload: Any) -> None:
+        port, scheme = self.target.port_name, self.target.scheme
+        if kind == "error":
+            self._settled.set()
+            return
+        if kind == "sync":
+            self.slices = {name: endpoints_of(item, port, scheme) for name, item in payload.items()}
+        else:
+            name = payload.get("metadata", {}).get("name", "")
+            if kind == "put":
+                self.slices[name] = endpoints_of(payload, port, scheme)
+            else:
+                self.slices.pop(name, None)
+        await self.reconcile(merge(self.slices))
+        if kind == "sync":
+            self.stats.synced = True
+            self._settled.set()
+
+    async def reconcile(self, desired: dict[str, Endpoint]) -> None:
+        """Make the replica set what the slices say (static engines are left alone)."""
+        replicas, directory = self.replicas, self.directory
+        for url in [u for u in self.known if u not in desired]:
+            del self.known[url]
+            if url in replicas.static:
+                continue
+            replicas.remove(url)
+            self.stats.leaves += 1
+            await directory.forget(url)
+        joined = [u for u in desired if u not in self.known and u not in replicas.static]
+        if joined:
+            directory.register(joined)
+        for url, endpoint in desired.items():
+            before = self.known.get(url)
+            self.known[url] = endpoint
+            if url in replicas.static:
+                continue
+            held = None if endpoint.ready else NOT_READY
+            if before is None:
+                self.stats.joins += 1
+                replicas.add(url, held_down=held)
+                continue
+            if before.pod_uid and endpoint.pod_uid and before.pod_uid != endpoint.pod_uid:
+                log.info(
+                    "replica %s is a new pod (%s, was %s): a new epoch",
+                    url,
+                    endpoint.pod_name,
+                    before.pod_name,
+                )
+                self.stats.epochs += 1
+                await directory.forget(url)
+            replicas.hold(url, held)

@@ -1,0 +1,327 @@
+"""The engine replicas behind the gateway: health, served models, and the load this gateway
+has put on each (requests in flight, prefill tokens not yet answered by a first token).
+
+Health: every replica is probed (GET /health) every `health_interval_s`; `unhealthy_after`
+consecutive failures — or a connection failure while forwarding — mark it down, and one
+successful probe marks it up again.
+
+Restarts: each healthy probe also reads the replica's `/metrics` (`scrape_metrics`). A new
+`process_start_time_seconds` is reported through `on_start_marker` (the directory compares it
+with what every gateway saw, so a restart bumps the epoch once); prefix-cache counters that went
+backwards call `on_restart`. A replica that reports no start time and comes back up after being
+marked down is treated as restarted too: an engine we could not reach may have lost its KV
+cache, and a wrong prediction costs a request each to discover.
+
+Load signals (issue 9): the scrape also reads the engine's queue (`num_waiting`), which counts
+every gateway's requests. The router sees it beside this gateway's own pending prefills
+(`router.types.Replica.foreign_prefill_tokens`). Scrapes run every `metrics_interval_s`
+(None: with every health probe), and at once when a replica is first seen or comes back up.
+
+Membership: `states` holds the replicas the gateway routes to. The static `--engine` list is
+fixed; discovery (gateway.fleet.discovery) `add`s and `remove`s replicas while the gateway runs, and
+`hold`s a replica down while Kubernetes says it is not ready. A removed replica's state stays
+reachable through `get` until its last in-flight request ends, so an exchange that outlives
+its replica still finishes its bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+
+from gateway.fleet.engine_metrics import EngineMetrics, parse_engine_metrics
+from router.types import Replica
+
+log = logging.getLogger(__name__)
+
+
+REQUEST_TOKENS_LEARNING_RATE = 0.05
+"""Weight of each routed request in the mean uncached prefill per request (an EMA over ~20
+requests): the size assumed for each request another gateway queued on an engine."""
+
+
+@dataclass
+class FleetLoad:
+    """What this gateway's own traffic says about everyone's: the mean uncached prefill tokens
+    of a request (gateways behind one Service see the same mix)."""
+
+    mean_request_tokens: float = 0.0
+    num_routed: int = 0
+
+    def observe(self, uncached_tokens: float) -> None:
+        self.num_routed += 1
+        if self.num_routed == 1:
+            self.mean_request_tokens = uncached_tokens
+        else:
+            self.mean_request_tokens += REQUEST_TOKENS_LEARNING_RATE * (
+                uncached_tokens - self.mean_request_tokens
+            )
+
+
+@dataclass
+class ReplicaState:
+    url: str
+    healthy: bool = False
+    consecutive_failures: int = 0
+    models: frozenset[str] = frozenset()
+    max_model_len: int | None = None
+    num_inflight: int = 0
+    pending_prefill_tokens: float = 0.0
+    num_prefilling: int = 0
+    """This gateway's requests on the replica before their first token."""
+    num_requests: int = 0
+    metrics: EngineMetrics | None = None
+    own_waiting_at_scrape: int = 0
+    """`num_prefilling` when the last scrape answered: our share of the engine's queue then."""
+    held_down: str | None = None
+    """Why discovery keeps the replica out of routing (Kubernetes: not ready), or None."""
+    removed: bool = False
+    """Discovery removed it: it stays reachable only for its in-flight requests."""
+    fleet: FleetLoad = field(default_factory=FleetLoad, repr=False)
+    probed: bool = field(default=False, repr=False)
+
+    @property
+    def id(self) -> str:
+        return self.url
+
+    def begin_prefill(self, uncached_tokens: float) -> None:
+        """A request was sent: its uncached prefill is queued here until its first token."""
+        self.pending_prefill_tokens += uncached_tokens
+        self.num_prefilling += 1
+        self.fleet.observe(uncached_tokens)
+
+    def end_prefill(self, uncached_tokens: float) -> None:
+        """Its first byte came back (or the attempt failed): the prefill is done."""
+        self.pending_prefill_tokens = max(self.pending_prefill_tokens - uncached_tokens, 0.0)
+        self.num_prefilling = max(self.num_prefilling - 1, 0)
+
+    def snapshot(self) -> Replica:
+        metrics = self.metrics
+        if metrics is None or metrics.num_waiting is None:
+            return Replica(self.url, self.healthy, self.num_inflight, self.pending_prefill_tokens)
+        return Replica(
+            self.url,
+            self.healthy,
+            self.num_inflight,
+            self.pending_prefill_tokens,
+            engine_num_waiting=metrics.num_waiting,
+            own_num_waiting=self.own_waiting_at_scrape,
+            foreign_request_tokens=self.fleet.mean_request_tokens,
+        )
+
+
+class ReplicaSet:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        interval_s: float,
+        timeout_s: float,
+        unhealthy_after: int,
+        on_restart: Callable[[str], Awaitable[None]],
+        on_start_marker: Callable[[str, str], Awaitable[object]] | None = None,
+        scrape_metrics: bool = True,
+        metrics_interval_s: float | None = None,
+    ) -> None:
+        self.fleet = FleetLoad()
+        self.states = {url: ReplicaState(url, fleet=self.fleet) for url in urls}
+        self.static = frozenset(urls)
+        """The `--engine` replicas: discovery never removes these."""
+        self._retired: dict[str, ReplicaState] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._interval_s = interval_s
+        self._metrics_interval_s = metrics_interval_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._unhealthy_after = unhealthy_after
+        self._on_restart = on_restart
+        self._on_start_marker = on_start_marker
+        self._scrape_metrics = scrape_metrics
+        self._tasks: list[asyncio.Task[None]] = []
+        self._probes: set[asyncio.Task[None]] = set()
+
+    def get(self, replica_id: str) -> ReplicaState:
+        """A routed replica's state, or a removed one's while its requests finish."""
+        state = self.states.get(replica_id)
+        if state is None:
+            state = self._retired[replica_id]
+        return state
+
+    def models(self) -> list[str]:
+        return sorted({m for s in self.states.values() for m in s.models})
+
+    def serving(self, model: str) -> list[ReplicaState]:
+        return [s for s in self.states.values() if model in s.models]
+
+    def any_healthy(self) -> bool:
+        return any(s.healthy for s in self.states.values())
+
+    # -- membership (discovery) --------------------------------------------------------------
+    def add(self, url: str, held_down: str | None = None) -> ReplicaState:
+        """A replica joined: route to it once a probe has found it healthy (probed at once,
+        unless it is held down)."""
+        state = self.states.get(url)
+        if state is not None:
+            return state
+        state = ReplicaState(url, fleet=self.fleet, held_down=held_down)
+        self.states[url] = state
+        self._retired.pop(url, None)
+        log.info("replica %s joined", url)
+        if self._session is not None:
+            self._spawn_probe(state)
+        return state
+
+    def remove(self, url: str) -> ReplicaState | None:
+        """A replica left: no new request goes to it; in-flight ones finish where they are."""
+        state = self.states.pop(url, None)
+        if state is None:
+            return None
+        state.healthy = False
+        state.removed = True
+        log.info("replica %s left", url)
+        self._retired = {u: s for u, s in self._retired.items() if s.num_inflight > 0}
+        if state.num_inflight > 0:
+            self._retired[url] = state
+        return state
+
+    def hold(self, url: str, why: str | None) -> None:
+        """Keep a replica out of routing (`why`), or let probes bring it back (None)."""
+        state = self.states.get(url)
+        if state is None or state.held_down == why:
+            return
+        state.held_down = why
+        if why is not None:
+            self.mark_down(url, why)
+        elif self._session is not None:
+            self._spawn_probe(state)
+
+    def _spawn_probe(self, state: ReplicaState) -> None:
+        task = asyncio.create_task(self._probe(state))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    # -- the loops -------------------------------------------------------------------------
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Probe every replica once (so the first request sees real health), then keep probing."""
+        self._session = session
+        await self.probe_all()
+        self._tasks.append(asyncio.create_task(self._loop(self._interval_s, self.probe_all)))
+        if self._scrape_metrics and self._metrics_interval_s is not None:
+            self._tasks.append(
+                asyncio.create_task(self._loop(self._metrics_interval_s, self.scrape_all))
+            )
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks, *self._probes]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    async def _loop(self, interval_s: float, round_: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await round_()
+            except Exception:  # a round must never kill the loop
+                log.exception("replica round %s failed", getattr(round_, "__name__", round_))
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self._probe(s) for s in list(self.states.values())))
+
+    async def scrape_all(self) -> None:
+        """Read every healthy replica's /metrics: load signals, restarts."""
+        await asyncio.gather(
+            *(self._scrape_and_check(s) for s in list(self.states.values()) if s.healthy)
+        )
+
+    async def _scrape_and_check(self, state: ReplicaState) -> None:
+        before = state.metrics
+        await self._scrape(state)
+        await self._maybe_restarted(state, before)
+
+    async def _probe(self, state: ReplicaState) -> None:
+        assert self._session is not None, "start() binds the session"
+        if state.held_down is not None or state.removed:
+            state.probed = True
+            return
+        try:
+            async with self._session.get(state.url + "/health", timeout=self._timeout) as resp:
+                ok = resp.status == 200
+            if ok and (not state.healthy or not state.probed):
+                ok = await self._learn_models(state)
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            ok = False
+        if state.held_down is not None or state.removed:  # changed while we probed
+            return
+        if ok:
+            state.consecutive_failures = 0
+            before = state.metrics
+            # scrape with every probe, or on coming up (a restart must be known before routing)
+            if self._scrape_metrics and (
+                self._metrics_interval_s is None or not state.healthy or not state.probed
+            ):
+                await self._scrape(state)
+            if not state.healthy:
+                if state.probed:
+                    log.info("replica %s is back up", state.url)
+                    if state.metrics is None or state.metrics.start_marker is None:
+                        await self._on_restart(state.url)
+                state.healthy = True
+            await self._maybe_restarted(state, before)
+            state.probed = True
+        else:
+            state.consecutive_failures += 1
+            if state.healthy and state.consecutive_failures >= self._unhealthy_after:
+                self.mark_down(state.url, "failed health probes")
+            state.probed = True
+
+    async def _scrape(self, state: ReplicaState) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(state.url + "/metrics", timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    return
+                own_waiting = state.num_prefilling  # our share of the queue the engine reports
+                text = (await resp.read()).decode(errors="replace")
+            state.metrics = parse_engine_metrics(text)
+            state.own_waiting_at_scrape = own_waiting
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            log.debug("metrics of %s unavailable: %s", state.url, exc)
+
+    async def _maybe_restarted(self, state: ReplicaState, before: EngineMetrics | None) -> None:
+        now = state.metrics
+        if now is None:
+            return
+        marker = now.start_marker
+        if marker is not None and self._on_start_marker is not None:
+            if before is None or before.start_marker != marker:
+                await self._on_start_marker(state.url, marker)
+        elif before is not None and now.restarted_since(before):
+            log.info("replica %s restarted (its prefix-cache counters went backwards)", state.url)
+            await self._on_restart(state.url)
+
+    async def _learn_models(self, state: ReplicaState) -> bool:
+        assert self._session is not None
+        async with self._session.get(state.url + "/v1/models", timeout=self._timeout) as resp:
+            if resp.status != 200:
+                return False
+            body = orjson.loads(await resp.read())
+        cards = body.get("data") or []
+        state.models = frozenset(str(c["id"]) for c in cards if "id" in c)
+        lens = [c.get("max_model_len") for c in cards if isinstance(c.get("max_model_len"), int)]
+        state.max_model_len = min(lens) if lens else None
+        return bool(state.models)
+
+    def mark_down(self, replica_id: str, why: str) -> None:
+        state = self.get(replica_id)
+        if state.healthy:
+            log.warning("replica %s marked down: %s", replica_id, why)
+        state.healthy = False

@@ -1,0 +1,1 @@
+"""One request's pipeline: admit → route → forward → record (the director and its steps)."""

@@ -1,0 +1,143 @@
+"""The tenant's side of admission: scope, allowed models, prompt size, rate limits.
+
+The director calls it for every request, whatever the front end (`Director._admit`):
+
+1. Scope: a `user`-scoped tenant needs an end user — the request's `user`, else its
+   `prompt_cache_key` — and the request then carries that user's salt (a 400 without one: a
+   silent tenant-wide fallback would share the cache between the tenant's users).
+2. Model: a tenant with an allow-list may use only those models (403 naming them).
+3. Size: the estimated prompt tokens must not exceed the tenant's `max_prompt_tokens` (400).
+4. Rate: requests/min and tokens/min (429 with Retry-After). The tokens charged are the
+   prompt estimate plus `max_tokens` when given; the usage the engine reports settles the
+   difference (`on_usage`), so the bucket ends up charged with what was really used.
+
+Checks 1-3 come before the replica checks (404/503), the rate limit after them, so a request
+that cannot be served never spends its tenant's budget.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gateway.errors import Forbidden, InvalidRequest, QuotaExceeded
+from gateway.pipeline.ratelimit import Limits, RateLimiter
+from gateway.request.parsed import ParsedRequest
+from gateway.tenancy.registry import SCOPE_USER, Tenant, TenantRegistry
+
+if TYPE_CHECKING:
+    from gateway.pipeline.exchange import Exchange
+
+END_USER_FIELDS = ("user", "prompt_cache_key")
+"""Where a `user`-scoped tenant's end user is named, in order of preference: `user` names the
+person; `prompt_cache_key` (OpenAI's routing hint) stands in when it is the only one given."""
+
+
+def end_user(parsed: ParsedRequest) -> str | None:
+    for name in END_USER_FIELDS:
+        value = parsed.body.get(name)
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise InvalidRequest(f"'{name}' must be a string", param=name)
+        return value
+    return None
+
+
+def output_budget(parsed: ParsedRequest) -> int:
+    """The output tokens the request may generate, when it says (else 0: settled on usage)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = parsed.body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0
+
+
+class Admission:
+    """Per-tenant admission, and (as an exchange observer) the settling of token charges."""
+
+    def __init__(self, registry: TenantRegistry | None, limiter: RateLimiter | None) -> None:
+        self.registry = registry
+        self.limiter = limiter
+
+    def check(self, parsed: ParsedRequest, tenant: Tenant, prompt_tokens: int) -> Tenant:
+        """Steps 1-3; returns the tenant as this request sees it (with its end user's salt)."""
+        policy = tenant.policy
+        if policy.scope == SCOPE_USER:
+            user = end_user(parsed)
+            if user is None:
+                raise InvalidRequest(
+                    f"tenant '{tenant.name}' isolates its cache per end user: send 'user' (or "
+                    "'prompt_cache_key') naming the end user",
+                    param="user",
+                )
+            assert self.registry is not None, "user scopes need the registry's secret"
+            tenant = self.registry.for_end_user(tenant, user)
+        if policy.models and parsed.model not in policy.models:
+            raise Forbidden(
+                f"tenant '{tenant.name}' may not use model '{parsed.model}'; allowed: "
+                + ", ".join(sorted(policy.models)),
+                param="model",
+                code="model_not_allowed",
+            )
+        if policy.max_prompt_tokens is not None and prompt_tokens > policy.max_prompt_tokens:
+            raise InvalidRequest(
+                f"the prompt is about {prompt_tokens} tokens; tenant '{tenant.name}' may send "
+                f"at most {policy.max_prompt_tokens}",
+                param="messages",
+                code="prompt_too_long",
+            )
+        return tenant
+
+    async def acquire(self, parsed: ParsedRequest, tenant: Tenant, prompt_tokens: int) -> int:
+        """Step 4: charge the request to its tenant's buckets; returns the tokens charged."""
+        policy = tenant.policy
+        limits = Limits(policy.requests_per_min, policy.tokens_per_min)
+        if self.limiter is None or limits.unlimited:
+            return 0
+        tokens = prompt_tokens + output_budget(parsed)
+        if policy.tokens_per_min is not None and tokens > policy.tokens_per_min:
+            raise InvalidRequest(
+                f"this request needs about {tokens} tokens, more than tenant '{tenant.name}'s "
+                f"whole budget of {policy.tokens_per_min} tokens per minute; it can never be "
+                "admitted (shorten the prompt or lower max_tokens)",
+                code="request_too_large",
+            )
+        wait_s = await self.limiter.acquire(tenant.name, limits, tokens)
+        if wait_s > 0:
+            raise QuotaExceeded(
+                f"tenant '{tenant.name}' is over its rate limit "
+                f"({_describe(limits)}); retry in {wait_s:.1f} s",
+                retry_after_s=wait_s,
+            )
+        return tokens if policy.tokens_per_min is not None else 0
+
+    # -- ExchangeObserver --------------------------------------------------------------------
+    async def on_first_token(self, exchange: Exchange) -> None:
+        return None
+
+    async def on_usage(self, exchange: Exchange, usage: dict[str, Any]) -> None:
+        tenant = exchange.routed.tenant
+        tokens_per_min = tenant.policy.tokens_per_min
+        if self.limiter is None or tokens_per_min is None:
+            return
+        used = usage.get("total_tokens")
+        if not isinstance(used, int):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if not isinstance(prompt, int) or not isinstance(completion, int):
+                return
+            used = prompt + completion
+        await self.limiter.adjust(
+            tenant.name, tokens_per_min, used - exchange.routed.admitted_tokens
+        )
+
+    async def on_finish(self, exchange: Exchange, ok: bool) -> None:
+        return None
+
+
+def _describe(limits: Limits) -> str:
+    parts = []
+    if limits.requests_per_min is not None:
+        parts.append(f"{limits.requests_per_min} requests/min")
+    if limits.tokens_per_min is not None:
+        parts.append(f"{limits.tokens_per_min} tokens/min")
+    return ", ".join(parts)

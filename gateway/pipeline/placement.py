@@ -1,0 +1,170 @@
+"""Placement: the policy's decision with the two agent-traffic refinements around it.
+
+1. Fan-out (`router.fanout`): if an in-flight sibling of the same scope is writing this
+   request's uncached prefix, wait for it to land (bounded), then count its replica as
+   holding that prefix.
+2. Hot prefixes (`router.overflow`): if the prefix this request matched is requested faster
+   than its holders can prefill, let k replicas count as holding it.
+3. The policy ranks the replicas.
+4. A request that will write a long uncached prefix becomes a leader its siblings can find.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cachemap.keys import BlockHash
+from gateway.directory.routing import Lookup
+from gateway.pipeline.flights import Flight, Flights
+from router.fanout import DEFAULT_HOLD_FACTOR, with_leader, worth_holding
+from router.filters import LoadBoundFilter
+from router.overflow import OverflowConfig, widen
+from router.profile import Profile
+from router.types import Decision, Replica, RouteRequest
+
+
+@dataclass
+class OverflowStats:
+    widenings: int = 0
+    shrinks: int = 0
+    spread_requests: int = 0
+
+
+@dataclass
+class Placed:
+    decision: Decision
+    route: RouteRequest
+    flight: Flight | None
+    new_k: int | None = None
+    """Set when the prefix's k changed: the caller stores it with the prefix's rate."""
+
+
+class Placement:
+    def __init__(
+        self,
+        *,
+        prefill_tokens_per_s: float,
+        overflow: OverflowConfig | None,
+        fixed_threshold_per_min: float | None,
+        flights: Flights | None,
+        min_hold_tokens: float,
+        max_hold_s: float,
+        bound: LoadBoundFilter,
+    ) -> None:
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.overflow = overflow
+        self.fixed_threshold_per_min = fixed_threshold_per_min
+        self.flights = flights
+        self.min_hold_tokens = min_hold_tokens
+        self.max_hold_s = max_hold_s
+        self.bound = bound
+        self.stats = OverflowStats()
+
+    async def place(
+        self,
+        policy: Profile,
+        route: RouteRequest,
+        replicas: Sequence[Replica],
+        hashes: Sequence[BlockHash],
+        lookup: Lookup,
+        rng: random.Random,
+    ) -> Placed | None:
+        depth = max(route.overlap.values(), default=0)
+        # 1. fan-out
+        if self.flights is not None:
+            landed = await self._maybe_hold(route, replicas, hashes, lookup, depth)
+            if landed is not None:
+                replica, shared = landed
+                route = with_leader(route, replica, shared)
+                depth = max(depth, shared)
+        hot = lookup.hot
+        # 2. hot prefixes
+        new_k = None
+        if self.overflow is not None and hot is not None and depth > 0:
+            route, k, added = widen(
+                route,
+                replicas,
+                hot.rate_per_min,
+                hot.k,
+                self.overflow,
+                self.fixed_threshold_per_min,
+            )
+            if k != hot.k:
+                new_k = k
+                if k > hot.k:
+                    self.stats.widenings += 1
+                else:
+                    self.stats.shrinks += 1
+            if added:
+                self.stats.spread_requests += 1
+        # 3. the policy
+        decision = policy.decide(route, replicas, rng)
+        if decision is None:
+            return None
+        # 4. lead
+        flight = None
+        if self.flights is not None:
+            matched = route.overlap.get(decision.replica, 0)
+            uncached_tokens = (len(hashes) - matched) * route.tokens_per_block
+            if uncached_tokens >= self.min_hold_tokens:
+                target = next(r for r in replicas if r.id == decision.replica)
+                # its queue (this gateway's and, from the engine's metrics, others') + its own
+                expected_s = route.estimated_work(target) / self.prefill_tokens_per_s
+                ttl = max(self.max_hold_s, DEFAULT_HOLD_FACTOR * expected_s)
+                flight = await self.flights.lead(
+                    decision.replica, hashes[matched:], expected_s, ttl
+                )
+        return Placed(decision, route, flight, new_k)
+
+    async def _maybe_hold(
+        self,
+        route: RouteRequest,
+        replicas: Sequence[Replica],
+        hashes: Sequence[BlockHash],
+        lookup: Lookup,
+        depth: int,
+    ) -> tuple[str, int] | None:
+        """Wait for a leader writing this request's uncached prefix, if that is worth it: a
+        leader of this gateway first, else one another gateway announced through Redis.
+        Returns (the replica that now holds the prefix, its depth) when a leader landed."""
+        flights = self.flights
+        assert flights is not None
+        found = flights.find(hashes, depth)
+        if found is not None:
+            leader, shared = found
+            if not self._worth(route, replicas, leader.replica, depth, shared):
+                return None
+            timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * leader.expected_s)
+            ok = await flights.wait(leader, max(timeout, 0.001))
+            return (leader.replica, shared) if ok else None
+        marker, shared = lookup.writer, lookup.writer_depth
+        if marker is None or shared <= depth:
+            return None
+        state, key, replica, expected = [*marker.split("|"), "", "", ""][:4]
+        # a marker that says the leader already landed is not trusted here: the directory holds
+        # (or within a flush holds) its record, and a replica may have restarted since
+        if state != "pending" or not self._worth(route, replicas, replica, depth, shared):
+            return None
+        try:
+            expected_s = float(expected)
+        except ValueError:
+            expected_s = self.max_hold_s
+        timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * expected_s)
+        shared_markers = flights.shared
+        assert shared_markers is not None
+        block = hashes[shared - 1]
+        landed = await flights.wait_remote(
+            key, max(timeout, 0.001), lambda: shared_markers.read_marker(block)
+        )
+        if landed is None or not landed.startswith("ok|"):
+            return None
+        return landed.split("|")[2], shared
+
+    def _worth(
+        self, route: RouteRequest, replicas: Sequence[Replica], leader: str, depth: int, shared: int
+    ) -> bool:
+        return worth_holding(
+            route, replicas, leader, depth, shared, self.min_hold_tokens, self.bound
+        )

@@ -1,0 +1,92 @@
+"""Reconciliation: the engine's reported `cached_tokens` against the directory's prediction.
+
+The prediction for the serving replica is its matched blocks; block i covers the rendering's
+bytes up to 256·(i+1), which map to tokens proportionally (tokens = bytes · prompt_tokens /
+rendered bytes; no tokenizer on the gateway). When the engine read fewer tokens than predicted
+(beyond `SLACK_TOKENS` of granularity), the directory held entries the engine had evicted.
+
+The correction is LRU-consistent, not per chain: the request itself has just written its whole
+prompt again (it was recorded at its first token), so dropping its blocks would be wrong; what
+the miss proves is that the engine evicted an entry last used at time t — and an LRU engine
+evicts everything older first. So every entry of that replica last used at or before t (the
+deepest matched block's last use, which the lookup returned) is expired, in one O(1) step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from gateway.directory.routing import RoutingDirectory
+from gateway.pipeline.exchange import Exchange
+
+SLACK_TOKENS = 64
+"""Engines cache whole blocks (vLLM 16 tokens, SGLang pages up to 64) and recompute the last
+one: a shortfall within 64 tokens is granularity, not a wrong prediction."""
+
+
+@dataclass
+class ReconcileStats:
+    predicted_tokens: float = 0.0
+    engine_cached_tokens: int = 0
+    overestimates: int = 0
+    underestimates: int = 0
+    expiries: int = 0
+
+
+class Reconciler:
+    """An exchange observer: compares, exports the error, expires what the engine evicted."""
+
+    def __init__(
+        self, directory: RoutingDirectory, block_bytes: int, registry: CollectorRegistry
+    ) -> None:
+        self.directory = directory
+        self.block_bytes = block_bytes
+        self.stats = ReconcileStats()
+        self._error = Histogram(
+            "kvgate_prediction_error_ratio",
+            "(predicted - engine-reported cached tokens) / prompt tokens, per response.",
+            buckets=(-1.0, -0.5, -0.25, -0.1, -0.02, 0.02, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
+        self._tokens = Counter(
+            "kvgate_cached_tokens",
+            "Cached prompt tokens: predicted by the directory, and reported by the engines.",
+            ["source"],
+            registry=registry,
+        )
+
+    async def on_first_token(self, exchange: Exchange) -> None:
+        return None
+
+    async def on_finish(self, exchange: Exchange, ok: bool) -> None:
+        return None
+
+    async def on_usage(self, exchange: Exchange, usage: dict[str, Any]) -> None:
+        prompt_tokens = usage.get("prompt_tokens")
+        engine_cached = usage.get("engine_cached_tokens")
+        rendered = len(exchange.parsed.rendered)
+        if not isinstance(prompt_tokens, int) or prompt_tokens <= 0 or rendered == 0:
+            return
+        if not isinstance(engine_cached, int):
+            return
+        replica = exchange.replica.id
+        routed = exchange.routed
+        matched = routed.route.overlap.get(replica, 0)
+        predicted = min(matched * self.block_bytes, rendered) * prompt_tokens / rendered
+        stats = self.stats
+        stats.predicted_tokens += predicted
+        stats.engine_cached_tokens += engine_cached
+        self._tokens.labels("predicted").inc(predicted)
+        self._tokens.labels("engine").inc(engine_cached)
+        self._error.observe((predicted - engine_cached) / prompt_tokens)
+        if engine_cached + SLACK_TOKENS < predicted:
+            stats.overestimates += 1
+            last_use = routed.last_use.get(replica)
+            if last_use is not None:
+                stats.expiries += 1
+                await self.directory.expire(replica, last_use)
+        elif engine_cached > predicted + SLACK_TOKENS:
+            stats.underestimates += 1

@@ -1,0 +1,1 @@
+"""The composition root: the app built from settings, its lifespan, `kvgate serve`."""

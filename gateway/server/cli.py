@@ -1,0 +1,124 @@
+"""`kvgate serve`: run the gateway."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from router.registry import POLICIES
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="HTTP port (default 8080)")
+    parser.add_argument(
+        "--engine", action="append", dest="engines", metavar="URL", help="an engine replica URL"
+    )
+    parser.add_argument("--policy", choices=sorted(POLICIES), help="routing policy")
+    parser.add_argument(
+        "--tenant", action="append", dest="tenants", metavar="NAME:KEY", help="a tenant's key"
+    )
+    parser.add_argument("--config", type=Path, help="a YAML file of settings")
+    parser.add_argument("--server-secret-file", type=Path, help="file holding the server secret")
+    parser.add_argument(
+        "--redis-url",
+        help="Redis shared by the gateways (directory, rate limits): redis://, rediss://, unix://",
+    )
+    parser.add_argument(
+        "--debug-headers",
+        action="store_true",
+        default=None,
+        help="add x-kvgate-* routing headers to responses (operators only: leaks cache state)",
+    )
+    parser.add_argument("--log-level", help="debug, info, warning, error")
+    parser.add_argument(
+        "--tenants-file",
+        type=Path,
+        help="tenants, policies and key hashes (YAML or .json; kvgate tenants), reloaded on change",
+    )
+    parser.add_argument(
+        "--grpc-port", type=int, help="also serve gRPC (kvgate.v1.Gateway) on this port"
+    )
+    # -- Kubernetes discovery and tracing (issue 9; docs/operations.md) --
+    parser.add_argument(
+        "--discovery",
+        choices=("static", "kubernetes"),
+        help="static: the --engine list; kubernetes: also the engines' EndpointSlices",
+    )
+    parser.add_argument(
+        "--label-selector",
+        dest="discovery_label_selector",
+        help="which EndpointSlices are engines, e.g. kubernetes.io/service-name=vllm",
+    )
+    parser.add_argument(
+        "--namespace", dest="discovery_namespace", help="the engines' namespace (default: own)"
+    )
+    parser.add_argument(
+        "--port-name", dest="discovery_port_name", help="the EndpointSlice port to use, by name"
+    )
+    parser.add_argument("--kubeconfig", type=Path, help="a kubeconfig (default: in-cluster)")
+    parser.add_argument(
+        "--otlp-endpoint", help="export traces over OTLP/HTTP, e.g. http://collector:4318/v1/traces"
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from gateway.server.app import create_app
+    from gateway.settings import load_settings
+    from gateway.tenancy.tenant_file import TenantFileError
+
+    try:
+        settings = load_settings(
+            args.config,
+            host=args.host,
+            port=args.port,
+            engines=args.engines,
+            policy=args.policy,
+            tenants=args.tenants,
+            server_secret_file=args.server_secret_file,
+            redis_url=args.redis_url,
+            debug_headers=args.debug_headers,
+            log_level=args.log_level,
+            tenants_file=args.tenants_file,
+            grpc_port=args.grpc_port,
+            discovery=args.discovery,
+            discovery_label_selector=args.discovery_label_selector,
+            discovery_namespace=args.discovery_namespace,
+            discovery_port_name=args.discovery_port_name,
+            kubeconfig=args.kubeconfig,
+            otlp_endpoint=args.otlp_endpoint,
+        )
+    except ValidationError as exc:
+        print(f"kvgate serve: invalid settings:\n{exc}")
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if not settings.engines and settings.discovery == "static":
+        print(
+            "kvgate serve: no engines; pass --engine URL (repeatable), set KVGATE_ENGINES, "
+            "or discover them with --discovery kubernetes --label-selector SELECTOR"
+        )
+        return 2
+    try:
+        app = create_app(settings)
+    except TenantFileError as exc:
+        print(f"kvgate serve: {exc}")
+        return 2
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+        proxy_headers=False,
+        server_header=False,
+        date_header=False,
+    )
+    return 0

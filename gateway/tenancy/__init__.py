@@ -1,0 +1,1 @@
+"""Tenants: API keys, policies, the tenants file and its CLI."""

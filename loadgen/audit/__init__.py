@@ -1,0 +1,1 @@
+"""The Gu et al. timing audit of cache isolation."""

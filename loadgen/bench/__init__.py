@@ -1,0 +1,1 @@
+"""Benchmarks: each prints its numbers (docs/benchmarks.md)."""

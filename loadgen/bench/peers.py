@@ -1,0 +1,549 @@
+"""`kvgate bench`: kvgate against sglang-router and vllm-router, same engines, same trace, one run.
+
+Every arm replays the same trace slice (`loadgen.replay`, open loop, time-compressed) through
+one router in front of N freshly started simulated engines (`kvgate engine`), so every arm
+starts cold with the same KV capacity:
+
+    arm                      router process
+    kvgate:<policy>          kvgate serve --policy <policy>   (every registered policy)
+    sglang:cache_aware       python -m sglang_router.launch_router --policy cache_aware
+    vllm:cache_aware         vllm-router --policy cache_aware
+    vllm:round_robin         vllm-router --policy round_robin
+    client:round_robin       none: the replay client spreads requests over the engines
+
+Per arm it records errors, the hit ratio (engine-reported cached tokens / input tokens), TTFT
+mean / p50 / p99 as measured and in trace seconds, the router process's CPU per request (from
+/proc), and the machine's CPU busy share during the replay (the machine is shared: two cores
+run client, router and engines together). The single shared LRU of the same capacity and the
+round-robin prefill utilization come from `loadgen.sim` on the same slice, in the same run.
+
+Operating point: `--capacity-frac` sets each engine's KV capacity (F × the slice's unique
+512-token blocks ÷ N); `--utilization U` sets the engines' prefill rate so that round robin
+would keep the prefill servers U busy (by the simulator), else `--prefill-tokens-per-s`.
+`--time-scale auto` picks the largest compression (from 8× down) at which the machine stays
+under `AUTO_CPU_BUSY_LIMIT` while the client-side round-robin arm replays the slice's start.
+The peers are an optional extra (`pip install -e '.[bench]'`); a missing one is reported and
+the rest still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+
+from loadgen.engine.server import DEFAULT_MODEL
+from loadgen.engine.timing import (
+    DEFAULT_DECODE_S_PER_TOKEN,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    TimingModel,
+)
+from loadgen.harness import processes
+from loadgen.replay import ReplayOptions, ReplaySummary, replay, summarise
+from loadgen.sim import SimConfig, run_policies
+from loadgen.traces.readers import PromptSynthesizer, Trace, read_trace
+from router.registry import POLICIES
+
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[2].parent
+    / "shared"
+    / "traces"
+    / "mooncake"
+    / "conversation_trace.jsonl"
+)
+"""The Mooncake conversation trace, where the project's shared folder sits beside the repo."""
+DEFAULT_START = 4000
+"""The issue's slice: 2,000 requests from line 4,000 (a steady stretch of the hour)."""
+DEFAULT_REQUESTS = 2000
+DEFAULT_ENGINES = 4
+DEFAULT_CAPACITY_FRAC = 0.25
+DEFAULT_TIME_SCALE = "4"
+"""4× compression: ~14 requests/s of 12k-token prompts keeps two shared cores below saturation
+with client, router and four engines together (measured; `auto` re-measures)."""
+DEFAULT_MAX_OUTPUT_TOKENS = 64
+"""Outputs capped at 64 tokens: decode is not what routing changes, and it keeps replays short."""
+ENGINE_BLOCK_SIZE = 16
+AUTO_SCALES = (8.0, 6.0, 4.0, 3.0, 2.0, 1.0)
+AUTO_CPU_BUSY_LIMIT = 0.6
+"""`auto` keeps the router-less arm under 60% of the machine: routers add their own CPU."""
+AUTO_PROBE_REQUESTS = 150
+BENCH_KEY = "sk-bench"
+BLOCK_BYTES = 256
+"""kvgate's default block size in bytes, to size its directory from the engines' KV."""
+DEFAULT_DIRECTORY_SCALE = 8.0
+"""kvgate's directory holds 8x each engine's KV in entries, as its default capacity is sized
+(`cachemap.directory.DEFAULT_REPLICA_CAPACITY_BLOCKS`): an entry the engine has evicted costs
+one wrong guess, an entry forgotten too early sends a conversation away from its cache."""
+READY_TIMEOUT_S = 60.0
+
+ALL_PEER_ARMS = ("sglang:cache_aware", "vllm:cache_aware", "vllm:round_robin")
+
+
+@dataclass(frozen=True)
+class Arm:
+    kind: str
+    """kvgate, sglang, vllm or client."""
+    policy: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.policy}"
+
+
+def parse_arms(spec: str) -> list[Arm]:
+    """`all` or a comma-separated list of kind:policy names."""
+    if spec == "all":
+        names = [f"kvgate:{p}" for p in POLICIES] + [*ALL_PEER_ARMS, "client:round_robin"]
+    else:
+        names = [s.strip() for s in spec.split(",") if s.strip()]
+    valid = {f"kvgate:{p}" for p in POLICIES} | {*ALL_PEER_ARMS, "client:round_robin"}
+    arms = []
+    for name in names:
+        if name not in valid:
+            raise ValueError(f"unknown arm {name!r}; choose from {', '.join(sorted(valid))}")
+        kind, _, policy = name.partition(":")
+        arms.append(Arm(kind, policy))
+    return arms
+
+
+def peer_missing(arm: Arm) -> str | None:
+    """Why a peer arm cannot run here, or None."""
+    if arm.kind == "sglang" and importlib.util.find_spec("sglang_router") is None:
+        return "sglang-router is not installed (pip install -e '.[bench]')"
+    if arm.kind == "vllm" and _vllm_router_binary() is None:
+        return "vllm-router is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def _vllm_router_binary() -> str | None:
+    beside = Path(sys.executable).parent / "vllm-router"
+    if beside.exists():
+        return str(beside)
+    import shutil
+
+    return shutil.which("vllm-router")
+
+
+# -- CPU accounting -------------------------------------------------------------------------
+def _cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [float(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return sum(fields) - idle, sum(fields)
+
+
+class MachineLoad:
+    """The machine's CPU busy share between `start()` and `stop()` (all cores)."""
+
+    def __init__(self) -> None:
+        self._start = (0.0, 0.0)
+        self.busy_share = 0.0
+
+    def start(self) -> None:
+        self._start = _cpu_times()
+
+    def stop(self) -> float:
+        busy, total = _cpu_times()
+        dt = total - self._start[1]
+        self.busy_share = (busy - self._start[0]) / dt if dt > 0 else 0.0
+        return self.busy_share
+
+
+def background_load(seconds: float = 2.0) -> float:
+    """The machine's busy share while the bench does nothing: other users' load."""
+    load = MachineLoad()
+    load.start()
+    time.sleep(seconds)
+    return load.stop()
+
+
+# -- routers --------------------------------------------------------------------------------
+@dataclass
+class Router:
+    targets: tuple[str, ...]
+    pid: int | None
+    api_key: str | None
+
+
+def _wait_for_model(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """Until the router lists the model (its workers are registered), bounded."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"router at {url} exited with status {proc.returncode}")
+        try:
+            resp = httpx.get(url + "/v1/models", timeout=2.0)
+            if resp.status_code == 200 and DEFAULT_MODEL in resp.text:
+                return
+            last = f"{resp.status_code} {resp.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise TimeoutError(f"router at {url} not ready after {timeout_s:.0f} s: {last}")
+
+
+@contextlib.contextmanager
+def start_router(
+    arm: Arm, engine_urls: Sequence[str], directory_capacity_blocks: int
+) -> Iterator[Router]:
+    if arm.kind == "client":
+        yield Router(tuple(engine_urls), None, None)
+        return
+    if arm.kind == "kvgate":
+        env = {
+            "KVGATE_DIRECTORY_CAPACITY_BLOCKS": str(directory_capacity_blocks),
+            "KVGATE_SEED": "0",
+        }
+        args = ["--policy", arm.policy, "--tenant", f"bench:{BENCH_KEY}", "--log-level", "warning"]
+        with processes.gateway(engine_urls, args, env=env) as gw:
+            yield Router((gw.url,), gw.pid, BENCH_KEY)
+        return
+    port = processes.free_port()
+    metrics_port = processes.free_port()
+    if arm.kind == "sglang":
+        command = [sys.executable, "-m", "sglang_router.launch_router", "--log-level", "warn"]
+    else:
+        binary = _vllm_router_binary()
+        assert binary is not None, "peer_missing() is checked first"
+        command = [binary, "--log-level", "warning"]
+    command += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(metrics_port),
+        "--policy",
+        arm.policy,
+        "--worker-urls",
+        *engine_urls,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    popen = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = processes.Proc(arm.name, f"http://127.0.0.1:{port}", popen)
+    try:
+        _wait_for_model(proc.url, popen, READY_TIMEOUT_S)
+        yield Router((proc.url,), proc.pid, None)
+    finally:
+        processes.stop([proc])
+
+
+# -- one arm --------------------------------------------------------------------------------
+@dataclass
+class ArmResult:
+    arm: str
+    run: int
+    summary: ReplaySummary | None
+    router_cpu_ms_per_request: float | None
+    engines_cpu_ms_per_request: float
+    client_cpu_ms_per_request: float
+    machine_busy_share: float
+    note: str = ""
+    decisions: dict[str, int] = dataclasses.field(default_factory=dict)
+    """kvgate arms: the gateway's routing decisions by reason (prefix, load_bound, no_match)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    trace: Trace
+    num_engines: int
+    capacity_blocks: int
+    """Per engine, in engine blocks of 16 tokens."""
+    directory_capacity_blocks: int
+    prefill_tokens_per_s: float
+    decode_s_per_token: float
+    time_scale: float
+    max_output_tokens: int
+
+    def engine_args(self) -> list[str]:
+        return [
+            "--time-scale",
+            f"{self.time_scale:g}",
+            "--capacity-blocks",
+            str(self.capacity_blocks),
+            "--prefill-tokens-per-s",
+            f"{self.prefill_tokens_per_s:.1f}",
+            "--decode-ms-per-token",
+            f"{self.decode_s_per_token * 1e3:g}",
+            "--model",
+            DEFAULT_MODEL,
+        ]
+
+
+def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> ArmResult:
+    """Fresh engines, the arm's router, one open-loop replay; CPU from /proc around it."""
+    trace = trace or setup.trace
+    with (
+        processes.engines(setup.num_engines, setup.engine_args()) as engines,
+        start_router(arm, [e.url for e in engines], setup.directory_capacity_blocks) as router,
+    ):
+        options = ReplayOptions(
+            router.targets if len(router.targets) > 1 else router.targets[0],
+            (router.api_key,) if router.api_key else (),
+            time_scale=setup.time_scale,
+            max_output_tokens=setup.max_output_tokens,
+            label=f"{arm.name} (run {run})",
+        )
+        engine_cpu0 = sum(processes.cpu_seconds(e.pid) for e in engines)
+        router_cpu0 = processes.cpu_seconds(router.pid) if router.pid else 0.0
+        client_cpu0 = time.process_time()
+        load = MachineLoad()
+        load.start()
+        rows, wall = asyncio.run(replay(trace, options))
+        busy = load.stop()
+        n = max(len(rows), 1)
+        router_cpu = (
+            (processes.cpu_seconds(router.pid) - router_cpu0) / n * 1e3 if router.pid else None
+        )
+        engine_cpu = (sum(processes.cpu_seconds(e.pid) for e in engines) - engine_cpu0) / n
+        client_cpu = (time.process_time() - client_cpu0) / n
+        decisions = routing_decisions(router.targets[0]) if arm.kind == "kvgate" else {}
+    summary = summarise(rows, setup.time_scale, wall)
+    first_error = next((r.error for r in rows if not r.ok), "")
+    return ArmResult(
+        arm.name,
+        run,
+        summary,
+        router_cpu,
+        engine_cpu * 1e3,
+        client_cpu * 1e3,
+        busy,
+        note=first_error[:200],
+        decisions=decisions,
+    )
+
+
+def routing_decisions(gateway_url: str) -> dict[str, int]:
+    """`kvgate_routing_decisions_total` by reason, from the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(gateway_url + "/metrics", timeout=10.0).text
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvgate_routing_decisions_total":
+                reason = sample.labels.get("reason", "")
+                out[reason] = out.get(reason, 0) + int(sample.value)
+    return out
+
+
+def pick_time_scale(setup: Setup) -> tuple[float, list[tuple[float, float]]]:
+    """The largest scale in AUTO_SCALES whose router-less replay of the slice's start keeps the
+    machine under AUTO_CPU_BUSY_LIMIT; the probes as (scale, busy share)."""
+    probe = Trace(
+        setup.trace.name, setup.trace.block_size, setup.trace.requests[:AUTO_PROBE_REQUESTS]
+    )
+    probes: list[tuple[float, float]] = []
+    for scale in AUTO_SCALES:
+        trial = dataclasses.replace(setup, time_scale=scale)
+        result = run_arm(Arm("client", "round_robin"), trial, 0, probe)
+        probes.append((scale, result.machine_busy_share))
+        if result.machine_busy_share < AUTO_CPU_BUSY_LIMIT:
+            return scale, probes
+    return AUTO_SCALES[-1], probes
+
+
+# -- the command ----------------------------------------------------------------------------
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="a Mooncake-format trace")
+    parser.add_argument("--start", type=int, default=DEFAULT_START, help="first line (0-based)")
+    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
+    parser.add_argument("--engines", type=int, default=DEFAULT_ENGINES)
+    parser.add_argument("--capacity-frac", type=float, default=DEFAULT_CAPACITY_FRAC)
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=None,
+        help="set the prefill rate so round robin keeps prefill this busy (by the simulator)",
+    )
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S)
+    parser.add_argument(
+        "--decode-ms-per-token", type=float, default=DEFAULT_DECODE_S_PER_TOKEN * 1e3
+    )
+    parser.add_argument("--max-output-tokens", type=int, default=DEFAULT_MAX_OUTPUT_TOKENS)
+    parser.add_argument(
+        "--time-scale", default=DEFAULT_TIME_SCALE, help="K times faster than real, or 'auto'"
+    )
+    parser.add_argument(
+        "--arms",
+        default="all",
+        help="'all' or a comma-separated list, e.g. kvgate:cache_aware,sglang:cache_aware",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="run every arm this many times")
+    parser.add_argument(
+        "--directory-scale",
+        type=float,
+        default=DEFAULT_DIRECTORY_SCALE,
+        help="kvgate's directory capacity as a multiple of each engine's KV (default 8)",
+    )
+    parser.add_argument("--out", default="bench-results.md", help="markdown table (and .json)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    command = shlex.join(["kvgate", *getattr(args, "argv", [])])
+    try:
+        arms = parse_arms(args.arms)
+        if args.directory_scale <= 0:
+            raise ValueError("--directory-scale must be positive")
+        if args.engines < 1 or args.requests < 1 or args.repeat < 1:
+            raise ValueError("--engines, --requests and --repeat must be at least 1")
+        if args.utilization is not None and not 0 < args.utilization < 1:
+            raise ValueError("--utilization must be between 0 and 1")
+        if args.time_scale != "auto" and float(args.time_scale) <= 0:
+            raise ValueError("--time-scale must be positive or 'auto'")
+        trace = read_trace(args.trace, start=args.start, limit=args.requests)
+        if not trace.requests:
+            raise ValueError(f"{args.trace}: no requests from line {args.start}")
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]kvgate bench: {exc}[/]")
+        return 2
+
+    # the operating point, from the simulator on the same slice
+    timing = TimingModel(args.prefill_tokens_per_s, args.decode_ms_per_token / 1e3)
+    sim_config = SimConfig(
+        num_replicas=args.engines,
+        capacity_frac=args.capacity_frac,
+        timing=timing,
+        max_output_tokens=args.max_output_tokens,
+    )
+    refs, (rr,) = run_policies(trace, ["round_robin"], sim_config)
+    prefill_rate = args.prefill_tokens_per_s
+    if args.utilization is not None:
+        prefill_rate *= rr.prefill_utilization / args.utilization
+        sim_config = SimConfig(
+            num_replicas=args.engines,
+            capacity_frac=args.capacity_frac,
+            timing=TimingModel(prefill_rate, args.decode_ms_per_token / 1e3),
+            max_output_tokens=args.max_output_tokens,
+        )
+        refs, (rr,) = run_policies(trace, ["round_robin"], sim_config)
+    tokens_per_block = trace.block_size
+    capacity_tokens = refs.capacity_blocks_per_replica * tokens_per_block
+    synth = PromptSynthesizer(trace.block_size)
+    bytes_per_token = len(synth.block_text(0)[0].encode()) / trace.block_size
+    setup = Setup(
+        trace=trace,
+        num_engines=args.engines,
+        capacity_blocks=math.ceil(capacity_tokens / ENGINE_BLOCK_SIZE),
+        directory_capacity_blocks=max(
+            math.ceil(capacity_tokens * bytes_per_token / BLOCK_BYTES * args.directory_scale), 1
+        ),
+        prefill_tokens_per_s=prefill_rate,
+        decode_s_per_token=args.decode_ms_per_token / 1e3,
+        time_scale=1.0 if args.time_scale == "auto" else float(args.time_scale),
+        max_output_tokens=args.max_output_tokens,
+    )
+    background = background_load()
+    console.print(
+        f"[bold]kvgate bench[/]: {len(trace.requests):,} requests of {trace.name} from line "
+        f"{args.start} ({trace.span_s:,.0f} s of trace), {args.engines} engines × "
+        f"{setup.capacity_blocks:,} blocks of {ENGINE_BLOCK_SIZE} tokens (capacity frac "
+        f"{args.capacity_frac:g}), prefill {prefill_rate:,.0f} tokens/s, decode "
+        f"{args.decode_ms_per_token:g} ms/token, outputs ≤ {args.max_output_tokens}; kvgate's "
+        f"directory {setup.directory_capacity_blocks:,} entries per engine\n"
+        f"simulator on this slice: round robin prefill utilization {rr.prefill_utilization:.2f}; "
+        f"one shared LRU of the same capacity {refs.lru_reference_hit_ratio:.1%} hit ratio; "
+        f"ideal {refs.ideal_hit_ratio:.1%}\nbackground CPU load before the bench: "
+        f"{background:.0%} of {os.cpu_count()} cores"
+    )
+    if args.time_scale == "auto":
+        scale, probes = pick_time_scale(setup)
+        setup = dataclasses.replace(setup, time_scale=scale)
+        console.print(
+            "time scale auto: "
+            + ", ".join(f"{s:g}× → {b:.0%} busy" for s, b in probes)
+            + f"; using {scale:g}×"
+        )
+    results: list[ArmResult] = []
+    for run in range(1, args.repeat + 1):
+        for arm in arms:
+            missing = peer_missing(arm)
+            if missing:
+                console.print(f"[yellow]{arm.name}: skipped, {missing}[/]")
+                results.append(ArmResult(arm.name, run, None, None, 0.0, 0.0, 0.0, missing))
+                continue
+            try:
+                results.append(run_arm(arm, setup, run))
+                print(markdown_table(results[-1:], refs.lru_reference_hit_ratio, setup), flush=True)
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                console.print(f"[red]{arm.name}: failed to run: {exc}[/]")
+                results.append(ArmResult(arm.name, run, None, None, 0.0, 0.0, 0.0, str(exc)))
+    table = markdown_table(results, refs.lru_reference_hit_ratio, setup)
+    header = (
+        f"`{command}`\n\n{len(trace.requests):,} requests from line {args.start} of "
+        f"{trace.name}; {args.engines} engines, capacity frac {args.capacity_frac:g} "
+        f"({setup.capacity_blocks:,} engine blocks each), prefill {prefill_rate:,.0f} tokens/s "
+        f"(round-robin utilization {rr.prefill_utilization:.2f} by the simulator), decode "
+        f"{args.decode_ms_per_token:g} ms/token, outputs ≤ {args.max_output_tokens}, time scale "
+        f"{setup.time_scale:g}, kvgate's directory {args.directory_scale:g}x the engines' KV. "
+        f"One shared LRU of the same capacity: "
+        f"{refs.lru_reference_hit_ratio:.1%}. Background CPU load before the run: "
+        f"{background:.0%} of {os.cpu_count()} cores.\n\n"
+    )
+    print(header + table, flush=True)  # plain: a markdown table must not be re-wrapped
+    out = Path(args.out)
+    out.write_text(header + table)
+    payload = {
+        "command": command,
+        "setup": {
+            f.name: getattr(setup, f.name) for f in dataclasses.fields(setup) if f.name != "trace"
+        },
+        "trace": {"path": args.trace, "start": args.start, "requests": len(trace.requests)},
+        "lru_reference_hit_ratio": refs.lru_reference_hit_ratio,
+        "ideal_hit_ratio": refs.ideal_hit_ratio,
+        "round_robin_prefill_utilization_sim": rr.prefill_utilization,
+        "background_busy_share": background,
+        "results": [asdict(r) for r in results],
+    }
+    out.with_suffix(".json").write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2))
+    console.print(f"wrote {out} and {out.with_suffix('.json')}")
+    failed = [r for r in results if r.summary is not None and r.summary.errors]
+    return 1 if failed else 0
+
+
+def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> str:
+    k = setup.time_scale
+    lines = [
+        "| arm | run | requests | errors | hit ratio | of shared LRU | TTFT mean s | TTFT p50 s "
+        "| TTFT p99 s | TTFT mean (trace s) | TTFT p99 (trace s) | router CPU ms/req "
+        "| machine CPU busy |",
+        "| --- " + "| ---: " * 12 + "|",
+    ]
+    for r in results:
+        s = r.summary
+        if s is None:
+            lines.append(f"| {r.arm} | {r.run} | | | | | | | | | | | {r.note} |")
+            continue
+        cpu = "" if r.router_cpu_ms_per_request is None else f"{r.router_cpu_ms_per_request:.2f}"
+        lines.append(
+            f"| {r.arm} | {r.run} | {s.requests} | {s.errors} | {s.hit_ratio:.3f} | "
+            f"{s.hit_ratio / lru if lru else 0:.1%} | {s.ttft_mean_s:.3f} | {s.ttft_p50_s:.3f} | "
+            f"{s.ttft_p99_s:.3f} | {s.ttft_mean_s * k:.2f} | {s.ttft_p99_s * k:.2f} | {cpu} | "
+            f"{r.machine_busy_share:.0%} |"
+        )
+    decided = [r for r in results if r.decisions]
+    if decided:
+        lines.append("")
+        for r in decided:
+            reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(r.decisions.items()))
+            lines.append(f"{r.arm} (run {r.run}) routing decisions: {reasons}  ")
+    return "\n".join(lines) + "\n"

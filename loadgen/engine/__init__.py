@@ -1,0 +1,1 @@
+"""The simulated vLLM engine replica."""

@@ -1,0 +1,200 @@
+"""Real Redis servers for tests and benchmarks: never the instance on 6379.
+
+A standalone server listens on a unix socket in a temporary directory (no port at all); a
+cluster is three masters on free loopback ports. Where a Docker engine answers, testcontainers
+runs the standalone server instead; here (no Docker engine) the local `redis-server` binary runs.
+Servers keep nothing on disk (`--save ""`, no AOF) unless a test asks for persistence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadgen.harness.processes import free_port
+
+START_TIMEOUT_S = 20.0
+
+
+def docker_engine_available() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _wait_for(predicate: object, what: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not up after {START_TIMEOUT_S} s")
+        time.sleep(0.02)
+
+
+def _ping(args: Sequence[str]) -> bool:
+    result = subprocess.run(["redis-cli", *args, "ping"], capture_output=True, text=True)
+    return result.stdout.strip() == "PONG"
+
+
+@dataclass
+class RedisServer:
+    """One redis-server process (port or unix socket) that a test may stop and restart."""
+
+    workdir: Path
+    port: int = 0
+    host: str = "127.0.0.1"
+    extra: Sequence[str] = ()
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def socket(self) -> Path:
+        return self.workdir / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        if self.port:
+            return f"redis://{self.host}:{self.port}"
+        return f"unix://{self.socket}"
+
+    def cli_args(self) -> list[str]:
+        if self.port:
+            return ["-h", self.host, "-p", str(self.port)]
+        return ["-s", str(self.socket)]
+
+    def start(self) -> None:
+        args = [
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--logfile",
+            str(self.workdir / "redis.log"),
+        ]
+        if not self.port:
+            args += ["--unixsocket", str(self.socket), "--unixsocketperm", "700"]
+        self.proc = subprocess.Popen([*args, *self.extra])
+        _wait_for(lambda: _ping(self.cli_args()), f"redis-server {self.url}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def cli(self, *command: str) -> str:
+        result = subprocess.run(
+            ["redis-cli", *self.cli_args(), *command], capture_output=True, text=True, check=True
+        )
+        return result.stdout
+
+
+@contextlib.contextmanager
+def redis_server(port: int | None = None, extra: Sequence[str] = ()) -> Iterator[RedisServer]:
+    """A standalone server; `port=None` means a unix socket, `port=0` a free TCP port."""
+    if (
+        docker_engine_available() and port is None and not extra
+    ):  # pragma: no cover - no Docker here
+        from testcontainers.redis import RedisContainer
+
+        with RedisContainer() as container:
+            host = container.get_container_host_ip()
+            mapped = int(container.get_exposed_port(6379))
+            yield RedisServer(Path(tempfile.gettempdir()), port=mapped, host=host)
+        return
+    with tempfile.TemporaryDirectory(prefix="kvgate-redis-") as tmp:
+        server = RedisServer(Path(tmp), port=free_port() if port == 0 else (port or 0), extra=extra)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 < 65536:
+            try:
+                import socket
+
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+@dataclass
+class RedisCluster:
+    """Three masters on free loopback ports, slots spread by `redis-cli --cluster create`."""
+
+    nodes: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    @property
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        return [(n.host, n.port) for n in self.nodes]
+
+
+@contextlib.contextmanager
+def redis_cluster(num_masters: int = 3) -> Iterator[RedisCluster]:
+    with tempfile.TemporaryDirectory(prefix="kvgate-cluster-") as tmp:
+        nodes = []
+        try:
+            for i in range(num_masters):
+                workdir = Path(tmp) / f"node{i}"
+                workdir.mkdir()
+                node = RedisServer(
+                    workdir,
+                    port=_free_cluster_port(),
+                    extra=(
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(workdir / "nodes.conf"),
+                        "--cluster-node-timeout",
+                        "2000",
+                    ),
+                )
+                node.start()
+                nodes.append(node)
+            subprocess.run(
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *[f"127.0.0.1:{n.port}" for n in nodes],
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                capture_output=True,
+                check=True,
+                timeout=60,
+            )
+            _wait_for(
+                lambda: all("cluster_state:ok" in n.cli("cluster", "info") for n in nodes),
+                "redis cluster",
+            )
+            yield RedisCluster(nodes)
+        finally:
+            for node in nodes:
+                node.stop()

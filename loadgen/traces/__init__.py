@@ -1,0 +1,1 @@
+"""Public request traces: their readers, and the trace data with its license."""

@@ -1,0 +1,77 @@
+"""A small `kvgate bench`: every arm on fresh engines, one table, peers when installed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvgate_cli import main
+from loadgen.bench.peers import Arm, parse_arms, peer_missing
+from router.registry import POLICIES
+from tests.loadgen.test_traces import CONVERSATION
+
+pytestmark = pytest.mark.e2e
+
+
+def test_arms_are_parsed_and_unknown_ones_named() -> None:
+    assert [a.name for a in parse_arms("kvgate:cache_aware, client:round_robin")] == [
+        "kvgate:cache_aware",
+        "client:round_robin",
+    ]
+    everything = {a.name for a in parse_arms("all")}
+    assert {f"kvgate:{p}" for p in POLICIES} <= everything
+    assert {"sglang:cache_aware", "vllm:cache_aware", "vllm:round_robin"} <= everything
+    with pytest.raises(ValueError, match="unknown arm 'haproxy:roundrobin'; choose from"):
+        parse_arms("haproxy:roundrobin")
+    assert peer_missing(Arm("kvgate", "cache_aware")) is None
+
+
+def test_a_small_bench_runs_every_arm_and_writes_one_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.md"
+    arms = "kvgate:cache_aware,sglang:cache_aware,vllm:cache_aware,client:round_robin"
+    argv = [
+        "bench",
+        "--trace",
+        str(CONVERSATION),
+        "--start",
+        "4000",
+        "--requests",
+        "40",
+        "--engines",
+        "2",
+        "--arms",
+        arms,
+        "--time-scale",
+        "50",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "kvgate bench --trace" in printed  # the command line is printed with the results
+    table = out.read_text()
+    payload = orjson.loads(out.with_suffix(".json").read_bytes())
+    rows = {r["arm"]: r for r in payload["results"]}
+    assert list(rows) == arms.split(",")
+    for name, row in rows.items():
+        missing = peer_missing(Arm(*name.split(":")))
+        if missing:  # the peers are an optional extra: said plainly, the rest still ran
+            assert row["summary"] is None and "pip install -e '.[bench]'" in row["note"]
+            continue
+        assert row["summary"]["requests"] == 40 and row["summary"]["errors"] == 0, row["note"]
+        assert f"| {name} | 1 | 40 | 0 |" in table
+        if name != "client:round_robin":
+            assert row["router_cpu_ms_per_request"] > 0
+    assert payload["lru_reference_hit_ratio"] > 0
+    assert 0 <= payload["background_busy_share"] <= 1
+
+
+def test_bad_bench_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--arms", "kvgate:fastest"]) == 2
+    assert "unknown arm" in capsys.readouterr().out
+    assert main(["bench", "--utilization", "1.5"]) == 2
+    assert "--utilization must be between 0 and 1" in capsys.readouterr().out

@@ -1,0 +1,63 @@
+"""A small version of `make run` and of the CPU benchmark, as subprocesses on loopback."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from loadgen.bench.cpu import add_bench_cpu_arguments, run_bench_cpu
+from loadgen.demo import add_demo_arguments, run_policy
+from loadgen.workloads import agent_day, count_requests
+
+pytestmark = pytest.mark.e2e
+
+
+def _args(add: object, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add(parser)  # type: ignore[operator]
+    return parser.parse_args(list(argv))
+
+
+def test_the_agent_day_is_about_thirty_requests() -> None:
+    assert 28 <= count_requests(agent_day()) <= 32
+
+
+def test_cache_aware_beats_round_robin_on_the_agent_day() -> None:
+    args = _args(add_demo_arguments, "--time-scale", "50")
+    cache_aware = run_policy(args, "cache_aware")
+    round_robin = run_policy(args, "round_robin")
+    assert cache_aware.errors == round_robin.errors == 0
+    assert cache_aware.requests == count_requests(agent_day())
+    assert cache_aware.hit_ratio > round_robin.hit_ratio + 0.1
+
+
+def test_the_cpu_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_bench_cpu(_args(add_bench_cpu_arguments, "--requests", "200")) == 0
+    out = capsys.readouterr().out
+    assert "through kvgate" in out and "direct to engine" in out
+
+
+@pytest.mark.redis
+def test_the_directory_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadgen.bench.directory import add_bench_directory_arguments, run_bench_directory
+
+    args = _args(
+        add_bench_directory_arguments,
+        *("--lookups", "50", "--chains", "4", "--memory-entries", "2048", "--concurrency", "4"),
+    )
+    assert run_bench_directory(args) == 0
+    out = capsys.readouterr().out
+    assert "redis cluster (3 masters)" in out and "B per cached block entry" in out
+
+
+def test_the_fanout_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from loadgen.bench.fanout import add_bench_fanout_arguments, run_bench_fanout
+
+    args = _args(
+        add_bench_fanout_arguments,
+        *("--skip-hold", "--seconds", "2", "--rate", "10", "--engines", "2", "--time-scale", "10"),
+    )
+    assert run_bench_fanout(args) == 0
+    out = capsys.readouterr().out
+    assert "hot spine" in out and "imbalance" in out

@@ -1,0 +1,158 @@
+"""Fan-out held until the first write lands, and hot prefixes spread — through the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+
+from loadgen.engine.timing import TimingModel
+from loadgen.text import words
+from tests.clients import director
+from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of
+from tests.servers import Served
+
+pytestmark = pytest.mark.e2e
+
+REAL_TIME = TimingModel(prefill_tokens_per_s=6_500, decode_s_per_token=0.001)
+"""Real-time prefill, so siblings sent together overlap the leader's ~0.6 s write."""
+SHARED_TOKENS = 4_000
+SYSTEM = "You are a subagent." + words("fanout/system", SHARED_TOKENS // 2)
+CONTEXT = "Shared context:" + words("fanout/context", SHARED_TOKENS // 2)
+
+
+def sibling(i: int, tag: str = "") -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": SYSTEM},
+        {
+            "role": "user",
+            "content": CONTEXT + f"\n\nSubtask {tag}{i}:" + words(f"task{tag}{i}", 100),
+        },
+    ]
+
+
+async def send_all(gateway: Served, batches: list[tuple[str, list[dict[str, Any]]]]) -> list[Any]:
+    clients = {
+        key: openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
+        for key in {k for k, _ in batches}
+    }
+
+    async def one(key: str, messages: list[dict[str, Any]]) -> Any:
+        try:
+            raw = await clients[key].chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=2
+            )
+            return raw.parse(), raw.headers["x-kvgate-replica"]
+        except openai.APIStatusError as exc:
+            return exc
+
+    try:
+        return await asyncio.gather(*(one(k, m) for k, m in batches))
+    finally:
+        for c in clients.values():
+            await c.close()
+
+
+def computed_tokens(engines: list[Served]) -> int:
+    """Prompt tokens the engines prefilled (not read from their caches)."""
+    total = 0
+    for e in engines:
+        counters = engine_of(e).core.counters
+        total += counters.prompt_tokens - counters.cached_tokens
+    return total
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_sixteen_parallel_siblings_write_their_shared_prefix_once(
+    hold: bool, start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    engines = start_engines(4, timing=REAL_TIME)
+    gateway = start_gateway(engines, fanout_hold=hold, engine_prefill_tokens_per_s=6_500)
+    results = asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i)) for i in range(16)]))
+    assert all(isinstance(r, tuple) for r in results), results
+    cached = sorted(r[0].usage.engine_cached_tokens for r in results)
+    computed = computed_tokens(engines)
+    if hold:
+        # one write, fifteen reads of the shared prefix: all on the leader's replica
+        assert cached[0] == 0
+        assert all(c >= SHARED_TOKENS - 32 for c in cached[1:]), cached
+        assert len({r[1] for r in results}) == 1
+        assert computed < SHARED_TOKENS + 16 * 200
+        stats = director(gateway).placement.flights.stats  # type: ignore[union-attr]
+        assert stats.holds == 15 and stats.released_landed == 15 and stats.timeouts == 0
+    else:
+        # without holding, siblings started before the first write landed each wrote it again
+        assert sum(1 for c in cached if c < SHARED_TOKENS // 2) >= 2
+        assert computed > 2 * SHARED_TOKENS
+
+
+def test_a_failed_leader_releases_its_siblings_at_once(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    engines = start_engines(1, timing=REAL_TIME, fail_first_bytes=1)
+    gateway = start_gateway(
+        engines, max_attempts=1, engine_prefill_tokens_per_s=6_500, fanout_max_hold_s=30
+    )
+    results = asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i)) for i in range(6)]))
+    failed = [r for r in results if isinstance(r, openai.APIStatusError)]
+    assert len(failed) == 1 and failed[0].status_code == 502  # the leader
+    stats = director(gateway).placement.flights.stats  # type: ignore[union-attr]
+    assert stats.released_failed == 5 and stats.timeouts == 0
+    assert max(stats.hold_seconds) < 1.0  # released by the failure, not by the 30-s bound
+    assert all(isinstance(r, tuple) for r in results if r not in failed)
+
+
+def test_siblings_of_different_tenants_are_never_held_for_each_other(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    engines = start_engines(4, timing=REAL_TIME)
+    gateway = start_gateway(engines, engine_prefill_tokens_per_s=6_500)
+    batch = [(TENANT_KEY, sibling(i)) for i in range(8)] + [
+        (OTHER_KEY, sibling(i)) for i in range(8)
+    ]
+    results = asyncio.run(send_all(gateway, batch))
+    assert all(isinstance(r, tuple) for r in results)
+    cached = [r[0].usage.engine_cached_tokens for r in results]
+    # one write per tenant: each tenant's first sibling paid, its seven others read
+    assert sorted(cached[:8])[0] == 0 and min(sorted(cached[:8])[1:]) >= SHARED_TOKENS - 32
+    assert sorted(cached[8:])[0] == 0 and min(sorted(cached[8:])[1:]) >= SHARED_TOKENS - 32
+    stats = director(gateway).placement.flights.stats  # type: ignore[union-attr]
+    assert stats.holds == 14
+
+
+def test_a_hot_spine_spreads_over_more_replicas(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    engines = start_engines(4)  # fast engines: no queue ever builds, the load bound never trips
+
+    def run(**overrides: Any) -> set[str]:
+        gateway = start_gateway(engines, **overrides)
+        places: list[str] = []
+        for i in range(40):
+            results = asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i, tag="hot"))]))
+            places.append(results[0][1])
+        return set(places[10:])  # after the rate has built up
+
+    assert len(run(overflow=False)) == 1
+    # a threshold of 10 requests per minute per replica: 40 requests in a few seconds is hot
+    assert len(run(overflow=True, overflow_threshold_per_min=10, fanout_hold=False)) >= 3
+
+
+def test_holds_and_overflow_are_exported(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    import httpx
+
+    engines = start_engines(2, timing=REAL_TIME)
+    gateway = start_gateway(engines, engine_prefill_tokens_per_s=6_500)
+    asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i)) for i in range(4)]))
+    asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(5))]))  # matches the shared prefix
+    text = httpx.get(gateway.url + "/metrics").text
+    assert "kvgate_fanout_holds_total 3.0" in text
+    assert 'kvgate_fanout_releases_total{reason="landed"} 3.0' in text
+    assert "kvgate_fanout_hold_seconds_count 3.0" in text
+    assert "kvgate_hot_prefix_rate_per_min{prefix=" in text
+    assert "kvgate_overflow_widenings_total" in text

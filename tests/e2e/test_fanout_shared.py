@@ -1,0 +1,78 @@
+"""Holds and hot-prefix rates shared by two gateways through one Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+import redis
+
+from tests.clients import director
+from tests.conftest import MODEL, TENANT_KEY
+from tests.e2e.test_fanout import REAL_TIME, SHARED_TOKENS, computed_tokens, send_all, sibling
+from tests.servers import Served, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.redis]
+
+SHARED = {"redis_deadline_s": 0.5, "server_secret": "fleet", "engine_prefill_tokens_per_s": 6_500}
+
+
+def test_siblings_at_two_gateways_wait_for_one_leader(
+    fresh_redis: Any,
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+) -> None:
+    engines = start_engines(4, timing=REAL_TIME)
+    a, b = (start_gateway(engines, redis_url=fresh_redis.url, **SHARED) for _ in range(2))
+    markers = redis.Redis.from_url(fresh_redis.url)
+
+    def leader() -> Any:
+        with openai.OpenAI(base_url=a.url + "/v1", api_key=TENANT_KEY, max_retries=0) as c:
+            return c.chat.completions.create(model=MODEL, messages=sibling(0), max_tokens=2)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(leader)
+        # the leader has announced its write (its markers are in Redis)
+        wait_until(lambda: any(True for _ in markers.scan_iter(match="kvg:*:w")), what="markers")
+        batch = [(TENANT_KEY, sibling(i)) for i in range(1, 16)]
+
+        async def both() -> list[list[Any]]:
+            return list(await asyncio.gather(send_all(b, batch[:8]), send_all(a, batch[8:])))
+
+        results_b, results_a = asyncio.run(both())
+        leader_reply = first.result(timeout=30)
+    markers.close()
+    # eight siblings at B waited for A's leader (through Redis), seven at A (in process)
+    assert leader_reply.usage.engine_cached_tokens == 0
+    for r in results_a + results_b:
+        assert isinstance(r, tuple) and r[0].usage.engine_cached_tokens >= SHARED_TOKENS - 32
+    stats_b = director(b).placement.flights.stats  # type: ignore[union-attr]
+    assert stats_b.holds == 8 and stats_b.released_landed == 8 and stats_b.timeouts == 0
+    assert computed_tokens(engines) < SHARED_TOKENS + 16 * 200
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_two_gateways_add_up_one_rate(
+    shared: bool,
+    fresh_redis: Any,
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+) -> None:
+    engines = start_engines(4)
+    extra: dict[str, Any] = {"overflow_threshold_per_min": 60, "fanout_hold": False}
+    if shared:
+        extra |= {"redis_url": fresh_redis.url, "redis_deadline_s": 0.5}
+    a, b = (start_gateway(engines, server_secret="fleet", **extra) for _ in range(2))
+    for i in range(16):  # 8 each within seconds: 48/min alone, 96/min together; threshold 60
+        gateway = (a, b)[i % 2]
+        asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i, tag="rate"))]))
+        wait_until(lambda g=gateway: director(g).directory.idle, what="record flushed")
+    widenings = sum(director(g).placement.stats.widenings for g in (a, b))
+    if shared:
+        assert widenings >= 1
+    else:
+        assert widenings == 0

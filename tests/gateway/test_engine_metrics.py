@@ -1,0 +1,92 @@
+"""What an engine's /metrics says, for vLLM's names and SGLang's, from expositions written by
+prometheus_client itself (the library both engines use)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.fleet.engine_metrics import EngineMetrics, parse_engine_metrics
+
+LABELS = ("model_name", "engine")
+MODEL = ("meta-llama/Llama-3.1-8B-Instruct", "0")
+
+
+def vllm_page(*, running: int, waiting: int, queries: int, hits: int) -> str:
+    """A vLLM-shaped page: the gauges and counters kvgate reads among many histograms."""
+    registry = CollectorRegistry()
+    for i in range(12):  # the bulk of a real page: latency histograms kvgate never reads
+        Histogram(
+            f"vllm:histogram_{i}_seconds",
+            "A latency.",
+            LABELS,
+            buckets=[b / 10 for b in range(1, 30)],
+            registry=registry,
+        ).labels(*MODEL).observe(0.3)
+    Gauge("vllm:num_requests_running", "Running.", LABELS, registry=registry).labels(*MODEL).set(
+        running
+    )
+    Gauge("vllm:num_requests_waiting", "Waiting.", LABELS, registry=registry).labels(*MODEL).set(
+        waiting
+    )
+    Gauge("vllm:kv_cache_usage_perc", "KV usage.", LABELS, registry=registry).labels(*MODEL).set(
+        0.75
+    )
+    Counter("vllm:prefix_cache_queries", "Queries.", LABELS, registry=registry).labels(*MODEL).inc(
+        queries
+    )
+    Counter("vllm:prefix_cache_hits", "Hits.", LABELS, registry=registry).labels(*MODEL).inc(hits)
+    Gauge("process_start_time_seconds", "Start.", registry=registry).set(1_700_000_123.25)
+    return generate_latest(registry).decode()
+
+
+def test_vllm_names_among_histograms() -> None:
+    page = vllm_page(running=3, waiting=5, queries=1000, hits=400)
+    assert page.count("\n") > 400  # the histograms really are there, and skipped
+    assert parse_engine_metrics(page) == EngineMetrics(
+        num_running=3.0,
+        num_waiting=5.0,
+        kv_usage=0.75,
+        prefix_queries=1000.0,
+        prefix_hits=400.0,
+        start_time_s=1_700_000_123.25,
+    )
+
+
+def test_sglang_names_summed_over_label_sets() -> None:
+    registry = CollectorRegistry()
+    labels = ("model_name", "tp_rank")
+    running = Gauge("sglang:num_running_reqs", "Running.", labels, registry=registry)
+    running.labels("m", "0").set(4)  # one series per data-parallel rank: summed
+    running.labels("m", "1").set(3)
+    Gauge("sglang:num_queue_reqs", "Queued.", ["model_name"], registry=registry).labels("m").set(9)
+    Gauge("sglang:token_usage", "Token usage.", ["model_name"], registry=registry).labels("m").set(
+        0.5
+    )
+    cached = Counter(
+        "sglang:cached_tokens", "Cached tokens.", ["model_name", "cache_source"], registry=registry
+    )
+    cached.labels("m", "device").inc(300)
+    cached.labels("m", "host").inc(20)
+    Counter("sglang:prompt_tokens", "Prompt tokens.", ["model_name"], registry=registry).labels(
+        "m"
+    ).inc(900)
+    metrics = parse_engine_metrics(generate_latest(registry).decode())
+    assert metrics == EngineMetrics(
+        num_running=7.0, num_waiting=9.0, kv_usage=0.5, prefix_queries=900.0, prefix_hits=320.0
+    )
+    assert metrics.start_marker is None
+
+
+def test_counters_that_went_backwards_are_a_restart() -> None:
+    before = parse_engine_metrics(vllm_page(running=0, waiting=0, queries=1000, hits=400))
+    after = parse_engine_metrics(vllm_page(running=0, waiting=0, queries=1001, hits=401))
+    assert not after.restarted_since(before)
+    unmarked = EngineMetrics(prefix_queries=10.0, prefix_hits=2.0)
+    assert unmarked.restarted_since(EngineMetrics(prefix_queries=11.0, prefix_hits=1.0))
+
+
+def test_an_empty_or_foreign_page_says_nothing() -> None:
+    assert parse_engine_metrics("") == EngineMetrics()
+    assert parse_engine_metrics("# HELP other_total x\n# TYPE other_total counter\n") == (
+        EngineMetrics()
+    )

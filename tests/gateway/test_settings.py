@@ -1,0 +1,58 @@
+"""Settings: flags over environment over the YAML file over defaults; clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.errors import TenantError
+from gateway.settings import DEFAULT_PORT, load_settings
+from gateway.tenancy.registry import TenantRegistry, bearer_key, derive_salt
+
+
+def test_precedence_flags_env_file_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(
+        "port: 9001\npolicy: round_robin\nengines: ['http://a:1']\nblock_bytes: 128\n"
+    )
+    monkeypatch.setenv("KVGATE_POLICY", "least_load")
+    monkeypatch.setenv("KVGATE_ENGINES", '["http://b:2/"]')
+    settings = load_settings(config, port=9002)
+    assert settings.port == 9002  # flag
+    assert settings.policy == "least_load"  # env beats the file
+    assert settings.engines == ["http://b:2"]  # env, trailing slash dropped
+    assert settings.block_bytes == 128  # file
+    assert load_settings().port == DEFAULT_PORT
+
+
+def test_bad_settings_name_the_problem() -> None:
+    with pytest.raises(
+        ValidationError, match="unknown policy 'fastest'; choose one of cache_aware"
+    ):
+        load_settings(policy="fastest")
+    with pytest.raises(ValidationError, match="must start with http"):
+        load_settings(engines=["localhost:8000"])
+    with pytest.raises(ValidationError, match="NAME:KEY"):
+        load_settings(tenants=["nokey"])
+
+
+def test_keys_are_kept_hashed_and_salts_are_per_tenant() -> None:
+    registry = TenantRegistry.from_pairs(b"secret", ["acme:sk-1", "globex:sk-2"])
+    assert "sk-1" not in repr(registry.__dict__)
+    acme = registry.authenticate("sk-1")
+    assert acme.name == "acme" and acme.salt == derive_salt(b"secret", "tenant:acme")
+    assert registry.authenticate("sk-2").salt != acme.salt
+    assert (
+        TenantRegistry.from_pairs(b"rotated", ["acme:sk-1"]).authenticate("sk-1").salt != acme.salt
+    )
+    with pytest.raises(TenantError, match="invalid API key"):
+        registry.authenticate("sk-3")
+    with pytest.raises(TenantError, match="no tenants configured"):
+        TenantRegistry.from_pairs(b"s", []).authenticate("sk-1")
+    assert bearer_key("Bearer abc") == "abc"
+    assert bearer_key("Basic abc") is None
+    assert bearer_key(None) is None

@@ -1,0 +1,300 @@
+"""One contract, three stores: the in-process directory, a real redis-server and a real 3-master
+Redis Cluster. Chains and replica names are unique per test, so tests share the servers."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+import redis
+
+from cachemap.keys import BlockHash, chain_hashes, root_hash
+from cachemap.memory import MemoryDirectory, MemoryIndex
+from cachemap.redis.directory import RedisDirectory, block_keys, open_redis
+from loadgen.harness.redis_servers import RedisServer
+
+pytestmark = pytest.mark.redis
+
+STORES = ("memory", "redis", "cluster")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Store:
+    """A directory under test plus the means to drive it."""
+
+    def __init__(self, kind: str, make: Callable[..., Coroutine[Any, Any, Any]], clock: Clock):
+        self.kind = kind
+        self.make = make
+        self.clock = clock
+        self.prefix = uuid.uuid4().hex
+
+    def chain(self, name: str, n: int) -> list[BlockHash]:
+        data = (self.prefix + name).encode() * (16 * n)
+        return chain_hashes(data[: 16 * n * 16], root_hash(b"salt", self.prefix + name), 16)[:n]
+
+    def replica(self, name: str) -> str:
+        return f"http://{self.prefix[:8]}-{name}:8000"
+
+
+@pytest.fixture(params=STORES)
+async def store(
+    request: pytest.FixtureRequest, redis_url: str, redis_cluster_url: str
+) -> AsyncIterator[Store]:
+    async for s in _store(request.param, redis_url, redis_cluster_url):
+        yield s
+
+
+@pytest.fixture(params=("redis", "cluster"))
+async def shared_store(
+    request: pytest.FixtureRequest, redis_url: str, redis_cluster_url: str
+) -> AsyncIterator[Store]:
+    """The shared stores only: what many gateways see together."""
+    async for s in _store(request.param, redis_url, redis_cluster_url):
+        yield s
+
+
+async def _store(kind: str, redis_url: str, redis_cluster_url: str) -> AsyncIterator[Store]:
+    clock = Clock()
+    opened: list[Any] = []
+
+    async def make(capacity_blocks: int = 1000, ttl_s: float = 60.0) -> Any:
+        if kind == "memory":
+            return MemoryDirectory(
+                MemoryIndex(capacity_blocks=capacity_blocks, ttl_s=ttl_s, clock=clock)
+            )
+        url = redis_url if kind == "redis" else redis_cluster_url
+        client = await open_redis(url)
+        directory = RedisDirectory(
+            client, capacity_blocks=capacity_blocks, ttl_s=ttl_s, clock=clock
+        )
+        await directory.start()
+        opened.append(directory)
+        return directory
+
+    yield Store(kind, make, clock)
+    for directory in opened:
+        await directory.close()
+
+
+def named(directory: Any, store: Store, *names: str) -> None:
+    if isinstance(directory, RedisDirectory):
+        directory.register(store.replica(n) for n in names)
+
+
+async def test_lookup_returns_contiguous_leading_depth_and_stops_at_the_first_miss(
+    store: Store,
+) -> None:
+    d = await store.make()
+    r1, r2, r3 = (store.replica(n) for n in ("r1", "r2", "r3"))
+    named(d, store, "r1", "r2", "r3")
+    a = store.chain("a", 6)
+    await d.record(r1, a[:4])
+    await d.record(r2, a[:2])
+    await d.record(r3, a[1:5])  # no block 0: no usable prefix
+    assert await d.lookup(a) == {r1: 4, r2: 2}
+    assert await d.lookup(store.chain("b", 3)) == {}
+    assert await d.lookup([]) == {}
+    await d.record(r1, a[5:6])  # a gap at block 4: still 4
+    assert (await d.lookup(a))[r1] == 4
+
+
+async def test_ttl_refreshed_on_use(store: Store) -> None:
+    d = await store.make(ttl_s=60)
+    r1 = store.replica("r1")
+    named(d, store, "r1")
+    a = store.chain("a", 3)
+    await d.record(r1, a)
+    store.clock.now += 59
+    assert await d.lookup(a) == {r1: 3}
+    await d.record(r1, a[:1])
+    store.clock.now += 2
+    assert await d.lookup(a) == {r1: 1}
+    store.clock.now += 60
+    assert await d.lookup(a) == {}
+
+
+async def test_capacity_bounds_what_matches_and_keeps_the_recent(store: Store) -> None:
+    capacity = 40
+    d = await store.make(capacity_blocks=capacity)
+    r1 = store.replica("r1")
+    named(d, store, "r1")
+    chains = [store.chain(f"c{i}", 10) for i in range(12)]  # 120 blocks recorded, capacity 40
+    for c in chains:
+        await d.record(r1, c)
+    matched = [(await d.lookup(c)).get(r1, 0) for c in chains]
+    assert sum(matched) <= capacity
+    assert matched[-1] == 10  # the most recent chain is whole
+    assert matched[0] == 0  # the oldest is gone
+
+
+async def test_drop_removes_what_the_engine_did_not_hold(store: Store) -> None:
+    d = await store.make()
+    r1, r2 = store.replica("r1"), store.replica("r2")
+    named(d, store, "r1", "r2")
+    a = store.chain("a", 4)
+    await d.record(r1, a)
+    await d.record(r2, a)
+    await d.drop(r1, a[2:])
+    assert await d.lookup(a) == {r1: 2, r2: 4}
+
+
+async def test_forget_stops_matching_at_once_and_the_replica_starts_afresh(store: Store) -> None:
+    d = await store.make()
+    r1, r2 = store.replica("r1"), store.replica("r2")
+    named(d, store, "r1", "r2")
+    a = store.chain("a", 5)
+    await d.record(r1, a)
+    await d.record(r2, a[:2])
+    await d.forget(r1)
+    assert await d.lookup(a) == {r2: 2}
+    await d.record(r1, a[:3])
+    assert await d.lookup(a) == {r1: 3, r2: 2}
+
+
+async def test_two_directories_on_one_redis_share_everything(shared_store: Store) -> None:
+    store = shared_store
+    first, second = await store.make(), await store.make()
+    r1 = store.replica("r1")
+    named(first, store, "r1")
+    named(second, store, "r1")
+    a = store.chain("a", 4)
+    await first.record(r1, a)
+    assert await second.lookup(a) == {r1: 4}
+    await first.forget(r1)
+    await second.refresh_generations()  # the channel does this within ms; make it certain
+    assert await second.lookup(a) == {}
+
+
+async def test_a_restart_marker_bumps_the_epoch_once(shared_store: Store) -> None:
+    store = shared_store
+    first, second = await store.make(), await store.make()
+    r1 = store.replica("r1")
+    for d in (first, second):
+        named(d, store, "r1")
+    a = store.chain("a", 3)
+    assert not await first.restarted(r1, "1000.0")  # first sight: no restart
+    await first.record(r1, a)
+    assert not await second.restarted(r1, "1000.0")  # same start: nothing
+    assert await first.restarted(r1, "2000.0")  # a new start time: epoch bump
+    assert not await second.restarted(r1, "2000.0")  # reported twice, bumped once
+    await second.refresh_generations()
+    assert await second.lookup(a) == {}
+
+
+@pytest.mark.parametrize("num_blocks", [8, 64, 512])
+async def test_a_lookup_is_exactly_one_redis_command(
+    num_blocks: int, fresh_redis: RedisServer
+) -> None:
+    redis_url = fresh_redis.url  # a server of its own: nothing else talks to it
+    client = await open_redis(redis_url)
+    d = RedisDirectory(client)
+    await d.refresh_generations()
+    hashes = chain_hashes(uuid.uuid4().bytes * (16 * num_blocks), root_hash(b"s", "m"), 256)
+    hashes = hashes[:num_blocks]
+    d.register(["r1"])
+    await d.record("r1", hashes)
+    sync = redis.Redis.from_url(redis_url)
+    try:
+        await d.lookup(hashes)  # the script is loaded
+        sync.config_resetstat()
+        assert await d.lookup(hashes) == {"r1": num_blocks}
+        stats = sync.info("commandstats")
+        # the client sent one EVALSHA; everything else ran inside it (HGETALL per block)
+        assert stats["cmdstat_evalsha"]["calls"] == 1
+        top_level = {
+            k
+            for k in stats
+            if k not in ("cmdstat_evalsha", "cmdstat_hgetall")
+            and not k.startswith("cmdstat_config")
+        }
+        assert top_level == set()
+        assert stats["cmdstat_hgetall"]["calls"] == num_blocks
+    finally:
+        sync.close()
+        await d.close()
+
+
+def test_every_key_of_a_chain_is_in_one_slot() -> None:
+    from redis.crc import key_slot
+
+    hashes = chain_hashes(b"x" * 256 * 100, root_hash(b"tenant-a", "m"), 256)
+    slots = {key_slot(k) for k in block_keys(hashes)}
+    assert len(slots) == 1
+    other = chain_hashes(b"x" * 256 * 100, root_hash(b"tenant-b", "m"), 256)
+    assert {key_slot(k) for k in block_keys(other)} != slots
+
+
+async def test_expire_drops_what_the_engine_evicted_before_a_time(store: Store) -> None:
+    d = await store.make()
+    r1, r2 = store.replica("r1"), store.replica("r2")
+    named(d, store, "r1", "r2")
+    old, new = store.chain("old", 3), store.chain("new", 3)
+    await d.record(r1, old)
+    await d.record(r2, old)
+    store.clock.now += 10
+    await d.record(r1, new)
+    detail = await d.lookup_detail(old)
+    assert detail[r1] == (3, pytest.approx(store.clock.now - 10))
+    await d.expire(r1, detail[r1][1])  # the engine no longer held `old`: nor anything older
+    assert await d.lookup(old) == {r2: 3}
+    assert await d.lookup(new) == {r1: 3}
+    await d.record(r1, old)  # written again later: it matches again
+    assert (await d.lookup(old))[r1] == 3
+
+
+async def test_concurrent_lookups_share_a_round_trip_but_stay_one_command_each(
+    fresh_redis: RedisServer,
+) -> None:
+    d = RedisDirectory(await open_redis(fresh_redis.url))
+    await d.refresh_generations()
+    d.register(["r1", "r2"])
+    chains = [
+        chain_hashes(f"chain {i} ".encode() * 800, root_hash(b"s", "m"), 256)[:16]
+        for i in range(10)
+    ]
+    for i, chain in enumerate(chains):
+        await d.record("r1" if i % 2 else "r2", chain[: 4 + i])
+    sync = redis.Redis.from_url(fresh_redis.url)
+    try:
+        await d.lookup(chains[0])  # the script is loaded
+        sync.config_resetstat()
+        results = await asyncio.gather(*(d.lookup(c) for c in chains))
+        assert results == [{("r1" if i % 2 else "r2"): 4 + i} for i in range(10)]
+        assert sync.info("commandstats")["cmdstat_evalsha"]["calls"] == 10
+    finally:
+        sync.close()
+        await d.close()
+
+
+async def test_concurrent_cluster_lookups_are_pipelined_per_node_and_survive_a_script_flush(
+    redis_cluster_url: str,
+) -> None:
+    client = await open_redis(redis_cluster_url)
+    d = RedisDirectory(client)
+    await d.refresh_generations()
+    prefix = uuid.uuid4().hex
+    d.register(["r1", "r2"])
+    chains = [  # chains of different roots: their slots spread over the three masters
+        chain_hashes(f"{prefix} {i} ".encode() * 800, root_hash(f"{prefix}{i}".encode(), "m"), 256)[
+            :16
+        ]
+        for i in range(20)
+    ]
+    for i, chain in enumerate(chains):
+        await d.record("r1" if i % 2 else "r2", chain[: 4 + i % 12])
+    try:
+        await client.script_flush()  # every master forgets the lookup script
+        results = await asyncio.gather(*(d.lookup(c) for c in chains))
+        assert results == [{("r1" if i % 2 else "r2"): 4 + i % 12} for i in range(20)]
+    finally:
+        await d.close()

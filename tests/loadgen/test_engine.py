@@ -1,0 +1,188 @@
+"""The simulated engine over real HTTP: what a router sees of a vLLM replica."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from loadgen.engine.tokenizer import count_tokens, tokenize
+from loadgen.text import words
+from tests.conftest import MODEL, engine_of
+from tests.servers import Served
+
+LONG = "You are a careful agent." + words("engine-test", 800)
+
+
+def chat(url: str, content: str = LONG, **extra: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    r = httpx.post(url + "/v1/chat/completions", json={**body, **extra}, timeout=10)
+    assert r.status_code == 200, r.text
+    result: dict[str, Any] = r.json()
+    return result
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+@pytest.fixture
+def engine(start_engines: Callable[..., list[Served]]) -> Served:
+    return start_engines(1)[0]
+
+
+def test_the_tokenizer_is_documented_and_exact() -> None:
+    assert tokenize("Hello world") == ["Hello", " world"]
+    assert tokenize("a B c") == ["a", " B", " c"]
+    assert tokenize("abcdefghij\n") == ["abcdefgh", "ij", "\n"]
+    assert count_tokens(words(3, 1234)) == 1234
+
+
+def test_a_repeat_hits_the_prefix_cache(engine: Served) -> None:
+    first = chat(engine.url)["usage"]
+    second = chat(engine.url)["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (first["prompt_tokens"] - 1) // 16 * 16
+    assert metric(engine.url, "vllm:prefix_cache_hits_total") == cached
+    assert metric(engine.url, "vllm:prefix_cache_queries_total") == 2 * first["prompt_tokens"]
+
+
+def test_the_reply_sent_back_in_the_next_turn_hits_too(engine: Served) -> None:
+    first = chat(engine.url, max_tokens=64)
+    reply = first["choices"][0]["message"]["content"]
+    messages = [
+        {"role": "user", "content": LONG},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "and then?"},
+    ]
+    r = httpx.post(
+        engine.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 1},
+    ).json()
+    # the prompt blocks and the full blocks of the reply (64 one-token words) are cached
+    assert (
+        r["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] + 32
+    )
+
+
+def test_eviction_at_capacity(start_engines: Callable[..., list[Served]]) -> None:
+    engine = start_engines(1, capacity_blocks=60)[0]  # < one 800-token prompt + another
+    chat(engine.url, words("one", 600))
+    chat(engine.url, words("two", 600))  # evicts most of "one"
+    again = chat(engine.url, words("one", 600))["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert again < 600
+    assert engine_of(engine).core.cache.num_evictions > 0
+    assert metric(engine.url, "vllm:kv_cache_usage_perc") == 1.0
+
+
+def test_cache_salt_isolates(engine: Served) -> None:
+    chat(engine.url, cache_salt="tenant-a")
+    other = chat(engine.url, cache_salt="tenant-b")["usage"]["prompt_tokens_details"]
+    same = chat(engine.url, cache_salt="tenant-a")["usage"]["prompt_tokens_details"]
+    unsalted = chat(engine.url)["usage"]["prompt_tokens_details"]
+    assert other["cached_tokens"] == 0
+    assert unsalted["cached_tokens"] == 0
+    assert same["cached_tokens"] > 0
+
+
+def test_sse_framing_and_include_usage(engine: Served) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+        "stream": True,
+    }
+    with httpx.stream("POST", engine.url + "/v1/chat/completions", json=body) as r:
+        raw = r.read().decode()
+        assert r.headers["content-type"].startswith("text/event-stream")
+    events = raw.split("\n\n")
+    assert events[-1] == ""
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert events[-2] == "data: [DONE]"
+    assert '"usage"' not in raw
+    with httpx.stream(
+        "POST",
+        engine.url + "/v1/chat/completions",
+        json={**body, "stream_options": {"include_usage": True}},
+    ) as r:
+        raw = r.read().decode()
+    last = raw.split("\n\n")[-3]
+    assert '"choices":[]' in last and '"cached_tokens"' in last
+
+
+def test_the_openai_sdk_streams_exactly_max_tokens(engine: Served) -> None:
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=7,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        text += "".join(c.text for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert count_tokens(text) == 7
+    assert usage is not None and usage.completion_tokens == 7
+    assert usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_vllm_and_sglang_probe_endpoints(engine: Served) -> None:
+    url = engine.url
+    assert httpx.get(url + "/health").status_code == 200
+    card = httpx.get(url + "/v1/models").json()["data"][0]
+    assert card["owned_by"] == "vllm" and card["id"] == MODEL and card["max_model_len"] > 0
+    assert "version" in httpx.get(url + "/version").json()
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(url + path).json()
+        assert info["served_model_name"] == MODEL
+        # model_path is a local directory with a loadable tokenizer.json, so sglang-router
+        # registers the worker's tokenizer without reaching for the Hugging Face hub
+        tokenizer = orjson.loads((Path(info["model_path"]) / "tokenizer.json").read_bytes())
+        assert tokenizer["model"]["type"] == "WordLevel"
+    for path in ("/model_info", "/get_model_info"):
+        assert httpx.get(url + path).json()["is_generation"] is True
+    assert httpx.get(url + "/get_load").json() == {"load": 0}
+    assert httpx.get(url + "/load").json() == {"server_load": 0}
+    text = httpx.get(url + "/metrics").text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    ):
+        assert name in text
+    tok = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    assert tok["count"] == 2 and len(tok["tokens"]) == 2
+    messages = [{"role": "user", "content": "Hello"}]
+    chat_ids = httpx.post(url + "/v1/chat/completions/render", json={"messages": messages}).json()
+    tok_chat = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+    assert chat_ids["token_ids"] == tok_chat["tokens"]
+    prompt_ids = httpx.post(url + "/v1/completions/render", json={"prompt": "Hello world"}).json()
+    assert prompt_ids["token_ids"] == tok["tokens"]
+
+
+def test_bad_requests_get_vllm_style_errors(engine: Served) -> None:
+    r = httpx.post(engine.url + "/v1/chat/completions", content=b"{nope")
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(
+        engine.url + "/v1/chat/completions",
+        json={"model": "other", "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert r.status_code == 404
+    r = httpx.post(engine.url + "/v1/completions", json={"prompt": "x", "max_tokens": 10**9})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]

