@@ -24,7 +24,7 @@ from pydantic_settings import (
 
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
-from gateway.tenancy.registry import check_tenant_name
+from gateway.request.tenant import check_tenant_name
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
 from router.filters import DEFAULT_ABSOLUTE_SLACK_TOKENS, DEFAULT_RELATIVE_SLACK
 from router.overflow import DEFAULT_HOT_SHARE

@@ -24,6 +24,8 @@ import orjson
 from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.api.body import load_json_object
+from gateway.api.openai.parse import parse_chat
 from gateway.billing.export import FORMATS, MEDIA_TYPES, encode, summarize
 from gateway.billing.pending import Pending, profile_for
 from gateway.billing.pricing.model import BillingError, CachedContent
@@ -40,8 +42,8 @@ from gateway.errors import (
 )
 from gateway.pipeline.director import Director
 from gateway.pipeline.forwarder import Passthrough
-from gateway.request.parsed import load_json_object, parse_chat
-from gateway.tenancy.registry import Tenant, TenantRegistry, bearer_key, hash_key
+from gateway.request.tenant import Tenant
+from gateway.tenancy.registry import TenantRegistry, bearer_key, hash_key
 
 MAX_LIFETIME_S = Decimal(366 * 86400)
 """An explicit cached content lives at most a year: beyond that a TTL is a typo, and the rent

@@ -73,7 +73,7 @@ from gateway.billing.shared import SharedEntries, join, scope_id
 from gateway.billing.wal import WriteAheadLog
 from gateway.errors import InvalidRequest
 from gateway.request.parsed import CHAT, ParsedRequest
-from gateway.tenancy.registry import Tenant
+from gateway.request.tenant import Tenant
 
 if TYPE_CHECKING:
     from gateway.pipeline.exchange import Exchange

@@ -16,8 +16,8 @@ from gateway.billing.pricing.model import CachedContent
 from gateway.request.parsed import ParsedRequest
 
 if TYPE_CHECKING:
+    from gateway.request.tenant import Tenant
     from gateway.settings import Settings
-    from gateway.tenancy.registry import Tenant
 
 
 def profile_for(settings: Settings, tenant: Tenant) -> str:

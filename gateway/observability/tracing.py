@@ -45,7 +45,7 @@ from gateway.settings import Settings
 if TYPE_CHECKING:
     from gateway.pipeline.exchange import Exchange, Routed
     from gateway.request.parsed import ParsedRequest
-    from gateway.tenancy.registry import Tenant
+    from gateway.request.tenant import Tenant
     from router.types import Decision
 
 REQUEST_SPAN = "kvgate.request"

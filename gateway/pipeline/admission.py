@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 from gateway.errors import Forbidden, InvalidRequest, QuotaExceeded
 from gateway.pipeline.ratelimit import Limits, RateLimiter
 from gateway.request.parsed import ParsedRequest
-from gateway.tenancy.registry import SCOPE_USER, Tenant, TenantRegistry
+from gateway.request.tenant import SCOPE_USER, Tenant
+from gateway.tenancy.registry import TenantRegistry
 
 if TYPE_CHECKING:
     from gateway.pipeline.exchange import Exchange

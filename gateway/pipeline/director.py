@@ -28,8 +28,8 @@ from gateway.pipeline.forwarder import Complete, Forwarder, Passthrough, Retryab
 from gateway.pipeline.placement import Placement
 from gateway.request.cache_control import strip_marks
 from gateway.request.parsed import CHAT, ParsedRequest
+from gateway.request.tenant import Tenant
 from gateway.settings import Settings
-from gateway.tenancy.registry import Tenant
 from router.filters import LoadBoundFilter
 from router.profile import Profile
 from router.types import RouteRequest

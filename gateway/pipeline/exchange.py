@@ -25,7 +25,7 @@ from gateway.fleet.replicas import ReplicaState
 from gateway.pipeline.flights import Flight
 from gateway.pipeline.forwarder import Streaming
 from gateway.request.parsed import ParsedRequest
-from gateway.tenancy.registry import Tenant
+from gateway.request.tenant import Tenant
 from router.types import Decision, RouteRequest
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.api.grpc.convert import to_parsed
 from gateway.api.grpc.service import start_grpc
-from gateway.request.parsed import parse_chat
+from gateway.api.openai.parse import parse_chat
 from gateway.tenancy.registry import TenantRegistry
 from loadgen.engine.timing import TimingModel
 from loadgen.text import words

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachemap.rendering import canonical_json, render_chat
+from gateway.api.body import load_json_object
 from gateway.errors import InvalidRequest
 from gateway.request.cache_control import Mark, check_marks, parse_cache_control, place
-from gateway.request.parsed import CHAT, ParsedRequest, load_json_object
+from gateway.request.parsed import CHAT, ParsedRequest
 
 _FIELDS = frozenset(
     {

@@ -47,7 +47,8 @@ from gateway.pipeline.exchange import ExchangeSSE
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest
-from gateway.tenancy.registry import Tenant, TenantRegistry, bearer_key
+from gateway.request.tenant import Tenant
+from gateway.tenancy.registry import TenantRegistry, bearer_key
 
 PATH = "/v1/messages"
 _STOP_REASONS = {

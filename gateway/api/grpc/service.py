@@ -37,8 +37,9 @@ from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest
+from gateway.request.tenant import Tenant
 from gateway.settings import Settings
-from gateway.tenancy.registry import Tenant, TenantRegistry, bearer_key
+from gateway.tenancy.registry import TenantRegistry, bearer_key
 
 log = logging.getLogger(__name__)
 

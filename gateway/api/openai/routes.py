@@ -13,11 +13,11 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.anthropic import routes as anthropic_api
 from gateway.api.anthropic.schemas import ANTHROPIC_SCHEMAS, SECURITY_SCHEMES
+from gateway.api.openai.parse import parse_chat, parse_completion
 from gateway.api.openai.schemas import SCHEMAS
 from gateway.errors import GatewayError, to_http
 from gateway.observability import tracing
 from gateway.pipeline.director import Director
-from gateway.request.parsed import parse_chat, parse_completion
 from gateway.tenancy.registry import TenantRegistry, bearer_key
 
 _REF = "#/components/schemas/{model}"
