@@ -25,6 +25,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.api.body import load_json_object
+from gateway.api.context import FrontEnd
 from gateway.api.openai.parse import parse_chat
 from gateway.billing.export import FORMATS, MEDIA_TYPES, encode, summarize
 from gateway.billing.pending import Pending, profile_for
@@ -40,10 +41,9 @@ from gateway.errors import (
     UpstreamError,
     to_http,
 )
-from gateway.pipeline.director import Director
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.tenant import Tenant
-from gateway.tenancy.registry import TenantRegistry, bearer_key, hash_key
+from gateway.tenancy.registry import bearer_key, hash_key
 
 MAX_LIFETIME_S = Decimal(366 * 86400)
 """An explicit cached content lives at most a year: beyond that a TTL is a typo, and the rent
@@ -76,10 +76,9 @@ def _object_json(obj: CachedContent) -> dict[str, Any]:
     }
 
 
-def build_billing_router(
-    billing: Billing, director: Director, tenants: TenantRegistry
-) -> APIRouter:
+def build_billing_router(billing: Billing, front: FrontEnd) -> APIRouter:
     router = APIRouter()
+    tenants = front.tenants
     meter = billing.meter
 
     def admin(request: Request) -> None:
@@ -197,7 +196,7 @@ def build_billing_router(
                 raise InvalidRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
             synthetic = {k: body[k] for k in ("model", "messages", "tools") if k in body}
             parsed = parse_chat(
-                orjson.dumps({**synthetic, "max_tokens": 1}), director.settings.max_prompt_bytes
+                orjson.dumps({**synthetic, "max_tokens": 1}), front.max_prompt_bytes
             )
             now = meter.clock.now()
             expires = expiry(body, now, DEFAULT_EXPLICIT_TTL_S)
@@ -213,7 +212,7 @@ def build_billing_router(
                 "messages": body["messages"],
                 "tools": body.get("tools"),
             }
-            opened = await director.open(prepared, tenant)
+            opened = await front.pipeline.open(prepared, tenant)
             if isinstance(opened, Passthrough):
                 return Response(
                     opened.body, status_code=opened.status, media_type="application/json"

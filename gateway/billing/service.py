@@ -16,6 +16,7 @@ from gateway.billing.shared import SharedEntries
 from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore, Shipper
 from gateway.billing.wal import WriteAheadLog
 from gateway.errors import GatewayError
+from gateway.request.tokens import TokenEstimator
 from gateway.settings import Settings
 from gateway.tenancy.registry import hash_key
 
@@ -38,7 +39,7 @@ def admin_key_hashes(keys: list[str]) -> frozenset[str]:
 
 
 class Billing:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, estimator: TokenEstimator | None = None) -> None:
         assert settings.billing_wal_dir is not None
         self.settings = settings
         tokenizer = (
@@ -46,7 +47,11 @@ class Billing:
         )
         self.wal = WriteAheadLog(settings.billing_wal_dir)
         self.meter = BillingMeter(
-            settings, load_price_table(settings.billing_prices_file), self.wal, tokenizer=tokenizer
+            settings,
+            load_price_table(settings.billing_prices_file),
+            self.wal,
+            estimator=estimator,
+            tokenizer=tokenizer,
         )
         self.admin_hashes = admin_key_hashes(settings.admin_keys)
         self.store: LedgerStore | None = None

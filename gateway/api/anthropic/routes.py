@@ -33,6 +33,8 @@ from starlette.responses import Response
 
 from gateway.api.anthropic.convert import parse_messages
 from gateway.api.anthropic.schemas import openapi_operation
+from gateway.api.context import FrontEnd
+from gateway.api.responses import ExchangeSSE, debug_headers
 from gateway.errors import (
     EngineRejected,
     GatewayError,
@@ -41,13 +43,11 @@ from gateway.errors import (
     anthropic_error_body,
     to_anthropic_http,
 )
-from gateway.observability import tracing
-from gateway.pipeline.director import Director
-from gateway.pipeline.exchange import ExchangeSSE
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
+from gateway.request.trace import trace_context
 from gateway.tenancy.registry import TenantRegistry, bearer_key
 
 PATH = "/v1/messages"
@@ -307,16 +307,16 @@ class _AnthropicSSE(ExchangeSSE):
 
 
 async def serve(
-    director: Director,
+    front: FrontEnd,
     parsed: ParsedRequest,
     tenant: Tenant,
     trace_headers: dict[str, str] | None = None,
 ) -> Response:
     """Open an exchange for a converted request and answer in Anthropic's shape."""
-    opened = await director.open(parsed, tenant, trace_headers)
+    opened = await front.pipeline.open(parsed, tenant, trace_headers)
     if isinstance(opened, Passthrough):
         raise EngineRejected(opened.status, opened.body)
-    headers = director._debug_headers(opened)
+    headers = debug_headers(opened, front.debug_headers)
     if opened.stream is None:
         body = await opened.complete()
         return Response(
@@ -327,18 +327,16 @@ async def serve(
     return _AnthropicSSE(opened, headers)
 
 
-def register(
-    router: APIRouter, director: Director, tenants: TenantRegistry
-) -> Callable[[Request], Awaitable[Response]]:
+def register(router: APIRouter, front: FrontEnd) -> Callable[[Request], Awaitable[Response]]:
     """Declare `POST /v1/messages` on the router; returns its handler for the hot path."""
-    max_prompt_bytes = director.settings.max_prompt_bytes
+    tenants, max_prompt_bytes = front.tenants, front.max_prompt_bytes
 
     @router.post(PATH, openapi_extra=openapi_operation(), summary="Create a message (Anthropic)")
     async def messages(request: Request) -> Response:
         try:
             tenant = authenticate(tenants, request)
             parsed = parse_messages(await request.body(), max_prompt_bytes)
-            return await serve(director, parsed, tenant, tracing.incoming(request.headers))
+            return await serve(front, parsed, tenant, trace_context(request.headers))
         except GatewayError as err:
             return to_anthropic_http(err)
 
