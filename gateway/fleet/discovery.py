@@ -46,6 +46,7 @@ from typing import Any
 
 from gateway.directory.routing import RoutingDirectory
 from gateway.fleet.replicas import ReplicaSet
+from gateway.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 
@@ -310,12 +311,12 @@ class Discovery:
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._settled = asyncio.Event()
         """The first list was applied, or the first attempt failed: the start goes on."""
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks("discovery")
         self._watcher: SliceWatcher | None = None
 
     async def start(self, first_sync_timeout_s: float = FIRST_SYNC_TIMEOUT_S) -> None:
         """Start watching and wait (bounded) for the first list to be applied, or to fail."""
-        self._task = asyncio.create_task(self._consume())
+        self._tasks.spawn(self._consume(), name="discovery-consumer")
         loop = asyncio.get_running_loop()
         self._watcher = SliceWatcher(self.target, loop, self._queue.put_nowait, self.stats)
         self._watcher.start()
@@ -330,10 +331,7 @@ class Discovery:
     async def stop(self) -> None:
         if self._watcher is not None:
             await asyncio.to_thread(self._watcher.stop)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._tasks.close()
 
     async def _consume(self) -> None:
         while True:

@@ -27,7 +27,6 @@ its replica still finishes its bookkeeping.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import aiohttp
 import orjson
 
 from gateway.fleet.engine_metrics import EngineMetrics, parse_engine_metrics
+from gateway.tasks import BackgroundTasks
 from router.types import Replica
 
 log = logging.getLogger(__name__)
@@ -185,8 +185,7 @@ class ReplicaSet:
         self._on_restart = on_restart
         self._on_start_marker = on_start_marker
         self._scrape_metrics = scrape_metrics
-        self._tasks: list[asyncio.Task[None]] = []
-        self._probes: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks("replicas")
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""
@@ -244,29 +243,21 @@ class ReplicaSet:
             self._spawn_probe(state)
 
     def _spawn_probe(self, state: ReplicaState) -> None:
-        task = asyncio.create_task(self._probe(state))
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self._tasks.spawn(self._probe(state), name=f"probe {state.url}")
 
     # -- the loops -------------------------------------------------------------------------
     async def start(self, session: aiohttp.ClientSession) -> None:
         """Probe every replica once (so the first request sees real health), then keep probing."""
         self._session = session
         await self.probe_all()
-        self._tasks.append(asyncio.create_task(self._loop(self._interval_s, self.probe_all)))
+        self._tasks.spawn(self._loop(self._interval_s, self.probe_all), name="health probes")
         if self._scrape_metrics and self._metrics_interval_s is not None:
-            self._tasks.append(
-                asyncio.create_task(self._loop(self._metrics_interval_s, self.scrape_all))
+            self._tasks.spawn(
+                self._loop(self._metrics_interval_s, self.scrape_all), name="metrics scrapes"
             )
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._probes]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        await self._tasks.close()
 
     async def _loop(self, interval_s: float, round_: Callable[[], Awaitable[None]]) -> None:
         while True:

@@ -204,12 +204,12 @@ class GatewayCollector(Collector):
         yield GaugeMetricFamily(
             "kvgate_directory_degraded",
             "1 while the shared directory is unavailable and routing is local.",
-            1.0 if dstats.degraded else 0.0,
+            1.0 if self.directory.degraded else 0.0,
         )
         yield CounterMetricFamily(
             "kvgate_directory_writes_dropped",
             "Records/drops that did not reach the shared directory.",
-            dstats.writes_dropped,
+            self.directory.writes.num_dropped,
         )
         placement = self.placement
         yield CounterMetricFamily(

@@ -49,6 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway.request.tenant import TenantPolicy, check_tenant_name
 from gateway.settings import BILLING_PROFILES
+from gateway.tasks import BackgroundTasks
 from gateway.tenancy.registry import TenantRegistry, TenantSpec, hash_key
 
 log = logging.getLogger(__name__)
@@ -332,7 +333,7 @@ class TenantFileWatcher:
         self.num_failures = 0
         self.last_error: str | None = None
         self._fingerprint: Fingerprint | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks("tenants file")
 
     def load_now(self) -> None:
         """Load the file into the registry; raises TenantFileError (startup must fail)."""
@@ -385,11 +386,7 @@ class TenantFileWatcher:
                 log.exception("tenants file watcher")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="tenants-file-watcher")
+        self._tasks.spawn(self._run(), name="tenants-file-watcher")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._tasks.close()

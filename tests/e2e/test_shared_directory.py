@@ -165,4 +165,4 @@ def test_redis_killed_and_restarted_mid_run_costs_no_request(
     run(10, "after")
     assert d.directory.stats.shared_lookups == shared_before + 10
     assert failures == 0
-    assert d.directory.stats.state_changes == 2
+    assert d.directory.breaker.state.state_changes == 2

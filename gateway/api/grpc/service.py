@@ -16,7 +16,6 @@ refreshed every `health_interval_s`. Both turn NOT_SERVING at shutdown.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -40,6 +39,7 @@ from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
 from gateway.request.trace import trace_context
 from gateway.settings import Settings
+from gateway.tasks import BackgroundTasks
 from gateway.tenancy.registry import bearer_key
 
 log = logging.getLogger(__name__)
@@ -231,17 +231,15 @@ class GatewayService:
 class GrpcServer:
     """The running gRPC server of one gateway process."""
 
-    def __init__(self, server: Any, health_servicer: Any, port: int, watcher: asyncio.Task[None]):
+    def __init__(self, server: Any, health_servicer: Any, port: int, tasks: BackgroundTasks):
         self.server = server
         self.health = health_servicer
         self.port = port
-        self._watcher = watcher
+        self._tasks = tasks
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
-        self._watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._watcher
+        await self._tasks.close()
         await self.server.stop(GRPC_SHUTDOWN_GRACE_S)
 
 
@@ -280,8 +278,7 @@ async def start_grpc(
     if not port:
         raise RuntimeError(f"cannot listen for gRPC on {address}")
     await server.start()
-    watcher = asyncio.create_task(
-        _watch_readiness(front, health_servicer, settings.health_interval_s)
-    )
+    tasks = BackgroundTasks("gRPC")
+    tasks.spawn(_watch_readiness(front, health_servicer, settings.health_interval_s), "readiness")
     log.info("kvgate: gRPC on %s:%d", settings.host, port)
-    return GrpcServer(server, health_servicer, port, watcher)
+    return GrpcServer(server, health_servicer, port, tasks)
