@@ -65,7 +65,7 @@ class Billing:
             log.info("billing: restored %d explicit cached contents", restored)
         url = self.settings.billing_redis_url
         if url:
-            from cachemap.redis.directory import open_redis
+            from cachemap.redis.client import open_redis
 
             self._client = await open_redis(url, cluster=False)
             self.store = RedisLedgerStore(self._client)

@@ -244,7 +244,7 @@ async def ship_directories(directories: Iterable[Path], redis_url: str) -> dict[
     as its gateway would on a restart — its lock first, so a directory a live gateway still
     writes is refused (`WalLocked`) — shipped in full, and released. Records the store already
     holds are skipped (ids), so shipping twice is harmless."""
-    from cachemap.redis.directory import open_redis
+    from cachemap.redis.client import open_redis
 
     paths = list(directories)
     for path in paths:

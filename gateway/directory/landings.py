@@ -7,7 +7,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from cachemap.redis.directory import LAND_CHANNEL, RedisDirectory
+from cachemap.redis.directory import RedisDirectory
+from cachemap.redis.schema import LAND_CHANNEL
 
 log = logging.getLogger(__name__)
 

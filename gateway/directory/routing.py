@@ -207,7 +207,7 @@ class RoutingDirectory:
     def set_k(self, prefix: BlockHash, k: int) -> None:
         if self.rates is not None:
             self.rates.set_k(prefix, k)
-        self._write(Call(lambda shared: shared.set_k(prefix, k)))
+        self._write(Call(lambda shared: shared.hot.set_k(prefix, k)))
 
     # -- what the engines hold ---------------------------------------------------------------
     async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
@@ -244,7 +244,7 @@ class RoutingDirectory:
         if self.shared is None or self.degraded or not blocks:
             return False
         try:
-            await asyncio.wait_for(self.shared.lead(blocks, marker, ttl_s), self.deadline_s)
+            await asyncio.wait_for(self.shared.markers.lead(blocks, marker, ttl_s), self.deadline_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -253,13 +253,13 @@ class RoutingDirectory:
         return True
 
     def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None:
-        self._write(Call(lambda shared: shared.land(blocks, marker, landed, ttl_s)))
+        self._write(Call(lambda shared: shared.markers.land(blocks, marker, landed, ttl_s)))
 
     async def read_marker(self, block: BlockHash) -> str | None:
         if self.shared is None:
             return None
         try:
-            return await asyncio.wait_for(self.shared.read_marker(block), self.deadline_s)
+            return await asyncio.wait_for(self.shared.markers.read_marker(block), self.deadline_s)
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -24,7 +24,8 @@ from starlette.responses import Response
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
-from cachemap.redis.directory import RedisDirectory, open_redis
+from cachemap.redis.client import open_redis
+from cachemap.redis.directory import RedisDirectory
 from gateway.api.asgi import MeteredASGI
 from gateway.api.context import FrontEnd
 from gateway.api.grpc.service import start_grpc
