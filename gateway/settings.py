@@ -83,7 +83,8 @@ BILLING_PROFILES = (
     "google_explicit",
     "deepseek",
 )
-"""The billing profiles of gateway.billing (RULES.md §1); listed here so settings import nothing."""
+"""The billing profiles of gateway.billing (docs/billing.md#profiles); listed here so settings
+import nothing."""
 DEFAULT_BILLING_PROFILE = "openai"
 """The gateway speaks OpenAI's API: bill its clients by OpenAI's current (5.6) rules."""
 DEFAULT_BILLING_LOOKBACK_BLOCKS = 20

@@ -31,6 +31,7 @@ import aiohttp
 from loadgen.client import Result, stream_chat
 from loadgen.runner import run_phases
 from loadgen.sim import percentile
+from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import MOONCAKE_BLOCK_SIZE, PromptSynthesizer, Trace, read_trace
 from loadgen.workloads import Phase, agent_day, agent_session
 
@@ -344,7 +345,11 @@ WORKLOADS = ("workload:agent-day", "workload:agent-session")
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
-        help="a Mooncake-format JSONL trace, or a closed-loop workload: " + ", ".join(WORKLOADS),
+        nargs="?",
+        default=str(CONVERSATION_TRACE),
+        help="a Mooncake-format JSONL trace, or a closed-loop workload: "
+        + ", ".join(WORKLOADS)
+        + "; default: the shipped Mooncake conversation trace",
     )
     parser.add_argument(
         "--target",

@@ -57,6 +57,7 @@ from loadgen.engine.timing import (
     PrefixCache,
     TimingModel,
 )
+from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import (
     MOONCAKE_BLOCK_SIZE,
     Trace,
@@ -426,8 +427,11 @@ def timing_defaults() -> dict[str, float]:
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
+        nargs="?",
+        default=str(CONVERSATION_TRACE),
         help="a Mooncake-format JSONL trace, or hot-spine[:rate=60,seconds=30,system=4000,"
-        "suffix=300,output=8] (requests sharing a system prompt, faster than one replica)",
+        "suffix=300,output=8] (requests sharing a system prompt, faster than one replica); "
+        "default: the shipped Mooncake conversation trace",
     )
     parser.add_argument("--replicas", type=int, default=DEFAULT_NUM_REPLICAS)
     parser.add_argument(

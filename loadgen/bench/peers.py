@@ -55,17 +55,12 @@ from loadgen.engine.timing import (
 from loadgen.harness import processes
 from loadgen.replay import ReplayOptions, ReplaySummary, replay, summarise
 from loadgen.sim import SimConfig, run_policies
+from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import PromptSynthesizer, Trace, read_trace
 from router.registry import POLICIES
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2].parent
-    / "shared"
-    / "traces"
-    / "mooncake"
-    / "conversation_trace.jsonl"
-)
-"""The Mooncake conversation trace, where the project's shared folder sits beside the repo."""
+DEFAULT_TRACE = CONVERSATION_TRACE
+"""The Mooncake conversation trace shipped in `loadgen/traces/mooncake/`."""
 DEFAULT_START = 4000
 """The issue's slice: 2,000 requests from line 4,000 (a steady stretch of the hour)."""
 DEFAULT_REQUESTS = 2000
