@@ -65,7 +65,8 @@ from loadgen.traces.readers import (
     hot_spine_trace,
     read_trace,
 )
-from router.overflow import OverflowConfig, widen
+from router.overflow import OverflowConfig
+from router.plan import HotPrefix, plan
 from router.registry import POLICIES, RouterConfig, build_policy
 from router.types import Replica, RouteRequest
 
@@ -95,7 +96,7 @@ class SimConfig:
     directory_ttl_s: float = DEFAULT_TTL_S
     directory_scale: float = DEFAULT_DIRECTORY_SCALE
     overflow: bool = True
-    """Spread hot prefixes as the gateway does (router.overflow.widen, cachemap.rates), with the
+    """Spread hot prefixes as the gateway does (router.plan, cachemap.rates), with the
     threshold derived from the engines' prefill rate; `cache_aware` only."""
     overflow_threshold_per_min: float | None = None
 
@@ -262,8 +263,12 @@ def simulate(
         for i in range(config.num_replicas)
     ]
     by_id = {r.id: r for r in replicas}
+    index_of = {r.id: i for i, r in enumerate(replicas)}
     rates = PrefixRates(clock=clock) if config.overflow and policy == "cache_aware" else None
-    overflow = OverflowConfig(config.timing.prefill_tokens_per_s * config.timing.time_scale)
+    overflow = OverflowConfig(
+        config.timing.prefill_tokens_per_s * config.timing.time_scale,
+        fixed_threshold_per_min=config.overflow_threshold_per_min,
+    )
     if keys is None:
         keys = [request_keys(r, config.router.consistent_hash_blocks) for r in trace.requests]
     block = trace.block_size
@@ -325,18 +330,15 @@ def simulate(
         )
         snapshot = [r.snapshot() for r in replicas]
         depth = max(overlap.values(), default=0)
+        hot = None
         if rates is not None and depth > 0:  # the gateway's hot-prefix step, the same code
-            hot = rates.observe(hs[depth - 1])
-            route, k, _ = widen(
-                route,
-                snapshot,
-                hot.rate_per_min,
-                hot.k,
-                overflow,
-                config.overflow_threshold_per_min,
-            )
-            rates.set_k(hs[depth - 1], k)
-        decision = profile.decide(route, snapshot, rng)
+            observed = rates.observe(hs[depth - 1])
+            hot = HotPrefix(observed.rate_per_min, observed.k)
+        planned = plan(profile, route, snapshot, rng, hot, overflow)
+        if planned.k is not None:
+            assert rates is not None
+            rates.set_k(hs[depth - 1], planned.k)
+        decision = planned.decision
         assert decision is not None, "every simulated replica is healthy"
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         rep = by_id[decision.replica]
@@ -356,7 +358,7 @@ def simulate(
         )
         estimates[job.id] = (rep, estimate, req, decision.reason)
         rep.core.submit(req.arrival_s, job)
-        push(int(rep.id[1:]))
+        push(index_of[rep.id])
     drain(float("inf"))
     assert not estimates, "every request finished"
     done = [o for o in outcomes if o is not None]

@@ -20,7 +20,8 @@ from gateway.directory.routing import Lookup
 from gateway.pipeline.flights import OK, PENDING, Flight, Flights, Marker
 from router.fanout import DEFAULT_HOLD_FACTOR, with_leader, worth_holding
 from router.filters import LoadBoundFilter
-from router.overflow import OverflowConfig, widen
+from router.overflow import OverflowConfig
+from router.plan import HotPrefix, plan
 from router.profile import RoutingProfile
 from router.types import Decision, Replica, RouteRequest
 
@@ -47,7 +48,6 @@ class Placement:
         *,
         prefill_tokens_per_s: float,
         overflow: OverflowConfig | None,
-        fixed_threshold_per_min: float | None,
         flights: Flights | None,
         min_hold_tokens: float,
         max_hold_s: float,
@@ -55,7 +55,6 @@ class Placement:
     ) -> None:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.overflow = overflow
-        self.fixed_threshold_per_min = fixed_threshold_per_min
         self.flights = flights
         self.min_hold_tokens = min_hold_tokens
         self.max_hold_s = max_hold_s
@@ -79,28 +78,26 @@ class Placement:
                 replica, shared = landed
                 route = with_leader(route, replica, shared)
                 depth = max(depth, shared)
+        # 2. hot prefixes, 3. the policy (`router.plan`, the simulator's step too)
         hot = lookup.hot
-        # 2. hot prefixes
+        planned = plan(
+            policy,
+            route,
+            replicas,
+            rng,
+            HotPrefix(hot.rate_per_min, hot.k) if hot is not None and depth > 0 else None,
+            self.overflow,
+        )
+        decision, route = planned.decision, planned.route
         new_k = None
-        if self.overflow is not None and hot is not None and depth > 0:
-            route, k, added = widen(
-                route,
-                replicas,
-                hot.rate_per_min,
-                hot.k,
-                self.overflow,
-                self.fixed_threshold_per_min,
-            )
-            if k != hot.k:
-                new_k = k
-                if k > hot.k:
-                    self.stats.widenings += 1
-                else:
-                    self.stats.shrinks += 1
-            if added:
-                self.stats.spread_requests += 1
-        # 3. the policy
-        decision = policy.decide(route, replicas, rng)
+        if planned.k is not None and hot is not None and planned.k != hot.k:
+            new_k = planned.k
+            if planned.k > hot.k:
+                self.stats.widenings += 1
+            else:
+                self.stats.shrinks += 1
+        if planned.spread:
+            self.stats.spread_requests += 1
         if decision is None:
             return None
         # 4. lead

@@ -127,12 +127,13 @@ def _placement(settings: Settings, flights: Flights | None) -> Placement:
     overflow = None
     if settings.overflow:
         overflow = OverflowConfig(
-            settings.engine_prefill_tokens_per_s, hot_share=settings.overflow_hot_share
+            settings.engine_prefill_tokens_per_s,
+            hot_share=settings.overflow_hot_share,
+            fixed_threshold_per_min=settings.overflow_threshold_per_min,
         )
     return Placement(
         prefill_tokens_per_s=settings.engine_prefill_tokens_per_s,
         overflow=overflow,
-        fixed_threshold_per_min=settings.overflow_threshold_per_min,
         flights=flights,
         min_hold_tokens=settings.fanout_min_tokens,
         max_hold_s=settings.fanout_max_hold_s,
