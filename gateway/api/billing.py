@@ -23,23 +23,17 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.api.body import load_json_object
 from gateway.api.context import FrontEnd
+from gateway.api.errors import to_http
 from gateway.api.openai.parse import parse_chat
 from gateway.billing.explicit import CREATE_FIELDS, ExplicitContents, instant, object_json
 from gateway.billing.export import FORMATS, MEDIA_TYPES, encode, summarize
 from gateway.billing.pricing.model import BillingError
 from gateway.billing.pricing.money import plain
 from gateway.billing.service import Billing
-from gateway.errors import (
-    Forbidden,
-    GatewayError,
-    InvalidRequest,
-    TenantError,
-    UpstreamError,
-    to_http,
-)
+from gateway.errors import Forbidden, GatewayError, InvalidRequest, TenantError, UpstreamError
 from gateway.pipeline.forwarder import Passthrough
-from gateway.request.tenant import Tenant
-from gateway.tenancy.registry import TenantRegistry, bearer_key, hash_key
+from gateway.request.tenant import Tenant, hash_key
+from gateway.tenancy.registry import TenantRegistry, bearer_key
 
 
 def check_admin(billing: Billing, tenants: TenantRegistry, request: Request) -> None:
@@ -60,9 +54,12 @@ def check_admin(billing: Billing, tenants: TenantRegistry, request: Request) -> 
 
 def build_billing_router(billing: Billing, front: FrontEnd) -> APIRouter:
     router = APIRouter()
-    tenants = front.tenants
-    contents = ExplicitContents(billing)
+    _admin_routes(router, billing, front.tenants)
+    _content_routes(router, billing, front)
+    return router
 
+
+def _admin_routes(router: APIRouter, billing: Billing, tenants: TenantRegistry) -> None:
     @router.get("/admin/billing/export", summary="Export one tenant's ledger records (admin)")
     async def export(
         request: Request,
@@ -104,7 +101,11 @@ def build_billing_router(billing: Billing, front: FrontEnd) -> APIRouter:
         except GatewayError as err:
             return to_http(err)
 
-    # -- explicit cached contents --------------------------------------------------------------
+
+def _content_routes(router: APIRouter, billing: Billing, front: FrontEnd) -> None:
+    tenants = front.tenants
+    contents = ExplicitContents(billing)
+
     def tenant_of(request: Request) -> Tenant:
         tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
         contents.check_tenant(tenant)
@@ -165,5 +166,3 @@ def build_billing_router(billing: Billing, front: FrontEnd) -> APIRouter:
             return JSONResponse({"id": object_id, "deleted": True, "rent": plain(charge.rent)})
         except GatewayError as err:
             return to_http(err)
-
-    return router

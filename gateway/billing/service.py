@@ -16,9 +16,9 @@ from gateway.billing.shared import SharedEntries
 from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore, Shipper
 from gateway.billing.wal import WriteAheadLog
 from gateway.errors import GatewayError
+from gateway.request.tenant import hash_key
 from gateway.request.tokens import TokenEstimator
 from gateway.settings import Settings
-from gateway.tenancy.registry import hash_key
 
 log = logging.getLogger(__name__)
 

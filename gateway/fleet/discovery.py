@@ -39,12 +39,11 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from gateway.directory.routing import RoutingDirectory
 from gateway.fleet.replicas import ReplicaSet
 from gateway.tasks import BackgroundTasks
 
@@ -294,11 +293,21 @@ class SliceWatcher:
 
 
 # -- the gateway side (the event loop) ---------------------------------------------------------
+class ReplicaIdentities(Protocol):
+    """What discovery tells the directory (`gateway.directory.routing.RoutingDirectory`)."""
+
+    async def forget(self, replica: str) -> None:
+        """The replica left, or is a new pod: its entries stop matching."""
+
+    def register(self, replicas: Sequence[str]) -> None:
+        """Replicas joined: lookups report them from now on."""
+
+
 class Discovery:
     """Applies what the watcher sees to the replica set and the directory, in order."""
 
     def __init__(
-        self, target: KubeTarget, replicas: ReplicaSet, directory: RoutingDirectory
+        self, target: KubeTarget, replicas: ReplicaSet, directory: ReplicaIdentities
     ) -> None:
         self.target = target
         self.replicas = replicas

@@ -6,6 +6,7 @@ from the client; the per-request copy of a `user`-scoped tenant carries its end 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -14,6 +15,17 @@ SCOPE_TENANT = "tenant"
 SCOPE_USER = "user"
 """Each end user of the tenant (the request's `user`, else its `prompt_cache_key`) has its own."""
 SCOPES = (SCOPE_TENANT, SCOPE_USER)
+BILLING_PROFILES = (
+    "anthropic",
+    "openai",
+    "openai_legacy",
+    "google_implicit",
+    "google_explicit",
+    "deepseek",
+)
+"""The providers' rules a tenant can be billed by (gateway.billing, docs/billing.md#profiles):
+named here, with the rest of a tenant's vocabulary, so settings and the tenants file can check a
+name without importing billing."""
 TENANT_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 """Names travel in salts, Redis keys (inside a {hash tag}) and logs: no '/', ':', '{' or space."""
 
@@ -63,3 +75,9 @@ def check_tenant_name(name: str) -> str:
             "starting with a letter or digit"
         )
     return name
+
+
+def hash_key(key: str) -> str:
+    """How an API key is kept: its SHA-256 hex digest (keys are 256-bit random strings, so a
+    fast hash is enough: there is nothing to brute-force)."""
+    return hashlib.sha256(key.encode()).hexdigest()

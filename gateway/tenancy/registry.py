@@ -20,11 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from gateway.errors import TenantError
-from gateway.request.tenant import DEFAULT_POLICY, Tenant, TenantPolicy, check_tenant_name
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+from gateway.request.tenant import DEFAULT_POLICY, Tenant, TenantPolicy, check_tenant_name, hash_key
 
 
 def derive_salt(secret: bytes, scope: str) -> bytes:

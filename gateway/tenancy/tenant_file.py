@@ -47,10 +47,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway.request.tenant import TenantPolicy, check_tenant_name
-from gateway.settings import BILLING_PROFILES
+from gateway.request.tenant import BILLING_PROFILES, TenantPolicy, check_tenant_name, hash_key
 from gateway.tasks import BackgroundTasks
-from gateway.tenancy.registry import TenantRegistry, TenantSpec, hash_key
+from gateway.tenancy.registry import TenantRegistry, TenantSpec
 
 log = logging.getLogger(__name__)
 

@@ -34,15 +34,9 @@ from starlette.responses import Response
 from gateway.api.anthropic.convert import parse_messages
 from gateway.api.anthropic.schemas import openapi_operation
 from gateway.api.context import FrontEnd
+from gateway.api.errors import anthropic_error_body, to_anthropic_http
 from gateway.api.responses import ExchangeSSE, debug_headers
-from gateway.errors import (
-    EngineRejected,
-    GatewayError,
-    TenantError,
-    UpstreamError,
-    anthropic_error_body,
-    to_anthropic_http,
-)
+from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest

@@ -26,11 +26,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.api.context import FrontEnd
+from gateway.api.errors import to_grpc
 from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.api.grpc.convert import to_parsed, usage_message
 from gateway.api.responses import debug_headers
-from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError, to_grpc
+from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
 from gateway.observability.metrics import RequestMetrics
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.forwarder import Passthrough

@@ -12,10 +12,11 @@ from starlette.responses import JSONResponse, Response
 from gateway.api.anthropic import routes as anthropic_api
 from gateway.api.asgi import Handler
 from gateway.api.context import FrontEnd
+from gateway.api.errors import to_http
 from gateway.api.openai.parse import parse_chat, parse_completion
 from gateway.api.openapi import REF as _REF
 from gateway.api.responses import OpenAISSE, debug_headers
-from gateway.errors import GatewayError, to_http
+from gateway.errors import GatewayError
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant

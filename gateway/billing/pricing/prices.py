@@ -35,7 +35,7 @@ from gateway.billing.pricing.money import (
     divide,
     parse_instant,
 )
-from gateway.settings import BILLING_PROFILES
+from gateway.request.tenant import BILLING_PROFILES
 
 PROFILES = BILLING_PROFILES
 """The billing profiles (docs/billing.md#profiles), in the order the docs list them (defined
