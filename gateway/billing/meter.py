@@ -33,7 +33,7 @@ import socket
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cachemap.rendering import GENERATION_PROMPT
 from gateway.billing.contents import load_snapshot, save_snapshot
@@ -77,9 +77,7 @@ from gateway.request.state import ExchangeRecord
 from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
 from gateway.request.usage import EngineUsage
-
-if TYPE_CHECKING:
-    from gateway.settings import Settings
+from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
