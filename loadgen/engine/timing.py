@@ -424,7 +424,9 @@ class EngineCore:
         self._slots_used -= 1
 
     def _store(self, job: Job, first: int, last: int, hashes: Sequence[bytes]) -> None:
-        """Blocks first..last-1 of the job's chain (`hashes`) now hold their KV."""
+        """Blocks first..last-1 of the job's chain (`hashes`) now hold their KV (as many as it
+        reserved: a request larger than the cache stores only what fits)."""
+        last = min(last, first + job.num_private)
         if first >= last:
             return
         info: list[BlockInfo] = []

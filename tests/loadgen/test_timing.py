@@ -255,3 +255,16 @@ def test_aborting_frees_queue_slots_and_blocks() -> None:
     events = run(core)
     assert [e[2] for e in events if e[1] == FINISHED] == ["b"]
     assert pool.num_used == 0
+
+
+def test_a_request_larger_than_the_cache_holds_all_of_it_runs_alone_and_stores_what_fits() -> None:
+    pool = BlockPool(4)
+    core = EngineCore(WIDE, pool)
+    big = job("big", chain("g", 6), prompt=96, out=16)  # needs 7 blocks of a cache of 4
+    small = job("small", [], prompt=16, out=1)
+    core.submit(0.0, big)
+    core.submit(0.0, small)
+    assert pool.usage == 1.0 and core.num_waiting == 1
+    run(core)
+    assert big.finish_s is not None and small.start_s == big.finish_s
+    assert pool.match(chain("g", 6)) <= 4
