@@ -633,12 +633,6 @@ def _parse_generation(config: EngineConfig, body: dict[str, Any], chat: bool) ->
             f"you requested {total} tokens ({len(tokens)} in the messages, "
             f"{max_tokens} in the completion)."
         )
-    blocks = -(-total // config.block_size)
-    if blocks > config.capacity_blocks:
-        raise BadRequest(
-            f"This request needs {blocks} KV cache blocks ({total} tokens) but the engine has "
-            f"{config.capacity_blocks}: lower max_tokens or shorten the prompt."
-        )
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string")

@@ -275,9 +275,11 @@ def test_reset_prefix_cache_forgets_everything_and_is_refused_while_requests_run
     assert chat(engine.url, max_tokens=1)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_a_request_larger_than_the_whole_kv_cache_is_refused(
+def test_a_request_larger_than_the_whole_kv_cache_holds_all_of_it_and_is_served(
     start_engines: Callable[..., list[Served]],
 ) -> None:
+    """vLLM refuses to start with a max_model_len its KV cannot hold; the benches run small
+    caches with long prompts, so such a request runs alone, holding every block."""
     engine = start_engines(1, capacity_blocks=8)[0]
     r = httpx.post(engine.url + "/v1/completions", json={"prompt": "x", "max_tokens": 200})
-    assert r.status_code == 400 and "needs 13 KV cache blocks" in r.json()["error"]["message"]
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
