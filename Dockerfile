@@ -8,11 +8,15 @@ COPY gateway gateway
 COPY router router
 COPY cachemap cachemap
 COPY loadgen loadgen
+# xds-protos (the endpoint picker's Envoy messages) overwrites opentelemetry-proto's generated
+# modules with older copies: reinstall opentelemetry-proto's own (see the Makefile)
 RUN pip install --no-cache-dir . \
+    && pip install --no-cache-dir --no-deps --force-reinstall \
+       "opentelemetry-proto==$(python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" \
     && python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
     && rm -rf /src
 WORKDIR /
 USER 10001:10001
-EXPOSE 8080 9090
+EXPOSE 8080 9090 9002
 ENTRYPOINT ["kvgate"]
 CMD ["serve", "--help"]

@@ -93,6 +93,15 @@ re-opened from the last resourceVersion, and a dead connection is noticed within
 DEFAULT_DISCOVERY_RETRY_S = 2.0
 """After a failed list or watch (API server away, RBAC missing) try again every 2 s."""
 
+# -- endpoint-picker mode (issue 18; docs/deployment.md) -------------------------------------
+MODES = ("standalone", "epp")
+DEFAULT_EPP_PORT = 9002
+"""GIE's endpoint pickers listen for ext-proc on 9002; Envoy configs and charts expect it."""
+DEFAULT_EPP_MAX_MESSAGE_TIMEOUT_S = 30.0
+"""The longest Envoy lets the picker extend its message timer (its `max_message_timeout`, set to
+the same value in the shipped Envoy config): a fan-out hold's bound (at most `fanout_max_hold_s`,
+10 s) plus the pick after it fits with room."""
+
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
 )
@@ -129,6 +138,14 @@ class Settings(BaseSettings):
     Off by default, because they tell a client about cache state."""
     seed: int | None = None
     log_level: str = "info"
+    mode: str = "standalone"
+    """`standalone`: kvgate serves the OpenAI API and relays the engines' streams. `epp`: it is
+    also an endpoint picker behind Envoy (ext-proc on `epp_port`): Envoy carries the bytes,
+    kvgate admits, routes, holds and bills (docs/deployment.md)."""
+    epp_port: int = DEFAULT_EPP_PORT
+    """The ext-proc gRPC port in `epp` mode (0: any free port)."""
+    epp_max_message_timeout_s: float = DEFAULT_EPP_MAX_MESSAGE_TIMEOUT_S
+    """Envoy's `max_message_timeout`: a held request asks Envoy to wait this long at most."""
 
     # -- shared state: the directory (issue #3), rate limits (issue #6) ------------------------
     redis_url: str | None = None
@@ -198,6 +215,13 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, value: str) -> str:
+        if value not in MODES:
+            raise ValueError(f"unknown mode {value!r}; choose one of {', '.join(MODES)}")
+        return value
+
     @field_validator("discovery_scheme")
     @classmethod
     def _scheme(cls, value: str) -> str:
@@ -228,7 +252,7 @@ class Settings(BaseSettings):
             )
         return self
 
-    @field_validator("grpc_port")
+    @field_validator("grpc_port", "epp_port")
     @classmethod
     def _port_range(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= 65535:
@@ -328,7 +352,10 @@ class Settings(BaseSettings):
         return value
 
     @field_validator(
-        "tenants_reload_interval_s", "rate_limit_timeout_s", "billing_ledger_deadline_s"
+        "tenants_reload_interval_s",
+        "rate_limit_timeout_s",
+        "billing_ledger_deadline_s",
+        "epp_max_message_timeout_s",
     )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:

@@ -6,7 +6,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -21,6 +21,7 @@ from gateway.pipeline.exchange import Exchange, ExchangeHooks
 from gateway.pipeline.flights import Flight
 from gateway.pipeline.forwarder import Complete, Forwarder, Passthrough, RetryableFailure
 from gateway.pipeline.placement import Placement
+from gateway.pipeline.relayed import LandFlight, Pick
 from gateway.request.cache_control import strip_marks
 from gateway.request.parsed import CHAT, COMPLETION, ParsedRequest
 from gateway.request.state import RequestHook, Routed
@@ -120,9 +121,60 @@ class Director:
             trace.failed(exc)
             raise
 
+    async def pick(
+        self,
+        parsed: ParsedRequest,
+        tenant: Tenant,
+        trace_headers: dict[str, str] | None = None,
+        *,
+        only: Collection[str] | None = None,
+        relay_usage: bool = True,
+        on_hold: Callable[[float], Awaitable[None]] | None = None,
+    ) -> Pick:
+        """Steps 1 and 2 for a request someone else forwards (Envoy, `gateway.api.epp`): the
+        ranking to send it along, the body the engine must get, and the `Pick` whose response
+        events feed the record step (`gateway.pipeline.relayed`).
+
+        `only`: the replica ids the data plane allows (its subset hint; none eligible is a 503).
+        `relay_usage`: the response comes back through us, so ask a stream for its usage.
+        `on_hold`: awaited with the bound of a fan-out hold before the request waits."""
+        opened_s = time.monotonic()
+        trace = self.tracer.begin(parsed, tenant, trace_headers)
+        try:
+            candidates, tenant, charged = await self._admit(parsed, tenant, only)
+            for hook in self.request_hooks:
+                parsed = await hook(parsed, tenant)
+            routed, flight = await self._route(
+                parsed, tenant, candidates, trace, opened_s, charged, on_hold
+            )
+        except BaseException as exc:
+            trace.failed(exc)
+            raise
+        ranking = list(routed.decision.ranking[: self.max_attempts])
+        state = self.replicas.get(ranking[0])
+        uncached = routed.route.uncached_tokens(ranking[0])
+        attempt = trace.attempt(ranking[0], 1, uncached)
+        payload = self._upstream_payload(routed, relay_usage)
+        land = None if flight is None else self._lander(flight)
+        lease = state.lease(uncached)
+        return Pick(
+            routed, payload, trace, attempt, lease, self.replicas, self.recorder, ranking, land
+        )
+
+    def _lander(self, flight: Flight) -> LandFlight:
+        """How a picked leader's flight ends: at its first token, or failed."""
+        flights = self.placement.flights
+        assert flights is not None
+
+        def land(ok: bool, replica: str) -> None:
+            flight.replica = replica  # Envoy's retry may have moved it
+            flights.end(flight, ok=ok)
+
+        return land
+
     # -- 1. admit --------------------------------------------------------------------------
     async def _admit(
-        self, parsed: ParsedRequest, tenant: Tenant
+        self, parsed: ParsedRequest, tenant: Tenant, only: Collection[str] | None = None
     ) -> tuple[list[ReplicaState], Tenant, int]:
         """The replicas that may serve the request, the tenant as this request sees it (its
         end user's salt in a `user` scope) and the tokens charged to its rate limit.
@@ -135,6 +187,10 @@ class Director:
             if not self.replicas.any_healthy():
                 raise NoReplica("no healthy engine replica is available")
             raise ModelNotFound(parsed.model, self.replicas.models())
+        if only is not None:
+            candidates = [c for c in candidates if c.id in only and c.healthy]
+            if not candidates:
+                raise NoReplica("no endpoint of the data plane's subset can serve this request")
         charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
         return candidates, tenant, charged
 
@@ -147,6 +203,7 @@ class Director:
         trace: RequestTrace,
         opened_s: float,
         charged: int,
+        on_hold: Callable[[float], Awaitable[None]] | None = None,
     ) -> tuple[Routed, Flight | None]:
         block_bytes = self.keys.block_bytes
         root = root_hash(tenant.salt, parsed.model)
@@ -176,7 +233,9 @@ class Director:
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
         snapshot = [c.snapshot() for c in candidates]
-        placed = await self.placement.place(policy, route, snapshot, hashes, lookup, self.rng)
+        placed = await self.placement.place(
+            policy, route, snapshot, hashes, lookup, self.rng, on_hold=on_hold
+        )
         if placed is None:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
         if placed.new_k is not None and lookup.hot_key is not None:
@@ -216,14 +275,14 @@ class Director:
         finally:
             flights.end(flight, ok=landed)
 
-    def _upstream_payload(self, routed: Routed) -> bytes:
+    def _upstream_payload(self, routed: Routed, ask_usage: bool = True) -> bytes:
         parsed = routed.parsed
         body = dict(parsed.body)
         if parsed.breakpoints or parsed.prewarm:  # a front end that keeps cache hints in the body
             body = strip_marks(body)
             body["max_tokens"] = max(body.get("max_tokens") or 1, 1)
         body["cache_salt"] = routed.tenant.cache_salt
-        if parsed.stream:
+        if parsed.stream and ask_usage:
             body["stream_options"] = {"include_usage": True}
         return orjson.dumps(body)
 

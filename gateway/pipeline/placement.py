@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from cachemap.keys import BlockHash
@@ -69,11 +69,14 @@ class Placement:
         hashes: Sequence[BlockHash],
         lookup: Lookup,
         rng: random.Random,
+        on_hold: Callable[[float], Awaitable[None]] | None = None,
     ) -> Placed | None:
+        """`on_hold`: awaited with a hold's bound before the request waits (the endpoint
+        picker extends Envoy's message timeout with it)."""
         depth = max(route.overlap.values(), default=0)
         # 1. fan-out
         if self.flights is not None:
-            landed = await self._maybe_hold(route, replicas, hashes, lookup, depth)
+            landed = await self._maybe_hold(route, replicas, hashes, lookup, depth, on_hold)
             if landed is not None:
                 replica, shared = landed
                 route = with_leader(route, replica, shared)
@@ -122,6 +125,7 @@ class Placement:
         hashes: Sequence[BlockHash],
         lookup: Lookup,
         depth: int,
+        on_hold: Callable[[float], Awaitable[None]] | None = None,
     ) -> tuple[str, int] | None:
         """Wait for a leader writing this request's uncached prefix, if that is worth it: a
         leader of this gateway first, else one another gateway announced through Redis.
@@ -134,6 +138,8 @@ class Placement:
             if not self._worth(route, replicas, leader.replica, depth, shared):
                 return None
             timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * leader.expected_s)
+            if on_hold is not None:
+                await on_hold(max(timeout, 0.001))
             ok = await flights.wait(leader, max(timeout, 0.001))
             return (leader.replica, shared) if ok else None
         text, shared = lookup.writer, lookup.writer_depth
@@ -151,6 +157,8 @@ class Placement:
         shared_markers = flights.shared
         assert shared_markers is not None
         block = hashes[shared - 1]
+        if on_hold is not None:
+            await on_hold(max(timeout, 0.001))
         landed = await flights.wait_remote(
             marker.key, max(timeout, 0.001), lambda: shared_markers.read_marker(block)
         )

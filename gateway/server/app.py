@@ -5,7 +5,7 @@ the start-up failed).
 
 Start order: the upstream `aiohttp.ClientSession` (explicit timeouts and connection limits) →
 the shared directory (Redis) → billing → health probing → discovery → the tenants-file watcher →
-the gRPC server.
+the gRPC server → the endpoint picker's ext-proc server (`mode: epp`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
 from gateway.api.asgi import MeteredASGI
 from gateway.api.context import FrontEnd
+from gateway.api.epp.server import start_epp
 from gateway.api.grpc.service import start_grpc
 from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
@@ -268,6 +269,10 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             grpc_server = await start_grpc(settings, parts.front, parts.request_metrics)
             stack.push_async_callback(grpc_server.stop)
             app.state.grpc_port = grpc_server.port
+        if settings.mode == "epp":
+            epp_server = await start_epp(settings, parts.front)
+            stack.push_async_callback(epp_server.stop)
+            app.state.epp_port = epp_server.port
         log.info(
             "kvgate: %d/%d replicas healthy, policy %s",
             sum(s.healthy for s in parts.replicas.states.values()),

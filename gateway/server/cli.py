@@ -40,6 +40,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grpc-port", type=int, help="also serve gRPC (kvgate.v1.Gateway) on this port"
     )
+    parser.add_argument(
+        "--mode",
+        choices=("standalone", "epp"),
+        help="standalone (default): serve the API; epp: also pick endpoints for Envoy (ext-proc)",
+    )
+    parser.add_argument("--epp-port", type=int, help="the ext-proc port in epp mode (default 9002)")
     # -- Kubernetes discovery and tracing (issue 9; docs/operations.md) --
     parser.add_argument(
         "--discovery",
@@ -85,6 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             tenants_file=args.tenants_file,
             grpc_port=args.grpc_port,
+            mode=args.mode,
+            epp_port=args.epp_port,
             discovery=args.discovery,
             discovery_label_selector=args.discovery_label_selector,
             discovery_namespace=args.discovery_namespace,

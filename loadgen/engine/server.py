@@ -109,6 +109,10 @@ def tokenizer_dir(model: str) -> str:
     return str(path)
 
 
+SEEN_HEADERS_KEPT = 256
+"""Headers of the last 256 generation requests are kept for tests (a few KB each at most)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -178,6 +182,9 @@ class Engine:
         self.last_traceparent: str | None = None
         """The W3C `traceparent` of the last generation request (vLLM continues it when it
         traces): lets a test see what a router passed on."""
+        self.seen_headers: list[dict[str, str]] = []
+        """The headers of recent generation requests (the last SEEN_HEADERS_KEPT): lets a test
+        see that a router never passes a tenant's key on."""
 
     @property
     def load(self) -> int:
@@ -762,6 +769,8 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
     3. Answer: the whole completion when it finishes, or the SSE stream step by step.
     """
     engine.last_traceparent = request.headers.get("traceparent")
+    engine.seen_headers.append(dict(request.headers))
+    del engine.seen_headers[:-SEEN_HEADERS_KEPT]
     gen = _parse_generation(engine.config, body, chat)
     failing = engine.num_failures_left > 0
     if failing:
