@@ -32,7 +32,10 @@ def test_a_small_bench_runs_every_arm_and_writes_one_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench.md"
-    arms = "kvgate:cache_aware,sglang:cache_aware,vllm:cache_aware,client:round_robin"
+    arms = (
+        "kvgate:cache_aware,epp:cache_aware,epp-headers:cache_aware,sglang:cache_aware,"
+        "vllm:cache_aware,client:round_robin"
+    )
     argv = [
         "bench",
         "--trace",
@@ -66,6 +69,11 @@ def test_a_small_bench_runs_every_arm_and_writes_one_table(
         assert f"| {name} | 1 | 40 | 0 |" in table
         if name != "client:round_robin":
             assert row["router_cpu_ms_per_request"] > 0
+            assert row["hop_ms"] is not None
+        if name.startswith("epp"):  # Envoy carried the bytes, kvgate picked
+            assert row["envoy_cpu_ms_per_request"] > 0
+            assert row["decisions"], row
+            assert row["summary"]["hit_ratio"] > 0
     assert payload["lru_reference_hit_ratio"] > 0
     assert 0 <= payload["background_busy_share"] <= 1
 

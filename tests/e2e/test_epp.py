@@ -283,3 +283,112 @@ def test_held_requests_fail_without_the_timeout_override(
 
     statuses = asyncio.run(send())
     assert statuses.count(200) >= 1 and any(s >= 500 for s in statuses), statuses
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_a_killed_picker_fails_closed_fast_or_open_through_the_fallback_policy(
+    fail_open: bool, start_engines: Callable[..., list[Served]]
+) -> None:
+    engines = start_engines(2)
+    epp_port = processes.free_port()
+    args = ["--mode", "epp", "--epp-port", str(epp_port), "--tenant", f"acme:{TENANT_KEY}"]
+    setup = EnvoySetup(
+        epp_port, [endpoint(e) for e in engines], fail_open=fail_open, picker_health_interval="0.2s"
+    )
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "still there?"}]}
+    auth = {"authorization": f"Bearer {TENANT_KEY}"}
+    with processes.gateway([e.url for e in engines], args) as picker, envoy(setup) as proxy:
+        proxy.wait_picker(healthy=True)
+        r = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=auth)
+        assert r.status_code == 200, r.text
+        picker.popen.kill()
+        picker.popen.wait(timeout=10)
+        proxy.wait_picker(healthy=False, timeout_s=10)
+        for _ in range(4):
+            started = time.monotonic()
+            r = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=auth)
+            elapsed = time.monotonic() - started
+            if fail_open:  # Envoy's fallback (round robin) picks; the engines still answer
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["prompt_tokens"] > 0
+            else:
+                assert r.status_code >= 500 and elapsed < 1.0, (r.status_code, elapsed)
+    if fail_open:
+        assert all(n > 0 for n in served_by(engines))  # round robin over both after the kill
+
+
+def _converse(base_url: str) -> list[dict[str, Any]]:
+    """Three turns (two streamed, one whole), the usage objects as the client got them."""
+    sdk = openai.OpenAI(base_url=base_url + "/v1", api_key=TENANT_KEY, max_retries=0)
+    messages: list[Any] = [SYSTEM]
+    usages = []
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"turn {turn}: " + words(f"b{turn}", 150)})
+        if turn == 1:
+            whole = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+            assert whole.usage is not None
+            usages.append(whole.usage.model_dump())
+            text = whole.choices[0].message.content or ""
+        else:
+            text, usage = "", None
+            for chunk in sdk.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            ):
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                usage = chunk.usage or usage
+            assert usage is not None
+            usages.append(usage.model_dump())
+        messages.append({"role": "assistant", "content": text})
+    sdk.close()
+    return usages
+
+
+_RECORD_FIELDS = (
+    "status",
+    "tenant",
+    "profile",
+    "model",
+    "prompt_tokens",
+    "uncached_tokens",
+    "read_tokens",
+    "written_tokens",
+    "output_tokens",
+    "input_cost",
+)
+
+
+def test_usage_and_billing_records_equal_the_standalone_gateways(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    start_stack: Callable[..., tuple[list[Served], Served, Envoy]],
+    tmp_path: Path,
+) -> None:
+    from gateway.billing.wal import read_directory
+
+    billing = {"billing_profile": "anthropic", "billing_model_map": {MODEL: "sonnet-5"}}
+    standalone = start_gateway(start_engines(3), billing_wal_dir=tmp_path / "a", **billing)
+    _, picker, proxy = start_stack(billing_wal_dir=tmp_path / "b", **billing)
+    direct = _converse(standalone.url)
+    relayed = _converse(proxy.url)
+
+    def plain(usage: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in usage.items() if k != "kvgate_billing"}
+
+    assert [plain(u) for u in relayed] == [plain(u) for u in direct]
+    assert relayed[1]["engine_cached_tokens"] > 0  # the continuation found its prefix
+    billed = [u["kvgate_billing"] for u in relayed]  # billing rewrote what the client got
+    assert all(b["price_model"] == "sonnet-5" and float(b["cost"]) > 0 for b in billed)
+
+    def records(path: Path) -> list[dict[str, Any]]:
+        rows = [r for r in read_directory(path) if r.get("kind") == "request"]
+        return [{k: r.get(k) for k in _RECORD_FIELDS} for r in rows]
+
+    wait_until(lambda: len(records(tmp_path / "b")) == 3, what="the picker's billing records")
+    assert records(tmp_path / "b") == records(tmp_path / "a")
+    assert all(r["status"] == "ok" for r in records(tmp_path / "b"))
+    del picker

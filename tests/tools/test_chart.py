@@ -51,7 +51,10 @@ def test_the_config_schema_is_the_settings() -> None:
     assert not chart.CHART_MANAGED & set(config)
 
 
-@pytest.mark.parametrize("values", [None, chart.EVERYTHING_VALUES, EXTERNAL_VALUES])
+@pytest.mark.parametrize(
+    "values",
+    [None, chart.EVERYTHING_VALUES, EXTERNAL_VALUES, chart.CHART / "ci" / "epp-values.yaml"],
+)
 def test_lint_strict_and_kubernetes_validate_strict(values: Path | None) -> None:
     linted = chart.lint(values)
     assert linted.returncode == 0, linted.stdout + linted.stderr
@@ -239,3 +242,56 @@ def test_one_gateway_without_redis_is_allowed(tmp_path: Path) -> None:
     assert not [o for o in objects if o["kind"] == "StatefulSet"]
     (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "KVGATE_REDIS_URL" not in {e["name"] for e in gateway["env"]}
+
+
+EPP_VALUES = chart.CHART / "ci" / "epp-values.yaml"
+
+
+def test_epp_mode_renders_an_inference_pool_the_picker_and_its_endpoints(tmp_path: Path) -> None:
+    objects = chart.template(EPP_VALUES)
+    pool = one(objects, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": {"app": "vllm", "tier": "gpu"}},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {
+            "kind": "Service",
+            "name": "kvgate",
+            "port": {"number": 9002},
+            "failureMode": "FailOpen",
+        },
+    }
+    assert chart.validate_inference_pools(objects) == []
+    # the picker's Service exposes ext-proc where the pool's endpointPickerRef points
+    ports = {p["name"]: p for p in one(objects, "Service", "kvgate")["spec"]["ports"]}
+    assert ports["epp"]["port"] == 9002 and ports["epp"]["appProtocol"] == "kubernetes.io/h2c"
+    # the pool's pods, for discovery: a headless Service with the pool's selector
+    headless = one(objects, "Service", "kvgate-pool")["spec"]
+    assert headless["clusterIP"] == "None" and headless["selector"] == {
+        "app": "vllm",
+        "tier": "gpu",
+    }
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    settings = load_settings(config)
+    assert settings.mode == "epp" and settings.epp_port == 9002
+    assert settings.discovery == "kubernetes"
+    assert settings.discovery_label_selector == "kubernetes.io/service-name=kvgate-pool"
+    (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "epp", "containerPort": 9002, "protocol": "TCP"} in gateway["ports"]
+    assert not [o for o in chart.template() if o["kind"] == "InferencePool"]  # off by default
+
+
+def test_the_inference_pool_schema_catches_what_a_v1_pool_may_not_be() -> None:
+    (pool,) = [o for o in chart.template(EPP_VALUES) if o["kind"] == "InferencePool"]
+    broken = {**pool, "spec": {**pool["spec"], "targetPorts": []}}
+    assert any("targetPorts" in p for p in chart.validate_inference_pools([broken]))
+    renamed = {**pool, "spec": {**pool["spec"], "extensionRef": {"name": "x"}}}
+    del renamed["spec"]["endpointPickerRef"]  # the pre-v1 field name
+    problems = chart.validate_inference_pools([renamed])
+    assert any("endpointPickerRef" in p for p in problems), problems
+    wrong_mode = {
+        **pool,
+        "spec": {**pool["spec"], "endpointPickerRef": {"name": "x", "failureMode": "Maybe"}},
+    }
+    assert any("Maybe" in p for p in chart.validate_inference_pools([wrong_mode]))

@@ -65,11 +65,20 @@ app.kubernetes.io/component: redis
 
 {{/* Kubernetes discovery is on: the gateway lists and watches EndpointSlices. */}}
 {{- define "kvgate.discovers" -}}
-{{- if eq (default "static" .Values.config.discovery) "kubernetes" -}}true{{- end -}}
+{{- if or .Values.epp.enabled (eq (default "static" .Values.config.discovery) "kubernetes") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The InferencePool and the headless Service that gives discovery its pods. */}}
+{{- define "kvgate.poolName" -}}
+{{- printf "%s-pool" (include "kvgate.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "kvgate.engineNamespace" -}}
+{{- if .Values.epp.enabled -}}
+{{- .Release.Namespace -}}
+{{- else -}}
 {{- default .Release.Namespace .Values.config.discovery_namespace -}}
+{{- end -}}
 {{- end -}}
 
 {{/* A shared Redis is configured, in the chart or outside it. */}}
@@ -98,6 +107,15 @@ app.kubernetes.io/component: redis
 {{- $_ := set $settings "tenants_file" "/etc/kvgate/secret/tenants.yaml" -}}
 {{- if and (not .Values.redis.enabled) .Values.redis.external.cluster -}}
 {{- $_ := set $settings "redis_cluster" true -}}
+{{- end -}}
+{{- if .Values.epp.enabled -}}
+{{- /* the picker: its endpoints are the InferencePool's pods, through the pool's Service */ -}}
+{{- $_ := set $settings "mode" "epp" -}}
+{{- $_ := set $settings "epp_port" (int .Values.epp.port) -}}
+{{- $_ := set $settings "discovery" "kubernetes" -}}
+{{- $_ := set $settings "discovery_label_selector" (printf "kubernetes.io/service-name=%s" (include "kvgate.poolName" .)) -}}
+{{- $_ := set $settings "discovery_port_name" "http" -}}
+{{- $_ := unset $settings "discovery_namespace" -}}
 {{- end -}}
 {{- toYaml $settings -}}
 {{- end -}}
