@@ -392,3 +392,25 @@ def test_usage_and_billing_records_equal_the_standalone_gateways(
     assert records(tmp_path / "b") == records(tmp_path / "a")
     assert all(r["status"] == "ok" for r in records(tmp_path / "b"))
     del picker
+
+
+def test_a_short_timing_audit_through_envoy_finds_no_cross_tenant_hit(
+    start_engines: Callable[..., list[Served]],
+    start_stack: Callable[..., tuple[list[Served], Served, Envoy]],
+    tmp_path: Path,
+) -> None:
+    """The Gu et al. audit (loadgen.audit) with kvgate picking behind Envoy: the victim's own
+    repeats hit (the audit can see a cache), the attacker's probes never do."""
+    from loadgen.audit.probes import PASS, AuditConfig, run_audit
+    from tests.e2e.test_audit import AUDIT_TIMING, SUITE_SAMPLES
+
+    tenants = tmp_path / "tenants.yaml"
+    control, _, _ = add_key(tenants, "victims")
+    victim, _, _ = add_key(tenants, "victims")
+    attacker, _, _ = add_key(tenants, "attackers")
+    _, _, proxy = start_stack(start_engines(2, timing=AUDIT_TIMING), tenants_file=tenants)
+    config = AuditConfig(proxy.url, victim, attacker, samples=SUITE_SAMPLES, control_key=control)
+    report = asyncio.run(run_audit(config))
+    assert report.verdict == PASS, report.reasons
+    assert report.positive.max_cached_tokens > 4900  # the victim's own prefix was found
+    assert report.negative.max_cached_tokens == 0  # the attacker never read it
