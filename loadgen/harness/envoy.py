@@ -35,6 +35,12 @@ can stall longer than that under load, and a timed-out message fails the request
 DEFAULT_MAX_MESSAGE_TIMEOUT = "30s"
 """`gateway.settings.DEFAULT_EPP_MAX_MESSAGE_TIMEOUT_S`: the longest a held request may ask for."""
 DEFAULT_PICKER_HEALTH_INTERVAL = "1s"
+_SERVED_HEADER = """\
+                response_headers_to_add:
+                - header:
+                    key: x-gateway-destination-endpoint-served
+                    value: "%UPSTREAM_REMOTE_ADDRESS%"
+"""
 _SUBSET_FILTER = """\
           # test only: the subset hint from a request header (a gateway controller sets it)
           - name: envoy.filters.http.header_to_metadata
@@ -81,6 +87,8 @@ class EnvoySetup:
     picker_health_interval: str = DEFAULT_PICKER_HEALTH_INTERVAL
     subset_from_header: bool = False
     """Test only: `x-test-endpoint-subset: ip:port,ip:port` becomes the subset hint."""
+    report_served: bool = True
+    """Tell the picker which endpoint served (stock Envoy does not: off, it assumes its pick)."""
 
     def render(self, listen_port: int, admin_port: int) -> str:
         endpoints = "".join(
@@ -100,6 +108,7 @@ class EnvoySetup:
             response_trailer_mode="SEND" if self.response_body else "SKIP",
             picker_health_interval=self.picker_health_interval,
             subset_filter=_SUBSET_FILTER if self.subset_from_header else "",
+            served_header=_SERVED_HEADER if self.report_served else "",
             pool_endpoints=endpoints.rstrip("\n"),
         )
 

@@ -414,3 +414,37 @@ def test_a_short_timing_audit_through_envoy_finds_no_cross_tenant_hit(
     assert report.verdict == PASS, report.reasons
     assert report.positive.max_cached_tokens > 4900  # the victim's own prefix was found
     assert report.negative.max_cached_tokens == 0  # the attacker never read it
+
+
+@pytest.mark.parametrize("report_served", [True, False])
+def test_envoys_retry_down_the_list_and_the_served_endpoint_gets_the_record(
+    report_served: bool,
+    start_engines: Callable[..., list[Served]],
+    start_stack: Callable[..., tuple[list[Served], Served, Envoy]],
+) -> None:
+    """The picked engine fails before its first byte (a 500): Envoy's retry takes the next
+    endpoint of the picker's list. When Envoy reports the served endpoint, the directory records
+    the prefix there (the next turn hits); without it the picker falls back to its first pick."""
+    failing = start_engines(1, fail_first_bytes=1)
+    healthy = start_engines(1)
+    _, gateway, proxy = start_stack(
+        [*failing, *healthy], envoy_options={"report_served": report_served}
+    )
+    messages: list[Any] = [SYSTEM, {"role": "user", "content": "first"}]
+    sdk = client(proxy)
+    # new conversations until one is picked onto the failing engine (and retried by Envoy)
+    while engine_of(failing[0]).num_failures_left:
+        sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        messages[1] = {"role": "user", "content": f"again {len(messages)}" + words("r", 20)}
+        messages.append({"role": "assistant", "content": "ok"})
+    retried = list(messages)
+    retried.append({"role": "user", "content": "next turn"})
+    again = sdk.chat.completions.create(model=MODEL, messages=retried, max_tokens=2)
+    assert again.usage is not None
+    states = gateway.app.state.replicas.states.values()
+    # every lease released (the picker ends an exchange just after Envoy's last chunk went out)
+    wait_until(lambda: all(s.num_inflight == 0 for s in states), what="leases released")
+    assert len(engine_of(failing[0]).seen_headers) >= 1  # the failing engine was picked
+    if report_served:
+        assert again.usage.prompt_tokens_details.cached_tokens > 1500
+    sdk.close()
