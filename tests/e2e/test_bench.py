@@ -65,6 +65,7 @@ def test_a_small_bench_runs_every_arm_and_writes_one_table(
         if missing:  # the peers are an optional extra: said plainly, the rest still ran
             assert row["summary"] is None and "pip install -e '.[bench]'" in row["note"]
             continue
+        assert row["summary"] is not None, f"{name} did not run: {row['note']}"
         assert row["summary"]["requests"] == 40 and row["summary"]["errors"] == 0, row["note"]
         assert f"| {name} | 1 | 40 | 0 |" in table
         if name != "client:round_robin":
