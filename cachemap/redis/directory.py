@@ -19,15 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
+from cachemap.directory import (
+    DEFAULT_REPLICA_CAPACITY_BLOCKS,
+    DEFAULT_TTL_S,
+    DIRECTORY_CLOCK,
+    Clock,
+    to_ms,
+)
 from cachemap.keys import BlockHash
 from cachemap.redis import scripts
 from cachemap.redis.client import AnyRedis, stop_task
@@ -44,8 +49,6 @@ from cachemap.redis.schema import (
 from cachemap.redis.stores import MarkerStore, RateStore
 
 log = logging.getLogger(__name__)
-
-Clock = Callable[[], float]
 
 GEN_REFRESH_S = 1.0
 """Safety net behind the channel: a gateway that missed a message is stale for at most 1 s."""
@@ -73,7 +76,7 @@ class RedisDirectory:
         *,
         capacity_blocks: int = DEFAULT_REPLICA_CAPACITY_BLOCKS,
         ttl_s: float = DEFAULT_TTL_S,
-        clock: Clock = time.time,
+        clock: Clock = DIRECTORY_CLOCK,
     ) -> None:
         if capacity_blocks < 2:
             raise ValueError(f"capacity_blocks must be at least 2, got {capacity_blocks}")
@@ -128,7 +131,7 @@ class RedisDirectory:
                 if rid in self._gens or rid in self._floors
             ).encode()
         args: list[Any] = [
-            int(self.clock() * 1000),
+            to_ms(self.clock()),
             int(self.ttl_s * 1000),
             int(rate_window_s * 1000),
             1 if writers else 0,
@@ -216,21 +219,25 @@ class RedisDirectory:
         return list(results)
 
     async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
-        await self.record_many([(replica, hashes)])
+        await self.record_many([(replica, hashes, None)])
 
-    async def record_many(self, items: Iterable[tuple[str, Sequence[BlockHash]]]) -> None:
-        """Several records at once: one script call per chain, then one count per replica."""
-        now_ms = int(self.clock() * 1000)
+    async def record_many(
+        self, items: Iterable[tuple[str, Sequence[BlockHash], float | None]]
+    ) -> None:
+        """Several records at once: one script call per chain, then one count per replica.
+        Each item is (replica, chain, when it was used: None for now)."""
+        now_ms = to_ms(self.clock())
         ttl_ms = int(self.ttl_s * 1000)
         counts: dict[str, int] = {}
         calls = []
-        for replica, hashes in items:
+        for replica, hashes, at_s in items:
             if not hashes:
                 continue
             rid = self._rid(replica)
             gen = self._gens.get(rid, 0)
             keys, head = chain_call(hashes)
-            calls.append(self._record(keys=keys, args=[*head, rid, gen, now_ms, ttl_ms]))
+            used_ms = now_ms if at_s is None else to_ms(at_s)
+            calls.append(self._record(keys=keys, args=[*head, rid, gen, used_ms, ttl_ms]))
             counts[rid] = counts.get(rid, 0) + len(hashes)
         if not calls:
             return
@@ -255,7 +262,7 @@ class RedisDirectory:
 
     async def expire(self, replica: str, before_s: float) -> None:
         rid = self._rid(replica)
-        floor = await self._expire(keys=[FLOOR_KEY], args=[rid, int(before_s * 1000), CHANNEL])
+        floor = await self._expire(keys=[FLOOR_KEY], args=[rid, to_ms(before_s), CHANNEL])
         self._set_floor(rid, int(floor))
 
     async def restarted(self, replica: str, start_marker: str) -> bool:

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cachemap.directory import on_ms
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
 from cachemap.rates import PrefixRate, PrefixRates
@@ -111,6 +112,12 @@ class RoutingDirectory:
 
     @shared.setter
     def shared(self, shared: RedisDirectory | None) -> None:
+        if shared is not None and shared.clock is not self.local.index.clock:
+            # reconciliation applies a shared lookup's last use to the local index too
+            raise ValueError(
+                "the local and the shared directory must keep time on one clock "
+                "(cachemap.directory.DIRECTORY_CLOCK)"
+            )
         self._shared = shared
         self.epochs.shared = shared
 
@@ -211,9 +218,12 @@ class RoutingDirectory:
 
     # -- what the engines hold ---------------------------------------------------------------
     async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
-        await self.local.record(replica, hashes)
+        """Both stores record the same instant (at the shared store's resolution), so an
+        expiry at a last use either store returns means the same entries in both."""
+        at_s = on_ms(self.local.index.clock())
+        self.local.index.record(replica, hashes, at_s)
         if hashes:
-            self._write(Record(replica, hashes))
+            self._write(Record(replica, hashes, at_s))
 
     async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.local.drop(replica, hashes)
