@@ -10,9 +10,12 @@ Generations do three jobs with one number per replica:
 - Restart epochs: `forget()` (and a new engine start marker) advances it by 2, so every old
   entry stops matching at once: an epoch bump, never a scan. Stale fields die with their keys'
   TTL.
-Gateways keep the current generations and floors in memory (refreshed by the channel and every
-`GEN_REFRESH_S`) and pass them to the lookup script, which also applies the TTL to each entry's
-last use, so an entry refreshed by one replica does not keep another's alive.
+Gateways keep the current generations and floors in memory and pass them to the lookup script,
+which also applies the TTL to each entry's last use, so an entry refreshed by one replica does
+not keep another's alive. Two tasks keep them current, independently: the channel's subscriber
+(within milliseconds) and a poll every `GEN_REFRESH_S` that never depends on the subscription
+(a gateway whose pub/sub is broken — a proxy or an ACL that refuses SUBSCRIBE, a redis-py
+without cluster pub/sub — is stale for at most that long, and says so once in its log).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ from cachemap.redis.stores import MarkerStore, RateStore
 log = logging.getLogger(__name__)
 
 GEN_REFRESH_S = 1.0
-"""Safety net behind the channel: a gateway that missed a message is stale for at most 1 s."""
+"""The poll behind the channel: a gateway that missed a message (or cannot subscribe) is stale
+for at most 1 s, at the cost of two HGETALLs of small hashes per second per gateway."""
 MAX_PIPELINED_LOOKUPS = 8
 """Lookups per pipelined write: a burst is cut into several pipelines on several connections,
 so the client reads one pipeline's answers while Redis runs the next one's scripts."""
@@ -105,8 +109,11 @@ class RedisDirectory:
         self._floors: dict[str, int] = {}
         self._replica_arg: bytes | None = None
         """The lookup's per-replica argument, cached (see `_set_gen`, `_set_floor`)."""
-        self._watcher: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self.subscribed = False
+        """The channel's subscription is up (else the poll alone keeps generations fresh)."""
+        self._subscription_failed = False
 
     # -- the protocol ------------------------------------------------------------------------
     async def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -272,8 +279,8 @@ class RedisDirectory:
 
     async def close(self) -> None:
         self._closing = True
-        if self._watcher is not None:
-            await stop_task(self._watcher, 2 * GEN_REFRESH_S)
+        for task in self._tasks:
+            await stop_task(task, 2 * GEN_REFRESH_S)
         await self.client.aclose()
 
     # -- generations -------------------------------------------------------------------------
@@ -292,9 +299,22 @@ class RedisDirectory:
             self._gens, self._floors, self._replica_arg = new_gens, new_floors, None
 
     async def start(self) -> None:
-        """Load the generations and keep them fresh (channel + periodic refresh)."""
+        """Load the generations and keep them fresh: the channel, and the poll behind it."""
         await self.refresh_generations()
-        self._watcher = asyncio.create_task(self._watch_generations())
+        self._tasks = [
+            asyncio.create_task(self._watch_generations(), name="generations channel"),
+            asyncio.create_task(self._poll_generations(), name="generations poll"),
+        ]
+
+    async def _poll_generations(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(GEN_REFRESH_S)
+            try:
+                await self.refresh_generations()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: lookups fall back meanwhile
+                log.debug("generation poll: %s", exc)
 
     async def _watch_generations(self) -> None:
         while not self._closing:
@@ -303,20 +323,39 @@ class RedisDirectory:
                 await pubsub.subscribe(CHANNEL)
                 try:
                     while not self._closing:
-                        message = await pubsub.get_message(
-                            ignore_subscribe_messages=True, timeout=GEN_REFRESH_S
-                        )
-                        if message is not None:
+                        message = await pubsub.get_message(timeout=GEN_REFRESH_S)
+                        if message is None:
+                            continue
+                        if message["type"] == "message":
                             self._apply(text(message["data"]))
-                        else:
-                            await self.refresh_generations()
+                        elif message["type"] == "subscribe":  # the server confirmed it
+                            self._subscription(True, None)
                 finally:
+                    self.subscribed = False
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # Redis away: retry; lookups fall back meanwhile
-                log.debug("generation watcher: %s", exc)
+            except Exception as exc:  # Redis away, or pub/sub refused: the poll carries on
+                self._subscription(False, exc)
                 await asyncio.sleep(GEN_REFRESH_S)
+
+    def _subscription(self, up: bool, exc: BaseException | None) -> None:
+        """Log each change of the subscription's state once."""
+        if up:
+            if self._subscription_failed:
+                log.warning("directory channel %s subscribed again", CHANNEL)
+            self._subscription_failed = False
+        elif not self._subscription_failed:
+            self._subscription_failed = True
+            log.warning(
+                "cannot subscribe to the directory channel %s (%s: %s): generations are polled "
+                "every %.0f s instead",
+                CHANNEL,
+                type(exc).__name__,
+                exc,
+                GEN_REFRESH_S,
+            )
+        self.subscribed = up
 
     async def _bump_generation(self, replica: str, marker: str) -> bool:
         rid = self._rid(replica)

@@ -11,7 +11,7 @@ for a client to see an error.
 The parts, one job each:
 - `breaker.Breaker`: when Redis is treated as away, and the probe that brings it back;
 - `writes.WriteBehind`: records, drops, expiries and other writes, off the request path;
-- `landings.watch_landings`: other gateways' fan-out leaders landing (pub/sub);
+- `landings.LandingWatcher`: other gateways' fan-out leaders landing (pub/sub);
 - `epochs.RestartEpochs`: restarted replicas' entries stop matching at once;
 - this module: the facade the pipeline calls, and the fan-out markers (set on the request path
   with the lookup's deadline, read back while a sibling waits).
@@ -34,7 +34,7 @@ from cachemap.rates import PrefixRate, PrefixRates
 from cachemap.redis.directory import RedisDirectory
 from gateway.directory.breaker import Breaker
 from gateway.directory.epochs import RestartEpochs
-from gateway.directory.landings import READ_INTERVAL_S, watch_landings
+from gateway.directory.landings import POLL_UNSUBSCRIBED_S, READ_INTERVAL_S, LandingWatcher
 from gateway.directory.writes import Call, Drop, Expire, Record, Write, WriteBehind
 from gateway.tasks import BackgroundTasks
 
@@ -105,6 +105,7 @@ class RoutingDirectory:
         self._shared: RedisDirectory | None = None
         self.shared = shared
         self._closing = False
+        self._landings: LandingWatcher | None = None
 
     @property
     def shared(self) -> RedisDirectory | None:
@@ -143,9 +144,8 @@ class RoutingDirectory:
             self.breaker.degrade(f"Redis unavailable at start: {exc}")
         self._tasks.spawn(self.writes.run(shared), name="directory writes")
         if self.track_writers:
-            self._tasks.spawn(
-                watch_landings(shared, self._landed, lambda: self._closing), name="landings"
-            )
+            self._landings = LandingWatcher(shared, self._landed, lambda: self._closing)
+            self._tasks.spawn(self._landings.run(), name="landings")
 
     async def close(self) -> None:
         self._closing = True
@@ -261,6 +261,11 @@ class RoutingDirectory:
             log.debug("fan-out marker not set: %s", exc)
             return False
         return True
+
+    @property
+    def landing_poll_s(self) -> float:
+        """How often a sibling waiting for another gateway's leader re-reads its marker."""
+        return self._landings.poll_s if self._landings is not None else POLL_UNSUBSCRIBED_S
 
     def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None:
         self._write(Call(lambda shared: shared.markers.land(blocks, marker, landed, ttl_s)))

@@ -11,6 +11,7 @@ import openai
 import pytest
 import redis
 
+from loadgen.harness.redis_servers import without_pubsub
 from tests.clients import director
 from tests.conftest import MODEL, TENANT_KEY
 from tests.e2e.test_fanout import REAL_TIME, SHARED_TOKENS, computed_tokens, send_all, sibling
@@ -21,13 +22,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 SHARED = {"redis_deadline_s": 0.5, "server_secret": "fleet", "engine_prefill_tokens_per_s": 6_500}
 
 
+@pytest.mark.parametrize("pubsub", ["working", "refused"])
 def test_siblings_at_two_gateways_wait_for_one_leader(
+    pubsub: str,
     fresh_redis: Any,
     start_engines: Callable[..., list[Served]],
     start_gateway: Callable[..., Served],
 ) -> None:
+    """With pub/sub refused (item 14: the gateways' Redis user may not SUBSCRIBE) the landing
+    still releases the siblings at B: their wait polls the leader's marker."""
     engines = start_engines(4, timing=REAL_TIME)
-    a, b = (start_gateway(engines, redis_url=fresh_redis.url, **SHARED) for _ in range(2))
+    url = fresh_redis.url if pubsub == "working" else without_pubsub(fresh_redis.url)
+    a, b = (start_gateway(engines, redis_url=url, **SHARED) for _ in range(2))
     markers = redis.Redis.from_url(fresh_redis.url)
 
     def leader() -> Any:

@@ -16,7 +16,7 @@ from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.schema import block_keys
-from loadgen.harness.redis_servers import RedisServer
+from loadgen.harness.redis_servers import RedisServer, without_pubsub
 
 pytestmark = pytest.mark.redis
 
@@ -37,6 +37,8 @@ class Store:
     def __init__(self, kind: str, make: Callable[..., Coroutine[Any, Any, Any]], clock: Clock):
         self.kind = kind
         self.make = make
+        """make(capacity_blocks=, ttl_s=, pubsub=True): a directory; pubsub=False connects as
+        a Redis user that may not SUBSCRIBE (a broken pub/sub path, for real)."""
         self.clock = clock
         self.prefix = uuid.uuid4().hex
 
@@ -69,13 +71,13 @@ async def _store(kind: str, redis_url: str, redis_cluster_url: str) -> AsyncIter
     clock = Clock()
     opened: list[Any] = []
 
-    async def make(capacity_blocks: int = 1000, ttl_s: float = 60.0) -> Any:
+    async def make(capacity_blocks: int = 1000, ttl_s: float = 60.0, pubsub: bool = True) -> Any:
         if kind == "memory":
             return MemoryDirectory(
                 MemoryIndex(capacity_blocks=capacity_blocks, ttl_s=ttl_s, clock=clock)
             )
         url = redis_url if kind == "redis" else redis_cluster_url
-        client = await open_redis(url)
+        client = await open_redis(url if pubsub else without_pubsub(url))
         directory = RedisDirectory(
             client, capacity_blocks=capacity_blocks, ttl_s=ttl_s, clock=clock
         )
@@ -86,6 +88,16 @@ async def _store(kind: str, redis_url: str, redis_cluster_url: str) -> AsyncIter
     yield Store(kind, make, clock)
     for directory in opened:
         await directory.close()
+
+
+async def eventually(check: Callable[[], Coroutine[Any, Any, bool]], timeout_s: float) -> bool:
+    """Poll an async condition until it holds, at most `timeout_s` (bounded; no sleep decides)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
 
 
 def named(directory: Any, store: Store, *names: str) -> None:
@@ -175,6 +187,30 @@ async def test_two_directories_on_one_redis_share_everything(shared_store: Store
     await first.forget(r1)
     await second.refresh_generations()  # the channel does this within ms; make it certain
     assert await second.lookup(a) == {}
+
+
+async def test_a_gateway_whose_pubsub_is_broken_still_hears_epochs_and_floors(
+    shared_store: Store,
+) -> None:
+    """Item 14: generations and floors reach every gateway within the refresh interval even
+    when its subscription to the channel fails (here: its Redis user may not SUBSCRIBE). Until
+    now the once-a-second refresh ran only inside a working subscription."""
+    store = shared_store
+    first, deaf = await store.make(), await store.make(pubsub=False)
+    r1, r2 = store.replica("r1"), store.replica("r2")
+    for d in (first, deaf):
+        named(d, store, "r1", "r2")
+    a = store.chain("a", 4)
+    await first.record(r1, a)
+    await first.record(r2, a)
+    assert await deaf.lookup(a) == {r1: 4, r2: 4}
+    await first.forget(r1)  # r1 restarted: an epoch bump
+    await first.expire(r2, store.clock.now)  # r2 evicted everything used until now
+    assert await eventually(lambda: _matches_nothing(deaf, a), timeout_s=5.0)
+
+
+async def _matches_nothing(directory: Any, chain: list[BlockHash]) -> bool:
+    return bool(await directory.lookup(chain) == {})
 
 
 async def test_a_restart_marker_bumps_the_epoch_once(shared_store: Store) -> None:
