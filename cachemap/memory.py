@@ -134,6 +134,19 @@ class MemoryIndex:
         if epoch is not None and epoch.lru:
             self._graveyard.append(epoch)
 
+    def entries(self, replica: str, since_s: float | None = None) -> list[tuple[BlockHash, float]]:
+        """The replica's live entries (block, last use), most recent first; with `since_s`,
+        only those used at or after it. A copy: the caller may await while using it."""
+        epoch = self._current.get(replica)
+        if epoch is None:
+            return []
+        out = []
+        for block, used in reversed(epoch.lru.items()):
+            if since_s is not None and used < since_s:
+                break
+            out.append((block, used))
+        return out
+
     def num_entries(self, replica: str | None = None) -> int:
         if replica is not None:
             epoch = self._current.get(replica)

@@ -5,9 +5,10 @@ Health: every replica is probed (GET /health) every `health_interval_s`; `unheal
 consecutive failures — or a connection failure while forwarding — mark it down, and one
 successful probe marks it up again.
 
-Restarts: each healthy probe also reads the replica's `/metrics` (`scrape_metrics`). A new
-`process_start_time_seconds` is reported through `on_start_marker` (the directory compares it
-with what every gateway saw, so a restart bumps the epoch once); prefix-cache counters that went
+Restarts: each healthy probe also reads the replica's `/metrics` (`scrape_metrics`). The
+`process_start_time_seconds` is reported through `on_start_marker` with every scrape (the
+directory compares it with what this gateway and every other saw, so a restart bumps the epoch
+once, and a report Redis missed is retried by the next); prefix-cache counters that went
 backwards call `on_restart`. A replica that reports no start time and comes back up after being
 marked down is treated as restarted too: an engine we could not reach may have lost its KV
 cache, and a wrong prediction costs a request each to discover.
@@ -336,8 +337,8 @@ class ReplicaSet:
             return
         marker = now.start_marker
         if marker is not None and self._on_start_marker is not None:
-            if before is None or before.start_marker != marker:
-                await self._on_start_marker(state.url, marker)
+            # every scrape: the directory compares (cheaply) and retries what Redis missed
+            await self._on_start_marker(state.url, marker)
         elif before is not None and now.restarted_since(before):
             log.info("replica %s restarted (its prefix-cache counters went backwards)", state.url)
             await self._on_restart(state.url)

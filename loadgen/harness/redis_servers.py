@@ -216,7 +216,8 @@ def without_pubsub(url: str) -> str:
         if probe.info("cluster").get("cluster_enabled"):
             nodes = [redis.Redis(host=host, port=port) for host, port in _cluster_nodes(probe)]
         for node in nodes:
-            node.execute_command("ACL", "SETUSER", user, "reset", *rules)
+            node.acl_setuser(user, reset=True)
+            node.execute_command("ACL", "SETUSER", user, *rules)  # type: ignore[no-untyped-call]
             if node is not probe:
                 node.close()
     finally:
@@ -227,7 +228,8 @@ def without_pubsub(url: str) -> str:
 
 def _cluster_nodes(client: redis.Redis) -> list[tuple[str, int]]:
     nodes = []
-    for line in client.execute_command("CLUSTER", "NODES").decode().splitlines():
+    raw = client.execute_command("CLUSTER", "NODES")  # type: ignore[no-untyped-call]
+    for line in raw.decode().splitlines():
         host, port = line.split()[1].split("@")[0].rsplit(":", 1)
         nodes.append((host, int(port)))
     return nodes

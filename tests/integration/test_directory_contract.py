@@ -15,7 +15,15 @@ from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
-from cachemap.redis.schema import block_keys
+from cachemap.redis.schema import (
+    COUNT_KEY,
+    FLOOR_KEY,
+    GEN_KEY,
+    SEEN_KEY,
+    START_KEY,
+    block_keys,
+    replica_id,
+)
 from loadgen.harness.redis_servers import RedisServer, without_pubsub
 
 pytestmark = pytest.mark.redis
@@ -151,6 +159,22 @@ async def test_capacity_bounds_what_matches_and_keeps_the_recent(store: Store) -
     assert matched[0] == 0  # the oldest is gone
 
 
+async def test_re_recording_a_hot_chain_does_not_age_an_idle_one(store: Store) -> None:
+    """Item 17: capacity counts distinct entries, as an LRU does. A chain recorded again (the
+    spine every request shares) is one set of entries, not a new one per record; when Redis
+    counted every re-record, an idle conversation stopped matching long before the in-process
+    store at the same capacity forgot it."""
+    d = await store.make(capacity_blocks=40)
+    r1 = store.replica("r1")
+    named(d, store, "r1")
+    idle, hot = store.chain("idle", 10), store.chain("hot", 10)
+    await d.record(r1, idle)
+    for _ in range(10):  # 100 records of 10 distinct blocks: 20 entries of 40 in all
+        await d.record(r1, hot)
+    assert await d.lookup(idle) == {r1: 10}
+    assert await d.lookup(hot) == {r1: 10}
+
+
 async def test_drop_removes_what_the_engine_did_not_hold(store: Store) -> None:
     d = await store.make()
     r1, r2 = store.replica("r1"), store.replica("r2")
@@ -227,6 +251,41 @@ async def test_a_restart_marker_bumps_the_epoch_once(shared_store: Store) -> Non
     assert not await second.restarted(r1, "2000.0")  # reported twice, bumped once
     await second.refresh_generations()
     assert await second.lookup(a) == {}
+
+
+async def test_quiet_replicas_leave_the_meta_hashes_and_generations_never_go_back(
+    shared_store: Store,
+) -> None:
+    """Item 17: `kvg:{kvg-meta}:*` held a field per replica ever seen (a rollout adds a set
+    per pod address). A replica neither recorded nor restarted for twice the TTL is pruned from
+    every hash; its generation lives on in the base, so if it returns its old entries stay
+    dead while its new ones match."""
+    store = shared_store
+    d = await store.make(capacity_blocks=8, ttl_s=60.0)
+    quiet, busy = store.replica("quiet"), store.replica("busy")
+    named(d, store, "quiet", "busy")
+    a = store.chain("a", 6)
+    assert not await d.restarted(quiet, "1000.0")
+    for _ in range(3):  # past capacity: the generation moves (2 per restart, 1 per 4 blocks)
+        await d.record(quiet, store.chain(f"q{_}", 6))
+    await d.restarted(quiet, "2000.0")
+    await d.expire(quiet, store.clock.now)
+    old_gen = d.meta.gen(replica_id(quiet))
+    assert old_gen >= 3
+    store.clock.now += 90  # past the TTL, not the horizon
+    await d.record(busy, a)
+    assert await d.prune() == 0
+    store.clock.now += 60  # 150 s since `quiet` was last heard of: past 2 × TTL
+    assert await d.prune() >= 1
+    rid = replica_id(quiet)
+    for key in (GEN_KEY, COUNT_KEY, START_KEY, FLOOR_KEY, SEEN_KEY):
+        assert not await d.client.hexists(key, rid), key
+    assert await d.client.hexists(GEN_KEY, replica_id(busy))
+    await d.refresh_generations()
+    assert d.meta.gen(rid) >= old_gen  # the base: never back
+    await d.record(quiet, a)  # it came back
+    await d.record(busy, a)
+    assert await d.lookup(a) == {quiet: 6, busy: 6}
 
 
 @pytest.mark.parametrize("num_blocks", [8, 64, 512])
