@@ -1,5 +1,6 @@
 # kvgate's image: `kvgate` as the entrypoint (the chart runs `kvgate serve --config ...`).
 # Runs as a non-root user on a read-only root filesystem (bytecode compiled at build time).
+# The `parquet` extra (pyarrow) is installed: billing exports offer Parquet.
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 WORKDIR /src
@@ -8,7 +9,7 @@ COPY gateway gateway
 COPY router router
 COPY cachemap cachemap
 COPY loadgen loadgen
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir '.[parquet]' \
     && python -m compileall -q "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
     && rm -rf /src
 WORKDIR /

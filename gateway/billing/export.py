@@ -74,9 +74,28 @@ def from_jsonl(data: bytes) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in data.splitlines() if line.strip()]
 
 
+class FormatUnavailable(ValueError):
+    """The format needs a package this installation lacks (the client may ask for another)."""
+
+
+PARQUET_EXTRA = "pip install 'kvgate[parquet]'"
+"""What installs pyarrow (the image does: its Dockerfile installs the extra)."""
+
+
+def _pyarrow() -> tuple[Any, Any]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise FormatUnavailable(
+            f"parquet export needs pyarrow, which this gateway lacks ({PARQUET_EXTRA}); "
+            "csv and jsonl are available"
+        ) from None
+    return pa, pq
+
+
 def to_parquet(records: list[dict[str, Any]]) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa, pq = _pyarrow()
 
     money_type = pa.decimal128(*PARQUET_MONEY)
     columns: dict[str, Any] = {}
@@ -99,7 +118,7 @@ def to_parquet(records: list[dict[str, Any]]) -> bytes:
 
 
 def from_parquet(data: bytes) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
+    _, pq = _pyarrow()
 
     table = pq.read_table(io.BytesIO(data))
     rows = table.to_pylist()

@@ -129,7 +129,9 @@ class LocalLedger:
     async def query(
         self, tenant: str | None, start: Decimal | None, end: Decimal | None
     ) -> list[dict[str, Any]]:
-        return self.query_sync(tenant, start, end)
+        """Read in a thread: every segment of every directory is read and parsed, which must
+        not stall the requests the event loop serves meanwhile."""
+        return await asyncio.to_thread(self.query_sync, tenant, start, end)
 
     def query_sync(
         self, tenant: str | None, start: Decimal | None, end: Decimal | None

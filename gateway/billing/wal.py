@@ -48,7 +48,8 @@ def read_segment(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int
     """Complete records from `offset`: (records, offset after the last complete line, whether
     bytes follow that are not a complete line — a torn tail, or a write in progress)."""
     with open(path, "rb") as f:
-        f.seek(offset)
+        if offset:
+            f.seek(offset)
         data = f.read()
     end = data.rfind(b"\n") + 1
     records = []
