@@ -137,6 +137,8 @@ class PolicyResult:
     e2e_mean_s: float
     imbalance: float
     """max / mean over replicas of engine busy seconds (prefill + decode)."""
+    prompt_imbalance: float
+    """max / mean over replicas of the prompt tokens they were sent (how a spine spreads)."""
     prefill_utilization: float
     """Prefill busy seconds / (replicas × span): how loaded the prefill servers were."""
     decisions: dict[str, int]
@@ -380,6 +382,8 @@ def _result(
     ttfts = [o.ttft_s for o in outcomes]
     busy = [r.core.counters.busy_prefill_s + r.core.counters.busy_decode_s for r in replicas]
     mean_busy = statistics.fmean(busy) if busy else 0.0
+    prompts = [r.core.counters.prompt_tokens for r in replicas]
+    mean_prompts = statistics.fmean(prompts) if prompts else 0.0
     span = max(trace.span_s, 1e-9)
     prefill = sum(r.core.counters.busy_prefill_s for r in replicas)
     return PolicyResult(
@@ -397,6 +401,7 @@ def _result(
         ttft_p99_s=percentile(ttfts, 0.99),
         e2e_mean_s=statistics.fmean(o.e2e_s for o in outcomes) if outcomes else 0.0,
         imbalance=max(busy) / mean_busy if mean_busy else 1.0,
+        prompt_imbalance=max(prompts) / mean_prompts if mean_prompts else 1.0,
         prefill_utilization=prefill / (len(replicas) * span),
         decisions=dict(sorted(decisions.items())),
         sim_wall_s=wall_s,
@@ -549,6 +554,7 @@ def run_sim(args: argparse.Namespace) -> int:
         "p50 s",
         "p99 s",
         "imbalance",
+        "prompts max/mean",
         "prefill util",
         "sim s",
     ):
@@ -563,6 +569,7 @@ def run_sim(args: argparse.Namespace) -> int:
             f"{r.ttft_p50_s:.3f}",
             f"{r.ttft_p99_s:.3f}",
             f"{r.imbalance:.2f}",
+            f"{r.prompt_imbalance:.2f}",
             f"{r.prefill_utilization:.2f}",
             f"{r.sim_wall_s:.1f}",
         )

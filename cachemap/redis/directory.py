@@ -42,6 +42,7 @@ from cachemap.directory import (
     to_ms,
 )
 from cachemap.keys import TAG_BYTES, BlockHash
+from cachemap.rates import MIN_SPAN_S
 from cachemap.redis import scripts
 from cachemap.redis.client import AnyRedis, stop_task
 from cachemap.redis.meta import DirectoryLayoutError, ReplicaMeta
@@ -153,6 +154,7 @@ class RedisDirectory:
             int(rate_window_s * 1000),
             1 if writers else 0,
             self._replica_arg,
+            int(MIN_SPAN_S * 1000),
         ]
         keys, head = chain_call(hashes)
         flat, hot, writer = await self._call_lookup(keys, [*head, *args])

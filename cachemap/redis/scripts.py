@@ -17,7 +17,8 @@ for i = 1, #blob / 10 do KEYS[i] = prefix .. string.sub(blob, i * 10 - 9, i * 10
 """
 
 # ARGV (after the chain): now ms, ttl ms, rate window ms (0: do not count), find writers (0/1),
-# and the replicas' "rid,oldest live gen,floor ms;" entries in one string.
+# the replicas' "rid,oldest live gen,floor ms;" entries in one string, and the young rate's
+# minimum span ms (`cachemap.rates`: the rate is the same formula in process).
 # Returns {{rid, depth, last use}*, {depth, rate, k} | {}, {shared depth, writer} | {}}.
 LOOKUP = (
     CHAIN
@@ -70,18 +71,23 @@ end
 local hot = {}
 if window_ms > 0 and deepest > 0 then
   local key = KEYS[deepest] .. ':r'
-  local v = redis.call('HMGET', key, 'w', 'c', 'p', 'k')
+  local v = redis.call('HMGET', key, 'w', 'c', 'p', 'k', 'f')
   local window = math.floor(now / window_ms)
   local w, c, p = tonumber(v[1]) or window, tonumber(v[2]) or 0, tonumber(v[3]) or 0
   local k = tonumber(v[4]) or 1
+  local first = tonumber(v[5]) or now
   if w ~= window then
-    if w == window - 1 then p = c else p = 0 end
+    if w == window - 1 then p = c else p, first = 0, now end
     c = 0
   end
   c = c + 1
-  redis.call('HSET', key, 'w', window, 'c', c, 'p', p)
+  redis.call('HSET', key, 'w', window, 'c', c, 'p', p, 'f', first)
   redis.call('PEXPIRE', key, 2 * window_ms)
   local rate = (p * math.max(0, 1 - (now / window_ms - window)) + c) * 60000 / window_ms
+  if first >= (window - 1) * window_ms then  -- young: over the span observed
+    local young = (c + p - 1) * 60000 / math.max(now - first, tonumber(ARGV[8]))
+    if young > rate then rate = young end
+  end
   hot = {deepest, tostring(rate), k}
 end
 local writer = {}

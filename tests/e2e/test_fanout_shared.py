@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -69,11 +70,13 @@ def test_two_gateways_add_up_one_rate(
     start_gateway: Callable[..., Served],
 ) -> None:
     engines = start_engines(4)
-    extra: dict[str, Any] = {"overflow_threshold_per_min": 60, "fanout_hold": False}
+    extra: dict[str, Any] = {"overflow_threshold_per_min": 180, "fanout_hold": False}
     if shared:
         extra |= {"redis_url": fresh_redis.url, "redis_deadline_s": 0.5}
     a, b = (start_gateway(engines, server_secret="fleet", **extra) for _ in range(2))
-    for i in range(16):  # 8 each within seconds: 48/min alone, 96/min together; threshold 60
+    started = time.monotonic()
+    for i in range(16):  # one every 0.25 s: 120/min at each alone, 240/min together; 180
+        wait_until(lambda i=i: time.monotonic() >= started + 0.25 * i, what="its turn")  # pacing
         gateway = (a, b)[i % 2]
         asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i, tag="rate"))]))
         wait_until(lambda g=gateway: director(g).directory.idle, what="record flushed")

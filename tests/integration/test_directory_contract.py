@@ -13,6 +13,7 @@ import redis
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryDirectory, MemoryIndex
+from cachemap.rates import PrefixRates
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.schema import (
@@ -286,6 +287,26 @@ async def test_quiet_replicas_leave_the_meta_hashes_and_generations_never_go_bac
     await d.record(quiet, a)  # it came back
     await d.record(busy, a)
     assert await d.lookup(a) == {quiet: 6, busy: 6}
+
+
+async def test_the_shared_rate_of_a_burst_is_the_in_process_one(shared_store: Store) -> None:
+    """Item 18: the lookup script counts a prefix's rate with the formula `cachemap.rates`
+    uses in process — a young prefix over the span observed — so every gateway sees a burst
+    as soon as one would alone."""
+    store = shared_store
+    d = await store.make()
+    r1 = store.replica("r1")
+    named(d, store, "r1")
+    spine = store.chain("spine", 3)
+    await d.record(r1, spine)
+    store.clock.now = 1_800_000_003.0  # 3 s into a 10-s window
+    local = PrefixRates(clock=store.clock)
+    for _ in range(30):  # 40 requests/s
+        shared = await d.lookup_full(spine, rate_window_s=local.window_s)
+        expected = local.observe(spine[-1])
+        assert shared.rate_per_min == pytest.approx(expected.rate_per_min, rel=1e-3)
+        store.clock.now += 0.025
+    assert shared.rate_per_min == pytest.approx(29 * 60 / 1.0, rel=1e-3)  # a span of >= 1 s
 
 
 @pytest.mark.parametrize("num_blocks", [8, 64, 512])
