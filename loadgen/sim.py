@@ -65,6 +65,7 @@ from loadgen.traces.readers import (
     hot_spine_trace,
     read_trace,
 )
+from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT
 from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
 from router.registry import POLICIES, RouterConfig, build_policy
@@ -99,6 +100,9 @@ class SimConfig:
     """Spread hot prefixes as the gateway does (router.plan, cachemap.rates), with the
     threshold derived from the engines' prefill rate; `cache_aware` only."""
     overflow_threshold_per_min: float | None = None
+    decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT
+    """The load bound's weight of a replica's outstanding output tokens, as the gateway's
+    setting of the same name (each simulated request's output is known: its trace length)."""
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -237,9 +241,16 @@ class _ReplicaState:
     core: EngineCore
     num_inflight: int = 0
     pending_prefill_tokens: float = 0.0
+    decode_tokens: float = 0.0
 
     def snapshot(self) -> Replica:
-        return Replica(self.id, True, self.num_inflight, self.pending_prefill_tokens)
+        return Replica(
+            self.id,
+            True,
+            self.num_inflight,
+            self.pending_prefill_tokens,
+            decode_tokens=self.decode_tokens,
+        )
 
 
 def simulate(
@@ -276,6 +287,7 @@ def simulate(
     block = trace.block_size
     outcomes: list[RequestOutcome | None] = [None] * len(trace.requests)
     estimates: dict[str, tuple[_ReplicaState, float, TraceRequest, str]] = {}
+    outputs: dict[str, int] = {}
     decisions: dict[str, int] = {}
 
     # engine events come out of a heap keyed by each core's next event time
@@ -302,6 +314,7 @@ def simulate(
                     rep.pending_prefill_tokens = max(rep.pending_prefill_tokens - estimate, 0.0)
                 else:
                     rep.num_inflight -= 1
+                    rep.decode_tokens = max(rep.decode_tokens - outputs.pop(job.id), 0.0)
                     assert job.first_token_s is not None and job.finish_s is not None
                     outcomes[req.index] = RequestOutcome(
                         req.index,
@@ -329,6 +342,7 @@ def simulate(
             tokens_per_block=float(block),
             affinity_key=keys[req.index].affinity,
             sequence=req.index,
+            decode_token_weight=config.decode_token_weight,
         )
         snapshot = [r.snapshot() for r in replicas]
         depth = max(overlap.values(), default=0)
@@ -359,6 +373,8 @@ def simulate(
             max_cached_tokens=req.input_length,
         )
         estimates[job.id] = (rep, estimate, req, decision.reason)
+        outputs[job.id] = job.num_output_tokens
+        rep.decode_tokens += job.num_output_tokens
         rep.core.submit(req.arrival_s, job)
         push(index_of[rep.id])
     drain(float("inf"))
@@ -463,6 +479,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--absolute-slack-tokens", type=float, default=None)
     parser.add_argument("--relative-slack", type=float, default=None)
     parser.add_argument(
+        "--decode-token-weight",
+        type=float,
+        default=DEFAULT_DECODE_TOKEN_WEIGHT,
+        help="prefill tokens of load per outstanding output token (0: prefill only)",
+    )
+    parser.add_argument(
         "--directory-scale",
         type=float,
         default=DEFAULT_DIRECTORY_SCALE,
@@ -503,6 +525,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_output_tokens=args.max_output_tokens,
         directory_scale=args.directory_scale,
         overflow=args.overflow == "on",
+        decode_token_weight=args.decode_token_weight,
     )
 
 
@@ -591,6 +614,7 @@ def run_sim(args: argparse.Namespace) -> int:
                 "seed": config.seed,
                 "max_output_tokens": config.max_output_tokens,
                 "directory_scale": config.directory_scale,
+                "decode_token_weight": config.decode_token_weight,
             },
             "references": asdict(refs),
             "results": {r.policy: r.summary() for r in results},
