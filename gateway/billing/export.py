@@ -21,7 +21,7 @@ import orjson
 
 from gateway.billing.pricing.money import ZERO, display, divide, parse_instant, plain
 from gateway.billing.records import COLUMNS, INT_COLUMNS, JSON_COLUMNS, MONEY_COLUMNS, money
-from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore
+from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore, check_layout
 
 FORMATS = ("csv", "jsonl", "parquet")
 MEDIA_TYPES = {
@@ -233,6 +233,7 @@ async def _query(args: argparse.Namespace, tenant: str | None) -> list[dict[str,
 
         client = await open_redis(redis_url, cluster=False)
         try:
+            await check_layout(client, claim=False)
             store: LedgerStore = RedisLedgerStore(client)
             return await store.query(tenant, start, end)
         finally:
