@@ -156,8 +156,9 @@ class RoutingDirectory:
             return
         try:
             await asyncio.wait_for(shared.start(), self.write_deadline_s * START_DEADLINE_FACTOR)
-        except DirectoryLayoutError:
-            raise  # a layout this gateway does not know: refuse to start, clearly
+        except DirectoryLayoutError as exc:
+            log.error("kvgate: %s", exc)  # a layout this gateway does not know: refuse to start
+            raise
         except Exception as exc:
             self.breaker.degrade(f"Redis unavailable at start: {exc}")
         self._tasks.spawn(self.writes.run(shared), name="directory writes")
