@@ -4,8 +4,17 @@ inside its lookup script (`cachemap.redis.directory`), so every gateway sees one
 
 A rate is a sliding window over two fixed windows (the NGINX / Cloudflare approximation):
     count = previous_count × (1 − elapsed / window) + current_count      (requests per window)
-scaled to requests per minute. The window is 10 s: a prefix that turns hot is seen within
-seconds, not after a minute. O(1) per request.
+scaled to requests per minute. The window is 10 s. O(1) per request.
+
+That formula assumes the prefix was requested all along: a burst that began 2 s ago has 2 s of
+requests divided by 10 s, a fifth of its rate (a spine at 40 requests/s stayed on its holder for
+most of an 8-s burst). So while the prefix is young — first seen within the two windows — the
+rate is measured over the span actually observed, from its first request:
+    young rate = (requests since the first − 1) / max(now − first, MIN_SPAN_S)
+(the first request starts the clock; the span is at least a second, so a handful of requests
+in the same millisecond is not an infinite rate), and the rate is the larger of the two. Once a
+whole previous window has been seen the sliding window alone holds, and the two agree there. A
+prefix unseen for a whole window starts young again: a burst after a lull is seen at once.
 """
 
 from __future__ import annotations
@@ -20,6 +29,10 @@ from cachemap.keys import BlockHash
 RATE_WINDOW_S = 10.0
 """Counted over 10 s, reported per minute like the threshold (OpenAI documents ~15 requests per
 minute per prefix before overflow): short enough to see a burst, long enough to smooth it."""
+MIN_SPAN_S = 1.0
+"""A young prefix's rate is measured over at least 1 s: a burst is seen within a second or two
+(at 40 requests/s the ~780/min threshold of a 300-token suffix is passed after ~14
+requests, 0.35 s), while a few simultaneous requests do not read as a flood."""
 MAX_TRACKED_PREFIXES = 100_000
 """Prefixes tracked at once (LRU): a few MB; a prefix unseen for longer than the LRU keeps it
 has no rate worth remembering."""
@@ -28,6 +41,7 @@ has no rate worth remembering."""
 @dataclass
 class _Counter:
     window: int
+    first_s: float
     current: int = 0
     previous: int = 0
     k: int = 1
@@ -43,6 +57,18 @@ def sliding_rate(window: int, current: int, previous: int, now_s: float, window_
     """Requests per minute over the sliding window that ends now."""
     elapsed = now_s / window_s - window
     return (previous * max(0.0, 1.0 - elapsed) + current) * 60.0 / window_s
+
+
+def prefix_rate(
+    window: int, current: int, previous: int, first_s: float, now_s: float, window_s: float
+) -> float:
+    """Requests per minute: the sliding window, or over the observed span while the prefix is
+    young (see the module docstring; the Redis lookup script computes the same)."""
+    rate = sliding_rate(window, current, previous, now_s, window_s)
+    if first_s >= (window - 1) * window_s:  # no whole previous window seen yet
+        young = (current + previous - 1) * 60.0 / max(now_s - first_s, MIN_SPAN_S)
+        rate = max(rate, young)
+    return rate
 
 
 class PrefixRates:
@@ -64,18 +90,23 @@ class PrefixRates:
         window = int(now // self.window_s)
         counter = self._counters.get(prefix)
         if counter is None:
-            counter = self._counters[prefix] = _Counter(window)
+            counter = self._counters[prefix] = _Counter(window, now)
             while len(self._counters) > self.max_prefixes:
                 self._counters.popitem(last=False)
         else:
             self._counters.move_to_end(prefix)
         if counter.window != window:
-            counter.previous = counter.current if counter.window == window - 1 else 0
+            if counter.window == window - 1:
+                counter.previous = counter.current
+            else:  # a whole window without a request: it is young again
+                counter.previous, counter.first_s = 0, now
             counter.current = 0
             counter.window = window
         counter.current += 1
-        rate = sliding_rate(window, counter.current, counter.previous, now, self.window_s)
-        return PrefixRate(rate, counter.k)
+        return PrefixRate(self._rate(counter, now), counter.k)
+
+    def _rate(self, c: _Counter, now: float) -> float:
+        return prefix_rate(c.window, c.current, c.previous, c.first_s, now, self.window_s)
 
     def set_k(self, prefix: BlockHash, k: int) -> None:
         counter = self._counters.get(prefix)
@@ -84,9 +115,6 @@ class PrefixRates:
 
     def hottest(self, n: int) -> list[tuple[BlockHash, PrefixRate]]:
         now = self.clock()
-        rated = [
-            (p, PrefixRate(sliding_rate(c.window, c.current, c.previous, now, self.window_s), c.k))
-            for p, c in self._counters.items()
-        ]
+        rated = [(p, PrefixRate(self._rate(c, now), c.k)) for p, c in self._counters.items()]
         rated.sort(key=lambda item: -item[1].rate_per_min)
         return rated[:n]

@@ -26,7 +26,11 @@ from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
 from gateway.request.tenant import BILLING_PROFILES, check_tenant_name
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
-from router.filters import DEFAULT_ABSOLUTE_SLACK_TOKENS, DEFAULT_RELATIVE_SLACK
+from router.filters import (
+    DEFAULT_ABSOLUTE_SLACK_TOKENS,
+    DEFAULT_DECODE_TOKEN_WEIGHT,
+    DEFAULT_RELATIVE_SLACK,
+)
 from router.overflow import DEFAULT_HOT_SHARE
 from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
 
@@ -123,6 +127,10 @@ class Settings(BaseSettings):
     directory_ttl_s: float = DEFAULT_TTL_S
     absolute_slack_tokens: float = DEFAULT_ABSOLUTE_SLACK_TOKENS
     relative_slack: float = DEFAULT_RELATIVE_SLACK
+    decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT
+    """Prefill tokens of load the bound counts per output token a replica still generates (its
+    running requests, this gateway's and, from the engine's metrics, others'); 0: prefill
+    only."""
     consistent_hash_blocks: int = DEFAULT_CONSISTENT_HASH_BLOCKS
     bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN
     health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S
@@ -361,6 +369,13 @@ class Settings(BaseSettings):
     def _positive_seconds(cls, value: float) -> float:
         if value <= 0:
             raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("decode_token_weight")
+    @classmethod
+    def _non_negative(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("must be zero or positive")
         return value
 
     @field_validator("block_bytes", "directory_capacity_blocks", "max_attempts", "unhealthy_after")

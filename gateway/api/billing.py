@@ -26,7 +26,7 @@ from gateway.api.context import FrontEnd
 from gateway.api.errors import to_http
 from gateway.api.openai.parse import parse_chat
 from gateway.billing.explicit import CREATE_FIELDS, ExplicitContents, instant, object_json
-from gateway.billing.export import FORMATS, MEDIA_TYPES, encode, summarize
+from gateway.billing.export import FORMATS, MEDIA_TYPES, FormatUnavailable, encode, summarize
 from gateway.billing.pricing.model import BillingError
 from gateway.billing.pricing.money import plain
 from gateway.billing.service import Billing
@@ -81,9 +81,11 @@ def _admin_routes(router: APIRouter, billing: Billing, tenants: TenantRegistry) 
             headers = {"x-kvgate-records": str(len(records))}
             if format == "parquet":
                 headers["content-disposition"] = f'attachment; filename="{tenant}.parquet"'
-            return Response(
-                encode(records, format), media_type=MEDIA_TYPES[format], headers=headers
-            )
+            try:
+                data = encode(records, format)
+            except FormatUnavailable as exc:
+                raise InvalidRequest(str(exc), param="format") from None
+            return Response(data, media_type=MEDIA_TYPES[format], headers=headers)
         except GatewayError as err:
             return to_http(err)
 

@@ -1,8 +1,15 @@
 """The write-ahead log: one gateway's billing records, durable before the response completes.
 
     <dir>/LOCK                     flock'd by the one gateway that owns the directory
-    <dir>/wal-00000001.jsonl       append-only segments, one JSON record per line
+    <dir>/wal-00000001.jsonl       append-only segments, one JSON record per line, after a
+                                   header line ["kvgate-wal", <layout>]
     <dir>/shipped.json             how far each segment has been shipped (advisory)
+
+Layouts (`LAYOUT`): 1 has no header (segments written before layouts were versioned); 2 starts
+each segment with its header, a JSON array — which a layout-1 reader skips as it skips any line
+that is not a record, so a gateway of either layout reads the other's segments (a rolling
+upgrade or a rollback over one WAL directory loses nothing). A segment whose header names a
+layout this code does not know is refused (`WalLayoutError`): never shipped, never deleted.
 
 Invariants:
 - `append` returns only after the record's bytes are written and fdatasync'd (group commit:
@@ -30,10 +37,33 @@ import orjson
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 """64 MiB per segment (~100k records of ~600 bytes): shipped segments are deleted whole."""
 _SEGMENT = re.compile(r"^wal-(\d{8})\.jsonl$")
+LAYOUT = 2
+"""The layout this code writes (see the module docstring)."""
+KNOWN_LAYOUTS = (1, 2)
+HEADER_TAG = "kvgate-wal"
 
 
 class WalLocked(RuntimeError):
     """Another process owns this WAL directory."""
+
+
+class WalLayoutError(ValueError):
+    """A segment of a layout this code does not know: it must be read by a newer gateway."""
+
+
+def header_line(layout: int = LAYOUT) -> bytes:
+    return orjson.dumps([HEADER_TAG, layout]) + b"\n"
+
+
+def segment_layout(first_line: bytes) -> int:
+    """The layout a segment's first line declares: 1 when it is not a header (a record)."""
+    try:
+        value = orjson.loads(first_line)
+    except orjson.JSONDecodeError:
+        return 1
+    if isinstance(value, list) and len(value) == 2 and value[0] == HEADER_TAG:
+        return int(value[1]) if isinstance(value[1], int) else -1
+    return 1
 
 
 def segment_paths(directory: Path) -> list[Path]:
@@ -48,9 +78,17 @@ def read_segment(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int
     """Complete records from `offset`: (records, offset after the last complete line, whether
     bytes follow that are not a complete line — a torn tail, or a write in progress)."""
     with open(path, "rb") as f:
-        f.seek(offset)
+        if offset:
+            f.seek(offset)
         data = f.read()
     end = data.rfind(b"\n") + 1
+    if offset == 0 and end:
+        layout = segment_layout(data[: data.find(b"\n")])
+        if layout not in KNOWN_LAYOUTS:
+            raise WalLayoutError(
+                f"{path} has WAL layout {layout}; this gateway reads layouts "
+                f"{', '.join(map(str, KNOWN_LAYOUTS))}: read it with the gateway that wrote it"
+            )
     records = []
     for line in data[:end].split(b"\n"):
         if not line:
@@ -119,7 +157,10 @@ class WriteAheadLog:
         number = int(_SEGMENT.match(existing[-1].name).group(1)) + 1 if existing else 1  # type: ignore[union-attr]
         path = self.directory / f"wal-{number:08d}.jsonl"
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-        self._size = 0
+        header = header_line()
+        os.write(self._fd, header)  # before any record: a segment always names its layout
+        os.fdatasync(self._fd)
+        self._size = len(header)
         self.current = path
         dir_fd = os.open(self.directory, os.O_RDONLY)
         try:

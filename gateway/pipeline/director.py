@@ -52,6 +52,8 @@ class RouteKeys:
 
     block_bytes: int
     consistent_hash_blocks: int
+    decode_token_weight: float = 0.0
+    """Prefill tokens of load per output token a replica still generates (router.types)."""
 
 
 class Director:
@@ -230,6 +232,7 @@ class Director:
                 parsed.rendered, root, hashes, self.keys.consistent_hash_blocks, block_bytes
             ),
             sequence=next(self._sequence),
+            decode_token_weight=self.keys.decode_token_weight,
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
         snapshot = [c.snapshot() for c in candidates]
@@ -292,12 +295,13 @@ class Director:
         parsed = routed.parsed
         payload = self._upstream_payload(routed)
         path = _PATHS[parsed.kind]
+        output_tokens = self.replicas.fleet.expected_output_tokens(_max_tokens(parsed))
         failures: list[str] = []
         for attempt, replica_id in enumerate(routed.decision.ranking[: self.max_attempts]):
             state = self.replicas.get(replica_id)
             uncached = routed.route.uncached_tokens(replica_id)
             upstream = trace.attempt(replica_id, attempt + 1, uncached)
-            with state.lease(uncached) as lease:
+            with state.lease(uncached, output_tokens) as lease:
                 try:
                     outcome = await self.forwarder.attempt(
                         state.url + path, payload, parsed.stream, upstream.headers()
@@ -324,3 +328,12 @@ class Director:
             if failures
             else "no attempt was made"
         )
+
+
+def _max_tokens(parsed: ParsedRequest) -> int | None:
+    """The request's output budget, when it sets one."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = parsed.body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None

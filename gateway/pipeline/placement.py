@@ -37,6 +37,9 @@ class OverflowStats:
 class Placed:
     decision: Decision
     route: RouteRequest
+    """The request as the replicas really hold it (the directory, and a landed leader): what
+    reconciliation predicts and the pending prefill counts. The policy decided on a hot
+    prefix's spread, in which replicas that do not hold the prefix yet count as holding it."""
     flight: Flight | None
     new_k: int | None = None
     """Set when the prefix's k changed: the caller stores it with the prefix's rate."""
@@ -91,7 +94,7 @@ class Placement:
             HotPrefix(hot.rate_per_min, hot.k) if hot is not None and depth > 0 else None,
             self.overflow,
         )
-        decision, route = planned.decision, planned.route
+        decision = planned.decision  # `route` stays the real one (the spread is virtual)
         new_k = None
         if planned.k is not None and hot is not None and planned.k != hot.k:
             new_k = planned.k

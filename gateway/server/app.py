@@ -176,7 +176,9 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     ]
     tracing = build_tracing(settings, span_exporter)
     director = Director(
-        keys=RouteKeys(settings.block_bytes, settings.consistent_hash_blocks),
+        keys=RouteKeys(
+            settings.block_bytes, settings.consistent_hash_blocks, settings.decode_token_weight
+        ),
         admission=Admission(tenants, limiter),
         directory=directory,
         replicas=replicas,

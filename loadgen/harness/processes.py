@@ -79,7 +79,10 @@ def start_gateway(
     gateway_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     quiet: bool = True,
+    cwd: str | None = None,
 ) -> Proc:
+    """`kvgate serve` on `port`; `cwd` runs another checkout's code (it comes first on the
+    module path of `python -m`)."""
     url = f"http://127.0.0.1:{port}"
     args = ["serve", "--port", str(port), *[a for e in engines for a in ("--engine", e)]]
     popen = subprocess.Popen(
@@ -87,6 +90,7 @@ def start_gateway(
         stdout=subprocess.DEVNULL if quiet else None,
         stderr=subprocess.DEVNULL if quiet else None,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
     )
     return Proc(f"gateway:{port}", url, popen)
 
