@@ -119,7 +119,11 @@ def _content_routes(router: APIRouter, billing: Billing, front: FrontEnd) -> Non
             unknown = set(body) - CREATE_FIELDS
             if unknown:
                 raise InvalidRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
-            synthetic = {k: body[k] for k in ("model", "messages", "tools") if k in body}
+            synthetic = {
+                k: body[k]
+                for k in ("model", "messages", "tools", "user", "prompt_cache_key")
+                if k in body
+            }
             parsed = parse_chat(
                 orjson.dumps({**synthetic, "max_tokens": 1}), front.max_prompt_bytes
             )

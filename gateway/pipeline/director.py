@@ -98,8 +98,9 @@ class Director:
         """Serve one request up to its commitment: an exchange whose first byte has arrived, or
         an engine's 4xx to pass through. `trace_headers`: the client's W3C trace context.
 
-        1. Admit: the tenant's scope, model and size, then the fleet (404, 503), then the rate
-           limit; the request hooks (billing's start) see the scoped tenant.
+        1. Admit: the tenant's scope, model and size; the request hooks (billing's start) with
+           the scoped tenant, and the size again if they expanded the prompt; then the fleet
+           (404, 503), then the rate limit.
         2. Route: hash the canonical rendering in the tenant's scope, look up each replica's
            cached prefix, place it (fan-out holds, hot prefixes, the policy's ranking).
         3. Forward: try the ranking in order until an attempt commits.
@@ -109,9 +110,7 @@ class Director:
         opened_s = time.monotonic()
         trace = self.tracer.begin(parsed, tenant, trace_headers)
         try:
-            candidates, tenant, charged = await self._admit(parsed, tenant)
-            for hook in self.request_hooks:
-                parsed = await hook(parsed, tenant)
+            candidates, tenant, parsed, charged = await self._admit(parsed, tenant)
             routed, flight = await self._route(parsed, tenant, candidates, trace, opened_s, charged)
             if flight is None:
                 return await self._forward(routed, trace)
@@ -123,20 +122,28 @@ class Director:
     # -- 1. admit --------------------------------------------------------------------------
     async def _admit(
         self, parsed: ParsedRequest, tenant: Tenant
-    ) -> tuple[list[ReplicaState], Tenant, int]:
+    ) -> tuple[list[ReplicaState], Tenant, ParsedRequest, int]:
         """The replicas that may serve the request, the tenant as this request sees it (its
-        end user's salt in a `user` scope) and the tokens charged to its rate limit.
-        Order: the tenant's scope, model and size (gateway.pipeline.admission), then the fleet
-        (404, 503), then the rate limit, so a request that cannot be served spends no budget."""
+        end user's salt in a `user` scope), the request as the hooks left it, and the tokens
+        charged to its rate limit. Order: the tenant's scope, model and size
+        (gateway.pipeline.admission), the request hooks (and the size of what they made), then
+        the fleet (404, 503), then the rate limit, so a request that cannot be served spends
+        no budget."""
         prompt_tokens = self.estimator.prompt_tokens(parsed)
         tenant = self.admission.check(parsed, tenant, prompt_tokens)
+        rendered = parsed.rendered
+        for hook in self.request_hooks:
+            parsed = await hook(parsed, tenant)
+        if parsed.rendered is not rendered:  # expanded (an explicit cached content): check again
+            prompt_tokens = self.estimator.prompt_tokens(parsed)
+            self.admission.check_size(parsed, tenant, prompt_tokens)
         candidates = self.replicas.serving(parsed.model)
         if not candidates:
             if not self.replicas.any_healthy():
                 raise NoReplica("no healthy engine replica is available")
             raise ModelNotFound(parsed.model, self.replicas.models())
         charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
-        return candidates, tenant, charged
+        return candidates, tenant, parsed, charged
 
     # -- 2. route --------------------------------------------------------------------------
     async def _route(

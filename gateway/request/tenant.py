@@ -67,6 +67,16 @@ class Tenant:
         if not self.cache_salt:
             object.__setattr__(self, "cache_salt", self.salt.hex())
 
+    @property
+    def scope(self) -> str:
+        """The isolation scope's id, what per-scope state (the billing ledger, explicit cached
+        contents) is keyed by: the tenant's name, or, for an end user of a `user`-scoped tenant,
+        `name/` and the first 128 bits of that user's salt (no name holds a '/', and the salt is
+        an HMAC of the server secret, so no client can choose a colliding scope)."""
+        if self.end_user is None:
+            return self.name
+        return f"{self.name}/{self.salt.hex()[:32]}"
+
 
 def check_tenant_name(name: str) -> str:
     if not TENANT_NAME_PATTERN.fullmatch(name):
