@@ -48,6 +48,12 @@ DEFAULT_MAX_ATTEMPTS = 3
 """An upstream failure before the first byte is retried on the next-best replica, twice."""
 DEFAULT_MAX_PROMPT_BYTES = 4 * 1024 * 1024
 """4 MiB of rendered prompt (~1M tokens): beyond any served context window."""
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+"""8 MiB of request body: twice the default prompt limit, room for JSON's escapes and structure
+around a prompt of `max_prompt_bytes` (code full of quotes and newlines grows by about a third)."""
+DEFAULT_BODY_READ_TIMEOUT_S = 60.0
+"""A whole body within 60 s: 8 MiB arrives in that time at 1.2 Mbit/s, so only a stalled (or
+hostile) upload waits this long, holding its connection for nothing."""
 DEFAULT_BYTES_PER_TOKEN = 4.0
 """English BPE averages ~4 bytes per token; the gateway learns the real ratio per model from the
 engines' usage and uses this only until the first response."""
@@ -123,6 +129,11 @@ class Settings(BaseSettings):
     first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """The largest request body any front end reads (413 over it, refused while reading; gRPC's
+    maximum message length)."""
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    """How long a request body may take to arrive, whole (408 after)."""
     upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
     debug_headers: bool = False
     """Operator debugging only: adds x-kvgate-replica / -matched-blocks / -decision headers.
@@ -328,7 +339,10 @@ class Settings(BaseSettings):
         return value
 
     @field_validator(
-        "tenants_reload_interval_s", "rate_limit_timeout_s", "billing_ledger_deadline_s"
+        "tenants_reload_interval_s",
+        "rate_limit_timeout_s",
+        "billing_ledger_deadline_s",
+        "body_read_timeout_s",
     )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
@@ -336,7 +350,23 @@ class Settings(BaseSettings):
             raise ValueError("must be a positive number of seconds")
         return value
 
-    @field_validator("block_bytes", "directory_capacity_blocks", "max_attempts", "unhealthy_after")
+    @model_validator(mode="after")
+    def _body_holds_a_prompt(self) -> Settings:
+        if self.max_body_bytes < self.max_prompt_bytes:
+            raise ValueError(
+                f"max_body_bytes ({self.max_body_bytes}) must be at least max_prompt_bytes "
+                f"({self.max_prompt_bytes}): a body holds its prompt"
+            )
+        return self
+
+    @field_validator(
+        "block_bytes",
+        "directory_capacity_blocks",
+        "max_attempts",
+        "unhealthy_after",
+        "max_body_bytes",
+        "max_prompt_bytes",
+    )
     @classmethod
     def _positive(cls, value: int) -> int:
         if value <= 0:

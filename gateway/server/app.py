@@ -26,7 +26,7 @@ from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
-from gateway.api.asgi import MeteredASGI
+from gateway.api.asgi import MeteredASGI, on_unexpected
 from gateway.api.context import FrontEnd
 from gateway.api.grpc.service import start_grpc
 from gateway.api.openai.routes import build_router
@@ -207,6 +207,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         replicas=replicas,
         max_prompt_bytes=settings.max_prompt_bytes,
         debug_headers=settings.debug_headers,
+        max_body_bytes=settings.max_body_bytes,
+        body_read_timeout_s=settings.body_read_timeout_s,
     )
     return Parts(
         settings,
@@ -292,6 +294,7 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         version="0.1.0",
         description="A multi-tenant, cache-aware routing gateway for LLM inference.",
         lifespan=lifespan,
+        exception_handlers={Exception: on_unexpected},
     )
     routes, hot = build_router(parts.front)
     app.include_router(routes)

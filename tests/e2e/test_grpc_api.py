@@ -155,7 +155,7 @@ def test_each_error_status(
     start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
 ) -> None:
     engines = start_engines(2)
-    gateway = start_gateway(engines, grpc_port=0, max_prompt_bytes=100_000)
+    gateway = start_gateway(engines, grpc_port=0, max_prompt_bytes=100_000, max_body_bytes=150_000)
     s = stub(gateway)
     ok = request([text(pb.ROLE_USER, "hi")], 2)
     cases: list[tuple[Any, Any, grpc.StatusCode, str]] = [
@@ -194,7 +194,7 @@ def test_each_error_status(
             grpc.StatusCode.INVALID_ARGUMENT,
             "the maximum is 100000",
         ),
-        # beyond the message size limit, gRPC itself refuses before the gateway parses
+        # beyond the message size limit (max_body_bytes), gRPC refuses before the gateway parses
         (
             request([text(pb.ROLE_USER, "x" * 200_000)], 2),
             AUTH,

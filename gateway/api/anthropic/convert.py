@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachemap.rendering import canonical_json, render_chat
+from cachemap.rendering import NestingError, canonical_json, render_chat
 from gateway.api.body import load_json_object
 from gateway.errors import InvalidRequest
 from gateway.request.cache_control import Mark, check_marks, parse_cache_control, place
@@ -406,7 +406,10 @@ def parse_messages(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
         if body["tool_choice"].get("disable_parallel_tool_use") is True:
             upstream["parallel_tool_calls"] = False
     _sampling(body, upstream)
-    rendered = render_chat(out.messages, tools or None).encode()
+    try:
+        rendered = render_chat(out.messages, tools or None).encode()
+    except NestingError as exc:
+        raise _fail(str(exc), "messages") from None
     if len(rendered) > max_prompt_bytes:
         raise _fail(
             f"the prompt is {len(rendered)} bytes; the maximum is {max_prompt_bytes}", "messages"

@@ -125,7 +125,7 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             value = json.loads(arguments) if arguments else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # a model's output may be anything
             value = None
         if isinstance(value, dict):
             return value
@@ -329,7 +329,7 @@ def register(router: APIRouter, front: FrontEnd) -> Callable[[Request], Awaitabl
     async def messages(request: Request) -> Response:
         try:
             tenant = authenticate(tenants, request)
-            parsed = parse_messages(await request.body(), max_prompt_bytes)
+            parsed = parse_messages(await front.read(request), max_prompt_bytes)
             return await serve(front, parsed, tenant, trace_context(request.headers))
         except GatewayError as err:
             return to_anthropic_http(err)

@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from cachemap.rendering import render_chat
+from cachemap.rendering import MAX_JSON_DEPTH, NestingError, render_chat, too_deep
 from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.errors import InvalidRequest
 from gateway.request.cache_control import TTL_1H, TTL_5M, Mark, check_marks, place
@@ -46,8 +46,12 @@ def _json_object(text: str, where: str) -> dict[str, Any] | None:
         return None
     try:
         value = json.loads(text)
+    except RecursionError:
+        value = None
     except ValueError as exc:
         raise InvalidRequest(f"{where} is not valid JSON: {exc}", param=where) from None
+    if value is None or too_deep(value):
+        raise InvalidRequest(f"{where} nests deeper than {MAX_JSON_DEPTH} levels", param=where)
     if not isinstance(value, dict):
         raise InvalidRequest(f"{where} must be a JSON object", param=where)
     return value
@@ -148,7 +152,10 @@ def to_parsed(
             "max_tokens 0 (a cache pre-warm) generates nothing: call Generate, not GenerateStream",
             param="sampling.max_tokens",
         )
-    rendered = render_chat(messages, tools or None).encode()
+    try:
+        rendered = render_chat(messages, tools or None).encode()
+    except NestingError as exc:
+        raise InvalidRequest(str(exc), param="messages") from None
     if len(rendered) > max_prompt_bytes:
         raise InvalidRequest(
             f"the prompt is {len(rendered)} bytes; the maximum is {max_prompt_bytes}",
