@@ -13,6 +13,7 @@ RUN pip install --no-cache-dir . \
     && rm -rf /src
 WORKDIR /
 USER 10001:10001
-EXPOSE 8080 9090
+# 8080: the APIs; 50051: gRPC (the chart's default); 9090: the admin port (/metrics, docs)
+EXPOSE 8080 50051 9090
 ENTRYPOINT ["kvgate"]
 CMD ["serve", "--help"]

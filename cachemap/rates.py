@@ -6,6 +6,12 @@ A rate is a sliding window over two fixed windows (the NGINX / Cloudflare approx
     count = previous_count × (1 − elapsed / window) + current_count      (requests per window)
 scaled to requests per minute. The window is 10 s: a prefix that turns hot is seen within
 seconds, not after a minute. O(1) per request.
+
+`hottest(n)` (what /metrics shows) never looks at all the tracked prefixes: a bounded set of
+candidates (`HOT_CANDIDATES`) is kept as requests arrive — a prefix joins when its rate at one
+of its requests passes the weakest candidate's — and a scrape re-rates only those, so its cost
+does not grow with the 100,000 prefixes tracked (a full sort of them took ~0.3 s of the event
+loop per scrape).
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ minute per prefix before overflow): short enough to see a burst, long enough to 
 MAX_TRACKED_PREFIXES = 100_000
 """Prefixes tracked at once (LRU): a few MB; a prefix unseen for longer than the LRU keeps it
 has no rate worth remembering."""
+HOT_CANDIDATES = 64
+"""Candidates for the hottest prefixes: a dozen times what /metrics shows, so a prefix turning
+hot between two scrapes finds room; a scrape re-rates these 64, never the whole table."""
 
 
 @dataclass
@@ -57,6 +66,11 @@ class PrefixRates:
         self.max_prefixes = max_prefixes
         self.clock = clock
         self._counters: OrderedDict[BlockHash, _Counter] = OrderedDict()
+        self._hot: dict[BlockHash, float] = {}
+        """Candidates for `hottest`: prefix -> its rate when last rated."""
+        self._hot_floor = 0.0
+        """No rate at or below this can displace a candidate (the weakest one's, when last
+        looked at; a lower bound, so a newcomer above it checks the real weakest)."""
 
     def observe(self, prefix: BlockHash) -> PrefixRate:
         """Count one request matching `prefix`; its rate including this request, and its k."""
@@ -75,7 +89,38 @@ class PrefixRates:
             counter.window = window
         counter.current += 1
         rate = sliding_rate(window, counter.current, counter.previous, now, self.window_s)
+        self._offer(prefix, rate)
         return PrefixRate(rate, counter.k)
+
+    def _rate_now(self, counter: _Counter, now: float) -> float:
+        """A counter's rate at `now`, however long ago it last counted (its current window
+        then is a previous one, or older than both)."""
+        window = int(now // self.window_s)
+        if counter.window == window:
+            return sliding_rate(window, counter.current, counter.previous, now, self.window_s)
+        if counter.window == window - 1:
+            return sliding_rate(window, 0, counter.current, now, self.window_s)
+        return 0.0
+
+    def _offer(self, prefix: BlockHash, rate: float) -> None:
+        hot = self._hot
+        if prefix in hot or len(hot) < HOT_CANDIDATES:
+            hot[prefix] = rate
+            return
+        if rate <= self._hot_floor:
+            return
+        weakest = min(hot, key=hot.__getitem__)
+        if hot[weakest] >= rate:
+            self._hot_floor = hot[weakest]
+            return
+        del hot[weakest]
+        hot[prefix] = rate
+        self._hot_floor = min(hot.values())
+
+    @property
+    def num_candidates(self) -> int:
+        """Prefixes a scrape re-rates (at most `HOT_CANDIDATES`)."""
+        return len(self._hot)
 
     def set_k(self, prefix: BlockHash, k: int) -> None:
         counter = self._counters.get(prefix)
@@ -83,10 +128,18 @@ class PrefixRates:
             counter.k = k
 
     def hottest(self, n: int) -> list[tuple[BlockHash, PrefixRate]]:
+        """The `n` hottest prefixes now, hottest first (among the candidates, re-rated: a
+        candidate that cooled gets its real rate, and room goes to the next riser)."""
         now = self.clock()
-        rated = [
-            (p, PrefixRate(sliding_rate(c.window, c.current, c.previous, now, self.window_s), c.k))
-            for p, c in self._counters.items()
-        ]
+        rated: list[tuple[BlockHash, PrefixRate]] = []
+        for prefix in list(self._hot):
+            c = self._counters.get(prefix)
+            if c is None:  # left the LRU
+                del self._hot[prefix]
+                continue
+            rate = self._rate_now(c, now)
+            self._hot[prefix] = rate
+            rated.append((prefix, PrefixRate(rate, c.k)))
+        self._hot_floor = min(self._hot.values()) if len(self._hot) >= HOT_CANDIDATES else 0.0
         rated.sort(key=lambda item: -item[1].rate_per_min)
         return rated[:n]

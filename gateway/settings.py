@@ -33,6 +33,9 @@ from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8080
+DEFAULT_METRICS_PORT = 9090
+"""The admin port (/metrics, the API documents): Prometheus' conventional port, and the one the
+image EXPOSEs beside 8080."""
 DEFAULT_HEALTH_INTERVAL_S = 2.0
 """Probe every replica every 2 s: a dead replica stops receiving traffic within ~2 probes."""
 DEFAULT_HEALTH_TIMEOUT_S = 1.0
@@ -109,6 +112,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    """The admin port: /metrics (GET and HEAD), /openapi.json, /docs, /redoc — operators only,
+    never on `port` (0: any free port; None: none of them is served)."""
     engines: list[str] = Field(default_factory=list)
     policy: str = "cache_aware"
     tenants: list[str] = Field(default_factory=list)
@@ -239,7 +245,7 @@ class Settings(BaseSettings):
             )
         return self
 
-    @field_validator("grpc_port")
+    @field_validator("grpc_port", "metrics_port")
     @classmethod
     def _port_range(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= 65535:

@@ -5,7 +5,7 @@ the start-up failed).
 
 Start order: the upstream `aiohttp.ClientSession` (explicit timeouts and connection limits) →
 the shared directory (Redis) → billing → health probing → discovery → the tenants-file watcher →
-the gRPC server.
+the gRPC server → the admin port (/metrics and the API documents, `gateway.server.admin`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import aiohttp
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
-from starlette.responses import Response
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
@@ -47,6 +46,7 @@ from gateway.pipeline.reconcile import Reconciler
 from gateway.pipeline.record import Recorder
 from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
+from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
 from gateway.settings import Settings
 from gateway.tenancy.registry import TenantRegistry
@@ -270,6 +270,10 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             grpc_server = await start_grpc(settings, parts.front, parts.request_metrics)
             stack.push_async_callback(grpc_server.stop)
             app.state.grpc_port = grpc_server.port
+        if settings.metrics_port is not None:
+            admin = AdminServer(lambda: render(parts.registry), lambda: app.openapi(), app.title)
+            stack.push_async_callback(admin.stop)
+            app.state.metrics_port = await admin.start(settings.host, settings.metrics_port)
         log.info(
             "kvgate: %d/%d replicas healthy, policy %s",
             sum(s.healthy for s in parts.replicas.states.values()),
@@ -295,6 +299,10 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         description="A multi-tenant, cache-aware routing gateway for LLM inference.",
         lifespan=lifespan,
         exception_handlers={Exception: on_unexpected},
+        # the documents are served on the admin port (gateway.server.admin), not to tenants
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     routes, hot = build_router(parts.front)
     app.include_router(routes)
@@ -302,10 +310,6 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         from gateway.api.billing import build_billing_router
 
         app.include_router(build_billing_router(parts.billing, parts.front))
-
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(render(parts.registry), media_type="text/plain; version=0.0.4")
 
     app.state.parts = parts
     app.state.director = parts.director

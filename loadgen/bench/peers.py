@@ -173,6 +173,7 @@ class Router:
     targets: tuple[str, ...]
     pid: int | None
     api_key: str | None
+    metrics_url: str | None = None
 
 
 def _wait_for_model(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -207,7 +208,7 @@ def start_router(
         }
         args = ["--policy", arm.policy, "--tenant", f"bench:{BENCH_KEY}", "--log-level", "warning"]
         with processes.gateway(engine_urls, args, env=env) as gw:
-            yield Router((gw.url,), gw.pid, BENCH_KEY)
+            yield Router((gw.url,), gw.pid, BENCH_KEY, gw.metrics_url)
         return
     port = processes.free_port()
     metrics_port = processes.free_port()
@@ -308,7 +309,11 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         )
         engine_cpu = (sum(processes.cpu_seconds(e.pid) for e in engines) - engine_cpu0) / n
         client_cpu = (time.process_time() - client_cpu0) / n
-        decisions = routing_decisions(router.targets[0]) if arm.kind == "kvgate" else {}
+        decisions = (
+            routing_decisions(router.metrics_url)
+            if arm.kind == "kvgate" and router.metrics_url
+            else {}
+        )
     summary = summarise(rows, setup.time_scale, wall)
     first_error = next((r.error for r in rows if not r.ok), "")
     return ArmResult(
@@ -324,11 +329,12 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
     )
 
 
-def routing_decisions(gateway_url: str) -> dict[str, int]:
-    """`kvgate_routing_decisions_total` by reason, from the gateway's /metrics."""
+def routing_decisions(metrics_url: str) -> dict[str, int]:
+    """`kvgate_routing_decisions_total` by reason, from the gateway's /metrics (its admin
+    port)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(gateway_url + "/metrics", timeout=10.0).text
+    text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
     out: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -27,7 +27,7 @@ from gateway.api.grpc.service import start_grpc
 from gateway.api.openai.parse import parse_chat
 from loadgen.engine.timing import TimingModel
 from loadgen.text import words
-from tests.conftest import MODEL, TENANT_KEY, engine_of, gateway_settings
+from tests.conftest import MODEL, TENANT_KEY, engine_of, gateway_settings, metrics_url
 from tests.gateway.test_anthropic_convert import OPENAI
 from tests.servers import Served, wait_until
 
@@ -240,7 +240,7 @@ def test_each_error_status(
     )
     expected[("Generate", "UNAVAILABLE")] += 2
     counted: Counter[tuple[str, str]] = Counter()
-    text_ = httpx.get(gateway.url + "/metrics", timeout=10).text
+    text_ = httpx.get(metrics_url(gateway) + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text_):
         for sample in family.samples:
             if sample.name == "kvgate_grpc_requests_total":

@@ -30,7 +30,7 @@ from gateway.observability.tracing import (
 from gateway.request.trace import NoTracer
 from gateway.server.app import create_app
 from loadgen.text import words
-from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, gateway_settings
+from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, gateway_settings, metrics_url
 from tests.servers import Served, start_app, stop_all
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.e2e
 
 def samples(gateway: Served) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Every sample of the gateway's /metrics: (name, labels) -> value."""
-    text = httpx.get(gateway.url + "/metrics").text
+    text = httpx.get(metrics_url(gateway) + "/metrics").text
     return {
         (s.name, frozenset(s.labels.items())): s.value
         for family in text_string_to_metric_families(text)
