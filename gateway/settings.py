@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -322,7 +322,9 @@ class Settings(BaseSettings):
     def _engine_urls(cls, value: list[str]) -> list[str]:
         for url in value:
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"engine URL {url!r} must start with http:// or https://")
+                raise ValueError(
+                    f"engine URL {redact_url(url)!r} must start with http:// or https://"
+                )
         return [url.rstrip("/") for url in value]
 
     @field_validator("tenants")
@@ -340,7 +342,7 @@ class Settings(BaseSettings):
     def _redis_scheme(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(REDIS_SCHEMES):
             raise ValueError(
-                f"redis_url {value!r} must start with one of {', '.join(REDIS_SCHEMES)}"
+                f"redis_url {redact_url(value)!r} must start with one of {', '.join(REDIS_SCHEMES)}"
             )
         return value
 
@@ -409,6 +411,25 @@ class Settings(BaseSettings):
             "using a random one; gateways that must agree on salts need the same secret"
         )
         return secrets.token_bytes(32)
+
+
+def redact_url(url: str) -> str:
+    """A URL fit for a message: whatever precedes an '@' (a user and password) becomes ***."""
+    scheme, sep, rest = url.rpartition("://")
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """Invalid settings as lines of "field: reason", never the values given: pydantic's own
+    text repeats each input (and a model-level error the whole input), which would print every
+    tenant key, admin key and the Redis password to the terminal and the logs."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"  {where}: {error['msg']}")
+    return "\n".join(lines)
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

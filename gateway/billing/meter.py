@@ -179,7 +179,10 @@ class BillingMeter:
             return int(usage["prompt_tokens"])
         if pending.counted:
             return pending.counted[-1]
-        return max(round(self.estimator.tokens(pending.model, pending.layout.num_bytes)), 1)
+        tokens = self.estimator.tokens(
+            pending.model, pending.layout.num_bytes, tenant=pending.tenant
+        )
+        return max(round(tokens), 1)
 
     # -- 1. start ------------------------------------------------------------------------------
     async def prepare(self, parsed: ParsedRequest, tenant: Tenant) -> ParsedRequest:

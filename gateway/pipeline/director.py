@@ -129,19 +129,21 @@ class Director:
         (gateway.pipeline.admission), the request hooks (and the size of what they made), then
         the fleet (404, 503), then the rate limit, so a request that cannot be served spends
         no budget."""
-        prompt_tokens = self.estimator.prompt_tokens(parsed)
+        prompt_tokens = self.estimator.prompt_tokens(parsed, tenant=tenant.name)
         tenant = self.admission.check(parsed, tenant, prompt_tokens)
         rendered = parsed.rendered
         for hook in self.request_hooks:
             parsed = await hook(parsed, tenant)
         if parsed.rendered is not rendered:  # expanded (an explicit cached content): check again
-            prompt_tokens = self.estimator.prompt_tokens(parsed)
+            prompt_tokens = self.estimator.prompt_tokens(parsed, tenant=tenant.name)
             self.admission.check_size(parsed, tenant, prompt_tokens)
         candidates = self.replicas.serving(parsed.model)
         if not candidates:
             if not self.replicas.any_healthy():
                 raise NoReplica("no healthy engine replica is available")
-            raise ModelNotFound(parsed.model, self.replicas.models())
+            allowed = tenant.policy.models  # never name a model the tenant may not use
+            served = [m for m in self.replicas.models() if not allowed or m in allowed]
+            raise ModelNotFound(parsed.model, served)
         charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
         return candidates, tenant, parsed, charged
 
@@ -170,7 +172,7 @@ class Director:
             "local" if lookup.degraded else "shared",
             max(lookup.overlap.values(), default=0),
         )
-        bytes_per_token = self.estimator.bytes_per_token(parsed.model)
+        bytes_per_token = self.estimator.bytes_per_token(parsed.model, tenant=tenant.name)
         route = RouteRequest(
             num_blocks=len(hashes),
             num_prompt_tokens=len(parsed.rendered) / bytes_per_token,
@@ -267,8 +269,10 @@ class Director:
                 if isinstance(outcome, Complete):
                     return Exchange(self.recorder, routed, lease.keep(), trace, body=outcome.body)
                 return Exchange(self.recorder, routed, lease.keep(), trace, stream=outcome)
+        # the client learns how many attempts failed, never which replica or what it said
+        # (each failure is logged above, with both)
         raise UpstreamError(
-            "every attempt at an engine failed: " + "; ".join(failures)
+            f"every attempt at an engine failed ({len(failures)} attempts); try again"
             if failures
-            else "no attempt was made"
+            else "no engine replica could be tried"
         )

@@ -40,6 +40,10 @@ class TenantPolicy:
     requests_per_min: int | None = None
     tokens_per_min: int | None = None
     max_prompt_tokens: int | None = None
+    trusted_tracing: bool = False
+    """Whether the tenant's `traceparent` decides if its requests are traced. Off (the default),
+    a client's sampled flag can only opt a request out: the gateway samples at its configured
+    ratio, so no tenant can make it trace (and export) every request."""
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:

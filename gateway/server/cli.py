@@ -73,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from gateway.server.app import create_app
-    from gateway.settings import load_settings
+    from gateway.settings import describe_errors, load_settings
     from gateway.tenancy.tenant_file import TenantFileError
 
     try:
@@ -99,7 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
             otlp_endpoint=args.otlp_endpoint,
         )
     except ValidationError as exc:
-        print(f"kvgate serve: invalid settings:\n{exc}")
+        print(f"kvgate serve: invalid settings:\n{describe_errors(exc)}")
         return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
