@@ -8,7 +8,8 @@ gRPC lands on the same blocks as the same conversation over HTTP:
         → {"role", "content": [parts], "tool_calls": [{"id", "function": {name, arguments}}],
            "tool_call_id", "name"}
     Tool{name, description, parameters_json} → {"type": "function", "function": {...}}
-    cache_control on a part / a message / a tool / the request → a `Mark`
+    cache_control on a part / a message / a tool / the request → a `Mark`, and the same
+        `cache_control` hint on the converted part / message / tool, where billing reads it
 
 Invariants: a bad request is an `InvalidRequest` (INVALID_ARGUMENT) naming the field;
 JSON travels as text (`arguments_json`, `parameters_json`) so numbers keep their spelling; the
@@ -24,7 +25,15 @@ from typing import Any
 from cachemap.rendering import MAX_JSON_DEPTH, NestingError, render_chat, too_deep
 from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.errors import InvalidRequest
-from gateway.request.cache_control import TTL_1H, TTL_5M, Mark, check_marks, place
+from gateway.request.cache_control import (
+    TTL_1H,
+    TTL_5M,
+    Mark,
+    annotate_messages,
+    annotate_tools,
+    check_marks,
+    place,
+)
 from gateway.request.parsed import CHAT, ParsedRequest
 
 ROLES = {
@@ -141,9 +150,14 @@ def to_parsed(
             )
     check_marks(marks)  # in the client's order: tools, then each message's parts and itself
 
-    upstream: dict[str, Any] = {"model": request.model, "messages": messages, "stream": True}
+    # the marks ride on the body for billing (the director strips them before forwarding)
+    upstream: dict[str, Any] = {
+        "model": request.model,
+        "messages": annotate_messages(messages, marks),
+        "stream": True,
+    }
     if tools:
-        upstream["tools"] = tools
+        upstream["tools"] = annotate_tools(tools, marks)
     if request.user:
         upstream["user"] = request.user
     prewarm = _sampling(request.sampling, upstream)
@@ -191,17 +205,22 @@ def _sampling(sampling: pb.Sampling, upstream: dict[str, Any]) -> bool:
 
 
 def usage_message(anthropic_usage: Mapping[str, Any], engine: Mapping[str, Any]) -> pb.Usage:
-    """The proto usage: the engine's counts and the cache split (`provisional_cache_usage`)."""
+    """The proto usage: the engine's counts, the cache split (`gateway.api.usage.cache_usage`)
+    and, with billing on, the cost and the billing record's id."""
     creation = anthropic_usage["cache_creation"]
+    billing = engine.get("kvgate_billing")
+    billing = billing if isinstance(billing, Mapping) else {}
     return pb.Usage(
+        cost=str(engine.get("cost") or ""),
+        billing_id=str(billing.get("id") or ""),
         prompt_tokens=_count(engine.get("prompt_tokens")),
         completion_tokens=_count(engine.get("completion_tokens")),
         engine_cached_tokens=anthropic_usage["engine_cached_tokens"],
         input_tokens=anthropic_usage["input_tokens"],
         cache_read_input_tokens=anthropic_usage["cache_read_input_tokens"],
         cache_creation_input_tokens=anthropic_usage["cache_creation_input_tokens"],
-        ephemeral_5m_input_tokens=creation["ephemeral_5m_input_tokens"],
-        ephemeral_1h_input_tokens=creation["ephemeral_1h_input_tokens"],
+        ephemeral_5m_input_tokens=int(creation.get("ephemeral_5m_input_tokens") or 0),
+        ephemeral_1h_input_tokens=int(creation.get("ephemeral_1h_input_tokens") or 0),
         output_tokens=anthropic_usage["output_tokens"],
     )
 

@@ -31,11 +31,11 @@ from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.api.grpc.convert import to_parsed, usage_message
 from gateway.api.responses import debug_headers
+from gateway.api.usage import cache_usage
 from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
 from gateway.observability.metrics import RequestMetrics
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.forwarder import Passthrough
-from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
 from gateway.request.trace import trace_context
@@ -78,11 +78,10 @@ def _chunk_error(chunk: Mapping[str, Any]) -> UpstreamError | None:
 
 
 def _usage(parsed: ParsedRequest, engine: Mapping[str, Any] | None) -> pb.Usage:
+    """The usage as every front end reports it: the bill's with billing on (what the WAL
+    records, with its cost and record id), else the provisional split (`cache_usage`)."""
     engine = engine or {}
-    split = provisional_cache_usage(
-        engine, parsed.breakpoints, len(parsed.rendered), prewarm=parsed.prewarm
-    )
-    return usage_message(split, engine)
+    return usage_message(cache_usage(parsed, engine), engine)
 
 
 class GatewayService:
