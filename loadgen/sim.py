@@ -47,7 +47,10 @@ from cachemap.directory import DEFAULT_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
 from cachemap.rates import PrefixRates
+from loadgen.engine.kvpool import BlockPool
 from loadgen.engine.timing import (
+    DEFAULT_DECODE_S_PER_CONTEXT_TOKEN,
+    DEFAULT_DECODE_S_PER_SEQ,
     DEFAULT_DECODE_S_PER_TOKEN,
     DEFAULT_MAX_BATCH,
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -56,6 +59,9 @@ from loadgen.engine.timing import (
     Job,
     PrefixCache,
     TimingModel,
+    add_decode_arguments,
+    decode_from_args,
+    describe_decode,
 )
 from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import (
@@ -259,7 +265,7 @@ def simulate(
         clock=clock,
     )
     replicas = [
-        _ReplicaState(f"r{i}", EngineCore(config.timing, PrefixCache(per_replica)))
+        _ReplicaState(f"r{i}", EngineCore(config.timing, BlockPool(per_replica)))
         for i in range(config.num_replicas)
     ]
     by_id = {r.id: r for r in replicas}
@@ -421,6 +427,8 @@ def timing_defaults() -> dict[str, float]:
     return {
         "prefill_tokens_per_s": DEFAULT_PREFILL_TOKENS_PER_S,
         "decode_s_per_token": DEFAULT_DECODE_S_PER_TOKEN,
+        "decode_s_per_seq": DEFAULT_DECODE_S_PER_SEQ,
+        "decode_s_per_context_token": DEFAULT_DECODE_S_PER_CONTEXT_TOKEN,
         "max_batch": DEFAULT_MAX_BATCH,
     }
 
@@ -450,9 +458,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="at most this many requests")
     parser.add_argument("--tenants", type=int, default=0, help="assign conversations to N tenants")
     parser.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S)
-    parser.add_argument(
-        "--decode-ms-per-token", type=float, default=DEFAULT_DECODE_S_PER_TOKEN * 1e3
-    )
+    add_decode_arguments(parser)
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--absolute-slack-tokens", type=float, default=None)
@@ -490,8 +496,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         capacity_frac=args.capacity_frac,
         timing=TimingModel(
             prefill_tokens_per_s=args.prefill_tokens_per_s,
-            decode_s_per_token=args.decode_ms_per_token / 1e3,
             max_batch=args.max_batch,
+            **decode_from_args(args),
         ),
         router=router,
         seed=args.seed,
@@ -529,8 +535,8 @@ def run_sim(args: argparse.Namespace) -> int:
         f"{trace.span_s:,.0f} s, {refs.unique_blocks:,} unique blocks of {trace.block_size} "
         f"tokens; {config.num_replicas} replicas × {refs.capacity_blocks_per_replica:,} blocks "
         f"(capacity frac {config.capacity_frac:g})\nengine timing: prefill "
-        f"{t.prefill_tokens_per_s:,.0f} tokens/s FCFS, decode {t.decode_s_per_token * 1e3:g} ms "
-        f"per output token, batch ≤ {t.max_batch}; router: absolute slack "
+        f"{t.prefill_tokens_per_s:,.0f} tokens/s FCFS, {describe_decode(t)}, "
+        f"batch ≤ {t.max_batch}; router: absolute slack "
         f"{config.router.absolute_slack_tokens:,.0f} tokens, relative slack "
         f"{config.router.relative_slack:g}, directory {config.directory_scale:g}x the engines' "
         f"KV; seed {config.seed}"
