@@ -18,6 +18,8 @@ RUN pip install --no-cache-dir '.[parquet]' \
     && rm -rf /src
 WORKDIR /
 USER 10001:10001
-EXPOSE 8080 9090 9002
+# 8080: the APIs; 50051: gRPC (the chart's default); 9090: the admin port (/metrics, docs);
+# 9002: ext-proc in endpoint-picker mode
+EXPOSE 8080 50051 9090 9002
 ENTRYPOINT ["kvgate"]
 CMD ["serve", "--help"]

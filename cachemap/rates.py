@@ -15,6 +15,12 @@ rate is measured over the span actually observed, from its first request:
 in the same millisecond is not an infinite rate), and the rate is the larger of the two. Once a
 whole previous window has been seen the sliding window alone holds, and the two agree there. A
 prefix unseen for a whole window starts young again: a burst after a lull is seen at once.
+
+`hottest(n)` (what /metrics shows) never looks at all the tracked prefixes: a bounded set of
+candidates (`HOT_CANDIDATES`) is kept as requests arrive — a prefix joins when its rate at one
+of its requests passes the weakest candidate's — and a scrape re-rates only those, so its cost
+does not grow with the 100,000 prefixes tracked (a full sort of them took ~0.3 s of the event
+loop per scrape).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ requests, 0.35 s), while a few simultaneous requests do not read as a flood."""
 MAX_TRACKED_PREFIXES = 100_000
 """Prefixes tracked at once (LRU): a few MB; a prefix unseen for longer than the LRU keeps it
 has no rate worth remembering."""
+HOT_CANDIDATES = 64
+"""Candidates for the hottest prefixes: a dozen times what /metrics shows, so a prefix turning
+hot between two scrapes finds room; a scrape re-rates these 64, never the whole table."""
 
 
 @dataclass
@@ -83,6 +92,11 @@ class PrefixRates:
         self.max_prefixes = max_prefixes
         self.clock = clock
         self._counters: OrderedDict[BlockHash, _Counter] = OrderedDict()
+        self._hot: dict[BlockHash, float] = {}
+        """Candidates for `hottest`: prefix -> its rate when last rated."""
+        self._hot_floor = 0.0
+        """No rate at or below this can displace a candidate (the weakest one's, when last
+        looked at; a lower bound, so a newcomer above it checks the real weakest)."""
 
     def observe(self, prefix: BlockHash) -> PrefixRate:
         """Count one request matching `prefix`; its rate including this request, and its k."""
@@ -103,10 +117,41 @@ class PrefixRates:
             counter.current = 0
             counter.window = window
         counter.current += 1
-        return PrefixRate(self._rate(counter, now), counter.k)
+        rate = prefix_rate(
+            window, counter.current, counter.previous, counter.first_s, now, self.window_s
+        )
+        self._offer(prefix, rate)
+        return PrefixRate(rate, counter.k)
 
-    def _rate(self, c: _Counter, now: float) -> float:
-        return prefix_rate(c.window, c.current, c.previous, c.first_s, now, self.window_s)
+    def _rate_now(self, c: _Counter, now: float) -> float:
+        """A counter's rate at `now`, however long ago it last counted (its current window
+        then is a previous one, or older than both)."""
+        window = int(now // self.window_s)
+        if c.window == window:
+            return prefix_rate(window, c.current, c.previous, c.first_s, now, self.window_s)
+        if c.window == window - 1:
+            return prefix_rate(window, 0, c.current, c.first_s, now, self.window_s)
+        return 0.0
+
+    def _offer(self, prefix: BlockHash, rate: float) -> None:
+        hot = self._hot
+        if prefix in hot or len(hot) < HOT_CANDIDATES:
+            hot[prefix] = rate
+            return
+        if rate <= self._hot_floor:
+            return
+        weakest = min(hot, key=hot.__getitem__)
+        if hot[weakest] >= rate:
+            self._hot_floor = hot[weakest]
+            return
+        del hot[weakest]
+        hot[prefix] = rate
+        self._hot_floor = min(hot.values())
+
+    @property
+    def num_candidates(self) -> int:
+        """Prefixes a scrape re-rates (at most `HOT_CANDIDATES`)."""
+        return len(self._hot)
 
     def set_k(self, prefix: BlockHash, k: int) -> None:
         counter = self._counters.get(prefix)
@@ -114,7 +159,18 @@ class PrefixRates:
             counter.k = k
 
     def hottest(self, n: int) -> list[tuple[BlockHash, PrefixRate]]:
+        """The `n` hottest prefixes now, hottest first (among the candidates, re-rated: a
+        candidate that cooled gets its real rate, and room goes to the next riser)."""
         now = self.clock()
-        rated = [(p, PrefixRate(self._rate(c, now), c.k)) for p, c in self._counters.items()]
+        rated: list[tuple[BlockHash, PrefixRate]] = []
+        for prefix in list(self._hot):
+            c = self._counters.get(prefix)
+            if c is None:  # left the LRU
+                del self._hot[prefix]
+                continue
+            rate = self._rate_now(c, now)
+            self._hot[prefix] = rate
+            rated.append((prefix, PrefixRate(rate, c.k)))
+        self._hot_floor = min(self._hot.values()) if len(self._hot) >= HOT_CANDIDATES else 0.0
         rated.sort(key=lambda item: -item[1].rate_per_min)
         return rated[:n]

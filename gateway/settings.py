@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -37,6 +37,9 @@ from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8080
+DEFAULT_METRICS_PORT = 9090
+"""The admin port (/metrics, the API documents): Prometheus' conventional port, and the one the
+image EXPOSEs beside 8080."""
 DEFAULT_HEALTH_INTERVAL_S = 2.0
 """Probe every replica every 2 s: a dead replica stops receiving traffic within ~2 probes."""
 DEFAULT_HEALTH_TIMEOUT_S = 1.0
@@ -52,6 +55,12 @@ DEFAULT_MAX_ATTEMPTS = 3
 """An upstream failure before the first byte is retried on the next-best replica, twice."""
 DEFAULT_MAX_PROMPT_BYTES = 4 * 1024 * 1024
 """4 MiB of rendered prompt (~1M tokens): beyond any served context window."""
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+"""8 MiB of request body: twice the default prompt limit, room for JSON's escapes and structure
+around a prompt of `max_prompt_bytes` (code full of quotes and newlines grows by about a third)."""
+DEFAULT_BODY_READ_TIMEOUT_S = 60.0
+"""A whole body within 60 s: 8 MiB arrives in that time at 1.2 Mbit/s, so only a stalled (or
+hostile) upload waits this long, holding its connection for nothing."""
 DEFAULT_BYTES_PER_TOKEN = 4.0
 """English BPE averages ~4 bytes per token; the gateway learns the real ratio per model from the
 engines' usage and uses this only until the first response."""
@@ -116,6 +125,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    """The admin port: /metrics (GET and HEAD), /openapi.json, /docs, /redoc — operators only,
+    never on `port` (0: any free port; None: none of them is served)."""
     engines: list[str] = Field(default_factory=list)
     policy: str = "cache_aware"
     tenants: list[str] = Field(default_factory=list)
@@ -140,6 +152,11 @@ class Settings(BaseSettings):
     first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """The largest request body any front end reads (413 over it, refused while reading; gRPC's
+    maximum message length)."""
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    """How long a request body may take to arrive, whole (408 after)."""
     upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
     debug_headers: bool = False
     """Operator debugging only: adds x-kvgate-replica / -matched-blocks / -decision headers.
@@ -260,7 +277,7 @@ class Settings(BaseSettings):
             )
         return self
 
-    @field_validator("grpc_port", "epp_port")
+    @field_validator("grpc_port", "epp_port", "metrics_port")
     @classmethod
     def _port_range(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= 65535:
@@ -337,7 +354,9 @@ class Settings(BaseSettings):
     def _engine_urls(cls, value: list[str]) -> list[str]:
         for url in value:
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"engine URL {url!r} must start with http:// or https://")
+                raise ValueError(
+                    f"engine URL {redact_url(url)!r} must start with http:// or https://"
+                )
         return [url.rstrip("/") for url in value]
 
     @field_validator("tenants")
@@ -355,7 +374,7 @@ class Settings(BaseSettings):
     def _redis_scheme(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(REDIS_SCHEMES):
             raise ValueError(
-                f"redis_url {value!r} must start with one of {', '.join(REDIS_SCHEMES)}"
+                f"redis_url {redact_url(value)!r} must start with one of {', '.join(REDIS_SCHEMES)}"
             )
         return value
 
@@ -364,6 +383,7 @@ class Settings(BaseSettings):
         "rate_limit_timeout_s",
         "billing_ledger_deadline_s",
         "epp_max_message_timeout_s",
+        "body_read_timeout_s",
     )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
@@ -378,7 +398,23 @@ class Settings(BaseSettings):
             raise ValueError("must be zero or positive")
         return value
 
-    @field_validator("block_bytes", "directory_capacity_blocks", "max_attempts", "unhealthy_after")
+    @model_validator(mode="after")
+    def _body_holds_a_prompt(self) -> Settings:
+        if self.max_body_bytes < self.max_prompt_bytes:
+            raise ValueError(
+                f"max_body_bytes ({self.max_body_bytes}) must be at least max_prompt_bytes "
+                f"({self.max_prompt_bytes}): a body holds its prompt"
+            )
+        return self
+
+    @field_validator(
+        "block_bytes",
+        "directory_capacity_blocks",
+        "max_attempts",
+        "unhealthy_after",
+        "max_body_bytes",
+        "max_prompt_bytes",
+    )
     @classmethod
     def _positive(cls, value: int) -> int:
         if value <= 0:
@@ -415,6 +451,25 @@ class Settings(BaseSettings):
             "using a random one; gateways that must agree on salts need the same secret"
         )
         return secrets.token_bytes(32)
+
+
+def redact_url(url: str) -> str:
+    """A URL fit for a message: whatever precedes an '@' (a user and password) becomes ***."""
+    scheme, sep, rest = url.rpartition("://")
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """Invalid settings as lines of "field: reason", never the values given: pydantic's own
+    text repeats each input (and a model-level error the whole input), which would print every
+    tenant key, admin key and the Redis password to the terminal and the logs."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"  {where}: {error['msg']}")
+    return "\n".join(lines)
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

@@ -52,6 +52,7 @@ CHART_MANAGED = frozenset(
         "host",
         "port",
         "grpc_port",
+        "metrics_port",
         "server_secret",
         "server_secret_file",
         "tenants",

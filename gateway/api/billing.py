@@ -117,11 +117,15 @@ def _content_routes(router: APIRouter, billing: Billing, front: FrontEnd) -> Non
     async def create(request: Request) -> Response:
         try:
             tenant = tenant_of(request)
-            body = load_json_object(await request.body())
+            body = load_json_object(await front.read(request))
             unknown = set(body) - CREATE_FIELDS
             if unknown:
                 raise InvalidRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
-            synthetic = {k: body[k] for k in ("model", "messages", "tools") if k in body}
+            synthetic = {
+                k: body[k]
+                for k in ("model", "messages", "tools", "user", "prompt_cache_key")
+                if k in body
+            }
             parsed = parse_chat(
                 orjson.dumps({**synthetic, "max_tokens": 1}), front.max_prompt_bytes
             )
@@ -154,7 +158,7 @@ def _content_routes(router: APIRouter, billing: Billing, front: FrontEnd) -> Non
     async def update(request: Request, object_id: str) -> Response:
         try:
             tenant = tenant_of(request)
-            body = load_json_object(await request.body())
+            body = load_json_object(await front.read(request))
             obj, charge = await contents.extend(tenant, object_id, body)
             return JSONResponse({**object_json(obj), "rent": plain(charge.rent)})
         except GatewayError as err:

@@ -22,7 +22,11 @@ from gateway.request.tenant import Tenant
 MAX_LIFETIME_S = Decimal(366 * 86400)
 """An explicit cached content lives at most a year: beyond that a TTL is a typo, and the rent
 charged up front through the expiry would be absurd."""
-CREATE_FIELDS = frozenset({"model", "messages", "tools", "ttl_s", "expire_time"})
+CREATE_FIELDS = frozenset(
+    {"model", "messages", "tools", "ttl_s", "expire_time", "user", "prompt_cache_key"}
+)
+"""`user` / `prompt_cache_key` name the end user of a `user`-scoped tenant: the object is that
+end user's (only its prompts may read it; the tenant manages it)."""
 PROFILE = "google_explicit"
 
 

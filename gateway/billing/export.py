@@ -222,9 +222,16 @@ async def _query(args: argparse.Namespace, tenant: str | None) -> list[dict[str,
     redis_url = args.redis_url
     directories: list[Path] = list(args.wal_dir)
     if args.config is not None and not redis_url and not directories:
-        from gateway.settings import load_settings
+        from pydantic import ValidationError
 
-        settings = load_settings(args.config)
+        from gateway.settings import describe_errors, load_settings
+
+        try:
+            settings = load_settings(args.config)
+        except ValidationError as exc:
+            raise ValueError(
+                f"invalid settings in {args.config}:\n{describe_errors(exc)}"
+            ) from None
         redis_url = settings.billing_redis_url
         if settings.billing_wal_dir is not None:
             directories = [settings.billing_wal_dir]

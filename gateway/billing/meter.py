@@ -18,7 +18,7 @@
 `max_tokens: 0` (Anthropic's ping, which the Messages front end lets through) reads and
 refreshes entries: the engine is asked for one token, the usage reports and bills none.
 
-The bill follows the contract, not the replica: the ledger is per tenant scope and model,
+The bill follows the contract, not the replica: the ledger is per isolation scope and model,
 whichever replica served. Front ends other than the OpenAI one pass their breakpoints as marks
 on an OpenAI-shaped body (see `layout`); a request built elsewhere can carry a ready `Pending`
 on a `BilledRequest`.
@@ -107,7 +107,8 @@ class BillingMeter:
 
     Invariants: a record is on stable storage before the usage reaches the client; each
     exchange is recorded at most once (usage, else an `aborted` record at finish); the cache
-    ledger is keyed by (tenant, model) and never shared across tenants.
+    ledger is keyed by (isolation scope, model) — the tenant, or in a `user`-scoped tenant each
+    end user — and never shared across scopes.
     """
 
     def __init__(
@@ -178,12 +179,17 @@ class BillingMeter:
             return int(usage["prompt_tokens"])
         if pending.counted:
             return pending.counted[-1]
-        return max(round(self.estimator.tokens(pending.model, pending.layout.num_bytes)), 1)
+        tokens = self.estimator.tokens(
+            pending.model, pending.layout.num_bytes, tenant=pending.tenant
+        )
+        return max(round(tokens), 1)
 
     # -- 1. start ------------------------------------------------------------------------------
     async def prepare(self, parsed: ParsedRequest, tenant: Tenant) -> ParsedRequest:
         """The director's request hook (see the module docstring, step 1)."""
         if isinstance(parsed, BilledRequest) and parsed.billing is not None:
+            # built before admission (an explicit object's creation): its scope is known now
+            parsed.billing.scope = tenant.scope
             return parsed
         object_id = parsed.body.get("cached_content")
         if isinstance(object_id, str):
@@ -255,6 +261,7 @@ class BillingMeter:
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
             cached_content=obj,
             counted=counted,
+            scope=tenant.scope,
         )
         if obj is not None or layout.marked:
             body = strip_marks(body)
@@ -283,7 +290,7 @@ class BillingMeter:
             )
         if not isinstance(object_id, str) or parsed.kind != CHAT:
             raise BillingError("'cached_content' must be an id string on a chat request")
-        obj = self.ledger(profile).content(tenant.name, object_id, t)
+        obj = self.ledger(profile).content(tenant.name, object_id, t, scope=tenant.scope)
         served = obj.payload.get("model", obj.model)
         if served != parsed.model:
             raise BillingError(f"cached content {object_id!r} was created for model {served!r}")
@@ -324,6 +331,7 @@ class BillingMeter:
             cached_content=(
                 pending.cached_content.object_id if pending and pending.cached_content else None
             ),
+            scope=pending.scope if pending else "",
         )
 
     # -- 2. first token ------------------------------------------------------------------------
@@ -348,10 +356,10 @@ class BillingMeter:
             shared = self.shared if pending.profile in SHARED_PROFILES else None
             scope = ""
             if shared is not None:
-                scope = scope_id(pending.profile, request.tenant, request.model)
+                scope = scope_id(pending.profile, request.scope_key, request.model)
                 keys = [b.key for b in request.blocks if isinstance(b.key, bytes)]
                 stored = await shared.fetch(scope, keys)
-                entries = ledger.scopes.setdefault((request.tenant, request.model), {})
+                entries = ledger.scopes.setdefault((request.scope_key, request.model), {})
                 for key, entry in (stored or {}).items():
                     mine = entries.get(key)
                     entries[key] = entry if mine is None else join(mine, entry)
@@ -478,6 +486,7 @@ class BillingMeter:
                 "messages": spec["messages"],
                 "tools": spec.get("tools"),
             },
+            scope=pending.scope,
         )
         assert bill.ledger is not None
         charge = bill.ledger.create_content(obj)

@@ -101,8 +101,9 @@ class Director:
         """Serve one request up to its commitment: an exchange whose first byte has arrived, or
         an engine's 4xx to pass through. `trace_headers`: the client's W3C trace context.
 
-        1. Admit: the tenant's scope, model and size, then the fleet (404, 503), then the rate
-           limit; the request hooks (billing's start) see the scoped tenant.
+        1. Admit: the tenant's scope, model and size; the request hooks (billing's start) with
+           the scoped tenant, and the size again if they expanded the prompt; then the fleet
+           (404, 503), then the rate limit.
         2. Route: hash the canonical rendering in the tenant's scope, look up each replica's
            cached prefix, place it (fan-out holds, hot prefixes, the policy's ranking).
         3. Forward: try the ranking in order until an attempt commits.
@@ -112,9 +113,7 @@ class Director:
         opened_s = time.monotonic()
         trace = self.tracer.begin(parsed, tenant, trace_headers)
         try:
-            candidates, tenant, charged = await self._admit(parsed, tenant)
-            for hook in self.request_hooks:
-                parsed = await hook(parsed, tenant)
+            candidates, tenant, parsed, charged = await self._admit(parsed, tenant)
             routed, flight = await self._route(parsed, tenant, candidates, trace, opened_s, charged)
             if flight is None:
                 return await self._forward(routed, trace)
@@ -143,9 +142,7 @@ class Director:
         opened_s = time.monotonic()
         trace = self.tracer.begin(parsed, tenant, trace_headers)
         try:
-            candidates, tenant, charged = await self._admit(parsed, tenant, only)
-            for hook in self.request_hooks:
-                parsed = await hook(parsed, tenant)
+            candidates, tenant, parsed, charged = await self._admit(parsed, tenant, only)
             routed, flight = await self._route(
                 parsed, tenant, candidates, trace, opened_s, charged, on_hold
             )
@@ -177,24 +174,34 @@ class Director:
     # -- 1. admit --------------------------------------------------------------------------
     async def _admit(
         self, parsed: ParsedRequest, tenant: Tenant, only: Collection[str] | None = None
-    ) -> tuple[list[ReplicaState], Tenant, int]:
+    ) -> tuple[list[ReplicaState], Tenant, ParsedRequest, int]:
         """The replicas that may serve the request, the tenant as this request sees it (its
-        end user's salt in a `user` scope) and the tokens charged to its rate limit.
-        Order: the tenant's scope, model and size (gateway.pipeline.admission), then the fleet
-        (404, 503), then the rate limit, so a request that cannot be served spends no budget."""
-        prompt_tokens = self.estimator.prompt_tokens(parsed)
+        end user's salt in a `user` scope), the request as the hooks left it, and the tokens
+        charged to its rate limit. Order: the tenant's scope, model and size
+        (gateway.pipeline.admission), the request hooks (and the size of what they made), then
+        the fleet (404, 503), then the rate limit, so a request that cannot be served spends
+        no budget."""
+        prompt_tokens = self.estimator.prompt_tokens(parsed, tenant=tenant.name)
         tenant = self.admission.check(parsed, tenant, prompt_tokens)
+        rendered = parsed.rendered
+        for hook in self.request_hooks:
+            parsed = await hook(parsed, tenant)
+        if parsed.rendered is not rendered:  # expanded (an explicit cached content): check again
+            prompt_tokens = self.estimator.prompt_tokens(parsed, tenant=tenant.name)
+            self.admission.check_size(parsed, tenant, prompt_tokens)
         candidates = self.replicas.serving(parsed.model)
         if not candidates:
             if not self.replicas.any_healthy():
                 raise NoReplica("no healthy engine replica is available")
-            raise ModelNotFound(parsed.model, self.replicas.models())
+            allowed = tenant.policy.models  # never name a model the tenant may not use
+            served = [m for m in self.replicas.models() if not allowed or m in allowed]
+            raise ModelNotFound(parsed.model, served)
         if only is not None:
             candidates = [c for c in candidates if c.id in only and c.healthy]
             if not candidates:
                 raise NoReplica("no endpoint of the data plane's subset can serve this request")
         charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
-        return candidates, tenant, charged
+        return candidates, tenant, parsed, charged
 
     # -- 2. route --------------------------------------------------------------------------
     async def _route(
@@ -222,7 +229,7 @@ class Director:
             "local" if lookup.degraded else "shared",
             max(lookup.overlap.values(), default=0),
         )
-        bytes_per_token = self.estimator.bytes_per_token(parsed.model)
+        bytes_per_token = self.estimator.bytes_per_token(parsed.model, tenant=tenant.name)
         route = RouteRequest(
             num_blocks=len(hashes),
             num_prompt_tokens=len(parsed.rendered) / bytes_per_token,
@@ -323,10 +330,12 @@ class Director:
                 if isinstance(outcome, Complete):
                     return Exchange(self.recorder, routed, lease.keep(), trace, body=outcome.body)
                 return Exchange(self.recorder, routed, lease.keep(), trace, stream=outcome)
+        # the client learns how many attempts failed, never which replica or what it said
+        # (each failure is logged above, with both)
         raise UpstreamError(
-            "every attempt at an engine failed: " + "; ".join(failures)
+            f"every attempt at an engine failed ({len(failures)} attempts); try again"
             if failures
-            else "no attempt was made"
+            else "no engine replica could be tried"
         )
 
 

@@ -2,9 +2,9 @@
 
 1. First token: the exchange's instant is set; the prompt's blocks are recorded on the replica
    that answered (the engine has written their KV); the observers run.
-2. Usage: parsed once (`EngineUsage`); the token estimate learns the model's bytes per token
-   from the engine's prompt count, the fleet its mean output per request; the observers run
-   (and may rewrite the wire object).
+2. Usage: parsed once (`EngineUsage`); the token estimate learns the tenant's bytes per token
+   for the model from the engine's prompt count, the fleet its mean output per request; the
+   observers run (and may rewrite the wire object).
 3. Finish: the observers run, then the request's trace ends.
 
 Observers run in the order given (`gateway.server.app`): rate-limit settlement,
@@ -54,8 +54,7 @@ class Recorder:
         if usage.completion_tokens is not None:  # the mean output a request without max_tokens
             exchange.lease.state.fleet.observe_output(usage.completion_tokens)  # is assumed
         if usage.prompt_tokens:
-            parsed = record.parsed
-            self.estimator.learn(parsed.model, len(parsed.rendered), usage.prompt_tokens)
+            self.estimator.learn(record.parsed, usage.prompt_tokens, tenant=record.tenant.name)
         for observer in self.observers:
             await observer.on_usage(record, usage)
         return usage

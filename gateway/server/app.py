@@ -5,7 +5,8 @@ the start-up failed).
 
 Start order: the upstream `aiohttp.ClientSession` (explicit timeouts and connection limits) →
 the shared directory (Redis) → billing → health probing → discovery → the tenants-file watcher →
-the gRPC server → the endpoint picker's ext-proc server (`mode: epp`).
+the gRPC server → the endpoint picker's ext-proc server (`mode: epp`) → the admin port
+(/metrics and the API documents, `gateway.server.admin`).
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ import aiohttp
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
-from starlette.responses import Response
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
-from gateway.api.asgi import MeteredASGI
+from gateway.api.asgi import MeteredASGI, on_unexpected
 from gateway.api.context import FrontEnd
 from gateway.api.epp.server import start_epp
 from gateway.api.grpc.service import start_grpc
@@ -48,6 +48,7 @@ from gateway.pipeline.reconcile import Reconciler
 from gateway.pipeline.record import Recorder
 from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
+from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
 from gateway.settings import Settings
 from gateway.tenancy.registry import TenantRegistry
@@ -179,7 +180,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         keys=RouteKeys(
             settings.block_bytes, settings.consistent_hash_blocks, settings.decode_token_weight
         ),
-        admission=Admission(tenants, limiter),
+        admission=Admission(tenants, limiter, settings.max_prompt_bytes),
         directory=directory,
         replicas=replicas,
         placement=placement,
@@ -210,6 +211,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         replicas=replicas,
         max_prompt_bytes=settings.max_prompt_bytes,
         debug_headers=settings.debug_headers,
+        max_body_bytes=settings.max_body_bytes,
+        body_read_timeout_s=settings.body_read_timeout_s,
     )
     return Parts(
         settings,
@@ -275,6 +278,10 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             epp_server = await start_epp(settings, parts.front)
             stack.push_async_callback(epp_server.stop)
             app.state.epp_port = epp_server.port
+        if settings.metrics_port is not None:
+            admin = AdminServer(lambda: render(parts.registry), lambda: app.openapi(), app.title)
+            stack.push_async_callback(admin.stop)
+            app.state.metrics_port = await admin.start(settings.host, settings.metrics_port)
         log.info(
             "kvgate: %d/%d replicas healthy, policy %s",
             sum(s.healthy for s in parts.replicas.states.values()),
@@ -299,6 +306,11 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         version="0.1.0",
         description="A multi-tenant, cache-aware routing gateway for LLM inference.",
         lifespan=lifespan,
+        exception_handlers={Exception: on_unexpected},
+        # the documents are served on the admin port (gateway.server.admin), not to tenants
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     routes, hot = build_router(parts.front)
     app.include_router(routes)
@@ -306,10 +318,6 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         from gateway.api.billing import build_billing_router
 
         app.include_router(build_billing_router(parts.billing, parts.front))
-
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(render(parts.registry), media_type="text/plain; version=0.0.4")
 
     app.state.parts = parts
     app.state.director = parts.director

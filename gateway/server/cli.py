@@ -13,6 +13,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8080)")
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="the admin port: /metrics and the API documents (default 9090; 0: any free port)",
+    )
+    parser.add_argument(
         "--engine", action="append", dest="engines", metavar="URL", help="an engine replica URL"
     )
     parser.add_argument("--policy", choices=sorted(POLICIES), help="routing policy")
@@ -74,7 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from gateway.server.app import create_app
-    from gateway.settings import load_settings
+    from gateway.settings import describe_errors, load_settings
     from gateway.tenancy.tenant_file import TenantFileError
 
     try:
@@ -82,6 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
             args.config,
             host=args.host,
             port=args.port,
+            metrics_port=args.metrics_port,
             engines=args.engines,
             policy=args.policy,
             tenants=args.tenants,
@@ -101,7 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
             otlp_endpoint=args.otlp_endpoint,
         )
     except ValidationError as exc:
-        print(f"kvgate serve: invalid settings:\n{exc}")
+        print(f"kvgate serve: invalid settings:\n{describe_errors(exc)}")
         return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -194,7 +194,7 @@ class Router:
     pid: int | None
     api_key: str | None
     metrics_url: str | None = None
-    """kvgate's own HTTP address (its /metrics), where the target is not kvgate."""
+    """kvgate's /metrics (its admin port)."""
     envoy_pid: int | None = None
 
 
@@ -231,7 +231,7 @@ def start_router(
         args = ["--policy", arm.policy, "--tenant", f"bench:{BENCH_KEY}", "--log-level", "warning"]
         if arm.kind == "kvgate":
             with processes.gateway(engine_urls, args, env=env) as gw:
-                yield Router((gw.url,), gw.pid, BENCH_KEY)
+                yield Router((gw.url,), gw.pid, BENCH_KEY, gw.metrics_url)
             return
         epp_port = processes.free_port()
         args += ["--mode", "epp", "--epp-port", str(epp_port)]
@@ -242,7 +242,7 @@ def start_router(
         )
         with processes.gateway(engine_urls, args, env=env) as gw, envoy(setup) as proxy:
             proxy.wait_picker(healthy=True)
-            yield Router((proxy.url,), gw.pid, BENCH_KEY, gw.url, proxy.pid)
+            yield Router((proxy.url,), gw.pid, BENCH_KEY, gw.metrics_url, proxy.pid)
         return
     port = processes.free_port()
     metrics_port = processes.free_port()
@@ -350,8 +350,11 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         envoy_cpu = None
         if router.envoy_pid:
             envoy_cpu = (processes.cpu_seconds(router.envoy_pid) - envoy_cpu0) / n * 1e3
-        metrics_url = router.metrics_url or router.targets[0]
-        decisions = routing_decisions(metrics_url) if arm.kind in ("kvgate", *EPP_KINDS) else {}
+        decisions = (
+            routing_decisions(router.metrics_url)
+            if arm.kind in ("kvgate", *EPP_KINDS) and router.metrics_url
+            else {}
+        )
         hop = None
         if len(router.targets) == 1:
             hop = idle_ttft_ms(router.targets[0], router.api_key) - idle_ttft_ms(
@@ -400,11 +403,12 @@ def idle_ttft_ms(url: str, api_key: str | None) -> float:
     return samples[len(samples) // 2] * 1e3 if samples else 0.0
 
 
-def routing_decisions(gateway_url: str) -> dict[str, int]:
-    """`kvgate_routing_decisions_total` by reason, from the gateway's /metrics."""
+def routing_decisions(metrics_url: str) -> dict[str, int]:
+    """`kvgate_routing_decisions_total` by reason, from the gateway's /metrics (its admin
+    port)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(gateway_url + "/metrics", timeout=10.0).text
+    text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
     out: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -160,7 +160,7 @@ def run_arm(args: argparse.Namespace, tree: Path | None) -> dict[str, Any]:
             n += 1
             redis.start()  # empty: no persistence
             if args.wait_back:
-                _wait_back(proc.url)
+                _wait_back(proc.metrics_url or proc.url)
             restarted = time.monotonic()
             for _ in range(min(args.rounds_after, MAX_ROUNDS)):
                 turns += asyncio.run(_round(proc.url, conversations, "after", n, args.concurrency))

@@ -17,7 +17,7 @@ from loadgen.text import words
 from router.filters import LoadBoundFilter
 from router.registry import RouterConfig, build_policy
 from router.types import Replica, RouteRequest
-from tests.conftest import MODEL, TENANT_KEY
+from tests.conftest import MODEL, TENANT_KEY, metrics_url
 from tests.servers import Served, wait_until
 
 
@@ -131,7 +131,7 @@ def test_another_gateways_queue_on_an_engine_steers_new_prefixes_away(
         snapshot = busy.snapshot()
         assert snapshot.own_num_waiting == 0 and snapshot.foreign_prefill_tokens > 0
         places = [_chat(gateway, words(f"new-{n}", 50)) for n in range(5)]
-        metrics = httpx.get(gateway.url + "/metrics").text
+        metrics = httpx.get(metrics_url(gateway) + "/metrics").text
         for f in futures:
             f.result()
     assert places == [engines[1].url] * 5

@@ -14,7 +14,7 @@ from gateway.pipeline.record import Recorder
 from loadgen.engine.timing import TimingModel
 from loadgen.text import words
 from tests.clients import director
-from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of
+from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, metrics_url
 from tests.servers import Served
 
 pytestmark = pytest.mark.e2e
@@ -160,7 +160,7 @@ def test_holds_and_overflow_are_exported(
     gateway = start_gateway(engines, engine_prefill_tokens_per_s=6_500)
     asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i)) for i in range(4)]))
     asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(5))]))  # matches the shared prefix
-    text = httpx.get(gateway.url + "/metrics").text
+    text = httpx.get(metrics_url(gateway) + "/metrics").text
     assert "kvgate_fanout_holds_total 3.0" in text
     assert 'kvgate_fanout_releases_total{reason="landed"} 3.0' in text
     assert "kvgate_fanout_hold_seconds_count 3.0" in text

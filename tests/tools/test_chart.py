@@ -77,6 +77,7 @@ def test_the_defaults_render_the_whole_deployment() -> None:
         ("RoleBinding", "kvgate-discovery"),
         ("Secret", "kvgate"),
         ("Service", "kvgate"),
+        ("Service", "kvgate-metrics"),
         ("Service", "kvgate-redis"),
         ("Service", "kvgate-redis-headless"),
         ("ServiceAccount", "kvgate"),
@@ -91,11 +92,18 @@ def test_the_defaults_render_the_whole_deployment() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert gateway["securityContext"]["readOnlyRootFilesystem"] is True
     assert gateway["securityContext"]["allowPrivilegeEscalation"] is False
-    assert {p["name"] for p in gateway["ports"]} == {"http", "grpc"}
+    assert {p["name"]: p["containerPort"] for p in gateway["ports"]} == {
+        "http": 8080,
+        "grpc": 50051,
+        "metrics": 9090,
+    }
+    # the tenants' Service carries the APIs only; /metrics has a headless Service of its own
     assert {p["name"] for p in one(objects, "Service", "kvgate")["spec"]["ports"]} == {
         "http",
         "grpc",
     }
+    metrics = one(objects, "Service", "kvgate-metrics")["spec"]
+    assert metrics["clusterIP"] == "None" and [p["name"] for p in metrics["ports"]] == ["metrics"]
     # an HPA owns the replica count (at least 2); a PDB keeps one up
     assert "replicas" not in deployment["spec"]
     assert one(objects, "HorizontalPodAutoscaler")["spec"]["minReplicas"] >= 2
@@ -130,6 +138,7 @@ def test_the_gateway_accepts_what_the_chart_renders(tmp_path: Path) -> None:
         assert settings.tenants_file == Path("/etc/kvgate/secret/tenants.yaml")
         ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
         assert settings.port == ports["http"] and settings.grpc_port == ports.get("grpc")
+        assert settings.metrics_port == ports["metrics"] != settings.port
         if values is EXTERNAL_VALUES:
             assert settings.redis_cluster is True and settings.discovery == "static"
             assert not [o for o in objects if o["kind"] == "Secret"]  # existingSecret only
@@ -173,19 +182,23 @@ def test_discovery_rbac_reads_endpointslices_where_the_engines_are() -> None:
     )
 
 
-def test_the_service_monitor_scrapes_the_gateways_metrics() -> None:
+def test_the_service_monitor_scrapes_the_metrics_port_never_the_tenants_service() -> None:
     """kubernetes-validate knows no CRDs: the ServiceMonitor's fields, checked here."""
     objects = chart.template(chart.EVERYTHING_VALUES)
     monitor = one(objects, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    service = one(objects, "Service", "kvgate")
-    labels = service["metadata"]["labels"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    service = one(objects, "Service", "kvgate-metrics")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    tenants = one(objects, "Service", "kvgate")  # the ServiceMonitor does not select it
+    assert not selector.items() <= tenants["metadata"]["labels"].items()
+    assert "metrics" not in {p["name"] for p in tenants["spec"]["ports"]}
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["inference"]}
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics"
-    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["port"] == "metrics"
+    assert [p["port"] for p in service["spec"]["ports"]] == [9100]  # everything-values' port
     assert endpoint["interval"] == "10s" and endpoint["scrapeTimeout"] == "5s"
     assert chart.is_custom_resource(monitor)
     assert not [o for o in chart.template() if o["kind"] == "ServiceMonitor"]  # off by default
@@ -295,3 +308,13 @@ def test_the_inference_pool_schema_catches_what_a_v1_pool_may_not_be() -> None:
         "spec": {**pool["spec"], "endpointPickerRef": {"name": "x", "failureMode": "Maybe"}},
     }
     assert any("Maybe" in p for p in chart.validate_inference_pools([wrong_mode]))
+
+
+def test_metrics_port_null_serves_no_metrics(tmp_path: Path) -> None:
+    objects = chart.template(None, "--set", "metricsPort=null")
+    assert not [o for o in objects if o["metadata"]["name"] == "kvgate-metrics"]
+    (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "metrics" not in {p["name"] for p in gateway["ports"]}
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    assert load_settings(config).metrics_port is None

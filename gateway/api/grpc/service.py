@@ -26,16 +26,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.api.context import FrontEnd
-from gateway.api.errors import to_grpc
+from gateway.api.errors import report_internal, to_grpc
 from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.api.grpc.convert import to_parsed, usage_message
 from gateway.api.responses import debug_headers
+from gateway.api.usage import cache_usage
 from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
 from gateway.observability.metrics import RequestMetrics
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.forwarder import Passthrough
-from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
 from gateway.request.trace import trace_context
@@ -49,9 +49,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 GRPC_SHUTDOWN_GRACE_S = 5.0
 """At shutdown, RPCs in flight get 5 s to finish before they are cancelled (an agent's step
 streams for seconds; a longer grace only delays a rolling restart)."""
-GRPC_MESSAGE_HEADROOM_BYTES = 64 * 1024
-"""A request's proto may exceed its rendered prompt by field tags and JSON whitespace; beyond
-`max_prompt_bytes` + this, gRPC itself refuses it with RESOURCE_EXHAUSTED before parsing."""
 
 
 async def _abort(context: Any, err: GatewayError) -> NoReturn:
@@ -61,8 +58,9 @@ async def _abort(context: Any, err: GatewayError) -> NoReturn:
 
 
 def _status_name(exc: BaseException, context: Any) -> str:
-    """The status a failed RPC ends with: what the handler aborted with, CANCELLED when the
-    client left (or its deadline passed), else UNKNOWN (grpc's answer to an exception)."""
+    """The status a failed RPC ends with: what the handler aborted with (INTERNAL for the last
+    resort), CANCELLED when the client left (or its deadline passed); UNKNOWN only if some
+    exception escaped the last resort."""
     if isinstance(exc, grpc.aio.AbortError):
         code = context.code()
         return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
@@ -80,11 +78,10 @@ def _chunk_error(chunk: Mapping[str, Any]) -> UpstreamError | None:
 
 
 def _usage(parsed: ParsedRequest, engine: Mapping[str, Any] | None) -> pb.Usage:
+    """The usage as every front end reports it: the bill's with billing on (what the WAL
+    records, with its cost and record id), else the provisional split (`cache_usage`)."""
     engine = engine or {}
-    split = provisional_cache_usage(
-        engine, parsed.breakpoints, len(parsed.rendered), prewarm=parsed.prewarm
-    )
-    return usage_message(split, engine)
+    return usage_message(cache_usage(parsed, engine), engine)
 
 
 class GatewayService:
@@ -124,7 +121,12 @@ class GatewayService:
         started = time.perf_counter()
         code = "OK"
         try:
-            return await self._generate(request, context)
+            try:
+                return await self._generate(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # the last resort: logged, INTERNAL with the request id
+                await _abort(context, report_internal(exc, "gRPC Generate"))
         except BaseException as exc:
             code = _status_name(exc, context)
             raise
@@ -137,8 +139,13 @@ class GatewayService:
         started = time.perf_counter()
         code = "OK"
         try:
-            async for message in self._generate_stream(request, context):
-                yield message
+            try:
+                async for message in self._generate_stream(request, context):
+                    yield message
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # the last resort: logged, INTERNAL with the request id
+                await _abort(context, report_internal(exc, "gRPC GenerateStream"))
         except BaseException as exc:
             code = _status_name(exc, context)
             raise
@@ -261,10 +268,7 @@ async def start_grpc(
     assert settings.grpc_port is not None
     server = grpc.aio.server(
         options=[
-            (
-                "grpc.max_receive_message_length",
-                settings.max_prompt_bytes + GRPC_MESSAGE_HEADROOM_BYTES,
-            ),
+            ("grpc.max_receive_message_length", settings.max_body_bytes),
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails, not shares it
         ]
     )

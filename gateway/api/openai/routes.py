@@ -93,7 +93,7 @@ def build_router(front: FrontEnd) -> tuple[APIRouter, dict[str, Handler]]:
     async def chat_completions(request: Request) -> Response:
         try:
             tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
-            parsed = parse_chat(await request.body(), max_prompt_bytes)
+            parsed = parse_chat(await front.read(request), max_prompt_bytes)
             return await handle(front, parsed, tenant, trace_context(request.headers))
         except GatewayError as err:
             return to_http(err)
@@ -106,7 +106,7 @@ def build_router(front: FrontEnd) -> tuple[APIRouter, dict[str, Handler]]:
     async def completions(request: Request) -> Response:
         try:
             tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
-            parsed = parse_completion(await request.body(), max_prompt_bytes)
+            parsed = parse_completion(await front.read(request), max_prompt_bytes)
             return await handle(front, parsed, tenant, trace_context(request.headers))
         except GatewayError as err:
             return to_http(err)

@@ -1,7 +1,8 @@
 """The tenant-visible cache ledger: one profile's rules applied to a stream of requests.
 
 `CacheLedger` is pure (no I/O, no clock of its own): `kvgate billing simulate` feeds it events
-from a file, the live meter feeds it exchanges. It keeps, per scope (tenant, model), the
+from a file, the live meter feeds it exchanges. It keeps, per scope (isolation scope, model:
+the tenant, or one end user of a `user`-scoped tenant, see `MeteredRequest.scope`), the
 entries the contract says exist — whatever the replicas physically hold — and the explicit
 cached-content objects with their rent.
 
@@ -53,8 +54,8 @@ sweep only what was dead an hour before the latest start."""
 class CacheLedger:
     """The contract's cache state for one billing profile.
 
-    Invariants: entries live in the scope (tenant, model) that wrote them and are never read
-    from another; a request's plan is computed against the entries as of its start; explicit
+    Invariants: entries live in the scope (isolation scope, model) that wrote them and are never
+    read from another; a request's plan is computed against the entries as of its start; explicit
     objects belong to one tenant and bill creation, then rent until min(expiry, deletion).
     """
 
@@ -82,7 +83,7 @@ class CacheLedger:
         """Look the request up and update the entries (writes, refreshes). Raises BillingError
         for what the profile refuses (too many breakpoints, TTL order, unknown object)."""
         row = self.row(req.model)
-        entries = self.scopes.setdefault((req.tenant, req.model), {})
+        entries = self.scopes.setdefault((req.scope_key, req.model), {})
         options = self.options
         profile = self.profile
         if profile == "anthropic":
@@ -218,9 +219,13 @@ class CacheLedger:
         rent = self.row(obj.model).rent_between(obj.num_tokens, obj.created, obj.expires)
         return self._charge(obj.model, obj.created, obj.num_tokens, obj.num_tokens, 0, {}, 0, rent)
 
-    def content(self, tenant: str, object_id: str, t: Decimal) -> CachedContent:
+    def content(
+        self, tenant: str, object_id: str, t: Decimal, scope: str | None = None
+    ) -> CachedContent:
+        """A live object of `tenant`; with `scope`, only one that scope made (a prompt may read
+        only its own scope's objects; the tenant manages all of its own)."""
         obj = self.objects.get(object_id)
-        if obj is None or obj.tenant != tenant:
+        if obj is None or obj.tenant != tenant or (scope is not None and obj.scope_key != scope):
             raise BillingError(f"no cached content {object_id!r} for this tenant")
         if not obj.live(t):
             raise BillingError(f"cached content {object_id!r} has expired or was deleted")

@@ -42,6 +42,11 @@ app.kubernetes.io/component: gateway
 app.kubernetes.io/component: gateway
 {{- end -}}
 
+{{/* What only the metrics Service carries: the ServiceMonitor selects it by this. */}}
+{{- define "kvgate.metricsLabel" -}}
+kvgate.io/port: metrics
+{{- end -}}
+
 {{- define "kvgate.redisSelector" -}}
 {{ include "kvgate.selectorLabels" . }}
 app.kubernetes.io/component: redis
@@ -102,6 +107,11 @@ app.kubernetes.io/component: redis
 {{- $_ := set $settings "port" (int .Values.service.httpPort) -}}
 {{- if .Values.service.grpcPort -}}
 {{- $_ := set $settings "grpc_port" (int .Values.service.grpcPort) -}}
+{{- end -}}
+{{- if .Values.metricsPort -}}
+{{- $_ := set $settings "metrics_port" (int .Values.metricsPort) -}}
+{{- else -}}
+{{- $_ := set $settings "metrics_port" nil -}}
 {{- end -}}
 {{- $_ := set $settings "server_secret_file" "/etc/kvgate/secret/server-secret" -}}
 {{- $_ := set $settings "tenants_file" "/etc/kvgate/secret/tenants.yaml" -}}
