@@ -87,13 +87,15 @@ def start_gateway(
     module path of `python -m`)."""
     url = f"http://127.0.0.1:{port}"
     metrics_port = free_port()  # never the default 9090: several gateways run side by side
-    args = ["serve", "--port", str(port), "--metrics-port", str(metrics_port)]
+    args = ["serve", "--port", str(port)]
     args += [a for e in engines for a in ("--engine", e)]
+    # the admin port by environment, not by flag: an older checkout (`cwd`) that has no such
+    # setting ignores the variable instead of refusing the flag
     popen = subprocess.Popen(
         _kvgate(*args, *gateway_args),
         stdout=subprocess.DEVNULL if quiet else None,
         stderr=subprocess.DEVNULL if quiet else None,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "KVGATE_METRICS_PORT": str(metrics_port), **(env or {})},
         cwd=cwd,
     )
     return Proc(f"gateway:{port}", url, popen, f"http://127.0.0.1:{metrics_port}")

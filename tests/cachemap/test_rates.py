@@ -33,7 +33,11 @@ def test_the_hottest_among_20k_prefixes_from_a_bounded_set_of_candidates() -> No
     assert rates.num_candidates <= HOT_CANDIDATES
     top = rates.hottest(5)
     assert [prefix for prefix, _ in top] == hot
-    assert [round(r.rate_per_min) for _, r in top] == [3000, 2400, 1800, 1200, 600]
+    # each hot prefix is young (first seen 4 s ago, within the two windows): its rate is
+    # measured over the span observed, (requests - 1) per 4 s: hot-0's 500 requests are 7,485/min
+    assert [round(r.rate_per_min) for _, r in top] == [
+        round((100 * (5 - i) - 1) * 60 / 4.0) for i in range(5)
+    ]
 
 
 def test_a_candidate_that_cooled_makes_room_for_the_next_riser() -> None:
@@ -44,9 +48,11 @@ def test_a_candidate_that_cooled_makes_room_for_the_next_riser() -> None:
             rates.observe(key(f"burst-{i}"))
     clock.now += 25  # two windows later all of them are cold
     for _ in range(3):
-        rates.observe(key("riser"))  # 18/min: below every stale candidate's last rate
+        rates.observe(key("riser"))  # 120/min young (2 per the 1-s minimum span): below every
+        # stale candidate's last rate (59 per second: 3,540/min)
     assert key("riser") not in [p for p, _ in rates.hottest(HOT_CANDIDATES)]
     # that scrape re-rated the candidates (0/min now): the riser's next request joins them
     rates.observe(key("riser"))
     top = rates.hottest(1)
-    assert top[0][0] == key("riser") and round(top[0][1].rate_per_min) == 24
+    # young: 3 requests after its first, over the 1-s minimum span
+    assert top[0][0] == key("riser") and round(top[0][1].rate_per_min) == 3 * 60

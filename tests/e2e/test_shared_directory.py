@@ -21,9 +21,14 @@ from tests.servers import Served, serve, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
-SHARED = {"redis_deadline_s": 0.5, "server_secret": "one-secret-for-the-fleet"}
-"""A generous deadline: on a busy 2-core machine a 5 ms budget could silently turn a sharing
-test into a local one. The tests also assert zero fallbacks."""
+SHARED = {
+    "redis_deadline_s": 0.5,
+    "redis_write_deadline_s": 5.0,
+    "server_secret": "one-secret-for-the-fleet",
+}
+"""Generous deadlines: on a busy 2-core machine a 5 ms budget could silently turn a sharing
+test into a local one, and a record that misses its write deadline is dropped (by design), so
+the next turn at the other gateway would find nothing. The tests also assert zero fallbacks."""
 
 
 def ask(gateway: Served, messages: list[dict[str, Any]]) -> tuple[Any, str, int]:
