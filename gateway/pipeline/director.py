@@ -6,7 +6,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -28,7 +28,7 @@ from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
 from gateway.request.trace import NoTracer, RequestTrace, Tracer
 from router.profile import RoutingProfile
-from router.types import RouteRequest
+from router.types import Replica, RouteRequest
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,11 @@ class Director:
             sequence=next(self._sequence),
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
-        snapshot = [c.snapshot() for c in candidates]
+
+        def snapshot() -> list[Replica]:
+            # the replicas serving the model now (a hold may outlast a replica: a rollout)
+            return [c.snapshot() for c in candidates if c.id in self.replicas.states]
+
         placed = await self.placement.place(policy, route, snapshot, hashes, lookup, self.rng)
         if placed is None:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
@@ -228,16 +232,20 @@ class Director:
         return orjson.dumps(body)
 
     async def _forward(self, routed: Routed, trace: RequestTrace) -> Exchange | Passthrough:
-        """Walk the ranking until an attempt commits; a retryable failure moves on (a
-        connection failure also marks the replica down)."""
+        """Walk the replicas (`_order`) until an attempt commits; a retryable failure moves on
+        (a connection failure also marks the replica down)."""
         parsed = routed.parsed
         payload = self._upstream_payload(routed)
         path = _PATHS[parsed.kind]
         failures: list[str] = []
-        for attempt, replica_id in enumerate(routed.decision.ranking[: self.max_attempts]):
-            state = self.replicas.get(replica_id)
+        tried: list[str] = []
+        for state in self._order(routed, tried):
+            if len(tried) >= self.max_attempts:
+                break
+            replica_id = state.id
+            tried.append(replica_id)
             uncached = routed.route.uncached_tokens(replica_id)
-            upstream = trace.attempt(replica_id, attempt + 1, uncached)
+            upstream = trace.attempt(replica_id, len(tried), uncached)
             with state.lease(uncached) as lease:
                 try:
                     outcome = await self.forwarder.attempt(
@@ -249,7 +257,7 @@ class Director:
                     if exc.connection:
                         self.replicas.mark_down(replica_id, str(exc))
                     self.stats.retries += 1
-                    log.warning("attempt %d at %s failed: %s", attempt + 1, replica_id, exc)
+                    log.warning("attempt %d at %s failed: %s", len(tried), replica_id, exc)
                     continue
                 except BaseException as exc:
                     upstream.failed(exc)
@@ -260,8 +268,37 @@ class Director:
                 if isinstance(outcome, Complete):
                     return Exchange(self.recorder, routed, lease.keep(), trace, body=outcome.body)
                 return Exchange(self.recorder, routed, lease.keep(), trace, stream=outcome)
-        raise UpstreamError(
-            "every attempt at an engine failed: " + "; ".join(failures)
-            if failures
-            else "no attempt was made"
-        )
+        if not tried:
+            raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
+        raise UpstreamError("every attempt at an engine failed: " + "; ".join(failures))
+
+    def _order(self, routed: Routed, tried: Sequence[str]) -> Iterator[ReplicaState]:
+        """The replicas to try, read as each attempt starts (an attempt awaits, and routing may
+        have waited seconds behind a fan-out leader): the ranking, skipping replicas tried or
+        removed since (a rollout must cost no request) and trying those marked down last; then,
+        when the ranking runs out, the replicas that joined since, ranked by the same policy."""
+        ranking = routed.decision.ranking
+        down: list[str] = []
+        for replica_id in ranking:
+            state = self.replicas.states.get(replica_id)
+            if state is None or replica_id in tried:
+                continue
+            if not state.healthy:
+                down.append(replica_id)
+                continue
+            yield state
+        joined = [
+            s
+            for s in self.replicas.serving(routed.parsed.model)
+            if s.healthy and s.id not in ranking
+        ]
+        if joined:
+            decision = self.policy.decide(routed.route, [s.snapshot() for s in joined], self.rng)
+            for replica_id in decision.ranking if decision is not None else ():
+                state = self.replicas.states.get(replica_id)
+                if state is not None and replica_id not in tried:
+                    yield state
+        for replica_id in down:
+            state = self.replicas.states.get(replica_id)
+            if state is not None and replica_id not in tried:
+                yield state
