@@ -41,9 +41,14 @@ DEFAULT_UNHEALTHY_AFTER = 2
 """Consecutive failed probes before a replica is marked down (one lost packet is not a death)."""
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
 """A replica that cannot accept a TCP connection in 2 s is down; retry the next one."""
-DEFAULT_FIRST_BYTE_TIMEOUT_S = 600.0
-"""Time to the response headers and between streamed bytes: a 128k-token prefill behind a queue
-can take minutes on a busy engine."""
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 120.0
+"""From sending a request to the engine's first token (its queue and prefill): a 128k-token
+prefill at 13k tokens/s takes ~10 s, so 120 s leaves room for ~10 of them queued ahead. Past it
+the engine is hung or hopelessly behind, and the attempt moves to the next replica."""
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
+"""Silence allowed between an engine's streamed chunks: a decode step takes 10–100 ms and a
+preempted request waits out its recompute (a prefill, seconds); 30 s of nothing is a stalled
+engine, and the client gets a clean error instead of a stream that never ends."""
 DEFAULT_MAX_ATTEMPTS = 3
 """An upstream failure before the first byte is retried on the next-best replica, twice."""
 DEFAULT_MAX_PROMPT_BYTES = 4 * 1024 * 1024
@@ -121,6 +126,10 @@ class Settings(BaseSettings):
     unhealthy_after: int = DEFAULT_UNHEALTHY_AFTER
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    """Bounds an attempt up to the engine's first token (the answer's end, for the few requests
+    an engine cannot stream); past it the next replica is tried."""
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
+    """Bounds each silence of an engine's stream after its first token."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
@@ -328,7 +337,12 @@ class Settings(BaseSettings):
         return value
 
     @field_validator(
-        "tenants_reload_interval_s", "rate_limit_timeout_s", "billing_ledger_deadline_s"
+        "tenants_reload_interval_s",
+        "rate_limit_timeout_s",
+        "billing_ledger_deadline_s",
+        "first_byte_timeout_s",
+        "stream_idle_timeout_s",
+        "connect_timeout_s",
     )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:

@@ -8,8 +8,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from starlette.responses import Response
 
+from gateway.api.errors import openai_error_body
 from gateway.pipeline.exchange import Exchange
 
 
@@ -69,7 +71,14 @@ class ExchangeSSE(Response):
 
 
 class OpenAISSE(ExchangeSSE):
-    """The engine's own SSE bytes, relayed a network read at a time."""
+    """The engine's own SSE bytes, relayed a network read at a time. A stream that ends early
+    ends as an engine's does on an error: an `error` object in a data event, then `[DONE]`
+    (the OpenAI SDKs raise an `APIError` with the message)."""
 
-    def events(self) -> AsyncIterator[bytes]:
-        return self.exchange.batches(self.exchange.parsed.include_usage)
+    async def events(self) -> AsyncIterator[bytes]:
+        exchange = self.exchange
+        async for batch in exchange.batches(exchange.parsed.include_usage):
+            yield batch
+        if exchange.failure is not None and not exchange.client_gone:
+            yield b"data: " + orjson.dumps(openai_error_body(exchange.failure)) + b"\n\n"
+            yield b"data: [DONE]\n\n"

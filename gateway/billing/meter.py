@@ -3,7 +3,8 @@
 1. Start (`prepare`, a director request hook, before routing): the tenant's profile
    (`profile_for`), an explicit cached-content object expanded into the prompt, the prompt's
    blocks and marks (`layout`), the marks validated (a 400 names the rule), billing-only fields
-   stripped from what the engine sees, and the start instant read from `clock`.
+   stripped from what the engine sees; the start instant is read from `clock` when routing
+   ends (`routed`: after any fan-out hold, so a held request starts at its release).
 2. First token (`on_first_token`): the request is admitted to the tenant-visible cache ledger
    (lookup, writes, refreshes), its entries visible from now. Token positions come from the
    engine's count when already known (non-streamed), else a tokenizer or bytes-per-token.
@@ -73,7 +74,7 @@ from gateway.billing.shared import SharedEntries, join, scope_id
 from gateway.billing.wal import WriteAheadLog
 from gateway.errors import InvalidRequest
 from gateway.request.parsed import CHAT, ParsedRequest
-from gateway.request.state import ExchangeRecord
+from gateway.request.state import ExchangeRecord, Routed
 from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
 from gateway.request.usage import EngineUsage
@@ -325,6 +326,14 @@ class BillingMeter:
                 pending.cached_content.object_id if pending and pending.cached_content else None
             ),
         )
+
+    def routed(self, routed: Routed) -> None:
+        """The director's routed hook: the request starts now, after routing and any fan-out
+        hold (the rules' clock runs from a request's start; a held request starts at its
+        release, when its leader's entry is already visible — docs/billing.md#held-requests)."""
+        pending = getattr(routed.parsed, "billing", None)
+        if isinstance(pending, Pending):
+            pending.start = max(pending.start, self.clock.now())
 
     # -- 2. first token ------------------------------------------------------------------------
     async def on_first_token(self, record: ExchangeRecord) -> None:

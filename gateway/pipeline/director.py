@@ -8,22 +8,29 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
 from cachemap.keys import affinity_key, chain_hashes, root_hash
 from gateway.directory.routing import RoutingDirectory
 from gateway.errors import ModelNotFound, NoReplica, UpstreamError
-from gateway.fleet.replicas import ReplicaSet, ReplicaState
+from gateway.fleet.replicas import Lease, ReplicaSet, ReplicaState
 from gateway.observability.histograms import LOOKUP_BUCKETS_S, LabelledHistograms
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.exchange import Exchange, ExchangeHooks
 from gateway.pipeline.flights import Flight
-from gateway.pipeline.forwarder import Complete, Forwarder, Passthrough, RetryableFailure
+from gateway.pipeline.forwarder import (
+    Complete,
+    Forwarder,
+    Passthrough,
+    RetryableFailure,
+    Streaming,
+)
 from gateway.pipeline.placement import Placement
 from gateway.request.cache_control import strip_marks
 from gateway.request.parsed import CHAT, COMPLETION, ParsedRequest
-from gateway.request.state import RequestHook, Routed
+from gateway.request.state import RequestHook, Routed, RoutedHook
 from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
 from gateway.request.trace import NoTracer, RequestTrace, Tracer
@@ -33,6 +40,16 @@ from router.types import Replica, RouteRequest
 log = logging.getLogger(__name__)
 
 _PATHS = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
+
+
+def engine_streams(body: dict[str, Any]) -> bool:
+    """Whether an engine can stream this request (vLLM refuses `prompt_logprobs`, and beam
+    search or `best_of` > 1 with `stream: true`): such a request is forwarded unstreamed, and
+    the first-byte timeout bounds its whole answer."""
+    if body.get("use_beam_search") or body.get("prompt_logprobs") is not None:
+        return False
+    best_of = body.get("best_of")
+    return not (isinstance(best_of, int) and best_of > 1)
 
 
 @dataclass
@@ -69,6 +86,7 @@ class Director:
         estimator: TokenEstimator,
         max_attempts: int,
         request_hooks: Sequence[RequestHook] = (),
+        routed_hooks: Sequence[RoutedHook] = (),
         tracer: Tracer | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -84,6 +102,7 @@ class Director:
         self.estimator = estimator
         self.max_attempts = max_attempts
         self.request_hooks = list(request_hooks)
+        self.routed_hooks = list(routed_hooks)
         self.tracer: Tracer = tracer or NoTracer()
         self.rng = rng or random.Random()
         self.stats = DirectorStats()
@@ -99,10 +118,11 @@ class Director:
         an engine's 4xx to pass through. `trace_headers`: the client's W3C trace context.
 
         1. Admit: the tenant's scope, model and size, then the fleet (404, 503), then the rate
-           limit; the request hooks (billing's start) see the scoped tenant.
+           limit; the request hooks (billing's checks) see the scoped tenant.
         2. Route: hash the canonical rendering in the tenant's scope, look up each replica's
            cached prefix, place it (fan-out holds, hot prefixes, the policy's ranking).
-        3. Forward: try the ranking in order until an attempt commits.
+        3. Forward: the routed hooks (billing's start: after any hold), then the ranking in
+           order until an attempt commits.
         4. Record: the exchange's hooks (`gateway.pipeline.record`): after the first token the
            prompt's blocks are on the replica that answered; the usage passes the observers.
         """
@@ -207,38 +227,78 @@ class Director:
         self, flight: Flight, routed: Routed, trace: RequestTrace
     ) -> Exchange | Passthrough:
         """Forward a fan-out leader: its siblings are released when its first byte is in (the
-        engine has prefilled, the KV is written) or it fails."""
+        engine has prefilled, the KV is written), whether or not its client streams, or when it
+        fails. Its first-token hook runs before the release, so what it wrote is visible (the
+        directory's record, the billing ledger's entry) to every sibling it releases."""
         flights = self.placement.flights
         assert flights is not None
         landed = False
         try:
             opened = await self._forward(routed, trace)
             if isinstance(opened, Exchange):
+                try:
+                    await opened.first_token()
+                except BaseException:
+                    opened.abort()
+                    await opened.finish()
+                    raise
                 landed = True
                 flight.replica = opened.record.replica  # a retry may have moved it
             return opened
         finally:
             flights.end(flight, ok=landed)
 
-    def _upstream_payload(self, routed: Routed) -> bytes:
+    def _upstream_payload(self, routed: Routed) -> tuple[bytes, bool]:
+        """What the engine is sent, and whether it is asked to stream: always, unless the
+        request uses what engines cannot stream (`engine_streams`)."""
         parsed = routed.parsed
         body = dict(parsed.body)
         if parsed.breakpoints or parsed.prewarm:  # a front end that keeps cache hints in the body
             body = strip_marks(body)
             body["max_tokens"] = max(body.get("max_tokens") or 1, 1)
         body["cache_salt"] = routed.tenant.cache_salt
-        if parsed.stream:
+        stream = parsed.stream or engine_streams(body)
+        if stream:
+            body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        return orjson.dumps(body)
+        return orjson.dumps(body), stream
 
     async def _forward(self, routed: Routed, trace: RequestTrace) -> Exchange | Passthrough:
-        """Walk the replicas (`_order`) until an attempt commits; a retryable failure moves on
-        (a connection failure also marks the replica down)."""
-        parsed = routed.parsed
-        payload = self._upstream_payload(routed)
-        path = _PATHS[parsed.kind]
-        failures: list[str] = []
+        """Commit an attempt (`_commit`); a client that does not stream may have its exchange
+        moved to the next replica later (`Exchange.complete`), within the same attempts. The
+        routed hooks run first: routing, and any hold, has ended."""
+        for hook in self.routed_hooks:
+            hook(routed)
+        payload, stream = self._upstream_payload(routed)
         tried: list[str] = []
+        failures: list[str] = []
+        committed = await self._commit(routed, trace, payload, stream, tried, failures)
+        if isinstance(committed, Passthrough):
+            return committed
+        lease, opened = committed
+        reforward = None
+        if not routed.parsed.stream:
+
+            async def reforward() -> tuple[Lease, Complete | Streaming]:
+                again = await self._commit(routed, trace, payload, stream, tried, failures)
+                if isinstance(again, Passthrough):  # an engine refusing what another took
+                    raise UpstreamError(f"an engine refused the retried request ({again.status})")
+                return again
+
+        return Exchange(self.recorder, routed, lease, trace, opened, reforward=reforward)
+
+    async def _commit(
+        self,
+        routed: Routed,
+        trace: RequestTrace,
+        payload: bytes,
+        stream: bool,
+        tried: list[str],
+        failures: list[str],
+    ) -> tuple[Lease, Complete | Streaming] | Passthrough:
+        """Walk the replicas (`_order`) until an attempt commits; a retryable failure moves on
+        (a connection failure also marks the replica down). At most `max_attempts` in all."""
+        path = _PATHS[routed.parsed.kind]
         for state in self._order(routed, tried):
             if len(tried) >= self.max_attempts:
                 break
@@ -249,7 +309,7 @@ class Director:
             with state.lease(uncached) as lease:
                 try:
                     outcome = await self.forwarder.attempt(
-                        state.url + path, payload, parsed.stream, upstream.headers()
+                        state.url + path, payload, stream, upstream.headers()
                     )
                 except RetryableFailure as exc:
                     upstream.failed(exc)
@@ -265,11 +325,9 @@ class Director:
                 if isinstance(outcome, Passthrough):
                     trace.passthrough(outcome.status)
                     return outcome
-                if isinstance(outcome, Complete):
-                    return Exchange(self.recorder, routed, lease.keep(), trace, body=outcome.body)
-                return Exchange(self.recorder, routed, lease.keep(), trace, stream=outcome)
+                return lease.keep(), outcome
         if not tried:
-            raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
+            raise NoReplica(f"no healthy replica serves model '{routed.parsed.model}'")
         raise UpstreamError("every attempt at an engine failed: " + "; ".join(failures))
 
     def _order(self, routed: Routed, tried: Sequence[str]) -> Iterator[ReplicaState]:

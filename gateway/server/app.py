@@ -182,11 +182,12 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         placement=placement,
         policy=build_policy(settings.policy, router_config),
         fallback_policy=build_fallback(settings.policy, router_config),
-        forwarder=Forwarder(),
+        forwarder=Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s),
         recorder=Recorder(directory, estimator, observers),
         estimator=estimator,
         max_attempts=settings.max_attempts,
         request_hooks=[billing.meter.prepare] if billing else [],
+        routed_hooks=[billing.meter.routed] if billing else [],
         tracer=tracing.tracer,
         rng=random.Random(settings.seed),
     )
@@ -232,9 +233,8 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
     settings = parts.settings
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(parts.tracing.shutdown)  # flushes the spans still batched
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s
-        )
+        # reads are bounded by the forwarder (first byte, then each silence of a stream)
+        timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s)
         connector = aiohttp.TCPConnector(
             limit=settings.upstream_max_connections, keepalive_timeout=30
         )

@@ -103,6 +103,12 @@ class EngineConfig:
     fail_first_bytes: int = 0
     """Test hook (SGLang's mock_worker has the same): this many generation requests fail with a
     500 before any byte, after their prefill time (an engine dying mid-prefill), writing no KV."""
+    hang_first_bytes: int = 0
+    """Test hook: this many generation requests are accepted and never answered — not a header,
+    not a byte — until the client leaves (a hung engine)."""
+    stall_after_tokens: int | None = None
+    """Test hook: every streamed answer stops sending after this many tokens, its connection
+    open, until the client leaves (an engine stalled mid-stream)."""
 
 
 class BadRequest(Exception):
@@ -125,6 +131,10 @@ class Engine:
         self.core = EngineCore(config.timing, PrefixCache(config.capacity_blocks))
         self.start_time = time.time()
         self.num_failures_left = config.fail_first_bytes
+        self.num_hangs_left = config.hang_first_bytes
+        self.stall_after_tokens = config.stall_after_tokens
+        self.num_stalled = 0
+        """Streams stalled right now (`stall_after_tokens`) whose client has not left."""
         self._waiters: dict[str, tuple[asyncio.Future[None], asyncio.Future[None]]] = {}
         self._wakeup: asyncio.Event | None = None
         self._driver: asyncio.Task[None] | None = None
@@ -468,6 +478,11 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
     failing = engine.num_failures_left > 0
     if failing:
         engine.num_failures_left -= 1
+    if engine.num_hangs_left > 0:  # hung: nothing is sent until the client gives up
+        engine.num_hangs_left -= 1
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        return Response(status_code=499)
 
     hashes = block_hashes(tokens, config.block_size, salt)
     max_cached = (len(tokens) - 1) // config.block_size * config.block_size
@@ -544,7 +559,14 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
             if chat:
                 yield _sse({**head, "choices": [choice("", None, delta=True)]})
             sent = 0
+            stall_at = engine.stall_after_tokens
             while sent < max_tokens:
+                if stall_at is not None and sent >= stall_at:
+                    engine.num_stalled += 1
+                    try:
+                        await asyncio.Event().wait()  # stalled: until the client leaves
+                    finally:
+                        engine.num_stalled -= 1
                 due = job.first_token_s + sent * step
                 wait = due - loop.time()
                 if wait > 0:
@@ -552,6 +574,8 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
                 now = loop.time()
                 upto = max_tokens if step == 0 else int((now - job.first_token_s) / step) + 1
                 upto = min(max(upto, sent + 1), max_tokens)
+                if stall_at is not None and sent < stall_at:
+                    upto = min(upto, stall_at)
                 text = "".join(pieces[sent:upto])
                 sent = upto
                 yield _sse({**head, "choices": [choice(text, None, delta=True)]})

@@ -36,7 +36,7 @@ from gateway.api.anthropic.schemas import openapi_operation
 from gateway.api.context import FrontEnd
 from gateway.api.errors import anthropic_error_body, to_anthropic_http
 from gateway.api.responses import ExchangeSSE, debug_headers
-from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
+from gateway.errors import EngineRejected, GatewayError, TenantError
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest
@@ -288,16 +288,15 @@ class _AnthropicSSE(ExchangeSSE):
         exchange = self.exchange
         translator = StreamTranslator(exchange.parsed)
         async for chunk in exchange.chunks():
-            error = chunk.get("error")
-            if isinstance(error, Mapping) and "choices" not in chunk:
-                message = str(error.get("message", "the upstream stream broke"))
-                yield error_event(UpstreamError(message))
-                return
             events = b"".join(translator.chunk(chunk))
             if events:
                 yield events
-        if not exchange.client_gone:
-            yield b"".join(translator.finish())
+        if exchange.client_gone:
+            return
+        if exchange.failure is not None:  # Anthropic's mid-stream error: an `error` event, the end
+            yield error_event(exchange.failure)
+            return
+        yield b"".join(translator.finish())
 
 
 async def serve(
@@ -310,15 +309,14 @@ async def serve(
     opened = await front.pipeline.open(parsed, tenant, trace_headers)
     if isinstance(opened, Passthrough):
         raise EngineRejected(opened.status, opened.body)
-    headers = debug_headers(opened, front.debug_headers)
-    if opened.stream is None:
+    if not opened.parsed.stream:
         body = await opened.complete()
         return Response(
             orjson.dumps(message_body(parsed, body)),
             media_type="application/json",
-            headers=headers,
+            headers=debug_headers(opened, front.debug_headers),  # the replica that answered
         )
-    return _AnthropicSSE(opened, headers)
+    return _AnthropicSSE(opened, debug_headers(opened, front.debug_headers))
 
 
 def register(router: APIRouter, front: FrontEnd) -> Callable[[Request], Awaitable[Response]]:

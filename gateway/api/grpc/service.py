@@ -31,7 +31,7 @@ from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.api.grpc.convert import to_parsed, usage_message
 from gateway.api.responses import debug_headers
-from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
+from gateway.errors import EngineRejected, GatewayError, TenantError
 from gateway.observability.metrics import RequestMetrics
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.forwarder import Passthrough
@@ -69,14 +69,6 @@ def _status_name(exc: BaseException, context: Any) -> str:
     if isinstance(exc, asyncio.CancelledError):
         return "CANCELLED"
     return "UNKNOWN"
-
-
-def _chunk_error(chunk: Mapping[str, Any]) -> UpstreamError | None:
-    """The error event the exchange inserts when the engine's stream breaks."""
-    error = chunk.get("error")
-    if isinstance(error, Mapping) and "choices" not in chunk:
-        return UpstreamError(str(error.get("message", "the upstream stream broke")))
-    return None
 
 
 def _usage(parsed: ParsedRequest, engine: Mapping[str, Any] | None) -> pb.Usage:
@@ -160,8 +152,6 @@ class GatewayService:
         calls: dict[int, pb.ToolCall] = {}
         try:
             async for chunk in exchange.chunks():
-                if (error := _chunk_error(chunk)) is not None:
-                    await _abort(context, error)
                 response.id = response.id or str(chunk.get("id") or "")
                 for choice in chunk.get("choices") or ():
                     delta = choice.get("delta") or {}
@@ -180,6 +170,8 @@ class GatewayService:
             raise
         finally:
             await exchange.finish()
+        if exchange.failure is not None:  # the stream ended early: the RPC's status says why
+            await _abort(context, exchange.failure)
         if not parsed.prewarm:
             response.text = "".join(pieces)
             response.tool_calls.extend(calls[i] for i in sorted(calls))
@@ -198,8 +190,6 @@ class GatewayService:
         finish = ""
         try:
             async for chunk in exchange.chunks():
-                if (error := _chunk_error(chunk)) is not None:
-                    await _abort(context, error)
                 if not started:
                     started = True
                     start = pb.StreamStart(id=str(chunk.get("id") or ""), model=parsed.model)
@@ -225,6 +215,8 @@ class GatewayService:
             raise
         finally:
             await exchange.finish()
+        if exchange.failure is not None:  # the stream ended early: the RPC's status says why
+            await _abort(context, exchange.failure)
         end = pb.StreamEnd(finish_reason=finish, usage=_usage(parsed, exchange.usage))
         yield pb.GenerateStreamResponse(end=end)
 
