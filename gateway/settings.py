@@ -86,6 +86,13 @@ DEFAULT_BILLING_LOOKBACK_BLOCKS = 20
 """Anthropic walks back at most 20 blocks from a breakpoint [A]."""
 DEFAULT_BILLING_OPENAI_TTL_S = 1800.0
 """OpenAI 5.6 keeps entries ≥ 30 minutes after the latest use: simulated as exactly 30."""
+DEFAULT_BILLING_LEDGER_MAX_ENTRIES = 200_000
+"""Cache entries a gateway keeps per billing profile (~0.37 KB each: ~75 MB), an hour of 55
+requests/s that each write one; the pass that enforces it takes ~0.1 s on the event loop at
+this size. Past it the soonest-expiring go first (docs/billing.md#decisions)."""
+DEFAULT_BILLING_WAL_DEADLINE_S = 5.0
+"""An fdatasync takes milliseconds on a healthy volume; 5 s is a disk that stopped: the request
+fails (503) instead of hanging on it."""
 # -- Kubernetes, engine load signals, observability (issue 9; docs/operations.md) --------------
 DEFAULT_METRICS_INTERVAL_S = 1.0
 """Read each replica's /metrics once a second: its queue is what other gateways have sent in the
@@ -270,6 +277,10 @@ class Settings(BaseSettings):
     billing_openai_ttl_s: float = DEFAULT_BILLING_OPENAI_TTL_S
     billing_deepseek_unit: str = "64"
     billing_deepseek_holidays: list[dt.date] = Field(default_factory=list)
+    billing_ledger_max_entries: int = DEFAULT_BILLING_LEDGER_MAX_ENTRIES
+    """Bounds the tenant-visible cache entries kept in memory (per billing profile)."""
+    billing_wal_deadline_s: float = DEFAULT_BILLING_WAL_DEADLINE_S
+    """How long a request waits for its billing record to be durable before it fails (503)."""
     billing_gateway_id: str | None = None
     """This gateway's name in ledger records (default host:pid)."""
     admin_keys: list[str] = Field(default_factory=list)
@@ -340,6 +351,7 @@ class Settings(BaseSettings):
         "tenants_reload_interval_s",
         "rate_limit_timeout_s",
         "billing_ledger_deadline_s",
+        "billing_wal_deadline_s",
         "first_byte_timeout_s",
         "stream_idle_timeout_s",
         "connect_timeout_s",
@@ -350,7 +362,13 @@ class Settings(BaseSettings):
             raise ValueError("must be a positive number of seconds")
         return value
 
-    @field_validator("block_bytes", "directory_capacity_blocks", "max_attempts", "unhealthy_after")
+    @field_validator(
+        "block_bytes",
+        "directory_capacity_blocks",
+        "max_attempts",
+        "unhealthy_after",
+        "billing_ledger_max_entries",
+    )
     @classmethod
     def _positive(cls, value: int) -> int:
         if value <= 0:

@@ -168,7 +168,9 @@ class BillingMeter:
     def ledger(self, profile: str) -> CacheLedger:
         found = self.ledgers.get(profile)
         if found is None:
-            found = self.ledgers[profile] = CacheLedger(profile, self.prices, self.options)
+            found = self.ledgers[profile] = CacheLedger(
+                profile, self.prices, self.options, self.settings.billing_ledger_max_entries
+            )
         return found
 
     def price_model(self, profile: str, model: str) -> str | None:

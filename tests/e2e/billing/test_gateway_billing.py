@@ -346,3 +346,32 @@ def test_held_fan_out_siblings_read_what_their_leader_wrote(
     assert writes == [0, 0, 0, n] and reads == [0, n, n, n]
     iet = sum(Decimal(r["iet"]) for r in read_directory(tmp_path / "wal"))
     assert iet == Decimal("1.25") * n + 3 * Decimal("0.1") * n  # 15,500 at N = 10,000
+
+
+def test_the_live_ledger_keeps_to_its_configured_bound(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    tmp_path: Path,
+) -> None:
+    """billing_ledger_max_entries bounds what the meter keeps (issue 14, item 24): distinct
+    prompts past the bound drop the soonest-expiring entries; the latest stay readable."""
+    gateway, clock = billed_gateway(
+        start_engines, start_gateway, tmp_path, billing_ledger_max_entries=16
+    )
+    c = client(gateway)
+    for i in range(48):
+        clock.advance(1)
+        c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": words(f"bound-{i}", 1200)}],
+            max_tokens=2,
+        )  # fmt: skip
+    ledger = gateway.app.state.billing.meter.ledgers["openai"]
+    assert ledger.num_entries() <= 17 and ledger.num_evicted > 0
+    clock.advance(1)
+    again = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": words("bound-47", 1200)}],
+        max_tokens=2,
+    )  # fmt: skip
+    assert again.usage is not None
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+    c.close()
