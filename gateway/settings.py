@@ -49,6 +49,9 @@ DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
 """Silence allowed between an engine's streamed chunks: a decode step takes 10–100 ms and a
 preempted request waits out its recompute (a prefill, seconds); 30 s of nothing is a stalled
 engine, and the client gets a clean error instead of a stream that never ends."""
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+"""After SIGTERM, requests in flight get 30 s to finish (an agent's step streams for seconds to
+tens of seconds); the chart derives it from terminationGracePeriodSeconds."""
 DEFAULT_MAX_ATTEMPTS = 3
 """An upstream failure before the first byte is retried on the next-best replica, twice."""
 DEFAULT_MAX_PROMPT_BYTES = 4 * 1024 * 1024
@@ -137,6 +140,9 @@ class Settings(BaseSettings):
     an engine cannot stream); past it the next replica is tried."""
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
     """Bounds each silence of an engine's stream after its first token."""
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    """SIGTERM drains: no new connection or RPC is taken, those in flight get this long to
+    finish, then are cut (and billed as aborted); billing and the directory are flushed."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
@@ -355,6 +361,7 @@ class Settings(BaseSettings):
         "first_byte_timeout_s",
         "stream_idle_timeout_s",
         "connect_timeout_s",
+        "shutdown_grace_s",
     )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:

@@ -12,7 +12,18 @@ import orjson
 from starlette.responses import Response
 
 from gateway.api.errors import openai_error_body
+from gateway.errors import GatewayError
 from gateway.pipeline.exchange import Exchange
+
+
+class ShuttingDown(GatewayError):
+    """503 mid-stream: the gateway's drain grace ran out before the stream did."""
+
+    status = 503
+    type = "service_unavailable_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="shutting_down")
 
 
 def debug_headers(exchange: Exchange, enabled: bool) -> dict[str, str]:
@@ -50,6 +61,10 @@ class ExchangeSSE(Response):
     def events(self) -> AsyncIterator[bytes]:
         raise NotImplementedError
 
+    def error_event(self, err: GatewayError) -> bytes:
+        """A mid-stream error in the API's shape (the stream ends after it)."""
+        raise NotImplementedError
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         exchange = self.exchange
 
@@ -63,6 +78,12 @@ class ExchangeSSE(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in self.events():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except asyncio.CancelledError:  # the drain's grace ran out: say so, then end
+            exchange.abort()
+            with contextlib.suppress(Exception):
+                cut = self.error_event(ShuttingDown("the gateway is shutting down; retry"))
+                await send({"type": "http.response.body", "body": cut, "more_body": True})
+            raise
         finally:
             watcher.cancel()
             with contextlib.suppress(Exception):  # the client may be gone already
@@ -80,5 +101,7 @@ class OpenAISSE(ExchangeSSE):
         async for batch in exchange.batches(exchange.parsed.include_usage):
             yield batch
         if exchange.failure is not None and not exchange.client_gone:
-            yield b"data: " + orjson.dumps(openai_error_body(exchange.failure)) + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            yield self.error_event(exchange.failure)
+
+    def error_event(self, err: GatewayError) -> bytes:
+        return b"data: " + orjson.dumps(openai_error_body(err)) + b"\n\ndata: [DONE]\n\n"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,40 @@ class DirectorStats:
     """Directory lookups as the request path waits for them, by source (shared | local)."""
 
 
+class Activity:
+    """The requests inside the pipeline, from `Director.open` until their exchange finishes:
+    what a drain waits for before billing and the directory are flushed and closed."""
+
+    def __init__(self) -> None:
+        self.num_active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def begin(self) -> Callable[[], None]:
+        """Count one request; the returned function ends it (once, however often called)."""
+        self.num_active += 1
+        self._idle.clear()
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self.num_active -= 1
+                if not self.num_active:
+                    self._idle.set()
+
+        return end
+
+    async def idle(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until no request is inside; True when none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
 @dataclass(frozen=True)
 class RouteKeys:
     """How a request's rendering becomes the directory's keys and the router's units."""
@@ -106,6 +141,7 @@ class Director:
         self.tracer: Tracer = tracer or NoTracer()
         self.rng = rng or random.Random()
         self.stats = DirectorStats()
+        self.activity = Activity()
         self._sequence = itertools.count()
 
     async def open(
@@ -128,17 +164,25 @@ class Director:
         """
         opened_s = time.monotonic()
         trace = self.tracer.begin(parsed, tenant, trace_headers)
+        ended = self.activity.begin()
         try:
             candidates, tenant, charged = await self._admit(parsed, tenant)
             for hook in self.request_hooks:
                 parsed = await hook(parsed, tenant)
             routed, flight = await self._route(parsed, tenant, candidates, trace, opened_s, charged)
             if flight is None:
-                return await self._forward(routed, trace)
-            return await self._lead(flight, routed, trace)
+                opened = await self._forward(routed, trace)
+            else:
+                opened = await self._lead(flight, routed, trace)
         except BaseException as exc:
+            ended()
             trace.failed(exc)
             raise
+        if isinstance(opened, Exchange):
+            opened.on_closed = ended
+        else:
+            ended()
+        return opened
 
     # -- 1. admit --------------------------------------------------------------------------
     async def _admit(

@@ -85,6 +85,8 @@ class Exchange:
         self.closed = False
         self._reforward = reforward
         self._first_token_done = False
+        self.on_closed: Callable[[], None] | None = None
+        """Called once the exchange has finished (the director's count of active requests)."""
 
     @property
     def routed(self) -> Routed:
@@ -299,4 +301,8 @@ class Exchange:
         if self.stream is not None:
             self.stream.release()
         self.lease.release()
-        await self.hooks.finish(self)
+        try:
+            await self.hooks.finish(self)
+        finally:
+            if self.on_closed is not None:
+                self.on_closed()

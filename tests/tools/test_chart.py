@@ -239,3 +239,19 @@ def test_one_gateway_without_redis_is_allowed(tmp_path: Path) -> None:
     assert not [o for o in objects if o["kind"] == "StatefulSet"]
     (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "KVGATE_REDIS_URL" not in {e["name"] for e in gateway["env"]}
+
+
+def test_the_drain_fits_in_the_pods_termination_grace(tmp_path: Path) -> None:
+    """SIGTERM comes after the preStop sleep, inside terminationGracePeriodSeconds: the
+    gateway's drain grace is what is left after the sleep and the stop's margin (issue 14,
+    item 25), so the kubelet never kills a gateway that is still draining."""
+    objects = chart.template()
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    (gateway,) = pod["containers"]
+    config = yaml.safe_load(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    sleep = gateway["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert sleep + config["shutdown_grace_s"] + 15 == pod["terminationGracePeriodSeconds"]
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"terminationGracePeriodSeconds": 20}))
+    with pytest.raises(chart.ChartError, match="must exceed preStopSleepSeconds"):
+        chart.template(path)

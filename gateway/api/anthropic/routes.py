@@ -298,6 +298,9 @@ class _AnthropicSSE(ExchangeSSE):
             return
         yield b"".join(translator.finish())
 
+    def error_event(self, err: GatewayError) -> bytes:
+        return error_event(err)
+
 
 async def serve(
     front: FrontEnd,

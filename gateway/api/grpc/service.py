@@ -47,8 +47,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 GRPC_SHUTDOWN_GRACE_S = 5.0
-"""At shutdown, RPCs in flight get 5 s to finish before they are cancelled (an agent's step
-streams for seconds; a longer grace only delays a rolling restart)."""
+"""A stop's default grace for RPCs in flight (the gateway passes its `shutdown_grace_s`)."""
 GRPC_MESSAGE_HEADROOM_BYTES = 64 * 1024
 """A request's proto may exceed its rendered prompt by field tags and JSON whitespace; beyond
 `max_prompt_bytes` + this, gRPC itself refuses it with RESOURCE_EXHAUSTED before parsing."""
@@ -224,16 +223,36 @@ class GatewayService:
 class GrpcServer:
     """The running gRPC server of one gateway process."""
 
-    def __init__(self, server: Any, health_servicer: Any, port: int, tasks: BackgroundTasks):
+    def __init__(
+        self,
+        server: Any,
+        health_servicer: Any,
+        port: int,
+        tasks: BackgroundTasks,
+        grace_s: float = GRPC_SHUTDOWN_GRACE_S,
+    ):
         self.server = server
         self.health = health_servicer
         self.port = port
+        self.grace_s = grace_s
         self._tasks = tasks
+        self._stopping: asyncio.Task[None] | None = None
+
+    def drain(self) -> asyncio.Task[None]:
+        """Begin the graceful stop (once): health says NOT_SERVING, no new RPC is taken, RPCs
+        in flight get `grace_s` to finish and are cancelled after it."""
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop(), name="gRPC drain")
+        return self._stopping
 
     async def stop(self) -> None:
+        await self.drain()
+
+    async def _stop(self) -> None:
+        stopping = asyncio.ensure_future(self.server.stop(self.grace_s))  # takes no new RPC
         await self.health.enter_graceful_shutdown()
         await self._tasks.close()
-        await self.server.stop(GRPC_SHUTDOWN_GRACE_S)
+        await stopping
 
 
 async def _watch_readiness(front: FrontEnd, servicer: Any, interval_s: float) -> None:
@@ -274,4 +293,4 @@ async def start_grpc(
     tasks = BackgroundTasks("gRPC")
     tasks.spawn(_watch_readiness(front, health_servicer, settings.health_interval_s), "readiness")
     log.info("kvgate: gRPC on %s:%d", settings.host, port)
-    return GrpcServer(server, health_servicer, port, tasks)
+    return GrpcServer(server, health_servicer, port, tasks, settings.shutdown_grace_s)
