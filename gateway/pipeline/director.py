@@ -34,7 +34,7 @@ from gateway.request.parsed import CHAT, COMPLETION, ParsedRequest
 from gateway.request.state import RequestHook, Routed, RoutedHook
 from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
-from gateway.request.trace import NoTracer, RequestTrace, Tracer
+from gateway.request.trace import AttemptTrace, NoTracer, RequestTrace, Tracer
 from router.profile import RoutingProfile
 from router.types import Replica, RouteRequest
 
@@ -319,15 +319,18 @@ class Director:
         committed = await self._commit(routed, trace, payload, stream, tried, failures)
         if isinstance(committed, Passthrough):
             return committed
-        lease, opened = committed
+        lease, opened, attempt = committed
         reforward = None
         if not routed.parsed.stream:
 
             async def reforward() -> tuple[Lease, Complete | Streaming]:
+                nonlocal attempt
+                attempt.failed(UpstreamError("the engine's stream failed; moved"))
                 again = await self._commit(routed, trace, payload, stream, tried, failures)
                 if isinstance(again, Passthrough):  # an engine refusing what another took
                     raise UpstreamError(f"an engine refused the retried request ({again.status})")
-                return again
+                lease, opened, attempt = again
+                return lease, opened
 
         return Exchange(self.recorder, routed, lease, trace, opened, reforward=reforward)
 
@@ -339,7 +342,7 @@ class Director:
         stream: bool,
         tried: list[str],
         failures: list[str],
-    ) -> tuple[Lease, Complete | Streaming] | Passthrough:
+    ) -> tuple[Lease, Complete | Streaming, AttemptTrace] | Passthrough:
         """Walk the replicas (`_order`) until an attempt commits; a retryable failure moves on
         (a connection failure also marks the replica down). At most `max_attempts` in all."""
         path = _PATHS[routed.parsed.kind]
@@ -369,7 +372,7 @@ class Director:
                 if isinstance(outcome, Passthrough):
                     trace.passthrough(outcome.status)
                     return outcome
-                return lease.keep(), outcome
+                return lease.keep(), outcome, upstream
         if not tried:
             raise NoReplica(f"no healthy replica serves model '{routed.parsed.model}'")
         raise UpstreamError("every attempt at an engine failed: " + "; ".join(failures))
