@@ -48,9 +48,17 @@ DEFAULT_UNHEALTHY_AFTER = 2
 """Consecutive failed probes before a replica is marked down (one lost packet is not a death)."""
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
 """A replica that cannot accept a TCP connection in 2 s is down; retry the next one."""
-DEFAULT_FIRST_BYTE_TIMEOUT_S = 600.0
-"""Time to the response headers and between streamed bytes: a 128k-token prefill behind a queue
-can take minutes on a busy engine."""
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 120.0
+"""From sending a request to the engine's first token (its queue and prefill): a 128k-token
+prefill at 13k tokens/s takes ~10 s, so 120 s leaves room for ~10 of them queued ahead. Past it
+the engine is hung or hopelessly behind, and the attempt moves to the next replica."""
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
+"""Silence allowed between an engine's streamed chunks: a decode step takes 10–100 ms and a
+preempted request waits out its recompute (a prefill, seconds); 30 s of nothing is a stalled
+engine, and the client gets a clean error instead of a stream that never ends."""
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+"""After SIGTERM, requests in flight get 30 s to finish (an agent's step streams for seconds to
+tens of seconds); the chart derives it from terminationGracePeriodSeconds."""
 DEFAULT_MAX_ATTEMPTS = 3
 """An upstream failure before the first byte is retried on the next-best replica, twice."""
 DEFAULT_MAX_PROMPT_BYTES = 4 * 1024 * 1024
@@ -94,6 +102,13 @@ DEFAULT_BILLING_LOOKBACK_BLOCKS = 20
 """Anthropic walks back at most 20 blocks from a breakpoint [A]."""
 DEFAULT_BILLING_OPENAI_TTL_S = 1800.0
 """OpenAI 5.6 keeps entries ≥ 30 minutes after the latest use: simulated as exactly 30."""
+DEFAULT_BILLING_LEDGER_MAX_ENTRIES = 200_000
+"""Cache entries a gateway keeps per billing profile (~0.37 KB each: ~75 MB), an hour of 55
+requests/s that each write one; the pass that enforces it takes ~0.1 s on the event loop at
+this size. Past it the soonest-expiring go first (docs/billing.md#decisions)."""
+DEFAULT_BILLING_WAL_DEADLINE_S = 5.0
+"""An fdatasync takes milliseconds on a healthy volume; 5 s is a disk that stopped: the request
+fails (503) instead of hanging on it."""
 # -- Kubernetes, engine load signals, observability (issue 9; docs/operations.md) --------------
 DEFAULT_METRICS_INTERVAL_S = 1.0
 """Read each replica's /metrics once a second: its queue is what other gateways have sent in the
@@ -150,6 +165,13 @@ class Settings(BaseSettings):
     unhealthy_after: int = DEFAULT_UNHEALTHY_AFTER
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    """Bounds an attempt up to the engine's first token (the answer's end, for the few requests
+    an engine cannot stream); past it the next replica is tried."""
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
+    """Bounds each silence of an engine's stream after its first token."""
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    """SIGTERM drains: no new connection or RPC is taken, those in flight get this long to
+    finish, then are cut (and billed as aborted); billing and the directory are flushed."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -310,6 +332,10 @@ class Settings(BaseSettings):
     billing_openai_ttl_s: float = DEFAULT_BILLING_OPENAI_TTL_S
     billing_deepseek_unit: str = "64"
     billing_deepseek_holidays: list[dt.date] = Field(default_factory=list)
+    billing_ledger_max_entries: int = DEFAULT_BILLING_LEDGER_MAX_ENTRIES
+    """Bounds the tenant-visible cache entries kept in memory (per billing profile)."""
+    billing_wal_deadline_s: float = DEFAULT_BILLING_WAL_DEADLINE_S
+    """How long a request waits for its billing record to be durable before it fails (503)."""
     billing_gateway_id: str | None = None
     """This gateway's name in ledger records (default host:pid)."""
     admin_keys: list[str] = Field(default_factory=list)
@@ -384,6 +410,11 @@ class Settings(BaseSettings):
         "billing_ledger_deadline_s",
         "epp_max_message_timeout_s",
         "body_read_timeout_s",
+        "billing_wal_deadline_s",
+        "first_byte_timeout_s",
+        "stream_idle_timeout_s",
+        "connect_timeout_s",
+        "shutdown_grace_s",
     )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
@@ -414,6 +445,7 @@ class Settings(BaseSettings):
         "unhealthy_after",
         "max_body_bytes",
         "max_prompt_bytes",
+        "billing_ledger_max_entries",
     )
     @classmethod
     def _positive(cls, value: int) -> int:

@@ -62,11 +62,12 @@ CHART_MANAGED = frozenset(
         "kubeconfig",
         "mode",
         "epp_port",
+        "shutdown_grace_s",
     }
 )
-"""Settings the chart sets from its own values (service, secret, redis, epp) or never sets
-(secrets and keys do not belong in a ConfigMap; the in-cluster service account replaces a
-kubeconfig)."""
+"""Settings the chart sets from its own values (service, secret, redis, epp, the drain's grace
+from terminationGracePeriodSeconds) or never sets (secrets and keys do not belong in a
+ConfigMap; the in-cluster service account replaces a kubeconfig)."""
 ENUMS: dict[str, list[str]] = {
     "policy": sorted(POLICIES),
     "discovery": list(DISCOVERY_MODES),

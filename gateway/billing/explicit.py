@@ -10,11 +10,13 @@ import uuid
 from decimal import Decimal
 from typing import Any
 
+from gateway.billing.meter import BillingUnavailable
 from gateway.billing.pending import BilledRequest, Pending, profile_for
 from gateway.billing.pricing.model import BillingError, CachedContent, Charge
 from gateway.billing.pricing.money import dec, iso, parse_instant
 from gateway.billing.pricing.rules import DEFAULT_EXPLICIT_TTL_S
 from gateway.billing.service import Billing
+from gateway.billing.wal import WalUnavailable
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
@@ -157,6 +159,9 @@ class ExplicitContents:
     async def _done(self, kind: str, obj: CachedContent, charge: Charge, now: Decimal) -> None:
         """The operation's durable record, the local snapshot, then every other gateway."""
         record = self.meter.op_record(kind, "op-" + uuid.uuid4().hex, obj, charge, now)
-        await self.billing.wal.append(record)
+        try:
+            await self.billing.wal.append(record)
+        except WalUnavailable as exc:
+            raise BillingUnavailable(str(exc)) from None
         self.meter.save_contents()
         await self.meter.publish_object(obj)

@@ -51,7 +51,9 @@ class Billing:
         tokenizer = (
             load_tokenizer(settings.billing_tokenizer) if settings.billing_tokenizer else None
         )
-        self.wal = WriteAheadLog(settings.billing_wal_dir)
+        self.wal = WriteAheadLog(
+            settings.billing_wal_dir, deadline_s=settings.billing_wal_deadline_s
+        )
         self.meter = BillingMeter(
             settings,
             load_price_table(settings.billing_prices_file),

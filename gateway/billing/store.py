@@ -224,13 +224,18 @@ class Shipper:
 
     async def _ship(self) -> int:
         shipped = 0
+        current = self.wal.current
         for path in segment_paths(self.wal.directory):
+            if current is not None and path.name > current.name:
+                break  # the writer is creating it (`current` moves once it is ready)
             # decided before reading: the writer moves `current` only after the old segment's
-            # last bytes are synced, so a segment seen finished here is read in full below
-            finished = path != self.wal.current
+            # last bytes are synced, so a segment seen finished here is read in full below;
+            # the current one only as far as it is synced (a failed write is cut back)
+            finished = path != current
             offset = self.offsets.get(path.name, 0)
+            end = None if finished else self.wal.synced_size
             try:
-                records, new_offset, _ = await asyncio.to_thread(read_segment, path, offset)
+                records, new_offset, _ = await asyncio.to_thread(read_segment, path, offset, end)
             except WalLayoutError as exc:  # never shipped as garbage, never deleted
                 if path.name not in self.refused:
                     self.refused.add(path.name)

@@ -168,6 +168,9 @@ class RoutingDirectory:
 
     async def close(self) -> None:
         self._closing = True
+        if self.shared is not None and not self.degraded:  # leave Redis what we know
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.writes.flushed(), self.write_deadline_s)
         await self._tasks.close(2 * READ_INTERVAL_S)
         if self.shared is not None:
             with contextlib.suppress(Exception):

@@ -231,10 +231,15 @@ class ReplicaSet:
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""
-        state = self.states.get(replica_id)
+        state = self.find(replica_id)
         if state is None:
-            state = self._retired[replica_id]
+            raise KeyError(replica_id)
         return state
+
+    def find(self, replica_id: str) -> ReplicaState | None:
+        """`get`, or None for a replica the set no longer knows (removed, and idle since)."""
+        state = self.states.get(replica_id)
+        return state if state is not None else self._retired.get(replica_id)
 
     def models(self) -> list[str]:
         return sorted({m for s in self.states.values() for m in s.models})
@@ -399,7 +404,9 @@ class ReplicaSet:
         return bool(state.models)
 
     def mark_down(self, replica_id: str, why: str) -> None:
-        state = self.get(replica_id)
+        state = self.find(replica_id)
+        if state is None:
+            return  # removed meanwhile: nothing routes to it any more
         if state.healthy:
             log.warning("replica %s marked down: %s", replica_id, why)
         state.healthy = False

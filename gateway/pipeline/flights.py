@@ -152,8 +152,12 @@ class Flights:
             self._writing.setdefault(block, flight)
         if self.shared is not None:
             marker = Marker(PENDING, f"{self.gateway_id}:{flight.id}", replica, expected_s)
-            if await self.shared.lead(blocks, marker.format(), ttl_s):
-                flight.marker = marker
+            try:
+                if await self.shared.lead(blocks, marker.format(), ttl_s):
+                    flight.marker = marker
+            except BaseException:  # cancelled while announcing: nobody will end it but us
+                self.end(flight, ok=False)
+                raise
         return flight
 
     def end(self, flight: Flight, ok: bool) -> None:

@@ -59,11 +59,20 @@ class Recorder:
             await observer.on_usage(record, usage)
         return usage
 
+    async def moved(self, exchange: Exchange) -> None:
+        """A non-streamed exchange moved to another replica before its answer was whole: the
+        prompt's blocks are on the new replica too (observers saw the first token already)."""
+        record = exchange.record
+        if record.routed.hashes:
+            await self.directory.record(record.replica, record.routed.hashes)
+
     async def finish(self, exchange: Exchange) -> None:
         record = exchange.record
         for observer in self.observers:
             await observer.on_finish(record)
         exchange.trace.finished(record)
 
-    def stream_broke(self, exchange: Exchange, exc: BaseException) -> None:
+    def stream_broke(self, exchange: Exchange, exc: BaseException | str) -> None:
+        """The client is told only that the engine failed; the log names the replica and what
+        the HTTP library (or the engine) said."""
         log.warning("stream from %s broke after its first byte: %s", exchange.replica_url, exc)

@@ -92,6 +92,8 @@ class Pick:
         recorder: ExchangeHooks,
         ranking: list[str],
         land: LandFlight | None,
+        *,
+        on_closed: Callable[[], None] | None = None,
     ) -> None:
         self.routed = routed
         self.payload = payload
@@ -104,6 +106,8 @@ class Pick:
         self._replicas = replicas
         self._recorder = recorder
         self._land = land
+        self._on_closed = on_closed
+        """Called once the request is off the pipeline (the director's count of active ones)."""
 
     @property
     def replica(self) -> str:
@@ -118,9 +122,11 @@ class Pick:
         if replica_id is not None and replica_id != lease.state.id:
             lease.release()
             uncached = self.routed.route.uncached_tokens(replica_id)
-            lease = self._replicas.get(replica_id).lease(uncached)
+            lease = self._replicas.get(replica_id).lease(uncached, lease.output_tokens)
         land, self._land = self._land, None
-        return RelayedExchange(self._recorder, self.routed, lease, self.trace, land)
+        exchange = RelayedExchange(self._recorder, self.routed, lease, self.trace, land)
+        exchange.on_closed, self._on_closed = self._on_closed, None
+        return exchange
 
     def abandon(self, exc: BaseException | None = None, status: int | None = None) -> None:
         """No exchange: the engine answered an error `status`, or `exc` ended the request (Envoy
@@ -129,6 +135,9 @@ class Pick:
         if lease is None:
             return
         lease.release()
+        if self._on_closed is not None:
+            self._on_closed()
+            self._on_closed = None
         land, self._land = self._land, None
         if land is not None:
             land(False, lease.state.id)

@@ -7,6 +7,11 @@ Start order: the upstream `aiohttp.ClientSession` (explicit timeouts and connect
 the shared directory (Redis) → billing → health probing → discovery → the tenants-file watcher →
 the gRPC server → the endpoint picker's ext-proc server (`mode: epp`) → the admin port
 (/metrics and the API documents, `gateway.server.admin`).
+
+Stop (SIGTERM, `gateway.server.cli`): `Parts.begin_drain` stops the gRPC server taking RPCs as
+uvicorn stops accepting connections; requests in flight get `shutdown_grace_s`; then the
+lifespan stops the gRPC server, waits for the pipeline to empty (`_settle`), and closes the rest
+in reverse: billing flushes its WAL and ships, the directory flushes its queued writes.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from cachemap.redis.directory import RedisDirectory
 from gateway.api.asgi import MeteredASGI, on_unexpected
 from gateway.api.context import FrontEnd
 from gateway.api.epp.server import start_epp
-from gateway.api.grpc.service import start_grpc
+from gateway.api.grpc.service import GrpcServer, start_grpc
 from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
 from gateway.billing.service import Billing
@@ -78,6 +83,20 @@ class Parts:
     director: Director
     front: FrontEnd
     registry: CollectorRegistry
+    grpc: GrpcServer | None = None
+    """The gRPC server while it runs (started by `run`)."""
+    draining: bool = False
+
+    def begin_drain(self) -> None:
+        """SIGTERM (`gateway.server.cli`): stop taking work on every front end at once. HTTP
+        stops accepting in uvicorn; the gRPC server here, its RPCs in flight given the same
+        grace. `run` then waits for the pipeline to empty before it flushes and closes."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("kvgate: draining (grace %.0f s)", self.settings.shutdown_grace_s)
+        if self.grpc is not None:
+            self.grpc.drain()
 
 
 def _directory(settings: Settings) -> RoutingDirectory:
@@ -186,11 +205,12 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         placement=placement,
         policy=build_policy(settings.policy, router_config),
         fallback_policy=build_fallback(settings.policy, router_config),
-        forwarder=Forwarder(),
+        forwarder=Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s),
         recorder=Recorder(directory, estimator, observers),
         estimator=estimator,
         max_attempts=settings.max_attempts,
         request_hooks=[billing.meter.prepare] if billing else [],
+        routed_hooks=[billing.meter.routed] if billing else [],
         tracer=tracing.tracer,
         rng=random.Random(settings.seed),
     )
@@ -232,15 +252,27 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     )
 
 
+SETTLE_S = 5.0
+"""After the grace, requests cut by it finish their bookkeeping (an aborted record, a landed
+marker) within milliseconds; 5 s bounds a stop that would otherwise wait on a stuck one."""
+
+
+async def _settle(parts: Parts) -> None:
+    if not await parts.director.activity.idle(SETTLE_S):
+        log.warning(
+            "kvgate: %d requests still inside after the drain; stopping anyway",
+            parts.director.activity.num_active,
+        )
+
+
 @contextlib.asynccontextmanager
 async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
     """Start the parts in order; stop whatever started, in reverse, on the way out."""
     settings = parts.settings
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(parts.tracing.shutdown)  # flushes the spans still batched
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s
-        )
+        # reads are bounded by the forwarder (first byte, then each silence of a stream)
+        timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s)
         connector = aiohttp.TCPConnector(
             limit=settings.upstream_max_connections, keepalive_timeout=30
         )
@@ -264,6 +296,9 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             await parts.billing.start()
         stack.push_async_callback(parts.replicas.stop)
         await parts.replicas.start(session)
+        # on the way out, before billing and the directory flush and close: the requests still
+        # inside end (those cut at the grace need a moment to write their aborted records)
+        stack.push_async_callback(_settle, parts)
         if parts.discovery is not None:
             stack.push_async_callback(parts.discovery.stop)
             await parts.discovery.start()
@@ -271,7 +306,9 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             stack.push_async_callback(parts.watcher.stop)
             parts.watcher.start()
         if settings.grpc_port is not None:
-            grpc_server = await start_grpc(settings, parts.front, parts.request_metrics)
+            grpc_server = parts.grpc = await start_grpc(
+                settings, parts.front, parts.request_metrics
+            )
             stack.push_async_callback(grpc_server.stop)
             app.state.grpc_port = grpc_server.port
         if settings.mode == "epp":
@@ -320,6 +357,7 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         app.include_router(build_billing_router(parts.billing, parts.front))
 
     app.state.parts = parts
+    app.state.begin_drain = parts.begin_drain
     app.state.director = parts.director
     app.state.replicas = parts.replicas
     app.state.tenants = parts.tenants

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
+from collections.abc import Callable
 from pathlib import Path
+
+import uvicorn
 
 from router.registry import POLICIES
 
@@ -75,7 +79,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
     from pydantic import ValidationError
 
     from gateway.server.app import create_app
@@ -123,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except TenantFileError as exc:
         print(f"kvgate serve: {exc}")
         return 2
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -134,5 +137,21 @@ def run_serve(args: argparse.Namespace) -> int:
         proxy_headers=False,
         server_header=False,
         date_header=False,
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
     )
+    DrainingServer(config, app.state.begin_drain).run()
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the gateway when its graceful shutdown begins (SIGTERM): the
+    gRPC front end stops taking RPCs as HTTP stops accepting connections, so both drain within
+    the one grace (`shutdown_grace_s`, uvicorn's `timeout_graceful_shutdown`)."""
+
+    def __init__(self, config: uvicorn.Config, begin_drain: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.begin_drain = begin_drain
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.begin_drain()
+        await super().shutdown(sockets)

@@ -128,6 +128,12 @@ class EngineConfig:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     cpu_offload_blocks: int = 0
     """Blocks of the write-through CPU tier (0: none)."""
+    hang_first_bytes: int = 0
+    """Test hook: this many generation requests are accepted and never answered — not a header,
+    not a byte — until the client leaves (a hung engine)."""
+    stall_after_tokens: int | None = None
+    """Test hook: every streamed answer stops sending after this many tokens, its connection
+    open, until the client leaves (an engine stalled mid-stream)."""
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -176,6 +182,10 @@ class Engine:
         self.num_failures_left = config.fail_first_bytes
         self.publisher: ZmqPublisher | None = None
         self._waiters: dict[str, _Waiter] = {}
+        self.num_hangs_left = config.hang_first_bytes
+        self.stall_after_tokens = config.stall_after_tokens
+        self.num_stalled = 0
+        """Streams stalled right now (`stall_after_tokens`) whose client has not left."""
         self._wakeup: asyncio.Event | None = None
         self._driver: asyncio.Task[None] | None = None
         self._ids = itertools.count()
@@ -775,6 +785,11 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
     failing = engine.num_failures_left > 0
     if failing:
         engine.num_failures_left -= 1
+    if engine.num_hangs_left > 0:  # hung: nothing is sent until the client gives up
+        engine.num_hangs_left -= 1
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        return Response(status_code=499)
     job, pieces = _make_job(engine, gen, body)
     waiter = engine.submit(job)
     if failing:  # the engine dies during the prefill: nothing is cached, the client gets a 500
@@ -803,8 +818,17 @@ async def _stream(engine: Engine, reply: _Reply, waiter: _Waiter) -> AsyncIterat
         if gen.chat:
             yield reply.chunk(choices=[reply.choice("", None, delta=True)])
         sent = 0
+        stall_at = engine.stall_after_tokens
         while sent < gen.max_tokens:
+            if stall_at is not None and sent >= stall_at:
+                engine.num_stalled += 1
+                try:
+                    await asyncio.Event().wait()  # stalled: until the client leaves
+                finally:
+                    engine.num_stalled -= 1
             ready = job.num_generated
+            if stall_at is not None:
+                ready = min(ready, stall_at)
             if ready - sent >= interval or (job.finish_s is not None and ready > sent):
                 finish = "length" if ready >= gen.max_tokens else None
                 text = "".join(reply.pieces[sent:ready])

@@ -318,3 +318,19 @@ def test_metrics_port_null_serves_no_metrics(tmp_path: Path) -> None:
     config = tmp_path / "kvgate.yaml"
     config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
     assert load_settings(config).metrics_port is None
+
+
+def test_the_drain_fits_in_the_pods_termination_grace(tmp_path: Path) -> None:
+    """SIGTERM comes after the preStop sleep, inside terminationGracePeriodSeconds: the
+    gateway's drain grace is what is left after the sleep and the stop's margin (issue 14,
+    item 25), so the kubelet never kills a gateway that is still draining."""
+    objects = chart.template()
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    (gateway,) = pod["containers"]
+    config = yaml.safe_load(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    sleep = gateway["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert sleep + config["shutdown_grace_s"] + 15 == pod["terminationGracePeriodSeconds"]
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"terminationGracePeriodSeconds": 20}))
+    with pytest.raises(chart.ChartError, match="must exceed preStopSleepSeconds"):
+        chart.template(path)

@@ -36,7 +36,7 @@ from gateway.api.context import FrontEnd
 from gateway.api.errors import anthropic_error_body, to_anthropic_http
 from gateway.api.responses import ExchangeSSE, debug_headers
 from gateway.api.usage import cache_usage
-from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
+from gateway.errors import EngineRejected, GatewayError, TenantError
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
@@ -251,16 +251,18 @@ class _AnthropicSSE(ExchangeSSE):
         exchange = self.exchange
         translator = StreamTranslator(exchange.parsed)
         async for chunk in exchange.chunks():
-            error = chunk.get("error")
-            if isinstance(error, Mapping) and "choices" not in chunk:
-                message = str(error.get("message", "the upstream stream broke"))
-                yield error_event(UpstreamError(message))
-                return
             events = b"".join(translator.chunk(chunk))
             if events:
                 yield events
-        if not exchange.client_gone:
-            yield b"".join(translator.finish())
+        if exchange.client_gone:
+            return
+        if exchange.failure is not None:  # Anthropic's mid-stream error: an `error` event, the end
+            yield error_event(exchange.failure)
+            return
+        yield b"".join(translator.finish())
+
+    def error_event(self, err: GatewayError) -> bytes:
+        return error_event(err)
 
 
 async def serve(
@@ -273,15 +275,14 @@ async def serve(
     opened = await front.pipeline.open(parsed, tenant, trace_headers)
     if isinstance(opened, Passthrough):
         raise EngineRejected(opened.status, opened.body)
-    headers = debug_headers(opened, front.debug_headers)
-    if opened.stream is None:
+    if not opened.parsed.stream:
         body = await opened.complete()
         return Response(
             orjson.dumps(message_body(parsed, body)),
             media_type="application/json",
-            headers=headers,
+            headers=debug_headers(opened, front.debug_headers),  # the replica that answered
         )
-    return _AnthropicSSE(opened, headers)
+    return _AnthropicSSE(opened, debug_headers(opened, front.debug_headers))
 
 
 def register(router: APIRouter, front: FrontEnd) -> Callable[[Request], Awaitable[Response]]:

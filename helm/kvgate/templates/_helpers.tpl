@@ -115,6 +115,7 @@ app.kubernetes.io/component: redis
 {{- end -}}
 {{- $_ := set $settings "server_secret_file" "/etc/kvgate/secret/server-secret" -}}
 {{- $_ := set $settings "tenants_file" "/etc/kvgate/secret/tenants.yaml" -}}
+{{- $_ := set $settings "shutdown_grace_s" (include "kvgate.drainGrace" . | int) -}}
 {{- if and (not .Values.redis.enabled) .Values.redis.external.cluster -}}
 {{- $_ := set $settings "redis_cluster" true -}}
 {{- end -}}
@@ -128,4 +129,17 @@ app.kubernetes.io/component: redis
 {{- $_ := unset $settings "discovery_namespace" -}}
 {{- end -}}
 {{- toYaml $settings -}}
+{{- end -}}
+
+{{/*
+The gateway's drain grace (shutdown_grace_s): what the pod's termination grace leaves after the
+preStop sleep and the stop that follows the drain (flushing billing and the directory,
+`drainMarginSeconds`). The kubelet counts the preStop sleep inside terminationGracePeriodSeconds.
+*/}}
+{{- define "kvgate.drainGrace" -}}
+{{- $grace := sub (sub (int .Values.terminationGracePeriodSeconds) (int .Values.preStopSleepSeconds)) (int .Values.drainMarginSeconds) -}}
+{{- if lt $grace 1 -}}
+{{- fail (printf "terminationGracePeriodSeconds (%d) must exceed preStopSleepSeconds (%d) + drainMarginSeconds (%d): the gateway needs a drain grace of at least 1 s" (int .Values.terminationGracePeriodSeconds) (int .Values.preStopSleepSeconds) (int .Values.drainMarginSeconds)) -}}
+{{- end -}}
+{{- $grace -}}
 {{- end -}}
