@@ -31,7 +31,8 @@ import aiohttp
 from loadgen.client import Result, stream_chat
 from loadgen.runner import run_phases
 from loadgen.sim import percentile
-from loadgen.traces.readers import MOONCAKE_BLOCK_SIZE, PromptSynthesizer, Trace, read_trace
+from loadgen.traces.readers import MOONCAKE_BLOCK_SIZE, Trace, read_trace
+from loadgen.traces.synthesis import PromptSynthesizer
 from loadgen.workloads import Phase, agent_day, agent_session
 
 DEFAULT_MODEL = "kvgate-sim-8b"

@@ -55,7 +55,8 @@ from loadgen.engine.timing import (
 from loadgen.harness import processes
 from loadgen.replay import ReplayOptions, ReplaySummary, replay, summarise
 from loadgen.sim import SimConfig, run_policies
-from loadgen.traces.readers import PromptSynthesizer, Trace, read_trace
+from loadgen.traces.readers import Trace, read_trace
+from loadgen.traces.synthesis import PromptSynthesizer
 from router.registry import POLICIES
 
 DEFAULT_TRACE = (

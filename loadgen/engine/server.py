@@ -6,9 +6,12 @@ Endpoints (vLLM's, plus the SGLang probes that sglang-router uses):
   POST /tokenize /detokenize /v1/completions/render /v1/chat/completions/render
        /v1/completions /v1/chat/completions   (SSE when "stream": true)
 
-Generation is deterministic: exactly `max_tokens` tokens (as with vLLM's `ignore_eos`) of words
-seeded by the prompt, `finish_reason: "length"`. `usage.prompt_tokens_details.cached_tokens`
-is always present. `cache_salt` is mixed into block 0 of the prefix cache, as in vLLM.
+Prompts are rendered with the model's chat template and tokenized with its BPE
+(`loadgen.engine.prompts`, `loadgen.engine.tokenizer`); the prefix cache hashes those token ids.
+Generation is deterministic: exactly `max_tokens` tokens (as with vLLM's `ignore_eos`) of the
+vocabulary's single-token words, seeded by the prompt, `finish_reason: "length"`.
+`usage.prompt_tokens_details.cached_tokens` is always present. `cache_salt` is mixed into block
+0 of the prefix cache, as in vLLM.
 While streaming, tokens that fall due within one `STREAM_INTERVAL_S` go out as one SSE event.
 """
 
@@ -17,16 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import itertools
-import os
-import re
-import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mmh3
@@ -39,7 +37,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cachemap.rendering import render_chat
+from loadgen.engine.prompts import (
+    BadRequest,
+    RenderedPrompts,
+    detokenize_response,
+    render_response,
+    tokenize_response,
+)
 from loadgen.engine.timing import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CAPACITY_BLOCKS,
@@ -52,7 +56,7 @@ from loadgen.engine.timing import (
     PrefixCache,
     TimingModel,
 )
-from loadgen.engine.tokenizer import block_hashes, output_tokens, token_ids, tokenize
+from loadgen.engine.tokenizer import MODEL_DIR, block_hashes, default_tokenizer
 
 DEFAULT_MODEL = "kvgate-sim-8b"
 DEFAULT_MAX_MODEL_LEN = 131_072
@@ -60,37 +64,6 @@ DEFAULT_CHAT_MAX_TOKENS = 64
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 STREAM_INTERVAL_S = 0.005
 VLLM_VERSION = "0.11.0"
-
-_TOKENIZER_STAND_IN: dict[str, Any] = {
-    "version": "1.0",
-    "truncation": None,
-    "padding": None,
-    "added_tokens": [],
-    "normalizer": None,
-    "pre_tokenizer": {"type": "Whitespace"},
-    "post_processor": None,
-    "decoder": None,
-    "model": {"type": "WordLevel", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"},
-}
-
-
-def tokenizer_dir(model: str) -> str:
-    """A local directory with a `tokenizer.json` stand-in, reported as the engine's
-    `model_path` / `tokenizer_path`.
-
-    sglang-router loads a tokenizer for every worker's model when it registers it, from the
-    worker's `model_path`; a model name that is not a local directory makes it try the Hugging
-    Face hub. Routing over HTTP never uses that tokenizer, so a minimal valid one (a WordLevel
-    model in the `tokenizers` JSON format, NOT the engine's tokenizer) keeps it local.
-    """
-    path = Path(tempfile.gettempdir()) / ("kvgate-sim-tokenizer-" + re.sub(r"\W", "_", model))
-    target = path / "tokenizer.json"
-    if not target.exists():
-        path.mkdir(parents=True, exist_ok=True)
-        scratch = path / f"tokenizer.{os.getpid()}.tmp"
-        scratch.write_bytes(orjson.dumps(_TOKENIZER_STAND_IN))
-        os.replace(scratch, target)
-    return str(path)
 
 
 @dataclass(frozen=True)
@@ -105,12 +78,6 @@ class EngineConfig:
     500 before any byte, after their prefill time (an engine dying mid-prefill), writing no KV."""
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 def _error(message: str, status: int) -> JSONResponse:
     kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
@@ -123,6 +90,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.core = EngineCore(config.timing, PrefixCache(config.capacity_blocks))
+        self.prompts = RenderedPrompts()
         self.start_time = time.time()
         self.num_failures_left = config.fail_first_bytes
         self._waiters: dict[str, tuple[asyncio.Future[None], asyncio.Future[None]]] = {}
@@ -186,63 +154,6 @@ class Engine:
 
 
 # -- request parsing ----------------------------------------------------------------------
-_TOKENIZED_PROMPTS = 256
-"""Prompts whose tokens are kept: a router that renders a request on every worker (vllm-router's
-cache_aware) makes the same text arrive N + 1 times; the simulator's own tokenizer cost (~10 ms
-for 15k tokens in Python) must not be what a benchmark measures. Kept per `cache_salt`: a prompt
-tokenized for one tenant must not come back faster for another (the timing audit finds that)."""
-
-
-@functools.lru_cache(maxsize=_TOKENIZED_PROMPTS)
-def _tokenize_cached(text: str, salt: str | None = None) -> tuple[str, ...]:
-    return tuple(tokenize(text))
-
-
-@functools.lru_cache(maxsize=_TOKENIZED_PROMPTS)
-def _ids_cached(text: str) -> tuple[int, ...]:
-    return tuple(token_ids(_tokenize_cached(text)))
-
-
-def _prompt_text(body: dict[str, Any], chat: bool) -> str | list[int]:
-    """The text the engine tokenizes (chat: the canonical rendering), or a token-id prompt."""
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list")
-        if not all(isinstance(m, dict) for m in messages):
-            raise BadRequest("each message must be an object")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise BadRequest("'tools' must be a list")
-        add_generation_prompt = body.get("add_generation_prompt", True) is not False
-        try:
-            return render_chat(messages, tools, add_generation_prompt)
-        except (AttributeError, TypeError) as exc:
-            raise BadRequest(f"malformed messages: {exc}") from None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return [int(t) for t in prompt]
-    raise BadRequest("'prompt' must be a string or a list of token ids")
-
-
-def _prompt_tokens(body: dict[str, Any], chat: bool) -> Sequence[str] | Sequence[int]:
-    """The prompt's tokens (token ids for a token-id prompt); never mutate the result."""
-    text = _prompt_text(body, chat)
-    salt = body.get("cache_salt")
-    if isinstance(text, str):
-        return _tokenize_cached(text, salt if isinstance(salt, str) else None)
-    return text
-
-
-def _prompt_ids(body: dict[str, Any], chat: bool) -> list[int]:
-    text = _prompt_text(body, chat)
-    return list(_ids_cached(text)) if isinstance(text, str) else text
-
-
 def _int_field(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
     value = body.get(name)
     if value is None:
@@ -315,7 +226,7 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
             "max_model_len": config.max_model_len,
         }
 
-    local_tokenizer = tokenizer_dir(config.model)
+    local_tokenizer = str(MODEL_DIR)  # a Hugging Face tokenizer directory: routers load it
 
     def server_info() -> dict[str, Any]:
         t = config.timing
@@ -369,29 +280,23 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
     async def tokenize_endpoint(request: Request) -> Response:
         try:
             body = await _json_body(request)
-            ids = _prompt_ids(body, chat="messages" in body)
+            return JSONResponse(tokenize_response(body, config.max_model_len, engine.prompts))
         except BadRequest as exc:
             return _error(str(exc), exc.status)
-        return JSONResponse(
-            {
-                "count": len(ids),
-                "max_model_len": config.max_model_len,
-                "tokens": ids,
-                "token_strs": None,
-            }
-        )
 
     async def detokenize(request: Request) -> Response:
-        return JSONResponse({"prompt": ""})
+        try:
+            return JSONResponse(detokenize_response(await _json_body(request)))
+        except BadRequest as exc:
+            return _error(str(exc), exc.status)
 
     def render(chat: bool) -> Any:
         async def handler(request: Request) -> Response:
             try:
                 body = await _json_body(request)
-                ids = _prompt_ids(body, chat=chat)
+                return JSONResponse(render_response(body, chat, config.model, engine.prompts))
             except BadRequest as exc:
                 return _error(str(exc), exc.status)
-            return JSONResponse({"token_ids": ids, "model": body.get("model", config.model)})
 
         return handler
 
@@ -447,7 +352,7 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
     model = body.get("model")
     if model is not None and model != config.model:
         raise BadRequest(f"The model `{model}` does not exist.", status=404)
-    tokens = _prompt_tokens(body, chat)
+    tokens = engine.prompts.ids(body, chat)
     default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
     max_tokens = _int_field(body, "max_completion_tokens", 0, 1) if chat else 0
     max_tokens = max_tokens or _int_field(body, "max_tokens", default_max, 1)
@@ -472,10 +377,9 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
     hashes = block_hashes(tokens, config.block_size, salt)
     max_cached = (len(tokens) - 1) // config.block_size * config.block_size
     seed = mmh3.hash(hashes[-1] if hashes else repr(list(tokens[-8:])).encode(), signed=False)
-    pieces = output_tokens(seed, max_tokens)
-    final: list[bytes] = []
-    if tokens and isinstance(tokens[0], str):
-        final = block_hashes([*tokens, *pieces], config.block_size, salt, resume=hashes)
+    output = default_tokenizer().output_ids(seed, max_tokens)
+    pieces = default_tokenizer().pieces(output)
+    final = block_hashes([*tokens, *output], config.block_size, salt, resume=hashes)
     job = Job(
         id=engine.next_id("chatcmpl" if chat else "cmpl"),
         block_hashes=hashes,

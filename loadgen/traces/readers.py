@@ -1,23 +1,9 @@
-"""Request traces: the Mooncake FAST'25 JSONL format, and prompts synthesized from hash ids.
+"""Request traces: the Mooncake FAST'25 JSONL format (prompts for them: `loadgen.traces.synthesis`).
 
 A trace line is `{"timestamp": ms, "input_length": tokens, "output_length": tokens,
 "hash_ids": [...]}` where hash id i names the whole prefix up to the end of block i (blocks of
 `block_size` tokens, 512 in Mooncake's files; the last block is usually partial, and
 len(hash_ids) == ceil(input_length / block_size)). Equal ids mean the same reusable KV.
-
-Prompt synthesis (`PromptSynthesizer`) turns a request into a chat prompt that any engine or
-router can be sent:
-
-    content = text(id_0) ‖ text(id_1) ‖ ... ‖ text(id_k)[:r words] ‖ "\\n"
-
-where text(id) is `block_size` one-token words drawn from a generator seeded by the id alone.
-Invariants:
-- equal hash-id prefixes give byte-identical content prefixes (a block's text depends only on
-  its id), so the rendered chat prompts share exactly those prefixes;
-- the prompt's token count under the engine's tokenizer (`loadgen.engine.tokenizer`), chat template
-  included, equals `input_length` (the last block is cut to make it so), for every request of
-  more than `chat_overhead_tokens` tokens;
-- the same trace gives the same bytes in every process (no Python hash randomisation).
 
 Tenants (optional): a conversation is named by its first two hash ids (every conversation-trace
 request shares block 0, the system prompt), and hashed to one of `num_tenants` tenants, so a
@@ -28,25 +14,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mmh3
 import orjson
 
-from cachemap.rendering import render_chat
-from loadgen.engine.tokenizer import count_tokens
-
 MOONCAKE_BLOCK_SIZE = 512
 """Tokens per hash id in the Mooncake FAST'25 traces."""
-
-_TEXT_CACHE_BLOCKS = 16_384
-"""Synthesized block texts kept (~2.5 KB each for 512-token blocks: ~40 MB at most)."""
-
-_LETTERS = bytes(ord("a") + i % 26 for i in range(256))
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,67 +150,6 @@ def write_trace(path: str | Path, requests: Sequence[TraceRequest]) -> None:
                 )
                 + b"\n"
             )
-
-
-class PromptSynthesizer:
-    """Deterministic chat prompts from hash ids (see the module docstring for the invariants).
-
-    Every word is " " + 1–7 lowercase letters: exactly one token of `loadgen.engine.tokenizer`, so a
-    block of n words is n tokens and blocks concatenate without merging tokens.
-    """
-
-    def __init__(self, block_size: int = MOONCAKE_BLOCK_SIZE, namespace: str = "kvgate") -> None:
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        self.block_size = block_size
-        self.namespace = namespace
-        self._blocks: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()
-        self.chat_overhead_tokens = count_tokens(render_chat([self._message("")]))
-
-    @staticmethod
-    def _message(content: str) -> dict[str, str]:
-        return {"role": "user", "content": content + "\n"}
-
-    def block_text(self, hash_id: int) -> tuple[str, list[int]]:
-        """The block's full text and the end offset of each of its words."""
-        hit = self._blocks.get(hash_id)
-        if hit is not None:
-            self._blocks.move_to_end(hash_id)
-            return hit
-        n = self.block_size
-        raw = random.Random(f"{self.namespace}/block/{hash_id}").randbytes(8 * n)
-        letters = raw.translate(_LETTERS).decode()
-        words = [" " + letters[8 * i + 1 : 8 * i + 2 + raw[8 * i] % 7] for i in range(n)]
-        text = "".join(words)
-        offsets = list(itertools.accumulate(len(w) for w in words))
-        self._blocks[hash_id] = (text, offsets)
-        if len(self._blocks) > _TEXT_CACHE_BLOCKS:
-            self._blocks.popitem(last=False)
-        return text, offsets
-
-    def content(self, hash_ids: Sequence[int], num_tokens: int) -> str:
-        """The first `num_tokens` tokens of the blocks named by `hash_ids` (at most all)."""
-        pieces: list[str] = []
-        left = num_tokens
-        for h in hash_ids:
-            if left <= 0:
-                break
-            text, offsets = self.block_text(h)
-            take = min(left, self.block_size)
-            pieces.append(text if take == self.block_size else text[: offsets[take - 1]])
-            left -= take
-        return "".join(pieces)
-
-    def messages(self, req: TraceRequest) -> list[dict[str, str]]:
-        """One user message whose rendered chat prompt is `input_length` tokens."""
-        body = max(req.input_length - self.chat_overhead_tokens, 1)
-        return [self._message(self.content(req.hash_ids, body))]
-
-    def iter_bodies(
-        self, requests: Sequence[TraceRequest], model: str
-    ) -> Iterator[dict[str, object]]:
-        for req in requests:
-            yield {"model": model, "messages": self.messages(req), "max_tokens": req.output_length}
 
 
 HOT_SPINE_DEFAULTS = {"rate": 60.0, "seconds": 30.0, "system": 4000, "suffix": 300, "output": 8}

@@ -44,7 +44,7 @@ AUDIT_TIMING = TimingModel(time_scale=10.0)
 def test_prompts_are_uniform_random_letters_one_token_each() -> None:
     letters = random_letters(5000)
     assert len(letters) == 5000 and set(letters) <= set(string.ascii_letters)
-    assert count_tokens(" ".join(letters)) == 5000  # loadgen/engine/tokenizer.py: one per letter
+    assert count_tokens(" ".join(letters)) == 5000  # the engine's BPE: " X" is one token
     counts = collections.Counter(random_letters(52_000))
     assert len(counts) == 52 and max(counts.values()) < 1400  # ~1,000 each
     assert random_letters(100) != random_letters(100)

@@ -7,18 +7,18 @@ from pathlib import Path
 import pytest
 
 from cachemap.keys import hash_prompt
-from cachemap.rendering import render_chat
-from loadgen.engine.tokenizer import count_tokens
+from loadgen.engine.tokenizer import count_tokens, default_tokenizer
 from loadgen.traces.readers import (
-    PromptSynthesizer,
     TraceRequest,
     read_trace,
     tenant_of,
     write_trace,
 )
+from loadgen.traces.synthesis import PromptSynthesizer
 
 MOONCAKE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake"
 CONVERSATION = MOONCAKE / "conversation_trace.jsonl"
+TOK = default_tokenizer()
 
 
 def _write(path: Path, *lines: str) -> Path:
@@ -109,7 +109,7 @@ def test_tenants_keep_a_conversation_together() -> None:
 
 
 def _prompt(synth: PromptSynthesizer, req: TraceRequest) -> str:
-    return render_chat(synth.messages(req))
+    return TOK.render_chat(synth.messages(req))  # the engine's chat template
 
 
 def test_prompts_have_exactly_the_input_length_in_engine_tokens() -> None:
@@ -121,16 +121,23 @@ def test_prompts_have_exactly_the_input_length_in_engine_tokens() -> None:
 
 def test_equal_hash_id_prefixes_give_byte_identical_prompt_prefixes() -> None:
     synth = PromptSynthesizer(block_size=16)
-    # 11 tokens of chat template: 45 - 11 = 34 = 16 + 16 + 2 tokens of content
-    assert synth.chat_overhead_tokens == 11
-    a = TraceRequest(0, 0.0, 45, 1, (0, 1, 2))
-    b = TraceRequest(1, 0.0, 64, 1, (0, 1, 3, 4))
-    c = TraceRequest(2, 0.0, 64, 1, (0, 5, 6, 7))
+    # the template around an empty user message is the overhead: "<|im_start|>user\n" ... etc.
+    overhead = count_tokens(TOK.render_chat([{"role": "user", "content": ""}]))
+    assert synth.chat_overhead_tokens == overhead
+    a = TraceRequest(0, 0.0, overhead + 34, 1, (0, 1, 2))  # 34 = 16 + 16 + 2 of content
+    b = TraceRequest(1, 0.0, overhead + 53, 1, (0, 1, 3, 4))
+    c = TraceRequest(2, 0.0, overhead + 53, 1, (0, 5, 6, 7))
     pa, pb, pc = (_prompt(synth, r) for r in (a, b, c))
     block_0_1 = synth.content((0, 1), 32)
     assert pa.startswith("<|im_start|>user\n" + block_0_1)
     assert pb.startswith("<|im_start|>user\n" + block_0_1)
     assert not pc.startswith("<|im_start|>user\n" + block_0_1)
+    # equal hash ids give equal token prefixes: the header's tokens, then exactly two blocks
+    header = len(TOK.encode("<|im_start|>user\n"))
+    ta, tb, tc = (TOK.encode(p) for p in (pa, pb, pc))
+    common = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y)
+    assert common == header + 32
+    assert next(i for i, (x, y) in enumerate(zip(ta, tc, strict=False)) if x != y) == header + 16
     # a partial last block is a prefix of the full block with the same id
     d = TraceRequest(3, 0.0, 64, 1, (0, 1, 2, 8))
     assert synth.content(d.hash_ids, 48).startswith(synth.content(a.hash_ids, 40))
