@@ -58,7 +58,6 @@ from loadgen.engine.timing import (
     TimingModel,
 )
 from loadgen.traces.readers import (
-    MOONCAKE_BLOCK_SIZE,
     Trace,
     TraceRequest,
     hot_spine_trace,
@@ -426,8 +425,9 @@ def timing_defaults() -> dict[str, float]:
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
-        help="a Mooncake-format JSONL trace, or hot-spine[:rate=60,seconds=30,system=4000,"
-        "suffix=300,output=8] (requests sharing a system prompt, faster than one replica)",
+        help="a trace (Mooncake or Qwen-Bailian JSONL, agent session files: a.json@0,b.json@30), "
+        "or hot-spine[:rate=60,seconds=30,system=4000,suffix=300,output=8] (requests sharing a "
+        "system prompt, faster than one replica)",
     )
     parser.add_argument("--replicas", type=int, default=DEFAULT_NUM_REPLICAS)
     parser.add_argument(
@@ -439,7 +439,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy", default="all", help=f"one of {', '.join(POLICIES)}, or 'all' (default)"
     )
-    parser.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_SIZE)
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="tokens per hash id (default: the format's)"
+    )
     parser.add_argument("--start", type=int, default=0, help="first trace line (0-based)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many requests")
     parser.add_argument("--tenants", type=int, default=0, help="assign conversations to N tenants")

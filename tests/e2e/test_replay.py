@@ -127,3 +127,28 @@ def test_bad_options_are_refused_with_a_message(capsys: pytest.CaptureFixture[st
     assert "No such file" in capsys.readouterr().out
     assert main(["replay", "x.jsonl", "--target", "localhost:80"]) == 2
     assert "must start with http://" in capsys.readouterr().out
+
+
+SAMPLES = Path(__file__).resolve().parents[2] / "loadgen" / "traces" / "samples"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "mooncake_full_blocks.jsonl",
+        "bailian.jsonl",
+        "agent_session.json@0,agent_sessions.jsonl@7",
+    ],
+)
+def test_every_trace_format_replays_with_exact_prompt_lengths(
+    start_engines: Callable[..., list[Served]], spec: str
+) -> None:
+    spec = ",".join(str(SAMPLES / part) for part in spec.split(","))
+    trace = read_trace(spec)
+    (engine,) = start_engines(1)
+    options = ReplayOptions(engine.url, (), time_scale=100.0, progress=False)
+    rows, _ = asyncio.run(replay(trace, options))
+    assert all(r.ok for r in rows), [r.error for r in rows if not r.ok]
+    # the engine's own tokenization of each synthesized chat is the trace's input length
+    assert [r.prompt_tokens for r in rows] == [r.input_length for r in trace.requests]
+    assert [r.output_tokens for r in rows] == [r.output_length for r in trace.requests]
