@@ -21,8 +21,9 @@ Invariants:
 - Cache hints (`MARK_KEYS` on tools and content parts) are not rendered: they change what a
   request is billed, not what the engine sees, so a marked and an unmarked request share blocks.
 
-loadgen's simulated engine uses this exact rendering as its chat template, so the gateway's byte
-blocks and the engine's token blocks describe the same text.
+It is not an engine's chat template: a real model's template (and the simulated engine's,
+loadgen/engine/model/) renders tools, tool calls and content parts differently, so byte blocks
+and token blocks describe the same conversation but not the same text (docs/engine.md).
 """
 
 from __future__ import annotations
