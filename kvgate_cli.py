@@ -81,6 +81,12 @@ COMMANDS: dict[str, Command] = {
         "add_bench_cpu_arguments",
         "run_bench_cpu",
     ),
+    "bench-engine": Command(
+        "the simulated engine's CPU time per request, KV events off and on (a benchmark)",
+        "loadgen.bench.engine_cpu",
+        "add_bench_engine_arguments",
+        "run_bench_engine",
+    ),
     "bench-directory": Command(
         "the Redis directory: lookup latency/throughput, memory (a benchmark)",
         "loadgen.bench.directory",

@@ -11,17 +11,14 @@
     └── EngineRejected        4xx  an engine refused the request (its 4xx, for front ends that
                                    cannot relay the engine's body unchanged)
 
-Errors are mapped here and nowhere else: to HTTP bodies in OpenAI's shape (`to_http`) and in
-Anthropic's (`to_anthropic_http`), and to gRPC status codes (`to_grpc`), each by HTTP status.
+Errors are mapped to the wire in one place only, `gateway.api.errors`: to HTTP bodies in
+OpenAI's shape and in Anthropic's, and to gRPC status codes, each by the error's HTTP status.
+This module holds the tree alone (no framework), so any layer may raise them.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import grpc
 import orjson
-from starlette.responses import Response
 
 
 class GatewayError(Exception):
@@ -106,75 +103,3 @@ class EngineRejected(GatewayError):
                 message = detail
         super().__init__(f"the engine refused the request: {message}", code="engine_rejected")
         self.status = status if 400 <= status < 500 else 400
-
-
-def openai_error_body(err: GatewayError) -> dict[str, Any]:
-    return {
-        "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
-    }
-
-
-def to_http(err: GatewayError) -> Response:
-    return Response(
-        orjson.dumps(openai_error_body(err)),
-        status_code=err.status,
-        media_type="application/json",
-        headers=err.headers(),
-    )
-
-
-# -- Anthropic's error shape --------------------------------------------------------------------
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-"""Anthropic's error types by HTTP status; other 4xx are `invalid_request_error`, anything else
-an `api_error`."""
-
-
-def anthropic_error_body(err: GatewayError) -> dict[str, Any]:
-    fallback = "invalid_request_error" if 400 <= err.status < 500 else "api_error"
-    kind = _ANTHROPIC_TYPES.get(err.status, fallback)
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
-
-
-def to_anthropic_http(err: GatewayError) -> Response:
-    return Response(
-        orjson.dumps(anthropic_error_body(err)),
-        status_code=err.status,
-        media_type="application/json",
-        headers=err.headers(),
-    )
-
-
-# -- gRPC status codes --------------------------------------------------------------------------
-_GRPC_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    502: grpc.StatusCode.UNAVAILABLE,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
-"""gRPC's equivalents of the HTTP statuses (as grpc-gateway maps them); other 4xx are
-INVALID_ARGUMENT, anything else INTERNAL."""
-
-
-def to_grpc(err: GatewayError) -> tuple[Any, str, tuple[tuple[str, str], ...]]:
-    """(status code, details, trailing metadata) for `ServicerContext.abort`."""
-    code = _GRPC_CODES.get(err.status)
-    if code is None:
-        code = (
-            grpc.StatusCode.INVALID_ARGUMENT
-            if 400 <= err.status < 500
-            else grpc.StatusCode.INTERNAL
-        )
-    return code, err.message, tuple(err.headers().items())

@@ -24,7 +24,7 @@ from pydantic_settings import (
 
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
-from gateway.tenancy.registry import check_tenant_name
+from gateway.request.tenant import BILLING_PROFILES, check_tenant_name
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
 from router.filters import DEFAULT_ABSOLUTE_SLACK_TOKENS, DEFAULT_RELATIVE_SLACK
 from router.overflow import DEFAULT_HOT_SHARE
@@ -75,15 +75,6 @@ DEFAULT_RATE_LIMIT_TIMEOUT_S = 0.1
 (gateway.pipeline.ratelimit.DEFAULT_TIMEOUT_S)."""
 
 # -- billing (issue #7) ---------------------------------------------------------------------------
-BILLING_PROFILES = (
-    "anthropic",
-    "openai",
-    "openai_legacy",
-    "google_implicit",
-    "google_explicit",
-    "deepseek",
-)
-"""The billing profiles of gateway.billing (RULES.md §1); listed here so settings import nothing."""
 DEFAULT_BILLING_PROFILE = "openai"
 """The gateway speaks OpenAI's API: bill its clients by OpenAI's current (5.6) rules."""
 DEFAULT_BILLING_LOOKBACK_BLOCKS = 20

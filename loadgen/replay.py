@@ -31,6 +31,7 @@ import aiohttp
 from loadgen.client import Result, stream_chat
 from loadgen.runner import run_phases
 from loadgen.sim import percentile
+from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import Trace, read_trace
 from loadgen.traces.synthesis import PromptSynthesizer
 from loadgen.workloads import Phase, agent_day, agent_session
@@ -345,8 +346,12 @@ WORKLOADS = ("workload:agent-day", "workload:agent-session")
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
+        nargs="?",
+        default=str(CONVERSATION_TRACE),
         help="a trace (Mooncake or Qwen-Bailian JSONL, agent session files merged at offsets: "
-        "a.json@0,b.json@30), or a closed-loop workload: " + ", ".join(WORKLOADS),
+        "a.json@0,b.json@30), or a closed-loop workload: "
+        + ", ".join(WORKLOADS)
+        + "; default: the shipped Mooncake conversation trace",
     )
     parser.add_argument(
         "--target",

@@ -47,7 +47,10 @@ from cachemap.directory import DEFAULT_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
 from cachemap.rates import PrefixRates
+from loadgen.engine.kvpool import BlockPool
 from loadgen.engine.timing import (
+    DEFAULT_DECODE_S_PER_CONTEXT_TOKEN,
+    DEFAULT_DECODE_S_PER_SEQ,
     DEFAULT_DECODE_S_PER_TOKEN,
     DEFAULT_MAX_BATCH,
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -56,14 +59,19 @@ from loadgen.engine.timing import (
     Job,
     PrefixCache,
     TimingModel,
+    add_decode_arguments,
+    decode_from_args,
+    describe_decode,
 )
+from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import (
     Trace,
     TraceRequest,
     hot_spine_trace,
     read_trace,
 )
-from router.overflow import OverflowConfig, widen
+from router.overflow import OverflowConfig
+from router.plan import HotPrefix, plan
 from router.registry import POLICIES, RouterConfig, build_policy
 from router.types import Replica, RouteRequest
 
@@ -93,7 +101,7 @@ class SimConfig:
     directory_ttl_s: float = DEFAULT_TTL_S
     directory_scale: float = DEFAULT_DIRECTORY_SCALE
     overflow: bool = True
-    """Spread hot prefixes as the gateway does (router.overflow.widen, cachemap.rates), with the
+    """Spread hot prefixes as the gateway does (router.plan, cachemap.rates), with the
     threshold derived from the engines' prefill rate; `cache_aware` only."""
     overflow_threshold_per_min: float | None = None
 
@@ -256,12 +264,16 @@ def simulate(
         clock=clock,
     )
     replicas = [
-        _ReplicaState(f"r{i}", EngineCore(config.timing, PrefixCache(per_replica)))
+        _ReplicaState(f"r{i}", EngineCore(config.timing, BlockPool(per_replica)))
         for i in range(config.num_replicas)
     ]
     by_id = {r.id: r for r in replicas}
+    index_of = {r.id: i for i, r in enumerate(replicas)}
     rates = PrefixRates(clock=clock) if config.overflow and policy == "cache_aware" else None
-    overflow = OverflowConfig(config.timing.prefill_tokens_per_s * config.timing.time_scale)
+    overflow = OverflowConfig(
+        config.timing.prefill_tokens_per_s * config.timing.time_scale,
+        fixed_threshold_per_min=config.overflow_threshold_per_min,
+    )
     if keys is None:
         keys = [request_keys(r, config.router.consistent_hash_blocks) for r in trace.requests]
     block = trace.block_size
@@ -323,18 +335,15 @@ def simulate(
         )
         snapshot = [r.snapshot() for r in replicas]
         depth = max(overlap.values(), default=0)
+        hot = None
         if rates is not None and depth > 0:  # the gateway's hot-prefix step, the same code
-            hot = rates.observe(hs[depth - 1])
-            route, k, _ = widen(
-                route,
-                snapshot,
-                hot.rate_per_min,
-                hot.k,
-                overflow,
-                config.overflow_threshold_per_min,
-            )
-            rates.set_k(hs[depth - 1], k)
-        decision = profile.decide(route, snapshot, rng)
+            observed = rates.observe(hs[depth - 1])
+            hot = HotPrefix(observed.rate_per_min, observed.k)
+        planned = plan(profile, route, snapshot, rng, hot, overflow)
+        if planned.k is not None:
+            assert rates is not None
+            rates.set_k(hs[depth - 1], planned.k)
+        decision = planned.decision
         assert decision is not None, "every simulated replica is healthy"
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         rep = by_id[decision.replica]
@@ -354,7 +363,7 @@ def simulate(
         )
         estimates[job.id] = (rep, estimate, req, decision.reason)
         rep.core.submit(req.arrival_s, job)
-        push(int(rep.id[1:]))
+        push(index_of[rep.id])
     drain(float("inf"))
     assert not estimates, "every request finished"
     done = [o for o in outcomes if o is not None]
@@ -417,6 +426,8 @@ def timing_defaults() -> dict[str, float]:
     return {
         "prefill_tokens_per_s": DEFAULT_PREFILL_TOKENS_PER_S,
         "decode_s_per_token": DEFAULT_DECODE_S_PER_TOKEN,
+        "decode_s_per_seq": DEFAULT_DECODE_S_PER_SEQ,
+        "decode_s_per_context_token": DEFAULT_DECODE_S_PER_CONTEXT_TOKEN,
         "max_batch": DEFAULT_MAX_BATCH,
     }
 
@@ -425,9 +436,12 @@ def timing_defaults() -> dict[str, float]:
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "trace",
+        nargs="?",
+        default=str(CONVERSATION_TRACE),
         help="a trace (Mooncake or Qwen-Bailian JSONL, agent session files: a.json@0,b.json@30), "
         "or hot-spine[:rate=60,seconds=30,system=4000,suffix=300,output=8] (requests sharing a "
-        "system prompt, faster than one replica)",
+        "system prompt, faster than one replica); default: the shipped Mooncake conversation "
+        "trace",
     )
     parser.add_argument("--replicas", type=int, default=DEFAULT_NUM_REPLICAS)
     parser.add_argument(
@@ -446,9 +460,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="at most this many requests")
     parser.add_argument("--tenants", type=int, default=0, help="assign conversations to N tenants")
     parser.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S)
-    parser.add_argument(
-        "--decode-ms-per-token", type=float, default=DEFAULT_DECODE_S_PER_TOKEN * 1e3
-    )
+    add_decode_arguments(parser)
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--absolute-slack-tokens", type=float, default=None)
@@ -486,8 +498,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         capacity_frac=args.capacity_frac,
         timing=TimingModel(
             prefill_tokens_per_s=args.prefill_tokens_per_s,
-            decode_s_per_token=args.decode_ms_per_token / 1e3,
             max_batch=args.max_batch,
+            **decode_from_args(args),
         ),
         router=router,
         seed=args.seed,
@@ -525,8 +537,8 @@ def run_sim(args: argparse.Namespace) -> int:
         f"{trace.span_s:,.0f} s, {refs.unique_blocks:,} unique blocks of {trace.block_size} "
         f"tokens; {config.num_replicas} replicas × {refs.capacity_blocks_per_replica:,} blocks "
         f"(capacity frac {config.capacity_frac:g})\nengine timing: prefill "
-        f"{t.prefill_tokens_per_s:,.0f} tokens/s FCFS, decode {t.decode_s_per_token * 1e3:g} ms "
-        f"per output token, batch ≤ {t.max_batch}; router: absolute slack "
+        f"{t.prefill_tokens_per_s:,.0f} tokens/s FCFS, {describe_decode(t)}, "
+        f"batch ≤ {t.max_batch}; router: absolute slack "
         f"{config.router.absolute_slack_tokens:,.0f} tokens, relative slack "
         f"{config.router.relative_slack:g}, directory {config.directory_scale:g}x the engines' "
         f"KV; seed {config.seed}"

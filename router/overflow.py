@@ -38,6 +38,8 @@ class OverflowConfig:
     hot_share: float = DEFAULT_HOT_SHARE
     shrink_ratio: float = DEFAULT_SHRINK_RATIO
     min_threshold_per_min: float = DEFAULT_MIN_THRESHOLD_PER_MIN
+    fixed_threshold_per_min: float | None = None
+    """A fixed rate above which a prefix is hot, instead of the one its size implies."""
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0:
@@ -97,7 +99,6 @@ def widen(
     rate_per_min: float,
     current_k: int,
     config: OverflowConfig,
-    fixed_threshold_per_min: float | None = None,
 ) -> tuple[RouteRequest, int, list[str]]:
     """The whole hot-prefix step, as the gateway and the simulator run it: the prefix this
     request matched (its deepest block any replica holds) is requested at `rate_per_min`;
@@ -107,7 +108,7 @@ def widen(
     if depth <= 0:
         return req, current_k, []
     uncached = req.num_prompt_tokens - depth * req.tokens_per_block
-    threshold = fixed_threshold_per_min or threshold_per_min(config, uncached)
+    threshold = config.fixed_threshold_per_min or threshold_per_min(config, uncached)
     healthy = sum(1 for r in replicas if r.healthy)
     k = next_k(current_k, rate_per_min, threshold, config.shrink_ratio, healthy)
     widened, added = spread(req, replicas, depth, k)

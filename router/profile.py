@@ -19,7 +19,7 @@ from router.types import Decision, Replica, RouteRequest
 
 
 @dataclass(frozen=True)
-class Profile:
+class RoutingProfile:
     name: str
     filters: tuple[Filter, ...]
     scorers: tuple[tuple[Scorer, float], ...]

@@ -11,7 +11,7 @@ from router.filters import (
     HealthyFilter,
     LoadBoundFilter,
 )
-from router.profile import Profile
+from router.profile import RoutingProfile
 from router.scorers import (
     EstimatedWorkScorer,
     InflightScorer,
@@ -37,9 +37,9 @@ class RouterConfig:
     consistent_hash_blocks: int = DEFAULT_CONSISTENT_HASH_BLOCKS
 
 
-def cache_aware(config: RouterConfig) -> Profile:
+def cache_aware(config: RouterConfig) -> RoutingProfile:
     """The longest cached prefix among the replicas within the load bound."""
-    return Profile(
+    return RoutingProfile(
         "cache_aware",
         (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
         ((PrefixScorer(), 1.0), (EstimatedWorkScorer(), _TIE_BREAK)),
@@ -47,28 +47,28 @@ def cache_aware(config: RouterConfig) -> Profile:
     )
 
 
-def round_robin(config: RouterConfig) -> Profile:
-    return Profile("round_robin", (HealthyFilter(),), ((RoundRobinScorer(), 1.0),))
+def round_robin(config: RouterConfig) -> RoutingProfile:
+    return RoutingProfile("round_robin", (HealthyFilter(),), ((RoundRobinScorer(), 1.0),))
 
 
-def random_choice(config: RouterConfig) -> Profile:
-    return Profile("random", (HealthyFilter(),), ((RandomScorer(), 1.0),))
+def random_choice(config: RouterConfig) -> RoutingProfile:
+    return RoutingProfile("random", (HealthyFilter(),), ((RandomScorer(), 1.0),))
 
 
-def least_load(config: RouterConfig) -> Profile:
+def least_load(config: RouterConfig) -> RoutingProfile:
     """Fewest requests in flight, ties at random: blind to the cache, as the peers' baseline."""
-    return Profile("least_load", (HealthyFilter(),), ((InflightScorer(), 1.0),))
+    return RoutingProfile("least_load", (HealthyFilter(),), ((InflightScorer(), 1.0),))
 
 
-def consistent_hash(config: RouterConfig) -> Profile:
-    return Profile("consistent_hash", (HealthyFilter(),), ((RendezvousScorer(), 1.0),))
+def consistent_hash(config: RouterConfig) -> RoutingProfile:
+    return RoutingProfile("consistent_hash", (HealthyFilter(),), ((RendezvousScorer(), 1.0),))
 
 
-def cache_aware_local(config: RouterConfig) -> Profile:
+def cache_aware_local(config: RouterConfig) -> RoutingProfile:
     """`cache_aware` while the shared directory is away: the overlap comes from this gateway's
     own records, and ties (above all: no match anywhere) go by consistent hashing of the first
     blocks, so every gateway still sends a new prefix to the same replica."""
-    return Profile(
+    return RoutingProfile(
         "cache_aware_local",
         (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
         ((PrefixScorer(), 1.0), (RendezvousScorer(), _TIE_BREAK)),
@@ -76,7 +76,7 @@ def cache_aware_local(config: RouterConfig) -> Profile:
     )
 
 
-POLICIES: dict[str, Callable[[RouterConfig], Profile]] = {
+POLICIES: dict[str, Callable[[RouterConfig], RoutingProfile]] = {
     "cache_aware": cache_aware,
     "round_robin": round_robin,
     "random": random_choice,
@@ -85,18 +85,18 @@ POLICIES: dict[str, Callable[[RouterConfig], Profile]] = {
 }
 
 
-FALLBACKS: dict[str, Callable[[RouterConfig], Profile]] = {
+FALLBACKS: dict[str, Callable[[RouterConfig], RoutingProfile]] = {
     "cache_aware": cache_aware_local,
 }
 """What a policy becomes while the shared directory does not answer (others are unchanged)."""
 
 
-def build_fallback(name: str, config: RouterConfig | None = None) -> Profile:
+def build_fallback(name: str, config: RouterConfig | None = None) -> RoutingProfile:
     factory = FALLBACKS.get(name)
     return factory(config or RouterConfig()) if factory else build_policy(name, config)
 
 
-def build_policy(name: str, config: RouterConfig | None = None) -> Profile:
+def build_policy(name: str, config: RouterConfig | None = None) -> RoutingProfile:
     try:
         factory = POLICIES[name]
     except KeyError:

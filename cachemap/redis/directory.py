@@ -1,22 +1,6 @@
 """The Redis directory: the same protocol as the in-process one, shared by every gateway.
 
-Key schema (all binary-safe; `{...}` is the Redis Cluster hash tag):
-
-    kvg:{TAG}:<16-byte block hash>   HASH  replica id -> "<generation>:<last use, ms>"
-                                     PEXPIRE = ttl, refreshed on every record
-    kvg:{kvg-meta}:gen               HASH  replica id -> current generation
-    kvg:{kvg-meta}:count             HASH  replica id -> blocks recorded in this generation
-    kvg:{kvg-meta}:start             HASH  replica id -> the engine's last seen start marker
-    kvg:{kvg-meta}:floor             HASH  replica id -> entries last used at or before this
-                                           (ms) no longer match (reconciliation's `expire`)
-    channel kvg:gen                  "<replica id>:<generation>" on every generation change
-
-TAG is the hex of the 6-byte tag every block hash of a chain starts with (`cachemap.keys`: the
-salted block 0's first bytes), so every key of one chain sits in one cluster slot — a lookup is
-ONE script call whatever the chain length, and any slice of a chain is addressed by itself —
-while tenants and system prompts spread over the shards.
-A replica id is the 32-bit MurmurHash3 of the replica's name, in hex: every gateway derives the
-same id without coordination.
+The key schema is in `cachemap.redis.schema`, the scripts in `cachemap.redis.scripts`.
 
 Generations do three jobs with one number per replica:
 - An entry matches only if its generation is the replica's current one or the one before.
@@ -40,283 +24,34 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import mmh3
-import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import NoScriptError
-from redis.retry import Retry
 
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
-from cachemap.keys import TAG_BYTES, BlockHash
-
-SUFFIX_BYTES = 16 - TAG_BYTES
-"""What follows the tag in a block hash: a block's key is the chain's prefix + these bytes."""
+from cachemap.keys import BlockHash
+from cachemap.redis import scripts
+from cachemap.redis.client import AnyRedis, stop_task
+from cachemap.redis.schema import (
+    CHANNEL,
+    COUNT_KEY,
+    FLOOR_KEY,
+    GEN_KEY,
+    START_KEY,
+    chain_call,
+    replica_id,
+    text,
+)
+from cachemap.redis.stores import MarkerStore, RateStore
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-AnyRedis = aioredis.Redis | RedisCluster
 
-GEN_KEY = b"kvg:{kvg-meta}:gen"
-COUNT_KEY = b"kvg:{kvg-meta}:count"
-START_KEY = b"kvg:{kvg-meta}:start"
-FLOOR_KEY = b"kvg:{kvg-meta}:floor"
-CHANNEL = "kvg:gen"
-LAND_CHANNEL = "kvg:land"
-"""Fan-out leaders announce here that their write landed: "<marker>|<replica>|ok|fail"."""
 GEN_REFRESH_S = 1.0
+"""Safety net behind the channel: a gateway that missed a message is stale for at most 1 s."""
 MAX_PIPELINED_LOOKUPS = 8
 """Lookups per pipelined write: a burst is cut into several pipelines on several connections,
 so the client reads one pipeline's answers while Redis runs the next one's scripts."""
-"""Safety net behind the channel: a gateway that missed a message is stale for at most 1 s."""
-
-# The chain scripts declare the chain's first key (it routes the call to the slot every key of
-# the chain shares) and take the blocks as one blob of 10-byte suffixes: packing one argument
-# instead of one key per block halved the client's CPU per lookup (see docs/design/directory.md).
-_CHAIN = """
--- ARGV[1]: the chain's key prefix "kvg:{TAG}:", ARGV[2]: the blocks' 10-byte suffixes, joined
-local prefix, blob = ARGV[1], ARGV[2]
-local KEYS = {}
-for i = 1, #blob / 10 do KEYS[i] = prefix .. string.sub(blob, i * 10 - 9, i * 10) end
-"""
-
-# ARGV (after the chain): now ms, ttl ms, rate window ms (0: do not count), find writers (0/1),
-# and the replicas' "rid,oldest live gen,floor ms;" entries in one string.
-# Returns {{rid, depth, last use}*, {depth, rate, k} | {}, {shared depth, writer} | {}}.
-_LOOKUP = (
-    _CHAIN
-    + """
-local now = tonumber(ARGV[3])
-local ttl = tonumber(ARGV[4])
-local window_ms = tonumber(ARGV[5])
-local mingen = {}
-local floor = {}
-for rid, gen, fl in string.gmatch(ARGV[7], '([^,;]+),([^,;]+),([^,;]+);') do
-  mingen[rid] = tonumber(gen)
-  floor[rid] = tonumber(fl)
-end
-local depth = {}
-local last = {}
-local deepest = 0
--- one record call writes the same "<generation>:<last use>" to every block of its chain, so a
--- value is parsed once per lookup (Lua interns strings: the memo is a pointer lookup)
-local gens, useds = {}, {}
-for i = 1, #KEYS do
-  local fields = redis.call('HGETALL', KEYS[i])
-  local advanced = false
-  for j = 1, #fields, 2 do
-    local rid = fields[j]
-    if (depth[rid] or 0) == i - 1 then
-      local value = fields[j + 1]
-      local gen, used = gens[value], useds[value]
-      if not gen then
-        local sep = string.find(value, ':', 1, true)
-        gen = tonumber(string.sub(value, 1, sep - 1))
-        used = tonumber(string.sub(value, sep + 1))
-        gens[value], useds[value] = gen, used
-      end
-      if gen >= (mingen[rid] or 0) and now - used < ttl and used > (floor[rid] or -1) then
-        depth[rid] = i
-        last[rid] = used
-        advanced = true
-      end
-    end
-  end
-  if not advanced then break end
-  deepest = i
-end
-local out = {}
-for rid, d in pairs(depth) do
-  out[#out + 1] = rid
-  out[#out + 1] = d
-  out[#out + 1] = last[rid]
-end
-local hot = {}
-if window_ms > 0 and deepest > 0 then
-  local key = KEYS[deepest] .. ':r'
-  local v = redis.call('HMGET', key, 'w', 'c', 'p', 'k')
-  local window = math.floor(now / window_ms)
-  local w, c, p = tonumber(v[1]) or window, tonumber(v[2]) or 0, tonumber(v[3]) or 0
-  local k = tonumber(v[4]) or 1
-  if w ~= window then
-    if w == window - 1 then p = c else p = 0 end
-    c = 0
-  end
-  c = c + 1
-  redis.call('HSET', key, 'w', window, 'c', c, 'p', p)
-  redis.call('PEXPIRE', key, 2 * window_ms)
-  local rate = (p * math.max(0, 1 - (now / window_ms - window)) + c) * 60000 / window_ms
-  hot = {deepest, tostring(rate), k}
-end
-local writer = {}
-if ARGV[6] == '1' then
-  for i = deepest + 1, #KEYS do
-    local w = redis.call('GET', KEYS[i] .. ':w')
-    if not w then break end
-    writer = {i, w}
-  end
-end
-return {out, hot, writer}
-"""
-)
-
-# KEYS: a prefix's rate key. ARGV: k.
-_SET_K = """
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'k', ARGV[1]) end
-return 1
-"""
-
-# ARGV (after the chain): the leader's marker, ttl ms. A block's marker is its key + ":w";
-# the first writer wins.
-_LEAD = (
-    _CHAIN
-    + """
-local n = 0
-for i = 1, #KEYS do
-  if redis.call('SET', KEYS[i] .. ':w', ARGV[3], 'NX', 'PX', ARGV[4]) then n = n + 1 end
-end
-return n
-"""
-)
-
-# ARGV (after the chain): the leader's pending marker, its landed marker, ttl ms, channel.
-_LAND = (
-    _CHAIN
-    + """
-for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i] .. ':w') == ARGV[3] then
-    redis.call('SET', KEYS[i] .. ':w', ARGV[4], 'PX', ARGV[5])
-  end
-end
-redis.call('PUBLISH', ARGV[6], ARGV[4])
-return 1
-"""
-)
-
-# ARGV (after the chain): rid, generation, now ms, ttl ms.
-_RECORD = (
-    _CHAIN
-    + """
-local value = ARGV[4] .. ':' .. ARGV[5]
-for i = 1, #KEYS do
-  redis.call('HSET', KEYS[i], ARGV[3], value)
-  redis.call('PEXPIRE', KEYS[i], ARGV[6])
-end
-return #KEYS
-"""
-)
-
-# ARGV (after the chain): rid.
-_DROP = (
-    _CHAIN
-    + """
-for i = 1, #KEYS do redis.call('HDEL', KEYS[i], ARGV[3]) end
-return #KEYS
-"""
-)
-
-# KEYS: gen, count. ARGV: rid, blocks recorded, blocks per generation
-_COUNT = """
-local n = redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[2])
-local gen = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-if n >= tonumber(ARGV[3]) then
-  gen = redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-  redis.call('HSET', KEYS[2], ARGV[1], 0)
-  redis.call('PUBLISH', ARGV[4], ARGV[1] .. ':' .. gen)
-end
-return gen
-"""
-
-# KEYS: floor. ARGV: rid, ms, channel. Floors only rise.
-_EXPIRE = """
-local old = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
-if tonumber(ARGV[2]) > old then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-  redis.call('PUBLISH', ARGV[3], ARGV[1] .. ':floor:' .. ARGV[2])
-  return tonumber(ARGV[2])
-end
-return old
-"""
-
-# KEYS: gen, count, start. ARGV: rid, start marker ('' = unconditional), channel
-_BUMP = """
-if ARGV[2] ~= '' then
-  local old = redis.call('HGET', KEYS[3], ARGV[1])
-  redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
-  if (not old) or old == ARGV[2] then
-    return {tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0'), 0}
-  end
-end
-local gen = redis.call('HINCRBY', KEYS[1], ARGV[1], 2)
-redis.call('HSET', KEYS[2], ARGV[1], 0)
-redis.call('PUBLISH', ARGV[3], ARGV[1] .. ':' .. gen)
-return {gen, 1}
-"""
-
-
-async def stop_task(task: asyncio.Task[Any], grace_s: float) -> None:
-    """Cancel a background task and wait for it, at most `grace_s`. A pub/sub read inside
-    redis-py has been seen to swallow the cancellation (a teardown hung on it), so loops also
-    check a closing flag, and a close never waits on them unbounded."""
-    task.cancel()
-    done, _ = await asyncio.wait({task}, timeout=grace_s)
-    if not done:
-        log.warning("a background task did not stop within %.1f s: %r", grace_s, task)
-    elif not task.cancelled() and task.exception() is not None:
-        log.debug("background task ended with %r", task.exception())
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def replica_id(replica: str) -> str:
-    return format(mmh3.hash(replica, signed=False), "08x")
-
-
-def chain_call(hashes: Sequence[BlockHash]) -> tuple[list[bytes], list[bytes]]:
-    """(keys, leading args) of a chain script: the first block's key (for the slot), then the
-    key prefix and the blocks' suffixes joined (see `_CHAIN`)."""
-    prefix = b"kvg:{" + hashes[0][:TAG_BYTES].hex().encode() + b"}:"
-    blob = b"".join([h[TAG_BYTES:] for h in hashes])
-    assert len(blob) == len(hashes) * SUFFIX_BYTES, "block hashes are 16 bytes"
-    return [prefix + hashes[0][TAG_BYTES:]], [prefix, blob]
-
-
-def block_keys(hashes: Sequence[BlockHash]) -> list[bytes]:
-    """The Redis key of each block: its chain's tag in braces, then the rest of the hash."""
-    if not hashes:
-        return []
-    prefix = b"kvg:{" + hashes[0][:TAG_BYTES].hex().encode() + b"}:"
-    assert all(h[:TAG_BYTES] == hashes[0][:TAG_BYTES] for h in hashes[-1:]), "one chain per call"
-    return [prefix + h[TAG_BYTES:] for h in hashes]
-
-
-async def open_redis(url: str, *, cluster: bool | None = None, timeout_s: float = 1.0) -> AnyRedis:
-    """One client for `redis://`, `rediss://` or `unix://` URLs; a Redis Cluster when
-    `cluster` is True, or when None and the server says `cluster_enabled:1`.
-
-    Retries only connection errors and timeouts (3 times, exponential backoff with jitter);
-    every write kvgate makes is idempotent, so a replayed one does no harm.
-    """
-    options: dict[str, Any] = {
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-        "retry": Retry(ExponentialWithJitterBackoff(), 3),
-    }
-    if cluster is None:
-        probe = aioredis.Redis.from_url(url, **options)
-        try:
-            info = await probe.info("cluster")
-            cluster = bool(info.get("cluster_enabled"))
-        finally:
-            await probe.aclose()
-    if cluster:
-        if url.startswith("unix://"):
-            raise ValueError("a Redis Cluster is reached over TCP (redis:// or rediss://)")
-        return RedisCluster.from_url(url, **options)
-    return aioredis.Redis.from_url(url, **options)
 
 
 @dataclass
@@ -349,20 +84,19 @@ class RedisDirectory:
         self.ttl_s = ttl_s
         self.clock = clock
         self.cluster = isinstance(client, RedisCluster)
-        self._lookup = client.register_script(_LOOKUP)
+        self._lookup = client.register_script(scripts.LOOKUP)
         self.batch_lookups = True
         """Pipeline the lookups of one event-loop tick (in a cluster, redis-py's pipeline sends
         each node its own; its `evalsha` helper is blocked there, the raw command is not)."""
         self._batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]] = []
         self._sending: set[asyncio.Task[None]] = set()
-        self._record = client.register_script(_RECORD)
-        self._drop = client.register_script(_DROP)
-        self._count = client.register_script(_COUNT)
-        self._bump = client.register_script(_BUMP)
-        self._expire = client.register_script(_EXPIRE)
-        self._set_k = client.register_script(_SET_K)
-        self._lead = client.register_script(_LEAD)
-        self._land = client.register_script(_LAND)
+        self._record = client.register_script(scripts.RECORD)
+        self._drop = client.register_script(scripts.DROP)
+        self._count = client.register_script(scripts.COUNT)
+        self._bump = client.register_script(scripts.BUMP)
+        self._expire = client.register_script(scripts.EXPIRE)
+        self.hot = RateStore(client)
+        self.markers = MarkerStore(client)
         self._names: dict[str, str] = {}
         self._gens: dict[str, int] = {}
         self._floors: dict[str, int] = {}
@@ -405,7 +139,7 @@ class RedisDirectory:
         names = self._names
         detail: dict[str, tuple[int, float]] = {}
         for i in range(0, len(flat), 3):
-            name = names.get(_text(flat[i]))
+            name = names.get(text(flat[i]))
             if name is not None:
                 detail[name] = (int(flat[i + 1]), int(flat[i + 2]) / 1000)
         result = SharedLookup(detail)
@@ -416,7 +150,7 @@ class RedisDirectory:
                 int(hot[2]),
             )
         if writer:
-            result.writer_depth, result.writer = int(writer[0]), _text(writer[1])
+            result.writer_depth, result.writer = int(writer[0]), text(writer[1])
         return result
 
     async def _call_lookup(self, keys: list[bytes], args: list[Any]) -> Any:
@@ -476,34 +210,10 @@ class RedisDirectory:
                 pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
             results = await pipe.execute(raise_on_error=False)
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
-                await self.client.script_load(_LOOKUP)  # on every primary of a cluster
+                await self.client.script_load(scripts.LOOKUP)  # on every primary of a cluster
                 continue
             return list(results)
         return list(results)
-
-    async def set_k(self, prefix: BlockHash, k: int) -> None:
-        await self._set_k(keys=[block_keys([prefix])[0] + b":r"], args=[k])
-
-    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> int:
-        """Mark `blocks` as being written by a leader (set if absent); how many it now holds."""
-        if not blocks:
-            return 0
-        keys, head = chain_call(blocks)
-        return int(await self._lead(keys=keys, args=[*head, marker, int(ttl_s * 1000)]))
-
-    async def land(
-        self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float
-    ) -> None:
-        """The leader's write landed (or failed): its markers say so for `ttl_s`, and every
-        gateway hears it on `LAND_CHANNEL`."""
-        if not blocks:
-            return
-        keys, head = chain_call(blocks)
-        await self._land(keys=keys, args=[*head, marker, landed, int(ttl_s * 1000), LAND_CHANNEL])
-
-    async def read_marker(self, block: BlockHash) -> str | None:
-        value = await self.client.get(block_keys([block])[0] + b":w")
-        return None if value is None else _text(value)
 
     async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.record_many([(replica, hashes)])
@@ -569,8 +279,8 @@ class RedisDirectory:
         """Reload every replica's generation and floor (both live in the meta slot)."""
         gens = await self.client.hgetall(GEN_KEY)
         floors = await self.client.hgetall(FLOOR_KEY)
-        new_gens = {_text(k): int(v) for k, v in gens.items()}
-        new_floors = {_text(k): int(v) for k, v in floors.items()}
+        new_gens = {text(k): int(v) for k, v in gens.items()}
+        new_floors = {text(k): int(v) for k, v in floors.items()}
         if new_gens != self._gens or new_floors != self._floors:
             self._gens, self._floors, self._replica_arg = new_gens, new_floors, None
 
@@ -590,7 +300,7 @@ class RedisDirectory:
                             ignore_subscribe_messages=True, timeout=GEN_REFRESH_S
                         )
                         if message is not None:
-                            self._apply(_text(message["data"]))
+                            self._apply(text(message["data"]))
                         else:
                             await self.refresh_generations()
                 finally:

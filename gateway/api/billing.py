@@ -10,90 +10,56 @@ Explicit cached contents (the tenant's own key; profile google_explicit):
     PATCH  /v1/cached_contents/{id}   {ttl_s | expire_time}      moves the expiry (rent follows)
     DELETE /v1/cached_contents/{id}                              ends it now (rent refunded)
 A chat request names one with `"cached_content": id`: its messages (and tools) lead the prompt.
-Creating one runs its prefill on a replica (max_tokens 1), so the KV exists and the engine
-counts its tokens exactly.
+Creating one runs its prefill on a replica (max_tokens 1) through the pipeline, so the KV exists
+and the engine counts its tokens exactly. The rules live in `gateway.billing.explicit`; the
+routes authenticate, parse and answer.
 """
 
 from __future__ import annotations
-
-import uuid
-from decimal import Decimal
-from typing import Any
 
 import orjson
 from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.api.body import load_json_object
+from gateway.api.context import FrontEnd
+from gateway.api.errors import to_http
+from gateway.api.openai.parse import parse_chat
+from gateway.billing.explicit import CREATE_FIELDS, ExplicitContents, instant, object_json
 from gateway.billing.export import FORMATS, MEDIA_TYPES, encode, summarize
-from gateway.billing.pending import Pending, profile_for
-from gateway.billing.pricing.model import BillingError, CachedContent
-from gateway.billing.pricing.money import dec, iso, parse_instant, plain
-from gateway.billing.pricing.rules import DEFAULT_EXPLICIT_TTL_S
+from gateway.billing.pricing.model import BillingError
+from gateway.billing.pricing.money import plain
 from gateway.billing.service import Billing
-from gateway.errors import (
-    Forbidden,
-    GatewayError,
-    InvalidRequest,
-    TenantError,
-    UpstreamError,
-    to_http,
-)
-from gateway.pipeline.director import Director
+from gateway.errors import Forbidden, GatewayError, InvalidRequest, TenantError, UpstreamError
 from gateway.pipeline.forwarder import Passthrough
-from gateway.request.parsed import load_json_object, parse_chat
-from gateway.tenancy.registry import Tenant, TenantRegistry, bearer_key, hash_key
-
-MAX_LIFETIME_S = Decimal(366 * 86400)
-"""An explicit cached content lives at most a year: beyond that a TTL is a typo, and the rent
-charged up front through the expiry would be absurd."""
+from gateway.request.tenant import Tenant, hash_key
+from gateway.tenancy.registry import TenantRegistry, bearer_key
 
 
-class NotFound(GatewayError):
-    status = 404
-    type = "invalid_request_error"
-
-
-def _instant(value: str | None, name: str) -> Decimal | None:
-    if value is None or value == "":
-        return None
+def check_admin(billing: Billing, tenants: TenantRegistry, request: Request) -> None:
+    """An admin key passes; a tenant's key is a 403, anything else a 401."""
+    key = bearer_key(request.headers.get("authorization"))
+    if not billing.admin_hashes:
+        raise Forbidden("no admin keys are configured (set admin_keys)")
+    if not key:
+        raise TenantError("missing admin key: send it as 'Authorization: Bearer KEY'")
+    if hash_key(key) in billing.admin_hashes:
+        return
     try:
-        return parse_instant(value)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc), param=name) from None
+        tenants.authenticate(key)
+    except TenantError:
+        raise TenantError("invalid admin key", code="invalid_api_key") from None
+    raise Forbidden("this endpoint needs an admin key, not a tenant's key")
 
 
-def _object_json(obj: CachedContent) -> dict[str, Any]:
-    return {
-        "id": obj.object_id,
-        "object": "cached_content",
-        "model": obj.payload.get("model", obj.model),
-        "price_model": obj.model,
-        "tokens": obj.num_tokens,
-        "create_time": iso(obj.created),
-        "expire_time": iso(obj.expires),
-    }
-
-
-def build_billing_router(
-    billing: Billing, director: Director, tenants: TenantRegistry
-) -> APIRouter:
+def build_billing_router(billing: Billing, front: FrontEnd) -> APIRouter:
     router = APIRouter()
-    meter = billing.meter
+    _admin_routes(router, billing, front.tenants)
+    _content_routes(router, billing, front)
+    return router
 
-    def admin(request: Request) -> None:
-        key = bearer_key(request.headers.get("authorization"))
-        if not billing.admin_hashes:
-            raise Forbidden("no admin keys are configured (set admin_keys)")
-        if not key:
-            raise TenantError("missing admin key: send it as 'Authorization: Bearer KEY'")
-        if hash_key(key) in billing.admin_hashes:
-            return
-        try:
-            tenants.authenticate(key)
-        except TenantError:
-            raise TenantError("invalid admin key", code="invalid_api_key") from None
-        raise Forbidden("this endpoint needs an admin key, not a tenant's key")
 
+def _admin_routes(router: APIRouter, billing: Billing, tenants: TenantRegistry) -> None:
     @router.get("/admin/billing/export", summary="Export one tenant's ledger records (admin)")
     async def export(
         request: Request,
@@ -103,13 +69,12 @@ def build_billing_router(
         format: str = "jsonl",
     ) -> Response:
         try:
-            admin(request)
+            check_admin(billing, tenants, request)
             if format not in FORMATS:
                 raise InvalidRequest(
                     f"format must be one of {', '.join(FORMATS)}, got {format!r}", param="format"
                 )
-            lo = _instant(start, "from")
-            hi = _instant(end, "to")
+            lo, hi = instant(start, "from"), instant(end, "to")
             if lo is not None and hi is not None and hi <= lo:
                 raise InvalidRequest("'to' must be after 'from'", param="to")
             records = await billing.records(tenant, lo, hi)
@@ -130,115 +95,56 @@ def build_billing_router(
         end: str | None = Query(default=None, alias="to"),
     ) -> Response:
         try:
-            admin(request)
-            lo = _instant(start, "from")
-            hi = _instant(end, "to")
+            check_admin(billing, tenants, request)
+            lo, hi = instant(start, "from"), instant(end, "to")
             return JSONResponse(summarize(await billing.records(tenant, lo, hi)))
         except GatewayError as err:
             return to_http(err)
 
-    # -- explicit cached contents --------------------------------------------------------------
+
+def _content_routes(router: APIRouter, billing: Billing, front: FrontEnd) -> None:
+    tenants = front.tenants
+    contents = ExplicitContents(billing)
+
     def tenant_of(request: Request) -> Tenant:
         tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
-        profile = profile_for(billing.settings, tenant)
-        if profile != "google_explicit":
-            raise InvalidRequest(
-                f"explicit cached contents need the google_explicit billing profile; this "
-                f"tenant's is {profile!r}"
-            )
+        contents.check_tenant(tenant)
         return tenant
-
-    def expiry(body: dict[str, Any], now: Decimal, default: Decimal | None) -> Decimal:
-        ttl, expire = body.get("ttl_s"), body.get("expire_time")
-        if ttl is not None and expire is not None:
-            raise InvalidRequest("give either 'ttl_s' or 'expire_time', not both", param="ttl_s")
-        if ttl is not None:
-            if isinstance(ttl, bool) or not isinstance(ttl, int | float | str):
-                raise InvalidRequest("'ttl_s' must be a number of seconds", param="ttl_s")
-            try:
-                seconds = dec(ttl)
-            except ValueError as exc:
-                raise InvalidRequest(f"'ttl_s': {exc}", param="ttl_s") from None
-            if not 0 < seconds <= MAX_LIFETIME_S:
-                raise InvalidRequest(
-                    f"'ttl_s' must be positive and at most {MAX_LIFETIME_S} s", param="ttl_s"
-                )
-            return now + seconds
-        if expire is not None:
-            if not isinstance(expire, str):
-                raise InvalidRequest(
-                    "'expire_time' must be an ISO-8601 string", param="expire_time"
-                )
-            when = _instant(expire, "expire_time")
-            assert when is not None
-            if not now < when <= now + MAX_LIFETIME_S:
-                raise InvalidRequest(
-                    "'expire_time' must be in the future and within a year", param="expire_time"
-                )
-            return when
-        if default is None:
-            raise InvalidRequest("give 'ttl_s' or 'expire_time'", param="ttl_s")
-        return now + default
-
-    async def op_done(kind: str, obj: CachedContent, charge: Any, now: Decimal) -> None:
-        record = meter.op_record(kind, "op-" + uuid.uuid4().hex, obj, charge, now)
-        await billing.wal.append(record)
-        meter.save_contents()
 
     @router.post("/v1/cached_contents", summary="Create an explicit cached content")
     async def create(request: Request) -> Response:
         try:
             tenant = tenant_of(request)
             body = load_json_object(await request.body())
-            unknown = set(body) - {"model", "messages", "tools", "ttl_s", "expire_time"}
+            unknown = set(body) - CREATE_FIELDS
             if unknown:
                 raise InvalidRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
             synthetic = {k: body[k] for k in ("model", "messages", "tools") if k in body}
             parsed = parse_chat(
-                orjson.dumps({**synthetic, "max_tokens": 1}), director.settings.max_prompt_bytes
+                orjson.dumps({**synthetic, "max_tokens": 1}), front.max_prompt_bytes
             )
-            now = meter.clock.now()
-            expires = expiry(body, now, DEFAULT_EXPLICIT_TTL_S)
-            prepared = meter.prepare_sync(parsed, tenant)
-            pending = prepared.billing
-            assert isinstance(pending, Pending)
-            if pending.price_model is None:
-                raise InvalidRequest(f"model {parsed.model!r} has no price under google_explicit")
-            pending.op = "cache.create"
-            pending.create = {
-                "id": "cc-" + uuid.uuid4().hex[:24],
-                "expires": expires,
-                "messages": body["messages"],
-                "tools": body.get("tools"),
-            }
-            opened = await director.open(prepared, tenant)
+            prepared = contents.prepare_creation(parsed, tenant, body)
+            opened = await front.pipeline.open(prepared, tenant)
             if isinstance(opened, Passthrough):
                 return Response(
                     opened.body, status_code=opened.status, media_type="application/json"
                 )
             await opened.complete()
-            if pending.created is None:
+            pending = prepared.billing
+            if pending is None or pending.created is None:
                 raise UpstreamError("the engine returned no usage: the content was not created")
-            await meter.publish_object(pending.created)
-            out = _object_json(pending.created)
-            return JSONResponse(out)
+            await contents.created(pending.created)
+            return JSONResponse(object_json(pending.created))
         except BillingError as exc:
             return to_http(InvalidRequest(str(exc)))
         except GatewayError as err:
             return to_http(err)
 
-    async def find(tenant: Tenant, object_id: str, now: Decimal) -> CachedContent:
-        await meter.sync_object(object_id)
-        try:
-            return meter.ledger("google_explicit").content(tenant.name, object_id, now)
-        except BillingError as exc:
-            raise NotFound(str(exc), param="id") from None
-
     @router.get("/v1/cached_contents/{object_id}", summary="Read an explicit cached content")
     async def read(request: Request, object_id: str) -> Response:
         try:
             tenant = tenant_of(request)
-            return JSONResponse(_object_json(await find(tenant, object_id, meter.clock.now())))
+            return JSONResponse(object_json(await contents.find(tenant, object_id, contents.now())))
         except GatewayError as err:
             return to_http(err)
 
@@ -247,18 +153,8 @@ def build_billing_router(
         try:
             tenant = tenant_of(request)
             body = load_json_object(await request.body())
-            now = meter.clock.now()
-            obj = await find(tenant, object_id, now)
-            expires = expiry(body, now, None)
-            try:
-                charge = meter.ledger("google_explicit").update_content(
-                    tenant.name, object_id, now, expires
-                )
-            except BillingError as exc:
-                raise InvalidRequest(str(exc)) from None
-            await op_done("cache.update", obj, charge, now)
-            await meter.publish_object(obj)
-            return JSONResponse({**_object_json(obj), "rent": plain(charge.rent)})
+            obj, charge = await contents.extend(tenant, object_id, body)
+            return JSONResponse({**object_json(obj), "rent": plain(charge.rent)})
         except GatewayError as err:
             return to_http(err)
 
@@ -266,13 +162,7 @@ def build_billing_router(
     async def delete(request: Request, object_id: str) -> Response:
         try:
             tenant = tenant_of(request)
-            now = meter.clock.now()
-            obj = await find(tenant, object_id, now)
-            charge = meter.ledger("google_explicit").delete_content(tenant.name, object_id, now)
-            await op_done("cache.delete", obj, charge, now)
-            await meter.publish_object(obj)
+            _, charge = await contents.delete(tenant, object_id)
             return JSONResponse({"id": object_id, "deleted": True, "rent": plain(charge.rent)})
         except GatewayError as err:
             return to_http(err)
-
-    return router

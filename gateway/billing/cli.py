@@ -158,7 +158,7 @@ def _summary(args: argparse.Namespace) -> int:
 
 
 def session_lines(steps: int, tenant: str) -> list[str]:
-    """RULES.md §2.1's agent session (warm, 60 s apart) as workload lines."""
+    """The agent session of docs/billing.md#agent-session (warm, 60 s apart) as workload lines."""
     lines = []
     for step in range(1, steps + 1):
         segments: list[dict[str, object]] = [{"id": "task", "tokens": 12_000}]

@@ -155,23 +155,7 @@ def parse_event(text: str, line: int) -> Event | None:
         raise EventError(f"{where}: tenant must be a non-empty string")
     op = raw.get("op")
     if op is not None:
-        if op not in OPS:
-            raise EventError(f"{where}: op {op!r}; valid: {', '.join(OPS)}")
-        unknown = set(raw) - _OP_FIELDS
-        if unknown:
-            raise EventError(f"{where}: unknown field(s) {', '.join(sorted(unknown))} for an op")
-        object_id = raw.get("id")
-        if not isinstance(object_id, str) or not object_id:
-            raise EventError(f"{where}: {op} needs a string 'id'")
-        ttl_s = _decimal(raw["ttl_s"], f"{where}: ttl_s") if "ttl_s" in raw else None
-        if ttl_s is not None and ttl_s <= 0:
-            raise EventError(f"{where}: ttl_s must be positive")
-        segments = _segments(raw.get("segments", []), where) if op == "cache.create" else ()
-        if op == "cache.create" and not segments:
-            raise EventError(f"{where}: cache.create needs segments")
-        if op == "cache.update" and ttl_s is None:
-            raise EventError(f"{where}: cache.update needs ttl_s")
-        return Event(line, t, tenant, op, segments, object_id=object_id, ttl_s=ttl_s)
+        return _op_event(raw, line, where, t, tenant, op)
     unknown = set(raw) - _REQUEST_FIELDS
     if unknown:
         raise EventError(
@@ -207,6 +191,29 @@ def parse_event(text: str, line: int) -> Event | None:
         cached_content=cached,
         auto_ttl=auto,
     )
+
+
+def _op_event(
+    raw: dict[str, Any], line: int, where: str, t: Decimal, tenant: str, op: Any
+) -> Event:
+    """An explicit-cache operation's line (cache.create / cache.update / cache.delete)."""
+    if op not in OPS:
+        raise EventError(f"{where}: op {op!r}; valid: {', '.join(OPS)}")
+    unknown = set(raw) - _OP_FIELDS
+    if unknown:
+        raise EventError(f"{where}: unknown field(s) {', '.join(sorted(unknown))} for an op")
+    object_id = raw.get("id")
+    if not isinstance(object_id, str) or not object_id:
+        raise EventError(f"{where}: {op} needs a string 'id'")
+    ttl_s = _decimal(raw["ttl_s"], f"{where}: ttl_s") if "ttl_s" in raw else None
+    if ttl_s is not None and ttl_s <= 0:
+        raise EventError(f"{where}: ttl_s must be positive")
+    segments = _segments(raw.get("segments", []), where) if op == "cache.create" else ()
+    if op == "cache.create" and not segments:
+        raise EventError(f"{where}: cache.create needs segments")
+    if op == "cache.update" and ttl_s is None:
+        raise EventError(f"{where}: cache.update needs ttl_s")
+    return Event(line, t, tenant, op, segments, object_id=object_id, ttl_s=ttl_s)
 
 
 def parse_events(lines: Iterable[str]) -> list[Event]:

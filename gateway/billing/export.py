@@ -210,7 +210,7 @@ async def _query(args: argparse.Namespace, tenant: str | None) -> list[dict[str,
         if settings.billing_wal_dir is not None:
             directories = [settings.billing_wal_dir]
     if redis_url:
-        from cachemap.redis.directory import open_redis
+        from cachemap.redis.client import open_redis
 
         client = await open_redis(redis_url, cluster=False)
         try:

@@ -1,4 +1,4 @@
-"""The meter: the live gateway's side of billing, an `ExchangeObserver` plus a request hook.
+"""The meter: the live gateway's side of billing, an exchange observer plus a request hook.
 
 1. Start (`prepare`, a director request hook, before routing): the tenant's profile
    (`profile_for`), an explicit cached-content object expanded into the prompt, the prompt's
@@ -33,7 +33,7 @@ import socket
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cachemap.rendering import GENERATION_PROMPT
 from gateway.billing.contents import load_snapshot, save_snapshot
@@ -73,19 +73,17 @@ from gateway.billing.shared import SharedEntries, join, scope_id
 from gateway.billing.wal import WriteAheadLog
 from gateway.errors import InvalidRequest
 from gateway.request.parsed import CHAT, ParsedRequest
-from gateway.tenancy.registry import Tenant
-
-if TYPE_CHECKING:
-    from gateway.pipeline.exchange import Exchange
-    from gateway.settings import Settings
+from gateway.request.state import ExchangeRecord
+from gateway.request.tenant import Tenant
+from gateway.request.tokens import TokenEstimator
+from gateway.request.usage import EngineUsage
+from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
 SHARED_PROFILES = frozenset({"anthropic", "openai", "openai_legacy", "google_implicit", "deepseek"})
 """Profiles with cache entries to share across gateways (google_explicit has none: its objects
 are shared whole, see `sync_object`)."""
-_LEARNING_RATE = 0.1
-"""Weight of each response in the meter's bytes-per-token estimate (an EMA over ~10)."""
 CONTENTS_FILE = "contents.json"
 
 
@@ -94,7 +92,7 @@ def _state(entry: Entry | None) -> tuple[Decimal, Decimal, Decimal] | None:
 
 
 @dataclass(slots=True)
-class InFlight:
+class OpenBill:
     pending: Pending
     request: MeteredRequest
     plan: Plan
@@ -118,12 +116,15 @@ class BillingMeter:
         prices: PriceTable,
         wal: WriteAheadLog,
         *,
+        estimator: TokenEstimator | None = None,
         tokenizer: Tokenizer | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.settings = settings
         self.prices = prices
         self.wal = wal
+        self.estimator = estimator or TokenEstimator(settings.bytes_per_token)
+        """The gateway's one bytes-per-token estimate (learned by the pipeline's recorder)."""
         self.tokenizer = tokenizer
         self.clock: Clock = clock or WallClock()
         self.options = ProfileOptions(
@@ -134,8 +135,8 @@ class BillingMeter:
         )
         self.gateway_id = settings.billing_gateway_id or f"{socket.gethostname()}:{os.getpid()}"
         self.ledgers: dict[str, CacheLedger] = {}
-        self._inflight: dict[int, InFlight] = {}
-        self._bytes_per_token: dict[str, float] = {}
+        self._open: dict[int, OpenBill] = {}
+        """Exchanges admitted to the ledger and not yet billed, by record identity."""
         self._unpriced_warned: set[tuple[str, str]] = set()
         self.shared: SharedEntries | None = None
         """The entries every gateway shares (set by `Billing.start` with a billing store)."""
@@ -170,15 +171,14 @@ class BillingMeter:
             return fit_to_total(pending.counted, num_tokens)
         return proportional_ends(ends, pending.layout.num_bytes, num_tokens)
 
-    def _estimate_tokens(self, exchange: Exchange, pending: Pending) -> int:
-        body = exchange.body
+    def _estimate_tokens(self, record: ExchangeRecord, pending: Pending) -> int:
+        body = record.body
         usage = body.get("usage") if isinstance(body, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             return int(usage["prompt_tokens"])
         if pending.counted:
             return pending.counted[-1]
-        ratio = self._bytes_per_token.get(pending.model, self.settings.bytes_per_token)
-        return max(round(pending.layout.num_bytes / ratio), 1)
+        return max(round(self.estimator.tokens(pending.model, pending.layout.num_bytes)), 1)
 
     # -- 1. start ------------------------------------------------------------------------------
     async def prepare(self, parsed: ParsedRequest, tenant: Tenant) -> ParsedRequest:
@@ -327,12 +327,12 @@ class BillingMeter:
         )
 
     # -- 2. first token ------------------------------------------------------------------------
-    async def on_first_token(self, exchange: Exchange) -> None:
-        pending = getattr(exchange.parsed, "billing", None)
-        if not isinstance(pending, Pending) or id(exchange) in self._inflight:
+    async def on_first_token(self, record: ExchangeRecord) -> None:
+        pending = getattr(record.parsed, "billing", None)
+        if not isinstance(pending, Pending) or id(record) in self._open:
             return  # not prepared by this meter, or already admitted (see on_usage)
         visible_at = self.clock.now()
-        estimated = self._estimate_tokens(exchange, pending)
+        estimated = self._estimate_tokens(record, pending)
         request = self._metered(
             pending.profile,
             pending.layout,
@@ -371,65 +371,55 @@ class BillingMeter:
                 )
         elif pending.op != "request":
             ledger = self.ledger(pending.profile)
-        self._inflight[id(exchange)] = InFlight(
-            pending, request, plan, ledger, visible_at, estimated
-        )
+        self._open[id(record)] = OpenBill(pending, request, plan, ledger, visible_at, estimated)
 
     # -- 3. usage ------------------------------------------------------------------------------
-    async def on_usage(self, exchange: Exchange, usage: dict[str, Any]) -> None:
-        flight = self._inflight.get(id(exchange))
-        if flight is None:
+    async def on_usage(self, record: ExchangeRecord, usage: EngineUsage) -> None:
+        bill = self._open.get(id(record))
+        if bill is None:
             # a stream whose first network read held the usage too: its first token is now
-            await self.on_first_token(exchange)
-            flight = self._inflight.get(id(exchange))
-        if flight is None or flight.billed:
+            await self.on_first_token(record)
+            bill = self._open.get(id(record))
+        if bill is None or bill.billed:
             return
-        pending = flight.pending
-        prompt_tokens = usage.get("prompt_tokens")
-        n = prompt_tokens if isinstance(prompt_tokens, int) else flight.estimated_tokens
-        completion = usage.get("completion_tokens")
-        o = completion if isinstance(completion, int) else 0
+        pending = bill.pending
+        fields = usage.fields
+        n = usage.prompt_tokens if usage.prompt_tokens is not None else bill.estimated_tokens
+        o = usage.completion_tokens or 0
         if pending.max_tokens == 0:  # a ping: reads and refreshes, generates nothing
-            o = 0
-            usage["completion_tokens"] = 0
-            usage["total_tokens"] = n
-        if n > 0:
-            observed = pending.layout.num_bytes / n
-            old = self._bytes_per_token.get(pending.model)
-            self._bytes_per_token[pending.model] = (
-                observed if old is None else old + _LEARNING_RATE * (observed - old)
-            )
+            o = usage.completion_tokens = 0
+            fields["completion_tokens"] = 0
+            fields["total_tokens"] = n
         ends = self._ends(pending, n)
         if pending.op == "cache.create":
-            record, charge = self._create_content(flight, n)
+            entry, charge = self._create_content(bill, n)
         else:
             charge = None
-            if flight.ledger is not None:
-                charge = flight.ledger.bill(flight.request, flight.plan, ends, n, o)
-            record = self._record(flight, exchange, charge, "ok" if charge else "unpriced", usage)
-        await self.wal.append(record)
-        flight.billed = True
+            if bill.ledger is not None:
+                charge = bill.ledger.bill(bill.request, bill.plan, ends, n, o)
+            entry = self._record(bill, record, charge, "ok" if charge else "unpriced", usage)
+        await self.wal.append(entry)
+        bill.billed = True
         if pending.op == "request":
             if charge is not None:
-                merge_into_openai_usage(pending.profile, charge, usage)
-                usage["cost"] = record["cost"]
-            usage["kvgate_billing"] = {
+                merge_into_openai_usage(pending.profile, charge, fields)
+                fields["cost"] = entry["cost"]
+            fields["kvgate_billing"] = {
                 "id": pending.request_id,
                 "profile": pending.profile,
                 "price_model": pending.price_model,
-                "cost": record["cost"],
+                "cost": entry["cost"],
             }
 
     def _record(
         self,
-        flight: InFlight,
-        exchange: Exchange,
+        bill: OpenBill,
+        record: ExchangeRecord,
         charge: Charge | None,
         status: str,
-        usage: dict[str, Any] | None,
+        usage: EngineUsage | None,
     ) -> dict[str, Any]:
-        pending = flight.pending
-        engine_cached = usage.get("engine_cached_tokens") if usage else None
+        pending = bill.pending
         from gateway.billing.pricing.usage import profile_usage
 
         return build_record(
@@ -441,31 +431,31 @@ class BillingMeter:
             model=pending.model,
             price_model=pending.price_model,
             start=pending.start,
-            first_token=flight.visible_at,
+            first_token=bill.visible_at,
             charge=charge,
             usage=profile_usage(pending.profile, charge) if charge else {},
             cached_content=(pending.cached_content.object_id if pending.cached_content else None),
-            replica=exchange.replica.id,
-            engine_cached_tokens=engine_cached if isinstance(engine_cached, int) else None,
+            replica=record.replica,
+            engine_cached_tokens=usage.cached_tokens if usage is not None else None,
             gateway=self.gateway_id,
         )
 
     # -- 4. finish -----------------------------------------------------------------------------
-    async def on_finish(self, exchange: Exchange, ok: bool) -> None:
-        flight = self._inflight.pop(id(exchange), None)
-        if flight is None or flight.billed:
+    async def on_finish(self, record: ExchangeRecord) -> None:
+        bill = self._open.pop(id(record), None)
+        if bill is None or bill.billed:
             return
-        if flight.pending.op != "request":
+        if bill.pending.op != "request":
             return  # a failed creation creates nothing and costs nothing
         charge = None
-        if flight.ledger is not None:
-            charge = flight.ledger.bill(flight.request, flight.plan, None, None, 0)
-        record = self._record(flight, exchange, charge, "aborted" if charge else "unpriced", None)
-        await self.wal.append(record)
+        if bill.ledger is not None:
+            charge = bill.ledger.bill(bill.request, bill.plan, None, None, 0)
+        entry = self._record(bill, record, charge, "aborted" if charge else "unpriced", None)
+        await self.wal.append(entry)
 
     # -- explicit cached contents --------------------------------------------------------------
-    def _create_content(self, flight: InFlight, n: int) -> tuple[dict[str, Any], Charge]:
-        pending = flight.pending
+    def _create_content(self, bill: OpenBill, n: int) -> tuple[dict[str, Any], Charge]:
+        pending = bill.pending
         spec = pending.create
         num_blocks = len(pending.layout.blocks)
         # the object ends before the generation prompt its prefill carried: a request using it
@@ -489,8 +479,8 @@ class BillingMeter:
                 "tools": spec.get("tools"),
             },
         )
-        assert flight.ledger is not None
-        charge = flight.ledger.create_content(obj)
+        assert bill.ledger is not None
+        charge = bill.ledger.create_content(obj)
         pending.created = obj
         self.save_contents()
         record = self.op_record("cache.create", pending.request_id, obj, charge, pending.start)

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.billing.pricing.layout import Layout
 from gateway.billing.pricing.model import CachedContent
 from gateway.request.parsed import ParsedRequest
-
-if TYPE_CHECKING:
-    from gateway.settings import Settings
-    from gateway.tenancy.registry import Tenant
+from gateway.request.tenant import Tenant
+from gateway.settings import Settings
 
 
 def profile_for(settings: Settings, tenant: Tenant) -> str:

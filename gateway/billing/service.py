@@ -16,8 +16,9 @@ from gateway.billing.shared import SharedEntries
 from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore, Shipper
 from gateway.billing.wal import WriteAheadLog
 from gateway.errors import GatewayError
+from gateway.request.tenant import hash_key
+from gateway.request.tokens import TokenEstimator
 from gateway.settings import Settings
-from gateway.tenancy.registry import hash_key
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def admin_key_hashes(keys: list[str]) -> frozenset[str]:
 
 
 class Billing:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, estimator: TokenEstimator | None = None) -> None:
         assert settings.billing_wal_dir is not None
         self.settings = settings
         tokenizer = (
@@ -46,7 +47,11 @@ class Billing:
         )
         self.wal = WriteAheadLog(settings.billing_wal_dir)
         self.meter = BillingMeter(
-            settings, load_price_table(settings.billing_prices_file), self.wal, tokenizer=tokenizer
+            settings,
+            load_price_table(settings.billing_prices_file),
+            self.wal,
+            estimator=estimator,
+            tokenizer=tokenizer,
         )
         self.admin_hashes = admin_key_hashes(settings.admin_keys)
         self.store: LedgerStore | None = None
@@ -60,7 +65,7 @@ class Billing:
             log.info("billing: restored %d explicit cached contents", restored)
         url = self.settings.billing_redis_url
         if url:
-            from cachemap.redis.directory import open_redis
+            from cachemap.redis.client import open_redis
 
             self._client = await open_redis(url, cluster=False)
             self.store = RedisLedgerStore(self._client)

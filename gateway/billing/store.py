@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 
 from gateway.billing.pricing.money import dec
 from gateway.billing.wal import WriteAheadLog, read_directory, read_segment, segment_paths
+from gateway.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class Shipper:
         self.num_shipped = 0
         self.num_new = 0
         self.failures = 0
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks("billing shipper")
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
 
@@ -223,8 +224,8 @@ class Shipper:
                 await asyncio.wait_for(self._wake.wait(), delay)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run())
+        if not self._tasks:
+            self._tasks.spawn(self._run(), name="billing-shipper")
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Ship what is in the WAL now (for an export that must include this gateway's latest
@@ -233,11 +234,7 @@ class Shipper:
             await self.ship_once()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._tasks.close()
         with contextlib.suppress(RedisError, OSError, ConnectionError, TimeoutError):
             await asyncio.wait_for(self.ship_once(), 2.0)
 
@@ -247,7 +244,7 @@ async def ship_directories(directories: Iterable[Path], redis_url: str) -> dict[
     as its gateway would on a restart — its lock first, so a directory a live gateway still
     writes is refused (`WalLocked`) — shipped in full, and released. Records the store already
     holds are skipped (ids), so shipping twice is harmless."""
-    from cachemap.redis.directory import open_redis
+    from cachemap.redis.client import open_redis
 
     paths = list(directories)
     for path in paths:

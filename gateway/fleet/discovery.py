@@ -39,13 +39,13 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from gateway.directory.routing import RoutingDirectory
 from gateway.fleet.replicas import ReplicaSet
+from gateway.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
 
@@ -293,11 +293,21 @@ class SliceWatcher:
 
 
 # -- the gateway side (the event loop) ---------------------------------------------------------
+class ReplicaIdentities(Protocol):
+    """What discovery tells the directory (`gateway.directory.routing.RoutingDirectory`)."""
+
+    async def forget(self, replica: str) -> None:
+        """The replica left, or is a new pod: its entries stop matching."""
+
+    def register(self, replicas: Sequence[str]) -> None:
+        """Replicas joined: lookups report them from now on."""
+
+
 class Discovery:
     """Applies what the watcher sees to the replica set and the directory, in order."""
 
     def __init__(
-        self, target: KubeTarget, replicas: ReplicaSet, directory: RoutingDirectory
+        self, target: KubeTarget, replicas: ReplicaSet, directory: ReplicaIdentities
     ) -> None:
         self.target = target
         self.replicas = replicas
@@ -310,12 +320,12 @@ class Discovery:
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._settled = asyncio.Event()
         """The first list was applied, or the first attempt failed: the start goes on."""
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks("discovery")
         self._watcher: SliceWatcher | None = None
 
     async def start(self, first_sync_timeout_s: float = FIRST_SYNC_TIMEOUT_S) -> None:
         """Start watching and wait (bounded) for the first list to be applied, or to fail."""
-        self._task = asyncio.create_task(self._consume())
+        self._tasks.spawn(self._consume(), name="discovery-consumer")
         loop = asyncio.get_running_loop()
         self._watcher = SliceWatcher(self.target, loop, self._queue.put_nowait, self.stats)
         self._watcher.start()
@@ -330,10 +340,7 @@ class Discovery:
     async def stop(self) -> None:
         if self._watcher is not None:
             await asyncio.to_thread(self._watcher.stop)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._tasks.close()
 
     async def _consume(self) -> None:
         while True:

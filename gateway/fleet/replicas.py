@@ -27,7 +27,6 @@ its replica still finishes its bookkeeping.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import aiohttp
 import orjson
 
 from gateway.fleet.engine_metrics import EngineMetrics, parse_engine_metrics
+from gateway.tasks import BackgroundTasks
 from router.types import Replica
 
 log = logging.getLogger(__name__)
@@ -90,16 +90,9 @@ class ReplicaState:
     def id(self) -> str:
         return self.url
 
-    def begin_prefill(self, uncached_tokens: float) -> None:
-        """A request was sent: its uncached prefill is queued here until its first token."""
-        self.pending_prefill_tokens += uncached_tokens
-        self.num_prefilling += 1
-        self.fleet.observe(uncached_tokens)
-
-    def end_prefill(self, uncached_tokens: float) -> None:
-        """Its first byte came back (or the attempt failed): the prefill is done."""
-        self.pending_prefill_tokens = max(self.pending_prefill_tokens - uncached_tokens, 0.0)
-        self.num_prefilling = max(self.num_prefilling - 1, 0)
+    def lease(self, uncached_tokens: float) -> Lease:
+        """Count one attempt on this replica (see `Lease`)."""
+        return Lease(self, uncached_tokens)
 
     def snapshot(self) -> Replica:
         metrics = self.metrics
@@ -114,6 +107,56 @@ class ReplicaState:
             own_num_waiting=self.own_waiting_at_scrape,
             foreign_request_tokens=self.fleet.mean_request_tokens,
         )
+
+
+class Lease:
+    """One attempt's claim on a replica's load counters: while it holds, the request counts in
+    `num_inflight`, and until its first byte (`prefilled`) its uncached prefill counts in
+    `pending_prefill_tokens` — the load the router sees. Each release happens once, whatever
+    path the attempt takes: a `with` block releases it all unless the attempt committed
+    (`keep`), in which case the exchange releases it when it ends.
+    """
+
+    __slots__ = ("_done_prefill", "_kept", "_released", "state", "uncached_tokens")
+
+    def __init__(self, state: ReplicaState, uncached_tokens: float) -> None:
+        self.state = state
+        self.uncached_tokens = uncached_tokens
+        state.num_inflight += 1
+        state.num_requests += 1
+        state.pending_prefill_tokens += uncached_tokens
+        state.num_prefilling += 1
+        state.fleet.observe(uncached_tokens)
+        self._done_prefill = self._released = self._kept = False
+
+    def prefilled(self) -> None:
+        """The first byte came back (or the attempt ended): the prefill is done."""
+        if self._done_prefill:
+            return
+        self._done_prefill = True
+        state = self.state
+        state.pending_prefill_tokens = max(state.pending_prefill_tokens - self.uncached_tokens, 0.0)
+        state.num_prefilling = max(state.num_prefilling - 1, 0)
+
+    def release(self) -> None:
+        """The request is off the replica."""
+        self.prefilled()
+        if not self._released:
+            self._released = True
+            self.state.num_inflight -= 1
+
+    def keep(self) -> Lease:
+        """The attempt committed: the exchange owns the lease now."""
+        self._kept = True
+        return self
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.prefilled()
+        if not self._kept:
+            self.release()
 
 
 class ReplicaSet:
@@ -142,8 +185,7 @@ class ReplicaSet:
         self._on_restart = on_restart
         self._on_start_marker = on_start_marker
         self._scrape_metrics = scrape_metrics
-        self._tasks: list[asyncio.Task[None]] = []
-        self._probes: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks("replicas")
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""
@@ -201,29 +243,21 @@ class ReplicaSet:
             self._spawn_probe(state)
 
     def _spawn_probe(self, state: ReplicaState) -> None:
-        task = asyncio.create_task(self._probe(state))
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self._tasks.spawn(self._probe(state), name=f"probe {state.url}")
 
     # -- the loops -------------------------------------------------------------------------
     async def start(self, session: aiohttp.ClientSession) -> None:
         """Probe every replica once (so the first request sees real health), then keep probing."""
         self._session = session
         await self.probe_all()
-        self._tasks.append(asyncio.create_task(self._loop(self._interval_s, self.probe_all)))
+        self._tasks.spawn(self._loop(self._interval_s, self.probe_all), name="health probes")
         if self._scrape_metrics and self._metrics_interval_s is not None:
-            self._tasks.append(
-                asyncio.create_task(self._loop(self._metrics_interval_s, self.scrape_all))
+            self._tasks.spawn(
+                self._loop(self._metrics_interval_s, self.scrape_all), name="metrics scrapes"
             )
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._probes]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        await self._tasks.close()
 
     async def _loop(self, interval_s: float, round_: Callable[[], Awaitable[None]]) -> None:
         while True:

@@ -6,13 +6,15 @@
     └── kvgate.upstream       CLIENT  replica, attempt; a failed attempt ends at once with its
                                       error, the committed one when the exchange ends
 
-Off unless `otlp_endpoint` is set (or a test passes its own exporter): the director then holds
-no tracer and makes no span, so tracing costs nothing when off. With a tracer, the director
-samples each request at `trace_sample_ratio` before making any span (the SDK's own sampling
-still builds non-recording spans, ~35 µs a request for nothing); a sampled request's spans are
-all recorded. Spans go out in batches from the SDK's own thread (BatchSpanProcessor), never on
-the request path. The exporter is pluggable: `build_tracing(settings, exporter=...)` takes any
-`SpanExporter` (the tests use the SDK's in-memory one; OTLP over HTTP is the default).
+Off unless `otlp_endpoint` is set (or a test passes its own exporter): the pipeline then gets
+`gateway.request.trace.NoTracer` and makes no span, so tracing costs nothing when off. With
+`OtelTracer`, each request is sampled at `trace_sample_ratio` before any span is made (the
+SDK's own sampling still builds non-recording spans, ~35 µs a request for nothing); a sampled
+request's spans are all recorded. The pipeline talks to a request's trace only through the
+protocols of `gateway.request.trace`: this module is an implementation of them. Spans go out in
+batches from the SDK's own thread (BatchSpanProcessor), never on the request path. The exporter
+is pluggable: `build_tracing(settings, exporter=...)` takes any `SpanExporter` (the tests use the
+SDK's in-memory one; OTLP over HTTP is the default).
 
 A span's `kvgate.tenant` is the tenant's name; an end user's identity (a `user` scope) is never
 put on a span.
@@ -26,10 +28,11 @@ traces); a request kvgate does not trace passes the client's headers to the engi
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -40,28 +43,26 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from gateway.request.parsed import ParsedRequest
+from gateway.request.state import ExchangeRecord
+from gateway.request.tenant import Tenant
+from gateway.request.trace import NoTracer, RequestTrace, Untraced
+from gateway.request.trace import Tracer as PipelineTracer
 from gateway.settings import Settings
-
-if TYPE_CHECKING:
-    from gateway.pipeline.exchange import Exchange, Routed
-    from gateway.request.parsed import ParsedRequest
-    from gateway.tenancy.registry import Tenant
-    from router.types import Decision
+from router.types import Decision
 
 REQUEST_SPAN = "kvgate.request"
 LOOKUP_SPAN = "kvgate.directory.lookup"
 UPSTREAM_SPAN = "kvgate.upstream"
+_PROPAGATOR = TraceContextTextMapPropagator()
 
 
 @dataclass
 class Tracing:
-    provider: TracerProvider | None = None
-    sample_ratio: float = 1.0
-    """Share of requests traced (decided by the director, at the root)."""
+    """The process's tracing: its provider (None when off) and the pipeline's tracer."""
 
-    @property
-    def tracer(self) -> Tracer | None:
-        return self.provider.get_tracer("kvgate") if self.provider is not None else None
+    provider: TracerProvider | None = None
+    tracer: PipelineTracer = field(default_factory=NoTracer)
 
     def flush(self) -> None:
         if self.provider is not None:
@@ -85,19 +86,7 @@ def build_tracing(settings: Settings, exporter: SpanExporter | None = None) -> T
         resource=Resource.create({"service.name": settings.service_name}), sampler=ALWAYS_ON
     )
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    return Tracing(provider, settings.trace_sample_ratio)
-
-
-# -- W3C trace context ------------------------------------------------------------------------
-TRACE_HEADERS = ("traceparent", "tracestate")
-_PROPAGATOR = TraceContextTextMapPropagator()
-
-
-def incoming(headers: Mapping[str, str]) -> dict[str, str] | None:
-    """The W3C trace-context headers of a client's request (HTTP headers or gRPC metadata),
-    or None: the only headers kvgate continues and passes on."""
-    found = {k: headers[k] for k in TRACE_HEADERS if k in headers}
-    return found if "traceparent" in found else None
+    return Tracing(provider, OtelTracer(provider.get_tracer("kvgate"), settings.trace_sample_ratio))
 
 
 def parent_of(carrier: Mapping[str, str] | None) -> tuple[Context | None, bool | None]:
@@ -119,51 +108,7 @@ def outgoing(span: Span) -> dict[str, str]:
     return carrier
 
 
-# -- the director's hooks ---------------------------------------------------------------------
-def start_request(
-    tracer: Tracer, parsed: ParsedRequest, tenant: Tenant, parent: Context | None = None
-) -> Span:
-    return tracer.start_span(
-        REQUEST_SPAN,
-        context=parent,
-        kind=SpanKind.SERVER,
-        attributes={
-            "kvgate.tenant": tenant.name,
-            "kvgate.model": parsed.model,
-            "kvgate.kind": parsed.kind,
-            "kvgate.stream": parsed.stream,
-            "kvgate.prompt_bytes": len(parsed.rendered),
-        },
-    )
-
-
-def decided(policy: str, decision: Decision, num_blocks: int) -> None:
-    """The decision, on the request span (the current one while the director routes)."""
-    span = trace.get_current_span()
-    span.set_attributes(
-        {
-            "kvgate.policy": policy,
-            "kvgate.replica": decision.replica,
-            "kvgate.matched_blocks": decision.matched_blocks,
-            "kvgate.prompt_blocks": num_blocks,
-            "kvgate.decision.reason": decision.reason,
-        }
-    )
-
-
-def start_upstream(tracer: Tracer, replica: str, attempt: int, uncached_tokens: float) -> Span:
-    return tracer.start_span(
-        UPSTREAM_SPAN,
-        kind=SpanKind.CLIENT,
-        attributes={
-            "kvgate.replica": replica,
-            "kvgate.attempt": attempt,
-            "kvgate.uncached_tokens": uncached_tokens,
-        },
-    )
-
-
-def fail(span: Span, exc: BaseException) -> None:
+def _fail(span: Span, exc: BaseException) -> None:
     """End a span on an error: the request's (a 4xx/5xx the client gets) or an attempt's."""
     status = getattr(exc, "status", None)
     if isinstance(status, int):
@@ -173,35 +118,129 @@ def fail(span: Span, exc: BaseException) -> None:
     span.end()
 
 
-def passthrough(span: Span, upstream: Span | None, status: int) -> None:
-    """An engine's 4xx, passed to the client: both spans end with it."""
-    for s in (upstream, span):
-        if s is not None:
-            s.set_attribute("http.response.status_code", status)
-            s.end()
+class OtelTracer:
+    """Samples each request at `sample_ratio` (a client's traceparent decides by its own
+    sampled flag) and traces the sampled ones with spans."""
+
+    def __init__(self, tracer: Tracer, sample_ratio: float) -> None:
+        self.tracer = tracer
+        self.sample_ratio = sample_ratio
+
+    def begin(
+        self, parsed: ParsedRequest, tenant: Tenant, client_headers: Mapping[str, str] | None
+    ) -> RequestTrace:
+        # the global generator, not the router's seeded one: tracing must not change its choices
+        parent, sampled = parent_of(client_headers)
+        if sampled is None:
+            sampled = random.random() < self.sample_ratio
+        if not sampled:
+            return Untraced(client_headers)
+        span = self.tracer.start_span(
+            REQUEST_SPAN,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "kvgate.tenant": tenant.name,
+                "kvgate.model": parsed.model,
+                "kvgate.kind": parsed.kind,
+                "kvgate.stream": parsed.stream,
+                "kvgate.prompt_bytes": len(parsed.rendered),
+            },
+        )
+        return SpanTrace(self.tracer, span)
 
 
-def finish(routed: Routed, exchange: Exchange) -> None:
-    """The exchange ended: usage and TTFT on the request span, then both spans end."""
-    span = routed.span
-    assert span is not None
-    upstream = routed.upstream_span
-    attributes: dict[str, Any] = {"kvgate.ok": exchange.ok}
-    if exchange.first_token_s is not None:
-        attributes["kvgate.ttft_ms"] = (exchange.first_token_s - routed.opened_s) * 1e3
-    usage = exchange.usage
-    if usage is not None:
-        for key in ("prompt_tokens", "completion_tokens", "engine_cached_tokens"):
-            value = usage.get(key)
-            if isinstance(value, int):
-                attributes[f"kvgate.usage.{key}"] = value
-    span.set_attributes(attributes)
-    if not exchange.ok:
-        status = Status(StatusCode.ERROR, "the stream broke or the client left")
-        span.set_status(status)
+class _AttemptSpan:
+    __slots__ = ("span",)
+
+    def __init__(self, span: Span) -> None:
+        self.span = span
+
+    def headers(self) -> dict[str, str] | None:
+        return outgoing(self.span)
+
+    def failed(self, exc: BaseException) -> None:
+        _fail(self.span, exc)
+
+
+class SpanTrace:
+    """One sampled request: the request span, its lookup and upstream children."""
+
+    def __init__(self, tracer: Tracer, span: Span) -> None:
+        self.tracer = tracer
+        self.span = span
+        self.context = trace.set_span_in_context(span)
+        self.upstream: Span | None = None
+        """The latest attempt's span (the committed one, once the exchange is open)."""
+
+    def looked_up(
+        self, started_ns: int, ended_ns: int, num_blocks: int, source: str, matched_blocks: int
+    ) -> None:
+        span = self.tracer.start_span(LOOKUP_SPAN, context=self.context, start_time=started_ns)
+        span.set_attributes(
+            {
+                "kvgate.blocks": num_blocks,
+                "kvgate.source": source,
+                "kvgate.matched_blocks": matched_blocks,
+            }
+        )
+        span.end(ended_ns)
+
+    def decided(self, policy: str, decision: Decision, num_blocks: int) -> None:
+        self.span.set_attributes(
+            {
+                "kvgate.policy": policy,
+                "kvgate.replica": decision.replica,
+                "kvgate.matched_blocks": decision.matched_blocks,
+                "kvgate.prompt_blocks": num_blocks,
+                "kvgate.decision.reason": decision.reason,
+            }
+        )
+
+    def attempt(self, replica: str, attempt: int, uncached_tokens: float) -> _AttemptSpan:
+        self.upstream = self.tracer.start_span(
+            UPSTREAM_SPAN,
+            context=self.context,
+            kind=SpanKind.CLIENT,
+            attributes={
+                "kvgate.replica": replica,
+                "kvgate.attempt": attempt,
+                "kvgate.uncached_tokens": uncached_tokens,
+            },
+        )
+        return _AttemptSpan(self.upstream)
+
+    def passthrough(self, status: int) -> None:
+        for s in (self.upstream, self.span):
+            if s is not None:
+                s.set_attribute("http.response.status_code", status)
+                s.end()
+
+    def failed(self, exc: BaseException) -> None:
+        _fail(self.span, exc)
+
+    def finished(self, record: ExchangeRecord) -> None:
+        """The exchange ended: usage and TTFT on the request span, then both spans end."""
+        attributes: dict[str, Any] = {"kvgate.ok": record.ok}
+        if record.first_token_s is not None:
+            attributes["kvgate.ttft_ms"] = (record.first_token_s - record.routed.opened_s) * 1e3
+        usage = record.usage
+        if usage is not None:
+            for key, value in (
+                ("prompt_tokens", usage.prompt_tokens),
+                ("completion_tokens", usage.completion_tokens),
+                ("engine_cached_tokens", usage.cached_tokens),
+            ):
+                if value is not None:
+                    attributes[f"kvgate.usage.{key}"] = value
+        self.span.set_attributes(attributes)
+        upstream = self.upstream
+        if not record.ok:
+            status = Status(StatusCode.ERROR, "the stream broke or the client left")
+            self.span.set_status(status)
+            if upstream is not None:
+                upstream.set_status(status)
+        now = time.time_ns()
         if upstream is not None:
-            upstream.set_status(status)
-    now = time.time_ns()
-    if upstream is not None:
-        upstream.end(now)
-    span.end(now)
+            upstream.end(now)
+        self.span.end(now)

@@ -9,7 +9,8 @@ The director calls it for every request, whatever the front end (`Director._admi
 3. Size: the estimated prompt tokens must not exceed the tenant's `max_prompt_tokens` (400).
 4. Rate: requests/min and tokens/min (429 with Retry-After). The tokens charged are the
    prompt estimate plus `max_tokens` when given; the usage the engine reports settles the
-   difference (`on_usage`), so the bucket ends up charged with what was really used.
+   difference (`gateway.pipeline.ratelimit.TokenSettlement`, an exchange observer), so the
+   bucket ends up charged with what was really used.
 
 Checks 1-3 come before the replica checks (404/503), the rate limit after them, so a request
 that cannot be served never spends its tenant's budget.
@@ -17,15 +18,11 @@ that cannot be served never spends its tenant's budget.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from gateway.errors import Forbidden, InvalidRequest, QuotaExceeded
 from gateway.pipeline.ratelimit import Limits, RateLimiter
 from gateway.request.parsed import ParsedRequest
-from gateway.tenancy.registry import SCOPE_USER, Tenant, TenantRegistry
-
-if TYPE_CHECKING:
-    from gateway.pipeline.exchange import Exchange
+from gateway.request.tenant import SCOPE_USER, Tenant
+from gateway.tenancy.registry import TenantRegistry
 
 END_USER_FIELDS = ("user", "prompt_cache_key")
 """Where a `user`-scoped tenant's end user is named, in order of preference: `user` names the
@@ -53,7 +50,7 @@ def output_budget(parsed: ParsedRequest) -> int:
 
 
 class Admission:
-    """Per-tenant admission, and (as an exchange observer) the settling of token charges."""
+    """Per-tenant admission: the checks, then the rate-limit charge."""
 
     def __init__(self, registry: TenantRegistry | None, limiter: RateLimiter | None) -> None:
         self.registry = registry
@@ -110,28 +107,6 @@ class Admission:
                 retry_after_s=wait_s,
             )
         return tokens if policy.tokens_per_min is not None else 0
-
-    # -- ExchangeObserver --------------------------------------------------------------------
-    async def on_first_token(self, exchange: Exchange) -> None:
-        return None
-
-    async def on_usage(self, exchange: Exchange, usage: dict[str, Any]) -> None:
-        tenant = exchange.routed.tenant
-        tokens_per_min = tenant.policy.tokens_per_min
-        if self.limiter is None or tokens_per_min is None:
-            return
-        used = usage.get("total_tokens")
-        if not isinstance(used, int):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if not isinstance(prompt, int) or not isinstance(completion, int):
-                return
-            used = prompt + completion
-        await self.limiter.adjust(
-            tenant.name, tokens_per_min, used - exchange.routed.admitted_tokens
-        )
-
-    async def on_finish(self, exchange: Exchange, ok: bool) -> None:
-        return None
 
 
 def _describe(limits: Limits) -> str:

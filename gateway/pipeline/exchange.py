@@ -1,122 +1,89 @@
-"""An exchange: one request committed to one replica (its first byte has arrived), and the hooks
-that later stages (reconciliation, billing, metrics) attach to it.
+"""An exchange: one request committed to one replica (its first byte has arrived).
 
 Front ends consume an exchange in the shape they speak: the OpenAI HTTP API relays the engine's
 SSE bytes (`batches`), other front ends read parsed chunks (`chunks`) or the whole body
-(`body`). Whatever the shape, the usage object passes through `Director._on_usage` exactly once
-before the client sees it, and `finish()` runs exactly once.
+(`complete`). Whatever the shape, the exchange calls its hooks in order — `first_token` once,
+`usage` exactly once before the client sees the usage, `finish` exactly once — and keeps its
+`ExchangeRecord`, which observers read.
+
+The hooks are the record step of the pipeline (`gateway.pipeline.record.Recorder`), declared
+here as a protocol, so the exchange knows nothing of the director.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
-from starlette.responses import Response
 
-from cachemap.keys import BlockHash
-from gateway.fleet.replicas import ReplicaState
-from gateway.pipeline.flights import Flight
+from gateway.fleet.replicas import Lease
 from gateway.pipeline.forwarder import Streaming
 from gateway.request.parsed import ParsedRequest
-from gateway.tenancy.registry import Tenant
-from router.types import Decision, RouteRequest
-
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
-    from gateway.pipeline.director import Director
+from gateway.request.state import ExchangeRecord, Routed
+from gateway.request.trace import RequestTrace
+from gateway.request.usage import EngineUsage
 
 
-@dataclass(slots=True)
-class Routed:
-    """A request after routing: its hashes, the decision and the estimates behind it."""
+class ExchangeHooks(Protocol):
+    async def first_token(self, exchange: Exchange) -> None: ...
 
-    parsed: ParsedRequest
-    tenant: Tenant
-    hashes: list[BlockHash]
-    route: RouteRequest
-    decision: Decision
-    last_use: dict[str, float] = field(default_factory=dict)
-    """replica -> last use of the deepest matched block (see `RoutingDirectory.Lookup`)"""
-    start_s: float = field(default_factory=time.monotonic)
-    """When the request was routed (monotonic; after any fan-out hold, so a held sibling's
-    clock starts at its release): TTFT and billing clocks start here."""
-    flight: Flight | None = None
-    """Set when this request leads a fan-out: its siblings wait for its first byte."""
-    admitted_tokens: int = 0
-    """Tokens charged to the tenant's tokens/min budget at admission; usage settles the rest."""
-    # -- observability (issue 9) --
-    opened_s: float = 0.0
-    """When `Director.open` began (monotonic): TTFT as the client sees it starts here."""
-    span: Span | None = None
-    """The request's trace span (gateway.observability.tracing), when tracing is on; ends
-    with the exchange."""
-    upstream_span: Span | None = None
-    """The committed attempt's span."""
-    trace_headers: dict[str, str] | None = None
-    """The client's W3C trace-context headers, passed to the engine when kvgate does not trace
-    the request itself."""
+    async def usage(self, exchange: Exchange, fields: dict[str, Any]) -> EngineUsage: ...
 
+    async def finish(self, exchange: Exchange) -> None: ...
 
-class ExchangeObserver(Protocol):
-    """Hooks around a committed exchange. All are awaited on the request's path.
-
-    - `on_first_token`: the engine has written the prompt's KV (placement is known).
-    - `on_usage`: the engine's usage object, before the client sees it; may rewrite it in place
-      (the usage fields of a billing profile), and a durable write here happens before the
-      response completes.
-    - `on_finish`: once, when the exchange ends; `ok` is False when it broke or the client left.
-    """
-
-    async def on_first_token(self, exchange: Exchange) -> None: ...
-
-    async def on_usage(self, exchange: Exchange, usage: dict[str, Any]) -> None: ...
-
-    async def on_finish(self, exchange: Exchange, ok: bool) -> None: ...
+    def stream_broke(self, exchange: Exchange, exc: BaseException) -> None: ...
 
 
 class Exchange:
     def __init__(
         self,
-        director: Director,
+        hooks: ExchangeHooks,
         routed: Routed,
-        replica: ReplicaState,
+        lease: Lease,
+        trace: RequestTrace,
         *,
         body: dict[str, Any] | None = None,
         stream: Streaming | None = None,
     ) -> None:
-        self.director = director
-        self.routed = routed
-        self.replica = replica
-        self.body = body
+        self.hooks = hooks
+        self.lease = lease
+        self.trace = trace
+        self.record = ExchangeRecord(routed, lease.state.id, body)
         self.stream = stream
-        self.first_token_s: float | None = None
-        self.usage: dict[str, Any] | None = None
         self.client_gone = False
         self.closed = False
-        self.ok = True
+
+    @property
+    def routed(self) -> Routed:
+        return self.record.routed
 
     @property
     def parsed(self) -> ParsedRequest:
-        return self.routed.parsed
+        return self.record.routed.parsed
+
+    @property
+    def replica_url(self) -> str:
+        return self.lease.state.url
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The usage object as the client will see it, once it has arrived."""
+        usage = self.record.usage
+        return usage.fields if usage is not None else None
 
     # -- non-streamed --------------------------------------------------------------------------
     async def complete(self) -> dict[str, Any]:
         """The whole body, its usage passed through the hooks; finishes the exchange."""
-        assert self.body is not None
+        body = self.record.body
+        assert body is not None
         try:
-            await self.director._on_first_token(self)
-            usage = self.body.get("usage")
+            await self.hooks.first_token(self)
+            usage = body.get("usage")
             if isinstance(usage, dict):
-                await self.director._on_usage(self, usage)
-            return self.body
+                await self.hooks.usage(self, usage)
+            return body
         finally:
             await self.finish()
 
@@ -153,7 +120,7 @@ class Exchange:
                     continue
                 usage = chunk.get("usage") if isinstance(chunk, dict) else None
                 if isinstance(usage, dict):
-                    await self.director._on_usage(self, usage)
+                    await self.hooks.usage(self, usage)
                 if isinstance(chunk, dict):
                     yield chunk
 
@@ -162,13 +129,13 @@ class Exchange:
         assert stream is not None
         try:
             yield stream.first_batch
-            await self.director._on_first_token(self)
+            await self.hooks.first_token(self)
             async for batch in stream.batches:
                 yield batch
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self.ok = False
+            self.record.ok = False
             if not self.client_gone:
-                self.director.stream_broke(self, exc)
+                self.hooks.stream_broke(self, exc)
                 error = {
                     "error": {"message": f"upstream stream broke: {exc}", "type": "upstream_error"}
                 }
@@ -184,7 +151,7 @@ class Exchange:
         usage = chunk.get("usage") if isinstance(chunk, dict) else None
         if not isinstance(usage, dict):
             return event + b"\n\n"
-        await self.director._on_usage(self, usage)
+        await self.hooks.usage(self, usage)
         if not include_usage:
             if not chunk.get("choices"):
                 return b""
@@ -195,7 +162,7 @@ class Exchange:
     def abort(self) -> None:
         """The client left: drop the upstream connection, so the engine aborts the request."""
         self.client_gone = True
-        self.ok = False
+        self.record.ok = False
         if self.stream is not None:
             self.stream.response.close()
 
@@ -205,53 +172,5 @@ class Exchange:
         self.closed = True
         if self.stream is not None:
             self.stream.response.release()  # an unfinished response closes its connection
-        await self.director._on_finish(self)
-
-
-class ExchangeSSE(Response):
-    """Streams an exchange to the client as server-sent events; subclasses say what bytes.
-
-    Starlette's StreamingResponse watches for a disconnect through an anyio task group, which
-    cost ~10% of the gateway's CPU per streamed request; here one plain task watches, and a
-    disconnect closes the upstream connection (the stream then ends and the engine aborts).
-    """
-
-    def __init__(self, exchange: Exchange, headers: dict[str, str]) -> None:
-        # no body and no content-length: the server sends it chunked
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            *((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()),
-        ]
-        self.exchange = exchange
-
-    def events(self) -> AsyncIterator[bytes]:
-        raise NotImplementedError
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        exchange = self.exchange
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            exchange.abort()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.events():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(Exception):  # the client may be gone already
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            await exchange.finish()
-
-
-class OpenAISSE(ExchangeSSE):
-    """The engine's own SSE bytes, relayed a network read at a time."""
-
-    def events(self) -> AsyncIterator[bytes]:
-        return self.exchange.batches(self.exchange.parsed.include_usage)
+        self.lease.release()
+        await self.hooks.finish(self)

@@ -8,12 +8,11 @@ lands when its first byte arrives (the engine has prefilled, the KV is written) 
 way every waiter is released at once, and a waiter never waits longer than its bound. A waiter
 is never a leader while it waits, so waits cannot form a cycle.
 
-Across gateways (with Redis): a leader also sets a marker on each block it writes
-("pending|<gateway:flight>|<replica>|<expected s>", set-if-absent, expiring after the longest
-hold), which other gateways' lookups find in the same script call; when it lands the marker
-becomes "ok|..." (or "fail|...") for a few seconds and the landing is published on a channel
-every gateway listens to. A waiter registers for the landing before it reads the marker again,
-so a landing between its lookup and its wait is never missed.
+Across gateways (with Redis): a leader also sets a `Marker` on each block it writes
+(set-if-absent, expiring after the longest hold), which other gateways' lookups find in the same
+script call; when it lands the marker becomes "ok" (or "fail") for a few seconds and the landing
+is published on a channel every gateway listens to. A waiter registers for the landing before it
+reads the marker again, so a landing between its lookup and its wait is never missed.
 """
 
 from __future__ import annotations
@@ -32,6 +31,46 @@ from cachemap.keys import BlockHash
 
 _ids = itertools.count(1)
 
+PENDING, OK, FAIL = "pending", "ok", "fail"
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """A fan-out leader's marker on the blocks it writes, as the shared directory stores it:
+
+        pending|<gateway id>:<flight id>|<replica>|<expected s>   while the leader writes
+        ok|<gateway id>:<flight id>|<replica>                     for LANDED_TTL_S once it
+        fail|<gateway id>:<flight id>|<replica>                   landed (or failed)
+
+    The key names the leader across gateways; landings on the channel carry the same text.
+    """
+
+    state: str
+    key: str
+    replica: str
+    expected_s: float | None = None
+
+    def format(self) -> str:
+        text = f"{self.state}|{self.key}|{self.replica}"
+        return text if self.expected_s is None else f"{text}|{self.expected_s:.3f}"
+
+    @classmethod
+    def parse(cls, text: str) -> Marker | None:
+        """The marker a string holds, or None when it is not one (never raises)."""
+        parts = text.split("|")
+        if len(parts) < 3 or parts[0] not in (PENDING, OK, FAIL):
+            return None
+        expected = None
+        if parts[0] == PENDING and len(parts) > 3:
+            try:
+                expected = float(parts[3])
+            except ValueError:
+                expected = None
+        return cls(parts[0], parts[1], parts[2], expected)
+
+    def landed(self, ok: bool) -> Marker:
+        return Marker(OK if ok else FAIL, self.key, self.replica)
+
 
 @dataclass(eq=False)
 class Flight:
@@ -44,8 +83,8 @@ class Flight:
     landed: asyncio.Event = field(default_factory=asyncio.Event)
     ok: bool = False
     started_s: float = field(default_factory=time.monotonic)
-    marker: str | None = None
-    """The shared marker ("pending|...") when the flight is announced through Redis."""
+    marker: Marker | None = None
+    """The shared marker when the flight is announced through Redis."""
 
 
 @dataclass
@@ -75,7 +114,7 @@ class Flights:
         self, registry: CollectorRegistry | None = None, shared: SharedMarkers | None = None
     ) -> None:
         self._writing: dict[BlockHash, Flight] = {}
-        self._remote: dict[str, asyncio.Future[str]] = {}
+        self._remote: dict[str, asyncio.Future[Marker]] = {}
         self._waiting: dict[str, int] = {}
         self.shared = shared
         self.gateway_id = os.urandom(4).hex()
@@ -107,8 +146,8 @@ class Flights:
         for block in blocks:
             self._writing.setdefault(block, flight)
         if self.shared is not None:
-            marker = f"pending|{self.gateway_id}:{flight.id}|{replica}|{expected_s:.3f}"
-            if await self.shared.lead(blocks, marker, ttl_s):
+            marker = Marker(PENDING, f"{self.gateway_id}:{flight.id}", replica, expected_s)
+            if await self.shared.lead(blocks, marker.format(), ttl_s):
                 flight.marker = marker
         return flight
 
@@ -121,22 +160,21 @@ class Flights:
                 del self._writing[block]
         flight.landed.set()
         if flight.marker is not None and self.shared is not None:
-            outcome = "ok" if ok else "fail"
-            landed = f"{outcome}|{self.gateway_id}:{flight.id}|{flight.replica}"
-            self.shared.land(flight.blocks, flight.marker, landed, LANDED_TTL_S)
+            landed = Marker(flight.marker.state, flight.marker.key, flight.replica).landed(ok)
+            self.shared.land(flight.blocks, flight.marker.format(), landed.format(), LANDED_TTL_S)
 
     # -- other gateways' leaders ----------------------------------------------------------------
-    def notify(self, landed: str) -> None:
-        """A landing announced on the channel: "ok|<key>|<replica>" or "fail|<key>|<replica>"."""
-        parts = landed.split("|")
-        if len(parts) >= 3:
-            future = self._remote.get(parts[1])
+    def notify(self, text: str) -> None:
+        """A landing announced on the channel (a landed `Marker`)."""
+        landed = Marker.parse(text)
+        if landed is not None and landed.state != PENDING:
+            future = self._remote.get(landed.key)
             if future is not None and not future.done():
                 future.set_result(landed)
 
     async def wait_remote(
         self, key: str, timeout_s: float, recheck: Callable[[], Awaitable[str | None]]
-    ) -> str | None:
+    ) -> Marker | None:
         """Wait for another gateway's leader `key`; its landed marker, or None on timeout."""
         self.stats.holds += 1
         started = time.monotonic()
@@ -145,9 +183,10 @@ class Flights:
             future = self._remote[key] = asyncio.get_running_loop().create_future()
         self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
-            current = await recheck()  # it may have landed between the lookup and now
-            if current is not None and not current.startswith("pending|"):
-                landed: str | None = current
+            text = await recheck()  # it may have landed between the lookup and now
+            current = Marker.parse(text) if text is not None else None
+            if current is not None and current.state != PENDING:
+                landed: Marker | None = current
             else:
                 landed = await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except TimeoutError:
@@ -163,7 +202,7 @@ class Flights:
                 del self._waiting[key]
                 self._remote.pop(key, None)
         if landed is not None:
-            if landed.startswith("ok|"):
+            if landed.state == OK:
                 self.stats.released_landed += 1
             else:
                 self.stats.released_failed += 1

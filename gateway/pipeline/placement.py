@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 from cachemap.keys import BlockHash
 from gateway.directory.routing import Lookup
-from gateway.pipeline.flights import Flight, Flights
+from gateway.pipeline.flights import OK, PENDING, Flight, Flights, Marker
 from router.fanout import DEFAULT_HOLD_FACTOR, with_leader, worth_holding
 from router.filters import LoadBoundFilter
-from router.overflow import OverflowConfig, widen
-from router.profile import Profile
+from router.overflow import OverflowConfig
+from router.plan import HotPrefix, plan
+from router.profile import RoutingProfile
 from router.types import Decision, Replica, RouteRequest
 
 
@@ -47,7 +48,6 @@ class Placement:
         *,
         prefill_tokens_per_s: float,
         overflow: OverflowConfig | None,
-        fixed_threshold_per_min: float | None,
         flights: Flights | None,
         min_hold_tokens: float,
         max_hold_s: float,
@@ -55,7 +55,6 @@ class Placement:
     ) -> None:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.overflow = overflow
-        self.fixed_threshold_per_min = fixed_threshold_per_min
         self.flights = flights
         self.min_hold_tokens = min_hold_tokens
         self.max_hold_s = max_hold_s
@@ -64,7 +63,7 @@ class Placement:
 
     async def place(
         self,
-        policy: Profile,
+        policy: RoutingProfile,
         route: RouteRequest,
         replicas: Sequence[Replica],
         hashes: Sequence[BlockHash],
@@ -79,28 +78,26 @@ class Placement:
                 replica, shared = landed
                 route = with_leader(route, replica, shared)
                 depth = max(depth, shared)
+        # 2. hot prefixes, 3. the policy (`router.plan`, the simulator's step too)
         hot = lookup.hot
-        # 2. hot prefixes
+        planned = plan(
+            policy,
+            route,
+            replicas,
+            rng,
+            HotPrefix(hot.rate_per_min, hot.k) if hot is not None and depth > 0 else None,
+            self.overflow,
+        )
+        decision, route = planned.decision, planned.route
         new_k = None
-        if self.overflow is not None and hot is not None and depth > 0:
-            route, k, added = widen(
-                route,
-                replicas,
-                hot.rate_per_min,
-                hot.k,
-                self.overflow,
-                self.fixed_threshold_per_min,
-            )
-            if k != hot.k:
-                new_k = k
-                if k > hot.k:
-                    self.stats.widenings += 1
-                else:
-                    self.stats.shrinks += 1
-            if added:
-                self.stats.spread_requests += 1
-        # 3. the policy
-        decision = policy.decide(route, replicas, rng)
+        if planned.k is not None and hot is not None and planned.k != hot.k:
+            new_k = planned.k
+            if planned.k > hot.k:
+                self.stats.widenings += 1
+            else:
+                self.stats.shrinks += 1
+        if planned.spread:
+            self.stats.spread_requests += 1
         if decision is None:
             return None
         # 4. lead
@@ -139,28 +136,27 @@ class Placement:
             timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * leader.expected_s)
             ok = await flights.wait(leader, max(timeout, 0.001))
             return (leader.replica, shared) if ok else None
-        marker, shared = lookup.writer, lookup.writer_depth
+        text, shared = lookup.writer, lookup.writer_depth
+        marker = Marker.parse(text) if text is not None else None
         if marker is None or shared <= depth:
             return None
-        state, key, replica, expected = [*marker.split("|"), "", "", ""][:4]
         # a marker that says the leader already landed is not trusted here: the directory holds
         # (or within a flush holds) its record, and a replica may have restarted since
-        if state != "pending" or not self._worth(route, replicas, replica, depth, shared):
+        if marker.state != PENDING or not self._worth(
+            route, replicas, marker.replica, depth, shared
+        ):
             return None
-        try:
-            expected_s = float(expected)
-        except ValueError:
-            expected_s = self.max_hold_s
+        expected_s = marker.expected_s if marker.expected_s is not None else self.max_hold_s
         timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * expected_s)
         shared_markers = flights.shared
         assert shared_markers is not None
         block = hashes[shared - 1]
         landed = await flights.wait_remote(
-            key, max(timeout, 0.001), lambda: shared_markers.read_marker(block)
+            marker.key, max(timeout, 0.001), lambda: shared_markers.read_marker(block)
         )
-        if landed is None or not landed.startswith("ok|"):
+        if landed is None or landed.state != OK:
             return None
-        return landed.split("|")[2], shared
+        return landed.replica, shared
 
     def _worth(
         self, route: RouteRequest, replicas: Sequence[Replica], leader: str, depth: int, shared: int

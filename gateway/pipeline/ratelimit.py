@@ -32,6 +32,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from gateway.request.state import ExchangeRecord
+from gateway.request.usage import EngineUsage
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 0.1
@@ -232,3 +235,25 @@ class RateLimiter:
     async def close(self) -> None:
         if self._redis is not None:
             await self._redis.aclose()
+
+
+class TokenSettlement:
+    """An exchange observer: settles a tokens/min charge made at admission (an estimate) with
+    the tokens the engine reports the request used."""
+
+    def __init__(self, limiter: RateLimiter) -> None:
+        self.limiter = limiter
+
+    async def on_first_token(self, record: ExchangeRecord) -> None:
+        return None
+
+    async def on_usage(self, record: ExchangeRecord, usage: EngineUsage) -> None:
+        tenant = record.tenant
+        tokens_per_min = tenant.policy.tokens_per_min
+        used = usage.used_tokens
+        if tokens_per_min is None or used is None:
+            return
+        await self.limiter.adjust(tenant.name, tokens_per_min, used - record.routed.admitted_tokens)
+
+    async def on_finish(self, record: ExchangeRecord) -> None:
+        return None

@@ -15,12 +15,12 @@ deepest matched block's last use, which the lookup returned) is expired, in one 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.directory.routing import RoutingDirectory
-from gateway.pipeline.exchange import Exchange
+from gateway.request.state import ExchangeRecord
+from gateway.request.usage import EngineUsage
 
 SLACK_TOKENS = 64
 """Engines cache whole blocks (vLLM 16 tokens, SGLang pages up to 64) and recompute the last
@@ -58,22 +58,20 @@ class Reconciler:
             registry=registry,
         )
 
-    async def on_first_token(self, exchange: Exchange) -> None:
+    async def on_first_token(self, record: ExchangeRecord) -> None:
         return None
 
-    async def on_finish(self, exchange: Exchange, ok: bool) -> None:
+    async def on_finish(self, record: ExchangeRecord) -> None:
         return None
 
-    async def on_usage(self, exchange: Exchange, usage: dict[str, Any]) -> None:
-        prompt_tokens = usage.get("prompt_tokens")
-        engine_cached = usage.get("engine_cached_tokens")
-        rendered = len(exchange.parsed.rendered)
-        if not isinstance(prompt_tokens, int) or prompt_tokens <= 0 or rendered == 0:
+    async def on_usage(self, record: ExchangeRecord, usage: EngineUsage) -> None:
+        prompt_tokens = usage.prompt_tokens
+        engine_cached = usage.cached_tokens
+        rendered = len(record.parsed.rendered)
+        if not prompt_tokens or rendered == 0:
             return
-        if not isinstance(engine_cached, int):
-            return
-        replica = exchange.replica.id
-        routed = exchange.routed
+        replica = record.replica
+        routed = record.routed
         matched = routed.route.overlap.get(replica, 0)
         predicted = min(matched * self.block_bytes, rendered) * prompt_tokens / rendered
         stats = self.stats

@@ -1,41 +1,53 @@
-"""The composition root: `create_app(settings)` builds every resource once; the lifespan
-opens the one upstream `aiohttp.ClientSession` (explicit timeouts and connection limits), starts
-health probing and (with `grpc_port`) the gRPC server in the same event loop, and stops them."""
+"""The composition root: `create_app(settings)` builds every part once (`build`), wires the
+front ends to the pipeline, and returns the ASGI app whose lifespan starts the parts in order
+and stops them in reverse (an `AsyncExitStack`: whatever started is stopped, whichever step of
+the start-up failed).
+
+Start order: the upstream `aiohttp.ClientSession` (explicit timeouts and connection limits) →
+the shared directory (Redis) → billing → health probing → discovery → the tenants-file watcher →
+the gRPC server.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
+from prometheus_client import CollectorRegistry
 from starlette.responses import Response
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
-from cachemap.redis.directory import RedisDirectory, open_redis
+from cachemap.redis.client import open_redis
+from cachemap.redis.directory import RedisDirectory
+from gateway.api.asgi import MeteredASGI
+from gateway.api.context import FrontEnd
 from gateway.api.grpc.service import start_grpc
-from gateway.api.openai.routes import GatewayASGI, build_router, install_openapi
+from gateway.api.openai.routes import build_router
+from gateway.api.openapi import install_openapi
+from gateway.billing.service import Billing
 from gateway.directory.routing import RoutingDirectory
 from gateway.fleet.discovery import Discovery, KubeTarget
 from gateway.fleet.replicas import ReplicaSet
-from gateway.observability.metrics import (
-    MeteredASGI,
-    RequestMetrics,
-    build_registry,
-    register_collector,
-    render,
-)
-from gateway.observability.tracing import build_tracing
+from gateway.observability.metrics import RequestMetrics, build_registry, render
+from gateway.observability.tracing import Tracing, build_tracing
 from gateway.pipeline.admission import Admission
-from gateway.pipeline.director import Director
+from gateway.pipeline.director import Director, RouteKeys
 from gateway.pipeline.flights import Flights
 from gateway.pipeline.forwarder import Forwarder
 from gateway.pipeline.placement import Placement
-from gateway.pipeline.ratelimit import RateLimiter
+from gateway.pipeline.ratelimit import RateLimiter, TokenSettlement
 from gateway.pipeline.reconcile import Reconciler
+from gateway.pipeline.record import Recorder
+from gateway.request.state import ExchangeObserver
+from gateway.request.tokens import TokenEstimator
+from gateway.server.collector import GatewayCollector
 from gateway.settings import Settings
 from gateway.tenancy.registry import TenantRegistry
 from gateway.tenancy.tenant_file import TenantFileWatcher
@@ -46,40 +58,43 @@ from router.registry import RouterConfig, build_fallback, build_policy
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None) -> GatewayASGI:
-    """The gateway. `span_exporter` turns tracing on with that exporter (tests, or an exporter
-    of your own); otherwise `settings.otlp_endpoint` decides (gateway.observability.tracing)."""
-    billing = None
-    if settings.billing_wal_dir is not None:  # billing (issue #7): on when a WAL dir is set
-        from gateway.billing.service import Billing
+@dataclass
+class Parts:
+    """Everything one gateway process is made of, built once from its settings."""
 
-        billing = Billing(settings)
-    tenants = TenantRegistry.from_pairs(settings.secret_bytes(), settings.tenants)
-    watcher = None
-    if settings.tenants_file is not None:
-        watcher = TenantFileWatcher(
-            settings.tenants_file, tenants, settings.tenants_reload_interval_s
+    settings: Settings
+    tenants: TenantRegistry
+    watcher: TenantFileWatcher | None
+    directory: RoutingDirectory
+    replicas: ReplicaSet
+    discovery: Discovery | None
+    forwarder: Forwarder
+    limiter: RateLimiter
+    billing: Billing | None
+    request_metrics: RequestMetrics
+    tracing: Tracing
+    director: Director
+    front: FrontEnd
+    registry: CollectorRegistry
+
+
+def _directory(settings: Settings) -> RoutingDirectory:
+    local = MemoryDirectory(
+        MemoryIndex(
+            capacity_blocks=settings.directory_capacity_blocks, ttl_s=settings.directory_ttl_s
         )
-        watcher.load_now()  # an invalid file fails the start (TenantFileError)
-    router_config = RouterConfig(
-        absolute_slack_tokens=settings.absolute_slack_tokens,
-        relative_slack=settings.relative_slack,
-        consistent_hash_blocks=settings.consistent_hash_blocks,
     )
-    policy = build_policy(settings.policy, router_config)
-    rates = PrefixRates() if settings.overflow else None
-    directory = RoutingDirectory(
-        MemoryDirectory(
-            MemoryIndex(
-                capacity_blocks=settings.directory_capacity_blocks, ttl_s=settings.directory_ttl_s
-            )
-        ),
+    return RoutingDirectory(
+        local,
         deadline_s=settings.redis_deadline_s,
         write_deadline_s=settings.redis_write_deadline_s,
-        rates=rates,
+        rates=PrefixRates() if settings.overflow else None,
         track_writers=settings.fanout_hold and settings.redis_url is not None,
     )
-    replicas = ReplicaSet(
+
+
+def _replicas(settings: Settings, directory: RoutingDirectory) -> ReplicaSet:
+    return ReplicaSet(
         settings.engines,
         interval_s=settings.health_interval_s,
         timeout_s=settings.health_timeout_s,
@@ -89,128 +104,188 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         scrape_metrics=settings.scrape_metrics,
         metrics_interval_s=settings.metrics_interval_s,
     )
-    discovery = (
-        Discovery(
-            KubeTarget(
-                label_selector=settings.discovery_label_selector or "",
-                namespace=settings.discovery_namespace,
-                port_name=settings.discovery_port_name,
-                scheme=settings.discovery_scheme,
-                kubeconfig=settings.kubeconfig,
-                watch_timeout_s=settings.discovery_watch_timeout_s,
-                retry_s=settings.discovery_retry_s,
-            ),
-            replicas,
-            directory,
-        )
-        if settings.discovery == "kubernetes"
-        else None
+
+
+def _discovery(
+    settings: Settings, replicas: ReplicaSet, directory: RoutingDirectory
+) -> Discovery | None:
+    if settings.discovery != "kubernetes":
+        return None
+    target = KubeTarget(
+        label_selector=settings.discovery_label_selector or "",
+        namespace=settings.discovery_namespace,
+        port_name=settings.discovery_port_name,
+        scheme=settings.discovery_scheme,
+        kubeconfig=settings.kubeconfig,
+        watch_timeout_s=settings.discovery_watch_timeout_s,
+        retry_s=settings.discovery_retry_s,
     )
-    forwarder = Forwarder()
-    registry = build_registry()
-    reconciler = Reconciler(directory, settings.block_bytes, registry)
-    flights = None
-    if settings.fanout_hold:
-        flights = Flights(registry, shared=directory if settings.redis_url else None)
-        directory.on_land = flights.notify
-    placement = Placement(
-        prefill_tokens_per_s=settings.engine_prefill_tokens_per_s,
-        overflow=OverflowConfig(
-            settings.engine_prefill_tokens_per_s, hot_share=settings.overflow_hot_share
+    return Discovery(target, replicas, directory)
+
+
+def _placement(settings: Settings, flights: Flights | None) -> Placement:
+    overflow = None
+    if settings.overflow:
+        overflow = OverflowConfig(
+            settings.engine_prefill_tokens_per_s,
+            hot_share=settings.overflow_hot_share,
+            fixed_threshold_per_min=settings.overflow_threshold_per_min,
         )
-        if settings.overflow
-        else None,
-        fixed_threshold_per_min=settings.overflow_threshold_per_min,
+    return Placement(
+        prefill_tokens_per_s=settings.engine_prefill_tokens_per_s,
+        overflow=overflow,
         flights=flights,
         min_hold_tokens=settings.fanout_min_tokens,
         max_hold_s=settings.fanout_max_hold_s,
         bound=LoadBoundFilter(settings.absolute_slack_tokens, settings.relative_slack),
     )
+
+
+def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Parts:
+    """Construct every part; nothing is started and no socket is opened."""
+    tenants = TenantRegistry.from_pairs(settings.secret_bytes(), settings.tenants)
+    watcher = None
+    if settings.tenants_file is not None:
+        watcher = TenantFileWatcher(
+            settings.tenants_file, tenants, settings.tenants_reload_interval_s
+        )
+        watcher.load_now()  # an invalid file fails the start (TenantFileError)
+    estimator = TokenEstimator(settings.bytes_per_token)
+    billing = Billing(settings, estimator) if settings.billing_wal_dir is not None else None
+    router_config = RouterConfig(
+        absolute_slack_tokens=settings.absolute_slack_tokens,
+        relative_slack=settings.relative_slack,
+        consistent_hash_blocks=settings.consistent_hash_blocks,
+    )
+    directory = _directory(settings)
+    replicas = _replicas(settings, directory)
+    registry = build_registry()
+    flights = None
+    if settings.fanout_hold:
+        flights = Flights(registry, shared=directory if settings.redis_url else None)
+        directory.on_land = flights.notify
+    placement = _placement(settings, flights)
     limiter = RateLimiter(settings.redis_url, settings.rate_limit_timeout_s)
-    admission = Admission(tenants, limiter)
     request_metrics = RequestMetrics()
-    traces = build_tracing(settings, span_exporter)
+    observers: list[ExchangeObserver] = [
+        TokenSettlement(limiter),
+        Reconciler(directory, settings.block_bytes, registry),
+        *([billing.meter] if billing else []),
+        request_metrics,
+    ]
+    tracing = build_tracing(settings, span_exporter)
     director = Director(
+        keys=RouteKeys(settings.block_bytes, settings.consistent_hash_blocks),
+        admission=Admission(tenants, limiter),
+        directory=directory,
+        replicas=replicas,
+        placement=placement,
+        policy=build_policy(settings.policy, router_config),
+        fallback_policy=build_fallback(settings.policy, router_config),
+        forwarder=Forwarder(),
+        recorder=Recorder(directory, estimator, observers),
+        estimator=estimator,
+        max_attempts=settings.max_attempts,
+        request_hooks=[billing.meter.prepare] if billing else [],
+        tracer=tracing.tracer,
+        rng=random.Random(settings.seed),
+    )
+    discovery = _discovery(settings, replicas, directory)
+    registry.register(
+        GatewayCollector(
+            stats=director.stats,
+            replicas=replicas,
+            directory=directory,
+            placement=placement,
+            metrics=request_metrics,
+            discovery=discovery,
+        )
+    )
+    front = FrontEnd(
+        pipeline=director,
+        tenants=tenants,
+        replicas=replicas,
+        max_prompt_bytes=settings.max_prompt_bytes,
+        debug_headers=settings.debug_headers,
+    )
+    return Parts(
         settings,
+        tenants,
+        watcher,
         directory,
         replicas,
-        forwarder,
-        policy,
-        observers=[
-            admission,
-            reconciler,
-            *([billing.meter] if billing else []),
-            request_metrics,
-        ],
-        fallback_policy=build_fallback(settings.policy, router_config),
-        placement=placement,
-        admission=admission,
-        request_hooks=[billing.meter.prepare] if billing else [],
-        tracing=traces,
+        discovery,
+        director.forwarder,
+        limiter,
+        billing,
+        request_metrics,
+        tracing,
+        director,
+        front,
+        registry,
     )
 
-    register_collector(registry, director, request_metrics, discovery)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+@contextlib.asynccontextmanager
+async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
+    """Start the parts in order; stop whatever started, in reverse, on the way out."""
+    settings = parts.settings
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(parts.tracing.shutdown)  # flushes the spans still batched
         timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=settings.connect_timeout_s,
-            sock_read=settings.first_byte_timeout_s,
+            total=None, connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s
         )
         connector = aiohttp.TCPConnector(
             limit=settings.upstream_max_connections, keepalive_timeout=30
         )
-        async with aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False
-        ) as session:
-            forwarder.session = session
-            if settings.redis_url:
-                directory.shared = RedisDirectory(
-                    await open_redis(settings.redis_url, cluster=settings.redis_cluster),
-                    capacity_blocks=settings.directory_capacity_blocks,
-                    ttl_s=settings.directory_ttl_s,
-                )
-                directory.register(settings.engines)
-            await directory.start()
-            if billing is not None:
-                await billing.start()
-            await replicas.start(session)
-            if discovery is not None:
-                await discovery.start()
-            if watcher is not None:
-                watcher.start()
-            grpc_server = None
-            if settings.grpc_port is not None:
-                try:
-                    grpc_server = await start_grpc(settings, director, tenants, request_metrics)
-                except BaseException:  # e.g. the port is taken: stop probing, fail the startup
-                    if discovery is not None:
-                        await discovery.stop()
-                    await replicas.stop()
-                    raise
-                app.state.grpc_port = grpc_server.port
-            log.info(
-                "kvgate: %d/%d replicas healthy, policy %s",
-                sum(s.healthy for s in replicas.states.values()),
-                len(replicas.states),
-                policy.name,
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+        )
+        parts.forwarder.session = session
+        stack.push_async_callback(parts.limiter.close)
+        directory = parts.directory
+        if settings.redis_url:
+            directory.shared = RedisDirectory(
+                await open_redis(settings.redis_url, cluster=settings.redis_cluster),
+                capacity_blocks=settings.directory_capacity_blocks,
+                ttl_s=settings.directory_ttl_s,
             )
-            try:
-                yield
-            finally:
-                if watcher is not None:
-                    await watcher.stop()
-                if grpc_server is not None:
-                    await grpc_server.stop()
-                if discovery is not None:
-                    await discovery.stop()
-                await replicas.stop()
-                await directory.close()
-                await limiter.close()
-                if billing is not None:
-                    await billing.stop()
-                traces.shutdown()  # flushes the spans still batched
+            directory.register(settings.engines)
+        stack.push_async_callback(directory.close)
+        await directory.start()
+        if parts.billing is not None:
+            stack.push_async_callback(parts.billing.stop)
+            await parts.billing.start()
+        stack.push_async_callback(parts.replicas.stop)
+        await parts.replicas.start(session)
+        if parts.discovery is not None:
+            stack.push_async_callback(parts.discovery.stop)
+            await parts.discovery.start()
+        if parts.watcher is not None:
+            stack.push_async_callback(parts.watcher.stop)
+            parts.watcher.start()
+        if settings.grpc_port is not None:
+            grpc_server = await start_grpc(settings, parts.front, parts.request_metrics)
+            stack.push_async_callback(grpc_server.stop)
+            app.state.grpc_port = grpc_server.port
+        log.info(
+            "kvgate: %d/%d replicas healthy, policy %s",
+            sum(s.healthy for s in parts.replicas.states.values()),
+            len(parts.replicas.states),
+            parts.director.policy.name,
+        )
+        yield
+
+
+def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None) -> MeteredASGI:
+    """The gateway. `span_exporter` turns tracing on with that exporter (tests, or an exporter
+    of your own); otherwise `settings.otlp_endpoint` decides (gateway.observability.tracing)."""
+    parts = build(settings, span_exporter)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with run(parts, app):
+            yield
 
     app = FastAPI(
         title="kvgate",
@@ -218,24 +293,26 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         description="A multi-tenant, cache-aware routing gateway for LLM inference.",
         lifespan=lifespan,
     )
-    routes, hot = build_router(director, tenants)
+    routes, hot = build_router(parts.front)
     app.include_router(routes)
-    if billing is not None:
+    if parts.billing is not None:
         from gateway.api.billing import build_billing_router
 
-        app.include_router(build_billing_router(billing, director, tenants))
+        app.include_router(build_billing_router(parts.billing, parts.front))
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
-        return Response(render(registry), media_type="text/plain; version=0.0.4")
+        return Response(render(parts.registry), media_type="text/plain; version=0.0.4")
 
-    app.state.director = director
-    app.state.tenants = tenants
-    app.state.tenants_watcher = watcher
-    app.state.rate_limiter = limiter
-    app.state.billing = billing
-    app.state.discovery = discovery
-    app.state.tracing = traces
-    app.state.request_metrics = request_metrics
+    app.state.parts = parts
+    app.state.director = parts.director
+    app.state.replicas = parts.replicas
+    app.state.tenants = parts.tenants
+    app.state.tenants_watcher = parts.watcher
+    app.state.rate_limiter = parts.limiter
+    app.state.billing = parts.billing
+    app.state.discovery = parts.discovery
+    app.state.tracing = parts.tracing
+    app.state.request_metrics = parts.request_metrics
     install_openapi(app)
-    return MeteredASGI(app, hot, request_metrics)
+    return MeteredASGI(app, hot, parts.request_metrics)

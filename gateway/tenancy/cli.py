@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from gateway.tenancy.registry import SCOPES
+from gateway.request.tenant import SCOPES
 
 TENANTS_FILE_ENV = "KVGATE_TENANTS_FILE"
 

@@ -16,61 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from gateway.errors import TenantError
-
-SCOPE_TENANT = "tenant"
-"""Every key of the tenant shares one cache scope (the default)."""
-SCOPE_USER = "user"
-"""Each end user of the tenant (the request's `user`, else its `prompt_cache_key`) has its own."""
-SCOPES = (SCOPE_TENANT, SCOPE_USER)
-TENANT_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
-"""Names travel in salts, Redis keys (inside a {hash tag}) and logs: no '/', ':', '{' or space."""
-
-
-@dataclass(frozen=True, slots=True)
-class TenantPolicy:
-    """What a tenant may do. `None` is no limit; empty `models` allows every served model."""
-
-    scope: str = SCOPE_TENANT
-    billing_profile: str | None = None
-    models: frozenset[str] = frozenset()
-    requests_per_min: int | None = None
-    tokens_per_min: int | None = None
-    max_prompt_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.scope not in SCOPES:
-            raise ValueError(f"unknown isolation scope {self.scope!r}; choose one of {SCOPES}")
-        for name in ("requests_per_min", "tokens_per_min", "max_prompt_tokens"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive (or absent for no limit)")
-
-
-DEFAULT_POLICY = TenantPolicy()
-
-
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    name: str
-    salt: bytes
-    cache_salt: str = ""
-    """The salt as sent to the engine: its hex form (derived once, not per request)."""
-    policy: TenantPolicy = DEFAULT_POLICY
-    end_user: str | None = None
-    """Set on the per-request copy of a `user`-scoped tenant: the salt is then that user's."""
-
-    def __post_init__(self) -> None:
-        if not self.cache_salt:
-            object.__setattr__(self, "cache_salt", self.salt.hex())
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+from gateway.request.tenant import DEFAULT_POLICY, Tenant, TenantPolicy, check_tenant_name, hash_key
 
 
 def derive_salt(secret: bytes, scope: str) -> bytes:
@@ -83,15 +33,6 @@ def tenant_scope(name: str) -> str:
 
 def user_scope(name: str, end_user: str) -> str:
     return f"tenant:{name}/user:{end_user}"
-
-
-def check_tenant_name(name: str) -> str:
-    if not TENANT_NAME_PATTERN.fullmatch(name):
-        raise ValueError(
-            f"tenant name {name!r} must be 1-63 letters, digits, '_', '.' or '-', "
-            "starting with a letter or digit"
-        )
-    return name
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,14 +47,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gateway.settings import BILLING_PROFILES
-from gateway.tenancy.registry import (
-    TenantPolicy,
-    TenantRegistry,
-    TenantSpec,
-    check_tenant_name,
-    hash_key,
-)
+from gateway.request.tenant import BILLING_PROFILES, TenantPolicy, check_tenant_name, hash_key
+from gateway.tasks import BackgroundTasks
+from gateway.tenancy.registry import TenantRegistry, TenantSpec
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +332,7 @@ class TenantFileWatcher:
         self.num_failures = 0
         self.last_error: str | None = None
         self._fingerprint: Fingerprint | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = BackgroundTasks("tenants file")
 
     def load_now(self) -> None:
         """Load the file into the registry; raises TenantFileError (startup must fail)."""
@@ -390,11 +385,7 @@ class TenantFileWatcher:
                 log.exception("tenants file watcher")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="tenants-file-watcher")
+        self._tasks.spawn(self._run(), name="tenants-file-watcher")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._tasks.close()

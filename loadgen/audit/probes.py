@@ -1,5 +1,5 @@
 """`kvgate audit`: the prompt-cache timing audit of Gu, Li, Kuditipudi, Liang and Hashimoto
-(ICML 2025), run against any OpenAI-compatible endpoint over HTTP (../shared/billing/RULES.md §3).
+(ICML 2025), run against any OpenAI-compatible endpoint over HTTP (docs/billing.md#timing-audit).
 
 A shared prefix cache is a timing oracle: a prompt someone else just sent comes back faster.
 The audit measures it the way the paper did:

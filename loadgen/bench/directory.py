@@ -18,7 +18,8 @@ import redis
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryDirectory
-from cachemap.redis.directory import RedisDirectory, open_redis
+from cachemap.redis.client import open_redis
+from cachemap.redis.directory import RedisDirectory
 from loadgen.harness.redis_servers import redis_cluster, redis_server
 from loadgen.runner import percentile
 

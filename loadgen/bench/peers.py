@@ -55,18 +55,13 @@ from loadgen.engine.timing import (
 from loadgen.harness import processes
 from loadgen.replay import ReplayOptions, ReplaySummary, replay, summarise
 from loadgen.sim import SimConfig, run_policies
+from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import Trace, read_trace
 from loadgen.traces.synthesis import PromptSynthesizer
 from router.registry import POLICIES
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2].parent
-    / "shared"
-    / "traces"
-    / "mooncake"
-    / "conversation_trace.jsonl"
-)
-"""The Mooncake conversation trace, where the project's shared folder sits beside the repo."""
+DEFAULT_TRACE = CONVERSATION_TRACE
+"""The Mooncake conversation trace shipped in `loadgen/traces/mooncake/`."""
 DEFAULT_START = 4000
 """The issue's slice: 2,000 requests from line 4,000 (a steady stretch of the hour)."""
 DEFAULT_REQUESTS = 2000
@@ -459,7 +454,8 @@ def run_bench(args: argparse.Namespace) -> int:
         f"{args.start} ({trace.span_s:,.0f} s of trace), {args.engines} engines × "
         f"{setup.capacity_blocks:,} blocks of {ENGINE_BLOCK_SIZE} tokens (capacity frac "
         f"{args.capacity_frac:g}), prefill {prefill_rate:,.0f} tokens/s, decode "
-        f"{args.decode_ms_per_token:g} ms/token, outputs ≤ {args.max_output_tokens}; kvgate's "
+        f"{args.decode_ms_per_token:g} ms per decode step (+ batch terms), "
+        f"outputs ≤ {args.max_output_tokens}; kvgate's "
         f"directory {setup.directory_capacity_blocks:,} entries per engine\n"
         f"simulator on this slice: round robin prefill utilization {rr.prefill_utilization:.2f}; "
         f"one shared LRU of the same capacity {refs.lru_reference_hit_ratio:.1%} hit ratio; "
@@ -494,7 +490,8 @@ def run_bench(args: argparse.Namespace) -> int:
         f"{trace.name}; {args.engines} engines, capacity frac {args.capacity_frac:g} "
         f"({setup.capacity_blocks:,} engine blocks each), prefill {prefill_rate:,.0f} tokens/s "
         f"(round-robin utilization {rr.prefill_utilization:.2f} by the simulator), decode "
-        f"{args.decode_ms_per_token:g} ms/token, outputs ≤ {args.max_output_tokens}, time scale "
+        f"{args.decode_ms_per_token:g} ms per decode step (+ batch terms), "
+        f"outputs ≤ {args.max_output_tokens}, time scale "
         f"{setup.time_scale:g}, kvgate's directory {args.directory_scale:g}x the engines' KV. "
         f"One shared LRU of the same capacity: "
         f"{refs.lru_reference_hit_ratio:.1%}. Background CPU load before the run: "

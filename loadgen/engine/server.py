@@ -5,14 +5,24 @@ Endpoints (vLLM's, plus the SGLang probes that sglang-router uses):
        /get_model_info /metrics /get_load /load
   POST /tokenize /detokenize /v1/completions/render /v1/chat/completions/render
        /v1/completions /v1/chat/completions   (SSE when "stream": true)
+       /reset_prefix_cache
 
 Prompts are rendered with the model's chat template and tokenized with its BPE
-(`loadgen.engine.prompts`, `loadgen.engine.tokenizer`); the prefix cache hashes those token ids.
+(`loadgen.engine.prompts`, `loadgen.engine.tokenizer`; once per app, shared by the ranks, as
+vLLM's API server tokenizes for all of them); the prefix cache hashes those token ids.
 Generation is deterministic: exactly `max_tokens` tokens (as with vLLM's `ignore_eos`) of the
 vocabulary's single-token words, seeded by the prompt, `finish_reason: "length"`.
 `usage.prompt_tokens_details.cached_tokens` is always present. `cache_salt` is mixed into block
 0 of the prefix cache, as in vLLM.
-While streaming, tokens that fall due within one `STREAM_INTERVAL_S` go out as one SSE event.
+
+Streaming is vLLM's: one SSE event per engine step that gave the request tokens: one token
+while the client keeps up, everything generated since the last event when it lags (nothing is
+held back on a timer); `--stream-interval N` waits for N new tokens (or the last one).
+
+`--data-parallel-size N` runs N ranks behind the one port, each with its own EngineCore, cache
+and KV-event publisher (`kv_events`, port + rank); the `X-data-parallel-rank` header picks one,
+otherwise vLLM's internal load balancing does: the rank with the least 4 × waiting + running,
+the lowest on ties (`DPLBAsyncMPClient.get_core_engine_for_request`).
 """
 
 from __future__ import annotations
@@ -20,10 +30,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +48,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from loadgen.engine.kv_events import KVEventsConfig, ZmqPublisher, parse_kv_events_config
+from loadgen.engine.kvpool import BlockPool
 from loadgen.engine.prompts import (
     BadRequest,
     RenderedPrompts,
@@ -47,14 +60,16 @@ from loadgen.engine.prompts import (
 from loadgen.engine.timing import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CAPACITY_BLOCKS,
-    DEFAULT_DECODE_S_PER_TOKEN,
+    DEFAULT_CPU_HIT_COST_FRAC,
     DEFAULT_MAX_BATCH,
     DEFAULT_PREFILL_TOKENS_PER_S,
+    FINISHED,
     FIRST_TOKEN,
     EngineCore,
     Job,
-    PrefixCache,
     TimingModel,
+    add_decode_arguments,
+    decode_from_args,
 )
 from loadgen.engine.tokenizer import MODEL_DIR, block_hashes, default_tokenizer
 
@@ -62,8 +77,10 @@ DEFAULT_MODEL = "kvgate-sim-8b"
 DEFAULT_MAX_MODEL_LEN = 131_072
 DEFAULT_CHAT_MAX_TOKENS = 64
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-STREAM_INTERVAL_S = 0.005
+DEFAULT_STREAM_INTERVAL = 1
+"""vLLM's `--stream-interval` default: every step's tokens go out at once."""
 VLLM_VERSION = "0.11.0"
+DP_RANK_HEADER = "X-data-parallel-rank"
 
 
 @dataclass(frozen=True)
@@ -76,6 +93,19 @@ class EngineConfig:
     fail_first_bytes: int = 0
     """Test hook (SGLang's mock_worker has the same): this many generation requests fail with a
     500 before any byte, after their prefill time (an engine dying mid-prefill), writing no KV."""
+    stream_interval: int = DEFAULT_STREAM_INTERVAL
+    data_parallel_size: int = 1
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    cpu_offload_blocks: int = 0
+    """Blocks of the write-through CPU tier (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be at least 1")
+        if self.cpu_offload_blocks < 0:
+            raise ValueError("cpu_offload_blocks must be non-negative")
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -84,16 +114,32 @@ def _error(message: str, status: int) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-class Engine:
-    """One simulated replica: the scheduler, its asyncio driver, and counters for /metrics."""
+@dataclass
+class _Waiter:
+    """What a handler awaits: the first token, the last, and every step in between."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    first: asyncio.Future[None]
+    done: asyncio.Future[None]
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Engine:
+    """One data-parallel rank: its scheduler and cache, their asyncio driver, its KV-event
+    publisher, and counters for /metrics."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
-        self.core = EngineCore(config.timing, PrefixCache(config.capacity_blocks))
-        self.prompts = RenderedPrompts()
+        self.rank = rank
+        pool = BlockPool(
+            config.capacity_blocks,
+            config.cpu_offload_blocks,
+            record_events=config.kv_events.enabled,
+        )
+        self.core = EngineCore(config.timing, pool, stream_tokens=True)
         self.start_time = time.time()
         self.num_failures_left = config.fail_first_bytes
-        self._waiters: dict[str, tuple[asyncio.Future[None], asyncio.Future[None]]] = {}
+        self.publisher: ZmqPublisher | None = None
+        self._waiters: dict[str, _Waiter] = {}
         self._wakeup: asyncio.Event | None = None
         self._driver: asyncio.Task[None] | None = None
         self._ids = itertools.count()
@@ -101,8 +147,15 @@ class Engine:
         """The W3C `traceparent` of the last generation request (vLLM continues it when it
         traces): lets a test see what a router passed on."""
 
+    @property
+    def load(self) -> int:
+        """vLLM's DP load-balancing score: a waiting request weighs four running ones."""
+        return 4 * self.core.num_waiting + self.core.num_running
+
     # -- driver ---------------------------------------------------------------------------
     async def start(self) -> None:
+        if self.config.kv_events.enabled:
+            self.publisher = ZmqPublisher(self.config.kv_events, self.rank)
         self._wakeup = asyncio.Event()
         self._driver = asyncio.create_task(self._drive())
 
@@ -111,11 +164,15 @@ class Engine:
             self._driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._driver
+        if self.publisher is not None:
+            self._flush()
+            self.publisher.close()
 
     async def _drive(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._wakeup is not None
         while True:
+            self._flush()
             due = self.core.next_event_time()
             self._wakeup.clear()
             if due is None:
@@ -127,27 +184,44 @@ class Engine:
                     await asyncio.wait_for(self._wakeup.wait(), delay)
                 continue
             for _, kind, job in self.core.advance(loop.time()):
-                first, done = self._waiters.get(job.id, (None, None))
-                target = first if kind == FIRST_TOKEN else done
-                if target is not None and not target.done():
+                waiter = self._waiters.get(job.id)
+                if waiter is None:
+                    continue
+                waiter.progress.set()
+                target = waiter.first if kind == FIRST_TOKEN else waiter.done
+                if kind != FINISHED and kind != FIRST_TOKEN:
+                    continue
+                if not target.done():
                     target.set_result(None)
-                if kind != FIRST_TOKEN:
+                if kind == FINISHED:
                     self._waiters.pop(job.id, None)
 
-    def submit(self, job: Job) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+    def _flush(self) -> None:
+        """Publish the cache events of the steps just run as one batch (vLLM: one per step)."""
+        log = self.core.cache.log
+        if log is not None and log.events and self.publisher is not None:
+            self.publisher.publish(log.take(), time.time())
+
+    def submit(self, job: Job) -> _Waiter:
         loop = asyncio.get_running_loop()
-        futures = (loop.create_future(), loop.create_future())
-        self._waiters[job.id] = futures
+        waiter = _Waiter(loop.create_future(), loop.create_future())
+        self._waiters[job.id] = waiter
         self.core.submit(loop.time(), job)
         assert self._wakeup is not None
         self._wakeup.set()
-        return futures
+        return waiter
 
     def abort(self, job: Job) -> None:
         self.core.abort(asyncio.get_running_loop().time(), job)
         self._waiters.pop(job.id, None)
         assert self._wakeup is not None
         self._wakeup.set()
+
+    def reset_prefix_cache(self) -> bool:
+        done = self.core.reset_prefix_cache()
+        if done:
+            self._flush()
+        return done
 
     def next_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._ids)}"
@@ -175,45 +249,94 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 # -- metrics --------------------------------------------------------------------------------
 class _EngineCollector(Collector):
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    """vLLM's metric names, one series per data-parallel rank (label `engine`, as vLLM's)."""
+
+    def __init__(self, engines: Sequence[Engine]) -> None:
+        self.engines = engines
 
     def collect(self) -> Iterable[Any]:
-        e, core = self.engine, self.engine.core
         labels = ["model_name", "engine"]
-        values = [e.config.model, "0"]
+        ranks = [([e.config.model, str(e.rank)], e) for e in self.engines]
+        offload = self.engines[0].config.cpu_offload_blocks > 0
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        def gauge(name: str, doc: str, value: Callable[[Engine], float]) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
+            for values, e in ranks:
+                g.add_metric(values, value(e))
             return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        def counter(name: str, doc: str, value: Callable[[Engine], float]) -> CounterMetricFamily:
             c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value)
+            for values, e in ranks:
+                c.add_metric(values, value(e))
             return c
 
-        usage = len(core.cache) / core.cache.capacity_blocks
-        yield gauge("vllm:num_requests_running", "Requests in the batch.", core.num_running)
-        yield gauge("vllm:num_requests_waiting", "Requests queued.", core.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", usage)
-        yield gauge("vllm:gpu_cache_usage_perc", "KV cache usage (deprecated name).", usage)
-        c = core.counters
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up.", c.prompt_tokens)
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens found cached.", c.cached_tokens)
-        yield counter("vllm:prompt_tokens", "Prompt tokens processed.", c.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Tokens generated.", c.generation_tokens)
-        yield counter("vllm:request_success", "Requests finished.", c.requests_finished)
-        yield counter("vllm:num_preemptions", "Preemptions (never, here).", 0)
-        yield gauge("process_start_time_seconds", "Start time (Unix s).", e.start_time)
+        yield gauge("vllm:num_requests_running", "Requests in the batch.", _running)
+        yield gauge("vllm:num_requests_waiting", "Requests queued.", _waiting)
+        usage_doc = "KV cache usage: blocks running requests use (1 = full; cached ones are free)."
+        yield gauge("vllm:kv_cache_usage_perc", usage_doc, _usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "KV cache usage (deprecated name).", _usage)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up.", _queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found on the GPU.", _gpu_hits)
+        if offload:
+            yield counter(
+                "vllm:external_prefix_cache_queries", "Prompt tokens looked up.", _queries
+            )
+            yield counter(
+                "vllm:external_prefix_cache_hits", "Prompt tokens loaded from the CPU.", _cpu_hits
+            )
+        yield counter("vllm:prompt_tokens", "Prompt tokens processed.", _queries)
+        yield counter("vllm:generation_tokens", "Tokens generated.", _generated)
+        yield counter("vllm:request_success", "Requests finished.", _finished)
+        yield counter("vllm:num_preemptions", "Preemptions (never: requests reserve KV).", _zero)
+        start = GaugeMetricFamily("process_start_time_seconds", "Start time (Unix s).")
+        start.add_metric([], self.engines[0].start_time)
+        yield start
+
+
+def _running(e: Engine) -> float:
+    return e.core.num_running
+
+
+def _waiting(e: Engine) -> float:
+    return e.core.num_waiting
+
+
+def _usage(e: Engine) -> float:
+    return e.core.cache.usage
+
+
+def _queries(e: Engine) -> float:
+    return e.core.counters.prompt_tokens
+
+
+def _gpu_hits(e: Engine) -> float:
+    return e.core.counters.cached_tokens - e.core.counters.cpu_cached_tokens
+
+
+def _cpu_hits(e: Engine) -> float:
+    return e.core.counters.cpu_cached_tokens
+
+
+def _generated(e: Engine) -> float:
+    return e.core.counters.generation_tokens
+
+
+def _finished(e: Engine) -> float:
+    return e.core.counters.requests_finished
+
+
+def _zero(e: Engine) -> float:
+    return 0.0
 
 
 # -- the app ------------------------------------------------------------------------------
 def create_engine_app(config: EngineConfig | None = None) -> Starlette:
     config = config or EngineConfig()
-    engine = Engine(config)
+    engines = [Engine(config, rank) for rank in range(config.data_parallel_size)]
+    engine = engines[0]
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_EngineCollector(engine))
+    registry.register(_EngineCollector(engines))
 
     def model_card() -> dict[str, Any]:
         return {
@@ -226,6 +349,7 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
             "max_model_len": config.max_model_len,
         }
 
+    prompts = RenderedPrompts()  # the API server's: every rank's requests are tokenized here
     local_tokenizer = str(MODEL_DIR)  # a Hugging Face tokenizer directory: routers load it
 
     def server_info() -> dict[str, Any]:
@@ -243,7 +367,14 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
             "max_running_requests": t.max_batch,
             "prefill_tokens_per_s": t.prefill_tokens_per_s,
             "decode_s_per_token": t.decode_s_per_token,
+            "decode_s_per_seq": t.decode_s_per_seq,
+            "decode_s_per_context_token": t.decode_s_per_context_token,
             "time_scale": t.time_scale,
+            "stream_interval": config.stream_interval,
+            "data_parallel_size": config.data_parallel_size,
+            "dp_size": config.data_parallel_size,
+            "cpu_offload_blocks": config.cpu_offload_blocks,
+            "kv_events_config": orjson.dumps(dataclasses.asdict(config.kv_events)).decode(),
         }
 
     async def health(request: Request) -> Response:
@@ -271,16 +402,30 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
 
+    def num_requests() -> int:
+        return sum(e.core.num_running + e.core.num_waiting for e in engines)
+
     async def get_load(request: Request) -> Response:
-        return JSONResponse({"load": engine.core.num_running + engine.core.num_waiting})
+        return JSONResponse({"load": num_requests()})
 
     async def load(request: Request) -> Response:
-        return JSONResponse({"server_load": engine.core.num_running + engine.core.num_waiting})
+        return JSONResponse({"server_load": num_requests()})
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's endpoint: every rank forgets its cache (GPU and CPU), announced as one
+        AllBlocksCleared each; refused, as vLLM refuses, while requests hold blocks."""
+        busy = [e.rank for e in engines if e.core.cache.num_used]
+        if busy:
+            ranks = ", ".join(map(str, busy))
+            return _error(f"requests are running on rank(s) {ranks}: the cache was not reset", 409)
+        for e in engines:
+            e.reset_prefix_cache()
+        return Response(status_code=200)
 
     async def tokenize_endpoint(request: Request) -> Response:
         try:
             body = await _json_body(request)
-            return JSONResponse(tokenize_response(body, config.max_model_len, engine.prompts))
+            return JSONResponse(tokenize_response(body, config.max_model_len, prompts))
         except BadRequest as exc:
             return _error(str(exc), exc.status)
 
@@ -294,7 +439,7 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
         async def handler(request: Request) -> Response:
             try:
                 body = await _json_body(request)
-                return JSONResponse(render_response(body, chat, config.model, engine.prompts))
+                return JSONResponse(render_response(body, chat, config.model, prompts))
             except BadRequest as exc:
                 return _error(str(exc), exc.status)
 
@@ -304,7 +449,8 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
         async def handler(request: Request) -> Response:
             try:
                 body = await _json_body(request)
-                return await _generate(engine, body, chat, request)
+                rank = _pick_rank(engines, request)
+                return await _generate(rank, body, chat, request, prompts)
             except BadRequest as exc:
                 return _error(str(exc), exc.status)
 
@@ -312,11 +458,15 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await engine.start()
+        started: list[Engine] = []
         try:
+            for e in engines:
+                await e.start()
+                started.append(e)
             yield
         finally:
-            await engine.stop()
+            for e in started:
+                await e.stop()
 
     routes = [
         Route("/health", health),
@@ -336,77 +486,122 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
         Route("/v1/chat/completions/render", render(chat=True), methods=["POST"]),
         Route("/v1/completions", generate(chat=False), methods=["POST"]),
         Route("/v1/chat/completions", generate(chat=True), methods=["POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.engine = engine
+    app.state.engines = engines
+    app.state.prompts = prompts
     return app
 
 
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+def _pick_rank(engines: Sequence[Engine], request: Request) -> Engine:
+    """The `X-data-parallel-rank` header's rank, or vLLM's least-loaded one (see the module
+    docstring)."""
+    header = request.headers.get(DP_RANK_HEADER)
+    if header is None:
+        return min(engines, key=lambda e: (e.load, e.rank))
+    try:
+        rank = int(header)
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < len(engines):
+        raise BadRequest(
+            f"{DP_RANK_HEADER} must be an integer from 0 to {len(engines) - 1}, got {header!r}"
+        )
+    return engines[rank]
 
 
-async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: Request) -> Response:
-    config = engine.config
-    engine.last_traceparent = request.headers.get("traceparent")
+@dataclass(frozen=True)
+class _Generation:
+    """A generation request, parsed and checked."""
+
+    chat: bool
+    tokens: Sequence[int]
+    max_tokens: int
+    salt: str | None
+    stream: bool
+    include_usage: bool
+
+
+def _parse_generation(
+    config: EngineConfig, body: dict[str, Any], chat: bool, prompts: RenderedPrompts
+) -> _Generation:
     model = body.get("model")
     if model is not None and model != config.model:
         raise BadRequest(f"The model `{model}` does not exist.", status=404)
-    tokens = engine.prompts.ids(body, chat)
+    tokens = prompts.ids(body, chat)
     default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
     max_tokens = _int_field(body, "max_completion_tokens", 0, 1) if chat else 0
     max_tokens = max_tokens or _int_field(body, "max_tokens", default_max, 1)
     if _int_field(body, "n", 1, 1) != 1:
         raise BadRequest("only n=1 is supported")
-    if len(tokens) + max_tokens > config.max_model_len:
+    total = len(tokens) + max_tokens
+    if total > config.max_model_len:
         raise BadRequest(
             f"This model's maximum context length is {config.max_model_len} tokens. However, "
-            f"you requested {len(tokens) + max_tokens} tokens ({len(tokens)} in the messages, "
+            f"you requested {total} tokens ({len(tokens)} in the messages, "
             f"{max_tokens} in the completion)."
         )
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string")
-    stream = body.get("stream") is True
     options = body.get("stream_options")
-    include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    failing = engine.num_failures_left > 0
-    if failing:
-        engine.num_failures_left -= 1
+    return _Generation(
+        chat=chat,
+        tokens=tokens,
+        max_tokens=max_tokens,
+        salt=salt,
+        stream=body.get("stream") is True,
+        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+    )
 
-    hashes = block_hashes(tokens, config.block_size, salt)
+
+def _make_job(engine: Engine, gen: _Generation, body: dict[str, Any]) -> tuple[Job, list[str]]:
+    """The job for the core, and the output tokens it will produce (deterministic)."""
+    config, tokens = engine.config, gen.tokens
+    hashes = block_hashes(tokens, config.block_size, gen.salt)
     max_cached = (len(tokens) - 1) // config.block_size * config.block_size
     seed = mmh3.hash(hashes[-1] if hashes else repr(list(tokens[-8:])).encode(), signed=False)
-    output = default_tokenizer().output_ids(seed, max_tokens)
+    output = default_tokenizer().output_ids(seed, gen.max_tokens)
     pieces = default_tokenizer().pieces(output)
-    final = block_hashes([*tokens, *output], config.block_size, salt, resume=hashes)
+    ids = [*tokens, *output]  # what the blocks hold, and what the KV events announce
+    final = block_hashes(ids, config.block_size, gen.salt, resume=hashes)
     job = Job(
-        id=engine.next_id("chatcmpl" if chat else "cmpl"),
+        id=engine.next_id("chatcmpl" if gen.chat else "cmpl"),
         block_hashes=hashes,
         num_prompt_tokens=len(tokens),
-        num_output_tokens=max_tokens,
+        num_output_tokens=gen.max_tokens,
         block_size=config.block_size,
         max_cached_tokens=max(max_cached, 0),
         final_hashes=final,
+        token_ids=ids,
+        cache_salt=gen.salt,
     )
-    created = int(time.time())
-    first, done = engine.submit(job)
-    if failing:  # the engine dies during the prefill: nothing is cached, the client gets a 500
-        job.block_hashes, job.final_hashes = (), ()
-        await first
-        engine.abort(job)
-        return _error("simulated failure before the first byte", 500)
+    return job, pieces
 
-    def usage() -> dict[str, Any]:
+
+@dataclass
+class _Reply:
+    """How one job's answer is framed (OpenAI's completion and chat-completion shapes)."""
+
+    job: Job
+    gen: _Generation
+    pieces: list[str]
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def usage(self) -> dict[str, Any]:
+        job = self.job
         return {
             "prompt_tokens": job.num_prompt_tokens,
-            "completion_tokens": max_tokens,
-            "total_tokens": job.num_prompt_tokens + max_tokens,
+            "completion_tokens": self.gen.max_tokens,
+            "total_tokens": job.num_prompt_tokens + self.gen.max_tokens,
             "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
         }
 
-    def choice(text: str, finish: str | None, delta: bool) -> dict[str, Any]:
-        if not chat:
+    def choice(self, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
+        if not self.gen.chat:
             return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         if not delta:
             message = {"role": "assistant", "content": text}
@@ -418,59 +613,87 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
             "finish_reason": finish,
         }
 
-    obj = "chat.completion" if chat else "text_completion"
-    if not stream:
+    def whole(self) -> dict[str, Any]:
+        return {
+            "id": self.job.id,
+            "object": "chat.completion" if self.gen.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self.choice("".join(self.pieces), "length", delta=False)],
+            "usage": self.usage(),
+        }
+
+    def chunk(self, **fields: Any) -> bytes:
+        head = {
+            "id": self.job.id,
+            "object": "chat.completion.chunk" if self.gen.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+        }
+        return b"data: " + orjson.dumps({**head, **fields}) + b"\n\n"
+
+
+async def _generate(
+    engine: Engine, body: dict[str, Any], chat: bool, request: Request, prompts: RenderedPrompts
+) -> Response:
+    """Serve one generation on one rank.
+
+    1. Parse: the prompt's tokens, max_tokens, salt, streaming options.
+    2. Submit: the job (its blocks, its output) to the rank's scheduler.
+    3. Answer: the whole completion when it finishes, or the SSE stream step by step.
+    """
+    engine.last_traceparent = request.headers.get("traceparent")
+    gen = _parse_generation(engine.config, body, chat, prompts)
+    failing = engine.num_failures_left > 0
+    if failing:
+        engine.num_failures_left -= 1
+    job, pieces = _make_job(engine, gen, body)
+    waiter = engine.submit(job)
+    if failing:  # the engine dies during the prefill: nothing is cached, the client gets a 500
+        job.block_hashes, job.final_hashes = (), ()
+        await waiter.first
+        engine.abort(job)
+        return _error("simulated failure before the first byte", 500)
+    reply = _Reply(job, gen, pieces, engine.config.model)
+    if not gen.stream:
         try:
-            await done
+            await waiter.done
         except asyncio.CancelledError:
             engine.abort(job)
             raise
-        return JSONResponse(
-            {
-                "id": job.id,
-                "object": obj,
-                "created": created,
-                "model": config.model,
-                "choices": [choice("".join(pieces), "length", delta=False)],
-                "usage": usage(),
-            }
-        )
+        return JSONResponse(reply.whole())
+    return StreamingResponse(_stream(engine, reply, waiter), media_type="text/event-stream")
 
-    chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-    step = config.timing.decode_s_per_token / config.timing.time_scale
 
-    async def events() -> AsyncIterator[bytes]:
-        loop = asyncio.get_running_loop()
-        try:
-            await first
-            assert job.first_token_s is not None
-            head = {"id": job.id, "object": chunk_obj, "created": created, "model": config.model}
-            if chat:
-                yield _sse({**head, "choices": [choice("", None, delta=True)]})
-            sent = 0
-            while sent < max_tokens:
-                due = job.first_token_s + sent * step
-                wait = due - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(max(wait, STREAM_INTERVAL_S))
-                now = loop.time()
-                upto = max_tokens if step == 0 else int((now - job.first_token_s) / step) + 1
-                upto = min(max(upto, sent + 1), max_tokens)
-                text = "".join(pieces[sent:upto])
-                sent = upto
-                yield _sse({**head, "choices": [choice(text, None, delta=True)]})
-            yield _sse({**head, "choices": [choice("", "length", delta=True)]})
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": usage()})
-            yield b"data: [DONE]\n\n"
-        except asyncio.CancelledError:
+async def _stream(engine: Engine, reply: _Reply, waiter: _Waiter) -> AsyncIterator[bytes]:
+    """The SSE stream: one event per engine step that produced tokens (see the module
+    docstring); the last token's event carries `finish_reason`, as vLLM's does."""
+    job, gen = reply.job, reply.gen
+    interval = engine.config.stream_interval
+    try:
+        await waiter.first
+        if gen.chat:
+            yield reply.chunk(choices=[reply.choice("", None, delta=True)])
+        sent = 0
+        while sent < gen.max_tokens:
+            ready = job.num_generated
+            if ready - sent >= interval or (job.finish_s is not None and ready > sent):
+                finish = "length" if ready >= gen.max_tokens else None
+                text = "".join(reply.pieces[sent:ready])
+                sent = ready
+                yield reply.chunk(choices=[reply.choice(text, finish, delta=True)])
+                continue
+            waiter.progress.clear()
+            await waiter.progress.wait()
+        if gen.include_usage:
+            yield reply.chunk(choices=[], usage=reply.usage())
+        yield b"data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        engine.abort(job)
+        raise
+    finally:
+        if job.finish_s is None:
             engine.abort(job)
-            raise
-        finally:
-            if job.finish_s is None or job.finish_s > loop.time():
-                engine.abort(job)
-
-    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -481,21 +704,46 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     parser.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S)
-    parser.add_argument(
-        "--decode-ms-per-token", type=float, default=DEFAULT_DECODE_S_PER_TOKEN * 1e3
-    )
+    add_decode_arguments(parser)
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
     parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=DEFAULT_STREAM_INTERVAL,
+        help="tokens per SSE event (vLLM's flag; 1: every engine step's tokens at once)",
+    )
+    parser.add_argument(
+        "--data-parallel-size", type=int, default=1, help="ranks behind this port (vLLM's flag)"
+    )
+    parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV events JSON, e.g. '{\"enable_kv_cache_events\": true}' (docs/engine.md)",
+    )
+    parser.add_argument(
+        "--cpu-offload-blocks", type=int, default=0, help="write-through CPU tier (0: none)"
+    )
+    parser.add_argument(
+        "--cpu-hit-cost-frac",
+        type=float,
+        default=DEFAULT_CPU_HIT_COST_FRAC,
+        help="a block loaded from the CPU tier costs this fraction of prefilling it",
+    )
     parser.add_argument("--fail-first", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     timing = TimingModel(
         prefill_tokens_per_s=args.prefill_tokens_per_s,
-        decode_s_per_token=args.decode_ms_per_token / 1e3,
         max_batch=args.max_batch,
         time_scale=args.time_scale,
+        cpu_hit_cost_frac=args.cpu_hit_cost_frac,
+        **decode_from_args(args),
     )
+    kv_events = KVEventsConfig()
+    if args.kv_events_config:
+        kv_events = parse_kv_events_config(args.kv_events_config)
     return EngineConfig(
         model=args.model,
         capacity_blocks=args.capacity_blocks,
@@ -503,11 +751,19 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         timing=timing,
         fail_first_bytes=args.fail_first,
+        stream_interval=args.stream_interval,
+        data_parallel_size=args.data_parallel_size,
+        kv_events=kv_events,
+        cpu_offload_blocks=args.cpu_offload_blocks,
     )
 
 
 def serve_engine(args: argparse.Namespace) -> None:
     import uvicorn
 
-    app = create_engine_app(config_from_args(args))
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"kvgate engine: {exc}") from None
+    app = create_engine_app(config)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)

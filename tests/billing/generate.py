@@ -1,4 +1,4 @@
-"""Writes the 50-step agent session of RULES.md §2.1 as `kvgate billing simulate` workloads.
+"""Writes docs/billing.md#agent-session's 50-step session as `kvgate billing simulate` workloads.
 
     python -m tests.billing.generate      # rewrites tests/billing/session_*.jsonl
 

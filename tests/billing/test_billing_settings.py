@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from gateway.billing.pending import profile_for
 from gateway.billing.pricing.prices import PROFILES
 from gateway.billing.service import admin_key_hashes
+from gateway.request.tenant import Tenant, TenantPolicy, hash_key
 from gateway.settings import BILLING_PROFILES, load_settings
-from gateway.tenancy.registry import Tenant, TenantPolicy, hash_key
 
 
 def test_the_settings_list_of_profiles_is_the_engines() -> None:

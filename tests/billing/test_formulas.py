@@ -1,4 +1,4 @@
-"""RULES.md §2 vector 13 and the formulas of §1, exact."""
+"""Vector 13 and the formulas of docs/billing.md#formulas, exact."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every vector of RULES.md §2, exact, through `simulate` on the workload files kept here."""
+"""Every vector of docs/billing.md#test-vectors, exact, through `simulate` on the workloads here."""
 
 from __future__ import annotations
 

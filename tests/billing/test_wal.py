@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import kvgate_cli
-from cachemap.redis.directory import open_redis
+from cachemap.redis.client import open_redis
 from gateway.billing.store import LocalLedger, RedisLedgerStore, Shipper
 from gateway.billing.wal import WalLocked, WriteAheadLog, read_segment, segment_paths
 from loadgen.harness.redis_servers import RedisServer, redis_server

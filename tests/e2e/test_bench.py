@@ -9,8 +9,8 @@ import pytest
 
 from kvgate_cli import main
 from loadgen.bench.peers import Arm, parse_arms, peer_missing
+from loadgen.traces import CONVERSATION_TRACE
 from router.registry import POLICIES
-from tests.loadgen.test_traces import CONVERSATION
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,7 @@ def test_a_small_bench_runs_every_arm_and_writes_one_table(
     argv = [
         "bench",
         "--trace",
-        str(CONVERSATION),
+        str(CONVERSATION_TRACE),
         "--start",
         "4000",
         "--requests",

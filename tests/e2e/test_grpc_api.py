@@ -24,8 +24,7 @@ from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.api.grpc.convert import to_parsed
 from gateway.api.grpc.service import start_grpc
-from gateway.request.parsed import parse_chat
-from gateway.tenancy.registry import TenantRegistry
+from gateway.api.openai.parse import parse_chat
 from loadgen.engine.timing import TimingModel
 from loadgen.text import words
 from tests.conftest import MODEL, TENANT_KEY, engine_of, gateway_settings
@@ -446,9 +445,8 @@ async def test_a_taken_grpc_port_is_a_clear_error(
     first = start_gateway(engines, grpc_port=0)
     taken = first.app.state.grpc_port
     settings = gateway_settings([e.url for e in engines], grpc_port=taken)
-    tenants = TenantRegistry.from_pairs(b"secret", [f"acme:{TENANT_KEY}"])
     with pytest.raises(RuntimeError, match=f"Failed to bind to address 127.0.0.1:{taken}"):
-        await start_grpc(settings, first.app.state.director, tenants)
+        await start_grpc(settings, first.app.state.parts.front)
 
 
 def test_an_engine_stream_that_breaks_is_unavailable(

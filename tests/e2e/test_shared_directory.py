@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from gateway.pipeline.reconcile import Reconciler
+from gateway.pipeline.record import Recorder
 from loadgen.engine.server import EngineConfig, create_engine_app
 from loadgen.harness.redis_servers import RedisServer
 from loadgen.text import words
@@ -118,7 +119,8 @@ def test_reconciliation_expires_what_the_engine_evicted(
     ask(gateway, old)
     for i in range(3):  # fill the engine: it evicts `oldest` and `old`
         ask(gateway, conversation(f"filler{i}"))
-    reconciler = next(o for o in d.observers if isinstance(o, Reconciler))
+    assert isinstance(d.recorder, Recorder)
+    reconciler = next(o for o in d.recorder.observers if isinstance(o, Reconciler))
     assert reconciler.stats.overestimates == 0
     reply, _, matched = ask(gateway, old)
     assert matched > 0  # the directory still believed it
@@ -163,4 +165,4 @@ def test_redis_killed_and_restarted_mid_run_costs_no_request(
     run(10, "after")
     assert d.directory.stats.shared_lookups == shared_before + 10
     assert failures == 0
-    assert d.directory.stats.state_changes == 2
+    assert d.directory.breaker.state.state_changes == 2

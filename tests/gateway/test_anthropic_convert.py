@@ -11,9 +11,9 @@ import pytest
 
 from cachemap.rendering import IM_END
 from gateway.api.anthropic.convert import parse_messages
+from gateway.api.openai.parse import parse_chat
 from gateway.errors import InvalidRequest
 from gateway.request.cache_control import Breakpoint, provisional_cache_usage
-from gateway.request.parsed import parse_chat
 
 MAX = 1 << 22
 EPHEMERAL = {"type": "ephemeral"}

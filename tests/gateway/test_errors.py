@@ -7,6 +7,7 @@ import grpc
 import orjson
 import pytest
 
+from gateway.api.errors import anthropic_error_body, to_anthropic_http, to_grpc, to_http
 from gateway.errors import (
     EngineRejected,
     Forbidden,
@@ -17,10 +18,6 @@ from gateway.errors import (
     QuotaExceeded,
     TenantError,
     UpstreamError,
-    anthropic_error_body,
-    to_anthropic_http,
-    to_grpc,
-    to_http,
 )
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from gateway.errors import TenantError
-from gateway.tenancy.registry import SCOPE_USER, TenantRegistry, hash_key
+from gateway.request.tenant import SCOPE_USER, hash_key
+from gateway.tenancy.registry import TenantRegistry
 from gateway.tenancy.tenant_file import (
     TenantFileError,
     TenantFileWatcher,

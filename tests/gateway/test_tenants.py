@@ -6,15 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.errors import TenantError
+from gateway.request.tenant import SCOPE_USER, TenantPolicy, hash_key
 from gateway.settings import load_settings
-from gateway.tenancy.registry import (
-    SCOPE_USER,
-    TenantPolicy,
-    TenantRegistry,
-    TenantSpec,
-    derive_salt,
-    hash_key,
-)
+from gateway.tenancy.registry import TenantRegistry, TenantSpec, derive_salt
 
 SECRET = b"server-secret"
 

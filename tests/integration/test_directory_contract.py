@@ -13,7 +13,9 @@ import redis
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryDirectory, MemoryIndex
-from cachemap.redis.directory import RedisDirectory, block_keys, open_redis
+from cachemap.redis.client import open_redis
+from cachemap.redis.directory import RedisDirectory
+from cachemap.redis.schema import block_keys
 from loadgen.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis

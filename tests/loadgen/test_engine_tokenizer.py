@@ -11,7 +11,7 @@ import pytest
 
 from loadgen.engine.tokenizer import default_tokenizer
 from loadgen.text import words
-from tests.conftest import MODEL, engine_of
+from tests.conftest import MODEL
 from tests.servers import Served
 
 TOK = default_tokenizer()
@@ -84,7 +84,7 @@ def test_detokenize_inverts_tokenize(engine: Served) -> None:
 def test_a_render_is_kept_for_one_generation_and_a_generation_keeps_nothing(
     engine: Served,
 ) -> None:
-    prompts = engine_of(engine).prompts
+    prompts = engine.app.state.prompts  # the app's, shared by its data-parallel ranks
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
     post(engine.url, "/v1/chat/completions/render", body)
     post(engine.url, "/v1/chat/completions/render", {**body, "cache_salt": "other"})

@@ -11,16 +11,16 @@ import pytest
 from kvgate_cli import main
 from loadgen.engine.timing import TimingModel
 from loadgen.sim import PolicyResult, SimConfig, references, request_keys, run_policies, simulate
+from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import Trace, TraceRequest, read_trace
 from router.registry import POLICIES
-from tests.loadgen.test_traces import CONVERSATION
 
 CONFIG = SimConfig(num_replicas=4, capacity_frac=0.25, max_output_tokens=64)
 
 
 @pytest.fixture(scope="module")
 def slice_() -> Trace:
-    return read_trace(CONVERSATION, start=4000, limit=1000)
+    return read_trace(CONVERSATION_TRACE, start=4000, limit=1000)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_the_command_prints_a_table_and_writes_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "sim.json"
-    argv = ["sim", str(CONVERSATION), "--limit", "300", "--replicas", "4", "--json", str(out)]
+    argv = ["sim", str(CONVERSATION_TRACE), "--limit", "300", "--replicas", "4", "--json", str(out)]
     assert main([*argv, "--policy", "all"]) == 0
     text = capsys.readouterr().out
     assert "prefill 13,000 tokens/s" in text and "one shared LRU" in text
@@ -116,7 +116,7 @@ def test_the_command_prints_a_table_and_writes_json(
     assert payload["config"]["timing"]["prefill_tokens_per_s"] == 13_000.0
     for row in payload["results"].values():
         assert {"hit_ratio", "share_of_ideal", "ttft_p99_s", "imbalance"} <= set(row)
-    assert main(["sim", str(CONVERSATION), "--policy", "fastest"]) == 2
+    assert main(["sim", str(CONVERSATION_TRACE), "--policy", "fastest"]) == 2
     assert "choose one of cache_aware" in capsys.readouterr().out
 
 
@@ -147,3 +147,11 @@ def test_the_simulator_spreads_a_hot_spine_as_the_gateway_does() -> None:
     assert abs(on["hit_ratio"] - off["hit_ratio"]) < 0.02
     with pytest.raises(ValueError, match="option 'speed' unknown"):
         hot_spine_trace("hot-spine:speed=3")
+
+
+def test_without_a_trace_the_command_reads_the_shipped_conversation_trace(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["sim", "--limit", "100", "--policy", "round_robin", "--json", str(out)]) == 0
+    assert orjson.loads(out.read_bytes())["trace"]["path"] == str(CONVERSATION_TRACE)

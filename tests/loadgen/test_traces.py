@@ -9,6 +9,7 @@ import pytest
 
 from cachemap.keys import hash_prompt
 from loadgen.engine.tokenizer import count_tokens, default_tokenizer
+from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import (
     Trace,
     TraceRequest,
@@ -18,8 +19,6 @@ from loadgen.traces.readers import (
 )
 from loadgen.traces.synthesis import PromptSynthesizer
 
-MOONCAKE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake"
-CONVERSATION = MOONCAKE / "conversation_trace.jsonl"
 SAMPLES = Path(__file__).resolve().parents[2] / "loadgen" / "traces" / "samples"
 TOK = default_tokenizer()
 
@@ -30,7 +29,7 @@ def _write(path: Path, *lines: str) -> Path:
 
 
 def test_the_mooncake_conversation_trace_reads_whole() -> None:
-    trace = read_trace(CONVERSATION)
+    trace = read_trace(CONVERSATION_TRACE)
     assert len(trace.requests) == 12_031
     assert trace.block_size == 512
     assert trace.requests[0].hash_ids[:3] == (0, 1, 2)
@@ -40,8 +39,8 @@ def test_the_mooncake_conversation_trace_reads_whole() -> None:
 
 
 def test_a_slice_starts_its_clock_at_its_first_request() -> None:
-    whole = read_trace(CONVERSATION, limit=4010)
-    part = read_trace(CONVERSATION, start=4000, limit=10)
+    whole = read_trace(CONVERSATION_TRACE, limit=4010)
+    part = read_trace(CONVERSATION_TRACE, start=4000, limit=10)
     assert [r.hash_ids for r in part.requests] == [r.hash_ids for r in whole.requests[4000:]]
     assert part.requests[0].arrival_s == 0.0
     offset = whole.requests[4000].arrival_s
@@ -91,7 +90,7 @@ def test_timestamps_must_not_go_back(tmp_path: Path) -> None:
 
 
 def test_a_written_trace_reads_back_the_same(tmp_path: Path) -> None:
-    original = read_trace(CONVERSATION, start=100, limit=50)
+    original = read_trace(CONVERSATION_TRACE, start=100, limit=50)
     write_trace(tmp_path / "copy.jsonl", original.requests)
     again = read_trace(tmp_path / "copy.jsonl")
     assert [(r.input_length, r.output_length, r.hash_ids) for r in again.requests] == [
@@ -102,7 +101,7 @@ def test_a_written_trace_reads_back_the_same(tmp_path: Path) -> None:
 
 
 def test_tenants_keep_a_conversation_together() -> None:
-    trace = read_trace(CONVERSATION, limit=2000, num_tenants=4)
+    trace = read_trace(CONVERSATION_TRACE, limit=2000, num_tenants=4)
     assert trace.tenants() == ["tenant-0", "tenant-1", "tenant-2", "tenant-3"]
     by_conversation: dict[tuple[int, ...], set[str | None]] = {}
     for r in trace.requests:
@@ -117,7 +116,7 @@ def _prompt(synth: PromptSynthesizer, req: TraceRequest) -> str:
 
 def test_prompts_have_exactly_the_input_length_in_engine_tokens() -> None:
     synth = PromptSynthesizer()
-    trace = read_trace(CONVERSATION, limit=200)
+    trace = read_trace(CONVERSATION_TRACE, limit=200)
     for req in trace.requests:
         assert count_tokens(_prompt(synth, req)) == req.input_length
 

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachemap.rendering import canonical_json, render_chat
+from gateway.api.body import load_json_object
 from gateway.errors import InvalidRequest
 from gateway.request.cache_control import Mark, check_marks, parse_cache_control, place
-from gateway.request.parsed import CHAT, ParsedRequest, load_json_object
+from gateway.request.parsed import CHAT, ParsedRequest
 
 _FIELDS = frozenset(
     {
@@ -329,14 +330,8 @@ def _sampling(body: dict[str, Any], upstream: dict[str, Any]) -> None:
             upstream["user"] = user
 
 
-def parse_messages(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
-    """Validate an Anthropic Messages body and convert it; see the module docstring."""
-    body = load_json_object(raw)
-    unknown = set(body) - _FIELDS
-    if unknown:
-        raise _fail(
-            f"unknown fields {sorted(unknown)}; /v1/messages accepts {', '.join(sorted(_FIELDS))}"
-        )
+def _check_top_level(body: dict[str, Any]) -> tuple[str, int, bool]:
+    """(model, max_tokens, stream) of a Messages body, with the combinations kvgate refuses."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _fail("'model' is required and must be a non-empty string", "model")
@@ -346,9 +341,7 @@ def parse_messages(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise _fail("'stream' must be a boolean", "stream")
-    stream = bool(stream)
-    prewarm = max_tokens == 0
-    if prewarm and stream:
+    if max_tokens == 0 and stream:
         raise _fail(
             "'max_tokens: 0' (a cache pre-warm) generates nothing and cannot be streamed",
             "stream",
@@ -360,6 +353,19 @@ def parse_messages(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
         raise _fail(
             "extended thinking is not served by kvgate's engines; omit 'thinking'", "thinking"
         )
+    return model, max_tokens, bool(stream)
+
+
+def parse_messages(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
+    """Validate an Anthropic Messages body and convert it; see the module docstring."""
+    body = load_json_object(raw)
+    unknown = set(body) - _FIELDS
+    if unknown:
+        raise _fail(
+            f"unknown fields {sorted(unknown)}; /v1/messages accepts {', '.join(sorted(_FIELDS))}"
+        )
+    model, max_tokens, stream = _check_top_level(body)
+    prewarm = max_tokens == 0
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _fail("'messages' must be a non-empty list", "messages")

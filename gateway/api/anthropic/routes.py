@@ -33,21 +33,16 @@ from starlette.responses import Response
 
 from gateway.api.anthropic.convert import parse_messages
 from gateway.api.anthropic.schemas import openapi_operation
-from gateway.errors import (
-    EngineRejected,
-    GatewayError,
-    TenantError,
-    UpstreamError,
-    anthropic_error_body,
-    to_anthropic_http,
-)
-from gateway.observability import tracing
-from gateway.pipeline.director import Director
-from gateway.pipeline.exchange import ExchangeSSE
+from gateway.api.context import FrontEnd
+from gateway.api.errors import anthropic_error_body, to_anthropic_http
+from gateway.api.responses import ExchangeSSE, debug_headers
+from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest
-from gateway.tenancy.registry import Tenant, TenantRegistry, bearer_key
+from gateway.request.tenant import Tenant
+from gateway.request.trace import trace_context
+from gateway.tenancy.registry import TenantRegistry, bearer_key
 
 PATH = "/v1/messages"
 _STOP_REASONS = {
@@ -306,16 +301,16 @@ class _AnthropicSSE(ExchangeSSE):
 
 
 async def serve(
-    director: Director,
+    front: FrontEnd,
     parsed: ParsedRequest,
     tenant: Tenant,
     trace_headers: dict[str, str] | None = None,
 ) -> Response:
     """Open an exchange for a converted request and answer in Anthropic's shape."""
-    opened = await director.open(parsed, tenant, trace_headers)
+    opened = await front.pipeline.open(parsed, tenant, trace_headers)
     if isinstance(opened, Passthrough):
         raise EngineRejected(opened.status, opened.body)
-    headers = director._debug_headers(opened)
+    headers = debug_headers(opened, front.debug_headers)
     if opened.stream is None:
         body = await opened.complete()
         return Response(
@@ -326,18 +321,16 @@ async def serve(
     return _AnthropicSSE(opened, headers)
 
 
-def register(
-    router: APIRouter, director: Director, tenants: TenantRegistry
-) -> Callable[[Request], Awaitable[Response]]:
+def register(router: APIRouter, front: FrontEnd) -> Callable[[Request], Awaitable[Response]]:
     """Declare `POST /v1/messages` on the router; returns its handler for the hot path."""
-    max_prompt_bytes = director.settings.max_prompt_bytes
+    tenants, max_prompt_bytes = front.tenants, front.max_prompt_bytes
 
     @router.post(PATH, openapi_extra=openapi_operation(), summary="Create a message (Anthropic)")
     async def messages(request: Request) -> Response:
         try:
             tenant = authenticate(tenants, request)
             parsed = parse_messages(await request.body(), max_prompt_bytes)
-            return await serve(director, parsed, tenant, tracing.incoming(request.headers))
+            return await serve(front, parsed, tenant, trace_context(request.headers))
         except GatewayError as err:
             return to_anthropic_http(err)
 

@@ -16,7 +16,6 @@ refreshed every `health_interval_s`. Both turn NOT_SERVING at shutdown.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -26,19 +25,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.api.context import FrontEnd
+from gateway.api.errors import to_grpc
 from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.api.grpc.convert import to_parsed, usage_message
-from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError, to_grpc
-from gateway.observability import tracing
+from gateway.api.responses import debug_headers
+from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
 from gateway.observability.metrics import RequestMetrics
-from gateway.pipeline.director import Director
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest
+from gateway.request.tenant import Tenant
+from gateway.request.trace import trace_context
 from gateway.settings import Settings
-from gateway.tenancy.registry import Tenant, TenantRegistry, bearer_key
+from gateway.tasks import BackgroundTasks
+from gateway.tenancy.registry import bearer_key
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +90,9 @@ def _usage(parsed: ParsedRequest, engine: Mapping[str, Any] | None) -> pb.Usage:
 class GatewayService:
     """The `kvgate.v1.Gateway` servicer (registered by the generated `add_..._to_server`)."""
 
-    def __init__(
-        self, director: Director, tenants: TenantRegistry, metrics: RequestMetrics | None = None
-    ) -> None:
-        self.director = director
-        self.tenants = tenants
+    def __init__(self, front: FrontEnd, metrics: RequestMetrics | None = None) -> None:
+        self.front = front
+        self.tenants = front.tenants
         self.metrics = metrics
 
     def _authenticate(self, metadata: dict[str, str]) -> Tenant:
@@ -109,12 +110,12 @@ class GatewayService:
         parsed = to_parsed(
             request,
             streaming_rpc=streaming,
-            max_prompt_bytes=self.director.settings.max_prompt_bytes,
+            max_prompt_bytes=self.front.max_prompt_bytes,
         )
-        opened = await self.director.open(parsed, tenant, tracing.incoming(metadata))
+        opened = await self.front.pipeline.open(parsed, tenant, trace_context(metadata))
         if isinstance(opened, Passthrough):
             raise EngineRejected(opened.status, opened.body)
-        headers = self.director._debug_headers(opened)
+        headers = debug_headers(opened, self.front.debug_headers)
         if headers:
             await context.send_initial_metadata(tuple(headers.items()))
         return opened
@@ -231,34 +232,29 @@ class GatewayService:
 class GrpcServer:
     """The running gRPC server of one gateway process."""
 
-    def __init__(self, server: Any, health_servicer: Any, port: int, watcher: asyncio.Task[None]):
+    def __init__(self, server: Any, health_servicer: Any, port: int, tasks: BackgroundTasks):
         self.server = server
         self.health = health_servicer
         self.port = port
-        self._watcher = watcher
+        self._tasks = tasks
 
     async def stop(self) -> None:
         await self.health.enter_graceful_shutdown()
-        self._watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._watcher
+        await self._tasks.close()
         await self.server.stop(GRPC_SHUTDOWN_GRACE_S)
 
 
-async def _watch_readiness(director: Director, servicer: Any, interval_s: float) -> None:
+async def _watch_readiness(front: FrontEnd, servicer: Any, interval_s: float) -> None:
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     while True:
-        ready = director.replicas.any_healthy()
+        ready = front.replicas.any_healthy()
         await servicer.set(SERVICE_NAME, serving if ready else not_serving)
         await asyncio.sleep(interval_s)
 
 
 async def start_grpc(
-    settings: Settings,
-    director: Director,
-    tenants: TenantRegistry,
-    metrics: RequestMetrics | None = None,
+    settings: Settings, front: FrontEnd, metrics: RequestMetrics | None = None
 ) -> GrpcServer:
     """Start the gRPC server on `settings.host:settings.grpc_port` (0: any free port) in the
     running event loop; `metrics` counts and times its RPCs."""
@@ -272,9 +268,7 @@ async def start_grpc(
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails, not shares it
         ]
     )
-    gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayService(director, tenants, metrics), server
-    )
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(front, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -285,8 +279,7 @@ async def start_grpc(
     if not port:
         raise RuntimeError(f"cannot listen for gRPC on {address}")
     await server.start()
-    watcher = asyncio.create_task(
-        _watch_readiness(director, health_servicer, settings.health_interval_s)
-    )
+    tasks = BackgroundTasks("gRPC")
+    tasks.spawn(_watch_readiness(front, health_servicer, settings.health_interval_s), "readiness")
     log.info("kvgate: gRPC on %s:%d", settings.host, port)
-    return GrpcServer(server, health_servicer, port, watcher)
+    return GrpcServer(server, health_servicer, port, tasks)

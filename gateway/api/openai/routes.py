@@ -3,24 +3,26 @@ hand to the director, map errors in one place (`gateway.errors.to_http`)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.openapi.utils import get_openapi
+import orjson
+from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
 
 from gateway.api.anthropic import routes as anthropic_api
-from gateway.api.anthropic.schemas import ANTHROPIC_SCHEMAS, SECURITY_SCHEMES
-from gateway.api.openai.schemas import SCHEMAS
-from gateway.errors import GatewayError, to_http
-from gateway.observability import tracing
-from gateway.pipeline.director import Director
-from gateway.request.parsed import parse_chat, parse_completion
-from gateway.tenancy.registry import TenantRegistry, bearer_key
+from gateway.api.asgi import Handler
+from gateway.api.context import FrontEnd
+from gateway.api.errors import to_http
+from gateway.api.openai.parse import parse_chat, parse_completion
+from gateway.api.openapi import REF as _REF
+from gateway.api.responses import OpenAISSE, debug_headers
+from gateway.errors import GatewayError
+from gateway.pipeline.forwarder import Passthrough
+from gateway.request.parsed import ParsedRequest
+from gateway.request.tenant import Tenant
+from gateway.request.trace import trace_context
+from gateway.tenancy.registry import bearer_key
 
-_REF = "#/components/schemas/{model}"
 _ERRORS = {
     str(status): {
         "description": why,
@@ -59,15 +61,29 @@ def _body(model: str) -> dict[str, Any]:
     }
 
 
-Handler = Callable[[Request], Awaitable[Response]]
+async def handle(
+    front: FrontEnd,
+    parsed: ParsedRequest,
+    tenant: Tenant,
+    trace_headers: dict[str, str] | None = None,
+) -> Response:
+    """Serve one OpenAI-shaped completion: the pipeline opens the exchange (admit, route,
+    forward); its answer goes back as JSON, as the engine's SSE stream, or as the engine's 4xx."""
+    opened = await front.pipeline.open(parsed, tenant, trace_headers)
+    if isinstance(opened, Passthrough):
+        return Response(opened.body, status_code=opened.status, media_type="application/json")
+    headers = debug_headers(opened, front.debug_headers)
+    if opened.stream is None:
+        body = await opened.complete()
+        return Response(orjson.dumps(body), media_type="application/json", headers=headers)
+    return OpenAISSE(opened, headers)
 
 
-def build_router(
-    director: Director, tenants: TenantRegistry
-) -> tuple[APIRouter, dict[str, Handler]]:
+def build_router(front: FrontEnd) -> tuple[APIRouter, dict[str, Handler]]:
     """The routes, and the completion handlers by path for the hot-path dispatcher."""
     router = APIRouter()
-    max_prompt_bytes = director.settings.max_prompt_bytes
+    tenants, replicas = front.tenants, front.replicas
+    max_prompt_bytes = front.max_prompt_bytes
 
     @router.post(
         "/v1/chat/completions",
@@ -78,7 +94,7 @@ def build_router(
         try:
             tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
             parsed = parse_chat(await request.body(), max_prompt_bytes)
-            return await director.handle(parsed, tenant, tracing.incoming(request.headers))
+            return await handle(front, parsed, tenant, trace_context(request.headers))
         except GatewayError as err:
             return to_http(err)
 
@@ -91,7 +107,7 @@ def build_router(
         try:
             tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
             parsed = parse_completion(await request.body(), max_prompt_bytes)
-            return await director.handle(parsed, tenant, tracing.incoming(request.headers))
+            return await handle(front, parsed, tenant, trace_context(request.headers))
         except GatewayError as err:
             return to_http(err)
 
@@ -105,7 +121,7 @@ def build_router(
         served = sorted(
             {
                 m
-                for s in director.replicas.states.values()
+                for s in replicas.states.values()
                 if s.healthy
                 for m in s.models
                 if not allowed or m in allowed
@@ -120,60 +136,13 @@ def build_router(
 
     @router.get("/readyz", summary="Readiness: at least one replica is healthy")
     async def readyz() -> Response:
-        healthy = sum(1 for s in director.replicas.states.values() if s.healthy)
+        healthy = sum(1 for s in replicas.states.values() if s.healthy)
         status = 200 if healthy else 503
         return JSONResponse({"healthy_replicas": healthy}, status_code=status)
 
     hot: dict[str, Handler] = {
         "/v1/chat/completions": chat_completions,
         "/v1/completions": completions,
-        anthropic_api.PATH: anthropic_api.register(router, director, tenants),
+        anthropic_api.PATH: anthropic_api.register(router, front),
     }
     return router, hot
-
-
-class GatewayASGI:
-    """The ASGI app uvicorn serves: the completion routes (OpenAI's two and Anthropic's
-    /v1/messages) go straight to their handlers
-    (the same functions FastAPI routes to), everything else through FastAPI.
-
-    FastAPI's middleware stack cost ~0.15 ms of CPU per proxied request here, about a fifth of
-    the gateway's whole budget, and the completion handlers parse their bodies themselves
-    anyway. The routes stay declared in FastAPI, so the OpenAPI document describes them.
-    """
-
-    def __init__(self, api: FastAPI, hot: dict[str, Handler]) -> None:
-        self.api = api
-        self.state = api.state
-        self._hot = hot
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self._hot.get(scope["path"])
-            if handler is not None:
-                response = await handler(Request(scope, receive))
-                await response(scope, receive, send)
-                return
-        await self.api(scope, receive, send)
-
-
-def install_openapi(app: FastAPI) -> None:
-    """Put the hand-parsed request bodies' schemas into the OpenAPI components."""
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (*SCHEMAS, *ANTHROPIC_SCHEMAS):
-                definition = model.model_json_schema(ref_template=_REF)
-                components.update(definition.pop("$defs", {}))
-                components[model.__name__] = definition
-            schema["components"]["securitySchemes"] = {
-                "bearer": {"type": "http", "scheme": "bearer"},
-                **SECURITY_SCHEMES,
-            }
-            schema["security"] = [{"bearer": []}]
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,4 +1,4 @@
-"""RULES.md §1 "Formulas": break-evens, effective multipliers, pings, compaction payback.
+"""docs/billing.md#formulas: break-evens, effective multipliers, pings, compaction payback.
 
 Pure functions over Decimals (exact where the inputs are; divisions in a 50-digit context).
 """

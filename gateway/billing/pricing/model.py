@@ -114,7 +114,7 @@ class Charge:
 
     @property
     def input_equivalent_tokens(self) -> Decimal:
-        """IET = U + Σ w·W + r·R (RULES.md §0), r = read price / input price."""
+        """IET = U + Σ w·W + r·R (docs/billing.md#common-model), r = read price / input price."""
         from gateway.billing.pricing.money import divide
 
         premium = sum(

@@ -1,13 +1,14 @@
 """The price table: per profile, per model, in dollars per million tokens.
 
-Every multiplier is relative to the model's base input price (RULES.md §0). A row may state the
-read price directly (DeepSeek publishes hit prices: $0.022 on V4-Pro is r = 1/30, which no
-finite decimal multiplier states exactly). Rent rates are time-versioned: a list of
-(effective-from instant, $/M tokens/hour), integrated piecewise (`rent`).
+Every multiplier is relative to the model's base input price (docs/billing.md#common-model).
+A row may state the read price directly (DeepSeek publishes hit prices: $0.022 on V4-Pro is
+r = 1/30, which no finite decimal multiplier states exactly). Rent rates are time-versioned: a
+list of (effective-from instant, $/M tokens/hour), integrated piecewise (`rent`).
 
-The defaults below are RULES.md (September 2026). Figures marked "(assumption)" are not
-published there: they are placeholders an operator overrides with a YAML/JSON file of the same
-shape (`billing_prices_file`, `kvgate billing simulate --prices`):
+The defaults below are docs/billing.md's (September 2026; a bracketed tag such as [P] names one
+of its #sources). Figures marked "(assumption)" are not published: they are placeholders an
+operator overrides with a YAML/JSON file of the same shape (`billing_prices_file`,
+`kvgate billing simulate --prices`):
 
     anthropic:
       sonnet-5: {input: "2", output: "10", min_tokens: 1024}
@@ -34,11 +35,11 @@ from gateway.billing.pricing.money import (
     divide,
     parse_instant,
 )
-from gateway.settings import BILLING_PROFILES
+from gateway.request.tenant import BILLING_PROFILES
 
 PROFILES = BILLING_PROFILES
-"""The billing profiles (RULES.md §1), in the order the docs list them (defined with the
-settings, which validate them and import nothing of billing)."""
+"""The billing profiles (docs/billing.md#profiles), in the order the docs list them (defined
+with the settings, which validate them and import nothing of billing)."""
 
 NEW_YEAR_2027 = parse_instant("2027-01-01T00:00:00Z")
 """Gemini explicit-cache rent doubles on 2027-01-01 [P]."""
@@ -151,7 +152,7 @@ DEFAULT_PRICES: dict[str, dict[str, ModelPrice]] = {
         "gpt-6.1-sol": _row("2.50", "15", read="0.05"),  # prices (assumption)
     },
     "openai_legacy": {
-        # historic read multipliers, not re-verified (RULES.md §1)
+        # historic read multipliers, not re-verified (docs/billing.md#openai-legacy)
         "gpt-4o": _row("2.50", "10", read="0.5"),
         "gpt-4.1": _row("2.00", "8", read="0.25"),
         "gpt-5": _row("1.25", "10", read="0.1"),

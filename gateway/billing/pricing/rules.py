@@ -1,12 +1,13 @@
-"""The six profiles' rules (RULES.md §1): which entries a request reads, writes and refreshes.
+"""The six profiles' rules (docs/billing.md#profiles): what a request reads, writes and refreshes.
 
 Each `plan_*` function looks a request up in its scope's entries (key → `Entry`), updates them
 (writes, sliding refreshes) and returns a `Plan` in block indices; `ledger.bill` turns the plan
 and token counts into a `Charge`. Only the lookup/update is here; token arithmetic is in `bill`.
 
-Shared semantics (§0): times are request starts; an entry is visible from its writer's first
-token (so parallel identical requests each pay a write); an entry is live while
-`visible_at ≤ t < last_use + ttl` (strict); reading refreshes it free.
+Shared semantics (docs/billing.md#common-model): times are request starts; an entry is visible
+from its writer's first token (so parallel identical requests each pay a write); an entry is
+live while `visible_at ≤ t < last_use + ttl` (strict); reading refreshes it free. A bracketed
+tag such as [A] names one of docs/billing.md#sources.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from gateway.billing.pricing.prices import ModelPrice
 Entries = MutableMapping[object, Entry]
 
 DEFAULT_LOOKBACK_BLOCKS = 20
-"""Anthropic: from each breakpoint the lookup walks back at most 20 blocks [A, L]."""
+"""Anthropic: from each breakpoint the lookup walks back at most 20 blocks [A]."""
 DEFAULT_MAX_BREAKPOINTS = 4
 """Anthropic: at most 4 breakpoints per request; more is a 400 [A]."""
 DEFAULT_OPENAI_TTL_S = Decimal(1800)
@@ -61,7 +62,7 @@ PEAK_WINDOWS_UTC = ((dt.time(1), dt.time(4)), (dt.time(6), dt.time(10)))
 
 @dataclass(frozen=True, slots=True)
 class ProfileOptions:
-    """The rules' parameters; every default is RULES.md's (or its stated assumption)."""
+    """The rules' parameters; every default is docs/billing.md's (or its stated assumption)."""
 
     lookback_blocks: int = DEFAULT_LOOKBACK_BLOCKS
     max_breakpoints: int = DEFAULT_MAX_BREAKPOINTS

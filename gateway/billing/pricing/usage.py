@@ -1,4 +1,4 @@
-"""Usage fields in each profile's own names (RULES.md §1 "Usage"), from a `Charge`.
+"""Usage fields in each profile's own names (docs/billing.md#profiles), from a `Charge`.
 
 - anthropic: `input_tokens` = U (after the last breakpoint), `cache_creation_input_tokens` = W
   = `cache_creation.ephemeral_5m_input_tokens + ephemeral_1h_input_tokens`,

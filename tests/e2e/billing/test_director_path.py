@@ -17,10 +17,10 @@ from pathlib import Path
 import orjson
 import pytest
 
+from gateway.api.openai.parse import parse_chat
 from gateway.billing.pricing.clock import ManualClock
 from gateway.pipeline.director import Director
 from gateway.pipeline.exchange import Exchange
-from gateway.request.parsed import parse_chat
 from gateway.server.app import create_app
 from gateway.tenancy.registry import TenantRegistry
 from tests.billing.generate import SCENARIOS, session

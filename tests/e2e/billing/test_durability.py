@@ -15,7 +15,7 @@ import orjson
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from cachemap.redis.directory import open_redis
+from cachemap.redis.client import open_redis
 from gateway.billing.store import RedisLedgerStore
 from gateway.billing.wal import read_directory
 from loadgen.engine.timing import TimingModel

@@ -74,7 +74,8 @@ def test_the_sliding_ttl_follows_the_meters_clock_from_request_starts(
     c = client(gateway)
     messages = [{"role": "user", "content": [cached(words("v2", 3000))]}]
     usages = []
-    for t in (0, 299, 598, 898):  # RULES.md vector 2: write, read, read, a miss at 598 + 300
+    # docs/billing.md#test-vectors, vector 2: write, read, read, a miss at 598 + 300
+    for t in (0, 299, 598, 898):
         clock.set(1_000_000 + t)
         usages.append(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage)
     reads = [u.cache_read_input_tokens for u in usages]  # type: ignore[union-attr]
@@ -177,7 +178,7 @@ def test_breakpoint_limits_are_400s(anthropic_gateway: tuple[Served, ManualClock
     c.close()
 
 
-# -- the 50-step agent session (RULES.md §2.1) through the gateway -----------------------------
+# -- the 50-step agent session (docs/billing.md#agent-session) through the gateway --------------
 def _piece(role: str | None, content: str, gp: bool) -> str:
     head = f"<|im_start|>{role}\n" if role else ""
     return head + content + "<|im_end|>\n" + (GP if gp else "")

@@ -14,7 +14,7 @@ import openai
 import pytest
 import redis
 
-from cachemap.redis.directory import open_redis
+from cachemap.redis.client import open_redis
 from gateway.billing.pricing.model import Entry
 from gateway.billing.shared import SharedEntries, join, scope_id
 from loadgen.harness.redis_servers import RedisServer

@@ -1,0 +1,65 @@
+"""The Redis directory's key schema, and how a chain of block hashes becomes script arguments.
+
+Key schema (all binary-safe; `{...}` is the Redis Cluster hash tag):
+
+    kvg:{TAG}:<16-byte block hash>   HASH  replica id -> "<generation>:<last use, ms>"
+                                     PEXPIRE = ttl, refreshed on every record
+    kvg:{kvg-meta}:gen               HASH  replica id -> current generation
+    kvg:{kvg-meta}:count             HASH  replica id -> blocks recorded in this generation
+    kvg:{kvg-meta}:start             HASH  replica id -> the engine's last seen start marker
+    kvg:{kvg-meta}:floor             HASH  replica id -> entries last used at or before this
+                                           (ms) no longer match (reconciliation's `expire`)
+    channel kvg:gen                  "<replica id>:<generation>" on every generation change
+
+TAG is the hex of the 6-byte tag every block hash of a chain starts with (`cachemap.keys`: the
+salted block 0's first bytes), so every key of one chain sits in one cluster slot — a lookup is
+ONE script call whatever the chain length, and any slice of a chain is addressed by itself —
+while tenants and system prompts spread over the shards.
+A replica id is the 32-bit MurmurHash3 of the replica's name, in hex: every gateway derives the
+same id without coordination.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mmh3
+
+from cachemap.keys import TAG_BYTES, BlockHash
+
+SUFFIX_BYTES = 16 - TAG_BYTES
+"""What follows the tag in a block hash: a block's key is the chain's prefix + these bytes."""
+
+GEN_KEY = b"kvg:{kvg-meta}:gen"
+COUNT_KEY = b"kvg:{kvg-meta}:count"
+START_KEY = b"kvg:{kvg-meta}:start"
+FLOOR_KEY = b"kvg:{kvg-meta}:floor"
+CHANNEL = "kvg:gen"
+LAND_CHANNEL = "kvg:land"
+"""Fan-out leaders announce here that their write landed (the landed marker)."""
+
+
+def text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def replica_id(replica: str) -> str:
+    return format(mmh3.hash(replica, signed=False), "08x")
+
+
+def chain_call(hashes: Sequence[BlockHash]) -> tuple[list[bytes], list[bytes]]:
+    """(keys, leading args) of a chain script: the first block's key (for the slot), then the
+    key prefix and the blocks' suffixes joined (see `scripts.CHAIN`)."""
+    prefix = b"kvg:{" + hashes[0][:TAG_BYTES].hex().encode() + b"}:"
+    blob = b"".join([h[TAG_BYTES:] for h in hashes])
+    assert len(blob) == len(hashes) * SUFFIX_BYTES, "block hashes are 16 bytes"
+    return [prefix + hashes[0][TAG_BYTES:]], [prefix, blob]
+
+
+def block_keys(hashes: Sequence[BlockHash]) -> list[bytes]:
+    """The Redis key of each block: its chain's tag in braces, then the rest of the hash."""
+    if not hashes:
+        return []
+    prefix = b"kvg:{" + hashes[0][:TAG_BYTES].hex().encode() + b"}:"
+    assert all(h[:TAG_BYTES] == hashes[0][:TAG_BYTES] for h in hashes[-1:]), "one chain per call"
+    return [prefix + h[TAG_BYTES:] for h in hashes]

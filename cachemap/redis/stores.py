@@ -1,0 +1,53 @@
+"""What the lookup script reads beside the directory's entries: hot prefixes' k (written when a
+prefix's spread changes) and fan-out leaders' markers (written while a leader prefills).
+
+    kvg:{TAG}:<block>:r   HASH    a matched prefix's request times and its k (`RateStore`)
+    kvg:{TAG}:<block>:w   STRING  a fan-out leader's marker, set if absent (`MarkerStore`)
+
+Both sit in their chain's slot, so the lookup reads them in the same script call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cachemap.keys import BlockHash
+from cachemap.redis import scripts
+from cachemap.redis.client import AnyRedis
+from cachemap.redis.schema import LAND_CHANNEL, block_keys, chain_call, text
+
+
+class RateStore:
+    def __init__(self, client: AnyRedis) -> None:
+        self._set_k = client.register_script(scripts.SET_K)
+
+    async def set_k(self, prefix: BlockHash, k: int) -> None:
+        await self._set_k(keys=[block_keys([prefix])[0] + b":r"], args=[k])
+
+
+class MarkerStore:
+    def __init__(self, client: AnyRedis) -> None:
+        self.client = client
+        self._lead = client.register_script(scripts.LEAD)
+        self._land = client.register_script(scripts.LAND)
+
+    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> int:
+        """Mark `blocks` as being written by a leader (set if absent); how many it now holds."""
+        if not blocks:
+            return 0
+        keys, head = chain_call(blocks)
+        return int(await self._lead(keys=keys, args=[*head, marker, int(ttl_s * 1000)]))
+
+    async def land(
+        self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float
+    ) -> None:
+        """The leader's write landed (or failed): its markers say so for `ttl_s`, and every
+        gateway hears it on `LAND_CHANNEL`."""
+        if not blocks:
+            return
+        keys, head = chain_call(blocks)
+        await self._land(keys=keys, args=[*head, marker, landed, int(ttl_s * 1000), LAND_CHANNEL])
+
+    async def read_marker(self, block: BlockHash) -> str | None:
+        value = await self.client.get(block_keys([block])[0] + b":w")
+        return None if value is None else text(value)

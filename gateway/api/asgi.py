@@ -1,0 +1,66 @@
+"""The ASGI app uvicorn serves: the completion routes dispatched straight to their handlers,
+everything else through FastAPI, each HTTP request counted by route and status."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.observability.metrics import RequestMetrics
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class GatewayASGI:
+    """The completion routes (OpenAI's two and Anthropic's /v1/messages) go straight to their
+    handlers (the same functions FastAPI routes to), everything else through FastAPI.
+
+    FastAPI's middleware stack cost ~0.15 ms of CPU per proxied request here, about a fifth of
+    the gateway's whole budget, and the completion handlers parse their bodies themselves
+    anyway. The routes stay declared in FastAPI, so the OpenAPI document describes them.
+    """
+
+    def __init__(self, api: FastAPI, hot: dict[str, Handler]) -> None:
+        self.api = api
+        self.state = api.state
+        self._hot = hot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self._hot.get(scope["path"])
+            if handler is not None:
+                response = await handler(Request(scope, receive))
+                await response(scope, receive, send)
+                return
+        await self.api(scope, receive, send)
+
+
+class MeteredASGI(GatewayASGI):
+    """The gateway's ASGI app, counting each HTTP request by route and status and timing it
+    to its last byte (a stream's included)."""
+
+    def __init__(self, api: FastAPI, hot: dict[str, Handler], metrics: RequestMetrics) -> None:
+        super().__init__(api, hot)
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # what the client sees if the app fails before answering
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await super().__call__(scope, receive, send_counted)
+        finally:
+            self.metrics.observe_http(scope["path"], status, time.perf_counter() - started)

@@ -1,0 +1,88 @@
+"""One request's state as the stages after routing see it, and the observer protocol.
+
+    ParsedRequest ──admit──▶ (scoped Tenant) ──route──▶ Routed ──forward──▶ ExchangeRecord
+                                                        fixed from here    filled in by the
+                                                                           exchange, read by
+                                                                           the observers
+
+`Routed` is immutable: whatever a stage needs later is in it when routing ends. An
+`ExchangeRecord` is what is known of one exchange (a request committed to one replica); the
+exchange alone writes it — the first token's instant, the usage, the outcome — and observers
+(rate-limit settlement, reconciliation, billing, metrics) only read it, in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cachemap.keys import BlockHash
+from gateway.request.parsed import ParsedRequest
+from gateway.request.tenant import Tenant
+from gateway.request.usage import EngineUsage
+from router.types import Decision, RouteRequest
+
+RequestHook = Callable[[ParsedRequest, Tenant], Awaitable[ParsedRequest]]
+"""Runs after admission, before routing: may validate (raise a GatewayError) or return a
+replacement request (billing expands explicit cached contents and strips billing-only fields)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A request after admission and routing."""
+
+    parsed: ParsedRequest
+    tenant: Tenant
+    """As this request sees it: in a `user` scope, its end user's salt."""
+    hashes: Sequence[BlockHash]
+    route: RouteRequest
+    decision: Decision
+    last_use: Mapping[str, float]
+    """replica -> last use of the deepest matched block (what reconciliation may expire)."""
+    opened_s: float
+    """When the pipeline took the request (monotonic): TTFT as the client sees it."""
+    routed_s: float
+    """When routing ended (monotonic; after any fan-out hold, so a held sibling's clock starts
+    at its release)."""
+    admitted_tokens: int = 0
+    """Tokens charged to the tenant's tokens/min budget at admission; usage settles the rest."""
+
+
+@dataclass(slots=True, eq=False)
+class ExchangeRecord:
+    """What is known of one exchange; written by the exchange only (see the module docstring)."""
+
+    routed: Routed
+    replica: str
+    body: dict[str, Any] | None = None
+    """The whole answer of a non-streamed exchange."""
+    first_token_s: float | None = None
+    usage: EngineUsage | None = None
+    ok: bool = True
+    """False when the stream broke or the client left."""
+
+    @property
+    def parsed(self) -> ParsedRequest:
+        return self.routed.parsed
+
+    @property
+    def tenant(self) -> Tenant:
+        return self.routed.tenant
+
+
+class ExchangeObserver(Protocol):
+    """Hooks around a committed exchange, each awaited on the request's path.
+
+    - `on_first_token`: the engine has written the prompt's KV (placement is known).
+    - `on_usage`: the engine's usage, before the client sees it; may rewrite `usage.fields` in
+      place (a billing profile's usage fields), and a durable write here happens before the
+      response completes.
+    - `on_finish`: once, when the exchange ends (`record.ok` says how).
+    """
+
+    async def on_first_token(self, record: ExchangeRecord) -> None: ...
+
+    async def on_usage(self, record: ExchangeRecord, usage: EngineUsage) -> None: ...
+
+    async def on_finish(self, record: ExchangeRecord) -> None: ...

@@ -1,0 +1,83 @@
+"""A tenant as a request sees it: its name, its policy and the salt of its isolation scope.
+
+The salt is derived by `gateway.tenancy` (HMAC of the server secret and the scope), never taken
+from the client; the per-request copy of a `user`-scoped tenant carries its end user's salt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+SCOPE_TENANT = "tenant"
+"""Every key of the tenant shares one cache scope (the default)."""
+SCOPE_USER = "user"
+"""Each end user of the tenant (the request's `user`, else its `prompt_cache_key`) has its own."""
+SCOPES = (SCOPE_TENANT, SCOPE_USER)
+BILLING_PROFILES = (
+    "anthropic",
+    "openai",
+    "openai_legacy",
+    "google_implicit",
+    "google_explicit",
+    "deepseek",
+)
+"""The providers' rules a tenant can be billed by (gateway.billing, docs/billing.md#profiles):
+named here, with the rest of a tenant's vocabulary, so settings and the tenants file can check a
+name without importing billing."""
+TENANT_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+"""Names travel in salts, Redis keys (inside a {hash tag}) and logs: no '/', ':', '{' or space."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    """What a tenant may do. `None` is no limit; empty `models` allows every served model."""
+
+    scope: str = SCOPE_TENANT
+    billing_profile: str | None = None
+    models: frozenset[str] = frozenset()
+    requests_per_min: int | None = None
+    tokens_per_min: int | None = None
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"unknown isolation scope {self.scope!r}; choose one of {SCOPES}")
+        for name in ("requests_per_min", "tokens_per_min", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive (or absent for no limit)")
+
+
+DEFAULT_POLICY = TenantPolicy()
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    salt: bytes
+    cache_salt: str = ""
+    """The salt as sent to the engine: its hex form (derived once, not per request)."""
+    policy: TenantPolicy = DEFAULT_POLICY
+    end_user: str | None = None
+    """Set on the per-request copy of a `user`-scoped tenant: the salt is then that user's."""
+
+    def __post_init__(self) -> None:
+        if not self.cache_salt:
+            object.__setattr__(self, "cache_salt", self.salt.hex())
+
+
+def check_tenant_name(name: str) -> str:
+    if not TENANT_NAME_PATTERN.fullmatch(name):
+        raise ValueError(
+            f"tenant name {name!r} must be 1-63 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def hash_key(key: str) -> str:
+    """How an API key is kept: its SHA-256 hex digest (keys are 256-bit random strings, so a
+    fast hash is enough: there is nothing to brute-force)."""
+    return hashlib.sha256(key.encode()).hexdigest()

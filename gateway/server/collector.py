@@ -1,0 +1,264 @@
+"""The gateway's `/metrics`: everything but the per-request counters is collected at scrape
+time from the state the gateway keeps anyway — the director's decisions, the replica set, the
+directory, placement and fan-out holds, discovery — so nothing on the request path touches a
+prometheus_client metric object. The collector is given each part it reads (it is built by the
+composition root, which knows them all). Every name is listed in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.directory.routing import RoutingDirectory
+from gateway.fleet.discovery import Discovery
+from gateway.fleet.replicas import ReplicaSet
+from gateway.observability import histograms
+from gateway.observability.metrics import RequestMetrics
+from gateway.pipeline.director import DirectorStats
+from gateway.pipeline.placement import Placement
+
+HOTTEST_SHOWN = 5
+"""Hot prefixes exported by name (a label each): a handful keeps the cardinality bounded."""
+
+DISCOVERY_EVENTS = (
+    "lists",
+    "relists_after_gone",
+    "watches",
+    "events",
+    "errors",
+    "joins",
+    "leaves",
+    "epochs",
+)
+
+
+class GatewayCollector(Collector):
+    def __init__(
+        self,
+        *,
+        stats: DirectorStats,
+        replicas: ReplicaSet,
+        directory: RoutingDirectory,
+        placement: Placement,
+        metrics: RequestMetrics,
+        discovery: Discovery | None = None,
+    ) -> None:
+        self.stats = stats
+        self.replicas = replicas
+        self.directory = directory
+        self.placement = placement
+        self.metrics = metrics
+        self.discovery = discovery
+
+    def collect(self) -> Iterable[Any]:
+        yield from self._requests()
+        yield from self._replicas()
+        yield from self._discovery()
+        yield from self._routing()
+
+    def _requests(self) -> Iterable[Any]:
+        m = self.metrics
+        requests = CounterMetricFamily(
+            "kvgate_http_requests", "HTTP requests by route and status.", labels=["route", "status"]
+        )
+        for (route, status), n in sorted(m.http.items()):
+            requests.add_metric([route, status], n)
+        yield requests
+        rpcs = CounterMetricFamily(
+            "kvgate_grpc_requests",
+            "gRPC calls by method and status code.",
+            labels=["method", "code"],
+        )
+        for (method, code), n in sorted(m.grpc.items()):
+            rpcs.add_metric([method, code], n)
+        yield rpcs
+        yield histograms.family(
+            "kvgate_grpc_request_duration_seconds",
+            "gRPC calls, arrival to the last message, by method.",
+            ["method"],
+            m.grpc_seconds,
+        )
+        yield histograms.family(
+            "kvgate_http_request_duration_seconds",
+            "HTTP requests, arrival to last byte, by route.",
+            ["route"],
+            m.http_seconds,
+        )
+        yield histograms.single(
+            "kvgate_time_to_first_token_seconds",
+            "Arrival at the director to the engine's first byte (all front ends).",
+            m.ttft_seconds,
+        )
+        yield histograms.family(
+            "kvgate_exchange_duration_seconds",
+            "Arrival at the director to the end of the engine's answer, by outcome.",
+            ["outcome"],
+            m.exchange_seconds,
+        )
+        tokens = CounterMetricFamily(
+            "kvgate_tenant_tokens",
+            "Tokens by tenant: prompt, completion, cache_read (found cached by the engine), "
+            "cache_written (prefilled and kept).",
+            labels=["tenant", "kind"],
+        )
+        for (tenant, kind), n in sorted(m.tenant_tokens.items()):
+            tokens.add_metric([tenant, kind], n)
+        yield tokens
+
+    def _replicas(self) -> Iterable[Any]:
+        healthy = GaugeMetricFamily("kvgate_replica_healthy", "1 if healthy.", labels=["replica"])
+        inflight = GaugeMetricFamily(
+            "kvgate_replica_inflight", "Requests in flight.", labels=["replica"]
+        )
+        requests = CounterMetricFamily(
+            "kvgate_replica_requests", "Attempts sent to the replica.", labels=["replica"]
+        )
+        pending = GaugeMetricFamily(
+            "kvgate_replica_pending_prefill_tokens",
+            "Prefill tokens this gateway sent whose first token has not come back.",
+            labels=["replica"],
+        )
+        waiting = GaugeMetricFamily(
+            "kvgate_engine_num_waiting",
+            "Requests queued at the engine (every gateway's), as last scraped.",
+            labels=["replica"],
+        )
+        running = GaugeMetricFamily(
+            "kvgate_engine_num_running",
+            "Requests running at the engine, as last scraped.",
+            labels=["replica"],
+        )
+        kv_usage = GaugeMetricFamily(
+            "kvgate_engine_kv_usage",
+            "The engine's KV cache usage (1 = full), as last scraped.",
+            labels=["replica"],
+        )
+        foreign = GaugeMetricFamily(
+            "kvgate_replica_foreign_prefill_tokens",
+            "Prefill work other gateways queued on the replica, as the router counts it.",
+            labels=["replica"],
+        )
+        for s in self.replicas.states.values():
+            labels = [s.url]
+            healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
+            inflight.add_metric(labels, s.num_inflight)
+            requests.add_metric(labels, s.num_requests)
+            pending.add_metric(labels, s.pending_prefill_tokens)
+            m = s.metrics
+            if m is not None:
+                for family, value in ((waiting, m.num_waiting), (running, m.num_running)):
+                    if value is not None:
+                        family.add_metric(labels, value)
+                if m.kv_usage is not None:
+                    kv_usage.add_metric(labels, m.kv_usage)
+                foreign.add_metric(labels, s.snapshot().foreign_prefill_tokens)
+        yield from (healthy, inflight, requests, pending, waiting, running, kv_usage, foreign)
+
+    def _discovery(self) -> Iterable[Any]:
+        if self.discovery is None:
+            return
+        stats = self.discovery.stats
+        yield GaugeMetricFamily(
+            "kvgate_discovery_endpoints",
+            "Engine endpoints in the watched EndpointSlices.",
+            len(self.discovery.known),
+        )
+        events = CounterMetricFamily(
+            "kvgate_discovery_events", "What discovery saw and did.", labels=["kind"]
+        )
+        for kind in DISCOVERY_EVENTS:
+            events.add_metric([kind], getattr(stats, kind))
+        yield events
+
+    def _routing(self) -> Iterable[Any]:
+        stats = self.stats
+        decisions = CounterMetricFamily(
+            "kvgate_routing_decisions",
+            "Routing decisions by policy and reason.",
+            labels=["policy", "reason"],
+        )
+        for (policy, reason), n in sorted(stats.decisions.items()):
+            decisions.add_metric([policy, reason], n)
+        yield decisions
+        yield CounterMetricFamily(
+            "kvgate_upstream_retries", "Attempts retried on another replica.", stats.retries
+        )
+        dstats = self.directory.stats
+        lookups = CounterMetricFamily(
+            "kvgate_directory_lookups",
+            "Directory lookups by where the answer came from.",
+            labels=["source"],
+        )
+        lookups.add_metric(["shared"], dstats.shared_lookups)
+        lookups.add_metric(["local"], dstats.lookups - dstats.shared_lookups)
+        yield lookups
+        yield CounterMetricFamily(
+            "kvgate_directory_fallbacks",
+            "Lookups answered locally because the shared directory did not answer in time.",
+            dstats.fallbacks,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_directory_degraded",
+            "1 while the shared directory is unavailable and routing is local.",
+            1.0 if self.directory.degraded else 0.0,
+        )
+        yield CounterMetricFamily(
+            "kvgate_directory_writes_dropped",
+            "Records/drops that did not reach the shared directory.",
+            self.directory.writes.num_dropped,
+        )
+        placement = self.placement
+        yield CounterMetricFamily(
+            "kvgate_overflow_widenings",
+            "Hot prefixes spread over more replicas.",
+            placement.stats.widenings,
+        )
+        yield CounterMetricFamily(
+            "kvgate_overflow_shrinks",
+            "Hot prefixes spread over fewer replicas.",
+            placement.stats.shrinks,
+        )
+        yield CounterMetricFamily(
+            "kvgate_overflow_spread_requests",
+            "Requests routed with a hot prefix spread to replicas that did not hold it yet.",
+            placement.stats.spread_requests,
+        )
+        rates = self.directory.rates
+        if rates is not None:
+            k = GaugeMetricFamily(
+                "kvgate_hot_prefix_replicas", "k of the hottest prefixes.", labels=["prefix"]
+            )
+            rate = GaugeMetricFamily(
+                "kvgate_hot_prefix_rate_per_min",
+                "Request rate of the hottest prefixes.",
+                labels=["prefix"],
+            )
+            for prefix, observed in rates.hottest(HOTTEST_SHOWN):
+                label = prefix.hex()[:16]
+                k.add_metric([label], observed.k)
+                rate.add_metric([label], observed.rate_per_min)
+            yield k
+            yield rate
+        flights = placement.flights
+        if flights is not None:
+            yield CounterMetricFamily(
+                "kvgate_fanout_holds", "Siblings held for an in-flight leader.", flights.stats.holds
+            )
+            releases = CounterMetricFamily(
+                "kvgate_fanout_releases", "How held siblings were released.", labels=["reason"]
+            )
+            releases.add_metric(["landed"], flights.stats.released_landed)
+            releases.add_metric(["leader_failed"], flights.stats.released_failed)
+            releases.add_metric(["timeout"], flights.stats.timeouts)
+            yield releases
+        yield histograms.family(
+            "kvgate_directory_lookup_seconds",
+            "Directory lookups as the request path waited for them, by source (shared: Redis; "
+            "local: in process, or the fallback while Redis is away).",
+            ["source"],
+            stats.lookup_seconds,
+        )
