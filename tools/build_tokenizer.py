@@ -342,8 +342,9 @@ def tokenization_of(tokenizer_json: str) -> dict[str, Any]:
     merges = [m.split(" ") if isinstance(m, str) else list(m) for m in model["merges"]]
     added = [(t["id"], t["content"], t["special"]) for t in data["added_tokens"]]
     keys = ("normalizer", "pre_tokenizer", "post_processor", "decoder")
+    options = ("ignore_merges", "byte_fallback", "dropout", "unk_token", "fuse_unk")
     return {
-        "model": (model["type"], model["vocab"], merges),
+        "model": (model["type"], model["vocab"], merges, [model.get(o) for o in options]),
         "added_tokens": added,
         **{key: data.get(key) for key in keys},
     }
