@@ -14,6 +14,10 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@# xds-protos ships older copies of opentelemetry-proto's generated modules over the real ones
+	@# (tracing's OTLP exporter then fails to import): put opentelemetry-proto's own files back
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall \
+	  "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	@rm -f $(VENV)/.installed-* && touch $@
 
 run: $(STAMP) ## 4 simulated engines + the gateway + the agent working day per policy (ARGS=--once to exit)

@@ -99,6 +99,12 @@ COMMANDS: dict[str, Command] = {
         "add_bench_fanout_arguments",
         "run_bench_fanout",
     ),
+    "bench-redis-reset": Command(
+        "Redis killed and back empty under conversations: the hit-ratio dip (a benchmark)",
+        "loadgen.bench.redis_reset",
+        "add_bench_redis_reset_arguments",
+        "run_bench_redis_reset",
+    ),
     "bench-billing": Command(
         "the gateway's CPU per request without and with billing (a benchmark)",
         "loadgen.bench.billing",

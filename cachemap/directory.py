@@ -18,14 +18,41 @@ contract tests. Semantics shared by all of them:
   block: the oldest entry the prediction relied on.
 - Entries age out like an engine evicts: a TTL refreshed on use, and a per-replica capacity
   with LRU eviction where, on ties, the longer chain's tail goes first.
+- Every time a store takes or returns (`before_s`, a last use) is on `DIRECTORY_CLOCK`, wall
+  seconds since the epoch, in every store: a shared store's times come from every gateway's
+  host, and the gateway applies a time read from one store to the other (reconciliation
+  expires on both what the shared lookup said was last used at t), so t must mean the same
+  instant in both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from cachemap.keys import BlockHash
+
+Clock = Callable[[], float]
+
+DIRECTORY_CLOCK: Clock = time.time
+"""The one clock of directory times (see the module docstring). Not `time.monotonic`: its zero
+is each host's boot, so a monotonic last use applied to Redis, or Redis's epoch seconds applied
+to a monotonic index, is off by decades (the in-process index once ran on it, and every shared
+over-estimate wiped the local index the fallback routes on)."""
+
+
+def to_ms(t_s: float) -> int:
+    """A directory time as the shared store keeps it: whole milliseconds (rounded, so a time
+    that came back from the store as ms / 1000 maps to the same ms)."""
+    return round(t_s * 1000)
+
+
+def on_ms(t_s: float) -> float:
+    """`t_s` at the shared store's resolution: what both stores record for one event, so an
+    expiry at a time the shared store returned removes that event in the local index too."""
+    return to_ms(t_s) / 1000
+
 
 DEFAULT_REPLICA_CAPACITY_BLOCKS = 65_536
 """Directory entries kept per replica.

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
+from cachemap.directory import (
+    DEFAULT_REPLICA_CAPACITY_BLOCKS,
+    DEFAULT_TTL_S,
+    DIRECTORY_CLOCK,
+    Clock,
+)
 from cachemap.keys import BlockHash
-
-Clock = Callable[[], float]
 
 _REAP_PER_CALL = 1024
 """Entries of forgotten epochs cleaned up per record() call: bounded work on the hot path."""
@@ -46,7 +48,7 @@ class MemoryIndex:
         *,
         capacity_blocks: int = DEFAULT_REPLICA_CAPACITY_BLOCKS,
         ttl_s: float = DEFAULT_TTL_S,
-        clock: Clock = time.monotonic,
+        clock: Clock = DIRECTORY_CLOCK,
     ) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
@@ -84,8 +86,10 @@ class MemoryIndex:
             replica: (d, self._current[replica].lru[hashes[d - 1]]) for replica, d in depth.items()
         }
 
-    def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
-        now = self.clock()
+    def record(self, replica: str, hashes: Sequence[BlockHash], now_s: float | None = None) -> None:
+        """The replica holds the chain, used now (or at `now_s`, on this index's clock: a
+        caller writing the same event to a second store gives both one time)."""
+        now = self.clock() if now_s is None else now_s
         epoch = self._current.get(replica)
         if epoch is None:
             epoch = self._current[replica] = _Epoch(replica)
@@ -129,6 +133,19 @@ class MemoryIndex:
         epoch = self._current.pop(replica, None)
         if epoch is not None and epoch.lru:
             self._graveyard.append(epoch)
+
+    def entries(self, replica: str, since_s: float | None = None) -> list[tuple[BlockHash, float]]:
+        """The replica's live entries (block, last use), most recent first; with `since_s`,
+        only those used at or after it. A copy: the caller may await while using it."""
+        epoch = self._current.get(replica)
+        if epoch is None:
+            return []
+        out = []
+        for block, used in reversed(epoch.lru.items()):
+            if since_s is not None and used < since_s:
+                break
+            out.append((block, used))
+        return out
 
     def num_entries(self, replica: str | None = None) -> int:
         if replica is not None:

@@ -20,6 +20,9 @@ Invariants:
 - A string content and a list of text parts with the same text render identically.
 - Cache hints (`MARK_KEYS` on tools and content parts) are not rendered: they change what a
   request is billed, not what the engine sees, so a marked and an unmarked request share blocks.
+- JSON nests at most `MAX_JSON_DEPTH` levels (the front ends check bodies with `too_deep`; a
+  tool call's arguments, JSON inside a string, are checked here): deeper input is a
+  `NestingError`, never a recursion failure in a serializer.
 
 It is not an engine's chat template: a real model's template (and the simulated engine's,
 loadgen/engine/model/) renders tools, tool calls and content parts differently, so byte blocks
@@ -28,7 +31,6 @@ and token blocks describe the same conversation but not the same text (docs/engi
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,6 +42,52 @@ MARK_KEYS = ("cache_control", "prompt_cache_breakpoint")
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>\n"
 GENERATION_PROMPT = IM_START + "assistant\n"
+MAX_JSON_DEPTH = 64
+"""How deep request JSON may nest (objects and arrays). orjson serializes at most 254 levels and
+Python's json stops near 1,000, so deeper input would break the upstream payload or this
+rendering; real requests stay far below (a tool's JSON Schema, the deepest, rarely reaches 20)."""
+
+
+class NestingError(ValueError):
+    """JSON nested deeper than `MAX_JSON_DEPTH` (the front ends answer a 400)."""
+
+
+_ORJSON_MAX_DEPTH = 254
+"""orjson's recursion guard: it serializes at most 254 nested levels and raises TypeError
+("Recursion limit reached") past them (pinned by tests/cachemap/test_rendering.py)."""
+
+
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `value` nests more than `limit` objects or arrays deep.
+
+    At C speed: wrapped in `254 - limit` arrays, a value deeper than `limit` passes orjson's
+    guard, so one serialization answers (~12 µs for a 100-message chat, where a Python walk of
+    the tree took ~160 µs). A value orjson cannot serialize for another reason (an integer
+    beyond 64 bits) is walked instead."""
+    if not isinstance(value, dict | list):
+        return False
+    wrapped = value
+    for _ in range(_ORJSON_MAX_DEPTH - limit):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped)
+    except TypeError as exc:
+        if str(exc) == "Recursion limit reached":
+            return True
+        return _walk_too_deep(value, limit)
+    return False
+
+
+def _walk_too_deep(value: Any, limit: int) -> bool:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, dict | list):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def canonical_json(value: Any) -> str:
@@ -85,8 +133,18 @@ def _render_tool_call(call: Mapping[str, Any]) -> str:
     function = call.get("function") or {}
     arguments: Any = function.get("arguments", "")
     if isinstance(arguments, str):
-        with contextlib.suppress(ValueError):  # not JSON: hash the string exactly as sent
-            arguments = json.loads(arguments) if arguments else {}
+        try:
+            parsed = json.loads(arguments) if arguments else {}
+        except RecursionError:
+            raise NestingError(
+                f"tool-call arguments nest deeper than {MAX_JSON_DEPTH} levels"
+            ) from None
+        except ValueError:  # not JSON: hash the string exactly as sent
+            pass
+        else:
+            if too_deep(parsed):
+                raise NestingError(f"tool-call arguments nest deeper than {MAX_JSON_DEPTH} levels")
+            arguments = parsed
     body = {"id": call.get("id", ""), "name": function.get("name", ""), "arguments": arguments}
     return "<|tool_call|>" + canonical_json(body)
 

@@ -1,7 +1,13 @@
 """The gateway's errors, one tree (in the style of httpx's `_exceptions.py`):
 
     GatewayError
-    ├── InvalidRequest        400  malformed JSON, missing or ill-typed fields, prompt too long
+    ├── InvalidRequest        400  malformed JSON, missing or ill-typed fields, prompt too long,
+    │                              a field kvgate does not forward, JSON nested too deep
+    ├── RequestTimeout        408  the body did not arrive within `body_read_timeout_s`
+    ├── PayloadTooLarge       413  the body is over `max_body_bytes` (refused while reading)
+    ├── ClientGone            499  the client left before the answer (counted, never sent)
+    ├── InternalError         500  the last resort: an unexpected exception, logged with the
+    │                              request id the client is given (never its text)
     ├── ModelNotFound         404  no replica serves the requested model
     ├── TenantError           401  missing, unknown or revoked API key
     │   └── Forbidden         403  a known key asking for what its tenant may not use
@@ -38,6 +44,45 @@ class GatewayError(Exception):
 class InvalidRequest(GatewayError):
     status = 400
     type = "invalid_request_error"
+
+
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="request_timeout")
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="body_too_large")
+
+
+class ClientGone(GatewayError):
+    """The client disconnected before its request was read or answered: nothing reaches it;
+    the request is counted under status 499 (nginx's "client closed request"), not as a 5xx."""
+
+    status = 499
+    type = "client_closed_request"
+
+
+class InternalError(GatewayError):
+    """What the client learns of an unexpected exception: that it happened, and the request id
+    under which the gateway logged it."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            f"internal error; the gateway logged it (request id {request_id})",
+            code="internal_error",
+        )
+        self.request_id = request_id
+
+    def headers(self) -> dict[str, str]:
+        return {"x-request-id": self.request_id}
 
 
 class ModelNotFound(GatewayError):

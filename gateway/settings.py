@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -26,13 +26,20 @@ from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
 from gateway.request.tenant import BILLING_PROFILES, check_tenant_name
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
-from router.filters import DEFAULT_ABSOLUTE_SLACK_TOKENS, DEFAULT_RELATIVE_SLACK
+from router.filters import (
+    DEFAULT_ABSOLUTE_SLACK_TOKENS,
+    DEFAULT_DECODE_TOKEN_WEIGHT,
+    DEFAULT_RELATIVE_SLACK,
+)
 from router.overflow import DEFAULT_HOT_SHARE
 from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8080
+DEFAULT_METRICS_PORT = 9090
+"""The admin port (/metrics, the API documents): Prometheus' conventional port, and the one the
+image EXPOSEs beside 8080."""
 DEFAULT_HEALTH_INTERVAL_S = 2.0
 """Probe every replica every 2 s: a dead replica stops receiving traffic within ~2 probes."""
 DEFAULT_HEALTH_TIMEOUT_S = 1.0
@@ -41,13 +48,27 @@ DEFAULT_UNHEALTHY_AFTER = 2
 """Consecutive failed probes before a replica is marked down (one lost packet is not a death)."""
 DEFAULT_CONNECT_TIMEOUT_S = 2.0
 """A replica that cannot accept a TCP connection in 2 s is down; retry the next one."""
-DEFAULT_FIRST_BYTE_TIMEOUT_S = 600.0
-"""Time to the response headers and between streamed bytes: a 128k-token prefill behind a queue
-can take minutes on a busy engine."""
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 120.0
+"""From sending a request to the engine's first token (its queue and prefill): a 128k-token
+prefill at 13k tokens/s takes ~10 s, so 120 s leaves room for ~10 of them queued ahead. Past it
+the engine is hung or hopelessly behind, and the attempt moves to the next replica."""
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
+"""Silence allowed between an engine's streamed chunks: a decode step takes 10–100 ms and a
+preempted request waits out its recompute (a prefill, seconds); 30 s of nothing is a stalled
+engine, and the client gets a clean error instead of a stream that never ends."""
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+"""After SIGTERM, requests in flight get 30 s to finish (an agent's step streams for seconds to
+tens of seconds); the chart derives it from terminationGracePeriodSeconds."""
 DEFAULT_MAX_ATTEMPTS = 3
 """An upstream failure before the first byte is retried on the next-best replica, twice."""
 DEFAULT_MAX_PROMPT_BYTES = 4 * 1024 * 1024
 """4 MiB of rendered prompt (~1M tokens): beyond any served context window."""
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+"""8 MiB of request body: twice the default prompt limit, room for JSON's escapes and structure
+around a prompt of `max_prompt_bytes` (code full of quotes and newlines grows by about a third)."""
+DEFAULT_BODY_READ_TIMEOUT_S = 60.0
+"""A whole body within 60 s: 8 MiB arrives in that time at 1.2 Mbit/s, so only a stalled (or
+hostile) upload waits this long, holding its connection for nothing."""
 DEFAULT_BYTES_PER_TOKEN = 4.0
 """English BPE averages ~4 bytes per token; the gateway learns the real ratio per model from the
 engines' usage and uses this only until the first response."""
@@ -81,6 +102,13 @@ DEFAULT_BILLING_LOOKBACK_BLOCKS = 20
 """Anthropic walks back at most 20 blocks from a breakpoint [A]."""
 DEFAULT_BILLING_OPENAI_TTL_S = 1800.0
 """OpenAI 5.6 keeps entries ≥ 30 minutes after the latest use: simulated as exactly 30."""
+DEFAULT_BILLING_LEDGER_MAX_ENTRIES = 200_000
+"""Cache entries a gateway keeps per billing profile (~0.37 KB each: ~75 MB), an hour of 55
+requests/s that each write one; the pass that enforces it takes ~0.1 s on the event loop at
+this size. Past it the soonest-expiring go first (docs/billing.md#decisions)."""
+DEFAULT_BILLING_WAL_DEADLINE_S = 5.0
+"""An fdatasync takes milliseconds on a healthy volume; 5 s is a disk that stopped: the request
+fails (503) instead of hanging on it."""
 # -- Kubernetes, engine load signals, observability (issue 9; docs/operations.md) --------------
 DEFAULT_METRICS_INTERVAL_S = 1.0
 """Read each replica's /metrics once a second: its queue is what other gateways have sent in the
@@ -93,6 +121,15 @@ re-opened from the last resourceVersion, and a dead connection is noticed within
 DEFAULT_DISCOVERY_RETRY_S = 2.0
 """After a failed list or watch (API server away, RBAC missing) try again every 2 s."""
 
+# -- endpoint-picker mode (issue 18; docs/deployment.md) -------------------------------------
+MODES = ("standalone", "epp")
+DEFAULT_EPP_PORT = 9002
+"""GIE's endpoint pickers listen for ext-proc on 9002; Envoy configs and charts expect it."""
+DEFAULT_EPP_MAX_MESSAGE_TIMEOUT_S = 30.0
+"""The longest Envoy lets the picker extend its message timer (its `max_message_timeout`, set to
+the same value in the shipped Envoy config): a fan-out hold's bound (at most `fanout_max_hold_s`,
+10 s) plus the pick after it fits with room."""
+
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
 )
@@ -103,6 +140,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    """The admin port: /metrics (GET and HEAD), /openapi.json, /docs, /redoc — operators only,
+    never on `port` (0: any free port; None: none of them is served)."""
     engines: list[str] = Field(default_factory=list)
     policy: str = "cache_aware"
     tenants: list[str] = Field(default_factory=list)
@@ -114,6 +154,10 @@ class Settings(BaseSettings):
     directory_ttl_s: float = DEFAULT_TTL_S
     absolute_slack_tokens: float = DEFAULT_ABSOLUTE_SLACK_TOKENS
     relative_slack: float = DEFAULT_RELATIVE_SLACK
+    decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT
+    """Prefill tokens of load the bound counts per output token a replica still generates (its
+    running requests, this gateway's and, from the engine's metrics, others'); 0: prefill
+    only."""
     consistent_hash_blocks: int = DEFAULT_CONSISTENT_HASH_BLOCKS
     bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN
     health_interval_s: float = DEFAULT_HEALTH_INTERVAL_S
@@ -121,14 +165,34 @@ class Settings(BaseSettings):
     unhealthy_after: int = DEFAULT_UNHEALTHY_AFTER
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     first_byte_timeout_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    """Bounds an attempt up to the engine's first token (the answer's end, for the few requests
+    an engine cannot stream); past it the next replica is tried."""
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
+    """Bounds each silence of an engine's stream after its first token."""
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    """SIGTERM drains: no new connection or RPC is taken, those in flight get this long to
+    finish, then are cut (and billed as aborted); billing and the directory are flushed."""
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """The largest request body any front end reads (413 over it, refused while reading; gRPC's
+    maximum message length)."""
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    """How long a request body may take to arrive, whole (408 after)."""
     upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
     debug_headers: bool = False
     """Operator debugging only: adds x-kvgate-replica / -matched-blocks / -decision headers.
     Off by default, because they tell a client about cache state."""
     seed: int | None = None
     log_level: str = "info"
+    mode: str = "standalone"
+    """`standalone`: kvgate serves the OpenAI API and relays the engines' streams. `epp`: it is
+    also an endpoint picker behind Envoy (ext-proc on `epp_port`): Envoy carries the bytes,
+    kvgate admits, routes, holds and bills (docs/deployment.md)."""
+    epp_port: int = DEFAULT_EPP_PORT
+    """The ext-proc gRPC port in `epp` mode (0: any free port)."""
+    epp_max_message_timeout_s: float = DEFAULT_EPP_MAX_MESSAGE_TIMEOUT_S
+    """Envoy's `max_message_timeout`: a held request asks Envoy to wait this long at most."""
 
     # -- shared state: the directory (issue #3), rate limits (issue #6) ------------------------
     redis_url: str | None = None
@@ -198,6 +262,13 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, value: str) -> str:
+        if value not in MODES:
+            raise ValueError(f"unknown mode {value!r}; choose one of {', '.join(MODES)}")
+        return value
+
     @field_validator("discovery_scheme")
     @classmethod
     def _scheme(cls, value: str) -> str:
@@ -228,7 +299,7 @@ class Settings(BaseSettings):
             )
         return self
 
-    @field_validator("grpc_port")
+    @field_validator("grpc_port", "epp_port", "metrics_port")
     @classmethod
     def _port_range(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= 65535:
@@ -261,6 +332,10 @@ class Settings(BaseSettings):
     billing_openai_ttl_s: float = DEFAULT_BILLING_OPENAI_TTL_S
     billing_deepseek_unit: str = "64"
     billing_deepseek_holidays: list[dt.date] = Field(default_factory=list)
+    billing_ledger_max_entries: int = DEFAULT_BILLING_LEDGER_MAX_ENTRIES
+    """Bounds the tenant-visible cache entries kept in memory (per billing profile)."""
+    billing_wal_deadline_s: float = DEFAULT_BILLING_WAL_DEADLINE_S
+    """How long a request waits for its billing record to be durable before it fails (503)."""
     billing_gateway_id: str | None = None
     """This gateway's name in ledger records (default host:pid)."""
     admin_keys: list[str] = Field(default_factory=list)
@@ -305,7 +380,9 @@ class Settings(BaseSettings):
     def _engine_urls(cls, value: list[str]) -> list[str]:
         for url in value:
             if not url.startswith(("http://", "https://")):
-                raise ValueError(f"engine URL {url!r} must start with http:// or https://")
+                raise ValueError(
+                    f"engine URL {redact_url(url)!r} must start with http:// or https://"
+                )
         return [url.rstrip("/") for url in value]
 
     @field_validator("tenants")
@@ -323,12 +400,21 @@ class Settings(BaseSettings):
     def _redis_scheme(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(REDIS_SCHEMES):
             raise ValueError(
-                f"redis_url {value!r} must start with one of {', '.join(REDIS_SCHEMES)}"
+                f"redis_url {redact_url(value)!r} must start with one of {', '.join(REDIS_SCHEMES)}"
             )
         return value
 
     @field_validator(
-        "tenants_reload_interval_s", "rate_limit_timeout_s", "billing_ledger_deadline_s"
+        "tenants_reload_interval_s",
+        "rate_limit_timeout_s",
+        "billing_ledger_deadline_s",
+        "epp_max_message_timeout_s",
+        "body_read_timeout_s",
+        "billing_wal_deadline_s",
+        "first_byte_timeout_s",
+        "stream_idle_timeout_s",
+        "connect_timeout_s",
+        "shutdown_grace_s",
     )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
@@ -336,7 +422,31 @@ class Settings(BaseSettings):
             raise ValueError("must be a positive number of seconds")
         return value
 
-    @field_validator("block_bytes", "directory_capacity_blocks", "max_attempts", "unhealthy_after")
+    @field_validator("decode_token_weight")
+    @classmethod
+    def _non_negative(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("must be zero or positive")
+        return value
+
+    @model_validator(mode="after")
+    def _body_holds_a_prompt(self) -> Settings:
+        if self.max_body_bytes < self.max_prompt_bytes:
+            raise ValueError(
+                f"max_body_bytes ({self.max_body_bytes}) must be at least max_prompt_bytes "
+                f"({self.max_prompt_bytes}): a body holds its prompt"
+            )
+        return self
+
+    @field_validator(
+        "block_bytes",
+        "directory_capacity_blocks",
+        "max_attempts",
+        "unhealthy_after",
+        "max_body_bytes",
+        "max_prompt_bytes",
+        "billing_ledger_max_entries",
+    )
     @classmethod
     def _positive(cls, value: int) -> int:
         if value <= 0:
@@ -373,6 +483,25 @@ class Settings(BaseSettings):
             "using a random one; gateways that must agree on salts need the same secret"
         )
         return secrets.token_bytes(32)
+
+
+def redact_url(url: str) -> str:
+    """A URL fit for a message: whatever precedes an '@' (a user and password) becomes ***."""
+    scheme, sep, rest = url.rpartition("://")
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
+
+
+def describe_errors(exc: ValidationError) -> str:
+    """Invalid settings as lines of "field: reason", never the values given: pydantic's own
+    text repeats each input (and a model-level error the whole input), which would print every
+    tenant key, admin key and the Redis password to the terminal and the logs."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"  {where}: {error['msg']}")
+    return "\n".join(lines)
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

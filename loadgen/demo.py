@@ -146,7 +146,7 @@ def _serve_forever(args: argparse.Namespace, console: Console) -> int:
             f"  client = OpenAI(base_url='{gw.url}/v1', api_key='{DEMO_KEY}')\n"
             f"  client.chat.completions.create(model='{DEFAULT_MODEL}', "
             "messages=[{'role': 'user', 'content': 'Hello'}])\n"
-            f"Metrics: {gw.url}/metrics   Ctrl-C stops."
+            f"Metrics: {gw.metrics_url}/metrics   Ctrl-C stops."
         )
         with contextlib.suppress(KeyboardInterrupt):
             signal.sigwait({signal.SIGINT, signal.SIGTERM})

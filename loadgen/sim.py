@@ -70,6 +70,7 @@ from loadgen.traces.readers import (
     hot_spine_trace,
     read_trace,
 )
+from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT
 from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
 from router.registry import POLICIES, RouterConfig, build_policy
@@ -104,6 +105,9 @@ class SimConfig:
     """Spread hot prefixes as the gateway does (router.plan, cachemap.rates), with the
     threshold derived from the engines' prefill rate; `cache_aware` only."""
     overflow_threshold_per_min: float | None = None
+    decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT
+    """The load bound's weight of a replica's outstanding output tokens, as the gateway's
+    setting of the same name (each simulated request's output is known: its trace length)."""
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -142,6 +146,8 @@ class PolicyResult:
     e2e_mean_s: float
     imbalance: float
     """max / mean over replicas of engine busy seconds (prefill + decode)."""
+    prompt_imbalance: float
+    """max / mean over replicas of the prompt tokens they were sent (how a spine spreads)."""
     prefill_utilization: float
     """Prefill busy seconds / (replicas × span): how loaded the prefill servers were."""
     decisions: dict[str, int]
@@ -240,9 +246,16 @@ class _ReplicaState:
     core: EngineCore
     num_inflight: int = 0
     pending_prefill_tokens: float = 0.0
+    decode_tokens: float = 0.0
 
     def snapshot(self) -> Replica:
-        return Replica(self.id, True, self.num_inflight, self.pending_prefill_tokens)
+        return Replica(
+            self.id,
+            True,
+            self.num_inflight,
+            self.pending_prefill_tokens,
+            decode_tokens=self.decode_tokens,
+        )
 
 
 def simulate(
@@ -279,6 +292,7 @@ def simulate(
     block = trace.block_size
     outcomes: list[RequestOutcome | None] = [None] * len(trace.requests)
     estimates: dict[str, tuple[_ReplicaState, float, TraceRequest, str]] = {}
+    outputs: dict[str, int] = {}
     decisions: dict[str, int] = {}
 
     # engine events come out of a heap keyed by each core's next event time
@@ -305,6 +319,7 @@ def simulate(
                     rep.pending_prefill_tokens = max(rep.pending_prefill_tokens - estimate, 0.0)
                 else:
                     rep.num_inflight -= 1
+                    rep.decode_tokens = max(rep.decode_tokens - outputs.pop(job.id), 0.0)
                     assert job.first_token_s is not None and job.finish_s is not None
                     outcomes[req.index] = RequestOutcome(
                         req.index,
@@ -332,6 +347,7 @@ def simulate(
             tokens_per_block=float(block),
             affinity_key=keys[req.index].affinity,
             sequence=req.index,
+            decode_token_weight=config.decode_token_weight,
         )
         snapshot = [r.snapshot() for r in replicas]
         depth = max(overlap.values(), default=0)
@@ -362,6 +378,8 @@ def simulate(
             max_cached_tokens=req.input_length,
         )
         estimates[job.id] = (rep, estimate, req, decision.reason)
+        outputs[job.id] = job.num_output_tokens
+        rep.decode_tokens += job.num_output_tokens
         rep.core.submit(req.arrival_s, job)
         push(index_of[rep.id])
     drain(float("inf"))
@@ -385,6 +403,8 @@ def _result(
     ttfts = [o.ttft_s for o in outcomes]
     busy = [r.core.counters.busy_prefill_s + r.core.counters.busy_decode_s for r in replicas]
     mean_busy = statistics.fmean(busy) if busy else 0.0
+    prompts = [r.core.counters.prompt_tokens for r in replicas]
+    mean_prompts = statistics.fmean(prompts) if prompts else 0.0
     span = max(trace.span_s, 1e-9)
     prefill = sum(r.core.counters.busy_prefill_s for r in replicas)
     return PolicyResult(
@@ -402,6 +422,7 @@ def _result(
         ttft_p99_s=percentile(ttfts, 0.99),
         e2e_mean_s=statistics.fmean(o.e2e_s for o in outcomes) if outcomes else 0.0,
         imbalance=max(busy) / mean_busy if mean_busy else 1.0,
+        prompt_imbalance=max(prompts) / mean_prompts if mean_prompts else 1.0,
         prefill_utilization=prefill / (len(replicas) * span),
         decisions=dict(sorted(decisions.items())),
         sim_wall_s=wall_s,
@@ -466,6 +487,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--absolute-slack-tokens", type=float, default=None)
     parser.add_argument("--relative-slack", type=float, default=None)
     parser.add_argument(
+        "--decode-token-weight",
+        type=float,
+        default=DEFAULT_DECODE_TOKEN_WEIGHT,
+        help="prefill tokens of load per outstanding output token (0: prefill only)",
+    )
+    parser.add_argument(
         "--directory-scale",
         type=float,
         default=DEFAULT_DIRECTORY_SCALE,
@@ -506,6 +533,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_output_tokens=args.max_output_tokens,
         directory_scale=args.directory_scale,
         overflow=args.overflow == "on",
+        decode_token_weight=args.decode_token_weight,
     )
 
 
@@ -557,6 +585,7 @@ def run_sim(args: argparse.Namespace) -> int:
         "p50 s",
         "p99 s",
         "imbalance",
+        "prompts max/mean",
         "prefill util",
         "sim s",
     ):
@@ -571,6 +600,7 @@ def run_sim(args: argparse.Namespace) -> int:
             f"{r.ttft_p50_s:.3f}",
             f"{r.ttft_p99_s:.3f}",
             f"{r.imbalance:.2f}",
+            f"{r.prompt_imbalance:.2f}",
             f"{r.prefill_utilization:.2f}",
             f"{r.sim_wall_s:.1f}",
         )
@@ -592,6 +622,7 @@ def run_sim(args: argparse.Namespace) -> int:
                 "seed": config.seed,
                 "max_output_tokens": config.max_output_tokens,
                 "directory_scale": config.directory_scale,
+                "decode_token_weight": config.decode_token_weight,
             },
             "references": asdict(refs),
             "results": {r.policy: r.summary() for r in results},

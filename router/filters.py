@@ -19,6 +19,13 @@ against least_load's 8.7 s (the tail there is the requests' own prefill). A pure
 bound trips whenever the best replica has any queue while others are idle and throws locality
 away."""
 
+DEFAULT_DECODE_TOKEN_WEIGHT = 4.0
+"""Prefill tokens of load one outstanding output token counts for: a full batch (64 sequences)
+steps every ~20 ms on an H100 serving an 8B model, so one sequence's token takes ~0.3 ms of the
+engine, in which it prefills ~4 tokens at 13,000/s. The 131,072-token slack then tolerates
+~32,000 outstanding output tokens more than the least-loaded replica (64 streams of 500 tokens
+to go: a full batch) before locality gives way."""
+
 DEFAULT_RELATIVE_SLACK = 0.5
 """...plus half of the least-loaded replica's estimated work, so the bound widens under load
 instead of pinning every request to whichever replica happens to be idle."""
@@ -40,11 +47,13 @@ class HealthyFilter:
 
 
 class LoadBoundFilter:
-    """Replicas whose estimated work is within the slack of the least-loaded replica.
+    """Replicas whose load is within the slack of the least-loaded replica.
 
-    work(r) = prefill tokens queued on r + this request's uncached tokens on r, so a replica
-    that holds the prefix counts its saving; eligible when
-        work(r) <= min_work + absolute_slack + relative_slack * min_work.
+    load(r) = prefill tokens queued on r + this request's uncached tokens on r (a replica that
+    holds the prefix counts its saving) + decode_token_weight × output tokens r is still to
+    generate (`RouteRequest.load`); eligible when
+        load(r) <= min_load + absolute_slack + relative_slack * min_load,
+    among the replicas whose KV cache is not saturated (all of them when every one is).
     """
 
     name = "load_bound"
@@ -60,11 +69,12 @@ class LoadBoundFilter:
         self.relative_slack = relative_slack
 
     def bound(self, req: RouteRequest, replicas: Sequence[Replica]) -> float:
-        least = min(req.estimated_work(r) for r in replicas)
+        least = min(req.load(r) for r in replicas)
         return least + self.absolute_slack_tokens + self.relative_slack * least
 
     def filter(self, req: RouteRequest, replicas: Sequence[Replica]) -> list[Replica]:
         if not replicas:
             return []
-        limit = self.bound(req, replicas)
-        return [r for r in replicas if req.estimated_work(r) <= limit]
+        room = [r for r in replicas if not r.kv_saturated] or list(replicas)
+        limit = self.bound(req, room)
+        return [r for r in room if req.load(r) <= limit]

@@ -76,7 +76,7 @@ def spread(
     req: RouteRequest, replicas: Sequence[Replica], depth: int, k: int
 ) -> tuple[RouteRequest, list[str]]:
     """Let k replicas count as holding the first `depth` blocks: the holders first, then the
-    healthy non-holders with the least estimated work. Deeper matches keep their real depth.
+    healthy non-holders with the least load. Deeper matches keep their real depth.
     Returns the request with its virtual overlap and the replicas newly added."""
     holders = [r for r in replicas if req.overlap.get(r.id, 0) >= depth]
     missing = k - len(holders)
@@ -84,7 +84,7 @@ def spread(
         return req, []
     others = sorted(
         (r for r in replicas if r.healthy and req.overlap.get(r.id, 0) < depth),
-        key=lambda r: (req.estimated_work(r), r.id),
+        key=lambda r: (req.load(r), r.id),
     )
     added = [r.id for r in others[:missing]]
     overlap = dict(req.overlap)

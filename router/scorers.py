@@ -41,14 +41,15 @@ class PrefixScorer:
 
 
 class EstimatedWorkScorer:
-    """Less prefill work ahead of this request's first token scores higher."""
+    """Less load (prefill work ahead of this request's first token, and weighted decode still
+    running) scores higher."""
 
     name = "estimated_work"
 
     def score(
         self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
     ) -> dict[str, float]:
-        return _lower_is_better({r.id: req.estimated_work(r) for r in replicas})
+        return _lower_is_better({r.id: req.load(r) for r in replicas})
 
 
 class InflightScorer:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+KV_SATURATED = 0.95
+"""A replica whose KV cache is 95% full cannot admit a request's blocks without evicting
+running ones' (vLLM preempts, then recomputes): whatever its queues, it is over the bound."""
+
 
 @dataclass(frozen=True, slots=True)
 class Replica:
@@ -32,6 +36,31 @@ class Replica:
     """Prefill tokens assumed per request another gateway queued (this gateway's mean uncached
     tokens per request: gateways behind one Service see the same traffic)."""
 
+    # -- decode occupancy (issue 14): what the replica is still generating ---------------------
+    decode_tokens: float = 0.0
+    """Output tokens still expected from this gateway's requests on the replica (each counted
+    at its expected length from its routing to its end: on average twice what is left, on every
+    replica alike, so comparisons between replicas hold)."""
+    engine_num_running: float = 0.0
+    """Requests the engine's /metrics said were running (vllm:num_requests_running)..."""
+    own_num_running: float = 0.0
+    """...of which this gateway's (its requests in flight there when that scrape answered)."""
+    request_output_tokens: float = 0.0
+    """Output tokens assumed per request another gateway runs there (this gateway's mean)."""
+    kv_usage: float | None = None
+    """The engine's KV cache usage, 0..1 (vllm:kv_cache_usage_perc), when it reports one."""
+
+    @property
+    def decode_work_tokens(self) -> float:
+        """Output tokens the replica is still to generate: this gateway's, and other gateways'
+        running requests (seen through the engine's metrics) at the mean length."""
+        foreign = self.engine_num_running - self.own_num_running
+        return self.decode_tokens + (foreign * self.request_output_tokens if foreign > 0 else 0.0)
+
+    @property
+    def kv_saturated(self) -> bool:
+        return self.kv_usage is not None and self.kv_usage >= KV_SATURATED
+
     @property
     def foreign_prefill_tokens(self) -> float:
         """Prefill work other gateways have queued on the replica: the engine's waiting
@@ -46,7 +75,9 @@ class RouteRequest:
     """What the router needs to know about one request.
 
     `overlap[replica]` is the number of leading blocks of the prompt cached there (absent = 0);
-    `tokens_per_block` converts blocks to tokens, so uncached work is counted in tokens.
+    `tokens_per_block` converts blocks to tokens, so uncached work is counted in tokens;
+    `decode_token_weight` converts a replica's outstanding output tokens into prefill tokens of
+    work (0: decode is not counted, as before decode occupancy was a signal).
     """
 
     num_blocks: int
@@ -55,6 +86,7 @@ class RouteRequest:
     tokens_per_block: float = 64.0
     affinity_key: bytes = b""
     sequence: int = 0
+    decode_token_weight: float = 0.0
 
     def uncached_tokens(self, replica: str) -> float:
         cached = self.overlap.get(replica, 0) * self.tokens_per_block
@@ -68,6 +100,13 @@ class RouteRequest:
             + replica.foreign_prefill_tokens
             + self.uncached_tokens(replica.id)
         )
+
+    def load(self, replica: Replica) -> float:
+        """What the load bound compares, in prefill tokens: the prefill work before this
+        request's first token (`estimated_work`) plus the decode the replica still runs,
+        weighted (a decoded token takes a share of the engine's steps that prefill would
+        otherwise use)."""
+        return self.estimated_work(replica) + self.decode_token_weight * replica.decode_work_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,11 @@ OTHER_KEY = "sk-test-globex"
 MODEL = "kvgate-sim-8b"
 
 
+def metrics_url(gateway: Served) -> str:
+    """An in-process gateway's admin port (/metrics, the API documents)."""
+    return f"http://127.0.0.1:{gateway.app.state.metrics_port}"
+
+
 def engine_of(served: Served) -> Engine:
     engine: Engine = served.app.state.engine
     return engine
@@ -60,6 +65,7 @@ def gateway_settings(engine_urls: list[str], **overrides: Any) -> Settings:
         "unhealthy_after": 1,
         "debug_headers": True,
         "seed": 7,
+        "metrics_port": 0,  # the admin port: any free one (tests run gateways side by side)
     }
     values.update(overrides)
     return load_settings(**values)

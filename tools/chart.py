@@ -10,7 +10,8 @@
 - `check`: `helm lint --strict`, `helm template` with the default values and with each
   `ci/*-values.yaml` (everything on; an external Redis Cluster), `kubernetes-validate --strict`
   on every rendered object that is not a custom resource (kubernetes-validate knows no CRDs:
-  the ServiceMonitor is checked by a test on its rendered fields).
+  the ServiceMonitor is checked by a test on its rendered fields), and every InferencePool
+  against the vendored v1 CRD's schema with `jsonschema` (tools/crds/).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ CHART_MANAGED = frozenset(
         "host",
         "port",
         "grpc_port",
+        "metrics_port",
         "server_secret",
         "server_secret_file",
         "tenants",
@@ -58,10 +60,14 @@ CHART_MANAGED = frozenset(
         "redis_url",
         "redis_cluster",
         "kubeconfig",
+        "mode",
+        "epp_port",
+        "shutdown_grace_s",
     }
 )
-"""Settings the chart sets from its own values (service, secret, redis) or never sets (secrets
-and keys do not belong in a ConfigMap; the in-cluster service account replaces a kubeconfig)."""
+"""Settings the chart sets from its own values (service, secret, redis, epp, the drain's grace
+from terminationGracePeriodSeconds) or never sets (secrets and keys do not belong in a
+ConfigMap; the in-cluster service account replaces a kubeconfig)."""
 ENUMS: dict[str, list[str]] = {
     "policy": sorted(POLICIES),
     "discovery": list(DISCOVERY_MODES),
@@ -183,9 +189,40 @@ class ChartError(Exception):
     """helm refused the chart or its values (the message is helm's)."""
 
 
+CUSTOM_GROUPS = ("monitoring.coreos.com", "inference.networking.k8s.io")
+"""API groups of the custom resources the chart renders (kubernetes-validate knows no CRDs)."""
+INFERENCE_POOL_CRD = ROOT / "tools" / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
+"""The vendored InferencePool v1 CRD (tools/crds/README.md: its source and license)."""
+
+
 def is_custom_resource(obj: dict[str, Any]) -> bool:
     group = str(obj.get("apiVersion", "")).partition("/")[0]
-    return "/" in str(obj.get("apiVersion", "")) and group.endswith("coreos.com")
+    return "/" in str(obj.get("apiVersion", "")) and group in CUSTOM_GROUPS
+
+
+def inference_pool_schema() -> dict[str, Any]:
+    """The v1 InferencePool's openAPIV3Schema from the vendored CRD."""
+    crd = yaml.safe_load(INFERENCE_POOL_CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def validate_inference_pools(objects: list[dict[str, Any]]) -> list[str]:
+    """Every rendered InferencePool against the CRD's schema (`jsonschema`); the problems."""
+    import jsonschema
+
+    validator = jsonschema.Draft7Validator(inference_pool_schema())
+    problems = []
+    for obj in objects:
+        if obj.get("kind") != "InferencePool":
+            continue
+        if obj.get("apiVersion") != "inference.networking.k8s.io/v1":
+            problems.append(f"InferencePool {obj['metadata']['name']}: not the v1 API")
+        for error in validator.iter_errors(obj):
+            where = "/".join(str(p) for p in error.absolute_path)
+            problems.append(f"InferencePool {obj['metadata']['name']} at {where}: {error.message}")
+    return problems
 
 
 def validate(objects: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
@@ -224,6 +261,7 @@ def check() -> list[str]:
         validated = validate(objects)
         if validated.returncode != 0:
             problems.append(f"kubernetes-validate ({name}):\n{validated.stdout}")
+        problems += [f"{p} ({name})" for p in validate_inference_pools(objects)]
         print(f"{name}: {len(objects)} objects rendered, lint and validation clean")
     return problems
 

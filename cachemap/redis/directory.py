@@ -1,25 +1,32 @@
 """The Redis directory: the same protocol as the in-process one, shared by every gateway.
 
-The key schema is in `cachemap.redis.schema`, the scripts in `cachemap.redis.scripts`.
+The key schema is in `cachemap.redis.schema`, the scripts in `cachemap.redis.scripts`, the
+per-replica state beside the entries (generations, floors, start markers, the layout) in
+`cachemap.redis.meta`.
 
 Generations do three jobs with one number per replica:
 - An entry matches only if its generation is the replica's current one or the one before.
-- Capacity: after `capacity_blocks / 2` blocks are recorded on a replica its generation
-  advances, so at most `capacity_blocks` entries (two generations' worth) match — an LRU
-  approximation in which a recorded (used) block is rewritten at the current generation.
+- Capacity: after `capacity_blocks / 2` blocks new to the generation are recorded on a
+  replica its generation advances, so at most `capacity_blocks` entries (two generations'
+  worth) match — an LRU approximation in which a recorded (used) block is rewritten at the
+  current generation, and a block recorded again within it is not counted again.
 - Restart epochs: `forget()` (and a new engine start marker) advances it by 2, so every old
   entry stops matching at once: an epoch bump, never a scan. Stale fields die with their keys'
   TTL.
-Gateways keep the current generations and floors in memory (refreshed by the channel and every
-`GEN_REFRESH_S`) and pass them to the lookup script, which also applies the TTL to each entry's
-last use, so an entry refreshed by one replica does not keep another's alive.
+Gateways keep the current generations and floors in memory and pass them to the lookup script,
+which also applies the TTL to each entry's last use, so an entry refreshed by one replica does
+not keep another's alive. Two tasks keep them current, independently: the channel's subscriber
+(within milliseconds) and a poll every `GEN_REFRESH_S` that never depends on the subscription
+(a gateway whose pub/sub is broken — a proxy or an ACL that refuses SUBSCRIBE, a redis-py
+without cluster pub/sub — is stale for at most that long, and says so once in its log). The
+poll also notices a Redis that lost its state and writes back what the gateway knows
+(`ReplicaMeta.refresh`), and now and then prunes replicas quiet for longer than the TTL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,28 +34,35 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
-from cachemap.keys import BlockHash
+from cachemap.directory import (
+    DEFAULT_REPLICA_CAPACITY_BLOCKS,
+    DEFAULT_TTL_S,
+    DIRECTORY_CLOCK,
+    Clock,
+    to_ms,
+)
+from cachemap.keys import TAG_BYTES, BlockHash
+from cachemap.rates import MIN_SPAN_S
 from cachemap.redis import scripts
 from cachemap.redis.client import AnyRedis, stop_task
-from cachemap.redis.schema import (
-    CHANNEL,
-    COUNT_KEY,
-    FLOOR_KEY,
-    GEN_KEY,
-    START_KEY,
-    chain_call,
-    replica_id,
-    text,
-)
+from cachemap.redis.meta import DirectoryLayoutError, ReplicaMeta
+from cachemap.redis.schema import CHANNEL, chain_call, replica_id, text
 from cachemap.redis.stores import MarkerStore, RateStore
 
 log = logging.getLogger(__name__)
 
-Clock = Callable[[], float]
-
 GEN_REFRESH_S = 1.0
-"""Safety net behind the channel: a gateway that missed a message is stale for at most 1 s."""
+"""The poll behind the channel: a gateway that missed a message (or cannot subscribe) is stale
+for at most 1 s, at the cost of two HGETALLs of small hashes per second per gateway."""
+PRUNE_INTERVAL_S = 60.0
+"""How often the poll prunes quiet replicas from the meta hashes: a scan of a few hundred
+fields, idempotent whichever gateways run it."""
+PRUNE_HORIZON_TTLS = 2.0
+"""A replica is pruned after twice the entry TTL without a record or a restart report: none
+of its entries can match by then, with a TTL's margin for clocks that disagree."""
+RESTORE_BATCH = 512
+"""Blocks per write-back call: ~0.5 ms of server time, so a write-back of a whole index never
+holds Redis for long."""
 MAX_PIPELINED_LOOKUPS = 8
 """Lookups per pipelined write: a burst is cut into several pipelines on several connections,
 so the client reads one pipeline's answers while Redis runs the next one's scripts."""
@@ -73,7 +87,7 @@ class RedisDirectory:
         *,
         capacity_blocks: int = DEFAULT_REPLICA_CAPACITY_BLOCKS,
         ttl_s: float = DEFAULT_TTL_S,
-        clock: Clock = time.time,
+        clock: Clock = DIRECTORY_CLOCK,
     ) -> None:
         if capacity_blocks < 2:
             raise ValueError(f"capacity_blocks must be at least 2, got {capacity_blocks}")
@@ -91,19 +105,27 @@ class RedisDirectory:
         self._batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]] = []
         self._sending: set[asyncio.Task[None]] = set()
         self._record = client.register_script(scripts.RECORD)
+        self._restore = client.register_script(scripts.RESTORE)
         self._drop = client.register_script(scripts.DROP)
-        self._count = client.register_script(scripts.COUNT)
-        self._bump = client.register_script(scripts.BUMP)
-        self._expire = client.register_script(scripts.EXPIRE)
         self.hot = RateStore(client)
         self.markers = MarkerStore(client)
+        self.meta = ReplicaMeta(client)
+        self.meta.on_change = self._meta_changed
+        self.on_reset: Callable[[], None] | None = None
+        """Called when Redis is found to have lost its state (after the meta state is written
+        back): the owner may write back its entries (`restore`)."""
+        self.layout_error: DirectoryLayoutError | None = None
+        """Set when Redis holds a layout this code does not know: the directory is unusable."""
         self._names: dict[str, str] = {}
-        self._gens: dict[str, int] = {}
-        self._floors: dict[str, int] = {}
         self._replica_arg: bytes | None = None
-        """The lookup's per-replica argument, cached (see `_set_gen`, `_set_floor`)."""
-        self._watcher: asyncio.Task[None] | None = None
+        """The lookup's per-replica argument, cached (rebuilt when a generation, a floor or the
+        set of replicas changes)."""
+        self._last_prune = 0.0
+        self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        self.subscribed = False
+        """The channel's subscription is up (else the poll alone keeps generations fresh)."""
+        self._subscription_failed = False
 
     # -- the protocol ------------------------------------------------------------------------
     async def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -122,17 +144,17 @@ class RedisDirectory:
             return SharedLookup({})
         if self._replica_arg is None:  # rebuilt only when a generation or a floor changed
             # only the replicas this gateway routes to (lookups report no other): bounded
+            meta = self.meta
             self._replica_arg = "".join(
-                f"{rid},{self._gens.get(rid, 0) - 1},{self._floors.get(rid, -1)};"
-                for rid in self._names
-                if rid in self._gens or rid in self._floors
+                f"{rid},{meta.gen(rid) - 1},{meta.floor(rid)};" for rid in self._names
             ).encode()
         args: list[Any] = [
-            int(self.clock() * 1000),
+            to_ms(self.clock()),
             int(self.ttl_s * 1000),
             int(rate_window_s * 1000),
             1 if writers else 0,
             self._replica_arg,
+            int(MIN_SPAN_S * 1000),
         ]
         keys, head = chain_call(hashes)
         flat, hot, writer = await self._call_lookup(keys, [*head, *args])
@@ -216,34 +238,55 @@ class RedisDirectory:
         return list(results)
 
     async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
-        await self.record_many([(replica, hashes)])
+        await self.record_many([(replica, hashes, None)])
 
-    async def record_many(self, items: Iterable[tuple[str, Sequence[BlockHash]]]) -> None:
-        """Several records at once: one script call per chain, then one count per replica."""
-        now_ms = int(self.clock() * 1000)
+    async def record_many(
+        self, items: Iterable[tuple[str, Sequence[BlockHash], float | None]]
+    ) -> None:
+        """Several records at once: one script call per chain, then one count per replica.
+        Each item is (replica, chain, when it was used: None for now)."""
+        now_ms = to_ms(self.clock())
         ttl_ms = int(self.ttl_s * 1000)
         counts: dict[str, int] = {}
         calls = []
-        for replica, hashes in items:
+        rids = []
+        for replica, hashes, at_s in items:
             if not hashes:
                 continue
             rid = self._rid(replica)
-            gen = self._gens.get(rid, 0)
+            gen = self.meta.gen(rid)
             keys, head = chain_call(hashes)
-            calls.append(self._record(keys=keys, args=[*head, rid, gen, now_ms, ttl_ms]))
-            counts[rid] = counts.get(rid, 0) + len(hashes)
+            used_ms = now_ms if at_s is None else to_ms(at_s)
+            calls.append(self._record(keys=keys, args=[*head, rid, gen, used_ms, ttl_ms]))
+            rids.append(rid)
         if not calls:
             return
-        await asyncio.gather(*calls)
+        for rid, new in zip(rids, await asyncio.gather(*calls), strict=True):
+            counts[rid] = counts.get(rid, 0) + int(new)
         per_generation = max(self.capacity_blocks // 2, 1)
-        gens = await asyncio.gather(
-            *(
-                self._count(keys=[GEN_KEY, COUNT_KEY], args=[rid, n, per_generation, CHANNEL])
-                for rid, n in counts.items()
-            )
+        await asyncio.gather(
+            *(self.meta.count(rid, n, per_generation, now_ms) for rid, n in counts.items())
         )
-        for rid, gen in zip(counts, gens, strict=True):
-            self._set_gen(rid, int(gen))
+
+    async def restore(self, replica: str, entries: Sequence[tuple[BlockHash, float]]) -> int:
+        """Write back entries (block, last use) a gateway kept while Redis lost them, at the
+        replica's current generation; a block Redis holds with a later use is left alone, one
+        past the TTL is not written. Returns the blocks written."""
+        rid = self._rid(replica)
+        now_ms = to_ms(self.clock())
+        by_chain: dict[bytes, list[tuple[BlockHash, float]]] = {}
+        for block, used in entries:
+            by_chain.setdefault(block[:TAG_BYTES], []).append((block, used))
+        written = 0
+        for group in by_chain.values():
+            for i in range(0, len(group), RESTORE_BATCH):
+                batch = group[i : i + RESTORE_BATCH]
+                keys, head = chain_call([block for block, _ in batch])
+                uses = "".join(f"{to_ms(used)}," for _, used in batch)
+                args: list[Any] = [*head, rid, self.meta.gen(rid), now_ms, int(self.ttl_s * 1000)]
+                args.append(uses)
+                written += int(await self._restore(keys=keys, args=args))
+        return written
 
     async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         if hashes:
@@ -251,22 +294,22 @@ class RedisDirectory:
             await self._drop(keys=keys, args=[*head, self._rid(replica)])
 
     async def forget(self, replica: str) -> None:
-        await self._bump_generation(replica, "")
+        await self.meta.bump(self._rid(replica), "", "", to_ms(self.clock()))
 
     async def expire(self, replica: str, before_s: float) -> None:
-        rid = self._rid(replica)
-        floor = await self._expire(keys=[FLOOR_KEY], args=[rid, int(before_s * 1000), CHANNEL])
-        self._set_floor(rid, int(floor))
+        await self.meta.expire(self._rid(replica), to_ms(before_s))
 
-    async def restarted(self, replica: str, start_marker: str) -> bool:
-        """Report the engine's start marker (its start time); a changed marker is a restart and
-        bumps the epoch — once, however many gateways report the same restart."""
-        return await self._bump_generation(replica, start_marker)
+    async def restarted(self, replica: str, start_marker: str, previous: str = "") -> bool:
+        """Report the engine's start marker (its start time) and the one this gateway saw
+        before ('' if none); a changed marker is a restart and bumps the epoch — once, however
+        many gateways report the same restart, and even if Redis lost the marker it had."""
+        rid = self._rid(replica)
+        return await self.meta.bump(rid, start_marker, previous, to_ms(self.clock()))
 
     async def close(self) -> None:
         self._closing = True
-        if self._watcher is not None:
-            await stop_task(self._watcher, 2 * GEN_REFRESH_S)
+        for task in self._tasks:
+            await stop_task(task, 2 * GEN_REFRESH_S)
         await self.client.aclose()
 
     # -- generations -------------------------------------------------------------------------
@@ -275,19 +318,56 @@ class RedisDirectory:
         for name in replicas:
             self._rid(name)
 
+    def registered(self) -> list[str]:
+        """The replica names this gateway routes to."""
+        return sorted(self._names.values())
+
+    def unregister(self, replica: str) -> None:
+        """This gateway no longer routes to the replica (discovery saw it leave)."""
+        rid = replica_id(replica)
+        if self._names.pop(rid, None) is not None:
+            self._replica_arg = None
+        self.meta.forget_replica(rid)
+
     async def refresh_generations(self) -> None:
-        """Reload every replica's generation and floor (both live in the meta slot)."""
-        gens = await self.client.hgetall(GEN_KEY)
-        floors = await self.client.hgetall(FLOOR_KEY)
-        new_gens = {text(k): int(v) for k, v in gens.items()}
-        new_floors = {text(k): int(v) for k, v in floors.items()}
-        if new_gens != self._gens or new_floors != self._floors:
-            self._gens, self._floors, self._replica_arg = new_gens, new_floors, None
+        """Reload every replica's generation and floor (all live in the meta slot); when Redis
+        lost its state, write back what this gateway knows and call `on_reset`."""
+        try:
+            reset = await self.meta.refresh()
+        except DirectoryLayoutError as exc:
+            self.layout_error = exc
+            raise
+        if reset and self.on_reset is not None:
+            self.on_reset()
+
+    async def prune(self) -> int:
+        """Prune replicas quiet for `PRUNE_HORIZON_TTLS` TTLs from the meta hashes."""
+        horizon_ms = int(PRUNE_HORIZON_TTLS * self.ttl_s * 1000)
+        return await self.meta.prune(to_ms(self.clock()), horizon_ms)
 
     async def start(self) -> None:
-        """Load the generations and keep them fresh (channel + periodic refresh)."""
+        """Load the generations and keep them fresh: the channel, and the poll behind it."""
         await self.refresh_generations()
-        self._watcher = asyncio.create_task(self._watch_generations())
+        self._tasks = [
+            asyncio.create_task(self._watch_generations(), name="generations channel"),
+            asyncio.create_task(self._poll_generations(), name="generations poll"),
+        ]
+
+    async def _poll_generations(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            await asyncio.sleep(GEN_REFRESH_S)
+            try:
+                await self.refresh_generations()
+                if loop.time() - self._last_prune >= PRUNE_INTERVAL_S:
+                    self._last_prune = loop.time()
+                    await self.prune()
+            except asyncio.CancelledError:
+                raise
+            except DirectoryLayoutError as exc:
+                log.error("%s", exc)
+            except Exception as exc:  # Redis away: lookups fall back meanwhile
+                log.debug("generation poll: %s", exc)
 
     async def _watch_generations(self) -> None:
         while not self._closing:
@@ -296,48 +376,42 @@ class RedisDirectory:
                 await pubsub.subscribe(CHANNEL)
                 try:
                     while not self._closing:
-                        message = await pubsub.get_message(
-                            ignore_subscribe_messages=True, timeout=GEN_REFRESH_S
-                        )
-                        if message is not None:
-                            self._apply(text(message["data"]))
-                        else:
-                            await self.refresh_generations()
+                        message = await pubsub.get_message(timeout=GEN_REFRESH_S)
+                        if message is None:
+                            continue
+                        if message["type"] == "message":
+                            self.meta.apply(text(message["data"]))
+                        elif message["type"] == "subscribe":  # the server confirmed it
+                            self._subscription(True, None)
                 finally:
+                    self.subscribed = False
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # Redis away: retry; lookups fall back meanwhile
-                log.debug("generation watcher: %s", exc)
+            except Exception as exc:  # Redis away, or pub/sub refused: the poll carries on
+                self._subscription(False, exc)
                 await asyncio.sleep(GEN_REFRESH_S)
 
-    async def _bump_generation(self, replica: str, marker: str) -> bool:
-        rid = self._rid(replica)
-        gen, bumped = await self._bump(
-            keys=[GEN_KEY, COUNT_KEY, START_KEY], args=[rid, marker, CHANNEL]
-        )
-        self._set_gen(rid, int(gen))
-        return bool(bumped)
+    def _subscription(self, up: bool, exc: BaseException | None) -> None:
+        """Log each change of the subscription's state once."""
+        if up:
+            if self._subscription_failed:
+                log.warning("directory channel %s subscribed again", CHANNEL)
+            self._subscription_failed = False
+        elif not self._subscription_failed:
+            self._subscription_failed = True
+            log.warning(
+                "cannot subscribe to the directory channel %s (%s: %s): generations are polled "
+                "every %.0f s instead",
+                CHANNEL,
+                type(exc).__name__,
+                exc,
+                GEN_REFRESH_S,
+            )
+        self.subscribed = up
 
-    def _apply(self, message: str) -> None:
-        """A channel message: "rid:gen" or "rid:floor:ms"; values only ever rise."""
-        parts = message.split(":")
-        if len(parts) == 2:
-            self._set_gen(parts[0], int(parts[1]))
-        elif len(parts) == 3 and parts[1] == "floor":
-            self._set_floor(parts[0], int(parts[2]))
-
-    def _set_gen(self, rid: str, gen: int) -> None:
-        """Generations only ever rise."""
-        if gen > self._gens.get(rid, 0):
-            self._gens[rid] = gen
-            self._replica_arg = None
-
-    def _set_floor(self, rid: str, floor_ms: int) -> None:
-        """Floors only ever rise."""
-        if floor_ms > self._floors.get(rid, -1):
-            self._floors[rid] = floor_ms
-            self._replica_arg = None
+    def _meta_changed(self) -> None:
+        self._replica_arg = None
 
     def _rid(self, replica: str) -> str:
         rid = replica_id(replica)

@@ -9,6 +9,13 @@ Key schema (all binary-safe; `{...}` is the Redis Cluster hash tag):
     kvg:{kvg-meta}:start             HASH  replica id -> the engine's last seen start marker
     kvg:{kvg-meta}:floor             HASH  replica id -> entries last used at or before this
                                            (ms) no longer match (reconciliation's `expire`)
+    kvg:{kvg-meta}:seen              HASH  replica id -> last record or restart report (ms):
+                                           a replica quiet for longer than the TTL is pruned
+    kvg:{kvg-meta}:genbase           STR   the highest generation of a pruned replica: the
+                                           generation of any replica without a `gen` field
+    kvg:{kvg-meta}:layout            HASH  version (`LAYOUT`), incarnation (random, made when
+                                           the layout is written: a new one means this Redis
+                                           lost its state since a gateway last looked)
     channel kvg:gen                  "<replica id>:<generation>" on every generation change
 
 TAG is the hex of the 6-byte tag every block hash of a chain starts with (`cachemap.keys`: the
@@ -30,10 +37,19 @@ from cachemap.keys import TAG_BYTES, BlockHash
 SUFFIX_BYTES = 16 - TAG_BYTES
 """What follows the tag in a block hash: a block's key is the chain's prefix + these bytes."""
 
+LAYOUT = 2
+"""The layout this code writes. 1: before layouts were versioned (no `layout` key, no `seen`
+or `genbase`; records counted every re-record). 2 reads and extends 1 in place, so a gateway of
+either layout shares one Redis with the other (docs/design/directory.md, "Layout versions")."""
+KNOWN_LAYOUTS = (1, 2)
+
 GEN_KEY = b"kvg:{kvg-meta}:gen"
 COUNT_KEY = b"kvg:{kvg-meta}:count"
 START_KEY = b"kvg:{kvg-meta}:start"
 FLOOR_KEY = b"kvg:{kvg-meta}:floor"
+SEEN_KEY = b"kvg:{kvg-meta}:seen"
+BASE_KEY = b"kvg:{kvg-meta}:genbase"
+LAYOUT_KEY = b"kvg:{kvg-meta}:layout"
 CHANNEL = "kvg:gen"
 LAND_CHANNEL = "kvg:land"
 """Fan-out leaders announce here that their write landed (the landed marker)."""

@@ -17,7 +17,8 @@ for i = 1, #blob / 10 do KEYS[i] = prefix .. string.sub(blob, i * 10 - 9, i * 10
 """
 
 # ARGV (after the chain): now ms, ttl ms, rate window ms (0: do not count), find writers (0/1),
-# and the replicas' "rid,oldest live gen,floor ms;" entries in one string.
+# the replicas' "rid,oldest live gen,floor ms;" entries in one string, and the young rate's
+# minimum span ms (`cachemap.rates`: the rate is the same formula in process).
 # Returns {{rid, depth, last use}*, {depth, rate, k} | {}, {shared depth, writer} | {}}.
 LOOKUP = (
     CHAIN
@@ -70,18 +71,23 @@ end
 local hot = {}
 if window_ms > 0 and deepest > 0 then
   local key = KEYS[deepest] .. ':r'
-  local v = redis.call('HMGET', key, 'w', 'c', 'p', 'k')
+  local v = redis.call('HMGET', key, 'w', 'c', 'p', 'k', 'f')
   local window = math.floor(now / window_ms)
   local w, c, p = tonumber(v[1]) or window, tonumber(v[2]) or 0, tonumber(v[3]) or 0
   local k = tonumber(v[4]) or 1
+  local first = tonumber(v[5]) or now
   if w ~= window then
-    if w == window - 1 then p = c else p = 0 end
+    if w == window - 1 then p = c else p, first = 0, now end
     c = 0
   end
   c = c + 1
-  redis.call('HSET', key, 'w', window, 'c', c, 'p', p)
+  redis.call('HSET', key, 'w', window, 'c', c, 'p', p, 'f', first)
   redis.call('PEXPIRE', key, 2 * window_ms)
   local rate = (p * math.max(0, 1 - (now / window_ms - window)) + c) * 60000 / window_ms
+  if first >= (window - 1) * window_ms then  -- young: over the span observed
+    local young = (c + p - 1) * 60000 / math.max(now - first, tonumber(ARGV[8]))
+    if young > rate then rate = young end
+  end
   hot = {deepest, tostring(rate), k}
 end
 local writer = {}
@@ -129,16 +135,62 @@ return 1
 """
 )
 
-# ARGV (after the chain): rid, generation, now ms, ttl ms.
+# ARGV (after the chain): rid, generation, last use ms, ttl ms. A field already at this
+# generation keeps the later of the two uses (write-behind batches may arrive out of order).
+# Returns how many blocks are new to the generation: capacity counts distinct entries (an LRU
+# that is touched again does not grow), so a chain recorded by every request counts once.
 RECORD = (
     CHAIN
     + """
+local gen, used = tonumber(ARGV[4]), tonumber(ARGV[5])
 local value = ARGV[4] .. ':' .. ARGV[5]
+local new = 0
 for i = 1, #KEYS do
-  redis.call('HSET', KEYS[i], ARGV[3], value)
+  local old = redis.call('HGET', KEYS[i], ARGV[3])
+  local write = true
+  if old then
+    local sep = string.find(old, ':', 1, true)
+    if tonumber(string.sub(old, 1, sep - 1)) == gen then
+      write = tonumber(string.sub(old, sep + 1)) < used
+    else
+      new = new + 1
+    end
+  else
+    new = new + 1
+  end
+  if write then redis.call('HSET', KEYS[i], ARGV[3], value) end
   redis.call('PEXPIRE', KEYS[i], ARGV[6])
 end
-return #KEYS
+return new
+"""
+)
+
+# ARGV (after the chain): rid, generation, now ms, ttl ms, the blocks' last uses (ms, each
+# followed by ','). Writes back entries a gateway kept while Redis lost them: a field is written
+# only where Redis has none of this replica's or an older use; not counted against capacity
+# (the gateway's own index already held at most that many).
+RESTORE = (
+    CHAIN
+    + """
+local gen, now, ttl = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local i, written = 0, 0
+for used in string.gmatch(ARGV[7], '([^,]+),') do
+  i = i + 1
+  local key = KEYS[i]
+  local old = redis.call('HGET', key, ARGV[3])
+  local older = true
+  if old then
+    local sep = string.find(old, ':', 1, true)
+    older = tonumber(string.sub(old, sep + 1)) < tonumber(used)
+  end
+  local left = ttl - (now - tonumber(used))
+  if older and left > 0 then
+    redis.call('HSET', key, ARGV[3], gen .. ':' .. used)
+    if redis.call('PTTL', key) < left then redis.call('PEXPIRE', key, math.floor(left)) end
+    written = written + 1
+  end
+end
+return written
 """
 )
 
@@ -151,17 +203,40 @@ return #KEYS
 """
 )
 
-# KEYS: gen, count. ARGV: rid, blocks recorded, blocks per generation
-COUNT = """
-local n = redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[2])
-local gen = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-if n >= tonumber(ARGV[3]) then
-  gen = redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-  redis.call('HSET', KEYS[2], ARGV[1], 0)
-  redis.call('PUBLISH', ARGV[4], ARGV[1] .. ':' .. gen)
+# The meta slot `kvg:{kvg-meta}` (`schema`): every script below touches only its keys.
+# A replica's generation is its field in `gen`, else the generation base (the highest generation
+# of any replica pruned so far: generations never go back, even for a pruned replica), and never
+# below the caller's own view (`known`): after Redis lost its state, the gateways' memories
+# carry the generations on.
+_GEN = """
+local function current_gen(gen_key, base_key, rid, known)
+  local stored = redis.call('HGET', gen_key, rid)
+  local gen = tonumber(stored or redis.call('GET', base_key) or '0')
+  if tonumber(known) > gen then gen = tonumber(known) end
+  if (not stored) or tonumber(stored) < gen then redis.call('HSET', gen_key, rid, gen) end
+  return gen
+end
+"""
+
+# KEYS: gen, count, seen, base. ARGV: rid, new blocks recorded, blocks per generation, channel,
+# known generation, now ms.
+COUNT = (
+    _GEN
+    + """
+local gen = current_gen(KEYS[1], KEYS[4], ARGV[1], ARGV[5])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[6])
+if tonumber(ARGV[2]) > 0 then
+  local n = redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[2])
+  if n >= tonumber(ARGV[3]) then
+    gen = gen + 1
+    redis.call('HSET', KEYS[1], ARGV[1], gen)
+    redis.call('HSET', KEYS[2], ARGV[1], 0)
+    redis.call('PUBLISH', ARGV[4], ARGV[1] .. ':' .. gen)
+  end
 end
 return gen
 """
+)
 
 # KEYS: floor. ARGV: rid, ms, channel. Floors only rise.
 EXPIRE = """
@@ -174,17 +249,99 @@ end
 return old
 """
 
-# KEYS: gen, count, start. ARGV: rid, start marker ('' = unconditional), channel
-BUMP = """
+# KEYS: gen, count, start, seen, base. ARGV: rid, start marker ('' = unconditional), channel,
+# known generation, the marker the caller saw before ('' = none), now ms.
+# A restart is a stored marker that differs — or, when Redis has no marker (it lost its
+# state), a marker that differs from the one the caller saw before: a replica's identity
+# survives the store losing its markers as long as one gateway remembers it.
+BUMP = (
+    _GEN
+    + """
+local gen = current_gen(KEYS[1], KEYS[5], ARGV[1], ARGV[4])
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[6])
 if ARGV[2] ~= '' then
   local old = redis.call('HGET', KEYS[3], ARGV[1])
   redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
-  if (not old) or old == ARGV[2] then
-    return {tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0'), 0}
-  end
+  if old == ARGV[2] then return {gen, 0} end
+  if (not old) and (ARGV[5] == '' or ARGV[5] == ARGV[2]) then return {gen, 0} end
 end
-local gen = redis.call('HINCRBY', KEYS[1], ARGV[1], 2)
+gen = gen + 2
+redis.call('HSET', KEYS[1], ARGV[1], gen)
 redis.call('HSET', KEYS[2], ARGV[1], 0)
 redis.call('PUBLISH', ARGV[3], ARGV[1] .. ':' .. gen)
 return {gen, 1}
+"""
+)
+
+# KEYS: layout, gen, floor, base. Everything a gateway keeps in memory, in one call.
+META = """
+return {
+  redis.call('HMGET', KEYS[1], 'version', 'incarnation'),
+  redis.call('HGETALL', KEYS[2]),
+  redis.call('HGETALL', KEYS[3]),
+  redis.call('GET', KEYS[4]) or '0',
+}
+"""
+
+# KEYS: layout, gen, floor, base, start. ARGV: layout version, a new incarnation, base,
+# "rid,gen;"*, "rid,floor ms;"*, "rid,start marker;"*. Writes back what one gateway knows:
+# values only rise, markers are set where absent; a missing layout is created with the new
+# incarnation. Returns the layout (version, incarnation) now stored.
+RESEED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 'version', ARGV[1], 'incarnation', ARGV[2])
+end
+if tonumber(ARGV[3]) > tonumber(redis.call('GET', KEYS[4]) or '0') then
+  redis.call('SET', KEYS[4], ARGV[3])
+end
+for k, arg in ipairs({{KEYS[2], ARGV[4]}, {KEYS[3], ARGV[5]}}) do
+  for rid, v in string.gmatch(arg[2], '([^,;]+),([^,;]+);') do
+    if tonumber(v) > tonumber(redis.call('HGET', arg[1], rid) or '-1') then
+      redis.call('HSET', arg[1], rid, v)
+    end
+  end
+end
+for rid, marker in string.gmatch(ARGV[6], '([^,;]+),([^,;]+);') do
+  redis.call('HSETNX', KEYS[5], rid, marker)
+end
+return redis.call('HMGET', KEYS[1], 'version', 'incarnation')
+"""
+
+# KEYS: gen, count, start, floor, seen, base. ARGV: now ms, horizon ms. A replica neither
+# recorded nor restarted for the horizon (longer than the TTL: none of its entries can match)
+# leaves every meta hash; the base keeps its generation, so a return continues above it.
+# Replicas without a `seen` field (written by a gateway before layout 2) start their clock now.
+# Floors older than the horizon hide nothing the TTL does not. Returns {pruned, base}.
+PRUNE = """
+local now, horizon = tonumber(ARGV[1]), tonumber(ARGV[2])
+local base = tonumber(redis.call('GET', KEYS[6]) or '0')
+local old_base = base
+local seen = redis.call('HGETALL', KEYS[5])
+local timed = {}
+local pruned = 0
+for i = 1, #seen, 2 do
+  local rid = seen[i]
+  timed[rid] = true
+  if tonumber(seen[i + 1]) < now - horizon then
+    local g = tonumber(redis.call('HGET', KEYS[1], rid) or '0')
+    if g > base then base = g end
+    for k = 1, 5 do redis.call('HDEL', KEYS[k], rid) end
+    pruned = pruned + 1
+  end
+end
+for k = 1, 4 do
+  local fields = redis.call('HKEYS', KEYS[k])
+  for i = 1, #fields do
+    if not timed[fields[i]] then
+      timed[fields[i]] = true
+      redis.call('HSET', KEYS[5], fields[i], ARGV[1])
+    end
+  end
+end
+local floors = redis.call('HGETALL', KEYS[4])
+for i = 1, #floors, 2 do
+  if tonumber(floors[i + 1]) < now - horizon then redis.call('HDEL', KEYS[4], floors[i]) end
+end
+if base > old_base then redis.call('SET', KEYS[6], base) end
+return {pruned, base}
 """

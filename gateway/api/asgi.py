@@ -1,5 +1,11 @@
 """The ASGI app uvicorn serves: the completion routes dispatched straight to their handlers,
-everything else through FastAPI, each HTTP request counted by route and status."""
+everything else through FastAPI, each HTTP request counted by route and status.
+
+The last resort lives here too: an exception no handler mapped (a bug) is logged with its
+traceback under a request id, and the client gets a 500 in its API's error shape naming only
+that id (`gateway.api.errors.report_internal`); after a response has started it can only be
+logged, and the connection ends.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +16,23 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from gateway.api.errors import report_internal, to_anthropic_http, to_http
+from gateway.errors import GatewayError
 from gateway.observability.metrics import RequestMetrics
 
 Handler = Callable[[Request], Awaitable[Response]]
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def internal_error_response(path: str, exc: BaseException) -> Response:
+    """The 500 an unexpected exception becomes, in the shape of the API at `path`."""
+    err: GatewayError = report_internal(exc, path)
+    return to_anthropic_http(err) if path == ANTHROPIC_PATH else to_http(err)
+
+
+async def on_unexpected(request: Request, exc: Exception) -> Response:
+    """FastAPI's handler of last resort (its routes: billing, models, health)."""
+    return internal_error_response(request.url.path, exc)
 
 
 class GatewayASGI:
@@ -30,13 +50,27 @@ class GatewayASGI:
         self._hot = hot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self._hot.get(scope["path"])
+        if scope["type"] != "http":
+            await self.api(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            handler = self._hot.get(scope["path"]) if scope["method"] == "POST" else None
             if handler is not None:
                 response = await handler(Request(scope, receive))
+                await response(scope, receive, send_tracked)
+            else:
+                await self.api(scope, receive, send_tracked)
+        except Exception as exc:
+            response = internal_error_response(scope["path"], exc)  # logs it (once)
+            if not started:
                 await response(scope, receive, send)
-                return
-        await self.api(scope, receive, send)
 
 
 class MeteredASGI(GatewayASGI):

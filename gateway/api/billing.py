@@ -26,7 +26,7 @@ from gateway.api.context import FrontEnd
 from gateway.api.errors import to_http
 from gateway.api.openai.parse import parse_chat
 from gateway.billing.explicit import CREATE_FIELDS, ExplicitContents, instant, object_json
-from gateway.billing.export import FORMATS, MEDIA_TYPES, encode, summarize
+from gateway.billing.export import FORMATS, MEDIA_TYPES, FormatUnavailable, encode, summarize
 from gateway.billing.pricing.model import BillingError
 from gateway.billing.pricing.money import plain
 from gateway.billing.service import Billing
@@ -81,9 +81,11 @@ def _admin_routes(router: APIRouter, billing: Billing, tenants: TenantRegistry) 
             headers = {"x-kvgate-records": str(len(records))}
             if format == "parquet":
                 headers["content-disposition"] = f'attachment; filename="{tenant}.parquet"'
-            return Response(
-                encode(records, format), media_type=MEDIA_TYPES[format], headers=headers
-            )
+            try:
+                data = encode(records, format)
+            except FormatUnavailable as exc:
+                raise InvalidRequest(str(exc), param="format") from None
+            return Response(data, media_type=MEDIA_TYPES[format], headers=headers)
         except GatewayError as err:
             return to_http(err)
 
@@ -115,11 +117,15 @@ def _content_routes(router: APIRouter, billing: Billing, front: FrontEnd) -> Non
     async def create(request: Request) -> Response:
         try:
             tenant = tenant_of(request)
-            body = load_json_object(await request.body())
+            body = load_json_object(await front.read(request))
             unknown = set(body) - CREATE_FIELDS
             if unknown:
                 raise InvalidRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
-            synthetic = {k: body[k] for k in ("model", "messages", "tools") if k in body}
+            synthetic = {
+                k: body[k]
+                for k in ("model", "messages", "tools", "user", "prompt_cache_key")
+                if k in body
+            }
             parsed = parse_chat(
                 orjson.dumps({**synthetic, "max_tokens": 1}), front.max_prompt_bytes
             )
@@ -152,7 +158,7 @@ def _content_routes(router: APIRouter, billing: Billing, front: FrontEnd) -> Non
     async def update(request: Request, object_id: str) -> Response:
         try:
             tenant = tenant_of(request)
-            body = load_json_object(await request.body())
+            body = load_json_object(await front.read(request))
             obj, charge = await contents.extend(tenant, object_id, body)
             return JSONResponse({**object_json(obj), "rent": plain(charge.rent)})
         except GatewayError as err:

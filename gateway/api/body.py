@@ -1,12 +1,55 @@
-"""Reading a request body: what every front end does before it parses its own shape."""
+"""Reading a request body: what every HTTP front end does before it parses its own shape.
+
+`read_body` holds the limits a body meets while it arrives, so no client can make the gateway
+buffer or wait without bound: at most `max_body_bytes` (a declared Content-Length over it is
+refused before a byte is read; a chunked body once what arrived passes it: 413), within
+`body_read_timeout_s` for the whole body (408), and a client that leaves meanwhile is a
+`ClientGone` (counted as 499, never a 500). `load_json_object` then parses it: a JSON object,
+nested at most `MAX_JSON_DEPTH` levels (400).
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
+from starlette.requests import ClientDisconnect, Request
 
-from gateway.errors import InvalidRequest
+from cachemap.rendering import MAX_JSON_DEPTH, too_deep
+from gateway.errors import ClientGone, InvalidRequest, PayloadTooLarge, RequestTimeout
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole body, within the limits in the module docstring."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidRequest("content-length must be a number of bytes")
+        if int(declared) > max_bytes:
+            raise _too_large(int(declared), max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise _too_large(size, max_bytes)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g} s ({size} bytes read)"
+        ) from None
+    except ClientDisconnect:
+        raise ClientGone("the client disconnected before sending its whole body") from None
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"the request body is {size} bytes or more; this gateway accepts at most {limit}"
+    )
 
 
 def load_json_object(raw: bytes) -> dict[str, Any]:
@@ -15,7 +58,14 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if "depth limit" in str(exc):  # orjson's own guard, at 1,024 levels
+            raise InvalidRequest(
+                f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
+            ) from None
         raise InvalidRequest(f"malformed JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    # a body with fewer brackets than the limit cannot nest past it (a count at memchr speed)
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and too_deep(body):
+        raise InvalidRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     return body

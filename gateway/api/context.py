@@ -1,10 +1,13 @@
 """What every front end is given: the pipeline's entry, the tenants, the fleet's health, and the
-two settings a front end reads. Front ends use these and nothing else of the gateway."""
+settings a front end reads. Front ends use these and nothing else of the gateway."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from starlette.requests import Request
+
+from gateway.api.body import read_body
 from gateway.fleet.replicas import ReplicaSet
 from gateway.pipeline.director import Director
 from gateway.tenancy.registry import TenantRegistry
@@ -19,3 +22,10 @@ class FrontEnd:
     """Read-only here: `/v1/models`, readiness."""
     max_prompt_bytes: int
     debug_headers: bool
+    max_body_bytes: int
+    body_read_timeout_s: float
+
+    async def read(self, request: Request) -> bytes:
+        """The request's body within `max_body_bytes` and `body_read_timeout_s`
+        (`gateway.api.body.read_body`)."""
+        return await read_body(request, self.max_body_bytes, self.body_read_timeout_s)

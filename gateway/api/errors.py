@@ -1,16 +1,37 @@
 """The one place errors meet the wire: `gateway.errors`' tree mapped to HTTP bodies in OpenAI's
 shape (`to_http`) and in Anthropic's (`to_anthropic_http`), and to gRPC status codes
-(`to_grpc`), each by the error's HTTP status."""
+(`to_grpc`), each by the error's HTTP status; and the last resort (`report_internal`), which
+turns an unexpected exception into a logged `InternalError` with a request id."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import secrets
 from typing import Any
 
 import grpc
 import orjson
 from starlette.responses import Response
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, InternalError
+
+log = logging.getLogger(__name__)
+
+_REPORTED = "_kvgate_request_id"
+"""The attribute a reported exception carries (so a re-raised one is not logged twice)."""
+
+
+def report_internal(exc: BaseException, where: str) -> InternalError:
+    """Log an unexpected exception with its traceback under a new request id; the client gets
+    the id only (never the exception's text, which may hold internals)."""
+    request_id = getattr(exc, _REPORTED, None)
+    if request_id is None:
+        request_id = "req_" + secrets.token_hex(12)
+        log.error("unexpected error serving %s (request id %s)", where, request_id, exc_info=exc)
+        with contextlib.suppress(AttributeError):  # a type with __slots__: logged, that is all
+            setattr(exc, _REPORTED, request_id)
+    return InternalError(request_id)
 
 
 def openai_error_body(err: GatewayError) -> dict[str, Any]:
@@ -65,6 +86,7 @@ _GRPC_CODES = {
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
     502: grpc.StatusCode.UNAVAILABLE,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -8,9 +8,22 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from starlette.responses import Response
 
+from gateway.api.errors import openai_error_body
+from gateway.errors import GatewayError
 from gateway.pipeline.exchange import Exchange
+
+
+class ShuttingDown(GatewayError):
+    """503 mid-stream: the gateway's drain grace ran out before the stream did."""
+
+    status = 503
+    type = "service_unavailable_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="shutting_down")
 
 
 def debug_headers(exchange: Exchange, enabled: bool) -> dict[str, str]:
@@ -48,6 +61,10 @@ class ExchangeSSE(Response):
     def events(self) -> AsyncIterator[bytes]:
         raise NotImplementedError
 
+    def error_event(self, err: GatewayError) -> bytes:
+        """A mid-stream error in the API's shape (the stream ends after it)."""
+        raise NotImplementedError
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         exchange = self.exchange
 
@@ -61,6 +78,12 @@ class ExchangeSSE(Response):
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in self.events():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except asyncio.CancelledError:  # the drain's grace ran out: say so, then end
+            exchange.abort()
+            with contextlib.suppress(Exception):
+                cut = self.error_event(ShuttingDown("the gateway is shutting down; retry"))
+                await send({"type": "http.response.body", "body": cut, "more_body": True})
+            raise
         finally:
             watcher.cancel()
             with contextlib.suppress(Exception):  # the client may be gone already
@@ -69,7 +92,16 @@ class ExchangeSSE(Response):
 
 
 class OpenAISSE(ExchangeSSE):
-    """The engine's own SSE bytes, relayed a network read at a time."""
+    """The engine's own SSE bytes, relayed a network read at a time. A stream that ends early
+    ends as an engine's does on an error: an `error` object in a data event, then `[DONE]`
+    (the OpenAI SDKs raise an `APIError` with the message)."""
 
-    def events(self) -> AsyncIterator[bytes]:
-        return self.exchange.batches(self.exchange.parsed.include_usage)
+    async def events(self) -> AsyncIterator[bytes]:
+        exchange = self.exchange
+        async for batch in exchange.batches(exchange.parsed.include_usage):
+            yield batch
+        if exchange.failure is not None and not exchange.client_gone:
+            yield self.error_event(exchange.failure)
+
+    def error_event(self, err: GatewayError) -> bytes:
+        return b"data: " + orjson.dumps(openai_error_body(err)) + b"\n\ndata: [DONE]\n\n"

@@ -29,6 +29,7 @@ def to_json(o: CachedContent) -> dict[str, object]:
         "expires": str(o.expires),
         "deleted": None if o.deleted is None else str(o.deleted),
         "payload": o.payload,
+        **({"scope": o.scope} if o.scope else {}),
     }
 
 
@@ -46,6 +47,7 @@ def from_json(item: dict[str, object]) -> CachedContent:
         expires=Decimal(str(item["expires"])),
         deleted=None if deleted is None else Decimal(str(deleted)),
         payload=payload,
+        scope=str(item.get("scope") or ""),
     )
 
 

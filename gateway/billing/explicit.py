@@ -10,11 +10,13 @@ import uuid
 from decimal import Decimal
 from typing import Any
 
+from gateway.billing.meter import BillingUnavailable
 from gateway.billing.pending import BilledRequest, Pending, profile_for
 from gateway.billing.pricing.model import BillingError, CachedContent, Charge
 from gateway.billing.pricing.money import dec, iso, parse_instant
 from gateway.billing.pricing.rules import DEFAULT_EXPLICIT_TTL_S
 from gateway.billing.service import Billing
+from gateway.billing.wal import WalUnavailable
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
@@ -22,7 +24,11 @@ from gateway.request.tenant import Tenant
 MAX_LIFETIME_S = Decimal(366 * 86400)
 """An explicit cached content lives at most a year: beyond that a TTL is a typo, and the rent
 charged up front through the expiry would be absurd."""
-CREATE_FIELDS = frozenset({"model", "messages", "tools", "ttl_s", "expire_time"})
+CREATE_FIELDS = frozenset(
+    {"model", "messages", "tools", "ttl_s", "expire_time", "user", "prompt_cache_key"}
+)
+"""`user` / `prompt_cache_key` name the end user of a `user`-scoped tenant: the object is that
+end user's (only its prompts may read it; the tenant manages it)."""
 PROFILE = "google_explicit"
 
 
@@ -153,6 +159,9 @@ class ExplicitContents:
     async def _done(self, kind: str, obj: CachedContent, charge: Charge, now: Decimal) -> None:
         """The operation's durable record, the local snapshot, then every other gateway."""
         record = self.meter.op_record(kind, "op-" + uuid.uuid4().hex, obj, charge, now)
-        await self.billing.wal.append(record)
+        try:
+            await self.billing.wal.append(record)
+        except WalUnavailable as exc:
+            raise BillingUnavailable(str(exc)) from None
         self.meter.save_contents()
         await self.meter.publish_object(obj)

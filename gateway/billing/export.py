@@ -21,7 +21,7 @@ import orjson
 
 from gateway.billing.pricing.money import ZERO, display, divide, parse_instant, plain
 from gateway.billing.records import COLUMNS, INT_COLUMNS, JSON_COLUMNS, MONEY_COLUMNS, money
-from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore
+from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore, check_layout
 
 FORMATS = ("csv", "jsonl", "parquet")
 MEDIA_TYPES = {
@@ -74,9 +74,28 @@ def from_jsonl(data: bytes) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in data.splitlines() if line.strip()]
 
 
+class FormatUnavailable(ValueError):
+    """The format needs a package this installation lacks (the client may ask for another)."""
+
+
+PARQUET_EXTRA = "pip install 'kvgate[parquet]'"
+"""What installs pyarrow (the image does: its Dockerfile installs the extra)."""
+
+
+def _pyarrow() -> tuple[Any, Any]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise FormatUnavailable(
+            f"parquet export needs pyarrow, which this gateway lacks ({PARQUET_EXTRA}); "
+            "csv and jsonl are available"
+        ) from None
+    return pa, pq
+
+
 def to_parquet(records: list[dict[str, Any]]) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa, pq = _pyarrow()
 
     money_type = pa.decimal128(*PARQUET_MONEY)
     columns: dict[str, Any] = {}
@@ -99,7 +118,7 @@ def to_parquet(records: list[dict[str, Any]]) -> bytes:
 
 
 def from_parquet(data: bytes) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
+    _, pq = _pyarrow()
 
     table = pq.read_table(io.BytesIO(data))
     rows = table.to_pylist()
@@ -203,9 +222,16 @@ async def _query(args: argparse.Namespace, tenant: str | None) -> list[dict[str,
     redis_url = args.redis_url
     directories: list[Path] = list(args.wal_dir)
     if args.config is not None and not redis_url and not directories:
-        from gateway.settings import load_settings
+        from pydantic import ValidationError
 
-        settings = load_settings(args.config)
+        from gateway.settings import describe_errors, load_settings
+
+        try:
+            settings = load_settings(args.config)
+        except ValidationError as exc:
+            raise ValueError(
+                f"invalid settings in {args.config}:\n{describe_errors(exc)}"
+            ) from None
         redis_url = settings.billing_redis_url
         if settings.billing_wal_dir is not None:
             directories = [settings.billing_wal_dir]
@@ -214,6 +240,7 @@ async def _query(args: argparse.Namespace, tenant: str | None) -> list[dict[str,
 
         client = await open_redis(redis_url, cluster=False)
         try:
+            await check_layout(client, claim=False)
             store: LedgerStore = RedisLedgerStore(client)
             return await store.query(tenant, start, end)
         finally:

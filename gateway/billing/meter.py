@@ -3,22 +3,29 @@
 1. Start (`prepare`, a director request hook, before routing): the tenant's profile
    (`profile_for`), an explicit cached-content object expanded into the prompt, the prompt's
    blocks and marks (`layout`), the marks validated (a 400 names the rule), billing-only fields
-   stripped from what the engine sees, and the start instant read from `clock`.
+   stripped from what the engine sees; the start instant is read from `clock` when routing
+   ends (`routed`: after any fan-out hold, so a held request starts at its release).
 2. First token (`on_first_token`): the request is admitted to the tenant-visible cache ledger
    (lookup, writes, refreshes), its entries visible from now. Token positions come from the
    engine's count when already known (non-streamed), else a tokenizer or bytes-per-token.
    With a billing store, the entries the request can touch are read from it first and the
-   ones it changed joined back (`shared`): every gateway bills from one ledger.
+   ones it changed joined back (`shared`): every gateway bills from one ledger. The exchange's
+   open entry goes to the WAL (its would-be aborted record: what is known now), so a crash of
+   this gateway before the end still bills it (the next start writes that record).
 3. Usage (`on_usage`, before the client sees it): the plan is billed on the engine's exact
    counts, the record is appended to the WAL (fsync'd) and only then the usage is rewritten:
    `prompt_tokens_details.cached_tokens` becomes the contract's R (the physical hit stays in
    `engine_cached_tokens`), the profile's fields join, with `cost` and `kvgate_billing`.
 4. Finish: an exchange that ended without usage is billed from its estimates (`aborted`).
+   Its own record written (either way), its open entry is settled.
+
+A WAL that cannot write (a full or stalled disk) fails the request with `BillingUnavailable`
+(503, or an error event mid-stream): nothing is served unrecorded.
 
 `max_tokens: 0` (Anthropic's ping, which the Messages front end lets through) reads and
 refreshes entries: the engine is asked for one token, the usage reports and bills none.
 
-The bill follows the contract, not the replica: the ledger is per tenant scope and model,
+The bill follows the contract, not the replica: the ledger is per isolation scope and model,
 whichever replica served. Front ends other than the OpenAI one pass their breakpoints as marks
 on an OpenAI-shaped body (see `layout`); a request built elsewhere can carry a ready `Pending`
 on a `BilledRequest`.
@@ -70,10 +77,10 @@ from gateway.billing.pricing.rules import (
 from gateway.billing.pricing.usage import merge_into_openai_usage
 from gateway.billing.records import build_record
 from gateway.billing.shared import SharedEntries, join, scope_id
-from gateway.billing.wal import WriteAheadLog
-from gateway.errors import InvalidRequest
+from gateway.billing.wal import WalUnavailable, WriteAheadLog
+from gateway.errors import GatewayError, InvalidRequest
 from gateway.request.parsed import CHAT, ParsedRequest
-from gateway.request.state import ExchangeRecord
+from gateway.request.state import ExchangeRecord, Routed
 from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
 from gateway.request.usage import EngineUsage
@@ -85,6 +92,21 @@ SHARED_PROFILES = frozenset({"anthropic", "openai", "openai_legacy", "google_imp
 """Profiles with cache entries to share across gateways (google_explicit has none: its objects
 are shared whole, see `sync_object`)."""
 CONTENTS_FILE = "contents.json"
+
+
+class BillingUnavailable(GatewayError):
+    """503: the billing record could not be made durable (the WAL's disk failed or stalled),
+    so the answer is not served — nothing is served unrecorded."""
+
+    status = 503
+    type = "service_unavailable_error"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            "billing is unavailable: the request's record could not be written; retry later",
+            code="billing_unavailable",
+        )
+        self.detail = detail
 
 
 def _state(entry: Entry | None) -> tuple[Decimal, Decimal, Decimal] | None:
@@ -106,8 +128,10 @@ class BillingMeter:
     """Prices every exchange under its tenant's profile and writes one durable record each.
 
     Invariants: a record is on stable storage before the usage reaches the client; each
-    exchange is recorded at most once (usage, else an `aborted` record at finish); the cache
-    ledger is keyed by (tenant, model) and never shared across tenants.
+    exchange is recorded exactly once (usage, else an `aborted` record at finish, else — the
+    gateway died — its open entry's record at the next start); the cache ledger is keyed by
+    (isolation scope, model) — the tenant, or in a `user`-scoped tenant each end user — and
+    never shared across scopes.
     """
 
     def __init__(
@@ -145,7 +169,9 @@ class BillingMeter:
     def ledger(self, profile: str) -> CacheLedger:
         found = self.ledgers.get(profile)
         if found is None:
-            found = self.ledgers[profile] = CacheLedger(profile, self.prices, self.options)
+            found = self.ledgers[profile] = CacheLedger(
+                profile, self.prices, self.options, self.settings.billing_ledger_max_entries
+            )
         return found
 
     def price_model(self, profile: str, model: str) -> str | None:
@@ -178,12 +204,17 @@ class BillingMeter:
             return int(usage["prompt_tokens"])
         if pending.counted:
             return pending.counted[-1]
-        return max(round(self.estimator.tokens(pending.model, pending.layout.num_bytes)), 1)
+        tokens = self.estimator.tokens(
+            pending.model, pending.layout.num_bytes, tenant=pending.tenant
+        )
+        return max(round(tokens), 1)
 
     # -- 1. start ------------------------------------------------------------------------------
     async def prepare(self, parsed: ParsedRequest, tenant: Tenant) -> ParsedRequest:
         """The director's request hook (see the module docstring, step 1)."""
         if isinstance(parsed, BilledRequest) and parsed.billing is not None:
+            # built before admission (an explicit object's creation): its scope is known now
+            parsed.billing.scope = tenant.scope
             return parsed
         object_id = parsed.body.get("cached_content")
         if isinstance(object_id, str):
@@ -255,6 +286,7 @@ class BillingMeter:
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
             cached_content=obj,
             counted=counted,
+            scope=tenant.scope,
         )
         if obj is not None or layout.marked:
             body = strip_marks(body)
@@ -283,7 +315,7 @@ class BillingMeter:
             )
         if not isinstance(object_id, str) or parsed.kind != CHAT:
             raise BillingError("'cached_content' must be an id string on a chat request")
-        obj = self.ledger(profile).content(tenant.name, object_id, t)
+        obj = self.ledger(profile).content(tenant.name, object_id, t, scope=tenant.scope)
         served = obj.payload.get("model", obj.model)
         if served != parsed.model:
             raise BillingError(f"cached content {object_id!r} was created for model {served!r}")
@@ -324,7 +356,16 @@ class BillingMeter:
             cached_content=(
                 pending.cached_content.object_id if pending and pending.cached_content else None
             ),
+            scope=pending.scope if pending else "",
         )
+
+    def routed(self, routed: Routed) -> None:
+        """The director's routed hook: the request starts now, after routing and any fan-out
+        hold (the rules' clock runs from a request's start; a held request starts at its
+        release, when its leader's entry is already visible — docs/billing.md#held-requests)."""
+        pending = getattr(routed.parsed, "billing", None)
+        if isinstance(pending, Pending):
+            pending.start = max(pending.start, self.clock.now())
 
     # -- 2. first token ------------------------------------------------------------------------
     async def on_first_token(self, record: ExchangeRecord) -> None:
@@ -348,10 +389,10 @@ class BillingMeter:
             shared = self.shared if pending.profile in SHARED_PROFILES else None
             scope = ""
             if shared is not None:
-                scope = scope_id(pending.profile, request.tenant, request.model)
+                scope = scope_id(pending.profile, request.scope_key, request.model)
                 keys = [b.key for b in request.blocks if isinstance(b.key, bytes)]
                 stored = await shared.fetch(scope, keys)
-                entries = ledger.scopes.setdefault((request.tenant, request.model), {})
+                entries = ledger.scopes.setdefault((request.scope_key, request.model), {})
                 for key, entry in (stored or {}).items():
                     mine = entries.get(key)
                     entries[key] = entry if mine is None else join(mine, entry)
@@ -371,7 +412,16 @@ class BillingMeter:
                 )
         elif pending.op != "request":
             ledger = self.ledger(pending.profile)
-        self._open[id(record)] = OpenBill(pending, request, plan, ledger, visible_at, estimated)
+        bill = self._open[id(record)] = OpenBill(
+            pending, request, plan, ledger, visible_at, estimated
+        )
+        if pending.op == "request":
+            # what is known now, durable past a crash of this gateway: the record it gets if it
+            # never ends (the next start, or `kvgate billing ship`, writes it then)
+            try:
+                await self.wal.open_entry(pending.request_id, self._aborted(bill, record))
+            except WalUnavailable as exc:
+                raise BillingUnavailable(str(exc)) from None
 
     # -- 3. usage ------------------------------------------------------------------------------
     async def on_usage(self, record: ExchangeRecord, usage: EngineUsage) -> None:
@@ -398,7 +448,11 @@ class BillingMeter:
             if bill.ledger is not None:
                 charge = bill.ledger.bill(bill.request, bill.plan, ends, n, o)
             entry = self._record(bill, record, charge, "ok" if charge else "unpriced", usage)
-        await self.wal.append(entry)
+        try:
+            await self.wal.append(entry)
+        except WalUnavailable as exc:  # the response is withheld: nothing unrecorded is served
+            raise BillingUnavailable(str(exc)) from None
+        self.wal.settle(pending.request_id)
         bill.billed = True
         if pending.op == "request":
             if charge is not None:
@@ -447,11 +501,24 @@ class BillingMeter:
             return
         if bill.pending.op != "request":
             return  # a failed creation creates nothing and costs nothing
+        try:
+            await self.wal.append(self._aborted(bill, record))
+        except WalUnavailable as exc:  # its open entry stays: the next start records it
+            log.error(
+                "billing: %s: the aborted record waits for recovery: %s",
+                bill.pending.request_id,
+                exc,
+            )
+            return
+        self.wal.settle(bill.pending.request_id)
+
+    def _aborted(self, bill: OpenBill, record: ExchangeRecord) -> dict[str, Any]:
+        """The record of an exchange that ends before its usage: the prompt as estimated at
+        the first token, no output (docs/billing.md#decisions)."""
         charge = None
         if bill.ledger is not None:
             charge = bill.ledger.bill(bill.request, bill.plan, None, None, 0)
-        entry = self._record(bill, record, charge, "aborted" if charge else "unpriced", None)
-        await self.wal.append(entry)
+        return self._record(bill, record, charge, "aborted" if charge else "unpriced", None)
 
     # -- explicit cached contents --------------------------------------------------------------
     def _create_content(self, bill: OpenBill, n: int) -> tuple[dict[str, Any], Charge]:
@@ -478,6 +545,7 @@ class BillingMeter:
                 "messages": spec["messages"],
                 "tools": spec.get("tools"),
             },
+            scope=pending.scope,
         )
         assert bill.ledger is not None
         charge = bill.ledger.create_content(obj)

@@ -47,6 +47,9 @@ class Pending:
     """"request", or "cache.create" for the prefill that creates an explicit object."""
     create: dict[str, Any] = field(default_factory=dict)
     created: CachedContent | None = None
+    scope: str = ""
+    """The request's isolation scope (`Tenant.scope`): what its ledger entries are keyed by,
+    while `tenant` (the name) is who is billed."""
 
 
 @dataclass(slots=True)

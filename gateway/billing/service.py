@@ -13,8 +13,14 @@ from gateway.billing.meter import BillingMeter
 from gateway.billing.pricing.layout import load_tokenizer
 from gateway.billing.pricing.prices import load_price_table
 from gateway.billing.shared import SharedEntries
-from gateway.billing.store import LedgerStore, LocalLedger, RedisLedgerStore, Shipper
-from gateway.billing.wal import WriteAheadLog
+from gateway.billing.store import (
+    LedgerStore,
+    LocalLedger,
+    RedisLedgerStore,
+    Shipper,
+    check_layout,
+)
+from gateway.billing.wal import WalLayoutError, WriteAheadLog
 from gateway.errors import GatewayError
 from gateway.request.tenant import hash_key
 from gateway.request.tokens import TokenEstimator
@@ -45,7 +51,9 @@ class Billing:
         tokenizer = (
             load_tokenizer(settings.billing_tokenizer) if settings.billing_tokenizer else None
         )
-        self.wal = WriteAheadLog(settings.billing_wal_dir)
+        self.wal = WriteAheadLog(
+            settings.billing_wal_dir, deadline_s=settings.billing_wal_deadline_s
+        )
         self.meter = BillingMeter(
             settings,
             load_price_table(settings.billing_prices_file),
@@ -68,6 +76,7 @@ class Billing:
             from cachemap.redis.client import open_redis
 
             self._client = await open_redis(url, cluster=False)
+            await check_layout(self._client, claim=True)  # an unknown layout fails the start
             self.store = RedisLedgerStore(self._client)
             self.meter.shared = SharedEntries(self._client, self.settings.billing_ledger_deadline_s)
             self.shipper = Shipper(self.wal, self.store)
@@ -87,7 +96,10 @@ class Billing:
     ) -> list[dict[str, Any]]:
         """The ledger's records in a window, this gateway's newest included."""
         if self.shipper is None or self.store is None:
-            return await LocalLedger([self.wal.directory]).query(tenant, start, end)
+            try:
+                return await LocalLedger([self.wal.directory]).query(tenant, start, end)
+            except WalLayoutError as exc:
+                raise LedgerUnavailable(str(exc)) from None
         try:
             await self.shipper.drain(EXPORT_DRAIN_TIMEOUT_S)
             return await self.store.query(tenant, start, end)

@@ -12,8 +12,10 @@ ones the admission created or refreshed; the local ledger stays the working copy
                                              until its end + 1 h; written before the API
                                              answers, read by a gateway before each use
 
-`<scope>` is the hex of a 64-bit MurmurHash3 of (profile, tenant, model): entries are never
-shared across tenants, nor across profiles (a tenant moved to another profile starts afresh).
+`<scope>` is the hex of a 64-bit MurmurHash3 of (profile, isolation scope, model): entries are
+never shared across tenants, nor between the end users of a `user`-scoped tenant (its scope
+holds the end user's salt, `Tenant.scope`), nor across profiles (a tenant moved to another
+profile starts afresh).
 Every key carries the billing store's hash tag, so a read is one `MGET` and a write one script
 call, in a Cluster too.
 
@@ -77,8 +79,9 @@ return n
 """
 
 
-def scope_id(profile: str, tenant: str, model: str) -> str:
-    raw = "\x00".join((profile, tenant, model)).encode()
+def scope_id(profile: str, scope: str, model: str) -> str:
+    """`scope`: `Tenant.scope` (a tenant-wide scope is the tenant's name, as before)."""
+    raw = "\x00".join((profile, scope, model)).encode()
     return format(mmh3.hash64(raw, signed=False)[0], "016x")
 
 

@@ -7,6 +7,12 @@ tag (a Cluster slot), idempotent on the record id:
     {kvgate-billing}:records          HASH  id → the record (JSON)      HSETNX: the first write wins
     {kvgate-billing}:t:<tenant>       ZSET  id scored by start (unix s)  the time index of exports
     {kvgate-billing}:tenants          SET   tenant names
+    {kvgate-billing}:layout           HASH  version: the layout of everything under the tag
+                                            (these keys, `shared`'s entries and objects)
+
+Layouts (`LAYOUT`): 1 has no layout key (before layouts were versioned); 2 is 1 plus the key,
+so gateways of both share one store. A gateway finding no key writes its own; one finding a
+layout it does not know refuses to start (`BillingLayoutError`), and exports refuse to read.
 
 Shipper: reads each WAL segment from its shipped offset, puts the complete records, advances
 the offset, deletes segments that are shipped and no longer written. A Redis outage only
@@ -29,7 +35,13 @@ import orjson
 from redis.exceptions import RedisError
 
 from gateway.billing.pricing.money import dec
-from gateway.billing.wal import WriteAheadLog, read_directory, read_segment, segment_paths
+from gateway.billing.wal import (
+    WalLayoutError,
+    WriteAheadLog,
+    read_directory,
+    read_segment,
+    segment_paths,
+)
 from gateway.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -42,6 +54,30 @@ SHIP_BATCH = 500
 MAX_BACKOFF_S = 5.0
 """While Redis is down, retry at most every 5 s (the WAL holds everything meanwhile)."""
 QUERY_CHUNK = 1000
+LAYOUT = 2
+KNOWN_LAYOUTS = (1, 2)
+LAYOUT_KEY = f"{PREFIX}:layout"
+
+
+class BillingLayoutError(ValueError):
+    """The ledger store holds a layout this code does not know."""
+
+
+async def check_layout(client: Any, *, claim: bool) -> int:
+    """The store's layout (1 when it has no layout key); with `claim`, a store without one is
+    marked as this code's layout. Raises `BillingLayoutError` for a layout this code does not
+    know, before anything is read or written."""
+    if claim:
+        await client.hsetnx(LAYOUT_KEY, "version", LAYOUT)
+    raw = await client.hget(LAYOUT_KEY, "version")
+    version = int(raw) if raw is not None else 1
+    if version not in KNOWN_LAYOUTS:
+        raise BillingLayoutError(
+            f"the billing ledger store has layout {version}; this gateway knows layouts "
+            f"{', '.join(map(str, KNOWN_LAYOUTS))}: upgrade it, or give it another store"
+        )
+    return version
+
 
 _PUT = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
@@ -129,7 +165,9 @@ class LocalLedger:
     async def query(
         self, tenant: str | None, start: Decimal | None, end: Decimal | None
     ) -> list[dict[str, Any]]:
-        return self.query_sync(tenant, start, end)
+        """Read in a thread: every segment of every directory is read and parsed, which must
+        not stall the requests the event loop serves meanwhile."""
+        return await asyncio.to_thread(self.query_sync, tenant, start, end)
 
     def query_sync(
         self, tenant: str | None, start: Decimal | None, end: Decimal | None
@@ -156,6 +194,8 @@ class Shipper:
         self.num_shipped = 0
         self.num_new = 0
         self.failures = 0
+        self.refused: set[str] = set()
+        """Segments of a WAL layout this code does not know (left where they are)."""
         self._tasks = BackgroundTasks("billing shipper")
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -184,12 +224,23 @@ class Shipper:
 
     async def _ship(self) -> int:
         shipped = 0
+        current = self.wal.current
         for path in segment_paths(self.wal.directory):
+            if current is not None and path.name > current.name:
+                break  # the writer is creating it (`current` moves once it is ready)
             # decided before reading: the writer moves `current` only after the old segment's
-            # last bytes are synced, so a segment seen finished here is read in full below
-            finished = path != self.wal.current
+            # last bytes are synced, so a segment seen finished here is read in full below;
+            # the current one only as far as it is synced (a failed write is cut back)
+            finished = path != current
             offset = self.offsets.get(path.name, 0)
-            records, new_offset, _ = await asyncio.to_thread(read_segment, path, offset)
+            end = None if finished else self.wal.synced_size
+            try:
+                records, new_offset, _ = await asyncio.to_thread(read_segment, path, offset, end)
+            except WalLayoutError as exc:  # never shipped as garbage, never deleted
+                if path.name not in self.refused:
+                    self.refused.add(path.name)
+                    log.error("billing: not shipping %s", exc)
+                continue
             if records:
                 self.num_new += await self.store.put(records)
                 shipped += len(records)
@@ -253,6 +304,7 @@ async def ship_directories(directories: Iterable[Path], redis_url: str) -> dict[
     client = await open_redis(redis_url, cluster=False)
     shipped: dict[Path, int] = {}
     try:
+        await check_layout(client, claim=True)
         store = RedisLedgerStore(client)
         for path in paths:
             wal = WriteAheadLog(path)

@@ -1,15 +1,38 @@
 """The write-ahead log: one gateway's billing records, durable before the response completes.
 
     <dir>/LOCK                     flock'd by the one gateway that owns the directory
-    <dir>/wal-00000001.jsonl       append-only segments, one JSON record per line
+    <dir>/wal-00000001.jsonl       append-only segments, one JSON value per line, after a
+                                   header line ["kvgate-wal", <layout>]
     <dir>/shipped.json             how far each segment has been shipped (advisory)
+
+A line is a record (a JSON object: `gateway.billing.records`, what is billed, with its `id`),
+or one of the log's own JSON arrays: the header, or an open entry `["kvgate-open", "<id>",
+{record}]` — an exchange that has had its first token, with the record it is billed by if it
+never ends (the `aborted` one).
+
+Layouts (`LAYOUT`): 1 has no header (segments written before layouts were versioned); 2 starts
+each segment with its header. The log's own lines are arrays, which a layout-1 reader skips as
+it skips any line that is not a record, so a gateway of either layout reads the other's
+segments (a rolling upgrade or a rollback over one WAL directory loses nothing — but a layout-1
+gateway taking over a crashed layout-2 directory does not bill its open entries). A segment
+whose header names a layout this code does not know is refused (`WalLayoutError`): never
+shipped, never deleted.
 
 Invariants:
 - `append` returns only after the record's bytes are written and fdatasync'd (group commit:
   records appended while a sync is in progress share the next one), so a record acknowledged
-  to the meter survives `kill -9` of the gateway and a power loss.
-- A line without its newline is a torn write from a crash: never acknowledged, so readers skip
-  it, and a restarted writer always opens a fresh segment rather than appending after it.
+  to the meter survives `kill -9` of the gateway and a power loss; and it returns within
+  `deadline_s`, else raises `WalUnavailable` — and that record is never in the log (a write
+  still in flight when its deadline passed is cut back out when it lands).
+- A failed write leaves nothing behind: the segment is cut back to its last good size (when
+  even that fails, the log moves on to a new segment), so no later line is glued to a torn
+  one, and every record of the failed batch fails with `WalUnavailable`.
+- Readers see records only. A line without its newline is a torn write from a crash: never
+  acknowledged, skipped; a restarted writer always opens a fresh segment.
+- Every open entry not yet settled is in the current segment (a new segment starts with them,
+  carried over), so after a crash the last two segments hold all of them; `open` (the next
+  start over the directory, and `kvgate billing ship`) appends the aborted record of each one
+  no record settles.
 - Records carry their own id; readers and the shared store deduplicate on it, so replaying a
   segment any number of times is harmless.
 """
@@ -22,6 +45,7 @@ import fcntl
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +53,46 @@ import orjson
 
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 """64 MiB per segment (~100k records of ~600 bytes): shipped segments are deleted whole."""
+DEFAULT_APPEND_DEADLINE_S = 5.0
+"""An fdatasync takes milliseconds on a healthy volume (tens on a busy network disk); 5 s is a
+disk that has stopped, and the request fails clearly instead of waiting on it."""
+OPEN_TAG = "kvgate-open"
 _SEGMENT = re.compile(r"^wal-(\d{8})\.jsonl$")
+LAYOUT = 2
+"""The layout this code writes (see the module docstring)."""
+KNOWN_LAYOUTS = (1, 2)
+HEADER_TAG = "kvgate-wal"
 
 
 class WalLocked(RuntimeError):
     """Another process owns this WAL directory."""
+
+
+class WalLayoutError(ValueError):
+    """A segment of a layout this code does not know: it must be read by a newer gateway."""
+
+
+def header_line(layout: int = LAYOUT) -> bytes:
+    return orjson.dumps([HEADER_TAG, layout]) + b"\n"
+
+
+def segment_layout(first_line: bytes) -> int:
+    """The layout a segment's first line declares: 1 when it is not a header (a record)."""
+    try:
+        value = orjson.loads(first_line)
+    except orjson.JSONDecodeError:
+        return 1
+    if isinstance(value, list) and len(value) == 2 and value[0] == HEADER_TAG:
+        return int(value[1]) if isinstance(value[1], int) else -1
+    return 1
+
+
+def open_line(record_id: str, record: dict[str, Any]) -> bytes:
+    return orjson.dumps([OPEN_TAG, record_id, record]) + b"\n"
+
+
+class WalUnavailable(OSError):
+    """A record could not be made durable: its write failed, or missed its deadline."""
 
 
 def segment_paths(directory: Path) -> list[Path]:
@@ -44,24 +103,42 @@ def segment_paths(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def read_segment(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int, bool]:
-    """Complete records from `offset`: (records, offset after the last complete line, whether
-    bytes follow that are not a complete line — a torn tail, or a write in progress)."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read()
-    end = data.rfind(b"\n") + 1
-    records = []
-    for line in data[:end].split(b"\n"):
+def _lines(data: bytes) -> Iterator[dict[str, Any] | list[Any]]:
+    for line in data.split(b"\n"):
         if not line:
             continue
         try:
-            record = orjson.loads(line)
+            value = orjson.loads(line)
         except orjson.JSONDecodeError:
-            continue  # a torn line later overwritten is impossible (append-only); skip noise
-        if isinstance(record, dict):
-            records.append(record)
-    return records, offset + end, end < len(data)
+            continue  # a torn line from a crash (never acknowledged): skip it
+        if isinstance(value, dict | list):
+            yield value
+
+
+def _check_layout(path: Path, data: bytes) -> None:
+    layout = segment_layout(data[: data.find(b"\n")])
+    if layout not in KNOWN_LAYOUTS:
+        raise WalLayoutError(
+            f"{path} has WAL layout {layout}; this gateway reads layouts "
+            f"{', '.join(map(str, KNOWN_LAYOUTS))}: read it with the gateway that wrote it"
+        )
+
+
+def read_segment(
+    path: Path, offset: int = 0, end: int | None = None
+) -> tuple[list[dict[str, Any]], int, bool]:
+    """Complete records from `offset` (up to `end`, when given): (records, offset after the last
+    complete line, whether bytes follow that are not a complete line — a torn tail, or a write
+    in progress). The log's own lines (the header, open entries) are skipped."""
+    with open(path, "rb") as f:
+        if offset:
+            f.seek(offset)
+        data = f.read() if end is None else f.read(max(end - offset, 0))
+    stop = data.rfind(b"\n") + 1
+    if offset == 0 and stop:
+        _check_layout(path, data)
+    records = [r for r in _lines(data[:stop]) if isinstance(r, dict)]
+    return records, offset + stop, stop < len(data)
 
 
 def read_directory(directory: Path) -> Iterator[dict[str, Any]]:
@@ -71,22 +148,63 @@ def read_directory(directory: Path) -> Iterator[dict[str, Any]]:
         yield from records
 
 
+def unsettled(directory: Path) -> list[dict[str, Any]]:
+    """The aborted records of the open entries no record settles (see the module docstring:
+    the last two segments hold every one)."""
+    opened: dict[str, dict[str, Any]] = {}
+    settled: set[str] = set()
+    for path in segment_paths(directory)[-2:]:
+        for line in _lines(path.read_bytes()):
+            if isinstance(line, list):
+                if len(line) == 3 and line[0] == OPEN_TAG and isinstance(line[2], dict):
+                    opened[str(line[1])] = line[2]
+            elif "id" in line:
+                settled.add(str(line["id"]))
+    return [record for key, record in opened.items() if key not in settled]
+
+
+@dataclass(eq=False, slots=True)
+class _Line:
+    data: bytes
+    future: asyncio.Future[None]
+    durable: bool
+    """Acknowledged after the sync (a record), else after the write (an open entry)."""
+
+
 class WriteAheadLog:
     """The fsync'd, group-committed, append-only log of one gateway (see the module docstring)."""
 
-    def __init__(self, directory: Path, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        deadline_s: float = DEFAULT_APPEND_DEADLINE_S,
+    ) -> None:
         if segment_bytes <= 0:
             raise ValueError("segment_bytes must be positive")
+        if deadline_s <= 0:
+            raise ValueError("deadline_s must be positive")
         self.directory = directory
         self.segment_bytes = segment_bytes
+        self.deadline_s = deadline_s
         self._lock_fd: int | None = None
         self._fd: int | None = None
         self._size = 0
+        self.synced_size = 0
+        """Bytes of the current segment known to be on stable storage (what shippers read)."""
         self.current: Path | None = None
-        self._pending: list[tuple[bytes, asyncio.Future[None]]] = []
+        self._pending: list[_Line] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._open: dict[str, bytes] = {}
+        self._carry = False
+        """A cut may have removed open entries: the next write carries them all again."""
+        self._broken: tuple[int, OSError] | None = None
+        """(the good size, why): the segment could not be cut back, nor a new one opened."""
         self.num_syncs = 0
         self.num_records = 0
+        self.num_failures = 0
+        self.num_recovered = 0
+        """Aborted records written at `open` for a previous run's unsettled exchanges."""
 
     # -- lifecycle -----------------------------------------------------------------------------
     def open(self) -> None:
@@ -101,7 +219,12 @@ class WriteAheadLog:
                 "give each gateway its own billing_wal_dir"
             ) from None
         self._lock_fd = lock_fd
-        self._rotate()
+        recovered = unsettled(self.directory)
+        self._rotate(b"")
+        if recovered:
+            data = b"".join(orjson.dumps(r) + b"\n" for r in recovered)
+            self._sync(self._write(data, b""), b"")
+            self.num_recovered = len(recovered)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -112,66 +235,199 @@ class WriteAheadLog:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def _rotate(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-        existing = segment_paths(self.directory)
-        number = int(_SEGMENT.match(existing[-1].name).group(1)) + 1 if existing else 1  # type: ignore[union-attr]
-        path = self.directory / f"wal-{number:08d}.jsonl"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-        self._size = 0
-        self.current = path
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the new segment's name is durable too
-        finally:
-            os.close(dir_fd)
+    async def flushed(self) -> None:
+        """Wait until every write submitted so far has landed or failed."""
+        while self._flusher is not None and not self._flusher.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._flusher)
 
-    # -- writing -------------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        await self.flushed()
+        self.close()
+
+    # -- the API ---------------------------------------------------------------------------------
     async def append(self, record: dict[str, Any]) -> None:
-        """Write one record; return once it is on stable storage."""
-        await self.append_line(orjson.dumps(record) + b"\n")
+        """Write one record; return once it is on stable storage (`WalUnavailable` if not)."""
+        await self._submit(orjson.dumps(record) + b"\n", durable=True)
 
     async def append_line(self, line: bytes) -> None:
+        await self._submit(line, durable=True)
+
+    async def open_entry(self, record_id: str, record: dict[str, Any]) -> None:
+        """An exchange's first token: keep the record it is billed by if it never ends, until
+        `settle`. Returns once the line is written (a process kill keeps it; the next sync
+        makes it durable), so it costs the exchange no sync of its own."""
+        line = open_line(record_id, record)
+        self._open[record_id] = line
+        await self._submit(line, durable=False)
+
+    def settle(self, record_id: str) -> None:
+        """The exchange's own record is durable: its open entry is done with."""
+        self._open.pop(record_id, None)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    async def _submit(self, data: bytes, *, durable: bool) -> None:
         if self._fd is None:
             raise RuntimeError("the WAL is not open")
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((line, future))
+        line = _Line(data, asyncio.get_running_loop().create_future(), durable)
+        self._pending.append(line)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        await future
+        try:
+            await asyncio.wait_for(asyncio.shield(line.future), self.deadline_s)
+        except TimeoutError:
+            line.future.cancel()  # abandoned: the flusher leaves it out, or cuts it back out
+            self.num_failures += 1
+            raise WalUnavailable(
+                f"the billing log did not write a record within {self.deadline_s:g} s"
+            ) from None
 
+    # -- the flusher (event loop) ----------------------------------------------------------------
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
-            data = b"".join(line for line, _ in batch)
-            try:
-                await asyncio.to_thread(self._write, data)
-            except Exception as exc:  # a failed sync fails every record in it
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            self.num_syncs += 1
-            self.num_records += len(batch)
-            for _, future in batch:
-                if not future.done():
-                    future.set_result(None)
+            lines = [line for line in batch if not line.future.done()]
+            if lines:
+                await self._commit(lines)
+            if self._size >= self.segment_bytes:
+                with contextlib.suppress(OSError):  # full disk: stay, try again next time
+                    await asyncio.to_thread(self._rotate, self._carried())
 
-    def _write(self, data: bytes) -> None:
+    async def _commit(self, lines: list[_Line]) -> None:
+        """Write a batch, acknowledge the open entries, sync, acknowledge the records; whatever
+        fails fails the batch's waiters and leaves nothing of it in the log."""
+        data = b"".join(line.data for line in lines)
+        try:
+            start = await asyncio.to_thread(self._write, data, self._carried())
+            for line in lines:
+                if not line.durable and not line.future.done():
+                    line.future.set_result(None)
+            if any(line.durable for line in lines):
+                await asyncio.to_thread(self._sync, start, self._carried())
+                self.num_syncs += 1
+            late = [line for line in lines if line.durable and line.future.cancelled()]
+            if late:  # written after their waiters gave up: nobody was told; cut them out
+                kept = b"".join(
+                    line.data for line in lines if line not in late and line.future.done()
+                )
+                await asyncio.to_thread(self._replace, start, kept, self._carried())
+        except OSError as exc:
+            self.num_failures += 1
+            failure = WalUnavailable(f"the billing log could not be written: {exc}")
+            for line in lines:
+                if not line.future.done():
+                    line.future.set_exception(failure)
+            return
+        for line in lines:
+            if not line.future.done():
+                line.future.set_result(None)
+                self.num_records += line.durable
+
+    def _carried(self) -> bytes:
+        return b"".join(self._open.values())
+
+    # -- the file (a worker thread; `carried` is the open entries, read on the event loop) ---
+    def _write(self, data: bytes, carried: bytes) -> int:
+        """Append `data` to the current segment; returns where it starts. On any error the
+        segment is cut back (`_cut`) and the error raised."""
+        self._repair(carried)
+        if self._carry and carried:
+            data = carried + data
         fd = self._fd
         assert fd is not None
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fdatasync(fd)
-        self._size += len(data)
-        if self._size >= self.segment_bytes:
-            self._rotate()
+        start = self._size
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+        except OSError:
+            self._cut(start, carried)
+            raise
+        self._size = start + len(data)
+        self._carry = False
+        return start
 
-    async def aclose(self) -> None:
-        if self._flusher is not None:
-            with contextlib.suppress(Exception):
-                await self._flusher
-        self.close()
+    def _sync(self, start: int, carried: bytes) -> None:
+        fd = self._fd
+        assert fd is not None
+        try:
+            os.fdatasync(fd)
+        except OSError:
+            self._cut(start, carried)
+            raise
+        self.synced_size = self._size
+
+    def _replace(self, start: int, data: bytes, carried: bytes) -> None:
+        """Cut the segment back to `start` and write `data` there instead (synced)."""
+        fd = self._fd
+        assert fd is not None
+        os.ftruncate(fd, start)
+        self._size = self.synced_size = start
+        self._carry = True  # open entries may have been in what was cut
+        if data:
+            self._sync(self._write(data, carried), carried)
+        else:
+            os.fdatasync(fd)
+
+    def _cut(self, good: int, carried: bytes) -> None:
+        """Leave nothing of a failed write: cut the segment back to `good` bytes; failing that,
+        move to a new segment (the torn bytes stay behind, never acknowledged); failing that
+        too, the log is broken and every write tries again first (`_repair`)."""
+        self._carry = True
+        fd = self._fd
+        assert fd is not None
+        try:
+            os.ftruncate(fd, good)
+            os.fdatasync(fd)
+            self._size = self.synced_size = good
+            self._broken = None
+            return
+        except OSError as exc:
+            cut_failed = exc
+        try:
+            self._rotate(carried)
+            self._broken = None
+        except OSError:
+            self._broken = (good, cut_failed)
+
+    def _repair(self, carried: bytes) -> None:
+        if self._broken is None:
+            return
+        good, _ = self._broken
+        self._cut(good, carried)
+        if self._broken is not None:
+            raise self._broken[1]
+
+    def _rotate(self, carried: bytes) -> None:
+        """Open the next segment: its header (a segment always names its layout), then the open
+        entries (`carried`)."""
+        existing = segment_paths(self.directory)
+        number = int(_SEGMENT.match(existing[-1].name).group(1)) + 1 if existing else 1  # type: ignore[union-attr]
+        path = self.directory / f"wal-{number:08d}.jsonl"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        head = header_line() + carried
+        try:
+            view = memoryview(head)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fdatasync(fd)
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # the new segment's name is durable too
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        old, self._fd = self._fd, fd
+        self._size = self.synced_size = len(head)
+        self._carry = False
+        self.current = path
+        if old is not None:
+            os.close(old)

@@ -5,13 +5,15 @@
                                  the request path stops asking Redis; a background probe pings
                                  it every PROBE_INTERVAL_S (and refreshes the generations)
 
-Each change of state is logged once, at WARNING, and counted.
+Each change of state is logged once, at WARNING, and counted. Coming back calls `on_back` with
+the wall-clock time the outage began (what Redis may have missed since: `restore.WriteBack`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -31,6 +33,8 @@ class BreakerState:
     degraded: bool = False
     state_changes: int = 0
     consecutive_failures: int = 0
+    degraded_since_s: float | None = None
+    """Wall-clock time the current outage began (None while healthy)."""
 
 
 class Breaker:
@@ -39,6 +43,7 @@ class Breaker:
         self.state = BreakerState()
         self._probe = probe
         self._tasks = tasks
+        self.on_back: Callable[[float], None] | None = None
 
     @property
     def degraded(self) -> bool:
@@ -69,9 +74,13 @@ class Breaker:
         state.degraded = degraded
         state.state_changes += 1
         if degraded:
+            state.degraded_since_s = time.time()
             log.warning("shared directory degraded, routing locally: %s", why)
         else:
+            since, state.degraded_since_s = state.degraded_since_s, None
             log.warning("shared directory back: %s", why)
+            if self.on_back is not None and since is not None:
+                self.on_back(since)
         return True
 
     async def _probe_until_back(self) -> None:

@@ -8,11 +8,19 @@ for a client to see an error.
                                                    breaks ties by consistent hashing, so all
                                                    gateways still agree on new prefixes)
 
+A shared lookup that matched nothing, or any while a write-back runs, also consults the local
+index (what this gateway placed itself): Redis that lost entries — restarted empty, or missed
+an outage's writes — costs the conversations this gateway placed nothing. A local entry Redis
+had dropped for a reason (another gateway's reconciliation) costs one wrong prediction, which
+this gateway's reconciliation then corrects in both stores.
+
 The parts, one job each:
 - `breaker.Breaker`: when Redis is treated as away, and the probe that brings it back;
 - `writes.WriteBehind`: records, drops, expiries and other writes, off the request path;
-- `landings.watch_landings`: other gateways' fan-out leaders landing (pub/sub);
+- `landings.LandingWatcher`: other gateways' fan-out leaders landing (pub/sub);
 - `epochs.RestartEpochs`: restarted replicas' entries stop matching at once;
+- `restore.WriteBack`: the local index written back when Redis lost entries (came back empty,
+  or missed an outage's writes);
 - this module: the facade the pipeline calls, and the fan-out markers (set on the request path
   with the lookup's deadline, read back while a sibling waits).
 """
@@ -27,13 +35,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cachemap.directory import on_ms
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
 from cachemap.rates import PrefixRate, PrefixRates
 from cachemap.redis.directory import RedisDirectory
+from cachemap.redis.meta import DirectoryLayoutError
 from gateway.directory.breaker import Breaker
 from gateway.directory.epochs import RestartEpochs
-from gateway.directory.landings import READ_INTERVAL_S, watch_landings
+from gateway.directory.landings import POLL_UNSUBSCRIBED_S, READ_INTERVAL_S, LandingWatcher
+from gateway.directory.restore import WriteBack
 from gateway.directory.writes import Call, Drop, Expire, Record, Write, WriteBehind
 from gateway.tasks import BackgroundTasks
 
@@ -66,6 +77,8 @@ class DirectoryStats:
     lookups: int = 0
     shared_lookups: int = 0
     fallbacks: int = 0
+    local_hints: int = 0
+    """Shared lookups the local index deepened (a miss in Redis, or during a write-back)."""
     lookup_seconds: float = 0.0
     lookup_latencies: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -101,9 +114,12 @@ class RoutingDirectory:
         self.breaker = Breaker(self._probe, self._tasks)
         self.writes = WriteBehind(write_deadline_s, lambda: self.breaker.degraded)
         self.epochs = RestartEpochs(local, write_deadline_s)
+        self.write_back = WriteBack(local.index, self._tasks)
+        self.breaker.on_back = self._back
         self._shared: RedisDirectory | None = None
         self.shared = shared
         self._closing = False
+        self._landings: LandingWatcher | None = None
 
     @property
     def shared(self) -> RedisDirectory | None:
@@ -111,8 +127,16 @@ class RoutingDirectory:
 
     @shared.setter
     def shared(self, shared: RedisDirectory | None) -> None:
+        if shared is not None and shared.clock is not self.local.index.clock:
+            # reconciliation applies a shared lookup's last use to the local index too
+            raise ValueError(
+                "the local and the shared directory must keep time on one clock "
+                "(cachemap.directory.DIRECTORY_CLOCK)"
+            )
         self._shared = shared
         self.epochs.shared = shared
+        if shared is not None:
+            shared.on_reset = self._reset
 
     @property
     def degraded(self) -> bool:
@@ -132,16 +156,21 @@ class RoutingDirectory:
             return
         try:
             await asyncio.wait_for(shared.start(), self.write_deadline_s * START_DEADLINE_FACTOR)
+        except DirectoryLayoutError as exc:
+            log.error("kvgate: %s", exc)  # a layout this gateway does not know: refuse to start
+            raise
         except Exception as exc:
             self.breaker.degrade(f"Redis unavailable at start: {exc}")
         self._tasks.spawn(self.writes.run(shared), name="directory writes")
         if self.track_writers:
-            self._tasks.spawn(
-                watch_landings(shared, self._landed, lambda: self._closing), name="landings"
-            )
+            self._landings = LandingWatcher(shared, self._landed, lambda: self._closing)
+            self._tasks.spawn(self._landings.run(), name="landings")
 
     async def close(self) -> None:
         self._closing = True
+        if self.shared is not None and not self.degraded:  # leave Redis what we know
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.writes.flushed(), self.write_deadline_s)
         await self._tasks.close(2 * READ_INTERVAL_S)
         if self.shared is not None:
             with contextlib.suppress(Exception):
@@ -158,6 +187,18 @@ class RoutingDirectory:
         if pool is not None:
             await pool.disconnect()
 
+    def _reset(self) -> None:
+        """Redis lost its state (the meta state is written back already): write back every
+        local entry."""
+        if self.shared is not None:
+            self.write_back.start(self.shared, None, "Redis lost its state")
+
+    def _back(self, since_s: float) -> None:
+        """The outage that began at `since_s` is over: write back what Redis missed."""
+        if self.shared is not None:
+            since = since_s - self.write_deadline_s  # the writes failing before the breaker
+            self.write_back.start(self.shared, since, "after an outage")
+
     def _landed(self, landed: str) -> None:
         if self.on_land is not None:
             self.on_land(landed)
@@ -168,6 +209,8 @@ class RoutingDirectory:
         if not hashes:
             return Lookup({}, self.degraded)
         shared = self.shared
+        if shared is not None and shared.layout_error is not None and not self.degraded:
+            self.breaker.degrade(str(shared.layout_error))
         if shared is not None and not self.degraded:
             started = time.perf_counter()
             window = self.rates.window_s if self.rates is not None else 0.0
@@ -191,11 +234,24 @@ class RoutingDirectory:
                     lookup.hot_key = hashes[full.hot_depth - 1]
                     lookup.hot = PrefixRate(full.rate_per_min, full.k)
                 lookup.writer_depth, lookup.writer = full.writer_depth, full.writer
+                if not lookup.overlap or self.write_back.running:
+                    self._hint(lookup, await self.local.lookup_detail(hashes))
                 return lookup
         if shared is not None:
             self.stats.fallbacks += 1
         detail = await self.local.lookup_detail(hashes)
         return self._rated(_lookup(detail, degraded=shared is not None), hashes)
+
+    def _hint(self, lookup: Lookup, local: dict[str, tuple[int, float]]) -> None:
+        """Deepen a shared lookup with what the local index holds."""
+        hinted = False
+        for replica, (depth, used) in local.items():
+            if depth > lookup.overlap.get(replica, 0):
+                lookup.overlap[replica] = depth
+                lookup.last_use[replica] = used
+                hinted = True
+        if hinted:
+            self.stats.local_hints += 1
 
     def _rated(self, lookup: Lookup, hashes: Sequence[BlockHash]) -> Lookup:
         depth = max(lookup.overlap.values(), default=0)
@@ -211,9 +267,12 @@ class RoutingDirectory:
 
     # -- what the engines hold ---------------------------------------------------------------
     async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
-        await self.local.record(replica, hashes)
+        """Both stores record the same instant (at the shared store's resolution), so an
+        expiry at a last use either store returns means the same entries in both."""
+        at_s = on_ms(self.local.index.clock())
+        self.local.index.record(replica, hashes, at_s)
         if hashes:
-            self._write(Record(replica, hashes))
+            self._write(Record(replica, hashes, at_s))
 
     async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.local.drop(replica, hashes)
@@ -234,6 +293,14 @@ class RoutingDirectory:
     async def observe_start(self, replica: str, start_marker: str) -> bool:
         return await self.epochs.observe_start(replica, start_marker)
 
+    async def left(self, replica: str) -> None:
+        """The replica left the fleet (discovery): its entries stop matching, and nothing this
+        gateway kept about it stays."""
+        await self.forget(replica)
+        self.epochs.left(replica)
+        if self.shared is not None:
+            self.shared.unregister(replica)
+
     def register(self, replicas: Sequence[str]) -> None:
         if self.shared is not None:
             self.shared.register(replicas)
@@ -251,6 +318,11 @@ class RoutingDirectory:
             log.debug("fan-out marker not set: %s", exc)
             return False
         return True
+
+    @property
+    def landing_poll_s(self) -> float:
+        """How often a sibling waiting for another gateway's leader re-reads its marker."""
+        return self._landings.poll_s if self._landings is not None else POLL_UNSUBSCRIBED_S
 
     def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None:
         self._write(Call(lambda shared: shared.markers.land(blocks, marker, landed, ttl_s)))

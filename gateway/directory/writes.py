@@ -29,6 +29,9 @@ WRITE_BATCH = 256
 class Record:
     replica: str
     hashes: Sequence[BlockHash]
+    at_s: float | None = None
+    """When the chain was used (the local index's time for the same record), or None: when
+    the write reaches Redis."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,7 @@ class WriteBehind:
 
 async def _write(shared: RedisDirectory, batch: list[Write]) -> None:
     """Records first (one script call per chain, concurrently), then the rest."""
-    records = [(w.replica, w.hashes) for w in batch if isinstance(w, Record)]
+    records = [(w.replica, w.hashes, w.at_s) for w in batch if isinstance(w, Record)]
     if records:
         await shared.record_many(records)
     await asyncio.gather(

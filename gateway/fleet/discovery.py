@@ -297,7 +297,10 @@ class ReplicaIdentities(Protocol):
     """What discovery tells the directory (`gateway.directory.routing.RoutingDirectory`)."""
 
     async def forget(self, replica: str) -> None:
-        """The replica left, or is a new pod: its entries stop matching."""
+        """The replica is a new pod: its entries stop matching."""
+
+    async def left(self, replica: str) -> None:
+        """The replica left: its entries stop matching, nothing kept about it stays."""
 
     def register(self, replicas: Sequence[str]) -> None:
         """Replicas joined: lookups report them from now on."""
@@ -379,7 +382,7 @@ class Discovery:
                 continue
             replicas.remove(url)
             self.stats.leaves += 1
-            await directory.forget(url)
+            await directory.left(url)
         joined = [u for u in desired if u not in self.known and u not in replicas.static]
         if joined:
             directory.register(joined)

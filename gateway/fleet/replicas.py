@@ -5,9 +5,10 @@ Health: every replica is probed (GET /health) every `health_interval_s`; `unheal
 consecutive failures — or a connection failure while forwarding — mark it down, and one
 successful probe marks it up again.
 
-Restarts: each healthy probe also reads the replica's `/metrics` (`scrape_metrics`). A new
-`process_start_time_seconds` is reported through `on_start_marker` (the directory compares it
-with what every gateway saw, so a restart bumps the epoch once); prefix-cache counters that went
+Restarts: each healthy probe also reads the replica's `/metrics` (`scrape_metrics`). The
+`process_start_time_seconds` is reported through `on_start_marker` with every scrape (the
+directory compares it with what this gateway and every other saw, so a restart bumps the epoch
+once, and a report Redis missed is retried by the next); prefix-cache counters that went
 backwards call `on_restart`. A replica that reports no start time and comes back up after being
 marked down is treated as restarted too: an engine we could not reach may have lost its KV
 cache, and a wrong prediction costs a request each to discover.
@@ -44,15 +45,20 @@ log = logging.getLogger(__name__)
 REQUEST_TOKENS_LEARNING_RATE = 0.05
 """Weight of each routed request in the mean uncached prefill per request (an EMA over ~20
 requests): the size assumed for each request another gateway queued on an engine."""
+DEFAULT_OUTPUT_TOKENS = 256.0
+"""Output tokens assumed for a request without max_tokens until the engines' usage has taught
+the mean: a chat answer of a few paragraphs."""
 
 
 @dataclass
 class FleetLoad:
     """What this gateway's own traffic says about everyone's: the mean uncached prefill tokens
-    of a request (gateways behind one Service see the same mix)."""
+    and the mean output tokens of a request (gateways behind one Service see the same mix)."""
 
     mean_request_tokens: float = 0.0
     num_routed: int = 0
+    mean_output_tokens: float = DEFAULT_OUTPUT_TOKENS
+    num_answered: int = 0
 
     def observe(self, uncached_tokens: float) -> None:
         self.num_routed += 1
@@ -62,6 +68,21 @@ class FleetLoad:
             self.mean_request_tokens += REQUEST_TOKENS_LEARNING_RATE * (
                 uncached_tokens - self.mean_request_tokens
             )
+
+    def observe_output(self, completion_tokens: int) -> None:
+        """An engine's usage: the output tokens one request took."""
+        self.num_answered += 1
+        if self.num_answered == 1:
+            self.mean_output_tokens = float(completion_tokens)
+        else:
+            self.mean_output_tokens += REQUEST_TOKENS_LEARNING_RATE * (
+                completion_tokens - self.mean_output_tokens
+            )
+
+    def expected_output_tokens(self, max_tokens: int | None) -> float:
+        """What a request will generate: its max_tokens when it sets one (load generators set
+        it exactly), else the mean the engines reported."""
+        return float(max_tokens) if max_tokens is not None else self.mean_output_tokens
 
 
 @dataclass
@@ -76,9 +97,13 @@ class ReplicaState:
     num_prefilling: int = 0
     """This gateway's requests on the replica before their first token."""
     num_requests: int = 0
+    decode_tokens: float = 0.0
+    """Output tokens expected from this gateway's requests on the replica (router.types)."""
     metrics: EngineMetrics | None = None
     own_waiting_at_scrape: int = 0
     """`num_prefilling` when the last scrape answered: our share of the engine's queue then."""
+    own_running_at_scrape: int = 0
+    """`num_inflight` when the last scrape answered: our share of the engine's running then."""
     held_down: str | None = None
     """Why discovery keeps the replica out of routing (Kubernetes: not ready), or None."""
     removed: bool = False
@@ -90,38 +115,53 @@ class ReplicaState:
     def id(self) -> str:
         return self.url
 
-    def lease(self, uncached_tokens: float) -> Lease:
+    def lease(self, uncached_tokens: float, output_tokens: float = 0.0) -> Lease:
         """Count one attempt on this replica (see `Lease`)."""
-        return Lease(self, uncached_tokens)
+        return Lease(self, uncached_tokens, output_tokens)
 
     def snapshot(self) -> Replica:
         metrics = self.metrics
-        if metrics is None or metrics.num_waiting is None:
-            return Replica(self.url, self.healthy, self.num_inflight, self.pending_prefill_tokens)
+        waiting = metrics.num_waiting if metrics is not None else None
+        running = metrics.num_running if metrics is not None else None
         return Replica(
             self.url,
             self.healthy,
             self.num_inflight,
             self.pending_prefill_tokens,
-            engine_num_waiting=metrics.num_waiting,
-            own_num_waiting=self.own_waiting_at_scrape,
-            foreign_request_tokens=self.fleet.mean_request_tokens,
+            engine_num_waiting=waiting or 0.0,
+            own_num_waiting=self.own_waiting_at_scrape if waiting is not None else 0.0,
+            foreign_request_tokens=self.fleet.mean_request_tokens if waiting is not None else 0.0,
+            decode_tokens=self.decode_tokens,
+            engine_num_running=running or 0.0,
+            own_num_running=self.own_running_at_scrape if running is not None else 0.0,
+            request_output_tokens=self.fleet.mean_output_tokens if running is not None else 0.0,
+            kv_usage=metrics.kv_usage if metrics is not None else None,
         )
 
 
 class Lease:
     """One attempt's claim on a replica's load counters: while it holds, the request counts in
-    `num_inflight`, and until its first byte (`prefilled`) its uncached prefill counts in
-    `pending_prefill_tokens` — the load the router sees. Each release happens once, whatever
-    path the attempt takes: a `with` block releases it all unless the attempt committed
-    (`keep`), in which case the exchange releases it when it ends.
+    `num_inflight` and its expected output in `decode_tokens`, and until its first byte
+    (`prefilled`) its uncached prefill counts in `pending_prefill_tokens` — the load the router
+    sees. Each release happens once, whatever path the attempt takes: a `with` block releases
+    it all unless the attempt committed (`keep`), in which case the exchange releases it when it
+    ends.
     """
 
-    __slots__ = ("_done_prefill", "_kept", "_released", "state", "uncached_tokens")
+    __slots__ = (
+        "_done_prefill",
+        "_kept",
+        "_released",
+        "output_tokens",
+        "state",
+        "uncached_tokens",
+    )
 
-    def __init__(self, state: ReplicaState, uncached_tokens: float) -> None:
+    def __init__(self, state: ReplicaState, uncached_tokens: float, output_tokens: float) -> None:
         self.state = state
         self.uncached_tokens = uncached_tokens
+        self.output_tokens = output_tokens
+        state.decode_tokens += output_tokens
         state.num_inflight += 1
         state.num_requests += 1
         state.pending_prefill_tokens += uncached_tokens
@@ -143,7 +183,9 @@ class Lease:
         self.prefilled()
         if not self._released:
             self._released = True
-            self.state.num_inflight -= 1
+            state = self.state
+            state.num_inflight -= 1
+            state.decode_tokens = max(state.decode_tokens - self.output_tokens, 0.0)
 
     def keep(self) -> Lease:
         """The attempt committed: the exchange owns the lease now."""
@@ -189,10 +231,15 @@ class ReplicaSet:
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""
-        state = self.states.get(replica_id)
+        state = self.find(replica_id)
         if state is None:
-            state = self._retired[replica_id]
+            raise KeyError(replica_id)
         return state
+
+    def find(self, replica_id: str) -> ReplicaState | None:
+        """`get`, or None for a replica the set no longer knows (removed, and idle since)."""
+        state = self.states.get(replica_id)
+        return state if state is not None else self._retired.get(replica_id)
 
     def models(self) -> list[str]:
         return sorted({m for s in self.states.values() for m in s.models})
@@ -324,9 +371,11 @@ class ReplicaSet:
                 if resp.status != 200:
                     return
                 own_waiting = state.num_prefilling  # our share of the queue the engine reports
+                own_running = state.num_inflight  # ...and of the requests it runs
                 text = (await resp.read()).decode(errors="replace")
             state.metrics = parse_engine_metrics(text)
             state.own_waiting_at_scrape = own_waiting
+            state.own_running_at_scrape = own_running
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             log.debug("metrics of %s unavailable: %s", state.url, exc)
 
@@ -336,8 +385,8 @@ class ReplicaSet:
             return
         marker = now.start_marker
         if marker is not None and self._on_start_marker is not None:
-            if before is None or before.start_marker != marker:
-                await self._on_start_marker(state.url, marker)
+            # every scrape: the directory compares (cheaply) and retries what Redis missed
+            await self._on_start_marker(state.url, marker)
         elif before is not None and now.restarted_since(before):
             log.info("replica %s restarted (its prefix-cache counters went backwards)", state.url)
             await self._on_restart(state.url)
@@ -355,7 +404,9 @@ class ReplicaSet:
         return bool(state.models)
 
     def mark_down(self, replica_id: str, why: str) -> None:
-        state = self.get(replica_id)
+        state = self.find(replica_id)
+        if state is None:
+            return  # removed meanwhile: nothing routes to it any more
         if state.healthy:
             log.warning("replica %s marked down: %s", replica_id, why)
         state.healthy = False

@@ -20,10 +20,13 @@ A span's `kvgate.tenant` is the tenant's name; an end user's identity (a `user` 
 put on a span.
 
 W3C trace context: a client's `traceparent` (HTTP header or gRPC metadata; `tracestate` with it)
-makes the request span a child of the client's span, and the client's sampled flag decides
-(a parent-based sampler: a sampled parent is traced, an unsampled one is not, whatever the
-ratio). Each attempt tells the engine its own span as the parent (vLLM continues it when it
-traces); a request kvgate does not trace passes the client's headers to the engine unchanged.
+makes the request span a child of the client's span. The client's sampled flag decides only for
+a tenant with `trusted_tracing` (a parent-based sampler: its own tracing infrastructure says what
+is traced); for every other tenant the flag can opt a request out, never in: it is sampled at
+`trace_sample_ratio` like a request without one, so no client can make the gateway trace and
+export all of its requests. Each attempt tells the engine its own span as the parent (vLLM
+continues it when it traces); a request kvgate does not trace passes the client's headers to the
+engine unchanged.
 """
 
 from __future__ import annotations
@@ -130,9 +133,11 @@ class OtelTracer:
         self, parsed: ParsedRequest, tenant: Tenant, client_headers: Mapping[str, str] | None
     ) -> RequestTrace:
         # the global generator, not the router's seeded one: tracing must not change its choices
-        parent, sampled = parent_of(client_headers)
-        if sampled is None:
-            sampled = random.random() < self.sample_ratio
+        parent, client_sampled = parent_of(client_headers)
+        if client_sampled is not None and tenant.policy.trusted_tracing:
+            sampled = client_sampled
+        else:  # a client may opt out of tracing, never force it beyond the ratio
+            sampled = client_sampled is not False and random.random() < self.sample_ratio
         if not sampled:
             return Untraced(client_headers)
         span = self.tracer.start_span(

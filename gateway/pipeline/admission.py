@@ -7,6 +7,8 @@ The director calls it for every request, whatever the front end (`Director._admi
    silent tenant-wide fallback would share the cache between the tenant's users).
 2. Model: a tenant with an allow-list may use only those models (403 naming them).
 3. Size: the estimated prompt tokens must not exceed the tenant's `max_prompt_tokens` (400).
+   A request hook that grows the prompt (billing expands an explicit cached content) has the
+   size checked again on what it made, bytes (`max_prompt_bytes`) and tokens (`check_size`).
 4. Rate: requests/min and tokens/min (429 with Retry-After). The tokens charged are the
    prompt estimate plus `max_tokens` when given; the usage the engine reports settles the
    difference (`gateway.pipeline.ratelimit.TokenSettlement`, an exchange observer), so the
@@ -52,9 +54,16 @@ def output_budget(parsed: ParsedRequest) -> int:
 class Admission:
     """Per-tenant admission: the checks, then the rate-limit charge."""
 
-    def __init__(self, registry: TenantRegistry | None, limiter: RateLimiter | None) -> None:
+    def __init__(
+        self,
+        registry: TenantRegistry | None,
+        limiter: RateLimiter | None,
+        max_prompt_bytes: int | None = None,
+    ) -> None:
         self.registry = registry
         self.limiter = limiter
+        self.max_prompt_bytes = max_prompt_bytes
+        """The front ends check the prompt they parsed; this is for what a hook expanded."""
 
     def check(self, parsed: ParsedRequest, tenant: Tenant, prompt_tokens: int) -> Tenant:
         """Steps 1-3; returns the tenant as this request sees it (with its end user's salt)."""
@@ -76,14 +85,30 @@ class Admission:
                 param="model",
                 code="model_not_allowed",
             )
-        if policy.max_prompt_tokens is not None and prompt_tokens > policy.max_prompt_tokens:
+        self.check_tokens(tenant, prompt_tokens)
+        return tenant
+
+    def check_tokens(self, tenant: Tenant, prompt_tokens: int) -> None:
+        limit = tenant.policy.max_prompt_tokens
+        if limit is not None and prompt_tokens > limit:
             raise InvalidRequest(
                 f"the prompt is about {prompt_tokens} tokens; tenant '{tenant.name}' may send "
-                f"at most {policy.max_prompt_tokens}",
+                f"at most {limit}",
                 param="messages",
                 code="prompt_too_long",
             )
-        return tenant
+
+    def check_size(self, parsed: ParsedRequest, tenant: Tenant, prompt_tokens: int) -> None:
+        """Step 3 again, bytes included, for a prompt a request hook expanded."""
+        limit = self.max_prompt_bytes
+        if limit is not None and len(parsed.rendered) > limit:
+            raise InvalidRequest(
+                f"the prompt is {len(parsed.rendered)} bytes with its cached content expanded; "
+                f"the maximum is {limit}",
+                param="messages",
+                code="prompt_too_long",
+            )
+        self.check_tokens(tenant, prompt_tokens)
 
     async def acquire(self, parsed: ParsedRequest, tenant: Tenant, prompt_tokens: int) -> int:
         """Step 4: charge the request to its tenant's buckets; returns the tokens charged."""

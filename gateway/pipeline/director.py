@@ -2,37 +2,56 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
 from cachemap.keys import affinity_key, chain_hashes, root_hash
 from gateway.directory.routing import RoutingDirectory
 from gateway.errors import ModelNotFound, NoReplica, UpstreamError
-from gateway.fleet.replicas import ReplicaSet, ReplicaState
+from gateway.fleet.replicas import Lease, ReplicaSet, ReplicaState
 from gateway.observability.histograms import LOOKUP_BUCKETS_S, LabelledHistograms
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.exchange import Exchange, ExchangeHooks
 from gateway.pipeline.flights import Flight
-from gateway.pipeline.forwarder import Complete, Forwarder, Passthrough, RetryableFailure
+from gateway.pipeline.forwarder import (
+    Complete,
+    Forwarder,
+    Passthrough,
+    RetryableFailure,
+    Streaming,
+)
 from gateway.pipeline.placement import Placement
+from gateway.pipeline.relayed import LandFlight, Pick
 from gateway.request.cache_control import strip_marks
 from gateway.request.parsed import CHAT, COMPLETION, ParsedRequest
-from gateway.request.state import RequestHook, Routed
+from gateway.request.state import RequestHook, Routed, RoutedHook
 from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
-from gateway.request.trace import NoTracer, RequestTrace, Tracer
+from gateway.request.trace import AttemptTrace, NoTracer, RequestTrace, Tracer
 from router.profile import RoutingProfile
-from router.types import RouteRequest
+from router.types import Replica, RouteRequest
 
 log = logging.getLogger(__name__)
 
 _PATHS = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
+
+
+def engine_streams(body: dict[str, Any]) -> bool:
+    """Whether an engine can stream this request (vLLM refuses `prompt_logprobs`, and beam
+    search or `best_of` > 1 with `stream: true`): such a request is forwarded unstreamed, and
+    the first-byte timeout bounds its whole answer."""
+    if body.get("use_beam_search") or body.get("prompt_logprobs") is not None:
+        return False
+    best_of = body.get("best_of")
+    return not (isinstance(best_of, int) and best_of > 1)
 
 
 @dataclass
@@ -45,12 +64,48 @@ class DirectorStats:
     """Directory lookups as the request path waits for them, by source (shared | local)."""
 
 
+class Activity:
+    """The requests inside the pipeline, from `Director.open` until their exchange finishes:
+    what a drain waits for before billing and the directory are flushed and closed."""
+
+    def __init__(self) -> None:
+        self.num_active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def begin(self) -> Callable[[], None]:
+        """Count one request; the returned function ends it (once, however often called)."""
+        self.num_active += 1
+        self._idle.clear()
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self.num_active -= 1
+                if not self.num_active:
+                    self._idle.set()
+
+        return end
+
+    async def idle(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until no request is inside; True when none is."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
 @dataclass(frozen=True)
 class RouteKeys:
     """How a request's rendering becomes the directory's keys and the router's units."""
 
     block_bytes: int
     consistent_hash_blocks: int
+    decode_token_weight: float = 0.0
+    """Prefill tokens of load per output token a replica still generates (router.types)."""
 
 
 class Director:
@@ -69,6 +124,7 @@ class Director:
         estimator: TokenEstimator,
         max_attempts: int,
         request_hooks: Sequence[RequestHook] = (),
+        routed_hooks: Sequence[RoutedHook] = (),
         tracer: Tracer | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -84,9 +140,11 @@ class Director:
         self.estimator = estimator
         self.max_attempts = max_attempts
         self.request_hooks = list(request_hooks)
+        self.routed_hooks = list(routed_hooks)
         self.tracer: Tracer = tracer or NoTracer()
         self.rng = rng or random.Random()
         self.stats = DirectorStats()
+        self.activity = Activity()
         self._sequence = itertools.count()
 
     async def open(
@@ -98,45 +156,137 @@ class Director:
         """Serve one request up to its commitment: an exchange whose first byte has arrived, or
         an engine's 4xx to pass through. `trace_headers`: the client's W3C trace context.
 
-        1. Admit: the tenant's scope, model and size, then the fleet (404, 503), then the rate
-           limit; the request hooks (billing's start) see the scoped tenant.
+        1. Admit: the tenant's scope, model and size; the request hooks (billing's checks) with
+           the scoped tenant, and the size again if they expanded the prompt; then the fleet
+           (404, 503), then the rate limit.
         2. Route: hash the canonical rendering in the tenant's scope, look up each replica's
            cached prefix, place it (fan-out holds, hot prefixes, the policy's ranking).
-        3. Forward: try the ranking in order until an attempt commits.
+        3. Forward: the routed hooks (billing's start: after any hold), then the ranking in
+           order until an attempt commits.
         4. Record: the exchange's hooks (`gateway.pipeline.record`): after the first token the
            prompt's blocks are on the replica that answered; the usage passes the observers.
         """
         opened_s = time.monotonic()
         trace = self.tracer.begin(parsed, tenant, trace_headers)
+        ended = self.activity.begin()
         try:
-            candidates, tenant, charged = await self._admit(parsed, tenant)
-            for hook in self.request_hooks:
-                parsed = await hook(parsed, tenant)
+            candidates, tenant, parsed, charged = await self._admit(parsed, tenant)
             routed, flight = await self._route(parsed, tenant, candidates, trace, opened_s, charged)
             if flight is None:
-                return await self._forward(routed, trace)
-            return await self._lead(flight, routed, trace)
+                opened = await self._forward(routed, trace)
+            else:
+                opened = await self._lead(flight, routed, trace)
         except BaseException as exc:
+            ended()
             trace.failed(exc)
             raise
+        if isinstance(opened, Exchange):
+            opened.on_closed = ended
+        else:
+            ended()
+        return opened
+
+    async def pick(
+        self,
+        parsed: ParsedRequest,
+        tenant: Tenant,
+        trace_headers: dict[str, str] | None = None,
+        *,
+        only: Collection[str] | None = None,
+        relay_usage: bool = True,
+        on_hold: Callable[[float], Awaitable[None]] | None = None,
+    ) -> Pick:
+        """Steps 1 and 2 for a request someone else forwards (Envoy, `gateway.api.epp`): the
+        ranking to send it along, the body the engine must get, and the `Pick` whose response
+        events feed the record step (`gateway.pipeline.relayed`).
+
+        `only`: the replica ids the data plane allows (its subset hint; none eligible is a 503).
+        `relay_usage`: the response comes back through us, so ask a stream for its usage.
+        `on_hold`: awaited with the bound of a fan-out hold before the request waits."""
+        opened_s = time.monotonic()
+        trace = self.tracer.begin(parsed, tenant, trace_headers)
+        ended = self.activity.begin()
+        try:
+            candidates, tenant, parsed, charged = await self._admit(parsed, tenant, only)
+            routed, flight = await self._route(
+                parsed, tenant, candidates, trace, opened_s, charged, on_hold
+            )
+            # the replicas still there after routing (a hold may outlast one: a rollout)
+            ranking = [r for r in routed.decision.ranking if r in self.replicas.states]
+            ranking = ranking[: self.max_attempts]
+            if not ranking:
+                if flight is not None:
+                    self._lander(flight)(False, routed.decision.replica)
+                raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
+        except BaseException as exc:
+            ended()
+            trace.failed(exc)
+            raise
+        for hook in self.routed_hooks:
+            hook(routed)
+        state = self.replicas.states[ranking[0]]
+        uncached = routed.route.uncached_tokens(ranking[0])
+        attempt = trace.attempt(ranking[0], 1, uncached)
+        payload, _ = self._upstream_payload(routed, relayed=True, ask_usage=relay_usage)
+        land = None if flight is None else self._lander(flight)
+        lease = state.lease(
+            uncached, self.replicas.fleet.expected_output_tokens(_max_tokens(parsed))
+        )
+        return Pick(
+            routed,
+            payload,
+            trace,
+            attempt,
+            lease,
+            self.replicas,
+            self.recorder,
+            ranking,
+            land,
+            on_closed=ended,
+        )
+
+    def _lander(self, flight: Flight) -> LandFlight:
+        """How a picked leader's flight ends: at its first token, or failed."""
+        flights = self.placement.flights
+        assert flights is not None
+
+        def land(ok: bool, replica: str) -> None:
+            flight.replica = replica  # Envoy's retry may have moved it
+            flights.end(flight, ok=ok)
+
+        return land
 
     # -- 1. admit --------------------------------------------------------------------------
     async def _admit(
-        self, parsed: ParsedRequest, tenant: Tenant
-    ) -> tuple[list[ReplicaState], Tenant, int]:
+        self, parsed: ParsedRequest, tenant: Tenant, only: Collection[str] | None = None
+    ) -> tuple[list[ReplicaState], Tenant, ParsedRequest, int]:
         """The replicas that may serve the request, the tenant as this request sees it (its
-        end user's salt in a `user` scope) and the tokens charged to its rate limit.
-        Order: the tenant's scope, model and size (gateway.pipeline.admission), then the fleet
-        (404, 503), then the rate limit, so a request that cannot be served spends no budget."""
-        prompt_tokens = self.estimator.prompt_tokens(parsed)
+        end user's salt in a `user` scope), the request as the hooks left it, and the tokens
+        charged to its rate limit. Order: the tenant's scope, model and size
+        (gateway.pipeline.admission), the request hooks (and the size of what they made), then
+        the fleet (404, 503), then the rate limit, so a request that cannot be served spends
+        no budget."""
+        prompt_tokens = self.estimator.prompt_tokens(parsed, tenant=tenant.name)
         tenant = self.admission.check(parsed, tenant, prompt_tokens)
+        rendered = parsed.rendered
+        for hook in self.request_hooks:
+            parsed = await hook(parsed, tenant)
+        if parsed.rendered is not rendered:  # expanded (an explicit cached content): check again
+            prompt_tokens = self.estimator.prompt_tokens(parsed, tenant=tenant.name)
+            self.admission.check_size(parsed, tenant, prompt_tokens)
         candidates = self.replicas.serving(parsed.model)
         if not candidates:
             if not self.replicas.any_healthy():
                 raise NoReplica("no healthy engine replica is available")
-            raise ModelNotFound(parsed.model, self.replicas.models())
+            allowed = tenant.policy.models  # never name a model the tenant may not use
+            served = [m for m in self.replicas.models() if not allowed or m in allowed]
+            raise ModelNotFound(parsed.model, served)
+        if only is not None:
+            candidates = [c for c in candidates if c.id in only and c.healthy]
+            if not candidates:
+                raise NoReplica("no endpoint of the data plane's subset can serve this request")
         charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
-        return candidates, tenant, charged
+        return candidates, tenant, parsed, charged
 
     # -- 2. route --------------------------------------------------------------------------
     async def _route(
@@ -147,6 +297,7 @@ class Director:
         trace: RequestTrace,
         opened_s: float,
         charged: int,
+        on_hold: Callable[[float], Awaitable[None]] | None = None,
     ) -> tuple[Routed, Flight | None]:
         block_bytes = self.keys.block_bytes
         root = root_hash(tenant.salt, parsed.model)
@@ -163,7 +314,7 @@ class Director:
             "local" if lookup.degraded else "shared",
             max(lookup.overlap.values(), default=0),
         )
-        bytes_per_token = self.estimator.bytes_per_token(parsed.model)
+        bytes_per_token = self.estimator.bytes_per_token(parsed.model, tenant=tenant.name)
         route = RouteRequest(
             num_blocks=len(hashes),
             num_prompt_tokens=len(parsed.rendered) / bytes_per_token,
@@ -173,10 +324,17 @@ class Director:
                 parsed.rendered, root, hashes, self.keys.consistent_hash_blocks, block_bytes
             ),
             sequence=next(self._sequence),
+            decode_token_weight=self.keys.decode_token_weight,
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
-        snapshot = [c.snapshot() for c in candidates]
-        placed = await self.placement.place(policy, route, snapshot, hashes, lookup, self.rng)
+
+        def snapshot() -> list[Replica]:
+            # the replicas serving the model now (a hold may outlast a replica: a rollout)
+            return [c.snapshot() for c in candidates if c.id in self.replicas.states]
+
+        placed = await self.placement.place(
+            policy, route, snapshot, hashes, lookup, self.rng, on_hold=on_hold
+        )
         if placed is None:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
         if placed.new_k is not None and lookup.hot_key is not None:
@@ -203,45 +361,98 @@ class Director:
         self, flight: Flight, routed: Routed, trace: RequestTrace
     ) -> Exchange | Passthrough:
         """Forward a fan-out leader: its siblings are released when its first byte is in (the
-        engine has prefilled, the KV is written) or it fails."""
+        engine has prefilled, the KV is written), whether or not its client streams, or when it
+        fails. Its first-token hook runs before the release, so what it wrote is visible (the
+        directory's record, the billing ledger's entry) to every sibling it releases."""
         flights = self.placement.flights
         assert flights is not None
         landed = False
         try:
             opened = await self._forward(routed, trace)
             if isinstance(opened, Exchange):
+                try:
+                    await opened.first_token()
+                except BaseException:
+                    opened.abort()
+                    await opened.finish()
+                    raise
                 landed = True
                 flight.replica = opened.record.replica  # a retry may have moved it
             return opened
         finally:
             flights.end(flight, ok=landed)
 
-    def _upstream_payload(self, routed: Routed) -> bytes:
+    def _upstream_payload(
+        self, routed: Routed, *, relayed: bool = False, ask_usage: bool = True
+    ) -> tuple[bytes, bool]:
+        """What the engine is sent, and whether it is asked to stream: always, unless the
+        request uses what engines cannot stream (`engine_streams`) or someone else relays the
+        answer to the client as it comes (`relayed`: Envoy, which cannot assemble a stream into
+        the JSON the client asked for). `ask_usage`: a stream is asked for its usage."""
         parsed = routed.parsed
         body = dict(parsed.body)
         if parsed.breakpoints or parsed.prewarm:  # a front end that keeps cache hints in the body
             body = strip_marks(body)
             body["max_tokens"] = max(body.get("max_tokens") or 1, 1)
         body["cache_salt"] = routed.tenant.cache_salt
-        if parsed.stream:
-            body["stream_options"] = {"include_usage": True}
-        return orjson.dumps(body)
+        stream = parsed.stream or (not relayed and engine_streams(body))
+        if stream:
+            body["stream"] = True
+            if ask_usage:
+                body["stream_options"] = {"include_usage": True}
+        return orjson.dumps(body), stream
 
     async def _forward(self, routed: Routed, trace: RequestTrace) -> Exchange | Passthrough:
-        """Walk the ranking until an attempt commits; a retryable failure moves on (a
-        connection failure also marks the replica down)."""
-        parsed = routed.parsed
-        payload = self._upstream_payload(routed)
-        path = _PATHS[parsed.kind]
+        """Commit an attempt (`_commit`); a client that does not stream may have its exchange
+        moved to the next replica later (`Exchange.complete`), within the same attempts. The
+        routed hooks run first: routing, and any hold, has ended."""
+        for hook in self.routed_hooks:
+            hook(routed)
+        payload, stream = self._upstream_payload(routed)
+        tried: list[str] = []
         failures: list[str] = []
-        for attempt, replica_id in enumerate(routed.decision.ranking[: self.max_attempts]):
-            state = self.replicas.get(replica_id)
+        committed = await self._commit(routed, trace, payload, stream, tried, failures)
+        if isinstance(committed, Passthrough):
+            return committed
+        lease, opened, attempt = committed
+        reforward = None
+        if not routed.parsed.stream:
+
+            async def reforward() -> tuple[Lease, Complete | Streaming]:
+                nonlocal attempt
+                attempt.failed(UpstreamError("the engine's stream failed; moved"))
+                again = await self._commit(routed, trace, payload, stream, tried, failures)
+                if isinstance(again, Passthrough):  # an engine refusing what another took
+                    raise UpstreamError(f"an engine refused the retried request ({again.status})")
+                lease, opened, attempt = again
+                return lease, opened
+
+        return Exchange(self.recorder, routed, lease, trace, opened, reforward=reforward)
+
+    async def _commit(
+        self,
+        routed: Routed,
+        trace: RequestTrace,
+        payload: bytes,
+        stream: bool,
+        tried: list[str],
+        failures: list[str],
+    ) -> tuple[Lease, Complete | Streaming, AttemptTrace] | Passthrough:
+        """Walk the replicas (`_order`) until an attempt commits; a retryable failure moves on
+        (a connection failure also marks the replica down). At most `max_attempts` in all."""
+        path = _PATHS[routed.parsed.kind]
+        output_tokens = self.replicas.fleet.expected_output_tokens(_max_tokens(routed.parsed))
+        for state in self._order(routed, tried):
+            if len(tried) >= self.max_attempts:
+                break
+            replica_id = state.id
+            tried.append(replica_id)
             uncached = routed.route.uncached_tokens(replica_id)
-            upstream = trace.attempt(replica_id, attempt + 1, uncached)
-            with state.lease(uncached) as lease:
+            upstream = trace.attempt(replica_id, len(tried), uncached)
+            with state.lease(uncached, output_tokens) as lease:
                 try:
                     outcome = await self.forwarder.attempt(
-                        state.url + path, payload, parsed.stream, upstream.headers()
+                        state.url + path, payload, stream, upstream.headers()
                     )
                 except RetryableFailure as exc:
                     upstream.failed(exc)
@@ -249,7 +460,7 @@ class Director:
                     if exc.connection:
                         self.replicas.mark_down(replica_id, str(exc))
                     self.stats.retries += 1
-                    log.warning("attempt %d at %s failed: %s", attempt + 1, replica_id, exc)
+                    log.warning("attempt %d at %s failed: %s", len(tried), replica_id, exc)
                     continue
                 except BaseException as exc:
                     upstream.failed(exc)
@@ -257,11 +468,51 @@ class Director:
                 if isinstance(outcome, Passthrough):
                     trace.passthrough(outcome.status)
                     return outcome
-                if isinstance(outcome, Complete):
-                    return Exchange(self.recorder, routed, lease.keep(), trace, body=outcome.body)
-                return Exchange(self.recorder, routed, lease.keep(), trace, stream=outcome)
+                return lease.keep(), outcome, upstream
+        if not tried:
+            raise NoReplica(f"no healthy replica serves model '{routed.parsed.model}'")
+        # the client learns how many attempts failed, never which replica or what it said
+        # (each failure is logged above, with both)
         raise UpstreamError(
-            "every attempt at an engine failed: " + "; ".join(failures)
-            if failures
-            else "no attempt was made"
+            f"every attempt at an engine failed ({len(failures)} attempts); try again"
         )
+
+    def _order(self, routed: Routed, tried: Sequence[str]) -> Iterator[ReplicaState]:
+        """The replicas to try, read as each attempt starts (an attempt awaits, and routing may
+        have waited seconds behind a fan-out leader): the ranking, skipping replicas tried or
+        removed since (a rollout must cost no request) and trying those marked down last; then,
+        when the ranking runs out, the replicas that joined since, ranked by the same policy."""
+        ranking = routed.decision.ranking
+        down: list[str] = []
+        for replica_id in ranking:
+            state = self.replicas.states.get(replica_id)
+            if state is None or replica_id in tried:
+                continue
+            if not state.healthy:
+                down.append(replica_id)
+                continue
+            yield state
+        joined = [
+            s
+            for s in self.replicas.serving(routed.parsed.model)
+            if s.healthy and s.id not in ranking
+        ]
+        if joined:
+            decision = self.policy.decide(routed.route, [s.snapshot() for s in joined], self.rng)
+            for replica_id in decision.ranking if decision is not None else ():
+                state = self.replicas.states.get(replica_id)
+                if state is not None and replica_id not in tried:
+                    yield state
+        for replica_id in down:
+            state = self.replicas.states.get(replica_id)
+            if state is not None and replica_id not in tried:
+                yield state
+
+
+def _max_tokens(parsed: ParsedRequest) -> int | None:
+    """The request's output budget, when it sets one."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = parsed.body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None

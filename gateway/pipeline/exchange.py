@@ -1,10 +1,21 @@
 """An exchange: one request committed to one replica (its first byte has arrived).
 
 Front ends consume an exchange in the shape they speak: the OpenAI HTTP API relays the engine's
-SSE bytes (`batches`), other front ends read parsed chunks (`chunks`) or the whole body
-(`complete`). Whatever the shape, the exchange calls its hooks in order — `first_token` once,
-`usage` exactly once before the client sees the usage, `finish` exactly once — and keeps its
-`ExchangeRecord`, which observers read.
+SSE bytes (`batches`), other front ends read parsed chunks (`chunks`), and a client that did not
+ask to stream gets the whole answer (`complete`: the engine streams anyway, and its chunks are
+assembled by `gateway.pipeline.assemble`). Whatever the shape, the exchange calls its hooks in
+order — `first_token` once, `usage` exactly once before the client sees the usage, `finish`
+exactly once — and keeps its `ExchangeRecord`, which observers read.
+
+How it ends (typed, so a front end renders it in its own shape and a faster relay keeps it):
+- whole: the engine's stream ran out;
+- `failure` set, a `GatewayError`: the engine's stream broke or stalled (an `UpstreamError`
+  whose text names no library and no replica — the log has both), or a hook refused to go on
+  (billing could not write its record). The front end sends it as its API documents a
+  mid-stream error and ends the stream; a non-streamed answer raises it.
+- moved: a client that did not stream has seen nothing when the engine's stream breaks before
+  its usage, so the exchange moves to the next replica (`reforward`, the director's walk)
+  instead of failing.
 
 The hooks are the record step of the pipeline (`gateway.pipeline.record.Recorder`), declared
 here as a protocol, so the exchange knows nothing of the director.
@@ -12,18 +23,31 @@ here as a protocol, so the exchange knows nothing of the director.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
 import orjson
 
+from gateway.errors import GatewayError, UpstreamError
 from gateway.fleet.replicas import Lease
-from gateway.pipeline.forwarder import Streaming
+from gateway.pipeline.assemble import Assembler
+from gateway.pipeline.forwarder import Complete, Streaming
 from gateway.request.parsed import ParsedRequest
 from gateway.request.state import ExchangeRecord, Routed
 from gateway.request.trace import RequestTrace
 from gateway.request.usage import EngineUsage
+
+STREAM_BROKE = "the engine's stream ended before the answer was complete (an upstream failure)"
+STREAM_STALLED = "the engine sent nothing for {:g} s (an upstream failure)"
+ENGINE_ERROR = "the engine reported an error mid-stream (an upstream failure)"
+
+_UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
+
+Reforward = Callable[[], Awaitable[tuple[Lease, Complete | Streaming]]]
+"""The director's walk, resumed: the next replica's committed attempt (raises a GatewayError
+when no replica is left)."""
 
 
 class ExchangeHooks(Protocol):
@@ -31,9 +55,11 @@ class ExchangeHooks(Protocol):
 
     async def usage(self, exchange: Exchange, fields: dict[str, Any]) -> EngineUsage: ...
 
+    async def moved(self, exchange: Exchange) -> None: ...
+
     async def finish(self, exchange: Exchange) -> None: ...
 
-    def stream_broke(self, exchange: Exchange, exc: BaseException) -> None: ...
+    def stream_broke(self, exchange: Exchange, exc: BaseException | str) -> None: ...
 
 
 class Exchange:
@@ -43,17 +69,24 @@ class Exchange:
         routed: Routed,
         lease: Lease,
         trace: RequestTrace,
+        opened: Complete | Streaming | None = None,
         *,
-        body: dict[str, Any] | None = None,
-        stream: Streaming | None = None,
+        reforward: Reforward | None = None,
     ) -> None:
         self.hooks = hooks
         self.lease = lease
         self.trace = trace
+        body = opened.body if isinstance(opened, Complete) else None
         self.record = ExchangeRecord(routed, lease.state.id, body)
-        self.stream = stream
+        self.stream: Streaming | None = opened if isinstance(opened, Streaming) else None
+        self.failure: GatewayError | None = None
+        """Why the exchange ended early (see the module docstring), or None."""
         self.client_gone = False
         self.closed = False
+        self._reforward = reforward
+        self._first_token_done = False
+        self.on_closed: Callable[[], None] | None = None
+        """Called once the exchange has finished (the director's count of active requests)."""
 
     @property
     def routed(self) -> Routed:
@@ -73,75 +106,143 @@ class Exchange:
         usage = self.record.usage
         return usage.fields if usage is not None else None
 
-    # -- non-streamed --------------------------------------------------------------------------
-    async def complete(self) -> dict[str, Any]:
-        """The whole body, its usage passed through the hooks; finishes the exchange."""
-        body = self.record.body
-        assert body is not None
-        try:
+    async def first_token(self) -> None:
+        """Run the first-token hook now, once (a fan-out leader does, before it releases its
+        siblings; otherwise the exchange does after the first batch has gone out)."""
+        if not self._first_token_done:
+            self._first_token_done = True
             await self.hooks.first_token(self)
-            usage = body.get("usage")
-            if isinstance(usage, dict):
-                await self.hooks.usage(self, usage)
-            return body
+
+    # -- non-streamed ------------------------------------------------------------------------
+    async def complete(self) -> dict[str, Any]:
+        """The whole answer, its usage passed through the hooks; finishes the exchange. Raises
+        `failure` when it ends early and cannot move."""
+        try:
+            while True:
+                if self.stream is None:
+                    return await self._whole_body()
+                assembler = Assembler()
+                try:
+                    async with contextlib.aclosing(self._parsed(self._events())) as chunks:
+                        async for chunk in chunks:
+                            assembler.add(chunk)
+                except GatewayError as exc:  # a hook refused (billing could not write)
+                    self._fail(exc)
+                if self.failure is None:
+                    body = self.record.body = assembler.body()
+                    return body
+                if not await self._move():
+                    raise self.failure
         finally:
             await self.finish()
 
-    # -- streamed --------------------------------------------------------------------------------
+    async def _whole_body(self) -> dict[str, Any]:
+        body = self.record.body
+        assert body is not None
+        await self.first_token()
+        usage = body.get("usage")
+        if isinstance(usage, dict):
+            await self.hooks.usage(self, usage)
+        return body
+
+    async def _move(self) -> bool:
+        """The engine's stream failed before the usage and the client has seen nothing: take
+        the next replica's attempt in its place."""
+        if (
+            self._reforward is None
+            or not isinstance(self.failure, UpstreamError)
+            or self.record.usage is not None
+            or self.client_gone
+        ):
+            return False
+        if self.stream is not None:
+            self.stream.close()
+        self.lease.release()
+        self.lease, opened = await self._reforward()
+        self.record.replica = self.lease.state.id
+        self.record.ok = True
+        self.failure = None
+        if isinstance(opened, Complete):
+            self.stream, self.record.body = None, opened.body
+        else:
+            self.stream = opened
+        await self.hooks.moved(self)
+        return True
+
+    # -- streamed ----------------------------------------------------------------------------
     async def batches(self, include_usage: bool) -> AsyncIterator[bytes]:
         """The engine's SSE events as bytes, a batch per network read; the usage event passes
         through the hooks and is dropped when the client did not ask for usage."""
-        async for events in self._raw_batches():
-            out = []
-            for event in events:
-                if b'"usage"' in event and event.startswith(b"data: {"):
-                    rewritten = await self._usage_event(event, include_usage)
-                    if rewritten:
-                        out.append(rewritten)
-                else:
-                    out.append(event + b"\n\n")
-            if out:
-                yield b"".join(out)
+        try:
+            async with contextlib.aclosing(self._events()) as events:
+                async for batch in events:
+                    out = []
+                    for event in batch:
+                        if b'"usage"' in event and event.startswith(b"data: {"):
+                            rewritten = await self._usage_event(event, include_usage)
+                            if rewritten:
+                                out.append(rewritten)
+                        else:
+                            out.append(event + b"\n\n")
+                    if out:
+                        yield b"".join(out)
+        except GatewayError as exc:
+            self._fail(exc)
+        finally:
+            await self.finish()
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """The engine's SSE chunks, parsed (the usage chunk after the hooks)."""
-        async for events in self._raw_batches():
-            for event in events:
-                if not event.startswith(b"data:"):
-                    continue
-                data = event[5:].strip()
-                if data == b"[DONE]":
-                    # not `return`: the batches must run out, or the first-token hook (which
-                    # runs after the first batch) is skipped when [DONE] is in that batch
-                    continue
-                try:
-                    chunk = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    continue
-                usage = chunk.get("usage") if isinstance(chunk, dict) else None
-                if isinstance(usage, dict):
-                    await self.hooks.usage(self, usage)
-                if isinstance(chunk, dict):
+        try:
+            async with contextlib.aclosing(self._parsed(self._events())) as chunks:
+                async for chunk in chunks:
                     yield chunk
+        except GatewayError as exc:
+            self._fail(exc)
+        finally:
+            await self.finish()
 
-    async def _raw_batches(self) -> AsyncIterator[list[bytes]]:
+    async def _events(self) -> AsyncGenerator[list[bytes], None]:
+        """The current stream's event batches, the first-token hook after the first. A failure
+        (upstream, or a hook's refusal) ends them with `failure` set; nothing is raised."""
         stream = self.stream
         assert stream is not None
         try:
             yield stream.first_batch
-            await self.hooks.first_token(self)
+            await self.first_token()
             async for batch in stream.batches:
                 yield batch
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self.record.ok = False
-            if not self.client_gone:
-                self.hooks.stream_broke(self, exc)
-                error = {
-                    "error": {"message": f"upstream stream broke: {exc}", "type": "upstream_error"}
-                }
-                yield [b"data: " + orjson.dumps(error)]
-        finally:
-            await self.finish()
+        except _UPSTREAM_ERRORS as exc:
+            self._broke(stream, exc)
+        except GatewayError as exc:
+            self._fail(exc)
+
+    async def _parsed(
+        self, events: AsyncGenerator[list[bytes], None]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        async with contextlib.aclosing(events):
+            async for batch in events:
+                for event in batch:
+                    if not event.startswith(b"data:"):
+                        continue
+                    data = event[5:].strip()
+                    if data == b"[DONE]":
+                        # not `return`: the batches must run out, or the first-token hook
+                        # (which runs after the first batch) is skipped when [DONE] is in it
+                        continue
+                    try:
+                        chunk = orjson.loads(data)
+                    except orjson.JSONDecodeError:
+                        continue
+                    if not isinstance(chunk, dict):
+                        continue
+                    if isinstance(chunk.get("error"), dict) and "choices" not in chunk:
+                        self._engine_error(chunk)
+                        return
+                    usage = chunk.get("usage")
+                    if isinstance(usage, dict):
+                        await self.hooks.usage(self, usage)
+                    yield chunk
 
     async def _usage_event(self, event: bytes, include_usage: bool) -> bytes:
         try:
@@ -158,19 +259,50 @@ class Exchange:
             chunk.pop("usage", None)
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
-    # -- lifecycle -------------------------------------------------------------------------------
+    # -- how it ends -------------------------------------------------------------------------
+    def _broke(self, stream: Streaming, exc: BaseException) -> None:
+        if self.client_gone:
+            return  # our own close: `abort` has said what happened
+        if self.record.usage is not None:
+            return  # the answer was whole; only the engine's end of stream was lost
+        self.record.ok = False
+        if stream.stalled:
+            assert stream.watch is not None
+            message, code = STREAM_STALLED.format(stream.watch.idle_s), "upstream_stalled"
+        else:
+            message, code = STREAM_BROKE, "upstream_stream_broken"
+        self.failure = UpstreamError(message, code=code)
+        self.hooks.stream_broke(self, exc)
+
+    def _engine_error(self, chunk: dict[str, Any]) -> None:
+        """An error event the engine itself sent (its text goes to the log, not the client)."""
+        self.record.ok = False
+        self.failure = UpstreamError(ENGINE_ERROR, code="upstream_error_event")
+        self.hooks.stream_broke(self, orjson.dumps(chunk["error"]).decode()[:500])
+
+    def _fail(self, exc: GatewayError) -> None:
+        self.record.ok = False
+        self.failure = exc
+        if self.stream is not None:
+            self.stream.close()  # the engine stops generating what nobody will see
+
+    # -- lifecycle ---------------------------------------------------------------------------
     def abort(self) -> None:
         """The client left: drop the upstream connection, so the engine aborts the request."""
         self.client_gone = True
         self.record.ok = False
         if self.stream is not None:
-            self.stream.response.close()
+            self.stream.close()
 
     async def finish(self) -> None:
         if self.closed:
             return
         self.closed = True
         if self.stream is not None:
-            self.stream.response.release()  # an unfinished response closes its connection
+            self.stream.release()
         self.lease.release()
-        await self.hooks.finish(self)
+        try:
+            await self.hooks.finish(self)
+        finally:
+            if self.on_closed is not None:
+                self.on_closed()

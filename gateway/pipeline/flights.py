@@ -102,6 +102,11 @@ landing to read it when it rechecks; short, because a replica may restart after 
 
 
 class SharedMarkers(Protocol):
+    @property
+    def landing_poll_s(self) -> float:
+        """How often a waiter re-reads its leader's marker (the channel may miss a landing)."""
+        ...
+
     async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool: ...
 
     def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None: ...
@@ -147,8 +152,12 @@ class Flights:
             self._writing.setdefault(block, flight)
         if self.shared is not None:
             marker = Marker(PENDING, f"{self.gateway_id}:{flight.id}", replica, expected_s)
-            if await self.shared.lead(blocks, marker.format(), ttl_s):
-                flight.marker = marker
+            try:
+                if await self.shared.lead(blocks, marker.format(), ttl_s):
+                    flight.marker = marker
+            except BaseException:  # cancelled while announcing: nobody will end it but us
+                self.end(flight, ok=False)
+                raise
         return flight
 
     def end(self, flight: Flight, ok: bool) -> None:
@@ -183,15 +192,9 @@ class Flights:
             future = self._remote[key] = asyncio.get_running_loop().create_future()
         self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
-            text = await recheck()  # it may have landed between the lookup and now
-            current = Marker.parse(text) if text is not None else None
-            if current is not None and current.state != PENDING:
-                landed: Marker | None = current
-            else:
-                landed = await asyncio.wait_for(asyncio.shield(future), timeout_s)
-        except TimeoutError:
-            self.stats.timeouts += 1
-            landed = None
+            landed = await self._await_landing(future, timeout_s, recheck)
+            if landed is None:
+                self.stats.timeouts += 1
         finally:
             held = time.monotonic() - started
             self._histogram.observe(held)
@@ -207,6 +210,31 @@ class Flights:
             else:
                 self.stats.released_failed += 1
         return landed
+
+    async def _await_landing(
+        self,
+        future: asyncio.Future[Marker],
+        timeout_s: float,
+        recheck: Callable[[], Awaitable[str | None]],
+    ) -> Marker | None:
+        """The landing, from the channel (`notify`) or from re-reading the marker: first at
+        once (it may have landed between the lookup and now), then every `landing_poll_s`
+        (pub/sub may be down or lose a message). None when `timeout_s` passes first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            text = await recheck()
+            current = Marker.parse(text) if text is not None else None
+            if current is not None and current.state != PENDING:
+                return current
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            poll_s = self.shared.landing_poll_s if self.shared is not None else remaining
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), min(remaining, poll_s))
+            except TimeoutError:
+                continue
 
     async def wait(self, flight: Flight, timeout_s: float) -> bool:
         """Wait for a leader; True when it landed (its replica now holds the prefix)."""

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from cachemap.keys import BlockHash
@@ -37,6 +37,9 @@ class OverflowStats:
 class Placed:
     decision: Decision
     route: RouteRequest
+    """The request as the replicas really hold it (the directory, and a landed leader): what
+    reconciliation predicts and the pending prefill counts. The policy decided on a hot
+    prefix's spread, in which replicas that do not hold the prefix yet count as holding it."""
     flight: Flight | None
     new_k: int | None = None
     """Set when the prefix's k changed: the caller stores it with the prefix's rate."""
@@ -65,19 +68,27 @@ class Placement:
         self,
         policy: RoutingProfile,
         route: RouteRequest,
-        replicas: Sequence[Replica],
+        snapshot: Callable[[], Sequence[Replica]],
         hashes: Sequence[BlockHash],
         lookup: Lookup,
         rng: random.Random,
+        on_hold: Callable[[float], Awaitable[None]] | None = None,
     ) -> Placed | None:
+        """`snapshot()` is the replicas as they are now: read again after a hold, so a replica
+        that left (or came) while the request waited is ranked as it is when the wait ends.
+        `on_hold`: awaited with a hold's bound before the request waits (the endpoint picker
+        extends Envoy's message timeout with it)."""
         depth = max(route.overlap.values(), default=0)
+        replicas = snapshot()
         # 1. fan-out
         if self.flights is not None:
-            landed = await self._maybe_hold(route, replicas, hashes, lookup, depth)
+            waited, landed = await self._maybe_hold(route, replicas, hashes, lookup, depth, on_hold)
             if landed is not None:
                 replica, shared = landed
                 route = with_leader(route, replica, shared)
                 depth = max(depth, shared)
+            if waited:
+                replicas = snapshot()  # a wait of up to seconds: the fleet may have moved on
         # 2. hot prefixes, 3. the policy (`router.plan`, the simulator's step too)
         hot = lookup.hot
         planned = plan(
@@ -88,7 +99,7 @@ class Placement:
             HotPrefix(hot.rate_per_min, hot.k) if hot is not None and depth > 0 else None,
             self.overflow,
         )
-        decision, route = planned.decision, planned.route
+        decision = planned.decision  # `route` stays the real one (the spread is virtual)
         new_k = None
         if planned.k is not None and hot is not None and planned.k != hot.k:
             new_k = planned.k
@@ -122,41 +133,47 @@ class Placement:
         hashes: Sequence[BlockHash],
         lookup: Lookup,
         depth: int,
-    ) -> tuple[str, int] | None:
+        on_hold: Callable[[float], Awaitable[None]] | None = None,
+    ) -> tuple[bool, tuple[str, int] | None]:
         """Wait for a leader writing this request's uncached prefix, if that is worth it: a
         leader of this gateway first, else one another gateway announced through Redis.
-        Returns (the replica that now holds the prefix, its depth) when a leader landed."""
+        Returns whether it waited, and (the replica that now holds the prefix, its depth) when
+        a leader landed."""
         flights = self.flights
         assert flights is not None
         found = flights.find(hashes, depth)
         if found is not None:
             leader, shared = found
             if not self._worth(route, replicas, leader.replica, depth, shared):
-                return None
+                return False, None
             timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * leader.expected_s)
+            if on_hold is not None:
+                await on_hold(max(timeout, 0.001))
             ok = await flights.wait(leader, max(timeout, 0.001))
-            return (leader.replica, shared) if ok else None
+            return True, ((leader.replica, shared) if ok else None)
         text, shared = lookup.writer, lookup.writer_depth
         marker = Marker.parse(text) if text is not None else None
         if marker is None or shared <= depth:
-            return None
+            return False, None
         # a marker that says the leader already landed is not trusted here: the directory holds
         # (or within a flush holds) its record, and a replica may have restarted since
         if marker.state != PENDING or not self._worth(
             route, replicas, marker.replica, depth, shared
         ):
-            return None
+            return False, None
         expected_s = marker.expected_s if marker.expected_s is not None else self.max_hold_s
         timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * expected_s)
         shared_markers = flights.shared
         assert shared_markers is not None
         block = hashes[shared - 1]
+        if on_hold is not None:
+            await on_hold(max(timeout, 0.001))
         landed = await flights.wait_remote(
             marker.key, max(timeout, 0.001), lambda: shared_markers.read_marker(block)
         )
         if landed is None or landed.state != OK:
-            return None
-        return landed.replica, shared
+            return True, None
+        return True, (landed.replica, shared)
 
     def _worth(
         self, route: RouteRequest, replicas: Sequence[Replica], leader: str, depth: int, shared: int

@@ -32,6 +32,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from cachemap.redis.client import PROTOCOL
 from gateway.request.state import ExchangeRecord
 from gateway.request.usage import EngineUsage
 
@@ -180,6 +181,7 @@ class RateLimiter:
                 socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
                 retry=Retry(NoBackoff(), 0),  # a replayed debit would charge twice
+                protocol=PROTOCOL,
             )
             self._acquire_script = self._redis.register_script(_ACQUIRE)
             self._adjust_script = self._redis.register_script(_ADJUST)

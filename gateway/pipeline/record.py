@@ -2,8 +2,9 @@
 
 1. First token: the exchange's instant is set; the prompt's blocks are recorded on the replica
    that answered (the engine has written their KV); the observers run.
-2. Usage: parsed once (`EngineUsage`); the token estimate learns the model's bytes per token
-   from the engine's prompt count; the observers run (and may rewrite the wire object).
+2. Usage: parsed once (`EngineUsage`); the token estimate learns the tenant's bytes per token
+   for the model from the engine's prompt count, the fleet its mean output per request; the
+   observers run (and may rewrite the wire object).
 3. Finish: the observers run, then the request's trace ends.
 
 Observers run in the order given (`gateway.server.app`): rate-limit settlement,
@@ -50,12 +51,20 @@ class Recorder:
     async def usage(self, exchange: Exchange, fields: dict[str, Any]) -> EngineUsage:
         record = exchange.record
         usage = record.usage = EngineUsage.parse(fields)
+        if usage.completion_tokens is not None:  # the mean output a request without max_tokens
+            exchange.lease.state.fleet.observe_output(usage.completion_tokens)  # is assumed
         if usage.prompt_tokens:
-            parsed = record.parsed
-            self.estimator.learn(parsed.model, len(parsed.rendered), usage.prompt_tokens)
+            self.estimator.learn(record.parsed, usage.prompt_tokens, tenant=record.tenant.name)
         for observer in self.observers:
             await observer.on_usage(record, usage)
         return usage
+
+    async def moved(self, exchange: Exchange) -> None:
+        """A non-streamed exchange moved to another replica before its answer was whole: the
+        prompt's blocks are on the new replica too (observers saw the first token already)."""
+        record = exchange.record
+        if record.routed.hashes:
+            await self.directory.record(record.replica, record.routed.hashes)
 
     async def finish(self, exchange: Exchange) -> None:
         record = exchange.record
@@ -63,5 +72,7 @@ class Recorder:
             await observer.on_finish(record)
         exchange.trace.finished(record)
 
-    def stream_broke(self, exchange: Exchange, exc: BaseException) -> None:
+    def stream_broke(self, exchange: Exchange, exc: BaseException | str) -> None:
+        """The client is told only that the engine failed; the log names the replica and what
+        the HTTP library (or the engine) said."""
         log.warning("stream from %s broke after its first byte: %s", exchange.replica_url, exc)

@@ -218,6 +218,42 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
+def _hint(ttl: str) -> dict[str, str]:
+    return {"type": "ephemeral", "ttl": ttl}
+
+
+def annotate_messages(messages: list[dict[str, Any]], marks: list[Mark]) -> list[dict[str, Any]]:
+    """Copies of the marked messages with `cache_control` on the marked part (or, for a mark
+    covering the whole message or its tool calls, on the message): how a front end that
+    converts hands its breakpoints to billing (the meter reads the marks on the body; the
+    director strips them before forwarding)."""
+    out = list(messages)
+    for mark in marks:
+        if mark.message < 0:
+            continue
+        message = dict(out[mark.message])
+        content = message.get("content")
+        if mark.num_parts and isinstance(content, list) and mark.num_calls == 0:
+            parts = list(content)
+            parts[mark.num_parts - 1] = {
+                **parts[mark.num_parts - 1],
+                "cache_control": _hint(mark.ttl),
+            }
+            message["content"] = parts
+        else:
+            message["cache_control"] = _hint(mark.ttl)
+        out[mark.message] = message
+    return out
+
+
+def annotate_tools(tools: list[dict[str, Any]], marks: list[Mark]) -> list[dict[str, Any]]:
+    out = list(tools)
+    for mark in marks:
+        if mark.tool >= 0:
+            out[mark.tool] = {**out[mark.tool], "cache_control": _hint(mark.ttl)}
+    return out
+
+
 def strip_marks(body: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of the body without cache hints and billing-only fields, as the engine should
     see it (the one implementation: the billing meter uses it too)."""

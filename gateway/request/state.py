@@ -26,6 +26,9 @@ from router.types import Decision, RouteRequest
 RequestHook = Callable[[ParsedRequest, Tenant], Awaitable[ParsedRequest]]
 """Runs after admission, before routing: may validate (raise a GatewayError) or return a
 replacement request (billing expands explicit cached contents and strips billing-only fields)."""
+RoutedHook = Callable[["Routed"], None]
+"""Runs when routing ends, after any fan-out hold, before the first attempt: the request's
+start as billing counts it (a held request starts at its release)."""
 
 
 @dataclass(frozen=True, slots=True)

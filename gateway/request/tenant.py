@@ -40,6 +40,10 @@ class TenantPolicy:
     requests_per_min: int | None = None
     tokens_per_min: int | None = None
     max_prompt_tokens: int | None = None
+    trusted_tracing: bool = False
+    """Whether the tenant's `traceparent` decides if its requests are traced. Off (the default),
+    a client's sampled flag can only opt a request out: the gateway samples at its configured
+    ratio, so no tenant can make it trace (and export) every request."""
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -66,6 +70,16 @@ class Tenant:
     def __post_init__(self) -> None:
         if not self.cache_salt:
             object.__setattr__(self, "cache_salt", self.salt.hex())
+
+    @property
+    def scope(self) -> str:
+        """The isolation scope's id, what per-scope state (the billing ledger, explicit cached
+        contents) is keyed by: the tenant's name, or, for an end user of a `user`-scoped tenant,
+        `name/` and the first 128 bits of that user's salt (no name holds a '/', and the salt is
+        an HMAC of the server secret, so no client can choose a colliding scope)."""
+        if self.end_user is None:
+            return self.name
+        return f"{self.name}/{self.salt.hex()[:32]}"
 
 
 def check_tenant_name(name: str) -> str:

@@ -5,7 +5,13 @@ the start-up failed).
 
 Start order: the upstream `aiohttp.ClientSession` (explicit timeouts and connection limits) →
 the shared directory (Redis) → billing → health probing → discovery → the tenants-file watcher →
-the gRPC server.
+the gRPC server → the endpoint picker's ext-proc server (`mode: epp`) → the admin port
+(/metrics and the API documents, `gateway.server.admin`).
+
+Stop (SIGTERM, `gateway.server.cli`): `Parts.begin_drain` stops the gRPC server taking RPCs as
+uvicorn stops accepting connections; requests in flight get `shutdown_grace_s`; then the
+lifespan stops the gRPC server, waits for the pipeline to empty (`_settle`), and closes the rest
+in reverse: billing flushes its WAL and ships, the directory flushes its queued writes.
 """
 
 from __future__ import annotations
@@ -20,15 +26,15 @@ import aiohttp
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
-from starlette.responses import Response
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
-from gateway.api.asgi import MeteredASGI
+from gateway.api.asgi import MeteredASGI, on_unexpected
 from gateway.api.context import FrontEnd
-from gateway.api.grpc.service import start_grpc
+from gateway.api.epp.server import start_epp
+from gateway.api.grpc.service import GrpcServer, start_grpc
 from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
 from gateway.billing.service import Billing
@@ -47,6 +53,7 @@ from gateway.pipeline.reconcile import Reconciler
 from gateway.pipeline.record import Recorder
 from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
+from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
 from gateway.settings import Settings
 from gateway.tenancy.registry import TenantRegistry
@@ -76,6 +83,20 @@ class Parts:
     director: Director
     front: FrontEnd
     registry: CollectorRegistry
+    grpc: GrpcServer | None = None
+    """The gRPC server while it runs (started by `run`)."""
+    draining: bool = False
+
+    def begin_drain(self) -> None:
+        """SIGTERM (`gateway.server.cli`): stop taking work on every front end at once. HTTP
+        stops accepting in uvicorn; the gRPC server here, its RPCs in flight given the same
+        grace. `run` then waits for the pipeline to empty before it flushes and closes."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info("kvgate: draining (grace %.0f s)", self.settings.shutdown_grace_s)
+        if self.grpc is not None:
+            self.grpc.drain()
 
 
 def _directory(settings: Settings) -> RoutingDirectory:
@@ -175,18 +196,21 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     ]
     tracing = build_tracing(settings, span_exporter)
     director = Director(
-        keys=RouteKeys(settings.block_bytes, settings.consistent_hash_blocks),
-        admission=Admission(tenants, limiter),
+        keys=RouteKeys(
+            settings.block_bytes, settings.consistent_hash_blocks, settings.decode_token_weight
+        ),
+        admission=Admission(tenants, limiter, settings.max_prompt_bytes),
         directory=directory,
         replicas=replicas,
         placement=placement,
         policy=build_policy(settings.policy, router_config),
         fallback_policy=build_fallback(settings.policy, router_config),
-        forwarder=Forwarder(),
+        forwarder=Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s),
         recorder=Recorder(directory, estimator, observers),
         estimator=estimator,
         max_attempts=settings.max_attempts,
         request_hooks=[billing.meter.prepare] if billing else [],
+        routed_hooks=[billing.meter.routed] if billing else [],
         tracer=tracing.tracer,
         rng=random.Random(settings.seed),
     )
@@ -207,6 +231,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         replicas=replicas,
         max_prompt_bytes=settings.max_prompt_bytes,
         debug_headers=settings.debug_headers,
+        max_body_bytes=settings.max_body_bytes,
+        body_read_timeout_s=settings.body_read_timeout_s,
     )
     return Parts(
         settings,
@@ -226,15 +252,27 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     )
 
 
+SETTLE_S = 5.0
+"""After the grace, requests cut by it finish their bookkeeping (an aborted record, a landed
+marker) within milliseconds; 5 s bounds a stop that would otherwise wait on a stuck one."""
+
+
+async def _settle(parts: Parts) -> None:
+    if not await parts.director.activity.idle(SETTLE_S):
+        log.warning(
+            "kvgate: %d requests still inside after the drain; stopping anyway",
+            parts.director.activity.num_active,
+        )
+
+
 @contextlib.asynccontextmanager
 async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
     """Start the parts in order; stop whatever started, in reverse, on the way out."""
     settings = parts.settings
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(parts.tracing.shutdown)  # flushes the spans still batched
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=settings.connect_timeout_s, sock_read=settings.first_byte_timeout_s
-        )
+        # reads are bounded by the forwarder (first byte, then each silence of a stream)
+        timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s)
         connector = aiohttp.TCPConnector(
             limit=settings.upstream_max_connections, keepalive_timeout=30
         )
@@ -258,6 +296,9 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             await parts.billing.start()
         stack.push_async_callback(parts.replicas.stop)
         await parts.replicas.start(session)
+        # on the way out, before billing and the directory flush and close: the requests still
+        # inside end (those cut at the grace need a moment to write their aborted records)
+        stack.push_async_callback(_settle, parts)
         if parts.discovery is not None:
             stack.push_async_callback(parts.discovery.stop)
             await parts.discovery.start()
@@ -265,9 +306,19 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             stack.push_async_callback(parts.watcher.stop)
             parts.watcher.start()
         if settings.grpc_port is not None:
-            grpc_server = await start_grpc(settings, parts.front, parts.request_metrics)
+            grpc_server = parts.grpc = await start_grpc(
+                settings, parts.front, parts.request_metrics
+            )
             stack.push_async_callback(grpc_server.stop)
             app.state.grpc_port = grpc_server.port
+        if settings.mode == "epp":
+            epp_server = await start_epp(settings, parts.front)
+            stack.push_async_callback(epp_server.stop)
+            app.state.epp_port = epp_server.port
+        if settings.metrics_port is not None:
+            admin = AdminServer(lambda: render(parts.registry), lambda: app.openapi(), app.title)
+            stack.push_async_callback(admin.stop)
+            app.state.metrics_port = await admin.start(settings.host, settings.metrics_port)
         log.info(
             "kvgate: %d/%d replicas healthy, policy %s",
             sum(s.healthy for s in parts.replicas.states.values()),
@@ -292,6 +343,11 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         version="0.1.0",
         description="A multi-tenant, cache-aware routing gateway for LLM inference.",
         lifespan=lifespan,
+        exception_handlers={Exception: on_unexpected},
+        # the documents are served on the admin port (gateway.server.admin), not to tenants
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     routes, hot = build_router(parts.front)
     app.include_router(routes)
@@ -300,11 +356,8 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
 
         app.include_router(build_billing_router(parts.billing, parts.front))
 
-    @app.get("/metrics", include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(render(parts.registry), media_type="text/plain; version=0.0.4")
-
     app.state.parts = parts
+    app.state.begin_drain = parts.begin_drain
     app.state.director = parts.director
     app.state.replicas = parts.replicas
     app.state.tenants = parts.tenants

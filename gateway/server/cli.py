@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
+from collections.abc import Callable
 from pathlib import Path
+
+import uvicorn
 
 from router.registry import POLICIES
 
@@ -12,6 +16,11 @@ from router.registry import POLICIES
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8080)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="the admin port: /metrics and the API documents (default 9090; 0: any free port)",
+    )
     parser.add_argument(
         "--engine", action="append", dest="engines", metavar="URL", help="an engine replica URL"
     )
@@ -40,6 +49,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grpc-port", type=int, help="also serve gRPC (kvgate.v1.Gateway) on this port"
     )
+    parser.add_argument(
+        "--mode",
+        choices=("standalone", "epp"),
+        help="standalone (default): serve the API; epp: also pick endpoints for Envoy (ext-proc)",
+    )
+    parser.add_argument("--epp-port", type=int, help="the ext-proc port in epp mode (default 9002)")
     # -- Kubernetes discovery and tracing (issue 9; docs/operations.md) --
     parser.add_argument(
         "--discovery",
@@ -64,11 +79,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
     from pydantic import ValidationError
 
     from gateway.server.app import create_app
-    from gateway.settings import load_settings
+    from gateway.settings import describe_errors, load_settings
     from gateway.tenancy.tenant_file import TenantFileError
 
     try:
@@ -76,6 +90,7 @@ def run_serve(args: argparse.Namespace) -> int:
             args.config,
             host=args.host,
             port=args.port,
+            metrics_port=args.metrics_port,
             engines=args.engines,
             policy=args.policy,
             tenants=args.tenants,
@@ -85,6 +100,8 @@ def run_serve(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             tenants_file=args.tenants_file,
             grpc_port=args.grpc_port,
+            mode=args.mode,
+            epp_port=args.epp_port,
             discovery=args.discovery,
             discovery_label_selector=args.discovery_label_selector,
             discovery_namespace=args.discovery_namespace,
@@ -93,7 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
             otlp_endpoint=args.otlp_endpoint,
         )
     except ValidationError as exc:
-        print(f"kvgate serve: invalid settings:\n{exc}")
+        print(f"kvgate serve: invalid settings:\n{describe_errors(exc)}")
         return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -109,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except TenantFileError as exc:
         print(f"kvgate serve: {exc}")
         return 2
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -120,5 +137,21 @@ def run_serve(args: argparse.Namespace) -> int:
         proxy_headers=False,
         server_header=False,
         date_header=False,
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
     )
+    DrainingServer(config, app.state.begin_drain).run()
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the gateway when its graceful shutdown begins (SIGTERM): the
+    gRPC front end stops taking RPCs as HTTP stops accepting connections, so both drain within
+    the one grace (`shutdown_grace_s`, uvicorn's `timeout_graceful_shutdown`)."""
+
+    def __init__(self, config: uvicorn.Config, begin_drain: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.begin_drain = begin_drain
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.begin_drain()
+        await super().shutdown(sockets)

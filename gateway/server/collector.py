@@ -211,6 +211,22 @@ class GatewayCollector(Collector):
             "Records/drops that did not reach the shared directory.",
             self.directory.writes.num_dropped,
         )
+        yield CounterMetricFamily(
+            "kvgate_directory_local_hints",
+            "Shared lookups the local index deepened (a miss in Redis, or during a write-back).",
+            dstats.local_hints,
+        )
+        restored = self.directory.write_back.stats
+        yield CounterMetricFamily(
+            "kvgate_directory_write_backs",
+            "Write-backs of the local index after Redis lost entries (reset or outage).",
+            restored.runs,
+        )
+        yield CounterMetricFamily(
+            "kvgate_directory_written_back_blocks",
+            "Entries written back into Redis from the local index.",
+            restored.blocks_written,
+        )
         placement = self.placement
         yield CounterMetricFamily(
             "kvgate_overflow_widenings",

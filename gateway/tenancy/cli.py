@@ -42,6 +42,12 @@ def add_tenants_arguments(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--requests-per-min", type=int, help="rate limit, requests per minute")
     add.add_argument("--tokens-per-min", type=int, help="rate limit, tokens per minute")
     add.add_argument("--max-prompt-tokens", type=int, help="largest prompt accepted")
+    add.add_argument(
+        "--trusted-tracing",
+        action="store_true",
+        default=None,
+        help="let the tenant's traceparent decide tracing (default: sampled at the ratio)",
+    )
     add.add_argument("--label", help="a note kept with the key (who or what uses it)")
 
     listing = actions.add_parser("list", help="tenants, their policies and key ids")
@@ -73,6 +79,7 @@ def run_tenants(args: argparse.Namespace) -> int:
                 requests_per_min=args.requests_per_min,
                 tokens_per_min=args.tokens_per_min,
                 max_prompt_tokens=args.max_prompt_tokens,
+                trusted_tracing=args.trusted_tracing,
             )
             verb = "created tenant" if created else "added a key to tenant"
             print(

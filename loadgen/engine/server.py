@@ -83,6 +83,10 @@ VLLM_VERSION = "0.11.0"
 DP_RANK_HEADER = "X-data-parallel-rank"
 
 
+SEEN_HEADERS_KEPT = 256
+"""Headers of the last 256 generation requests are kept for tests (a few KB each at most)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -98,6 +102,12 @@ class EngineConfig:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     cpu_offload_blocks: int = 0
     """Blocks of the write-through CPU tier (0: none)."""
+    hang_first_bytes: int = 0
+    """Test hook: this many generation requests are accepted and never answered — not a header,
+    not a byte — until the client leaves (a hung engine)."""
+    stall_after_tokens: int | None = None
+    """Test hook: every streamed answer stops sending after this many tokens, its connection
+    open, until the client leaves (an engine stalled mid-stream)."""
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -140,12 +150,19 @@ class Engine:
         self.num_failures_left = config.fail_first_bytes
         self.publisher: ZmqPublisher | None = None
         self._waiters: dict[str, _Waiter] = {}
+        self.num_hangs_left = config.hang_first_bytes
+        self.stall_after_tokens = config.stall_after_tokens
+        self.num_stalled = 0
+        """Streams stalled right now (`stall_after_tokens`) whose client has not left."""
         self._wakeup: asyncio.Event | None = None
         self._driver: asyncio.Task[None] | None = None
         self._ids = itertools.count()
         self.last_traceparent: str | None = None
         """The W3C `traceparent` of the last generation request (vLLM continues it when it
         traces): lets a test see what a router passed on."""
+        self.seen_headers: list[dict[str, str]] = []
+        """The headers of recent generation requests (the last SEEN_HEADERS_KEPT): lets a test
+        see that a router never passes a tenant's key on."""
 
     @property
     def load(self) -> int:
@@ -643,10 +660,17 @@ async def _generate(
     3. Answer: the whole completion when it finishes, or the SSE stream step by step.
     """
     engine.last_traceparent = request.headers.get("traceparent")
+    engine.seen_headers.append(dict(request.headers))
+    del engine.seen_headers[:-SEEN_HEADERS_KEPT]
     gen = _parse_generation(engine.config, body, chat, prompts)
     failing = engine.num_failures_left > 0
     if failing:
         engine.num_failures_left -= 1
+    if engine.num_hangs_left > 0:  # hung: nothing is sent until the client gives up
+        engine.num_hangs_left -= 1
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        return Response(status_code=499)
     job, pieces = _make_job(engine, gen, body)
     waiter = engine.submit(job)
     if failing:  # the engine dies during the prefill: nothing is cached, the client gets a 500
@@ -675,8 +699,17 @@ async def _stream(engine: Engine, reply: _Reply, waiter: _Waiter) -> AsyncIterat
         if gen.chat:
             yield reply.chunk(choices=[reply.choice("", None, delta=True)])
         sent = 0
+        stall_at = engine.stall_after_tokens
         while sent < gen.max_tokens:
+            if stall_at is not None and sent >= stall_at:
+                engine.num_stalled += 1
+                try:
+                    await asyncio.Event().wait()  # stalled: until the client leaves
+                finally:
+                    engine.num_stalled -= 1
             ready = job.num_generated
+            if stall_at is not None:
+                ready = min(ready, stall_at)
             if ready - sent >= interval or (job.finish_s is not None and ready > sent):
                 finish = "length" if ready >= gen.max_tokens else None
                 text = "".join(reply.pieces[sent:ready])

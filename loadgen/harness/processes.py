@@ -39,6 +39,8 @@ class Proc:
     name: str
     url: str
     popen: subprocess.Popen[bytes]
+    metrics_url: str | None = None
+    """A gateway's admin port (/metrics, the API documents), apart from its tenant port."""
 
     @property
     def pid(self) -> int:
@@ -79,16 +81,24 @@ def start_gateway(
     gateway_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     quiet: bool = True,
+    cwd: str | None = None,
 ) -> Proc:
+    """`kvgate serve` on `port`; `cwd` runs another checkout's code (it comes first on the
+    module path of `python -m`)."""
     url = f"http://127.0.0.1:{port}"
-    args = ["serve", "--port", str(port), *[a for e in engines for a in ("--engine", e)]]
+    metrics_port = free_port()  # never the default 9090: several gateways run side by side
+    args = ["serve", "--port", str(port)]
+    args += [a for e in engines for a in ("--engine", e)]
+    # the admin port by environment, not by flag: an older checkout (`cwd`) that has no such
+    # setting ignores the variable instead of refusing the flag
     popen = subprocess.Popen(
         _kvgate(*args, *gateway_args),
         stdout=subprocess.DEVNULL if quiet else None,
         stderr=subprocess.DEVNULL if quiet else None,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "KVGATE_METRICS_PORT": str(metrics_port), **(env or {})},
+        cwd=cwd,
     )
-    return Proc(f"gateway:{port}", url, popen)
+    return Proc(f"gateway:{port}", url, popen, f"http://127.0.0.1:{metrics_port}")
 
 
 def stop(procs: Sequence[Proc]) -> None:

@@ -13,9 +13,12 @@ import shutil
 import subprocess
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import redis
 
 from loadgen.harness.processes import free_port
 
@@ -198,3 +201,35 @@ def redis_cluster(num_masters: int = 3) -> Iterator[RedisCluster]:
         finally:
             for node in nodes:
                 node.stop()
+
+
+def without_pubsub(url: str) -> str:
+    """`url` as a new Redis user allowed everything but subscribing, on every node of a cluster:
+    its publishes (inside scripts too) work, its SUBSCRIBE is refused with NOPERM — a broken
+    pub/sub path for real, as a proxy or a managed Redis that drops pub/sub would give."""
+    user, password = f"deaf-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    rules = ["on", f">{password}", "~*", "&*", "+@all", "-subscribe", "-psubscribe"]
+    rules.append("-ssubscribe")
+    probe = redis.Redis.from_url(url)
+    try:
+        nodes = [probe]
+        if probe.info("cluster").get("cluster_enabled"):
+            nodes = [redis.Redis(host=host, port=port) for host, port in _cluster_nodes(probe)]
+        for node in nodes:
+            node.acl_setuser(user, reset=True)
+            node.execute_command("ACL", "SETUSER", user, *rules)  # type: ignore[no-untyped-call]
+            if node is not probe:
+                node.close()
+    finally:
+        probe.close()
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{user}:{password}@{rest}"
+
+
+def _cluster_nodes(client: redis.Redis) -> list[tuple[str, int]]:
+    nodes = []
+    raw = client.execute_command("CLUSTER", "NODES")  # type: ignore[no-untyped-call]
+    for line in raw.decode().splitlines():
+        host, port = line.split()[1].split("@")[0].rsplit(":", 1)
+        nodes.append((host, int(port)))
+    return nodes

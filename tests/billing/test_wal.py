@@ -14,7 +14,13 @@ import pytest
 import kvgate_cli
 from cachemap.redis.client import open_redis
 from gateway.billing.store import LocalLedger, RedisLedgerStore, Shipper
-from gateway.billing.wal import WalLocked, WriteAheadLog, read_segment, segment_paths
+from gateway.billing.wal import (
+    WalLocked,
+    WriteAheadLog,
+    read_directory,
+    read_segment,
+    segment_paths,
+)
 from loadgen.harness.redis_servers import RedisServer, redis_server
 
 
@@ -185,3 +191,69 @@ async def test_kvgate_billing_ship_takes_over_a_gone_gateways_wal(
     finally:
         await client.aclose()
         await live.aclose()
+
+
+def aborted(i: int) -> dict[str, Any]:
+    return {**record(i), "status": "aborted"}
+
+
+async def test_open_entries_ride_every_new_segment_and_a_restart_settles_them(
+    tmp_path: Path,
+) -> None:
+    """An exchange's open entry (written at its first token) is carried into each new segment
+    until it is settled; a crash leaves it unsettled, and the next start writes its aborted
+    record once, even after the shipper deleted every finished segment."""
+    wal = WriteAheadLog(tmp_path, segment_bytes=300)
+    wal.open()
+    await wal.open_entry("req-100", aborted(100))
+    await wal.open_entry("req-101", aborted(101))
+    for i in range(10):
+        await wal.append(record(i))
+    await wal.append(record(101))  # 101 ends: its own record, then settled
+    wal.settle("req-101")
+    for i in range(10, 20):
+        await wal.append(record(i))
+    assert len(segment_paths(tmp_path)) > 4
+    assert wal.num_open == 1
+    wal.close()  # kill -9: nothing settles req-100
+    for path in segment_paths(tmp_path)[:-1]:
+        path.unlink()  # shipped and deleted: only the current segment is left
+    again = WriteAheadLog(tmp_path)
+    again.open()
+    assert again.num_recovered == 1
+    ids = [r["id"] for r in read_directory(tmp_path)]
+    assert ids.count("req-100") == 1  # its aborted record, once
+    statuses = {r["id"]: r.get("status") for r in read_directory(tmp_path)}
+    assert statuses["req-100"] == "aborted"
+    again.close()
+    third = WriteAheadLog(tmp_path)
+    third.open()
+    assert third.num_recovered == 0  # settled by the record the last start wrote
+    third.close()
+
+
+@pytest.mark.redis
+async def test_kvgate_billing_ship_settles_a_gone_gateways_open_entries(
+    tmp_path: Path, aof_redis: RedisServer
+) -> None:
+    gone = WriteAheadLog(tmp_path / "pod-a")
+    gone.open()
+    await gone.append(record(40))
+    await gone.open_entry("req-41", aborted(41))  # a stream cut when its pod died
+    gone.close()
+
+    def ship() -> int:
+        return kvgate_cli.main(
+            ["billing", "ship", "--redis-url", aof_redis.url, "--wal-dir", str(gone.directory)]
+        )
+
+    assert await asyncio.to_thread(ship) == 0
+    client = await open_redis(aof_redis.url, cluster=False)
+    try:
+        stored = await RedisLedgerStore(client).query("acme", None, None)
+    finally:
+        await client.aclose()
+    assert [(r["id"], r.get("status")) for r in stored] == [
+        ("req-40", None),
+        ("req-41", "aborted"),
+    ]

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+import orjson
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachemap.rendering import GENERATION_PROMPT, render_chat, render_completion
+from cachemap.rendering import (
+    GENERATION_PROMPT,
+    MAX_JSON_DEPTH,
+    NestingError,
+    render_chat,
+    render_completion,
+    too_deep,
+)
 
 text = st.text(max_size=40)
 message = st.fixed_dictionaries(
@@ -69,3 +81,36 @@ def test_tool_call_arguments_are_canonical_json() -> None:
 def test_completion_prompts() -> None:
     assert render_completion("abc") == "abc"
     assert render_completion([1, 2, 3]) == "<|token_ids|>1 2 3"
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_nesting_is_limited_at_max_json_depth_whatever_the_shape() -> None:
+    assert not too_deep(_nested(MAX_JSON_DEPTH)) and too_deep(_nested(MAX_JSON_DEPTH + 1))
+    assert not too_deep({"a": _nested(MAX_JSON_DEPTH - 1)})
+    assert too_deep({"a": [{"b": _nested(MAX_JSON_DEPTH - 2)}]})
+    assert not too_deep("[[[[") and not too_deep(7)
+    # an integer orjson cannot serialize: the tree is walked instead, with the same answer
+    assert not too_deep({"big": 10**30, "a": _nested(MAX_JSON_DEPTH - 1)})
+    assert too_deep({"big": 10**30, "a": _nested(MAX_JSON_DEPTH)})
+
+
+def test_orjsons_recursion_guard_is_where_too_deep_counts_on_it() -> None:
+    """`too_deep` relies on orjson refusing the 255th level: pin it."""
+    orjson.dumps(_nested(254))
+    with pytest.raises(TypeError, match="Recursion limit reached"):
+        orjson.dumps(_nested(255))
+
+
+def test_tool_call_arguments_nested_too_deep_are_a_nesting_error() -> None:
+    for arguments in ("[" * 3000 + "]" * 3000, json.dumps(_nested(MAX_JSON_DEPTH + 1))):
+        call = {"id": "c", "function": {"name": "f", "arguments": arguments}}
+        with pytest.raises(NestingError, match="nest deeper than 64"):
+            render_chat([{"role": "assistant", "tool_calls": [call]}])
+    fine = {"id": "c", "function": {"name": "f", "arguments": json.dumps(_nested(10))}}
+    assert "<|tool_call|>" in render_chat([{"role": "assistant", "tool_calls": [fine]}])

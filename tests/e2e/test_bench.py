@@ -32,7 +32,10 @@ def test_a_small_bench_runs_every_arm_and_writes_one_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench.md"
-    arms = "kvgate:cache_aware,sglang:cache_aware,vllm:cache_aware,client:round_robin"
+    arms = (
+        "kvgate:cache_aware,epp:cache_aware,epp-headers:cache_aware,sglang:cache_aware,"
+        "vllm:cache_aware,client:round_robin"
+    )
     argv = [
         "bench",
         "--trace",
@@ -62,10 +65,16 @@ def test_a_small_bench_runs_every_arm_and_writes_one_table(
         if missing:  # the peers are an optional extra: said plainly, the rest still ran
             assert row["summary"] is None and "pip install -e '.[bench]'" in row["note"]
             continue
+        assert row["summary"] is not None, f"{name} did not run: {row['note']}"
         assert row["summary"]["requests"] == 40 and row["summary"]["errors"] == 0, row["note"]
         assert f"| {name} | 1 | 40 | 0 |" in table
         if name != "client:round_robin":
             assert row["router_cpu_ms_per_request"] > 0
+            assert row["hop_ms"] is not None
+        if name.startswith("epp"):  # Envoy carried the bytes, kvgate picked
+            assert row["envoy_cpu_ms_per_request"] > 0
+            assert row["decisions"], row
+            assert row["summary"]["hit_ratio"] > 0
     assert payload["lru_reference_hit_ratio"] > 0
     assert 0 <= payload["background_busy_share"] <= 1
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from loadgen.text import words
 from router.filters import LoadBoundFilter
 from router.registry import RouterConfig, build_policy
 from router.types import Replica, RouteRequest
-from tests.conftest import MODEL, TENANT_KEY
+from tests.conftest import MODEL, TENANT_KEY, metrics_url
 from tests.servers import Served, wait_until
 
 
@@ -130,7 +131,7 @@ def test_another_gateways_queue_on_an_engine_steers_new_prefixes_away(
         snapshot = busy.snapshot()
         assert snapshot.own_num_waiting == 0 and snapshot.foreign_prefill_tokens > 0
         places = [_chat(gateway, words(f"new-{n}", 50)) for n in range(5)]
-        metrics = httpx.get(gateway.url + "/metrics").text
+        metrics = httpx.get(metrics_url(gateway) + "/metrics").text
         for f in futures:
             f.result()
     assert places == [engines[1].url] * 5
@@ -138,3 +139,52 @@ def test_another_gateways_queue_on_an_engine_steers_new_prefixes_away(
         line for line in metrics.splitlines() if line.startswith("kvgate_engine_num_waiting{")
     ]
     assert any(engines[0].url in line and float(line.split()[-1]) > 0 for line in waiting)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("decode_token_weight", [0.0, 4.0])
+def test_streams_still_decoding_spread_a_shared_system_prompt(
+    decode_token_weight: float,
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+) -> None:
+    """Item 19: a shared system prompt, and 16 chats streamed at once with 100 output tokens
+    each (1 s of decode). Their prefill is short (the prompt hits on its holder), so counting
+    prefill alone sends all of them to the holder; counting the decode they still run spreads
+    them, once the holder's streams outweigh the slack (here 2,000 tokens: 5 streams)."""
+    engines = start_engines(4, timing=TimingModel(decode_s_per_token=0.01))
+    gateway = start_gateway(
+        engines, absolute_slack_tokens=2_000, decode_token_weight=decode_token_weight
+    )
+    d: Director = gateway.app.state.director
+    system = {"role": "system", "content": words("decode/system", 1500)}
+
+    async def chat(i: int, max_tokens: int = 100) -> str:
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {
+                "model": MODEL,
+                "messages": [system, {"role": "user", "content": f"question {i}"}],
+                "max_tokens": max_tokens,
+                "stream": True,
+            }
+            async with http.stream(
+                "POST",
+                gateway.url + "/v1/chat/completions",
+                json=body,
+                headers={"authorization": f"Bearer {TENANT_KEY}"},
+            ) as response:
+                assert response.status_code == 200
+                async for _ in response.aiter_bytes():
+                    pass
+                return response.headers["x-kvgate-replica"]
+
+    async def run() -> list[str]:
+        await chat(-1, max_tokens=1)  # the system prompt is cached on one replica
+        return list(await asyncio.gather(*(chat(i) for i in range(16))))
+
+    places = asyncio.run(run())
+    if decode_token_weight == 0:
+        assert len(set(places)) == 1
+    else:
+        assert len(set(places)) >= 3
+    assert all(s.decode_tokens == 0 for s in d.replicas.states.values())  # every lease let go

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
 import openai
 import pytest
 
+from gateway.pipeline.reconcile import Reconciler
+from gateway.pipeline.record import Recorder
 from loadgen.engine.timing import TimingModel
 from loadgen.text import words
 from tests.clients import director
-from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of
-from tests.servers import Served
+from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, metrics_url
+from tests.servers import Served, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -126,19 +129,27 @@ def test_siblings_of_different_tenants_are_never_held_for_each_other(
 def test_a_hot_spine_spreads_over_more_replicas(
     start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
 ) -> None:
+    """...and a replica the spine is spread to is predicted by what it really holds (item 17:
+    the spread's virtual overlap once reached reconciliation as an over-estimate of every
+    spread request, and the pending prefill counted the spine as cached there)."""
     engines = start_engines(4)  # fast engines: no queue ever builds, the load bound never trips
 
-    def run(**overrides: Any) -> set[str]:
+    def run(**overrides: Any) -> tuple[set[str], Reconciler]:
         gateway = start_gateway(engines, **overrides)
         places: list[str] = []
         for i in range(40):
             results = asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i, tag="hot"))]))
             places.append(results[0][1])
-        return set(places[10:])  # after the rate has built up
+        recorder = director(gateway).recorder
+        assert isinstance(recorder, Recorder)
+        reconciler = next(o for o in recorder.observers if isinstance(o, Reconciler))
+        return set(places[10:]), reconciler  # after the rate has built up
 
-    assert len(run(overflow=False)) == 1
+    assert len(run(overflow=False)[0]) == 1
     # a threshold of 10 requests per minute per replica: 40 requests in a few seconds is hot
-    assert len(run(overflow=True, overflow_threshold_per_min=10, fanout_hold=False)) >= 3
+    spread, reconciler = run(overflow=True, overflow_threshold_per_min=10, fanout_hold=False)
+    assert len(spread) >= 3
+    assert reconciler.stats.overestimates == 0  # was 3: one per request the spine spread to
 
 
 def test_holds_and_overflow_are_exported(
@@ -150,9 +161,115 @@ def test_holds_and_overflow_are_exported(
     gateway = start_gateway(engines, engine_prefill_tokens_per_s=6_500)
     asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i)) for i in range(4)]))
     asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(5))]))  # matches the shared prefix
-    text = httpx.get(gateway.url + "/metrics").text
+    text = httpx.get(metrics_url(gateway) + "/metrics").text
     assert "kvgate_fanout_holds_total 3.0" in text
     assert 'kvgate_fanout_releases_total{reason="landed"} 3.0' in text
     assert "kvgate_fanout_hold_seconds_count 3.0" in text
     assert "kvgate_hot_prefix_rate_per_min{prefix=" in text
     assert "kvgate_overflow_widenings_total" in text
+
+
+# -- the leader's first token releases its siblings, whatever its client asked (issue 14) ------
+DECODING = TimingModel(prefill_tokens_per_s=6_500, decode_s_per_token=0.01)
+"""The leader's ~0.6 s prefill, then 2 s of decode for its 200 tokens."""
+
+
+async def lead_then_siblings(gateway: Served, *, stream: bool) -> tuple[float, list[Any]]:
+    """A leader of 200 tokens (streamed or not) and, once it leads, three siblings: (the
+    leader's whole time, the siblings' results)."""
+    flights = director(gateway).placement.flights
+    assert flights is not None
+    leader_client = openai.AsyncOpenAI(
+        base_url=gateway.url + "/v1", api_key=TENANT_KEY, max_retries=0
+    )
+
+    async def leader() -> float:
+        started = time.monotonic()
+        if stream:
+            chunks = await leader_client.chat.completions.create(
+                model=MODEL, messages=sibling(0), max_tokens=200, stream=True
+            )
+            async for _ in chunks:
+                pass
+        else:
+            reply = await leader_client.chat.completions.create(
+                model=MODEL, messages=sibling(0), max_tokens=200
+            )
+            assert reply.usage is not None and reply.usage.completion_tokens == 200
+        return time.monotonic() - started
+
+    try:
+        leading = asyncio.create_task(leader())
+        await asyncio.to_thread(wait_until, lambda: len(flights) > 0, 10, "the leader")
+        siblings = await send_all(gateway, [(TENANT_KEY, sibling(i)) for i in range(1, 4)])
+        return await leading, siblings
+    finally:
+        await leader_client.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unstreamed-leader", "streamed-leader"])
+def test_a_leader_releases_its_siblings_at_its_first_token_not_its_last(
+    stream: bool,
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+) -> None:
+    """Before: a leader whose client did not stream was read whole, so its siblings waited out
+    its 2 s of decode — past their bound (2 × its ~0.6 s prefill), and wrote the prefix again."""
+    engines = start_engines(4, timing=DECODING)
+    gateway = start_gateway(engines, engine_prefill_tokens_per_s=6_500)
+    leader_s, results = asyncio.run(lead_then_siblings(gateway, stream=stream))
+    assert leader_s > 2.0  # the leader's answer takes its decode time
+    assert all(isinstance(r, tuple) for r in results), results
+    stats = director(gateway).placement.flights.stats  # type: ignore[union-attr]
+    assert stats.holds == 3 and stats.released_landed == 3 and stats.timeouts == 0
+    assert max(stats.hold_seconds) < 1.5  # released at the leader's first token
+    cached = [r[0].usage.engine_cached_tokens for r in results]
+    assert all(c >= SHARED_TOKENS - 32 for c in cached), cached  # each read the prefix
+    assert computed_tokens(engines) < SHARED_TOKENS + 4 * 200
+
+
+def test_a_leader_cancelled_mid_lead_releases_its_siblings_and_leaves_no_flight(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    """Suspected: a leader cancelled before its first token leaks its flight, and later
+    siblings hold on a dead flight. Disproved for a cancelled RPC (the director ends the flight
+    in a `finally`): the held sibling is released at once, and nothing is left behind."""
+    import grpc
+
+    from gateway.api.grpc._pb import gateway_pb2 as pb
+    from gateway.api.grpc._pb import gateway_pb2_grpc
+
+    engines = start_engines(2, timing=TimingModel(prefill_tokens_per_s=2_000))
+    gateway = start_gateway(engines, engine_prefill_tokens_per_s=2_000, grpc_port=0)
+    flights = director(gateway).placement.flights
+    assert flights is not None
+    messages = [
+        pb.Message(role=pb.ROLE_SYSTEM, content=[pb.ContentPart(text=SYSTEM)]),
+        pb.Message(
+            role=pb.ROLE_USER,
+            content=[pb.ContentPart(text=CONTEXT + "\n\nSubtask 0:" + words("task0", 100))],
+        ),
+    ]
+    request = pb.GenerateRequest(model=MODEL, messages=messages, sampling=pb.Sampling(max_tokens=2))
+    channel = grpc.insecure_channel(f"127.0.0.1:{gateway.app.state.grpc_port}")
+    try:
+        call = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(
+            request, metadata=(("authorization", f"Bearer {TENANT_KEY}"),), timeout=30
+        )
+        wait_until(lambda: len(flights) > 0, 10, "the leader")
+
+        async def held_sibling() -> list[Any]:
+            sending = asyncio.create_task(send_all(gateway, [(TENANT_KEY, sibling(1))]))
+            await asyncio.to_thread(wait_until, lambda: flights.stats.holds == 1, 10, "held")
+            call.cancel()  # the leader's client gives up during its ~2 s prefill
+            return await sending
+
+        (result,) = asyncio.run(held_sibling())
+    finally:
+        channel.close()
+    assert isinstance(result, tuple), result
+    assert flights.stats.released_failed == 1 and flights.stats.timeouts == 0
+    assert max(flights.stats.hold_seconds) < 1.9  # released by the cancellation
+    assert len(flights) == 0  # no flight left for a later sibling to hold on
+    asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(2))]))
+    assert flights.stats.holds == 1  # the prefix has landed: nothing to wait for

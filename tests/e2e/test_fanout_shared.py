@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import openai
 import pytest
 import redis
 
+from loadgen.harness.redis_servers import without_pubsub
 from tests.clients import director
 from tests.conftest import MODEL, TENANT_KEY
 from tests.e2e.test_fanout import REAL_TIME, SHARED_TOKENS, computed_tokens, send_all, sibling
@@ -21,13 +23,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 SHARED = {"redis_deadline_s": 0.5, "server_secret": "fleet", "engine_prefill_tokens_per_s": 6_500}
 
 
+@pytest.mark.parametrize("pubsub", ["working", "refused"])
 def test_siblings_at_two_gateways_wait_for_one_leader(
+    pubsub: str,
     fresh_redis: Any,
     start_engines: Callable[..., list[Served]],
     start_gateway: Callable[..., Served],
 ) -> None:
+    """With pub/sub refused (item 14: the gateways' Redis user may not SUBSCRIBE) the landing
+    still releases the siblings at B: their wait polls the leader's marker."""
     engines = start_engines(4, timing=REAL_TIME)
-    a, b = (start_gateway(engines, redis_url=fresh_redis.url, **SHARED) for _ in range(2))
+    url = fresh_redis.url if pubsub == "working" else without_pubsub(fresh_redis.url)
+    a, b = (start_gateway(engines, redis_url=url, **SHARED) for _ in range(2))
     markers = redis.Redis.from_url(fresh_redis.url)
 
     def leader() -> Any:
@@ -63,11 +70,13 @@ def test_two_gateways_add_up_one_rate(
     start_gateway: Callable[..., Served],
 ) -> None:
     engines = start_engines(4)
-    extra: dict[str, Any] = {"overflow_threshold_per_min": 60, "fanout_hold": False}
+    extra: dict[str, Any] = {"overflow_threshold_per_min": 180, "fanout_hold": False}
     if shared:
         extra |= {"redis_url": fresh_redis.url, "redis_deadline_s": 0.5}
     a, b = (start_gateway(engines, server_secret="fleet", **extra) for _ in range(2))
-    for i in range(16):  # 8 each within seconds: 48/min alone, 96/min together; threshold 60
+    started = time.monotonic()
+    for i in range(16):  # one every 0.25 s: 120/min at each alone, 240/min together; 180
+        wait_until(lambda i=i: time.monotonic() >= started + 0.25 * i, what="its turn")  # pacing
         gateway = (a, b)[i % 2]
         asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i, tag="rate"))]))
         wait_until(lambda g=gateway: director(g).directory.idle, what="record flushed")

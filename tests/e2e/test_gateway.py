@@ -13,7 +13,7 @@ from loadgen.engine.timing import TimingModel
 from loadgen.text import words
 from tests.clients import director
 from tests.clients import openai_client as client
-from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of
+from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, metrics_url
 from tests.loadgen.test_engine import metric
 from tests.servers import Served, serve, wait_until
 
@@ -236,7 +236,7 @@ def test_v1_models_and_metrics(fleet: tuple[list[Served], Served]) -> None:
     models = client(gateway).models.list()
     assert [m.id for m in models.data] == [MODEL]
     ask(client(gateway), [{"role": "user", "content": "count me"}])
-    text = httpx.get(gateway.url + "/metrics").text
+    text = httpx.get(metrics_url(gateway) + "/metrics").text
     assert 'kvgate_routing_decisions_total{policy="cache_aware"' in text
 
 

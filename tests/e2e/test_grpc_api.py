@@ -27,7 +27,7 @@ from gateway.api.grpc.service import start_grpc
 from gateway.api.openai.parse import parse_chat
 from loadgen.engine.timing import TimingModel
 from loadgen.text import words
-from tests.conftest import MODEL, TENANT_KEY, engine_of, gateway_settings
+from tests.conftest import MODEL, TENANT_KEY, engine_of, gateway_settings, metrics_url
 from tests.gateway.test_anthropic_convert import OPENAI
 from tests.servers import Served, wait_until
 
@@ -155,7 +155,7 @@ def test_each_error_status(
     start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
 ) -> None:
     engines = start_engines(2)
-    gateway = start_gateway(engines, grpc_port=0, max_prompt_bytes=100_000)
+    gateway = start_gateway(engines, grpc_port=0, max_prompt_bytes=100_000, max_body_bytes=150_000)
     s = stub(gateway)
     ok = request([text(pb.ROLE_USER, "hi")], 2)
     cases: list[tuple[Any, Any, grpc.StatusCode, str]] = [
@@ -194,7 +194,7 @@ def test_each_error_status(
             grpc.StatusCode.INVALID_ARGUMENT,
             "the maximum is 100000",
         ),
-        # beyond the message size limit, gRPC itself refuses before the gateway parses
+        # beyond the message size limit (max_body_bytes), gRPC refuses before the gateway parses
         (
             request([text(pb.ROLE_USER, "x" * 200_000)], 2),
             AUTH,
@@ -240,7 +240,7 @@ def test_each_error_status(
     )
     expected[("Generate", "UNAVAILABLE")] += 2
     counted: Counter[tuple[str, str]] = Counter()
-    text_ = httpx.get(gateway.url + "/metrics", timeout=10).text
+    text_ = httpx.get(metrics_url(gateway) + "/metrics", timeout=10).text
     for family in text_string_to_metric_families(text_):
         for sample in family.samples:
             if sample.name == "kvgate_grpc_requests_total":
@@ -460,4 +460,6 @@ def test_an_engine_stream_that_breaks_is_unavailable(
     assert next(events).WhichOneof("event") == "start"
     engines[0].server.should_exit = engines[0].server.force_exit = True  # the engine dies
     code, details = code_of(lambda: list(events))
-    assert code == grpc.StatusCode.UNAVAILABLE and "upstream stream broke" in details
+    assert code == grpc.StatusCode.UNAVAILABLE and "upstream failure" in details
+    for internal in ("TransferEncodingError", "400", "Payload", "http://"):  # issue 14, item 22
+        assert internal not in details

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.tenancy.tenant_file import add_key, revoke
 from loadgen.engine.server import EngineConfig, create_engine_app
 from loadgen.text import words
+from tests.clients import director
 from tests.clients import openai_client as sdk
 from tests.conftest import FAST, MODEL, OTHER_KEY, TENANT_KEY
 from tests.servers import Served, start_app, stop_all, wait_until
@@ -267,3 +268,28 @@ def test_tokens_per_minute_are_charged_by_what_was_used(
     huge = {"model": MODEL, "messages": [{"role": "user", "content": words("huge", 4000)}]}
     r = post(gateway, key, huge)
     assert r.status_code == 400 and "it can never be admitted" in r.json()["error"]["message"]
+
+
+def test_no_tenant_can_move_another_tenants_token_estimate(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    tenants_file: Path,
+) -> None:
+    """The bytes-per-token estimate sizes admission (`max_prompt_tokens`): learned from every
+    tenant, one tenant's odd text moved everyone's. Each tenant now learns its own."""
+    small, _, _ = add_key(tenants_file, "small", max_prompt_tokens=500)
+    steerer, _, _ = add_key(tenants_file, "steerer")
+    gateway = start_gateway(start_engines(1), tenants_file=tenants_file)
+    prose = {"model": MODEL, "messages": [{"role": "user", "content": words("prose", 300)}]}
+    assert post(gateway, small, prose).status_code == 200  # ~300 tokens: within its 500
+    # scattered letters tokenize at ~2 bytes a token (English prose at ~5)
+    dense = " ".join("abcdefghijklmnopqrstuvwxyz"[i % 26] for i in range(1200))
+    for n in range(20):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"{n} {dense}"}]}
+        assert post(gateway, steerer, body).status_code == 200
+    # the same prose again: still ~300 tokens for `small` (with one shared estimate: ~650)
+    r = post(gateway, small, prose)
+    assert r.status_code == 200, r.text
+    estimator = director(gateway).estimator
+    assert estimator.bytes_per_token(MODEL, tenant="steerer") < 2.5
+    assert estimator.bytes_per_token(MODEL, tenant="small") > 4.5

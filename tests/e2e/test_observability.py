@@ -5,6 +5,7 @@ HTTP into a receiver on loopback."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,8 +30,9 @@ from gateway.observability.tracing import (
 )
 from gateway.request.trace import NoTracer
 from gateway.server.app import create_app
+from gateway.tenancy.tenant_file import add_key
 from loadgen.text import words
-from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, gateway_settings
+from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, gateway_settings, metrics_url
 from tests.servers import Served, start_app, stop_all
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +40,7 @@ pytestmark = pytest.mark.e2e
 
 def samples(gateway: Served) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Every sample of the gateway's /metrics: (name, labels) -> value."""
-    text = httpx.get(gateway.url + "/metrics").text
+    text = httpx.get(metrics_url(gateway) + "/metrics").text
     return {
         (s.name, frozenset(s.labels.items())): s.value
         for family in text_string_to_metric_families(text)
@@ -235,18 +237,26 @@ def test_a_request_not_sampled_makes_no_span(start_engines: Callable[..., list[S
 
 
 def test_a_clients_traceparent_is_continued_and_passed_to_the_engine(
-    start_engines: Callable[..., list[Served]],
+    start_engines: Callable[..., list[Served]], tmp_path: Path
 ) -> None:
     engines = start_engines(1)
     exporter = InMemorySpanExporter()
-    # ratio 0: only the client's sampled flag makes kvgate trace
-    settings = gateway_settings([e.url for e in engines], trace_sample_ratio=0.0)
+    trusted, _, _ = add_key(tmp_path / "tenants.yaml", "traced", trusted_tracing=True)
+    # ratio 0: only a trusted tenant's sampled flag makes kvgate trace
+    settings = gateway_settings(
+        [e.url for e in engines], trace_sample_ratio=0.0, tenants_file=tmp_path / "tenants.yaml"
+    )
     gateway = start_app(create_app(settings, span_exporter=exporter))
     engine = engine_of(engines[0])
     trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     try:
         sampled = {"traceparent": f"00-{trace_id}-{client_span}-01", "tracestate": "k=v"}
-        assert chat(gateway, "traced by the client", sampled).status_code == 200
+        # another tenant's sampled flag cannot force a trace past the ratio (0 here) ...
+        for n in range(3):
+            assert chat(gateway, f"untrusted {n}", sampled).status_code == 200
+        assert finished(gateway, exporter) == []
+        assert engine.last_traceparent == sampled["traceparent"]  # ... and is passed on as is
+        assert chat(gateway, "traced by the client", sampled, key=trusted).status_code == 200
         spans = finished(gateway, exporter)
         (request,) = by_name(spans, REQUEST_SPAN)
         (upstream,) = by_name(spans, UPSTREAM_SPAN)
@@ -259,10 +269,10 @@ def test_a_clients_traceparent_is_continued_and_passed_to_the_engine(
         assert seen_parent == format(upstream.context.span_id, "016x")
 
         unsampled = {"traceparent": f"00-{trace_id}-{client_span}-00"}
-        assert chat(gateway, "not sampled by the client", unsampled).status_code == 200
+        assert chat(gateway, "not sampled", unsampled, key=trusted).status_code == 200
         assert finished(gateway, exporter) == []  # the client's flag, not the ratio, decided
         assert engine.last_traceparent == unsampled["traceparent"]  # passed on unchanged
-        assert chat(gateway, "no trace context").status_code == 200
+        assert chat(gateway, "no trace context", key=trusted).status_code == 200
         assert engine.last_traceparent is None
     finally:
         stop_all([gateway])

@@ -13,10 +13,19 @@ import redis
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryDirectory, MemoryIndex
+from cachemap.rates import PrefixRates
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
-from cachemap.redis.schema import block_keys
-from loadgen.harness.redis_servers import RedisServer
+from cachemap.redis.schema import (
+    COUNT_KEY,
+    FLOOR_KEY,
+    GEN_KEY,
+    SEEN_KEY,
+    START_KEY,
+    block_keys,
+    replica_id,
+)
+from loadgen.harness.redis_servers import RedisServer, without_pubsub
 
 pytestmark = pytest.mark.redis
 
@@ -37,6 +46,8 @@ class Store:
     def __init__(self, kind: str, make: Callable[..., Coroutine[Any, Any, Any]], clock: Clock):
         self.kind = kind
         self.make = make
+        """make(capacity_blocks=, ttl_s=, pubsub=True): a directory; pubsub=False connects as
+        a Redis user that may not SUBSCRIBE (a broken pub/sub path, for real)."""
         self.clock = clock
         self.prefix = uuid.uuid4().hex
 
@@ -69,13 +80,13 @@ async def _store(kind: str, redis_url: str, redis_cluster_url: str) -> AsyncIter
     clock = Clock()
     opened: list[Any] = []
 
-    async def make(capacity_blocks: int = 1000, ttl_s: float = 60.0) -> Any:
+    async def make(capacity_blocks: int = 1000, ttl_s: float = 60.0, pubsub: bool = True) -> Any:
         if kind == "memory":
             return MemoryDirectory(
                 MemoryIndex(capacity_blocks=capacity_blocks, ttl_s=ttl_s, clock=clock)
             )
         url = redis_url if kind == "redis" else redis_cluster_url
-        client = await open_redis(url)
+        client = await open_redis(url if pubsub else without_pubsub(url))
         directory = RedisDirectory(
             client, capacity_blocks=capacity_blocks, ttl_s=ttl_s, clock=clock
         )
@@ -86,6 +97,16 @@ async def _store(kind: str, redis_url: str, redis_cluster_url: str) -> AsyncIter
     yield Store(kind, make, clock)
     for directory in opened:
         await directory.close()
+
+
+async def eventually(check: Callable[[], Coroutine[Any, Any, bool]], timeout_s: float) -> bool:
+    """Poll an async condition until it holds, at most `timeout_s` (bounded; no sleep decides)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
 
 
 def named(directory: Any, store: Store, *names: str) -> None:
@@ -139,6 +160,22 @@ async def test_capacity_bounds_what_matches_and_keeps_the_recent(store: Store) -
     assert matched[0] == 0  # the oldest is gone
 
 
+async def test_re_recording_a_hot_chain_does_not_age_an_idle_one(store: Store) -> None:
+    """Item 17: capacity counts distinct entries, as an LRU does. A chain recorded again (the
+    spine every request shares) is one set of entries, not a new one per record; when Redis
+    counted every re-record, an idle conversation stopped matching long before the in-process
+    store at the same capacity forgot it."""
+    d = await store.make(capacity_blocks=40)
+    r1 = store.replica("r1")
+    named(d, store, "r1")
+    idle, hot = store.chain("idle", 10), store.chain("hot", 10)
+    await d.record(r1, idle)
+    for _ in range(10):  # 100 records of 10 distinct blocks: 20 entries of 40 in all
+        await d.record(r1, hot)
+    assert await d.lookup(idle) == {r1: 10}
+    assert await d.lookup(hot) == {r1: 10}
+
+
 async def test_drop_removes_what_the_engine_did_not_hold(store: Store) -> None:
     d = await store.make()
     r1, r2 = store.replica("r1"), store.replica("r2")
@@ -177,6 +214,30 @@ async def test_two_directories_on_one_redis_share_everything(shared_store: Store
     assert await second.lookup(a) == {}
 
 
+async def test_a_gateway_whose_pubsub_is_broken_still_hears_epochs_and_floors(
+    shared_store: Store,
+) -> None:
+    """Item 14: generations and floors reach every gateway within the refresh interval even
+    when its subscription to the channel fails (here: its Redis user may not SUBSCRIBE). Until
+    now the once-a-second refresh ran only inside a working subscription."""
+    store = shared_store
+    first, deaf = await store.make(), await store.make(pubsub=False)
+    r1, r2 = store.replica("r1"), store.replica("r2")
+    for d in (first, deaf):
+        named(d, store, "r1", "r2")
+    a = store.chain("a", 4)
+    await first.record(r1, a)
+    await first.record(r2, a)
+    assert await deaf.lookup(a) == {r1: 4, r2: 4}
+    await first.forget(r1)  # r1 restarted: an epoch bump
+    await first.expire(r2, store.clock.now)  # r2 evicted everything used until now
+    assert await eventually(lambda: _matches_nothing(deaf, a), timeout_s=5.0)
+
+
+async def _matches_nothing(directory: Any, chain: list[BlockHash]) -> bool:
+    return bool(await directory.lookup(chain) == {})
+
+
 async def test_a_restart_marker_bumps_the_epoch_once(shared_store: Store) -> None:
     store = shared_store
     first, second = await store.make(), await store.make()
@@ -191,6 +252,61 @@ async def test_a_restart_marker_bumps_the_epoch_once(shared_store: Store) -> Non
     assert not await second.restarted(r1, "2000.0")  # reported twice, bumped once
     await second.refresh_generations()
     assert await second.lookup(a) == {}
+
+
+async def test_quiet_replicas_leave_the_meta_hashes_and_generations_never_go_back(
+    shared_store: Store,
+) -> None:
+    """Item 17: `kvg:{kvg-meta}:*` held a field per replica ever seen (a rollout adds a set
+    per pod address). A replica neither recorded nor restarted for twice the TTL is pruned from
+    every hash; its generation lives on in the base, so if it returns its old entries stay
+    dead while its new ones match."""
+    store = shared_store
+    d = await store.make(capacity_blocks=8, ttl_s=60.0)
+    quiet, busy = store.replica("quiet"), store.replica("busy")
+    named(d, store, "quiet", "busy")
+    a = store.chain("a", 6)
+    assert not await d.restarted(quiet, "1000.0")
+    for _ in range(3):  # past capacity: the generation moves (2 per restart, 1 per 4 blocks)
+        await d.record(quiet, store.chain(f"q{_}", 6))
+    await d.restarted(quiet, "2000.0")
+    await d.expire(quiet, store.clock.now)
+    old_gen = d.meta.gen(replica_id(quiet))
+    assert old_gen >= 3
+    store.clock.now += 90  # past the TTL, not the horizon
+    await d.record(busy, a)
+    assert await d.prune() == 0
+    store.clock.now += 60  # 150 s since `quiet` was last heard of: past 2 × TTL
+    assert await d.prune() >= 1
+    rid = replica_id(quiet)
+    for key in (GEN_KEY, COUNT_KEY, START_KEY, FLOOR_KEY, SEEN_KEY):
+        assert not await d.client.hexists(key, rid), key
+    assert await d.client.hexists(GEN_KEY, replica_id(busy))
+    await d.refresh_generations()
+    assert d.meta.gen(rid) >= old_gen  # the base: never back
+    await d.record(quiet, a)  # it came back
+    await d.record(busy, a)
+    assert await d.lookup(a) == {quiet: 6, busy: 6}
+
+
+async def test_the_shared_rate_of_a_burst_is_the_in_process_one(shared_store: Store) -> None:
+    """Item 18: the lookup script counts a prefix's rate with the formula `cachemap.rates`
+    uses in process — a young prefix over the span observed — so every gateway sees a burst
+    as soon as one would alone."""
+    store = shared_store
+    d = await store.make()
+    r1 = store.replica("r1")
+    named(d, store, "r1")
+    spine = store.chain("spine", 3)
+    await d.record(r1, spine)
+    store.clock.now = 1_800_000_003.0  # 3 s into a 10-s window
+    local = PrefixRates(clock=store.clock)
+    for _ in range(30):  # 40 requests/s
+        shared = await d.lookup_full(spine, rate_window_s=local.window_s)
+        expected = local.observe(spine[-1])
+        assert shared.rate_per_min == pytest.approx(expected.rate_per_min, rel=1e-3)
+        store.clock.now += 0.025
+    assert shared.rate_per_min == pytest.approx(29 * 60 / 1.0, rel=1e-3)  # a span of >= 1 s
 
 
 @pytest.mark.parametrize("num_blocks", [8, 64, 512])

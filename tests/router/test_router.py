@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.filters import LoadBoundFilter
+from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT, LoadBoundFilter
 from router.registry import POLICIES, RouterConfig, build_policy
 from router.types import Replica, RouteRequest
 
@@ -48,6 +48,53 @@ def test_the_best_match_is_passed_over_exactly_when_it_is_over_the_load_bound() 
     over = policy.decide(req, fleet(r2=15_761), random.Random(0))
     assert over is not None and over.replica != "r2" and over.reason == "load_bound"
     assert over.ranking[-1] == "r2"  # demoted, still a fallback for retries
+
+
+def test_decode_still_running_counts_in_the_bound() -> None:
+    """Item 19: the holder of a shared system prompt kept every request while its prefill
+    queue stayed short, however many streams it was still decoding (205 of 210 on one of 4
+    engines). Outstanding output tokens count in the load, weighted in prefill tokens."""
+    req = request({"r0": 90})  # 6,400 tokens; 640 uncached on r0, 6,400 elsewhere
+    weighted = RouteRequest(
+        req.num_blocks,
+        req.num_prompt_tokens,
+        req.overlap,
+        req.tokens_per_block,
+        decode_token_weight=DEFAULT_DECODE_TOKEN_WEIGHT,
+    )
+    policy = build_policy("cache_aware")
+
+    def decoding(r0_tokens: float, **others: Replica) -> list[Replica]:
+        fleet = [Replica("r0", decode_tokens=r0_tokens), Replica("r1"), Replica("r2")]
+        return [others.get(r.id, r) for r in fleet]
+
+    # 8 streams with 1,000 tokens to go: 640 + 4 × 8,000 = 32,640, within 6,400 + 131,072 +
+    # 3,200 = 140,672 of the others: the prefix wins
+    kept = policy.decide(weighted, decoding(8_000), random.Random(0))
+    assert kept is not None and kept.replica == "r0" and kept.reason == "prefix"
+    # 40 such streams: 160,640 > 140,672, over the bound: the least-loaded other replica
+    moved = policy.decide(weighted, decoding(40_000), random.Random(0))
+    assert moved is not None and moved.replica != "r0" and moved.reason == "load_bound"
+    # without the weight (decode not counted) the holder kept everything
+    blind = policy.decide(req, decoding(40_000), random.Random(0))
+    assert blind is not None and blind.replica == "r0"
+    # other gateways' streams, seen as the engine's running requests beyond this gateway's
+    # own: 36 foreign at a mean of 1,000 tokens + 4,000 of its own = 40,000 again
+    foreign = Replica(
+        "r0",
+        decode_tokens=4_000,
+        engine_num_running=40,
+        own_num_running=4,
+        request_output_tokens=1_000,
+    )
+    assert foreign.decode_work_tokens == 40_000
+    seen = policy.decide(weighted, decoding(0, r0=foreign), random.Random(0))
+    assert seen is not None and seen.reason == "load_bound"
+    # a saturated KV cache is over the bound whatever the queues, while another has room
+    full = Replica("r0", kv_usage=0.97)
+    saturated = policy.decide(weighted, decoding(0, r0=full), random.Random(0))
+    assert saturated is not None and saturated.replica != "r0"
+    assert saturated.ranking[-1] == "r0"  # still a fallback
 
 
 def test_the_relative_slack_widens_the_bound_under_load() -> None:

@@ -51,7 +51,10 @@ def test_the_config_schema_is_the_settings() -> None:
     assert not chart.CHART_MANAGED & set(config)
 
 
-@pytest.mark.parametrize("values", [None, chart.EVERYTHING_VALUES, EXTERNAL_VALUES])
+@pytest.mark.parametrize(
+    "values",
+    [None, chart.EVERYTHING_VALUES, EXTERNAL_VALUES, chart.CHART / "ci" / "epp-values.yaml"],
+)
 def test_lint_strict_and_kubernetes_validate_strict(values: Path | None) -> None:
     linted = chart.lint(values)
     assert linted.returncode == 0, linted.stdout + linted.stderr
@@ -74,6 +77,7 @@ def test_the_defaults_render_the_whole_deployment() -> None:
         ("RoleBinding", "kvgate-discovery"),
         ("Secret", "kvgate"),
         ("Service", "kvgate"),
+        ("Service", "kvgate-metrics"),
         ("Service", "kvgate-redis"),
         ("Service", "kvgate-redis-headless"),
         ("ServiceAccount", "kvgate"),
@@ -88,11 +92,18 @@ def test_the_defaults_render_the_whole_deployment() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert gateway["securityContext"]["readOnlyRootFilesystem"] is True
     assert gateway["securityContext"]["allowPrivilegeEscalation"] is False
-    assert {p["name"] for p in gateway["ports"]} == {"http", "grpc"}
+    assert {p["name"]: p["containerPort"] for p in gateway["ports"]} == {
+        "http": 8080,
+        "grpc": 50051,
+        "metrics": 9090,
+    }
+    # the tenants' Service carries the APIs only; /metrics has a headless Service of its own
     assert {p["name"] for p in one(objects, "Service", "kvgate")["spec"]["ports"]} == {
         "http",
         "grpc",
     }
+    metrics = one(objects, "Service", "kvgate-metrics")["spec"]
+    assert metrics["clusterIP"] == "None" and [p["name"] for p in metrics["ports"]] == ["metrics"]
     # an HPA owns the replica count (at least 2); a PDB keeps one up
     assert "replicas" not in deployment["spec"]
     assert one(objects, "HorizontalPodAutoscaler")["spec"]["minReplicas"] >= 2
@@ -127,6 +138,7 @@ def test_the_gateway_accepts_what_the_chart_renders(tmp_path: Path) -> None:
         assert settings.tenants_file == Path("/etc/kvgate/secret/tenants.yaml")
         ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
         assert settings.port == ports["http"] and settings.grpc_port == ports.get("grpc")
+        assert settings.metrics_port == ports["metrics"] != settings.port
         if values is EXTERNAL_VALUES:
             assert settings.redis_cluster is True and settings.discovery == "static"
             assert not [o for o in objects if o["kind"] == "Secret"]  # existingSecret only
@@ -170,19 +182,23 @@ def test_discovery_rbac_reads_endpointslices_where_the_engines_are() -> None:
     )
 
 
-def test_the_service_monitor_scrapes_the_gateways_metrics() -> None:
+def test_the_service_monitor_scrapes_the_metrics_port_never_the_tenants_service() -> None:
     """kubernetes-validate knows no CRDs: the ServiceMonitor's fields, checked here."""
     objects = chart.template(chart.EVERYTHING_VALUES)
     monitor = one(objects, "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    service = one(objects, "Service", "kvgate")
-    labels = service["metadata"]["labels"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    service = one(objects, "Service", "kvgate-metrics")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    tenants = one(objects, "Service", "kvgate")  # the ServiceMonitor does not select it
+    assert not selector.items() <= tenants["metadata"]["labels"].items()
+    assert "metrics" not in {p["name"] for p in tenants["spec"]["ports"]}
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["inference"]}
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics"
-    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["port"] == "metrics"
+    assert [p["port"] for p in service["spec"]["ports"]] == [9100]  # everything-values' port
     assert endpoint["interval"] == "10s" and endpoint["scrapeTimeout"] == "5s"
     assert chart.is_custom_resource(monitor)
     assert not [o for o in chart.template() if o["kind"] == "ServiceMonitor"]  # off by default
@@ -239,3 +255,82 @@ def test_one_gateway_without_redis_is_allowed(tmp_path: Path) -> None:
     assert not [o for o in objects if o["kind"] == "StatefulSet"]
     (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "KVGATE_REDIS_URL" not in {e["name"] for e in gateway["env"]}
+
+
+EPP_VALUES = chart.CHART / "ci" / "epp-values.yaml"
+
+
+def test_epp_mode_renders_an_inference_pool_the_picker_and_its_endpoints(tmp_path: Path) -> None:
+    objects = chart.template(EPP_VALUES)
+    pool = one(objects, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": {"app": "vllm", "tier": "gpu"}},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {
+            "kind": "Service",
+            "name": "kvgate",
+            "port": {"number": 9002},
+            "failureMode": "FailOpen",
+        },
+    }
+    assert chart.validate_inference_pools(objects) == []
+    # the picker's Service exposes ext-proc where the pool's endpointPickerRef points
+    ports = {p["name"]: p for p in one(objects, "Service", "kvgate")["spec"]["ports"]}
+    assert ports["epp"]["port"] == 9002 and ports["epp"]["appProtocol"] == "kubernetes.io/h2c"
+    # the pool's pods, for discovery: a headless Service with the pool's selector
+    headless = one(objects, "Service", "kvgate-pool")["spec"]
+    assert headless["clusterIP"] == "None" and headless["selector"] == {
+        "app": "vllm",
+        "tier": "gpu",
+    }
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    settings = load_settings(config)
+    assert settings.mode == "epp" and settings.epp_port == 9002
+    assert settings.discovery == "kubernetes"
+    assert settings.discovery_label_selector == "kubernetes.io/service-name=kvgate-pool"
+    (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "epp", "containerPort": 9002, "protocol": "TCP"} in gateway["ports"]
+    assert not [o for o in chart.template() if o["kind"] == "InferencePool"]  # off by default
+
+
+def test_the_inference_pool_schema_catches_what_a_v1_pool_may_not_be() -> None:
+    (pool,) = [o for o in chart.template(EPP_VALUES) if o["kind"] == "InferencePool"]
+    broken = {**pool, "spec": {**pool["spec"], "targetPorts": []}}
+    assert any("targetPorts" in p for p in chart.validate_inference_pools([broken]))
+    renamed = {**pool, "spec": {**pool["spec"], "extensionRef": {"name": "x"}}}
+    del renamed["spec"]["endpointPickerRef"]  # the pre-v1 field name
+    problems = chart.validate_inference_pools([renamed])
+    assert any("endpointPickerRef" in p for p in problems), problems
+    wrong_mode = {
+        **pool,
+        "spec": {**pool["spec"], "endpointPickerRef": {"name": "x", "failureMode": "Maybe"}},
+    }
+    assert any("Maybe" in p for p in chart.validate_inference_pools([wrong_mode]))
+
+
+def test_metrics_port_null_serves_no_metrics(tmp_path: Path) -> None:
+    objects = chart.template(None, "--set", "metricsPort=null")
+    assert not [o for o in objects if o["metadata"]["name"] == "kvgate-metrics"]
+    (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "metrics" not in {p["name"] for p in gateway["ports"]}
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    assert load_settings(config).metrics_port is None
+
+
+def test_the_drain_fits_in_the_pods_termination_grace(tmp_path: Path) -> None:
+    """SIGTERM comes after the preStop sleep, inside terminationGracePeriodSeconds: the
+    gateway's drain grace is what is left after the sleep and the stop's margin (issue 14,
+    item 25), so the kubelet never kills a gateway that is still draining."""
+    objects = chart.template()
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    (gateway,) = pod["containers"]
+    config = yaml.safe_load(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    sleep = gateway["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert sleep + config["shutdown_grace_s"] + 15 == pod["terminationGracePeriodSeconds"]
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"terminationGracePeriodSeconds": 20}))
+    with pytest.raises(chart.ChartError, match="must exceed preStopSleepSeconds"):
+        chart.template(path)

@@ -28,10 +28,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachemap.rendering import canonical_json, render_chat
+from cachemap.rendering import NestingError, canonical_json, render_chat
 from gateway.api.body import load_json_object
 from gateway.errors import InvalidRequest
-from gateway.request.cache_control import Mark, check_marks, parse_cache_control, place
+from gateway.request.cache_control import (
+    Mark,
+    annotate_messages,
+    annotate_tools,
+    check_marks,
+    parse_cache_control,
+    place,
+)
 from gateway.request.parsed import CHAT, ParsedRequest
 
 _FIELDS = frozenset(
@@ -393,12 +400,12 @@ def parse_messages(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
 
     upstream: dict[str, Any] = {
         "model": model,
-        "messages": _annotated(out.messages, out.marks),
+        "messages": annotate_messages(out.messages, out.marks),
         "max_tokens": max_tokens,
         "stream": stream,
     }
     if tools:
-        upstream["tools"] = _annotated_tools(tools, tool_marks)
+        upstream["tools"] = annotate_tools(tools, tool_marks)
     if body.get("cache_control") is not None:
         upstream["cache_control"] = body["cache_control"]
     if body.get("tool_choice") is not None:
@@ -406,7 +413,10 @@ def parse_messages(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
         if body["tool_choice"].get("disable_parallel_tool_use") is True:
             upstream["parallel_tool_calls"] = False
     _sampling(body, upstream)
-    rendered = render_chat(out.messages, tools or None).encode()
+    try:
+        rendered = render_chat(out.messages, tools or None).encode()
+    except NestingError as exc:
+        raise _fail(str(exc), "messages") from None
     if len(rendered) > max_prompt_bytes:
         raise _fail(
             f"the prompt is {len(rendered)} bytes; the maximum is {max_prompt_bytes}", "messages"
@@ -424,37 +434,3 @@ def _same_place(a: Mark, b: Mark) -> bool:
         b.num_parts,
         b.num_calls,
     )
-
-
-def _hint(ttl: str) -> dict[str, str]:
-    return {"type": "ephemeral", "ttl": ttl}
-
-
-def _annotated(messages: list[dict[str, Any]], marks: list[Mark]) -> list[dict[str, Any]]:
-    """Copies of the marked messages with `cache_control` on the marked part (or, for a mark
-    covering the whole message or its tool calls, on the message)."""
-    out = list(messages)
-    for mark in marks:
-        if mark.message < 0:
-            continue
-        message = dict(out[mark.message])
-        content = message.get("content")
-        if mark.num_parts and isinstance(content, list) and mark.num_calls == 0:
-            parts = list(content)
-            parts[mark.num_parts - 1] = {
-                **parts[mark.num_parts - 1],
-                "cache_control": _hint(mark.ttl),
-            }
-            message["content"] = parts
-        else:
-            message["cache_control"] = _hint(mark.ttl)
-        out[mark.message] = message
-    return out
-
-
-def _annotated_tools(tools: list[dict[str, Any]], marks: list[Mark]) -> list[dict[str, Any]]:
-    out = list(tools)
-    for mark in marks:
-        if mark.tool >= 0:
-            out[mark.tool] = {**out[mark.tool], "cache_control": _hint(mark.ttl)}
-    return out

@@ -1,8 +1,7 @@
 """`POST /v1/messages`: Anthropic's Messages API in front of OpenAI-speaking engines.
 
 The handler stays thin (authenticate, parse, `Director.open`, translate); the request side is
-`gateway.api.anthropic.convert`, the usage split
-`gateway.request.cache_control.provisional_cache_usage`.
+`gateway.api.anthropic.convert`, the usage's cache fields `gateway.api.usage.cache_usage`.
 The key comes from `x-api-key` (Anthropic's header) or `Authorization: Bearer` (what the
 `anthropic` SDK sends for `api_key` since 2.x). Errors have Anthropic's shape
 (`gateway.errors.to_anthropic_http`), mid-stream ones as an `error` event.
@@ -36,9 +35,9 @@ from gateway.api.anthropic.schemas import openapi_operation
 from gateway.api.context import FrontEnd
 from gateway.api.errors import anthropic_error_body, to_anthropic_http
 from gateway.api.responses import ExchangeSSE, debug_headers
-from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
+from gateway.api.usage import cache_usage
+from gateway.errors import EngineRejected, GatewayError, TenantError
 from gateway.pipeline.forwarder import Passthrough
-from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
 from gateway.request.trace import trace_context
@@ -73,42 +72,6 @@ def authenticate(tenants: TenantRegistry, request: Request) -> Tenant:
     return tenants.authenticate(key)
 
 
-def usage_of(parsed: ParsedRequest, engine_usage: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Anthropic's usage fields. With billing on, the meter has already put the contract's
-    numbers into the usage (`kvgate_billing` marks it): Anthropic's own fields under the
-    anthropic profile, or, under another profile, its read and written tokens, which map onto
-    them. Without billing, the provisional split from the engine's physical usage."""
-    usage = engine_usage or {}
-    if "kvgate_billing" not in usage:
-        return provisional_cache_usage(
-            usage, parsed.breakpoints, len(parsed.rendered), prewarm=parsed.prewarm
-        )
-    details = usage.get("prompt_tokens_details")
-    details = details if isinstance(details, Mapping) else {}
-    if "cache_read_input_tokens" in usage:
-        read = int(usage["cache_read_input_tokens"])
-        written = int(usage.get("cache_creation_input_tokens") or 0)
-        creation = dict(usage.get("cache_creation") or {})
-        uncached = int(usage.get("input_tokens") or 0)
-    else:
-        read = int(details.get("cached_tokens") or 0)
-        written = int(details.get("cache_write_tokens") or 0)
-        creation = {"ephemeral_5m_input_tokens": written, "ephemeral_1h_input_tokens": 0}
-        uncached = int(usage.get("prompt_tokens") or 0) - read - written
-    out: dict[str, Any] = {
-        "input_tokens": uncached,
-        "output_tokens": 0 if parsed.prewarm else int(usage.get("completion_tokens") or 0),
-        "cache_creation_input_tokens": written,
-        "cache_read_input_tokens": read,
-        "cache_creation": creation,
-        "engine_cached_tokens": int(usage.get("engine_cached_tokens") or 0),
-    }
-    for extension in ("cost", "kvgate_billing"):
-        if extension in usage:
-            out[extension] = usage[extension]
-    return out
-
-
 def _stop(choice: Mapping[str, Any], parsed: ParsedRequest) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence): vLLM names the matched stop string in `stop_reason`."""
     finish = choice.get("finish_reason")
@@ -125,7 +88,7 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             value = json.loads(arguments) if arguments else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # a model's output may be anything
             value = None
         if isinstance(value, dict):
             return value
@@ -161,7 +124,7 @@ def message_body(parsed: ParsedRequest, body: Mapping[str, Any]) -> dict[str, An
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
-        "usage": usage_of(parsed, body.get("usage")),
+        "usage": cache_usage(parsed, body.get("usage")),
     }
 
 
@@ -246,7 +209,7 @@ class StreamTranslator:
             yield from self.start(None)
         yield from self._close()
         reason, sequence = self.stop
-        usage = usage_of(self.parsed, self.usage)
+        usage = cache_usage(self.parsed, self.usage)
         yield _event(
             "message_delta",
             {
@@ -288,16 +251,18 @@ class _AnthropicSSE(ExchangeSSE):
         exchange = self.exchange
         translator = StreamTranslator(exchange.parsed)
         async for chunk in exchange.chunks():
-            error = chunk.get("error")
-            if isinstance(error, Mapping) and "choices" not in chunk:
-                message = str(error.get("message", "the upstream stream broke"))
-                yield error_event(UpstreamError(message))
-                return
             events = b"".join(translator.chunk(chunk))
             if events:
                 yield events
-        if not exchange.client_gone:
-            yield b"".join(translator.finish())
+        if exchange.client_gone:
+            return
+        if exchange.failure is not None:  # Anthropic's mid-stream error: an `error` event, the end
+            yield error_event(exchange.failure)
+            return
+        yield b"".join(translator.finish())
+
+    def error_event(self, err: GatewayError) -> bytes:
+        return error_event(err)
 
 
 async def serve(
@@ -310,15 +275,14 @@ async def serve(
     opened = await front.pipeline.open(parsed, tenant, trace_headers)
     if isinstance(opened, Passthrough):
         raise EngineRejected(opened.status, opened.body)
-    headers = debug_headers(opened, front.debug_headers)
-    if opened.stream is None:
+    if not opened.parsed.stream:
         body = await opened.complete()
         return Response(
             orjson.dumps(message_body(parsed, body)),
             media_type="application/json",
-            headers=headers,
+            headers=debug_headers(opened, front.debug_headers),  # the replica that answered
         )
-    return _AnthropicSSE(opened, headers)
+    return _AnthropicSSE(opened, debug_headers(opened, front.debug_headers))
 
 
 def register(router: APIRouter, front: FrontEnd) -> Callable[[Request], Awaitable[Response]]:
@@ -329,7 +293,7 @@ def register(router: APIRouter, front: FrontEnd) -> Callable[[Request], Awaitabl
     async def messages(request: Request) -> Response:
         try:
             tenant = authenticate(tenants, request)
-            parsed = parse_messages(await request.body(), max_prompt_bytes)
+            parsed = parse_messages(await front.read(request), max_prompt_bytes)
             return await serve(front, parsed, tenant, trace_context(request.headers))
         except GatewayError as err:
             return to_anthropic_http(err)

@@ -8,7 +8,8 @@ gRPC lands on the same blocks as the same conversation over HTTP:
         → {"role", "content": [parts], "tool_calls": [{"id", "function": {name, arguments}}],
            "tool_call_id", "name"}
     Tool{name, description, parameters_json} → {"type": "function", "function": {...}}
-    cache_control on a part / a message / a tool / the request → a `Mark`
+    cache_control on a part / a message / a tool / the request → a `Mark`, and the same
+        `cache_control` hint on the converted part / message / tool, where billing reads it
 
 Invariants: a bad request is an `InvalidRequest` (INVALID_ARGUMENT) naming the field;
 JSON travels as text (`arguments_json`, `parameters_json`) so numbers keep their spelling; the
@@ -21,10 +22,18 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from cachemap.rendering import render_chat
+from cachemap.rendering import MAX_JSON_DEPTH, NestingError, render_chat, too_deep
 from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.errors import InvalidRequest
-from gateway.request.cache_control import TTL_1H, TTL_5M, Mark, check_marks, place
+from gateway.request.cache_control import (
+    TTL_1H,
+    TTL_5M,
+    Mark,
+    annotate_messages,
+    annotate_tools,
+    check_marks,
+    place,
+)
 from gateway.request.parsed import CHAT, ParsedRequest
 
 ROLES = {
@@ -46,8 +55,12 @@ def _json_object(text: str, where: str) -> dict[str, Any] | None:
         return None
     try:
         value = json.loads(text)
+    except RecursionError:
+        value = None
     except ValueError as exc:
         raise InvalidRequest(f"{where} is not valid JSON: {exc}", param=where) from None
+    if value is None or too_deep(value):
+        raise InvalidRequest(f"{where} nests deeper than {MAX_JSON_DEPTH} levels", param=where)
     if not isinstance(value, dict):
         raise InvalidRequest(f"{where} must be a JSON object", param=where)
     return value
@@ -137,9 +150,14 @@ def to_parsed(
             )
     check_marks(marks)  # in the client's order: tools, then each message's parts and itself
 
-    upstream: dict[str, Any] = {"model": request.model, "messages": messages, "stream": True}
+    # the marks ride on the body for billing (the director strips them before forwarding)
+    upstream: dict[str, Any] = {
+        "model": request.model,
+        "messages": annotate_messages(messages, marks),
+        "stream": True,
+    }
     if tools:
-        upstream["tools"] = tools
+        upstream["tools"] = annotate_tools(tools, marks)
     if request.user:
         upstream["user"] = request.user
     prewarm = _sampling(request.sampling, upstream)
@@ -148,7 +166,10 @@ def to_parsed(
             "max_tokens 0 (a cache pre-warm) generates nothing: call Generate, not GenerateStream",
             param="sampling.max_tokens",
         )
-    rendered = render_chat(messages, tools or None).encode()
+    try:
+        rendered = render_chat(messages, tools or None).encode()
+    except NestingError as exc:
+        raise InvalidRequest(str(exc), param="messages") from None
     if len(rendered) > max_prompt_bytes:
         raise InvalidRequest(
             f"the prompt is {len(rendered)} bytes; the maximum is {max_prompt_bytes}",
@@ -184,17 +205,22 @@ def _sampling(sampling: pb.Sampling, upstream: dict[str, Any]) -> bool:
 
 
 def usage_message(anthropic_usage: Mapping[str, Any], engine: Mapping[str, Any]) -> pb.Usage:
-    """The proto usage: the engine's counts and the cache split (`provisional_cache_usage`)."""
+    """The proto usage: the engine's counts, the cache split (`gateway.api.usage.cache_usage`)
+    and, with billing on, the cost and the billing record's id."""
     creation = anthropic_usage["cache_creation"]
+    billing = engine.get("kvgate_billing")
+    billing = billing if isinstance(billing, Mapping) else {}
     return pb.Usage(
+        cost=str(engine.get("cost") or ""),
+        billing_id=str(billing.get("id") or ""),
         prompt_tokens=_count(engine.get("prompt_tokens")),
         completion_tokens=_count(engine.get("completion_tokens")),
         engine_cached_tokens=anthropic_usage["engine_cached_tokens"],
         input_tokens=anthropic_usage["input_tokens"],
         cache_read_input_tokens=anthropic_usage["cache_read_input_tokens"],
         cache_creation_input_tokens=anthropic_usage["cache_creation_input_tokens"],
-        ephemeral_5m_input_tokens=creation["ephemeral_5m_input_tokens"],
-        ephemeral_1h_input_tokens=creation["ephemeral_1h_input_tokens"],
+        ephemeral_5m_input_tokens=int(creation.get("ephemeral_5m_input_tokens") or 0),
+        ephemeral_1h_input_tokens=int(creation.get("ephemeral_1h_input_tokens") or 0),
         output_tokens=anthropic_usage["output_tokens"],
     )
 

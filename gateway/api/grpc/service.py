@@ -26,16 +26,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway.api.context import FrontEnd
-from gateway.api.errors import to_grpc
+from gateway.api.errors import report_internal, to_grpc
 from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.api.grpc.convert import to_parsed, usage_message
 from gateway.api.responses import debug_headers
-from gateway.errors import EngineRejected, GatewayError, TenantError, UpstreamError
+from gateway.api.usage import cache_usage
+from gateway.errors import EngineRejected, GatewayError, TenantError
 from gateway.observability.metrics import RequestMetrics
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.forwarder import Passthrough
-from gateway.request.cache_control import provisional_cache_usage
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
 from gateway.request.trace import trace_context
@@ -47,8 +47,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 GRPC_SHUTDOWN_GRACE_S = 5.0
-"""At shutdown, RPCs in flight get 5 s to finish before they are cancelled (an agent's step
-streams for seconds; a longer grace only delays a rolling restart)."""
+"""A stop's default grace for RPCs in flight (the gateway passes its `shutdown_grace_s`)."""
 GRPC_MESSAGE_HEADROOM_BYTES = 64 * 1024
 """A request's proto may exceed its rendered prompt by field tags and JSON whitespace; beyond
 `max_prompt_bytes` + this, gRPC itself refuses it with RESOURCE_EXHAUSTED before parsing."""
@@ -61,8 +60,9 @@ async def _abort(context: Any, err: GatewayError) -> NoReturn:
 
 
 def _status_name(exc: BaseException, context: Any) -> str:
-    """The status a failed RPC ends with: what the handler aborted with, CANCELLED when the
-    client left (or its deadline passed), else UNKNOWN (grpc's answer to an exception)."""
+    """The status a failed RPC ends with: what the handler aborted with (INTERNAL for the last
+    resort), CANCELLED when the client left (or its deadline passed); UNKNOWN only if some
+    exception escaped the last resort."""
     if isinstance(exc, grpc.aio.AbortError):
         code = context.code()
         return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
@@ -71,20 +71,11 @@ def _status_name(exc: BaseException, context: Any) -> str:
     return "UNKNOWN"
 
 
-def _chunk_error(chunk: Mapping[str, Any]) -> UpstreamError | None:
-    """The error event the exchange inserts when the engine's stream breaks."""
-    error = chunk.get("error")
-    if isinstance(error, Mapping) and "choices" not in chunk:
-        return UpstreamError(str(error.get("message", "the upstream stream broke")))
-    return None
-
-
 def _usage(parsed: ParsedRequest, engine: Mapping[str, Any] | None) -> pb.Usage:
+    """The usage as every front end reports it: the bill's with billing on (what the WAL
+    records, with its cost and record id), else the provisional split (`cache_usage`)."""
     engine = engine or {}
-    split = provisional_cache_usage(
-        engine, parsed.breakpoints, len(parsed.rendered), prewarm=parsed.prewarm
-    )
-    return usage_message(split, engine)
+    return usage_message(cache_usage(parsed, engine), engine)
 
 
 class GatewayService:
@@ -124,7 +115,12 @@ class GatewayService:
         started = time.perf_counter()
         code = "OK"
         try:
-            return await self._generate(request, context)
+            try:
+                return await self._generate(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # the last resort: logged, INTERNAL with the request id
+                await _abort(context, report_internal(exc, "gRPC Generate"))
         except BaseException as exc:
             code = _status_name(exc, context)
             raise
@@ -137,8 +133,13 @@ class GatewayService:
         started = time.perf_counter()
         code = "OK"
         try:
-            async for message in self._generate_stream(request, context):
-                yield message
+            try:
+                async for message in self._generate_stream(request, context):
+                    yield message
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # the last resort: logged, INTERNAL with the request id
+                await _abort(context, report_internal(exc, "gRPC GenerateStream"))
         except BaseException as exc:
             code = _status_name(exc, context)
             raise
@@ -160,8 +161,6 @@ class GatewayService:
         calls: dict[int, pb.ToolCall] = {}
         try:
             async for chunk in exchange.chunks():
-                if (error := _chunk_error(chunk)) is not None:
-                    await _abort(context, error)
                 response.id = response.id or str(chunk.get("id") or "")
                 for choice in chunk.get("choices") or ():
                     delta = choice.get("delta") or {}
@@ -180,6 +179,8 @@ class GatewayService:
             raise
         finally:
             await exchange.finish()
+        if exchange.failure is not None:  # the stream ended early: the RPC's status says why
+            await _abort(context, exchange.failure)
         if not parsed.prewarm:
             response.text = "".join(pieces)
             response.tool_calls.extend(calls[i] for i in sorted(calls))
@@ -198,8 +199,6 @@ class GatewayService:
         finish = ""
         try:
             async for chunk in exchange.chunks():
-                if (error := _chunk_error(chunk)) is not None:
-                    await _abort(context, error)
                 if not started:
                     started = True
                     start = pb.StreamStart(id=str(chunk.get("id") or ""), model=parsed.model)
@@ -225,6 +224,8 @@ class GatewayService:
             raise
         finally:
             await exchange.finish()
+        if exchange.failure is not None:  # the stream ended early: the RPC's status says why
+            await _abort(context, exchange.failure)
         end = pb.StreamEnd(finish_reason=finish, usage=_usage(parsed, exchange.usage))
         yield pb.GenerateStreamResponse(end=end)
 
@@ -232,16 +233,36 @@ class GatewayService:
 class GrpcServer:
     """The running gRPC server of one gateway process."""
 
-    def __init__(self, server: Any, health_servicer: Any, port: int, tasks: BackgroundTasks):
+    def __init__(
+        self,
+        server: Any,
+        health_servicer: Any,
+        port: int,
+        tasks: BackgroundTasks,
+        grace_s: float = GRPC_SHUTDOWN_GRACE_S,
+    ):
         self.server = server
         self.health = health_servicer
         self.port = port
+        self.grace_s = grace_s
         self._tasks = tasks
+        self._stopping: asyncio.Task[None] | None = None
+
+    def drain(self) -> asyncio.Task[None]:
+        """Begin the graceful stop (once): health says NOT_SERVING, no new RPC is taken, RPCs
+        in flight get `grace_s` to finish and are cancelled after it."""
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop(), name="gRPC drain")
+        return self._stopping
 
     async def stop(self) -> None:
+        await self.drain()
+
+    async def _stop(self) -> None:
+        stopping = asyncio.ensure_future(self.server.stop(self.grace_s))  # takes no new RPC
         await self.health.enter_graceful_shutdown()
         await self._tasks.close()
-        await self.server.stop(GRPC_SHUTDOWN_GRACE_S)
+        await stopping
 
 
 async def _watch_readiness(front: FrontEnd, servicer: Any, interval_s: float) -> None:
@@ -261,10 +282,7 @@ async def start_grpc(
     assert settings.grpc_port is not None
     server = grpc.aio.server(
         options=[
-            (
-                "grpc.max_receive_message_length",
-                settings.max_prompt_bytes + GRPC_MESSAGE_HEADROOM_BYTES,
-            ),
+            ("grpc.max_receive_message_length", settings.max_body_bytes),
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails, not shares it
         ]
     )
@@ -282,4 +300,4 @@ async def start_grpc(
     tasks = BackgroundTasks("gRPC")
     tasks.spawn(_watch_readiness(front, health_servicer, settings.health_interval_s), "readiness")
     log.info("kvgate: gRPC on %s:%d", settings.host, port)
-    return GrpcServer(server, health_servicer, port, tasks)
+    return GrpcServer(server, health_servicer, port, tasks, settings.shutdown_grace_s)

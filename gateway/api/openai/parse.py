@@ -4,15 +4,17 @@ Hand-written rather than pydantic on the hot path (the whole request costs less 
 pydantic model of a long conversation); the same shapes are declared for the OpenAPI document in
 `schemas`. Every rule here answers a bad request with a 400 that names the field: anything that
 passes is something an engine accepts, so a client's mistake never becomes a 5xx.
-Unknown fields pass through to the engine untouched (vLLM's extras: top_k, ignore_eos, ...).
+Only the fields in `gateway.api.openai.fields` pass through to the engine (OpenAI's, and
+vLLM's sampling extras: top_k, ignore_eos, ...); any other is a 400 naming it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from cachemap.rendering import render_chat, render_completion
+from cachemap.rendering import NestingError, render_chat, render_completion
 from gateway.api.body import load_json_object
+from gateway.api.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from gateway.errors import InvalidRequest
 from gateway.request.parsed import CHAT, COMPLETION, ParsedRequest
 
@@ -106,9 +108,10 @@ def _check_common(body: dict[str, Any]) -> tuple[str, bool, bool]:
             not isinstance(value, int) or isinstance(value, bool) or value < 1
         ):
             raise _fail(f"'{name}' must be an integer >= 1", name)
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _fail("'n' must be 1: kvgate routes one generation per request", "n")
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is not None and (value != 1 or isinstance(value, bool)):
+            raise _fail(f"'{name}' must be 1: kvgate routes one generation per request", name)
     for name in _NUMBER_FIELDS:
         value = body.get(name)
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
@@ -122,6 +125,7 @@ def _check_common(body: dict[str, Any]) -> tuple[str, bool, bool]:
 def parse_chat(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
     body = load_json_object(raw)
     model, stream, include_usage = _check_common(body)
+    check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     _check_messages(messages)
     tools = body.get("tools")
@@ -129,7 +133,10 @@ def parse_chat(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):
         raise _fail("'tools' must be a list of objects", "tools")
-    rendered = render_chat(messages, tools).encode()  # type: ignore[arg-type]
+    try:
+        rendered = render_chat(messages, tools).encode()  # type: ignore[arg-type]
+    except NestingError as exc:
+        raise _fail(str(exc), "messages") from None
     _check_size(rendered, max_prompt_bytes)
     return ParsedRequest(CHAT, model, body, rendered, stream, include_usage)
 
@@ -137,6 +144,7 @@ def parse_chat(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
 def parse_completion(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
     body = load_json_object(raw)
     model, stream, include_usage = _check_common(body)
+    check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]

@@ -72,11 +72,11 @@ async def handle(
     opened = await front.pipeline.open(parsed, tenant, trace_headers)
     if isinstance(opened, Passthrough):
         return Response(opened.body, status_code=opened.status, media_type="application/json")
-    headers = debug_headers(opened, front.debug_headers)
-    if opened.stream is None:
+    if not opened.parsed.stream:
         body = await opened.complete()
+        headers = debug_headers(opened, front.debug_headers)  # the replica that answered
         return Response(orjson.dumps(body), media_type="application/json", headers=headers)
-    return OpenAISSE(opened, headers)
+    return OpenAISSE(opened, debug_headers(opened, front.debug_headers))
 
 
 def build_router(front: FrontEnd) -> tuple[APIRouter, dict[str, Handler]]:
@@ -93,7 +93,7 @@ def build_router(front: FrontEnd) -> tuple[APIRouter, dict[str, Handler]]:
     async def chat_completions(request: Request) -> Response:
         try:
             tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
-            parsed = parse_chat(await request.body(), max_prompt_bytes)
+            parsed = parse_chat(await front.read(request), max_prompt_bytes)
             return await handle(front, parsed, tenant, trace_context(request.headers))
         except GatewayError as err:
             return to_http(err)
@@ -106,7 +106,7 @@ def build_router(front: FrontEnd) -> tuple[APIRouter, dict[str, Handler]]:
     async def completions(request: Request) -> Response:
         try:
             tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
-            parsed = parse_completion(await request.body(), max_prompt_bytes)
+            parsed = parse_completion(await front.read(request), max_prompt_bytes)
             return await handle(front, parsed, tenant, trace_context(request.headers))
         except GatewayError as err:
             return to_http(err)

@@ -1,7 +1,8 @@
 """The tenant-visible cache ledger: one profile's rules applied to a stream of requests.
 
 `CacheLedger` is pure (no I/O, no clock of its own): `kvgate billing simulate` feeds it events
-from a file, the live meter feeds it exchanges. It keeps, per scope (tenant, model), the
+from a file, the live meter feeds it exchanges. It keeps, per scope (isolation scope, model:
+the tenant, or one end user of a `user`-scoped tenant, see `MeteredRequest.scope`), the
 entries the contract says exist — whatever the replicas physically hold — and the explicit
 cached-content objects with their rent.
 
@@ -12,10 +13,16 @@ token) and price when the engine's exact token counts arrive (the usage):
     charge = ledger.bill(request, plan, ends, N)  # token arithmetic on exact counts: pure
 
 `price(request)` does both with the request's own counts.
+
+Memory is bounded by `max_entries` when given: past it, the entries that can never be live
+again go first (with no slack for late admissions), then those that expire soonest, down to
+90% of the bound. An entry dropped while live costs its tenant a write where the contract gives
+a read (a provider that evicts early does the same); `num_evicted` counts them.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from decimal import Decimal
 
@@ -44,25 +51,47 @@ from gateway.billing.pricing.rules import (
 )
 
 SWEEP_EVERY = 4096
-"""Dead entries are dropped every 4,096 admissions: O(entries) each time, amortized O(1)."""
+"""Dead entries are dropped every 4,096 admissions, or every entries/4 when there are more:
+O(entries) each time, amortized O(1) (at most 4 entries visited per admission)."""
 SWEEP_SLACK_S = Decimal(3600)
 """The live meter admits in first-token order, so a later admission may carry an earlier start:
 sweep only what was dead an hour before the latest start."""
+BOUND_CHECK_EVERY = 256
+"""The entry count is checked every 256 admissions (a sum of dict sizes, one per scope; every
+1/16th of a smaller bound): the bound is passed by at most that many requests' entries."""
+BOUND_SAMPLE = 2_048
+"""Entries sampled to find the expiry that leaves 90% of the bound (~2% error on the cut)."""
+BOUND_LOW_WATER = Decimal("0.9")
+"""At the bound, entries are dropped down to 90% of it, so the O(entries) pass is paid once per
+10% of the bound's worth of new entries, not on every admission."""
 
 
 class CacheLedger:
     """The contract's cache state for one billing profile.
 
-    Invariants: entries live in the scope (tenant, model) that wrote them and are never read
-    from another; a request's plan is computed against the entries as of its start; explicit
+    Invariants: entries live in the scope (isolation scope, model) that wrote them and are never
+    read from another; a request's plan is computed against the entries as of its start; explicit
     objects belong to one tenant and bill creation, then rent until min(expiry, deletion).
     """
 
     def __init__(
-        self, profile: str, prices: PriceTable, options: ProfileOptions | None = None
+        self,
+        profile: str,
+        prices: PriceTable,
+        options: ProfileOptions | None = None,
+        max_entries: int | None = None,
     ) -> None:
         if profile not in PROFILES:
             raise ValueError(f"unknown billing profile {profile!r}; valid: {', '.join(PROFILES)}")
+        if max_entries is not None and max_entries < 1:
+            raise ValueError("max_entries must be at least 1 (or None: unbounded)")
+        self.max_entries = max_entries
+        self._check_every = (
+            max(1, min(BOUND_CHECK_EVERY, max_entries // 16)) if max_entries else BOUND_CHECK_EVERY
+        )
+        self.num_evicted = 0
+        """Live entries dropped to keep the bound (each may cost a tenant a write)."""
+        self.num_bound_sweeps = 0
         self.profile = profile
         self.spec = SPECS[profile]
         self.prices = prices
@@ -70,6 +99,7 @@ class CacheLedger:
         self.scopes: dict[tuple[str, str], dict[object, Entry]] = {}
         self.objects: dict[str, CachedContent] = {}
         self._admissions = 0
+        self._next_sweep = SWEEP_EVERY
 
     # -- requests ------------------------------------------------------------------------------
     def row(self, model: str) -> ModelPrice:
@@ -82,7 +112,7 @@ class CacheLedger:
         """Look the request up and update the entries (writes, refreshes). Raises BillingError
         for what the profile refuses (too many breakpoints, TTL order, unknown object)."""
         row = self.row(req.model)
-        entries = self.scopes.setdefault((req.tenant, req.model), {})
+        entries = self.scopes.setdefault((req.scope_key, req.model), {})
         options = self.options
         profile = self.profile
         if profile == "anthropic":
@@ -117,8 +147,11 @@ class CacheLedger:
                 boundaries_only=not by_units,
             )
         self._admissions += 1
-        if self._admissions % SWEEP_EVERY == 0:
+        if self._admissions >= self._next_sweep:
             self.sweep(req.start - SWEEP_SLACK_S)
+            self._next_sweep = self._admissions + max(SWEEP_EVERY, self.num_entries() // 4)
+        if self.max_entries is not None and self._admissions % self._check_every == 0:
+            self.bound(req.start)
         return plan
 
     def bill(
@@ -218,9 +251,13 @@ class CacheLedger:
         rent = self.row(obj.model).rent_between(obj.num_tokens, obj.created, obj.expires)
         return self._charge(obj.model, obj.created, obj.num_tokens, obj.num_tokens, 0, {}, 0, rent)
 
-    def content(self, tenant: str, object_id: str, t: Decimal) -> CachedContent:
+    def content(
+        self, tenant: str, object_id: str, t: Decimal, scope: str | None = None
+    ) -> CachedContent:
+        """A live object of `tenant`; with `scope`, only one that scope made (a prompt may read
+        only its own scope's objects; the tenant manages all of its own)."""
         obj = self.objects.get(object_id)
-        if obj is None or obj.tenant != tenant:
+        if obj is None or obj.tenant != tenant or (scope is not None and obj.scope_key != scope):
             raise BillingError(f"no cached content {object_id!r} for this tenant")
         if not obj.live(t):
             raise BillingError(f"cached content {object_id!r} has expired or was deleted")
@@ -257,3 +294,31 @@ class CacheLedger:
 
     def num_entries(self) -> int:
         return sum(len(e) for e in self.scopes.values())
+
+    def bound(self, now: Decimal) -> int:
+        """Keep the entries within `max_entries` (see the module docstring); returns how many
+        live entries were dropped. One pass over the entries: the expiry that leaves 90% of
+        the bound is estimated from a sample (every k-th entry, read at C speed), and every
+        entry that expires by then — or is dead now — goes."""
+        limit = self.max_entries
+        total = self.num_entries()
+        if limit is None or total <= limit:
+            return 0
+        self.num_bound_sweeps += 1
+        keep = int(limit * BOUND_LOW_WATER)
+        stride = max(1, total // BOUND_SAMPLE)
+        sample = sorted(
+            e.last_use + e.ttl_s
+            for entries in self.scopes.values()
+            for e in itertools.islice(entries.values(), 0, None, stride)
+        )
+        cut = sample[min(len(sample) - 1, (total - keep) * len(sample) // total)]
+        threshold = max(cut, now)
+        evicted = 0
+        for entries in self.scopes.values():
+            gone = [k for k, e in entries.items() if e.last_use + e.ttl_s <= threshold]
+            for key in gone:
+                entry = entries.pop(key)
+                evicted += entry.alive(now)
+        self.num_evicted += evicted
+        return evicted

@@ -63,6 +63,15 @@ class MeteredRequest:
     """Anthropic top-level `cache_control`: a breakpoint on the last block ("" = default TTL)."""
     cached_content: str | None = None
     """A google_explicit cached-content object whose blocks lead this prompt."""
+    scope: str = ""
+    """The isolation scope whose entries the request reads and writes (an end user of a
+    `user`-scoped tenant); "" is the tenant's own. Never the tenant's name alone when the
+    tenant isolates its end users: one user's prefix must not be another's read."""
+
+    @property
+    def scope_key(self) -> str:
+        """What the ledger keys this request's entries by."""
+        return self.scope or self.tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +165,13 @@ class CachedContent:
     deleted: Decimal | None = None
     payload: dict[str, object] = field(default_factory=dict)
     """What the front end needs to use it (the live gateway keeps its messages here)."""
+    scope: str = ""
+    """The isolation scope that made it and alone may read it in a prompt ("" is the tenant's
+    own); its tenant manages it (reads, extends, deletes it) whatever the scope."""
+
+    @property
+    def scope_key(self) -> str:
+        return self.scope or self.tenant
 
     def live(self, t: Decimal) -> bool:
         return self.created <= t < self.expires and (self.deleted is None or t < self.deleted)

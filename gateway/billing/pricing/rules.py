@@ -312,11 +312,11 @@ def plan_prefix(
 
 def plan_explicit(req: MeteredRequest, objects: dict[str, CachedContent]) -> Plan:
     """Gemini explicit caching: a request that names a live cached-content object of its own
-    tenant and model reads all of it; nothing else is cached."""
+    isolation scope and model reads all of it; nothing else is cached."""
     if req.cached_content is None:
         return Plan()
     obj = objects.get(req.cached_content)
-    if obj is None or obj.tenant != req.tenant:
+    if obj is None or obj.tenant != req.tenant or obj.scope_key != req.scope_key:
         raise BillingError(f"no cached content {req.cached_content!r} for this tenant")
     if not obj.live(req.start):
         raise BillingError(f"cached content {req.cached_content!r} has expired or was deleted")

@@ -42,6 +42,11 @@ app.kubernetes.io/component: gateway
 app.kubernetes.io/component: gateway
 {{- end -}}
 
+{{/* What only the metrics Service carries: the ServiceMonitor selects it by this. */}}
+{{- define "kvgate.metricsLabel" -}}
+kvgate.io/port: metrics
+{{- end -}}
+
 {{- define "kvgate.redisSelector" -}}
 {{ include "kvgate.selectorLabels" . }}
 app.kubernetes.io/component: redis
@@ -65,11 +70,20 @@ app.kubernetes.io/component: redis
 
 {{/* Kubernetes discovery is on: the gateway lists and watches EndpointSlices. */}}
 {{- define "kvgate.discovers" -}}
-{{- if eq (default "static" .Values.config.discovery) "kubernetes" -}}true{{- end -}}
+{{- if or .Values.epp.enabled (eq (default "static" .Values.config.discovery) "kubernetes") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The InferencePool and the headless Service that gives discovery its pods. */}}
+{{- define "kvgate.poolName" -}}
+{{- printf "%s-pool" (include "kvgate.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "kvgate.engineNamespace" -}}
+{{- if .Values.epp.enabled -}}
+{{- .Release.Namespace -}}
+{{- else -}}
 {{- default .Release.Namespace .Values.config.discovery_namespace -}}
+{{- end -}}
 {{- end -}}
 
 {{/* A shared Redis is configured, in the chart or outside it. */}}
@@ -94,10 +108,38 @@ app.kubernetes.io/component: redis
 {{- if .Values.service.grpcPort -}}
 {{- $_ := set $settings "grpc_port" (int .Values.service.grpcPort) -}}
 {{- end -}}
+{{- if .Values.metricsPort -}}
+{{- $_ := set $settings "metrics_port" (int .Values.metricsPort) -}}
+{{- else -}}
+{{- $_ := set $settings "metrics_port" nil -}}
+{{- end -}}
 {{- $_ := set $settings "server_secret_file" "/etc/kvgate/secret/server-secret" -}}
 {{- $_ := set $settings "tenants_file" "/etc/kvgate/secret/tenants.yaml" -}}
+{{- $_ := set $settings "shutdown_grace_s" (include "kvgate.drainGrace" . | int) -}}
 {{- if and (not .Values.redis.enabled) .Values.redis.external.cluster -}}
 {{- $_ := set $settings "redis_cluster" true -}}
 {{- end -}}
+{{- if .Values.epp.enabled -}}
+{{- /* the picker: its endpoints are the InferencePool's pods, through the pool's Service */ -}}
+{{- $_ := set $settings "mode" "epp" -}}
+{{- $_ := set $settings "epp_port" (int .Values.epp.port) -}}
+{{- $_ := set $settings "discovery" "kubernetes" -}}
+{{- $_ := set $settings "discovery_label_selector" (printf "kubernetes.io/service-name=%s" (include "kvgate.poolName" .)) -}}
+{{- $_ := set $settings "discovery_port_name" "http" -}}
+{{- $_ := unset $settings "discovery_namespace" -}}
+{{- end -}}
 {{- toYaml $settings -}}
+{{- end -}}
+
+{{/*
+The gateway's drain grace (shutdown_grace_s): what the pod's termination grace leaves after the
+preStop sleep and the stop that follows the drain (flushing billing and the directory,
+`drainMarginSeconds`). The kubelet counts the preStop sleep inside terminationGracePeriodSeconds.
+*/}}
+{{- define "kvgate.drainGrace" -}}
+{{- $grace := sub (sub (int .Values.terminationGracePeriodSeconds) (int .Values.preStopSleepSeconds)) (int .Values.drainMarginSeconds) -}}
+{{- if lt $grace 1 -}}
+{{- fail (printf "terminationGracePeriodSeconds (%d) must exceed preStopSleepSeconds (%d) + drainMarginSeconds (%d): the gateway needs a drain grace of at least 1 s" (int .Values.terminationGracePeriodSeconds) (int .Values.preStopSleepSeconds) (int .Values.drainMarginSeconds)) -}}
+{{- end -}}
+{{- $grace -}}
 {{- end -}}

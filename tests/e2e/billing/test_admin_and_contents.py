@@ -3,6 +3,7 @@ cached contents (create, use, extend, delete; rent), through the running gateway
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from decimal import Decimal
@@ -112,6 +113,29 @@ def test_admin_endpoints_need_an_admin_key_and_exports_round_trip(
     assert Decimal(a["hit_rate"]) > Decimal("0.5")
     acme.close()
     globex.close()
+
+
+def test_a_parquet_export_without_pyarrow_is_a_clear_400(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Item 17: without pyarrow (a gateway installed without the `parquet` extra) a parquet
+    export answered 500; it is the client's choice of format that cannot be served: a 400 that
+    says what to install. The other formats still work."""
+    gateway, clock = billed_gateway(start_engines, start_gateway, tmp_path)
+    clock.set(START)
+    client(gateway).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2
+    )
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow` raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    window = {"tenant": "acme", "from": iso(Decimal(START)), "to": iso(Decimal(START + 30))}
+    refused = admin_get(gateway, "/admin/billing/export", **{**window, "format": "parquet"})
+    assert refused.status_code == 400, refused.text
+    assert "kvgate[parquet]" in refused.json()["error"]["message"]
+    assert admin_get(gateway, "/admin/billing/export", **window).status_code == 200
 
 
 def test_explicit_cached_contents_create_use_extend_delete_with_rent(

@@ -4,6 +4,7 @@ doubles none; a Redis outage costs no client an error and no record."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -179,3 +180,135 @@ def test_a_redis_outage_costs_no_client_an_error_and_no_record(
     wait_until(lambda: set(during) <= set(store_ids(aof_redis.url)), 30, "catching up")
     stored = store_ids(aof_redis.url)
     assert sorted(stored) == sorted(ids + during)  # each exactly once
+
+
+def test_streams_cut_by_a_gateway_crash_are_billed_as_aborted_after_its_restart(
+    start_engines: Callable[..., list[Served]], tmp_path: Path
+) -> None:
+    """kill -9 of a gateway with streams mid-body (issue 14, item 23). Before: those streams had
+    no record at all, neither completed nor aborted, so their tokens went unbilled. Now the first
+    token writes what is known (an open entry); the next start over the same WAL directory turns
+    each unsettled one into its aborted record: the prompt, no output, billed once."""
+    engines = start_engines(1, timing=TimingModel(decode_s_per_token=0.05))  # 200 tokens: 10 s
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "tenants": [f"acme:{TENANT_KEY}"],
+                "server_secret": "durability",
+                "billing_wal_dir": str(tmp_path / "wal"),
+                "billing_model_map": {MODEL: "gpt-5.6"},
+            }
+        )
+    )
+    port = processes.free_port()
+    args = ["--config", str(config), "--log-level", "warning"]
+    gateway = processes.start_gateway(port, [e.url for e in engines], args)
+    processes.wait_ready(gateway.url, "/readyz", gateway.popen, processes.STARTUP_TIMEOUT_S)
+    finished = one_request(gateway.url, 1)  # a whole, unstreamed answer first: its own record
+    assert finished is not None
+    headers = {"authorization": f"Bearer {TENANT_KEY}"}
+    streams = []
+    with contextlib.ExitStack() as stack:
+        for i in range(3):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": words(f"cut-{i}", 300)}],
+                "max_tokens": 200,
+                "stream": True,
+            }
+            r = stack.enter_context(
+                httpx.stream(
+                    "POST",
+                    gateway.url + "/v1/chat/completions",
+                    json=body,
+                    headers=headers,
+                    timeout=30,
+                )
+            )
+            lines = r.iter_lines()
+            while not (line := next(lines)).startswith('data: {"id'):
+                pass
+            assert '"content":"' in line or '"role"' in line
+            streams.append(lines)
+        for lines in streams:  # every stream has had tokens after its first
+            assert next(line for line in lines if line.startswith("data: {"))
+        gateway.popen.kill()  # SIGKILL, three streams mid-body
+        gateway.popen.wait(timeout=10)
+    before = list(read_directory(tmp_path / "wal"))
+    assert [r["id"] for r in before] == [finished]  # the cut streams: no record yet
+
+    restarted = processes.start_gateway(port, [e.url for e in engines], args)
+    try:
+        processes.wait_ready(restarted.url, "/readyz", restarted.popen, processes.STARTUP_TIMEOUT_S)
+        records = list(read_directory(tmp_path / "wal"))
+    finally:
+        processes.stop([restarted])
+    aborted = [r for r in records if r["status"] == "aborted"]
+    assert len(aborted) == 3 and len(records) == 4  # each cut stream once, nothing else new
+    assert all(r["prompt_tokens"] > 250 and r["output_tokens"] == 0 for r in aborted)
+    assert all(r["first_token"] is not None and float(r["cost"]) > 0 for r in aborted)
+
+
+def test_a_gateway_whose_disk_fills_serves_nothing_unbilled_and_fails_clearly(
+    start_engines: Callable[..., list[Served]], tmp_path: Path
+) -> None:
+    """The WAL's disk fills under a live gateway (issue 14, item 16): its file-size limit
+    (RLIMIT_FSIZE, SIGXFSZ ignored, inherited by the gateway process) stops the segment's
+    writes part way, as a full disk does. Every answer served has its record, once; every
+    other request gets a clear 503 `billing_unavailable`, never a 500 or an unbilled 200."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    engines = start_engines(1)
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "tenants": [f"acme:{TENANT_KEY}"],
+                "server_secret": "durability",
+                "billing_wal_dir": str(tmp_path / "wal"),
+                "billing_model_map": {MODEL: "gpt-5.6"},
+            }
+        )
+    )
+    port = processes.free_port()
+
+    def full_disk() -> None:  # in the child, before exec: ignored signals stay ignored
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (12_000, resource.RLIM_INFINITY))
+
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "kvgate_cli", "serve", "--port", str(port), "--engine",
+         engines[0].url, "--config", str(config), "--log-level", "error"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=full_disk,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        processes.wait_ready(url, "/readyz", popen, processes.STARTUP_TIMEOUT_S)
+        served, refused = [], []
+        headers = {"authorization": f"Bearer {TENANT_KEY}"}
+        for i in range(16):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": words(f"full-{i}", 200)}],
+                "max_tokens": 4,
+            }
+            r = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
+            if r.status_code == 200:
+                served.append(r.json()["usage"]["kvgate_billing"]["id"])
+            else:
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "billing_unavailable"
+                refused.append(i)
+    finally:
+        popen.terminate()
+        popen.wait(timeout=10)
+    assert served and refused  # the disk filled part way through
+    in_wal = Counter(r["id"] for r in read_directory(tmp_path / "wal"))
+    assert all(in_wal[i] == 1 for i in served)  # each answer served is billed, once
+    assert sum(in_wal.values()) == len(served)  # no record of a refused one (no torn line either)

@@ -299,3 +299,80 @@ def test_the_50_step_session_through_the_messages_api(
     assert str(total) == exact
     assert len(steps) == (59 if scenario == "pings" else 50)
     c.close()
+
+
+def test_held_fan_out_siblings_read_what_their_leader_wrote(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    tmp_path: Path,
+) -> None:
+    """docs/billing.md vector 7, "waiting", live: three identical requests sent together; the
+    gateway holds the two later ones until the first one's first token. A held request's clock
+    starts at its release, so each reads the entry its leader wrote: one write and three reads
+    (r4 comes later), IET = 1.25·N + 3·0.1·N. Before: the clock started before the hold, the
+    siblings were billed as writes of their own (3.75·N + 0.1·N)."""
+    import asyncio
+
+    from loadgen.engine.timing import TimingModel
+
+    engines = start_engines(2, timing=TimingModel(prefill_tokens_per_s=6_500))
+    gateway = start_gateway(
+        engines,
+        engine_prefill_tokens_per_s=6_500,
+        billing_wal_dir=tmp_path / "wal",
+        billing_model_map={MODEL: "sonnet-5"},
+        billing_profiles={"acme": "anthropic"},
+    )
+    messages = [{"role": "user", "content": [cached(words("v7-live", 3000))]}]
+
+    async def together() -> list[Any]:
+        async with openai.AsyncOpenAI(
+            base_url=gateway.url + "/v1", api_key=TENANT_KEY, max_retries=0
+        ) as c:
+            return await asyncio.gather(
+                *(
+                    c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+                    for _ in range(3)
+                )
+            )
+
+    usages = [r.usage for r in asyncio.run(together())]
+    flights = gateway.app.state.director.placement.flights
+    assert flights.stats.holds == 2 and flights.stats.released_landed == 2
+    r4 = client(gateway).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    usages.append(r4.usage)
+    n = usages[0].prompt_tokens
+    writes = sorted(u.cache_creation_input_tokens for u in usages)  # type: ignore[union-attr]
+    reads = sorted(u.cache_read_input_tokens for u in usages)  # type: ignore[union-attr]
+    assert writes == [0, 0, 0, n] and reads == [0, n, n, n]
+    iet = sum(Decimal(r["iet"]) for r in read_directory(tmp_path / "wal"))
+    assert iet == Decimal("1.25") * n + 3 * Decimal("0.1") * n  # 15,500 at N = 10,000
+
+
+def test_the_live_ledger_keeps_to_its_configured_bound(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    tmp_path: Path,
+) -> None:
+    """billing_ledger_max_entries bounds what the meter keeps (issue 14, item 24): distinct
+    prompts past the bound drop the soonest-expiring entries; the latest stay readable."""
+    gateway, clock = billed_gateway(
+        start_engines, start_gateway, tmp_path, billing_ledger_max_entries=16
+    )
+    c = client(gateway)
+    for i in range(48):
+        clock.advance(1)
+        c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": words(f"bound-{i}", 1200)}],
+            max_tokens=2,
+        )  # fmt: skip
+    ledger = gateway.app.state.billing.meter.ledgers["openai"]
+    assert ledger.num_entries() <= 17 and ledger.num_evicted > 0
+    clock.advance(1)
+    again = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": words("bound-47", 1200)}],
+        max_tokens=2,
+    )  # fmt: skip
+    assert again.usage is not None
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+    c.close()

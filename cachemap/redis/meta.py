@@ -1,0 +1,210 @@
+"""What the Redis directory keeps per replica beside its entries — generations, floors, start
+markers — as Redis holds it (`kvg:{kvg-meta}:*`, one slot) and as one gateway remembers it.
+
+Invariants:
+- A replica's generation and floor only ever rise, in memory and in Redis, whatever Redis
+  forgets: every script that moves a generation takes the caller's own view as a lower bound,
+  and a refresh writes back what memory holds above Redis (`reseed`).
+- A replica without a `gen` field has the generation base (the highest generation any pruned
+  replica reached), so pruning never sends a generation back.
+- Redis losing its state (a restart without persistence, a flush, a failover that lost the
+  meta slot) is noticed as a changed layout incarnation: the gateway writes back what it knows
+  and reports the reset (`RedisDirectory.on_reset`), so its local index can be written back too.
+- A layout this code does not know (`schema.KNOWN_LAYOUTS`) is refused: `DirectoryLayoutError`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from cachemap.redis import scripts
+from cachemap.redis.client import AnyRedis
+from cachemap.redis.schema import (
+    BASE_KEY,
+    CHANNEL,
+    COUNT_KEY,
+    FLOOR_KEY,
+    GEN_KEY,
+    KNOWN_LAYOUTS,
+    LAYOUT,
+    LAYOUT_KEY,
+    SEEN_KEY,
+    START_KEY,
+    text,
+)
+
+
+class DirectoryLayoutError(RuntimeError):
+    """The shared directory holds a layout this gateway does not know: it must not use it."""
+
+
+class ReplicaMeta:
+    def __init__(self, client: AnyRedis) -> None:
+        self.client = client
+        self.gens: dict[str, int] = {}
+        self.floors: dict[str, int] = {}
+        self.base = 0
+        self.starts: dict[str, str] = {}
+        """rid -> the start marker this gateway last reported (written back after a reset)."""
+        self.incarnation: str | None = None
+        """The layout incarnation last seen: None until the first refresh."""
+        self.version = 0
+        """Bumped on every change of a generation, a floor or the base (callers cache on it)."""
+        self.on_change: Callable[[], None] | None = None
+        self._count = client.register_script(scripts.COUNT)
+        self._bump = client.register_script(scripts.BUMP)
+        self._expire = client.register_script(scripts.EXPIRE)
+        self._meta = client.register_script(scripts.META)
+        self._reseed = client.register_script(scripts.RESEED)
+        self._prune = client.register_script(scripts.PRUNE)
+
+    def gen(self, rid: str) -> int:
+        return self.gens.get(rid, self.base)
+
+    def floor(self, rid: str) -> int:
+        return self.floors.get(rid, -1)
+
+    # -- the scripts -----------------------------------------------------------------------------
+    async def count(self, rid: str, num_new: int, per_generation: int, now_ms: int) -> None:
+        gen = await self._count(
+            keys=[GEN_KEY, COUNT_KEY, SEEN_KEY, BASE_KEY],
+            args=[rid, num_new, per_generation, CHANNEL, self.gen(rid), now_ms],
+        )
+        self.set_gen(rid, int(gen))
+
+    async def bump(self, rid: str, marker: str, previous: str, now_ms: int) -> bool:
+        """Report a start marker ('' = bump unconditionally); True when that is a restart."""
+        gen, bumped = await self._bump(
+            keys=[GEN_KEY, COUNT_KEY, START_KEY, SEEN_KEY, BASE_KEY],
+            args=[rid, marker, CHANNEL, self.gen(rid), previous, now_ms],
+        )
+        self.set_gen(rid, int(gen))
+        if marker:
+            self.starts[rid] = marker
+        return bool(bumped)
+
+    async def expire(self, rid: str, before_ms: int) -> None:
+        floor = await self._expire(keys=[FLOOR_KEY], args=[rid, before_ms, CHANNEL])
+        self.set_floor(rid, int(floor))
+
+    async def prune(self, now_ms: int, horizon_ms: int) -> int:
+        """Drop replicas quiet for `horizon_ms` from every meta hash; how many went."""
+        pruned, base = await self._prune(
+            keys=[GEN_KEY, COUNT_KEY, START_KEY, FLOOR_KEY, SEEN_KEY, BASE_KEY],
+            args=[now_ms, horizon_ms],
+        )
+        self._set_base(int(base))
+        return int(pruned)
+
+    async def refresh(self) -> bool:
+        """Reload every replica's generation and floor; True when Redis lost its state since
+        this gateway last looked (or this is the first look), after writing back what this
+        gateway knows."""
+        layout, gens, floors, base = await self._meta(
+            keys=[LAYOUT_KEY, GEN_KEY, FLOOR_KEY, BASE_KEY], args=[]
+        )
+        stored_gens, stored_floors = _pairs(gens), _pairs(floors)
+        self._set_base(int(base))
+        version, incarnation = _layout(layout)
+        _check(version)  # before writing anything into a layout we do not know
+        if incarnation is None or incarnation != self.incarnation:
+            # a Redis without our layout (new, emptied, or written by layout 1), or another
+            # incarnation than we knew: merge both ways, then keep what Redis says
+            self._merge(stored_gens, stored_floors, keep_absent=True)
+            await self.reseed()
+            return True
+        higher = any(v > stored_gens.get(rid, v) for rid, v in self.gens.items()) or any(
+            v > stored_floors.get(rid, v) for rid, v in self.floors.items()
+        )
+        self._merge(stored_gens, stored_floors, keep_absent=False)
+        if higher:  # Redis lost some writes (a failover): write back
+            await self.reseed()
+        return False
+
+    async def reseed(self) -> None:
+        """Write back this gateway's generations, floors, base and start markers (values only
+        rise), creating the layout if it is missing; adopts the stored incarnation."""
+        layout = await self._reseed(
+            keys=[LAYOUT_KEY, GEN_KEY, FLOOR_KEY, BASE_KEY, START_KEY],
+            args=[
+                LAYOUT,
+                uuid.uuid4().hex,
+                self.base,
+                "".join(f"{rid},{g};" for rid, g in self.gens.items()),
+                "".join(f"{rid},{f};" for rid, f in self.floors.items()),
+                "".join(f"{rid},{m};" for rid, m in self.starts.items()),
+            ],
+        )
+        version, incarnation = _layout(layout)
+        _check(version)
+        self.incarnation = incarnation
+
+    # -- memory ----------------------------------------------------------------------------------
+    def apply(self, message: str) -> None:
+        """A channel message: "rid:gen" or "rid:floor:ms"; values only ever rise."""
+        parts = message.split(":")
+        if len(parts) == 2:
+            self.set_gen(parts[0], int(parts[1]))
+        elif len(parts) == 3 and parts[1] == "floor":
+            self.set_floor(parts[0], int(parts[2]))
+
+    def set_gen(self, rid: str, gen: int) -> None:
+        if gen > self.gen(rid):
+            self.gens[rid] = gen
+            self._changed()
+
+    def set_floor(self, rid: str, floor_ms: int) -> None:
+        if floor_ms > self.floor(rid):
+            self.floors[rid] = floor_ms
+            self._changed()
+
+    def forget_replica(self, rid: str) -> None:
+        """This gateway no longer routes to the replica: drop what only reseeding needed."""
+        self.starts.pop(rid, None)
+
+    def _set_base(self, base: int) -> None:
+        if base > self.base:
+            self.base = base
+            self._changed()
+
+    def _merge(self, gens: dict[str, int], floors: dict[str, int], *, keep_absent: bool) -> None:
+        """Take the higher of memory and Redis for every replica Redis has; a replica Redis
+        does not have was pruned (dropped here too) unless `keep_absent` (Redis lost it)."""
+        for mine, stored in ((self.gens, gens), (self.floors, floors)):
+            merged = {rid: max(v, mine.get(rid, v)) for rid, v in stored.items()}
+            if keep_absent:
+                merged = {**mine, **merged}
+            if merged != mine:
+                mine.clear()
+                mine.update(merged)
+                self._changed()
+
+    def _changed(self) -> None:
+        self.version += 1
+        if self.on_change is not None:
+            self.on_change()
+
+
+def _pairs(flat: Any) -> dict[str, int]:
+    """A Lua HGETALL (a flat list) or a RESP3 map, as {field: int}."""
+    if isinstance(flat, dict):
+        return {text(k): int(v) for k, v in flat.items()}
+    return {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def _layout(value: Any) -> tuple[int | None, str | None]:
+    version, incarnation = [*list(value or ()), None, None][:2]
+    return (
+        int(version) if version is not None else None,
+        text(incarnation) if incarnation is not None else None,
+    )
+
+
+def _check(version: int | None) -> None:
+    if version is not None and version not in KNOWN_LAYOUTS:
+        raise DirectoryLayoutError(
+            f"the shared directory in Redis has layout {version}; this gateway knows layouts "
+            f"{', '.join(map(str, KNOWN_LAYOUTS))}: upgrade it, or give it another Redis"
+        )

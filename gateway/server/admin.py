@@ -1,0 +1,82 @@
+"""The admin port: what operators and their tools read, never on the tenant-facing port.
+
+    GET|HEAD /metrics        Prometheus exposition (the ServiceMonitor scrapes this port)
+    GET      /openapi.json   the OpenAPI document of the tenant-facing HTTP routes
+    GET      /docs, /redoc   that document rendered (Swagger UI, ReDoc)
+
+`/metrics` tells every tenant's token counts, hot-prefix rates and the replicas' queues, and
+the documents map the whole surface, so none of them is served on `port`: they listen on
+`metrics_port` (default 9090), which the Helm chart exposes on the pod for Prometheus but not
+on the tenants' Service (docs/operations.md#admin-port). `HEAD /metrics` answers like GET
+without the body (aiperf probes a metrics URL that way).
+
+A small aiohttp server in the gateway's event loop (aiohttp is the upstream client already):
+started and stopped by the app's lifespan, no signal handling of its own, nothing shared with
+the request path but the registry it renders.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+log = logging.getLogger(__name__)
+
+OPENAPI_PATH = "/openapi.json"
+
+
+class AdminServer:
+    """The admin listener of one gateway process."""
+
+    def __init__(
+        self, metrics: Callable[[], bytes], openapi: Callable[[], dict[str, Any]], title: str
+    ) -> None:
+        self._metrics = metrics
+        self._openapi = openapi
+        self._title = title
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    def _app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self._serve_metrics)  # HEAD too (aiohttp's allow_head)
+        app.router.add_get(OPENAPI_PATH, self._serve_openapi)
+        app.router.add_get("/docs", self._serve_docs)
+        app.router.add_get("/redoc", self._serve_redoc)
+        return app
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on `host:port` (0: any free port); returns the port."""
+        self._runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        log.info("kvgate: metrics and API documents on %s:%d", host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _serve_metrics(self, request: web.Request) -> web.Response:
+        body = self._metrics()
+        # the classic text format, what `generate_latest` writes and every scraper reads
+        return web.Response(body=body, headers={"content-type": CONTENT_TYPE_PLAIN_0_0_4})
+
+    async def _serve_openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(self._openapi()), content_type="application/json")
+
+    async def _serve_docs(self, request: web.Request) -> web.Response:
+        page = get_swagger_ui_html(openapi_url=OPENAPI_PATH, title=f"{self._title} - Swagger UI")
+        return web.Response(body=bytes(page.body), content_type="text/html")
+
+    async def _serve_redoc(self, request: web.Request) -> web.Response:
+        page = get_redoc_html(openapi_url=OPENAPI_PATH, title=f"{self._title} - ReDoc")
+        return web.Response(body=bytes(page.body), content_type="text/html")

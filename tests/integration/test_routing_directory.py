@@ -1,0 +1,243 @@
+"""The gateway's directory (`gateway.directory.routing.RoutingDirectory`) as `kvgate serve`
+composes it — the local fallback index and the shared Redis directory — against a real
+redis-server: the seams between the two stores."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from cachemap.keys import BlockHash, chain_hashes, root_hash
+from cachemap.redis.client import open_redis
+from cachemap.redis.directory import RedisDirectory
+from cachemap.redis.meta import DirectoryLayoutError
+from cachemap.redis.schema import replica_id
+from gateway.directory.routing import RoutingDirectory
+from gateway.server.app import build
+from loadgen.harness.redis_servers import RedisServer
+from tests.conftest import gateway_settings
+
+pytestmark = pytest.mark.redis
+
+
+def chain(name: str, n: int) -> list[BlockHash]:
+    data = (name * 256 * n).encode()[: 256 * n]
+    return chain_hashes(data, root_hash(b"salt", name), 256)
+
+
+async def later_than(t_s: float) -> None:
+    """Return once the wall clock (the directory's) has passed `t_s` by 2 ms: a bounded
+    wait, because the test needs two events at distinct instants (not a synchronisation)."""
+    for _ in range(1000):
+        if time.time() > t_s + 0.002:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the clock did not advance")
+
+
+async def composed(redis_url: str, replicas: list[str]) -> RoutingDirectory:
+    """The directory exactly as `gateway.server.app` builds and starts it."""
+    settings = gateway_settings(replicas, redis_url=redis_url, redis_deadline_s=0.5)
+    directory = build(settings).directory
+    directory.shared = RedisDirectory(
+        await open_redis(redis_url),
+        capacity_blocks=settings.directory_capacity_blocks,
+        ttl_s=settings.directory_ttl_s,
+    )
+    directory.register(replicas)
+    try:
+        await directory.start()
+    except BaseException:
+        await directory.close()  # as the lifespan's exit stack does
+        raise
+    return directory
+
+
+@pytest.fixture
+async def replica() -> AsyncIterator[str]:
+    yield f"http://{uuid.uuid4().hex[:8]}:8000"
+
+
+async def test_an_expiry_from_a_shared_lookup_keeps_what_the_local_index_used_since(
+    redis_url: str, replica: str
+) -> None:
+    """Item 13: reconciliation expires, on both stores, what was last used at or before the
+    shared lookup's last-use time. That time must mean the same instant in the local index,
+    or the fallback routing relies on while Redis is away is wiped by every over-estimate."""
+    d = await composed(redis_url, [replica])
+    try:
+        older, newer = chain(f"{replica}-older", 4), chain(f"{replica}-newer", 4)
+        await d.record(replica, older)
+        await later_than(time.time())  # stored times have 1 ms resolution
+        await d.record(replica, newer)
+        await d.flushed()
+        looked = await d.lookup(older)
+        assert not looked.degraded and looked.overlap == {replica: 4}
+        await d.expire(replica, looked.last_use[replica])  # an over-estimate on `older`
+        await d.flushed()
+        assert (await d.lookup(older)).overlap == {}
+        # the local index dropped the same entries, and kept the chain used after them: what
+        # the fallback routes on while Redis is away
+        assert await d.local.lookup(older) == {}
+        assert await d.local.lookup(newer) == {replica: 4}
+        assert (await d.lookup(newer)).overlap == {replica: 4}
+    finally:
+        await d.close()
+
+
+async def shared_answers(d: RoutingDirectory, probe: list[BlockHash], timeout_s: float) -> None:
+    """Wait (bounded) until lookups are answered by Redis again, not by the local fallback."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (await d.lookup(probe)).degraded or d.degraded:
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("the shared directory did not come back")
+        await asyncio.sleep(0.05)
+
+
+async def test_a_restart_is_not_missed_when_its_redis_call_fails(
+    fresh_redis: RedisServer, replica: str
+) -> None:
+    """Item 17: the one Redis call that reports a new start marker can fail (here: Redis holds
+    its writes). The restart still counts at once in this gateway, and the shared epoch is
+    bumped by the next report, not lost because the marker was already remembered."""
+    d = await composed(fresh_redis.url, [replica])
+    other = await composed(fresh_redis.url, [replica])
+    try:
+        a = chain(f"{replica}-a", 4)
+        assert not await d.observe_start(replica, "1000.000")
+        await d.record(replica, a)
+        await d.flushed()
+        assert (await other.lookup(a)).overlap == {replica: 4}
+        fresh_redis.cli("client", "pause", "1500", "write")  # writes wait 1.5 s: past deadline
+        assert await d.observe_start(replica, "2000.000")  # a restart, seen by this gateway
+        assert await d.local.lookup(a) == {}
+        deadline = asyncio.get_running_loop().time() + 10
+        while (await other.lookup(a)).overlap:  # the next reports (every scrape) reach Redis
+            assert asyncio.get_running_loop().time() < deadline, "the shared epoch never moved"
+            await d.observe_start(replica, "2000.000")
+            await asyncio.sleep(0.1)
+    finally:
+        await d.close()
+        await other.close()
+
+
+async def test_a_restart_after_redis_came_back_empty_is_still_a_restart(
+    fresh_redis: RedisServer, replica: str
+) -> None:
+    """Item 20: Redis restarted empty (its start markers and generations gone), the gateways
+    kept routing (records land in the new Redis), then the engine restarted: its entries must
+    stop matching, for this gateway and for one that never saw the old start time."""
+    d = await composed(fresh_redis.url, [replica])
+    try:
+        a = chain(f"{replica}-a", 4)
+        assert not await d.observe_start(replica, "1000.000")
+        fresh_redis.stop()
+        fresh_redis.start()  # empty
+        await shared_answers(d, a, timeout_s=15)
+        await d.record(replica, a)  # the old engine process still serves
+        await d.flushed()
+        assert (await d.lookup(a)).overlap == {replica: 4}
+        assert await d.observe_start(replica, "2000.000")  # a new process on the same address
+        assert (await d.lookup(a)).overlap == {}
+        newcomer = await composed(fresh_redis.url, [replica])
+        try:
+            assert (await newcomer.lookup(a)).overlap == {}
+        finally:
+            await newcomer.close()
+    finally:
+        await d.close()
+
+
+async def test_redis_back_empty_keeps_the_conversations_placement(
+    fresh_redis: RedisServer,
+) -> None:
+    """Item 21: after a Redis outage that ends in an empty Redis, every conversation this
+    gateway placed (before and during the outage) is still found where it went: the gateway
+    writes its local index back, and consults it while it does."""
+    replicas = [f"http://{uuid.uuid4().hex[:8]}:8000" for _ in range(3)]
+    d = await composed(fresh_redis.url, replicas)
+    try:
+        placed = {f"conv{i}": replicas[i % 3] for i in range(6)}
+        chains = {name: chain(f"{name}-{uuid.uuid4().hex}", 6) for name in placed}
+        for name in list(placed)[:4]:
+            await d.record(placed[name], chains[name])
+        await d.flushed()
+        fresh_redis.stop()
+        probe = chains["conv0"]
+        for _ in range(3):  # the breaker trips: lookups are local
+            await d.lookup(probe)
+        assert d.degraded
+        for name in list(placed)[4:]:  # placed while Redis was away
+            await d.record(placed[name], chains[name])
+        fresh_redis.start()  # back, empty
+        await shared_answers(d, probe, timeout_s=15)
+        for name, where in placed.items():
+            looked = await d.lookup(chains[name])
+            assert not looked.degraded
+            assert looked.overlap == {where: 6}, name
+        await d.flushed()
+        newcomer = await composed(fresh_redis.url, replicas)  # what Redis itself holds again
+        try:
+            for name, where in placed.items():
+                assert (await newcomer.lookup(chains[name])).overlap == {where: 6}, name
+        finally:
+            await newcomer.close()
+    finally:
+        await d.close()
+
+
+async def test_a_directory_layout_this_gateway_does_not_know_is_refused(
+    fresh_redis: RedisServer, replica: str
+) -> None:
+    """Item 26: a Redis whose directory a newer layout wrote is not used (a gateway that read
+    it as its own could route on entries it misreads): the start fails, naming both layouts."""
+    fresh_redis.cli("hset", "kvg:{kvg-meta}:layout", "version", "99", "incarnation", "x")
+    with pytest.raises(DirectoryLayoutError, match="layout 99; this gateway knows layouts 1, 2"):
+        await composed(fresh_redis.url, [replica])
+
+
+async def test_a_directory_of_the_layout_before_versions_is_adopted_in_place(
+    fresh_redis: RedisServer, replica: str
+) -> None:
+    """Item 26: layout 1 (no layout key: a gateway from before versions) is read as it is; a
+    gateway of layout 2 marks it as such and keeps its entries and generations."""
+    first = await composed(fresh_redis.url, [replica])
+    try:
+        a = chain(f"{replica}-a", 4)
+        await first.forget(replica)  # generation 2
+        await first.record(replica, a)
+        await first.flushed()
+    finally:
+        await first.close()
+    fresh_redis.cli("del", "kvg:{kvg-meta}:layout", "kvg:{kvg-meta}:seen")  # as layout 1 left it
+    d = await composed(fresh_redis.url, [replica])
+    try:
+        assert (await d.lookup(a)).overlap == {replica: 4}
+        assert fresh_redis.cli("hget", "kvg:{kvg-meta}:layout", "version").strip() == "2"
+        assert d.shared is not None and d.shared.meta.gen(replica_id(replica)) == 2
+    finally:
+        await d.close()
+
+
+async def test_a_replica_that_left_leaves_nothing_behind(redis_url: str, replica: str) -> None:
+    """Item 17: the markers and names kept per replica went only with the process; a replica
+    discovery saw leave is forgotten by this gateway whole, and its entries stop matching (a
+    pod later at its address is a new engine)."""
+    d = await composed(redis_url, [replica])
+    try:
+        a = chain(f"{replica}-a", 4)
+        assert not await d.observe_start(replica, "1000.000")
+        await d.record(replica, a)
+        await d.flushed()
+        await d.left(replica)
+        assert d.local.index.replicas() == []
+        assert d.shared is not None and replica not in d.shared.registered()
+        assert replica_id(replica) not in d.shared.meta.starts
+        d.register([replica])  # a new pod at the same address
+        assert (await d.lookup(a)).overlap == {}
+    finally:
+        await d.close()
