@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 ARGS    ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help run test lint typecheck proto helm bench audit clean
+.PHONY: help run test lint typecheck proto tokenizer helm bench audit clean
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -36,6 +36,9 @@ typecheck: $(STAMP) ## mypy --strict on the packages
 
 proto: $(STAMP) ## regenerate the gRPC stubs (gateway/api/grpc/_pb, loadgen/_pb) from proto/; fails if they drifted
 	$(PY) -m tools.protogen
+
+tokenizer: $(STAMP) ## rebuild the simulated engine's tokenizer (loadgen/engine/model/) from its generated corpus
+	$(PY) -m tools.build_tokenizer
 
 helm: $(STAMP) ## the chart: schema drift, helm lint --strict, helm template, kubernetes-validate --strict
 	$(PY) -m tools.chart check

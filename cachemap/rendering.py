@@ -24,8 +24,9 @@ Invariants:
   tool call's arguments, JSON inside a string, are checked here): deeper input is a
   `NestingError`, never a recursion failure in a serializer.
 
-loadgen's simulated engine uses this exact rendering as its chat template, so the gateway's byte
-blocks and the engine's token blocks describe the same text.
+It is not an engine's chat template: a real model's template (and the simulated engine's,
+loadgen/engine/model/) renders tools, tool calls and content parts differently, so byte blocks
+and token blocks describe the same conversation but not the same text (docs/engine.md).
 """
 
 from __future__ import annotations

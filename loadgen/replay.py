@@ -32,7 +32,8 @@ from loadgen.client import Result, stream_chat
 from loadgen.runner import run_phases
 from loadgen.sim import percentile
 from loadgen.traces import CONVERSATION_TRACE
-from loadgen.traces.readers import MOONCAKE_BLOCK_SIZE, PromptSynthesizer, Trace, read_trace
+from loadgen.traces.readers import Trace, read_trace
+from loadgen.traces.synthesis import PromptSynthesizer
 from loadgen.workloads import Phase, agent_day, agent_session
 
 DEFAULT_MODEL = "kvgate-sim-8b"
@@ -347,7 +348,8 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         "trace",
         nargs="?",
         default=str(CONVERSATION_TRACE),
-        help="a Mooncake-format JSONL trace, or a closed-loop workload: "
+        help="a trace (Mooncake or Qwen-Bailian JSONL, agent session files merged at offsets: "
+        "a.json@0,b.json@30), or a closed-loop workload: "
         + ", ".join(WORKLOADS)
         + "; default: the shipped Mooncake conversation trace",
     )
@@ -370,7 +372,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="directory for results.json and summary.md")
     parser.add_argument("--plot", action="store_true", help="also write PNG plots into --out")
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_SIZE)
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="tokens per hash id (default: the format's)"
+    )
     parser.add_argument("--tenants", type=int, default=0, help="assign conversations to N tenants")
     parser.add_argument("--max-output-tokens", type=int, default=None, help="cap output lengths")
     parser.add_argument("--no-progress", action="store_true")

@@ -65,7 +65,6 @@ from loadgen.engine.timing import (
 )
 from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import (
-    MOONCAKE_BLOCK_SIZE,
     Trace,
     TraceRequest,
     hot_spine_trace,
@@ -460,9 +459,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "trace",
         nargs="?",
         default=str(CONVERSATION_TRACE),
-        help="a Mooncake-format JSONL trace, or hot-spine[:rate=60,seconds=30,system=4000,"
-        "suffix=300,output=8] (requests sharing a system prompt, faster than one replica); "
-        "default: the shipped Mooncake conversation trace",
+        help="a trace (Mooncake or Qwen-Bailian JSONL, agent session files: a.json@0,b.json@30), "
+        "or hot-spine[:rate=60,seconds=30,system=4000,suffix=300,output=8] (requests sharing a "
+        "system prompt, faster than one replica); default: the shipped Mooncake conversation "
+        "trace",
     )
     parser.add_argument("--replicas", type=int, default=DEFAULT_NUM_REPLICAS)
     parser.add_argument(
@@ -474,7 +474,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy", default="all", help=f"one of {', '.join(POLICIES)}, or 'all' (default)"
     )
-    parser.add_argument("--block-size", type=int, default=MOONCAKE_BLOCK_SIZE)
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="tokens per hash id (default: the format's)"
+    )
     parser.add_argument("--start", type=int, default=0, help="first trace line (0-based)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many requests")
     parser.add_argument("--tenants", type=int, default=0, help="assign conversations to N tenants")

@@ -1,18 +1,18 @@
-"""Deterministic synthetic text with an exact token count under the simulated tokenizer.
+"""Deterministic synthetic text with an exact token count under the simulated engine's tokenizer.
 
-Every word is " " + 1–7 letters: one token each for `loadgen.engine.tokenizer`, so `words(seed, n)`
-is exactly n tokens, and equal (seed, n) give byte-identical text.
+Every word is one of the tokenizer's single-token words (" " + lowercase letters, see
+`loadgen.engine.tokenizer`): a concatenation of n of them is exactly n tokens wherever it stands,
+as long as no letter follows it directly, so `words(seed, n)` is n tokens and equal (seed, n)
+give byte-identical text.
 """
 
 from __future__ import annotations
 
 import random
-import string
+
+from loadgen.engine.tokenizer import default_tokenizer
 
 
 def words(seed: int | str, num_tokens: int) -> str:
     rng = random.Random(str(seed))
-    letters = string.ascii_lowercase
-    return "".join(
-        " " + "".join(rng.choices(letters, k=rng.randint(1, 7))) for _ in range(num_tokens)
-    )
+    return "".join(rng.choices(default_tokenizer().words, k=num_tokens))

@@ -30,8 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachemap.rendering import render_chat
-from loadgen.engine.tokenizer import count_tokens
+from loadgen.engine.tokenizer import count_tokens, default_tokenizer
 from loadgen.text import words
 
 SYSTEM_TOKENS = 2_700
@@ -256,6 +255,12 @@ def fanout_burst(
     ]
 
 
+def _tool_result(seed: str, num_tokens: int) -> str:
+    """A tool result of exactly `num_tokens` engine tokens ("Tool result:" and words)."""
+    head = "Tool result:"
+    return head + words(seed, max(num_tokens - count_tokens(head), 1))
+
+
 def agent_session(
     *,
     steps: int = SESSION_STEPS,
@@ -279,10 +284,11 @@ def agent_session(
     tools = _tools(tenant)
     head = "You are a coding agent."
     fixed = [{"role": "system", "content": head}, {"role": "user", "content": "Task:"}]
+    render_chat = default_tokenizer().render_chat  # the engine's chat template
     context_tokens = start_tokens - count_tokens(render_chat(fixed, tools))
     system_tokens = min(SYSTEM_TOKENS, context_tokens // 2)
     system = {"role": "system", "content": head + words(f"{tenant}/system", system_tokens)}
-    for _ in range(3):  # token merges at message ends shift the count by one or two
+    for _ in range(3):  # the prefixes' own tokens ("Task:") are what the first guess misses
         task = {
             "role": "user",
             "content": "Task:" + words(f"{name}/context", context_tokens - system_tokens) + "\n",
@@ -302,7 +308,7 @@ def agent_session(
             else [
                 {
                     "role": "user",
-                    "content": "Tool result:" + words(f"{name}/tool{k}", tool_tokens - 2),
+                    "content": _tool_result(f"{name}/tool{k}", tool_tokens),
                 }
             ]
         )
@@ -342,8 +348,9 @@ def agent_session(
                                     else [
                                         {
                                             "role": "user",
-                                            "content": "Tool result:"
-                                            + words(f"{name}/sub{k}-{j}/tool{i}", tool_tokens - 2),
+                                            "content": _tool_result(
+                                                f"{name}/sub{k}-{j}/tool{i}", tool_tokens
+                                            ),
                                         }
                                     ],
                                     f"{name} subagent {k}-{j} step {i + 1}",

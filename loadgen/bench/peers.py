@@ -65,7 +65,8 @@ from loadgen.harness.envoy import EnvoySetup, envoy, envoy_binary
 from loadgen.replay import ReplayOptions, ReplaySummary, replay, summarise
 from loadgen.sim import SimConfig, run_policies
 from loadgen.traces import CONVERSATION_TRACE
-from loadgen.traces.readers import PromptSynthesizer, Trace, read_trace
+from loadgen.traces.readers import Trace, read_trace
+from loadgen.traces.synthesis import PromptSynthesizer
 from router.registry import POLICIES
 
 DEFAULT_TRACE = CONVERSATION_TRACE

@@ -7,9 +7,13 @@ Endpoints (vLLM's, plus the SGLang probes that sglang-router uses):
        /v1/completions /v1/chat/completions   (SSE when "stream": true)
        /reset_prefix_cache
 
-Generation is deterministic: exactly `max_tokens` tokens (as with vLLM's `ignore_eos`) of words
-seeded by the prompt, `finish_reason: "length"`. `usage.prompt_tokens_details.cached_tokens`
-is always present. `cache_salt` is mixed into block 0 of the prefix cache, as in vLLM.
+Prompts are rendered with the model's chat template and tokenized with its BPE
+(`loadgen.engine.prompts`, `loadgen.engine.tokenizer`; once per app, shared by the ranks, as
+vLLM's API server tokenizes for all of them); the prefix cache hashes those token ids.
+Generation is deterministic: exactly `max_tokens` tokens (as with vLLM's `ignore_eos`) of the
+vocabulary's single-token words, seeded by the prompt, `finish_reason: "length"`.
+`usage.prompt_tokens_details.cached_tokens` is always present. `cache_salt` is mixed into block
+0 of the prefix cache, as in vLLM.
 
 Streaming is vLLM's: one SSE event per engine step that gave the request tokens: one token
 while the client keeps up, everything generated since the last event when it lags (nothing is
@@ -27,17 +31,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import itertools
-import os
-import re
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import mmh3
 import orjson
@@ -49,9 +48,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cachemap.rendering import render_chat
 from loadgen.engine.kv_events import KVEventsConfig, ZmqPublisher, parse_kv_events_config
 from loadgen.engine.kvpool import BlockPool
+from loadgen.engine.prompts import (
+    BadRequest,
+    RenderedPrompts,
+    detokenize_response,
+    render_response,
+    tokenize_response,
+)
 from loadgen.engine.timing import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CAPACITY_BLOCKS,
@@ -66,7 +71,7 @@ from loadgen.engine.timing import (
     add_decode_arguments,
     decode_from_args,
 )
-from loadgen.engine.tokenizer import block_hashes, output_tokens, token_ids, tokenize
+from loadgen.engine.tokenizer import MODEL_DIR, block_hashes, default_tokenizer
 
 DEFAULT_MODEL = "kvgate-sim-8b"
 DEFAULT_MAX_MODEL_LEN = 131_072
@@ -76,37 +81,6 @@ DEFAULT_STREAM_INTERVAL = 1
 """vLLM's `--stream-interval` default: every step's tokens go out at once."""
 VLLM_VERSION = "0.11.0"
 DP_RANK_HEADER = "X-data-parallel-rank"
-
-_TOKENIZER_STAND_IN: dict[str, Any] = {
-    "version": "1.0",
-    "truncation": None,
-    "padding": None,
-    "added_tokens": [],
-    "normalizer": None,
-    "pre_tokenizer": {"type": "Whitespace"},
-    "post_processor": None,
-    "decoder": None,
-    "model": {"type": "WordLevel", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"},
-}
-
-
-def tokenizer_dir(model: str) -> str:
-    """A local directory with a `tokenizer.json` stand-in, reported as the engine's
-    `model_path` / `tokenizer_path`.
-
-    sglang-router loads a tokenizer for every worker's model when it registers it, from the
-    worker's `model_path`; a model name that is not a local directory makes it try the Hugging
-    Face hub. Routing over HTTP never uses that tokenizer, so a minimal valid one (a WordLevel
-    model in the `tokenizers` JSON format, NOT the engine's tokenizer) keeps it local.
-    """
-    path = Path(tempfile.gettempdir()) / ("kvgate-sim-tokenizer-" + re.sub(r"\W", "_", model))
-    target = path / "tokenizer.json"
-    if not target.exists():
-        path.mkdir(parents=True, exist_ok=True)
-        scratch = path / f"tokenizer.{os.getpid()}.tmp"
-        scratch.write_bytes(orjson.dumps(_TOKENIZER_STAND_IN))
-        os.replace(scratch, target)
-    return str(path)
 
 
 SEEN_HEADERS_KEPT = 256
@@ -142,12 +116,6 @@ class EngineConfig:
             raise ValueError("data_parallel_size must be at least 1")
         if self.cpu_offload_blocks < 0:
             raise ValueError("cpu_offload_blocks must be non-negative")
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -277,63 +245,6 @@ class Engine:
 
 
 # -- request parsing ----------------------------------------------------------------------
-_TOKENIZED_PROMPTS = 256
-"""Prompts whose tokens are kept: a router that renders a request on every worker (vllm-router's
-cache_aware) makes the same text arrive N + 1 times; the simulator's own tokenizer cost (~10 ms
-for 15k tokens in Python) must not be what a benchmark measures. Kept per `cache_salt`: a prompt
-tokenized for one tenant must not come back faster for another (the timing audit finds that)."""
-
-
-@functools.lru_cache(maxsize=_TOKENIZED_PROMPTS)
-def _tokenize_cached(text: str, salt: str | None = None) -> tuple[str, ...]:
-    return tuple(tokenize(text))
-
-
-@functools.lru_cache(maxsize=_TOKENIZED_PROMPTS)
-def _ids_cached(text: str) -> tuple[int, ...]:
-    return tuple(token_ids(_tokenize_cached(text)))
-
-
-def _prompt_text(body: dict[str, Any], chat: bool) -> str | list[int]:
-    """The text the engine tokenizes (chat: the canonical rendering), or a token-id prompt."""
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list")
-        if not all(isinstance(m, dict) for m in messages):
-            raise BadRequest("each message must be an object")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise BadRequest("'tools' must be a list")
-        add_generation_prompt = body.get("add_generation_prompt", True) is not False
-        try:
-            return render_chat(messages, tools, add_generation_prompt)
-        except (AttributeError, TypeError) as exc:
-            raise BadRequest(f"malformed messages: {exc}") from None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return [int(t) for t in prompt]
-    raise BadRequest("'prompt' must be a string or a list of token ids")
-
-
-def _prompt_tokens(body: dict[str, Any], chat: bool) -> Sequence[str] | Sequence[int]:
-    """The prompt's tokens (token ids for a token-id prompt); never mutate the result."""
-    text = _prompt_text(body, chat)
-    salt = body.get("cache_salt")
-    if isinstance(text, str):
-        return _tokenize_cached(text, salt if isinstance(salt, str) else None)
-    return text
-
-
-def _prompt_ids(body: dict[str, Any], chat: bool) -> list[int]:
-    text = _prompt_text(body, chat)
-    return list(_ids_cached(text)) if isinstance(text, str) else text
-
-
 def _int_field(body: dict[str, Any], name: str, default: int, minimum: int) -> int:
     value = body.get(name)
     if value is None:
@@ -455,7 +366,8 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
             "max_model_len": config.max_model_len,
         }
 
-    local_tokenizer = tokenizer_dir(config.model)
+    prompts = RenderedPrompts()  # the API server's: every rank's requests are tokenized here
+    local_tokenizer = str(MODEL_DIR)  # a Hugging Face tokenizer directory: routers load it
 
     def server_info() -> dict[str, Any]:
         t = config.timing
@@ -530,29 +442,23 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
     async def tokenize_endpoint(request: Request) -> Response:
         try:
             body = await _json_body(request)
-            ids = _prompt_ids(body, chat="messages" in body)
+            return JSONResponse(tokenize_response(body, config.max_model_len, prompts))
         except BadRequest as exc:
             return _error(str(exc), exc.status)
-        return JSONResponse(
-            {
-                "count": len(ids),
-                "max_model_len": config.max_model_len,
-                "tokens": ids,
-                "token_strs": None,
-            }
-        )
 
     async def detokenize(request: Request) -> Response:
-        return JSONResponse({"prompt": ""})
+        try:
+            return JSONResponse(detokenize_response(await _json_body(request)))
+        except BadRequest as exc:
+            return _error(str(exc), exc.status)
 
     def render(chat: bool) -> Any:
         async def handler(request: Request) -> Response:
             try:
                 body = await _json_body(request)
-                ids = _prompt_ids(body, chat=chat)
+                return JSONResponse(render_response(body, chat, config.model, prompts))
             except BadRequest as exc:
                 return _error(str(exc), exc.status)
-            return JSONResponse({"token_ids": ids, "model": body.get("model", config.model)})
 
         return handler
 
@@ -560,7 +466,8 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
         async def handler(request: Request) -> Response:
             try:
                 body = await _json_body(request)
-                return await _generate(_pick_rank(engines, request), body, chat, request)
+                rank = _pick_rank(engines, request)
+                return await _generate(rank, body, chat, request, prompts)
             except BadRequest as exc:
                 return _error(str(exc), exc.status)
 
@@ -601,6 +508,7 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.engine = engine
     app.state.engines = engines
+    app.state.prompts = prompts
     return app
 
 
@@ -626,18 +534,20 @@ class _Generation:
     """A generation request, parsed and checked."""
 
     chat: bool
-    tokens: Sequence[str] | Sequence[int]
+    tokens: Sequence[int]
     max_tokens: int
     salt: str | None
     stream: bool
     include_usage: bool
 
 
-def _parse_generation(config: EngineConfig, body: dict[str, Any], chat: bool) -> _Generation:
+def _parse_generation(
+    config: EngineConfig, body: dict[str, Any], chat: bool, prompts: RenderedPrompts
+) -> _Generation:
     model = body.get("model")
     if model is not None and model != config.model:
         raise BadRequest(f"The model `{model}` does not exist.", status=404)
-    tokens = _prompt_tokens(body, chat)
+    tokens = prompts.ids(body, chat)
     default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
     max_tokens = _int_field(body, "max_completion_tokens", 0, 1) if chat else 0
     max_tokens = max_tokens or _int_field(body, "max_tokens", default_max, 1)
@@ -670,13 +580,10 @@ def _make_job(engine: Engine, gen: _Generation, body: dict[str, Any]) -> tuple[J
     hashes = block_hashes(tokens, config.block_size, gen.salt)
     max_cached = (len(tokens) - 1) // config.block_size * config.block_size
     seed = mmh3.hash(hashes[-1] if hashes else repr(list(tokens[-8:])).encode(), signed=False)
-    pieces = output_tokens(seed, gen.max_tokens)
-    final: list[bytes] = []
-    if tokens and isinstance(tokens[0], str):
-        final = block_hashes([*tokens, *pieces], config.block_size, gen.salt, resume=hashes)
-    ids: Sequence[int] = ()
-    if engine.core.cache.log is not None:  # only the KV events carry token ids
-        ids = _TokenIds(tokens, pieces)
+    output = default_tokenizer().output_ids(seed, gen.max_tokens)
+    pieces = default_tokenizer().pieces(output)
+    ids = [*tokens, *output]  # what the blocks hold, and what the KV events announce
+    final = block_hashes(ids, config.block_size, gen.salt, resume=hashes)
     job = Job(
         id=engine.next_id("chatcmpl" if gen.chat else "cmpl"),
         block_hashes=hashes,
@@ -689,34 +596,6 @@ def _make_job(engine: Engine, gen: _Generation, body: dict[str, Any]) -> tuple[J
         cache_salt=gen.salt,
     )
     return job, pieces
-
-
-class _TokenIds(Sequence[int]):
-    """Prompt + output token ids, converted only for the slices the KV events read (a prompt's
-    cached prefix is never announced, so its ids are never needed: ~0.5 ms of a 2,000-token
-    prompt saved per request)."""
-
-    def __init__(self, tokens: Sequence[str] | Sequence[int], pieces: Sequence[str]) -> None:
-        self._tokens, self._pieces = tokens, pieces
-
-    def __len__(self) -> int:
-        return len(self._tokens) + len(self._pieces)
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[int]: ...
-    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
-        if isinstance(index, int):
-            return self[index : index + 1 if index != -1 else None][0]
-        start, stop, step = index.indices(len(self))
-        assert step == 1, "KV events read contiguous blocks"
-        split = len(self._tokens)
-        part = self._tokens[start : min(stop, split)]
-        tail = token_ids(self._pieces[max(start - split, 0) : max(stop - split, 0)])
-        if part and isinstance(part[0], str):
-            return [*token_ids(part), *tail]  # type: ignore[arg-type]
-        return [*part, *tail]
 
 
 @dataclass
@@ -771,7 +650,9 @@ class _Reply:
         return b"data: " + orjson.dumps({**head, **fields}) + b"\n\n"
 
 
-async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: Request) -> Response:
+async def _generate(
+    engine: Engine, body: dict[str, Any], chat: bool, request: Request, prompts: RenderedPrompts
+) -> Response:
     """Serve one generation on one rank.
 
     1. Parse: the prompt's tokens, max_tokens, salt, streaming options.
@@ -781,7 +662,7 @@ async def _generate(engine: Engine, body: dict[str, Any], chat: bool, request: R
     engine.last_traceparent = request.headers.get("traceparent")
     engine.seen_headers.append(dict(request.headers))
     del engine.seen_headers[:-SEEN_HEADERS_KEPT]
-    gen = _parse_generation(engine.config, body, chat)
+    gen = _parse_generation(engine.config, body, chat, prompts)
     failing = engine.num_failures_left > 0
     if failing:
         engine.num_failures_left -= 1

@@ -38,6 +38,9 @@ def conversations(path: Path, num: int = 3, turns: int = 4) -> Path:
     return path
 
 
+SCALE = 20.0
+
+
 def test_a_replay_through_kvgate_measures_every_request(
     tmp_path: Path,
     start_engines: Callable[..., list[Served]],
@@ -46,7 +49,12 @@ def test_a_replay_through_kvgate_measures_every_request(
     trace = read_trace(conversations(tmp_path / "conv.jsonl"))
     engines = start_engines(2)
     gateway = start_gateway(engines, policy="cache_aware")
-    options = ReplayOptions(gateway.url, (TENANT_KEY,), time_scale=50.0, progress=False)
+    # 20x: a conversation's next turn comes 150 ms after the previous one, which has its first
+    # token by then even on a loaded machine. At 100x, with the engine's real tokenizer (its CPU
+    # time is not scaled), turns of one conversation overlapped in flight: a turn held behind
+    # its predecessor's write was released together with the next turn, which could reach the
+    # engine first, so the earlier turn hit the later one's blocks (cached > its history).
+    options = ReplayOptions(gateway.url, (TENANT_KEY,), time_scale=SCALE, progress=False)
     rows, wall = asyncio.run(replay(trace, options))
     assert [r.index for r in rows] == list(range(12))
     assert all(r.ok for r in rows), [r.error for r in rows if not r.ok]
@@ -69,9 +77,9 @@ def test_a_replay_through_kvgate_measures_every_request(
     assert summary.errors == 0 and summary.requests == 12
     assert 0.5 < summary.hit_ratio < 1.0
     assert 0 < summary.ttft_p50_s <= summary.ttft_p99_s <= summary.e2e_p99_s
-    assert summary.ttft_p99_trace_s == pytest.approx(summary.ttft_p99_s * 50)
-    # arrivals were respected: request i was not sent before i / 50 s
-    assert all(r.sent_s >= r.arrival_s / 50 - 1e-3 for r in rows)
+    assert summary.ttft_p99_trace_s == pytest.approx(summary.ttft_p99_s * SCALE)
+    # arrivals were respected: request i was not sent before i / SCALE s
+    assert all(r.sent_s >= r.arrival_s / SCALE - 1e-3 for r in rows)
 
 
 def test_the_command_writes_results_a_summary_and_plots(
@@ -134,3 +142,28 @@ def test_bad_options_are_refused_with_a_message(capsys: pytest.CaptureFixture[st
     assert "No such file" in capsys.readouterr().out
     assert main(["replay", "x.jsonl", "--target", "localhost:80"]) == 2
     assert "must start with http://" in capsys.readouterr().out
+
+
+SAMPLES = Path(__file__).resolve().parents[2] / "loadgen" / "traces" / "samples"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "mooncake_full_blocks.jsonl",
+        "bailian.jsonl",
+        "agent_session.json@0,agent_sessions.jsonl@7",
+    ],
+)
+def test_every_trace_format_replays_with_exact_prompt_lengths(
+    start_engines: Callable[..., list[Served]], spec: str
+) -> None:
+    spec = ",".join(str(SAMPLES / part) for part in spec.split(","))
+    trace = read_trace(spec)
+    (engine,) = start_engines(1)
+    options = ReplayOptions(engine.url, (), time_scale=100.0, progress=False)
+    rows, _ = asyncio.run(replay(trace, options))
+    assert all(r.ok for r in rows), [r.error for r in rows if not r.ok]
+    # the engine's own tokenization of each synthesized chat is the trace's input length
+    assert [r.prompt_tokens for r in rows] == [r.input_length for r in trace.requests]
+    assert [r.output_tokens for r in rows] == [r.output_length for r in trace.requests]

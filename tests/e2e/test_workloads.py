@@ -9,9 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from cachemap.rendering import render_chat
 from kvgate_cli import main
-from loadgen.engine.tokenizer import count_tokens
+from loadgen.engine.tokenizer import count_tokens, default_tokenizer
 from loadgen.workloads import agent_session, count_requests
 from tests.conftest import TENANT_KEY
 from tests.servers import Served
@@ -21,6 +20,7 @@ def test_the_session_is_fifty_steps_from_twelve_thousand_tokens() -> None:
     phases = agent_session()
     assert count_requests(phases) == 50
     (session,) = phases[0].sessions
+    render_chat = default_tokenizer().render_chat  # the engine's chat template
     assert count_tokens(render_chat(session.prefix, session.tools)) == 12_000
     assert all(step.max_tokens == 400 for step in session.steps)
     tool_results = [step.messages for step in session.steps[1:]]

@@ -186,8 +186,9 @@ def _piece(role: str | None, content: str, gp: bool) -> str:
 
 @functools.cache
 def exact_text(seed: str, role: str | None, target: int, gp: bool) -> str:
-    """Content whose rendered block is exactly `target` simulated tokens (a final newline keeps
-    the last word from merging with `<|im_end|>`, so each word adds exactly one token)."""
+    """Content whose rendered block is exactly `target` simulated tokens (each single-token word
+    adds exactly one; plain user and assistant turns render the same in the engine's template
+    and in the gateway's canonical rendering, so the counts agree on both sides)."""
     overhead = count_tokens(_piece(role, words(seed, 1) + "\n", gp)) - 1
     content = words(seed, target - overhead) + "\n"
     assert count_tokens(_piece(role, content, gp)) == target

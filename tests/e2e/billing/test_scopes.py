@@ -129,6 +129,9 @@ def test_a_cached_contents_expansion_counts_against_the_prompt_limits(
     start_gateway: Callable[..., Served],
     tmp_path: Path,
 ) -> None:
+    # `words` are single-token words of the engine's vocabulary: ~6.5 bytes each, measured
+    bytes_per_word = len(words("ratio", 10_000).encode()) / 10_000
+    max_bytes = round(1200 * bytes_per_word)  # 1,200 words: between 1,100 and 1,300
     tenants = tmp_path / "tenants.yaml"
     small, _, _ = add_key(
         tenants, "small", billing_profile="google_explicit", max_prompt_tokens=1000
@@ -140,13 +143,13 @@ def test_a_cached_contents_expansion_counts_against_the_prompt_limits(
         tmp_path,
         tenants_file=tenants,
         billing_model_map={MODEL: "gemini-3.1-pro"},
-        bytes_per_token=5.0,  # the simulated engine's ratio for `words`: no learning needed
-        max_prompt_bytes=6000,
+        bytes_per_token=bytes_per_word,  # the engine's ratio for `words`: no learning needed
+        max_prompt_bytes=max_bytes,
     )
     clock.set(START)
 
     def use(key: str, seed: str, num_words: int) -> httpx.Response:
-        """An object of 700 words (~3.5 kB), then a question naming it."""
+        """An object of 700 words (~4.5 kB), then a question naming it."""
         handbook = [{"role": "system", "content": words(seed, 700)}]
         body = {"model": MODEL, "messages": handbook, "ttl_s": 600}
         created = post(gateway, key, "/v1/cached_contents", body)
@@ -165,6 +168,6 @@ def test_a_cached_contents_expansion_counts_against_the_prompt_limits(
     r = use(small, "small", 400)  # ~1,100 tokens expanded: over the tenant's 1,000
     assert r.status_code == 400, r.text
     assert "tenant 'small' may send at most 1000" in r.json()["error"]["message"]
-    r = use(wide, "wide", 600)  # ~6.5 kB expanded: over the gateway's 6,000 bytes
+    r = use(wide, "wide", 600)  # 1,300 words expanded: over the gateway's 1,200 words of bytes
     assert r.status_code == 400, r.text
-    assert "the maximum is 6000" in r.json()["error"]["message"]
+    assert f"the maximum is {max_bytes}" in r.json()["error"]["message"]

@@ -1,0 +1,190 @@
+"""The engine's chat template, applied the way vLLM applies a Hugging Face chat template.
+
+Two steps, as in vLLM's chat serving:
+
+1. **Messages are parsed** (`prepare_messages`, vLLM's "string" content format): a content that
+   is a list of parts becomes its text parts joined with "\\n" (a non-text part is refused: the
+   model is text-only), null content becomes ""; an assistant's `tool_calls` keep only
+   non-empty lists, and each call's `function.arguments` string is parsed as JSON (an empty one
+   is `{}`), because templates render arguments with `tojson`.
+2. **The template is rendered** (`ChatTemplate.render`, transformers' `apply_chat_template`
+   with `tokenize=False`): jinja2's `ImmutableSandboxedEnvironment` with `trim_blocks` and
+   `lstrip_blocks`, the `loopcontrols` extension, a `raise_exception(message)` global, a
+   `tojson` filter that does not escape HTML (`json.dumps(ensure_ascii=False)`, default
+   spacing), `strftime_now`; the variables `messages`, `tools`, `add_generation_prompt`, and
+   the special tokens (`eos_token`, `pad_token`, ...). With `continue_final_message` the
+   rendering stops right after the final message's content (its last occurrence, stripped),
+   so the model continues that message instead of starting a new one.
+
+Errors are `ChatTemplateError` (a `ValueError`): a caller's malformed conversation, a 400.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered: the message says what is wrong with it."""
+
+
+def _text_of(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatTemplateError(f"{where}: 'content' must be a string, null or a list of parts")
+    texts: list[str] = []
+    for part in content:
+        if not isinstance(part, Mapping):
+            raise ChatTemplateError(f"{where}: each content part must be an object")
+        kind = part.get("type")
+        if kind != "text":
+            raise ChatTemplateError(
+                f"{where}: content part type {kind!r} is not supported by this text-only model; "
+                "send text parts"
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"{where}: a text part needs a string 'text'")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise ChatTemplateError(f"{where}: 'tool_calls' must be a list")
+    out: list[dict[str, Any]] = []
+    for call in calls:
+        if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+            raise ChatTemplateError(f"{where}: each tool call needs a 'function' object")
+        function = dict(call["function"])
+        arguments = function.get("arguments")
+        if not arguments:
+            function["arguments"] = {}
+        elif isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except ValueError as exc:
+                raise ChatTemplateError(
+                    f"{where}: tool call arguments are not valid JSON: {exc}"
+                ) from None
+        out.append({**call, "function": function})
+    return out
+
+
+def prepare_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """OpenAI-shaped messages as the template sees them (step 1 of the module docstring)."""
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(f"{where} must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ChatTemplateError(f"{where}: 'role' must be a non-empty string")
+        prepared = {**message, "role": role, "content": _text_of(message.get("content"), where)}
+        if role == "assistant" and message.get("tool_calls") is not None:
+            calls = _tool_calls(message["tool_calls"], where)
+            if calls:
+                prepared["tool_calls"] = calls
+            else:
+                del prepared["tool_calls"]
+        out.append(prepared)
+    return out
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it is rendered with."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str | None]) -> None:
+        try:
+            self.template = _compile(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"the chat template does not compile: {exc}") from None
+        self.source = source
+        self.special_tokens = dict(special_tokens)
+
+    def render(
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The prompt text of a chat request (see the module docstring)."""
+        if add_generation_prompt and continue_final_message:
+            raise ChatTemplateError(
+                "continue_final_message and add_generation_prompt cannot both be true"
+            )
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
+        ):
+            raise ChatTemplateError("'tools' must be a list of objects")
+        conversation = prepare_messages(messages)
+        try:
+            rendered = self.template.render(
+                messages=conversation,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"cannot render the chat template: {exc}") from None
+        except (TypeError, AttributeError) as exc:  # e.g. a name that is not a string
+            raise ChatTemplateError(f"malformed messages: {exc}") from None
+        if continue_final_message:
+            if not conversation:
+                raise ChatTemplateError("continue_final_message needs a final message")
+            content = conversation[-1]["content"]
+            start = rendered.rfind(content.strip())
+            if not content.strip() or start < 0:
+                raise ChatTemplateError(
+                    "continue_final_message: the final message's content is not in the prompt"
+                )
+            kept = content.lstrip()  # its trailing whitespace too, when the template kept it
+            if rendered[start : start + len(kept)] != kept:
+                kept = content.strip()
+            rendered = rendered[: start + len(kept)]
+        return rendered
