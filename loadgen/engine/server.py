@@ -348,35 +348,39 @@ def _zero(e: Engine) -> float:
 
 
 # -- the app ------------------------------------------------------------------------------
-def create_engine_app(config: EngineConfig | None = None) -> Starlette:
-    config = config or EngineConfig()
-    engines = [Engine(config, rank) for rank in range(config.data_parallel_size)]
-    engine = engines[0]
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_EngineCollector(engines))
+class _EngineApp:
+    """The HTTP surface of the simulated replica: vLLM's endpoints (and SGLang's probes) over
+    one `Engine` per data-parallel rank, a method each."""
 
-    def model_card() -> dict[str, Any]:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engines = [Engine(config, rank) for rank in range(config.data_parallel_size)]
+        self.engine = self.engines[0]
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(self.engines))
+        self.prompts = RenderedPrompts()  # the API server's: every rank's requests are here
+        self.local_tokenizer = str(MODEL_DIR)  # a Hugging Face tokenizer directory (routers)
+
+    def model_card(self) -> dict[str, Any]:
+        config = self.config
         return {
             "id": config.model,
             "object": "model",
-            "created": int(engine.start_time),
+            "created": int(self.engine.start_time),
             "owned_by": "vllm",
             "root": config.model,
             "parent": None,
             "max_model_len": config.max_model_len,
         }
 
-    prompts = RenderedPrompts()  # the API server's: every rank's requests are tokenized here
-    local_tokenizer = str(MODEL_DIR)  # a Hugging Face tokenizer directory: routers load it
-
-    def server_info() -> dict[str, Any]:
-        t = config.timing
+    def server_info(self) -> dict[str, Any]:
+        config, t = self.config, self.config.timing
         return {
-            "model_path": local_tokenizer,
-            "tokenizer_path": local_tokenizer,
+            "model_path": self.local_tokenizer,
+            "tokenizer_path": self.local_tokenizer,
             "served_model_name": config.model,
             "version": VLLM_VERSION,
-            "start_time": engine.start_time,
+            "start_time": self.engine.start_time,
             "max_model_len": config.max_model_len,
             "block_size": config.block_size,
             "num_gpu_blocks": config.capacity_blocks,
@@ -394,90 +398,99 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
             "kv_events_config": orjson.dumps(dataclasses.asdict(config.kv_events)).decode(),
         }
 
-    async def health(request: Request) -> Response:
+    # -- probes ------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
 
-    async def version(request: Request) -> Response:
+    async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VLLM_VERSION})
 
-    async def info(request: Request) -> Response:
-        return JSONResponse(server_info())
+    async def info(self, request: Request) -> Response:
+        return JSONResponse(self.server_info())
 
-    async def model_info(request: Request) -> Response:
+    async def model_info(self, request: Request) -> Response:
         return JSONResponse(
             {
-                "model_path": local_tokenizer,
-                "tokenizer_path": local_tokenizer,
-                "served_model_name": config.model,
+                "model_path": self.local_tokenizer,
+                "tokenizer_path": self.local_tokenizer,
+                "served_model_name": self.config.model,
                 "is_generation": True,
             }
         )
 
-    async def metrics(request: Request) -> Response:
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
-    def num_requests() -> int:
-        return sum(e.core.num_running + e.core.num_waiting for e in engines)
+    def num_requests(self) -> int:
+        return sum(e.core.num_running + e.core.num_waiting for e in self.engines)
 
-    async def get_load(request: Request) -> Response:
-        return JSONResponse({"load": num_requests()})
+    async def get_load(self, request: Request) -> Response:
+        return JSONResponse({"load": self.num_requests()})
 
-    async def load(request: Request) -> Response:
-        return JSONResponse({"server_load": num_requests()})
+    async def load(self, request: Request) -> Response:
+        return JSONResponse({"server_load": self.num_requests()})
 
-    async def reset_prefix_cache(request: Request) -> Response:
+    async def reset_prefix_cache(self, request: Request) -> Response:
         """vLLM's endpoint: every rank forgets its cache (GPU and CPU), announced as one
         AllBlocksCleared each; refused, as vLLM refuses, while requests hold blocks."""
-        busy = [e.rank for e in engines if e.core.cache.num_used]
+        busy = [e.rank for e in self.engines if e.core.cache.num_used]
         if busy:
             ranks = ", ".join(map(str, busy))
             return _error(f"requests are running on rank(s) {ranks}: the cache was not reset", 409)
-        for e in engines:
+        for e in self.engines:
             e.reset_prefix_cache()
         return Response(status_code=200)
 
-    async def tokenize_endpoint(request: Request) -> Response:
+    # -- tokenizer endpoints -----------------------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
         try:
             body = await _json_body(request)
-            return JSONResponse(tokenize_response(body, config.max_model_len, prompts))
+            return JSONResponse(tokenize_response(body, self.config.max_model_len, self.prompts))
         except BadRequest as exc:
             return _error(str(exc), exc.status)
 
-    async def detokenize(request: Request) -> Response:
+    async def detokenize(self, request: Request) -> Response:
         try:
             return JSONResponse(detokenize_response(await _json_body(request)))
         except BadRequest as exc:
             return _error(str(exc), exc.status)
 
-    def render(chat: bool) -> Any:
-        async def handler(request: Request) -> Response:
-            try:
-                body = await _json_body(request)
-                return JSONResponse(render_response(body, chat, config.model, prompts))
-            except BadRequest as exc:
-                return _error(str(exc), exc.status)
+    async def render_chat(self, request: Request) -> Response:
+        return await self.render(request, chat=True)
 
-        return handler
+    async def render_completion(self, request: Request) -> Response:
+        return await self.render(request, chat=False)
 
-    def generate(chat: bool) -> Any:
-        async def handler(request: Request) -> Response:
-            try:
-                body = await _json_body(request)
-                rank = _pick_rank(engines, request)
-                return await _generate(rank, body, chat, request, prompts)
-            except BadRequest as exc:
-                return _error(str(exc), exc.status)
+    async def render(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await _json_body(request)
+            return JSONResponse(render_response(body, chat, self.config.model, self.prompts))
+        except BadRequest as exc:
+            return _error(str(exc), exc.status)
 
-        return handler
+    # -- generation --------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await _json_body(request)
+            rank = _pick_rank(self.engines, request)
+            return await _generate(rank, body, chat, request, self.prompts)
+        except BadRequest as exc:
+            return _error(str(exc), exc.status)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         started: list[Engine] = []
         try:
-            for e in engines:
+            for e in self.engines:
                 await e.start()
                 started.append(e)
             yield
@@ -485,30 +498,35 @@ def create_engine_app(config: EngineConfig | None = None) -> Starlette:
             for e in started:
                 await e.stop()
 
-    routes = [
-        Route("/health", health),
-        Route("/ping", health),
-        Route("/v1/models", models),
-        Route("/version", version),
-        Route("/server_info", info),
-        Route("/get_server_info", info),
-        Route("/model_info", model_info),
-        Route("/get_model_info", model_info),
-        Route("/metrics", metrics),
-        Route("/get_load", get_load),
-        Route("/load", load),
-        Route("/tokenize", tokenize_endpoint, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/v1/completions/render", render(chat=False), methods=["POST"]),
-        Route("/v1/chat/completions/render", render(chat=True), methods=["POST"]),
-        Route("/v1/completions", generate(chat=False), methods=["POST"]),
-        Route("/v1/chat/completions", generate(chat=True), methods=["POST"]),
-        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.engine = engine
-    app.state.engines = engines
-    app.state.prompts = prompts
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", self.health),
+            Route("/ping", self.health),
+            Route("/v1/models", self.models),
+            Route("/version", self.version),
+            Route("/server_info", self.info),
+            Route("/get_server_info", self.info),
+            Route("/model_info", self.model_info),
+            Route("/get_model_info", self.model_info),
+            Route("/metrics", self.metrics),
+            Route("/get_load", self.get_load),
+            Route("/load", self.load),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/v1/completions/render", self.render_completion, methods=["POST"]),
+            Route("/v1/chat/completions/render", self.render_chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+        ]
+
+
+def create_engine_app(config: EngineConfig | None = None) -> Starlette:
+    surface = _EngineApp(config or EngineConfig())
+    app = Starlette(routes=surface.routes(), lifespan=surface.lifespan)
+    app.state.engine = surface.engine
+    app.state.engines = surface.engines
+    app.state.prompts = surface.prompts
     return app
 
 
