@@ -13,6 +13,8 @@ from router.filters import (
 )
 from router.profile import RoutingProfile
 from router.scorers import (
+    DEFAULT_DISPLACEMENT_HALF_LIFE_S,
+    DisplacementScorer,
     EstimatedWorkScorer,
     InflightScorer,
     PrefixScorer,
@@ -35,6 +37,7 @@ class RouterConfig:
     absolute_slack_tokens: float = DEFAULT_ABSOLUTE_SLACK_TOKENS
     relative_slack: float = DEFAULT_RELATIVE_SLACK
     consistent_hash_blocks: int = DEFAULT_CONSISTENT_HASH_BLOCKS
+    displacement_half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S
 
 
 def cache_aware(config: RouterConfig) -> RoutingProfile:
@@ -43,6 +46,28 @@ def cache_aware(config: RouterConfig) -> RoutingProfile:
         "cache_aware",
         (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
         ((PrefixScorer(), 1.0), (EstimatedWorkScorer(), _TIE_BREAK)),
+        locality=True,
+    )
+
+
+def cache_pressure(config: RouterConfig) -> RoutingProfile:
+    """`cache_aware` that also counts what a placement evicts: among the replicas within the
+    load bound, the most cached blocks minus the recently used blocks the request's new ones
+    would displace (`DisplacementScorer`, from each replica's eviction frontier). Without a
+    frontier (approximate mode, events off) or without pressure it ranks as `cache_aware`.
+
+    A policy of its own rather than a term inside `cache_aware`: the default stays what it was
+    measured to be, and the two can run side by side in one `kvgate sim` run."""
+    return RoutingProfile(
+        "cache_pressure",
+        (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
+        (
+            (PrefixScorer(), 1.0),
+            # NOTE: a negative weight: the scorer is a cost, and adding −0.0 leaves every sum
+            # bit-identical to cache_aware's when nothing would be displaced
+            (DisplacementScorer(config.displacement_half_life_s), -1.0),
+            (EstimatedWorkScorer(), _TIE_BREAK),
+        ),
         locality=True,
     )
 
@@ -78,6 +103,7 @@ def cache_aware_local(config: RouterConfig) -> RoutingProfile:
 
 POLICIES: dict[str, Callable[[RouterConfig], RoutingProfile]] = {
     "cache_aware": cache_aware,
+    "cache_pressure": cache_pressure,
     "round_robin": round_robin,
     "random": random_choice,
     "least_load": least_load,
@@ -87,6 +113,7 @@ POLICIES: dict[str, Callable[[RouterConfig], RoutingProfile]] = {
 
 FALLBACKS: dict[str, Callable[[RouterConfig], RoutingProfile]] = {
     "cache_aware": cache_aware_local,
+    "cache_pressure": cache_aware_local,
 }
 """What a policy becomes while the shared directory does not answer (others are unchanged)."""
 
