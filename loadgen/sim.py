@@ -375,8 +375,9 @@ def _directory(
     return _PredictingDirectory(index)
 
 
-def _reads_frontier(profile: RoutingProfile) -> bool:
-    return any(isinstance(scorer, DisplacementScorer) for scorer, _ in profile.scorers)
+def _frontier_reader(profile: RoutingProfile) -> DisplacementScorer | None:
+    """The policy's scorer that reads eviction frontiers, if it has one."""
+    return next((s for s, _ in profile.scorers if isinstance(s, DisplacementScorer)), None)
 
 
 def simulate(
@@ -395,7 +396,7 @@ def simulate(
     directory = _directory(config, per_replica, clock)
     index = directory.index
     precise = config.mode == PRECISE
-    frontiers = precise and _reads_frontier(profile)
+    frontiers = _frontier_reader(profile) if precise else None
     replicas = [
         _ReplicaState(
             f"r{i}", EngineCore(config.timing, BlockPool(per_replica, record_events=precise))
@@ -474,7 +475,7 @@ def simulate(
         estimate = route.uncached_tokens(rep.id)
         rep.num_inflight += 1
         rep.pending_prefill_tokens += estimate
-        if frontiers:
+        if frontiers is not None:
             rep.routed_s.update(dict.fromkeys(hs, clock.now))
         output = req.output_length
         if config.max_output_tokens is not None:
@@ -525,17 +526,16 @@ def _decide(
 
 
 def _snapshots(
-    replicas: Sequence[_ReplicaState], route: RouteRequest, now: float, frontiers: bool
+    replicas: Sequence[_ReplicaState],
+    route: RouteRequest,
+    now: float,
+    scorer: DisplacementScorer | None,
 ) -> list[Replica]:
-    """The router's view of every replica, each with its eviction frontier when asked for
-    (as deep as this request's uncached blocks there)."""
-    if not frontiers:
+    """The router's view of every replica, each with its eviction frontier when the policy
+    reads one (as deep as the scorer's need for this request there)."""
+    if scorer is None:
         return [r.snapshot() for r in replicas]
-    block = route.tokens_per_block
-    return [
-        r.snapshot(r.frontier(math.ceil(route.uncached_tokens(r.id) / block), now))
-        for r in replicas
-    ]
+    return [r.snapshot(r.frontier(scorer.need_blocks(route, r.id), now)) for r in replicas]
 
 
 def _outcome(req: TraceRequest, replica: str, job: Job, reason: str) -> RequestOutcome:

@@ -65,7 +65,10 @@ def cache_pressure(config: RouterConfig) -> RoutingProfile:
             (PrefixScorer(), 1.0),
             # NOTE: a negative weight: the scorer is a cost, and adding −0.0 leaves every sum
             # bit-identical to cache_aware's when nothing would be displaced
-            (DisplacementScorer(config.displacement_half_life_s), -1.0),
+            (
+                DisplacementScorer(config.displacement_half_life_s),
+                -1.0,
+            ),
             (EstimatedWorkScorer(), _TIE_BREAK),
         ),
         locality=True,

@@ -79,6 +79,11 @@ class DisplacementScorer:
             raise ValueError(f"the displacement half-life must be positive, got {half_life_s}")
         self.half_life_s = half_life_s
 
+    @staticmethod
+    def need_blocks(req: RouteRequest, replica: str) -> int:
+        """New blocks placing the request on `replica` takes: its uncached ones."""
+        return math.ceil(req.uncached_tokens(replica) / req.tokens_per_block)
+
     def score(
         self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
     ) -> dict[str, float]:
@@ -88,8 +93,7 @@ class DisplacementScorer:
             if frontier is None or req.num_blocks == 0:
                 out[r.id] = 0.0
                 continue
-            need = math.ceil(req.uncached_tokens(r.id) / req.tokens_per_block)
-            cost = displacement_blocks(frontier, need, self.half_life_s)
+            cost = displacement_blocks(frontier, self.need_blocks(req, r.id), self.half_life_s)
             out[r.id] = min(cost / req.num_blocks, 1.0)
         return out
 
