@@ -89,7 +89,7 @@ from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT
 from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
 from router.profile import RoutingProfile
-from router.registry import POLICIES, RouterConfig, build_policy
+from router.registry import DEFAULT_DISPLACEMENT_WEIGHT, POLICIES, RouterConfig, build_policy
 from router.scorers import DEFAULT_DISPLACEMENT_HALF_LIFE_S, DisplacementScorer
 from router.types import Decision, KvFrontier, Replica, RouteRequest
 
@@ -377,7 +377,13 @@ def _directory(
 
 def _frontier_reader(profile: RoutingProfile) -> DisplacementScorer | None:
     """The policy's scorer that reads eviction frontiers, if it has one."""
-    return next((s for s, _ in profile.scorers if isinstance(s, DisplacementScorer)), None)
+    for scorer, _ in profile.scorers:
+        if isinstance(scorer, DisplacementScorer):
+            return scorer
+        inner = getattr(scorer, "displacement", None)
+        if isinstance(inner, DisplacementScorer):
+            return inner
+    return None
 
 
 def simulate(
@@ -688,6 +694,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="cache_pressure: idle seconds after which an evicted block weighs half",
     )
     parser.add_argument(
+        "--displacement-weight",
+        type=float,
+        default=DEFAULT_DISPLACEMENT_WEIGHT,
+        help="cache_pressure: a displaced recently used block's cost against a cached one "
+        "(0: displacement only breaks ties)",
+    )
+    parser.add_argument(
         "--utilization",
         type=float,
         default=None,
@@ -728,7 +741,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    router = RouterConfig(displacement_half_life_s=args.displacement_half_life_s)
+    router = RouterConfig(
+        displacement_half_life_s=args.displacement_half_life_s,
+        displacement_weight=args.displacement_weight,
+    )
     overrides = {
         k: v
         for k, v in (

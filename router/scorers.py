@@ -98,6 +98,30 @@ class DisplacementScorer:
         return out
 
 
+class WorkAndDisplacementScorer:
+    """Less (load + the recently used tokens a placement here would evict) scores higher: the
+    prefill work now and the re-prefill it causes later, in one unit. `EstimatedWorkScorer`'s
+    values exactly where nothing is displaced, so without pressure it ranks alike."""
+
+    name = "work_and_displacement"
+
+    def __init__(self, half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S) -> None:
+        self.displacement = DisplacementScorer(half_life_s)
+
+    def score(
+        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+    ) -> dict[str, float]:
+        d = self.displacement
+        values: dict[str, float] = {}
+        for r in replicas:
+            load = req.load(r)
+            if r.kv_frontier is not None:
+                blocks = displacement_blocks(r.kv_frontier, d.need_blocks(req, r.id), d.half_life_s)
+                load += blocks * req.tokens_per_block
+            values[r.id] = load
+        return _lower_is_better(values)
+
+
 class EstimatedWorkScorer:
     """Less load (prefill work ahead of this request's first token, and weighted decode still
     running) scores higher."""

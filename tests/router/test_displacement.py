@@ -122,6 +122,21 @@ def test_a_new_conversation_prefers_free_space_then_colder_blocks(seed: int) -> 
     assert winners == {"a", "b"}
 
 
+def test_with_weight_zero_displacement_only_breaks_ties() -> None:
+    """Equal matches: the colder replica wins even at weight 0; a longer match wins there
+    even when it displaces hot blocks, which weight 1 refuses."""
+    tie_break_only = build_policy("cache_pressure", RouterConfig(displacement_weight=0.0))
+    req = RouteRequest(120, 120 * BLOCK, {"a": 20, "b": 20}, tokens_per_block=BLOCK)
+    cold, hot = KvFrontier(0, ((500, 600.0),)), KvFrontier(0, ((500, 0.0),))
+    decision = tie_break_only.decide(req, _fleet(cold, hot), random.Random(0))
+    assert decision is not None and decision.replica == "a"
+    longer = RouteRequest(120, 120 * BLOCK, {"a": 20, "b": 30}, tokens_per_block=BLOCK)
+    decision = tie_break_only.decide(longer, _fleet(cold, hot), random.Random(0))
+    assert decision is not None and decision.replica == "b"  # 30 cached beats 20
+    decision = PRESSURE.decide(longer, _fleet(cold, hot), random.Random(0))
+    assert decision is not None and decision.replica == "a"  # 20 − 0 beats 30 − 90
+
+
 def test_a_returning_conversation_stays_where_its_prefix_is_unless_staying_evicts_more() -> None:
     """Its holder matches 100 of 120 blocks; staying costs 20 new blocks there."""
     req = RouteRequest(120, 120 * BLOCK, {"a": 100, "b": 0}, tokens_per_block=BLOCK)
@@ -140,6 +155,8 @@ def test_the_half_life_is_validated_and_weighs_idle_blocks_by_halves() -> None:
     assert displacement_blocks(frontier, 10, HALF_LIFE_S) == 0.0
     assert displacement_blocks(frontier, 40, HALF_LIFE_S) == pytest.approx(10 + 5 + 2.5)
     assert displacement_blocks(frontier, 45, HALF_LIFE_S) == pytest.approx(10 + 5 + 2.5 + 5)
+    with pytest.raises(ValueError, match="displacement_weight must be non-negative"):
+        RouterConfig(displacement_weight=-1.0)
     config = RouterConfig(displacement_half_life_s=60.0)
     scorer = build_policy("cache_pressure", config).scorers[1][0]
     assert isinstance(scorer, DisplacementScorer) and scorer.half_life_s == 60.0
