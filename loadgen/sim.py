@@ -364,7 +364,9 @@ class _EventDirectory:
 def _directory(
     config: SimConfig, per_replica: int, clock: _Clock
 ) -> _PredictingDirectory | _EventDirectory:
-    if config.mode == PRECISE:  # the engines bound what it holds: no capacity, no TTL
+    if config.mode == PRECISE:
+        # NOTE: events arrive in order, so the index never holds more than its engine did:
+        # a capacity twice the engine's never evicts, and no TTL (an entry leaves by event)
         index = MemoryIndex(capacity_blocks=2 * per_replica + 1, ttl_s=math.inf, clock=clock)
         return _EventDirectory(index, config.event_delay_s)
     index = MemoryIndex(
