@@ -67,7 +67,8 @@ class DisplacementScorer:
     """A COST in [0, 1]: the recently used KV placing the request here would evict, as a share
     of the request's blocks (`displacement_blocks` over its uncached blocks on the replica).
 
-    Weighted −1 beside the prefix scorer, the profile maximises (cached − displaced) blocks: a
+    Weighted −w beside the prefix scorer (w = 1 by default), the profile maximises (cached − w ×
+    displaced) blocks: a
     hot block evicted now is one its owner prefills again when it returns, as dear as one this
     request prefills now. 0 where the frontier is unknown or the need fits in empty blocks, so
     without cache pressure the profile's sums, hence its ranking, are cache_aware's exactly."""
@@ -84,18 +85,19 @@ class DisplacementScorer:
         """New blocks placing the request on `replica` takes: its uncached ones."""
         return math.ceil(req.uncached_tokens(replica) / req.tokens_per_block)
 
+    def displaced_blocks(self, req: RouteRequest, replica: Replica) -> float:
+        """`displacement_blocks` of the request on `replica`; 0 without a frontier."""
+        if replica.kv_frontier is None:
+            return 0.0
+        need = self.need_blocks(req, replica.id)
+        return displacement_blocks(replica.kv_frontier, need, self.half_life_s)
+
     def score(
         self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
     ) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for r in replicas:
-            frontier = r.kv_frontier
-            if frontier is None or req.num_blocks == 0:
-                out[r.id] = 0.0
-                continue
-            cost = displacement_blocks(frontier, self.need_blocks(req, r.id), self.half_life_s)
-            out[r.id] = min(cost / req.num_blocks, 1.0)
-        return out
+        if req.num_blocks == 0:
+            return {r.id: 0.0 for r in replicas}
+        return {r.id: min(self.displaced_blocks(req, r) / req.num_blocks, 1.0) for r in replicas}
 
 
 class WorkAndDisplacementScorer:
@@ -111,15 +113,13 @@ class WorkAndDisplacementScorer:
     def score(
         self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
     ) -> dict[str, float]:
-        d = self.displacement
-        values: dict[str, float] = {}
-        for r in replicas:
-            load = req.load(r)
-            if r.kv_frontier is not None:
-                blocks = displacement_blocks(r.kv_frontier, d.need_blocks(req, r.id), d.half_life_s)
-                load += blocks * req.tokens_per_block
-            values[r.id] = load
-        return _lower_is_better(values)
+        per_block = req.tokens_per_block
+        return _lower_is_better(
+            {
+                r.id: req.load(r) + self.displacement.displaced_blocks(req, r) * per_block
+                for r in replicas
+            }
+        )
 
 
 class EstimatedWorkScorer:
