@@ -23,6 +23,17 @@ References computed in the same run, over the same requests in arrival order:
 A request's hit is its longest cached prefix of blocks, capped at its input length (the
 Mooncake trace's accounting: the last block is usually partial).
 
+Two directories (`SimConfig.mode`):
+- approximate (the default, today's gateway): the router records a request's blocks on its
+  replica at its first token and predicts the rest (capacity, TTL), as above;
+- precise (issue 16): the directory is fed by the engines' own KV events only — each
+  `BlockPool` logs what it stored and what its own LRU evicted, and the log reaches the
+  directory `event_delay_s` later (publish, ZMQ, ingest) — so it holds what the engines hold,
+  late by the delay. Policies that read each replica's eviction frontier (`cache_pressure`)
+  get it here: the engine's evictable blocks in eviction order, aged by when the router last
+  sent a request using them (a gateway knows when it routed; the engine's events say what
+  is stored and gone). Cache-blind policies read no directory and run in approximate mode only.
+
 Invariants (checked by the tests): for every request cached + uncached = input; the ideal hit
 ratio bounds every policy's; the same seed gives the same result.
 """
@@ -31,11 +42,14 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
+import math
 import random
 import statistics
 import struct
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -47,7 +61,7 @@ from cachemap.directory import DEFAULT_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
 from cachemap.rates import PrefixRates
-from loadgen.engine.kvpool import BlockPool
+from loadgen.engine.kvpool import BlockPool, CacheEvent, Cleared, Removed, Stored
 from loadgen.engine.timing import (
     DEFAULT_DECODE_S_PER_CONTEXT_TOKEN,
     DEFAULT_DECODE_S_PER_SEQ,
@@ -70,11 +84,14 @@ from loadgen.traces.readers import (
     hot_spine_trace,
     read_trace,
 )
+from loadgen.traces.sessions import SESSIONS_PREFIX, agent_sessions_trace
 from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT
 from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
-from router.registry import POLICIES, RouterConfig, build_policy
-from router.types import Replica, RouteRequest
+from router.profile import RoutingProfile
+from router.registry import DEFAULT_DISPLACEMENT_WEIGHT, POLICIES, RouterConfig, build_policy
+from router.scorers import DEFAULT_DISPLACEMENT_HALF_LIFE_S, DisplacementScorer
+from router.types import Decision, KvFrontier, Replica, RouteRequest
 
 DEFAULT_NUM_REPLICAS = 8
 DEFAULT_CAPACITY_FRAC = 0.25
@@ -85,6 +102,12 @@ DEFAULT_DIRECTORY_SCALE = 8.0
 sized (`cachemap.directory.DEFAULT_REPLICA_CAPACITY_BLOCKS`): at 10% capacity an engine-sized
 directory forgot conversations their engine still held (97.7% of the shared LRU on the bench's
 slice against 103% at 8x)."""
+APPROXIMATE = "approximate"
+PRECISE = "precise"
+MODES = (APPROXIMATE, PRECISE)
+DEFAULT_EVENT_DELAY_S = 0.05
+"""KV events reach the directory 50 ms after the engine changed: vLLM publishes once per
+engine step (10–30 ms), then ZMQ and the gateway's ingest."""
 SIM_MODEL = "kvgate-sim-8b"
 _ID_BYTES = 8
 """A hash id is packed as 8 little-endian bytes: one 'block' of cachemap's chain."""
@@ -108,8 +131,16 @@ class SimConfig:
     decode_token_weight: float = DEFAULT_DECODE_TOKEN_WEIGHT
     """The load bound's weight of a replica's outstanding output tokens, as the gateway's
     setting of the same name (each simulated request's output is known: its trace length)."""
+    mode: str = APPROXIMATE
+    """The directory: predicted by the router (approximate) or fed by engine events (precise)."""
+    event_delay_s: float = DEFAULT_EVENT_DELAY_S
+    """Precise mode: how late an engine's events reach the directory."""
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown directory mode {self.mode!r}; choose one of {MODES}")
+        if self.event_delay_s < 0:
+            raise ValueError(f"event_delay_s must be non-negative, got {self.event_delay_s}")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}")
         if self.directory_scale <= 0:
@@ -134,6 +165,7 @@ class RequestOutcome:
 @dataclass
 class PolicyResult:
     policy: str
+    mode: str
     requests: int
     input_tokens: int
     cached_tokens: int
@@ -151,6 +183,8 @@ class PolicyResult:
     prefill_utilization: float
     """Prefill busy seconds / (replicas × span): how loaded the prefill servers were."""
     decisions: dict[str, int]
+    evicted_blocks: int = 0
+    """Blocks the engines' LRUs evicted in the run (what placement made them give up)."""
     sim_wall_s: float = 0.0
     outcomes: list[RequestOutcome] = field(default_factory=list, repr=False)
 
@@ -158,6 +192,11 @@ class PolicyResult:
         out = asdict(self)
         out.pop("outcomes")
         return out
+
+    @property
+    def label(self) -> str:
+        """The policy, with its directory when that is precise ("cache_aware@precise")."""
+        return self.policy if self.mode == APPROXIMATE else f"{self.policy}@{self.mode}"
 
 
 @dataclass(frozen=True)
@@ -247,15 +286,106 @@ class _ReplicaState:
     num_inflight: int = 0
     pending_prefill_tokens: float = 0.0
     decode_tokens: float = 0.0
+    routed_s: dict[bytes, float] = field(default_factory=dict)
+    """When the router last sent this replica a request using each block (precise mode)."""
 
-    def snapshot(self) -> Replica:
+    def snapshot(self, frontier: KvFrontier | None = None) -> Replica:
         return Replica(
             self.id,
             True,
             self.num_inflight,
             self.pending_prefill_tokens,
             decode_tokens=self.decode_tokens,
+            kv_frontier=frontier,
         )
+
+    def frontier(self, need_blocks: int, now: float) -> KvFrontier:
+        """The engine's eviction frontier as deep as `need_blocks` new blocks would evict,
+        in runs of blocks the router last used at one time."""
+        pool = self.core.cache
+        empty = pool.num_empty
+        depth = need_blocks - empty
+        if depth <= 0:
+            return KvFrontier(empty)
+        runs: list[tuple[int, float]] = []
+        order = itertools.islice(pool.eviction_order(), depth)
+        for used_s, run in itertools.groupby(order, key=self.routed_s.get):
+            idle = now - used_s if used_s is not None else math.inf
+            runs.append((sum(1 for _ in run), idle))
+        return KvFrontier(empty, tuple(runs))
+
+
+class _PredictingDirectory:
+    """Approximate mode: the router records a request's blocks on its replica at its first
+    token, in an index that forgets by capacity and TTL (the gateway's default directory)."""
+
+    def __init__(self, index: MemoryIndex) -> None:
+        self.index = index
+
+    def first_token(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        self.index.record(replica, hashes)
+
+    def engine_events(self, now: float, replica: str, events: list[CacheEvent]) -> None:
+        pass
+
+    def catch_up(self, now: float) -> None:
+        pass
+
+
+class _EventDirectory:
+    """Precise mode: the index holds what the engines' events said, `delay_s` after they
+    said it; a first token records nothing (the event will)."""
+
+    def __init__(self, index: MemoryIndex, delay_s: float) -> None:
+        self.index = index
+        self.delay_s = delay_s
+        self._due: deque[tuple[float, str, list[CacheEvent]]] = deque()
+
+    def first_token(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        pass
+
+    def engine_events(self, now: float, replica: str, events: list[CacheEvent]) -> None:
+        if events:  # engine time never goes back, so the queue stays in delivery order
+            self._due.append((now + self.delay_s, replica, events))
+
+    def catch_up(self, now: float) -> None:
+        due = self._due
+        while due and due[0][0] <= now:
+            at, replica, events = due.popleft()
+            for event in events:
+                if isinstance(event, Stored):
+                    self.index.record(replica, [BlockHash(h) for h in event.hashes], at)
+                elif isinstance(event, Removed):
+                    self.index.drop(replica, [BlockHash(h) for h in event.hashes])
+                elif isinstance(event, Cleared):
+                    self.index.forget(replica)
+
+
+def _directory(
+    config: SimConfig, per_replica: int, clock: _Clock
+) -> _PredictingDirectory | _EventDirectory:
+    if config.mode == PRECISE:
+        # NOTE: events arrive in order, so the index never holds more than its engine did:
+        # a capacity twice the engine's never evicts, and no TTL (an entry leaves by event)
+        index = MemoryIndex(capacity_blocks=2 * per_replica + 1, ttl_s=math.inf, clock=clock)
+        return _EventDirectory(index, config.event_delay_s)
+    index = MemoryIndex(
+        capacity_blocks=max(int(per_replica * config.directory_scale), 1),
+        ttl_s=config.directory_ttl_s,
+        clock=clock,
+    )
+    return _PredictingDirectory(index)
+
+
+def _frontier_reader(profile: RoutingProfile) -> DisplacementScorer | None:
+    """The policy's scorer that reads eviction frontiers, if it has one."""
+    for scorer, _ in profile.scorers:
+        if isinstance(scorer, DisplacementScorer):
+            return scorer
+        inner = getattr(scorer, "displacement", None)
+        if isinstance(inner, DisplacementScorer):
+            return inner
+    return None
 
 
 def simulate(
@@ -271,18 +401,19 @@ def simulate(
     rng = random.Random(config.seed)
     clock = _Clock()
     per_replica = refs.capacity_blocks_per_replica
-    index = MemoryIndex(
-        capacity_blocks=max(int(per_replica * config.directory_scale), 1),
-        ttl_s=config.directory_ttl_s,
-        clock=clock,
-    )
+    directory = _directory(config, per_replica, clock)
+    index = directory.index
+    precise = config.mode == PRECISE
+    frontiers = _frontier_reader(profile) if precise else None
     replicas = [
-        _ReplicaState(f"r{i}", EngineCore(config.timing, BlockPool(per_replica)))
+        _ReplicaState(
+            f"r{i}", EngineCore(config.timing, BlockPool(per_replica, record_events=precise))
+        )
         for i in range(config.num_replicas)
     ]
     by_id = {r.id: r for r in replicas}
     index_of = {r.id: i for i, r in enumerate(replicas)}
-    rates = PrefixRates(clock=clock) if config.overflow and policy == "cache_aware" else None
+    rates = PrefixRates(clock=clock) if config.overflow and profile.locality else None
     overflow = OverflowConfig(
         config.timing.prefill_tokens_per_s * config.timing.time_scale,
         fixed_threshold_per_min=config.overflow_threshold_per_min,
@@ -303,6 +434,11 @@ def simulate(
         if t is not None:
             heapq.heappush(heap, (t, i))
 
+    def publish(state: _ReplicaState, now: float) -> None:
+        log = state.core.cache.log
+        if log is not None:
+            directory.engine_events(now, state.id, log.take())
+
     def drain(until: float) -> None:
         while heap and heap[0][0] <= until:
             t, i = heapq.heappop(heap)
@@ -315,29 +451,20 @@ def simulate(
                 clock.now = at
                 rep, estimate, req, reason = estimates[job.id]
                 if kind == FIRST_TOKEN:
-                    index.record(rep.id, keys[req.index].hashes)
+                    directory.first_token(rep.id, keys[req.index].hashes)
                     rep.pending_prefill_tokens = max(rep.pending_prefill_tokens - estimate, 0.0)
                 else:
                     rep.num_inflight -= 1
                     rep.decode_tokens = max(rep.decode_tokens - outputs.pop(job.id), 0.0)
-                    assert job.first_token_s is not None and job.finish_s is not None
-                    outcomes[req.index] = RequestOutcome(
-                        req.index,
-                        rep.id,
-                        req.arrival_s,
-                        req.input_length,
-                        job.cached_tokens,
-                        job.uncached_tokens,
-                        job.first_token_s - req.arrival_s,
-                        job.finish_s - req.arrival_s,
-                        reason,
-                    )
+                    outcomes[req.index] = _outcome(req, rep.id, job, reason)
                     del estimates[job.id]
+            publish(state, t)
             push(i)
 
     for req in trace.requests:
         drain(req.arrival_s)
         clock.now = req.arrival_s
+        directory.catch_up(req.arrival_s)
         hs = keys[req.index].hashes
         overlap = index.lookup(hs) if hs else {}
         route = RouteRequest(
@@ -349,23 +476,15 @@ def simulate(
             sequence=req.index,
             decode_token_weight=config.decode_token_weight,
         )
-        snapshot = [r.snapshot() for r in replicas]
-        depth = max(overlap.values(), default=0)
-        hot = None
-        if rates is not None and depth > 0:  # the gateway's hot-prefix step, the same code
-            observed = rates.observe(hs[depth - 1])
-            hot = HotPrefix(observed.rate_per_min, observed.k)
-        planned = plan(profile, route, snapshot, rng, hot, overflow)
-        if planned.k is not None:
-            assert rates is not None
-            rates.set_k(hs[depth - 1], planned.k)
-        decision = planned.decision
-        assert decision is not None, "every simulated replica is healthy"
+        snapshot = _snapshots(replicas, route, clock.now, frontiers)
+        decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         rep = by_id[decision.replica]
         estimate = route.uncached_tokens(rep.id)
         rep.num_inflight += 1
         rep.pending_prefill_tokens += estimate
+        if frontiers is not None:
+            rep.routed_s.update(dict.fromkeys(hs, clock.now))
         output = req.output_length
         if config.max_output_tokens is not None:
             output = min(output, config.max_output_tokens)
@@ -381,15 +500,70 @@ def simulate(
         outputs[job.id] = job.num_output_tokens
         rep.decode_tokens += job.num_output_tokens
         rep.core.submit(req.arrival_s, job)
+        publish(rep, req.arrival_s)
         push(index_of[rep.id])
     drain(float("inf"))
     assert not estimates, "every request finished"
     done = [o for o in outcomes if o is not None]
-    return _result(policy, done, replicas, refs, trace, decisions, time.perf_counter() - wall0)
+    return _result(
+        policy, config.mode, done, replicas, refs, trace, decisions, time.perf_counter() - wall0
+    )
+
+
+def _decide(
+    profile: RoutingProfile,
+    route: RouteRequest,
+    snapshot: list[Replica],
+    rng: random.Random,
+    hs: Sequence[BlockHash],
+    rates: PrefixRates | None,
+    overflow: OverflowConfig,
+) -> Decision:
+    """The gateway's routing step: the hot-prefix step (the same code), then the policy."""
+    depth = max(route.overlap.values(), default=0)
+    hot = None
+    if rates is not None and depth > 0:
+        observed = rates.observe(hs[depth - 1])
+        hot = HotPrefix(observed.rate_per_min, observed.k)
+    planned = plan(profile, route, snapshot, rng, hot, overflow)
+    if planned.k is not None:
+        assert rates is not None
+        rates.set_k(hs[depth - 1], planned.k)
+    assert planned.decision is not None, "every simulated replica is healthy"
+    return planned.decision
+
+
+def _snapshots(
+    replicas: Sequence[_ReplicaState],
+    route: RouteRequest,
+    now: float,
+    scorer: DisplacementScorer | None,
+) -> list[Replica]:
+    """The router's view of every replica, each with its eviction frontier when the policy
+    reads one (as deep as the scorer's need for this request there)."""
+    if scorer is None:
+        return [r.snapshot() for r in replicas]
+    return [r.snapshot(r.frontier(scorer.need_blocks(route, r.id), now)) for r in replicas]
+
+
+def _outcome(req: TraceRequest, replica: str, job: Job, reason: str) -> RequestOutcome:
+    assert job.first_token_s is not None and job.finish_s is not None
+    return RequestOutcome(
+        req.index,
+        replica,
+        req.arrival_s,
+        req.input_length,
+        job.cached_tokens,
+        job.uncached_tokens,
+        job.first_token_s - req.arrival_s,
+        job.finish_s - req.arrival_s,
+        reason,
+    )
 
 
 def _result(
     policy: str,
+    mode: str,
     outcomes: list[RequestOutcome],
     replicas: list[_ReplicaState],
     refs: References,
@@ -409,6 +583,7 @@ def _result(
     prefill = sum(r.core.counters.busy_prefill_s for r in replicas)
     return PolicyResult(
         policy=policy,
+        mode=mode,
         requests=len(outcomes),
         input_tokens=total,
         cached_tokens=cached,
@@ -425,22 +600,46 @@ def _result(
         prompt_imbalance=max(prompts) / mean_prompts if mean_prompts else 1.0,
         prefill_utilization=prefill / (len(replicas) * span),
         decisions=dict(sorted(decisions.items())),
+        evicted_blocks=sum(r.core.cache.num_evictions for r in replicas),
         sim_wall_s=wall_s,
         outcomes=outcomes,
     )
 
 
 def run_policies(
-    trace: Trace, policies: Sequence[str], config: SimConfig
+    trace: Trace, policies: Sequence[str], config: SimConfig, modes: Sequence[str] = ()
 ) -> tuple[References, list[PolicyResult]]:
+    """Every policy in every directory mode (default: the config's), over the same requests.
+    A cache-blind policy reads no directory: it runs once, in approximate mode."""
     for name in policies:
         if name not in POLICIES:
             raise ValueError(
                 f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}"
             )
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown directory mode {mode!r}; choose one of {MODES}")
     keys = [request_keys(r, config.router.consistent_hash_blocks) for r in trace.requests]
     refs = references(trace, keys, config.capacity_frac, config.num_replicas)
-    return refs, [simulate(trace, p, config, refs, keys) for p in policies]
+    arms: list[tuple[str, str]] = []
+    for mode in modes or (config.mode,):
+        for name in policies:
+            reads = build_policy(name, config.router).locality
+            arm = (name, mode if reads else APPROXIMATE)
+            if arm not in arms:
+                arms.append(arm)
+    results = [simulate(trace, p, replace(config, mode=m), refs, keys) for p, m in arms]
+    return refs, results
+
+
+def at_utilization(trace: Trace, config: SimConfig, utilization: float) -> SimConfig:
+    """The config with the engines' prefill rate set so that round robin keeps prefill
+    `utilization` busy on this trace (what `kvgate bench --utilization` does)."""
+    if not 0 < utilization < 1:
+        raise ValueError(f"utilization must be between 0 and 1, got {utilization}")
+    _, (rr,) = run_policies(trace, ["round_robin"], replace(config, mode=APPROXIMATE))
+    rate = config.timing.prefill_tokens_per_s * rr.prefill_utilization / utilization
+    return replace(config, timing=replace(config.timing, prefill_tokens_per_s=rate))
 
 
 def timing_defaults() -> dict[str, float]:
@@ -461,8 +660,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=str(CONVERSATION_TRACE),
         help="a trace (Mooncake or Qwen-Bailian JSONL, agent session files: a.json@0,b.json@30), "
         "or hot-spine[:rate=60,seconds=30,system=4000,suffix=300,output=8] (requests sharing a "
-        "system prompt, faster than one replica); default: the shipped Mooncake conversation "
-        "trace",
+        "system prompt, faster than one replica), or agent-sessions[:sessions=160,concurrency=24,"
+        "steps=50,...] (concurrent 50-step agent sessions growing past 100k tokens, "
+        "loadgen.traces.sessions); default: the shipped Mooncake conversation trace",
     )
     parser.add_argument("--replicas", type=int, default=DEFAULT_NUM_REPLICAS)
     parser.add_argument(
@@ -472,7 +672,41 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="fleet KV capacity as a share of the trace's unique blocks (split evenly)",
     )
     parser.add_argument(
-        "--policy", default="all", help=f"one of {', '.join(POLICIES)}, or 'all' (default)"
+        "--policy",
+        default="all",
+        help=f"one of {', '.join(POLICIES)}, a comma-separated list, or 'all' (default)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=(*MODES, "both"),
+        default=APPROXIMATE,
+        help="the directory: predicted (approximate, default), fed by the engines' KV events "
+        "(precise), or both side by side; cache-blind policies run once",
+    )
+    parser.add_argument(
+        "--event-delay-ms",
+        type=float,
+        default=DEFAULT_EVENT_DELAY_S * 1e3,
+        help="precise mode: how late engine events reach the directory (default 50)",
+    )
+    parser.add_argument(
+        "--displacement-half-life-s",
+        type=float,
+        default=DEFAULT_DISPLACEMENT_HALF_LIFE_S,
+        help="cache_pressure: idle seconds after which an evicted block weighs half",
+    )
+    parser.add_argument(
+        "--displacement-weight",
+        type=float,
+        default=DEFAULT_DISPLACEMENT_WEIGHT,
+        help="cache_pressure: a displaced recently used block's cost against a cached one "
+        "(0: displacement only breaks ties)",
+    )
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=None,
+        help="set the prefill rate so that round robin keeps prefill this busy (as the bench)",
     )
     parser.add_argument(
         "--block-size", type=int, default=None, help="tokens per hash id (default: the format's)"
@@ -509,7 +743,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    router = RouterConfig()
+    router = RouterConfig(
+        displacement_half_life_s=args.displacement_half_life_s,
+        displacement_weight=args.displacement_weight,
+    )
     overrides = {
         k: v
         for k, v in (
@@ -534,6 +771,21 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         directory_scale=args.directory_scale,
         overflow=args.overflow == "on",
         decode_token_weight=args.decode_token_weight,
+        event_delay_s=args.event_delay_ms / 1e3,
+    )
+
+
+def _read(args: argparse.Namespace) -> Trace:
+    if args.trace.startswith("hot-spine"):
+        return hot_spine_trace(args.trace)
+    if args.trace.startswith(SESSIONS_PREFIX):
+        return agent_sessions_trace(args.trace)
+    return read_trace(
+        args.trace,
+        block_size=args.block_size,
+        start=args.start,
+        limit=args.limit,
+        num_tenants=args.tenants,
     )
 
 
@@ -544,18 +796,12 @@ def run_sim(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 160)  # a log keeps whole rows
     try:
         config = config_from_args(args)
-        policies = list(POLICIES) if args.policy == "all" else [args.policy]
-        if args.trace.startswith("hot-spine"):
-            trace = hot_spine_trace(args.trace)
-        else:
-            trace = read_trace(
-                args.trace,
-                block_size=args.block_size,
-                start=args.start,
-                limit=args.limit,
-                num_tenants=args.tenants,
-            )
-        refs, results = run_policies(trace, policies, config)
+        policies = list(POLICIES) if args.policy == "all" else args.policy.split(",")
+        modes = MODES if args.mode == "both" else (args.mode,)
+        trace = _read(args)
+        if args.utilization is not None:
+            config = at_utilization(trace, config, args.utilization)
+        refs, results = run_policies(trace, policies, config, modes)
     except (OSError, ValueError) as exc:
         console.print(f"[red]kvgate sim: {exc}[/]")
         return 2
@@ -569,7 +815,8 @@ def run_sim(args: argparse.Namespace) -> int:
         f"batch ≤ {t.max_batch}; router: absolute slack "
         f"{config.router.absolute_slack_tokens:,.0f} tokens, relative slack "
         f"{config.router.relative_slack:g}, directory {config.directory_scale:g}x the engines' "
-        f"KV; seed {config.seed}"
+        f"KV (approximate) or their events {config.event_delay_s * 1e3:g} ms late (precise); "
+        f"seed {config.seed}"
     )
     ideal, lru = refs.ideal_hit_ratio, refs.lru_reference_hit_ratio
     table = Table(
@@ -587,12 +834,13 @@ def run_sim(args: argparse.Namespace) -> int:
         "imbalance",
         "prompts max/mean",
         "prefill util",
+        "evicted blocks",
         "sim s",
     ):
         table.add_column(column, justify="left" if column == "policy" else "right")
     for r in results:
         table.add_row(
-            r.policy,
+            r.label,
             f"{r.hit_ratio:.1%}",
             f"{r.share_of_ideal:.1%}",
             f"{r.share_of_lru_reference:.1%}",
@@ -602,6 +850,7 @@ def run_sim(args: argparse.Namespace) -> int:
             f"{r.imbalance:.2f}",
             f"{r.prompt_imbalance:.2f}",
             f"{r.prefill_utilization:.2f}",
+            f"{r.evicted_blocks:,}",
             f"{r.sim_wall_s:.1f}",
         )
     console.print(table)
@@ -623,9 +872,10 @@ def run_sim(args: argparse.Namespace) -> int:
                 "max_output_tokens": config.max_output_tokens,
                 "directory_scale": config.directory_scale,
                 "decode_token_weight": config.decode_token_weight,
+                "event_delay_s": config.event_delay_s,
             },
             "references": asdict(refs),
-            "results": {r.policy: r.summary() for r in results},
+            "results": {r.label: r.summary() for r in results},
         }
         Path(args.json_out).write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2))
         console.print(f"wrote {args.json_out}")

@@ -13,17 +13,25 @@ from router.filters import (
 )
 from router.profile import RoutingProfile
 from router.scorers import (
+    DEFAULT_DISPLACEMENT_HALF_LIFE_S,
+    DisplacementScorer,
     EstimatedWorkScorer,
     InflightScorer,
     PrefixScorer,
     RandomScorer,
     RendezvousScorer,
     RoundRobinScorer,
+    WorkAndDisplacementScorer,
 )
 
 DEFAULT_CONSISTENT_HASH_BLOCKS = 4
 """Consistent hashing keys on the first 4 blocks (1 KB): hashing block 0 alone sends every
 request to one replica when all prompts share a system prompt."""
+
+DEFAULT_DISPLACEMENT_WEIGHT = 1.0
+"""A recently used block a placement evicts costs as much as a block it finds cached: its owner
+prefills it again when it returns. 0 keeps displacement as a tie-break only (docs/benchmarks.md
+measures both: 1 wins on agent sessions, 0 keeps the TTFT of the Mooncake slice)."""
 
 _TIE_BREAK = 1e-6
 """Weight of the load scorer in `cache_aware`: below 1/num_blocks for any real prompt, so it
@@ -35,6 +43,15 @@ class RouterConfig:
     absolute_slack_tokens: float = DEFAULT_ABSOLUTE_SLACK_TOKENS
     relative_slack: float = DEFAULT_RELATIVE_SLACK
     consistent_hash_blocks: int = DEFAULT_CONSISTENT_HASH_BLOCKS
+    displacement_half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S
+    displacement_weight: float = DEFAULT_DISPLACEMENT_WEIGHT
+    """cache_pressure: what a displaced recently used block costs against a cached one."""
+
+    def __post_init__(self) -> None:
+        if self.displacement_weight < 0:
+            raise ValueError(
+                f"displacement_weight must be non-negative, got {self.displacement_weight}"
+            )
 
 
 def cache_aware(config: RouterConfig) -> RoutingProfile:
@@ -43,6 +60,29 @@ def cache_aware(config: RouterConfig) -> RoutingProfile:
         "cache_aware",
         (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
         ((PrefixScorer(), 1.0), (EstimatedWorkScorer(), _TIE_BREAK)),
+        locality=True,
+    )
+
+
+def cache_pressure(config: RouterConfig) -> RoutingProfile:
+    """`cache_aware` that also counts what a placement evicts: among the replicas within the
+    load bound, the most cached blocks minus `displacement_weight` × the recently used blocks
+    the request's new ones would displace (`DisplacementScorer`, from each replica's eviction
+    frontier), ties going to the least load + displaced tokens. Without a frontier
+    (approximate mode, events off) or without pressure it ranks exactly as `cache_aware`.
+
+    A policy of its own rather than a term inside `cache_aware`: the default stays what it was
+    measured to be, and the two can run side by side in one `kvgate sim` run."""
+    return RoutingProfile(
+        "cache_pressure",
+        (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
+        (
+            (PrefixScorer(), 1.0),
+            # NOTE: a negative weight: the scorer is a cost, and adding −0.0 leaves every sum
+            # bit-identical to cache_aware's when nothing would be displaced
+            (DisplacementScorer(config.displacement_half_life_s), -config.displacement_weight),
+            (WorkAndDisplacementScorer(config.displacement_half_life_s), _TIE_BREAK),
+        ),
         locality=True,
     )
 
@@ -78,6 +118,7 @@ def cache_aware_local(config: RouterConfig) -> RoutingProfile:
 
 POLICIES: dict[str, Callable[[RouterConfig], RoutingProfile]] = {
     "cache_aware": cache_aware,
+    "cache_pressure": cache_pressure,
     "round_robin": round_robin,
     "random": random_choice,
     "least_load": least_load,
@@ -87,6 +128,7 @@ POLICIES: dict[str, Callable[[RouterConfig], RoutingProfile]] = {
 
 FALLBACKS: dict[str, Callable[[RouterConfig], RoutingProfile]] = {
     "cache_aware": cache_aware_local,
+    "cache_pressure": cache_aware_local,
 }
 """What a policy becomes while the shared directory does not answer (others are unchanged)."""
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import Protocol
 
 import mmh3
 
-from router.types import Replica, RouteRequest
+from router.types import KvFrontier, Replica, RouteRequest
+
+DEFAULT_DISPLACEMENT_HALF_LIFE_S = 30.0
+"""An evicted block idle for 30 s weighs half a block just used. An agent's next step follows
+its previous reply and one tool call (seconds); a conversation idle for minutes has likely
+ended or paused for longer than any cache keeps it, so losing it costs little."""
 
 
 class Scorer(Protocol):
@@ -38,6 +44,82 @@ class PrefixScorer:
         if req.num_blocks == 0:
             return {r.id: 0.0 for r in replicas}
         return {r.id: min(req.overlap.get(r.id, 0) / req.num_blocks, 1.0) for r in replicas}
+
+
+def displacement_blocks(frontier: KvFrontier, need_blocks: int, half_life_s: float) -> float:
+    """Blocks' worth of recently used KV that `need_blocks` new blocks on this replica evict.
+
+    The empty blocks go first; then the frontier's runs in eviction order, each evicted block
+    weighing 2^(−idle_s / half_life_s) (1: used just now). A need past the empty and listed
+    evictable blocks weighs 1 per block: the request waits for running ones to end."""
+    left = need_blocks - frontier.empty_blocks
+    cost = 0.0
+    for num_blocks, idle_s in frontier.runs:
+        if left <= 0:
+            break
+        taken = min(num_blocks, left)
+        cost += taken * 0.5 ** (max(idle_s, 0.0) / half_life_s)
+        left -= taken
+    return cost + max(left, 0)
+
+
+class DisplacementScorer:
+    """A COST in [0, 1]: the recently used KV placing the request here would evict, as a share
+    of the request's blocks (`displacement_blocks` over its uncached blocks on the replica).
+
+    Weighted −w beside the prefix scorer (w = 1 by default), the profile maximises (cached − w ×
+    displaced) blocks: a
+    hot block evicted now is one its owner prefills again when it returns, as dear as one this
+    request prefills now. 0 where the frontier is unknown or the need fits in empty blocks, so
+    without cache pressure the profile's sums, hence its ranking, are cache_aware's exactly."""
+
+    name = "displacement"
+
+    def __init__(self, half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S) -> None:
+        if not half_life_s > 0:
+            raise ValueError(f"the displacement half-life must be positive, got {half_life_s}")
+        self.half_life_s = half_life_s
+
+    @staticmethod
+    def need_blocks(req: RouteRequest, replica: str) -> int:
+        """New blocks placing the request on `replica` takes: its uncached ones."""
+        return math.ceil(req.uncached_tokens(replica) / req.tokens_per_block)
+
+    def displaced_blocks(self, req: RouteRequest, replica: Replica) -> float:
+        """`displacement_blocks` of the request on `replica`; 0 without a frontier."""
+        if replica.kv_frontier is None:
+            return 0.0
+        need = self.need_blocks(req, replica.id)
+        return displacement_blocks(replica.kv_frontier, need, self.half_life_s)
+
+    def score(
+        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+    ) -> dict[str, float]:
+        if req.num_blocks == 0:
+            return {r.id: 0.0 for r in replicas}
+        return {r.id: min(self.displaced_blocks(req, r) / req.num_blocks, 1.0) for r in replicas}
+
+
+class WorkAndDisplacementScorer:
+    """Less (load + the recently used tokens a placement here would evict) scores higher: the
+    prefill work now and the re-prefill it causes later, in one unit. `EstimatedWorkScorer`'s
+    values exactly where nothing is displaced, so without pressure it ranks alike."""
+
+    name = "work_and_displacement"
+
+    def __init__(self, half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S) -> None:
+        self.displacement = DisplacementScorer(half_life_s)
+
+    def score(
+        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+    ) -> dict[str, float]:
+        per_block = req.tokens_per_block
+        return _lower_is_better(
+            {
+                r.id: req.load(r) + self.displacement.displaced_blocks(req, r) * per_block
+                for r in replicas
+            }
+        )
 
 
 class EstimatedWorkScorer:

@@ -11,6 +11,26 @@ running ones' (vLLM preempts, then recomputes): whatever its queues, it is over 
 
 
 @dataclass(frozen=True, slots=True)
+class KvFrontier:
+    """What a replica's KV cache gives up next, as an engine's own events and the gateway's
+    routing reveal it (issue 16, placement under cache pressure).
+
+    `empty_blocks` an allocation takes before it evicts anything. `runs` are the evictable
+    cached blocks (held by no running request) in the engine's eviction order, next evicted
+    first, as (num_blocks, idle_s) with idle_s the seconds since those blocks were last used.
+    A producer may stop listing past the deepest eviction any placement would cause; blocks
+    past the listed ones count as not evictable (a request needing them waits, or preempts).
+    """
+
+    empty_blocks: int
+    runs: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def num_evictable_listed(self) -> int:
+        return sum(n for n, _ in self.runs)
+
+
+@dataclass(frozen=True, slots=True)
 class Replica:
     """One engine replica as the router sees it at decision time.
 
@@ -49,6 +69,8 @@ class Replica:
     """Output tokens assumed per request another gateway runs there (this gateway's mean)."""
     kv_usage: float | None = None
     """The engine's KV cache usage, 0..1 (vllm:kv_cache_usage_perc), when it reports one."""
+    kv_frontier: KvFrontier | None = None
+    """The replica's eviction frontier when precise mode knows it (None: unknown)."""
 
     @property
     def decode_work_tokens(self) -> float:

@@ -26,7 +26,7 @@ per medium while it stays there, removed when it leaves, and reused blocks are n
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 GPU = "GPU"
@@ -166,6 +166,9 @@ class BlockPool:
         self._cached: OrderedDict[bytes, None] = OrderedDict()
         self.num_private = 0
         self.num_evictions = 0
+        self.version = 0
+        """Bumped by every change of what is held, cached or free: a scheduler that found the
+        pool too full for a request need not look again until it moves."""
 
     # -- what is there ----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -180,6 +183,15 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks an allocation may take: the empty ones and the cached (evictable) ones."""
         return self.capacity_blocks - self.num_used
+
+    @property
+    def num_empty(self) -> int:
+        """Free blocks holding no hash: what an allocation takes before it evicts anything."""
+        return self.capacity_blocks - self.num_used - len(self._cached)
+
+    def eviction_order(self) -> Iterator[bytes]:
+        """The cached (evictable) hashes, next evicted first: the engine's eviction frontier."""
+        return iter(self._cached)
 
     @property
     def usage(self) -> float:
@@ -206,6 +218,7 @@ class BlockPool:
     # -- a request's life -------------------------------------------------------------------
     def acquire(self, hashes: Sequence[bytes]) -> None:
         """A request starts using these cached blocks (a hit): they are no longer evictable."""
+        self.version += 1
         for h in hashes:
             refs = self._held.get(h)
             if refs is None:
@@ -218,7 +231,8 @@ class BlockPool:
         """Take `num_blocks` private blocks: empty ones first, then cached ones, LRU first
         (each eviction announced). The caller checked `num_free`."""
         assert num_blocks <= self.num_free, "allocate beyond the free blocks"
-        empty = self.capacity_blocks - self.num_used - len(self._cached)
+        self.version += 1
+        empty = self.num_empty
         evicted: list[bytes] = []
         for _ in range(max(num_blocks - empty, 0)):
             evicted.append(self._cached.popitem(last=False)[0])
@@ -234,6 +248,7 @@ class BlockPool:
         announced, unless the hash is already on the GPU (a sibling computed it meanwhile: the
         copy stays private, as vLLM keeps duplicates, and nothing is announced). Returns the
         hashes the request now holds."""
+        self.version += 1
         taken: list[int] = []
         for i, h in enumerate(hashes):
             if h in self._held or h in self._cached:
@@ -262,6 +277,7 @@ class BlockPool:
     def release(self, held: Sequence[bytes], num_private: int) -> None:
         """A request ended: its referenced blocks lose a reference (cached once nobody holds
         them, the chain's tail nearest eviction) and its private blocks become empty."""
+        self.version += 1
         for h in reversed(held):
             refs = self._held[h] - 1
             if refs:
@@ -278,6 +294,7 @@ class BlockPool:
         requests use blocks: their hashes could not be forgotten without lying about them."""
         if self.num_used:
             return False
+        self.version += 1
         self._cached.clear()
         if self.cpu is not None:
             self.cpu.clear()

@@ -269,6 +269,8 @@ class EngineCore:
         self._step_end: float | None = None
         self._context = 0
         self._slots_used = 0
+        self._blocked: tuple[Job, int] | None = None
+        """The queue head that found too few free blocks, and the pool's version then."""
 
     @property
     def num_running(self) -> int:
@@ -341,10 +343,14 @@ class EngineCore:
             return
         job = self._waiting[0]
         cache = self.cache
+        if self._blocked is not None and self._blocked == (job, cache.version):
+            return  # nothing freed since this head last found the pool full
         gpu = cache.match(job.block_hashes)
         need = max(min(job.num_blocks, cache.capacity_blocks), gpu)
         if need - gpu + cache.num_cached_among(job.block_hashes[:gpu]) > cache.num_free:
+            self._blocked = (job, cache.version)
             return  # the head waits for blocks (running requests will free theirs)
+        self._blocked = None
         self._waiting.popleft()
         cache.acquire(job.block_hashes[:gpu])
         cpu = cache.cpu.match(job.block_hashes[gpu:]) if cache.cpu is not None else 0

@@ -180,11 +180,13 @@ def test_ties_between_equal_matches_go_to_less_work_then_at_random() -> None:
 
 def test_unknown_policy_names_the_options() -> None:
     with pytest.raises(
-        ValueError, match="cache_aware, round_robin, random, least_load, consistent_hash"
+        ValueError,
+        match="cache_aware, cache_pressure, round_robin, random, least_load, consistent_hash",
     ):
         build_policy("fastest")
     assert set(POLICIES) == {
         "cache_aware",
+        "cache_pressure",
         "round_robin",
         "random",
         "least_load",

@@ -1,0 +1,52 @@
+"""The agent-sessions trace generator (loadgen.traces.sessions)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from loadgen.traces.sessions import agent_sessions_trace
+
+
+def test_sessions_grow_their_prefix_and_share_only_the_system_prompt() -> None:
+    trace = agent_sessions_trace("agent-sessions:sessions=3,steps=4,start=4000,tool=200,output=56")
+    assert trace.block_size == 64 and len(trace.requests) == 12
+    by_session: dict[str, list[tuple[float, int, tuple[int, ...]]]] = {}
+    for r in trace.requests:
+        assert r.conversation is not None
+        by_session.setdefault(r.conversation, []).append((r.arrival_s, r.input_length, r.hash_ids))
+    assert len(by_session) == 3
+    system_blocks = (2_700 + 200) // 64
+    for steps in by_session.values():
+        assert [length for _, length, _ in steps] == [4000, 4256, 4512, 4768]
+        for (t0, _, a), (t1, length, b) in itertools.pairwise(steps):
+            assert t1 > t0 and b[: len(a)] == a and len(b) == length // 64
+    firsts = [steps[0][2] for steps in by_session.values()]
+    assert all(f[:system_blocks] == tuple(range(system_blocks)) for f in firsts)
+    own = [set(f[system_blocks:]) for f in firsts]
+    assert not (own[0] & own[1]) and not (own[1] & own[2])
+    assert [r.arrival_s for r in trace.requests] == sorted(r.arrival_s for r in trace.requests)
+    assert trace.requests[0].arrival_s == 0.0
+
+
+def test_the_defaults_reach_past_100k_tokens_and_the_same_spec_gives_the_same_trace() -> None:
+    spec = "agent-sessions:sessions=2,seed=3"
+    a, b = agent_sessions_trace(spec), agent_sessions_trace(spec)
+    assert a.requests == b.requests
+    assert max(r.input_length for r in a.requests) == 12_000 + 49 * 2_100
+    assert agent_sessions_trace("agent-sessions:sessions=2,seed=4").requests != a.requests
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("agent-sessions:users=3", "option 'users' unknown; use sessions, concurrency"),
+        ("agent-sessions:steps=x", "steps='x': not a number"),
+        ("agent-sessions:interval=0", "interval must be positive"),
+        ("agent-sessions:system=20000", "0 <= system <= start"),
+    ],
+)
+def test_bad_options_are_named(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        agent_sessions_trace(spec)

@@ -1,0 +1,106 @@
+"""`kvgate sim` in precise mode (issue 16): the directory fed by the engines' own KV events,
+late by the event delay, and cache_pressure's placement on each engine's eviction frontier.
+Small seeded runs asserting the direction (each a second or two of virtual-time simulation)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kvgate_cli import main
+from loadgen.engine.timing import TimingModel
+from loadgen.sim import APPROXIMATE, PRECISE, PolicyResult, SimConfig, run_policies
+from loadgen.traces.readers import Trace, TraceRequest
+from loadgen.traces.sessions import agent_sessions_trace
+
+SESSIONS = "agent-sessions:sessions=24,concurrency=4,steps=20,start=6000,tool=1000,interval=8"
+"""24 agent sessions growing from 6,000 to 25,000 tokens, 4 at a time, on 4 replicas whose KV
+is 10% of the trace's blocks: ~280 64-token blocks each, about one live session's worth."""
+CONFIG = SimConfig(num_replicas=4, capacity_frac=0.10)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, PolicyResult]:
+    trace = agent_sessions_trace(SESSIONS)
+    _, results = run_policies(
+        trace, ["cache_aware", "cache_pressure"], CONFIG, (APPROXIMATE, PRECISE)
+    )
+    return {r.label: r for r in results}
+
+
+def test_the_engines_events_beat_the_prediction_at_ten_percent_capacity(
+    runs: dict[str, PolicyResult],
+) -> None:
+    approximate, precise = runs["cache_aware"], runs["cache_aware@precise"]
+    assert precise.hit_ratio >= approximate.hit_ratio * 1.2
+    assert precise.ttft_p99_s < approximate.ttft_p99_s
+    assert precise.evicted_blocks < approximate.evicted_blocks
+
+
+def test_placing_by_what_it_evicts_evicts_less_and_hits_more(
+    runs: dict[str, PolicyResult],
+) -> None:
+    aware, pressure = runs["cache_aware@precise"], runs["cache_pressure@precise"]
+    assert pressure.evicted_blocks < aware.evicted_blocks
+    assert pressure.hit_ratio > aware.hit_ratio
+    assert pressure.ttft_p99_s < aware.ttft_p99_s
+    assert pressure.imbalance < aware.imbalance
+
+
+def test_without_a_frontier_cache_pressure_is_cache_aware(runs: dict[str, PolicyResult]) -> None:
+    """Approximate mode knows no eviction frontier: the same placements, request by request."""
+    aware, pressure = runs["cache_aware"], runs["cache_pressure"]
+    assert [o.replica for o in pressure.outcomes] == [o.replica for o in aware.outcomes]
+    assert pressure.hit_ratio == aware.hit_ratio
+
+
+def _two_turns(delay_s: float) -> PolicyResult:
+    """Turn 1 at 0 s (its first token at 0.25 s), turn 2 of the same conversation at 5 s."""
+    reqs = [
+        TraceRequest(0, 0.0, 250, 1, (0, 1, 2)),
+        TraceRequest(1, 5.0, 350, 1, (0, 1, 2, 3)),
+    ]
+    config = SimConfig(
+        num_replicas=2,
+        capacity_frac=4.0,
+        timing=TimingModel(prefill_tokens_per_s=1000.0, decode_s_per_token=0.0),
+        mode=PRECISE,
+        event_delay_s=delay_s,
+    )
+    _, (result,) = run_policies(Trace("two turns", 100, reqs), ["cache_aware"], config)
+    return result
+
+
+def test_the_directory_knows_a_block_only_once_its_event_has_landed() -> None:
+    on_time = {o.index: o for o in _two_turns(0.05).outcomes}
+    assert on_time[1].reason == "prefix" and on_time[1].replica == on_time[0].replica
+    assert on_time[1].cached_tokens == 300
+    late = {o.index: o for o in _two_turns(10.0).outcomes}  # the event lands after turn 2
+    assert late[1].reason == "no_match"
+
+
+def test_the_config_names_its_modes() -> None:
+    with pytest.raises(ValueError, match="unknown directory mode 'exact'"):
+        replace(CONFIG, mode="exact")
+    with pytest.raises(ValueError, match="event_delay_s must be non-negative"):
+        replace(CONFIG, event_delay_s=-1.0)
+
+
+def test_the_command_runs_both_modes_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sim.json"
+    spec = "agent-sessions:sessions=8,concurrency=2,steps=6,start=3000,tool=500"
+    argv = ["sim", spec, "--replicas", "2", "--capacity-frac", "0.2", "--mode", "both"]
+    assert main([*argv, "--policy", "cache_aware,round_robin", "--json", str(out)]) == 0
+    assert "cache_aware@precise" in capsys.readouterr().out
+    payload = orjson.loads(out.read_bytes())
+    # round robin reads no directory: it runs once
+    assert set(payload["results"]) == {"cache_aware", "round_robin", "cache_aware@precise"}
+    assert payload["results"]["cache_aware@precise"]["mode"] == PRECISE
+    assert payload["config"]["event_delay_s"] == 0.05
+    assert main(["sim", "agent-sessions:sessions=0"]) == 2
+    assert "sessions must be positive" in capsys.readouterr().out
