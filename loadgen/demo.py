@@ -25,9 +25,15 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-scale", type=float, default=10.0, help="engines run this many times faster"
     )
-    parser.add_argument("--capacity-blocks", type=int, default=8192)
-    parser.add_argument("--policies", default=",".join(POLICY_ORDER))
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--capacity-blocks", type=int, default=8192, help="each engine's KV cache, in blocks"
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICY_ORDER),
+        help="comma-separated routing policies to compare",
+    )
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--port", type=int, default=8080, help="port of the gateway left serving")
     parser.add_argument("--once", action="store_true", help="exit after the table")
 

@@ -41,6 +41,7 @@ from gateway.billing.service import Billing
 from gateway.directory.routing import RoutingDirectory
 from gateway.fleet.discovery import Discovery, KubeTarget
 from gateway.fleet.replicas import ReplicaSet
+from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import RequestMetrics, build_registry, render
 from gateway.observability.tracing import Tracing, build_tracing
 from gateway.pipeline.admission import Admission
@@ -55,7 +56,7 @@ from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
 from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
-from gateway.settings import Settings
+from gateway.settings import Settings, redact_url
 from gateway.tenancy.registry import TenantRegistry
 from gateway.tenancy.tenant_file import TenantFileWatcher
 from router.filters import LoadBoundFilter
@@ -193,6 +194,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         Reconciler(directory, settings.block_bytes, registry),
         *([billing.meter] if billing else []),
         request_metrics,
+        AccessLog(),
     ]
     tracing = build_tracing(settings, span_exporter)
     director = Director(
@@ -319,13 +321,31 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             admin = AdminServer(lambda: render(parts.registry), lambda: app.openapi(), app.title)
             stack.push_async_callback(admin.stop)
             app.state.metrics_port = await admin.start(settings.host, settings.metrics_port)
-        log.info(
-            "kvgate: %d/%d replicas healthy, policy %s",
-            sum(s.healthy for s in parts.replicas.states.values()),
-            len(parts.replicas.states),
-            parts.director.policy.name,
-        )
+        log_start_up(parts)
         yield
+
+
+def log_start_up(parts: Parts) -> None:
+    """The one line that says what this gateway is (a WARNING when a replica is down at start)."""
+    settings = parts.settings
+    healthy = sum(s.healthy for s in parts.replicas.states.values())
+    total = len(parts.replicas.states)
+    level = logging.INFO if healthy == total and total else logging.WARNING
+    log.log(
+        level,
+        "kvgate: serving on http://%s:%d, %d/%d replicas healthy, policy %s, mode %s, "
+        "directory %s, %d tenant keys, discovery %s, log format %s",
+        settings.host,
+        settings.port,
+        healthy,
+        total,
+        parts.director.policy.name,
+        settings.mode,
+        redact_url(settings.redis_url) if settings.redis_url else "in-process",
+        len(parts.tenants),
+        settings.discovery,
+        settings.log_format,
+    )
 
 
 def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None) -> MeteredASGI:
