@@ -429,9 +429,9 @@ def _workload_phases(args: argparse.Namespace) -> list[Phase]:
 
 
 def run_replay_command(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from loadgen.console import report_console
 
-    console = Console()
+    console = report_console()
     try:
         options = ReplayOptions(
             target=tuple(t.rstrip("/") for t in args.target),

@@ -34,7 +34,6 @@ import heapq
 import random
 import statistics
 import struct
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -562,10 +561,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 160)  # a log keeps whole rows
+    from loadgen.console import report_console
+
+    console = report_console()
     try:
         config = config_from_args(args)
         policies = list(POLICIES) if args.policy == "all" else [args.policy]

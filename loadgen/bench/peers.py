@@ -494,9 +494,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from loadgen.console import report_console
 
-    console = Console()
+    console = report_console()
     command = shlex.join(["kvgate", *getattr(args, "argv", [])])
     try:
         arms = parse_arms(args.arms)
