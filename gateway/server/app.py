@@ -26,12 +26,13 @@ import aiohttp
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
-from gateway.api.asgi import MeteredASGI, on_unexpected
+from gateway.api.asgi import MeteredASGI, on_http_exception, on_unexpected
 from gateway.api.context import FrontEnd
 from gateway.api.epp.server import start_epp
 from gateway.api.grpc.service import GrpcServer, start_grpc
@@ -363,7 +364,7 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         version="0.1.0",
         description="A multi-tenant, cache-aware routing gateway for LLM inference.",
         lifespan=lifespan,
-        exception_handlers={Exception: on_unexpected},
+        exception_handlers={Exception: on_unexpected, StarletteHTTPException: on_http_exception},
         # the documents are served on the admin port (gateway.server.admin), not to tenants
         openapi_url=None,
         docs_url=None,
