@@ -19,6 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.api.errors import report_internal, to_anthropic_http, to_http
 from gateway.errors import GatewayError, NoSuchRoute
+from gateway.observability.logs import log_refusal
 from gateway.observability.metrics import RequestMetrics
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -115,4 +116,7 @@ class MeteredASGI(GatewayASGI):
         try:
             await super().__call__(scope, receive, send_counted)
         finally:
-            self.metrics.observe_http(scope["path"], status, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.metrics.observe_http(scope["path"], status, seconds)
+            if status >= 400:
+                log_refusal(scope["method"], scope["path"], status, seconds)

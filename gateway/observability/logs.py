@@ -2,7 +2,9 @@
 (`log_format`), and the access log, one line per exchange.
 
 The access line names the request, tenant, model and replica, the status, the token counts and
-the timings; never a key, a prompt or an answer (it is the log an operator ships anywhere)."""
+the timings; never a key, a prompt or an answer (it is the log an operator ships anywhere). An
+exchange logs its line when it ends (`AccessLog`); a request answered with an error status
+instead logs its method, path, status and duration (`log_refusal`)."""
 
 from __future__ import annotations
 
@@ -77,6 +79,17 @@ def access_fields(record: ExchangeRecord, now_s: float) -> dict[str, Any]:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 1)
+
+
+def log_refusal(method: str, path: str, status: int, seconds: float) -> None:
+    """The access line of a request answered with an error before (or instead of) an exchange:
+    a refusal (4xx) or a failure (5xx). The tenant is not named (an unauthenticated request
+    has none); the path is cut at 200 characters, the query never logged."""
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    fields = {"method": method, "path": path[:200], "status": status, "duration_ms": _ms(seconds)}
+    text = " ".join(f"{k}={v}" for k, v in fields.items())
+    access_log.info("%s", text, extra={"fields": fields})
 
 
 class AccessLog:

@@ -74,7 +74,7 @@ def test_one_json_format_a_start_up_line_and_an_access_line(json_gateway: tuple[
     entries = log_lines(stderr)  # every line parses as JSON: uvicorn's too
     (start,) = [e for e in entries if "serving on" in e["message"]]
     assert f"{url}," in start["message"] and "policy cache_aware" in start["message"]
-    (access,) = [e for e in entries if e["logger"] == "kvgate.access"]
+    (access,) = [e for e in entries if e["logger"] == "kvgate.access" and e.get("tenant")]
     usage = answer.json()["usage"]
     assert access["request_id"] == answer.json()["id"]
     assert (access["tenant"], access["model"], access["status"]) == ("acme", MODEL, 200)
@@ -83,6 +83,9 @@ def test_one_json_format_a_start_up_line_and_an_access_line(json_gateway: tuple[
     assert access["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
     assert access["replica"].startswith("http://127.0.0.1:")
     assert 0 < access["ttft_ms"] <= access["duration_ms"]
+    (refusal,) = [e for e in entries if e["logger"] == "kvgate.access" and e["status"] == 401]
+    assert (refusal["method"], refusal["path"]) == ("POST", "/v1/chat/completions")
+    assert refusal["duration_ms"] >= 0 and "tenant" not in refusal
     (failed,) = [e for e in entries if "authentication failed" in e["message"]]
     assert failed["level"] == "WARNING" and hash_key(WRONG_KEY)[:12] in failed["message"]
     text = stderr.read_text()
