@@ -89,3 +89,25 @@ def test_the_use_it_block_answers_a_chat_completion(tmp_path: Path) -> None:
     body = orjson.loads(done.stdout)
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["content"]
+
+
+def test_make_run_installs_only_the_runtime_set_and_make_test_adds_dev(tmp_path: Path) -> None:
+    """`make run` is the first thing a newcomer types: it must not wait on the test tools."""
+    root = README.parent
+
+    def planned(target: str) -> str:
+        return subprocess.run(
+            ["make", "-n", target, f"VENV={tmp_path / 'venv'}"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+
+    run, test = planned("run"), planned("test")
+    assert "install --quiet --disable-pip-version-check -e '.'" in run
+    assert ".[dev]" not in run
+    assert "-e '.[dev]'" in test
+    for plan in (run, test):  # every install puts opentelemetry-proto's own files back
+        assert plan.count("--force-reinstall") == plan.count(" -e '")
