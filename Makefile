@@ -2,7 +2,10 @@
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
-STAMP   := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
+SUM     := $(shell cksum < pyproject.toml | cut -d' ' -f1)
+RUN_STAMP := $(VENV)/.installed-run-$(SUM)
+DEV_STAMP := $(VENV)/.installed-dev-$(SUM)
+PIP     := $(PY) -m pip install --quiet --disable-pip-version-check
 ARGS    ?=
 
 .DEFAULT_GOAL := help
@@ -11,42 +14,52 @@ ARGS    ?=
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
-	@# xds-protos ships older copies of opentelemetry-proto's generated modules over the real ones
-	@# (tracing's OTLP exporter then fails to import): put opentelemetry-proto's own files back
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall \
+# xds-protos (a runtime dependency: the endpoint picker) ships older copies of opentelemetry-proto's
+# generated modules over the real ones (tracing's OTLP exporter then fails to import): every install
+# puts opentelemetry-proto's own files back
+define install
+	$(PIP) -e '$(1)'
+	$(PIP) --no-deps --force-reinstall \
 	  "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
-	@rm -f $(VENV)/.installed-* && touch $@
+endef
 
-run: $(STAMP) ## 4 simulated engines + the gateway + the agent working day per policy (ARGS=--once to exit)
+# `make run` needs only what running needs; test, lint and the tools add the dev set on top
+$(RUN_STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(call install,.)
+	@rm -f $(VENV)/.installed-run-* && touch $@
+
+$(DEV_STAMP): $(RUN_STAMP)
+	$(call install,.[dev])
+	@rm -f $(VENV)/.installed-dev-* && touch $@
+
+run: $(RUN_STAMP) ## 4 simulated engines + the gateway + the agent working day per policy (ARGS=--once to exit)
 	$(VENV)/bin/kvgate demo $(ARGS)
 
-test: $(STAMP) ## the test suite (starts its own engines and servers on loopback)
+test: $(DEV_STAMP) ## the test suite (starts its own engines and servers on loopback)
 	$(PY) -m pytest $(ARGS)
 
-lint: $(STAMP) ## ruff format --check and ruff check
+lint: $(DEV_STAMP) ## ruff format --check and ruff check
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-typecheck: $(STAMP) ## mypy --strict on the packages
+typecheck: $(DEV_STAMP) ## mypy --strict on the packages
 	$(VENV)/bin/mypy
 
-proto: $(STAMP) ## regenerate the gRPC stubs (gateway/api/grpc/_pb, loadgen/_pb) from proto/; fails if they drifted
+proto: $(DEV_STAMP) ## regenerate the gRPC stubs (gateway/api/grpc/_pb, loadgen/_pb) from proto/; fails if they drifted
 	$(PY) -m tools.protogen
 
-tokenizer: $(STAMP) ## rebuild the simulated engine's tokenizer (loadgen/engine/model/) from its generated corpus
+tokenizer: $(DEV_STAMP) ## rebuild the simulated engine's tokenizer (loadgen/engine/model/) from its generated corpus
 	$(PY) -m tools.build_tokenizer
 
-helm: $(STAMP) ## the chart: schema drift, helm lint --strict, helm template, kubernetes-validate --strict
+helm: $(DEV_STAMP) ## the chart: schema drift, helm lint --strict, helm template, kubernetes-validate --strict
 	$(PY) -m tools.chart check
 
-bench: $(STAMP) ## the gateway's CPU time per proxied request
+bench: $(DEV_STAMP) ## the gateway's CPU time per proxied request
 	$(VENV)/bin/kvgate bench-cpu $(ARGS)
 
-audit: $(STAMP) ## the Gu et al. timing audit: through kvgate (PASS) and at a bare engine (FAIL)
+audit: $(DEV_STAMP) ## the Gu et al. timing audit: through kvgate (PASS) and at a bare engine (FAIL)
 	$(VENV)/bin/kvgate audit-demo $(ARGS)
 
 clean: ## remove the virtualenv

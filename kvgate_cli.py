@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class Command(NamedTuple):
@@ -114,15 +114,47 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.splitlines()[0])
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's ArgumentDefaultsHelpFormatter, minus "(default: None)" and "(default: False)"
+    where an option's absence says it, and minus a second default where the help gives one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default == []
+            or default is argparse.SUPPRESS
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """Every parser and sub-parser (`kvgate billing export`) shows its options' defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def build_parser(chosen: str | None) -> Parser:
+    """The `kvgate` parser; only the `chosen` subcommand's module is imported, for its options."""
+    parser = Parser(prog="kvgate", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, command in COMMANDS.items():
         sub = commands.add_parser(name, help=command.help, description=command.help)
         if name == chosen:
             getattr(importlib.import_module(command.module), command.add_arguments)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     args.argv = list(argv)  # reports print the command that made them
     command = COMMANDS[args.command]

@@ -5,6 +5,8 @@
     │                              a field kvgate does not forward, JSON nested too deep
     ├── RequestTimeout        408  the body did not arrive within `body_read_timeout_s`
     ├── PayloadTooLarge       413  the body is over `max_body_bytes` (refused while reading)
+    ├── UnsupportedMediaType  415  a body declared as something other than JSON
+    ├── NoSuchRoute           404/405  an unknown path, or a method the path does not take
     ├── ClientGone            499  the client left before the answer (counted, never sent)
     ├── InternalError         500  the last resort: an unexpected exception, logged with the
     │                              request id the client is given (never its text)
@@ -60,6 +62,37 @@ class PayloadTooLarge(GatewayError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="body_too_large")
+
+
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    type = "invalid_request_error"
+
+    def __init__(self, content_type: str) -> None:
+        super().__init__(
+            f"the request body is declared as '{content_type}'; send JSON with "
+            "'Content-Type: application/json'",
+            code="unsupported_media_type",
+        )
+
+
+class NoSuchRoute(GatewayError):
+    """A path the API does not have (404), or a method it does not take there (405, with the
+    methods it takes in `Allow`): in the API's own error shape, not the framework's."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, status: int, method: str, path: str, allow: str | None = None) -> None:
+        if status == 405:
+            message = f"{method} is not allowed on {path}" + (f"; use {allow}" if allow else "")
+        else:
+            message = f"no such route: {method} {path}"
+        super().__init__(message, code="unknown_route" if status == 404 else "method_not_allowed")
+        self.status = status
+        self.allow = allow
+
+    def headers(self) -> dict[str, str]:
+        return {"allow": self.allow} if self.allow else {}
 
 
 class ClientGone(GatewayError):

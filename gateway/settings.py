@@ -12,7 +12,7 @@ import datetime as dt
 import logging
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
@@ -185,6 +185,9 @@ class Settings(BaseSettings):
     Off by default, because they tell a client about cache state."""
     seed: int | None = None
     log_level: str = "info"
+    log_format: Literal["plain", "json"] = "plain"
+    """Every log line (kvgate's, uvicorn's, the access log) in one format: `plain` text or one
+    JSON object per line (the access log's fields as keys)."""
     mode: str = "standalone"
     """`standalone`: kvgate serves the OpenAI API and relays the engines' streams. `epp`: it is
     also an endpoint picker behind Envoy (ext-proc on `epp_port`): Envoy carries the bytes,

@@ -11,6 +11,7 @@ import signal
 from rich.console import Console
 from rich.table import Table
 
+from loadgen.console import report_console
 from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.harness import processes
 from loadgen.runner import Summary, run_phases, summarise
@@ -25,9 +26,15 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-scale", type=float, default=10.0, help="engines run this many times faster"
     )
-    parser.add_argument("--capacity-blocks", type=int, default=8192)
-    parser.add_argument("--policies", default=",".join(POLICY_ORDER))
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--capacity-blocks", type=int, default=8192, help="each engine's KV cache, in blocks"
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICY_ORDER),
+        help="comma-separated routing policies to compare",
+    )
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--port", type=int, default=8080, help="port of the gateway left serving")
     parser.add_argument("--once", action="store_true", help="exit after the table")
 
@@ -68,15 +75,8 @@ def run_ideal(args: argparse.Namespace) -> Summary:
     return summarise(results, time_scale=args.time_scale)
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    console = Console()
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    phases = agent_day()
-    console.print(
-        f"[bold]kvgate demo[/]: {args.engines} simulated engines, the agent working day "
-        f"({count_requests(phases)} requests) once per policy, engines {args.time_scale:g}x "
-        "faster than real time (TTFT below in real-engine seconds)"
-    )
+def demo_table() -> Table:
+    """The demo's table, its columns (a row per policy, then the ideal)."""
     table = Table(title="agent working day")
     for column in (
         "policy",
@@ -88,6 +88,19 @@ def run_demo(args: argparse.Namespace) -> int:
         "TTFT p99 s",
     ):
         table.add_column(column, justify="right" if column != "policy" else "left")
+    return table
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    console = report_console()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    phases = agent_day()
+    console.print(
+        f"[bold]kvgate demo[/]: {args.engines} simulated engines, the agent working day "
+        f"({count_requests(phases)} requests) once per policy, engines {args.time_scale:g}x "
+        "faster than real time (TTFT below in real-engine seconds)"
+    )
+    table = demo_table()
     summaries: dict[str, Summary] = {}
     for policy in policies:
         with console.status(f"replaying through {policy} ..."):

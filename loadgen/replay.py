@@ -368,18 +368,23 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=1.0, help="K times faster than real")
     parser.add_argument("--limit", type=int, default=None, help="at most N requests")
     parser.add_argument("--start", type=int, default=0, help="first trace line (0-based)")
-    parser.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY)
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENCY,
+        help="requests in flight at most",
+    )
     parser.add_argument("--out", default=None, help="directory for results.json and summary.md")
     parser.add_argument("--plot", action="store_true", help="also write PNG plots into --out")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name sent")
     parser.add_argument(
         "--block-size", type=int, default=None, help="tokens per hash id (default: the format's)"
     )
     parser.add_argument("--tenants", type=int, default=0, help="assign conversations to N tenants")
     parser.add_argument("--max-output-tokens", type=int, default=None, help="cap output lengths")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     group = parser.add_argument_group("workload:agent-session")
-    group.add_argument("--session-steps", type=int, default=50)
+    group.add_argument("--session-steps", type=int, default=50, help="steps per agent session")
     group.add_argument("--gap-every", type=int, default=0, help="a long gap every N steps")
     group.add_argument("--gap-s", type=float, default=0.0, help="the gap, in trace seconds")
     group.add_argument("--fanout-every", type=int, default=0, help="subagents every N steps")
@@ -424,9 +429,9 @@ def _workload_phases(args: argparse.Namespace) -> list[Phase]:
 
 
 def run_replay_command(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from loadgen.console import report_console
 
-    console = Console()
+    console = report_console()
     try:
         options = ReplayOptions(
             target=tuple(t.rstrip("/") for t in args.target),

@@ -47,7 +47,6 @@ import math
 import random
 import statistics
 import struct
-import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -664,7 +663,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "steps=50,...] (concurrent 50-step agent sessions growing past 100k tokens, "
         "loadgen.traces.sessions); default: the shipped Mooncake conversation trace",
     )
-    parser.add_argument("--replicas", type=int, default=DEFAULT_NUM_REPLICAS)
+    parser.add_argument(
+        "--replicas", type=int, default=DEFAULT_NUM_REPLICAS, help="simulated engine replicas"
+    )
     parser.add_argument(
         "--capacity-frac",
         type=float,
@@ -714,12 +715,34 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start", type=int, default=0, help="first trace line (0-based)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many requests")
     parser.add_argument("--tenants", type=int, default=0, help="assign conversations to N tenants")
-    parser.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S)
+    parser.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=DEFAULT_PREFILL_TOKENS_PER_S,
+        help="simulated prefill speed",
+    )
     add_decode_arguments(parser)
-    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
-    parser.add_argument("--max-output-tokens", type=int, default=None)
-    parser.add_argument("--absolute-slack-tokens", type=float, default=None)
-    parser.add_argument("--relative-slack", type=float, default=None)
+    parser.add_argument(
+        "--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="requests decoded together"
+    )
+    parser.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=None,
+        help="cap output lengths (default: the trace's)",
+    )
+    parser.add_argument(
+        "--absolute-slack-tokens",
+        type=float,
+        default=None,
+        help="cache_aware's absolute load slack (default: the gateway's)",
+    )
+    parser.add_argument(
+        "--relative-slack",
+        type=float,
+        default=None,
+        help="cache_aware's relative load slack (default: the gateway's)",
+    )
     parser.add_argument(
         "--decode-token-weight",
         type=float,
@@ -732,7 +755,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DIRECTORY_SCALE,
         help="the router's directory capacity as a multiple of each engine's KV (default 8)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument(
         "--overflow",
         choices=("on", "off"),
@@ -790,10 +813,11 @@ def _read(args: argparse.Namespace) -> Trace:
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 160)  # a log keeps whole rows
+    from loadgen.console import report_console
+
+    console = report_console()
     try:
         config = config_from_args(args)
         policies = list(POLICIES) if args.policy == "all" else args.policy.split(",")

@@ -7,7 +7,8 @@
 - `schema`: the `config` part of values.schema.json is generated from the settings
   (gateway/settings.py), so the chart's config keys are the settings' fields, one to one; the
   keys the chart decides itself (`CHART_MANAGED`) are refused there. `check` fails on drift.
-- `check`: `helm lint --strict`, `helm template` with the default values and with each
+- `check`: every key of values.yaml has a comment (`uncommented_keys`); `helm lint
+  --strict`, `helm template` with the default values and with each
   `ci/*-values.yaml` (everything on; an external Redis Cluster), `kubernetes-validate --strict`
   on every rendered object that is not a custom resource (kubernetes-validate knows no CRDs:
   the ServiceMonitor is checked by a test on its rendered fields), and every InferencePool
@@ -22,6 +23,7 @@ import io
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tarfile
@@ -241,12 +243,35 @@ def validate(objects: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
         )
 
 
+VALUES = CHART / "values.yaml"
+_KEY = re.compile(r"^(\s*)([A-Za-z_][A-Za-z0-9_]*):")
+
+
+def uncommented_keys(text: str) -> list[str]:
+    """The values.yaml keys (at any depth) with no comment: neither after the key on its line
+    nor a comment line right above it at its indentation. A key of a flow map (`{cpu: 1}`)
+    is the line's."""
+    lines = text.split("\n")
+    missing = []
+    for i, line in enumerate(lines):
+        match = _KEY.match(line)
+        if match is None or "#" in line.split(":", 1)[1]:
+            continue
+        above = lines[i - 1] if i else ""
+        indent = len(match.group(1))
+        if above.strip().startswith("#") and len(above) - len(above.lstrip()) == indent:
+            continue
+        missing.append(f"values.yaml:{i + 1}: {line.strip()}")
+    return missing
+
+
 def check() -> list[str]:
     """Every chart check; the problems found (empty: all good)."""
     problems = []
     drift = schema_drift()
     if drift:
         problems.append(drift)
+    problems += [f"no comment: {key}" for key in uncommented_keys(VALUES.read_text())]
     for values in (None, *sorted(CHART.glob("ci/*.yaml"))):
         name = values.name if values else "default values"
         done = lint(values)

@@ -13,21 +13,40 @@ import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.api.errors import report_internal, to_anthropic_http, to_http
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, NoSuchRoute
+from gateway.observability.logs import log_refusal
 from gateway.observability.metrics import RequestMetrics
 
 Handler = Callable[[Request], Awaitable[Response]]
 ANTHROPIC_PATH = "/v1/messages"
 
 
+def error_response(path: str, err: GatewayError) -> Response:
+    """`err` in the shape of the API at `path`: Anthropic's under /v1/messages, else OpenAI's."""
+    anthropic = path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+    return to_anthropic_http(err) if anthropic else to_http(err)
+
+
 def internal_error_response(path: str, exc: BaseException) -> Response:
     """The 500 an unexpected exception becomes, in the shape of the API at `path`."""
-    err: GatewayError = report_internal(exc, path)
-    return to_anthropic_http(err) if path == ANTHROPIC_PATH else to_http(err)
+    return error_response(path, report_internal(exc, path))
+
+
+async def on_http_exception(request: Request, exc: Exception) -> Response:
+    """The framework's own 404 / 405 (an unknown path, a wrong method), in the API's shape."""
+    assert isinstance(exc, StarletteHTTPException)
+    path = request.url.path
+    if exc.status_code not in (404, 405):
+        err = GatewayError(str(exc.detail))
+        err.status = exc.status_code
+        return error_response(path, err)
+    allow = (exc.headers or {}).get("Allow")
+    return error_response(path, NoSuchRoute(exc.status_code, request.method, path, allow))
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
@@ -97,4 +116,7 @@ class MeteredASGI(GatewayASGI):
         try:
             await super().__call__(scope, receive, send_counted)
         finally:
-            self.metrics.observe_http(scope["path"], status, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.metrics.observe_http(scope["path"], status, seconds)
+            if status >= 400:
+                log_refusal(scope["method"], scope["path"], status, seconds)

@@ -17,7 +17,13 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 
 from cachemap.rendering import MAX_JSON_DEPTH, too_deep
-from gateway.errors import ClientGone, InvalidRequest, PayloadTooLarge, RequestTimeout
+from gateway.errors import (
+    ClientGone,
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
 
 
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
@@ -44,6 +50,16 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
     except ClientDisconnect:
         raise ClientGone("the client disconnected before sending its whole body") from None
     return b"".join(chunks)
+
+
+def check_json_media_type(content_type: str | None) -> None:
+    """Bodies are JSON: one declared as anything else (text/plain, a form) is a 415. A body with
+    no Content-Type at all is read as JSON (some HTTP clients send none)."""
+    if content_type is None:
+        return
+    media = content_type.split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise UnsupportedMediaType(media or content_type)
 
 
 def _too_large(size: int, limit: int) -> PayloadTooLarge:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from gateway.api.body import read_body
+from gateway.api.body import check_json_media_type, read_body
 from gateway.fleet.replicas import ReplicaSet
 from gateway.pipeline.director import Director
 from gateway.tenancy.registry import TenantRegistry
@@ -27,5 +27,6 @@ class FrontEnd:
 
     async def read(self, request: Request) -> bytes:
         """The request's body within `max_body_bytes` and `body_read_timeout_s`
-        (`gateway.api.body.read_body`)."""
+        (`gateway.api.body.read_body`), declared as JSON if declared at all (415)."""
+        check_json_media_type(request.headers.get("content-type"))
         return await read_body(request, self.max_body_bytes, self.body_read_timeout_s)

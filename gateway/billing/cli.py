@@ -31,7 +31,9 @@ def add_billing_arguments(parser: argparse.ArgumentParser) -> None:
 
     sim = commands.add_parser("simulate", help="price a workload file under a profile (no engines)")
     sim.add_argument("events", help="the workload: one JSON object per line ('-' for stdin)")
-    sim.add_argument("--profile", required=True, choices=PROFILES)
+    sim.add_argument(
+        "--profile", required=True, choices=PROFILES, help="billing profile to price under"
+    )
     sim.add_argument("--model", required=True, help="a model of the profile's price table")
     sim.add_argument(
         "--start", default="1970-01-01T00:00:00Z", help="ISO-8601 instant that t counts from"
@@ -40,7 +42,11 @@ def add_billing_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--prices", type=Path, help="a YAML/JSON prices file over the defaults")
     sim.add_argument("--lookback", type=int, help="anthropic lookback in blocks (default 20)")
     sim.add_argument("--openai-ttl-s", help="openai lifetime in seconds (default 1800)")
-    sim.add_argument("--deepseek-unit", choices=("64", "request_boundaries"))
+    sim.add_argument(
+        "--deepseek-unit",
+        choices=("64", "request_boundaries"),
+        help="DeepSeek cache unit: 64-token blocks or request boundaries",
+    )
     sim.add_argument(
         "--holiday", action="append", default=[], metavar="DATE", help="a DeepSeek off-peak date"
     )
@@ -65,9 +71,14 @@ def add_billing_arguments(parser: argparse.ArgumentParser) -> None:
         required = name == "export"
         sub.add_argument("--from", dest="start", required=required, help="ISO-8601, inclusive")
         sub.add_argument("--to", dest="end", required=required, help="ISO-8601, exclusive")
-        sub.add_argument("--tenant", required=name == "export")
+        sub.add_argument("--tenant", required=name == "export", help="the tenant whose records")
         if name == "export":
-            sub.add_argument("--format", choices=("csv", "jsonl", "parquet"), default="jsonl")
+            sub.add_argument(
+                "--format",
+                choices=("csv", "jsonl", "parquet"),
+                default="jsonl",
+                help="output format",
+            )
             sub.add_argument("--output", type=Path, help="a file (required for parquet)")
         else:
             sub.add_argument("--json", action="store_true", help="JSON instead of a table")

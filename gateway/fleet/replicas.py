@@ -352,7 +352,7 @@ class ReplicaSet:
                 await self._scrape(state)
             if not state.healthy:
                 if state.probed:
-                    log.info("replica %s is back up", state.url)
+                    log.warning("replica %s is back up", state.url)
                     if state.metrics is None or state.metrics.start_marker is None:
                         await self._on_restart(state.url)
                 state.healthy = True

@@ -15,7 +15,7 @@ import orjson
 
 from cachemap.keys import affinity_key, chain_hashes, root_hash
 from gateway.directory.routing import RoutingDirectory
-from gateway.errors import ModelNotFound, NoReplica, UpstreamError
+from gateway.errors import InvalidRequest, ModelNotFound, NoReplica, UpstreamError
 from gateway.fleet.replicas import Lease, ReplicaSet, ReplicaState
 from gateway.observability.histograms import LOOKUP_BUCKETS_S, LabelledHistograms
 from gateway.pipeline.admission import Admission
@@ -281,6 +281,7 @@ class Director:
             allowed = tenant.policy.models  # never name a model the tenant may not use
             served = [m for m in self.replicas.models() if not allowed or m in allowed]
             raise ModelNotFound(parsed.model, served)
+        check_output_budget(parsed, candidates)
         if only is not None:
             candidates = [c for c in candidates if c.id in only and c.healthy]
             if not candidates:
@@ -516,3 +517,19 @@ def _max_tokens(parsed: ParsedRequest) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
     return None
+
+
+def check_output_budget(parsed: ParsedRequest, candidates: list[ReplicaState]) -> None:
+    """An output budget no replica's context could hold (whatever the prompt) is a 400 in the
+    gateway's words, not the engine's (which names its own limits and arithmetic). The bound is
+    the largest `max_model_len` the serving replicas report on /v1/models."""
+    limits = [c.max_model_len for c in candidates if c.max_model_len]
+    budget = _max_tokens(parsed)
+    if not limits or budget is None or budget < max(limits):
+        return
+    name = next(n for n in ("max_tokens", "max_completion_tokens") if parsed.body.get(n) == budget)
+    raise InvalidRequest(
+        f"'{name}' is {budget}; {parsed.model} holds at most {max(limits)} tokens of prompt and "
+        "output together",
+        param=name,
+    )

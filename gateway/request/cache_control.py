@@ -77,6 +77,10 @@ class Mark:
     num_calls: int = 0
 
 
+ENGINE_BLOCK_TOKENS = 16
+"""vLLM's default KV block (`--block-size`): the granularity of an engine's reported hit."""
+
+
 def parse_cache_control(value: Any, where: str) -> str:
     """The TTL of a `{"type": "ephemeral", "ttl": "5m" | "1h"}` object (ttl defaults to 5m)."""
     if not isinstance(value, Mapping):
@@ -175,13 +179,18 @@ def provisional_cache_usage(
 ) -> dict[str, Any]:
     """Anthropic's usage fields, derived from the engine's physical usage.
 
-    PROVISIONAL: billing (issue 7) replaces this function with its ledger, which applies the
-    profile's rules (TTLs from request start, minimums, the 20-block lookback). Until then:
+    Without billing only: with it, the meter's bill (the profile's rules: TTLs from request
+    start, minimums, the 20-block lookback) replaces this split (`gateway.api.usage`). Here:
 
     - A (read) = the engine's cached tokens, at most C;
     - C = the prompt tokens up to the last breakpoint (its byte offset scaled by the prompt's
       tokens per rendered byte); B = the tokens up to the highest 1h breakpoint, at least A;
     - ephemeral_1h = B − A, ephemeral_5m = C − B (Anthropic's mixed-TTL rule), input = the rest.
+
+    An engine reports its hit in whole KV blocks and recomputes at least the prompt's last
+    token, and C is scaled from bytes: a hit less than one block (`ENGINE_BLOCK_TOKENS`) short
+    of C is the whole prefix read, so a repeated request reports `cache_creation_input_tokens`
+    0, as Anthropic does for an identical cached prefix.
 
     So input + read + creation = prompt_tokens always. `engine_cached_tokens` stays the physical
     hit. A pre-warm (`max_tokens: 0`) generated one token upstream that nobody sees: output 0.
@@ -197,6 +206,8 @@ def provisional_cache_usage(
 
     last = tokens_at(breakpoints[-1].offset) if breakpoints else 0
     read = min(cached, last)
+    if read and last - read < ENGINE_BLOCK_TOKENS:
+        read = last  # the whole prefix was cached (as Anthropic reports it: creation 0)
     one_hour = [tokens_at(b.offset) for b in breakpoints if b.ttl == TTL_1H]
     upto_1h = max([read, *one_hour])
     write_1h = upto_1h - read

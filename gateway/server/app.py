@@ -26,12 +26,13 @@ import aiohttp
 from fastapi import FastAPI
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
-from gateway.api.asgi import MeteredASGI, on_unexpected
+from gateway.api.asgi import MeteredASGI, on_http_exception, on_unexpected
 from gateway.api.context import FrontEnd
 from gateway.api.epp.server import start_epp
 from gateway.api.grpc.service import GrpcServer, start_grpc
@@ -41,6 +42,7 @@ from gateway.billing.service import Billing
 from gateway.directory.routing import RoutingDirectory
 from gateway.fleet.discovery import Discovery, KubeTarget
 from gateway.fleet.replicas import ReplicaSet
+from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import RequestMetrics, build_registry, render
 from gateway.observability.tracing import Tracing, build_tracing
 from gateway.pipeline.admission import Admission
@@ -55,7 +57,7 @@ from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
 from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
-from gateway.settings import Settings
+from gateway.settings import Settings, redact_url
 from gateway.tenancy.registry import TenantRegistry
 from gateway.tenancy.tenant_file import TenantFileWatcher
 from router.filters import LoadBoundFilter
@@ -193,6 +195,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         Reconciler(directory, settings.block_bytes, registry),
         *([billing.meter] if billing else []),
         request_metrics,
+        AccessLog(),
     ]
     tracing = build_tracing(settings, span_exporter)
     director = Director(
@@ -319,13 +322,31 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             admin = AdminServer(lambda: render(parts.registry), lambda: app.openapi(), app.title)
             stack.push_async_callback(admin.stop)
             app.state.metrics_port = await admin.start(settings.host, settings.metrics_port)
-        log.info(
-            "kvgate: %d/%d replicas healthy, policy %s",
-            sum(s.healthy for s in parts.replicas.states.values()),
-            len(parts.replicas.states),
-            parts.director.policy.name,
-        )
+        log_start_up(parts)
         yield
+
+
+def log_start_up(parts: Parts) -> None:
+    """The one line that says what this gateway is (a WARNING when a replica is down at start)."""
+    settings = parts.settings
+    healthy = sum(s.healthy for s in parts.replicas.states.values())
+    total = len(parts.replicas.states)
+    level = logging.INFO if healthy == total and total else logging.WARNING
+    log.log(
+        level,
+        "kvgate: serving on http://%s:%d, %d/%d replicas healthy, policy %s, mode %s, "
+        "directory %s, %d tenant keys, discovery %s, log format %s",
+        settings.host,
+        settings.port,
+        healthy,
+        total,
+        parts.director.policy.name,
+        settings.mode,
+        redact_url(settings.redis_url) if settings.redis_url else "in-process",
+        len(parts.tenants),
+        settings.discovery,
+        settings.log_format,
+    )
 
 
 def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None) -> MeteredASGI:
@@ -343,7 +364,7 @@ def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None)
         version="0.1.0",
         description="A multi-tenant, cache-aware routing gateway for LLM inference.",
         lifespan=lifespan,
-        exception_handlers={Exception: on_unexpected},
+        exception_handlers={Exception: on_unexpected, StarletteHTTPException: on_http_exception},
         # the documents are served on the admin port (gateway.server.admin), not to tenants
         openapi_url=None,
         docs_url=None,

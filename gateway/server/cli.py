@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
+from gateway.observability.logs import configure_logging
+from gateway.settings import Settings
 from router.registry import POLICIES
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="HTTP port (default 8080)")
+    parser.add_argument("--host", help="interface to listen on")
+    parser.add_argument("--port", type=int, help="HTTP port")
     parser.add_argument(
         "--metrics-port",
         type=int,
-        help="the admin port: /metrics and the API documents (default 9090; 0: any free port)",
+        help="the admin port: /metrics and the API documents (0: any free port)",
     )
     parser.add_argument(
         "--engine", action="append", dest="engines", metavar="URL", help="an engine replica URL"
@@ -42,6 +43,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--log-level", help="debug, info, warning, error")
     parser.add_argument(
+        "--log-format", choices=("plain", "json"), help="every log line as text or as JSON"
+    )
+    parser.add_argument(
         "--tenants-file",
         type=Path,
         help="tenants, policies and key hashes (YAML or .json; kvgate tenants), reloaded on change",
@@ -52,9 +56,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode",
         choices=("standalone", "epp"),
-        help="standalone (default): serve the API; epp: also pick endpoints for Envoy (ext-proc)",
+        help="standalone: serve the API; epp: also pick endpoints for Envoy (ext-proc)",
     )
-    parser.add_argument("--epp-port", type=int, help="the ext-proc port in epp mode (default 9002)")
+    parser.add_argument("--epp-port", type=int, help="the ext-proc port in epp mode")
     # -- Kubernetes discovery and tracing (issue 9; docs/operations.md) --
     parser.add_argument(
         "--discovery",
@@ -76,6 +80,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--otlp-endpoint", help="export traces over OTLP/HTTP, e.g. http://collector:4318/v1/traces"
     )
+    show_settings_defaults(parser)
+
+
+def show_settings_defaults(parser: argparse.ArgumentParser) -> None:
+    """An option's default is its setting's (the option stays None so that a KVGATE_* variable or
+    --config still applies when it is not given): --help says which that is."""
+    for action in parser._actions:
+        field = Settings.model_fields.get(action.dest)
+        if field is None or not action.help or "default" in action.help:
+            continue
+        default = field.get_default(call_default_factory=True)
+        if default not in (None, False, [], ""):
+            action.help += f" (default: {default})"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -98,6 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
             redis_url=args.redis_url,
             debug_headers=args.debug_headers,
             log_level=args.log_level,
+            log_format=args.log_format,
             tenants_file=args.tenants_file,
             grpc_port=args.grpc_port,
             mode=args.mode,
@@ -112,9 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"kvgate serve: invalid settings:\n{describe_errors(exc)}")
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
     if not settings.engines and settings.discovery == "static":
         print(
             "kvgate serve: no engines; pass --engine URL (repeatable), set KVGATE_ENGINES, "
@@ -131,6 +147,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
+        log_config=None,  # uvicorn's loggers go through ours: one format
         access_log=False,
         loop="uvloop",
         http="httptools",

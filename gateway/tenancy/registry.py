@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from gateway.errors import TenantError
 from gateway.request.tenant import DEFAULT_POLICY, Tenant, TenantPolicy, check_tenant_name, hash_key
+
+log = logging.getLogger(__name__)
 
 
 def derive_salt(secret: bytes, scope: str) -> bytes:
@@ -131,8 +134,12 @@ class TenantRegistry:
             raise TenantError(
                 "missing API key: send it as 'Authorization: Bearer KEY'", code="missing_api_key"
             )
-        tenant = snapshot.by_key_hash.get(hash_key(key))
+        key_hash = hash_key(key)
+        tenant = snapshot.by_key_hash.get(key_hash)
         if tenant is None:
+            # the hash's first 12 hex digits tell an operator which key a client sends (and
+            # match `kvgate tenants list`), never the key
+            log.warning("authentication failed: unknown API key sha256:%s", key_hash[:12])
             raise TenantError("invalid API key", code="invalid_api_key")
         return tenant
 

@@ -33,10 +33,24 @@ and a hit ~0, so 250 + 250 probes of both tests fit in about a minute."""
 
 def add_audit_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="probes of each kind")
-    parser.add_argument("--engines", type=int, default=DEFAULT_NUM_ENGINES)
-    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
-    parser.add_argument("--prefix-fraction", type=float, default=1.0)
-    parser.add_argument("--victim-requests", type=int, default=1)
+    parser.add_argument(
+        "--engines", type=int, default=DEFAULT_NUM_ENGINES, help="simulated engine replicas"
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=DEFAULT_TIME_SCALE,
+        help="engines run this many times faster",
+    )
+    parser.add_argument(
+        "--prefix-fraction",
+        type=float,
+        default=1.0,
+        help="share of the victim's prompt the attacker guesses",
+    )
+    parser.add_argument(
+        "--victim-requests", type=int, default=1, help="requests the victim sends before the probes"
+    )
     parser.add_argument(
         "--skip-broken", action="store_true", help="skip the audit of a bare engine (the FAIL)"
     )

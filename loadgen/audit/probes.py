@@ -458,7 +458,9 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
         "--control-key", help="a second key in the victim's scope (default: the victim's key)"
     )
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="probes of each kind")
-    parser.add_argument("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS)
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="tokens per probe prompt"
+    )
     parser.add_argument("--model", help="default: the first model the target lists")
     parser.add_argument(
         "--prefix-fraction", type=float, default=1.0, help="share of P the probe repeats"

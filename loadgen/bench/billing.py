@@ -21,8 +21,8 @@ AOF = ("--appendonly", "yes", "--appendfsync", "always")
 
 
 def add_bench_billing_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=3000, help="requests measured")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     parser.add_argument("--stream", action="store_true", help="streaming requests")
     parser.add_argument("--no-redis", action="store_true", help="skip the Redis-store run")
 

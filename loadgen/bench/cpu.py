@@ -21,9 +21,9 @@ from loadgen.text import words
 
 
 def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=5000)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--requests", type=int, default=5000, help="requests measured")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    parser.add_argument("--policy", default="cache_aware", help="routing policy")
     parser.add_argument("--stream", action="store_true", help="streaming requests")
     parser.add_argument("--gateway-arg", action="append", default=[], help="extra serve flags")
     parser.add_argument(

@@ -29,10 +29,15 @@ REPLICAS = tuple(f"http://10.0.0.{i}:8000" for i in range(8))
 
 def add_bench_directory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookups", type=int, default=2000, help="lookups per measurement")
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=32, help="lookups in flight")
     parser.add_argument("--chains", type=int, default=64, help="distinct chains per length")
-    parser.add_argument("--memory-entries", type=int, default=200_000)
-    parser.add_argument("--skip-cluster", action="store_true")
+    parser.add_argument(
+        "--memory-entries",
+        type=int,
+        default=200_000,
+        help="prefix entries stored to measure memory",
+    )
+    parser.add_argument("--skip-cluster", action="store_true", help="skip the Redis Cluster arm")
 
 
 def _chains(length: int, count: int) -> list[list[BlockHash]]:

@@ -26,10 +26,12 @@ from loadgen.text import words
 def add_bench_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=2000, help="per arm and round")
     parser.add_argument("--rounds", type=int, default=2, help="off/on rounds, alternating")
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     parser.add_argument("--prompt-words", type=int, default=1500, help="system prompt words")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--capacity-blocks", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    parser.add_argument(
+        "--capacity-blocks", type=int, default=4096, help="the engine's KV cache, in blocks"
+    )
     parser.add_argument(
         "--encoding", default="vllm", choices=("vllm", "vllm-array", "sglang"), help="events"
     )

@@ -34,15 +34,19 @@ KEY = "sk-bench"
 
 
 def add_bench_fanout_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--engines", type=int, default=4, help="simulated engine replicas")
     parser.add_argument("--rate", type=float, default=60.0, help="hot-spine requests per second")
     parser.add_argument("--seconds", type=float, default=20.0, help="hot-spine duration")
-    parser.add_argument("--system-tokens", type=int, default=4000)
-    parser.add_argument("--suffix-tokens", type=int, default=300)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--skip-hold", action="store_true")
-    parser.add_argument("--skip-hot", action="store_true")
+    parser.add_argument(
+        "--system-tokens", type=int, default=4000, help="tokens of the shared system prompt"
+    )
+    parser.add_argument("--suffix-tokens", type=int, default=300, help="tokens each request adds")
+    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="engines run this many times faster"
+    )
+    parser.add_argument("--skip-hold", action="store_true", help="skip the fan-out hold arm")
+    parser.add_argument("--skip-hot", action="store_true", help="skip the hot-prefix overflow arm")
 
 
 @dataclass

@@ -439,20 +439,42 @@ def pick_time_scale(setup: Setup) -> tuple[float, list[tuple[float, float]]]:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="a Mooncake-format trace")
     parser.add_argument("--start", type=int, default=DEFAULT_START, help="first line (0-based)")
-    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
-    parser.add_argument("--engines", type=int, default=DEFAULT_ENGINES)
-    parser.add_argument("--capacity-frac", type=float, default=DEFAULT_CAPACITY_FRAC)
+    parser.add_argument(
+        "--requests", type=int, default=DEFAULT_REQUESTS, help="requests replayed per router"
+    )
+    parser.add_argument(
+        "--engines", type=int, default=DEFAULT_ENGINES, help="simulated engine replicas"
+    )
+    parser.add_argument(
+        "--capacity-frac",
+        type=float,
+        default=DEFAULT_CAPACITY_FRAC,
+        help="each engine's KV cache as a fraction of the trace's distinct blocks",
+    )
     parser.add_argument(
         "--utilization",
         type=float,
         default=None,
         help="set the prefill rate so round robin keeps prefill this busy (by the simulator)",
     )
-    parser.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S)
     parser.add_argument(
-        "--decode-ms-per-token", type=float, default=DEFAULT_DECODE_S_PER_TOKEN * 1e3
+        "--prefill-tokens-per-s",
+        type=float,
+        default=DEFAULT_PREFILL_TOKENS_PER_S,
+        help="simulated prefill speed",
     )
-    parser.add_argument("--max-output-tokens", type=int, default=DEFAULT_MAX_OUTPUT_TOKENS)
+    parser.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=DEFAULT_DECODE_S_PER_TOKEN * 1e3,
+        help="simulated decode time per output token",
+    )
+    parser.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=DEFAULT_MAX_OUTPUT_TOKENS,
+        help="cap output lengths",
+    )
     parser.add_argument(
         "--time-scale", default=DEFAULT_TIME_SCALE, help="K times faster than real, or 'auto'"
     )
@@ -472,9 +494,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from loadgen.console import report_console
 
-    console = Console()
+    console = report_console()
     command = shlex.join(["kvgate", *getattr(args, "argv", [])])
     try:
         arms = parse_arms(args.arms)

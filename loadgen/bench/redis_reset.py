@@ -34,13 +34,15 @@ MAX_ROUNDS = 50
 
 
 def add_bench_redis_reset_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engines", type=int, default=4)
-    parser.add_argument("--conversations", type=int, default=20)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--rounds-before", type=int, default=3)
-    parser.add_argument("--rounds-after", type=int, default=8)
+    parser.add_argument("--engines", type=int, default=4, help="simulated engine replicas")
+    parser.add_argument("--conversations", type=int, default=20, help="conversations replayed")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    parser.add_argument("--rounds-before", type=int, default=3, help="rounds before Redis is reset")
+    parser.add_argument("--rounds-after", type=int, default=8, help="rounds after it is back empty")
     parser.add_argument("--window-s", type=float, default=2.0, help="the dip's window")
-    parser.add_argument("--system-words", type=int, default=600)
+    parser.add_argument(
+        "--system-words", type=int, default=600, help="words of each conversation's system prompt"
+    )
     parser.add_argument("--time-scale", type=float, default=10.0, help="engines' speed-up")
     parser.add_argument(
         "--wait-back",

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -72,6 +73,8 @@ from loadgen.engine.timing import (
     decode_from_args,
 )
 from loadgen.engine.tokenizer import MODEL_DIR, block_hashes, default_tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "kvgate-sim-8b"
 DEFAULT_MAX_MODEL_LEN = 131_072
@@ -748,16 +751,43 @@ async def _stream(engine: Engine, reply: _Reply, waiter: _Waiter) -> AsyncIterat
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS)
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
-    parser.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TOKENS_PER_S)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=8100, help="HTTP port")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the model name it serves")
+    parser.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=DEFAULT_CAPACITY_BLOCKS,
+        help="KV cache size, in blocks",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per KV block (vLLM's --block-size)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=DEFAULT_MAX_MODEL_LEN,
+        help="longest prompt + output accepted, in tokens (vLLM's flag)",
+    )
+    parser.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=DEFAULT_PREFILL_TOKENS_PER_S,
+        help="simulated prefill speed",
+    )
     add_decode_arguments(parser)
-    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH)
-    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument(
+        "--max-batch", type=int, default=DEFAULT_MAX_BATCH, help="requests decoded together"
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="run this many times faster than the simulated GPU",
+    )
     parser.add_argument(
         "--stream-interval",
         type=int,
@@ -817,4 +847,26 @@ def serve_engine(args: argparse.Namespace) -> None:
     except ValueError as exc:
         raise SystemExit(f"kvgate engine: {exc}") from None
     app = create_engine_app(config)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    # the gateway's plain log format, so that a terminal running both reads as one log
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info(
+        "kvgate engine: serving %s on http://%s:%d, %s",
+        config.model,
+        args.host,
+        args.port,
+        describe(config),
+    )
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="warning", access_log=False, log_config=None
+    )
+
+
+def describe(config: EngineConfig) -> str:
+    """An engine's key settings, for its start-up line."""
+    events = config.kv_events
+    return (
+        f"KV cache {config.capacity_blocks} blocks of {config.block_size} tokens, "
+        f"max_model_len {config.max_model_len}, max batch {config.timing.max_batch}, "
+        f"time scale {config.timing.time_scale:g}x, data parallel {config.data_parallel_size}, "
+        f"KV events {events.endpoint if events.enable_kv_cache_events else 'off'}"
+    )

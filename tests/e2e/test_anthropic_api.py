@@ -143,8 +143,10 @@ def test_the_key_from_x_api_key_or_bearer_and_errors_in_anthropics_shape(
             "pre-warm",
         ),
         ({**body, "model": "nope"}, bearer, 404, "not_found_error", "does not exist"),
-        # the engine's own 400 (context too long), in Anthropic's shape
-        ({**body, "max_tokens": 10**7}, bearer, 400, "invalid_request_error", "maximum context"),
+        # a budget no context holds: the gateway's own 400 (tests/e2e/test_api_edges.py)
+        ({**body, "max_tokens": 10**7}, bearer, 400, "invalid_request_error", "holds at most"),
+        # one that only the prompt pushes past the context: the engine's 400, in Anthropic's shape
+        ({**body, "max_tokens": 131071}, bearer, 400, "invalid_request_error", "maximum context"),
     ]
     for payload, headers, status, kind, message in cases:
         if isinstance(payload, bytes):
@@ -177,8 +179,10 @@ def test_a_prewarm_reads_and_refreshes_the_cache_and_generates_nothing(
     assert counters.generation_tokens == 1  # one token generated upstream, and discarded
     again, there = create(c, messages, max_tokens=0)
     assert there == where and again.usage.cache_read_input_tokens > 1000
-    # the engine recomputes the prompt's last block (16 tokens), as vLLM does
-    assert again.usage.cache_creation_input_tokens < 16
+    # the engine recomputes the prompt's last block (16 tokens), as vLLM does, but the prefix
+    # up to the breakpoint was cached whole: Anthropic reports nothing written for it
+    assert again.usage.cache_creation_input_tokens == 0
+    assert again.usage.cache_read_input_tokens == warm.usage.cache_creation_input_tokens
 
 
 def test_the_tenant_salt_isolates_anthropic_requests_too(

@@ -201,12 +201,19 @@ def test_each_error_status(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "",
         ),
-        # the engine's own 400 (context too long)
+        # the engine's own 400 (the prompt pushes the budget past the context)
+        (
+            request([text(pb.ROLE_USER, "hi")], 131071),
+            AUTH,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "maximum context",
+        ),
+        # a budget no context holds: the gateway's own words
         (
             request([text(pb.ROLE_USER, "hi")], 10**7),
             AUTH,
             grpc.StatusCode.INVALID_ARGUMENT,
-            "maximum context",
+            "holds at most 131072 tokens",
         ),
         (
             request([text(pb.ROLE_USER, "hi")], 2, model="nope"),

@@ -263,6 +263,12 @@ def test_the_provisional_usage_split_follows_the_mixed_ttl_rule() -> None:
     ] == {"ephemeral_5m_input_tokens": 200, "ephemeral_1h_input_tokens": 0}
     read_all = provisional_cache_usage({**engine, "engine_cached_tokens": 990}, breakpoints, 4000)
     assert (read_all["cache_read_input_tokens"], read_all["input_tokens"]) == (900, 100)
+    # a hit under one engine block short of the last breakpoint (the engine's whole blocks, the
+    # byte-scaled estimate) is the prefix read whole: nothing written, as Anthropic reports
+    near = provisional_cache_usage({**engine, "engine_cached_tokens": 896}, breakpoints, 4000)
+    assert (near["cache_read_input_tokens"], near["cache_creation_input_tokens"]) == (900, 0)
+    short = provisional_cache_usage({**engine, "engine_cached_tokens": 880}, breakpoints, 4000)
+    assert (short["cache_read_input_tokens"], short["cache_creation_input_tokens"]) == (880, 20)
     # no breakpoint: nothing is read or written, whatever the engine held; a pre-warm outputs 0
     plain = provisional_cache_usage(engine, (), 4000, prewarm=True)
     assert (plain["input_tokens"], plain["cache_read_input_tokens"], plain["output_tokens"]) == (

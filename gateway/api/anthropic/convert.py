@@ -311,11 +311,13 @@ def _tool_choice(choice: Any, prewarm: bool) -> Any:
 
 
 def _sampling(body: dict[str, Any], upstream: dict[str, Any]) -> None:
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p"):  # both in [0, 1] in Anthropic's API
         value = body.get(name)
         if value is not None:
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise _fail(f"'{name}' must be a number", name)
+            if not 0 <= value <= 1:
+                raise _fail(f"'{name}' must be between 0 and 1, got {value:g}", name)
             upstream[name] = value
     top_k = body.get("top_k")
     if top_k is not None:
@@ -363,9 +365,30 @@ def _check_top_level(body: dict[str, Any]) -> tuple[str, int, bool]:
     return model, max_tokens, bool(stream)
 
 
+COUNT_TOKENS_FIELDS = frozenset(
+    {"model", "messages", "system", "tools", "tool_choice", "cache_control", "thinking"}
+)
+"""What `POST /v1/messages/count_tokens` takes: a Messages body's prompt, without sampling."""
+
+
+def parse_count_tokens(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
+    """A count_tokens body, validated as the Messages body it would be (with `max_tokens: 1`)."""
+    body = load_json_object(raw)
+    unknown = set(body) - COUNT_TOKENS_FIELDS
+    if unknown:
+        raise _fail(
+            f"unknown fields {sorted(unknown)}; /v1/messages/count_tokens accepts "
+            f"{', '.join(sorted(COUNT_TOKENS_FIELDS))}"
+        )
+    return parse_message_body({**body, "max_tokens": 1}, max_prompt_bytes)
+
+
 def parse_messages(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
     """Validate an Anthropic Messages body and convert it; see the module docstring."""
-    body = load_json_object(raw)
+    return parse_message_body(load_json_object(raw), max_prompt_bytes)
+
+
+def parse_message_body(body: dict[str, Any], max_prompt_bytes: int) -> ParsedRequest:
     unknown = set(body) - _FIELDS
     if unknown:
         raise _fail(

@@ -30,13 +30,13 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.api.anthropic.convert import parse_messages
+from gateway.api.anthropic.convert import parse_count_tokens, parse_messages
 from gateway.api.anthropic.schemas import openapi_operation
 from gateway.api.context import FrontEnd
 from gateway.api.errors import anthropic_error_body, to_anthropic_http
 from gateway.api.responses import ExchangeSSE, debug_headers
 from gateway.api.usage import cache_usage
-from gateway.errors import EngineRejected, GatewayError, TenantError
+from gateway.errors import EngineRejected, GatewayError, ModelNotFound, TenantError
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
@@ -295,6 +295,27 @@ def register(router: APIRouter, front: FrontEnd) -> Callable[[Request], Awaitabl
             tenant = authenticate(tenants, request)
             parsed = parse_messages(await front.read(request), max_prompt_bytes)
             return await serve(front, parsed, tenant, trace_context(request.headers))
+        except GatewayError as err:
+            return to_anthropic_http(err)
+
+    @router.post(
+        PATH + "/count_tokens",
+        summary="Count a message's input tokens (Anthropic)",
+        response_model=None,
+    )
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's `{"input_tokens": N}`: the gateway's estimate for the prompt (the bytes
+        per token it learned from this tenant's answers on the model), as Anthropic's own count
+        is an estimate; no engine is asked and nothing is cached or billed."""
+        try:
+            tenant = authenticate(tenants, request)
+            parsed = parse_count_tokens(await front.read(request), max_prompt_bytes)
+            allowed = tenant.policy.models
+            served = [m for m in front.replicas.models() if not allowed or m in allowed]
+            if parsed.model not in served:
+                raise ModelNotFound(parsed.model, served)
+            tokens = front.pipeline.estimator.prompt_tokens(parsed, tenant=tenant.name)
+            return Response(orjson.dumps({"input_tokens": tokens}), media_type="application/json")
         except GatewayError as err:
             return to_anthropic_http(err)
 

@@ -19,7 +19,14 @@ from gateway.errors import InvalidRequest
 from gateway.request.parsed import CHAT, COMPLETION, ParsedRequest
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-_NUMBER_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+_NUMBER_FIELDS = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+}
+"""OpenAI's ranges for its sampling numbers (an engine given one outside answers its own words,
+or samples nonsense)."""
 
 
 def _fail(message: str, param: str | None = None) -> InvalidRequest:
@@ -112,14 +119,22 @@ def _check_common(body: dict[str, Any]) -> tuple[str, bool, bool]:
         value = body.get(name)
         if value is not None and (value != 1 or isinstance(value, bool)):
             raise _fail(f"'{name}' must be 1: kvgate routes one generation per request", name)
-    for name in _NUMBER_FIELDS:
-        value = body.get(name)
-        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-            raise _fail(f"'{name}' must be a number", name)
+    _check_sampling(body)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _fail("'user' must be a string", "user")
     return model, bool(stream), include_usage
+
+
+def _check_sampling(body: dict[str, Any]) -> None:
+    for name, (low, high) in _NUMBER_FIELDS.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise _fail(f"'{name}' must be a number", name)
+        if not low <= value <= high:
+            raise _fail(f"'{name}' must be between {low:g} and {high:g}, got {value:g}", name)
 
 
 def parse_chat(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
