@@ -136,6 +136,8 @@ async def _load(
             ) as resp:
                 async for data in resp.content.iter_any():
                     events += data.count(b"\n\n")
+                    if resp.status != 200 and not errors:  # what went wrong, once
+                        print(f"  first error: {resp.status} {data[:200]!r}")
                 errors += resp.status != 200
 
     async with aiohttp.ClientSession() as http:
