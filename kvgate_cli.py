@@ -81,6 +81,12 @@ COMMANDS: dict[str, Command] = {
         "add_bench_cpu_arguments",
         "run_bench_cpu",
     ),
+    "bench-idle": Command(
+        "an idle gateway's CPU on probes and scrapes with 4, 16, 64 replicas (a benchmark)",
+        "loadgen.bench.idle",
+        "add_bench_idle_arguments",
+        "run_bench_idle",
+    ),
     "bench-engine": Command(
         "the simulated engine's CPU time per request, KV events off and on (a benchmark)",
         "loadgen.bench.engine_cpu",

@@ -54,6 +54,30 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     return internal_error_response(request.url.path, exc)
 
 
+class StatusSend:
+    """The server's `send`, noting the response's status as it starts (None: not yet).
+
+    `raw` is the server's own `send`: a streaming response sends its body messages there,
+    past this layer, once it has started (a frame less per relayed chunk, where the relay's
+    budget is a few µs)."""
+
+    __slots__ = ("raw", "status")
+
+    def __init__(self, raw: Send) -> None:
+        self.raw = raw
+        self.status: int | None = None
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.raw(message)
+
+
+def raw_send(send: Send) -> Send:
+    """The server's own `send` under a `StatusSend` (for body messages after the start)."""
+    return send.raw if isinstance(send, StatusSend) else send
+
+
 class GatewayASGI:
     """The completion routes (OpenAI's two and Anthropic's /v1/messages) go straight to their
     handlers (the same functions FastAPI routes to), everything else through FastAPI.
@@ -72,23 +96,19 @@ class GatewayASGI:
         if scope["type"] != "http":
             await self.api(scope, receive, send)
             return
-        started = False
+        await self.serve(scope, receive, StatusSend(send))
 
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+    async def serve(self, scope: Scope, receive: Receive, send: StatusSend) -> None:
         try:
             handler = self._hot.get(scope["path"]) if scope["method"] == "POST" else None
             if handler is not None:
                 response = await handler(Request(scope, receive))
-                await response(scope, receive, send_tracked)
+                await response(scope, receive, send)
             else:
-                await self.api(scope, receive, send_tracked)
+                await self.api(scope, receive, send)
         except Exception as exc:
             response = internal_error_response(scope["path"], exc)  # logs it (once)
-            if not started:
+            if send.status is None:
                 await response(scope, receive, send)
 
 
@@ -102,20 +122,15 @@ class MeteredASGI(GatewayASGI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await super().__call__(scope, receive, send)
+            await self.api(scope, receive, send)
             return
         started = time.perf_counter()
-        status = 500  # what the client sees if the app fails before answering
-
-        async def send_counted(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        tracked = StatusSend(send)
         try:
-            await super().__call__(scope, receive, send_counted)
+            await self.serve(scope, receive, tracked)
         finally:
+            # 500: what the client sees if the app fails before answering
+            status = 500 if tracked.status is None else tracked.status
             seconds = time.perf_counter() - started
             self.metrics.observe_http(scope["path"], status, seconds)
             if status >= 400:

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
+from gateway.api.asgi import raw_send
 from gateway.api.errors import openai_error_body
 from gateway.errors import GatewayError
 from gateway.pipeline.exchange import Exchange
@@ -67,6 +68,7 @@ class ExchangeSSE(Response):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         exchange = self.exchange
+        body = raw_send(send)  # the start goes through the app's layers, the body past them
 
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -77,17 +79,17 @@ class ExchangeSSE(Response):
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for chunk in self.events():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await body({"type": "http.response.body", "body": chunk, "more_body": True})
         except asyncio.CancelledError:  # the drain's grace ran out: say so, then end
             exchange.abort()
             with contextlib.suppress(Exception):
                 cut = self.error_event(ShuttingDown("the gateway is shutting down; retry"))
-                await send({"type": "http.response.body", "body": cut, "more_body": True})
+                await body({"type": "http.response.body", "body": cut, "more_body": True})
             raise
         finally:
             watcher.cancel()
             with contextlib.suppress(Exception):  # the client may be gone already
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await body({"type": "http.response.body", "body": b"", "more_body": False})
             await exchange.finish()
 
 

@@ -3,17 +3,16 @@
 vLLM and SGLang name the same things differently; this maps both onto one record. Samples of a
 family are summed over their label sets (one engine process may report per-engine series).
 
-A vLLM /metrics page is ~600 lines, almost all histogram buckets kvgate never reads; the text
-parser costs ~20 µs a line, so lines of other families are dropped before parsing (a scrape
-every second per replica per gateway must stay cheap).
+A vLLM /metrics page is ~600 lines, almost all histogram buckets kvgate never reads; only the
+sample lines of the families below are parsed, by hand (a scrape every second per replica per
+gateway must stay cheap: `_family_totals`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from prometheus_client.parser import text_string_to_metric_families
+from urllib.parse import urlencode
 
 # our field -> the metric family names that carry it, first match wins
 _FAMILIES: dict[str, tuple[str, ...]] = {
@@ -31,8 +30,6 @@ _FAMILIES: dict[str, tuple[str, ...]] = {
     "start_time_s": ("process_start_time_seconds",),
 }
 _WANTED = {name: field for field, names in _FAMILIES.items() for name in names}
-_SUFFIXES = ("_total", "_created")
-"""A counter's samples and, in prometheus_client's exposition, its TYPE line carry these."""
 
 
 @dataclass(frozen=True)
@@ -67,44 +64,49 @@ class EngineMetrics:
 def parse_engine_metrics(text: str) -> EngineMetrics:
     """The fields kvgate uses, from a Prometheus text exposition (unknown families ignored)."""
     found: dict[str, tuple[int, float]] = {}
-    for family in text_string_to_metric_families(_wanted_lines(text)):
-        field = _WANTED.get(family.name)
-        if field is None:
-            continue
-        rank = _FAMILIES[field].index(family.name)
+    for family, total in _family_totals(text).items():
+        field = _WANTED[family]
+        rank = _FAMILIES[field].index(family)
         if field in found and found[field][0] < rank:
             continue
-        total = 0.0
-        for sample in family.samples:
-            if sample.name.endswith(("_created", "_bucket", "_count", "_sum")):
-                continue
-            if not math.isnan(sample.value):
-                total += sample.value
         found[field] = (rank, total)
     return EngineMetrics(**{field: value for field, (_, value) in found.items()})
 
 
-def _metric_name(line: str) -> str:
-    """The metric a line is about: a sample's name, or the name a HELP/TYPE comment names."""
-    if line.startswith("#"):
-        parts = line.split(" ", 3)
-        return parts[2] if len(parts) > 2 and parts[1] in ("HELP", "TYPE") else ""
-    end = len(line)
-    for stop in ("{", " "):
-        at = line.find(stop)
-        if 0 <= at < end:
-            end = at
-    return line[:end]
+_SAMPLE_NAMES = tuple(name + suffix for name in _WANTED for suffix in ("", "_total"))
+SCRAPE_PATH = "/metrics?" + urlencode([("name[]", name) for name in _SAMPLE_NAMES])
+"""/metrics asking for the wanted families only: prometheus_client's exposition (vLLM's,
+SGLang's) then renders ~20 lines instead of ~600; an engine that ignores the query sends the
+whole page, which parses the same."""
+SCRAPE_HEADERS = {"accept-encoding": "identity"}
+"""prometheus_client gzips /metrics for a client that accepts it (aiohttp does by default):
+on loopback or a pod network that is CPU on both sides for nothing."""
+
+_SAMPLE_PREFIXES = tuple(
+    name + suffix + stop for name in _WANTED for suffix in ("", "_total") for stop in ("{", " ")
+)
+"""How a sample line of a wanted family starts (a counter's with `_total`): one C-level
+`startswith` per line drops the ~600 lines of other families."""
 
 
-def _is_wanted(name: str) -> bool:
-    return name in _WANTED or any(
-        name.endswith(suffix) and name[: -len(suffix)] in _WANTED for suffix in _SUFFIXES
-    )
+def _family_totals(text: str) -> dict[str, float]:
+    """Each wanted family's samples summed over their label sets (NaN skipped).
 
-
-def _wanted_lines(text: str) -> str:
-    """Only the lines of the families kvgate reads (comments included, so types survive)."""
-    return "".join(
-        line + "\n" for line in text.splitlines() if line and _is_wanted(_metric_name(line))
-    )
+    A hand parse of the sample lines only: `name{labels} value [timestamp]`. prometheus_client's
+    parser cost ~25 µs a line and a Python filter ahead of it ~5 µs a line of the page, ~3 ms a
+    scrape in all; this costs ~0.1 ms on vLLM's page. A malformed value is a ValueError (the
+    scrape is then ignored, as before)."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(_SAMPLE_PREFIXES):
+            continue
+        brace = line.find("{")
+        if brace >= 0:
+            name, rest = line[:brace], line[line.rindex("}") + 1 :]
+        else:
+            name, _, rest = line.partition(" ")
+        value = float(rest.split()[0])
+        family = name.removesuffix("_total") if name not in _WANTED else name
+        if not math.isnan(value):
+            totals[family] = totals.get(family, 0.0) + value
+    return totals

@@ -16,7 +16,9 @@ cache, and a wrong prediction costs a request each to discover.
 Load signals (issue 9): the scrape also reads the engine's queue (`num_waiting`), which counts
 every gateway's requests. The router sees it beside this gateway's own pending prefills
 (`router.types.Replica.foreign_prefill_tokens`). Scrapes run every `metrics_interval_s`
-(None: with every health probe), and at once when a replica is first seen or comes back up.
+(None: with every health probe), stretched so a round costs at most `MAX_SCRAPES_PER_S`, and at
+once when a replica is first seen or comes back up. A healthy replica that answered a scrape or
+a request within the probe interval is not probed: the cost follows the need, not the fleet.
 
 Membership: `states` holds the replicas the gateway routes to. The static `--engine` list is
 fixed; discovery (gateway.fleet.discovery) `add`s and `remove`s replicas while the gateway runs, and
@@ -29,13 +31,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
 
-from gateway.fleet.engine_metrics import EngineMetrics, parse_engine_metrics
+from gateway.fleet.engine_metrics import (
+    SCRAPE_HEADERS,
+    SCRAPE_PATH,
+    EngineMetrics,
+    parse_engine_metrics,
+)
 from gateway.tasks import BackgroundTasks
 from router.types import Replica
 
@@ -45,6 +53,10 @@ log = logging.getLogger(__name__)
 REQUEST_TOKENS_LEARNING_RATE = 0.05
 """Weight of each routed request in the mean uncached prefill per request (an EMA over ~20
 requests): the size assumed for each request another gateway queued on an engine."""
+MAX_SCRAPES_PER_S = 16.0
+"""At most this many /metrics scrapes a second (each ~0.3-0.5 ms of CPU in aiohttp and the
+parse): up to 16 replicas are read every `metrics_interval_s`, 64 every 4 s, so an idle
+gateway's background cost stops growing with the fleet (issue 17: <= 2% of a core at 64)."""
 DEFAULT_OUTPUT_TOKENS = 256.0
 """Output tokens assumed for a request without max_tokens until the engines' usage has taught
 the mean: a chat answer of a few paragraphs."""
@@ -110,6 +122,8 @@ class ReplicaState:
     """Discovery removed it: it stays reachable only for its in-flight requests."""
     fleet: FleetLoad = field(default_factory=FleetLoad, repr=False)
     probed: bool = field(default=False, repr=False)
+    heard_s: float = field(default=0.0, repr=False)
+    """When it last answered (monotonic): a scrape, or a request committed to it."""
 
     @property
     def id(self) -> str:
@@ -297,25 +311,53 @@ class ReplicaSet:
         """Probe every replica once (so the first request sees real health), then keep probing."""
         self._session = session
         await self.probe_all()
-        self._tasks.spawn(self._loop(self._interval_s, self.probe_all), name="health probes")
+        self._tasks.spawn(
+            self._loop(lambda: self._interval_s, self.probe_all), name="health probes"
+        )
         if self._scrape_metrics and self._metrics_interval_s is not None:
             self._tasks.spawn(
-                self._loop(self._metrics_interval_s, self.scrape_all), name="metrics scrapes"
+                self._loop(self._scrape_interval_s, self.scrape_all), name="metrics scrapes"
             )
 
     async def stop(self) -> None:
         await self._tasks.close()
 
-    async def _loop(self, interval_s: float, round_: Callable[[], Awaitable[None]]) -> None:
+    def _scrape_interval_s(self) -> float:
+        """`metrics_interval_s`, stretched so a round costs at most `MAX_SCRAPES_PER_S`."""
+        assert self._metrics_interval_s is not None
+        return max(self._metrics_interval_s, len(self.states) / MAX_SCRAPES_PER_S)
+
+    async def _loop(
+        self, interval_s: Callable[[], float], round_: Callable[[], Awaitable[None]]
+    ) -> None:
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(interval_s())
             try:
                 await round_()
             except Exception:  # a round must never kill the loop
                 log.exception("replica round %s failed", getattr(round_, "__name__", round_))
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self._probe(s) for s in list(self.states.values())))
+        """Probe every replica not heard from within the interval (`_heard_lately`)."""
+        now = time.monotonic()
+        await asyncio.gather(
+            *(self._probe(s) for s in list(self.states.values()) if not self._heard_lately(s, now))
+        )
+
+    def _heard_lately(self, state: ReplicaState, now: float) -> bool:
+        """A healthy replica that answered a scrape or a request within the probe interval (or
+        the scrape interval, when the fleet stretches it) needs no probe: it has just shown what
+        a probe would. A replica that stops answering is probed again within that interval,
+        and a failed request marks it down at once. When the scrapes ride on the probes, every
+        probe still runs."""
+        return (
+            self._scrape_metrics
+            and self._metrics_interval_s is not None
+            and state.healthy
+            and state.probed
+            and state.held_down is None
+            and now - state.heard_s < max(self._interval_s, self._scrape_interval_s())
+        )
 
     async def scrape_all(self) -> None:
         """Read every healthy replica's /metrics: load signals, restarts."""
@@ -367,13 +409,16 @@ class ReplicaSet:
     async def _scrape(self, state: ReplicaState) -> None:
         assert self._session is not None
         try:
-            async with self._session.get(state.url + "/metrics", timeout=self._timeout) as resp:
+            async with self._session.get(
+                state.url + SCRAPE_PATH, headers=SCRAPE_HEADERS, timeout=self._timeout
+            ) as resp:
                 if resp.status != 200:
                     return
                 own_waiting = state.num_prefilling  # our share of the queue the engine reports
                 own_running = state.num_inflight  # ...and of the requests it runs
                 text = (await resp.read()).decode(errors="replace")
             state.metrics = parse_engine_metrics(text)
+            state.heard_s = time.monotonic()
             state.own_waiting_at_scrape = own_waiting
             state.own_running_at_scrape = own_running
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:

@@ -24,6 +24,7 @@ here as a protocol, so the exchange knows nothing of the director.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -75,6 +76,7 @@ class Exchange:
     ) -> None:
         self.hooks = hooks
         self.lease = lease
+        lease.state.heard_s = time.monotonic()  # it answered: no health probe needed now
         self.trace = trace
         body = opened.body if isinstance(opened, Complete) else None
         self.record = ExchangeRecord(routed, lease.state.id, body)
@@ -159,6 +161,7 @@ class Exchange:
             self.stream.close()
         self.lease.release()
         self.lease, opened = await self._reforward()
+        self.lease.state.heard_s = time.monotonic()
         self.record.replica = self.lease.state.id
         self.record.ok = True
         self.failure = None
@@ -171,25 +174,47 @@ class Exchange:
 
     # -- streamed ----------------------------------------------------------------------------
     async def batches(self, include_usage: bool) -> AsyncIterator[bytes]:
-        """The engine's SSE events as bytes, a batch per network read; the usage event passes
-        through the hooks and is dropped when the client did not ask for usage."""
+        """The engine's SSE events as bytes, a block per network read; the usage event passes
+        through the hooks and is dropped when the client did not ask for usage.
+
+        The relay's hot loop, so it looks only at what it must: a read is passed through as
+        the bytes that arrived (whole events, `EventReader.blocks`) unless it holds the text
+        `"usage"`, which only the engine's last events do; only those are split and parsed.
+        The first-token hook runs once the first batch has gone out."""
+        stream = self.stream
+        assert stream is not None
         try:
-            async with contextlib.aclosing(self._events()) as events:
-                async for batch in events:
-                    out = []
-                    for event in batch:
-                        if b'"usage"' in event and event.startswith(b"data: {"):
-                            rewritten = await self._usage_event(event, include_usage)
-                            if rewritten:
-                                out.append(rewritten)
-                        else:
-                            out.append(event + b"\n\n")
-                    if out:
-                        yield b"".join(out)
+            first = await self._rewrite(stream.first_batch, include_usage)
+            if first:
+                yield first
+            await self.first_token()
+            await stream.batches.aclose()  # the reader goes on where it stopped, unsplit
+            async with contextlib.aclosing(stream.reader.blocks()) as blocks:
+                async for block in blocks:
+                    if b'"usage"' in block:
+                        events = [e for e in block.split(b"\n\n") if e]
+                        block = await self._rewrite(events, include_usage)
+                        if not block:
+                            continue
+                    yield block
+        except _UPSTREAM_ERRORS as exc:
+            self._broke(stream, exc)
         except GatewayError as exc:
             self._fail(exc)
         finally:
             await self.finish()
+
+    async def _rewrite(self, events: list[bytes], include_usage: bool) -> bytes:
+        """Events with their separators, the usage event through the hooks."""
+        out = []
+        for event in events:
+            if b'"usage"' in event and event.startswith(b"data: {"):
+                rewritten = await self._usage_event(event, include_usage)
+                if rewritten:
+                    out.append(rewritten)
+            else:
+                out.append(event + b"\n\n")
+        return b"".join(out)
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """The engine's SSE chunks, parsed (the usage chunk after the hooks)."""

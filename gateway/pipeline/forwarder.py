@@ -14,7 +14,7 @@ a clean error, never a stream that never ends.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,13 +89,78 @@ class StallWatch:
             self._handle = None
 
 
+class EventReader:
+    """SSE events off an engine's response as they arrive, in either of two shapes that share
+    one held-back tail (so a consumer may switch from the first to the second mid-stream):
+
+    - `batches()`: the complete events of each network read, each without its blank-line
+      separator (what a consumer that parses events wants);
+    - `blocks()`: the same reads as bytes, whole events with their separators, not split at
+      all (the relay's pass-through: one slice at most per read, no list, no join).
+
+    Nothing is held back but the incomplete tail of an event, so the stream stays unbuffered
+    while one network read costs one write to the client, whatever the number of events in it.
+    Engines end lines with \\n (vLLM, SGLang); a \\r\\n stream is normalised. `watch` hears of
+    every read."""
+
+    __slots__ = ("content", "tail", "watch")
+
+    def __init__(self, content: aiohttp.StreamReader, watch: StallWatch | None = None) -> None:
+        self.content = content
+        self.watch = watch
+        self.tail = b""
+
+    async def _read(self) -> bytes:
+        """What the socket delivered next, with the tail before it (b"": the stream ended)."""
+        data = await self.content.readany()
+        if not data:
+            return b""
+        if self.watch is not None:
+            self.watch.touch()
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        if self.tail:
+            data, self.tail = self.tail + data, b""
+        return data
+
+    def _last(self) -> bytes:
+        """The stream's unterminated last event, if any (without its separator)."""
+        tail, self.tail = self.tail, b""
+        return tail.rstrip(b"\n") if tail.strip() else b""
+
+    async def batches(self) -> AsyncGenerator[list[bytes], None]:
+        while data := await self._read():
+            *events, self.tail = data.split(b"\n\n")
+            events = [e for e in events if e]
+            if events:
+                yield events
+        if last := self._last():
+            yield [last]
+
+    async def blocks(self) -> AsyncGenerator[bytes, None]:
+        while data := await self._read():
+            if not data.endswith(b"\n\n"):
+                cut = data.rfind(b"\n\n") + 2
+                if cut < 2:
+                    self.tail = data
+                    continue
+                data, self.tail = data[:cut], data[cut:]
+            yield data
+        if last := self._last():
+            yield last + b"\n\n"
+
+
 @dataclass(slots=True)
 class Streaming:
-    """An open SSE stream whose first batch of events (with a data event) has arrived."""
+    """An open SSE stream whose first batch of events (with a data event) has arrived.
+
+    `batches` goes on where `first_batch` ended; `reader.blocks()` does too, for a relay that
+    passes bytes through (the two share the reader's tail: use one or the other)."""
 
     response: aiohttp.ClientResponse
     first_batch: list[bytes]
-    batches: AsyncIterator[list[bytes]]
+    batches: AsyncGenerator[list[bytes], None]
+    reader: EventReader
     watch: StallWatch | None = field(default=None)
 
     @property
@@ -114,31 +179,6 @@ class Streaming:
         if self.watch is not None:
             self.watch.cancel()
         self.response.release()
-
-
-async def iter_event_batches(
-    content: aiohttp.StreamReader, watch: StallWatch | None = None
-) -> AsyncIterator[list[bytes]]:
-    """SSE events as they arrive: each batch holds the complete events of what the socket
-    delivered (each event without its blank-line separator). Nothing is held back but the
-    incomplete tail of an event, so the stream stays unbuffered while one network read costs
-    one write to the client, whatever the number of events in it. Engines end lines with
-    \\n (vLLM, SGLang); a \\r\\n stream is normalised. `watch` hears of every read."""
-    tail = b""
-    async for data in content.iter_any():
-        if watch is not None:
-            watch.touch()
-        if b"\r" in data:
-            data = data.replace(b"\r\n", b"\n")
-        tail += data
-        if b"\n\n" not in tail:
-            continue
-        *events, tail = tail.split(b"\n\n")
-        events = [e for e in events if e]
-        if events:
-            yield events
-    if tail.strip():
-        yield [tail.rstrip(b"\n")]
 
 
 def _is_json(response: aiohttp.ClientResponse) -> bool:
@@ -192,13 +232,14 @@ class Forwarder:
                     raise RetryableFailure("engine sent a non-object JSON body")
                 return Complete(body)
             watch = StallWatch(response, self.idle_timeout_s)
-            batches = iter_event_batches(response.content, watch)
+            reader = EventReader(response.content, watch)
+            batches = reader.batches()
             try:
                 async for first in batches:
                     if any(event.startswith(b"data:") for event in first):
                         committed = True
                         watch.start()
-                        return Streaming(response, first, batches, watch)
+                        return Streaming(response, first, batches, reader, watch)
             finally:
                 if not committed:
                     watch.cancel()

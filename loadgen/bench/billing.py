@@ -67,10 +67,9 @@ def run_bench_billing(args: argparse.Namespace) -> int:
                     path.write_text(json.dumps(config))  # JSON is YAML
                     gateway_args = ["--config", str(path)]
                 through = [
-                    r for r in _measure(measure, gateway_args, key) if r[0] != "direct to engine"
+                    p for p in _measure(measure, gateway_args, key) if p.name == "through kvgate"
                 ]
-                _, errors, wall, _, gw_cpu = through[0]
-                rows.append((name, errors, wall, gw_cpu))
+                rows.append((name, through[0].errors, through[0].wall_s, through[0].gateway_cpu_s))
         finally:
             if redis_ctx is not None:
                 redis_ctx.__exit__(None, None, None)

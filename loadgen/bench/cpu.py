@@ -1,16 +1,34 @@
-"""The gateway's CPU time per proxied request (a benchmark, not a test).
+"""The gateway's CPU time per proxied request, and per relayed SSE chunk (a benchmark, not a test).
 
-Starts one fast simulated engine and a gateway in subprocesses, sends N small streaming chat
-requests at a fixed concurrency, and reads the gateway process's CPU time (user + system from
-/proc) before and after. Side by side in the same run it measures the same requests sent to the
-engine directly, so the engine's share is visible and the machine's noise hits both alike.
+Starts one simulated engine and a gateway in subprocesses, sends N chat requests at a fixed
+concurrency, and reads the gateway process's CPU time (user + system from /proc) before and
+after. Side by side in the same run it measures the same requests sent to the engine directly,
+so the engine's share is visible and the machine's noise hits both alike.
+
+`--relay` measures the relay alone: an engine paced so every token is its own SSE event and its
+own network read (time scale `RELAY_TIME_SCALE`), the same requests with few and with many
+output tokens; the gateway's extra CPU divided by the extra events is its cost per relayed
+chunk, with everything a request costs once (parse, route, record) cancelled out.
+
+`--suite` runs what issue 17 tracks in one go: small and agent-sized prompts, each with and
+without streaming, the per-stage costs of an agent-sized body (`tools.stages`), and the
+relay. Every run prints what it ran on first, because the same commit measures 0.34 ms on a
+quiet machine and twice that on a loaded one: the gateway shares the cores with the engine and
+the client, the CPU's clock and cache are shared with whatever else runs, and /proc counts in
+10 ms ticks.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -18,6 +36,25 @@ import orjson
 from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.harness import processes
 from loadgen.text import words
+
+FAST_ENGINE = ["--time-scale", "1000000", "--max-batch", "1024"]
+"""Every token at once: the engine costs the gateway a request, not a wait."""
+RELAY_TIME_SCALE = 4
+"""A decode step of ~2.6 ms at 16 sequences: each token is its own event and network read."""
+RELAY_TOKENS = (8, 136)
+"""Output tokens of the relay's two passes: the difference is what the relay alone costs."""
+AGENT_PROMPT_BYTES = 50_000
+"""The suite's agent-sized system prompt (the trace's ~60 KB bodies)."""
+
+
+@dataclass(slots=True)
+class Pass:
+    name: str
+    errors: int
+    wall_s: float
+    engine_cpu_s: float
+    gateway_cpu_s: float
+    events: int
 
 
 def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,20 +73,54 @@ def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         help="a shared system prompt of this size (agent-sized: ~50,000); default 300 bytes",
     )
     parser.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
+    parser.add_argument(
+        "--relay", action="store_true", help="µs of gateway CPU per relayed SSE chunk, alone"
+    )
+    parser.add_argument(
+        "--suite",
+        action="store_true",
+        help="small and agent-sized, streamed and not, the stages and the relay (issue 17)",
+    )
 
 
-async def _load(url: str, key: str | None, n: int, args: argparse.Namespace) -> int:
+def environment() -> str:
+    """What the numbers were measured on (they move with each)."""
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    extras = []
+    for name in ("uvloop", "httptools", "hiredis", "orjson", "aiohttp"):
+        try:
+            extras.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            extras.append(f"{name} absent")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"python {platform.python_version()} ({platform.python_implementation()}), {model}, "
+        f"{os.cpu_count()} cores, load average {load}; {'; '.join(extras)}"
+    )
+
+
+def _system_prompt(prompt_bytes: int) -> str:
+    return words("bench-cpu", prompt_bytes // 5) if prompt_bytes else "You are terse. " * 20
+
+
+async def _load(
+    url: str, key: str | None, n: int, args: argparse.Namespace, max_tokens: int
+) -> tuple[int, int]:
+    """(errors, SSE events received) for `n` requests at `args.concurrency`."""
     headers = {"content-type": "application/json"}
     if key:
         headers["authorization"] = f"Bearer {key}"
-    errors = 0
+    errors = events = 0
     counter = iter(range(n))
-    system = (
-        words("bench-cpu", args.prompt_bytes // 5) if args.prompt_bytes else "You are terse. " * 20
-    )
+    system = _system_prompt(args.prompt_bytes)
 
     async def worker(http: aiohttp.ClientSession) -> None:
-        nonlocal errors
+        nonlocal errors, events
         for i in counter:
             body = {
                 "model": DEFAULT_MODEL,
@@ -57,56 +128,70 @@ async def _load(url: str, key: str | None, n: int, args: argparse.Namespace) -> 
                     {"role": "system", "content": system},
                     {"role": "user", "content": f"request {i % 50}"},
                 ],
-                "max_tokens": args.max_tokens,
+                "max_tokens": max_tokens,
                 "stream": args.stream,
             }
             async with http.post(
                 url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers
             ) as resp:
-                await resp.read()
+                async for data in resp.content.iter_any():
+                    events += data.count(b"\n\n")
+                    if resp.status != 200 and not errors:  # what went wrong, once
+                        print(f"  first error: {resp.status} {data[:200]!r}")
                 errors += resp.status != 200
 
     async with aiohttp.ClientSession() as http:
         await asyncio.gather(*(worker(http) for _ in range(args.concurrency)))
-    return errors
+    return errors, events
+
+
+def _timed(
+    name: str,
+    url: str,
+    key: str | None,
+    pids: tuple[int, int | None],
+    args: argparse.Namespace,
+    max_tokens: int,
+) -> Pass:
+    engine_pid, gw_pid = pids
+    engine_cpu0 = processes.cpu_seconds(engine_pid)
+    gw_cpu0 = processes.cpu_seconds(gw_pid) if gw_pid else 0.0
+    t0 = time.monotonic()
+    errors, events = asyncio.run(_load(url, key, args.requests, args, max_tokens))
+    wall = time.monotonic() - t0
+    engine_cpu = processes.cpu_seconds(engine_pid) - engine_cpu0
+    gw_cpu = (processes.cpu_seconds(gw_pid) - gw_cpu0) if gw_pid else 0.0
+    return Pass(name, errors, wall, engine_cpu, gw_cpu, events)
 
 
 def _measure(
-    args: argparse.Namespace, gateway_args: list[str], key: str
-) -> list[tuple[str, int, float, float, float]]:
-    engine_args = ["--time-scale", "1000000", "--max-batch", "1024"]
+    args: argparse.Namespace,
+    gateway_args: list[str],
+    key: str,
+    engine_args: list[str] = FAST_ENGINE,
+    tokens: tuple[int, ...] = (),
+) -> list[Pass]:
+    """Direct to the engine, then through kvgate (one pass per entry of `tokens` when given)."""
     serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
     with (
         processes.engines(1, engine_args) as engines,
         processes.gateway([engines[0].url], [*serve, *gateway_args, *args.gateway_arg]) as gw,
     ):
+        engine = engines[0]
         # warm up both paths (connections, caches, code)
-        asyncio.run(_load(gw.url, key, 200, args))
-        rows = []
-        for name, url, auth, pid in (
-            ("direct to engine", engines[0].url, None, None),
-            ("through kvgate", gw.url, key, gw.pid),
-        ):
-            engine_cpu0 = processes.cpu_seconds(engines[0].pid)
-            gw_cpu0 = processes.cpu_seconds(pid) if pid else 0.0
-            t0 = time.monotonic()
-            errors = asyncio.run(_load(url, auth, args.requests, args))
-            wall = time.monotonic() - t0
-            engine_cpu = processes.cpu_seconds(engines[0].pid) - engine_cpu0
-            gw_cpu = (processes.cpu_seconds(pid) - gw_cpu0) if pid else 0.0
-            rows.append((name, errors, wall, engine_cpu, gw_cpu))
-    return rows
+        asyncio.run(_load(gw.url, key, 200, args, args.max_tokens))
+        if tokens:
+            return [
+                _timed(f"kvgate, {n} tokens", gw.url, key, (engine.pid, gw.pid), args, n)
+                for n in tokens
+            ]
+        return [
+            _timed("direct to engine", engine.url, None, (engine.pid, None), args, args.max_tokens),
+            _timed("through kvgate", gw.url, key, (engine.pid, gw.pid), args, args.max_tokens),
+        ]
 
 
-def run_bench_cpu(args: argparse.Namespace) -> int:
-    key = "sk-bench"
-    rows = [(n, "in-process", *rest) for n, *rest in _measure(args, [], key)]
-    if args.redis:
-        from loadgen.harness.redis_servers import redis_server
-
-        with redis_server(port=0) as server:
-            redis_rows = _measure(args, ["--redis-url", server.url], key)
-        rows += [(n, "redis", *rest) for n, *rest in redis_rows if n == "through kvgate"]
+def _print_passes(args: argparse.Namespace, rows: list[tuple[str, Pass]]) -> None:
     print(
         f"{args.requests} requests, concurrency {args.concurrency}, policy {args.policy}, "
         f"stream={args.stream}, system prompt {args.prompt_bytes or 300:,} bytes, "
@@ -114,10 +199,66 @@ def run_bench_cpu(args: argparse.Namespace) -> int:
     )
     header = f"{'path':<18} {'directory':<10} {'errors':>6} {'req/s':>8}"
     print(f"{header} {'engine ms/req':>14} {'gateway ms/req':>15}")
-    for name, directory, errors, wall, engine_cpu, gw_cpu in rows:
-        shown = directory if name == "through kvgate" else "-"
+    for directory, p in rows:
+        shown = directory if p.name == "through kvgate" else "-"
         print(
-            f"{name:<18} {shown:<10} {errors:>6} {args.requests / wall:>8.0f} "
-            f"{engine_cpu / args.requests * 1e3:>14.3f} {gw_cpu / args.requests * 1e3:>15.3f}"
+            f"{p.name:<18} {shown:<10} {p.errors:>6} {args.requests / p.wall_s:>8.0f} "
+            f"{p.engine_cpu_s / args.requests * 1e3:>14.3f} "
+            f"{p.gateway_cpu_s / args.requests * 1e3:>15.3f}"
         )
-    return 1 if any(r[2] for r in rows) else 0
+
+
+def _run_passes(args: argparse.Namespace, key: str) -> list[tuple[str, Pass]]:
+    rows = [("in-process", p) for p in _measure(args, [], key)]
+    if args.redis:
+        from loadgen.harness.redis_servers import redis_server
+
+        with redis_server(port=0) as server:
+            redis_rows = _measure(args, ["--redis-url", server.url], key)
+        rows += [("redis", p) for p in redis_rows if p.name == "through kvgate"]
+    _print_passes(args, rows)
+    return rows
+
+
+def run_relay(args: argparse.Namespace, key: str) -> list[Pass]:
+    """The relay's cost per chunk: the difference of two paced passes (module docstring)."""
+    relay = argparse.Namespace(**{**vars(args), "stream": True})
+    engine = ["--time-scale", str(RELAY_TIME_SCALE), "--max-batch", "1024"]
+    short, long = _measure(relay, [], key, engine, RELAY_TOKENS)
+    print(f"relay: {args.requests} streamed requests, concurrency {args.concurrency}, paced engine")
+    for p in (short, long):
+        print(
+            f"  {p.name:<18} errors {p.errors}, {p.events:,} events, "
+            f"gateway {p.gateway_cpu_s / args.requests * 1e3:.3f} ms/req"
+        )
+    chunks = long.events - short.events
+    per_chunk = (long.gateway_cpu_s - short.gateway_cpu_s) / max(chunks, 1) * 1e6
+    print(f"  gateway CPU per relayed chunk: {per_chunk:.1f} µs ({chunks:,} chunks more)")
+    return [short, long]
+
+
+def _suite(args: argparse.Namespace, key: str) -> list[Pass]:
+    passes: list[Pass] = []
+    for prompt_bytes in (0, AGENT_PROMPT_BYTES):
+        for stream in (False, True):
+            shaped = argparse.Namespace(
+                **{**vars(args), "prompt_bytes": prompt_bytes, "stream": stream}
+            )
+            passes += [p for _, p in _run_passes(shaped, key)]
+    # the stages run on the gateway's own code, which loadgen does not import
+    subprocess.run([sys.executable, "-m", "tools.stages"], check=True)
+    passes += run_relay(args, key)
+    return passes
+
+
+def run_bench_cpu(args: argparse.Namespace) -> int:
+    key = "sk-bench"
+    print(f"on: {environment()}")
+    if args.suite:
+        passes = _suite(args, key)
+    elif args.relay:
+        passes = run_relay(args, key)
+    else:
+        passes = [p for _, p in _run_passes(args, key)]
+    print(f"after: load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 1 if any(p.errors for p in passes) else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -36,6 +37,31 @@ def test_the_cpu_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench_cpu(_args(add_bench_cpu_arguments, "--requests", "200")) == 0
     out = capsys.readouterr().out
     assert "through kvgate" in out and "direct to engine" in out
+    assert out.startswith("on: python ") and "load average" in out  # what it ran on
+
+
+def test_the_relay_benchmark_counts_chunks_and_prices_each(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_bench_cpu(_args(add_bench_cpu_arguments, "--relay", "--requests", "32")) == 0
+    out = capsys.readouterr().out
+    per_chunk = re.search(r"gateway CPU per relayed chunk: ([\d.]+) µs \(([\d,]+) chunks", out)
+    assert per_chunk is not None, out
+    # more events with 136 tokens than with 8 (a loaded engine sends several tokens an event)
+    assert int(per_chunk[2].replace(",", "")) > 32 * 8
+
+
+def test_the_idle_benchmark_prices_the_background_work(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loadgen.bench.idle import add_bench_idle_arguments, run_bench_idle
+
+    argv = ("--replicas", "2", "--seconds", "1", "--settle", "0.5")
+    assert run_bench_idle(_args(add_bench_idle_arguments, *argv)) == 0
+    rows = [
+        ln.split() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("2 ")
+    ]
+    assert len(rows) == 1 and float(rows[0][1]) >= 0.0
 
 
 @pytest.mark.redis

@@ -90,3 +90,39 @@ def test_an_empty_or_foreign_page_says_nothing() -> None:
     assert parse_engine_metrics("# HELP other_total x\n# TYPE other_total counter\n") == (
         EngineMetrics()
     )
+
+
+def test_the_scrape_asks_only_for_the_families_read_and_parses_the_same() -> None:
+    """prometheus_client's own `name[]` filter (what vLLM's /metrics runs) on the scrape's
+    query leaves a page of a few lines that parses to what the whole page does."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from prometheus_client import exposition
+
+    from gateway.fleet.engine_metrics import SCRAPE_HEADERS, SCRAPE_PATH
+
+    registry = CollectorRegistry()
+    Histogram("vllm:e2e_seconds", "A latency.", registry=registry).observe(0.3)
+    Gauge("vllm:num_requests_waiting", "Waiting.", registry=registry).set(3)
+    Counter("vllm:prefix_cache_hits", "Hits.", registry=registry).inc(7)
+    names = parse_qs(urlsplit(SCRAPE_PATH).query)["name[]"]
+    whole = generate_latest(registry).decode()
+    asked = generate_latest(registry.restricted_registry(names)).decode()
+    assert "vllm:e2e_seconds" in whole and "vllm:e2e_seconds" not in asked
+    assert parse_engine_metrics(asked) == parse_engine_metrics(whole)
+    assert parse_engine_metrics(asked).num_waiting == 3
+    assert parse_engine_metrics(asked).prefix_hits == 7
+    assert SCRAPE_HEADERS == {"accept-encoding": "identity"}  # no gzip on loopback
+    assert exposition.gzip_accepted(SCRAPE_HEADERS["accept-encoding"]) is False
+
+
+def test_crlf_pages_labels_with_spaces_and_nan_samples_parse() -> None:
+    page = (
+        "# TYPE vllm:num_requests_running gauge\r\n"
+        'vllm:num_requests_running{model_name="a b}",engine="0"} 2.0\r\n'
+        'vllm:num_requests_running{model_name="c",engine="1"} NaN\r\n'
+        'vllm:num_requests_running_other{engine="0"} 9\r\n'
+        "vllm:num_requests_waiting 4 1700000000000\r\n"
+    )
+    metrics = parse_engine_metrics(page)
+    assert metrics.num_running == 2.0 and metrics.num_waiting == 4.0

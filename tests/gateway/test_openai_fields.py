@@ -3,6 +3,8 @@ forwarded, and each refused field is named with its reason."""
 
 from __future__ import annotations
 
+import re
+
 import orjson
 import pytest
 
@@ -38,3 +40,23 @@ def test_each_engine_control_field_is_a_400_with_its_reason(field: str) -> None:
             parse(orjson.dumps({**body, field: 1}), 10_000)
         assert info.value.param == field
         assert ENGINE_CONTROL[field] in info.value.message or field == "cache_salt"
+
+
+@pytest.mark.parametrize(
+    ("message", "says"),
+    [
+        ({"role": "tool", "content": "x", "tool_call_id": 5}, "messages[1].tool_call_id"),
+        ({"role": "user", "content": "x", "name": 3}, "messages[1].name must be a string"),
+        ({"role": "robot", "content": "x"}, "messages[1].role must be one of"),
+        ({"role": "user", "content": 7}, "messages[1].content must be a string"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, "tool_calls[0]"),
+    ],
+)
+def test_the_fast_path_over_plain_turns_still_names_each_bad_field(
+    message: dict[str, object], says: str
+) -> None:
+    """Plain turns skip the per-field checks' string building; anything else is checked in
+    full, and the 400 names the message it is about."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}, message]}
+    with pytest.raises(InvalidRequest, match=re.escape(says)):
+        parse_chat(orjson.dumps(body), 10_000)

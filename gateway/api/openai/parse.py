@@ -53,39 +53,51 @@ def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise _fail("'messages' must be a non-empty list", "messages")
     for i, message in enumerate(messages):
-        where = f"messages[{i}]"
+        # the common shape first, with no string built: an agent's body has hundreds of turns
         if not isinstance(message, dict):
-            raise _fail(f"{where} must be an object", "messages")
-        role = message.get("role")
-        if role not in _ROLES:
+            raise _fail(f"messages[{i}] must be an object", "messages")
+        role, content = message.get("role"), message.get("content")
+        if (
+            role in _ROLES
+            and (content is None or type(content) is str)
+            and message.get("name") is None
+            and message.get("tool_calls") is None
+            and (role != "tool" or type(message.get("tool_call_id", "")) is str)
+        ):
+            continue
+        _check_message(message, f"messages[{i}]")
+
+
+def _check_message(message: dict[str, Any], where: str) -> None:
+    role = message.get("role")
+    if role not in _ROLES:
+        raise _fail(
+            f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}", "messages"
+        )
+    _check_content(message.get("content"), where)
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _fail(f"{where}.name must be a string", "messages")
+    if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
+        raise _fail(f"{where}.tool_call_id must be a string", "messages")
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise _fail(f"{where}.tool_calls must be a list", "messages")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments", ""), str)
+            or not isinstance(call.get("id", ""), str)
+        ):
             raise _fail(
-                f"{where}.role must be one of {', '.join(sorted(_ROLES))}, got {role!r}",
+                f"{where}.tool_calls[{j}] must have an id and a function with a string "
+                "name and string arguments",
                 "messages",
             )
-        _check_content(message.get("content"), where)
-        name = message.get("name")
-        if name is not None and not isinstance(name, str):
-            raise _fail(f"{where}.name must be a string", "messages")
-        if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
-            raise _fail(f"{where}.tool_call_id must be a string", "messages")
-        calls = message.get("tool_calls")
-        if calls is None:
-            continue
-        if not isinstance(calls, list):
-            raise _fail(f"{where}.tool_calls must be a list", "messages")
-        for j, call in enumerate(calls):
-            fn = call.get("function") if isinstance(call, dict) else None
-            if (
-                not isinstance(fn, dict)
-                or not isinstance(fn.get("name"), str)
-                or not isinstance(fn.get("arguments", ""), str)
-                or not isinstance(call.get("id", ""), str)
-            ):
-                raise _fail(
-                    f"{where}.tool_calls[{j}] must have an id and a function with a string "
-                    "name and string arguments",
-                    "messages",
-                )
 
 
 def _check_common(body: dict[str, Any]) -> tuple[str, bool, bool]:
