@@ -102,6 +102,19 @@ def domain_of(replica: str, rank: int, dp_size: int) -> str:
     return replica if dp_size <= 1 else f"{replica}#{rank}"
 
 
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Data-parallel rank r's event endpoint, as vLLM and SGLang offset it: tcp port + r, or an
+    inproc name with `_dp{r}`."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://") and ":" in endpoint[6:]:
+        base, port = endpoint.rsplit(":", 1)
+        return f"{base}:{int(port) + rank}"
+    raise ValueError(f"cannot offset endpoint {endpoint!r} by rank {rank}: use tcp:// or inproc://")
+
+
 @dataclass(frozen=True, slots=True)
 class Match:
     depth: int
