@@ -51,6 +51,11 @@ DEFAULT_SPECULATIVE_TTL_S = 2.0
 blocks at its first token, so this covers a prefill queue of ~2 s (26k tokens at 13k tokens/s);
 a longer wait makes the next turn wait for the event, which costs nothing but the guess."""
 
+DEFAULT_OFFLOAD_COST = 0.07
+"""A CPU-tier hit costs this share of prefilling its tokens (128 KiB per token over PCIe at
+~25 GB/s against ~77 µs of prefill per token on an H100: vLLM's OffloadingConnector, SGLang's
+HiCache). So a CPU hit ranks below a GPU hit and far above a miss."""
+
 MAX_SPECULATIVE_PER_DOMAIN = 65_536
 """Speculative entries kept per domain: ~1M tokens of 16-token blocks in flight."""
 

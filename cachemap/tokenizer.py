@@ -54,6 +54,11 @@ class ModelTokenizer:
         self.special_tokens = {n: config[n] for n in names if isinstance(config.get(n), str)}
         self.template = ChatTemplate(config["chat_template"], self.special_tokens)
 
+    def added_tokens(self) -> list[str]:
+        """The added tokens' texts (special tokens and the like): the tokenizer splits its
+        input at these before anything else."""
+        return [t.content for t in self._tokenizer.get_added_tokens_decoder().values()]
+
     def encode(self, text: str) -> list[int]:
         """The token ids of `text` (`encode_batch_fast`: no offsets, ~1.5x faster)."""
         (encoding,) = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)

@@ -1,0 +1,242 @@
+"""Precise keys: a request tokenized as the engine will tokenize it, and what events say each
+replica holds of it.
+
+    body ──prompt_of (chat template)──▶ text ──segments──▶ ids (cached per segment)
+         ──precise_keys(ids, cache_salt, block_size)──▶ own keys ──EventIndex.lookup──▶ matches
+
+Segments: the text is cut right before every special (added) token. A Hugging Face tokenizer
+splits its input at added tokens before anything else, so encoding the pieces one by one gives
+exactly the ids of encoding the whole; in a chat every message starts with one
+(`<|im_start|>`), so a continuation tokenizes only its new messages and finds the rest in a
+bounded LRU (`DEFAULT_SEGMENT_CACHE_TOKENS`). The gateway's ids are checked against an
+engine's `/tokenize` (`TokenizerCheck`): a tokenizer that differs from the engine's matches no
+event, which would be a silent zero hit rate, so a mismatch is counted and logged loudly.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from cachemap.events import EventIndex, domain_of, precise_keys
+from cachemap.keys import BlockHash
+from cachemap.tokenizer import ModelTokenizer
+from gateway.events.intake import EventIntake
+from gateway.settings import DEFAULT_CHECK_EVERY
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SEGMENT_CACHE_TOKENS = 4_000_000
+"""Token ids kept of tokenized segments (4 bytes each: 16 MB): the system prompts, tools and
+turns of ~40 live 100k-token conversations, or thousands of ordinary chats."""
+
+
+@dataclass
+class TokenizeStats:
+    requests: int = 0
+    segments: int = 0
+    segment_hits: int = 0
+    tokens: int = 0
+    tokens_encoded: int = 0
+    """Tokens of segments that missed the cache (what was really encoded)."""
+    seconds: float = 0.0
+    """Time spent rendering, tokenizing and hashing (the precise mode's CPU per request)."""
+
+
+class PromptTokens:
+    """Render and tokenize requests, with a bounded LRU of tokenized segments."""
+
+    def __init__(
+        self, tokenizer: ModelTokenizer, max_cached_tokens: int = DEFAULT_SEGMENT_CACHE_TOKENS
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_cached_tokens = max_cached_tokens
+        self.stats = TokenizeStats()
+        specials = sorted((t for t in tokenizer.added_tokens() if t), key=len, reverse=True)
+        self._split = (
+            re.compile("(?=" + "|".join(re.escape(t) for t in specials) + ")") if specials else None
+        )
+        self._cache: OrderedDict[str, array.array[int]] = OrderedDict()
+        self._cached_tokens = 0
+
+    def ids(self, body: Mapping[str, Any], chat: bool) -> list[int]:
+        """The prompt's token ids (`ChatTemplateError` for a malformed request)."""
+        prompt = self.tokenizer.prompt_of(body, chat)
+        return prompt if isinstance(prompt, list) else self.encode(prompt)
+
+    def encode(self, text: str) -> list[int]:
+        pieces = self._split.split(text) if self._split is not None else [text]
+        out: list[int] = []
+        stats = self.stats
+        for piece in pieces:
+            if not piece:
+                continue
+            stats.segments += 1
+            cached = self._cache.get(piece)
+            if cached is not None:
+                self._cache.move_to_end(piece)
+                stats.segment_hits += 1
+                out.extend(cached)
+                continue
+            ids = self.tokenizer.encode(piece)
+            stats.tokens_encoded += len(ids)
+            out.extend(ids)
+            self._keep(piece, array.array("I", ids))
+        stats.tokens += len(out)
+        return out
+
+    def _keep(self, piece: str, ids: array.array[int]) -> None:
+        if len(ids) > self.max_cached_tokens:
+            return
+        self._cache[piece] = ids
+        self._cached_tokens += len(ids)
+        while self._cached_tokens > self.max_cached_tokens:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_tokens -= len(dropped)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cached_tokens
+
+
+@dataclass(frozen=True)
+class EventsView:
+    """What the events say about one request, per replica whose events flow (`live`)."""
+
+    overlap: dict[str, int]
+    offloaded: dict[str, int]
+    """Of `overlap`, blocks held on no GPU."""
+    ranks: dict[str, int]
+    """replica -> the DP rank holding the longest match (replicas with ranks only)."""
+    live: frozenset[str]
+
+
+@dataclass
+class PreciseStats:
+    lookups: int = 0
+    speculated: int = 0
+    mismatches: int = 0
+    checks: int = 0
+
+
+@dataclass
+class PreciseKeys:
+    """Precise mode's keys and event lookups (see the module docstring)."""
+
+    tokens: PromptTokens
+    index: EventIndex
+    intake: EventIntake | None
+    dp_size: int = 1
+    clock: Callable[[], float] = time.time
+    stats: PreciseStats = field(default_factory=PreciseStats)
+
+    @property
+    def block_size(self) -> int:
+        return self.index.block_size
+
+    def keys(
+        self, body: Mapping[str, Any], chat: bool, cache_salt: str
+    ) -> tuple[list[int], list[BlockHash]]:
+        started = time.perf_counter()
+        ids = self.tokens.ids(body, chat)
+        keys = precise_keys(ids, cache_salt, self.index.block_size)
+        self.tokens.stats.requests += 1
+        self.tokens.stats.seconds += time.perf_counter() - started
+        return ids, keys
+
+    def view(self, keys: list[BlockHash], replicas: Iterable[str]) -> EventsView:
+        """Each live replica's match: its best rank's (ranks are separate caches)."""
+        self.stats.lookups += 1
+        if self.intake is None:  # no events: the prediction alone
+            return EventsView({}, {}, {}, frozenset())
+        matches = self.index.lookup(keys, self.clock())
+        overlap: dict[str, int] = {}
+        offloaded: dict[str, int] = {}
+        ranks: dict[str, int] = {}
+        live = set()
+        for replica in replicas:
+            if not self.intake.live(replica):
+                continue
+            live.add(replica)
+            best = None
+            for rank in range(self.dp_size):
+                match = matches.get(domain_of(replica, rank, self.dp_size))
+                if match is None:
+                    continue
+                gpu = match.depth - match.offloaded
+                if best is None or (match.depth, gpu) > (
+                    best[1].depth,
+                    best[1].depth - best[1].offloaded,
+                ):
+                    best = (rank, match)
+            if best is not None:
+                overlap[replica] = best[1].depth
+                offloaded[replica] = best[1].offloaded
+                if self.dp_size > 1:
+                    ranks[replica] = best[0]
+        return EventsView(overlap, offloaded, ranks, frozenset(live))
+
+    def speculate(self, replica: str, rank: int | None, keys: list[BlockHash]) -> None:
+        """The request was placed: its blocks count as held there until the event or expiry."""
+        domain = domain_of(replica, rank or 0, self.dp_size)
+        self.stats.speculated += self.index.speculate(domain, keys, self.clock())
+
+
+class TokenizerCheck:
+    """Compare the gateway's ids with an engine's `/tokenize` for a sample of requests."""
+
+    def __init__(self, every: int = DEFAULT_CHECK_EVERY) -> None:
+        self.every = every
+        self.stats = PreciseStats()
+        self._count = 0
+
+    def due(self) -> bool:
+        self._count += 1
+        return self._count == 1 or (self.every > 0 and self._count % self.every == 0)
+
+    async def check(
+        self,
+        session: aiohttp.ClientSession,
+        replica_url: str,
+        body: Mapping[str, Any],
+        chat: bool,
+        ids: list[int],
+    ) -> bool | None:
+        """True when the engine tokenizes as the gateway did; None when it could not be asked."""
+        ask: dict[str, Any] = {"model": body.get("model")}
+        if chat:
+            for name in ("messages", "tools", "add_generation_prompt", "continue_final_message"):
+                if body.get(name) is not None:
+                    ask[name] = body[name]
+        else:
+            ask["prompt"] = body.get("prompt")
+        try:
+            async with session.post(replica_url + "/tokenize", json=ask) as response:
+                if response.status != 200:
+                    return None
+                answer = await response.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, list):
+            return None
+        self.stats.checks += 1
+        if tokens == ids:
+            return True
+        self.stats.mismatches += 1
+        log.warning(
+            "precise mode: the gateway's tokenizer disagrees with %s's (%d ids here, %d there): "
+            "events will match no request; load the engine's tokenizer files (--tokenizer-dir)",
+            replica_url,
+            len(ids),
+            len(tokens),
+        )
+        return False
