@@ -9,9 +9,13 @@ Per feed, the seq decides (`Feed.accept`):
   (bounded: at most `max_replay_batches`, each answer frame within `replay_timeout_s`; a
   replay cut short leaves the feed at the last batch it applied, so the next one resumes from
   there); without a replay endpoint the gap is counted as unrepaired;
-- 0 after a higher seq: the engine restarted (vLLM counts from 0 per process), so the
-  domain's entries are dropped before the batch is applied, as an `AllBlocksCleared` does;
-- behind (a duplicate, a replayed batch arriving again): skipped;
+- behind (0, or anything lower, after a higher seq): the engine restarted (vLLM counts from 0
+  per process, and a PUB never resends, so a seq going back is a new publisher whose first
+  batches may have gone while the SUB reconnected): the domain's entries are dropped before the
+  batch is applied, as an `AllBlocksCleared` does (replayed batches already applied are the
+  only duplicates, skipped inside the replay);
+- a restart whose seq comes back *higher* than expected looks like a gap: the replica set's
+  restart detection (`on_restart`: start time, counters going back) drops the domain then;
 - the first batch a feed sees with seq > 0: what the engine still buffers is replayed from 0
   (a gateway that restarts recovers the blocks announced while it was away).
 
@@ -161,12 +165,11 @@ class Feed:
     async def receive(self, seq: int, payload: bytes) -> None:
         """One published batch, after whatever replay its seq calls for."""
         expected = self.next_seq
-        if expected is not None and 0 < seq < expected:
-            self.stats.duplicates += 1
-            return
-        if expected is not None and seq == 0 and expected > 0:
+        if expected is not None and seq < expected:
+            # a PUB socket never resends: a seq going back is a new publisher (its seq 0 may
+            # have been sent while the SUB was reconnecting)
             self.stats.restarts += 1
-            self._wipe()
+            self.wipe()
         elif expected is None and seq > 0:
             if self.config.replay_endpoint is not None:
                 await self._replay(0, seq)
@@ -190,7 +193,7 @@ class Feed:
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
                 self.stats.wipes += 1
-                self._wipe()
+                self.wipe()
             else:
                 self.index.apply(domain, event)
         now = self.clock()
@@ -199,7 +202,7 @@ class Feed:
         self.stats.last_batch_s = now
         self.stats.lags_s.append(max(now - batch.ts, 0.0))
 
-    def _wipe(self) -> None:
+    def wipe(self) -> None:
         self.index.clear(self.config.domain)
         self.stats.last_wipe_s = self.clock()
 
@@ -231,9 +234,11 @@ class Feed:
             seq = int.from_bytes(frames[0], "big", signed=True)
             if seq == END_SEQ:
                 return
-            if seq >= (self.next_seq or 0) and start <= seq < until:
-                self.stats.replayed_batches += 1
-                self._apply(seq, frames[1])
+            if seq < (self.next_seq or 0) or not start <= seq < until:
+                self.stats.duplicates += 1
+                continue
+            self.stats.replayed_batches += 1
+            self._apply(seq, frames[1])
 
     def close(self) -> None:
         self._sub.close(linger=0)
@@ -265,6 +270,12 @@ class EventIntake:
         if replica is not None:
             return self._feeds.get(replica, [])
         return [f for feeds in self._feeds.values() for f in feeds]
+
+    def restarted(self, replica: str) -> None:
+        """The replica set saw the engine restart: whatever its seq says, its blocks are gone."""
+        for feed in self._feeds.get(replica, ()):
+            feed.stats.restarts += 1
+            feed.wipe()
 
     def live(self, replica: str) -> bool:
         """The replica's events are flowing: route on the index, not on the prediction."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -122,13 +122,21 @@ def _directory(settings: Settings) -> RoutingDirectory:
     )
 
 
-def _replicas(settings: Settings, directory: RoutingDirectory) -> ReplicaSet:
+def _replicas(
+    settings: Settings, directory: RoutingDirectory, intake: Callable[[], EventIntake | None]
+) -> ReplicaSet:
+    async def on_restart(replica: str) -> None:
+        events = intake()
+        if events is not None:
+            events.restarted(replica)
+        await directory.forget(replica)
+
     return ReplicaSet(
         settings.engines,
         interval_s=settings.health_interval_s,
         timeout_s=settings.health_timeout_s,
         unhealthy_after=settings.unhealthy_after,
-        on_restart=directory.forget,
+        on_restart=on_restart,
         on_start_marker=directory.observe_start,
         scrape_metrics=settings.scrape_metrics,
         metrics_interval_s=settings.metrics_interval_s,
@@ -214,7 +222,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         consistent_hash_blocks=settings.consistent_hash_blocks,
     )
     directory = _directory(settings)
-    replicas = _replicas(settings, directory)
+    replicas = _replicas(settings, directory, lambda: intake)
     registry = build_registry()
     flights = None
     if settings.fanout_hold:
@@ -235,7 +243,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         request_metrics,
     ]
     tracing = build_tracing(settings, span_exporter)
-    precise, intake = _precise(settings, replicas)
+    precise, intake = _precise(settings, replicas)  # before any probe: `intake` is bound
     forwarder = Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s)
     keying = Keying(
         RouteKeys(

@@ -117,8 +117,11 @@ async def test_cpu_offload_keeps_an_evicted_block_on_the_cpu_tier(
     await call(complete, engine.url, A)
     await call(complete, engine.url, B)
     keys = precise_keys(A, None, 16)
-    await until(lambda: index.lookup(keys, 0.0).get(engine.url) == Match(2, 1), "A on the CPU")
-    assert index.num_blocks(engine.url, CPU) == 4
+    b = precise_keys(B, None, 16)
+    await until(lambda: engine.url in index.lookup(b, 0.0), "B's blocks")
+    await until(lambda: index.num_blocks(engine.url, CPU) == 4, "A's and B's blocks on the CPU")
+    # B's prefill evicted one of A's blocks from the GPU: A still matches, one block off-GPU
+    assert index.lookup(keys, 0.0) == {engine.url: Match(2, 1)}
 
 
 async def test_a_gap_is_replayed_and_a_late_joiner_recovers_the_buffer(
