@@ -52,6 +52,9 @@ DEFAULT_REPLAY_TIMEOUT_S = 1.0
 unless the engine is gone."""
 DEFAULT_MAX_REPLAY_BATCHES = 10_000
 """vLLM's default `buffer_steps`: an engine never keeps more to replay."""
+RECEIVE_HWM = 100_000
+"""Batches a SUB socket queues while the event loop is busy: vLLM's PUB `hwm` default, so a
+burst the engine could send is held rather than dropped (a drop is a gap)."""
 REFRESH_INTERVAL_S = 1.0
 """How often the intake matches its feeds to the replica set (discovery adds and removes)."""
 _LAGS_KEPT = 4096
@@ -145,6 +148,7 @@ class Feed:
         self._ctx = ctx
         self._sub = ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.set_hwm(RECEIVE_HWM)
         self._sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
         self._sub.connect(config.endpoint)
         self._dealer: zmq.asyncio.Socket | None = None

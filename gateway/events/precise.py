@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import array
 import logging
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -60,10 +59,7 @@ class PromptTokens:
         self.tokenizer = tokenizer
         self.max_cached_tokens = max_cached_tokens
         self.stats = TokenizeStats()
-        specials = sorted((t for t in tokenizer.added_tokens() if t), key=len, reverse=True)
-        self._split = (
-            re.compile("(?=" + "|".join(re.escape(t) for t in specials) + ")") if specials else None
-        )
+        self._specials = tuple(t for t in tokenizer.added_tokens() if t)
         self._cache: OrderedDict[str, array.array[int]] = OrderedDict()
         self._cached_tokens = 0
 
@@ -73,7 +69,7 @@ class PromptTokens:
         return prompt if isinstance(prompt, list) else self.encode(prompt)
 
     def encode(self, text: str) -> list[int]:
-        pieces = self._split.split(text) if self._split is not None else [text]
+        pieces = self.segments(text)
         out: list[int] = []
         stats = self.stats
         for piece in pieces:
@@ -92,6 +88,18 @@ class PromptTokens:
             self._keep(piece, array.array("I", ids))
         stats.tokens += len(out)
         return out
+
+    def segments(self, text: str) -> list[str]:
+        """`text` cut right before every added token (str.find per token: a regex lookahead at
+        every position was 1 ms per 80 kB)."""
+        starts = {0}
+        for token in self._specials:
+            i = text.find(token)
+            while i >= 0:
+                starts.add(i)
+                i = text.find(token, i + len(token))
+        cuts = sorted(starts)
+        return [text[a:b] for a, b in zip(cuts, [*cuts[1:], len(text)], strict=True)]
 
     def _keep(self, piece: str, ids: array.array[int]) -> None:
         if len(ids) > self.max_cached_tokens:
