@@ -2,6 +2,7 @@
 
     python -m tools.precise_cost ingest [NUM_BLOCKS]    event ingest, blocks indexed per second
     python -m tools.precise_cost keying [TURNS]         CPU per request, precise vs approximate
+    python -m tools.precise_cost wipe [TRIALS]          stale lookups after a wipe, time to detect
 
 `ingest`: NUM_BLOCKS (131,072) blocks in vLLM map-encoded batches of one BlockStored of 64
 blocks (a 1,024-token prefill) each, every other chain a continuation of the previous one (its
@@ -166,12 +167,66 @@ def keying(turns: int) -> None:
     print(f"last turn    precise {last_p:,.0f} us, approximate {last_a:,.0f} us")
 
 
+async def wipe(trials: int) -> None:
+    """A real engine (a `kvgate engine` process) and a `Feed`: per trial, a prompt is
+    stored, the engine is reset, and the moment its 200 comes back a lookup is made (what a
+    request sent right after the wipe would see), then the time until the index is empty."""
+    import httpx
+
+    from cachemap.events import precise_keys
+    from loadgen.harness.processes import free_port, start_engine, stop, wait_ready
+
+    port = free_port()
+    config = orjson.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    engine = start_engine(
+        free_port(), ["--kv-events-config", config.decode(), "--time-scale", "1000"]
+    )
+    wait_ready(engine.url, "/health", engine.popen, 60)
+    ctx = zmq.asyncio.Context()
+    index = EventIndex()
+    feed = Feed(FeedConfig("r", 0, "r", f"tcp://127.0.0.1:{port}", None, ""), index, ctx)
+    task = asyncio.create_task(feed.run())
+    prompt = list(range(100, 100 + 16 * 8))
+    keys = precise_keys(prompt, None, 16)
+    stale = 0
+    detect_s: list[float] = []
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        while feed.stats.wipes == 0:
+            await client.post("/reset_prefix_cache")
+            await asyncio.sleep(0.01)
+        for _ in range(trials):
+            body = {"model": "kvgate-sim-8b", "prompt": prompt, "max_tokens": 1}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            deadline = time.monotonic() + 10
+            while not index.lookup(keys, 0.0):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.0005)
+            started = time.perf_counter()
+            assert (await client.post("/reset_prefix_cache")).status_code == 200
+            if index.lookup(keys, 0.0):
+                stale += 1
+            while index.lookup(keys, 0.0):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.0002)
+            detect_s.append(time.perf_counter() - started)
+    task.cancel()
+    feed.close()
+    ctx.term()
+    stop([engine])
+    detect_s.sort()
+    print(f"trials: {trials}; lookups still matching when the reset's 200 came back: {stale}")
+    p50, p99 = detect_s[len(detect_s) // 2], detect_s[int(len(detect_s) * 0.99)]
+    print(f"reset request sent -> index empty: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("ingest", "keying"):
+    if not argv or argv[0] not in ("ingest", "keying", "wipe"):
         print(__doc__)
         return 2
     if argv[0] == "ingest":
         ingest(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS)
+    elif argv[0] == "wipe":
+        asyncio.run(wipe(int(argv[1]) if len(argv) > 1 else 200))
     else:
         keying(int(argv[1]) if len(argv) > 1 else DEFAULT_TURNS)
     return 0
