@@ -82,6 +82,8 @@ def chain_hashes(
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as the bytes `chain_hashes` cuts (4 per id, little-endian): precise mode's keys
     are the same chain over token blocks of `4 * block_size` bytes."""
+    if isinstance(token_ids, array.array) and token_ids.typecode == "I":
+        return token_ids.tobytes()  # no int boxed per token
     return array.array("I", token_ids).tobytes()
 
 

@@ -19,7 +19,7 @@ import array
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,14 +63,15 @@ class PromptTokens:
         self._cache: OrderedDict[str, array.array[int]] = OrderedDict()
         self._cached_tokens = 0
 
-    def ids(self, body: Mapping[str, Any], chat: bool) -> list[int]:
-        """The prompt's token ids (`ChatTemplateError` for a malformed request)."""
+    def ids(self, body: Mapping[str, Any], chat: bool) -> Sequence[int]:
+        """The prompt's token ids (`ChatTemplateError` for a malformed request): an
+        `array("I")` built from the cached segments' arrays without boxing an int per token."""
         prompt = self.tokenizer.prompt_of(body, chat)
         return prompt if isinstance(prompt, list) else self.encode(prompt)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> array.array[int]:
         pieces = self.segments(text)
-        out: list[int] = []
+        out: array.array[int] = array.array("I")
         stats = self.stats
         for piece in pieces:
             if not piece:
@@ -82,10 +83,10 @@ class PromptTokens:
                 stats.segment_hits += 1
                 out.extend(cached)
                 continue
-            ids = self.tokenizer.encode(piece)
+            ids = array.array("I", self.tokenizer.encode(piece))
             stats.tokens_encoded += len(ids)
             out.extend(ids)
-            self._keep(piece, array.array("I", ids))
+            self._keep(piece, ids)
         stats.tokens += len(out)
         return out
 
@@ -152,7 +153,7 @@ class PreciseKeys:
 
     def keys(
         self, body: Mapping[str, Any], chat: bool, cache_salt: str
-    ) -> tuple[list[int], list[BlockHash]]:
+    ) -> tuple[Sequence[int], list[BlockHash]]:
         started = time.perf_counter()
         ids = self.tokens.ids(body, chat)
         keys = precise_keys(ids, cache_salt, self.index.block_size)
@@ -216,7 +217,7 @@ class TokenizerCheck:
         replica_url: str,
         body: Mapping[str, Any],
         chat: bool,
-        ids: list[int],
+        ids: Sequence[int],
     ) -> bool | None:
         """True when the engine tokenizes as the gateway did; None when it could not be asked."""
         ask: dict[str, Any] = {"model": body.get("model")}
@@ -237,7 +238,7 @@ class TokenizerCheck:
         if not isinstance(tokens, list):
             return None
         self.stats.checks += 1
-        if tokens == ids:
+        if tokens == list(ids):
             return True
         self.stats.mismatches += 1
         log.warning(

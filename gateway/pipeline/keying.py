@@ -171,7 +171,7 @@ class Keying:
         )
 
     def _maybe_check(
-        self, body: dict[str, object], chat: bool, ids: list[int], candidates: Sequence[str]
+        self, body: dict[str, object], chat: bool, ids: Sequence[int], candidates: Sequence[str]
     ) -> None:
         """A sampled request's ids against the engine's /tokenize, off the request path."""
         session = self._session()
