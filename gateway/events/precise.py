@@ -25,8 +25,8 @@ from typing import Any
 
 import aiohttp
 
-from cachemap.events import EventIndex, domain_of, precise_keys
-from cachemap.keys import BlockHash
+from cachemap.events import EventIndex, domain_of, precise_root
+from cachemap.keys import BlockHash, chain_hashes, token_bytes
 from cachemap.tokenizer import ModelTokenizer
 from gateway.events.intake import EventIntake
 from gateway.settings import DEFAULT_CHECK_EVERY
@@ -116,6 +116,65 @@ class PromptTokens:
         return self._cached_tokens
 
 
+DEFAULT_CHAIN_CACHE_BYTES = 64 << 20
+"""Token bytes of recent prompts kept with their keys (64 MB: ~16M tokens), so a continuation
+hashes only the blocks after what its previous turn already hashed."""
+
+
+class ChainCache:
+    """The keys of recent prompts, found by their first block (salt included): a continuation
+    reuses the keys of the blocks it shares with the last prompt that began like it.
+
+    LRU, bounded by the token bytes kept (`DEFAULT_CHAIN_CACHE_BYTES`)."""
+
+    def __init__(self, block_size: int, max_bytes: int = DEFAULT_CHAIN_CACHE_BYTES) -> None:
+        self.width = 4 * block_size
+        self.max_bytes = max_bytes
+        self.reused_blocks = 0
+        self.hashed_blocks = 0
+        self._entries: OrderedDict[tuple[str, bytes], tuple[bytes, list[BlockHash]]] = OrderedDict()
+        self._bytes = 0
+
+    def keys(self, token_ids: Sequence[int], cache_salt: str) -> list[BlockHash]:
+        data = token_bytes(token_ids)
+        width = self.width
+        if len(data) < width:
+            return []
+        slot = (cache_salt, data[:width])
+        known = self._entries.pop(slot, None)
+        shared = 0
+        if known is not None:
+            self._bytes -= len(known[0])
+            shared = _shared_blocks(known[0], data, width, len(known[1]))
+        if shared:
+            assert known is not None
+            keys = known[1][:shared]
+            keys += chain_hashes(data[shared * width :], keys[-1], width, parent=keys[-1])
+        else:
+            keys = chain_hashes(data, precise_root(cache_salt), width)
+        self.reused_blocks += shared
+        self.hashed_blocks += len(keys) - shared
+        self._entries[slot] = (data, keys)
+        self._bytes += len(data)
+        while self._bytes > self.max_bytes and self._entries:
+            _, (dropped, _) = self._entries.popitem(last=False)
+            self._bytes -= len(dropped)
+        return keys
+
+
+def _shared_blocks(old: bytes, new: bytes, width: int, num_keys: int) -> int:
+    """Leading full blocks `old` and `new` have in common (a binary search of slice compares:
+    each a memcmp, so ~log2(blocks) of them)."""
+    low, high = 0, min(num_keys, len(old) // width, len(new) // width)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if old[: mid * width] == new[: mid * width]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 @dataclass(frozen=True)
 class EventsView:
     """What the events say about one request, per replica whose events flow (`live`)."""
@@ -146,6 +205,10 @@ class PreciseKeys:
     dp_size: int = 1
     clock: Callable[[], float] = time.time
     stats: PreciseStats = field(default_factory=PreciseStats)
+    chains: ChainCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chains = ChainCache(self.index.block_size)
 
     @property
     def block_size(self) -> int:
@@ -156,7 +219,7 @@ class PreciseKeys:
     ) -> tuple[Sequence[int], list[BlockHash]]:
         started = time.perf_counter()
         ids = self.tokens.ids(body, chat)
-        keys = precise_keys(ids, cache_salt, self.index.block_size)
+        keys = self.chains.keys(ids, cache_salt)
         self.tokens.stats.requests += 1
         self.tokens.stats.seconds += time.perf_counter() - started
         return ids, keys

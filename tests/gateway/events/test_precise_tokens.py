@@ -163,3 +163,16 @@ def test_the_segment_cache_is_bounded() -> None:
     for i in range(10):
         tokens.ids({"messages": [{"role": "user", "content": words(f"b{i}", 60)}]}, chat=True)
     assert 0 < tokens.cached_tokens <= 200
+
+
+def test_a_continuation_hashes_only_its_new_blocks() -> None:
+    from cachemap.events import precise_keys
+    from gateway.events.precise import ChainCache
+
+    chains = ChainCache(16)
+    ids = list(range(1000, 1000 + 16 * 40 + 5))
+    assert chains.keys(ids, "s") == precise_keys(ids, "s", 16)
+    longer = ids[: 16 * 30 + 3] + list(range(3000, 3000 + 16 * 20))  # diverges inside block 30
+    assert chains.keys(longer, "s") == precise_keys(longer, "s", 16)
+    assert (chains.reused_blocks, chains.hashed_blocks) == (30, 40 + len(longer) // 16 - 30)
+    assert chains.keys(ids, "other") == precise_keys(ids, "other", 16)  # another salt: fresh
