@@ -343,6 +343,11 @@ class EventIndex:
                 break
         return {d: Match(n, offloaded.get(d, 0), speculative.get(d, 0)) for d, n in depth.items()}
 
+    def own_key(self, domain: str, engine_hash: EngineHash) -> BlockHash | None:
+        """The own key the domain's block `engine_hash` was indexed under (None: unknown)."""
+        state = self._domains.get(domain)
+        return state.engine.get(engine_hash) if state is not None else None
+
     def num_blocks(self, domain: str, tier: int = GPU) -> int:
         state = self._domains.get(domain)
         return state.tier_counts[tier] if state is not None else 0

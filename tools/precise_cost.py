@@ -3,6 +3,7 @@
     python -m tools.precise_cost ingest [NUM_BLOCKS]    event ingest, blocks indexed per second
     python -m tools.precise_cost keying [TURNS]         CPU per request, precise vs approximate
     python -m tools.precise_cost wipe [TRIALS]          stale lookups after a wipe, time to detect
+    python -m tools.precise_cost redis [NUM_BLOCKS]     event blocks written into a shared Redis
 
 `ingest`: NUM_BLOCKS (131,072) blocks in vLLM map-encoded batches of one BlockStored of 64
 blocks (a 1,024-token prefill) each, every other chain a continuation of the previous one (its
@@ -32,7 +33,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
-from cachemap.events import EventIndex
+from cachemap.events import BlockRemoved, BlockStored, EventIndex
 from cachemap.keys import chain_hashes, root_hash
 from cachemap.tokenizer import ModelTokenizer
 from gateway.api.openai.parse import parse_chat
@@ -219,12 +220,60 @@ async def wipe(trials: int) -> None:
     print(f"reset request sent -> index empty: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
 
 
+async def into_redis(num_blocks: int) -> None:
+    """The other option for who ingests: one owner per engine writing what its events say into
+    the shared directory (a real redis-server on a unix socket, `RedisDirectory`'s one script
+    call per chain): each stored event's own keys recorded, each removal dropped, 32 events in
+    flight at a time."""
+    import tempfile
+    from pathlib import Path
+
+    from cachemap.redis.client import open_redis
+    from cachemap.redis.directory import RedisDirectory
+    from gateway.events.decode import decode_batch
+    from loadgen.harness.redis_servers import RedisServer
+
+    payloads = batches(num_blocks)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp))
+        server.start()
+        try:
+            directory = RedisDirectory(await open_redis(server.url, cluster=False))
+            await directory.start()
+            index = EventIndex()
+            started = time.perf_counter()
+            pending: list[Any] = []
+            blocks = 0
+            for payload in payloads:
+                for event in decode_batch(payload).events:
+                    if isinstance(event, BlockStored):
+                        keys = index.store("r", event)
+                        pending.append(directory.record("r", keys))
+                    elif isinstance(event, BlockRemoved):
+                        owned = [index.own_key("r", h) for h in event.block_hashes]
+                        index.remove("r", event)
+                        pending.append(directory.drop("r", [k for k in owned if k is not None]))
+                    blocks += len(getattr(event, "block_hashes", ()))
+                if len(pending) >= 32:
+                    await asyncio.gather(*pending)
+                    pending = []
+            await asyncio.gather(*pending)
+            elapsed = time.perf_counter() - started
+            await directory.close()
+        finally:
+            server.stop()
+    print(f"blocks (stored + removed) into Redis: {blocks:,} in {elapsed * 1e3:.0f} ms")
+    print(f"one owner writing the shared directory: {blocks / elapsed:,.0f} blocks/s")
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("ingest", "keying", "wipe"):
+    if not argv or argv[0] not in ("ingest", "keying", "wipe", "redis"):
         print(__doc__)
         return 2
     if argv[0] == "ingest":
         ingest(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS)
+    elif argv[0] == "redis":
+        asyncio.run(into_redis(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
     elif argv[0] == "wipe":
         asyncio.run(wipe(int(argv[1]) if len(argv) > 1 else 200))
     else:
