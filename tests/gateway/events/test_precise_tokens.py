@@ -176,3 +176,27 @@ def test_a_continuation_hashes_only_its_new_blocks() -> None:
     assert chains.keys(longer, "s") == precise_keys(longer, "s", 16)
     assert (chains.reused_blocks, chains.hashed_blocks) == (30, 40 + len(longer) // 16 - 30)
     assert chains.keys(ids, "other") == precise_keys(ids, "other", 16)  # another salt: fresh
+
+
+async def test_a_tokenizer_mismatch_is_counted_and_logged(
+    engine: Served, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    import aiohttp
+
+    from gateway.events.precise import TokenizerCheck
+
+    config = orjson.loads((MODEL_DIR / "tokenizer_config.json").read_bytes())
+    config["chat_template"] = config["chat_template"].replace("<|im_start|>", "<|im_start|> ")
+    (tmp_path / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((MODEL_DIR / "tokenizer.json").read_bytes())
+    body = {"model": MODEL, "messages": [SYSTEM, {"role": "user", "content": "hi"}]}
+    ours = PromptTokens(ModelTokenizer(MODEL_DIR)).ids(body, chat=True)
+    theirs = PromptTokens(ModelTokenizer(tmp_path)).ids(body, chat=True)
+    check = TokenizerCheck(every=10)
+    assert check.due() and not check.due()  # the first, then every 10th
+    async with aiohttp.ClientSession() as session:
+        assert await check.check(session, engine.url, body, True, ours) is True
+        with caplog.at_level("WARNING"):
+            assert await check.check(session, engine.url, body, True, theirs) is False
+    assert (check.stats.checks, check.stats.mismatches) == (2, 1)
+    assert "disagrees" in caplog.text and engine.url in caplog.text
