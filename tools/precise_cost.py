@@ -136,7 +136,7 @@ def ingest(num_blocks: int) -> None:
     print(f"ZMQ PUB -> Feed -> index : {total / wire:,.0f} blocks/s ({wire * 1e3:.0f} ms)")
 
 
-def keying(turns: int) -> None:
+async def keying(turns: int) -> None:
     tokenizer = ModelTokenizer(MODEL_DIR)
     precise = PreciseKeys(PromptTokens(tokenizer), EventIndex(), None)
     messages: list[dict[str, Any]] = [{"role": "system", "content": words("bench-system", 2000)}]
@@ -151,7 +151,7 @@ def keying(turns: int) -> None:
         chain_hashes(parsed.rendered, root_hash(b"salt", "m"))
         approx_s.append(time.perf_counter() - started)
         started = time.perf_counter()
-        ids, keys = precise.keys(body, True, "salt")
+        ids, keys = await precise.keys(body, True, "salt")
         precise.view(keys, ["r"])
         precise_s.append(time.perf_counter() - started)
         tokens.append(len(ids))
@@ -277,7 +277,7 @@ def main(argv: list[str]) -> int:
     elif argv[0] == "wipe":
         asyncio.run(wipe(int(argv[1]) if len(argv) > 1 else 200))
     else:
-        keying(int(argv[1]) if len(argv) > 1 else DEFAULT_TURNS)
+        asyncio.run(keying(int(argv[1]) if len(argv) > 1 else DEFAULT_TURNS))
     return 0
 
 

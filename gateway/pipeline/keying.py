@@ -133,7 +133,7 @@ class Keying:
     ) -> Keyed:
         body, chat = engine_body(parsed), parsed.kind == CHAT
         try:
-            ids, hashes = precise.keys(body, chat, tenant.cache_salt)
+            ids, hashes = await precise.keys(body, chat, tenant.cache_salt)
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc)) from None
         self._maybe_check(body, chat, ids, candidates)
