@@ -5,7 +5,7 @@ a restart (seq back at 0) and a wipe dropping the domain, a malformed batch skip
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -15,27 +15,17 @@ import zmq.asyncio
 
 from cachemap.events import CPU, EventIndex, Match, precise_keys
 from gateway.events.intake import EventIntake, EventsConfig, Feed, FeedConfig
-from loadgen.engine.server import EngineConfig, create_engine_app
-from tests.conftest import FAST
 from tests.loadgen.test_kv_events import A, B, complete, events_config, free_ports
-from tests.servers import Served, start_app
+from tests.servers import Served
 
 TOPIC = "kv"
 DEADLINE_S = 10.0
 
 
 @pytest.fixture
-def served() -> Iterator[Callable[..., Served]]:
-    started: list[Served] = []
-
-    def start(**config: Any) -> Served:
-        config.setdefault("timing", FAST)
-        started.append(start_app(create_engine_app(EngineConfig(**config))))
-        return started[-1]
-
-    yield start
-    for s in started:
-        s.stop()
+def served(start_engines: Callable[..., list[Served]]) -> Callable[..., Served]:
+    """One engine with this test's settings (the shared `start_engines` fixture)."""
+    return lambda **config: start_engines(1, **config)[0]
 
 
 async def until(predicate: Callable[[], bool], what: str) -> None:
