@@ -309,14 +309,34 @@ class Settings(BaseSettings):
             raise ValueError("discovery_scheme must be http or https")
         return value
 
-    @field_validator("trace_sample_ratio")
+    @field_validator("engine_block_size", "engine_dp_size")
+    @classmethod
+    def _at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("tokenizer_dir")
+    @classmethod
+    def _tokenizer_files(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            missing = [
+                n for n in ("tokenizer.json", "tokenizer_config.json") if not (value / n).is_file()
+            ]
+            if missing:
+                raise ValueError(f"{value} has no {' or '.join(missing)} (the model's tokenizer)")
+        return value
+
+    @field_validator("trace_sample_ratio", "offload_cost")
     @classmethod
     def _ratio(cls, value: float) -> float:
         if not 0.0 <= value <= 1.0:
             raise ValueError("must be a ratio between 0 and 1")
         return value
 
-    @field_validator("metrics_interval_s", "discovery_retry_s", "discovery_watch_timeout_s")
+    @field_validator(
+        "metrics_interval_s", "discovery_retry_s", "discovery_watch_timeout_s", "speculative_ttl_s"
+    )
     @classmethod
     def _positive_interval(cls, value: float | None) -> float | None:
         if value is not None and value <= 0:
