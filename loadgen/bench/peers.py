@@ -242,8 +242,9 @@ def start_router(
         }
         args = ["--policy", arm.policy, "--tenant", f"bench:{BENCH_KEY}", "--log-level", "warning"]
         if arm.kind == "precise":
-            args += ["--tokenizer-dir", str(MODEL_DIR)]
-            env["KVGATE_KV_EVENTS_ENDPOINTS"] = orjson.dumps(events or {}).decode()
+            extra, extra_env = processes.precise_gateway_args(events or {}, str(MODEL_DIR))
+            args += extra
+            env.update(extra_env)
         if arm.kind in ("kvgate", "precise"):
             with processes.gateway(engine_urls, args, env=env) as gw:
                 yield Router((gw.url,), gw.pid, BENCH_KEY, gw.metrics_url)
@@ -396,27 +397,13 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
 
 @contextlib.contextmanager
 def _engines(arm: Arm, setup: Setup) -> Iterator[tuple[list[processes.Proc], dict[str, str]]]:
-    """The arm's fresh engines; for a precise arm each publishes KV events on a port of its
-    own (returned by engine URL)."""
-    if arm.kind != "precise":
-        with processes.engines(setup.num_engines, setup.engine_args()) as engines:
-            yield engines, {}
+    """The arm's fresh engines; a precise arm's publish KV events (endpoints by engine URL)."""
+    if arm.kind == "precise":
+        with processes.engines_with_events(setup.num_engines, setup.engine_args()) as both:
+            yield both
         return
-    procs: list[processes.Proc] = []
-    events: dict[str, str] = {}
-    try:
-        for _ in range(setup.num_engines):
-            port = processes.free_port()
-            config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}
-            args = [*setup.engine_args(), "--kv-events-config", orjson.dumps(config).decode()]
-            proc = processes.start_engine(processes.free_port(), args)
-            procs.append(proc)
-            events[proc.url] = f"tcp://127.0.0.1:{port}"
-        for proc in procs:
-            processes.wait_ready(proc.url, "/health", proc.popen, processes.STARTUP_TIMEOUT_S)
-        yield procs, events
-    finally:
-        processes.stop(procs)
+    with processes.engines(setup.num_engines, setup.engine_args()) as engines:
+        yield engines, {}
 
 
 def idle_ttft_ms(url: str, api_key: str | None) -> float:
