@@ -19,6 +19,7 @@ the other 80 bits keep collisions within one chain family out of reach.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from typing import NewType
 
@@ -47,22 +48,43 @@ def root_hash(salt: bytes, model: str) -> BlockHash:
 
 
 def chain_hashes(
-    data: bytes, root: BlockHash, block_bytes: int = DEFAULT_BLOCK_BYTES
+    data: bytes,
+    root: BlockHash,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    *,
+    parent: BlockHash | None = None,
 ) -> list[BlockHash]:
-    """hash(i) = H(hash(i-1) || block i) for every full block of `data`, hash(-1) = `root`."""
+    """hash(i) = H(hash(i-1) || block i) for every full block of `data`, hash(-1) = `root`.
+
+    `parent`: the chain continues after that hash (its tag kept), so the blocks of a
+    continuation get the keys they would have had as the tail of the whole prompt."""
     if block_bytes <= 0:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
     if len(data) < block_bytes:
         return []
     view = memoryview(data)
     digest = mmh3.mmh3_x64_128_digest
-    parent = digest(root + view[:block_bytes])
-    tag = parent[:TAG_BYTES]
-    out: list[BlockHash] = [BlockHash(parent)]
-    for start in range(block_bytes, len(data) - block_bytes + 1, block_bytes):
-        parent = tag + digest(parent + view[start : start + block_bytes])[TAG_BYTES:]
-        out.append(BlockHash(parent))
+    out: list[BlockHash] = []
+    first = 0
+    if parent is None:
+        last = digest(root + view[:block_bytes])
+        out.append(BlockHash(last))
+        first = block_bytes
+    else:
+        last = parent
+    tag = last[:TAG_BYTES]
+    for start in range(first, len(data) - block_bytes + 1, block_bytes):
+        last = tag + digest(last + view[start : start + block_bytes])[TAG_BYTES:]
+        out.append(BlockHash(last))
     return out
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the bytes `chain_hashes` cuts (4 per id, little-endian): precise mode's keys
+    are the same chain over token blocks of `4 * block_size` bytes."""
+    if isinstance(token_ids, array.array) and token_ids.typecode == "I":
+        return token_ids.tobytes()  # no int boxed per token
+    return array.array("I", token_ids).tobytes()
 
 
 def affinity_key(

@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
+from cachemap.events import DEFAULT_BLOCK_SIZE, DEFAULT_OFFLOAD_COST, DEFAULT_SPECULATIVE_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
 from gateway.request.tenant import BILLING_PROFILES, check_tenant_name
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
@@ -133,6 +134,11 @@ the same value in the shipped Envoy config): a fan-out hold's bound (at most `fa
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
 )
+
+
+DEFAULT_CHECK_EVERY = 1000
+"""Every Nth precise request (and the first) is compared with the engine's /tokenize: one
+extra engine call per thousand requests, and a mismatch shows within seconds under load."""
 
 
 class Settings(BaseSettings):
@@ -256,6 +262,33 @@ class Settings(BaseSettings):
     service_name: str = "kvgate"
     """OpenTelemetry `service.name` of the spans."""
 
+    # -- precise mode: keys from the model's tokenizer, residency from KV events (issue 16;
+    # docs/precise.md) ---------------------------------------------------------------------
+    tokenizer_dir: Path | None = None
+    """The model's tokenizer directory (`tokenizer.json`, `tokenizer_config.json`: the files the
+    engines load; in Kubernetes a mounted volume). Set: precise mode — requests are tokenized
+    with the model's chat template and keyed per engine block; None: approximate (bytes)."""
+    engine_block_size: int = DEFAULT_BLOCK_SIZE
+    """The engines' KV block size in tokens (vLLM `--block-size`, SGLang `--page-size`)."""
+    kv_events_port: int | None = None
+    """Each engine's KV events PUB port on its host (vLLM `kv_events_config.endpoint`); rank r
+    of a DP engine on port + r. None: only `kv_events_endpoints`."""
+    kv_events_replay_port: int | None = None
+    """Each engine's replay ROUTER port (vLLM `replay_endpoint`; off by default in vLLM)."""
+    kv_events_endpoints: dict[str, str] = Field(default_factory=dict)
+    """Engine URL -> its PUB endpoint (rank 0), e.g. {"http://10.0.0.7:8000": "tcp://10.0.0.7:5557"}."""
+    kv_events_replay_endpoints: dict[str, str] = Field(default_factory=dict)
+    kv_events_topic: str = ""
+    """The engines' `kv_events_config.topic` (a SUB prefix filter)."""
+    engine_dp_size: int = 1
+    """Data-parallel ranks per engine behind one HTTP port: each rank a cache domain with its
+    own events (port + r); the request is sent with `X-data-parallel-rank`."""
+    speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
+    offload_cost: float = DEFAULT_OFFLOAD_COST
+    tokenizer_check_every: int = DEFAULT_CHECK_EVERY
+    """Every Nth precise request (and the first) is checked against the engine's /tokenize (0:
+    the first only)."""
+
     @field_validator("discovery")
     @classmethod
     def _known_discovery(cls, value: str) -> str:
@@ -279,14 +312,34 @@ class Settings(BaseSettings):
             raise ValueError("discovery_scheme must be http or https")
         return value
 
-    @field_validator("trace_sample_ratio")
+    @field_validator("engine_block_size", "engine_dp_size")
+    @classmethod
+    def _at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("tokenizer_dir")
+    @classmethod
+    def _tokenizer_files(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            missing = [
+                n for n in ("tokenizer.json", "tokenizer_config.json") if not (value / n).is_file()
+            ]
+            if missing:
+                raise ValueError(f"{value} has no {' or '.join(missing)} (the model's tokenizer)")
+        return value
+
+    @field_validator("trace_sample_ratio", "offload_cost")
     @classmethod
     def _ratio(cls, value: float) -> float:
         if not 0.0 <= value <= 1.0:
             raise ValueError("must be a ratio between 0 and 1")
         return value
 
-    @field_validator("metrics_interval_s", "discovery_retry_s", "discovery_watch_timeout_s")
+    @field_validator(
+        "metrics_interval_s", "discovery_retry_s", "discovery_watch_timeout_s", "speculative_ttl_s"
+    )
     @classmethod
     def _positive_interval(cls, value: float | None) -> float | None:
         if value is not None and value <= 0:

@@ -7,12 +7,14 @@ import argparse
 import asyncio
 import contextlib
 import signal
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.table import Table
 
 from loadgen.console import report_console
 from loadgen.engine.server import DEFAULT_MODEL
+from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.harness import processes
 from loadgen.runner import Summary, run_phases, summarise
 from loadgen.workloads import agent_day, count_requests
@@ -32,7 +34,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default=",".join(POLICY_ORDER),
-        help="comma-separated routing policies to compare",
+        help="comma-separated routing policies to compare (`precise`: cache_aware on KV events)",
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
     parser.add_argument("--port", type=int, default=8080, help="port of the gateway left serving")
@@ -54,11 +56,29 @@ def _gateway_args(policy: str) -> list[str]:
     return ["--policy", policy, "--tenant", f"demo:{DEMO_KEY}", "--log-level", "warning"]
 
 
+PRECISE = "precise"
+"""`--policies ...,precise`: cache_aware in precise mode (engines publishing KV events, the
+gateway keying with the engines' tokenizer; docs/precise.md)."""
+
+
+@contextlib.contextmanager
+def _fleet(args: argparse.Namespace, policy: str) -> Iterator[processes.Proc]:
+    if policy != PRECISE:
+        with (
+            processes.engines(args.engines, _engine_args(args)) as engines,
+            processes.gateway([e.url for e in engines], _gateway_args(policy)) as gw,
+        ):
+            yield gw
+        return
+    with processes.engines_with_events(args.engines, _engine_args(args)) as (engines, events):
+        extra, env = processes.precise_gateway_args(events, str(MODEL_DIR))
+        gateway_args = [*_gateway_args("cache_aware"), *extra]
+        with processes.gateway([e.url for e in engines], gateway_args, env=env) as gw:
+            yield gw
+
+
 def run_policy(args: argparse.Namespace, policy: str) -> Summary:
-    with (
-        processes.engines(args.engines, _engine_args(args)) as engines,
-        processes.gateway([e.url for e in engines], _gateway_args(policy)) as gw,
-    ):
+    with _fleet(args, policy) as gw:
         results = asyncio.run(
             run_phases(agent_day(), gw.url, DEMO_KEY, DEFAULT_MODEL, max_tokens=args.max_tokens)
         )

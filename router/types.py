@@ -109,10 +109,18 @@ class RouteRequest:
     affinity_key: bytes = b""
     sequence: int = 0
     decode_token_weight: float = 0.0
+    offloaded: Mapping[str, int] = field(default_factory=dict)
+    """Of `overlap[replica]`, blocks the replica holds on no GPU (a CPU or storage tier, known
+    from KV events): cached, but each costs `offload_cost` of prefilling it to load back."""
+    offload_cost: float = 0.0
 
     def uncached_tokens(self, replica: str) -> float:
         cached = self.overlap.get(replica, 0) * self.tokens_per_block
-        return max(self.num_prompt_tokens - cached, 0.0)
+        uncached = max(self.num_prompt_tokens - cached, 0.0)
+        offloaded = self.offloaded.get(replica, 0) if self.offloaded else 0
+        if offloaded:
+            uncached += self.offload_cost * offloaded * self.tokens_per_block
+        return uncached
 
     def estimated_work(self, replica: Replica) -> float:
         """Prefill tokens that must run on `replica` before this request's first token: this

@@ -245,7 +245,7 @@ def _paragraph(lexicon: _Lexicon) -> str:
 
 def corpus(seed: int = SEED) -> Iterator[str]:
     """The training text, in pieces; the same seed gives the same pieces."""
-    from loadgen.engine.chat_template import ChatTemplate
+    from cachemap.chat_template import ChatTemplate
 
     draw = _Draw(seed)
     lexicon = _Lexicon(draw, [*ENGLISH, *pseudo_words(draw, NUM_PSEUDO_WORDS)])

@@ -13,7 +13,6 @@ from typing import Any
 
 import orjson
 
-from cachemap.keys import affinity_key, chain_hashes, root_hash
 from gateway.directory.routing import RoutingDirectory
 from gateway.errors import InvalidRequest, ModelNotFound, NoReplica, UpstreamError
 from gateway.fleet.replicas import Lease, ReplicaSet, ReplicaState
@@ -28,6 +27,7 @@ from gateway.pipeline.forwarder import (
     RetryableFailure,
     Streaming,
 )
+from gateway.pipeline.keying import Keying
 from gateway.pipeline.placement import Placement
 from gateway.pipeline.relayed import LandFlight, Pick
 from gateway.request.cache_control import strip_marks
@@ -41,6 +41,8 @@ from router.types import Replica, RouteRequest
 
 log = logging.getLogger(__name__)
 
+DP_RANK_HEADER = "X-data-parallel-rank"
+"""vLLM's header choosing the data-parallel rank of an engine whose ranks share one port."""
 _PATHS = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
 
 
@@ -98,21 +100,11 @@ class Activity:
         return True
 
 
-@dataclass(frozen=True)
-class RouteKeys:
-    """How a request's rendering becomes the directory's keys and the router's units."""
-
-    block_bytes: int
-    consistent_hash_blocks: int
-    decode_token_weight: float = 0.0
-    """Prefill tokens of load per output token a replica still generates (router.types)."""
-
-
 class Director:
     def __init__(
         self,
         *,
-        keys: RouteKeys,
+        keying: Keying,
         admission: Admission,
         directory: RoutingDirectory,
         replicas: ReplicaSet,
@@ -128,7 +120,8 @@ class Director:
         tracer: Tracer | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.keys = keys
+        self.keying = keying
+        self.keys = keying.keys
         self.admission = admission
         self.directory = directory
         self.replicas = replicas
@@ -300,32 +293,20 @@ class Director:
         charged: int,
         on_hold: Callable[[float], Awaitable[None]] | None = None,
     ) -> tuple[Routed, Flight | None]:
-        block_bytes = self.keys.block_bytes
-        root = root_hash(tenant.salt, parsed.model)
-        hashes = chain_hashes(parsed.rendered, root, block_bytes)
-        started_ns, started = time.time_ns(), time.perf_counter_ns()
-        lookup = await self.directory.lookup(hashes)
-        elapsed_ns = time.perf_counter_ns() - started
+        keyed = await self.keying.key(parsed, tenant, [c.id for c in candidates], trace)
+        lookup, hashes = keyed.lookup, keyed.hashes
         source = "shared" if self.directory.shared is not None and not lookup.degraded else "local"
-        self.stats.lookup_seconds.labels(source).observe(elapsed_ns / 1e9)
-        trace.looked_up(
-            started_ns,
-            started_ns + elapsed_ns,
-            len(hashes),
-            "local" if lookup.degraded else "shared",
-            max(lookup.overlap.values(), default=0),
-        )
-        bytes_per_token = self.estimator.bytes_per_token(parsed.model, tenant=tenant.name)
+        self.stats.lookup_seconds.labels(source).observe(self.keying.last_lookup_s)
         route = RouteRequest(
             num_blocks=len(hashes),
-            num_prompt_tokens=len(parsed.rendered) / bytes_per_token,
+            num_prompt_tokens=keyed.num_prompt_tokens,
             overlap=lookup.overlap,
-            tokens_per_block=block_bytes / bytes_per_token,
-            affinity_key=affinity_key(
-                parsed.rendered, root, hashes, self.keys.consistent_hash_blocks, block_bytes
-            ),
+            tokens_per_block=keyed.tokens_per_block,
+            affinity_key=keyed.affinity_key,
             sequence=next(self._sequence),
             decode_token_weight=self.keys.decode_token_weight,
+            offloaded=keyed.offloaded,
+            offload_cost=self.keys.offload_cost,
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
 
@@ -341,6 +322,7 @@ class Director:
         if placed.new_k is not None and lookup.hot_key is not None:
             self.directory.set_k(lookup.hot_key, placed.new_k)
         decision = placed.decision
+        self.keying.placed(keyed, decision.replica)
         counter_key = (policy.name, decision.reason)
         self.stats.decisions[counter_key] = self.stats.decisions.get(counter_key, 0) + 1
         trace.decided(policy.name, decision, len(hashes))
@@ -354,6 +336,7 @@ class Director:
             opened_s=opened_s,
             routed_s=time.monotonic(),
             admitted_tokens=charged,
+            ranks=keyed.ranks,
         )
         return routed, placed.flight
 
@@ -453,7 +436,7 @@ class Director:
             with state.lease(uncached, output_tokens) as lease:
                 try:
                     outcome = await self.forwarder.attempt(
-                        state.url + path, payload, stream, upstream.headers()
+                        state.url + path, payload, stream, _headers(routed, replica_id, upstream)
                     )
                 except RetryableFailure as exc:
                     upstream.failed(exc)
@@ -508,6 +491,15 @@ class Director:
             state = self.replicas.states.get(replica_id)
             if state is not None and replica_id not in tried:
                 yield state
+
+
+def _headers(routed: Routed, replica: str, upstream: AttemptTrace) -> dict[str, str] | None:
+    """The attempt's extra headers: its trace context, and the DP rank that holds the prefix."""
+    headers = upstream.headers()
+    rank = routed.ranks.get(replica)
+    if rank is None:
+        return headers
+    return {**(headers or {}), DP_RANK_HEADER: str(rank)}
 
 
 def _max_tokens(parsed: ParsedRequest) -> int | None:

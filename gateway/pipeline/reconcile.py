@@ -40,10 +40,17 @@ class Reconciler:
     """An exchange observer: compares, exports the error, expires what the engine evicted."""
 
     def __init__(
-        self, directory: RoutingDirectory, block_bytes: int, registry: CollectorRegistry
+        self,
+        directory: RoutingDirectory,
+        block_bytes: int,
+        registry: CollectorRegistry,
+        *,
+        block_tokens: int | None = None,
     ) -> None:
         self.directory = directory
         self.block_bytes = block_bytes
+        self.block_tokens = block_tokens
+        """Precise mode: blocks are this many tokens exactly (no bytes-to-tokens guess)."""
         self.stats = ReconcileStats()
         self._error = Histogram(
             "kvgate_prediction_error_ratio",
@@ -73,7 +80,10 @@ class Reconciler:
         replica = record.replica
         routed = record.routed
         matched = routed.route.overlap.get(replica, 0)
-        predicted = min(matched * self.block_bytes, rendered) * prompt_tokens / rendered
+        if self.block_tokens is not None:
+            predicted = float(min(matched * self.block_tokens, prompt_tokens))
+        else:
+            predicted = min(matched * self.block_bytes, rendered) * prompt_tokens / rendered
         stats = self.stats
         stats.predicted_tokens += predicted
         stats.engine_cached_tokens += engine_cached

@@ -14,7 +14,7 @@ exchange alone writes it â€” the first token's instant, the usage, the outcome â
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cachemap.keys import BlockHash
@@ -50,6 +50,9 @@ class Routed:
     at its release)."""
     admitted_tokens: int = 0
     """Tokens charged to the tenant's tokens/min budget at admission; usage settles the rest."""
+    ranks: Mapping[str, int] = field(default_factory=dict)
+    """replica -> the data-parallel rank holding the request's prefix (precise mode, engines
+    whose ranks share one port): sent as `X-data-parallel-rank`."""
 
 
 @dataclass(slots=True, eq=False)

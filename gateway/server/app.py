@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -28,10 +28,12 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cachemap.events import EventIndex
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
+from cachemap.tokenizer import ModelTokenizer
 from gateway.api.asgi import MeteredASGI, on_http_exception, on_unexpected
 from gateway.api.context import FrontEnd
 from gateway.api.epp.server import start_epp
@@ -40,15 +42,18 @@ from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
 from gateway.billing.service import Billing
 from gateway.directory.routing import RoutingDirectory
+from gateway.events.intake import EventIntake, EventsConfig
+from gateway.events.precise import PreciseKeys, PromptTokens, TokenizerCheck
 from gateway.fleet.discovery import Discovery, KubeTarget
 from gateway.fleet.replicas import ReplicaSet
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import RequestMetrics, build_registry, render
 from gateway.observability.tracing import Tracing, build_tracing
 from gateway.pipeline.admission import Admission
-from gateway.pipeline.director import Director, RouteKeys
+from gateway.pipeline.director import Director
 from gateway.pipeline.flights import Flights
 from gateway.pipeline.forwarder import Forwarder
+from gateway.pipeline.keying import Keying, RouteKeys
 from gateway.pipeline.placement import Placement
 from gateway.pipeline.ratelimit import RateLimiter, TokenSettlement
 from gateway.pipeline.reconcile import Reconciler
@@ -85,6 +90,9 @@ class Parts:
     director: Director
     front: FrontEnd
     registry: CollectorRegistry
+    keying: Keying | None = None
+    intake: EventIntake | None = None
+    """Precise mode's KV event feeds (None: events off)."""
     grpc: GrpcServer | None = None
     """The gRPC server while it runs (started by `run`)."""
     draining: bool = False
@@ -116,13 +124,21 @@ def _directory(settings: Settings) -> RoutingDirectory:
     )
 
 
-def _replicas(settings: Settings, directory: RoutingDirectory) -> ReplicaSet:
+def _replicas(
+    settings: Settings, directory: RoutingDirectory, intake: Callable[[], EventIntake | None]
+) -> ReplicaSet:
+    async def on_restart(replica: str) -> None:
+        events = intake()
+        if events is not None:
+            events.restarted(replica)
+        await directory.forget(replica)
+
     return ReplicaSet(
         settings.engines,
         interval_s=settings.health_interval_s,
         timeout_s=settings.health_timeout_s,
         unhealthy_after=settings.unhealthy_after,
-        on_restart=directory.forget,
+        on_restart=on_restart,
         on_start_marker=directory.observe_start,
         scrape_metrics=settings.scrape_metrics,
         metrics_interval_s=settings.metrics_interval_s,
@@ -164,6 +180,33 @@ def _placement(settings: Settings, flights: Flights | None) -> Placement:
     )
 
 
+def _precise(
+    settings: Settings, replicas: ReplicaSet
+) -> tuple[PreciseKeys | None, EventIntake | None]:
+    """Precise mode's parts when `tokenizer_dir` is set; the intake when events are configured."""
+    if settings.tokenizer_dir is None:
+        return None, None
+    try:
+        tokenizer = ModelTokenizer(settings.tokenizer_dir)
+    except ValueError as exc:
+        raise ValueError(f"tokenizer_dir: {exc}") from None
+    index = EventIndex(
+        block_size=settings.engine_block_size, speculative_ttl_s=settings.speculative_ttl_s
+    )
+    intake = None
+    if settings.kv_events_port is not None or settings.kv_events_endpoints:
+        config = EventsConfig(
+            port=settings.kv_events_port,
+            replay_port=settings.kv_events_replay_port,
+            endpoints=dict(settings.kv_events_endpoints),
+            replay_endpoints=dict(settings.kv_events_replay_endpoints),
+            topic=settings.kv_events_topic,
+            dp_size=settings.engine_dp_size,
+        )
+        intake = EventIntake(config, index, lambda: list(replicas.states))
+    return PreciseKeys(PromptTokens(tokenizer), index, intake, settings.engine_dp_size), intake
+
+
 def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Parts:
     """Construct every part; nothing is started and no socket is opened."""
     tenants = TenantRegistry.from_pairs(settings.secret_bytes(), settings.tenants)
@@ -181,7 +224,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         consistent_hash_blocks=settings.consistent_hash_blocks,
     )
     directory = _directory(settings)
-    replicas = _replicas(settings, directory)
+    replicas = _replicas(settings, directory, lambda: intake)
     registry = build_registry()
     flights = None
     if settings.fanout_hold:
@@ -192,23 +235,41 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     request_metrics = RequestMetrics()
     observers: list[ExchangeObserver] = [
         TokenSettlement(limiter),
-        Reconciler(directory, settings.block_bytes, registry),
+        Reconciler(
+            directory,
+            settings.block_bytes,
+            registry,
+            block_tokens=settings.engine_block_size if settings.tokenizer_dir else None,
+        ),
         *([billing.meter] if billing else []),
         request_metrics,
         AccessLog(),
     ]
     tracing = build_tracing(settings, span_exporter)
-    director = Director(
-        keys=RouteKeys(
-            settings.block_bytes, settings.consistent_hash_blocks, settings.decode_token_weight
+    precise, intake = _precise(settings, replicas)  # before any probe: `intake` is bound
+    forwarder = Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s)
+    keying = Keying(
+        RouteKeys(
+            settings.block_bytes,
+            settings.consistent_hash_blocks,
+            settings.decode_token_weight,
+            settings.offload_cost,
         ),
+        directory,
+        estimator,
+        precise,
+        TokenizerCheck(settings.tokenizer_check_every) if precise is not None else None,
+        lambda: forwarder.session,
+    )
+    director = Director(
+        keying=keying,
         admission=Admission(tenants, limiter, settings.max_prompt_bytes),
         directory=directory,
         replicas=replicas,
         placement=placement,
         policy=build_policy(settings.policy, router_config),
         fallback_policy=build_fallback(settings.policy, router_config),
-        forwarder=Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s),
+        forwarder=forwarder,
         recorder=Recorder(directory, estimator, observers),
         estimator=estimator,
         max_attempts=settings.max_attempts,
@@ -226,6 +287,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             placement=placement,
             metrics=request_metrics,
             discovery=discovery,
+            precise=precise,
+            check=keying.check,
         )
     )
     front = FrontEnd(
@@ -252,6 +315,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         director,
         front,
         registry,
+        keying,
+        intake,
     )
 
 
@@ -299,6 +364,11 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             await parts.billing.start()
         stack.push_async_callback(parts.replicas.stop)
         await parts.replicas.start(session)
+        if parts.keying is not None:
+            stack.push_async_callback(parts.keying.close)
+        if parts.intake is not None:
+            stack.push_async_callback(parts.intake.close)
+            await parts.intake.start()
         # on the way out, before billing and the directory flush and close: the requests still
         # inside end (those cut at the grace need a moment to write their aborted records)
         stack.push_async_callback(_settle, parts)

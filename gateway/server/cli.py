@@ -80,6 +80,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--otlp-endpoint", help="export traces over OTLP/HTTP, e.g. http://collector:4318/v1/traces"
     )
+    # -- precise mode (issue 16; docs/precise.md) --
+    parser.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        help="precise mode: the model's tokenizer directory (the engines' tokenizer files)",
+    )
+    parser.add_argument(
+        "--kv-events-port", type=int, help="each engine's KV events PUB port (rank r: port + r)"
+    )
+    parser.add_argument(
+        "--kv-events-replay-port", type=int, help="each engine's KV events replay port"
+    )
     show_settings_defaults(parser)
 
 
@@ -126,6 +138,9 @@ def run_serve(args: argparse.Namespace) -> int:
             discovery_port_name=args.discovery_port_name,
             kubeconfig=args.kubeconfig,
             otlp_endpoint=args.otlp_endpoint,
+            tokenizer_dir=args.tokenizer_dir,
+            kv_events_port=args.kv_events_port,
+            kv_events_replay_port=args.kv_events_replay_port,
         )
     except ValidationError as exc:
         print(f"kvgate serve: invalid settings:\n{describe_errors(exc)}")

@@ -14,6 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.directory.routing import RoutingDirectory
+from gateway.events.metrics import precise_families
+from gateway.events.precise import PreciseKeys, TokenizerCheck
 from gateway.fleet.discovery import Discovery
 from gateway.fleet.replicas import ReplicaSet
 from gateway.observability import histograms
@@ -46,7 +48,11 @@ class GatewayCollector(Collector):
         placement: Placement,
         metrics: RequestMetrics,
         discovery: Discovery | None = None,
+        precise: PreciseKeys | None = None,
+        check: TokenizerCheck | None = None,
     ) -> None:
+        self.precise = precise
+        self.check = check
         self.stats = stats
         self.replicas = replicas
         self.directory = directory
@@ -58,6 +64,8 @@ class GatewayCollector(Collector):
         yield from self._requests()
         yield from self._replicas()
         yield from self._discovery()
+        if self.precise is not None:
+            yield from precise_families(self.precise, self.check)
         yield from self._routing()
 
     def _requests(self) -> Iterable[Any]:

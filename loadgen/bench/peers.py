@@ -6,6 +6,8 @@ starts cold with the same KV capacity:
 
     arm                      router process
     kvgate:<policy>          kvgate serve --policy <policy>   (every registered policy)
+    precise:<policy>         the same in precise mode: --tokenizer-dir (the engines' model
+                             directory), the engines publishing KV events, one port each
     sglang:cache_aware       python -m sglang_router.launch_router --policy cache_aware
     vllm:cache_aware         vllm-router --policy cache_aware
     vllm:round_robin         vllm-router --policy round_robin
@@ -60,6 +62,7 @@ from loadgen.engine.timing import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     TimingModel,
 )
+from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.harness import processes
 from loadgen.harness.envoy import EnvoySetup, envoy, envoy_binary
 from loadgen.replay import ReplayOptions, ReplaySummary, replay, summarise
@@ -97,6 +100,8 @@ READY_TIMEOUT_S = 60.0
 
 ALL_PEER_ARMS = ("sglang:cache_aware", "vllm:cache_aware", "vllm:round_robin")
 EPP_KINDS = ("epp", "epp-headers")
+GATEWAY_KINDS = ("kvgate", "precise", *EPP_KINDS)
+"""Arms whose router is `kvgate serve` (routing decisions read from its /metrics)."""
 HOP_PROBES = 40
 """One-token requests after each replay to time the idle hop (their median is stable to ~0.1 ms
 at 40, and they cost under a second)."""
@@ -117,10 +122,12 @@ def parse_arms(spec: str) -> list[Arm]:
     """`all` or a comma-separated list of kind:policy names."""
     epp = [f"{kind}:cache_aware" for kind in EPP_KINDS]
     if spec == "all":
-        names = [f"kvgate:{p}" for p in POLICIES] + [*epp, *ALL_PEER_ARMS, "client:round_robin"]
+        names = [f"kvgate:{p}" for p in POLICIES] + [*epp, "precise:cache_aware"]
+        names += [*ALL_PEER_ARMS, "client:round_robin"]
     else:
         names = [s.strip() for s in spec.split(",") if s.strip()]
-    valid = {f"kvgate:{p}" for p in POLICIES} | {*ALL_PEER_ARMS, "client:round_robin"}
+    valid = {f"{kind}:{p}" for kind in ("kvgate", "precise") for p in POLICIES}
+    valid |= {*ALL_PEER_ARMS, "client:round_robin"}
     valid |= {f"{kind}:{p}" for kind in EPP_KINDS for p in POLICIES}
     arms = []
     for name in names:
@@ -219,18 +226,26 @@ def _wait_for_model(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: f
 
 @contextlib.contextmanager
 def start_router(
-    arm: Arm, engine_urls: Sequence[str], directory_capacity_blocks: int
+    arm: Arm,
+    engine_urls: Sequence[str],
+    directory_capacity_blocks: int,
+    events: dict[str, str] | None = None,
 ) -> Iterator[Router]:
+    """`events`: engine URL -> its KV events endpoint (the precise arms)."""
     if arm.kind == "client":
         yield Router(tuple(engine_urls), None, None)
         return
-    if arm.kind in ("kvgate", *EPP_KINDS):
+    if arm.kind in GATEWAY_KINDS:
         env = {
             "KVGATE_DIRECTORY_CAPACITY_BLOCKS": str(directory_capacity_blocks),
             "KVGATE_SEED": "0",
         }
         args = ["--policy", arm.policy, "--tenant", f"bench:{BENCH_KEY}", "--log-level", "warning"]
-        if arm.kind == "kvgate":
+        if arm.kind == "precise":
+            extra, extra_env = processes.precise_gateway_args(events or {}, str(MODEL_DIR))
+            args += extra
+            env.update(extra_env)
+        if arm.kind in ("kvgate", "precise"):
             with processes.gateway(engine_urls, args, env=env) as gw:
                 yield Router((gw.url,), gw.pid, BENCH_KEY, gw.metrics_url)
             return
@@ -324,8 +339,10 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
     """Fresh engines, the arm's router, one open-loop replay; CPU from /proc around it."""
     trace = trace or setup.trace
     with (
-        processes.engines(setup.num_engines, setup.engine_args()) as engines,
-        start_router(arm, [e.url for e in engines], setup.directory_capacity_blocks) as router,
+        _engines(arm, setup) as (engines, events),
+        start_router(
+            arm, [e.url for e in engines], setup.directory_capacity_blocks, events
+        ) as router,
     ):
         options = ReplayOptions(
             router.targets if len(router.targets) > 1 else router.targets[0],
@@ -353,7 +370,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
             envoy_cpu = (processes.cpu_seconds(router.envoy_pid) - envoy_cpu0) / n * 1e3
         decisions = (
             routing_decisions(router.metrics_url)
-            if arm.kind in ("kvgate", *EPP_KINDS) and router.metrics_url
+            if arm.kind in GATEWAY_KINDS and router.metrics_url
             else {}
         )
         hop = None
@@ -376,6 +393,17 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         envoy_cpu_ms_per_request=envoy_cpu,
         hop_ms=hop,
     )
+
+
+@contextlib.contextmanager
+def _engines(arm: Arm, setup: Setup) -> Iterator[tuple[list[processes.Proc], dict[str, str]]]:
+    """The arm's fresh engines; a precise arm's publish KV events (endpoints by engine URL)."""
+    if arm.kind == "precise":
+        with processes.engines_with_events(setup.num_engines, setup.engine_args()) as both:
+            yield both
+        return
+    with processes.engines(setup.num_engines, setup.engine_args()) as engines:
+        yield engines, {}
 
 
 def idle_ttft_ms(url: str, api_key: str | None) -> float:

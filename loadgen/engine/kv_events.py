@@ -56,6 +56,7 @@ import msgpack
 import orjson
 import zmq
 
+from cachemap.events import rank_endpoint as offset_endpoint
 from loadgen.engine.kvpool import CPU, CacheEvent, Cleared, Removed, Stored
 
 ENCODINGS = ("vllm", "vllm-array", "sglang")
@@ -131,18 +132,6 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
 def _kind(types: tuple[type, ...]) -> str:
     names = {bool: "a boolean", int: "an integer", str: "a string", type(None): "null"}
     return " or ".join(names[t] for t in types)
-
-
-def offset_endpoint(endpoint: str, rank: int) -> str:
-    """Data-parallel rank r's endpoint: tcp port + r, or an inproc name with `_dp{r}`."""
-    if rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{rank}"
-    if endpoint.startswith("tcp://") and ":" in endpoint[6:]:
-        base, port = endpoint.rsplit(":", 1)
-        return f"{base}:{int(port) + rank}"
-    raise ValueError(f"cannot offset endpoint {endpoint!r} by rank {rank}: use tcp:// or inproc://")
 
 
 def binds(endpoint: str) -> bool:

@@ -20,7 +20,7 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from loadgen.engine.chat_template import ChatTemplateError
+from cachemap.chat_template import ChatTemplateError
 from loadgen.engine.tokenizer import default_tokenizer
 
 _RENDERED_PROMPTS = 256
@@ -56,44 +56,20 @@ def _salt(body: dict[str, Any]) -> str | None:
 
 
 def prompt_text(body: dict[str, Any], chat: bool) -> str | list[int]:
-    """The text the engine tokenizes (a chat: its rendering), or a token-id prompt."""
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list")
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise BadRequest("'tools' must be a list")
-        try:
-            return default_tokenizer().render_chat(
-                messages,
-                tools,
-                add_generation_prompt=_flag(body, "add_generation_prompt", True),
-                continue_final_message=_flag(body, "continue_final_message", False),
-            )
-        except ChatTemplateError as exc:
-            raise BadRequest(str(exc)) from None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        return check_ids(prompt, "prompt")
-    raise BadRequest("'prompt' must be a string or a list of token ids")
+    """The text the engine tokenizes (a chat: its rendering), or a token-id prompt
+    (`cachemap.tokenizer.ModelTokenizer.prompt_of`, the gateway's precise mode's too)."""
+    try:
+        return default_tokenizer().prompt_of(body, chat)
+    except ChatTemplateError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def check_ids(ids: list[Any], name: str) -> list[int]:
     """`ids` when each is a token id of the vocabulary, else a `BadRequest` naming the first."""
-    vocab_size = default_tokenizer().vocab_size
-    for i in ids:
-        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size:
-            raise BadRequest(
-                f"'{name}' holds {i!r}, which is not a token id (0 .. {vocab_size - 1})"
-            )
-    return ids
+    try:
+        return default_tokenizer().check_ids(ids, name)
+    except ChatTemplateError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 class RenderedPrompts:

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx
+import orjson
 
 STARTUP_TIMEOUT_S = 30.0
 
@@ -125,6 +126,38 @@ def engines(
         yield procs
     finally:
         stop(procs)
+
+
+@contextlib.contextmanager
+def engines_with_events(
+    num: int, engine_args: Sequence[str] = ()
+) -> Iterator[tuple[list[Proc], dict[str, str]]]:
+    """`engines`, each publishing KV events (vLLM's ZMQ PUB) on a port of its own: yields the
+    engines and engine URL -> events endpoint (what `kvgate serve` takes as
+    `kv_events_endpoints`, for precise mode)."""
+    procs: list[Proc] = []
+    events: dict[str, str] = {}
+    try:
+        for _ in range(num):
+            port = free_port()
+            config = orjson.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+            proc = start_engine(free_port(), [*engine_args, "--kv-events-config", config.decode()])
+            procs.append(proc)
+            events[proc.url] = f"tcp://127.0.0.1:{port}"
+        for proc in procs:
+            wait_ready(proc.url, "/health", proc.popen, STARTUP_TIMEOUT_S)
+        yield procs, events
+    finally:
+        stop(procs)
+
+
+def precise_gateway_args(
+    events: dict[str, str], tokenizer_dir: str
+) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment that put `kvgate serve` in precise mode over `events`."""
+    return ["--tokenizer-dir", tokenizer_dir], {
+        "KVGATE_KV_EVENTS_ENDPOINTS": orjson.dumps(events).decode()
+    }
 
 
 @contextlib.contextmanager

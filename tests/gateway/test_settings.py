@@ -56,3 +56,17 @@ def test_keys_are_kept_hashed_and_salts_are_per_tenant() -> None:
     assert bearer_key("Bearer abc") == "abc"
     assert bearer_key("Basic abc") is None
     assert bearer_key(None) is None
+
+
+def test_precise_settings_are_checked(tmp_path: Path) -> None:
+    from gateway.settings import describe_errors
+
+    for bad, complaint in (
+        ({"tokenizer_dir": tmp_path}, "has no tokenizer.json or tokenizer_config.json"),
+        ({"engine_block_size": 0}, "engine_block_size: Value error, must be at least 1"),
+        ({"offload_cost": 1.5}, "offload_cost: Value error, must be a ratio"),
+        ({"speculative_ttl_s": 0}, "speculative_ttl_s: Value error, must be a positive"),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            load_settings(**bad)
+        assert complaint in describe_errors(caught.value)

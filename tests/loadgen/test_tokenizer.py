@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loadgen.engine.chat_template import ChatTemplateError
+from cachemap.chat_template import ChatTemplateError
 from loadgen.engine.tokenizer import (
     MODEL_DIR,
     EngineTokenizer,
@@ -234,7 +234,7 @@ def test_empty_tool_calls_take_the_plain_assistant_path() -> None:
 
 def test_the_template_runs_sandboxed() -> None:
     evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
-    from loadgen.engine.chat_template import ChatTemplate
+    from cachemap.chat_template import ChatTemplate
 
     with pytest.raises(ChatTemplateError, match="cannot render"):
         ChatTemplate(evil, {}).render([{"role": "user", "content": "x"}])

@@ -1,0 +1,360 @@
+"""The event index: what each engine's KV events say it holds, under kvgate's own keys.
+
+Precise mode's directory (issue 16). Engines announce blocks as they store and evict them
+(`BlockStored`, `BlockRemoved`, `AllBlocksCleared`, the shapes of vLLM's and SGLang's events,
+decoded by `gateway.events.decode`). The index keeps the *dual keys* of llm-d's design:
+
+    own key     = chain_hashes(token ids of the event, precise_root(cache_salt), 4 × block_size,
+                               parent = own key of parent_block_hash)        (cachemap.keys)
+    engine hash → own key       kept per domain, only to apply BlockRemoved and to resolve a
+                                continuation's parent_block_hash
+
+so the gateway's keys for a request (the same chain over the ids it tokenized itself) match
+the engine's blocks with no coupling to the engine's hash function or its seed.
+
+A *domain* is one cache: an engine, or one data-parallel rank of it (`domain_of`). Each block
+a domain holds carries a tier mask (GPU, CPU, STORAGE: vLLM's `medium`, SGLang's names) and
+leaves the index when its last tier is removed.
+
+Invariants:
+- `_holders[key][domain]` is a non-zero tier mask iff some engine hash of `domain` maps to
+  `key` in `_domains[domain].engine`; `num_blocks(domain, tier)` counts those masks' bits.
+- `clear(domain)` (a wipe, or a restart seen as seq 0) removes every block of the domain
+  before it returns: a lookup after it sees none of them.
+- A speculative entry (`speculate`) matches like a GPU block until it expires
+  (`speculative_ttl_s`) or an event stores its key (confirmed); at most
+  `MAX_SPECULATIVE_PER_DOMAIN` are kept per domain, the oldest dropped first.
+- Only full-attention groups are indexed: a store of a sliding-window group is ignored, and so
+  are removals of groups a store said were sliding-window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cachemap.keys import BlockHash, chain_hashes, root_hash, token_bytes
+
+EngineHash = int | bytes
+"""A block hash as the engine sends it: a 64-bit int (vLLM unsigned, SGLang signed) or bytes."""
+
+GPU, CPU, STORAGE = 1, 2, 4
+TIERS = {"gpu": GPU, "cpu": CPU, "storage": STORAGE}
+"""Tier masks by their metric label."""
+
+DEFAULT_BLOCK_SIZE = 16
+"""vLLM's and SGLang's default KV block size in tokens; set it to the engines' `--block-size`."""
+
+DEFAULT_SPECULATIVE_TTL_S = 2.0
+"""How long a placement counts as held before its event: an engine announces a prompt's
+blocks at its first token, so this covers a prefill queue of ~2 s (26k tokens at 13k tokens/s);
+a longer wait makes the next turn wait for the event, which costs nothing but the guess."""
+
+DEFAULT_OFFLOAD_COST = 0.07
+"""A CPU-tier hit costs this share of prefilling its tokens (128 KiB per token over PCIe at
+~25 GB/s against ~77 µs of prefill per token on an H100: vLLM's OffloadingConnector, SGLang's
+HiCache). So a CPU hit ranks below a GPU hit and far above a miss."""
+
+MAX_SPECULATIVE_PER_DOMAIN = 65_536
+"""Speculative entries kept per domain: ~1M tokens of 16-token blocks in flight."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: Sequence[EngineHash]
+    parent: EngineHash | None
+    token_ids: Sequence[int]
+    block_size: int
+    tier: int = GPU
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    group_idx: int | None = None
+    full_attention: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: Sequence[EngineHash]
+    tier: int = GPU
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def precise_root(cache_salt: str | None, lora_name: str | None = None) -> BlockHash:
+    """The parent of block 0 in precise mode: the engine's isolation scope (the `cache_salt`
+    the gateway sent, so tenants share nothing) and the LoRA adapter. The model is not in it:
+    a domain is one engine serving one model, and a lookup only asks the model's replicas."""
+    return root_hash(b"precise\x00" + (cache_salt or "").encode(), lora_name or "")
+
+
+def precise_keys(
+    token_ids: Sequence[int], cache_salt: str | None, block_size: int, lora_name: str | None = None
+) -> list[BlockHash]:
+    """The own keys of a prompt's full blocks: what the gateway looks up for a request."""
+    return chain_hashes(token_bytes(token_ids), precise_root(cache_salt, lora_name), 4 * block_size)
+
+
+def domain_of(replica: str, rank: int, dp_size: int) -> str:
+    """A cache domain's name: the replica itself, or `replica#rank` when it has DP ranks."""
+    return replica if dp_size <= 1 else f"{replica}#{rank}"
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """Data-parallel rank r's event endpoint, as vLLM and SGLang offset it: tcp port + r, or an
+    inproc name with `_dp{r}`."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("tcp://") and ":" in endpoint[6:]:
+        base, port = endpoint.rsplit(":", 1)
+        return f"{base}:{int(port) + rank}"
+    raise ValueError(f"cannot offset endpoint {endpoint!r} by rank {rank}: use tcp:// or inproc://")
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    depth: int
+    """Leading blocks of the request held on any tier (speculative entries count as GPU)."""
+    offloaded: int
+    """Of those, blocks held on no GPU (a CPU or storage hit: cheaper than a miss, dearer than a
+    GPU hit)."""
+    speculative: int = 0
+    """Of those, blocks only a speculative entry claims."""
+
+
+@dataclass
+class IndexStats:
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    unknown_removals: int = 0
+    """BlockRemoved of a hash the index never stored (missed events, or already cleared)."""
+    unresolved_parents: int = 0
+    """BlockStored whose parent the index does not know: its blocks cannot be keyed."""
+    wrong_block_size: int = 0
+    skipped_groups: int = 0
+    """Events of sliding-window groups, not indexed."""
+    clears: int = 0
+    speculative_confirmed: int = 0
+    speculative_expired: int = 0
+
+
+@dataclass
+class _Domain:
+    engine: dict[EngineHash, BlockHash] = field(default_factory=dict)
+    tier_counts: dict[int, int] = field(
+        default_factory=lambda: dict.fromkeys((GPU, CPU, STORAGE), 0)
+    )
+    sliding_groups: set[int] = field(default_factory=set)
+    speculative: deque[tuple[float, BlockHash]] = field(default_factory=deque)
+
+
+class EventIndex:
+    """Blocks per domain and tier, from events (see the module docstring for the invariants).
+
+    Pure and synchronous, like `MemoryIndex`: the gateway applies events to it on its event
+    loop, so a wipe is applied between two routing decisions, never during one."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.speculative_ttl_s = speculative_ttl_s
+        self.stats = IndexStats()
+        self._holders: dict[BlockHash, dict[str, int]] = {}
+        self._speculative: dict[BlockHash, dict[str, float]] = {}
+        self._domains: dict[str, _Domain] = {}
+
+    # -- events ----------------------------------------------------------------------------
+    def apply(self, domain: str, event: CacheEvent) -> None:
+        if isinstance(event, BlockStored):
+            self.store(domain, event)
+        elif isinstance(event, BlockRemoved):
+            self.remove(domain, event)
+        else:
+            self.clear(domain)
+
+    def store(self, domain: str, event: BlockStored) -> list[BlockHash]:
+        """Index a BlockStored; returns the own keys of its blocks (empty when skipped)."""
+        state = self._domain(domain)
+        if not event.full_attention:
+            if event.group_idx is not None:
+                state.sliding_groups.add(event.group_idx)
+            self.stats.skipped_groups += 1
+            return []
+        if event.block_size != self.block_size:
+            self.stats.wrong_block_size += 1
+            return []
+        parent_key: BlockHash | None = None
+        if event.parent is not None:
+            parent_key = state.engine.get(event.parent)
+            if parent_key is None:
+                self.stats.unresolved_parents += 1
+                return []
+        keys = chain_hashes(
+            token_bytes(event.token_ids),
+            precise_root(event.cache_salt, event.lora_name),
+            4 * self.block_size,
+            parent=parent_key,
+        )
+        for engine_hash, key in zip(event.block_hashes, keys, strict=False):
+            self._hold(domain, state, engine_hash, key, event.tier)
+        self.stats.stored_blocks += len(keys)
+        return keys
+
+    def remove(self, domain: str, event: BlockRemoved) -> None:
+        state = self._domains.get(domain)
+        if state is None:
+            self.stats.unknown_removals += len(event.block_hashes)
+            return
+        if event.group_idx is not None and event.group_idx in state.sliding_groups:
+            self.stats.skipped_groups += 1
+            return
+        for engine_hash in event.block_hashes:
+            key = state.engine.get(engine_hash)
+            holders = self._holders.get(key) if key is not None else None
+            mask = holders.get(domain, 0) if holders is not None else 0
+            if key is None or holders is None or not mask & event.tier:
+                self.stats.unknown_removals += 1
+                continue
+            state.tier_counts[event.tier] -= 1
+            self.stats.removed_blocks += 1
+            mask &= ~event.tier
+            if mask:
+                holders[domain] = mask
+                continue
+            del holders[domain]
+            if not holders:
+                del self._holders[key]
+            del state.engine[engine_hash]
+
+    def clear(self, domain: str) -> None:
+        """The domain's engine was wiped or restarted: every block of it goes, now."""
+        state = self._domains.pop(domain, None)
+        self.stats.clears += 1
+        if state is None:
+            return
+        for key in state.engine.values():
+            holders = self._holders.get(key)
+            if holders is not None and holders.pop(domain, None) is not None and not holders:
+                del self._holders[key]
+        for _, key in state.speculative:
+            spec = self._speculative.get(key)
+            if spec is not None and spec.pop(domain, None) is not None and not spec:
+                del self._speculative[key]
+
+    def _domain(self, domain: str) -> _Domain:
+        state = self._domains.get(domain)
+        if state is None:
+            state = self._domains[domain] = _Domain()
+        return state
+
+    def _hold(
+        self, domain: str, state: _Domain, engine_hash: EngineHash, key: BlockHash, tier: int
+    ) -> None:
+        holders = self._holders.get(key)
+        if holders is None:
+            holders = self._holders[key] = {}
+        mask = holders.get(domain, 0)
+        if not mask & tier:
+            state.tier_counts[tier] += 1
+        holders[domain] = mask | tier
+        state.engine[engine_hash] = key
+        spec = self._speculative.get(key)
+        if spec is not None and spec.pop(domain, None) is not None:
+            self.stats.speculative_confirmed += 1
+            if not spec:
+                del self._speculative[key]
+
+    # -- speculation -----------------------------------------------------------------------
+    def speculate(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
+        """Count `keys` as held by `domain` until the event comes or `speculative_ttl_s`
+        passes; returns how many entries were added (keys already on its GPU are not)."""
+        state = self._domain(domain)
+        self.sweep(domain, now_s)
+        expires = now_s + self.speculative_ttl_s
+        added = 0
+        for key in keys:
+            if self._holders.get(key, {}).get(domain, 0) & GPU:
+                continue
+            spec = self._speculative.get(key)
+            if spec is None:
+                spec = self._speculative[key] = {}
+            spec[domain] = expires
+            state.speculative.append((expires, key))
+            added += 1
+        while len(state.speculative) > MAX_SPECULATIVE_PER_DOMAIN:
+            self._expire_one(domain, state, float("inf"))
+        return added
+
+    def sweep(self, domain: str, now_s: float) -> None:
+        """Expire the domain's speculative entries whose time has passed (counted)."""
+        state = self._domains.get(domain)
+        while state is not None and state.speculative and state.speculative[0][0] <= now_s:
+            self._expire_one(domain, state, now_s)
+
+    def _expire_one(self, domain: str, state: _Domain, now_s: float) -> None:
+        expires, key = state.speculative.popleft()
+        spec = self._speculative.get(key)
+        if spec is not None and spec.get(domain) == expires:  # not confirmed nor renewed
+            del spec[domain]
+            if not spec:
+                del self._speculative[key]
+            if expires <= now_s:
+                self.stats.speculative_expired += 1
+
+    # -- reading ---------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockHash], now_s: float) -> dict[str, Match]:
+        """domain -> its match of the chain `keys` (domains matching nothing are absent)."""
+        depth: dict[str, int] = {}
+        offloaded: dict[str, int] = {}
+        speculative: dict[str, int] = {}
+        empty: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            holders = self._holders.get(key, empty)
+            spec = self._speculative.get(key)
+            advanced = False
+            for domain, mask in holders.items():
+                if depth.get(domain, 0) == i:
+                    depth[domain] = i + 1
+                    advanced = True
+                    if not mask & GPU and not (spec and spec.get(domain, 0.0) > now_s):
+                        offloaded[domain] = offloaded.get(domain, 0) + 1
+            if spec:
+                for domain, expires in spec.items():
+                    if expires > now_s and depth.get(domain, 0) == i:
+                        depth[domain] = i + 1
+                        speculative[domain] = speculative.get(domain, 0) + 1
+                        advanced = True
+            if not advanced:
+                break
+        return {d: Match(n, offloaded.get(d, 0), speculative.get(d, 0)) for d, n in depth.items()}
+
+    def own_key(self, domain: str, engine_hash: EngineHash) -> BlockHash | None:
+        """The own key the domain's block `engine_hash` was indexed under (None: unknown)."""
+        state = self._domains.get(domain)
+        return state.engine.get(engine_hash) if state is not None else None
+
+    def num_blocks(self, domain: str, tier: int = GPU) -> int:
+        state = self._domains.get(domain)
+        return state.tier_counts[tier] if state is not None else 0
+
+    def num_speculative(self, domain: str) -> int:
+        state = self._domains.get(domain)
+        return len(state.speculative) if state is not None else 0
+
+    def domains(self) -> list[str]:
+        return sorted(self._domains)

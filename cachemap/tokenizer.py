@@ -1,0 +1,135 @@
+"""A model's tokenizer and chat template, loaded from a Hugging Face model directory.
+
+What both sides of the wire load: the simulated engine (`loadgen.engine.tokenizer`, which adds
+its load-generation helpers) and the gateway's precise mode (`gateway.events.keys`), which must
+turn a request into exactly the token ids the engine will cache. A directory holds
+`tokenizer.json` (the BPE, its pre-tokenizer and added tokens) and `tokenizer_config.json` (the
+special tokens and `chat_template`); nothing is fetched from a hub.
+
+Requests become prompts as vLLM makes them (`prompt_of`): a chat (`messages`, `tools`,
+`add_generation_prompt` default true, `continue_final_message` default false) is rendered with
+the template; a completion's `prompt` is a string (or a list of one string) tokenized as it is,
+or a list of token ids taken as they are. A malformed request raises `ChatTemplateError` (a
+`ValueError`) naming what is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+from tokenizers import Tokenizer
+
+from cachemap.chat_template import ChatTemplate, ChatTemplateError
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ChatTemplateError(f"'{name}' must be true or false")
+    return value
+
+
+class ModelTokenizer:
+    """The BPE, the chat template and the special tokens of one model directory."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        try:
+            self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+            config: dict[str, Any] = orjson.loads(
+                (model_dir / "tokenizer_config.json").read_bytes()
+            )
+        except (OSError, Exception) as exc:  # tokenizers raises a bare Exception
+            raise ValueError(f"cannot load a tokenizer from {model_dir}: {exc}") from None
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        self.config = config
+        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        names = ("bos_token", "eos_token", "pad_token", "unk_token")
+        self.special_tokens = {n: config[n] for n in names if isinstance(config.get(n), str)}
+        self.template = ChatTemplate(config["chat_template"], self.special_tokens)
+
+    def added_tokens(self) -> list[str]:
+        """The added tokens' texts (special tokens and the like): the tokenizer splits its
+        input at these before anything else."""
+        return [t.content for t in self._tokenizer.get_added_tokens_decoder().values()]
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of `text` (`encode_batch_fast`: no offsets, ~1.5x faster)."""
+        (encoding,) = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)
+        ids: list[int] = encoding.ids
+        return ids
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        """The token ids of each text, in one call (the library parallelises a batch)."""
+        return [
+            e.ids for e in self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
+        ]
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`, special tokens included (vLLM's /detokenize)."""
+        text: str = self._tokenizer.decode(list(ids), skip_special_tokens=False)
+        return text
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary entries of `ids` (vLLM's `token_strs`, byte-level spelling)."""
+        return [self._tokenizer.id_to_token(i) or "" for i in ids]
+
+    def render_chat(
+        self,
+        messages: Sequence[Any],
+        tools: Sequence[Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The prompt text of a chat request; raises `ChatTemplateError` for a malformed one."""
+        return self.template.render(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+
+    def prompt_of(self, body: Mapping[str, Any], chat: bool) -> str | list[int]:
+        """The text the engine tokenizes (a chat: its rendering), or a token-id prompt."""
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ChatTemplateError("'messages' must be a non-empty list")
+            tools = body.get("tools")
+            if tools is not None and not isinstance(tools, list):
+                raise ChatTemplateError("'tools' must be a list")
+            return self.render_chat(
+                messages,
+                tools,
+                add_generation_prompt=_flag(body, "add_generation_prompt", True),
+                continue_final_message=_flag(body, "continue_final_message", False),
+            )
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return self.check_ids(prompt, "prompt")
+        raise ChatTemplateError("'prompt' must be a string or a list of token ids")
+
+    def check_ids(self, ids: list[Any], name: str) -> list[int]:
+        """`ids` when each is a token id of the vocabulary, else a `ChatTemplateError`."""
+        for i in ids:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size:
+                raise ChatTemplateError(
+                    f"'{name}' holds {i!r}, which is not a token id (0 .. {self.vocab_size - 1})"
+                )
+        return ids

@@ -1,0 +1,339 @@
+"""Event intake: one ZMQ SUB per engine cache domain, its batches applied to the event index.
+
+    engine rank r ──PUB (topic, seq, payload)──▶ Feed ──decode──▶ EventIndex.apply(domain, ...)
+                  ◀──DEALER replay(start seq)──┘ (on a gap)
+
+Per feed, the seq decides (`Feed.accept`):
+- the next one expected: applied;
+- a gap (seq ahead): the missed batches are replayed over the engine's replay socket first
+  (bounded: at most `max_replay_batches`, each answer frame within `replay_timeout_s`; a
+  replay cut short leaves the feed at the last batch it applied, so the next one resumes from
+  there); without a replay endpoint the gap is counted as unrepaired;
+- behind (0, or anything lower, after a higher seq): the engine restarted (vLLM counts from 0
+  per process, and a PUB never resends, so a seq going back is a new publisher whose first
+  batches may have gone while the SUB reconnected): the domain's entries are dropped before the
+  batch is applied, as an `AllBlocksCleared` does (replayed batches already applied are the
+  only duplicates, skipped inside the replay);
+- a restart whose seq comes back *higher* than expected looks like a gap: the replica set's
+  restart detection (`on_restart`: start time, counters going back) drops the domain then;
+- the first batch a feed sees with seq > 0: what the engine still buffers is replayed from 0
+  (a gateway that restarts recovers the blocks announced while it was away).
+
+Both replay answer layouts are read: (topic, seq, payload), current vLLM, and (seq, payload),
+older vLLM and SGLang, each after the DEALER's empty delimiter; seq -1 ends the answer.
+
+Every batch is applied synchronously on the event loop between two awaits, so a wipe is in
+the index before the next routing decision that runs after its message arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from cachemap.events import AllBlocksCleared, EventIndex, domain_of, rank_endpoint
+from gateway.events.decode import MalformedBatch, decode_batch
+from gateway.tasks import BackgroundTasks
+
+log = logging.getLogger(__name__)
+
+END_SEQ = -1
+DEFAULT_REPLAY_TIMEOUT_S = 1.0
+"""How long a replay waits for each answer frame: a publisher thread answers in microseconds
+unless the engine is gone."""
+DEFAULT_MAX_REPLAY_BATCHES = 10_000
+"""vLLM's default `buffer_steps`: an engine never keeps more to replay."""
+RECEIVE_HWM = 100_000
+"""Batches a SUB socket queues while the event loop is busy: vLLM's PUB `hwm` default, so a
+burst the engine could send is held rather than dropped (a drop is a gap)."""
+REFRESH_INTERVAL_S = 1.0
+"""How often the intake matches its feeds to the replica set (discovery adds and removes)."""
+_LAGS_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """Where each engine publishes (docs/precise.md): a per-replica endpoint, or the replica's
+    host with `port` (rank r on port + r, as vLLM offsets them)."""
+
+    port: int | None = None
+    replay_port: int | None = None
+    endpoints: dict[str, str] = field(default_factory=dict)
+    """replica URL -> its PUB endpoint (rank 0), e.g. tcp://10.0.0.7:5557"""
+    replay_endpoints: dict[str, str] = field(default_factory=dict)
+    topic: str = ""
+    dp_size: int = 1
+
+    def feeds(self, replica: str) -> list[FeedConfig]:
+        """The feeds of one replica (one per DP rank); none when it publishes nowhere known."""
+        host = urlsplit(replica).hostname or "127.0.0.1"
+        endpoint = self.endpoints.get(replica)
+        if endpoint is None and self.port is not None:
+            endpoint = f"tcp://{host}:{self.port}"
+        if endpoint is None:
+            return []
+        replay = self.replay_endpoints.get(replica)
+        if replay is None and self.replay_port is not None:
+            replay = f"tcp://{host}:{self.replay_port}"
+        return [
+            FeedConfig(
+                replica,
+                rank,
+                domain_of(replica, rank, self.dp_size),
+                rank_endpoint(endpoint, rank),
+                rank_endpoint(replay, rank) if replay is not None else None,
+                self.topic,
+            )
+            for rank in range(self.dp_size)
+        ]
+
+
+@dataclass(frozen=True)
+class FeedConfig:
+    replica: str
+    rank: int
+    domain: str
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+
+
+@dataclass
+class FeedStats:
+    batches: int = 0
+    malformed: int = 0
+    unknown_events: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    unrepaired_gaps: int = 0
+    replays: int = 0
+    replayed_batches: int = 0
+    restarts: int = 0
+    wipes: int = 0
+    last_batch_s: float | None = None
+    last_wipe_s: float | None = None
+    lags_s: deque[float] = field(default_factory=lambda: deque(maxlen=_LAGS_KEPT))
+    """Publish (the batch's ts) to indexed, per batch: the event lag."""
+
+
+class Feed:
+    """One domain's SUB socket (and replay DEALER) and its seq tracking (module docstring)."""
+
+    def __init__(
+        self,
+        config: FeedConfig,
+        index: EventIndex,
+        ctx: zmq.asyncio.Context,
+        *,
+        replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        max_replay_batches: int = DEFAULT_MAX_REPLAY_BATCHES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.stats = FeedStats()
+        self.next_seq: int | None = None
+        self.replay_timeout_s = replay_timeout_s
+        self.max_replay_batches = max_replay_batches
+        self.clock = clock
+        self._ctx = ctx
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.set_hwm(RECEIVE_HWM)
+        self._sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
+        self._sub.connect(config.endpoint)
+        self._dealer: zmq.asyncio.Socket | None = None
+
+    @property
+    def live(self) -> bool:
+        """The engine publishes: this feed has applied a batch."""
+        return self.stats.last_batch_s is not None
+
+    async def run(self) -> None:
+        while True:
+            frames = await self._sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.stats.malformed += 1
+                continue
+            await self.receive(int.from_bytes(frames[1], "big"), frames[2])
+
+    async def receive(self, seq: int, payload: bytes) -> None:
+        """One published batch, after whatever replay its seq calls for."""
+        expected = self.next_seq
+        if expected is not None and seq < expected:
+            # a PUB socket never resends: a seq going back is a new publisher (its seq 0 may
+            # have been sent while the SUB was reconnecting)
+            self.stats.restarts += 1
+            self.wipe()
+        elif expected is None and seq > 0:
+            if self.config.replay_endpoint is not None:
+                await self._replay(0, seq)
+        elif expected is not None and seq > expected:
+            self.stats.gaps += 1
+            if self.config.replay_endpoint is not None:
+                await self._replay(expected, seq)
+            if self.next_seq != seq:
+                self.stats.unrepaired_gaps += 1
+        self._apply(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self.next_seq = seq + 1
+        try:
+            batch = decode_batch(payload)
+        except MalformedBatch as exc:
+            self.stats.malformed += 1
+            log.warning("KV events from %s: batch %d skipped: %s", self.config.domain, seq, exc)
+            return
+        domain = self.config.domain
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                self.stats.wipes += 1
+                self.wipe()
+            else:
+                self.index.apply(domain, event)
+        now = self.clock()
+        self.stats.batches += 1
+        self.stats.unknown_events += batch.num_unknown
+        self.stats.last_batch_s = now
+        self.stats.lags_s.append(max(now - batch.ts, 0.0))
+
+    def wipe(self) -> None:
+        self.index.clear(self.config.domain)
+        self.stats.last_wipe_s = self.clock()
+
+    async def _replay(self, start: int, until: int) -> None:
+        """Apply the engine's buffered batches [start, until) (bounded; see the docstring)."""
+        assert self.config.replay_endpoint is not None
+        start = max(start, until - self.max_replay_batches)
+        self.stats.replays += 1
+        if self._dealer is None:
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.connect(self.config.replay_endpoint)
+        dealer = self._dealer
+        await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        while True:
+            if not await dealer.poll(self.replay_timeout_s * 1000):
+                log.warning("KV events replay from %s timed out", self.config.replay_endpoint)
+                dealer.close(linger=0)  # an answer's rest must not be read as the next one's
+                self._dealer = None
+                return
+            frames = await dealer.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) == 3:
+                frames = frames[1:]
+            if len(frames) != 2 or len(frames[0]) != 8:
+                self.stats.malformed += 1
+                continue
+            seq = int.from_bytes(frames[0], "big", signed=True)
+            if seq == END_SEQ:
+                return
+            if seq < (self.next_seq or 0) or not start <= seq < until:
+                self.stats.duplicates += 1
+                continue
+            self.stats.replayed_batches += 1
+            self._apply(seq, frames[1])
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+
+
+class EventIntake:
+    """The feeds of every replica the set knows, kept in step with it (discovery)."""
+
+    def __init__(
+        self,
+        config: EventsConfig,
+        index: EventIndex,
+        replicas: Callable[[], Iterable[str]],
+        *,
+        replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self._replicas = replicas
+        self._replay_timeout_s = replay_timeout_s
+        self._ctx = zmq.asyncio.Context()
+        self._feeds: dict[str, list[Feed]] = {}
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._background = BackgroundTasks("events")
+
+    def feeds(self, replica: str | None = None) -> list[Feed]:
+        if replica is not None:
+            return self._feeds.get(replica, [])
+        return [f for feeds in self._feeds.values() for f in feeds]
+
+    def restarted(self, replica: str) -> None:
+        """The replica set saw the engine restart: whatever its seq says, its blocks are gone."""
+        for feed in self._feeds.get(replica, ()):
+            feed.stats.restarts += 1
+            feed.wipe()
+
+    def live(self, replica: str) -> bool:
+        """The replica's events are flowing: route on the index, not on the prediction."""
+        return any(f.live for f in self._feeds.get(replica, ()))
+
+    def refresh(self) -> None:
+        """Open feeds for replicas that joined, close those of replicas that left (and drop
+        what the index held for them)."""
+        wanted = set(self._replicas())
+        for replica in sorted(wanted - set(self._feeds)):
+            feeds = [
+                Feed(c, self.index, self._ctx, replay_timeout_s=self._replay_timeout_s)
+                for c in self.config.feeds(replica)
+            ]
+            self._feeds[replica] = feeds
+            self._tasks[replica] = [
+                asyncio.get_running_loop().create_task(
+                    self._run(f), name=f"events {f.config.domain}"
+                )
+                for f in feeds
+            ]
+        for replica in sorted(set(self._feeds) - wanted):
+            for task in self._tasks.pop(replica):
+                task.cancel()
+            for feed in self._feeds.pop(replica):
+                feed.close()
+                self.index.clear(feed.config.domain)
+
+    async def _run(self, feed: Feed) -> None:
+        try:
+            await feed.run()
+        except zmq.ZMQError as exc:  # a closed socket at shutdown, or a bad endpoint
+            log.warning("KV events feed %s stopped: %s", feed.config.domain, exc)
+
+    async def start(self) -> None:
+        self.refresh()
+        self._background.spawn(self._refresh_loop(), name="events refresh")
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_INTERVAL_S)
+            self.refresh()
+
+    async def close(self) -> None:
+        await self._background.close()
+        for tasks in self._tasks.values():
+            for task in tasks:
+                task.cancel()
+        for tasks in self._tasks.values():
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for feed in self.feeds():
+            feed.close()
+        self._feeds.clear()
+        self._tasks.clear()
+        self._ctx.term()

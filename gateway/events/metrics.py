@@ -1,0 +1,103 @@
+"""Precise mode's metrics, collected at scrape time from the state the intake and the index keep
+(docs/operations.md lists them): event lag, gaps, replays, restarts and wipes detected, indexed
+blocks per domain and tier, speculative entries confirmed and expired, tokenization cost and the
+tokenizer checks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+from cachemap.events import TIERS
+from gateway.events.precise import PreciseKeys, TokenizerCheck
+
+FEED_COUNTERS = (
+    "batches",
+    "malformed",
+    "unknown_events",
+    "duplicates",
+    "gaps",
+    "unrepaired_gaps",
+    "replays",
+    "replayed_batches",
+    "restarts",
+    "wipes",
+)
+
+
+def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iterable[Any]:
+    yield from _feeds(precise)
+    index = precise.index
+    blocks = GaugeMetricFamily(
+        "kvgate_events_indexed_blocks",
+        "Blocks the engines' events say each cache domain holds, per tier.",
+        labels=["domain", "tier"],
+    )
+    for domain in index.domains():
+        for name, tier in TIERS.items():
+            blocks.add_metric([domain, name], index.num_blocks(domain, tier))
+    yield blocks
+    stats = index.stats
+    speculative = CounterMetricFamily(
+        "kvgate_events_speculative_entries",
+        "Speculative entries made at routing time, by how they ended.",
+        labels=["outcome"],
+    )
+    speculative.add_metric(["made"], precise.stats.speculated)
+    speculative.add_metric(["confirmed"], stats.speculative_confirmed)
+    speculative.add_metric(["expired"], stats.speculative_expired)
+    yield speculative
+    skipped = CounterMetricFamily(
+        "kvgate_events_blocks_not_indexed",
+        "Event blocks the index could not apply, by why.",
+        labels=["reason"],
+    )
+    for reason in ("unknown_removals", "unresolved_parents", "wrong_block_size", "skipped_groups"):
+        skipped.add_metric([reason], getattr(stats, reason))
+    yield skipped
+    tokens = precise.tokens.stats
+    tokenize = CounterMetricFamily(
+        "kvgate_precise_tokens",
+        "Prompt tokens of precise requests: all of them, and those encoded (segment cache misses).",
+        labels=["kind"],
+    )
+    tokenize.add_metric(["prompt"], tokens.tokens)
+    tokenize.add_metric(["encoded"], tokens.tokens_encoded)
+    yield tokenize
+    yield CounterMetricFamily(
+        "kvgate_precise_keying_seconds",
+        "CPU time rendering, tokenizing and hashing precise requests.",
+        tokens.seconds,
+    )
+    if check is not None:
+        checks = CounterMetricFamily(
+            "kvgate_precise_tokenizer_checks",
+            "Sampled requests compared with an engine's /tokenize, by result.",
+            labels=["result"],
+        )
+        checks.add_metric(["match"], check.stats.checks - check.stats.mismatches)
+        checks.add_metric(["mismatch"], check.stats.mismatches)
+        yield checks
+
+
+def _feeds(precise: PreciseKeys) -> Iterable[Any]:
+    if precise.intake is None:
+        return
+    counters = CounterMetricFamily(
+        "kvgate_events", "KV event batches per feed, by what happened.", labels=["domain", "kind"]
+    )
+    lag = SummaryMetricFamily(
+        "kvgate_events_lag_seconds",
+        "Publish (the batch's ts) to indexed, over the feed's last 4,096 batches.",
+        labels=["domain"],
+    )
+    for feed in precise.intake.feeds():
+        domain = feed.config.domain
+        for kind in FEED_COUNTERS:
+            counters.add_metric([domain, kind], getattr(feed.stats, kind))
+        lags = feed.stats.lags_s
+        lag.add_metric([domain], len(lags), sum(lags))
+    yield counters
+    yield lag

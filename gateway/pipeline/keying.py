@@ -1,0 +1,190 @@
+"""Keying: a request's directory keys, what each replica holds of them, and its size in the
+router's units — in one of two modes.
+
+    approximate (the default)   canonical rendering ──256-byte blocks──▶ salted chain
+                                ──▶ the directory's prediction; tokens estimated from bytes
+    precise (`tokenizer_dir`)   the model's chat template + tokenizer ──engine blocks──▶ salted
+                                chain over token ids (`gateway.events.precise`) ──▶ the engines'
+                                KV events for replicas whose events flow, the prediction (in
+                                the same key space) for the others; tokens exact
+
+In precise mode the placement is also entered as a short speculative entry (`speculate`), so
+a back-to-back turn or a fan-out sibling sees it before the engine's event lands.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from cachemap.chat_template import ChatTemplateError
+from cachemap.events import DEFAULT_OFFLOAD_COST, precise_root
+from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash, token_bytes
+from gateway.directory.routing import Lookup, RoutingDirectory
+from gateway.errors import InvalidRequest
+from gateway.events.precise import PreciseKeys, TokenizerCheck
+from gateway.request.cache_control import strip_marks
+from gateway.request.parsed import CHAT, ParsedRequest
+from gateway.request.tenant import Tenant
+from gateway.request.tokens import TokenEstimator
+from gateway.request.trace import RequestTrace
+from gateway.tasks import BackgroundTasks
+
+
+@dataclass(frozen=True)
+class RouteKeys:
+    """How a request's rendering becomes the directory's keys and the router's units."""
+
+    block_bytes: int
+    consistent_hash_blocks: int
+    decode_token_weight: float = 0.0
+    """Prefill tokens of load per output token a replica still generates (router.types)."""
+    offload_cost: float = DEFAULT_OFFLOAD_COST
+
+
+@dataclass
+class Keyed:
+    """A request as the router needs it: keys, matches and its size in blocks and tokens."""
+
+    hashes: list[BlockHash]
+    lookup: Lookup
+    num_prompt_tokens: float
+    tokens_per_block: float
+    affinity_key: bytes
+    offloaded: dict[str, int] = field(default_factory=dict)
+    ranks: dict[str, int] = field(default_factory=dict)
+
+
+def engine_body(parsed: ParsedRequest) -> dict[str, object]:
+    """The body without the cache hints a front end kept in it: what the engine is sent."""
+    if parsed.breakpoints or parsed.prewarm:
+        return strip_marks(dict(parsed.body))
+    return parsed.body
+
+
+class Keying:
+    def __init__(
+        self,
+        keys: RouteKeys,
+        directory: RoutingDirectory,
+        estimator: TokenEstimator,
+        precise: PreciseKeys | None = None,
+        check: TokenizerCheck | None = None,
+        session: Callable[[], aiohttp.ClientSession | None] = lambda: None,
+    ) -> None:
+        self.keys = keys
+        self.directory = directory
+        self.estimator = estimator
+        self.precise = precise
+        self.check = check
+        self._session = session
+        self._tasks = BackgroundTasks("keying")
+        self.last_lookup_s = 0.0
+
+    async def key(
+        self, parsed: ParsedRequest, tenant: Tenant, candidates: Sequence[str], trace: RequestTrace
+    ) -> Keyed:
+        if self.precise is None:
+            return await self._approximate(parsed, tenant, trace)
+        return await self._precise(self.precise, parsed, tenant, candidates, trace)
+
+    async def _lookup(self, hashes: Sequence[BlockHash], trace: RequestTrace) -> Lookup:
+        started_ns, started = time.time_ns(), time.perf_counter_ns()
+        lookup = await self.directory.lookup(hashes)
+        elapsed_ns = time.perf_counter_ns() - started
+        trace.looked_up(
+            started_ns,
+            started_ns + elapsed_ns,
+            len(hashes),
+            "local" if lookup.degraded else "shared",
+            max(lookup.overlap.values(), default=0),
+        )
+        self.last_lookup_s = elapsed_ns / 1e9  # read by the director's histogram, same task
+        return lookup
+
+    async def _approximate(
+        self, parsed: ParsedRequest, tenant: Tenant, trace: RequestTrace
+    ) -> Keyed:
+        block_bytes = self.keys.block_bytes
+        root = root_hash(tenant.salt, parsed.model)
+        hashes = chain_hashes(parsed.rendered, root, block_bytes)
+        lookup = await self._lookup(hashes, trace)
+        bytes_per_token = self.estimator.bytes_per_token(parsed.model, tenant=tenant.name)
+        return Keyed(
+            hashes,
+            lookup,
+            len(parsed.rendered) / bytes_per_token,
+            block_bytes / bytes_per_token,
+            affinity_key(
+                parsed.rendered, root, hashes, self.keys.consistent_hash_blocks, block_bytes
+            ),
+        )
+
+    async def _precise(
+        self,
+        precise: PreciseKeys,
+        parsed: ParsedRequest,
+        tenant: Tenant,
+        candidates: Sequence[str],
+        trace: RequestTrace,
+    ) -> Keyed:
+        body, chat = engine_body(parsed), parsed.kind == CHAT
+        try:
+            ids, hashes = await precise.keys(body, chat, tenant.cache_salt)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(str(exc)) from None
+        self._maybe_check(body, chat, ids, candidates)
+        predicted = await self._lookup(hashes, trace)
+        view = precise.view(hashes, candidates)
+        # replicas whose events flow: the events; the others: the prediction
+        overlap = {r: d for r, d in predicted.overlap.items() if r not in view.live}
+        overlap.update(view.overlap)
+        last_use = {r: t for r, t in predicted.last_use.items() if r not in view.live}
+        lookup = Lookup(
+            overlap,
+            predicted.degraded,
+            last_use,
+            predicted.hot_key,
+            predicted.hot,
+            predicted.writer_depth,
+            predicted.writer,
+        )
+        block_bytes = 4 * precise.block_size
+        affinity = affinity_key(
+            token_bytes(ids),
+            precise_root(tenant.cache_salt),
+            hashes,
+            self.keys.consistent_hash_blocks,
+            block_bytes,
+        )
+        return Keyed(
+            hashes,
+            lookup,
+            float(len(ids)),
+            float(precise.block_size),
+            affinity,
+            view.offloaded,
+            view.ranks,
+        )
+
+    def _maybe_check(
+        self, body: dict[str, object], chat: bool, ids: Sequence[int], candidates: Sequence[str]
+    ) -> None:
+        """A sampled request's ids against the engine's /tokenize, off the request path."""
+        session = self._session()
+        if self.check is None or session is None or not candidates or not self.check.due():
+            return
+        self._tasks.spawn(
+            self.check.check(session, candidates[0], dict(body), chat, ids), name="tokenizer check"
+        )
+
+    async def close(self) -> None:
+        await self._tasks.close()
+
+    def placed(self, keyed: Keyed, replica: str) -> None:
+        """The request was placed on `replica`: precise mode's speculative entry."""
+        if self.precise is not None:
+            self.precise.speculate(replica, keyed.ranks.get(replica), keyed.hashes)

@@ -1,0 +1,213 @@
+"""Precise mode end to end: real engines publishing KV events over ZMQ, a real gateway keying
+requests with the model's tokenizer and routing on what the events say."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.events.intake import Feed
+from gateway.server.app import Parts
+from loadgen.engine.server import EngineConfig, create_engine_app
+from loadgen.engine.tokenizer import MODEL_DIR
+from loadgen.text import words
+from tests.conftest import FAST, MODEL, TENANT_KEY
+from tests.loadgen.test_kv_events import events_config, free_ports
+from tests.servers import Served, start_app, wait_until
+
+pytestmark = pytest.mark.e2e
+TOPIC = "kv"
+AUTH = {"Authorization": f"Bearer {TENANT_KEY}"}
+
+
+def parts_of(gateway: Served) -> Parts:
+    parts: Parts = gateway.app.state.parts
+    return parts
+
+
+def precise_settings(ports: dict[str, int], **extra: Any) -> dict[str, Any]:
+    return {
+        "tokenizer_dir": MODEL_DIR,
+        "engine_block_size": 16,
+        "kv_events_endpoints": {u: f"tcp://127.0.0.1:{p}" for u, p in ports.items()},
+        "kv_events_topic": TOPIC,
+        "overflow": False,
+        "fanout_hold": False,
+        **extra,
+    }
+
+
+def feeds(gateway: Served, url: str) -> list[Feed]:
+    intake = parts_of(gateway).intake
+    assert intake is not None
+    return intake.feeds(url)
+
+
+def join(gateways: list[Served], engines: list[Served]) -> None:
+    """PUB drops what it sends before a SUB joined: reset each idle engine until every
+    gateway's feeds of it have seen an AllBlocksCleared."""
+    for engine in engines:
+
+        def joined(engine: Served = engine) -> bool:
+            assert httpx.post(engine.url + "/reset_prefix_cache").status_code == 200
+            return all(f.stats.wipes > 0 for g in gateways for f in feeds(g, engine.url))
+
+        wait_until(joined, what="the gateways' feeds to join")
+
+
+def salt_of(gateway: Served) -> str:
+    return parts_of(gateway).tenants.authenticate(TENANT_KEY).cache_salt
+
+
+def chat(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"model": MODEL, "messages": messages, "max_tokens": 1}
+
+
+def direct(engine: Served, body: dict[str, Any], salt: str, **headers: str) -> dict[str, Any]:
+    """A request sent to an engine without the gateway: only its events tell the gateway."""
+    r = httpx.post(
+        engine.url + "/v1/chat/completions", json={**body, "cache_salt": salt}, headers=headers
+    )
+    assert r.status_code == 200, r.text
+    result: dict[str, Any] = r.json()
+    return result
+
+
+def via(gateway: Served, body: dict[str, Any]) -> httpx.Response:
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=10)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def indexed(gateway: Served, url: str, min_blocks: int = 1) -> Callable[[], bool]:
+    index = parts_of(gateway).keying
+    assert index is not None and index.precise is not None
+    precise = index.precise
+    return lambda: precise.index.num_blocks(url) >= min_blocks
+
+
+@pytest.fixture
+def precise_fleet(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> Callable[..., tuple[list[Served], list[Served]]]:
+    def make(n: int = 2, num_gateways: int = 1, **engine: Any) -> tuple[list[Served], list[Served]]:
+        base = free_ports(n)
+        engines = [
+            start_engines(1, kv_events=events_config(base + i), **engine)[0] for i in range(n)
+        ]
+        ports = {e.url: base + i for i, e in enumerate(engines)}
+        gateways = [start_gateway(engines, **precise_settings(ports)) for _ in range(num_gateways)]
+        join(gateways, engines)
+        return engines, gateways
+
+    return make
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are terse." + words("precise-system", 60)},
+    {"role": "user", "content": words("precise-user", 60)},
+]
+
+
+def test_an_event_moves_the_next_request_and_two_gateways_agree(
+    precise_fleet: Callable[..., tuple[list[Served], list[Served]]],
+) -> None:
+    (_, y), gateways = precise_fleet(2, num_gateways=2)
+    salt = salt_of(gateways[0])
+    body = chat(CONVERSATION)
+    direct(y, body, salt)  # only Y's events know it holds the conversation
+    for g in gateways:
+        wait_until(indexed(g, y.url), what="Y's blocks indexed")
+    answers = [via(g, body) for g in gateways]
+    assert [a.headers["x-kvgate-replica"] for a in answers] == [y.url, y.url]
+    assert all(int(a.headers["x-kvgate-matched-blocks"]) >= 8 for a in answers)
+    assert answers[0].json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
+
+
+def test_a_wipe_stops_routing_on_its_entries_before_the_next_request(
+    precise_fleet: Callable[..., tuple[list[Served], list[Served]]],
+) -> None:
+    (x, _), (gateway,) = precise_fleet(2)
+    salt = salt_of(gateway)
+    body = chat(CONVERSATION)
+    direct(x, body, salt)
+    wait_until(indexed(gateway, x.url), what="X's blocks indexed")
+    assert int(via(gateway, body).headers["x-kvgate-matched-blocks"]) > 0
+    wipes = feeds(gateway, x.url)[0].stats.wipes
+    assert httpx.post(x.url + "/reset_prefix_cache").status_code == 200
+    wait_until(lambda: feeds(gateway, x.url)[0].stats.wipes > wipes, what="the wipe seen")
+    after = via(gateway, body)
+    assert after.headers["x-kvgate-matched-blocks"] == "0"
+    assert after.headers["x-kvgate-decision"] == "no_match"
+
+
+def test_a_restarted_engine_seq_0_drops_its_entries(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    port = free_ports(1)
+    (x,) = start_engines(1, kv_events=events_config(port))
+    gateway = start_gateway([x], **precise_settings({x.url: port}))
+    join([gateway], [x])
+    salt = salt_of(gateway)
+    direct(x, chat(CONVERSATION), salt)
+    wait_until(indexed(gateway, x.url), what="X's blocks indexed")
+    http_port = int(x.url.rsplit(":", 1)[1])
+    feed = feeds(gateway, x.url)[0]
+    # the old process's seq well ahead: the new one's batches come back lower even when the
+    # SUB reconnects only after its first few (a PUB drops what it sends before that)
+    for _ in range(30):
+        assert httpx.post(x.url + "/reset_prefix_cache").status_code == 200
+    wait_until(lambda: (feed.next_seq or 0) >= 30, what="the old engine's batches")
+    direct(x, chat(CONVERSATION), salt)
+    wait_until(indexed(gateway, x.url), what="X's blocks indexed again")
+    x.stop()
+    again = start_app(
+        create_engine_app(EngineConfig(timing=FAST, kv_events=events_config(port))), port=http_port
+    )
+    try:
+
+        def restarted() -> bool:  # a batch of the new process (seq < 30) once the SUB rejoined
+            httpx.post(again.url + "/reset_prefix_cache")
+            return feed.stats.restarts > 0
+
+        wait_until(restarted, what="the restart seen")
+        precise = parts_of(gateway).keying.precise  # type: ignore[union-attr]
+        assert precise is not None and precise.index.num_blocks(x.url) == 0
+    finally:
+        again.stop()
+
+
+def test_dp_ranks_are_cache_domains_routed_with_the_header(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    port = free_ports(2)
+    (x,) = start_engines(1, kv_events=events_config(port), data_parallel_size=2)
+    gateway = start_gateway([x], **precise_settings({x.url: port}, engine_dp_size=2))
+    join([gateway], [x])
+    salt = salt_of(gateway)
+    body = chat(CONVERSATION)
+    direct(x, body, salt, **{"X-data-parallel-rank": "1"})
+    precise = parts_of(gateway).keying.precise  # type: ignore[union-attr]
+    assert precise is not None
+    wait_until(lambda: precise.index.num_blocks(x.url + "#1") > 0, what="rank 1's blocks")
+    assert precise.index.num_blocks(x.url + "#0") == 0
+    answer = via(gateway, body).json()
+    # sent to rank 1 by the header: its cache had the prompt (rank 0's is empty)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
+
+
+def test_gateway_token_ids_equal_the_engines_and_the_check_agrees(
+    precise_fleet: Callable[..., tuple[list[Served], list[Served]]],
+) -> None:
+    _, (gateway,) = precise_fleet(2)
+    answer = via(gateway, chat(CONVERSATION)).json()
+    keying = parts_of(gateway).keying
+    assert keying is not None and keying.precise is not None and keying.check is not None
+    check = keying.check
+    wait_until(lambda: check.stats.checks == 1, what="the first request's tokenizer check")
+    assert check.stats.mismatches == 0
+    ids = keying.precise.tokens.ids(chat(CONVERSATION), chat=True)
+    assert answer["usage"]["prompt_tokens"] == len(ids)

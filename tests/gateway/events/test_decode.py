@@ -1,0 +1,78 @@
+"""The tolerant decoder against every encoding the simulated engine publishes, and the shapes
+it must survive (vLLM's newer fields, short arrays, garbage)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from cachemap.events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored
+from gateway.events.decode import MalformedBatch, decode_batch
+from loadgen.engine.kv_events import ENCODINGS, encode_batch
+from loadgen.engine.kvpool import CacheEvent, Cleared, Removed, Stored
+
+H = (b"\x01" * 16, b"\x02" * 16)
+EVENTS: list[CacheEvent] = [
+    Stored(H, None, tuple(range(32)), 16, "GPU", cache_salt="s1"),
+    Stored(H[1:], H[0], tuple(range(16)), 16, "CPU"),
+    Removed(H, "GPU"),
+    Cleared(),
+]
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_every_encoding_decodes_to_the_same_events(encoding: str) -> None:
+    batch = decode_batch(encode_batch(EVENTS, 12.5, 3, encoding))
+    assert batch.ts == 12.5 and batch.rank == 3 and batch.num_unknown == 0
+    first, second, removed, cleared = batch.events
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
+    assert first.cache_salt == "s1" and first.parent is None and first.tier == GPU
+    assert list(first.token_ids) == list(range(32)) and len(first.block_hashes) == 2
+    assert second.parent == first.block_hashes[0] and second.tier == CPU
+    assert second.cache_salt is None
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == first.block_hashes
+    assert isinstance(cleared, AllBlocksCleared)
+
+
+def test_newer_vllm_fields_and_unknown_keys() -> None:
+    sliding = {
+        "type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+        "token_ids": [1] * 16, "block_size": 16, "lora_id": None, "medium": "LOCAL_DISK",
+        "lora_name": "ad", "extra_keys": [["ad", "salt-x"]], "group_idx": 1,
+        "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 128,
+        "something_new": {"a": 1},
+    }  # fmt: skip
+    full = dict(sliding, kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=None)
+    batch = decode_batch(msgpack.packb([1.0, [sliding, full, {"type": "Future"}]]))
+    a, b = batch.events
+    assert isinstance(a, BlockStored) and isinstance(b, BlockStored)
+    assert not a.full_attention and b.full_attention and a.group_idx == 1
+    assert a.tier == STORAGE and a.cache_salt == "salt-x" and a.lora_name == "ad"
+    assert batch.rank is None and batch.num_unknown == 1
+
+
+def test_short_arrays_are_padded() -> None:
+    batch = decode_batch(
+        msgpack.packb([1, [["BlockStored", [5], None, [2] * 16, 16], ["BlockRemoved", [5]]]])
+    )
+    stored, removed = batch.events
+    assert isinstance(stored, BlockStored) and stored.tier == GPU and stored.lora_name is None
+    assert isinstance(removed, BlockRemoved) and removed.tier == GPU
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1not msgpack",
+        msgpack.packb("a string"),
+        msgpack.packb([1.0]),
+        msgpack.packb(["ts", []]),
+        msgpack.packb([1.0, [["BlockStored", "not a list", None, [1], 16]]]),
+        msgpack.packb([1.0, [["BlockStored", [1], None, ["x"], 16]]]),
+        msgpack.packb([1.0, [["BlockStored", [1], None, [1], 0]]]),
+        msgpack.packb([1.0, [42]]),
+    ],
+)
+def test_malformed_batches_raise_one_error(payload: bytes) -> None:
+    with pytest.raises(MalformedBatch):
+        decode_batch(payload)

@@ -1,0 +1,202 @@
+"""The gateway's token ids are the engine's: every front end's request, rendered with the
+model's template and tokenized by segments, against a real engine's /tokenize."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from cachemap.tokenizer import ModelTokenizer
+from gateway.api.anthropic.convert import parse_messages
+from gateway.api.openai.parse import parse_chat, parse_completion
+from gateway.events.precise import PromptTokens
+from gateway.pipeline.keying import engine_body
+from gateway.request.parsed import CHAT, ParsedRequest
+from loadgen.engine.server import EngineConfig, create_engine_app
+from loadgen.engine.tokenizer import MODEL_DIR
+from loadgen.text import words
+from tests.conftest import FAST, MODEL
+from tests.servers import Served, start_app
+
+LIMIT = 1 << 20
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "read_file",
+        "description": "Read a file.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    },
+}
+SYSTEM = {"role": "system", "content": "Be brief." + words("tok-system", 50)}
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Served]:
+    served = start_app(create_engine_app(EngineConfig(timing=FAST)))
+    yield served
+    served.stop()
+
+
+def engine_ids(engine: Served, parsed: ParsedRequest) -> list[int]:
+    body = engine_body(parsed)
+    keys = ("messages", "tools") if parsed.kind == CHAT else ("prompt",)
+    ask = {k: body[k] for k in keys if body.get(k) is not None}
+    r = httpx.post(engine.url + "/tokenize", json={"model": MODEL, **ask})
+    assert r.status_code == 200, r.text
+    ids: list[int] = r.json()["tokens"]
+    return ids
+
+
+def raw(body: dict[str, Any]) -> bytes:
+    return orjson.dumps({"model": MODEL, **body})
+
+
+CASES = {
+    "chat": lambda: parse_chat(
+        raw({"messages": [SYSTEM, {"role": "user", "content": "What is in a.py?"}]}), LIMIT
+    ),
+    "tools": lambda: parse_chat(
+        raw(
+            {
+                "tools": [TOOL],
+                "messages": [
+                    {"role": "user", "content": "What is in a.py?"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "read_file", "arguments": '{"path": "a.py"}'},
+                            }
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "print(1)"},
+                ],
+            }
+        ),
+        LIMIT,
+    ),
+    "completions": lambda: parse_completion(raw({"prompt": "Once upon" + words("tok", 80)}), LIMIT),
+    "anthropic": lambda: parse_messages(
+        raw(
+            {
+                "max_tokens": 8,
+                "system": [
+                    {
+                        "type": "text",
+                        "text": SYSTEM["content"],
+                        "cache_control": {"type": "ephemeral"},
+                    }
+                ],
+                "tools": [
+                    {
+                        "name": "read_file",
+                        "description": "Read a file.",
+                        "input_schema": {
+                            "type": "object",
+                            "properties": {"path": {"type": "string"}},
+                        },
+                    }
+                ],
+                "messages": [
+                    {"role": "user", "content": "What is in a.py?"},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {
+                                "type": "tool_use",
+                                "id": "t1",
+                                "name": "read_file",
+                                "input": {"path": "a.py"},
+                            }
+                        ],
+                    },
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": "t1", "content": "print(1)"}
+                        ],
+                    },
+                ],
+            }
+        ),
+        LIMIT,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_gateways_ids_are_the_engines(engine: Served, case: str) -> None:
+    parsed = CASES[case]()
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    ids = tokens.ids(engine_body(parsed), parsed.kind == CHAT)
+    assert list(ids) == engine_ids(engine, parsed) and len(ids) > 16
+
+
+def test_a_continuation_tokenizes_only_its_new_messages() -> None:
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": words("turn0", 400)}]
+    first = tokens.ids({"messages": messages}, chat=True)
+    encoded = tokens.stats.tokens_encoded
+    assert encoded <= len(first)  # a repeated segment ("<|im_end|>\\n") is encoded once
+    messages += [
+        {"role": "assistant", "content": words("reply0", 50)},
+        {"role": "user", "content": words("turn1", 30)},
+    ]
+    second = tokens.ids({"messages": messages}, chat=True)
+    whole = tokens.tokenizer.encode(tokens.tokenizer.render_chat(messages))
+    assert list(second) == whole and second[: len(first) - 3] == first[: len(first) - 3]
+    new = tokens.stats.tokens_encoded - encoded
+    # what was encoded again: the two new turns (and the generation prompt), not the 467
+    # tokens of the conversation before them
+    assert new <= len(second) - len(first) + 3 < 100
+
+
+def test_the_segment_cache_is_bounded() -> None:
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR), max_cached_tokens=200)
+    for i in range(10):
+        tokens.ids({"messages": [{"role": "user", "content": words(f"b{i}", 60)}]}, chat=True)
+    assert 0 < tokens.cached_tokens <= 200
+
+
+def test_a_continuation_hashes_only_its_new_blocks() -> None:
+    from cachemap.events import precise_keys
+    from gateway.events.precise import ChainCache
+
+    chains = ChainCache(16)
+    ids = list(range(1000, 1000 + 16 * 40 + 5))
+    assert chains.keys(ids, "s") == precise_keys(ids, "s", 16)
+    longer = ids[: 16 * 30 + 3] + list(range(3000, 3000 + 16 * 20))  # diverges inside block 30
+    assert chains.keys(longer, "s") == precise_keys(longer, "s", 16)
+    assert (chains.reused_blocks, chains.hashed_blocks) == (30, 40 + len(longer) // 16 - 30)
+    assert chains.keys(ids, "other") == precise_keys(ids, "other", 16)  # another salt: fresh
+
+
+async def test_a_tokenizer_mismatch_is_counted_and_logged(
+    engine: Served, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    import aiohttp
+
+    from gateway.events.precise import TokenizerCheck
+
+    config = orjson.loads((MODEL_DIR / "tokenizer_config.json").read_bytes())
+    config["chat_template"] = config["chat_template"].replace("<|im_start|>", "<|im_start|> ")
+    (tmp_path / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((MODEL_DIR / "tokenizer.json").read_bytes())
+    body = {"model": MODEL, "messages": [SYSTEM, {"role": "user", "content": "hi"}]}
+    ours = PromptTokens(ModelTokenizer(MODEL_DIR)).ids(body, chat=True)
+    theirs = PromptTokens(ModelTokenizer(tmp_path)).ids(body, chat=True)
+    check = TokenizerCheck(every=10)
+    assert check.due() and not check.due()  # the first, then every 10th
+    async with aiohttp.ClientSession() as session:
+        assert await check.check(session, engine.url, body, True, ours) is True
+        with caplog.at_level("WARNING"):
+            assert await check.check(session, engine.url, body, True, theirs) is False
+    assert (check.stats.checks, check.stats.mismatches) == (2, 1)
+    assert "disagrees" in caplog.text and engine.url in caplog.text

@@ -1,0 +1,285 @@
+"""Precise mode's costs (issue 16; docs/benchmarks.md).
+
+    python -m tools.precise_cost ingest [NUM_BLOCKS]    event ingest, blocks indexed per second
+    python -m tools.precise_cost keying [TURNS]         CPU per request, precise vs approximate
+    python -m tools.precise_cost wipe [TRIALS]          stale lookups after a wipe, time to detect
+    python -m tools.precise_cost redis [NUM_BLOCKS]     event blocks written into a shared Redis
+
+`ingest`: NUM_BLOCKS (131,072) blocks in vLLM map-encoded batches of one BlockStored of 64
+blocks (a 1,024-token prefill) each, every other chain a continuation of the previous one (its
+parent resolved through the engine-hash map), then as many BlockRemoved: timed (1) decoding and
+applying on one core (the work on the gateway's event loop), (2) the same batches through a
+real ZMQ PUB socket on loopback into a `Feed` (socket, seq tracking and all), publish of the
+first to indexed of the last.
+
+`keying`: one agent conversation of TURNS turns (a 2,000-token system prompt, each turn ~300
+tokens of user text and a ~100-token reply, up to ~40k tokens), each turn keyed both ways: the
+approximate chain over the canonical rendering's bytes, and the precise path (render with the
+chat template, tokenize by segments, hash the token blocks, look up the event index). The
+median per request is reported for the first turn (everything tokenized) and continuations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import msgpack
+import orjson
+import zmq
+import zmq.asyncio
+
+from cachemap.events import BlockRemoved, BlockStored, EventIndex
+from cachemap.keys import chain_hashes, root_hash
+from cachemap.tokenizer import ModelTokenizer
+from gateway.api.openai.parse import parse_chat
+from gateway.events.decode import decode_batch
+from gateway.events.intake import Feed, FeedConfig
+from gateway.events.precise import PreciseKeys, PromptTokens
+from loadgen.engine.tokenizer import MODEL_DIR
+from loadgen.text import words
+
+BLOCKS_PER_EVENT = 64
+DEFAULT_BLOCKS = 131_072
+DEFAULT_TURNS = 100
+
+
+def batches(num_blocks: int) -> list[bytes]:
+    out = []
+    num_events = num_blocks // BLOCKS_PER_EVENT
+    for e in range(num_events):
+        base = e * BLOCKS_PER_EVENT
+        parent = base - 1 if e % 2 else None
+        event: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": list(range(base, base + BLOCKS_PER_EVENT)),
+            "parent_block_hash": parent,
+            "token_ids": [(base * 16 + i) % 4000 for i in range(16 * BLOCKS_PER_EVENT)],
+            "block_size": 16,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        if parent is None:
+            event["extra_keys"] = [[f"salt{e}"]] + [None] * (BLOCKS_PER_EVENT - 1)
+        out.append(msgpack.packb([time.time(), [event], 0]))
+    for e in range(num_events):
+        base = e * BLOCKS_PER_EVENT
+        removed = {
+            "type": "BlockRemoved",
+            "block_hashes": list(range(base, base + BLOCKS_PER_EVENT)),
+            "medium": "GPU",
+        }
+        out.append(msgpack.packb([time.time(), [removed], 0]))
+    return out
+
+
+def ingest_in_process(payloads: list[bytes]) -> float:
+    index = EventIndex()
+    started = time.perf_counter()
+    for payload in payloads:
+        for event in decode_batch(payload).events:
+            index.apply("r", event)
+    elapsed = time.perf_counter() - started
+    assert index.stats.unresolved_parents == 0 and index.num_blocks("r") == 0
+    return elapsed
+
+
+async def ingest_over_zmq(payloads: list[bytes]) -> float:
+    ctx = zmq.asyncio.Context()
+    pub_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = pub_ctx.socket(zmq.PUB)
+    pub.set_hwm(len(payloads) + 10)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    index = EventIndex()
+    feed = Feed(FeedConfig("r", 0, "r", f"tcp://127.0.0.1:{port}", None, ""), index, ctx)
+    task = asyncio.create_task(feed.run())
+    # join: send a probe (an empty batch at seq 0) until the SUB has it
+    while feed.stats.batches == 0:
+        pub.send_multipart((b"", (0).to_bytes(8, "big"), msgpack.packb([time.time(), [], 0])))
+        await asyncio.sleep(0.01)
+    first_seq = feed.next_seq or 1
+    started = time.perf_counter()
+
+    def publish() -> None:
+        for i, payload in enumerate(payloads):
+            pub.send_multipart((b"", (first_seq + i).to_bytes(8, "big"), payload))
+
+    thread = threading.Thread(target=publish)
+    thread.start()
+    deadline = time.monotonic() + 600
+    while feed.next_seq != first_seq + len(payloads):
+        assert time.monotonic() < deadline, "the feed stopped indexing"
+        await asyncio.sleep(0.001)
+    elapsed = time.perf_counter() - started
+    thread.join()
+    task.cancel()
+    feed.close()
+    pub.close(linger=0)
+    ctx.term()
+    pub_ctx.term()
+    assert feed.stats.gaps == 0, "the PUB dropped batches (HWM)"
+    return elapsed
+
+
+def ingest(num_blocks: int) -> None:
+    payloads = batches(num_blocks)
+    total = 2 * (num_blocks // BLOCKS_PER_EVENT) * BLOCKS_PER_EVENT  # stored + removed
+    local = statistics.median(ingest_in_process(payloads) for _ in range(3))
+    wire = statistics.median(asyncio.run(ingest_over_zmq(payloads)) for _ in range(3))
+    print(f"blocks (stored + removed): {total:,}")
+    print(f"decode + index, one core : {total / local:,.0f} blocks/s ({local * 1e3:.0f} ms)")
+    print(f"ZMQ PUB -> Feed -> index : {total / wire:,.0f} blocks/s ({wire * 1e3:.0f} ms)")
+
+
+async def keying(turns: int) -> None:
+    tokenizer = ModelTokenizer(MODEL_DIR)
+    precise = PreciseKeys(PromptTokens(tokenizer), EventIndex(), None)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": words("bench-system", 2000)}]
+    approx_s: list[float] = []
+    precise_s: list[float] = []
+    tokens: list[int] = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": words(f"bench-user{turn}", 300)})
+        body = {"model": "m", "messages": messages}
+        parsed = parse_chat(orjson.dumps(body), 1 << 24)
+        started = time.perf_counter()
+        chain_hashes(parsed.rendered, root_hash(b"salt", "m"))
+        approx_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        ids, keys = await precise.keys(body, True, "salt")
+        precise.view(keys, ["r"])
+        precise_s.append(time.perf_counter() - started)
+        tokens.append(len(ids))
+        messages.append({"role": "assistant", "content": words(f"bench-reply{turn}", 100)})
+    first_us = precise_s[0] * 1e6
+    print(f"turns: {turns}, prompt tokens: first {tokens[0]:,}, last {tokens[-1]:,}")
+    per_token = first_us / tokens[0]
+    print(f"first turn   precise {first_us:,.0f} us ({per_token:.2f} us/token)")
+    print(f"first turn   approximate {approx_s[0] * 1e6:,.0f} us")
+    cont_p = statistics.median(precise_s[1:]) * 1e6
+    cont_a = statistics.median(approx_s[1:]) * 1e6
+    print(f"continuation precise {cont_p:,.0f} us, approximate {cont_a:,.0f} us (medians)")
+    last_p, last_a = precise_s[-1] * 1e6, approx_s[-1] * 1e6
+    print(f"last turn    precise {last_p:,.0f} us, approximate {last_a:,.0f} us")
+
+
+async def wipe(trials: int) -> None:
+    """A real engine (a `kvgate engine` process) and a `Feed`: per trial, a prompt is
+    stored, the engine is reset, and the moment its 200 comes back a lookup is made (what a
+    request sent right after the wipe would see), then the time until the index is empty."""
+    import httpx
+
+    from cachemap.events import precise_keys
+    from loadgen.harness.processes import free_port, start_engine, stop, wait_ready
+
+    port = free_port()
+    config = orjson.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+    engine = start_engine(
+        free_port(), ["--kv-events-config", config.decode(), "--time-scale", "1000"]
+    )
+    wait_ready(engine.url, "/health", engine.popen, 60)
+    ctx = zmq.asyncio.Context()
+    index = EventIndex()
+    feed = Feed(FeedConfig("r", 0, "r", f"tcp://127.0.0.1:{port}", None, ""), index, ctx)
+    task = asyncio.create_task(feed.run())
+    prompt = list(range(100, 100 + 16 * 8))
+    keys = precise_keys(prompt, None, 16)
+    stale = 0
+    detect_s: list[float] = []
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        while feed.stats.wipes == 0:
+            await client.post("/reset_prefix_cache")
+            await asyncio.sleep(0.01)
+        for _ in range(trials):
+            body = {"model": "kvgate-sim-8b", "prompt": prompt, "max_tokens": 1}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            deadline = time.monotonic() + 10
+            while not index.lookup(keys, 0.0):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.0005)
+            started = time.perf_counter()
+            assert (await client.post("/reset_prefix_cache")).status_code == 200
+            if index.lookup(keys, 0.0):
+                stale += 1
+            while index.lookup(keys, 0.0):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.0002)
+            detect_s.append(time.perf_counter() - started)
+    task.cancel()
+    feed.close()
+    ctx.term()
+    stop([engine])
+    detect_s.sort()
+    print(f"trials: {trials}; lookups still matching when the reset's 200 came back: {stale}")
+    p50, p99 = detect_s[len(detect_s) // 2], detect_s[int(len(detect_s) * 0.99)]
+    print(f"reset request sent -> index empty: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
+
+
+async def into_redis(num_blocks: int) -> None:
+    """The other option for who ingests: one owner per engine writing what its events say into
+    the shared directory (a real redis-server on a unix socket, `RedisDirectory`'s one script
+    call per chain): each stored event's own keys recorded, each removal dropped, 32 events in
+    flight at a time."""
+    import tempfile
+    from pathlib import Path
+
+    from cachemap.redis.client import open_redis
+    from cachemap.redis.directory import RedisDirectory
+    from gateway.events.decode import decode_batch
+    from loadgen.harness.redis_servers import RedisServer
+
+    payloads = batches(num_blocks)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp))
+        server.start()
+        try:
+            directory = RedisDirectory(await open_redis(server.url, cluster=False))
+            await directory.start()
+            index = EventIndex()
+            started = time.perf_counter()
+            pending: list[Any] = []
+            blocks = 0
+            for payload in payloads:
+                for event in decode_batch(payload).events:
+                    if isinstance(event, BlockStored):
+                        keys = index.store("r", event)
+                        pending.append(directory.record("r", keys))
+                    elif isinstance(event, BlockRemoved):
+                        owned = [index.own_key("r", h) for h in event.block_hashes]
+                        index.remove("r", event)
+                        pending.append(directory.drop("r", [k for k in owned if k is not None]))
+                    blocks += len(getattr(event, "block_hashes", ()))
+                if len(pending) >= 32:
+                    await asyncio.gather(*pending)
+                    pending = []
+            await asyncio.gather(*pending)
+            elapsed = time.perf_counter() - started
+            await directory.close()
+        finally:
+            server.stop()
+    print(f"blocks (stored + removed) into Redis: {blocks:,} in {elapsed * 1e3:.0f} ms")
+    print(f"one owner writing the shared directory: {blocks / elapsed:,.0f} blocks/s")
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("ingest", "keying", "wipe", "redis"):
+        print(__doc__)
+        return 2
+    if argv[0] == "ingest":
+        ingest(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS)
+    elif argv[0] == "redis":
+        asyncio.run(into_redis(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
+    elif argv[0] == "wipe":
+        asyncio.run(wipe(int(argv[1]) if len(argv) > 1 else 200))
+    else:
+        asyncio.run(keying(int(argv[1]) if len(argv) > 1 else DEFAULT_TURNS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
