@@ -49,6 +49,8 @@ class Billed:
     outcome: Literal["completed", "cut", "refused"]
     record_id: str | None = None
     status: int = 0
+    error: str = ""
+    """The code of the error the client was given (a 4xx/5xx body's, a stream's error event)."""
 
 
 def billed_request(url: str, key: str, i: int, max_tokens: int = 16) -> Billed:
@@ -72,7 +74,7 @@ def billed_request(url: str, key: str, i: int, max_tokens: int = 16) -> Billed:
                 url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout
             )
             if r.status_code != 200:
-                return Billed("refused", status=r.status_code)
+                return Billed("refused", status=r.status_code, error=_code(r.content))
             return Billed("completed", str(r.json()["usage"]["kvgate_billing"]["id"]), 200)
         return _streamed(url, body, headers, timeout)
     except httpx.TransportError:
@@ -82,24 +84,34 @@ def billed_request(url: str, key: str, i: int, max_tokens: int = 16) -> Billed:
 def _streamed(
     url: str, body: dict[str, object], headers: dict[str, str], timeout: httpx.Timeout
 ) -> Billed:
-    record_id, done, errored, seen = None, False, False, False
+    record_id, done, error, seen = None, False, "", False
     try:
         with httpx.stream(
             "POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout
         ) as r:
             if r.status_code != 200:
-                return Billed("refused", status=r.status_code)
+                return Billed("refused", status=r.status_code, error=_code(r.read()))
             for line in r.iter_lines():
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: {"):
                     seen = True
                     chunk = orjson.loads(line[6:])
-                    errored = errored or "error" in chunk
+                    error = error or _code(line[6:].encode())
                     if chunk.get("usage"):
                         record_id = chunk["usage"]["kvgate_billing"]["id"]
     except httpx.TransportError:
         pass
-    if done and record_id is not None and not errored:
+    if done and record_id is not None and not error:
         return Billed("completed", record_id, 200)
-    return Billed("cut" if seen else "refused", status=200)
+    return Billed("cut" if seen else "refused", status=200, error=error)
+
+
+def _code(body: bytes) -> str:
+    """The `error.code` of a JSON body or event, "" when it has none."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return ""
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    return str(error.get("code") or "") if isinstance(error, dict) else ""
