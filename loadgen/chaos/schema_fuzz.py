@@ -96,8 +96,9 @@ def run(size: Size) -> Outcome:
     for name, statuses in (("valid key", keyed), ("no key", keyless)):
         cases = sum(sum(c.values()) for c in statuses.values())
         fewest = min(statuses.items(), key=lambda kv: sum(kv[1].values()))
-        out.goal(f"{name}: 5xx", server_errors(statuses) == 0,
-                 f"{server_errors(statuses)} of {cases} cases, {len(statuses)} operations")  # fmt: skip
+        errors = server_errors(statuses)
+        figure = f"{errors} of {cases} cases, {len(statuses)} operations"
+        out.goal(f"{name}: 5xx", errors == 0, figure)
         out.figures[f"{name}: fewest cases (an operation with few distinct inputs)"] = (
             f"{fewest[0]}: {sum(fewest[1].values())}"
         )
