@@ -14,7 +14,7 @@ from typing import Literal
 
 import httpx
 import orjson
-import yaml  # type: ignore[import-untyped]
+import yaml
 
 from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.harness import processes

@@ -78,7 +78,7 @@ def _judge(events: list[bytes], replica: str, matched: int) -> Streamed:
     if errors:
         clean = len(errors) == 1 and errors[0].get("code") == "upstream_stream_broken"
         return Streamed("clean" if clean and len(chunks) > 1 else "failed", replica, matched)
-    usage = next((c["usage"] for c in chunks if c.get("usage")), {}) or {}
+    usage: dict[str, Any] = next((c["usage"] for c in chunks if c.get("usage")), {})
     cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     return Streamed("ok", replica, matched, cached)
 
