@@ -9,6 +9,7 @@ WAL's recovery time (the restarted gateway's start to ready, aborted records wri
 
 from __future__ import annotations
 
+import shutil
 import signal
 import statistics
 import tempfile
@@ -41,6 +42,8 @@ class Kill:
     aborted: int = 0
     left_unsettled: int = 0
     recovery_s: float = 0.0
+    kept: str = ""
+    """Where a run that missed a goal left its WAL, and the statuses of each id seen twice."""
 
 
 def _load(url: str, kill: Kill, stop: threading.Event) -> list[threading.Thread]:
@@ -90,6 +93,12 @@ def one_kill(engines: list[str], how: signal.Signals, after: int, tmp: Path) -> 
     kill.twice = sum(1 for n in counts.values() if n > 1)
     kill.aborted = sum(1 for r in records if r["status"] == "aborted")
     kill.left_unsettled = len(unsettled(tmp / "wal"))
+    if kill.unrecorded or kill.twice or kill.aborted < kill.cut or kill.left_unsettled:
+        kept = Path(tempfile.mkdtemp(prefix="kvgate-chaos-failed-"))
+        shutil.copytree(tmp / "wal", kept / "wal")
+        doubles = {i: [r["status"] for r in records if r["id"] == i]
+                   for i, n in counts.items() if n > 1}  # fmt: skip
+        kill.kept = f"{kept} {doubles or ''}"
     return kill
 
 
@@ -125,3 +134,6 @@ def _judge(out: Outcome, name: str, kills: list[Kill]) -> None:
         f"{statistics.median(times):.2f} / {max(times):.2f}"
     )
     out.figures[f"{name}: requests sent"] = sum(k.attempts for k in kills)
+    for k in kills:
+        if k.kept:
+            out.figures[f"{name}: a run that missed a goal left its WAL in"] = k.kept
