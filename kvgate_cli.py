@@ -117,6 +117,12 @@ COMMANDS: dict[str, Command] = {
         "add_bench_billing_arguments",
         "run_bench_billing",
     ),
+    "chaos": Command(
+        "the chaos suite: faults injected into real processes, each goal measured",
+        "loadgen.chaos.runner",
+        "add_chaos_arguments",
+        "run_chaos",
+    ),
 }
 
 

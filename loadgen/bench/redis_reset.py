@@ -76,6 +76,20 @@ class Conversation:
     messages: list[dict[str, Any]] = field(default_factory=list)
 
 
+def open_conversations(n: int, system_words: int, tag: str = "reset") -> list[Conversation]:
+    """`n` conversations, each a system prompt of its own and a first task."""
+    return [
+        Conversation(
+            i,
+            [
+                {"role": "system", "content": words(f"{tag}/c{i}/sys", system_words)},
+                {"role": "user", "content": words(f"{tag}/c{i}/task", 100)},
+            ],
+        )
+        for i in range(n)
+    ]
+
+
 async def _turn(
     http: httpx.AsyncClient, url: str, conversation: Conversation, phase: str, n: int
 ) -> Turn:
@@ -108,7 +122,7 @@ async def _turn(
     )
 
 
-async def _round(
+async def play_round(
     url: str, conversations: list[Conversation], phase: str, n: int, concurrency: int
 ) -> list[Turn]:
     limit = asyncio.Semaphore(concurrency)
@@ -128,16 +142,7 @@ def run_arm(args: argparse.Namespace, tree: Path | None) -> dict[str, Any]:
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
     serve = ["--tenant", f"bench:{KEY}", "--log-level", "warning"]
-    conversations = [
-        Conversation(
-            i,
-            [
-                {"role": "system", "content": words(f"reset/c{i}/sys", args.system_words)},
-                {"role": "user", "content": words(f"reset/c{i}/task", 100)},
-            ],
-        )
-        for i in range(args.conversations)
-    ]
+    conversations = open_conversations(args.conversations, args.system_words)
     turns: list[Turn] = []
     with (
         redis_server(port=0) as redis,
@@ -152,20 +157,24 @@ def run_arm(args: argparse.Namespace, tree: Path | None) -> dict[str, Any]:
         )
         try:
             processes.wait_ready(proc.url, "/readyz", proc.popen, processes.STARTUP_TIMEOUT_S)
-            turns += asyncio.run(_round(proc.url, conversations, "cold", 0, args.concurrency))
+            turns += asyncio.run(play_round(proc.url, conversations, "cold", 0, args.concurrency))
             n = 1
             for _ in range(min(args.rounds_before, MAX_ROUNDS)):
-                turns += asyncio.run(_round(proc.url, conversations, "before", n, args.concurrency))
+                turns += asyncio.run(
+                    play_round(proc.url, conversations, "before", n, args.concurrency)
+                )
                 n += 1
             redis.stop()  # SIGKILL
-            turns += asyncio.run(_round(proc.url, conversations, "outage", n, args.concurrency))
+            turns += asyncio.run(play_round(proc.url, conversations, "outage", n, args.concurrency))
             n += 1
             redis.start()  # empty: no persistence
             if args.wait_back:
-                _wait_back(proc.metrics_url or proc.url)
+                wait_back(proc.metrics_url or proc.url)
             restarted = time.monotonic()
             for _ in range(min(args.rounds_after, MAX_ROUNDS)):
-                turns += asyncio.run(_round(proc.url, conversations, "after", n, args.concurrency))
+                turns += asyncio.run(
+                    play_round(proc.url, conversations, "after", n, args.concurrency)
+                )
                 n += 1
         finally:
             processes.stop([proc])
@@ -175,7 +184,7 @@ def run_arm(args: argparse.Namespace, tree: Path | None) -> dict[str, Any]:
 BACK_TIMEOUT_S = 20.0
 
 
-def _wait_back(url: str) -> None:
+def wait_back(url: str) -> None:
     """Until the gateway's directory is no longer degraded (bounded)."""
     deadline = time.monotonic() + BACK_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -186,7 +195,7 @@ def _wait_back(url: str) -> None:
     raise TimeoutError(f"the gateway at {url} did not come back to Redis in {BACK_TIMEOUT_S} s")
 
 
-def _hit(turns: list[Turn]) -> float | None:
+def hit_ratio(turns: list[Turn]) -> float | None:
     prompt = sum(t.prompt_tokens for t in turns if t.ok)
     return sum(t.cached_tokens for t in turns if t.ok) / prompt if prompt else None
 
@@ -198,13 +207,13 @@ def _figures(turns: list[Turn], restarted: float, window_s: float) -> dict[str, 
         out[phase] = {
             "requests": len(group),
             "failed": sum(1 for t in group if not t.ok),
-            "hit_ratio": _hit(group),
+            "hit_ratio": hit_ratio(group),
         }
     after = [t for t in turns if t.phase == "after"]
     window = [t for t in after if t.finished_s - restarted < window_s]
     later = [t for t in after if t.finished_s - restarted >= window_s]
-    out["window"] = {"requests": len(window), "hit_ratio": _hit(window)}
-    out["later"] = {"requests": len(later), "hit_ratio": _hit(later)}
+    out["window"] = {"requests": len(window), "hit_ratio": hit_ratio(window)}
+    out["later"] = {"requests": len(later), "hit_ratio": hit_ratio(later)}
     last: dict[int, str] = {}
     for t in turns:
         if t.phase != "after" and t.ok:

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -83,9 +83,10 @@ def start_gateway(
     env: dict[str, str] | None = None,
     quiet: bool = True,
     cwd: str | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> Proc:
     """`kvgate serve` on `port`; `cwd` runs another checkout's code (it comes first on the
-    module path of `python -m`)."""
+    module path of `python -m`); `preexec_fn` runs in the child before exec (a resource limit)."""
     url = f"http://127.0.0.1:{port}"
     metrics_port = free_port()  # never the default 9090: several gateways run side by side
     args = ["serve", "--port", str(port)]
@@ -98,6 +99,7 @@ def start_gateway(
         stderr=subprocess.DEVNULL if quiet else None,
         env={**os.environ, "KVGATE_METRICS_PORT": str(metrics_port), **(env or {})},
         cwd=cwd,
+        preexec_fn=preexec_fn,
     )
     return Proc(f"gateway:{port}", url, popen, f"http://127.0.0.1:{metrics_port}")
 

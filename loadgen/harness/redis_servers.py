@@ -144,9 +144,20 @@ def _free_cluster_port() -> int:
 
 @dataclass
 class RedisCluster:
-    """Three masters on free loopback ports, slots spread by `redis-cli --cluster create`."""
+    """Masters (and their replicas) on free loopback ports, slots spread by `redis-cli --cluster
+    create`; `nodes` in start order (the roles change on a failover: ask `masters()`)."""
 
     nodes: list[RedisServer]
+
+    def masters(self) -> list[RedisServer]:
+        """The running nodes that say they are masters and serve slots."""
+        up = [n for n in self.nodes if n.proc is not None]
+        return [n for n in up if "role:master" in n.cli("info", "replication") and _serves_slots(n)]
+
+    def healthy(self) -> bool:
+        """Every running node reports cluster_state:ok."""
+        up = [n for n in self.nodes if n.proc is not None]
+        return all("cluster_state:ok" in n.cli("cluster", "info") for n in up)
 
     @property
     def url(self) -> str:
@@ -157,12 +168,19 @@ class RedisCluster:
         return [(n.host, n.port) for n in self.nodes]
 
 
+def _serves_slots(node: RedisServer) -> bool:
+    myself = next(line for line in node.cli("cluster", "nodes").splitlines() if "myself" in line)
+    return len(myself.split()) > 8  # slot ranges follow the eight fixed fields
+
+
 @contextlib.contextmanager
-def redis_cluster(num_masters: int = 3) -> Iterator[RedisCluster]:
+def redis_cluster(num_masters: int = 3, replicas: int = 0) -> Iterator[RedisCluster]:
+    """`num_masters` masters, each with `replicas` replicas (promoted when their master dies:
+    the node timeout is 2 s)."""
     with tempfile.TemporaryDirectory(prefix="kvgate-cluster-") as tmp:
         nodes = []
         try:
-            for i in range(num_masters):
+            for i in range(num_masters * (1 + replicas)):
                 workdir = Path(tmp) / f"node{i}"
                 workdir.mkdir()
                 node = RedisServer(
@@ -186,18 +204,18 @@ def redis_cluster(num_masters: int = 3) -> Iterator[RedisCluster]:
                     "create",
                     *[f"127.0.0.1:{n.port}" for n in nodes],
                     "--cluster-replicas",
-                    "0",
+                    str(replicas),
                     "--cluster-yes",
                 ],
                 capture_output=True,
                 check=True,
                 timeout=60,
             )
-            _wait_for(
-                lambda: all("cluster_state:ok" in n.cli("cluster", "info") for n in nodes),
-                "redis cluster",
-            )
-            yield RedisCluster(nodes)
+            cluster = RedisCluster(nodes)
+            _wait_for(cluster.healthy, "redis cluster")
+            if replicas:
+                _wait_for(lambda: len(cluster.masters()) == num_masters, "cluster replicas")
+            yield cluster
         finally:
             for node in nodes:
                 node.stop()

@@ -12,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import orjson
 import pytest
 import yaml  # type: ignore[import-untyped]
 
 from cachemap.redis.client import open_redis
 from gateway.billing.store import RedisLedgerStore
 from gateway.billing.wal import read_directory
+from loadgen.chaos.billed import billed_request
 from loadgen.engine.timing import TimingModel
 from loadgen.harness import processes
 from loadgen.harness.redis_servers import RedisServer, redis_server
@@ -53,42 +53,7 @@ def store_ids(url: str, tenant: str = "acme") -> list[str]:
 
 def one_request(url: str, i: int) -> str | None:
     """The record id of a response received complete, else None."""
-    stream = i % 2 == 0
-    body = {
-        "model": MODEL,
-        "messages": [
-            {"role": "system", "content": words("durable", 1500)},
-            {"role": "user", "content": f"request {i}"},
-        ],
-        "max_tokens": 16,
-        "stream": stream,
-        "stream_options": {"include_usage": True} if stream else None,
-    }
-    headers = {"authorization": f"Bearer {TENANT_KEY}"}
-    try:
-        if not stream:
-            response = httpx.post(
-                url + "/v1/chat/completions", json=body, headers=headers, timeout=10
-            )
-            if response.status_code != 200:
-                return None
-            return str(response.json()["usage"]["kvgate_billing"]["id"])
-        record_id, done = None, False
-        with httpx.stream(
-            "POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=10
-        ) as r:
-            if r.status_code != 200:
-                return None
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: {"):
-                    chunk = orjson.loads(line[6:])
-                    if chunk.get("usage"):
-                        record_id = chunk["usage"]["kvgate_billing"]["id"]
-        return record_id if done else None
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
+    return billed_request(url, TENANT_KEY, i).record_id
 
 
 def test_kill_9_under_load_keeps_exactly_one_record_per_completed_response(
@@ -144,13 +109,19 @@ def test_kill_9_under_load_keeps_exactly_one_record_per_completed_response(
     restarted = processes.start_gateway(port, [e.url for e in engines], args)
     try:
         processes.wait_ready(restarted.url, "/readyz", restarted.popen, processes.STARTUP_TIMEOUT_S)
+        # the first run's records, and the aborted record the restart wrote (before it was
+        # ready) for each stream the kill cut mid-body (item 23; none if none was mid-body)
+        after = list(read_directory(tmp_path / "wal"))
+        new = [r for r in after if r["id"] not in in_wal]
+        assert all(r["status"] == "aborted" for r in new)
+        expected = set(in_wal) | {r["id"] for r in new}
         wait_until(lambda: set(completed) <= set(store_ids(aof_redis.url)), 30, "replay")
-        wait_until(lambda: set(in_wal) <= set(store_ids(aof_redis.url)), 30, "the whole WAL")
+        wait_until(lambda: expected <= set(store_ids(aof_redis.url)), 30, "the whole WAL")
         ids = store_ids(aof_redis.url)
         # the raw store: one hash entry and one index entry per id, replays notwithstanding
         assert aof_redis.cli("HLEN", "{kvgate-billing}:records").strip() == str(len(ids))
         assert aof_redis.cli("ZCARD", "{kvgate-billing}:t:acme").strip() == str(len(ids))
-        assert set(ids) == set(in_wal)  # the first run's records, each once
+        assert set(ids) == expected  # each once
     finally:
         processes.stop([restarted])
 

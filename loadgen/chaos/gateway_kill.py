@@ -1,0 +1,139 @@
+"""The billed gateway under load, SIGTERMed (a drain) and SIGKILLed, each `size.repeat` times.
+
+Counted from outside, per kill: the client's completed responses against the WAL read after a
+restart over the same directory. Goals: no completed response without its record, no record
+twice, every stream cut mid-body an aborted record (the drain cuts those past the grace, the
+kill every one in flight; the restart writes the kill's), nothing left unsettled. Figure: the
+WAL's recovery time (the restarted gateway's start to ready, aborted records written).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.billing.wal import read_directory, unsettled
+from loadgen.chaos.billed import KEY, Billed, billed_config, billed_request, start_billed
+from loadgen.chaos.outcome import Outcome, Size, wait_for
+from loadgen.harness import processes
+
+SHORT_CLIENTS, LONG_CLIENTS = 4, 2
+LONG_TOKENS = 400
+"""~2.3 s of decode at the engine's real-time speed: past the 1-s grace, so a drain cuts some."""
+GRACE_S = 1.0
+MAX_REQUESTS = 2_000
+"""A bound on each kill's load, whatever happens."""
+
+
+@dataclass
+class Kill:
+    completed: list[str] = field(default_factory=list)
+    cut: int = 0
+    attempts: int = 0
+    unrecorded: int = 0
+    twice: int = 0
+    aborted: int = 0
+    left_unsettled: int = 0
+    recovery_s: float = 0.0
+    kept: str = ""
+    """Where a run that missed a goal left its WAL, and the statuses of each id seen twice."""
+
+
+def _load(url: str, kill: Kill, stop: threading.Event) -> list[threading.Thread]:
+    lock = threading.Lock()
+
+    def client(worker: int) -> None:
+        i = worker
+        tokens = LONG_TOKENS if worker < LONG_CLIENTS else 16
+        while not stop.is_set() and kill.attempts < MAX_REQUESTS:
+            got: Billed = billed_request(url, KEY, i if tokens == 16 else 2 * i, tokens)
+            with lock:
+                kill.attempts += 1
+                if got.outcome == "completed" and got.record_id:
+                    kill.completed.append(got.record_id)
+                kill.cut += got.outcome == "cut"
+            i += SHORT_CLIENTS + LONG_CLIENTS
+
+    threads = [threading.Thread(target=client, args=(w,), daemon=True)
+               for w in range(SHORT_CLIENTS + LONG_CLIENTS)]  # fmt: skip
+    for t in threads:
+        t.start()
+    return threads
+
+
+def one_kill(engines: list[str], how: signal.Signals, after: int, tmp: Path) -> Kill:
+    config = billed_config(tmp / "gateway.yaml", tmp / "wal", shutdown_grace_s=GRACE_S)
+    port = processes.free_port()
+    gateway = start_billed(port, engines, config)
+    kill, stop = Kill(), threading.Event()
+    threads = _load(gateway.url, kill, stop)
+    try:
+        wait_for(lambda: len(kill.completed) >= after, 120, "completed responses before the kill")
+        gateway.popen.send_signal(how)
+        gateway.popen.wait(timeout=30)
+    finally:
+        stop.set()
+        processes.stop([gateway])
+        for t in threads:
+            t.join(timeout=60)
+    started = time.monotonic()
+    restarted = start_billed(port, engines, config)  # the WAL's recovery runs at start
+    kill.recovery_s = time.monotonic() - started
+    processes.stop([restarted])
+    records = list(read_directory(tmp / "wal"))
+    counts = Counter(r["id"] for r in records)
+    kill.unrecorded = sum(1 for i in kill.completed if counts[i] == 0)
+    kill.twice = sum(1 for n in counts.values() if n > 1)
+    kill.aborted = sum(1 for r in records if r["status"] == "aborted")
+    kill.left_unsettled = len(unsettled(tmp / "wal"))
+    if kill.unrecorded or kill.twice or kill.aborted < kill.cut or kill.left_unsettled:
+        kept = Path(tempfile.mkdtemp(prefix="kvgate-chaos-failed-"))
+        shutil.copytree(tmp / "wal", kept / "wal")
+        doubles = {i: [r["status"] for r in records if r["id"] == i]
+                   for i, n in counts.items() if n > 1}  # fmt: skip
+        kill.kept = f"{kept} {doubles or ''}"
+    return kill
+
+
+def run(size: Size) -> Outcome:
+    out = Outcome("gateway-killed")
+    after = size.pick(8, 20)
+    with processes.engines(2) as engines:
+        urls = [e.url for e in engines]
+        for name, how in (("drain", signal.SIGTERM), ("kill -9", signal.SIGKILL)):
+            kills = []
+            for _ in range(size.repeat):
+                with tempfile.TemporaryDirectory(prefix="kvgate-chaos-") as tmp:
+                    kills.append(one_kill(urls, how, after, Path(tmp)))
+            _judge(out, name, kills)
+    return out
+
+
+def _judge(out: Outcome, name: str, kills: list[Kill]) -> None:
+    n = len(kills)
+    completed = sum(len(k.completed) for k in kills)
+    unrecorded, twice = sum(k.unrecorded for k in kills), sum(k.twice for k in kills)
+    cut, aborted = sum(k.cut for k in kills), sum(k.aborted for k in kills)
+    out.goal(f"{name}: completed but unrecorded", unrecorded == 0,
+             f"{unrecorded} of {completed} completed, {n} runs")  # fmt: skip
+    out.goal(f"{name}: recorded twice", twice == 0, f"{twice}")
+    short = sum(1 for k in kills if k.aborted < k.cut)
+    out.goal(f"{name}: each cut stream an aborted record", short == 0,
+             f"{cut} cut, {aborted} aborted records; {short} runs short")  # fmt: skip
+    left = sum(k.left_unsettled for k in kills)
+    out.goal(f"{name}: unsettled after restart", left == 0, f"{left}")
+    times = [k.recovery_s for k in kills]
+    out.figures[f"{name}: WAL recovery (restart to ready) s, median / max"] = (
+        f"{statistics.median(times):.2f} / {max(times):.2f}"
+    )
+    out.figures[f"{name}: requests sent"] = sum(k.attempts for k in kills)
+    for k in kills:
+        if k.kept:
+            out.figures[f"{name}: a run that missed a goal left its WAL in"] = k.kept
