@@ -110,7 +110,7 @@ class Exchange:
 
     async def first_token(self) -> None:
         """Run the first-token hook now, once (a fan-out leader does, before it releases its
-        siblings; otherwise the exchange does after the first batch has gone out)."""
+        siblings; otherwise the exchange does just before the first batch goes out)."""
         if not self._first_token_done:
             self._first_token_done = True
             await self.hooks.first_token(self)
@@ -180,14 +180,14 @@ class Exchange:
         The relay's hot loop, so it looks only at what it must: a read is passed through as
         the bytes that arrived (whole events, `EventReader.blocks`) unless it holds the text
         `"usage"`, which only the engine's last events do; only those are split and parsed.
-        The first-token hook runs once the first batch has gone out."""
+        The first-token hook runs before the first batch goes out."""
         stream = self.stream
         assert stream is not None
         try:
             first = await self._rewrite(stream.first_batch, include_usage)
+            await self.first_token()  # before the client holds a token: see `_events`
             if first:
                 yield first
-            await self.first_token()
             await stream.batches.aclose()  # the reader goes on where it stopped, unsplit
             async with contextlib.aclosing(stream.reader.blocks()) as blocks:
                 async for block in blocks:
@@ -228,13 +228,15 @@ class Exchange:
             await self.finish()
 
     async def _events(self) -> AsyncGenerator[list[bytes], None]:
-        """The current stream's event batches, the first-token hook after the first. A failure
+        """The current stream's event batches, the first-token hook before the first. A failure
         (upstream, or a hook's refusal) ends them with `failure` set; nothing is raised."""
         stream = self.stream
         assert stream is not None
         try:
-            yield stream.first_batch
+            # the hook first: billing writes the stream's open entry there, so a client never
+            # holds tokens of a stream a gateway crash could leave unbilled (docs/billing.md)
             await self.first_token()
+            yield stream.first_batch
             async for batch in stream.batches:
                 yield batch
         except _UPSTREAM_ERRORS as exc:
@@ -252,8 +254,8 @@ class Exchange:
                         continue
                     data = event[5:].strip()
                     if data == b"[DONE]":
-                        # not `return`: the batches must run out, or the first-token hook
-                        # (which runs after the first batch) is skipped when [DONE] is in it
+                        # not `return`: the batches run out, so the stream ends the same way
+                        # whichever network read holds [DONE]
                         continue
                     try:
                         chunk = orjson.loads(data)

@@ -26,8 +26,8 @@ class ResponseRelay:
         self._tail = b""
 
     async def feed(self, data: bytes, end: bool) -> tuple[bytes, bool]:
-        """What to send on for `data`, and whether the first token is in it (the caller sends
-        the bytes first, then runs `exchange.first_token()`, as the standalone relay does)."""
+        """What to send on for `data`, and whether the first token is in it (the caller runs
+        `exchange.first_token()` before it sends the bytes, as the standalone relay does)."""
         if not self.stream:
             self._tail += data
             if not end:

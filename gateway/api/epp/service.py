@@ -218,11 +218,11 @@ class Conversation:
                 await self.send(chunk)
             return
         out, first = await relay.feed(data, end)
+        if first:  # before Envoy has the bytes: billing's open entry exists when they go out
+            await relay.exchange.first_token()
         if out or end:
             for chunk in m.body_chunks(out, response=True, end=end):
                 await self.send(chunk)
-        if first:
-            await relay.exchange.first_token()
         if end:
             await self._end(ok=True)
 
