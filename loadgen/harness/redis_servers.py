@@ -154,6 +154,12 @@ class RedisCluster:
         up = [n for n in self.nodes if n.proc is not None]
         return [n for n in up if "role:master" in n.cli("info", "replication") and _serves_slots(n)]
 
+    def replicas_synced(self) -> bool:
+        """Every running replica has its master link up (its first sync done)."""
+        up = [n for n in self.nodes if n.proc is not None]
+        infos = [n.cli("info", "replication") for n in up]
+        return all("master_link_status:up" in i for i in infos if "role:slave" in i)
+
     def healthy(self) -> bool:
         """Every running node reports cluster_state:ok."""
         up = [n for n in self.nodes if n.proc is not None]
@@ -193,6 +199,10 @@ def redis_cluster(num_masters: int = 3, replicas: int = 0) -> Iterator[RedisClus
                         str(workdir / "nodes.conf"),
                         "--cluster-node-timeout",
                         "2000",
+                        # a replica's first sync starts at once (Redis 7 waits 5 s for more
+                        # replicas to share a diskless transfer), so it can be promoted soon
+                        "--repl-diskless-sync-delay",
+                        "0",
                     ),
                 )
                 node.start()
@@ -215,6 +225,9 @@ def redis_cluster(num_masters: int = 3, replicas: int = 0) -> Iterator[RedisClus
             _wait_for(cluster.healthy, "redis cluster")
             if replicas:
                 _wait_for(lambda: len(cluster.masters()) == num_masters, "cluster replicas")
+                # a replica that never finished its first sync is never promoted: its data's
+                # age is unknown (cluster-replica-validity-factor)
+                _wait_for(cluster.replicas_synced, "cluster replicas synced")
             yield cluster
         finally:
             for node in nodes:
