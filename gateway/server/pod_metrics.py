@@ -5,7 +5,8 @@ same labels): the pod served what its workers served, and a request is counted o
 worker that served it. Gauges (and untyped or info series) are not summed: every worker probes
 and scrapes the same replicas, so a sum of their replica gauges would count each engine N
 times; they keep one series per worker with a `worker` label (`max by` or `sum by` in a query
-says which view a dashboard wants). `_created` timestamps take the earliest worker's.
+says which view a dashboard wants). prometheus_client's text parser reads `_created` series
+as gauges of their own, so they too stay per worker.
 """
 
 from __future__ import annotations
@@ -38,12 +39,7 @@ def merge(pages: Sequence[str]) -> bytes:
             totals = sums.setdefault(family.name, {})
             for s in family.samples:
                 key = (s.name, tuple(sorted(s.labels.items())))
-                if key not in totals:
-                    totals[key] = s.value
-                elif s.name.endswith("_created"):
-                    totals[key] = min(totals[key], s.value)
-                else:
-                    totals[key] += s.value
+                totals[key] = totals.get(key, 0.0) + s.value
     for name, totals in sums.items():
         for (sample, pairs), value in totals.items():
             families[name].add_sample(sample, dict(pairs), value)

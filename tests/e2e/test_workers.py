@@ -10,12 +10,15 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.billing.wal import read_directory
 from loadgen.harness import processes
 from loadgen.text import words
 from tests.conftest import MODEL, TENANT_KEY
@@ -28,11 +31,18 @@ CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture
-def pod(redis_url: str, start_engines: Callable[..., list[Served]]) -> Iterator[processes.Proc]:
+def pod(
+    redis_url: str, start_engines: Callable[..., list[Served]], tmp_path: Path
+) -> Iterator[processes.Proc]:
     engines = start_engines(4)
     args = ["--workers", "2", "--redis-url", redis_url, "--debug-headers"]
     args += ["--tenant", f"acme:{TENANT_KEY}", "--log-level", "warning"]
-    gateway = processes.start_gateway(processes.free_port(), [e.url for e in engines], args)
+    billing = {
+        "KVGATE_BILLING_WAL_DIR": str(tmp_path / "wal"),
+        "KVGATE_BILLING_MODEL_MAP": orjson.dumps({MODEL: "gpt-5.6"}).decode(),
+    }
+    urls = [e.url for e in engines]
+    gateway = processes.start_gateway(processes.free_port(), urls, args, env=billing)
     try:
         processes.wait_ready(gateway.url, "/readyz", gateway.popen, processes.STARTUP_TIMEOUT_S)
         wait_until(lambda: all(answers(gateway, i) for i in range(2)), 30, "both workers up")
@@ -90,7 +100,7 @@ def ask(gateway: processes.Proc, messages: list[dict[str, Any]]) -> tuple[str, s
 
 
 def test_both_workers_serve_one_conversation_on_one_replica_and_metrics_count_it_once(
-    pod: processes.Proc,
+    pod: processes.Proc, tmp_path: Path
 ) -> None:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a coding agent." + words("workers/sys", 600)},
@@ -114,6 +124,9 @@ def test_both_workers_serve_one_conversation_on_one_replica_and_metrics_count_it
     assert chats_served(pod_page) == sum(per_worker) == len(placements)
     assert 'kvgate_replica_healthy{replica="' in pod_page and 'worker="1"' in pod_page
     assert httpx.get(pod.metrics_url + "/openapi.json", timeout=5).json()["paths"]
+    # each worker billed what it served, in a WAL directory of its own
+    billed = [len(list(read_directory(tmp_path / "wal" / f"worker-{i}"))) for i in range(2)]
+    assert billed == per_worker
 
 
 def test_sigterm_drains_every_worker_and_the_pod_exits_cleanly(pod: processes.Proc) -> None:
