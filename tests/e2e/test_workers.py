@@ -5,6 +5,7 @@ pod, and without a shared directory the command refuses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,9 +20,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.billing.wal import read_directory
+from loadgen.engine.timing import TimingModel
 from loadgen.harness import processes
 from loadgen.text import words
-from tests.conftest import MODEL, TENANT_KEY
+from tests.conftest import FAST, MODEL, TENANT_KEY
 from tests.servers import Served, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -32,9 +34,13 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture
 def pod(
-    redis_url: str, start_engines: Callable[..., list[Served]], tmp_path: Path
+    request: pytest.FixtureRequest,
+    redis_url: str,
+    start_engines: Callable[..., list[Served]],
+    tmp_path: Path,
 ) -> Iterator[processes.Proc]:
-    engines = start_engines(4)
+    """Two workers over four engines (their timing: the test's indirect parameter, or FAST)."""
+    engines = start_engines(4, timing=getattr(request, "param", FAST))
     args = ["--workers", "2", "--redis-url", redis_url, "--debug-headers"]
     args += ["--tenant", f"acme:{TENANT_KEY}", "--log-level", "warning"]
     billing = {
@@ -129,9 +135,39 @@ def test_both_workers_serve_one_conversation_on_one_replica_and_metrics_count_it
     assert billed == per_worker
 
 
+def inflight(gateway: processes.Proc, index: int) -> float:
+    for family in text_string_to_metric_families(worker_page(gateway, index)):
+        if family.name == "kvgate_replica_inflight":
+            return sum(s.value for s in family.samples)
+    return 0.0
+
+
+@pytest.mark.parametrize("pod", [TimingModel(decode_s_per_token=0.02)], indirect=True)
 def test_sigterm_drains_every_worker_and_the_pod_exits_cleanly(pod: processes.Proc) -> None:
     children = workers_of(pod)
-    pod.popen.send_signal(signal.SIGTERM)
+    body = {"model": MODEL, "max_tokens": 60, "stream": True}
+    with contextlib.ExitStack() as stack:
+        streams = []
+        for n in range(12):  # fresh connections until both workers have a stream in flight
+            messages = [{"role": "user", "content": words(f"drain/{n}", 50)}]
+            response = stack.enter_context(
+                httpx.stream(
+                    "POST",
+                    pod.url + CHAT,
+                    json={**body, "messages": messages},
+                    headers=HEADERS,
+                    timeout=30,
+                )
+            )
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            streams.append(lines)
+            if all(inflight(pod, i) for i in range(2)):
+                break
+        assert all(inflight(pod, i) for i in range(2)), "every stream went to one worker"
+        pod.popen.send_signal(signal.SIGTERM)  # ~1.2 s of each stream still to come
+        for lines in streams:
+            assert [line for line in lines if line][-1] == "data: [DONE]"
     assert pod.popen.wait(timeout=20) == 0
     assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
 
