@@ -58,18 +58,7 @@ def pod(
 
 
 def workers_of(gateway: processes.Proc) -> list[int]:
-    """The pids whose parent is the supervisor (Linux /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rpartition(")")[2].split()[1])
-            except OSError:
-                continue
-            if ppid == gateway.pid:
-                found.append(int(entry))
-    return found
+    return processes.children(gateway.pid)
 
 
 def chats_served(page: str) -> float:
