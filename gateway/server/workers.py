@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 WORKER_INDEX_ENV = "KVGATE_WORKER_INDEX"
 LOOPBACK = "127.0.0.1"
+PR_SET_PDEATHSIG = 1
 SCRAPE_TIMEOUT_S = 5.0
 """A worker's /metrics renders in milliseconds; 5 s means it is stuck, and the pod's page fails
 (503) rather than showing a partial sum that Prometheus would read as a counter reset."""
@@ -104,7 +106,12 @@ class Supervisor:
 
     async def run(self) -> int:
         self._secret = secrets.token_hex(32)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.drain)
         for index in range(self.settings.workers):
+            if self.draining:  # asked to stop while starting: start no more
+                break
             self.workers.append(
                 await asyncio.create_subprocess_exec(
                     sys.executable,
@@ -113,6 +120,7 @@ class Supervisor:
                     *self.argv,
                     env=self._environment(index),
                     process_group=0,  # a terminal's ^C reaches the supervisor only, which drains
+                    preexec_fn=_drain_with_the_supervisor,
                 )
             )
         log.info(
@@ -121,9 +129,6 @@ class Supervisor:
             ", ".join(str(w.pid) for w in self.workers),
             self.settings.port,
         )
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.drain)
         async with contextlib.AsyncExitStack() as stack:
             if self.settings.metrics_port is not None:
                 admin = PodAdmin(self.settings)
@@ -165,6 +170,13 @@ class Supervisor:
                 worker.kill()
         if pending:
             await asyncio.wait(pending, timeout=STOP_AFTER_GRACE_S)
+
+
+def _drain_with_the_supervisor() -> None:
+    """In the worker before exec: SIGTERM when the supervisor dies (even by SIGKILL), so no
+    worker outlives its pod's supervisor (Linux prctl PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def exit_status(returncode: int | None) -> int:

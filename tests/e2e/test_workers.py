@@ -61,6 +61,15 @@ def workers_of(gateway: processes.Proc) -> list[int]:
     return processes.children(gateway.pid)
 
 
+def alive(pid: int) -> bool:
+    """Running (not exited, nor a zombie waiting for whoever adopted it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def chats_served(page: str) -> float:
     for family in text_string_to_metric_families(page):
         if family.name == "kvgate_http_requests":
@@ -158,14 +167,14 @@ def test_sigterm_drains_every_worker_and_the_pod_exits_cleanly(pod: processes.Pr
         for lines in streams:
             assert [line for line in lines if line][-1] == "data: [DONE]"
     assert pod.popen.wait(timeout=20) == 0
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
+    assert not any(alive(pid) for pid in children)
 
 
 def test_a_worker_that_dies_takes_the_pod_down_non_zero(pod: processes.Proc) -> None:
     victim, other = workers_of(pod)
     os.kill(victim, signal.SIGKILL)
     assert pod.popen.wait(timeout=20) != 0
-    wait_until(lambda: not os.path.exists(f"/proc/{other}"), 5, "the other worker stopped")
+    wait_until(lambda: not alive(other), 5, "the other worker stopped")
 
 
 def test_workers_without_a_shared_directory_is_refused() -> None:
@@ -178,3 +187,10 @@ def test_workers_without_a_shared_directory_is_refused() -> None:
     )
     assert done.returncode == 2
     assert "workers: 2 needs redis_url (--redis-url)" in done.stdout
+
+
+def test_workers_do_not_outlive_a_supervisor_killed_by_sigkill(pod: processes.Proc) -> None:
+    children = workers_of(pod)
+    pod.popen.kill()  # no drain forwarded: the kernel's parent-death signal drains them
+    pod.popen.wait(timeout=5)
+    wait_until(lambda: not any(alive(pid) for pid in children), 20, "the orphans stopped")
