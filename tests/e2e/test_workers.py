@@ -14,11 +14,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.api.grpc._pb import gateway_pb2 as pb
+from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.billing.wal import read_directory
 from loadgen.engine.timing import TimingModel
 from loadgen.harness import processes
@@ -43,6 +46,7 @@ def pod(
     engines = start_engines(4, timing=getattr(request, "param", FAST))
     args = ["--workers", "2", "--redis-url", redis_url, "--debug-headers"]
     args += ["--tenant", f"acme:{TENANT_KEY}", "--log-level", "warning"]
+    args += ["--grpc-port", str(processes.free_port())]  # both workers bind it too
     billing = {
         "KVGATE_BILLING_WAL_DIR": str(tmp_path / "wal"),
         "KVGATE_BILLING_MODEL_MAP": orjson.dumps({MODEL: "gpt-5.6"}).decode(),
@@ -59,6 +63,10 @@ def pod(
 
 def workers_of(gateway: processes.Proc) -> list[int]:
     return processes.children(gateway.pid)
+
+
+def pod_args(gateway: processes.Proc) -> list[str]:
+    return [str(a) for a in gateway.popen.args]  # type: ignore[union-attr]
 
 
 def alive(pid: int) -> bool:
@@ -131,6 +139,16 @@ def test_both_workers_serve_one_conversation_on_one_replica_and_metrics_count_it
     # each worker billed what it served, in a WAL directory of its own
     billed = [len(list(read_directory(tmp_path / "wal" / f"worker-{i}"))) for i in range(2)]
     assert billed == per_worker
+    grpc_port = int(pod_args(pod)[pod_args(pod).index("--grpc-port") + 1])
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        rpc = pb.GenerateRequest(
+            model=MODEL,
+            messages=[pb.Message(role=pb.ROLE_USER, content=[pb.ContentPart(text="hi")])],
+            sampling=pb.Sampling(max_tokens=4),
+        )
+        auth = (("authorization", f"Bearer {TENANT_KEY}"),)
+        reply = gateway_pb2_grpc.GatewayStub(channel).Generate(rpc, metadata=auth, timeout=30)
+    assert reply.usage.completion_tokens == 4
 
 
 def inflight(gateway: processes.Proc, index: int) -> float:
