@@ -202,6 +202,15 @@ class Settings(BaseSettings):
     """The ext-proc gRPC port in `epp` mode (0: any free port)."""
     epp_max_message_timeout_s: float = DEFAULT_EPP_MAX_MESSAGE_TIMEOUT_S
     """Envoy's `max_message_timeout`: a held request asks Envoy to wait this long at most."""
+    workers: int = 1
+    """Gateway processes in this pod (every core of a node; docs/operations.md#workers). 1: this
+    process serves. N > 1: it supervises N workers sharing the public ports (SO_REUSEPORT) and
+    serves the admin port with their metrics merged; needs `redis_url`, so they agree on
+    placement. The chart sets it to the requested CPU."""
+    worker_index: int | None = None
+    """Set by the supervisor in each worker's environment (KVGATE_WORKER_INDEX), never by hand:
+    the worker's admin port on loopback is `metrics_port + 1 + index`, its WAL
+    `billing_wal_dir/worker-<index>`."""
 
     # -- shared state: the directory (issue #3), rate limits (issue #6) ------------------------
     redis_url: str | None = None
@@ -486,6 +495,16 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _workers_share_a_directory(self) -> Settings:
+        if self.workers > 1 and not self.redis_url:
+            raise ValueError(
+                f"workers: {self.workers} needs redis_url (--redis-url): workers with a directory "
+                "each of their own would place one conversation on different replicas; run "
+                "Redis beside the gateway (a sidecar on a unix socket, docs/operations.md#workers)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _body_holds_a_prompt(self) -> Settings:
         if self.max_body_bytes < self.max_prompt_bytes:
             raise ValueError(
@@ -502,6 +521,7 @@ class Settings(BaseSettings):
         "max_body_bytes",
         "max_prompt_bytes",
         "billing_ledger_max_entries",
+        "workers",
     )
     @classmethod
     def _positive(cls, value: int) -> int:

@@ -65,10 +65,13 @@ CHART_MANAGED = frozenset(
         "mode",
         "epp_port",
         "shutdown_grace_s",
+        "workers",
+        "worker_index",
     }
 )
 """Settings the chart sets from its own values (service, secret, redis, epp, the drain's grace
-from terminationGracePeriodSeconds) or never sets (secrets and keys do not belong in a
+from terminationGracePeriodSeconds, the workers from the requested CPU; the worker index is
+the supervisor's) or never sets (secrets and keys do not belong in a
 ConfigMap; the in-cluster service account replaces a kubeconfig)."""
 ENUMS: dict[str, list[str]] = {
     "policy": sorted(POLICIES),

@@ -391,7 +391,9 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
         if settings.metrics_port is not None:
             admin = AdminServer(lambda: render(parts.registry), lambda: app.openapi(), app.title)
             stack.push_async_callback(admin.stop)
-            app.state.metrics_port = await admin.start(settings.host, settings.metrics_port)
+            # a worker's admin port is its supervisor's to read (gateway.server.workers)
+            host = "127.0.0.1" if settings.worker_index is not None else settings.host
+            app.state.metrics_port = await admin.start(host, settings.metrics_port)
         log_start_up(parts)
         yield
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import uvicorn
 
 from gateway.observability.logs import configure_logging
+from gateway.server.workers import refusal, shared_port_socket, supervise, worker_settings
 from gateway.settings import Settings
 from router.registry import POLICIES
 
@@ -59,6 +61,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="standalone: serve the API; epp: also pick endpoints for Envoy (ext-proc)",
     )
     parser.add_argument("--epp-port", type=int, help="the ext-proc port in epp mode")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="gateway processes sharing the ports (N > 1 needs --redis-url; docs/operations.md)",
+    )
     # -- Kubernetes discovery and tracing (issue 9; docs/operations.md) --
     parser.add_argument(
         "--discovery",
@@ -132,6 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
             grpc_port=args.grpc_port,
             mode=args.mode,
             epp_port=args.epp_port,
+            workers=args.workers,
             discovery=args.discovery,
             discovery_label_selector=args.discovery_label_selector,
             discovery_namespace=args.discovery_namespace,
@@ -152,6 +160,14 @@ def run_serve(args: argparse.Namespace) -> int:
             "or discover them with --discovery kubernetes --label-selector SELECTOR"
         )
         return 2
+    if settings.worker_index is None and settings.workers > 1:
+        reason = refusal(settings)
+        if reason is not None:
+            print(f"kvgate serve: {reason}")
+            return 2
+        return supervise(settings, sys.argv[1:])
+    if settings.worker_index is not None:
+        settings = worker_settings(settings)
     try:
         app = create_app(settings)
     except TenantFileError as exc:
@@ -171,7 +187,10 @@ def run_serve(args: argparse.Namespace) -> int:
         date_header=False,
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
     )
-    DrainingServer(config, app.state.begin_drain).run()
+    sockets = None
+    if settings.worker_index is not None:
+        sockets = [shared_port_socket(settings.host, settings.port)]
+    DrainingServer(config, app.state.begin_drain).run(sockets)
     return 0
 
 

@@ -142,13 +142,13 @@ def stand_ins(num: int, log: StandInLog | None = None) -> Iterator[list[str]]:
 
 
 def idle_cpu(num: int, seconds: float, settle_s: float, gateway_args: list[str]) -> float:
-    """The idle gateway's CPU seconds per second with `num` replicas."""
+    """The idle gateway's CPU seconds per second with `num` replicas (its workers' too)."""
     serve = ["--policy", "cache_aware", "--log-level", "warning", *gateway_args]
     with stand_ins(num) as urls, processes.gateway(urls, serve) as gw:
         time.sleep(settle_s)  # not synchronisation: the first rounds and imports are not idle
-        cpu0, t0 = processes.cpu_seconds(gw.pid), time.monotonic()
+        cpu0, t0 = processes.tree_cpu_seconds(gw.pid), time.monotonic()
         time.sleep(seconds)
-        return (processes.cpu_seconds(gw.pid) - cpu0) / (time.monotonic() - t0)
+        return (processes.tree_cpu_seconds(gw.pid) - cpu0) / (time.monotonic() - t0)
 
 
 def add_bench_idle_arguments(parser: argparse.ArgumentParser) -> None:

@@ -65,6 +65,7 @@ from loadgen.engine.timing import (
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.harness import processes
 from loadgen.harness.envoy import EnvoySetup, envoy, envoy_binary
+from loadgen.harness.redis_servers import redis_server
 from loadgen.replay import ReplayOptions, ReplaySummary, replay, summarise
 from loadgen.sim import SimConfig, run_policies
 from loadgen.traces import CONVERSATION_TRACE
@@ -100,7 +101,10 @@ READY_TIMEOUT_S = 60.0
 
 ALL_PEER_ARMS = ("sglang:cache_aware", "vllm:cache_aware", "vllm:round_robin")
 EPP_KINDS = ("epp", "epp-headers")
-GATEWAY_KINDS = ("kvgate", "precise", *EPP_KINDS)
+WORKER_KINDS = {"workers1": 1, "workers2": 2}
+"""kvgate over a redis-server of its own with `--workers N` (issue 17 item 4): `workers1` is the
+baseline with the same Redis directory, so the pair differs by the workers alone."""
+GATEWAY_KINDS = ("kvgate", "precise", *EPP_KINDS, *WORKER_KINDS)
 """Arms whose router is `kvgate serve` (routing decisions read from its /metrics)."""
 HOP_PROBES = 40
 """One-token requests after each replay to time the idle hop (their median is stable to ~0.1 ms
@@ -126,7 +130,7 @@ def parse_arms(spec: str) -> list[Arm]:
         names += [*ALL_PEER_ARMS, "client:round_robin"]
     else:
         names = [s.strip() for s in spec.split(",") if s.strip()]
-    valid = {f"{kind}:{p}" for kind in ("kvgate", "precise") for p in POLICIES}
+    valid = {f"{kind}:{p}" for kind in ("kvgate", "precise", *WORKER_KINDS) for p in POLICIES}
     valid |= {*ALL_PEER_ARMS, "client:round_robin"}
     valid |= {f"{kind}:{p}" for kind in EPP_KINDS for p in POLICIES}
     arms = []
@@ -245,6 +249,15 @@ def start_router(
             extra, extra_env = processes.precise_gateway_args(events or {}, str(MODEL_DIR))
             args += extra
             env.update(extra_env)
+        if arm.kind in WORKER_KINDS:
+            with redis_server(port=0) as redis:
+                args += ["--workers", str(WORKER_KINDS[arm.kind]), "--redis-url", redis.url]
+                with processes.gateway(engine_urls, args, env=env) as gw:
+                    processes.wait_ready(
+                        str(gw.metrics_url), "/metrics", gw.popen, processes.STARTUP_TIMEOUT_S
+                    )  # every worker answers (the pod's page needs them all)
+                    yield Router((gw.url,), gw.pid, BENCH_KEY, gw.metrics_url)
+            return
         if arm.kind in ("kvgate", "precise"):
             with processes.gateway(engine_urls, args, env=env) as gw:
                 yield Router((gw.url,), gw.pid, BENCH_KEY, gw.metrics_url)
@@ -352,7 +365,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
             label=f"{arm.name} (run {run})",
         )
         engine_cpu0 = sum(processes.cpu_seconds(e.pid) for e in engines)
-        router_cpu0 = processes.cpu_seconds(router.pid) if router.pid else 0.0
+        router_cpu0 = processes.tree_cpu_seconds(router.pid) if router.pid else 0.0
         envoy_cpu0 = processes.cpu_seconds(router.envoy_pid) if router.envoy_pid else 0.0
         client_cpu0 = time.process_time()
         load = MachineLoad()
@@ -361,7 +374,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         busy = load.stop()
         n = max(len(rows), 1)
         router_cpu = (
-            (processes.cpu_seconds(router.pid) - router_cpu0) / n * 1e3 if router.pid else None
+            (processes.tree_cpu_seconds(router.pid) - router_cpu0) / n * 1e3 if router.pid else None
         )
         engine_cpu = (sum(processes.cpu_seconds(e.pid) for e in engines) - engine_cpu0) / n
         client_cpu = (time.process_time() - client_cpu0) / n

@@ -184,3 +184,29 @@ def cpu_seconds(pid: int) -> float:
         fields = f.read().rpartition(")")[2].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (Linux /proc): a `--workers N` gateway's
+    workers."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if parent == pid:
+            found.append(int(entry))
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """`cpu_seconds` of a process and its live children: a supervisor and its workers."""
+    total = cpu_seconds(pid)
+    for child in children(pid):
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(child)
+    return total

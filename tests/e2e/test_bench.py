@@ -26,6 +26,8 @@ def test_arms_are_parsed_and_unknown_ones_named() -> None:
     with pytest.raises(ValueError, match="unknown arm 'haproxy:roundrobin'; choose from"):
         parse_arms("haproxy:roundrobin")
     assert peer_missing(Arm("kvgate", "cache_aware")) is None
+    pair = parse_arms("workers1:cache_aware,workers2:cache_aware")  # --workers 1 vs 2 on Redis
+    assert [a.kind for a in pair] == ["workers1", "workers2"]
 
 
 def test_a_small_bench_runs_every_arm_and_writes_one_table(

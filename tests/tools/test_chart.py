@@ -334,3 +334,21 @@ def test_the_drain_fits_in_the_pods_termination_grace(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"terminationGracePeriodSeconds": 20}))
     with pytest.raises(chart.ChartError, match="must exceed preStopSleepSeconds"):
         chart.template(path)
+
+
+@pytest.mark.parametrize(("cpu", "workers"), [("1", 1), ("1500m", 2), ("3", 3), ("250m", 1)])
+def test_one_worker_per_requested_cpu(tmp_path: Path, cpu: str, workers: int) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"resources": {"requests": {"cpu": cpu}}}))
+    config = yaml.safe_load(one(chart.template(path), "ConfigMap")["data"]["kvgate.yaml"])
+    assert config["workers"] == workers
+
+
+def test_workers_without_redis_are_refused(tmp_path: Path) -> None:
+    values = {
+        "workers": 2,
+        "replicaCount": 1,
+        "redis": {"enabled": False},
+        "autoscaling": {"enabled": False},
+    }
+    assert "workers: 2 needs a shared Redis" in refused(tmp_path, values)

@@ -55,7 +55,7 @@ async def start_epp(settings: Settings, front: FrontEnd) -> EppServer:
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", EPP_MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(settings.worker_index is not None)),
         ]
     )
     service = PickerService(front, settings.epp_max_message_timeout_s)

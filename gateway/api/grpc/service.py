@@ -283,7 +283,8 @@ async def start_grpc(
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", settings.max_body_bytes),
-            ("grpc.so_reuseport", 0),  # a second server on a taken port fails, not shares it
+            # a second server on a taken port fails, not shares it; workers share it
+            ("grpc.so_reuseport", int(settings.worker_index is not None)),
         ]
     )
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(front, metrics), server)

@@ -116,6 +116,7 @@ app.kubernetes.io/component: redis
 {{- $_ := set $settings "server_secret_file" "/etc/kvgate/secret/server-secret" -}}
 {{- $_ := set $settings "tenants_file" "/etc/kvgate/secret/tenants.yaml" -}}
 {{- $_ := set $settings "shutdown_grace_s" (include "kvgate.drainGrace" . | int) -}}
+{{- $_ := set $settings "workers" (include "kvgate.workers" . | int) -}}
 {{- if and (not .Values.redis.enabled) .Values.redis.external.cluster -}}
 {{- $_ := set $settings "redis_cluster" true -}}
 {{- end -}}
@@ -142,4 +143,27 @@ preStop sleep and the stop that follows the drain (flushing billing and the dire
 {{- fail (printf "terminationGracePeriodSeconds (%d) must exceed preStopSleepSeconds (%d) + drainMarginSeconds (%d): the gateway needs a drain grace of at least 1 s" (int .Values.terminationGracePeriodSeconds) (int .Values.preStopSleepSeconds) (int .Values.drainMarginSeconds)) -}}
 {{- end -}}
 {{- $grace -}}
+{{- end -}}
+
+{{/*
+Gateway processes per pod: `workers`, or one per requested CPU rounded up ("1500m" → 2, "2" →
+2; no request → 1). More than one must share a directory (docs/operations.md#workers).
+*/}}
+{{- define "kvgate.workers" -}}
+{{- $workers := 1 -}}
+{{- if .Values.workers -}}
+{{- $workers = int .Values.workers -}}
+{{- else -}}
+{{- $cpu := toString (dig "requests" "cpu" "1" (.Values.resources | default dict)) -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $workers = div (add (trimSuffix "m" $cpu | atoi) 999) 1000 | int -}}
+{{- else -}}
+{{- $workers = ceil (float64 $cpu) | int -}}
+{{- end -}}
+{{- end -}}
+{{- if lt $workers 1 -}}{{- $workers = 1 -}}{{- end -}}
+{{- if and (gt $workers 1) (not (include "kvgate.sharesRedis" .)) -}}
+{{- fail (printf "workers: %d needs a shared Redis (redis.enabled, or redis.external): workers with directories of their own would not agree on placement" $workers) -}}
+{{- end -}}
+{{- $workers -}}
 {{- end -}}

@@ -1,0 +1,236 @@
+"""`kvgate serve --workers N`: a supervisor and N gateway processes, every core of a pod.
+
+The workers bind the public ports themselves with SO_REUSEPORT (HTTP here, gRPC and ext-proc
+through `grpc.so_reuseport`) instead of inheriting one socket bound by the supervisor: the
+kernel spreads new connections evenly over the listening sockets (a hash of the 4-tuple), where
+one shared socket hands each connection to whichever worker wakes first in accept (the least
+busy one, or one of them most of the time); a worker joins only when it listens, after its
+lifespan started (replicas probed, Redis open), so no connection queues on a worker still
+starting; and one mechanism serves the three ports. The price: connections still in a closing
+worker's accept queue are reset, at SIGTERM only, when the pod has left its Service.
+
+The workers agree on placement because they share the Redis directory (`redis_url`, required):
+the directory, hot-prefix rates, fan-out leaders and holds and rate limits are all in Redis
+already, as for N gateways (docs/operations.md#workers has the table of every piece of state).
+
+The supervisor restarts nothing: when a worker exits unasked, the others are stopped and the
+supervisor exits non-zero, so Kubernetes restarts the pod whole. SIGTERM (or SIGINT) is
+forwarded to every worker, each drains as a lone gateway does, and the supervisor waits for
+them. It serves the admin port itself: `/metrics` merged over the workers' own admin ports
+(loopback, `metrics_port + 1 + i`; gateway.server.pod_metrics), the API documents from worker 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+import aiohttp
+from aiohttp import web
+
+from gateway.server.pod_metrics import merge
+from gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+WORKER_INDEX_ENV = "KVGATE_WORKER_INDEX"
+LOOPBACK = "127.0.0.1"
+PR_SET_PDEATHSIG = 1
+SCRAPE_TIMEOUT_S = 5.0
+"""A worker's /metrics renders in milliseconds; 5 s means it is stuck, and the pod's page fails
+(503) rather than showing a partial sum that Prometheus would read as a counter reset."""
+STOP_AFTER_GRACE_S = 15.0
+"""Past its drain grace (and its 5 s settle) a worker that has not exited is killed."""
+
+
+def worker_settings(settings: Settings) -> Settings:
+    """A worker's own settings: its admin port on loopback and its own WAL directory (one lock
+    per writer)."""
+    index = settings.worker_index
+    assert index is not None
+    update: dict[str, object] = {}
+    if settings.metrics_port is not None:
+        update["metrics_port"] = settings.metrics_port + 1 + index
+    if settings.billing_wal_dir is not None:
+        update["billing_wal_dir"] = settings.billing_wal_dir / f"worker-{index}"
+    return settings.model_copy(update=update)
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` beside the other workers' (not yet listening: uvicorn
+    listens once the lifespan has started)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def refusal(settings: Settings) -> str | None:
+    """Why these settings cannot run as a pod of workers, or None."""
+    if settings.port == 0 or settings.grpc_port == 0 or settings.metrics_port == 0:
+        return "--workers N needs fixed ports (port, grpc_port, metrics_port), not 0"
+    if settings.mode == "epp" and settings.epp_port == 0:
+        return "--workers N needs a fixed epp_port, not 0"
+    return None
+
+
+def supervise(settings: Settings, argv: Sequence[str]) -> int:
+    """Run `argv` (this `kvgate serve` command line) as `settings.workers` workers; returns
+    the pod's exit status."""
+    return asyncio.run(Supervisor(settings, argv).run())
+
+
+class Supervisor:
+    def __init__(self, settings: Settings, argv: Sequence[str]) -> None:
+        self.settings = settings
+        self.argv = list(argv)
+        self.workers: list[asyncio.subprocess.Process] = []
+        self.draining = False
+
+    def _environment(self, index: int) -> dict[str, str]:
+        env = {**os.environ, WORKER_INDEX_ENV: str(index)}
+        if self.settings.server_secret is None and self.settings.server_secret_file is None:
+            # the workers must salt alike; a random secret per worker would split the directory
+            env["KVGATE_SERVER_SECRET"] = self._secret
+        return env
+
+    async def run(self) -> int:
+        self._secret = secrets.token_hex(32)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.drain)
+        for index in range(self.settings.workers):
+            if self.draining:  # asked to stop while starting: start no more
+                break
+            self.workers.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "kvgate_cli",
+                    *self.argv,
+                    env=self._environment(index),
+                    process_group=0,  # a terminal's ^C reaches the supervisor only, which drains
+                    preexec_fn=_drain_with_the_supervisor,
+                )
+            )
+        log.info(
+            "kvgate: %d workers (pids %s) on port %d",
+            len(self.workers),
+            ", ".join(str(w.pid) for w in self.workers),
+            self.settings.port,
+        )
+        async with contextlib.AsyncExitStack() as stack:
+            if self.settings.metrics_port is not None:
+                admin = PodAdmin(self.settings)
+                stack.push_async_callback(admin.stop)
+                await admin.start()
+            return await self._wait()
+
+    def drain(self) -> None:
+        if not self.draining:
+            log.info("kvgate: draining %d workers", len(self.workers))
+        self.draining = True
+        for worker in self.workers:
+            if worker.returncode is None:
+                worker.send_signal(signal.SIGTERM)
+
+    async def _wait(self) -> int:
+        waits: list[asyncio.Future[int]] = [asyncio.ensure_future(w.wait()) for w in self.workers]
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not self.draining:
+            first = next(i for i, w in enumerate(waits) if w in done)
+            log.error(
+                "kvgate: worker %d exited with status %s; stopping the pod",
+                first,
+                self.workers[first].returncode,
+            )
+            self.drain()
+            await self._wait_all(waits)
+            return exit_status(self.workers[first].returncode) or 1
+        await self._wait_all(waits)
+        # uvicorn re-raises the SIGTERM it drained on: that death is a worker's clean exit
+        failed = [w.returncode for w in self.workers if w.returncode not in (0, -signal.SIGTERM)]
+        return exit_status(failed[0]) if failed else 0
+
+    async def _wait_all(self, waits: list[asyncio.Future[int]]) -> None:
+        _, pending = await asyncio.wait(waits, timeout=self.settings.shutdown_grace_s + 20.0)
+        for worker in self.workers:
+            if worker.returncode is None:
+                log.error("kvgate: worker pid %d did not stop; killing it", worker.pid)
+                worker.kill()
+        if pending:
+            await asyncio.wait(pending, timeout=STOP_AFTER_GRACE_S)
+
+
+def _drain_with_the_supervisor() -> None:
+    """In the worker before exec: SIGTERM when the supervisor dies (even by SIGKILL), so no
+    worker outlives its pod's supervisor (Linux prctl PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def exit_status(returncode: int | None) -> int:
+    """A worker's status as a shell reports it (killed by signal s: 128 + s)."""
+    if returncode is None:
+        return 1
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class PodAdmin:
+    """The pod's admin port: `/metrics` merged over the workers, the rest from worker 0."""
+
+    def __init__(self, settings: Settings) -> None:
+        assert settings.metrics_port is not None
+        self.settings = settings
+        self.ports = [settings.metrics_port + 1 + i for i in range(settings.workers)]
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(SCRAPE_TIMEOUT_S))
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/{path:.*}", self._from_worker_0)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        assert self.settings.metrics_port is not None
+        await web.TCPSite(self._runner, self.settings.host, self.settings.metrics_port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _get(self, port: int, path: str) -> tuple[bytes, str]:
+        assert self._session is not None
+        async with self._session.get(f"http://{LOOPBACK}:{port}{path}") as response:
+            response.raise_for_status()
+            return await response.read(), response.headers.get("content-type", "text/plain")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        try:
+            pages = await asyncio.gather(*(self._get(p, "/metrics") for p in self.ports))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return web.Response(status=503, text=f"a worker's /metrics did not answer: {exc}\n")
+        body = merge([page.decode() for page, _ in pages])
+        return web.Response(body=body, headers={"content-type": pages[0][1]})
+
+    async def _from_worker_0(self, request: web.Request) -> web.Response:
+        try:
+            body, content_type = await self._get(self.ports[0], request.path_qs)
+        except aiohttp.ClientResponseError as exc:
+            return web.Response(status=exc.status)
+        except (aiohttp.ClientError, TimeoutError):
+            return web.Response(status=503, text="worker 0 did not answer\n")
+        return web.Response(body=body, headers={"content-type": content_type})
