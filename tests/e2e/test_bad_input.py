@@ -20,10 +20,10 @@ import orjson
 import pytest
 
 from gateway.api.grpc._pb import gateway_pb2 as pb
-from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
-from tests.clients import director
+from tests.clients import director, grpc_channels  # noqa: F401 (autouse)
+from tests.clients import grpc_stub as stub
 from tests.conftest import MODEL, TENANT_KEY
 from tests.servers import Served, wait_until
 
@@ -53,22 +53,6 @@ def gateway(
     start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
 ) -> Served:
     return start_gateway(start_engines(1), grpc_port=0)
-
-
-_CHANNELS: list[grpc.Channel] = []
-
-
-def stub(gateway: Served) -> Any:
-    channel = grpc.insecure_channel(f"127.0.0.1:{gateway.app.state.grpc_port}")
-    _CHANNELS.append(channel)
-    return gateway_pb2_grpc.GatewayStub(channel)
-
-
-@pytest.fixture(autouse=True)
-def _close_channels() -> Iterator[None]:
-    yield
-    while _CHANNELS:
-        _CHANNELS.pop().close()
 
 
 def grpc_request(**extra: Any) -> pb.GenerateRequest:

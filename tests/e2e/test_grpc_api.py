@@ -5,7 +5,7 @@ and one conversation through OpenAI HTTP, Anthropic HTTP and gRPC on one replica
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import anthropic
@@ -27,6 +27,11 @@ from gateway.api.grpc.service import start_grpc
 from gateway.api.openai.parse import parse_chat
 from loadgen.engine.timing import TimingModel
 from loadgen.text import words
+from tests.clients import (
+    grpc_channel,
+    grpc_channels,  # noqa: F401 (autouse)
+)
+from tests.clients import grpc_stub as stub
 from tests.conftest import MODEL, TENANT_KEY, engine_of, gateway_settings, metrics_url
 from tests.gateway.test_anthropic_convert import OPENAI
 from tests.servers import Served, wait_until
@@ -57,22 +62,6 @@ def request(messages: list[pb.Message], max_tokens: int = 8, **extra: Any) -> pb
         cache_control=pb.CacheControl(),
         **extra,
     )
-
-
-_CHANNELS: list[grpc.Channel] = []
-
-
-def stub(gateway: Served) -> Any:
-    channel = grpc.insecure_channel(f"127.0.0.1:{gateway.app.state.grpc_port}")
-    _CHANNELS.append(channel)
-    return gateway_pb2_grpc.GatewayStub(channel)
-
-
-@pytest.fixture(autouse=True)
-def _close_channels() -> Iterator[None]:
-    yield
-    while _CHANNELS:
-        _CHANNELS.pop().close()
 
 
 @pytest.fixture
@@ -291,8 +280,7 @@ def test_a_client_deadline_cancels_the_upstream_request(
 
 def test_health_checking_and_reflection(fleet: tuple[list[Served], Served]) -> None:
     _, gateway = fleet
-    channel = grpc.insecure_channel(f"127.0.0.1:{gateway.app.state.grpc_port}")
-    _CHANNELS.append(channel)
+    channel = grpc_channel(gateway)
     health = health_pb2_grpc.HealthStub(channel)
     serving = health_pb2.HealthCheckResponse.SERVING
     for service in ("", "kvgate.v1.Gateway"):
