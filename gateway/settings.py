@@ -209,8 +209,11 @@ class Settings(BaseSettings):
     placement. The chart sets it to the requested CPU."""
     worker_index: int | None = None
     """Set by the supervisor in each worker's environment (KVGATE_WORKER_INDEX), never by hand:
-    the worker's admin port on loopback is `metrics_port + 1 + index`, its WAL
-    `billing_wal_dir/worker-<index>`."""
+    the worker's WAL is `billing_wal_dir/worker-<index>`."""
+    worker_admin_fd: int | None = None
+    """Set by the supervisor in each worker's environment (KVGATE_WORKER_ADMIN_FD), never by
+    hand: the open loopback socket (a port the kernel picked) the worker serves its admin
+    routes on, for the supervisor to merge; the pod's `/pod` lists the ports."""
 
     # -- shared state: the directory (issue #3), rate limits (issue #6) ------------------------
     redis_url: str | None = None

@@ -67,6 +67,7 @@ CHART_MANAGED = frozenset(
         "shutdown_grace_s",
         "workers",
         "worker_index",
+        "worker_admin_fd",
     }
 )
 """Settings the chart sets from its own values (service, secret, redis, epp, the drain's grace

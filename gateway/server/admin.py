@@ -18,6 +18,7 @@ the request path but the registry it renders.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 log = logging.getLogger(__name__)
 
 OPENAPI_PATH = "/openapi.json"
+LOOPBACK = "127.0.0.1"
 
 
 class AdminServer:
@@ -59,6 +61,15 @@ class AdminServer:
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         log.info("kvgate: metrics and API documents on %s:%d", host, self.port)
+        return self.port
+
+    async def start_on(self, sock: socket.socket) -> int:
+        """Listen on a socket already bound (a worker's, from its supervisor); returns the port."""
+        self._runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+        self.port = int(sock.getsockname()[1])
+        log.info("kvgate: metrics and API documents on %s:%d", LOOPBACK, self.port)
         return self.port
 
     async def stop(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -391,9 +392,12 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
         if settings.metrics_port is not None:
             admin = AdminServer(lambda: render(parts.registry), lambda: app.openapi(), app.title)
             stack.push_async_callback(admin.stop)
-            # a worker's admin port is its supervisor's to read (gateway.server.workers)
-            host = "127.0.0.1" if settings.worker_index is not None else settings.host
-            app.state.metrics_port = await admin.start(host, settings.metrics_port)
+            if settings.worker_admin_fd is not None:
+                # a worker's admin socket is its supervisor's to read (gateway.server.workers)
+                sock = socket.socket(fileno=settings.worker_admin_fd)
+                app.state.metrics_port = await admin.start_on(sock)
+            else:
+                app.state.metrics_port = await admin.start(settings.host, settings.metrics_port)
         log_start_up(parts)
         yield
 

@@ -17,7 +17,10 @@ The supervisor restarts nothing: when a worker exits unasked, the others are sto
 supervisor exits non-zero, so Kubernetes restarts the pod whole. SIGTERM (or SIGINT) is
 forwarded to every worker, each drains as a lone gateway does, and the supervisor waits for
 them. It serves the admin port itself: `/metrics` merged over the workers' own admin ports
-(loopback, `metrics_port + 1 + i`; gateway.server.pod_metrics), the API documents from worker 0.
+(gateway.server.pod_metrics), the API documents from worker 0, and `/pod` (the workers' pids
+and admin ports, JSON). A worker's admin socket is bound by the supervisor on loopback to a port
+the kernel picks and handed to the worker as an open file descriptor (`worker_admin_fd`), so no
+fixed port beside `metrics_port` has to be free and no other process can take it in between.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from gateway.settings import Settings
 log = logging.getLogger(__name__)
 
 WORKER_INDEX_ENV = "KVGATE_WORKER_INDEX"
+WORKER_ADMIN_FD_ENV = "KVGATE_WORKER_ADMIN_FD"
 LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
 SCRAPE_TIMEOUT_S = 5.0
@@ -52,13 +56,11 @@ STOP_AFTER_GRACE_S = 15.0
 
 
 def worker_settings(settings: Settings) -> Settings:
-    """A worker's own settings: its admin port on loopback and its own WAL directory (one lock
-    per writer)."""
+    """A worker's own settings: its own WAL directory (one lock per writer); its admin socket
+    comes from the supervisor (`worker_admin_fd`)."""
     index = settings.worker_index
     assert index is not None
     update: dict[str, object] = {}
-    if settings.metrics_port is not None:
-        update["metrics_port"] = settings.metrics_port + 1 + index
     if settings.billing_wal_dir is not None:
         update["billing_wal_dir"] = settings.billing_wal_dir / f"worker-{index}"
     return settings.model_copy(update=update)
@@ -72,6 +74,14 @@ def shared_port_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
+    return sock
+
+
+def loopback_socket() -> socket.socket:
+    """A TCP socket bound to a free loopback port (not listening: its worker listens on it)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, 0))
     return sock
 
 
@@ -97,8 +107,11 @@ class Supervisor:
         self.workers: list[asyncio.subprocess.Process] = []
         self.draining = False
 
-    def _environment(self, index: int) -> dict[str, str]:
+    def _environment(self, index: int, admin: socket.socket | None) -> dict[str, str]:
         env = {**os.environ, WORKER_INDEX_ENV: str(index)}
+        env.pop(WORKER_ADMIN_FD_ENV, None)
+        if admin is not None:
+            env[WORKER_ADMIN_FD_ENV] = str(admin.fileno())
         if self.settings.server_secret is None and self.settings.server_secret_file is None:
             # the workers must salt alike; a random secret per worker would split the directory
             env["KVGATE_SERVER_SECRET"] = self._secret
@@ -109,20 +122,30 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.drain)
-        for index in range(self.settings.workers):
-            if self.draining:  # asked to stop while starting: start no more
-                break
-            self.workers.append(
-                await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "kvgate_cli",
-                    *self.argv,
-                    env=self._environment(index),
-                    process_group=0,  # a terminal's ^C reaches the supervisor only, which drains
-                    preexec_fn=_drain_with_the_supervisor,
+        admin_sockets: list[socket.socket] = []
+        if self.settings.metrics_port is not None:
+            admin_sockets = [loopback_socket() for _ in range(self.settings.workers)]
+        try:
+            for index in range(self.settings.workers):
+                if self.draining:  # asked to stop while starting: start no more
+                    break
+                inherited = admin_sockets[index] if admin_sockets else None
+                self.workers.append(
+                    await asyncio.create_subprocess_exec(
+                        sys.executable,
+                        "-m",
+                        "kvgate_cli",
+                        *self.argv,
+                        env=self._environment(index, inherited),
+                        pass_fds=() if inherited is None else (inherited.fileno(),),
+                        process_group=0,  # a terminal's ^C reaches the supervisor only
+                        preexec_fn=_drain_with_the_supervisor,
+                    )
                 )
-            )
+            ports = [int(s.getsockname()[1]) for s in admin_sockets]
+        finally:
+            for sock in admin_sockets:  # the workers hold their own copies
+                sock.close()
         log.info(
             "kvgate: %d workers (pids %s) on port %d",
             len(self.workers),
@@ -131,7 +154,7 @@ class Supervisor:
         )
         async with contextlib.AsyncExitStack() as stack:
             if self.settings.metrics_port is not None:
-                admin = PodAdmin(self.settings)
+                admin = PodAdmin(self.settings, ports, [w.pid for w in self.workers])
                 stack.push_async_callback(admin.stop)
                 await admin.start()
             return await self._wait()
@@ -189,10 +212,11 @@ def exit_status(returncode: int | None) -> int:
 class PodAdmin:
     """The pod's admin port: `/metrics` merged over the workers, the rest from worker 0."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, ports: list[int], pids: list[int]) -> None:
         assert settings.metrics_port is not None
         self.settings = settings
-        self.ports = [settings.metrics_port + 1 + i for i in range(settings.workers)]
+        self.ports = ports
+        self.pids = pids
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -200,6 +224,7 @@ class PodAdmin:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(SCRAPE_TIMEOUT_S))
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/pod", self._pod)
         app.router.add_get("/{path:.*}", self._from_worker_0)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -225,6 +250,13 @@ class PodAdmin:
             return web.Response(status=503, text=f"a worker's /metrics did not answer: {exc}\n")
         body = merge([page.decode() for page, _ in pages])
         return web.Response(body=body, headers={"content-type": pages[0][1]})
+
+    async def _pod(self, request: web.Request) -> web.Response:
+        workers = [
+            {"index": i, "pid": pid, "admin_port": port}
+            for i, (pid, port) in enumerate(zip(self.pids, self.ports, strict=False))
+        ]
+        return web.json_response({"workers": workers})
 
     async def _from_worker_0(self, request: web.Request) -> web.Response:
         try:

@@ -6,8 +6,10 @@ pod, and without a shared directory the command refuses."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -44,15 +46,27 @@ def pod(
 ) -> Iterator[processes.Proc]:
     """Two workers over four engines (their timing: the test's indirect parameter, or FAST)."""
     engines = start_engines(4, timing=getattr(request, "param", FAST))
+    with launched(redis_url, [e.url for e in engines], tmp_path) as gateway:
+        yield gateway
+
+
+@contextlib.contextmanager
+def launched(
+    redis_url: str, urls: list[str], tmp_path: Path, metrics_port: int | None = None
+) -> Iterator[processes.Proc]:
+    """A pod of two workers, up: its public port ready and both workers' admin pages answering."""
     args = ["--workers", "2", "--redis-url", redis_url, "--debug-headers"]
     args += ["--tenant", f"acme:{TENANT_KEY}", "--log-level", "warning"]
     args += ["--grpc-port", str(processes.free_port())]  # both workers bind it too
-    billing = {
+    env = {
         "KVGATE_BILLING_WAL_DIR": str(tmp_path / "wal"),
         "KVGATE_BILLING_MODEL_MAP": orjson.dumps({MODEL: "gpt-5.6"}).decode(),
     }
-    urls = [e.url for e in engines]
-    gateway = processes.start_gateway(processes.free_port(), urls, args, env=billing)
+    if metrics_port is not None:
+        env["KVGATE_METRICS_PORT"] = str(metrics_port)
+    gateway = processes.start_gateway(processes.free_port(), urls, args, env=env)
+    if metrics_port is not None:
+        gateway = dataclasses.replace(gateway, metrics_url=f"http://127.0.0.1:{metrics_port}")
     try:
         processes.wait_ready(gateway.url, "/readyz", gateway.popen, processes.STARTUP_TIMEOUT_S)
         wait_until(lambda: all(answers(gateway, i) for i in range(2)), 30, "both workers up")
@@ -98,8 +112,10 @@ def answers(gateway: processes.Proc, index: int) -> bool:
 
 
 def worker_page(gateway: processes.Proc, index: int) -> str:
+    """One worker's own /metrics, at the admin port the pod's `/pod` lists for it."""
     assert gateway.metrics_url is not None
-    port = int(gateway.metrics_url.rpartition(":")[2]) + 1 + index
+    pod = httpx.get(f"{gateway.metrics_url}/pod", timeout=5).json()
+    port = pod["workers"][index]["admin_port"]
     return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
 
 
@@ -193,6 +209,36 @@ def test_a_worker_that_dies_takes_the_pod_down_non_zero(pod: processes.Proc) -> 
     os.kill(victim, signal.SIGKILL)
     assert pod.popen.wait(timeout=20) != 0
     wait_until(lambda: not alive(other), 5, "the other worker stopped")
+
+
+def test_a_pod_starts_when_the_ports_beside_its_admin_port_are_taken(
+    redis_url: str, start_engines: Callable[..., list[Served]], tmp_path: Path
+) -> None:
+    """The workers' admin ports are the kernel's pick, not `metrics_port + 1 + i`: a pod whose
+    neighbouring ports another process holds (a client's ephemeral port, another server) starts,
+    and `/pod` names each worker's port and pid."""
+    engines = start_engines(1, timing=FAST)
+    with contextlib.ExitStack() as stack:
+        for _attempt in range(50):  # a free port whose next two are free too, all three held
+            held = [stack.enter_context(socket.socket()) for _ in range(3)]
+            base = processes.free_port()
+            try:
+                for offset, sock in enumerate(held):
+                    sock.bind(("127.0.0.1", base + offset))
+            except OSError:
+                stack.close()
+                continue
+            break
+        else:
+            raise AssertionError("no three free ports in a row in 50 tries")
+        held[0].close()  # the pod's own admin port; the two beside it stay taken
+        for sock in held[1:]:
+            sock.listen()
+        with launched(redis_url, [engines[0].url], tmp_path, metrics_port=base) as gateway:
+            pod = httpx.get(f"http://127.0.0.1:{base}/pod", timeout=5).json()["workers"]
+            assert sorted(w["pid"] for w in pod) == sorted(workers_of(gateway))
+            assert {w["admin_port"] for w in pod}.isdisjoint({base, base + 1, base + 2})
+            assert chats_served(httpx.get(f"http://127.0.0.1:{base}/metrics", timeout=5).text) == 0
 
 
 def test_workers_without_a_shared_directory_is_refused() -> None:

@@ -72,14 +72,14 @@ def test_precise_settings_are_checked(tmp_path: Path) -> None:
         assert complaint in describe_errors(caught.value)
 
 
-def test_a_worker_gets_its_own_admin_port_and_wal_directory(tmp_path: Path) -> None:
+def test_a_worker_gets_its_own_wal_directory(tmp_path: Path) -> None:
     from gateway.server.workers import worker_settings
 
     pod = load_settings(
         workers=2, redis_url="redis://r:6379", metrics_port=9090, billing_wal_dir=tmp_path
     )
     worker = worker_settings(pod.model_copy(update={"worker_index": 1}))
-    assert worker.metrics_port == 9092 and worker.billing_wal_dir == tmp_path / "worker-1"
+    assert worker.billing_wal_dir == tmp_path / "worker-1"
 
 
 def test_workers_need_a_shared_directory() -> None:
