@@ -284,14 +284,18 @@ class WriteAheadLog:
         line.future.add_done_callback(self._landed)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        try:
-            await asyncio.wait_for(asyncio.shield(line.future), self.deadline_s)
-        except TimeoutError:
+        # NOTE: not wait_for(shield(...)): on its timeout wait_for yields (cancelling the shield)
+        # before raising, and a line landing in that turn was then reported unavailable although
+        # it was durable (its exchange billed twice: the record, then the aborted one). `wait`
+        # never cancels the line, and the check and the cancel below run in one step.
+        await asyncio.wait((line.future,), timeout=self.deadline_s)
+        if not line.future.done():
             line.future.cancel()  # abandoned: the flusher leaves it out, or cuts it back out
             self.num_failures += 1
             raise WalUnavailable(
                 f"the billing log did not write a record within {self.deadline_s:g} s"
-            ) from None
+            )
+        line.future.result()  # the write's failure, if it failed
 
     def _landed(self, _: asyncio.Future[None]) -> None:
         self._num_in_flight -= 1
