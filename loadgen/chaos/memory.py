@@ -58,7 +58,7 @@ async def _measure(prefixes: int, tenants: int, capacity: int, full_at: int) -> 
     for t in range(tenants):
         await limiter.acquire(f"tenant-{t}", limits, 100)
     out["rss_tenants_mb"] = rss_mb()
-    out["bucket_entries"] = len(limiter.local._buckets)
+    out["bucket_entries"] = len(limiter.local)
     return out
 
 
