@@ -7,7 +7,8 @@ them: N distinct one-block prefixes over four replicas (each also counted by the
 T tenants debited once each, and, on a clock moved past their refill (not waited for), T new
 ones. Prints one JSON object: RSS at each step, what the allocators hold there (Python's small
 object blocks; the C heap's live and free bytes, where glibc reports them), and each store's
-entries against its capacity. An operator sizes a pod from it; `kvgate chaos --scenario memory`
+entries against its capacity. Like `kvgate serve`, it first pins glibc's mmap threshold
+(`gateway.server.malloc`). An operator sizes a pod from it; `kvgate chaos --scenario memory`
 judges it.
 
 The steps, in prefixes recorded: `full` (both stores at capacity), `settled` (twice that: every
@@ -20,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import hashlib
 import sys
@@ -33,32 +32,11 @@ from cachemap.keys import BlockHash
 from cachemap.rates import MAX_TRACKED_PREFIXES
 from gateway.pipeline.ratelimit import SECONDS_PER_MINUTE, Limits, RateLimiter
 from gateway.server.app import build_directory
+from gateway.server.malloc import c_heap, pin_mmap_threshold
 from gateway.settings import Settings
 
 REPLICAS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
 LIMITS = Limits(requests_per_min=600, tokens_per_min=1_000_000)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd",
-            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-        )
-    ]  # fmt: skip
-
-
-def _mallinfo() -> Any:
-    """glibc's `mallinfo2` (None elsewhere: musl, or a glibc before 2.33)."""
-    name = ctypes.util.find_library("c")
-    try:
-        function = ctypes.CDLL(name).mallinfo2 if name else None
-    except (OSError, AttributeError):
-        return None
-    if function is not None:
-        function.restype = _MallInfo2
-    return function
 
 
 def rss_mb() -> float:
@@ -67,32 +45,30 @@ def rss_mb() -> float:
     return int(line.split()[1]) / 1024
 
 
-def _step(mallinfo: Any) -> dict[str, float]:
+def _step() -> dict[str, float]:
     gc.collect()
     step = {"rss_mb": rss_mb(), "python_blocks": float(sys.getallocatedblocks())}
-    if mallinfo is not None:
-        info = mallinfo()
-        # live: in use on the heap plus mmapped chunks; free: kept by the heap, not returned
-        step["c_heap_live_mb"] = (info.uordblks + info.hblkhd) / 2**20
-        step["c_heap_free_mb"] = info.fordblks / 2**20
+    heap = c_heap()
+    if heap is not None:
+        step["c_heap_live_mb"] = heap.live_mb
+        step["c_heap_free_mb"] = heap.free_mb
     return step
 
 
 async def measure(prefixes: int, tenants: int, capacity: int) -> dict[str, Any]:
-    mallinfo = _mallinfo()
     directory = build_directory(Settings(engines=REPLICAS, directory_capacity_blocks=capacity))
     rates = directory.rates
     assert rates is not None
     full_at = max(capacity * len(REPLICAS), MAX_TRACKED_PREFIXES)
     marks = {full_at: "full", 2 * full_at: "settled", prefixes: "end"}
     out: dict[str, Any] = {"full_at": full_at, "settled_at": 2 * full_at, "steps": {}}
-    out["steps"]["start"] = _step(mallinfo)
+    out["steps"]["start"] = _step()
     for i in range(prefixes):
         block = BlockHash(hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest())
         await directory.record(REPLICAS[i % len(REPLICAS)], [block])
         rates.observe(block)
         if i + 1 in marks:
-            out["steps"][marks[i + 1]] = _step(mallinfo)
+            out["steps"][marks[i + 1]] = _step()
     out["directory_entries"] = directory.local.index.num_entries()
     out["directory_capacity"] = capacity * len(REPLICAS)
     out["rate_entries"] = rates.num_tracked
@@ -101,12 +77,12 @@ async def measure(prefixes: int, tenants: int, capacity: int) -> dict[str, Any]:
     limiter = RateLimiter(clock=lambda: now[0])
     for t in range(tenants):
         await limiter.acquire(f"tenant-{t}", LIMITS, 100)
-    out["steps"]["tenants"] = _step(mallinfo)
+    out["steps"]["tenants"] = _step()
     out["bucket_entries"] = len(limiter.local)
     now[0] += SECONDS_PER_MINUTE + 1  # every one of them full again
     for t in range(tenants):
         await limiter.acquire(f"later-{t}", LIMITS, 100)
-    out["steps"]["later_tenants"] = _step(mallinfo)
+    out["steps"]["later_tenants"] = _step()
     out["bucket_entries_later"] = len(limiter.local)
     out["bucket_entries_refilling"] = 2 * tenants
     return out
@@ -131,6 +107,8 @@ def run_footprint(args: argparse.Namespace) -> int:
     if min(args.prefixes, args.tenants, args.directory_capacity_blocks) <= 0:
         print("kvgate footprint: --prefixes, --tenants and the capacity must be positive")
         return 2
+    pinned = pin_mmap_threshold()  # as `kvgate serve` does
     found = asyncio.run(measure(args.prefixes, args.tenants, args.directory_capacity_blocks))
+    found["mmap_threshold_pinned"] = pinned
     sys.stdout.write(orjson.dumps(found).decode() + "\n")
     return 0

@@ -64,6 +64,9 @@ def run(size: Size) -> Outcome:
         out.figures["C heap live / free MB, same steps"] = " / ".join(
             f"{steps[k]['c_heap_live_mb']:.0f}/{steps[k]['c_heap_free_mb']:.0f}" for k in names
         )
+    out.figures["glibc mmap threshold pinned (gateway.server.malloc)"] = m.get(
+        "mmap_threshold_pinned", False
+    )
     per_tenant = (steps["tenants"]["rss_mb"] - steps["end"]["rss_mb"]) * 1024 / tenants
     out.figures["rate-limit buckets: RSS per tenant (first wave)"] = f"{per_tenant:.2f} KB"
     return out
