@@ -117,6 +117,12 @@ COMMANDS: dict[str, Command] = {
         "add_bench_billing_arguments",
         "run_bench_billing",
     ),
+    "footprint": Command(
+        "the memory of the gateway's bounded in-process stores, filled past them (JSON)",
+        "gateway.server.footprint",
+        "add_footprint_arguments",
+        "run_footprint",
+    ),
     "chaos": Command(
         "the chaos suite: faults injected into real processes, each goal measured",
         "loadgen.chaos.runner",

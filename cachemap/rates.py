@@ -149,6 +149,11 @@ class PrefixRates:
         self._hot_floor = min(hot.values())
 
     @property
+    def num_tracked(self) -> int:
+        """Prefixes counted now (at most `max_prefixes`)."""
+        return len(self._counters)
+
+    @property
     def num_candidates(self) -> int:
         """Prefixes a scrape re-rates (at most `HOT_CANDIDATES`)."""
         return len(self._hot)

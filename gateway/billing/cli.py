@@ -4,11 +4,16 @@
     kvgate billing export --tenant T --from ISO --to ISO --format csv|jsonl|parquet [--output PATH]
     kvgate billing summary [--from ISO] [--to ISO] [--tenant T]
     kvgate billing ship --wal-dir DIR [--wal-dir DIR ...] --redis-url URL
+    kvgate billing inspect --wal-dir DIR [--wal-dir DIR ...]
 
 export and summary read the shared ledger store (`--redis-url`, or `billing_redis_url` from
 `--config`) or, without one, the local write-ahead logs (`--wal-dir`, repeatable). ship takes
 over the WAL directories of gateways that are gone (a pod that did not come back) and ships
-them to the store; a directory a live gateway holds is refused.
+them to the store; a directory a live gateway holds is refused. inspect prints what WAL
+directories hold as they are, one JSON object: every record's id and status in write order,
+duplicates included (an export deduplicates by id, so it cannot show one), and the ids of the
+open entries no record settles (what the next start over the directory bills as aborted); it
+only reads (no lock is taken), so it also reads the directory of a live gateway.
 """
 
 from __future__ import annotations
@@ -61,6 +66,11 @@ def add_billing_arguments(parser: argparse.ArgumentParser) -> None:
     ship.add_argument("--wal-dir", action="append", type=Path, required=True, help="repeatable")
     ship.add_argument("--redis-url", required=True, help="the shared ledger store (an AOF Redis)")
 
+    inspect = commands.add_parser(
+        "inspect", help="the records and unsettled open entries of WAL directories, as JSON"
+    )
+    inspect.add_argument("--wal-dir", action="append", type=Path, required=True, help="repeatable")
+
     for name, text in (("export", "one tenant's ledger records"), ("summary", "totals per tenant")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--config", type=Path, help="a YAML file of gateway settings")
@@ -94,6 +104,8 @@ def run_billing(args: argparse.Namespace) -> int:
             return _bench(args)
         if args.billing_command == "ship":
             return _ship(args)
+        if args.billing_command == "inspect":
+            return _inspect(args)
         return _summary(args)
     except (ValueError, OverflowError, WalLocked, RedisError, OSError) as exc:
         print(f"kvgate billing {args.billing_command}: {exc}", file=sys.stderr)
@@ -159,6 +171,24 @@ def _ship(args: argparse.Namespace) -> int:
     shipped = asyncio.run(ship_directories(args.wal_dir, args.redis_url))
     for path, n in shipped.items():
         print(f"{path}: {n} records shipped")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from gateway.billing.wal import read_directory, unsettled
+
+    for path in args.wal_dir:
+        if not path.is_dir():
+            raise ValueError(f"{path} is not a directory")
+    found = {
+        "records": [
+            [str(r.get("id")), str(r.get("status"))]
+            for path in args.wal_dir
+            for r in read_directory(path)
+        ],
+        "unsettled": [str(r.get("id")) for path in args.wal_dir for r in unsettled(path)],
+    }
+    sys.stdout.write(orjson.dumps(found).decode() + "\n")
     return 0
 
 

@@ -17,6 +17,8 @@
    `prompt_tokens_details.cached_tokens` becomes the contract's R (the physical hit stays in
    `engine_cached_tokens`), the profile's fields join, with `cost` and `kvgate_billing`.
 4. Finish: an exchange that ended without usage is billed from its estimates (`aborted`).
+   One cut while its usage's record was being written (the drain's grace cancels the request
+   there) is billed by that record once it lands, and by an aborted one only if it failed.
    Its own record written (either way), its open entry is settled.
 
 A WAL that cannot write (a full or stalled disk) fails the request with `BillingUnavailable`
@@ -33,6 +35,8 @@ on a `BilledRequest`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -122,6 +126,9 @@ class OpenBill:
     visible_at: Decimal
     estimated_tokens: int
     billed: bool = False
+    recording: asyncio.Task[None] | None = None
+    """The write of the usage's record, once started: it outlives a cancelled exchange (the
+    drain's grace), and its outcome decides whether the finish writes an aborted record."""
 
 
 class BillingMeter:
@@ -448,12 +455,15 @@ class BillingMeter:
             if bill.ledger is not None:
                 charge = bill.ledger.bill(bill.request, bill.plan, ends, n, o)
             entry = self._record(bill, record, charge, "ok" if charge else "unpriced", usage)
+        # NOTE: the write is a task of its own and awaited shielded: a cancellation here (the
+        # drain's grace) cannot take back a record already on its way to the disk, so the
+        # finish waits for that write instead of writing a second, aborted record of the id
+        bill.recording = asyncio.ensure_future(self.wal.append(entry))
         try:
-            await self.wal.append(entry)
+            await asyncio.shield(bill.recording)
         except WalUnavailable as exc:  # the response is withheld: nothing unrecorded is served
             raise BillingUnavailable(str(exc)) from None
-        self.wal.settle(pending.request_id)
-        bill.billed = True
+        self._billed(bill)
         if pending.op == "request":
             if charge is not None:
                 merge_into_openai_usage(pending.profile, charge, fields)
@@ -499,6 +509,11 @@ class BillingMeter:
         bill = self._open.pop(id(record), None)
         if bill is None or bill.billed:
             return
+        if bill.recording is not None:  # cut while its record was written: that write decides
+            with contextlib.suppress(WalUnavailable):
+                await asyncio.shield(bill.recording)
+                self._billed(bill)
+                return
         if bill.pending.op != "request":
             return  # a failed creation creates nothing and costs nothing
         try:
@@ -511,6 +526,11 @@ class BillingMeter:
             )
             return
         self.wal.settle(bill.pending.request_id)
+
+    def _billed(self, bill: OpenBill) -> None:
+        """The exchange's own record is durable: its open entry is done with."""
+        self.wal.settle(bill.pending.request_id)
+        bill.billed = True
 
     def _aborted(self, bill: OpenBill, record: ExchangeRecord) -> dict[str, Any]:
         """The record of an exchange that ends before its usage: the prompt as estimated at

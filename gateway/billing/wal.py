@@ -196,6 +196,7 @@ class WriteAheadLog:
         self._pending: list[_Line] = []
         self._flusher: asyncio.Task[None] | None = None
         self._open: dict[str, bytes] = {}
+        self._num_in_flight = 0
         self._carry = False
         """A cut may have removed open entries: the next write carries them all again."""
         self._broken: tuple[int, OSError] | None = None
@@ -269,21 +270,35 @@ class WriteAheadLog:
     def num_open(self) -> int:
         return len(self._open)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Lines submitted whose write has neither landed nor failed yet."""
+        return self._num_in_flight
+
     async def _submit(self, data: bytes, *, durable: bool) -> None:
         if self._fd is None:
             raise RuntimeError("the WAL is not open")
         line = _Line(data, asyncio.get_running_loop().create_future(), durable)
         self._pending.append(line)
+        self._num_in_flight += 1
+        line.future.add_done_callback(self._landed)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        try:
-            await asyncio.wait_for(asyncio.shield(line.future), self.deadline_s)
-        except TimeoutError:
+        # NOTE: not wait_for(shield(...)): on its timeout wait_for yields (cancelling the shield)
+        # before raising, and a line landing in that turn was then reported unavailable although
+        # it was durable (its exchange billed twice: the record, then the aborted one). `wait`
+        # never cancels the line, and the check and the cancel below run in one step.
+        await asyncio.wait((line.future,), timeout=self.deadline_s)
+        if not line.future.done():
             line.future.cancel()  # abandoned: the flusher leaves it out, or cuts it back out
             self.num_failures += 1
             raise WalUnavailable(
                 f"the billing log did not write a record within {self.deadline_s:g} s"
-            ) from None
+            )
+        line.future.result()  # the write's failure, if it failed
+
+    def _landed(self, _: asyncio.Future[None]) -> None:
+        self._num_in_flight -= 1
 
     # -- the flusher (event loop) ----------------------------------------------------------------
     async def _flush(self) -> None:

@@ -12,7 +12,9 @@ Where the buckets live:
 - with a Redis URL, in Redis, as hashes `kvgate:ratelimit:{TENANT}:requests|tokens` (one hash
   tag, so one cluster slot): one Lua script per admission, on the Redis server's clock, so every
   gateway sharing the Redis enforces one limit between them;
-- otherwise, or while Redis is unreachable, in this process.
+- otherwise, or while Redis is unreachable, in this process, where a bucket that is full again
+  is dropped as Redis expires it (`LocalBuckets`): the entries are bounded by the tenants whose
+  buckets are still refilling, not by every tenant ever seen.
 Every Redis call has a deadline. On a failure the limiter falls back to its local buckets for
 `REDIS_RETRY_AFTER_S`, then tries Redis again; meanwhile each gateway enforces the full limit on
 its own (N gateways admit up to N x the limit). Redis calls are never retried: a debit is not
@@ -47,6 +49,9 @@ REDIS_RETRY_AFTER_S = 1.0
 outage costs one deadline per second, not one per request."""
 SECONDS_PER_MINUTE = 60.0
 KEY_PREFIX = "kvgate:ratelimit:"
+MIN_SWEEP = 1024
+"""The in-process buckets are swept for full ones no sooner than at this many entries (a few
+hundred KB): below it a sweep would cost more than the entries it could drop."""
 
 _ACQUIRE = """
 local t = redis.call('TIME')
@@ -115,18 +120,42 @@ class Limits:
 
 
 class LocalBuckets:
-    """The same buckets in process memory, on a monotonic clock (one gateway's view)."""
+    """The same buckets in process memory, on a monotonic clock (one gateway's view).
+
+    Invariants: a bucket full again is the same as an absent one (as in Redis, where it expires
+    then), so each entry keeps the instant it is full again and a sweep drops those past it;
+    the sweep runs when the entries have doubled since the last one (amortised O(1) per
+    write), so at most 2 x max(the buckets not yet full at the last sweep, `MIN_SWEEP`) are
+    held: a revoked or idle tenant's buckets go once they refill, whatever the tenants file.
+    """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}
+        self._buckets: dict[tuple[str, str], tuple[float, float, float]] = {}
+        """(tenant, kind) -> (level, when it was that, when it is full again)"""
+        self._sweep_at = MIN_SWEEP
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 
     def _level(self, key: tuple[str, str], limit: int, now: float) -> float:
         stored = self._buckets.get(key)
         if stored is None:
             return float(limit)
-        level, at = stored
+        level, at, _ = stored
         return min(float(limit), level + (now - at) * limit / SECONDS_PER_MINUTE)
+
+    def _store(self, key: tuple[str, str], limit: int, level: float, now: float) -> None:
+        full_s = now + max(limit - level, 0.0) * SECONDS_PER_MINUTE / limit
+        self._buckets[key] = (level, now, full_s)
+        if len(self._buckets) >= self._sweep_at:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        full = [key for key, (_, _, full_s) in self._buckets.items() if full_s <= now]
+        for key in full:
+            del self._buckets[key]
+        self._sweep_at = max(MIN_SWEEP, 2 * len(self._buckets))
 
     def acquire(self, tenant: str, limits: Limits, tokens: int) -> float:
         """0.0 when admitted (both buckets debited), else the seconds until it would fit."""
@@ -135,7 +164,7 @@ class LocalBuckets:
             ((tenant, "requests"), limits.requests_per_min, 1),
             ((tenant, "tokens"), limits.tokens_per_min, tokens),
         ]
-        levels: list[tuple[tuple[str, str], float, int]] = []
+        levels: list[tuple[tuple[str, str], int, float, int]] = []
         wait = 0.0
         for key, limit, cost in wanted:
             if limit is None:
@@ -143,18 +172,18 @@ class LocalBuckets:
             level = self._level(key, limit, now)
             if level < cost:
                 wait = max(wait, (cost - level) * SECONDS_PER_MINUTE / limit)
-            levels.append((key, level, cost))
+            levels.append((key, limit, level, cost))
         if wait > 0:
             return wait
-        for key, level, cost in levels:
-            self._buckets[key] = (level - cost, now)
+        for key, limit, level, cost in levels:
+            self._store(key, limit, level - cost, now)
         return 0.0
 
     def adjust(self, tenant: str, tokens_per_min: int, delta: int) -> None:
         now = self._clock()
         key = (tenant, "tokens")
         level = self._level(key, tokens_per_min, now)
-        self._buckets[key] = (min(float(tokens_per_min), level - delta), now)
+        self._store(key, tokens_per_min, min(float(tokens_per_min), level - delta), now)
 
 
 class RateLimiter:

@@ -110,7 +110,9 @@ class Parts:
             self.grpc.drain()
 
 
-def _directory(settings: Settings) -> RoutingDirectory:
+def build_directory(settings: Settings) -> RoutingDirectory:
+    """The routing directory a gateway of these settings runs (its in-process stores; the
+    shared one is attached at start), also what `kvgate footprint` measures."""
     local = MemoryDirectory(
         MemoryIndex(
             capacity_blocks=settings.directory_capacity_blocks, ttl_s=settings.directory_ttl_s
@@ -224,7 +226,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         relative_slack=settings.relative_slack,
         consistent_hash_blocks=settings.consistent_hash_blocks,
     )
-    directory = _directory(settings)
+    directory = build_directory(settings)
     replicas = _replicas(settings, directory, lambda: intake)
     registry = build_registry()
     flights = None

@@ -118,6 +118,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from gateway.server.app import create_app
+    from gateway.server.malloc import pin_mmap_threshold
+
+    pin_mmap_threshold()  # before the stores grow: freed dict tables leave RSS (malloc.py)
     from gateway.settings import describe_errors, load_settings
     from gateway.tenancy.tenant_file import TenantFileError
 

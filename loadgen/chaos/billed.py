@@ -44,6 +44,25 @@ def start_billed(port: int, engines: list[str], config: Path) -> processes.Proc:
     return proc
 
 
+INSPECT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class WalContents:
+    """What a WAL directory holds, as `kvgate billing inspect` reads it with the gateway's own
+    reader: every record's (id, status) in write order, duplicates kept, and the open entries
+    no record settles."""
+
+    records: list[tuple[str, str]]
+    unsettled: list[str]
+
+
+def wal_contents(wal_dir: Path) -> WalContents:
+    out = processes.run_kvgate(["billing", "inspect", "--wal-dir", str(wal_dir)], INSPECT_TIMEOUT_S)
+    found = orjson.loads(out)
+    return WalContents([(str(i), str(s)) for i, s in found["records"]], found["unsettled"])
+
+
 @dataclass(frozen=True)
 class Billed:
     outcome: Literal["completed", "cut", "refused"]

@@ -22,8 +22,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gateway.billing.wal import read_directory
-from loadgen.chaos.billed import KEY, Billed, billed_config, billed_request, start_billed
+from loadgen.chaos.billed import (
+    KEY,
+    Billed,
+    billed_config,
+    billed_request,
+    start_billed,
+    wal_contents,
+)
 from loadgen.chaos.outcome import Outcome, Size
 from loadgen.harness import processes
 
@@ -101,7 +107,7 @@ def run(size: Size) -> Outcome:
                 _grow(wal, 4 * disk_bytes)
             restarted = start_billed(port, [eng[0].url], config)
             processes.stop([restarted])
-            counts = Counter(r["id"] for r in read_directory(wal))
+            counts = Counter(i for i, _ in wal_contents(wal).records)
     return _judge(results, counts, "tmpfs" if mounted else "RLIMIT_FSIZE shim", disk_bytes)
 
 

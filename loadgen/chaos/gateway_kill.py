@@ -19,8 +19,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.billing.wal import read_directory, unsettled
-from loadgen.chaos.billed import KEY, Billed, billed_config, billed_request, start_billed
+from loadgen.chaos.billed import (
+    KEY,
+    Billed,
+    billed_config,
+    billed_request,
+    start_billed,
+    wal_contents,
+)
 from loadgen.chaos.outcome import Outcome, Size, wait_for
 from loadgen.harness import processes
 
@@ -87,16 +93,16 @@ def one_kill(engines: list[str], how: signal.Signals, after: int, tmp: Path) -> 
     restarted = start_billed(port, engines, config)  # the WAL's recovery runs at start
     kill.recovery_s = time.monotonic() - started
     processes.stop([restarted])
-    records = list(read_directory(tmp / "wal"))
-    counts = Counter(r["id"] for r in records)
+    wal = wal_contents(tmp / "wal")
+    counts = Counter(i for i, _ in wal.records)
     kill.unrecorded = sum(1 for i in kill.completed if counts[i] == 0)
     kill.twice = sum(1 for n in counts.values() if n > 1)
-    kill.aborted = sum(1 for r in records if r["status"] == "aborted")
-    kill.left_unsettled = len(unsettled(tmp / "wal"))
+    kill.aborted = sum(1 for _, status in wal.records if status == "aborted")
+    kill.left_unsettled = len(wal.unsettled)
     if kill.unrecorded or kill.twice or kill.aborted < kill.cut or kill.left_unsettled:
         kept = Path(tempfile.mkdtemp(prefix="kvgate-chaos-failed-"))
         shutil.copytree(tmp / "wal", kept / "wal")
-        doubles = {i: [r["status"] for r in records if r["id"] == i]
+        doubles = {i: [s for j, s in wal.records if j == i]
                    for i, n in counts.items() if n > 1}  # fmt: skip
         kill.kept = f"{kept} {doubles or ''}"
     return kill

@@ -52,6 +52,16 @@ def _kvgate(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvgate_cli", *args]
 
 
+def run_kvgate(args: list[str], timeout_s: float) -> str:
+    """A `kvgate` command run to its end (bounded), its stdout; a failure raises with its
+    stderr. How loadgen reads what only the gateway's own code knows (its WAL, its memory),
+    over a process boundary rather than an import."""
+    done = subprocess.run(_kvgate(*args), capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"kvgate {' '.join(args)}: exit {done.returncode}: {done.stderr}")
+    return done.stdout
+
+
 def wait_ready(url: str, path: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -8,7 +8,13 @@ import uuid
 
 import pytest
 
-from gateway.pipeline.ratelimit import REDIS_RETRY_AFTER_S, Limits, LocalBuckets, RateLimiter
+from gateway.pipeline.ratelimit import (
+    MIN_SWEEP,
+    REDIS_RETRY_AFTER_S,
+    Limits,
+    LocalBuckets,
+    RateLimiter,
+)
 from loadgen.harness.redis_servers import RedisServer
 
 
@@ -49,6 +55,29 @@ def test_usage_settles_the_estimate_and_may_leave_a_debt() -> None:
     assert buckets.acquire("acme", limits, 100) == pytest.approx(50.0)  # (100 + 400) / 10 per s
     buckets.adjust("acme", 600, -5000)  # a refund never overfills the bucket
     assert buckets.acquire("acme", limits, 600) == 0.0
+
+
+def test_local_buckets_are_bounded_by_the_tenants_not_yet_refilled() -> None:
+    """A full bucket is an absent one: tenants that went quiet (or were revoked) leave nothing
+    behind once refilled, whatever the number of tenants ever seen; one still in debt stays."""
+    clock = FakeClock()
+    buckets = LocalBuckets(clock)
+    limits = Limits(requests_per_min=60, tokens_per_min=6000)
+    assert buckets.acquire("debtor", limits, 100) == 0.0
+    buckets.adjust("debtor", 6000, 11_900)  # used 12,000: 6,000 in debt, full again in 120 s
+    num_tenants = 4 * MIN_SWEEP
+    for t in range(num_tenants):  # each one request, then quiet
+        assert buckets.acquire(f"tenant-{t}", limits, 100) == 0.0
+    # all just debited: none is full yet, so none may go (two buckets each)
+    assert len(buckets) == 2 * num_tenants + 2
+    clock.now += 61.0  # every quiet tenant's buckets are full again; the debtor's tokens are not
+    for t in range(num_tenants):  # as many new ones: the entries double, a sweep runs
+        assert buckets.acquire(f"new-{t}", limits, 100) == 0.0
+    # the quiet tenants' buckets went at that sweep: left are the new tenants' (still
+    # refilling) and the debtor's tokens bucket (its requests bucket was full again)
+    assert len(buckets) == 2 * num_tenants + 1
+    assert buckets.acquire("debtor", Limits(tokens_per_min=6000), 6000) == pytest.approx(59.0)
+    assert buckets.acquire("tenant-0", limits, 6000) == 0.0  # forgotten means full, not empty
 
 
 @pytest.mark.redis
