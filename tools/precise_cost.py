@@ -4,6 +4,8 @@
     python -m tools.precise_cost keying [TURNS]         CPU per request, precise vs approximate
     python -m tools.precise_cost wipe [TRIALS]          stale lookups after a wipe, time to detect
     python -m tools.precise_cost redis [NUM_BLOCKS]     event blocks written into a shared Redis
+    python -m tools.precise_cost shared [NUM_BLOCKS]    the same through the event index in Redis
+                                                        (`EventWriter`): a server and a cluster
 
 `ingest`: NUM_BLOCKS (131,072) blocks in vLLM map-encoded batches of one BlockStored of 64
 blocks (a 1,024-token prefill) each, every other chain a continuation of the previous one (its
@@ -266,14 +268,81 @@ async def into_redis(num_blocks: int) -> None:
     print(f"one owner writing the shared directory: {blocks / elapsed:,.0f} blocks/s")
 
 
+async def shared_ingest(url: str, cluster: bool, payloads: list[bytes]) -> tuple[int, float, float]:
+    """Decode, apply and write `payloads` through one `EventWriter` the way a `Feed` does (a
+    commit per batch: the writer flushes in the background and waits at its backlog bound);
+    returns (blocks, wall seconds, this process's CPU seconds). Checked: the stored half is
+    in Redis (a reader's lookup of the first chain) and the removed half left nothing."""
+    from cachemap.events import precise_keys
+    from cachemap.redis.client import open_redis
+    from cachemap.redis.events import EventReader, EventWriter
+
+    client = await open_redis(url, cluster=cluster)
+    writer = EventWriter(client, block_size=16)
+    domain = f"bench-{time.time_ns()}"
+    await writer.adopt(domain)
+    half = len(payloads) // 2
+    blocks = 0
+    wall, cpu = time.perf_counter(), time.process_time()
+    for seq, payload in enumerate(payloads):
+        for event in decode_batch(payload).events:
+            writer.apply(domain, event)
+            blocks += len(getattr(event, "block_hashes", ()))
+        await writer.commit(domain, seq + 1, False)
+        if seq == half - 1:
+            await writer.flush()
+            wall_mid, cpu_mid = time.perf_counter() - wall, time.process_time() - cpu
+            first = precise_keys([i % 4000 for i in range(16 * BLOCKS_PER_EVENT)], "salt0", 16)
+            assert (await EventReader(client).lookup(first))[domain].depth == BLOCKS_PER_EVENT
+            wall, cpu = time.perf_counter() - wall_mid, time.process_time() - cpu_mid
+    await writer.flush()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert writer.num_blocks(domain) == 0 and writer.stats.unresolved_parents == 0
+    assert writer.pending_blocks() == 0
+    await writer.close()
+    await client.aclose()
+    return blocks, wall, cpu
+
+
+async def shared(num_blocks: int) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from loadgen.harness.redis_servers import RedisServer, redis_cluster
+
+    payloads = batches(num_blocks)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp))
+        server.start()
+        try:
+            runs = [await shared_ingest(server.url, False, payloads) for _ in range(3)]
+        finally:
+            server.stop()
+    report("one redis-server (unix socket)", runs)
+    with redis_cluster() as cluster:
+        runs = [await shared_ingest(cluster.url, True, payloads) for _ in range(3)]
+    report("a 3-master Redis Cluster (loopback TCP)", runs)
+
+
+def report(what: str, runs: list[tuple[int, float, float]]) -> None:
+    blocks = runs[0][0]
+    wall = statistics.median(r[1] for r in runs)
+    cpu = statistics.median(r[2] for r in runs)
+    print(f"{what}: {blocks:,} blocks (stored + removed), median of {len(runs)}")
+    print(f"  {blocks / wall:,.0f} blocks/s wall ({wall * 1e3:.0f} ms)")
+    print(f"  {blocks / cpu:,.0f} blocks/s per core of the writer ({cpu * 1e3:.0f} ms CPU)")
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("ingest", "keying", "wipe", "redis"):
+    if not argv or argv[0] not in ("ingest", "keying", "wipe", "redis", "shared"):
         print(__doc__)
         return 2
     if argv[0] == "ingest":
         ingest(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS)
     elif argv[0] == "redis":
         asyncio.run(into_redis(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
+    elif argv[0] == "shared":
+        asyncio.run(shared(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
     elif argv[0] == "wipe":
         asyncio.run(wipe(int(argv[1]) if len(argv) > 1 else 200))
     else:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,9 +246,12 @@ class EventWriter:
         self.committed_epochs[domain] = state.epoch
         return state.next_seq
 
-    async def release(self, domain: str) -> None:
-        """Stop owning a domain: what is pending is written first (best effort)."""
-        if domain in self._owned:
+    async def release(self, domain: str, *, flush: bool = True) -> None:
+        """Stop owning a domain: what is pending is written first (best effort), unless the
+        lease is already lost (`flush=False`: another owner may be writing)."""
+        if domain in self._owned and not flush:
+            self._owned.pop(domain)
+        elif domain in self._owned:
             try:
                 await self.flush()
             except Exception as exc:  # Redis away: the next owner replays what it can
@@ -493,6 +496,9 @@ class EventReader:
         self.epochs: dict[str, int] = {}
         """domain id -> its epoch, for the domains whose events flow (someone wrote them)."""
         self.names: dict[str, str] = {}
+        self.on_wipe: Callable[[str], None] | None = None
+        """Called with a domain's name when its epoch is seen to move (a wipe or a restart
+        its owner wrote): the caller drops what it keeps of the domain (speculative entries)."""
         self.retries = 0
         self._lookup = client.register_script(LOOKUP)
         self._arg = b""
@@ -512,6 +518,10 @@ class EventReader:
             self.names[text(rid)] = name
         if epochs == self.epochs:
             return False
+        if self.on_wipe is not None:
+            for rid, now in epochs.items():
+                if rid in self.epochs and self.epochs[rid] != now:
+                    self.on_wipe(self.names[rid])
         self.epochs = epochs
         self._arg = "".join(f"{rid},{e};" for rid, e in epochs.items()).encode()
         return True
