@@ -35,7 +35,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
-from cachemap.events import BlockRemoved, BlockStored, EventIndex
+from cachemap.events import BlockRemoved, BlockStored, EventIndex, precise_keys
 from cachemap.keys import chain_hashes, root_hash
 from cachemap.tokenizer import ModelTokenizer
 from gateway.api.openai.parse import parse_chat
@@ -268,12 +268,17 @@ async def into_redis(num_blocks: int) -> None:
     print(f"one owner writing the shared directory: {blocks / elapsed:,.0f} blocks/s")
 
 
-async def shared_ingest(url: str, cluster: bool, payloads: list[bytes]) -> tuple[int, float, float]:
+LOOKUPS = 500
+
+
+async def shared_ingest(
+    url: str, cluster: bool, payloads: list[bytes]
+) -> tuple[int, float, float, float]:
     """Decode, apply and write `payloads` through one `EventWriter` the way a `Feed` does (a
     commit per batch: the writer flushes in the background and waits at its backlog bound);
-    returns (blocks, wall seconds, this process's CPU seconds). Checked: the stored half is
-    in Redis (a reader's lookup of the first chain) and the removed half left nothing."""
-    from cachemap.events import precise_keys
+    returns (blocks, wall seconds, this process's CPU seconds, the median of `LOOKUPS`
+    lookups of a 64-block chain by an `EventReader`, the request path's cost). Checked: the
+    stored half is in Redis (the lookups' match) and the removed half left nothing."""
     from cachemap.redis.client import open_redis
     from cachemap.redis.events import EventReader, EventWriter
 
@@ -293,44 +298,78 @@ async def shared_ingest(url: str, cluster: bool, payloads: list[bytes]) -> tuple
             await writer.flush()
             wall_mid, cpu_mid = time.perf_counter() - wall, time.process_time() - cpu
             first = precise_keys([i % 4000 for i in range(16 * BLOCKS_PER_EVENT)], "salt0", 16)
-            assert (await EventReader(client).lookup(first))[domain].depth == BLOCKS_PER_EVENT
+            reader = EventReader(client)
+            times = []
+            for _ in range(LOOKUPS):
+                started = time.perf_counter()
+                match = (await reader.lookup(first))[domain]
+                times.append(time.perf_counter() - started)
+                assert match.depth == BLOCKS_PER_EVENT
             wall, cpu = time.perf_counter() - wall_mid, time.process_time() - cpu_mid
     await writer.flush()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     assert writer.num_blocks(domain) == 0 and writer.stats.unresolved_parents == 0
     assert writer.pending_blocks() == 0
+    assert domain not in await reader.lookup(first)  # the removals reached Redis too
     await writer.close()
     await client.aclose()
-    return blocks, wall, cpu
+    return blocks, wall, cpu, statistics.median(times)
 
 
 async def shared(num_blocks: int) -> None:
     import tempfile
     from pathlib import Path
 
+    from loadgen.harness.processes import cpu_seconds
     from loadgen.harness.redis_servers import RedisServer, redis_cluster
+
+    def server_cpu(servers: list[RedisServer]) -> float:
+        return sum(cpu_seconds(s.proc.pid) for s in servers if s.proc is not None)
 
     payloads = batches(num_blocks)
     with tempfile.TemporaryDirectory() as tmp:
         server = RedisServer(Path(tmp))
         server.start()
         try:
+            before = server_cpu([server])
             runs = [await shared_ingest(server.url, False, payloads) for _ in range(3)]
+            redis_s = (server_cpu([server]) - before) / len(runs)
         finally:
             server.stop()
-    report("one redis-server (unix socket)", runs)
+    report("one redis-server (unix socket)", runs, redis_s)
     with redis_cluster() as cluster:
+        before = server_cpu(cluster.nodes)
         runs = [await shared_ingest(cluster.url, True, payloads) for _ in range(3)]
-    report("a 3-master Redis Cluster (loopback TCP)", runs)
+        redis_s = (server_cpu(cluster.nodes) - before) / len(runs)
+    report("a 3-master Redis Cluster (loopback TCP)", runs, redis_s)
+    print(f"in-process EventIndex, the same lookup: {local_lookup_us():,.1f} us median")
 
 
-def report(what: str, runs: list[tuple[int, float, float]]) -> None:
+def report(what: str, runs: list[tuple[int, float, float, float]], redis_s: float) -> None:
     blocks = runs[0][0]
     wall = statistics.median(r[1] for r in runs)
     cpu = statistics.median(r[2] for r in runs)
+    lookup = statistics.median(r[3] for r in runs)
     print(f"{what}: {blocks:,} blocks (stored + removed), median of {len(runs)}")
     print(f"  {blocks / wall:,.0f} blocks/s wall ({wall * 1e3:.0f} ms)")
     print(f"  {blocks / cpu:,.0f} blocks/s per core of the writer ({cpu * 1e3:.0f} ms CPU)")
+    print(f"  redis-server CPU per run (all nodes, incl. the lookups): {redis_s * 1e3:.0f} ms")
+    print(f"  a 64-block lookup (epochs + script, one pipeline): {lookup * 1e6:,.0f} us median")
+
+
+def local_lookup_us() -> float:
+    """The in-process index's lookup of the same 64-block chain, for comparison."""
+    index = EventIndex()
+    for payload in batches(2 * BLOCKS_PER_EVENT)[:2]:
+        for event in decode_batch(payload).events:
+            index.apply("r", event)
+    first = precise_keys([i % 4000 for i in range(16 * BLOCKS_PER_EVENT)], "salt0", 16)
+    times = []
+    for _ in range(LOOKUPS):
+        started = time.perf_counter()
+        assert index.lookup(first, 0.0)["r"].depth == BLOCKS_PER_EVENT
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
 
 
 def main(argv: list[str]) -> int:
