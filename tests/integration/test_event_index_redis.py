@@ -12,14 +12,8 @@ import pytest
 
 from cachemap.events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, precise_keys
 from cachemap.redis.client import AnyRedis, open_redis
-from cachemap.redis.events import (
-    DOMAINS_KEY,
-    EventReader,
-    EventWriter,
-    Leases,
-    feed_key,
-    map_key,
-)
+from cachemap.redis.event_scripts import DOMAINS_KEY, feed_key, map_key
+from cachemap.redis.events import EventReader, EventWriter, Leases
 from cachemap.redis.schema import block_keys, replica_id
 
 pytestmark = pytest.mark.redis
