@@ -2,7 +2,8 @@
 
     python -m tools.precise_cost ingest [NUM_BLOCKS]    event ingest, blocks indexed per second
     python -m tools.precise_cost keying [TURNS]         CPU per request, precise vs approximate
-    python -m tools.precise_cost wipe [TRIALS]          stale lookups after a wipe, time to detect
+    python -m tools.precise_cost wipe [TRIALS] [shared] stale lookups after a wipe, time to detect
+                                                        (shared: through the index in Redis)
     python -m tools.precise_cost redis [NUM_BLOCKS]     event blocks written into a shared Redis
     python -m tools.precise_cost shared [NUM_BLOCKS]    the same through the event index in Redis
                                                         (`EventWriter`): a server and a cluster
@@ -170,14 +171,23 @@ async def keying(turns: int) -> None:
     print(f"last turn    precise {last_p:,.0f} us, approximate {last_a:,.0f} us")
 
 
-async def wipe(trials: int) -> None:
+async def wipe(trials: int, shared: bool = False) -> None:
     """A real engine (a `kvgate engine` process) and a `Feed`: per trial, a prompt is
     stored, the engine is reset, and the moment its 200 comes back a lookup is made (what a
-    request sent right after the wipe would see), then the time until the index is empty."""
+    request sent right after the wipe would see), then the time until the index is empty.
+    `shared`: the feed writes the event index in a real redis-server (`EventWriter`) and the
+    lookups are an `EventReader`'s (a wipe is then in Redis once the owner wrote its epoch)."""
+    import tempfile
+    from collections.abc import Awaitable, Callable
+    from pathlib import Path
+
     import httpx
 
-    from cachemap.events import precise_keys
+    from cachemap.redis.client import open_redis
+    from cachemap.redis.events import EventReader, EventWriter
+    from gateway.events.intake import EventSink
     from loadgen.harness.processes import free_port, start_engine, stop, wait_ready
+    from loadgen.harness.redis_servers import RedisServer
 
     port = free_port()
     config = orjson.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
@@ -185,39 +195,71 @@ async def wipe(trials: int) -> None:
         free_port(), ["--kv-events-config", config.decode(), "--time-scale", "1000"]
     )
     wait_ready(engine.url, "/health", engine.popen, 60)
-    ctx = zmq.asyncio.Context()
-    index = EventIndex()
-    feed = Feed(FeedConfig("r", 0, "r", f"tcp://127.0.0.1:{port}", None, ""), index, ctx)
-    task = asyncio.create_task(feed.run())
     prompt = list(range(100, 100 + 16 * 8))
     keys = precise_keys(prompt, None, 16)
+    tmp = tempfile.TemporaryDirectory()
+    server = RedisServer(Path(tmp.name))
+    index = EventIndex()
+    sink: EventSink = index
+    writer = None
+    holds: Callable[[], Awaitable[bool]]
+    if shared:
+        server.start()
+        redis = await open_redis(server.url, cluster=False)
+        writer = EventWriter(redis, block_size=16)
+        await writer.adopt("r")
+        reader = EventReader(redis)
+        sink = writer
+
+        async def holds() -> bool:
+            return "r" in await reader.lookup(keys)
+
+    else:
+
+        async def holds() -> bool:
+            return bool(index.lookup(keys, 0.0))
+
+    ctx = zmq.asyncio.Context()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    commit = writer.commit if writer is not None else None
+    feed = Feed(FeedConfig("r", 0, "r", endpoint, None, ""), sink, ctx, commit=commit)
+    task = asyncio.create_task(feed.run())
     stale = 0
     detect_s: list[float] = []
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        while feed.stats.wipes == 0:
-            await client.post("/reset_prefix_cache")
-            await asyncio.sleep(0.01)
-        for _ in range(trials):
-            body = {"model": "kvgate-sim-8b", "prompt": prompt, "max_tokens": 1}
-            assert (await client.post("/v1/completions", json=body)).status_code == 200
-            deadline = time.monotonic() + 10
-            while not index.lookup(keys, 0.0):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.0005)
-            started = time.perf_counter()
-            assert (await client.post("/reset_prefix_cache")).status_code == 200
-            if index.lookup(keys, 0.0):
-                stale += 1
-            while index.lookup(keys, 0.0):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.0002)
-            detect_s.append(time.perf_counter() - started)
-    task.cancel()
-    feed.close()
-    ctx.term()
-    stop([engine])
+    try:
+        async with httpx.AsyncClient(base_url=engine.url) as client:
+            while feed.stats.wipes == 0:
+                await client.post("/reset_prefix_cache")
+                await asyncio.sleep(0.01)
+            for _ in range(trials):
+                body = {"model": "kvgate-sim-8b", "prompt": prompt, "max_tokens": 1}
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+                deadline = time.monotonic() + 10
+                while not await holds():
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.0005)
+                started = time.perf_counter()
+                assert (await client.post("/reset_prefix_cache")).status_code == 200
+                if await holds():
+                    stale += 1
+                while await holds():
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.0002)
+                detect_s.append(time.perf_counter() - started)
+    finally:
+        task.cancel()
+        feed.close()
+        ctx.term()
+        stop([engine])
+        if writer is not None:
+            await writer.close()
+        server.stop()
+        tmp.cleanup()
     detect_s.sort()
-    print(f"trials: {trials}; lookups still matching when the reset's 200 came back: {stale}")
+    where = "Redis (EventWriter -> EventReader)" if shared else "in process"
+    print(
+        f"{where}: trials: {trials}; lookups still matching when the reset's 200 came back: {stale}"
+    )
     p50, p99 = detect_s[len(detect_s) // 2], detect_s[int(len(detect_s) * 0.99)]
     print(f"reset request sent -> index empty: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
 
@@ -383,7 +425,7 @@ def main(argv: list[str]) -> int:
     elif argv[0] == "shared":
         asyncio.run(shared(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
     elif argv[0] == "wipe":
-        asyncio.run(wipe(int(argv[1]) if len(argv) > 1 else 200))
+        asyncio.run(wipe(int(argv[1]) if len(argv) > 1 else 200, "shared" in argv[2:]))
     else:
         asyncio.run(keying(int(argv[1]) if len(argv) > 1 else DEFAULT_TURNS))
     return 0
