@@ -124,6 +124,7 @@ class EventWriter:
         self._owned: dict[str, _Owned] = {}
         self._lock = asyncio.Lock()
         self._scheduled = False
+        self._failing = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._write = client.register_script(WRITE)
         self._clean = client.register_script(CLEAN)
@@ -262,7 +263,7 @@ class EventWriter:
         state.next_seq = next_seq
         self._touch(state)
         if wiped or state.cleared or len(state.blocks) >= MAX_PENDING_BLOCKS:
-            await self.flush()
+            await self._flush_or_log()
 
     def _touch(self, state: _Owned) -> None:
         state.dirty = True
@@ -282,10 +283,21 @@ class EventWriter:
         task.add_done_callback(self._tasks.discard)
 
     async def _background_flush(self) -> None:
+        await self._flush_or_log()
+
+    async def _flush_or_log(self) -> None:
+        """A flush that never raises: a failed one keeps its writes pending for the next (the
+        feed goes on; Redis away is logged once, and once when it is back)."""
         try:
             await self.flush()
-        except Exception as exc:  # kept pending: the next flush retries
-            log.warning("KV events: writing to Redis failed: %s", exc)
+        except Exception as exc:
+            if not self._failing:
+                log.warning("KV events: writing to Redis failed (kept, retried): %s", exc)
+            self._failing = True
+            return
+        if self._failing:
+            log.warning("KV events: writing to Redis again")
+        self._failing = False
 
     # -- writing -----------------------------------------------------------------------------
     async def flush(self) -> None:

@@ -31,7 +31,9 @@ from tests.loadgen.test_kv_events import events_config, free_ports
 from tests.servers import Served, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
-LEASE_S = 1.0
+LEASE_S = 2.0
+"""Long enough that a loaded machine (in-process gateways share the GIL) never loses a lease
+by a late renewal; the takeover test waits for one to run out."""
 
 
 def intake_of(gateway: Served) -> EventIntake:

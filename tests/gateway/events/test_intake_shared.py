@@ -17,6 +17,7 @@ from cachemap.events import precise_keys
 from cachemap.redis.client import AnyRedis, open_redis
 from cachemap.redis.events import EventReader, EventWriter
 from gateway.events.intake import Feed, FeedConfig
+from loadgen.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
 SALT = "s"
@@ -83,4 +84,27 @@ async def test_a_new_owner_resumes_and_a_restart_is_out_of_redis_on_return(
     resumed.close()
     await first.close()
     await second.close()
+    ctx.term()
+
+
+async def test_redis_away_neither_stops_the_feed_nor_loses_its_pending_writes(
+    fresh_redis: RedisServer,
+) -> None:
+    domain = f"http://{uuid.uuid4().hex[:8]}:8000"
+    redis = await open_redis(fresh_redis.url, cluster=False, timeout_s=0.2)
+    ctx = zmq.asyncio.Context()
+    writer = EventWriter(redis, block_size=16)
+    feed = feed_of(writer, domain, ctx, await writer.adopt(domain))
+    fresh_redis.stop()
+    # a wipe's commit waits for its flush: the flush fails, the batch is still taken
+    await feed.receive(0, batch({"type": "AllBlocksCleared"}, stored(10, PROMPT)))
+    assert feed.next_seq == 1 and writer.flush_errors > 0
+    assert writer.num_blocks(domain) == 4
+    fresh_redis.start()  # back (empty: no persistence); what was pending is written
+    await writer.flush()
+    reader = EventReader(redis)
+    assert (await reader.lookup(precise_keys(PROMPT, SALT, 16)))[domain].depth == 4
+    feed.close()
+    await writer.close()
+    await redis.aclose()
     ctx.term()
