@@ -168,6 +168,18 @@ class EventWriter:
                 log.warning("events of %s: last writes lost on release: %s", domain, exc)
             self._owned.pop(domain, None)
 
+    def rewrite(self, domain: str) -> int:
+        """Queue the whole of an owned domain again (Redis lost it: the lease was gone with no
+        new holder); returns the blocks queued. Its epoch is kept: no reader counts an older."""
+        state = self._owned.get(domain)
+        if state is None:
+            return 0
+        state.blocks = dict(state.masks)
+        state.mapping = {h: k + digit(state.masks.get(k, 0)) for h, k in state.engine.items()}
+        state.sliding_changed = bool(state.sliding)
+        self._touch(state)
+        return len(state.blocks)
+
     def owns(self, domain: str) -> bool:
         return domain in self._owned
 

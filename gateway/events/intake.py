@@ -383,6 +383,8 @@ class EventIntake:
             except Exception as exc:  # Redis away: keep writing until the fence
                 log.debug("KV events lease of %s not renewed: %s", domain, exc)
                 held = None
+            if held is False and await self._retake(domain):
+                held = True
             if held:
                 self._renewed[domain] = sent
             elif held is False or sent - self._renewed[domain] > FENCE_SHARE * self.lease_s:
@@ -400,6 +402,25 @@ class EventIntake:
             log.info("KV events of %s: owned here (from seq %s)", domain, next_seq)
             self._renewed[domain] = sent
             self._open(wanted[domain], next_seq)
+
+    async def _retake(self, domain: str) -> bool:
+        """A lease found gone with nobody holding it: Redis lost its state (a restart without
+        persistence) or the lease ran out unclaimed. Take it again and write the whole domain
+        back from memory, so the index is whole again (an engine never re-announces what it
+        still holds)."""
+        assert self.writer is not None and self.leases is not None
+        try:
+            if await self.leases.holder(domain) is not None or not await self.leases.acquire(
+                domain
+            ):
+                return False
+        except Exception:
+            return False
+        blocks = self.writer.rewrite(domain)
+        log.warning(
+            "KV events of %s: the lease was gone; retaken, %d blocks written back", domain, blocks
+        )
+        return True
 
     async def _disown(self, domain: str, *, release: bool) -> None:
         assert self.writer is not None and self.leases is not None

@@ -1,9 +1,11 @@
 """A feed writing the shared event index (a real redis-server): a new owner resumes from the
-seq its predecessor wrote, and a restart (seq going back) is out of Redis when the batch's
-`receive` returns — before any routing decision that follows it."""
+seq its predecessor wrote, a restart (seq going back) is out of Redis when the batch's
+`receive` returns — before any routing decision that follows it —, Redis away stops nothing,
+and an owner writes its domain back when Redis lost it."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,11 +14,13 @@ from typing import Any
 import msgpack
 import pytest
 import zmq.asyncio
+from redis import exceptions as redis_errors
 
-from cachemap.events import precise_keys
+from cachemap.events import BlockStored, EventIndex, precise_keys
 from cachemap.redis.client import AnyRedis, open_redis
-from cachemap.redis.events import EventReader, EventWriter
-from gateway.events.intake import Feed, FeedConfig
+from cachemap.redis.events import EventReader, EventWriter, Leases
+from gateway.events.intake import EventIntake, EventsConfig, Feed, FeedConfig
+from loadgen.harness.processes import free_port
 from loadgen.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -108,3 +112,31 @@ async def test_redis_away_neither_stops_the_feed_nor_loses_its_pending_writes(
     await writer.close()
     await redis.aclose()
     ctx.term()
+
+
+async def test_an_owner_writes_its_domain_back_when_redis_lost_it(
+    fresh_redis: RedisServer,
+) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    redis = await open_redis(fresh_redis.url, cluster=False, timeout_s=0.2)
+    writer = EventWriter(redis, block_size=16)
+    config = EventsConfig(endpoints={url: f"tcp://127.0.0.1:{free_port()}"})
+    intake = EventIntake(config, EventIndex(), lambda: [url])
+    intake.share(writer, Leases(redis, "me", 5.0), 5.0)
+    await intake.own()
+    assert intake.owned() == [url]
+    writer.apply(url, BlockStored([1, 2, 3, 4], None, PROMPT, 16, cache_salt=SALT))
+    await writer.flush()
+    fresh_redis.stop()
+    fresh_redis.start()  # no persistence: the index, the map and the lease are gone
+    with contextlib.suppress(redis_errors.ConnectionError):
+        await redis.ping()  # the pooled connection died with the server
+    reader = EventReader(redis)
+    keys = precise_keys(PROMPT, SALT, 16)
+    assert url not in await reader.lookup(keys)
+    await intake.own()  # the renewal finds no lease and nobody holding it: retaken
+    assert intake.owned() == [url]
+    await writer.flush()
+    assert (await reader.lookup(keys))[url].depth == 4
+    await intake.close()
+    await redis.aclose()
