@@ -12,8 +12,8 @@ them once per fleet (docs/precise.md, "Who ingests"). Key schema (`{...}`: the c
     kvg:{kvg-ev:<id>}:feed    HASH  next_seq (the seq after the last batch written), sliding
 
 The keys and the Lua scripts are in `cachemap.redis.event_scripts`. TAG and suffix are the
-directory's (`schema.chain_call`): every block of one chain is in one
-slot, so a lookup is one script call; a domain id is `schema.replica_id(domain)`.
+directory's (`schema.chain_call`): every block of one chain is in one slot, so a lookup is one
+script call; a domain id is `schema.replica_id(domain)`.
 
 Invariants:
 - Only a domain's owner writes its fields, map and feed hash; its in-memory state (`_Owned`)
