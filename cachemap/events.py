@@ -102,6 +102,19 @@ def precise_keys(
     return chain_hashes(token_bytes(token_ids), precise_root(cache_salt, lora_name), 4 * block_size)
 
 
+def stored_keys(
+    event: BlockStored, parent_key: BlockHash | None, block_size: int
+) -> list[BlockHash]:
+    """The own keys of a BlockStored's blocks: its token ids chained from its parent's own key
+    (or from the root of its salt and LoRA when it has no parent)."""
+    return chain_hashes(
+        token_bytes(event.token_ids),
+        precise_root(event.cache_salt, event.lora_name),
+        4 * block_size,
+        parent=parent_key,
+    )
+
+
 def domain_of(replica: str, rank: int, dp_size: int) -> str:
     """A cache domain's name: the replica itself, or `replica#rank` when it has DP ranks."""
     return replica if dp_size <= 1 else f"{replica}#{rank}"
@@ -204,12 +217,7 @@ class EventIndex:
             if parent_key is None:
                 self.stats.unresolved_parents += 1
                 return []
-        keys = chain_hashes(
-            token_bytes(event.token_ids),
-            precise_root(event.cache_salt, event.lora_name),
-            4 * self.block_size,
-            parent=parent_key,
-        )
+        keys = stored_keys(event, parent_key, self.block_size)
         for engine_hash, key in zip(event.block_hashes, keys, strict=False):
             self._hold(domain, state, engine_hash, key, event.tier)
         self.stats.stored_blocks += len(keys)

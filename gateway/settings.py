@@ -137,6 +137,10 @@ _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
 
 
 DEFAULT_CHECK_EVERY = 1000
+DEFAULT_EVENTS_LEASE_S = 5.0
+"""How long an engine's events stay with a gateway that stopped renewing (shared event index):
+a dead owner's engines are taken over within 5 s (their missed batches replayed where the
+engine keeps them), while renewals every ~1.7 s ride out a Redis failover (~2 s)."""
 """Every Nth precise request (and the first) is compared with the engine's /tokenize: one
 extra engine call per thousand requests, and a mismatch shows within seconds under load."""
 
@@ -295,6 +299,12 @@ class Settings(BaseSettings):
     engine_dp_size: int = 1
     """Data-parallel ranks per engine behind one HTTP port: each rank a cache domain with its
     own events (port + r); the request is sent with `X-data-parallel-rank`."""
+    kv_events_shared: bool = False
+    """Index the KV events in the shared Redis (`redis_url`): one live gateway owns each
+    engine's events (a lease) and writes them; every gateway's lookups read them. False: every
+    gateway ingests every engine in process (docs/precise.md, "Who ingests")."""
+    kv_events_lease_s: float = DEFAULT_EVENTS_LEASE_S
+    """An engine's events pass to another gateway this long after their owner stopped renewing."""
     speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
     offload_cost: float = DEFAULT_OFFLOAD_COST
     tokenizer_check_every: int = DEFAULT_CHECK_EVERY
@@ -350,7 +360,11 @@ class Settings(BaseSettings):
         return value
 
     @field_validator(
-        "metrics_interval_s", "discovery_retry_s", "discovery_watch_timeout_s", "speculative_ttl_s"
+        "metrics_interval_s",
+        "discovery_retry_s",
+        "discovery_watch_timeout_s",
+        "speculative_ttl_s",
+        "kv_events_lease_s",
     )
     @classmethod
     def _positive_interval(cls, value: float | None) -> float | None:
@@ -504,6 +518,15 @@ class Settings(BaseSettings):
                 f"workers: {self.workers} needs redis_url (--redis-url): workers with a directory "
                 "each of their own would place one conversation on different replicas; run "
                 "Redis beside the gateway (a sidecar on a unix socket, docs/operations.md#workers)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _shared_events_need_redis(self) -> Settings:
+        if self.kv_events_shared and not (self.redis_url and self.tokenizer_dir):
+            raise ValueError(
+                "kv_events_shared needs redis_url (--redis-url: where the index is shared) and "
+                "tokenizer_dir (--tokenizer-dir: precise mode)"
             )
         return self
 

@@ -2,8 +2,11 @@
 
     python -m tools.precise_cost ingest [NUM_BLOCKS]    event ingest, blocks indexed per second
     python -m tools.precise_cost keying [TURNS]         CPU per request, precise vs approximate
-    python -m tools.precise_cost wipe [TRIALS]          stale lookups after a wipe, time to detect
+    python -m tools.precise_cost wipe [TRIALS] [shared] stale lookups after a wipe, time to detect
+                                                        (shared: through the index in Redis)
     python -m tools.precise_cost redis [NUM_BLOCKS]     event blocks written into a shared Redis
+    python -m tools.precise_cost shared [NUM_BLOCKS]    the same through the event index in Redis
+                                                        (`EventWriter`): a server and a cluster
 
 `ingest`: NUM_BLOCKS (131,072) blocks in vLLM map-encoded batches of one BlockStored of 64
 blocks (a 1,024-token prefill) each, every other chain a continuation of the previous one (its
@@ -33,7 +36,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
-from cachemap.events import BlockRemoved, BlockStored, EventIndex
+from cachemap.events import BlockRemoved, BlockStored, EventIndex, precise_keys
 from cachemap.keys import chain_hashes, root_hash
 from cachemap.tokenizer import ModelTokenizer
 from gateway.api.openai.parse import parse_chat
@@ -168,14 +171,23 @@ async def keying(turns: int) -> None:
     print(f"last turn    precise {last_p:,.0f} us, approximate {last_a:,.0f} us")
 
 
-async def wipe(trials: int) -> None:
+async def wipe(trials: int, shared: bool = False) -> None:
     """A real engine (a `kvgate engine` process) and a `Feed`: per trial, a prompt is
     stored, the engine is reset, and the moment its 200 comes back a lookup is made (what a
-    request sent right after the wipe would see), then the time until the index is empty."""
+    request sent right after the wipe would see), then the time until the index is empty.
+    `shared`: the feed writes the event index in a real redis-server (`EventWriter`) and the
+    lookups are an `EventReader`'s (a wipe is then in Redis once the owner wrote its epoch)."""
+    import tempfile
+    from collections.abc import Awaitable, Callable
+    from pathlib import Path
+
     import httpx
 
-    from cachemap.events import precise_keys
+    from cachemap.redis.client import open_redis
+    from cachemap.redis.events import EventReader, EventWriter
+    from gateway.events.intake import EventSink
     from loadgen.harness.processes import free_port, start_engine, stop, wait_ready
+    from loadgen.harness.redis_servers import RedisServer
 
     port = free_port()
     config = orjson.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
@@ -183,39 +195,71 @@ async def wipe(trials: int) -> None:
         free_port(), ["--kv-events-config", config.decode(), "--time-scale", "1000"]
     )
     wait_ready(engine.url, "/health", engine.popen, 60)
-    ctx = zmq.asyncio.Context()
-    index = EventIndex()
-    feed = Feed(FeedConfig("r", 0, "r", f"tcp://127.0.0.1:{port}", None, ""), index, ctx)
-    task = asyncio.create_task(feed.run())
     prompt = list(range(100, 100 + 16 * 8))
     keys = precise_keys(prompt, None, 16)
+    tmp = tempfile.TemporaryDirectory()
+    server = RedisServer(Path(tmp.name))
+    index = EventIndex()
+    sink: EventSink = index
+    writer = None
+    holds: Callable[[], Awaitable[bool]]
+    if shared:
+        server.start()
+        redis = await open_redis(server.url, cluster=False)
+        writer = EventWriter(redis, block_size=16)
+        await writer.adopt("r")
+        reader = EventReader(redis)
+        sink = writer
+
+        async def holds() -> bool:
+            return "r" in await reader.lookup(keys)
+
+    else:
+
+        async def holds() -> bool:
+            return bool(index.lookup(keys, 0.0))
+
+    ctx = zmq.asyncio.Context()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    commit = writer.commit if writer is not None else None
+    feed = Feed(FeedConfig("r", 0, "r", endpoint, None, ""), sink, ctx, commit=commit)
+    task = asyncio.create_task(feed.run())
     stale = 0
     detect_s: list[float] = []
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        while feed.stats.wipes == 0:
-            await client.post("/reset_prefix_cache")
-            await asyncio.sleep(0.01)
-        for _ in range(trials):
-            body = {"model": "kvgate-sim-8b", "prompt": prompt, "max_tokens": 1}
-            assert (await client.post("/v1/completions", json=body)).status_code == 200
-            deadline = time.monotonic() + 10
-            while not index.lookup(keys, 0.0):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.0005)
-            started = time.perf_counter()
-            assert (await client.post("/reset_prefix_cache")).status_code == 200
-            if index.lookup(keys, 0.0):
-                stale += 1
-            while index.lookup(keys, 0.0):
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.0002)
-            detect_s.append(time.perf_counter() - started)
-    task.cancel()
-    feed.close()
-    ctx.term()
-    stop([engine])
+    try:
+        async with httpx.AsyncClient(base_url=engine.url) as client:
+            while feed.stats.wipes == 0:
+                await client.post("/reset_prefix_cache")
+                await asyncio.sleep(0.01)
+            for _ in range(trials):
+                body = {"model": "kvgate-sim-8b", "prompt": prompt, "max_tokens": 1}
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+                deadline = time.monotonic() + 10
+                while not await holds():
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.0005)
+                started = time.perf_counter()
+                assert (await client.post("/reset_prefix_cache")).status_code == 200
+                if await holds():
+                    stale += 1
+                while await holds():
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.0002)
+                detect_s.append(time.perf_counter() - started)
+    finally:
+        task.cancel()
+        feed.close()
+        ctx.term()
+        stop([engine])
+        if writer is not None:
+            await writer.close()
+        server.stop()
+        tmp.cleanup()
     detect_s.sort()
-    print(f"trials: {trials}; lookups still matching when the reset's 200 came back: {stale}")
+    where = "Redis (EventWriter -> EventReader)" if shared else "in process"
+    print(
+        f"{where}: trials: {trials}; lookups still matching when the reset's 200 came back: {stale}"
+    )
     p50, p99 = detect_s[len(detect_s) // 2], detect_s[int(len(detect_s) * 0.99)]
     print(f"reset request sent -> index empty: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
 
@@ -266,16 +310,122 @@ async def into_redis(num_blocks: int) -> None:
     print(f"one owner writing the shared directory: {blocks / elapsed:,.0f} blocks/s")
 
 
+LOOKUPS = 500
+
+
+async def shared_ingest(
+    url: str, cluster: bool, payloads: list[bytes]
+) -> tuple[int, float, float, float]:
+    """Decode, apply and write `payloads` through one `EventWriter` the way a `Feed` does (a
+    commit per batch: the writer flushes in the background and waits at its backlog bound);
+    returns (blocks, wall seconds, this process's CPU seconds, the median of `LOOKUPS`
+    lookups of a 64-block chain by an `EventReader`, the request path's cost). Checked: the
+    stored half is in Redis (the lookups' match) and the removed half left nothing."""
+    from cachemap.redis.client import open_redis
+    from cachemap.redis.events import EventReader, EventWriter
+
+    client = await open_redis(url, cluster=cluster)
+    writer = EventWriter(client, block_size=16)
+    domain = f"bench-{time.time_ns()}"
+    await writer.adopt(domain)
+    half = len(payloads) // 2
+    blocks = 0
+    wall, cpu = time.perf_counter(), time.process_time()
+    for seq, payload in enumerate(payloads):
+        for event in decode_batch(payload).events:
+            writer.apply(domain, event)
+            blocks += len(getattr(event, "block_hashes", ()))
+        await writer.commit(domain, seq + 1, False)
+        if seq == half - 1:
+            await writer.flush()
+            wall_mid, cpu_mid = time.perf_counter() - wall, time.process_time() - cpu
+            first = precise_keys([i % 4000 for i in range(16 * BLOCKS_PER_EVENT)], "salt0", 16)
+            reader = EventReader(client)
+            times = []
+            for _ in range(LOOKUPS):
+                started = time.perf_counter()
+                match = (await reader.lookup(first))[domain]
+                times.append(time.perf_counter() - started)
+                assert match.depth == BLOCKS_PER_EVENT
+            wall, cpu = time.perf_counter() - wall_mid, time.process_time() - cpu_mid
+    await writer.flush()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert writer.num_blocks(domain) == 0 and writer.stats.unresolved_parents == 0
+    assert writer.pending_blocks() == 0
+    assert domain not in await reader.lookup(first)  # the removals reached Redis too
+    await writer.close()
+    await client.aclose()
+    return blocks, wall, cpu, statistics.median(times)
+
+
+async def shared(num_blocks: int) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from loadgen.harness.processes import cpu_seconds
+    from loadgen.harness.redis_servers import RedisServer, redis_cluster
+
+    def server_cpu(servers: list[RedisServer]) -> float:
+        return sum(cpu_seconds(s.proc.pid) for s in servers if s.proc is not None)
+
+    payloads = batches(num_blocks)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp))
+        server.start()
+        try:
+            before = server_cpu([server])
+            runs = [await shared_ingest(server.url, False, payloads) for _ in range(3)]
+            redis_s = (server_cpu([server]) - before) / len(runs)
+        finally:
+            server.stop()
+    report("one redis-server (unix socket)", runs, redis_s)
+    with redis_cluster() as cluster:
+        before = server_cpu(cluster.nodes)
+        runs = [await shared_ingest(cluster.url, True, payloads) for _ in range(3)]
+        redis_s = (server_cpu(cluster.nodes) - before) / len(runs)
+    report("a 3-master Redis Cluster (loopback TCP)", runs, redis_s)
+    print(f"in-process EventIndex, the same lookup: {local_lookup_us():,.1f} us median")
+
+
+def report(what: str, runs: list[tuple[int, float, float, float]], redis_s: float) -> None:
+    blocks = runs[0][0]
+    wall = statistics.median(r[1] for r in runs)
+    cpu = statistics.median(r[2] for r in runs)
+    lookup = statistics.median(r[3] for r in runs)
+    print(f"{what}: {blocks:,} blocks (stored + removed), median of {len(runs)}")
+    print(f"  {blocks / wall:,.0f} blocks/s wall ({wall * 1e3:.0f} ms)")
+    print(f"  {blocks / cpu:,.0f} blocks/s per core of the writer ({cpu * 1e3:.0f} ms CPU)")
+    print(f"  redis-server CPU per run (all nodes, incl. the lookups): {redis_s * 1e3:.0f} ms")
+    print(f"  a 64-block lookup (epochs + script, one pipeline): {lookup * 1e6:,.0f} us median")
+
+
+def local_lookup_us() -> float:
+    """The in-process index's lookup of the same 64-block chain, for comparison."""
+    index = EventIndex()
+    for payload in batches(2 * BLOCKS_PER_EVENT)[:2]:
+        for event in decode_batch(payload).events:
+            index.apply("r", event)
+    first = precise_keys([i % 4000 for i in range(16 * BLOCKS_PER_EVENT)], "salt0", 16)
+    times = []
+    for _ in range(LOOKUPS):
+        started = time.perf_counter()
+        assert index.lookup(first, 0.0)["r"].depth == BLOCKS_PER_EVENT
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e6
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("ingest", "keying", "wipe", "redis"):
+    if not argv or argv[0] not in ("ingest", "keying", "wipe", "redis", "shared"):
         print(__doc__)
         return 2
     if argv[0] == "ingest":
         ingest(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS)
     elif argv[0] == "redis":
         asyncio.run(into_redis(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
+    elif argv[0] == "shared":
+        asyncio.run(shared(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
     elif argv[0] == "wipe":
-        asyncio.run(wipe(int(argv[1]) if len(argv) > 1 else 200))
+        asyncio.run(wipe(int(argv[1]) if len(argv) > 1 else 200, "shared" in argv[2:]))
     else:
         asyncio.run(keying(int(argv[1]) if len(argv) > 1 else DEFAULT_TURNS))
     return 0

@@ -24,6 +24,14 @@ older vLLM and SGLang, each after the DEALER's empty delimiter; seq -1 ends the 
 
 Every batch is applied synchronously on the event loop between two awaits, so a wipe is in
 the index before the next routing decision that runs after its message arrived.
+
+Shared (`kv_events_shared`, `share`): the index is in Redis (`cachemap.redis.events`) and a
+gateway runs the feeds only of the domains whose lease it holds (`Leases`: set if absent,
+renewed `RENEWALS_PER_LEASE` times per lease). A feed applies its batches to the
+`EventWriter` and commits after each one (a wipe waits until its new epoch is written); a new
+owner starts from the seq its predecessor wrote, so what it missed is replayed like a gap. An
+owner that cannot renew within `FENCE_SHARE` of its lease stops writing before the lease can
+pass to another gateway.
 """
 
 from __future__ import annotations
@@ -33,14 +41,16 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
 
-from cachemap.events import AllBlocksCleared, EventIndex, domain_of, rank_endpoint
+from cachemap.events import AllBlocksCleared, CacheEvent, domain_of, rank_endpoint
+from cachemap.redis.events import EventWriter, Leases
 from gateway.events.decode import MalformedBatch, decode_batch
 from gateway.tasks import BackgroundTasks
 
@@ -58,6 +68,24 @@ burst the engine could send is held rather than dropped (a drop is a gap)."""
 REFRESH_INTERVAL_S = 1.0
 """How often the intake matches its feeds to the replica set (discovery adds and removes)."""
 _LAGS_KEPT = 4096
+RENEWALS_PER_LEASE = 3
+"""A lease is renewed three times per lease period: two renewals may fail (a Redis failover,
+a busy loop) before the lease runs out."""
+FENCE_SHARE = 0.8
+"""An owner whose last renewal was sent this share of a lease ago stops writing: its lease may
+be gone by the time it would write, and another gateway may own the domain."""
+
+
+class EventSink(Protocol):
+    """Where a feed applies its batches: the in-process `EventIndex` or the `EventWriter`."""
+
+    def apply(self, domain: str, event: CacheEvent) -> None: ...
+
+    def clear(self, domain: str) -> None: ...
+
+
+Commit = Callable[[str, int | None, bool], Awaitable[None]]
+"""After each batch: (domain, next seq, whether it wiped the domain)."""
 
 
 @dataclass(frozen=True)
@@ -131,17 +159,21 @@ class Feed:
     def __init__(
         self,
         config: FeedConfig,
-        index: EventIndex,
+        index: EventSink,
         ctx: zmq.asyncio.Context,
         *,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
         max_replay_batches: int = DEFAULT_MAX_REPLAY_BATCHES,
         clock: Callable[[], float] = time.time,
+        next_seq: int | None = None,
+        commit: Commit | None = None,
     ) -> None:
         self.config = config
         self.index = index
         self.stats = FeedStats()
-        self.next_seq: int | None = None
+        self.next_seq: int | None = next_seq
+        """The seq expected next (None: none seen; a new owner starts from its predecessor's)."""
+        self.commit = commit
         self.replay_timeout_s = replay_timeout_s
         self.max_replay_batches = max_replay_batches
         self.clock = clock
@@ -168,6 +200,13 @@ class Feed:
 
     async def receive(self, seq: int, payload: bytes) -> None:
         """One published batch, after whatever replay its seq calls for."""
+        wipes = self.stats.wipes + self.stats.restarts
+        await self._receive(seq, payload)
+        if self.commit is not None:
+            wiped = self.stats.wipes + self.stats.restarts != wipes
+            await self.commit(self.config.domain, self.next_seq, wiped)
+
+    async def _receive(self, seq: int, payload: bytes) -> None:
         expected = self.next_seq
         if expected is not None and seq < expected:
             # a PUB socket never resends: a seq going back is a new publisher (its seq 0 may
@@ -251,12 +290,13 @@ class Feed:
 
 
 class EventIntake:
-    """The feeds of every replica the set knows, kept in step with it (discovery)."""
+    """The feeds of every replica the set knows, kept in step with it (discovery); shared, only
+    of the domains this gateway owns (module docstring)."""
 
     def __init__(
         self,
         config: EventsConfig,
-        index: EventIndex,
+        index: EventSink,
         replicas: Callable[[], Iterable[str]],
         *,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
@@ -266,47 +306,133 @@ class EventIntake:
         self._replicas = replicas
         self._replay_timeout_s = replay_timeout_s
         self._ctx = zmq.asyncio.Context()
-        self._feeds: dict[str, list[Feed]] = {}
-        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._feeds: dict[str, Feed] = {}
+        """domain -> its feed"""
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self._background = BackgroundTasks("events")
+        self.writer: EventWriter | None = None
+        self.leases: Leases | None = None
+        self.lease_s = 0.0
+        self._renewed: dict[str, float] = {}
+
+    def share(self, writer: EventWriter, leases: Leases, lease_s: float) -> None:
+        """Index into Redis (before `start`): own domains by lease, write what they say."""
+        self.writer, self.leases, self.lease_s = writer, leases, lease_s
 
     def feeds(self, replica: str | None = None) -> list[Feed]:
-        if replica is not None:
-            return self._feeds.get(replica, [])
-        return [f for feeds in self._feeds.values() for f in feeds]
+        return [f for f in self._feeds.values() if replica is None or f.config.replica == replica]
 
     def restarted(self, replica: str) -> None:
         """The replica set saw the engine restart: whatever its seq says, its blocks are gone."""
-        for feed in self._feeds.get(replica, ()):
+        for feed in self.feeds(replica):
             feed.stats.restarts += 1
             feed.wipe()
 
     def live(self, replica: str) -> bool:
         """The replica's events are flowing: route on the index, not on the prediction."""
-        return any(f.live for f in self._feeds.get(replica, ()))
+        return any(f.live for f in self.feeds(replica))
+
+    def _wanted(self) -> dict[str, FeedConfig]:
+        return {c.domain: c for r in self._replicas() for c in self.config.feeds(r)}
+
+    def _open(self, config: FeedConfig, next_seq: int | None = None) -> None:
+        writer = self.writer
+        feed = Feed(
+            config,
+            writer if writer is not None else self.index,
+            self._ctx,
+            replay_timeout_s=self._replay_timeout_s,
+            next_seq=next_seq,
+            commit=writer.commit if writer is not None else None,
+        )
+        self._feeds[config.domain] = feed
+        self._tasks[config.domain] = asyncio.get_running_loop().create_task(
+            self._run(feed), name=f"events {config.domain}"
+        )
+
+    def _close(self, domain: str) -> None:
+        self._tasks.pop(domain).cancel()
+        self._feeds.pop(domain).close()
 
     def refresh(self) -> None:
         """Open feeds for replicas that joined, close those of replicas that left (and drop
-        what the index held for them)."""
-        wanted = set(self._replicas())
-        for replica in sorted(wanted - set(self._feeds)):
-            feeds = [
-                Feed(c, self.index, self._ctx, replay_timeout_s=self._replay_timeout_s)
-                for c in self.config.feeds(replica)
-            ]
-            self._feeds[replica] = feeds
-            self._tasks[replica] = [
-                asyncio.get_running_loop().create_task(
-                    self._run(f), name=f"events {f.config.domain}"
-                )
-                for f in feeds
-            ]
-        for replica in sorted(set(self._feeds) - wanted):
-            for task in self._tasks.pop(replica):
-                task.cancel()
-            for feed in self._feeds.pop(replica):
-                feed.close()
-                self.index.clear(feed.config.domain)
+        what the index held for them). Shared: the ownership loop opens and closes them."""
+        if self.writer is not None:
+            return
+        wanted = self._wanted()
+        for domain in sorted(wanted.keys() - self._feeds.keys()):
+            self._open(wanted[domain])
+        for domain in sorted(self._feeds.keys() - wanted.keys()):
+            self._close(domain)
+            self.index.clear(domain)
+
+    async def own(self) -> None:
+        """One round of the shared mode's ownership: renew the leases held (a lost one closes
+        its feed), give up domains that left, take unowned ones (their state from Redis)."""
+        assert self.writer is not None and self.leases is not None
+        writer, leases = self.writer, self.leases
+        loop = asyncio.get_running_loop()
+        wanted = self._wanted()
+        for domain in sorted(self._feeds):
+            if domain not in wanted:
+                await self._disown(domain, release=True)
+                continue
+            sent = loop.time()
+            try:
+                held: bool | None = await leases.renew(domain)
+            except Exception as exc:  # Redis away: keep writing until the fence
+                log.debug("KV events lease of %s not renewed: %s", domain, exc)
+                held = None
+            if held is False and await self._retake(domain):
+                held = True
+            if held:
+                self._renewed[domain] = sent
+            elif held is False or sent - self._renewed[domain] > FENCE_SHARE * self.lease_s:
+                log.warning("KV events of %s: the lease is lost; another gateway owns them", domain)
+                await self._disown(domain, release=False)
+        for domain in sorted(wanted.keys() - self._feeds.keys()):
+            sent = loop.time()
+            try:
+                if not await leases.acquire(domain):
+                    continue
+                next_seq = await writer.adopt(domain)
+            except Exception as exc:  # Redis away: try again next round
+                log.debug("KV events of %s not taken: %s", domain, exc)
+                continue
+            log.info("KV events of %s: owned here (from seq %s)", domain, next_seq)
+            self._renewed[domain] = sent
+            self._open(wanted[domain], next_seq)
+
+    async def _retake(self, domain: str) -> bool:
+        """A lease found gone with nobody holding it: Redis lost its state (a restart without
+        persistence) or the lease ran out unclaimed. Take it again and write the whole domain
+        back from memory, so the index is whole again (an engine never re-announces what it
+        still holds)."""
+        assert self.writer is not None and self.leases is not None
+        try:
+            if await self.leases.holder(domain) is not None or not await self.leases.acquire(
+                domain
+            ):
+                return False
+        except Exception:
+            return False
+        blocks = self.writer.rewrite(domain)
+        log.warning(
+            "KV events of %s: the lease was gone; retaken, %d blocks written back", domain, blocks
+        )
+        return True
+
+    async def _disown(self, domain: str, *, release: bool) -> None:
+        assert self.writer is not None and self.leases is not None
+        self._close(domain)
+        self._renewed.pop(domain, None)
+        await self.writer.release(domain, flush=release)
+        if release:
+            with contextlib.suppress(Exception):
+                await self.leases.release(domain)
+
+    def owned(self) -> list[str]:
+        return sorted(self._feeds) if self.writer is not None else []
 
     async def _run(self, feed: Feed) -> None:
         try:
@@ -315,6 +441,9 @@ class EventIntake:
             log.warning("KV events feed %s stopped: %s", feed.config.domain, exc)
 
     async def start(self) -> None:
+        if self.writer is not None:
+            self._background.spawn(self._own_loop(), name="events ownership")
+            return
         self.refresh()
         self._background.spawn(self._refresh_loop(), name="events refresh")
 
@@ -323,17 +452,27 @@ class EventIntake:
             await asyncio.sleep(REFRESH_INTERVAL_S)
             self.refresh()
 
+    async def _own_loop(self) -> None:
+        while True:
+            await self.own()
+            await asyncio.sleep(self.lease_s / RENEWALS_PER_LEASE)
+
     async def close(self) -> None:
         await self._background.close()
-        for tasks in self._tasks.values():
-            for task in tasks:
-                task.cancel()
-        for tasks in self._tasks.values():
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        for feed in self.feeds():
+        for task in self._tasks.values():
+            task.cancel()
+        for task in self._tasks.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for feed in self._feeds.values():
             feed.close()
+        if self.writer is not None:  # a graceful stop hands the domains on at once
+            for domain in list(self._feeds):
+                await self.writer.release(domain)
+                if self.leases is not None:
+                    with contextlib.suppress(Exception):
+                        await self.leases.release(domain)
+            await self.writer.close()
         self._feeds.clear()
         self._tasks.clear()
         self._ctx.term()

@@ -10,7 +10,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
-from cachemap.events import TIERS
+from cachemap.events import TIERS, EventIndex
+from cachemap.redis.events import EventWriter
 from gateway.events.precise import PreciseKeys, TokenizerCheck
 
 FEED_COUNTERS = (
@@ -30,15 +31,20 @@ FEED_COUNTERS = (
 def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iterable[Any]:
     yield from _feeds(precise)
     index = precise.index
+    writer = precise.intake.writer if precise.intake is not None else None
+    indexed: EventIndex | EventWriter = writer if writer is not None else index
     blocks = GaugeMetricFamily(
         "kvgate_events_indexed_blocks",
-        "Blocks the engines' events say each cache domain holds, per tier.",
+        "Blocks the engines' events say each cache domain holds, per tier (shared: the "
+        "domains this gateway owns and writes).",
         labels=["domain", "tier"],
     )
-    for domain in index.domains():
+    for domain in indexed.domains():
         for name, tier in TIERS.items():
-            blocks.add_metric([domain, name], index.num_blocks(domain, tier))
+            blocks.add_metric([domain, name], indexed.num_blocks(domain, tier))
     yield blocks
+    if writer is not None:
+        yield from _shared(precise, writer)
     stats = index.stats
     speculative = CounterMetricFamily(
         "kvgate_events_speculative_entries",
@@ -55,7 +61,7 @@ def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iter
         labels=["reason"],
     )
     for reason in ("unknown_removals", "unresolved_parents", "wrong_block_size", "skipped_groups"):
-        skipped.add_metric([reason], getattr(stats, reason))
+        skipped.add_metric([reason], getattr(indexed.stats, reason))
     yield skipped
     tokens = precise.tokens.stats
     tokenize = CounterMetricFamily(
@@ -80,6 +86,31 @@ def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iter
         checks.add_metric(["match"], check.stats.checks - check.stats.mismatches)
         checks.add_metric(["mismatch"], check.stats.mismatches)
         yield checks
+
+
+def _shared(precise: PreciseKeys, writer: EventWriter) -> Iterable[Any]:
+    """The shared event index: what this gateway owns and writes, and its lookups."""
+    owned = GaugeMetricFamily(
+        "kvgate_events_owned_domains", "Cache domains whose events this gateway owns and writes."
+    )
+    owned.add_metric([], len(writer.domains()))
+    yield owned
+    flushes = CounterMetricFamily(
+        "kvgate_events_shared_flushes",
+        "Pipelined writes of the event index into Redis, by outcome.",
+        labels=["outcome"],
+    )
+    flushes.add_metric(["ok"], writer.flushes)
+    flushes.add_metric(["error"], writer.flush_errors)
+    yield flushes
+    lookups = CounterMetricFamily(
+        "kvgate_events_shared_lookups",
+        "Lookups of the shared event index, by outcome (failed: routed on the prediction).",
+        labels=["outcome"],
+    )
+    lookups.add_metric(["ok"], precise.stats.shared_lookups - precise.stats.shared_failures)
+    lookups.add_metric(["failed"], precise.stats.shared_failures)
+    yield lookups
 
 
 def _feeds(precise: PreciseKeys) -> Iterable[Any]:

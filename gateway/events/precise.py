@@ -4,6 +4,12 @@ replica holds of it.
     body ──prompt_of (chat template)──▶ text ──segments──▶ ids (cached per segment)
          ──precise_keys(ids, cache_salt, block_size)──▶ own keys ──EventIndex.lookup──▶ matches
 
+Shared (`kv_events_shared`): the events' matches come from the event index in Redis
+(`EventReader`), looked up once the keys are known (`keys` returns them as a `LookedUp` list
+carrying the matches), merged per domain with this gateway's own speculative entries, which
+stay in process; a lookup that fails or misses its deadline leaves every replica to the
+prediction, as an engine without events is.
+
 Segments: the text is cut right before every special (added) token. A Hugging Face tokenizer
 splits its input at added tokens before anything else, so encoding the pieces one by one gives
 exactly the ids of encoding the whole; in a chat every message starts with one
@@ -26,8 +32,9 @@ from typing import Any
 
 import aiohttp
 
-from cachemap.events import EventIndex, domain_of, precise_root
+from cachemap.events import EventIndex, Match, domain_of, precise_root
 from cachemap.keys import BlockHash, chain_hashes, token_bytes
+from cachemap.redis.events import EventReader
 from cachemap.tokenizer import ModelTokenizer
 from gateway.events.intake import EventIntake
 from gateway.settings import DEFAULT_CHECK_EVERY
@@ -213,6 +220,26 @@ class PreciseStats:
     speculated: int = 0
     mismatches: int = 0
     checks: int = 0
+    shared_lookups: int = 0
+    shared_failures: int = 0
+    """Shared lookups that failed or missed the deadline (those requests used the prediction)."""
+
+
+class LookedUp(list[BlockHash]):
+    """A request's keys with what the shared event index matched of them (None: the lookup
+    failed), looked up as soon as the keys were known."""
+
+    matches: dict[str, Match] | None = None
+
+
+def merged(shared: Match | None, local: Match | None) -> Match | None:
+    """A domain's match from the shared index and from this gateway's speculative entries:
+    the deeper one (a speculative entry covers its placement's chain from block 0)."""
+    if local is None or (shared is not None and shared.depth >= local.depth):
+        return shared
+    if shared is None:
+        return local
+    return Match(local.depth, shared.offloaded, local.depth - shared.depth)
 
 
 @dataclass
@@ -226,6 +253,9 @@ class PreciseKeys:
     clock: Callable[[], float] = time.time
     stats: PreciseStats = field(default_factory=PreciseStats)
     chains: ChainCache = field(init=False)
+    shared: EventReader | None = None
+    """The event index in Redis (set when the gateway starts with `kv_events_shared`)."""
+    shared_deadline_s: float = 0.005
 
     def __post_init__(self) -> None:
         self.chains = ChainCache(self.index.block_size)
@@ -242,22 +272,49 @@ class PreciseKeys:
         keys = self.chains.keys(ids, cache_salt)
         self.tokens.stats.requests += 1
         self.tokens.stats.seconds += time.perf_counter() - started
+        if self.shared is not None:
+            return ids, await self._shared_lookup(self.shared, keys)
         return ids, keys
+
+    async def _shared_lookup(self, shared: EventReader, keys: list[BlockHash]) -> LookedUp:
+        out = LookedUp(keys)
+        self.stats.shared_lookups += 1
+        try:
+            out.matches = await asyncio.wait_for(shared.lookup(keys), self.shared_deadline_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # Redis away or slow: the prediction routes this one
+            self.stats.shared_failures += 1
+            log.debug("shared event lookup failed: %r", exc)
+        return out
 
     def view(self, keys: list[BlockHash], replicas: Iterable[str]) -> EventsView:
         """Each live replica's match: its best rank's (ranks are separate caches)."""
         self.stats.lookups += 1
+        replicas = list(replicas)
+        if self.shared is not None:
+            shared = self.shared
+            found = keys.matches if isinstance(keys, LookedUp) else None
+            if found is None:  # the shared lookup failed: the prediction alone
+                return EventsView({}, {}, {}, frozenset())
+            local = self.index.lookup(keys, self.clock())  # this gateway's speculative entries
+            domains = {d for r in replicas for d in self._domains(r) if shared.live(d)}
+            matches = {d: m for d in domains if (m := merged(found.get(d), local.get(d)))}
+            return self._view(matches, {r for r in replicas if domains & set(self._domains(r))})
         if self.intake is None:  # no events: the prediction alone
             return EventsView({}, {}, {}, frozenset())
-        matches = self.index.lookup(keys, self.clock())
+        intake = self.intake
+        local = self.index.lookup(keys, self.clock())
+        return self._view(local, {r for r in replicas if intake.live(r)})
+
+    def _domains(self, replica: str) -> list[str]:
+        return [domain_of(replica, rank, self.dp_size) for rank in range(self.dp_size)]
+
+    def _view(self, matches: dict[str, Match], live: set[str]) -> EventsView:
         overlap: dict[str, int] = {}
         offloaded: dict[str, int] = {}
         ranks: dict[str, int] = {}
-        live = set()
-        for replica in replicas:
-            if not self.intake.live(replica):
-                continue
-            live.add(replica)
+        for replica in sorted(live):
             best = None
             for rank in range(self.dp_size):
                 match = matches.get(domain_of(replica, rank, self.dp_size))

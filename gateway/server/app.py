@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import socket
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -32,8 +34,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cachemap.events import EventIndex
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
-from cachemap.redis.client import open_redis
+from cachemap.redis.client import AnyRedis, open_redis
 from cachemap.redis.directory import RedisDirectory
+from cachemap.redis.events import EventReader, EventWriter, Leases
 from cachemap.tokenizer import ModelTokenizer
 from gateway.api.asgi import MeteredASGI, on_http_exception, on_unexpected
 from gateway.api.context import FrontEnd
@@ -323,6 +326,24 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     )
 
 
+def _share_events(parts: Parts, client: AnyRedis) -> None:
+    """`kv_events_shared`: the intake owns domains by lease and writes the event index in
+    Redis; precise lookups read it (docs/precise.md, "Who ingests")."""
+    settings = parts.settings
+    precise = parts.keying.precise if parts.keying is not None else None
+    if not settings.kv_events_shared or precise is None:
+        return
+    if parts.intake is not None:
+        writer = EventWriter(client, block_size=settings.engine_block_size)
+        owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        parts.intake.share(
+            writer, Leases(client, owner, settings.kv_events_lease_s), settings.kv_events_lease_s
+        )
+    precise.shared = EventReader(client)
+    precise.shared.on_wipe = precise.index.clear  # its speculative entries go with the wipe
+    precise.shared_deadline_s = settings.redis_deadline_s
+
+
 SETTLE_S = 5.0
 """After the grace, requests cut by it finish their bookkeeping (an aborted record, a landed
 marker) within milliseconds; 5 s bounds a stop that would otherwise wait on a stuck one."""
@@ -360,6 +381,7 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
                 ttl_s=settings.directory_ttl_s,
             )
             directory.register(settings.engines)
+            _share_events(parts, directory.shared.client)
         stack.push_async_callback(directory.close)
         await directory.start()
         if parts.billing is not None:

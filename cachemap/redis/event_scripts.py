@@ -1,0 +1,122 @@
+"""The event index's Redis keys and Lua scripts (`cachemap.redis.events` has the schema and the
+invariants): one call per flush or per chain slot, its blocks packed into one argument."""
+
+from __future__ import annotations
+
+from cachemap.events import EngineHash
+from cachemap.keys import TAG_BYTES, BlockHash
+
+DOMAINS_KEY = b"kvg:{kvg-ev}:domains"
+RECORD_BYTES = 2 * TAG_BYTES + (16 - TAG_BYTES) + 1
+"""One block write in a script's blob: the tag in hex, the suffix, the mask digit (23 bytes)."""
+
+# ARGV: domain id, epoch, blob of RECORD_BYTES records. A mask digit 0 deletes the field.
+WRITE = """
+local rid, value, blob = ARGV[1], ARGV[2] .. ':', ARGV[3]
+for o = 1, #blob, 23 do
+  local key = 'kvg:{' .. string.sub(blob, o, o + 11) .. '}:'
+    .. string.sub(blob, o + 12, o + 21) .. ':e'
+  local m = string.sub(blob, o + 22, o + 22)
+  if m == '0' then redis.call('HDEL', key, rid) else redis.call('HSET', key, rid, value .. m) end
+end
+return 1
+"""
+
+# ARGV: domain id, current epoch, blob of records (mask ignored): fields of older epochs go.
+CLEAN = """
+local rid, epoch, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local n = 0
+for o = 1, #blob, 23 do
+  local key = 'kvg:{' .. string.sub(blob, o, o + 11) .. '}:'
+    .. string.sub(blob, o + 12, o + 21) .. ':e'
+  local v = redis.call('HGET', key, rid)
+  if v and tonumber(string.sub(v, 1, string.find(v, ':', 1, true) - 1)) < epoch then
+    redis.call('HDEL', key, rid)
+    n = n + 1
+  end
+end
+return n
+"""
+
+# ARGV: the chain's prefix, its 10-byte suffixes joined, "rid,epoch;"*. Stops at the first block
+# no given domain holds at its epoch. Returns {rid, depth, blocks held on no GPU}*.
+LOOKUP = """
+local prefix, blob = ARGV[1], ARGV[2]
+local want = {}
+for rid, e in string.gmatch(ARGV[3], '([^,;]+),([^,;]+);') do want[rid] = e .. ':' end
+local depth, off = {}, {}
+for i = 1, #blob / 10 do
+  local fields = redis.call('HGETALL', prefix .. string.sub(blob, i * 10 - 9, i * 10) .. ':e')
+  local advanced = false
+  for j = 1, #fields, 2 do
+    local rid = fields[j]
+    local e = want[rid]
+    if e and (depth[rid] or 0) == i - 1 then
+      local v = fields[j + 1]
+      if string.sub(v, 1, #e) == e then
+        depth[rid] = i
+        advanced = true
+        if tonumber(string.sub(v, #e + 1)) % 2 == 0 then off[rid] = (off[rid] or 0) + 1 end
+      end
+    end
+  end
+  if not advanced then break end
+end
+local out = {}
+for rid, d in pairs(depth) do
+  out[#out + 1] = rid
+  out[#out + 1] = d
+  out[#out + 1] = off[rid] or 0
+end
+return out
+"""
+
+# KEYS: a lease. ARGV: the gateway's id, the lease ms. Renew if held by this gateway.
+RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS: a lease. ARGV: the gateway's id. Give it up if held by this gateway.
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def map_key(rid: str) -> bytes:
+    return b"kvg:{kvg-ev:" + rid.encode() + b"}:map"
+
+
+def feed_key(rid: str) -> bytes:
+    return b"kvg:{kvg-ev:" + rid.encode() + b"}:feed"
+
+
+def lease_key(rid: str) -> bytes:
+    return b"kvg:{kvg-ev}:lease:" + rid.encode()
+
+
+def engine_field(engine_hash: EngineHash) -> bytes:
+    """An engine hash as a map field: `i` + decimal for an int (vLLM unsigned, SGLang signed),
+    `b` + the bytes otherwise; `engine_hash_of` reads it back exactly."""
+    if isinstance(engine_hash, int):
+        return b"i" + str(engine_hash).encode()
+    return b"b" + engine_hash
+
+
+def engine_hash_of(field_: bytes) -> EngineHash:
+    return int(field_[1:]) if field_[:1] == b"i" else bytes(field_[1:])
+
+
+def digit(mask: int) -> bytes:
+    """A tier mask (0-7) as the one ASCII digit the scripts read."""
+    return b"01234567"[mask : mask + 1]
+
+
+def record(key: BlockHash, mask: int) -> bytes:
+    """One block write in a script's blob (`RECORD_BYTES`): its chain's tag in hex, the rest of
+    its key, the mask digit (0: delete)."""
+    return key[:TAG_BYTES].hex().encode() + key[TAG_BYTES:] + digit(mask)

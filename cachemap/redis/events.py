@@ -1,0 +1,515 @@
+"""The event index in Redis / Redis Cluster: what the engines' KV events say each cache domain
+holds, written by the domain's one owner (`EventWriter`), read by every gateway (`EventReader`).
+
+The in-process `cachemap.events.EventIndex` keeps the same facts per gateway; this one keeps
+them once per fleet (docs/precise.md, "Who ingests"). Key schema (`{...}`: the cluster hash tag):
+
+    kvg:{TAG}:<suffix>:e      HASH  domain id -> "<epoch>:<tier mask digit>"   (no TTL: an
+                                    engine does not re-announce a block it reuses)
+    kvg:{kvg-ev}:domains      HASH  domain id -> "<epoch>|<domain name>"  (present: events flow)
+    kvg:{kvg-ev}:lease:<id>   STR   the owning gateway's id, PX = the lease  (`Leases`)
+    kvg:{kvg-ev:<id>}:map     HASH  engine hash -> own key (16 bytes) + tier mask digit
+    kvg:{kvg-ev:<id>}:feed    HASH  next_seq (the seq after the last batch written), sliding
+
+The keys and the Lua scripts are in `cachemap.redis.event_scripts`. TAG and suffix are the
+directory's (`schema.chain_call`): every block of one chain is in one slot, so a lookup is one
+script call; a domain id is `schema.replica_id(domain)`.
+
+Invariants:
+- Only a domain's owner writes its fields, map and feed hash; its in-memory state (`_Owned`)
+  is the truth and Redis the copy, so a write sets an absolute mask (never read-modify-write)
+  and the writes pending for a key coalesce to the last one.
+- A wipe (AllBlocksCleared, a restart) bumps the domain's epoch: a lookup counts a field only
+  at the epoch it was given, and the reader checks, in the same pipeline, that the epochs it
+  gave are current (else it retries with the new ones) — so once the bump is written no
+  lookup anywhere matches the wiped blocks, before any cleanup ran. Old-epoch fields are then
+  deleted in the background (`CLEAN` deletes only fields of an older epoch).
+- The map and `next_seq` let a new owner (a takeover, a restarted gateway) continue where the
+  last one stopped: parents resolve, removals apply, and the seq says what to replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError
+
+from cachemap.events import (
+    CPU,
+    GPU,
+    STORAGE,
+    BlockRemoved,
+    BlockStored,
+    CacheEvent,
+    EngineHash,
+    IndexStats,
+    Match,
+    stored_keys,
+)
+from cachemap.keys import TAG_BYTES, BlockHash
+from cachemap.redis.client import AnyRedis
+from cachemap.redis.event_scripts import (
+    CLEAN,
+    DOMAINS_KEY,
+    LOOKUP,
+    RELEASE,
+    RENEW,
+    WRITE,
+    digit,
+    engine_field,
+    engine_hash_of,
+    feed_key,
+    lease_key,
+    map_key,
+    record,
+)
+from cachemap.redis.schema import chain_call, replica_id, text
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_BLOCKS = 4096
+"""Block writes a feed may queue before it waits for a flush: ~20 ms of writes, and the
+backpressure that keeps a burst in the SUB socket's queue rather than in memory."""
+CLEAN_CHUNK = 4096
+"""Old-epoch fields deleted per flush after a wipe: a wipe of 300k blocks is cleaned in ~70
+flushes without holding Redis for more than ~2 ms at a time."""
+
+
+@dataclass
+class _Owned:
+    """One owned domain: the truth this writer keeps, and what it has not written yet."""
+
+    rid: str
+    epoch: int = 0
+    next_seq: int | None = None
+    engine: dict[EngineHash, BlockHash] = field(default_factory=dict)
+    masks: dict[BlockHash, int] = field(default_factory=dict)
+    sliding: set[int] = field(default_factory=set)
+    tier_counts: dict[int, int] = field(
+        default_factory=lambda: dict.fromkeys((GPU, CPU, STORAGE), 0)
+    )
+    blocks: dict[BlockHash, int] = field(default_factory=dict)
+    """Pending block writes: own key -> mask (0: delete)."""
+    mapping: dict[EngineHash, bytes | None] = field(default_factory=dict)
+    """Pending map writes: engine hash -> own key + mask digit (None: delete)."""
+    cleared: bool = False
+    """A wipe not written yet: the epoch bump, the map dropped."""
+    sliding_changed: bool = False
+    stale: list[BlockHash] = field(default_factory=list)
+    """Keys of older epochs whose fields are still to be cleaned."""
+    dirty: bool = False
+
+
+class EventWriter:
+    """The owner's side: events applied to owned domains in memory, written to Redis in
+    pipelined batches (see the module docstring for the invariants).
+
+    `apply` and `clear` are synchronous (the `Feed` calls them between two awaits); `commit`
+    after each batch schedules a flush, and waits for it on a wipe or a backlog."""
+
+    def __init__(self, client: AnyRedis, *, block_size: int) -> None:
+        self.client = client
+        self.block_size = block_size
+        self.cluster = isinstance(client, RedisCluster)
+        self.stats = IndexStats()
+        self.committed_epochs: dict[str, int] = {}
+        """domain -> the epoch last written (a wipe is in Redis once this moved)."""
+        self.flushes = 0
+        self.flush_errors = 0
+        self._owned: dict[str, _Owned] = {}
+        self._lock = asyncio.Lock()
+        self._scheduled = False
+        self._failing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._write = client.register_script(WRITE)
+        self._clean = client.register_script(CLEAN)
+
+    # -- ownership -------------------------------------------------------------------------
+    async def adopt(self, domain: str) -> int | None:
+        """Take over a domain: load what its last owner wrote; returns the seq to expect next
+        (None: never written)."""
+        rid = replica_id(domain)
+        state = _Owned(rid)
+        current = await self.client.hget(DOMAINS_KEY, rid)
+        if current is not None:
+            state.epoch = int(text(current).split("|", 1)[0])
+        feed = await self.client.hgetall(feed_key(rid))
+        seq = feed.get(b"next_seq")
+        state.next_seq = int(seq) if seq is not None else None
+        sliding = feed.get(b"sliding")
+        if sliding:
+            state.sliding = {int(g) for g in text(sliding).split(",")}
+        async for name, value in self.client.hscan_iter(map_key(rid), count=10_000):
+            key, mask = BlockHash(bytes(value[:16])), int(value[16:17])
+            state.engine[engine_hash_of(name)] = key
+            state.masks[key] = state.masks.get(key, 0) | mask
+        for mask in state.masks.values():
+            for tier in (GPU, CPU, STORAGE):
+                if mask & tier:
+                    state.tier_counts[tier] += 1
+        self._owned[domain] = state
+        self.committed_epochs[domain] = state.epoch
+        return state.next_seq
+
+    async def release(self, domain: str, *, flush: bool = True) -> None:
+        """Stop owning a domain: what is pending is written first (best effort), unless the
+        lease is already lost (`flush=False`: another owner may be writing)."""
+        if domain in self._owned and not flush:
+            self._owned.pop(domain)
+        elif domain in self._owned:
+            try:
+                await self.flush()
+            except Exception as exc:  # Redis away: the next owner replays what it can
+                log.warning("events of %s: last writes lost on release: %s", domain, exc)
+            self._owned.pop(domain, None)
+
+    def rewrite(self, domain: str) -> int:
+        """Queue the whole of an owned domain again (Redis lost it: the lease was gone with no
+        new holder); returns the blocks queued. Its epoch is kept: no reader counts an older."""
+        state = self._owned.get(domain)
+        if state is None:
+            return 0
+        state.blocks = dict(state.masks)
+        state.mapping = {h: k + digit(state.masks.get(k, 0)) for h, k in state.engine.items()}
+        state.sliding_changed = bool(state.sliding)
+        self._touch(state)
+        return len(state.blocks)
+
+    def owns(self, domain: str) -> bool:
+        return domain in self._owned
+
+    # -- events (the EventSink protocol) -----------------------------------------------------
+    def apply(self, domain: str, event: CacheEvent) -> None:
+        state = self._owned.get(domain)
+        if state is None:  # released while the batch was in flight
+            return
+        if isinstance(event, BlockStored):
+            self._store(state, event)
+        elif isinstance(event, BlockRemoved):
+            self._remove(state, event)
+        else:
+            self.clear(domain)
+        self._touch(state)
+
+    def _store(self, state: _Owned, event: BlockStored) -> None:
+        if not event.full_attention:
+            if event.group_idx is not None and event.group_idx not in state.sliding:
+                state.sliding.add(event.group_idx)
+                state.sliding_changed = True
+            self.stats.skipped_groups += 1
+            return
+        if event.block_size != self.block_size:
+            self.stats.wrong_block_size += 1
+            return
+        parent_key = None
+        if event.parent is not None:
+            parent_key = state.engine.get(event.parent)
+            if parent_key is None:
+                self.stats.unresolved_parents += 1
+                return
+        keys = stored_keys(event, parent_key, self.block_size)
+        tier = event.tier
+        for engine_hash, key in zip(event.block_hashes, keys, strict=False):
+            mask = state.masks.get(key, 0)
+            changed = not mask & tier
+            if changed:
+                state.tier_counts[tier] += 1
+                mask |= tier
+                state.masks[key] = mask
+                state.blocks[key] = mask
+            if changed or state.engine.get(engine_hash) != key:
+                state.engine[engine_hash] = key
+                state.mapping[engine_hash] = key + digit(mask)
+        self.stats.stored_blocks += len(keys)
+
+    def _remove(self, state: _Owned, event: BlockRemoved) -> None:
+        if event.group_idx is not None and event.group_idx in state.sliding:
+            self.stats.skipped_groups += 1
+            return
+        tier = event.tier
+        for engine_hash in event.block_hashes:
+            key = state.engine.get(engine_hash)
+            mask = state.masks.get(key, 0) if key is not None else 0
+            if key is None or not mask & tier:
+                self.stats.unknown_removals += 1
+                continue
+            state.tier_counts[tier] -= 1
+            self.stats.removed_blocks += 1
+            mask &= ~tier
+            state.blocks[key] = mask
+            if mask:
+                state.masks[key] = mask
+                state.mapping[engine_hash] = key + digit(mask)
+            else:
+                del state.masks[key]
+                del state.engine[engine_hash]
+                state.mapping[engine_hash] = None
+
+    def clear(self, domain: str) -> None:
+        """A wipe or a restart: a new epoch (written by the next flush), nothing kept."""
+        state = self._owned.get(domain)
+        self.stats.clears += 1
+        if state is None:
+            return
+        state.stale.extend(state.masks)
+        state.epoch += 1
+        state.engine.clear()
+        state.masks.clear()
+        state.blocks.clear()
+        state.mapping.clear()
+        state.sliding.clear()
+        state.tier_counts = dict.fromkeys((GPU, CPU, STORAGE), 0)
+        state.cleared = True
+        self._touch(state)
+
+    async def commit(self, domain: str, next_seq: int | None, wiped: bool) -> None:
+        """After a batch: remember its seq; wait for the flush on a wipe or a backlog."""
+        state = self._owned.get(domain)
+        if state is None:
+            return
+        state.next_seq = next_seq
+        self._touch(state)
+        if wiped or state.cleared or len(state.blocks) >= MAX_PENDING_BLOCKS:
+            await self._flush_or_log()
+
+    def _touch(self, state: _Owned) -> None:
+        state.dirty = True
+        if self._scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # applied outside a loop (a benchmark): flushed by hand
+            return
+        self._scheduled = True
+        loop.call_soon(self._spawn_flush)
+
+    def _spawn_flush(self) -> None:
+        self._scheduled = False
+        task = asyncio.create_task(self._background_flush())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _background_flush(self) -> None:
+        await self._flush_or_log()
+
+    async def _flush_or_log(self) -> None:
+        """A flush that never raises: a failed one keeps its writes pending for the next (the
+        feed goes on; Redis away is logged once, and once when it is back)."""
+        try:
+            await self.flush()
+        except Exception as exc:
+            if not self._failing:
+                log.warning("KV events: writing to Redis failed (kept, retried): %s", exc)
+            self._failing = True
+            return
+        if self._failing:
+            log.warning("KV events: writing to Redis again")
+        self._failing = False
+
+    # -- writing -----------------------------------------------------------------------------
+    async def flush(self) -> None:
+        """Write everything pending, one pipeline (in a cluster, one per node, in parallel).
+        Every write sets an absolute value, so a pipeline sent again does no harm."""
+        async with self._lock:
+            for attempt in range(2):
+                try:
+                    await self._flush_once()
+                    return
+                except NoScriptError:
+                    if attempt:
+                        raise
+                    await self.client.script_load(WRITE)  # on every primary of a cluster
+                    await self.client.script_load(CLEAN)
+
+    async def _flush_once(self) -> None:
+        taken = [(d, s) for d, s in self._owned.items() if s.dirty]
+        if not taken:
+            return
+        pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
+        undo = [(domain, state, self._queue(pipe, domain, state)) for domain, state in taken]
+        try:
+            results = await pipe.execute(raise_on_error=False)
+            errors = [r for r in results if isinstance(r, Exception)]
+            if errors:
+                raise next((e for e in errors if isinstance(e, NoScriptError)), errors[0])
+        except Exception:
+            self.flush_errors += 1
+            for _, state, pending in undo:  # put back what was taken, newer writes win
+                blocks, mapping, cleared, stale, epoch = pending
+                if epoch == state.epoch:  # (a wipe since made them void)
+                    state.blocks = {**blocks, **state.blocks}
+                    state.mapping = {**mapping, **state.mapping}
+                state.cleared = state.cleared or cleared
+                state.stale = stale + state.stale
+                state.dirty = True
+            raise
+        self.flushes += 1
+        for domain, state, _ in undo:
+            self.committed_epochs[domain] = state.epoch
+
+    def _queue(self, pipe: Any, domain: str, state: _Owned) -> Any:
+        rid = state.rid
+        blocks, mapping, cleared = state.blocks, state.mapping, state.cleared
+        stale, state.stale = state.stale[:CLEAN_CHUNK], state.stale[CLEAN_CHUNK:]
+        state.blocks, state.mapping, state.cleared = {}, {}, False
+        state.dirty = bool(state.stale)
+        domains_value = f"{state.epoch}|{domain}"
+        if cleared:
+            pipe.hset(DOMAINS_KEY, rid, domains_value)
+            pipe.execute_command("UNLINK", map_key(rid))  # (a cluster pipeline has no unlink)
+            pipe.hdel(feed_key(rid), "sliding")
+        for records in self._groups(blocks.items()):
+            pipe.execute_command(
+                "EVALSHA", self._write.sha, 1, records[0], rid, state.epoch, records[1]
+            )
+        for records in self._groups((k, 0) for k in stale):
+            pipe.execute_command(
+                "EVALSHA", self._clean.sha, 1, records[0], rid, state.epoch, records[1]
+            )
+        sets = {engine_field(h): v for h, v in mapping.items() if v is not None}
+        drops = [engine_field(h) for h, v in mapping.items() if v is None]
+        if sets:
+            pipe.hset(map_key(rid), mapping=sets)
+        if drops:
+            pipe.hdel(map_key(rid), *drops)
+        feed: dict[str, Any] = {}
+        if state.next_seq is not None:
+            feed["next_seq"] = state.next_seq
+        if state.sliding_changed:
+            state.sliding_changed = False
+            feed["sliding"] = ",".join(str(g) for g in sorted(state.sliding))
+        if feed:
+            pipe.hset(feed_key(rid), mapping=feed)
+        pipe.hset(DOMAINS_KEY, rid, domains_value)
+        if state.stale:
+            self._touch(state)
+        return blocks, mapping, cleared, stale, state.epoch
+
+    def _groups(self, items: Iterable[tuple[BlockHash, int]]) -> list[tuple[bytes, bytes]]:
+        """(a key naming the slot, the records' blob) per script call: one call in all on a
+        single server, one per chain tag in a cluster (a script stays in one slot)."""
+        by_tag: dict[bytes, list[bytes]] = {}
+        for key, mask in items:
+            tag = key[:TAG_BYTES] if self.cluster else b""
+            records = by_tag.get(tag)
+            if records is None:
+                records = by_tag[tag] = [chain_call([key])[0][0]]
+            records.append(record(key, mask))
+        return [(r[0], b"".join(r[1:])) for r in by_tag.values()]
+
+    # -- reading (metrics) ---------------------------------------------------------------------
+    def domains(self) -> list[str]:
+        return sorted(self._owned)
+
+    def num_blocks(self, domain: str, tier: int = GPU) -> int:
+        state = self._owned.get(domain)
+        return state.tier_counts[tier] if state is not None else 0
+
+    def pending_blocks(self) -> int:
+        return sum(len(s.blocks) for s in self._owned.values())
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class EventReader:
+    """Every gateway's side: a chain's match per domain, from the shared index, in one round
+    trip (the epochs read in the same pipeline as the lookup; see the module docstring)."""
+
+    def __init__(self, client: AnyRedis) -> None:
+        self.client = client
+        self.cluster = isinstance(client, RedisCluster)
+        self.epochs: dict[str, int] = {}
+        """domain id -> its epoch, for the domains whose events flow (someone wrote them)."""
+        self.names: dict[str, str] = {}
+        self.on_wipe: Callable[[str], None] | None = None
+        """Called with a domain's name when its epoch is seen to move (a wipe or a restart
+        its owner wrote): the caller drops what it keeps of the domain (speculative entries)."""
+        self.retries = 0
+        self._lookup = client.register_script(LOOKUP)
+        self._arg = b""
+
+    def live(self, domain: str) -> bool:
+        return replica_id(domain) in self.epochs
+
+    async def refresh(self) -> None:
+        self._epochs_read(await self.client.hgetall(DOMAINS_KEY))
+
+    def _epochs_read(self, raw: dict[Any, Any]) -> bool:
+        """Take the epochs Redis holds; True when they differ from those the lookup used."""
+        epochs: dict[str, int] = {}
+        for rid, value in raw.items():
+            epoch, _, name = text(value).partition("|")
+            epochs[text(rid)] = int(epoch)
+            self.names[text(rid)] = name
+        if epochs == self.epochs:
+            return False
+        if self.on_wipe is not None:
+            for rid, now in epochs.items():
+                if rid in self.epochs and self.epochs[rid] != now:
+                    self.on_wipe(self.names[rid])
+        self.epochs = epochs
+        self._arg = "".join(f"{rid},{e};" for rid, e in epochs.items()).encode()
+        return True
+
+    async def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, Match]:
+        """domain -> its match of the chain (domains matching nothing are absent)."""
+        if not hashes:
+            return {}
+        keys, head = chain_call(hashes)
+        for attempt in range(3):
+            pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
+            pipe.hgetall(DOMAINS_KEY)
+            pipe.execute_command("EVALSHA", self._lookup.sha, 1, keys[0], *head, self._arg)
+            raw, flat = await pipe.execute(raise_on_error=False)
+            if isinstance(raw, Exception):
+                raise raw
+            if isinstance(flat, NoScriptError):
+                await self.client.script_load(LOOKUP)
+                continue
+            if isinstance(flat, Exception):
+                raise flat
+            if self._epochs_read(raw) and attempt < 2:  # a wipe or a new domain since
+                self.retries += 1
+                continue
+            break
+        out: dict[str, Match] = {}
+        for i in range(0, len(flat), 3):
+            name = self.names.get(text(flat[i]))
+            if name is not None:
+                out[name] = Match(int(flat[i + 1]), int(flat[i + 2]))
+        return out
+
+
+class Leases:
+    """One owner per domain: a key set if absent with an expiry, renewed by its holder; a dead
+    holder's lease expires and another gateway takes the domain."""
+
+    def __init__(self, client: AnyRedis, owner: str, lease_s: float) -> None:
+        self.client = client
+        self.owner = owner
+        self.lease_ms = max(int(lease_s * 1000), 1)
+        self._renew = client.register_script(RENEW)
+        self._release = client.register_script(RELEASE)
+
+    async def acquire(self, domain: str) -> bool:
+        key = lease_key(replica_id(domain))
+        return bool(await self.client.set(key, self.owner, nx=True, px=self.lease_ms))
+
+    async def renew(self, domain: str) -> bool:
+        key = lease_key(replica_id(domain))
+        return bool(await self._renew(keys=[key], args=[self.owner, self.lease_ms]))
+
+    async def release(self, domain: str) -> None:
+        await self._release(keys=[lease_key(replica_id(domain))], args=[self.owner])
+
+    async def holder(self, domain: str) -> str | None:
+        value = await self.client.get(lease_key(replica_id(domain)))
+        return None if value is None else text(value)
