@@ -13,10 +13,12 @@ real ZMQ PUB socket on loopback into a `Feed` (socket, seq tracking and all), pu
 first to indexed of the last.
 
 `keying`: one agent conversation of TURNS turns (a 2,000-token system prompt, each turn ~300
-tokens of user text and a ~100-token reply, up to ~40k tokens), each turn keyed both ways: the
-approximate chain over the canonical rendering's bytes, and the precise path (render with the
-chat template, tokenize by segments, hash the token blocks, look up the event index). The
-median per request is reported for the first turn (everything tokenized) and continuations.
+tokens of user text and a ~100-token reply, up to ~40k tokens), each turn keyed three ways: the
+approximate chain over the canonical rendering's bytes; the precise path (the new messages
+rendered from the cached prefix, tokenized by segments, the token blocks hashed, the event index
+looked up); and the precise path rendering every chat whole (`incremental=False`, the design
+before). CPU time of the process (the tokenizer's threads included); the first turn (everything
+tokenized) and the median continuation apart, and the BPE alone of each continuation's new text.
 """
 
 from __future__ import annotations
@@ -138,34 +140,58 @@ def ingest(num_blocks: int) -> None:
 
 async def keying(turns: int) -> None:
     tokenizer = ModelTokenizer(MODEL_DIR)
-    precise = PreciseKeys(PromptTokens(tokenizer), EventIndex(), None)
+    arms = {
+        "precise": PreciseKeys(PromptTokens(tokenizer), EventIndex(), None),
+        "whole": PreciseKeys(PromptTokens(tokenizer, incremental=False), EventIndex(), None),
+    }
     messages: list[dict[str, Any]] = [{"role": "system", "content": words("bench-system", 2000)}]
-    approx_s: list[float] = []
-    precise_s: list[float] = []
+    cpu_us: dict[str, list[float]] = {"approximate": [], "precise": [], "whole": [], "bpe": []}
     tokens: list[int] = []
+    new_tokens: list[int] = []
+    # CPU time of the process (`process_time`: the tokenizer's own threads included)
+    clock = time.process_time
     for turn in range(turns):
         messages.append({"role": "user", "content": words(f"bench-user{turn}", 300)})
         body = {"model": "m", "messages": messages}
         parsed = parse_chat(orjson.dumps(body), 1 << 24)
-        started = time.perf_counter()
+        started = clock()
         chain_hashes(parsed.rendered, root_hash(b"salt", "m"))
-        approx_s.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        ids, keys = await precise.keys(body, True, "salt")
-        precise.view(keys, ["r"])
-        precise_s.append(time.perf_counter() - started)
+        cpu_us["approximate"].append((clock() - started) * 1e6)
+        for name, precise in sorted(arms.items(), reverse=turn % 2 == 1):  # alternate order
+            started = clock()
+            ids, keys = await precise.keys(body, True, "salt")
+            precise.view(keys, ["r"])
+            cpu_us[name].append((clock() - started) * 1e6)
         tokens.append(len(ids))
+        # the BPE alone of what a continuation adds (the reply before it and its user turn)
+        texts = [m["content"] for m in messages[-2 if turn else -1 :]]
+        started = clock()
+        new_tokens.append(sum(len(i) for i in tokenizer.encode_many(texts)))
+        cpu_us["bpe"].append((clock() - started) * 1e6)
         messages.append({"role": "assistant", "content": words(f"bench-reply{turn}", 100)})
-    first_us = precise_s[0] * 1e6
-    print(f"turns: {turns}, prompt tokens: first {tokens[0]:,}, last {tokens[-1]:,}")
-    per_token = first_us / tokens[0]
-    print(f"first turn   precise {first_us:,.0f} us ({per_token:.2f} us/token)")
-    print(f"first turn   approximate {approx_s[0] * 1e6:,.0f} us")
-    cont_p = statistics.median(precise_s[1:]) * 1e6
-    cont_a = statistics.median(approx_s[1:]) * 1e6
-    print(f"continuation precise {cont_p:,.0f} us, approximate {cont_a:,.0f} us (medians)")
-    last_p, last_a = precise_s[-1] * 1e6, approx_s[-1] * 1e6
-    print(f"last turn    precise {last_p:,.0f} us, approximate {last_a:,.0f} us")
+
+    def median(name: str) -> float:
+        return statistics.median(cpu_us[name][1:])
+
+    print(f"turns: {turns}, prompt tokens: first {tokens[0]:,}, last {tokens[-1]:,}; CPU time")
+    first = cpu_us["precise"][0]
+    print(
+        f"first turn   precise {first:,.0f} us ({first / tokens[0]:.2f} us/token), "
+        f"approximate {cpu_us['approximate'][0]:,.0f} us"
+    )
+    print(
+        f"continuation precise {median('precise'):,.0f} us, rendered whole {median('whole'):,.0f}"
+        f" us, approximate {median('approximate'):,.0f} us (medians); "
+        f"precise - approximate {median('precise') - median('approximate'):,.0f} us"
+    )
+    print(
+        f"  of which the BPE of the new text: {median('bpe'):,.0f} us "
+        f"({statistics.median(new_tokens[1:]):,.0f} new tokens per continuation)"
+    )
+    print(
+        f"last turn    precise {cpu_us['precise'][-1]:,.0f} us, rendered whole "
+        f"{cpu_us['whole'][-1]:,.0f} us, approximate {cpu_us['approximate'][-1]:,.0f} us"
+    )
 
 
 async def wipe(trials: int) -> None:
