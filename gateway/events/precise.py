@@ -149,6 +149,8 @@ class PreciseKeys:
         self.stats.lookups += 1
         if self.intake is None:  # no events: the prediction alone
             return EventsView({}, {}, {}, frozenset())
+        replicas = list(replicas)
+        self.intake.drain(replicas)  # what already reached their sockets (a wipe) comes first
         matches = self.index.lookup(keys, self.clock())
         overlap: dict[str, int] = {}
         offloaded: dict[str, int] = {}
