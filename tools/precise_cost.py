@@ -197,10 +197,17 @@ async def keying(turns: int) -> None:
 async def wipe(trials: int) -> None:
     """A real engine (a `kvgate engine` process) and a `Feed`: per trial, a prompt is
     stored, the engine is reset, and the moment its 200 comes back a lookup is made (what a
-    request sent right after the wipe would see), then the time until the index is empty."""
+    request sent right after the wipe would see), then the time until the index is empty.
+    Then as many trials with the reset sent through the gateway (`Keying.reset_prefix_cache`,
+    what the admin port's POST /reset_prefix_cache runs), the lookup made when it returns."""
+    import aiohttp
     import httpx
 
     from cachemap.events import precise_keys
+    from cachemap.memory import MemoryDirectory, MemoryIndex
+    from gateway.directory.routing import RoutingDirectory
+    from gateway.pipeline.keying import Keying, RouteKeys
+    from gateway.request.tokens import TokenEstimator
     from loadgen.harness.processes import free_port, start_engine, stop, wait_ready
 
     port = free_port()
@@ -211,8 +218,16 @@ async def wipe(trials: int) -> None:
     wait_ready(engine.url, "/health", engine.popen, 60)
     ctx = zmq.asyncio.Context()
     index = EventIndex()
-    feed = Feed(FeedConfig("r", 0, "r", f"tcp://127.0.0.1:{port}", None, ""), index, ctx)
+    url = engine.url
+    feed = Feed(FeedConfig(url, 0, url, f"tcp://127.0.0.1:{port}", None, ""), index, ctx)
     task = asyncio.create_task(feed.run())
+    keying = Keying(
+        RouteKeys(256, 1),
+        RoutingDirectory(MemoryDirectory(MemoryIndex())),
+        TokenEstimator(4.0),
+        PreciseKeys(PromptTokens(ModelTokenizer(MODEL_DIR)), index, None),
+    )
+    forwarded_stale = 0
     prompt = list(range(100, 100 + 16 * 8))
     keys = precise_keys(prompt, None, 16)
     stale = stale_drained = 0
@@ -239,6 +254,18 @@ async def wipe(trials: int) -> None:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.0002)
             detect_s.append(time.perf_counter() - started)
+        async with aiohttp.ClientSession() as session:
+            for _ in range(trials):
+                body = {"model": "kvgate-sim-8b", "prompt": prompt, "max_tokens": 1}
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+                deadline = time.monotonic() + 10
+                while not index.lookup(keys, 0.0):
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.0005)
+                assert await keying.reset_prefix_cache(session, url) == 200
+                feed.drain()
+                if index.lookup(keys, 0.0):
+                    forwarded_stale += 1
     task.cancel()
     feed.close()
     ctx.term()
@@ -247,6 +274,9 @@ async def wipe(trials: int) -> None:
     print(f"trials: {trials}; lookups still matching when the reset's 200 came back: {stale}")
     print(
         f"  ... after draining the feed's socket first, as a routing decision does: {stale_drained}"
+    )
+    print(
+        f"  ... the reset sent through the gateway (Keying.reset_prefix_cache): {forwarded_stale}"
     )
     p50, p99 = detect_s[len(detect_s) // 2], detect_s[int(len(detect_s) * 0.99)]
     print(f"reset request sent -> index empty: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
