@@ -58,6 +58,11 @@ SYSTEM_WORDS, USER_WORDS, REPLY_TOKENS = 2000, 300, 100
 """A conversation's shape (`--conversations`): ~1 token per generated word."""
 WARM_CONVERSATIONS = 8
 """Conversations run (3 turns each) before the passes: connections, caches, code."""
+CONVERSATION_ENGINE = [*FAST_ENGINE, "--capacity-blocks", str(1 << 18)]
+"""KV for 4M tokens: every conversation stays cached, so the engine announces only each turn's
+new blocks (an engine that thrashes re-announces whole prompts: event ingest, measured apart by
+`tools.precise_cost ingest`, not keying)."""
+ARMS = ("approximate", "precise, events off", "precise")
 
 
 @dataclass(slots=True)
@@ -305,15 +310,19 @@ async def _turn(
     return errors, tokens
 
 
-def _conversation_arm(args: argparse.Namespace, key: str, precise: bool) -> list[Pass]:
-    """(first turns, continuations) through one gateway, approximate or precise."""
+def _conversation_arm(args: argparse.Namespace, key: str, arm: str) -> list[Pass]:
+    """(first turns, continuations) through one gateway of the arm (`ARMS`): approximate;
+    precise keys with the prediction only (the keying alone); precise with KV events."""
     serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
+    engine_args = CONVERSATION_ENGINE
     with contextlib.ExitStack() as stack:
-        if precise:
-            procs, events = stack.enter_context(processes.engines_with_events(1, FAST_ENGINE))
+        env: dict[str, str] | None = None
+        if arm == "precise":
+            procs, events = stack.enter_context(processes.engines_with_events(1, engine_args))
             extra, env = processes.precise_gateway_args(events, str(MODEL_DIR))
         else:
-            procs, extra, env = stack.enter_context(processes.engines(1, FAST_ENGINE)), [], None
+            procs = stack.enter_context(processes.engines(1, engine_args))
+            extra = ["--tokenizer-dir", str(MODEL_DIR)] if arm.startswith("precise") else []
         engine = procs[0]
         gw = stack.enter_context(
             processes.gateway([engine.url], [*serve, *extra, *args.gateway_arg], env=env)
@@ -337,7 +346,7 @@ def _conversation_arm(args: argparse.Namespace, key: str, precise: bool) -> list
                 errors, tokens = errors + e, tokens + t
             passes.append(
                 Pass(
-                    f"{'precise' if precise else 'approximate'}, {name}",
+                    f"{arm}: {name}",
                     errors,
                     time.monotonic() - t0,
                     processes.cpu_seconds(engine.pid) - engine_cpu0,
@@ -349,7 +358,7 @@ def _conversation_arm(args: argparse.Namespace, key: str, precise: bool) -> list
 
 
 def run_conversations(args: argparse.Namespace, key: str) -> list[Pass]:
-    passes = _conversation_arm(args, key, False) + _conversation_arm(args, key, True)
+    passes = [p for arm in ARMS for p in _conversation_arm(args, key, arm)]
     n = args.conversations
     print(
         f"{n} conversations x {args.turns} turns, concurrency {args.concurrency}; "
@@ -362,19 +371,19 @@ def run_conversations(args: argparse.Namespace, key: str) -> list[Pass]:
     for p in passes:
         requests = n if "first" in p.name else n * (args.turns - 1)
         print(
-            f"{p.name:<28} {requests:>8} {p.errors:>6} {p.events / requests:>10,.0f} "
+            f"{p.name:<34} {requests:>8} {p.errors:>6} {p.events / requests:>10,.0f} "
             f"{p.engine_cpu_s / requests * 1e3:>14.3f} {p.gateway_cpu_s / requests * 1e3:>15.3f}"
         )
-    approx_first, approx_cont, precise_first, precise_cont = passes
-    first_ms = (precise_first.gateway_cpu_s - approx_first.gateway_cpu_s) / n * 1e3
-    cont_ms = (
-        (precise_cont.gateway_cpu_s - approx_cont.gateway_cpu_s) / (n * (args.turns - 1)) * 1e3
-    )
-    per_token_us = first_ms * 1e3 / (precise_first.events / n)
-    print(
-        f"precise - approximate: first turns {first_ms:+.3f} ms/req ({per_token_us:.2f} µs per "
-        f"prompt token), continuations {cont_ms:+.3f} ms/req"
-    )
+    approx_first, approx_cont = passes[:2]
+    for i, arm in enumerate(ARMS[1:], 1):
+        first, cont = passes[2 * i : 2 * i + 2]
+        first_ms = (first.gateway_cpu_s - approx_first.gateway_cpu_s) / n * 1e3
+        cont_ms = (cont.gateway_cpu_s - approx_cont.gateway_cpu_s) / (n * (args.turns - 1)) * 1e3
+        per_token_us = first_ms * 1e3 / (first.events / n)
+        print(
+            f"{arm} - approximate: first turns {first_ms:+.3f} ms/req ({per_token_us:.2f} µs "
+            f"per prompt token), continuations {cont_ms:+.3f} ms/req"
+        )
     return passes
 
 
