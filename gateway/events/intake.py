@@ -157,6 +157,7 @@ class Feed:
         self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
         self._held: tuple[int, bytes] | None = None
         self._replaying = False
+        self._closed = False
         self._dealer: zmq.asyncio.Socket | None = None
 
     @property
@@ -186,7 +187,7 @@ class Feed:
         is in the index before the routing decision even when the loop has not yet run this
         feed's task. A batch whose seq calls for a replay is held for `run`; nothing is taken
         while a replay is under way (batches stay in order)."""
-        if self._replaying:
+        if self._replaying or self._closed:
             return
         while self._held is None:
             try:
@@ -298,6 +299,7 @@ class Feed:
             self._apply(seq, frames[1])
 
     def close(self) -> None:
+        self._closed = True  # before the socket goes: its shadow must not be read after
         self._sub.close(linger=0)
         if self._dealer is not None:
             self._dealer.close(linger=0)
