@@ -179,7 +179,11 @@ class PreciseKeys:
         return EventsView(overlap, offloaded, ranks, frozenset(live))
 
     def speculate(self, replica: str, rank: int | None, keys: list[BlockHash]) -> None:
-        """The request was placed: its blocks count as held there until the event or expiry."""
+        """The request was placed: its blocks count as held there until the event or expiry.
+        Without events the index is never read (`view`), so nothing is entered: that was ~13%
+        of an events-off gateway's CPU (py-spy)."""
+        if self.intake is None:
+            return
         domain = domain_of(replica, rank or 0, self.dp_size)
         self.stats.speculated += self.index.speculate(domain, keys, self.clock())
 
