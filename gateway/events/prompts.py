@@ -189,8 +189,11 @@ class PromptTokens:
                 text, suffix, key = text, "", None
         header = None
         if n > 1 and key is not None and keys[0] not in self._prefixes:
-            first = self.template.whole(messages[:1], tools)
-            if text.startswith(first) and text[len(first) :].startswith(self._specials):
+            try:
+                first = self.template.whole(messages[:1], tools)
+            except ChatTemplateError:  # a template that refuses a lone first message
+                first = ""
+            if first and text.startswith(first) and text[len(first) :].startswith(self._specials):
                 header = (keys[0], first)
         return _Plan(salt, array.array("I"), text, suffix, key, header)
 

@@ -323,3 +323,25 @@ def test_a_template_that_does_not_render_by_message_is_caught_and_rendered_whole
             assert list(ids) == tokens.tokenizer.encode(prompt)
     assert tokens.stats.incremental_mismatches == 1 and not tokens.incremental
     assert "differs from rendering it whole" in caplog.text
+
+
+def test_a_template_that_refuses_a_lone_system_message_still_keys_every_chat(
+    tmp_path: Any,
+) -> None:
+    """The header entry (a conversation's first message alone) is rendered on the side; a
+    template that refuses it must not turn a valid request into an error."""
+    config = orjson.loads((MODEL_DIR / "tokenizer_config.json").read_bytes())
+    config["chat_template"] = (
+        "{%- if messages|length == 1 and messages[0].role == 'system' %}"
+        "{{- raise_exception('a system message alone') }}{%- endif %}" + config["chat_template"]
+    )
+    (tmp_path / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((MODEL_DIR / "tokenizer.json").read_bytes())
+    tokens = PromptTokens(ModelTokenizer(tmp_path))
+    messages: list[dict[str, Any]] = [SYSTEM]
+    for turn in range(3):
+        messages.append({"role": "user", "content": words(f"lone{turn}", 40)})
+        ids = tokens.ids({"messages": messages}, chat=True)
+        assert list(ids) == tokens.tokenizer.encode(tokens.tokenizer.render_chat(messages))
+        messages.append({"role": "assistant", "content": "ok"})
+    assert tokens.stats.prefix_hits == 2
