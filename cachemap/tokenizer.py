@@ -25,7 +25,8 @@ from tokenizers import Tokenizer
 from cachemap.chat_template import ChatTemplate, ChatTemplateError
 
 
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+def chat_flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A chat request's boolean option (`add_generation_prompt`, `continue_final_message`)."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -99,20 +100,26 @@ class ModelTokenizer:
             continue_final_message=continue_final_message,
         )
 
+    @staticmethod
+    def chat_parts(body: Mapping[str, Any]) -> tuple[list[Any], list[Any] | None]:
+        """A chat request's messages and tools, checked for shape (`ChatTemplateError`)."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ChatTemplateError("'messages' must be a non-empty list")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise ChatTemplateError("'tools' must be a list")
+        return messages, tools
+
     def prompt_of(self, body: Mapping[str, Any], chat: bool) -> str | list[int]:
         """The text the engine tokenizes (a chat: its rendering), or a token-id prompt."""
         if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise ChatTemplateError("'messages' must be a non-empty list")
-            tools = body.get("tools")
-            if tools is not None and not isinstance(tools, list):
-                raise ChatTemplateError("'tools' must be a list")
+            messages, tools = self.chat_parts(body)
             return self.render_chat(
                 messages,
                 tools,
-                add_generation_prompt=_flag(body, "add_generation_prompt", True),
-                continue_final_message=_flag(body, "continue_final_message", False),
+                add_generation_prompt=chat_flag(body, "add_generation_prompt", True),
+                continue_final_message=chat_flag(body, "continue_final_message", False),
             )
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -16,10 +16,12 @@ real ZMQ PUB socket on loopback into a `Feed` (socket, seq tracking and all), pu
 first to indexed of the last.
 
 `keying`: one agent conversation of TURNS turns (a 2,000-token system prompt, each turn ~300
-tokens of user text and a ~100-token reply, up to ~40k tokens), each turn keyed both ways: the
-approximate chain over the canonical rendering's bytes, and the precise path (render with the
-chat template, tokenize by segments, hash the token blocks, look up the event index). The
-median per request is reported for the first turn (everything tokenized) and continuations.
+tokens of user text and a ~100-token reply, up to ~40k tokens), each turn keyed three ways: the
+approximate chain over the canonical rendering's bytes; the precise path (the new messages
+rendered from the cached prefix, tokenized by segments, the token blocks hashed, the event index
+looked up); and the precise path rendering every chat whole (`incremental=False`, the design
+before). CPU time of the process (the tokenizer's threads included); the first turn (everything
+tokenized) and the median continuation apart, and the BPE alone of each continuation's new text.
 """
 
 from __future__ import annotations
@@ -141,40 +143,67 @@ def ingest(num_blocks: int) -> None:
 
 async def keying(turns: int) -> None:
     tokenizer = ModelTokenizer(MODEL_DIR)
-    precise = PreciseKeys(PromptTokens(tokenizer), EventIndex(), None)
+    arms = {
+        "precise": PreciseKeys(PromptTokens(tokenizer), EventIndex(), None),
+        "whole": PreciseKeys(PromptTokens(tokenizer, incremental=False), EventIndex(), None),
+    }
     messages: list[dict[str, Any]] = [{"role": "system", "content": words("bench-system", 2000)}]
-    approx_s: list[float] = []
-    precise_s: list[float] = []
+    cpu_us: dict[str, list[float]] = {"approximate": [], "precise": [], "whole": [], "bpe": []}
     tokens: list[int] = []
+    new_tokens: list[int] = []
+    # CPU time of the process (`process_time`: the tokenizer's own threads included)
+    clock = time.process_time
     for turn in range(turns):
         messages.append({"role": "user", "content": words(f"bench-user{turn}", 300)})
         body = {"model": "m", "messages": messages}
         parsed = parse_chat(orjson.dumps(body), 1 << 24)
-        started = time.perf_counter()
+        started = clock()
         chain_hashes(parsed.rendered, root_hash(b"salt", "m"))
-        approx_s.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        ids, keys = await precise.keys(body, True, "salt")
-        precise.view(keys, ["r"])
-        precise_s.append(time.perf_counter() - started)
+        cpu_us["approximate"].append((clock() - started) * 1e6)
+        for name, precise in sorted(arms.items(), reverse=turn % 2 == 1):  # alternate order
+            started = clock()
+            ids, keys = await precise.keys(body, True, "salt")
+            precise.view(keys, ["r"])
+            cpu_us[name].append((clock() - started) * 1e6)
         tokens.append(len(ids))
+        # the BPE alone of what a continuation adds (the reply before it and its user turn)
+        texts = [m["content"] for m in messages[-2 if turn else -1 :]]
+        started = clock()
+        new_tokens.append(sum(len(i) for i in tokenizer.encode_many(texts)))
+        cpu_us["bpe"].append((clock() - started) * 1e6)
         messages.append({"role": "assistant", "content": words(f"bench-reply{turn}", 100)})
-    first_us = precise_s[0] * 1e6
-    print(f"turns: {turns}, prompt tokens: first {tokens[0]:,}, last {tokens[-1]:,}")
-    per_token = first_us / tokens[0]
-    print(f"first turn   precise {first_us:,.0f} us ({per_token:.2f} us/token)")
-    print(f"first turn   approximate {approx_s[0] * 1e6:,.0f} us")
-    cont_p = statistics.median(precise_s[1:]) * 1e6
-    cont_a = statistics.median(approx_s[1:]) * 1e6
-    print(f"continuation precise {cont_p:,.0f} us, approximate {cont_a:,.0f} us (medians)")
-    last_p, last_a = precise_s[-1] * 1e6, approx_s[-1] * 1e6
-    print(f"last turn    precise {last_p:,.0f} us, approximate {last_a:,.0f} us")
+
+    def median(name: str) -> float:
+        return statistics.median(cpu_us[name][1:])
+
+    print(f"turns: {turns}, prompt tokens: first {tokens[0]:,}, last {tokens[-1]:,}; CPU time")
+    first = cpu_us["precise"][0]
+    print(
+        f"first turn   precise {first:,.0f} us ({first / tokens[0]:.2f} us/token), "
+        f"approximate {cpu_us['approximate'][0]:,.0f} us"
+    )
+    print(
+        f"continuation precise {median('precise'):,.0f} us, rendered whole {median('whole'):,.0f}"
+        f" us, approximate {median('approximate'):,.0f} us (medians); "
+        f"precise - approximate {median('precise') - median('approximate'):,.0f} us"
+    )
+    print(
+        f"  of which the BPE of the new text: {median('bpe'):,.0f} us "
+        f"({statistics.median(new_tokens[1:]):,.0f} new tokens per continuation)"
+    )
+    print(
+        f"last turn    precise {cpu_us['precise'][-1]:,.0f} us, rendered whole "
+        f"{cpu_us['whole'][-1]:,.0f} us, approximate {cpu_us['approximate'][-1]:,.0f} us"
+    )
 
 
 async def wipe(trials: int, shared: bool = False) -> None:
     """A real engine (a `kvgate engine` process) and a `Feed`: per trial, a prompt is
     stored, the engine is reset, and the moment its 200 comes back a lookup is made (what a
-    request sent right after the wipe would see), then the time until the index is empty.
+    request sent right after the wipe would see), then again after draining the feed's socket
+    (what a routing decision does first), then the time until the index is empty. Then as many
+    trials with the reset sent through the gateway (`Keying.reset_prefix_cache`, what the admin
+    port's POST /reset_prefix_cache runs), the lookup made when it returns (in process only).
     `shared`: the feed writes the event index in a real redis-server (`EventWriter`) and the
     lookups are an `EventReader`'s (a wipe is then in Redis once the owner wrote its epoch)."""
     import tempfile
@@ -183,9 +212,13 @@ async def wipe(trials: int, shared: bool = False) -> None:
 
     import httpx
 
+    from cachemap.memory import MemoryDirectory, MemoryIndex
     from cachemap.redis.client import open_redis
     from cachemap.redis.events import EventReader, EventWriter
+    from gateway.directory.routing import RoutingDirectory
     from gateway.events.intake import EventSink
+    from gateway.pipeline.keying import Keying, RouteKeys
+    from gateway.request.tokens import TokenEstimator
     from loadgen.harness.processes import free_port, start_engine, stop, wait_ready
     from loadgen.harness.redis_servers import RedisServer
 
@@ -195,7 +228,8 @@ async def wipe(trials: int, shared: bool = False) -> None:
         free_port(), ["--kv-events-config", config.decode(), "--time-scale", "1000"]
     )
     wait_ready(engine.url, "/health", engine.popen, 60)
-    prompt = list(range(100, 100 + 16 * 8))
+    url = engine.url
+    prompt = list(range(100, 100 + 16 * 8))  # _forwarded_resets sends the same
     keys = precise_keys(prompt, None, 16)
     tmp = tempfile.TemporaryDirectory()
     server = RedisServer(Path(tmp.name))
@@ -207,12 +241,12 @@ async def wipe(trials: int, shared: bool = False) -> None:
         server.start()
         redis = await open_redis(server.url, cluster=False)
         writer = EventWriter(redis, block_size=16)
-        await writer.adopt("r")
+        await writer.adopt(url)
         reader = EventReader(redis)
         sink = writer
 
         async def holds() -> bool:
-            return "r" in await reader.lookup(keys)
+            return url in await reader.lookup(keys)
 
     else:
 
@@ -222,17 +256,23 @@ async def wipe(trials: int, shared: bool = False) -> None:
     ctx = zmq.asyncio.Context()
     endpoint = f"tcp://127.0.0.1:{port}"
     commit = writer.commit if writer is not None else None
-    feed = Feed(FeedConfig("r", 0, "r", endpoint, None, ""), sink, ctx, commit=commit)
+    feed = Feed(FeedConfig(url, 0, url, endpoint, None, ""), sink, ctx, commit=commit)
     task = asyncio.create_task(feed.run())
-    stale = 0
+    keying = Keying(
+        RouteKeys(256, 1),
+        RoutingDirectory(MemoryDirectory(MemoryIndex())),
+        TokenEstimator(4.0),
+        PreciseKeys(PromptTokens(ModelTokenizer(MODEL_DIR)), index, None),
+    )
+    stale = stale_drained = forwarded_stale = 0
     detect_s: list[float] = []
+    body = {"model": "kvgate-sim-8b", "prompt": prompt, "max_tokens": 1}
     try:
-        async with httpx.AsyncClient(base_url=engine.url) as client:
+        async with httpx.AsyncClient(base_url=url) as client:
             while feed.stats.wipes == 0:
                 await client.post("/reset_prefix_cache")
                 await asyncio.sleep(0.01)
             for _ in range(trials):
-                body = {"model": "kvgate-sim-8b", "prompt": prompt, "max_tokens": 1}
                 assert (await client.post("/v1/completions", json=body)).status_code == 200
                 deadline = time.monotonic() + 10
                 while not await holds():
@@ -242,10 +282,16 @@ async def wipe(trials: int, shared: bool = False) -> None:
                 assert (await client.post("/reset_prefix_cache")).status_code == 200
                 if await holds():
                     stale += 1
+                if not shared:
+                    feed.drain()  # what a routing decision does first (PreciseKeys.view)
+                if await holds():
+                    stale_drained += 1
                 while await holds():
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.0002)
                 detect_s.append(time.perf_counter() - started)
+            if not shared:
+                forwarded_stale = await _forwarded_resets(client, feed, keying, keys, trials)
     finally:
         task.cancel()
         feed.close()
@@ -260,8 +306,42 @@ async def wipe(trials: int, shared: bool = False) -> None:
     print(
         f"{where}: trials: {trials}; lookups still matching when the reset's 200 came back: {stale}"
     )
+    if not shared:
+        print(
+            "  ... after draining the feed's socket first, as a routing decision does: "
+            f"{stale_drained}"
+        )
+        print(
+            "  ... the reset sent through the gateway (Keying.reset_prefix_cache): "
+            f"{forwarded_stale}"
+        )
     p50, p99 = detect_s[len(detect_s) // 2], detect_s[int(len(detect_s) * 0.99)]
     print(f"reset request sent -> index empty: p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
+
+
+async def _forwarded_resets(
+    client: Any, feed: Feed, keying: Any, keys: list[Any], trials: int
+) -> int:
+    """`wipe`'s second half: resets sent through the gateway; the lookups still matching."""
+    import aiohttp
+
+    url = feed.config.replica
+    body = {"model": "kvgate-sim-8b", "prompt": list(range(100, 228)), "max_tokens": 1}
+    stale = 0
+    index = feed.index
+    assert isinstance(index, EventIndex)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(trials):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            deadline = time.monotonic() + 10
+            while not index.lookup(keys, 0.0):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.0005)
+            assert await keying.reset_prefix_cache(session, url) == 200
+            feed.drain()
+            if index.lookup(keys, 0.0):
+                stale += 1
+    return stale
 
 
 async def into_redis(num_blocks: int) -> None:

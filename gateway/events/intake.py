@@ -22,16 +22,19 @@ Per feed, the seq decides (`Feed.accept`):
 Both replay answer layouts are read: (topic, seq, payload), current vLLM, and (seq, payload),
 older vLLM and SGLang, each after the DEALER's empty delimiter; seq -1 ends the answer.
 
-Every batch is applied synchronously on the event loop between two awaits, so a wipe is in
-the index before the next routing decision that runs after its message arrived.
+Every batch is applied synchronously on the event loop between two awaits, and a lookup first
+drains the candidates' sockets (`EventIntake.drain`), so a wipe is in the index before the
+next routing decision that runs after its message reached the gateway's socket, whether or
+not the loop has run the feed since.
 
 Shared (`kv_events_shared`, `share`): the index is in Redis (`cachemap.redis.events`) and a
 gateway runs the feeds only of the domains whose lease it holds (`Leases`: set if absent,
 renewed `RENEWALS_PER_LEASE` times per lease). A feed applies its batches to the
-`EventWriter` and commits after each one (a wipe waits until its new epoch is written); a new
-owner starts from the seq its predecessor wrote, so what it missed is replayed like a gap. An
-owner that cannot renew within `FENCE_SHARE` of its lease stops writing before the lease can
-pass to another gateway.
+`EventWriter` and commits after each read of its socket (a wipe waits until its new epoch is
+written); a lookup does not drain a shared feed (the other gateways read Redis, not its
+socket). A new owner starts from the seq its predecessor wrote, so what it missed is replayed
+like a gap. An owner that cannot renew within `FENCE_SHARE` of its lease stops writing before
+the lease can pass to another gateway.
 """
 
 from __future__ import annotations
@@ -183,6 +186,11 @@ class Feed:
         self._sub.set_hwm(RECEIVE_HWM)
         self._sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
         self._sub.connect(config.endpoint)
+        # the same socket for `drain`'s non-blocking reads (a shadow owns nothing)
+        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
+        self._held: tuple[int, bytes] | None = None
+        self._replaying = False
+        self._closed = False
         self._dealer: zmq.asyncio.Socket | None = None
 
     @property
@@ -191,37 +199,94 @@ class Feed:
         return self.stats.last_batch_s is not None
 
     async def run(self) -> None:
+        """Wait until the socket holds batches, apply them (`drain`), and replay where a
+        batch's seq asks for it (the one `drain` held back)."""
         while True:
-            frames = await self._sub.recv_multipart()
+            if self._held is None:
+                await self._sub.poll()
+                wipes = self._wipes()
+                self.drain()
+                await self._commit(wipes)
+            if self._held is not None:
+                seq, payload = self._held
+                self._replaying = True
+                try:
+                    await self.receive(seq, payload)
+                finally:
+                    self._replaying = False
+                    self._held = None
+
+    def drain(self) -> None:
+        """Apply, in order and without awaiting, every batch the socket has already received:
+        called before a lookup too (`EventIntake.drain`), so a wipe that reached this gateway
+        is in the index before the routing decision even when the loop has not yet run this
+        feed's task. A batch whose seq calls for a replay is held for `run`; nothing is taken
+        while a replay is under way (batches stay in order)."""
+        if self._replaying or self._closed:
+            return
+        while self._held is None:
+            try:
+                frames = self._sync.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             if len(frames) != 3 or len(frames[1]) != 8:
                 self.stats.malformed += 1
                 continue
-            await self.receive(int.from_bytes(frames[1], "big"), frames[2])
+            seq, payload = int.from_bytes(frames[1], "big"), frames[2]
+            if self._replay_span(seq) is not None:
+                self._held = (seq, payload)
+                return
+            self._accept(seq, payload)
 
     async def receive(self, seq: int, payload: bytes) -> None:
         """One published batch, after whatever replay its seq calls for."""
-        wipes = self.stats.wipes + self.stats.restarts
+        wipes = self._wipes()
         await self._receive(seq, payload)
+        await self._commit(wipes)
+
+    def _wipes(self) -> int:
+        return self.stats.wipes + self.stats.restarts
+
+    async def _commit(self, wipes_before: int) -> None:
+        """Shared: write what was applied since (`EventWriter.commit`), waiting for a wipe's
+        new epoch."""
         if self.commit is not None:
-            wiped = self.stats.wipes + self.stats.restarts != wipes
+            wiped = self._wipes() != wipes_before
             await self.commit(self.config.domain, self.next_seq, wiped)
 
     async def _receive(self, seq: int, payload: bytes) -> None:
+        span = self._replay_span(seq)
+        if span is None:
+            self._accept(seq, payload)
+            return
+        gap = self.next_seq is not None  # else a late joiner reading the engine's buffer
+        self.stats.gaps += gap
+        await self._replay(*span)
+        if gap and self.next_seq != seq:
+            self.stats.unrepaired_gaps += 1
+        self._apply(seq, payload)
+
+    def _replay_span(self, seq: int) -> tuple[int, int] | None:
+        """The batches to replay before `seq`: a gap, or a late joiner's first batch."""
+        if self.config.replay_endpoint is None:
+            return None
+        expected = self.next_seq
+        if expected is None:
+            return (0, seq) if seq > 0 else None
+        return (expected, seq) if seq > expected else None
+
+    def _accept(self, seq: int, payload: bytes) -> None:
+        """A batch that needs no replay (the next seq, a restart, or a gap with nothing to
+        replay it from)."""
         expected = self.next_seq
         if expected is not None and seq < expected:
             # a PUB socket never resends: a seq going back is a new publisher (its seq 0 may
             # have been sent while the SUB was reconnecting)
             self.stats.restarts += 1
             self.wipe()
-        elif expected is None and seq > 0:
-            if self.config.replay_endpoint is not None:
-                await self._replay(0, seq)
         elif expected is not None and seq > expected:
             self.stats.gaps += 1
-            if self.config.replay_endpoint is not None:
-                await self._replay(expected, seq)
-            if self.next_seq != seq:
-                self.stats.unrepaired_gaps += 1
+            self.stats.unrepaired_gaps += 1
         self._apply(seq, payload)
 
     def _apply(self, seq: int, payload: bytes) -> None:
@@ -284,6 +349,7 @@ class Feed:
             self._apply(seq, frames[1])
 
     def close(self) -> None:
+        self._closed = True  # before the socket goes: its shadow must not be read after
         self._sub.close(linger=0)
         if self._dealer is not None:
             self._dealer.close(linger=0)
@@ -327,6 +393,14 @@ class EventIntake:
         for feed in self.feeds(replica):
             feed.stats.restarts += 1
             feed.wipe()
+
+    def drain(self, replicas: Iterable[str]) -> None:
+        """Apply what these replicas' sockets already hold (`Feed.drain`): called right before
+        a lookup."""
+        for replica in replicas:
+            for feed in self.feeds(replica):
+                if feed.commit is None:  # a shared feed commits from its own task only
+                    feed.drain()
 
     def live(self, replica: str) -> bool:
         """The replica's events are flowing: route on the index, not on the prediction."""

@@ -66,12 +66,23 @@ def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iter
     tokens = precise.tokens.stats
     tokenize = CounterMetricFamily(
         "kvgate_precise_tokens",
-        "Prompt tokens of precise requests: all of them, and those encoded (segment cache misses).",
+        "Prompt tokens of precise requests: all of them, those encoded (segment cache misses) "
+        "and those taken from a cached conversation prefix.",
         labels=["kind"],
     )
     tokenize.add_metric(["prompt"], tokens.tokens)
     tokenize.add_metric(["encoded"], tokens.tokens_encoded)
+    tokenize.add_metric(["prefix"], tokens.prefix_tokens)
     yield tokenize
+    incremental = CounterMetricFamily(
+        "kvgate_precise_incremental_checks",
+        "Sampled chats rendered message by message and whole, by result (a mismatch turns "
+        "message-by-message rendering off).",
+        labels=["result"],
+    )
+    incremental.add_metric(["match"], tokens.incremental_checks - tokens.incremental_mismatches)
+    incremental.add_metric(["mismatch"], tokens.incremental_mismatches)
+    yield incremental
     yield CounterMetricFamily(
         "kvgate_precise_keying_seconds",
         "CPU time rendering, tokenizing and hashing precise requests.",

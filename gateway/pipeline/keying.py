@@ -10,18 +10,26 @@ router's units — in one of two modes.
 
 In precise mode the placement is also entered as a short speculative entry (`speculate`), so
 a back-to-back turn or a fan-out sibling sees it before the engine's event lands.
+
+A prefix-cache reset sent through the gateway (`reset_prefix_cache`, the admin port's
+`POST /reset_prefix_cache`) closes the wipe window: from the moment it is sent until the
+engine answers, the replica matches nothing; on the engine's 200 its prediction is forgotten
+(an epoch bump) and its event-index domains are cleared, before any later routing decision,
+without waiting for the engine's `AllBlocksCleared` (which may reach the gateway milliseconds
+after the answer, or, from an idle engine, later still).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
 from cachemap.chat_template import ChatTemplateError
-from cachemap.events import DEFAULT_OFFLOAD_COST, precise_root
+from cachemap.events import DEFAULT_OFFLOAD_COST, domain_of, precise_root
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash, token_bytes
 from gateway.directory.routing import Lookup, RoutingDirectory
 from gateway.errors import InvalidRequest
@@ -83,6 +91,9 @@ class Keying:
         self._session = session
         self._tasks = BackgroundTasks("keying")
         self.last_lookup_s = 0.0
+        self.wiping: Counter[str] = Counter()
+        """Replicas whose prefix-cache reset is in flight: they match nothing."""
+        self.num_resets = 0
 
     async def key(
         self, parsed: ParsedRequest, tenant: Tenant, candidates: Sequence[str], trace: RequestTrace
@@ -103,6 +114,12 @@ class Keying:
             max(lookup.overlap.values(), default=0),
         )
         self.last_lookup_s = elapsed_ns / 1e9  # read by the director's histogram, same task
+        if self.wiping:
+            lookup = replace(
+                lookup,
+                overlap={r: d for r, d in lookup.overlap.items() if not self.wiping[r]},
+                last_use={r: t for r, t in lookup.last_use.items() if not self.wiping[r]},
+            )
         return lookup
 
     async def _approximate(
@@ -139,6 +156,10 @@ class Keying:
         self._maybe_check(body, chat, ids, candidates)
         predicted = await self._lookup(hashes, trace)
         view = precise.view(hashes, candidates)
+        if self.wiping:
+            view = replace(
+                view, overlap={r: d for r, d in view.overlap.items() if not self.wiping[r]}
+            )
         # replicas whose events flow: the events; the others: the prediction
         overlap = {r: d for r, d in predicted.overlap.items() if r not in view.live}
         overlap.update(view.overlap)
@@ -183,6 +204,31 @@ class Keying:
 
     async def close(self) -> None:
         await self._tasks.close()
+
+    async def reset_prefix_cache(self, session: aiohttp.ClientSession, replica: str) -> int:
+        """Forward a prefix-cache reset to `replica` (module docstring); the engine's status,
+        or 502 when it could not be asked."""
+        self.wiping[replica] += 1
+        try:
+            try:
+                async with session.post(
+                    replica + "/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=10)
+                ) as response:
+                    status = response.status
+            except (aiohttp.ClientError, TimeoutError):
+                return 502
+            if status == 200:
+                self.num_resets += 1
+                precise = self.precise
+                if precise is not None:
+                    for rank in range(precise.dp_size):
+                        precise.index.clear(domain_of(replica, rank, precise.dp_size))
+                await self.directory.forget(replica)
+            return status
+        finally:
+            self.wiping[replica] -= 1
+            if not self.wiping[replica]:
+                del self.wiping[replica]
 
     def placed(self, keyed: Keyed, replica: str) -> None:
         """The request was placed on `replica`: precise mode's speculative entry."""

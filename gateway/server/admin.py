@@ -3,6 +3,9 @@
     GET|HEAD /metrics        Prometheus exposition (the ServiceMonitor scrapes this port)
     GET      /openapi.json   the OpenAPI document of the tenant-facing HTTP routes
     GET      /docs, /redoc   that document rendered (Swagger UI, ReDoc)
+    POST     /reset_prefix_cache[?replica=URL]   every engine's (or one's) prefix cache reset
+                             through the gateway, which stops routing on what they held before
+                             the engines answer (`Keying.reset_prefix_cache`): {url: status}
 
 `/metrics` tells every tenant's token counts, hot-prefix rates and the replicas' queues, and
 the documents map the whole surface, so none of them is served on `port`: they listen on
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -37,9 +40,14 @@ class AdminServer:
     """The admin listener of one gateway process."""
 
     def __init__(
-        self, metrics: Callable[[], bytes], openapi: Callable[[], dict[str, Any]], title: str
+        self,
+        metrics: Callable[[], bytes],
+        openapi: Callable[[], dict[str, Any]],
+        title: str,
+        reset: Callable[[str | None], Awaitable[dict[str, int]]] | None = None,
     ) -> None:
         self._metrics = metrics
+        self._reset = reset
         self._openapi = openapi
         self._title = title
         self._runner: web.AppRunner | None = None
@@ -51,6 +59,8 @@ class AdminServer:
         app.router.add_get(OPENAPI_PATH, self._serve_openapi)
         app.router.add_get("/docs", self._serve_docs)
         app.router.add_get("/redoc", self._serve_redoc)
+        if self._reset is not None:
+            app.router.add_post("/reset_prefix_cache", self._serve_reset)
         return app
 
     async def start(self, host: str, port: int) -> int:
@@ -91,3 +101,11 @@ class AdminServer:
     async def _serve_redoc(self, request: web.Request) -> web.Response:
         page = get_redoc_html(openapi_url=OPENAPI_PATH, title=f"{self._title} - ReDoc")
         return web.Response(body=bytes(page.body), content_type="text/html")
+
+    async def _serve_reset(self, request: web.Request) -> web.Response:
+        assert self._reset is not None
+        statuses = await self._reset(request.query.get("replica"))
+        if not statuses:
+            return web.json_response({"error": "no such replica"}, status=404)
+        ok = all(s == 200 for s in statuses.values())
+        return web.json_response(statuses, status=200 if ok else 502)

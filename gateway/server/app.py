@@ -16,7 +16,9 @@ in reverse: billing flushes its WAL and ships, the directory flushes its queued 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -357,6 +359,16 @@ async def _settle(parts: Parts) -> None:
         )
 
 
+async def _reset_prefix_caches(parts: Parts, replica: str | None) -> dict[str, int]:
+    """The admin port's reset: every replica's (or `replica`'s) prefix cache, forwarded."""
+    keying, session = parts.keying, parts.forwarder.session
+    urls = [u for u in parts.replicas.states if replica is None or u == replica]
+    if keying is None or session is None or not urls:
+        return {}
+    statuses = await asyncio.gather(*(keying.reset_prefix_cache(session, u) for u in urls))
+    return dict(zip(urls, statuses, strict=True))
+
+
 @contextlib.asynccontextmanager
 async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
     """Start the parts in order; stop whatever started, in reverse, on the way out."""
@@ -414,7 +426,12 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             stack.push_async_callback(epp_server.stop)
             app.state.epp_port = epp_server.port
         if settings.metrics_port is not None:
-            admin = AdminServer(lambda: render(parts.registry), lambda: app.openapi(), app.title)
+            admin = AdminServer(
+                lambda: render(parts.registry),
+                lambda: app.openapi(),
+                app.title,
+                functools.partial(_reset_prefix_caches, parts),
+            )
             stack.push_async_callback(admin.stop)
             if settings.worker_admin_fd is not None:
                 # a worker's admin socket is its supervisor's to read (gateway.server.workers)

@@ -10,6 +10,13 @@ own network read (time scale `RELAY_TIME_SCALE`), the same requests with few and
 output tokens; the gateway's extra CPU divided by the extra events is its cost per relayed
 chunk, with everything a request costs once (parse, route, record) cancelled out.
 
+`--conversations N` measures precise mode's keying against approximate mode's (issue 16): N
+agent conversations (each its own ~2,000-token system prompt, ~300-token user turns, the
+engine's ~100-token replies appended as an agent appends them) through an approximate gateway
+and through a precise one (the model's tokenizer, engines publishing KV events), one after the
+other in one run; the first turns (the whole prompt tokenized) and the continuations (turns 2
+to `--turns`) are separate passes, so each is reported per request on its own.
+
 `--suite` runs what issue 17 tracks in one go: small and agent-sized prompts, each with and
 without streaming, the per-stage costs of an agent-sized body (`tools.stages`), and the
 relay. Every run prints what it ran on first, because the same commit measures 0.34 ms on a
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -34,6 +42,7 @@ import aiohttp
 import orjson
 
 from loadgen.engine.server import DEFAULT_MODEL
+from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.harness import processes
 from loadgen.text import words
 
@@ -45,6 +54,15 @@ RELAY_TOKENS = (8, 136)
 """Output tokens of the relay's two passes: the difference is what the relay alone costs."""
 AGENT_PROMPT_BYTES = 50_000
 """The suite's agent-sized system prompt (the trace's ~60 KB bodies)."""
+SYSTEM_WORDS, USER_WORDS, REPLY_TOKENS = 2000, 300, 100
+"""A conversation's shape (`--conversations`): ~1 token per generated word."""
+WARM_CONVERSATIONS = 8
+"""Conversations run (3 turns each) before the passes: connections, caches, code."""
+CONVERSATION_ENGINE = [*FAST_ENGINE, "--capacity-blocks", str(1 << 18)]
+"""KV for 4M tokens: every conversation stays cached, so the engine announces only each turn's
+new blocks (an engine that thrashes re-announces whole prompts: event ingest, measured apart by
+`tools.precise_cost ingest`, not keying)."""
+ARMS = ("approximate", "precise, events off", "precise")
 
 
 @dataclass(slots=True)
@@ -76,6 +94,13 @@ def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--relay", action="store_true", help="µs of gateway CPU per relayed SSE chunk, alone"
     )
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=0,
+        help="precise vs approximate keying on N agent conversations (first turns apart)",
+    )
+    parser.add_argument("--turns", type=int, default=10, help="turns per conversation")
     parser.add_argument(
         "--suite",
         action="store_true",
@@ -251,10 +276,123 @@ def _suite(args: argparse.Namespace, key: str) -> list[Pass]:
     return passes
 
 
+async def _turn(
+    url: str, key: str, conversations: list[list[dict[str, object]]], turn: int, concurrency: int
+) -> tuple[int, int]:
+    """One turn of every conversation (a user message, then the engine's reply appended):
+    (errors, prompt tokens)."""
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+    errors = tokens = 0
+    pending = iter(range(len(conversations)))
+
+    async def worker(http: aiohttp.ClientSession) -> None:
+        nonlocal errors, tokens
+        for c in pending:
+            messages = conversations[c]
+            messages.append({"role": "user", "content": words(f"cpu-c{c}-u{turn}", USER_WORDS)})
+            body = {"model": DEFAULT_MODEL, "messages": messages, "max_tokens": REPLY_TOKENS}
+            async with http.post(
+                url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers
+            ) as resp:
+                answer = await resp.read()
+            if resp.status != 200:
+                errors += 1
+                messages.append({"role": "assistant", "content": "(error)"})
+                continue
+            parsed = orjson.loads(answer)
+            tokens += parsed["usage"]["prompt_tokens"]
+            messages.append(
+                {"role": "assistant", "content": parsed["choices"][0]["message"]["content"]}
+            )
+
+    async with aiohttp.ClientSession() as http:
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    return errors, tokens
+
+
+def _conversation_arm(args: argparse.Namespace, key: str, arm: str) -> list[Pass]:
+    """(first turns, continuations) through one gateway of the arm (`ARMS`): approximate;
+    precise keys with the prediction only (the keying alone); precise with KV events."""
+    serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
+    engine_args = CONVERSATION_ENGINE
+    with contextlib.ExitStack() as stack:
+        env: dict[str, str] | None = None
+        if arm == "precise":
+            procs, events = stack.enter_context(processes.engines_with_events(1, engine_args))
+            extra, env = processes.precise_gateway_args(events, str(MODEL_DIR))
+        else:
+            procs = stack.enter_context(processes.engines(1, engine_args))
+            extra = ["--tokenizer-dir", str(MODEL_DIR)] if arm.startswith("precise") else []
+        engine = procs[0]
+        gw = stack.enter_context(
+            processes.gateway([engine.url], [*serve, *extra, *args.gateway_arg], env=env)
+        )
+
+        def system(name: str) -> list[dict[str, object]]:
+            return [{"role": "system", "content": words(name, SYSTEM_WORDS)}]
+
+        warm = [system(f"cpu-warm{c}") for c in range(WARM_CONVERSATIONS)]
+        for turn in range(3):
+            asyncio.run(_turn(gw.url, key, warm, turn, args.concurrency))
+        conversations = [system(f"cpu-c{c}") for c in range(args.conversations)]
+        passes = []
+        for name, turns in (("first turns", range(1)), ("continuations", range(1, args.turns))):
+            engine_cpu0 = processes.cpu_seconds(engine.pid)
+            gw_cpu0 = processes.cpu_seconds(gw.pid)
+            t0 = time.monotonic()
+            errors = tokens = 0
+            for turn in turns:
+                e, t = asyncio.run(_turn(gw.url, key, conversations, turn, args.concurrency))
+                errors, tokens = errors + e, tokens + t
+            passes.append(
+                Pass(
+                    f"{arm}: {name}",
+                    errors,
+                    time.monotonic() - t0,
+                    processes.cpu_seconds(engine.pid) - engine_cpu0,
+                    processes.cpu_seconds(gw.pid) - gw_cpu0,
+                    tokens,  # prompt tokens, in the events field
+                )
+            )
+        return passes
+
+
+def run_conversations(args: argparse.Namespace, key: str) -> list[Pass]:
+    passes = [p for arm in ARMS for p in _conversation_arm(args, key, arm)]
+    n = args.conversations
+    print(
+        f"{n} conversations x {args.turns} turns, concurrency {args.concurrency}; "
+        f"system {SYSTEM_WORDS} words, user turns {USER_WORDS} words, replies {REPLY_TOKENS} tokens"
+    )
+    print(
+        f"{'arm, pass':<28} {'requests':>8} {'errors':>6} {'tokens/req':>10} "
+        f"{'engine ms/req':>14} {'gateway ms/req':>15}"
+    )
+    for p in passes:
+        requests = n if "first" in p.name else n * (args.turns - 1)
+        print(
+            f"{p.name:<34} {requests:>8} {p.errors:>6} {p.events / requests:>10,.0f} "
+            f"{p.engine_cpu_s / requests * 1e3:>14.3f} {p.gateway_cpu_s / requests * 1e3:>15.3f}"
+        )
+    approx_first, approx_cont = passes[:2]
+    for i, arm in enumerate(ARMS[1:], 1):
+        first, cont = passes[2 * i : 2 * i + 2]
+        first_ms = (first.gateway_cpu_s - approx_first.gateway_cpu_s) / n * 1e3
+        cont_ms = (cont.gateway_cpu_s - approx_cont.gateway_cpu_s) / (n * (args.turns - 1)) * 1e3
+        per_token_us = first_ms * 1e3 / (first.events / n)
+        print(
+            f"{arm} - approximate: first turns {first_ms:+.3f} ms/req ({per_token_us:.2f} µs "
+            f"per prompt token), continuations {cont_ms:+.3f} ms/req"
+        )
+    return passes
+
+
 def run_bench_cpu(args: argparse.Namespace) -> int:
     key = "sk-bench"
     print(f"on: {environment()}")
-    if args.suite:
+    if args.conversations:
+        passes = run_conversations(args, key)
+    elif args.suite:
         passes = _suite(args, key)
     elif args.relay:
         passes = run_relay(args, key)

@@ -40,6 +40,19 @@ def test_the_cpu_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("on: python ") and "load average" in out  # what it ran on
 
 
+def test_the_conversation_benchmark_prices_precise_keying_apart(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ("--conversations", "2", "--turns", "2", "--concurrency", "2")
+    assert run_bench_cpu(_args(add_bench_cpu_arguments, *argv)) == 0
+    out = capsys.readouterr().out
+    for arm in ("approximate", "precise, events off", "precise"):
+        for kind, requests in (("first turns", 2), ("continuations", 2)):
+            row = re.search(rf"^{re.escape(arm)}: {kind} +{requests} +0 ", out, re.MULTILINE)
+            assert row is not None, out
+    assert "precise - approximate: first turns" in out and "µs per prompt token" in out
+
+
 def test_the_relay_benchmark_counts_chunks_and_prices_each(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

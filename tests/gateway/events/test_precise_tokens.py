@@ -200,3 +200,148 @@ async def test_a_tokenizer_mismatch_is_counted_and_logged(
             assert await check.check(session, engine.url, body, True, theirs) is False
     assert (check.stats.checks, check.stats.mismatches) == (2, 1)
     assert "disagrees" in caplog.text and engine.url in caplog.text
+
+
+def conversation(parsed: ParsedRequest) -> list[dict[str, Any]]:
+    body = engine_body(parsed)
+    messages: list[dict[str, Any]] = body["messages"]  # type: ignore[assignment]
+    return messages
+
+
+TWO_RESULTS = [
+    SYSTEM,
+    {"role": "user", "content": "What is in a.py and b.py?" + words("tok-two", 40)},
+    {
+        "role": "assistant",
+        "content": "Reading both.",
+        "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "read_file", "arguments": ""}}
+            for i in (1, 2)
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "print(1)"},
+    {"role": "tool", "tool_call_id": "c2", "content": "print(2)"},
+    {"role": "assistant", "content": "Two prints." + words("tok-two-reply", 30)},
+    {"role": "user", "content": [{"type": "text", "text": "And"}, {"type": "text", "text": "c?"}]},
+]
+
+
+@pytest.mark.parametrize("case", ["chat", "tools", "anthropic", "two tool results"])
+def test_a_conversation_keyed_turn_by_turn_has_the_engines_ids(engine: Served, case: str) -> None:
+    """Every prefix of the conversation sent in order, as an agent sends its turns: each after
+    the first is rendered from the previous one's cached prefix (only its new messages through
+    the template), and every one has the ids the engine gives the whole request."""
+    if case == "two tool results":
+        body: dict[str, Any] = {"model": MODEL, "tools": [TOOL], "messages": TWO_RESULTS}
+    else:
+        body = dict(engine_body(CASES[case]()))
+    messages = body["messages"]
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    for n in range(1, len(messages) + 1):
+        for agp in (True, False):
+            turn = {**body, "messages": messages[:n], "add_generation_prompt": agp}
+            ids = tokens.ids(turn, chat=True, cache_salt="tenant-a")
+            ask = {k: turn[k] for k in ("messages", "tools", "add_generation_prompt") if k in turn}
+            r = httpx.post(engine.url + "/tokenize", json={"model": MODEL, **ask})
+            assert r.status_code == 200, r.text
+            assert list(ids) == r.json()["tokens"], (n, agp)
+    # every request after the first found a prefix (its own conversation's shorter turn),
+    # but for the second of two tool results, whose left neighbour's turn is still open
+    # (rendered whole)
+    assert tokens.stats.prefix_hits == 2 * len(messages) - 1 - (case == "two tool results")
+    assert tokens.stats.incremental_mismatches == 0 and tokens.stats.incremental_checks >= 1
+
+
+def test_a_continuation_renders_and_encodes_only_its_new_messages() -> None:
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    messages: list[dict[str, Any]] = [SYSTEM]
+    for turn in range(6):
+        messages.append({"role": "user", "content": words(f"inc-user{turn}", 200)})
+        before = tokens.stats.tokens_encoded, tokens.stats.prefix_tokens
+        ids = tokens.ids({"messages": messages}, chat=True, cache_salt="s")
+        whole = tokens.tokenizer.encode(tokens.tokenizer.render_chat(messages))
+        assert list(ids) == whole
+        encoded = tokens.stats.tokens_encoded - before[0]
+        reused = tokens.stats.prefix_tokens - before[1]
+        if turn:
+            # the user turn and the reply before it (~300 words), not the conversation
+            assert encoded < 400 and reused > len(whole) - 400
+        messages.append({"role": "assistant", "content": words(f"inc-reply{turn}", 100)})
+    assert tokens.stats.prefix_hits == 5
+
+
+def test_tenants_share_no_cached_segment_or_prefix() -> None:
+    """The same system prompt and turn from two cache salts: the second tenant's request finds
+    nothing of the first's (a hit would be faster: a timing oracle), and gets the same ids."""
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    body = {"messages": [SYSTEM, {"role": "user", "content": words("shared", 100)}]}
+    a = tokens.ids(body, chat=True, cache_salt="salt-a")
+    first = tokens.stats.tokens_encoded, tokens.stats.segment_hits
+    b = tokens.ids(body, chat=True, cache_salt="salt-b")
+    assert list(a) == list(b) and first[0] > len(a) / 2
+    # tenant B encoded all of it again and hit only its own repeated segments, as A did
+    assert (tokens.stats.tokens_encoded, tokens.stats.segment_hits) == (2 * first[0], 2 * first[1])
+    assert tokens.stats.prefix_hits == 0
+    assert list(tokens.ids(body, chat=True, cache_salt="salt-a")) == list(a)
+    assert tokens.stats.prefix_hits == 1 and tokens.stats.tokens_encoded == 2 * first[0]
+
+
+def test_the_prefix_cache_is_bounded() -> None:
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR), max_prefix_tokens=500)
+    for i in range(8):
+        messages = [SYSTEM, {"role": "user", "content": words(f"bound{i}", 120)}]
+        tokens.ids({"messages": messages}, chat=True, cache_salt="s")
+    assert 0 < tokens.prefix_cached_tokens <= 500
+
+
+def test_a_template_that_does_not_render_by_message_is_caught_and_rendered_whole(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A template numbering turns past the tenth (beyond every probe) passes the load-time
+    probes; the sampled whole rendering catches it and every chat is rendered whole after."""
+    from gateway.events import prompts
+
+    monkeypatch.setattr(prompts, "VERIFY_EVERY", 1)
+    config = orjson.loads((MODEL_DIR / "tokenizer_config.json").read_bytes())
+    plain = "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    assert plain in config["chat_template"]
+    numbered = (
+        "{{- '<|im_start|>' + message.role + ((' ' + loop.index|string) if loop.index > 10 "
+        "else '') + '\\n' + message.content + '<|im_end|>\\n' }}"
+    )
+    config["chat_template"] = config["chat_template"].replace(plain, numbered)
+    (tmp_path / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((MODEL_DIR / "tokenizer.json").read_bytes())
+    tokens = PromptTokens(ModelTokenizer(tmp_path))
+    assert tokens.incremental
+    messages: list[dict[str, Any]] = []
+    with caplog.at_level("WARNING"):
+        for turn in range(12):
+            messages.append({"role": "user" if turn % 2 == 0 else "assistant", "content": "t"})
+            ids = tokens.ids({"messages": messages}, chat=True)
+            prompt = tokens.tokenizer.render_chat(messages)
+            assert list(ids) == tokens.tokenizer.encode(prompt)
+    assert tokens.stats.incremental_mismatches == 1 and not tokens.incremental
+    assert "differs from rendering it whole" in caplog.text
+
+
+def test_a_template_that_refuses_a_lone_system_message_still_keys_every_chat(
+    tmp_path: Any,
+) -> None:
+    """The header entry (a conversation's first message alone) is rendered on the side; a
+    template that refuses it must not turn a valid request into an error."""
+    config = orjson.loads((MODEL_DIR / "tokenizer_config.json").read_bytes())
+    config["chat_template"] = (
+        "{%- if messages|length == 1 and messages[0].role == 'system' %}"
+        "{{- raise_exception('a system message alone') }}{%- endif %}" + config["chat_template"]
+    )
+    (tmp_path / "tokenizer_config.json").write_bytes(orjson.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((MODEL_DIR / "tokenizer.json").read_bytes())
+    tokens = PromptTokens(ModelTokenizer(tmp_path))
+    messages: list[dict[str, Any]] = [SYSTEM]
+    for turn in range(3):
+        messages.append({"role": "user", "content": words(f"lone{turn}", 40)})
+        ids = tokens.ids({"messages": messages}, chat=True)
+        assert list(ids) == tokens.tokenizer.encode(tokens.tokenizer.render_chat(messages))
+        messages.append({"role": "assistant", "content": "ok"})
+    assert tokens.stats.prefix_hits == 2

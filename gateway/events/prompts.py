@@ -1,0 +1,315 @@
+"""Prompt token ids as the engine will see them, computed once per new piece of a
+conversation.
+
+    chat ──message keys──▶ longest cached prefix k ──▶ ids(S(k)) (prefix cache)
+         ──template, messages k-1.. only──▶ tail text ──segments──▶ ids (segment cache)
+         ids(S(n)) = ids(S(k)) + ids(tail) kept for the next turn; + ids(G) when asked
+    completion / a chat that cannot go incrementally ──whole text──▶ segments ──▶ ids
+
+Two caches, both LRU and bounded in tokens (4 bytes each), both keyed under the request's
+cache salt, so a tenant can neither read another's entries nor time them (a hit is faster
+than a miss: an unsalted cache would tell tenant B that tenant A sent this system prompt):
+
+- segments (`DEFAULT_SEGMENT_CACHE_TOKENS`): the rendering cut right before every added
+  token. A Hugging Face tokenizer splits its input at added tokens before anything else, so
+  encoding the pieces one by one gives exactly the ids of encoding the whole; in a chat every
+  message starts with one (`<|im_start|>`).
+- prefixes (`DEFAULT_PREFIX_CACHE_TOKENS`): a conversation's ids up to the end of its last
+  message without the generation prompt, found by a chain of keys over its messages'
+  JSON (`key(i) = H(key(i-1) || message i)`, `key(-1) = H(salt, tools)`), so a continuation
+  renders and tokenizes only the messages it adds (`cachemap.incremental` says when a
+  template allows it). The entry a continuation came from is moved to the old end: one
+  conversation keeps one live entry, and a fan-out sibling arriving just after still finds it.
+
+Residual channel, stated: the bounds are shared, so one tenant's volume evicts another's
+entries sooner (as the engines' own KV caches do); no entry is ever shared.
+
+The incremental rendering is compared with the whole one for the first request and every
+`VERIFY_EVERY`-th after (a whole render of the sample): a difference turns it off for good,
+counted and logged as a WARNING (the ids returned are then the whole rendering's).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mmh3
+import orjson
+
+from cachemap.chat_template import ChatTemplateError
+from cachemap.incremental import IncrementalTemplate
+from cachemap.tokenizer import ModelTokenizer, chat_flag
+
+log = logging.getLogger(__name__)
+
+OFF_LOOP_CHARS = 16_384
+"""Text to encode above which it is encoded in a thread (~4k tokens, ~5 ms of the loop); below
+it the thread hop (~0.1 ms) costs more than it saves."""
+DEFAULT_SEGMENT_CACHE_TOKENS = 4_000_000
+"""Token ids kept of tokenized segments (4 bytes each: 16 MB): the system prompts, tools and
+turns of ~40 live 100k-token conversations, or thousands of ordinary chats."""
+DEFAULT_PREFIX_CACHE_TOKENS = 8_000_000
+"""Token ids kept of conversation prefixes (32 MB): one entry per live conversation, so ~80
+conversations at 100k tokens or ~2,000 at 4k."""
+VERIFY_EVERY = 64
+"""Every Nth incremental rendering (and the first) is also rendered whole and compared: ~1.5%
+more rendering, and a template the probes did not catch is turned off within 64 requests."""
+_PROMPTS_DOMAIN = b"kvgate/prompts/v1"
+
+
+@dataclass
+class TokenizeStats:
+    requests: int = 0
+    segments: int = 0
+    segment_hits: int = 0
+    tokens: int = 0
+    tokens_encoded: int = 0
+    """Tokens of segments that missed the cache (what was really encoded)."""
+    prefix_hits: int = 0
+    """Chats rendered from a cached prefix (only their new messages)."""
+    prefix_tokens: int = 0
+    """Tokens taken from the prefix cache."""
+    incremental_checks: int = 0
+    incremental_mismatches: int = 0
+    seconds: float = 0.0
+    """Time spent rendering, tokenizing and hashing (the precise mode's CPU per request)."""
+
+
+@dataclass
+class _Plan:
+    """A prompt's ids = `head` + ids(`text`) [kept at `key`] + ids(`suffix`)."""
+
+    salt: str
+    head: array.array[int]
+    text: str
+    suffix: str = ""
+    key: bytes | None = None
+    header: tuple[bytes, str] | None = None
+    """(key(0), S(1)): a conversation's first message (and tools) kept for the next one."""
+    verify: Mapping[str, Any] | None = None
+    """The body to render whole and compare (a sampled incremental rendering)."""
+
+
+class PromptTokens:
+    """Render and tokenize requests through the two salted caches (module docstring)."""
+
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer,
+        max_cached_tokens: int = DEFAULT_SEGMENT_CACHE_TOKENS,
+        max_prefix_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+        *,
+        incremental: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_cached_tokens = max_cached_tokens
+        self.max_prefix_tokens = max_prefix_tokens
+        self.stats = TokenizeStats()
+        added = tokenizer.added_tokens()
+        self._specials = tuple(t for t in added if t)
+        self.template = IncrementalTemplate(tokenizer.template, added)
+        self.incremental = incremental and self.template.enabled
+        self._cache: OrderedDict[tuple[str, str], array.array[int]] = OrderedDict()
+        self._cached_tokens = 0
+        self._prefixes: OrderedDict[bytes, array.array[int]] = OrderedDict()
+        self._prefix_tokens = 0
+        self._incremental_count = 0
+
+    async def ids_off_loop(
+        self, body: Mapping[str, Any], chat: bool, cache_salt: str = ""
+    ) -> Sequence[int]:
+        """`ids`, with the segments the cache lacks encoded in a worker thread when they are
+        over `OFF_LOOP_CHARS` (the tokenizer releases the GIL): a burst of long first turns
+        must not hold the event loop (it did: connections to the engines timed out behind
+        it)."""
+        plan = self._plan(body, chat, cache_salt)
+        if isinstance(plan, list):
+            return plan
+        missing = [
+            p for p in dict.fromkeys(self.segments(plan.text)) if (cache_salt, p) not in self._cache
+        ]
+        if sum(len(p) for p in missing) > OFF_LOOP_CHARS:
+            encoded = await asyncio.to_thread(self.tokenizer.encode_many, missing)
+            for piece, ids in zip(missing, encoded, strict=True):
+                self.stats.tokens_encoded += len(ids)
+                self._keep(cache_salt, piece, array.array("I", ids))
+        return self._assemble(plan, body, chat)
+
+    def ids(self, body: Mapping[str, Any], chat: bool, cache_salt: str = "") -> Sequence[int]:
+        """The prompt's token ids (`ChatTemplateError` for a malformed request): an
+        `array("I")` built from cached arrays without boxing an int per token."""
+        plan = self._plan(body, chat, cache_salt)
+        return plan if isinstance(plan, list) else self._assemble(plan, body, chat)
+
+    def _plan(self, body: Mapping[str, Any], chat: bool, salt: str) -> _Plan | list[int]:
+        if not chat or not self.incremental or chat_flag(body, "continue_final_message", False):
+            prompt = self.tokenizer.prompt_of(body, chat)
+            return prompt if isinstance(prompt, list) else _Plan(salt, array.array("I"), prompt)
+        messages, tools = self.tokenizer.chat_parts(body)
+        agp = chat_flag(body, "add_generation_prompt", True)
+        suffix = self.template.generation_prompt if agp else ""
+        keys = self._message_keys(salt, messages, tools)
+        if keys is None:  # not JSON (a huge int): whole, uncached
+            text = self.tokenizer.render_chat(messages, tools, add_generation_prompt=agp)
+            return _Plan(salt, array.array("I"), text)
+        whole_key = self._prefixes.get(keys[-1])
+        if whole_key is not None:  # the same conversation again (a retry, a sibling)
+            self._prefixes.move_to_end(keys[-1])
+            self.stats.prefix_hits += 1
+            self.stats.prefix_tokens += len(whole_key)
+            return _Plan(salt, whole_key, "", suffix)
+        n = len(messages)
+        for k in range(n - 1, 0, -1):
+            head = self._prefixes.get(keys[k - 1])
+            if head is None:
+                continue
+            tail = self.template.tail(messages, k)
+            if tail is None:
+                break
+            self._prefixes.move_to_end(keys[k - 1], last=False)  # see the module docstring
+            self.stats.prefix_hits += 1
+            self.stats.prefix_tokens += len(head)
+            self._incremental_count += 1
+            verify = self._incremental_count % VERIFY_EVERY == 1 or VERIFY_EVERY == 1
+            return _Plan(salt, head, tail, suffix, keys[-1], None, body if verify else None)
+        # rendered whole, as the engine renders it; S(n) kept when the rendering ends with G
+        # at a segment boundary (then ids(S(n)) are exactly the ids before G's)
+        text = self.tokenizer.render_chat(messages, tools, add_generation_prompt=agp)
+        key: bytes | None = keys[-1]
+        if suffix:
+            if text.endswith(suffix) and suffix.startswith(self._specials):
+                text = text[: -len(suffix)]
+            else:
+                text, suffix, key = text, "", None
+        header = None
+        if n > 1 and key is not None and keys[0] not in self._prefixes:
+            try:
+                first = self.template.whole(messages[:1], tools)
+            except ChatTemplateError:  # a template that refuses a lone first message
+                first = ""
+            if first and text.startswith(first) and text[len(first) :].startswith(self._specials):
+                header = (keys[0], first)
+        return _Plan(salt, array.array("I"), text, suffix, key, header)
+
+    def _assemble(self, plan: _Plan, body: Mapping[str, Any], chat: bool) -> array.array[int]:
+        out = array.array("I", plan.head)
+        out.extend(self.encode(plan.text, plan.salt))
+        if plan.key is not None:
+            self._keep_prefix(plan.key, out)
+        if plan.header is not None:
+            self._keep_prefix(plan.header[0], self.encode(plan.header[1], plan.salt))
+        if plan.suffix:
+            out.extend(self.encode(plan.suffix, plan.salt))
+        if plan.verify is not None:
+            out = self._verify(plan, out, body, chat)
+        self.stats.tokens += len(out)
+        return out
+
+    def _verify(
+        self, plan: _Plan, ids: array.array[int], body: Mapping[str, Any], chat: bool
+    ) -> array.array[int]:
+        self.stats.incremental_checks += 1
+        prompt = self.tokenizer.prompt_of(body, chat)
+        assert isinstance(prompt, str)
+        whole = self.encode(prompt, plan.salt)
+        if whole == ids:
+            return ids
+        self.stats.incremental_mismatches += 1
+        self.incremental = False
+        self._prefixes.clear()
+        self._prefix_tokens = 0
+        log.warning(
+            "precise mode: rendering this chat template message by message differs from "
+            "rendering it whole (%d ids against %d); every chat is now rendered whole",
+            len(ids),
+            len(whole),
+        )
+        return whole
+
+    def encode(self, text: str, salt: str = "") -> array.array[int]:
+        """The ids of `text`, segment by segment through the salted segment cache."""
+        out: array.array[int] = array.array("I")
+        stats = self.stats
+        cache = self._cache
+        for piece in self.segments(text):
+            if not piece:
+                continue
+            stats.segments += 1
+            slot = (salt, piece)
+            cached = cache.get(slot)
+            if cached is not None:
+                cache.move_to_end(slot)
+                stats.segment_hits += 1
+                out.extend(cached)
+                continue
+            ids = array.array("I", self.tokenizer.encode(piece))
+            stats.tokens_encoded += len(ids)
+            out.extend(ids)
+            self._keep(salt, piece, ids)
+        return out
+
+    def segments(self, text: str) -> list[str]:
+        """`text` cut right before every added token (str.find per token: a regex lookahead at
+        every position was 1 ms per 80 kB)."""
+        starts = {0}
+        for token in self._specials:
+            i = text.find(token)
+            while i >= 0:
+                starts.add(i)
+                i = text.find(token, i + len(token))
+        cuts = sorted(starts)
+        return [text[a:b] for a, b in zip(cuts, [*cuts[1:], len(text)], strict=True)]
+
+    @staticmethod
+    def _message_keys(
+        salt: str, messages: Sequence[Any], tools: Sequence[Any] | None
+    ) -> list[bytes] | None:
+        try:
+            key = mmh3.mmh3_x64_128_digest(
+                _PROMPTS_DOMAIN + salt.encode() + b"\x00" + orjson.dumps(tools)
+            )
+            keys = []
+            for message in messages:
+                key = mmh3.mmh3_x64_128_digest(key + orjson.dumps(message))
+                keys.append(key)
+        except (orjson.JSONEncodeError, UnicodeEncodeError):
+            return None
+        return keys
+
+    def _keep(self, salt: str, piece: str, ids: array.array[int]) -> None:
+        if len(ids) > self.max_cached_tokens:
+            return
+        self._cache[(salt, piece)] = ids
+        self._cached_tokens += len(ids)
+        while self._cached_tokens > self.max_cached_tokens:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_tokens -= len(dropped)
+
+    def _keep_prefix(self, key: bytes, ids: array.array[int]) -> None:
+        if len(ids) > self.max_prefix_tokens:
+            return
+        old = self._prefixes.pop(key, None)
+        if old is not None:
+            self._prefix_tokens -= len(old)
+        self._prefixes[key] = array.array("I", ids)
+        self._prefix_tokens += len(ids)
+        while self._prefix_tokens > self.max_prefix_tokens:
+            _, dropped = self._prefixes.popitem(last=False)
+            self._prefix_tokens -= len(dropped)
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._cached_tokens
+
+    @property
+    def prefix_cached_tokens(self) -> int:
+        return self._prefix_tokens
+
+
+__all__ = ["ChatTemplateError", "PromptTokens", "TokenizeStats"]

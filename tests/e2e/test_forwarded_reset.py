@@ -1,0 +1,61 @@
+"""A prefix-cache reset sent through the gateway's admin port: no routing decision after it
+matches what the engine held, even when the engine's AllBlocksCleared never reaches the
+gateway (real engines publishing over ZMQ, a real gateway)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from cachemap.events import EventIndex, precise_keys
+from tests.conftest import metrics_url
+from tests.e2e.test_precise import (
+    CONVERSATION,
+    chat,
+    feeds,
+    indexed,
+    parts_of,
+    precise_fleet,
+    salt_of,
+    via,
+)
+from tests.servers import Served, wait_until
+
+pytestmark = pytest.mark.e2e
+__all__ = ["precise_fleet"]  # the fixture, used by name
+
+
+def test_a_reset_through_the_gateway_stops_routing_on_the_wiped_entries(
+    precise_fleet: Callable[..., tuple[list[Served], list[Served]]],
+) -> None:
+    engines, (gateway,) = precise_fleet(2)
+    keying = parts_of(gateway).keying
+    assert keying is not None and keying.precise is not None
+    index = keying.precise.index
+    body = chat(CONVERSATION)
+    via(gateway, body)
+    wait_until(lambda: any(indexed(gateway, e.url, 4)() for e in engines), what="the blocks")
+    (holder,) = [e for e in engines if indexed(gateway, e.url, 4)()]
+    salt = salt_of(gateway)
+    keys = precise_keys(keying.precise.tokens.ids(body, chat=True, cache_salt=salt), salt, 16)
+    assert index.lookup(keys, 0.0)[holder.url].depth >= 4
+    # the engine's AllBlocksCleared must not be what tells the gateway: from here its feed
+    # applies what it receives to an index nobody reads
+    (feed,) = feeds(gateway, holder.url)
+    feed.index = EventIndex()
+    r = httpx.post(metrics_url(gateway) + "/reset_prefix_cache", params={"replica": holder.url})
+    assert r.status_code == 200 and r.json() == {holder.url: 200}
+    assert index.lookup(keys, 0.0) == {} and index.num_blocks(holder.url) == 0
+    assert keying.num_resets == 1 and not keying.wiping
+
+
+def test_a_reset_of_every_engine_and_of_an_unknown_one(
+    precise_fleet: Callable[..., tuple[list[Served], list[Served]]],
+) -> None:
+    engines, (gateway,) = precise_fleet(2)
+    r = httpx.post(metrics_url(gateway) + "/reset_prefix_cache", params={"replica": "http://x"})
+    assert r.status_code == 404
+    r = httpx.post(metrics_url(gateway) + "/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {e.url: 200 for e in engines}
