@@ -186,17 +186,21 @@ async def run_step(
     errors = 0
     async with aiohttp.ClientSession(connector=connector) as http:
         tasks: list[asyncio.Task[float | None]] = []
+        in_flight: set[asyncio.Task[float | None]] = set()
         start = time.monotonic()
         for k in range(num):
             due = start + k / rate
             delay = due - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if sum(not t.done() for t in tasks[-MAX_IN_FLIGHT:]) >= MAX_IN_FLIGHT:
+            if len(in_flight) >= MAX_IN_FLIGHT:
                 errors += 1
                 continue
             body = bodies[(first + k) % len(bodies)]
-            tasks.append(asyncio.create_task(_one(http, urls[k % len(urls)], headers, body, due)))
+            task = asyncio.create_task(_one(http, urls[k % len(urls)], headers, body, due))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+            tasks.append(task)
         window = max(time.monotonic() - start, num / rate)
         done, pending = await asyncio.wait(tasks, timeout=DRAIN_S) if tasks else (set(), set())
         for task in pending:

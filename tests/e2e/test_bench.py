@@ -88,12 +88,14 @@ def test_every_arm_reports_its_max_rate_in_the_same_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Router CPU ms/request and max sustainable requests/s side by side: two short steps per
-    arm against instant stand-ins, low enough that every router holds them."""
+    arm against instant stand-ins, low enough (and a p99 bound loose enough) that every router
+    holds them on a loaded machine."""
     out = tmp_path / "bench.md"
     arms = "kvgate:cache_aware,sglang:cache_aware,vllm:cache_aware,client:round_robin"
     argv = ["bench", "--start", "4000", "--requests", "10", "--engines", "2"]
     argv += ["--time-scale", "50", "--arms", arms, "--out", str(out)]
     argv += ["--rate-steps", "2", "--rate-start", "8", "--rate-step-s", "0.5"]
+    argv += ["--rate-p99-ttft-ms", "3000"]  # the plumbing, not this shared machine's hiccups
     assert main(argv) == 0
     capsys.readouterr()
     table = out.read_text()

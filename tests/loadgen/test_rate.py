@@ -80,7 +80,7 @@ def test_the_stand_in_engines_stream_at_once_and_the_ramp_holds_at_low_rates() -
             stand_ins.urls,
             None,
             [orjson.dumps(body)],
-            RateOptions(start_rps=10.0, max_steps=2, step_s=0.5),
+            RateOptions(start_rps=10.0, max_steps=2, step_s=0.5, p99_ttft_s=3.0),
         )
     assert [s.offered_rps for s in result.steps] == [10.0, 15.0]
     assert result.reached_last_step and result.max_sustained_rps == 15.0
