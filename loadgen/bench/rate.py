@@ -43,11 +43,12 @@ from loadgen.traces.synthesis import PromptSynthesizer
 DEFAULT_START_RPS = 20.0
 """Below any router's ceiling here (kvgate's ~6 ms of CPU per agent request: ~160/s a core)."""
 DEFAULT_FACTOR = 1.5
-DEFAULT_MAX_STEPS = 8
-"""20 × 1.5^7 ≈ 340 requests/s at the last step: above what one Python client can send here."""
+DEFAULT_MAX_STEPS = 11
+"""20 × 1.5^10 ≈ 1,150 requests/s at the last step: kvgate and sglang-router both held 342/s
+(the 8th step) on agent-sized bodies here, and one Python client cannot send much more."""
 DEFAULT_STEP_S = 4.0
 """Long enough that a router 10% over its ceiling queues ~0.4 s of work (p99 TTFT past the
-bound), short enough that 8 steps and a refinement cost under a minute per arm."""
+bound), short enough that 11 steps and a refinement cost ~1.5 minutes per arm at most."""
 DEFAULT_P99_TTFT_S = 0.25
 """An instant engine's TTFT through a router is ~2-10 ms: 250 ms means a queue has built."""
 DEFAULT_OUTPUT_TOKENS = 16
