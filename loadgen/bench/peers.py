@@ -810,5 +810,5 @@ def step_text(step: Step) -> str:
     p99 = f"{step.ttft_p99_s * 1e3:.0f} ms" if math.isfinite(step.ttft_p99_s) else "no answers"
     cpu = step.router_cpu_ms_per_request
     extra = f", {cpu:.2f} ms CPU/req" if cpu is not None else ""
-    errors = f", {step.errors} errors" if step.errors else ""
+    errors = f", {step.errors} errors: {step.first_error[:80]}" if step.errors else ""
     return f"{step.offered_rps:.0f}/s {mark} (p99 {p99}{errors}{extra})"

@@ -97,6 +97,7 @@ class Step:
     sustained: bool
     router_cpu_ms_per_request: float | None = None
     engine_cpu_ms_per_request: float | None = None
+    first_error: str = ""
 
 
 @dataclass
@@ -149,22 +150,24 @@ def request_bodies(trace: Trace, options: RateOptions) -> list[bytes]:
 
 async def _one(
     http: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes, due: float
-) -> float | None:
-    """TTFT from `due` to the first body bytes, or None when the answer is not a whole stream."""
+) -> float | str:
+    """TTFT from `due` to the first body bytes, or what was wrong when the answer is not a
+    whole stream."""
     ttft: float | None = None
     tail = b""
     try:
         async with http.post(url, data=body, headers=headers) as resp:
             if resp.status != 200:
-                await resp.read()
-                return None
+                return f"{resp.status} {(await resp.read())[:120].decode(errors='replace')}"
             async for chunk in resp.content.iter_any():
                 if ttft is None:
                     ttft = time.monotonic() - due
                 tail = (tail + chunk)[-32:]
-    except (aiohttp.ClientError, TimeoutError):
-        return None
-    return ttft if b"[DONE]" in tail else None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return f"{type(exc).__name__}: {exc}"[:160]
+    if ttft is None or b"[DONE]" not in tail:
+        return "the stream ended without [DONE]"
+    return ttft
 
 
 async def run_step(
@@ -174,9 +177,10 @@ async def run_step(
     rate: float,
     options: RateOptions,
     first: int = 0,
-) -> tuple[int, int, list[float], float]:
+) -> tuple[int, int, list[float], float, str]:
     """One open-loop step at `rate`: (sent, errors, TTFTs of the answers, the send window's
-    seconds). Request k carries body `first + k` (mod the bodies) and target k mod targets."""
+    seconds, the first error). Request k carries body `first + k` (mod the bodies) and target
+    k mod targets."""
     headers = {"content-type": "application/json"}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
@@ -185,9 +189,10 @@ async def run_step(
     connector = aiohttp.TCPConnector(limit=MAX_IN_FLIGHT)
     ttfts: list[float] = []
     errors = 0
+    first_error = ""
     async with aiohttp.ClientSession(connector=connector) as http:
-        tasks: list[asyncio.Task[float | None]] = []
-        in_flight: set[asyncio.Task[float | None]] = set()
+        tasks: list[asyncio.Task[float | str]] = []
+        in_flight: set[asyncio.Task[float | str]] = set()
         start = time.monotonic()
         for k in range(num):
             due = start + k / rate
@@ -196,6 +201,7 @@ async def run_step(
                 await asyncio.sleep(delay)
             if len(in_flight) >= MAX_IN_FLIGHT:
                 errors += 1
+                first_error = first_error or f"{MAX_IN_FLIGHT} requests in flight: not sent"
                 continue
             body = bodies[(first + k) % len(bodies)]
             task = asyncio.create_task(_one(http, urls[k % len(urls)], headers, body, due))
@@ -208,13 +214,16 @@ async def run_step(
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     for task in done:
-        ttft = task.result()
-        if ttft is None:
+        outcome = task.result()
+        if isinstance(outcome, str):
             errors += 1
+            first_error = first_error or outcome
         else:
-            ttfts.append(ttft)
-    errors += len(pending)
-    return num, errors, ttfts, window
+            ttfts.append(outcome)
+    if pending:
+        errors += len(pending)
+        first_error = first_error or f"not answered within {DRAIN_S:g} s of the step's end"
+    return num, errors, ttfts, window, first_error
 
 
 def _run(step: Coroutine[Any, Any, _T]) -> _T:
@@ -239,7 +248,9 @@ def ramp(
     first = 0
     while (rate := next_rate(steps, options)) is not None:
         router0, engines0 = cpu()
-        sent, errors, ttfts, window = _run(run_step(targets, api_key, bodies, rate, options, first))
+        sent, errors, ttfts, window, first_error = _run(
+            run_step(targets, api_key, bodies, rate, options, first)
+        )
         router1, engines1 = cpu()
         first += sent
         p99 = percentile(ttfts, 0.99) if ttfts else math.inf
@@ -260,6 +271,7 @@ def ramp(
                     else None
                 ),
                 engine_cpu_ms_per_request=(engines1 - engines0) / max(ok, 1) * 1e3,
+                first_error=first_error,
             )
         )
     held = [s.offered_rps for s in steps if s.sustained]

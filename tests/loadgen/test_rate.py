@@ -57,6 +57,7 @@ def test_a_target_that_refuses_every_connection_sustains_nothing() -> None:
     assert result.max_sustained_rps is None and not result.reached_last_step
     (only,) = result.steps  # the first step failed and there is nothing below it to refine to
     assert only.sent == 5 and only.errors == 5 and only.ok == 0 and not only.sustained
+    assert only.first_error.startswith("ClientConnectorError")
 
 
 @pytest.mark.e2e
