@@ -700,12 +700,18 @@ def run_bench(args: argparse.Namespace) -> int:
                 results.append(ArmResult(arm.name, run, None, None, 0.0, 0.0, 0.0, missing))
                 continue
             try:
-                results.append(run_arm(arm, setup, run))
-                results[-1].rate = run_rate(arm, setup, bodies, rate_options)
-                print(markdown_table(results[-1:], refs.lru_reference_hit_ratio, setup), flush=True)
+                result = run_arm(arm, setup, run)
             except (RuntimeError, TimeoutError, OSError) as exc:
                 console.print(f"[red]{arm.name}: failed to run: {exc}[/]")
                 results.append(ArmResult(arm.name, run, None, None, 0.0, 0.0, 0.0, str(exc)))
+                continue
+            try:  # the replay's row stays whatever happens to the ramp
+                result.rate = run_rate(arm, setup, bodies, rate_options)
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                console.print(f"[red]{arm.name}: the max-rate steps failed to run: {exc}[/]")
+                result.note = result.note or f"max-rate steps: {exc}"[:200]
+            results.append(result)
+            print(markdown_table(results[-1:], refs.lru_reference_hit_ratio, setup), flush=True)
     table = markdown_table(results, refs.lru_reference_hit_ratio, setup)
     header = (
         f"`{command}`\n\n{len(trace.requests):,} requests from line {args.start} of "
