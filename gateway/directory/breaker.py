@@ -5,6 +5,11 @@
                                  the request path stops asking Redis; a background probe pings
                                  it every PROBE_INTERVAL_S (and refreshes the generations)
 
+Consecutive means one after another: a failed lookup counts only if it started after the last
+failure counted. Lookups in flight together that fail together (one stall: the gateway or Redis
+descheduled on a loaded machine, a Redis pause) are one failure, not DEGRADE_AFTER of them; a
+Redis that is really away fails the lookups sent after the first failure too.
+
 Each change of state is logged once, at WARNING, and counted. Coming back calls `on_back` with
 the wall-clock time the outage began (what Redis may have missed since: `restore.WriteBack`).
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -35,6 +41,8 @@ class BreakerState:
     consecutive_failures: int = 0
     degraded_since_s: float | None = None
     """Wall-clock time the current outage began (None while healthy)."""
+    last_failure_s: float = -math.inf
+    """`time.perf_counter()` when the last counted failure was noticed."""
 
 
 class Breaker:
@@ -52,9 +60,14 @@ class Breaker:
     def succeeded(self) -> None:
         self.state.consecutive_failures = 0
 
-    def failed(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException, started_s: float) -> None:
+        """A lookup that began at `started_s` (`time.perf_counter()`) failed; it counts unless
+        it was already in flight when the last counted failure was noticed (the same stall)."""
         log.debug("shared lookup failed: %r", exc)
         state = self.state
+        if started_s < state.last_failure_s:
+            return
+        state.last_failure_s = time.perf_counter()
         state.consecutive_failures += 1
         if state.consecutive_failures >= DEGRADE_AFTER and not state.degraded:
             reason = (

@@ -222,7 +222,7 @@ class RoutingDirectory:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self.breaker.failed(exc)
+                self.breaker.failed(exc, started)
             else:
                 elapsed = time.perf_counter() - started
                 self.stats.lookup_seconds += elapsed

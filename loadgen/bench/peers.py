@@ -56,6 +56,20 @@ from pathlib import Path
 import httpx
 import orjson
 
+from loadgen.bench.fast_engine import fast_engines
+from loadgen.bench.rate import (
+    DEFAULT_FACTOR,
+    DEFAULT_MAX_STEPS,
+    DEFAULT_OUTPUT_TOKENS,
+    DEFAULT_P99_TTFT_S,
+    DEFAULT_START_RPS,
+    DEFAULT_STEP_S,
+    RateOptions,
+    RateResult,
+    Step,
+    ramp,
+    request_bodies,
+)
 from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.engine.timing import (
     DEFAULT_DECODE_S_PER_TOKEN,
@@ -319,6 +333,8 @@ class ArmResult:
     """The idle hop: median one-token TTFT through the router minus straight at an engine."""
     decisions: dict[str, int] = dataclasses.field(default_factory=dict)
     """kvgate arms: the gateway's routing decisions by reason (prefix, load_bound, no_match)."""
+    rate: RateResult | None = None
+    """The max-rate steps against instant stand-in engines (`loadgen.bench.rate`)."""
 
 
 @dataclass(frozen=True)
@@ -460,6 +476,31 @@ def routing_decisions(metrics_url: str) -> dict[str, int]:
     return out
 
 
+NO_RATE_KINDS = ("precise",)
+"""Arms whose max rate is not measured: precise mode routes on the engines' KV events, which
+the stand-ins do not publish."""
+
+
+def run_rate(
+    arm: Arm, setup: Setup, bodies: Sequence[bytes], options: RateOptions
+) -> RateResult | None:
+    """The arm's router in front of fresh instant stand-ins (as many as the engines), ramped
+    open loop until it cannot keep up (`loadgen.bench.rate`)."""
+    if arm.kind in NO_RATE_KINDS or options.max_steps == 0:
+        return None
+    with (
+        fast_engines(setup.num_engines) as stand_ins,
+        start_router(arm, stand_ins.urls, setup.directory_capacity_blocks) as router,
+    ):
+        pid = router.pid
+
+        def cpu() -> tuple[float | None, float]:
+            own = processes.tree_cpu_seconds(pid) if pid else None
+            return own, processes.cpu_seconds(stand_ins.pid)
+
+        return ramp(router.targets, router.api_key, bodies, options, cpu)
+
+
 def pick_time_scale(setup: Setup) -> tuple[float, list[tuple[float, float]]]:
     """The largest scale in AUTO_SCALES whose router-less replay of the slice's start keeps the
     machine under AUTO_CPU_BUSY_LIMIT; the probes as (scale, busy share)."""
@@ -531,6 +572,34 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_DIRECTORY_SCALE,
         help="kvgate's directory capacity as a multiple of each engine's KV (default 8)",
     )
+    parser.add_argument(
+        "--rate-steps",
+        type=int,
+        default=DEFAULT_MAX_STEPS,
+        help="max-rate ramp per arm against instant stand-in engines: at most this many "
+        "steps (+1 to refine; 0: skip)",
+    )
+    parser.add_argument(
+        "--rate-start", type=float, default=DEFAULT_START_RPS, help="first step, requests/s"
+    )
+    parser.add_argument(
+        "--rate-factor", type=float, default=DEFAULT_FACTOR, help="each step's rate × this"
+    )
+    parser.add_argument(
+        "--rate-step-s", type=float, default=DEFAULT_STEP_S, help="seconds per rate step"
+    )
+    parser.add_argument(
+        "--rate-p99-ttft-ms",
+        type=float,
+        default=DEFAULT_P99_TTFT_S * 1e3,
+        help="a step is sustained while its p99 TTFT stays under this (and errors <= 1%%)",
+    )
+    parser.add_argument(
+        "--rate-output-tokens",
+        type=int,
+        default=DEFAULT_OUTPUT_TOKENS,
+        help="streamed tokens per answer in the rate steps",
+    )
     parser.add_argument("--out", default="bench-results.md", help="markdown table (and .json)")
 
 
@@ -549,6 +618,14 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ValueError("--utilization must be between 0 and 1")
         if args.time_scale != "auto" and float(args.time_scale) <= 0:
             raise ValueError("--time-scale must be positive or 'auto'")
+        rate_options = RateOptions(
+            start_rps=args.rate_start,
+            factor=args.rate_factor,
+            max_steps=args.rate_steps,
+            step_s=args.rate_step_s,
+            p99_ttft_s=args.rate_p99_ttft_ms / 1e3,
+            output_tokens=args.rate_output_tokens,
+        )
         trace = read_trace(args.trace, start=args.start, limit=args.requests)
         if not trace.requests:
             raise ValueError(f"{args.trace}: no requests from line {args.start}")
@@ -613,6 +690,7 @@ def run_bench(args: argparse.Namespace) -> int:
             + ", ".join(f"{s:g}× → {b:.0%} busy" for s, b in probes)
             + f"; using {scale:g}×"
         )
+    bodies = request_bodies(trace, rate_options) if rate_options.max_steps else []
     results: list[ArmResult] = []
     for run in range(1, args.repeat + 1):
         for arm in arms:
@@ -622,11 +700,18 @@ def run_bench(args: argparse.Namespace) -> int:
                 results.append(ArmResult(arm.name, run, None, None, 0.0, 0.0, 0.0, missing))
                 continue
             try:
-                results.append(run_arm(arm, setup, run))
-                print(markdown_table(results[-1:], refs.lru_reference_hit_ratio, setup), flush=True)
+                result = run_arm(arm, setup, run)
             except (RuntimeError, TimeoutError, OSError) as exc:
                 console.print(f"[red]{arm.name}: failed to run: {exc}[/]")
                 results.append(ArmResult(arm.name, run, None, None, 0.0, 0.0, 0.0, str(exc)))
+                continue
+            try:  # the replay's row stays whatever happens to the ramp
+                result.rate = run_rate(arm, setup, bodies, rate_options)
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                console.print(f"[red]{arm.name}: the max-rate steps failed to run: {exc}[/]")
+                result.note = result.note or f"max-rate steps: {exc}"[:200]
+            results.append(result)
+            print(markdown_table(results[-1:], refs.lru_reference_hit_ratio, setup), flush=True)
     table = markdown_table(results, refs.lru_reference_hit_ratio, setup)
     header = (
         f"`{command}`\n\n{len(trace.requests):,} requests from line {args.start} of "
@@ -639,6 +724,7 @@ def run_bench(args: argparse.Namespace) -> int:
         f"One shared LRU of the same capacity: "
         f"{refs.lru_reference_hit_ratio:.1%}. Background CPU load before the run: "
         f"{background:.0%} of {os.cpu_count()} cores.\n\n"
+        + rate_header(rate_options, setup.num_engines)
     )
     print(header + table, flush=True)  # plain: a markdown table must not be re-wrapped
     out = Path(args.out)
@@ -666,13 +752,13 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
     lines = [
         "| arm | run | requests | errors | hit ratio | of shared LRU | TTFT mean s | TTFT p50 s "
         "| TTFT p99 s | TTFT mean (trace s) | TTFT p99 (trace s) | router CPU ms/req "
-        "| Envoy CPU ms/req | idle hop ms | machine CPU busy |",
-        "| --- " + "| ---: " * 14 + "|",
+        "| Envoy CPU ms/req | idle hop ms | machine CPU busy | max req/s |",
+        "| --- " + "| ---: " * 15 + "|",
     ]
     for r in results:
         s = r.summary
         if s is None:
-            lines.append(f"| {r.arm} | {r.run} | | | | | | | | | | | | | {r.note} |")
+            lines.append(f"| {r.arm} | {r.run} | | | | | | | | | | | | | {r.note} | |")
             continue
         cpu = "" if r.router_cpu_ms_per_request is None else f"{r.router_cpu_ms_per_request:.2f}"
         envoy_cpu = (
@@ -683,7 +769,7 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
             f"| {r.arm} | {r.run} | {s.requests} | {s.errors} | {s.hit_ratio:.3f} | "
             f"{s.hit_ratio / lru if lru else 0:.1%} | {s.ttft_mean_s:.3f} | {s.ttft_p50_s:.3f} | "
             f"{s.ttft_p99_s:.3f} | {s.ttft_mean_s * k:.2f} | {s.ttft_p99_s * k:.2f} | {cpu} | "
-            f"{envoy_cpu} | {hop} | {r.machine_busy_share:.0%} |"
+            f"{envoy_cpu} | {hop} | {r.machine_busy_share:.0%} | {max_rate(r.rate)} |"
         )
     decided = [r for r in results if r.decisions]
     if decided:
@@ -691,4 +777,44 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
         for r in decided:
             reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(r.decisions.items()))
             lines.append(f"{r.arm} (run {r.run}) routing decisions: {reasons}  ")
+    ramped = [r for r in results if r.rate is not None and r.rate.steps]
+    if ramped:
+        lines.append("")
+        for r in ramped:
+            assert r.rate is not None
+            steps = ", ".join(step_text(s) for s in r.rate.steps)
+            lines.append(f"{r.arm} (run {r.run}) rate steps: {steps}  ")
     return "\n".join(lines) + "\n"
+
+
+def rate_header(options: RateOptions, num_engines: int) -> str:
+    """What "max req/s" means in this run's table."""
+    if options.max_steps == 0:
+        return ""
+    return (
+        f"max req/s: open-loop steps from {options.start_rps:g}/s × {options.factor:g} (at most "
+        f"{options.max_steps}, {options.step_s:g} s each, then one refining step) through the "
+        f"arm's router to {num_engines} instant stand-in engines, {options.output_tokens} "
+        f"streamed tokens per answer; a step holds while errors ≤ 1% and p99 TTFT ≤ "
+        f"{options.p99_ttft_s * 1e3:g} ms. client:round_robin is the client's own ceiling.\n\n"
+    )
+
+
+def max_rate(rate: RateResult | None) -> str:
+    """The max sustained rate for the table: ≥ when even the last step held, < the first rate
+    when none did."""
+    if rate is None or not rate.steps:
+        return ""
+    if rate.max_sustained_rps is None:
+        return f"< {rate.steps[0].offered_rps:.0f}"
+    return ("≥ " if rate.reached_last_step else "") + f"{rate.max_sustained_rps:.0f}"
+
+
+def step_text(step: Step) -> str:
+    """`45/s ✓ (p99 12 ms, 3.10 ms CPU/req)`: one rate step, offered rate first."""
+    mark = "✓" if step.sustained else "✗"
+    p99 = f"{step.ttft_p99_s * 1e3:.0f} ms" if math.isfinite(step.ttft_p99_s) else "no answers"
+    cpu = step.router_cpu_ms_per_request
+    extra = f", {cpu:.2f} ms CPU/req" if cpu is not None else ""
+    errors = f", {step.errors} errors: {step.first_error[:80]}" if step.errors else ""
+    return f"{step.offered_rps:.0f}/s {mark} (p99 {p99}{errors}{extra})"

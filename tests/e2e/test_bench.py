@@ -52,6 +52,8 @@ def test_a_small_bench_runs_every_arm_and_writes_one_table(
         arms,
         "--time-scale",
         "50",
+        "--rate-steps",
+        "0",  # the max-rate ramp has its own test below
         "--out",
         str(out),
     ]
@@ -79,6 +81,39 @@ def test_a_small_bench_runs_every_arm_and_writes_one_table(
             assert row["summary"]["hit_ratio"] > 0
     assert payload["lru_reference_hit_ratio"] > 0
     assert 0 <= payload["background_busy_share"] <= 1
+    assert all(row["rate"] is None for row in rows.values())
+
+
+def test_every_arm_reports_its_max_rate_in_the_same_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Router CPU ms/request and max sustainable requests/s side by side: two short steps per
+    arm against instant stand-ins, low enough (and a p99 bound loose enough) that every router
+    holds them on a loaded machine."""
+    out = tmp_path / "bench.md"
+    arms = "kvgate:cache_aware,sglang:cache_aware,vllm:cache_aware,client:round_robin"
+    argv = ["bench", "--start", "4000", "--requests", "10", "--engines", "2"]
+    argv += ["--time-scale", "50", "--arms", arms, "--out", str(out)]
+    argv += ["--rate-steps", "2", "--rate-start", "8", "--rate-step-s", "0.5"]
+    argv += ["--rate-p99-ttft-ms", "3000"]  # the plumbing, not this shared machine's hiccups
+    assert main(argv) == 0
+    capsys.readouterr()
+    table = out.read_text()
+    assert "max req/s: open-loop steps from 8/s × 1.5" in table
+    rows = {r["arm"]: r for r in orjson.loads(out.with_suffix(".json").read_bytes())["results"]}
+    for name, row in rows.items():
+        if peer_missing(Arm(*name.split(":"))):
+            assert row["rate"] is None
+            continue
+        rate = row["rate"]
+        assert [s["offered_rps"] for s in rate["steps"]] == [8.0, 12.0], name
+        assert rate["max_sustained_rps"] == 12.0 and rate["reached_last_step"], rate
+        assert all(s["errors"] == 0 and s["ok"] == s["sent"] for s in rate["steps"]), rate
+        assert f"{name} (run 1) rate steps: 8/s ✓" in table
+        (line,) = [line for line in table.splitlines() if line.startswith(f"| {name} | 1 | 10 ")]
+        assert line.endswith("| ≥ 12 |"), line
+        if name != "client:round_robin":
+            assert rate["steps"][-1]["router_cpu_ms_per_request"] > 0
 
 
 def test_bad_bench_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ redis-server: the seams between the two stores."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.meta import DirectoryLayoutError
 from cachemap.redis.schema import replica_id
+from gateway.directory.breaker import DEGRADE_AFTER
 from gateway.directory.routing import RoutingDirectory
 from gateway.server.app import build
 from loadgen.harness.redis_servers import RedisServer
@@ -240,4 +242,37 @@ async def test_a_replica_that_left_leaves_nothing_behind(redis_url: str, replica
         d.register([replica])  # a new pod at the same address
         assert (await d.lookup(a)).overlap == {}
     finally:
+        await d.close()
+
+
+async def test_one_stall_that_fails_every_lookup_in_flight_is_one_failure_not_an_outage(
+    fresh_redis: RedisServer, replica: str
+) -> None:
+    """Lookups in flight together share one stall (Redis paused here; on a loaded machine, the
+    gateway or Redis descheduled for a few ms): all of them miss their deadline at once, and
+    that is one failure, not `DEGRADE_AFTER` — else one hiccup opens the breaker, and each
+    worker of a pod then routes on its own local index and writes it back (issue 17: 86% of a
+    bench arm's lookups fell back to local, 33-59 write-backs per 400 requests). Failures one
+    after another still open it."""
+    d = await composed(fresh_redis.url, [replica])
+    d.deadline_s = 0.05
+    client = await open_redis(fresh_redis.url)
+    try:
+        probes = [chain(f"{replica}-{i}", 4) for i in range(DEGRADE_AFTER)]
+        await asyncio.gather(*(d.lookup(p) for p in probes))  # a connection each, warm
+        await client.execute_command("CLIENT", "PAUSE", 300, "ALL")
+        together = await asyncio.gather(*(d.lookup(p) for p in probes))
+        assert all(look.degraded for look in together)  # every one missed its deadline...
+        assert not d.degraded  # ...in the same stall: the pod keeps routing on Redis
+        await client.execute_command("CLIENT", "UNPAUSE")
+        await shared_answers(d, probes[0], 5.0)
+
+        await client.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        for p in probes:  # each starts after the one before it failed: a real outage
+            assert (await d.lookup(p)).degraded
+        assert d.degraded
+    finally:
+        with contextlib.suppress(Exception):
+            await client.execute_command("CLIENT", "UNPAUSE")
+        await client.aclose()
         await d.close()
