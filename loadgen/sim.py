@@ -89,7 +89,11 @@ from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
 from router.profile import RoutingProfile
 from router.registry import DEFAULT_DISPLACEMENT_WEIGHT, POLICIES, RouterConfig, build_policy
-from router.scorers import DEFAULT_DISPLACEMENT_HALF_LIFE_S, DisplacementScorer
+from router.scorers import (
+    DEFAULT_DISPLACEMENT_HALF_LIFE_S,
+    DEFAULT_DISPLACEMENT_HOT_S,
+    DisplacementScorer,
+)
 from router.types import Decision, KvFrontier, Replica, RouteRequest
 
 DEFAULT_NUM_REPLICAS = 8
@@ -694,7 +698,15 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--displacement-half-life-s",
         type=float,
         default=DEFAULT_DISPLACEMENT_HALF_LIFE_S,
-        help="cache_pressure: idle seconds after which an evicted block weighs half",
+        help="cache_pressure: past the hot horizon, seconds in which an evicted block's "
+        "weight halves",
+    )
+    parser.add_argument(
+        "--displacement-hot-s",
+        type=float,
+        default=DEFAULT_DISPLACEMENT_HOT_S,
+        help="cache_pressure: an evicted block used less than this many seconds ago weighs a "
+        "whole block (0: the weight decays from the start)",
     )
     parser.add_argument(
         "--displacement-weight",
@@ -768,6 +780,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     router = RouterConfig(
         displacement_half_life_s=args.displacement_half_life_s,
+        displacement_hot_s=args.displacement_hot_s,
         displacement_weight=args.displacement_weight,
     )
     overrides = {

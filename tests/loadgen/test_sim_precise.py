@@ -15,6 +15,7 @@ from loadgen.engine.timing import TimingModel
 from loadgen.sim import APPROXIMATE, PRECISE, PolicyResult, SimConfig, run_policies
 from loadgen.traces.readers import Trace, TraceRequest
 from loadgen.traces.sessions import agent_sessions_trace
+from router.registry import RouterConfig
 
 SESSIONS = "agent-sessions:sessions=24,concurrency=4,steps=20,start=6000,tool=1000,interval=8"
 """24 agent sessions growing from 6,000 to 25,000 tokens, 4 at a time, on 4 replicas whose KV
@@ -48,6 +49,24 @@ def test_placing_by_what_it_evicts_evicts_less_and_hits_more(
     assert pressure.hit_ratio > aware.hit_ratio
     assert pressure.ttft_p99_s < aware.ttft_p99_s
     assert pressure.imbalance < aware.imbalance
+
+
+def test_round_two_evicts_less_and_hits_more_than_round_one(
+    runs: dict[str, PolicyResult],
+) -> None:
+    """The hot horizon and weight 4 (the defaults) against the first round's weight 1 and
+    plain 30-s half-life, on the same sessions (docs/benchmarks.md, "round 2")."""
+    round_1 = RouterConfig(
+        displacement_weight=1.0, displacement_half_life_s=30.0, displacement_hot_s=0.0
+    )
+    trace = agent_sessions_trace(SESSIONS)
+    _, (first,) = run_policies(
+        trace, ["cache_pressure"], replace(CONFIG, router=round_1, mode=PRECISE)
+    )
+    second = runs["cache_pressure@precise"]
+    assert second.hit_ratio > first.hit_ratio
+    assert second.evicted_blocks < first.evicted_blocks
+    assert second.ttft_p99_s < first.ttft_p99_s
 
 
 def test_without_a_frontier_cache_pressure_is_cache_aware(runs: dict[str, PolicyResult]) -> None:
