@@ -543,10 +543,10 @@ def _snapshots(
     scorer: DisplacementScorer | None,
 ) -> list[Replica]:
     """The router's view of every replica, each with its eviction frontier when the policy
-    reads one (as deep as the scorer's need for this request there)."""
+    reads one (as deep as this request's placement there reaches, its queue's blocks first)."""
     if scorer is None:
         return [r.snapshot() for r in replicas]
-    return [r.snapshot(r.frontier(scorer.need_blocks(route, r.id), now)) for r in replicas]
+    return [r.snapshot(r.frontier(scorer.depth_blocks(route, r.snapshot()), now)) for r in replicas]
 
 
 def _outcome(req: TraceRequest, replica: str, job: Job, reason: str) -> RequestOutcome:

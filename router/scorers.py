@@ -113,12 +113,32 @@ class DisplacementScorer:
         """New blocks placing the request on `replica` takes: its uncached ones."""
         return math.ceil(req.uncached_tokens(replica) / req.tokens_per_block)
 
+    @staticmethod
+    def queued_blocks(req: RouteRequest, replica: Replica) -> int:
+        """Blocks the prefills queued on `replica` ahead of this request allocate before it
+        does (an engine schedules FCFS and allocates at prefill start): its own need evicts
+        past theirs. Empty blocks a replica shows while it has a queue are spoken for."""
+        ahead = replica.pending_prefill_tokens + replica.foreign_prefill_tokens
+        return math.ceil(ahead / req.tokens_per_block) if ahead > 0 else 0
+
+    def depth_blocks(self, req: RouteRequest, replica: Replica) -> int:
+        """How deep into `replica`'s eviction order this request's placement reaches: the
+        queue's blocks, then its own (what a frontier producer must list)."""
+        return self.queued_blocks(req, replica) + self.need_blocks(req, replica.id)
+
     def displaced_blocks(self, req: RouteRequest, replica: Replica) -> float:
-        """`displacement_blocks` of the request on `replica`; 0 without a frontier."""
-        if replica.kv_frontier is None:
+        """What the request's own new blocks evict on `replica`, after the queue ahead took
+        its share: displacement_blocks(queue + need) − displacement_blocks(queue); 0 without
+        a frontier."""
+        frontier = replica.kv_frontier
+        if frontier is None:
             return 0.0
-        need = self.need_blocks(req, replica.id)
-        return displacement_blocks(replica.kv_frontier, need, self.half_life_s, self.hot_s)
+        queued = self.queued_blocks(req, replica)
+        total = queued + self.need_blocks(req, replica.id)
+        cost = displacement_blocks(frontier, total, self.half_life_s, self.hot_s)
+        if queued:
+            cost -= displacement_blocks(frontier, queued, self.half_life_s, self.hot_s)
+        return max(cost, 0.0)
 
     def score(
         self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random

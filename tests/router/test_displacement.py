@@ -56,11 +56,12 @@ def snapshots(draw: st.DrawFn) -> tuple[RouteRequest, list[Replica]]:
 
 
 def _unpressured(req: RouteRequest, replicas: list[Replica]) -> list[Replica]:
-    """The same replicas, each with room for the request in empty blocks (or no frontier)."""
+    """The same replicas, each with room for its queue and the request in empty blocks (or no
+    frontier)."""
     out = []
     for r in replicas:
         if r.kv_frontier is not None:
-            need = DisplacementScorer.need_blocks(req, r.id)
+            need = DisplacementScorer().depth_blocks(req, r)
             frontier = KvFrontier(need + r.kv_frontier.empty_blocks, r.kv_frontier.runs)
             r = Replica(r.id, pending_prefill_tokens=r.pending_prefill_tokens, kv_frontier=frontier)
         out.append(r)
@@ -253,3 +254,22 @@ def test_a_new_session_is_admitted_where_the_tail_ended_not_between_steps() -> N
             assert decision is not None and decision.replica == "b"
     b = DisplacementScorer().displaced_blocks(req, Replica("b", kv_frontier=ended))
     assert b == pytest.approx(140 / 32)
+
+
+def test_empty_blocks_a_queue_will_take_are_not_room() -> None:
+    """a shows 150 empty blocks, but 150 blocks' worth of prefill is queued there ahead of the
+    request (the engine allocates at prefill start, first come first served): the request's
+    100 new blocks evict 100 live ones on a. b has 50 empty and no queue, then blocks idle 20 s
+    (liveness 1/2): 50 × 1/2 = 25. Counting a's empty blocks as room would have chosen a."""
+    req = RouteRequest(100, 100 * BLOCK, {}, tokens_per_block=BLOCK)
+    a = Replica(
+        "a", pending_prefill_tokens=150 * BLOCK, kv_frontier=KvFrontier(150, ((1000, 0.0),))
+    )
+    b = Replica("b", kv_frontier=KvFrontier(50, ((1000, 20.0),)))
+    scorer = DisplacementScorer()
+    assert scorer.queued_blocks(req, a) == 150 and scorer.depth_blocks(req, a) == 250
+    assert scorer.displaced_blocks(req, a) == pytest.approx(100.0)
+    assert scorer.displaced_blocks(req, b) == pytest.approx(25.0)
+    for seed in range(5):
+        decision = PRESSURE.decide(req, [a, b], random.Random(seed))
+        assert decision is not None and decision.replica == "b"
