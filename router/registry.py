@@ -33,9 +33,10 @@ DEFAULT_DISPLACEMENT_WEIGHT = 4.0
 """A live block a placement evicts costs four blocks it finds cached: its owner prefills it
 again when it returns, and on a replica full of live sessions that prefill evicts the next
 one's, and so on (each step of a thrashing replica re-prefills what the last one evicted).
-docs/benchmarks.md "round 2", half-size agent sessions: w = 1 / 2 / 4 / 8 gave 92.2 / 94.8 /
-96.2 / 95.8% of the shared LRU. 0 keeps displacement as a tie-break only, which the Mooncake
-slice at 10% prefers (its conversations rarely return: a hot block there is seldom reused)."""
+docs/benchmarks.md "round 2", half-size agent sessions: w = 1 / 2 / 4 / 8 gave 93.0 / 95.3 /
+95.8 / 96.0% of the shared LRU with a p99 TTFT of 7.0 / 5.4 / 5.5 / 6.4 s. 0 keeps displacement
+as a tie-break only, which the Mooncake slice at 10% prefers (its conversations rarely return:
+a hot block there is seldom reused)."""
 
 _TIE_BREAK = 1e-6
 """Weight of the load scorer in `cache_aware`: below 1/num_blocks for any real prompt, so it

@@ -15,12 +15,14 @@ DEFAULT_DISPLACEMENT_HOT_S = 15.0
 """An evicted block used less than 15 s ago weighs a whole block: an agent's next step follows
 its previous reply and one tool call (a 400-token reply at ~15 ms per token and a short tool
 call: 5–15 s), so such a block belongs to a live conversation that will ask for it again.
-docs/benchmarks.md "round 2": 12 / 15 / 20 s gave 96.1 / 96.5 / 96.1% of the shared LRU on
-the half-size agent-session run (at half-life 5 s, weight 4)."""
+docs/benchmarks.md "round 2": 12 / 15 / 20 s gave 96.2 / 95.8 / 95.4% of the shared LRU on
+the half-size agent-session run (half-life 5 s, weight 4): 15 s is the steps' upper end, kept
+rather than tuned to one trace."""
 DEFAULT_DISPLACEMENT_HALF_LIFE_S = 5.0
 """Past the hot horizon, an evicted block's weight halves every 5 s: a conversation silent for
 longer than its steps take has likely ended, so losing it costs little. With no hot horizon
-(the first round) 30 s gave 89.8% of the shared LRU, 10 s 95.4% (weight 8)."""
+(the first round's form) half-lives of 10 / 30 / 100 s gave 95.5 / 94.2 / 89.3% of the shared
+LRU on the half-size run (weight 8): a live block must not decay within its steps."""
 
 
 def liveness(idle_s: float, hot_s: float, half_life_s: float) -> float:
