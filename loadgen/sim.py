@@ -188,6 +188,13 @@ class PolicyResult:
     decisions: dict[str, int]
     evicted_blocks: int = 0
     """Blocks the engines' LRUs evicted in the run (what placement made them give up)."""
+    lost_staying_tokens: int = 0
+    """Of the prefix a conversation's previous request left (the blocks the two share), the
+    tokens a request did not find although it went to the same replica: evicted there."""
+    lost_moving_tokens: int = 0
+    """...and the tokens it did not find because it went to another replica (a move)."""
+    num_moves: int = 0
+    """Requests placed away from their conversation's previous request's replica."""
     sim_wall_s: float = 0.0
     outcomes: list[RequestOutcome] = field(default_factory=list, repr=False)
 
@@ -564,6 +571,36 @@ def _outcome(req: TraceRequest, replica: str, job: Job, reason: str) -> RequestO
     )
 
 
+def _losses(outcomes: Sequence[RequestOutcome], trace: Trace) -> tuple[int, int, int]:
+    """(lost staying, lost moving, moves): each request against its conversation's previous
+    one, in arrival order — what the previous left (their shared leading blocks, capped at
+    this input) minus what this one found, by whether it stayed on that replica."""
+    by_index = {o.index: o for o in outcomes}
+    last: dict[str, tuple[TraceRequest, str]] = {}
+    staying = moving = moves = 0
+    for req in trace.requests:
+        o = by_index.get(req.index)
+        if o is None or req.conversation is None:
+            continue
+        previous = last.get(req.conversation)
+        last[req.conversation] = (req, o.replica)
+        if previous is None:
+            continue
+        before, replica = previous
+        shared = 0
+        for a, b in zip(before.hash_ids, req.hash_ids, strict=False):
+            if a != b:
+                break
+            shared += 1
+        lost = max(_cached_tokens(shared, req, trace.block_size) - o.cached_tokens, 0)
+        if o.replica == replica:
+            staying += lost
+        else:
+            moving += lost
+            moves += 1
+    return staying, moving, moves
+
+
 def _result(
     policy: str,
     mode: str,
@@ -584,6 +621,7 @@ def _result(
     mean_prompts = statistics.fmean(prompts) if prompts else 0.0
     span = max(trace.span_s, 1e-9)
     prefill = sum(r.core.counters.busy_prefill_s for r in replicas)
+    staying, moving, moves = _losses(outcomes, trace)
     return PolicyResult(
         policy=policy,
         mode=mode,
@@ -604,6 +642,9 @@ def _result(
         prefill_utilization=prefill / (len(replicas) * span),
         decisions=dict(sorted(decisions.items())),
         evicted_blocks=sum(r.core.cache.num_evictions for r in replicas),
+        lost_staying_tokens=staying,
+        lost_moving_tokens=moving,
+        num_moves=moves,
         sim_wall_s=wall_s,
         outcomes=outcomes,
     )
