@@ -89,7 +89,11 @@ from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
 from router.profile import RoutingProfile
 from router.registry import DEFAULT_DISPLACEMENT_WEIGHT, POLICIES, RouterConfig, build_policy
-from router.scorers import DEFAULT_DISPLACEMENT_HALF_LIFE_S, DisplacementScorer
+from router.scorers import (
+    DEFAULT_DISPLACEMENT_HALF_LIFE_S,
+    DEFAULT_DISPLACEMENT_HOT_S,
+    DisplacementScorer,
+)
 from router.types import Decision, KvFrontier, Replica, RouteRequest
 
 DEFAULT_NUM_REPLICAS = 8
@@ -184,6 +188,13 @@ class PolicyResult:
     decisions: dict[str, int]
     evicted_blocks: int = 0
     """Blocks the engines' LRUs evicted in the run (what placement made them give up)."""
+    lost_staying_tokens: int = 0
+    """Of the prefix a conversation's previous request left (the blocks the two share), the
+    tokens a request did not find although it went to the same replica: evicted there."""
+    lost_moving_tokens: int = 0
+    """...and the tokens it did not find because it went to another replica (a move)."""
+    num_moves: int = 0
+    """Requests placed away from their conversation's previous request's replica."""
     sim_wall_s: float = 0.0
     outcomes: list[RequestOutcome] = field(default_factory=list, repr=False)
 
@@ -539,10 +550,10 @@ def _snapshots(
     scorer: DisplacementScorer | None,
 ) -> list[Replica]:
     """The router's view of every replica, each with its eviction frontier when the policy
-    reads one (as deep as the scorer's need for this request there)."""
+    reads one (as deep as this request's placement there reaches, its queue's blocks first)."""
     if scorer is None:
         return [r.snapshot() for r in replicas]
-    return [r.snapshot(r.frontier(scorer.need_blocks(route, r.id), now)) for r in replicas]
+    return [r.snapshot(r.frontier(scorer.depth_blocks(route, r.snapshot()), now)) for r in replicas]
 
 
 def _outcome(req: TraceRequest, replica: str, job: Job, reason: str) -> RequestOutcome:
@@ -558,6 +569,36 @@ def _outcome(req: TraceRequest, replica: str, job: Job, reason: str) -> RequestO
         job.finish_s - req.arrival_s,
         reason,
     )
+
+
+def _losses(outcomes: Sequence[RequestOutcome], trace: Trace) -> tuple[int, int, int]:
+    """(lost staying, lost moving, moves): each request against its conversation's previous
+    one, in arrival order — what the previous left (their shared leading blocks, capped at
+    this input) minus what this one found, by whether it stayed on that replica."""
+    by_index = {o.index: o for o in outcomes}
+    last: dict[str, tuple[TraceRequest, str]] = {}
+    staying = moving = moves = 0
+    for req in trace.requests:
+        o = by_index.get(req.index)
+        if o is None or req.conversation is None:
+            continue
+        previous = last.get(req.conversation)
+        last[req.conversation] = (req, o.replica)
+        if previous is None:
+            continue
+        before, replica = previous
+        shared = 0
+        for a, b in zip(before.hash_ids, req.hash_ids, strict=False):
+            if a != b:
+                break
+            shared += 1
+        lost = max(_cached_tokens(shared, req, trace.block_size) - o.cached_tokens, 0)
+        if o.replica == replica:
+            staying += lost
+        else:
+            moving += lost
+            moves += 1
+    return staying, moving, moves
 
 
 def _result(
@@ -580,6 +621,7 @@ def _result(
     mean_prompts = statistics.fmean(prompts) if prompts else 0.0
     span = max(trace.span_s, 1e-9)
     prefill = sum(r.core.counters.busy_prefill_s for r in replicas)
+    staying, moving, moves = _losses(outcomes, trace)
     return PolicyResult(
         policy=policy,
         mode=mode,
@@ -600,6 +642,9 @@ def _result(
         prefill_utilization=prefill / (len(replicas) * span),
         decisions=dict(sorted(decisions.items())),
         evicted_blocks=sum(r.core.cache.num_evictions for r in replicas),
+        lost_staying_tokens=staying,
+        lost_moving_tokens=moving,
+        num_moves=moves,
         sim_wall_s=wall_s,
         outcomes=outcomes,
     )
@@ -694,7 +739,15 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--displacement-half-life-s",
         type=float,
         default=DEFAULT_DISPLACEMENT_HALF_LIFE_S,
-        help="cache_pressure: idle seconds after which an evicted block weighs half",
+        help="cache_pressure: past the hot horizon, seconds in which an evicted block's "
+        "weight halves",
+    )
+    parser.add_argument(
+        "--displacement-hot-s",
+        type=float,
+        default=DEFAULT_DISPLACEMENT_HOT_S,
+        help="cache_pressure: an evicted block used less than this many seconds ago weighs a "
+        "whole block (0: the weight decays from the start)",
     )
     parser.add_argument(
         "--displacement-weight",
@@ -768,6 +821,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     router = RouterConfig(
         displacement_half_life_s=args.displacement_half_life_s,
+        displacement_hot_s=args.displacement_hot_s,
         displacement_weight=args.displacement_weight,
     )
     overrides = {

@@ -14,6 +14,7 @@ from router.filters import (
 from router.profile import RoutingProfile
 from router.scorers import (
     DEFAULT_DISPLACEMENT_HALF_LIFE_S,
+    DEFAULT_DISPLACEMENT_HOT_S,
     DisplacementScorer,
     EstimatedWorkScorer,
     InflightScorer,
@@ -28,10 +29,14 @@ DEFAULT_CONSISTENT_HASH_BLOCKS = 4
 """Consistent hashing keys on the first 4 blocks (1 KB): hashing block 0 alone sends every
 request to one replica when all prompts share a system prompt."""
 
-DEFAULT_DISPLACEMENT_WEIGHT = 1.0
-"""A recently used block a placement evicts costs as much as a block it finds cached: its owner
-prefills it again when it returns. 0 keeps displacement as a tie-break only (docs/benchmarks.md
-measures both: 1 wins on agent sessions, 0 keeps the TTFT of the Mooncake slice)."""
+DEFAULT_DISPLACEMENT_WEIGHT = 4.0
+"""A live block a placement evicts costs four blocks it finds cached: its owner prefills it
+again when it returns, and on a replica full of live sessions that prefill evicts the next
+one's, and so on (each step of a thrashing replica re-prefills what the last one evicted).
+docs/benchmarks.md "round 2", half-size agent sessions: w = 1 / 2 / 4 / 8 gave 93.0 / 95.3 /
+95.8 / 96.0% of the shared LRU with a p99 TTFT of 7.0 / 5.4 / 5.5 / 6.4 s. 0 keeps displacement
+as a tie-break only, which the Mooncake slice at 10% prefers (its conversations rarely return:
+a hot block there is seldom reused)."""
 
 _TIE_BREAK = 1e-6
 """Weight of the load scorer in `cache_aware`: below 1/num_blocks for any real prompt, so it
@@ -44,6 +49,8 @@ class RouterConfig:
     relative_slack: float = DEFAULT_RELATIVE_SLACK
     consistent_hash_blocks: int = DEFAULT_CONSISTENT_HASH_BLOCKS
     displacement_half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S
+    displacement_hot_s: float = DEFAULT_DISPLACEMENT_HOT_S
+    """cache_pressure: an evicted block used less than this long ago weighs a whole block."""
     displacement_weight: float = DEFAULT_DISPLACEMENT_WEIGHT
     """cache_pressure: what a displaced recently used block costs against a cached one."""
 
@@ -66,10 +73,11 @@ def cache_aware(config: RouterConfig) -> RoutingProfile:
 
 def cache_pressure(config: RouterConfig) -> RoutingProfile:
     """`cache_aware` that also counts what a placement evicts: among the replicas within the
-    load bound, the most cached blocks minus `displacement_weight` × the recently used blocks
-    the request's new ones would displace (`DisplacementScorer`, from each replica's eviction
-    frontier), ties going to the least load + displaced tokens. Without a frontier
-    (approximate mode, events off) or without pressure it ranks exactly as `cache_aware`.
+    load bound, the most cached blocks minus `displacement_weight` × the live blocks (used
+    within `displacement_hot_s`, then decaying) the request's new ones would displace
+    (`DisplacementScorer`, from each replica's eviction frontier), ties going to the least
+    load + displaced tokens. Without a frontier (approximate mode, events off) or without
+    pressure it ranks exactly as `cache_aware`.
 
     A policy of its own rather than a term inside `cache_aware`: the default stays what it was
     measured to be, and the two can run side by side in one `kvgate sim` run."""
@@ -80,8 +88,16 @@ def cache_pressure(config: RouterConfig) -> RoutingProfile:
             (PrefixScorer(), 1.0),
             # NOTE: a negative weight: the scorer is a cost, and adding −0.0 leaves every sum
             # bit-identical to cache_aware's when nothing would be displaced
-            (DisplacementScorer(config.displacement_half_life_s), -config.displacement_weight),
-            (WorkAndDisplacementScorer(config.displacement_half_life_s), _TIE_BREAK),
+            (
+                DisplacementScorer(config.displacement_half_life_s, config.displacement_hot_s),
+                -config.displacement_weight,
+            ),
+            (
+                WorkAndDisplacementScorer(
+                    config.displacement_half_life_s, config.displacement_hot_s
+                ),
+                _TIE_BREAK,
+            ),
         ),
         locality=True,
     )
