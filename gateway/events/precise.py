@@ -28,6 +28,7 @@ import aiohttp
 
 from cachemap.events import EventIndex, domain_of, precise_root
 from cachemap.keys import BlockHash, chain_hashes, token_bytes
+from cachemap.layouts import EngineLayouts
 from cachemap.tokenizer import ModelTokenizer
 from gateway.events.intake import EventIntake
 from gateway.settings import DEFAULT_CHECK_EVERY
@@ -223,6 +224,8 @@ class PreciseKeys:
     index: EventIndex
     intake: EventIntake | None
     dp_size: int = 1
+    layouts: EngineLayouts = field(default_factory=EngineLayouts)
+    """Per-replica DP sizes from pod annotations (discovery); `dp_size` for the rest."""
     clock: Callable[[], float] = time.time
     stats: PreciseStats = field(default_factory=PreciseStats)
     chains: ChainCache = field(init=False)
@@ -259,8 +262,9 @@ class PreciseKeys:
                 continue
             live.add(replica)
             best = None
-            for rank in range(self.dp_size):
-                match = matches.get(domain_of(replica, rank, self.dp_size))
+            dp_size = self.layouts.dp_size(replica, self.dp_size)
+            for rank in range(dp_size):
+                match = matches.get(domain_of(replica, rank, dp_size))
                 if match is None:
                     continue
                 gpu = match.depth - match.offloaded
@@ -272,13 +276,13 @@ class PreciseKeys:
             if best is not None:
                 overlap[replica] = best[1].depth
                 offloaded[replica] = best[1].offloaded
-                if self.dp_size > 1:
+                if dp_size > 1:
                     ranks[replica] = best[0]
         return EventsView(overlap, offloaded, ranks, frozenset(live))
 
     def speculate(self, replica: str, rank: int | None, keys: list[BlockHash]) -> None:
         """The request was placed: its blocks count as held there until the event or expiry."""
-        domain = domain_of(replica, rank or 0, self.dp_size)
+        domain = domain_of(replica, rank or 0, self.layouts.dp_size(replica, self.dp_size))
         self.stats.speculated += self.index.speculate(domain, keys, self.clock())
 
 
