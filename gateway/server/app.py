@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cachemap.events import EventIndex
+from cachemap.events import EventIndex, replica_of
 from cachemap.layouts import EngineLayouts
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
@@ -259,6 +259,11 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     tracing = build_tracing(settings, span_exporter)
     layouts = EngineLayouts()  # per-engine layouts from pod annotations (discovery writes)
     precise, intake = _precise(settings, replicas, layouts)  # before any probe: `intake` is bound
+    if flights is not None and precise is not None and intake is not None and billing is None:
+        # a leader lands on its BlockStored; with billing it lands at its first byte, the time
+        # its ledger entry becomes visible to the siblings (docs/billing.md#held-requests)
+        on_stored = flights.stored
+        precise.index.on_stored = lambda domain, keys: on_stored(replica_of(domain), keys)
     forwarder = Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s)
     keying = Keying(
         RouteKeys(
