@@ -131,6 +131,19 @@ def test_each_pods_annotations_set_its_events_port_and_dp_ranks(
         "vllm-b",
         "vllm-gone",
     ]
+    # a pod that joins through the watch is read before it joins: 3 ranks on its own port
+    port_c = free_port()
+    api.pods["vllm-c"] = pod(
+        "vllm-c", "uid-c", {EVENTS_PORT_ANNOTATION: str(port_c), DP_SIZE_ANNOTATION: "3"}
+    )
+    grown = [*endpoints[:2], pod_endpoint("127.0.0.5", "vllm-c", "uid-c")]
+    api.put(endpoint_slice("vllm-x", "vllm", grown, port=http_port))
+    c_url = f"http://127.0.0.5:{http_port}"
+    wait_until(lambda: len(intake.feeds(c_url)) == 3, what="the new pod's feeds")
+    assert [f.config.endpoint for f in intake.feeds(c_url)] == [
+        f"tcp://127.0.0.5:{port_c + r}" for r in range(3)
+    ]
+    assert found.layouts.get(c_url) == EngineLayout(events_port=port_c, dp_size=3)
 
     # routed by rank: what rank 1 of pod a holds brings the request there, with the header
     join([gateway], [a, b])
