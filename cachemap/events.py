@@ -31,7 +31,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash, token_bytes
@@ -120,6 +120,12 @@ def domain_of(replica: str, rank: int, dp_size: int) -> str:
     return replica if dp_size <= 1 else f"{replica}#{rank}"
 
 
+def replica_of(domain: str) -> str:
+    """The replica a domain belongs to (`domain_of`'s inverse)."""
+    replica, mark, _ = domain.rpartition("#")
+    return replica if mark else domain
+
+
 def rank_endpoint(endpoint: str, rank: int) -> str:
     """Data-parallel rank r's event endpoint, as vLLM and SGLang offset it: tcp port + r, or an
     inproc name with `_dp{r}`."""
@@ -190,11 +196,15 @@ class EventIndex:
         self._holders: dict[BlockHash, dict[str, int]] = {}
         self._speculative: dict[BlockHash, dict[str, float]] = {}
         self._domains: dict[str, _Domain] = {}
+        self.on_stored: Callable[[str, list[BlockHash]], None] | None = None
+        """Told (domain, own keys) of every applied BlockStored (fan-out holds release on it)."""
 
     # -- events ----------------------------------------------------------------------------
     def apply(self, domain: str, event: CacheEvent) -> None:
         if isinstance(event, BlockStored):
-            self.store(domain, event)
+            keys = self.store(domain, event)
+            if keys and self.on_stored is not None:
+                self.on_stored(domain, keys)
         elif isinstance(event, BlockRemoved):
             self.remove(domain, event)
         else:

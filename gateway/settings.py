@@ -270,6 +270,11 @@ class Settings(BaseSettings):
     """None: the in-cluster service account when running in a pod, else ~/.kube/config."""
     discovery_watch_timeout_s: int = DEFAULT_WATCH_TIMEOUT_S
     discovery_retry_s: float = DEFAULT_DISCOVERY_RETRY_S
+    discovery_pod_annotations: bool = False
+    """Read each discovered engine's Pod (RBAC: `get pods`) for its `kvgate.io/kv-events-port`,
+    `kvgate.io/kv-events-replay-port` and `kvgate.io/data-parallel-size` annotations, which
+    override `kv_events_port`, `kv_events_replay_port` and `engine_dp_size` for that engine
+    (docs/precise.md)."""
     otlp_endpoint: str | None = None
     """Export OpenTelemetry traces over OTLP/HTTP to this URL (e.g.
     http://otel-collector:4318/v1/traces); None: no tracing, and no span is made."""

@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 TOKEN = "stub-token"
 SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+POD_PATH = "/api/v1/namespaces/{namespace}/pods/{name}"
 
 
 def endpoint_slice(
@@ -60,6 +61,20 @@ def pod_endpoint(address: str, pod: str, uid: str, *, ready: bool = True) -> dic
         "addresses": [address],
         "conditions": {"ready": ready, "serving": ready, "terminating": False},
         "targetRef": {"kind": "Pod", "name": pod, "namespace": "engines", "uid": uid},
+    }
+
+
+def pod(name: str, uid: str, annotations: dict[str, str]) -> dict[str, Any]:
+    """A Pod as `GET .../pods/{name}` returns it (only what discovery reads)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "engines",
+            "uid": uid,
+            "annotations": annotations,
+        },
     }
 
 
@@ -92,7 +107,9 @@ class KubeStub:
     compacted_through: int = 0
     """Events at or before this version are gone: a watch from an older version gets a 410."""
     requests: list[tuple[str, dict[str, str]]] = field(default_factory=list)
-    """(kind, query) of every request served: "list", "watch" or "gone"."""
+    """(kind, query) of every request served: "list", "watch", "gone" or "pod"."""
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """pod name -> the Pod (`GET .../pods/{name}`; a name not here is a 404)."""
     loop: asyncio.AbstractEventLoop | None = None
     _watches: list[_Watch] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -176,7 +193,18 @@ class KubeStub:
                 }
             )
 
-        return Starlette(routes=[Route(SLICES_PATH, slices)])
+        async def pod(request: Request) -> Response:
+            if request.headers.get("authorization") != f"Bearer {TOKEN}":
+                return JSONResponse(_status(401, "Unauthorized", "no valid token"), 401)
+            name = request.path_params["name"]
+            self.requests.append(("pod", {"name": name}))
+            with self._lock:
+                found = self.pods.get(name)
+                if request.path_params["namespace"] != self.namespace or found is None:
+                    return JSONResponse(_status(404, "NotFound", f'pods "{name}" not found'), 404)
+                return JSONResponse(copy.deepcopy(found))
+
+        return Starlette(routes=[Route(SLICES_PATH, slices), Route(POD_PATH, pod)])
 
     def _watch(self, query: dict[str, str], selector: str) -> Response:
         since = int(query.get("resourceVersion") or 0)

@@ -32,6 +32,7 @@ import aiohttp
 
 from cachemap.events import EventIndex, Match, domain_of, precise_root
 from cachemap.keys import BlockHash, chain_hashes, token_bytes
+from cachemap.layouts import EngineLayouts
 from cachemap.redis.events import EventReader
 from gateway.events.intake import EventIntake
 from gateway.events.prompts import PromptTokens
@@ -153,6 +154,8 @@ class PreciseKeys:
     index: EventIndex
     intake: EventIntake | None
     dp_size: int = 1
+    layouts: EngineLayouts = field(default_factory=EngineLayouts)
+    """Per-replica DP sizes from pod annotations (discovery); `dp_size` for the rest."""
     clock: Callable[[], float] = time.time
     stats: PreciseStats = field(default_factory=PreciseStats)
     chains: ChainCache = field(init=False)
@@ -220,8 +223,9 @@ class PreciseKeys:
         ranks: dict[str, int] = {}
         for replica in sorted(live):
             best = None
-            for rank in range(self.dp_size):
-                match = matches.get(domain_of(replica, rank, self.dp_size))
+            dp_size = self.layouts.dp_size(replica, self.dp_size)
+            for rank in range(dp_size):
+                match = matches.get(domain_of(replica, rank, dp_size))
                 if match is None:
                     continue
                 gpu = match.depth - match.offloaded
@@ -233,7 +237,7 @@ class PreciseKeys:
             if best is not None:
                 overlap[replica] = best[1].depth
                 offloaded[replica] = best[1].offloaded
-                if self.dp_size > 1:
+                if dp_size > 1:
                     ranks[replica] = best[0]
         return EventsView(overlap, offloaded, ranks, frozenset(live))
 
@@ -243,7 +247,7 @@ class PreciseKeys:
         of an events-off gateway's CPU (py-spy)."""
         if self.intake is None:
             return
-        domain = domain_of(replica, rank or 0, self.dp_size)
+        domain = domain_of(replica, rank or 0, self.layouts.dp_size(replica, self.dp_size))
         self.stats.speculated += self.index.speculate(domain, keys, self.clock())
 
 

@@ -29,6 +29,10 @@ What the gateway does with what it sees (invariants):
   epoch (gateway.fleet.replicas).
 - A gateway that (re)starts lists endpoints that already exist: they join without forgetting,
   so a rolling restart of the gateways does not wipe the shared directory.
+- With `pod_annotations`, the watcher reads each new pod (by `targetRef`, once per uid) before
+  handing on the slice that names it, so an engine's layout (`ANNOTATIONS`: its KV events
+  port, replay port, DP size) is in `layouts` before the replica joins the set and its event
+  feeds open; a pod that cannot be read (403, gone) gets the settings' layout, with a warning.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from cachemap.layouts import DEFAULT_LAYOUT, EngineLayout, EngineLayouts
 from gateway.fleet.replicas import ReplicaSet
 from gateway.tasks import BackgroundTasks
 
@@ -57,6 +62,17 @@ arrives (its readiness says 503 until one is healthy)."""
 CONNECT_TIMEOUT_S = 5.0
 """Connecting to the API server; the read side of a watch waits for the watch's own timeout."""
 NOT_READY = "not ready in its EndpointSlice"
+EVENTS_PORT_ANNOTATION = "kvgate.io/kv-events-port"
+REPLAY_PORT_ANNOTATION = "kvgate.io/kv-events-replay-port"
+DP_SIZE_ANNOTATION = "kvgate.io/data-parallel-size"
+ANNOTATIONS = {
+    EVENTS_PORT_ANNOTATION: "events_port",
+    REPLAY_PORT_ANNOTATION: "replay_port",
+    DP_SIZE_ANNOTATION: "dp_size",
+}
+"""Pod annotation -> the `EngineLayout` field it sets (docs/precise.md)."""
+MAX_PODS_REMEMBERED = 10_000
+"""Pods whose annotations the watcher keeps (by uid): more than a fleet's engines, bounded."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,26 @@ def endpoints_of(
     return found
 
 
+def layout_of(annotations: dict[str, str], pod: str = "?") -> EngineLayout:
+    """The engine layout a pod's annotations give; a value that is not a positive integer (a
+    port in 1..65535) is ignored with a warning, so the settings' value applies."""
+    values: dict[str, int] = {}
+    for key, name in ANNOTATIONS.items():
+        raw = annotations.get(key)
+        if raw is None:
+            continue
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        highest = 65535 if name.endswith("_port") else 1 << 16
+        if not 1 <= value <= highest:
+            log.warning("pod %s: annotation %s=%r is not a valid %s: ignored", pod, key, raw, name)
+            continue
+        values[name] = value
+    return EngineLayout(**values)
+
+
 def merge(slices: dict[str, list[Endpoint]]) -> dict[str, Endpoint]:
     """One endpoint per URL across slices: ready if any slice says so (a pod moving between
     slices appears in both for a moment)."""
@@ -151,6 +187,8 @@ class KubeTarget:
     kubeconfig: Path | None = None
     watch_timeout_s: int = 290
     retry_s: float = 2.0
+    pod_annotations: bool = False
+    """Read each endpoint's Pod for its layout annotations (`ANNOTATIONS`)."""
 
 
 def _api(target: KubeTarget) -> tuple[Any, str]:
@@ -179,7 +217,8 @@ def _api(target: KubeTarget) -> tuple[Any, str]:
 class SliceWatcher:
     """Lists and watches the matching EndpointSlices in a daemon thread; hands each result to
     `emit` on the event loop: ("sync", {name: slice}) after a list, ("put", slice) and
-    ("delete", slice) for watch events, ("error", why) after a failed attempt."""
+    ("delete", slice) for watch events, ("error", why) after a failed attempt; with
+    `pod_annotations`, ("pods", {uid: annotations}) of the pods a slice names first."""
 
     def __init__(
         self,
@@ -194,6 +233,8 @@ class SliceWatcher:
         self.stats = stats
         self._stopping = threading.Event()
         self._watch: Any = None
+        self._pods_read: dict[str, None] = {}
+        """uids whose pod was read (insertion order: the oldest forgotten first)"""
         self._thread = threading.Thread(target=self._run, name="kvgate-discovery", daemon=True)
 
     def start(self) -> None:
@@ -248,6 +289,7 @@ class SliceWatcher:
                             gone_in_a_row = 0
                             kind = event["type"]
                             if kind in ("ADDED", "MODIFIED"):
+                                self._read_pods(api, namespace, [event["raw_object"]])
                                 self._send("put", event["raw_object"])
                             elif kind == "DELETED":
                                 self._send("delete", event["raw_object"])
@@ -288,11 +330,53 @@ class SliceWatcher:
         items = body.get("items") or []
         self.stats.lists += 1
         slices = {item["metadata"]["name"]: item for item in items}
+        self._read_pods(api, namespace, items)
         self._send("sync", slices)
         return str(body.get("metadata", {}).get("resourceVersion", ""))
 
+    # -- the gateway side (the event loop) ---------------------------------------------------------
+    def _read_pods(self, api: Any, namespace: str, slices: list[dict[str, Any]]) -> None:
+        """The annotations of the pods these slices name that were not read yet, sent on."""
+        if not self.target.pod_annotations:
+            return
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
 
-# -- the gateway side (the event loop) ---------------------------------------------------------
+        core = client.CoreV1Api(api.api_client)
+        found: dict[str, dict[str, str]] = {}
+        for slice_ in slices:
+            for endpoint in slice_.get("endpoints") or []:
+                target = endpoint.get("targetRef") or {}
+                uid, name = target.get("uid"), target.get("name")
+                if target.get("kind") != "Pod" or not uid or not name or uid in self._pods_read:
+                    continue
+                pod_namespace = target.get("namespace") or namespace
+                try:
+                    response: Any = core.read_namespaced_pod(
+                        name,
+                        pod_namespace,
+                        _preload_content=False,
+                        _request_timeout=(CONNECT_TIMEOUT_S, self.target.watch_timeout_s),
+                    )
+                    metadata = json.loads(response.data).get("metadata") or {}
+                    found[uid] = dict(metadata.get("annotations") or {})
+                except ApiException as exc:
+                    log.warning(
+                        "cannot read pod %s/%s for its annotations (%s %s): the settings' "
+                        "events port and DP size apply",
+                        pod_namespace,
+                        name,
+                        exc.status,
+                        exc.reason,
+                    )
+                    found[uid] = {}
+                self._pods_read[uid] = None
+        while len(self._pods_read) > MAX_PODS_REMEMBERED:
+            del self._pods_read[next(iter(self._pods_read))]
+        if found:
+            self._send("pods", found)
+
+
 class ReplicaIdentities(Protocol):
     """What discovery tells the directory (`gateway.directory.routing.RoutingDirectory`)."""
 
@@ -310,11 +394,19 @@ class Discovery:
     """Applies what the watcher sees to the replica set and the directory, in order."""
 
     def __init__(
-        self, target: KubeTarget, replicas: ReplicaSet, directory: ReplicaIdentities
+        self,
+        target: KubeTarget,
+        replicas: ReplicaSet,
+        directory: ReplicaIdentities,
+        layouts: EngineLayouts | None = None,
     ) -> None:
         self.target = target
         self.replicas = replicas
         self.directory = directory
+        self.layouts = layouts if layouts is not None else EngineLayouts()
+        """replica URL -> its pod's layout (written here only; read by the event intake)"""
+        self.pods: dict[str, EngineLayout] = {}
+        """pod uid -> the layout its annotations give (what the watcher read)"""
         self.stats = DiscoveryStats()
         self.slices: dict[str, list[Endpoint]] = {}
         """slice name -> its endpoints, as last seen"""
@@ -360,6 +452,12 @@ class Discovery:
         if kind == "error":
             self._settled.set()
             return
+        if kind == "pods":
+            for uid, annotations in payload.items():
+                self.pods[uid] = layout_of(annotations, uid)
+            while len(self.pods) > MAX_PODS_REMEMBERED:  # as the watcher forgets them
+                del self.pods[next(iter(self.pods))]
+            return
         if kind == "sync":
             self.slices = {name: endpoints_of(item, port, scheme) for name, item in payload.items()}
         else:
@@ -381,6 +479,7 @@ class Discovery:
             if url in replicas.static:
                 continue
             replicas.remove(url)
+            self.layouts.drop(url)
             self.stats.leaves += 1
             await directory.left(url)
         joined = [u for u in desired if u not in self.known and u not in replicas.static]
@@ -392,8 +491,10 @@ class Discovery:
             if url in replicas.static:
                 continue
             held = None if endpoint.ready else NOT_READY
+            layout = self.pods.get(endpoint.pod_uid or "", DEFAULT_LAYOUT)
             if before is None:
                 self.stats.joins += 1
+                self.layouts.set(url, layout)  # before the replica is seen: its feeds' layout
                 replicas.add(url, held_down=held)
                 continue
             if before.pod_uid and endpoint.pod_uid and before.pod_uid != endpoint.pod_uid:
@@ -405,4 +506,14 @@ class Discovery:
                 )
                 self.stats.epochs += 1
                 await directory.forget(url)
+                if layout != self.layouts.get(url):
+                    # its event feeds were opened for the old layout: keep the two in step
+                    log.warning(
+                        "replica %s: the new pod %s is annotated with another layout (%s); "
+                        "the old one (%s) applies until the address leaves the slices",
+                        url,
+                        endpoint.pod_name,
+                        layout,
+                        self.layouts.get(url),
+                    )
             replicas.hold(url, held)

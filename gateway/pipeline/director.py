@@ -235,6 +235,7 @@ class Director:
             self.recorder,
             ranking,
             land,
+            headers=_headers(routed, ranking[0], attempt),
             on_closed=ended,
         )
 

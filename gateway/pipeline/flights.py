@@ -6,7 +6,9 @@ same scope walks its own hashes from its matched depth while they are being writ
 salted, so scopes never meet) and finds the leader writing the deepest of them. The leader
 lands when its first byte arrives (the engine has prefilled, the KV is written) or fails; either
 way every waiter is released at once, and a waiter never waits longer than its bound. A waiter
-is never a leader while it waits, so waits cannot form a cycle.
+is never a leader while it waits, so waits cannot form a cycle. In precise mode (without
+billing) the leader may land earlier: when its replica's KV events report the flight's last
+block stored (`stored`), the prefix is in the event index its siblings are routed on.
 
 Across gateways (with Redis): a leader also sets a `Marker` on each block it writes
 (set-if-absent, expiring after the longest hold), which other gateways' lookups find in the same
@@ -93,6 +95,8 @@ class HoldStats:
     released_landed: int = 0
     released_failed: int = 0
     timeouts: int = 0
+    landed_on_events: int = 0
+    """Leaders landed by their replica's BlockStored, before their first byte."""
     hold_seconds: list[float] = field(default_factory=list)
 
 
@@ -171,6 +175,21 @@ class Flights:
         if flight.marker is not None and self.shared is not None:
             landed = Marker(flight.marker.state, flight.marker.key, flight.replica).landed(ok)
             self.shared.land(flight.blocks, flight.marker.format(), landed.format(), LANDED_TTL_S)
+
+    def stored(self, replica: str, keys: Sequence[BlockHash]) -> None:
+        """`replica`'s engine reports `keys` stored (its KV events): a flight of that replica
+        whose last block is among them has written its prefix, so it lands now. A flight
+        whose last block another flight writes lands at its first byte, as before."""
+        for key in keys:
+            flight = self._writing.get(key)
+            if (
+                flight is not None
+                and flight.replica == replica
+                and flight.blocks[-1] == key
+                and not flight.landed.is_set()
+            ):
+                self.stats.landed_on_events += 1
+                self.end(flight, ok=True)
 
     # -- other gateways' leaders ----------------------------------------------------------------
     def notify(self, text: str) -> None:

@@ -93,6 +93,7 @@ class Pick:
         ranking: list[str],
         land: LandFlight | None,
         *,
+        headers: dict[str, str] | None = None,
         on_closed: Callable[[], None] | None = None,
     ) -> None:
         self.routed = routed
@@ -102,6 +103,10 @@ class Pick:
         self.attempt = attempt
         self.ranking = ranking
         """Replica ids, best first: Envoy tries them in order (its retries)."""
+        self.headers = headers or {}
+        """What the engine's request gets set, as the standalone gateway sets it on its
+        first attempt: the trace context and, when the first pick's prefix is on one of its DP
+        ranks, `X-data-parallel-rank` (Envoy sends the same headers down its retry list)."""
         self._lease: Lease | None = lease
         self._replicas = replicas
         self._recorder = recorder

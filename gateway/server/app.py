@@ -33,7 +33,8 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cachemap.events import EventIndex
+from cachemap.events import EventIndex, replica_of
+from cachemap.layouts import EngineLayouts
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
 from cachemap.redis.client import AnyRedis, open_redis
@@ -48,7 +49,8 @@ from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
 from gateway.billing.service import Billing
 from gateway.directory.routing import RoutingDirectory
-from gateway.events.intake import EventIntake, EventsConfig
+from gateway.events.intake import EventIntake
+from gateway.events.layouts import LaidOutEvents
 from gateway.events.precise import PreciseKeys, PromptTokens, TokenizerCheck
 from gateway.fleet.discovery import Discovery, KubeTarget
 from gateway.fleet.replicas import ReplicaSet
@@ -154,7 +156,7 @@ def _replicas(
 
 
 def _discovery(
-    settings: Settings, replicas: ReplicaSet, directory: RoutingDirectory
+    settings: Settings, replicas: ReplicaSet, directory: RoutingDirectory, layouts: EngineLayouts
 ) -> Discovery | None:
     if settings.discovery != "kubernetes":
         return None
@@ -166,8 +168,9 @@ def _discovery(
         kubeconfig=settings.kubeconfig,
         watch_timeout_s=settings.discovery_watch_timeout_s,
         retry_s=settings.discovery_retry_s,
+        pod_annotations=settings.discovery_pod_annotations,
     )
-    return Discovery(target, replicas, directory)
+    return Discovery(target, replicas, directory, layouts)
 
 
 def _placement(settings: Settings, flights: Flights | None) -> Placement:
@@ -189,7 +192,7 @@ def _placement(settings: Settings, flights: Flights | None) -> Placement:
 
 
 def _precise(
-    settings: Settings, replicas: ReplicaSet
+    settings: Settings, replicas: ReplicaSet, layouts: EngineLayouts
 ) -> tuple[PreciseKeys | None, EventIntake | None]:
     """Precise mode's parts when `tokenizer_dir` is set; the intake when events are configured."""
     if settings.tokenizer_dir is None:
@@ -202,17 +205,22 @@ def _precise(
         block_size=settings.engine_block_size, speculative_ttl_s=settings.speculative_ttl_s
     )
     intake = None
-    if settings.kv_events_port is not None or settings.kv_events_endpoints:
-        config = EventsConfig(
+    annotated = settings.discovery == "kubernetes" and settings.discovery_pod_annotations
+    if settings.kv_events_port is not None or settings.kv_events_endpoints or annotated:
+        config = LaidOutEvents(
             port=settings.kv_events_port,
             replay_port=settings.kv_events_replay_port,
             endpoints=dict(settings.kv_events_endpoints),
             replay_endpoints=dict(settings.kv_events_replay_endpoints),
             topic=settings.kv_events_topic,
             dp_size=settings.engine_dp_size,
+            layouts=layouts,
         )
         intake = EventIntake(config, index, lambda: list(replicas.states))
-    return PreciseKeys(PromptTokens(tokenizer), index, intake, settings.engine_dp_size), intake
+    keys = PreciseKeys(
+        PromptTokens(tokenizer), index, intake, settings.engine_dp_size, layouts=layouts
+    )
+    return keys, intake
 
 
 def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Parts:
@@ -254,7 +262,13 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         AccessLog(),
     ]
     tracing = build_tracing(settings, span_exporter)
-    precise, intake = _precise(settings, replicas)  # before any probe: `intake` is bound
+    layouts = EngineLayouts()  # per-engine layouts from pod annotations (discovery writes)
+    precise, intake = _precise(settings, replicas, layouts)  # before any probe: `intake` is bound
+    if flights is not None and precise is not None and intake is not None and billing is None:
+        # a leader lands on its BlockStored; with billing it lands at its first byte, the time
+        # its ledger entry becomes visible to the siblings (docs/billing.md#held-requests)
+        on_stored = flights.stored
+        precise.index.on_stored = lambda domain, keys: on_stored(replica_of(domain), keys)
     forwarder = Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s)
     keying = Keying(
         RouteKeys(
@@ -286,7 +300,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         tracer=tracing.tracer,
         rng=random.Random(settings.seed),
     )
-    discovery = _discovery(settings, replicas, directory)
+    discovery = _discovery(settings, replicas, directory, layouts)
     registry.register(
         GatewayCollector(
             stats=director.stats,

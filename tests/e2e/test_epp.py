@@ -20,6 +20,17 @@ from loadgen.harness.envoy import Envoy, EnvoySetup, envoy
 from loadgen.text import words
 from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of
 from tests.e2e.test_fanout import REAL_TIME, computed_tokens, sibling
+from tests.e2e.test_precise import (
+    AUTH,
+    CONVERSATION,
+    chat,
+    direct,
+    join,
+    parts_of,
+    precise_settings,
+    salt_of,
+)
+from tests.loadgen.test_kv_events import events_config, free_ports
 from tests.servers import Served, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -456,3 +467,29 @@ def test_envoys_retry_down_the_list_and_the_served_endpoint_gets_the_record(
     # every lease released (the picker ends an exchange just after Envoy's last chunk went out)
     wait_until(lambda: all(s.num_inflight == 0 for s in states), what="leases released")
     sdk.close()
+
+
+def test_a_dp_rank_holding_the_prefix_is_named_to_the_engine_through_envoy(
+    start_engines: Callable[..., list[Served]],
+    start_stack: Callable[..., tuple[list[Served], Served, Envoy]],
+) -> None:
+    """Precise mode behind Envoy: an engine whose 2 DP ranks share one HTTP port. Only rank 1
+    holds the prompt (sent there directly, its KV events say so); the picker's header mutation
+    sets `X-data-parallel-rank: 1`, as the standalone gateway does, so Envoy's request lands on
+    the rank with the prefix (the engine would otherwise take its least-loaded rank, 0)."""
+    port = free_ports(2)
+    (x,) = start_engines(1, kv_events=events_config(port), data_parallel_size=2)
+    _, gateway, proxy = start_stack([x], **precise_settings({x.url: port}, engine_dp_size=2))
+    join([gateway], [x])
+    body = chat(CONVERSATION)
+    direct(x, body, salt_of(gateway), **{"X-data-parallel-rank": "1"})
+    precise = parts_of(gateway).keying.precise
+    assert precise is not None
+    wait_until(lambda: precise.index.num_blocks(x.url + "#1") > 0, what="rank 1's blocks")
+    ranks = x.app.state.engines
+    before = [len(rank.seen_headers) for rank in ranks]
+    r = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
+    assert [len(rank.seen_headers) - n for rank, n in zip(ranks, before, strict=True)] == [0, 1]
+    assert ranks[1].seen_headers[-1]["x-data-parallel-rank"] == "1"

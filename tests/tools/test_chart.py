@@ -164,8 +164,12 @@ def test_discovery_rbac_reads_endpointslices_where_the_engines_are() -> None:
             "apiGroups": ["discovery.k8s.io"],
             "resources": ["endpointslices"],
             "verbs": ["get", "list", "watch"],
-        }
+        },
+        # discovery_pod_annotations: each engine pod is read once, by name
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
     ]
+    epp = one(chart.template(chart.CHART / "ci" / "epp-values.yaml"), "Role")
+    assert [r["resources"] for r in epp["rules"]] == [["endpointslices"]]  # no annotations read
     binding = one(objects, "RoleBinding")
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]

@@ -84,7 +84,8 @@ def picked_headers(
     endpoints: Sequence[str], body_length: int, extra: Mapping[str, str] | None = None
 ) -> Any:
     """The request-headers answer of a pick: the destination header, its metadata twin, the
-    body's new length, the tenant's key removed (`extra`: trace context for the engine)."""
+    body's new length, the tenant's key removed (`extra`: the trace context and the DP
+    rank for the engine, `Pick.headers`)."""
     value = ",".join(endpoints)
     sets = [_header(DESTINATION, value), _header("content-length", str(body_length))]
     sets += [_header(k, v) for k, v in (extra or {}).items()]

@@ -166,8 +166,7 @@ class Conversation:
         self.pick = pick
         self.body = bytearray()
         endpoints = [self.endpoints[r] for r in pick.ranking]
-        extra = pick.attempt.headers()
-        headers = m.picked_headers(endpoints, len(pick.payload), extra)
+        headers = m.picked_headers(endpoints, len(pick.payload), pick.headers)
         if self.buffered:
             await self.send(m.buffered_body(headers, pick.payload))
             return
