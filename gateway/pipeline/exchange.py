@@ -184,8 +184,10 @@ class Exchange:
         stream = self.stream
         assert stream is not None
         try:
+            # the hook before the client holds a token (see `_events`), and before the usage
+            # hooks: a short answer's first read may hold its usage already
+            await self.first_token()
             first = await self._rewrite(stream.first_batch, include_usage)
-            await self.first_token()  # before the client holds a token: see `_events`
             if first:
                 yield first
             await stream.batches.aclose()  # the reader goes on where it stopped, unsplit
@@ -214,8 +216,10 @@ class Exchange:
         stream = self.stream
         assert stream is not None
         try:
+            # the hook before the client holds a token (see `_events`), and before the usage
+            # hooks: a short answer's first read may hold its usage already
+            await self.first_token()
             first = await self._rewrite(stream.first_batch, include_usage)
-            await self.first_token()  # before the client holds a token: see `_events`
             if first:
                 out.write(first)
             await stream.batches.aclose()  # the reader goes on where it stopped
