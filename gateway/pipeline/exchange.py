@@ -1,7 +1,8 @@
 """An exchange: one request committed to one replica (its first byte has arrived).
 
 Front ends consume an exchange in the shape they speak: the OpenAI HTTP API relays the engine's
-SSE bytes (`batches`), other front ends read parsed chunks (`chunks`), and a client that did not
+SSE bytes (`relay`, spliced to the client's connection; `batches` where the server gives no
+transport), other front ends read parsed chunks (`chunks`), and a client that did not
 ask to stream gets the whole answer (`complete`: the engine streams anyway, and its chunks are
 assembled by `gateway.pipeline.assemble`). Whatever the shape, the exchange calls its hooks in
 order — `first_token` once, `usage` exactly once before the client sees the usage, `finish`
