@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from gateway.api.errors import report_internal, to_anthropic_http, to_http
 from gateway.errors import GatewayError, NoSuchRoute
@@ -76,6 +77,45 @@ class StatusSend:
 def raw_send(send: Send) -> Send:
     """The server's own `send` under a `StatusSend` (for body messages after the start)."""
     return send.raw if isinstance(send, StatusSend) else send
+
+
+class ChunkedOut:
+    """The client's connection under uvicorn's httptools protocol, written to directly: each
+    write one HTTP chunk (`%x\\r\\n` body `\\r\\n`, what uvicorn's own `send` writes), with
+    uvicorn's flow control (`paused`, `drain`) and its view of a disconnect (nothing is written
+    after one). The response's start and its end still go through `send`, so uvicorn's state
+    of the response stays its own."""
+
+    __slots__ = ("_cycle", "_flow", "_transport")
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+        self._flow = cycle.flow
+        self._transport = cycle.transport
+
+    @property
+    def paused(self) -> bool:
+        return self._flow.write_paused
+
+    def write(self, data: bytes) -> None:
+        if not self._cycle.disconnected:
+            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    async def drain(self) -> None:
+        await self._flow.drain()
+
+
+def chunked_out(send: Send) -> ChunkedOut | None:
+    """A direct writer for a started, chunked response served by uvicorn's httptools protocol
+    (None otherwise, e.g. under h11: the caller then sends body messages through `send`)."""
+    cycle = getattr(raw_send(send), "__self__", None)
+    if (
+        isinstance(cycle, RequestResponseCycle)
+        and cycle.chunked_encoding
+        and (cycle.response_started and not cycle.response_complete)
+    ):
+        return ChunkedOut(cycle)
+    return None
 
 
 class GatewayASGI:

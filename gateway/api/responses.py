@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from gateway.api.asgi import raw_send
+from gateway.api.asgi import ChunkedOut, chunked_out, raw_send
 from gateway.api.errors import openai_error_body
 from gateway.errors import GatewayError
 from gateway.pipeline.exchange import Exchange
@@ -59,7 +59,13 @@ class ExchangeSSE(Response):
         ]
         self.exchange = exchange
 
+    splices = False
+    """`relay` writes the body to the client's connection itself (when the server allows)."""
+
     def events(self) -> AsyncIterator[bytes]:
+        raise NotImplementedError
+
+    async def relay(self, out: ChunkedOut) -> None:
         raise NotImplementedError
 
     def error_event(self, err: GatewayError) -> bytes:
@@ -78,8 +84,12 @@ class ExchangeSSE(Response):
         watcher = asyncio.create_task(watch())
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.events():
-                await body({"type": "http.response.body", "body": chunk, "more_body": True})
+            out = chunked_out(body) if self.splices else None
+            if out is not None:
+                await self.relay(out)
+            else:
+                async for chunk in self.events():
+                    await body({"type": "http.response.body", "body": chunk, "more_body": True})
         except asyncio.CancelledError:  # the drain's grace ran out: say so, then end
             exchange.abort()
             with contextlib.suppress(Exception):
@@ -98,12 +108,22 @@ class OpenAISSE(ExchangeSSE):
     ends as an engine's does on an error: an `error` object in a data event, then `[DONE]`
     (the OpenAI SDKs raise an `APIError` with the message)."""
 
+    splices = True
+
     async def events(self) -> AsyncIterator[bytes]:
         exchange = self.exchange
         async for batch in exchange.batches(exchange.parsed.include_usage):
             yield batch
         if exchange.failure is not None and not exchange.client_gone:
             yield self.error_event(exchange.failure)
+
+    async def relay(self, out: ChunkedOut) -> None:
+        exchange = self.exchange
+        await exchange.relay(out, exchange.parsed.include_usage)
+        if exchange.failure is not None and not exchange.client_gone:
+            if out.paused:
+                await out.drain()
+            out.write(self.error_event(exchange.failure))
 
     def error_event(self, err: GatewayError) -> bytes:
         return b"data: " + orjson.dumps(openai_error_body(err)) + b"\n\ndata: [DONE]\n\n"

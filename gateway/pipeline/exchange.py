@@ -1,7 +1,8 @@
 """An exchange: one request committed to one replica (its first byte has arrived).
 
 Front ends consume an exchange in the shape they speak: the OpenAI HTTP API relays the engine's
-SSE bytes (`batches`), other front ends read parsed chunks (`chunks`), and a client that did not
+SSE bytes (`relay`, spliced to the client's connection; `batches` where the server gives no
+transport), other front ends read parsed chunks (`chunks`), and a client that did not
 ask to stream gets the whole answer (`complete`: the engine streams anyway, and its chunks are
 assembled by `gateway.pipeline.assemble`). Whatever the shape, the exchange calls its hooks in
 order — `first_token` once, `usage` exactly once before the client sees the usage, `finish`
@@ -28,13 +29,13 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 
 from gateway.errors import GatewayError, UpstreamError
 from gateway.fleet.replicas import Lease
 from gateway.pipeline.assemble import Assembler
-from gateway.pipeline.forwarder import Complete, Streaming
+from gateway.pipeline.forwarder import ClientOut, Complete, Streaming
+from gateway.pipeline.upstream import UpstreamBroke
 from gateway.request.parsed import ParsedRequest
 from gateway.request.state import ExchangeRecord, Routed
 from gateway.request.trace import RequestTrace
@@ -44,7 +45,7 @@ STREAM_BROKE = "the engine's stream ended before the answer was complete (an ups
 STREAM_STALLED = "the engine sent nothing for {:g} s (an upstream failure)"
 ENGINE_ERROR = "the engine reported an error mid-stream (an upstream failure)"
 
-_UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
+_UPSTREAM_ERRORS = (UpstreamBroke, TimeoutError)
 
 Reforward = Callable[[], Awaitable[tuple[Lease, Complete | Streaming]]]
 """The director's walk, resumed: the next replica's committed attempt (raises a GatewayError
@@ -184,8 +185,10 @@ class Exchange:
         stream = self.stream
         assert stream is not None
         try:
+            # the hook before the client holds a token (see `_events`), and before the usage
+            # hooks: a short answer's first read may hold its usage already
+            await self.first_token()
             first = await self._rewrite(stream.first_batch, include_usage)
-            await self.first_token()  # before the client holds a token: see `_events`
             if first:
                 yield first
             await stream.batches.aclose()  # the reader goes on where it stopped, unsplit
@@ -197,6 +200,46 @@ class Exchange:
                         if not block:
                             continue
                     yield block
+        except _UPSTREAM_ERRORS as exc:
+            self._broke(stream, exc)
+        except GatewayError as exc:
+            self._fail(exc)
+        finally:
+            await self.finish()
+
+    async def relay(self, out: ClientOut, include_usage: bool) -> None:
+        """`batches`, written to the client's connection by the engine connection's own read
+        callback (`EventReader.splice`): a read without `"usage"` costs one parse of its HTTP
+        framing and one write, and wakes no task. A read that holds the usage, or arrives while
+        the client's buffer is full, comes back here (`block`), where the hooks may await and
+        `out.drain()` waits for the client, so the gateway holds at most one read per stream
+        beyond the sockets' own buffers. Ends the exchange as `batches` does."""
+        stream = self.stream
+        assert stream is not None
+        try:
+            # the hook before the client holds a token (see `_events`), and before the usage
+            # hooks: a short answer's first read may hold its usage already
+            await self.first_token()
+            first = await self._rewrite(stream.first_batch, include_usage)
+            if first:
+                out.write(first)
+            await stream.batches.aclose()  # the reader goes on where it stopped
+            reader = stream.reader
+            while True:
+                if out.paused:
+                    await out.drain()
+                await reader.splice(out)
+                block = await reader.block()
+                if not block:
+                    break
+                if b'"usage"' in block:
+                    events = [e for e in block.split(b"\n\n") if e]
+                    block = await self._rewrite(events, include_usage)
+                    if not block:
+                        continue
+                if out.paused:
+                    await out.drain()
+                out.write(block)
         except _UPSTREAM_ERRORS as exc:
             self._broke(stream, exc)
         except GatewayError as exc:

@@ -9,6 +9,10 @@ on the next replica.
 After the commit a stream is watched (`StallWatch`): an engine that sends nothing for
 `idle_timeout_s` has its connection closed, so a hung engine costs a client a bounded wait and
 a clean error, never a stream that never ends.
+
+Attempts go over raw keep-alive connections (`gateway.pipeline.upstream`), so a committed
+stream can be spliced to the client (`EventReader.splice`): each engine read is written to the
+client's transport in the read's own callback, with no task step per chunk.
 """
 
 from __future__ import annotations
@@ -16,12 +20,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
 
-_JSON = {"content-type": "application/json"}
+from gateway.pipeline.upstream import UpstreamBroke, UpstreamConnection, UpstreamPool
 
 
 class RetryableFailure(Exception):
@@ -49,6 +53,23 @@ class Complete:
     body: dict[str, Any]
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+class ClientOut(Protocol):
+    """The client's side of a spliced relay: bytes written straight to its connection (framed
+    by the front end), `paused` while the client's socket buffer is over its high-water mark,
+    `drain()` until it is not."""
+
+    @property
+    def paused(self) -> bool: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
 class StallWatch:
     """Closes a response that has sent nothing for `idle_s`.
 
@@ -59,7 +80,7 @@ class StallWatch:
 
     __slots__ = ("_handle", "_loop", "idle_s", "last_s", "response", "stalled")
 
-    def __init__(self, response: aiohttp.ClientResponse, idle_s: float) -> None:
+    def __init__(self, response: Closable, idle_s: float) -> None:
         self._loop = asyncio.get_running_loop()
         self.response = response
         self.idle_s = idle_s
@@ -98,20 +119,29 @@ class EventReader:
     - `blocks()`: the same reads as bytes, whole events with their separators, not split at
       all (the relay's pass-through: one slice at most per read, no list, no join).
 
+    - `splice(out)`: the same blocks written to the client as they arrive, in the connection's
+      read callback, until a read holds `"usage"` (or the client's buffer is full): that read
+      is then `held` for `block()`, the slow path that may await the usage hooks.
+
     Nothing is held back but the incomplete tail of an event, so the stream stays unbuffered
     while one network read costs one write to the client, whatever the number of events in it.
     Engines end lines with \\n (vLLM, SGLang); a \\r\\n stream is normalised. `watch` hears of
     every read."""
 
-    __slots__ = ("content", "tail", "watch")
+    __slots__ = ("content", "held", "out", "tail", "watch")
 
-    def __init__(self, content: aiohttp.StreamReader, watch: StallWatch | None = None) -> None:
+    def __init__(self, content: UpstreamConnection, watch: StallWatch | None = None) -> None:
         self.content = content
         self.watch = watch
         self.tail = b""
+        self.held = b""
+        self.out: ClientOut | None = None
 
     async def _read(self) -> bytes:
         """What the socket delivered next, with the tail before it (b"": the stream ended)."""
+        if self.held:  # a spliced read the sink left for this path (its tail already in it)
+            data, self.held = self.held, b""
+            return data
         data = await self.content.readany()
         if not data:
             return b""
@@ -138,6 +168,12 @@ class EventReader:
             yield [last]
 
     async def blocks(self) -> AsyncGenerator[bytes, None]:
+        while block := await self.block():
+            yield block
+
+    async def block(self) -> bytes:
+        """The next read's whole events (b"": the stream ended; its unterminated last event,
+        if any, comes just before that)."""
         while data := await self._read():
             if not data.endswith(b"\n\n"):
                 cut = data.rfind(b"\n\n") + 2
@@ -145,9 +181,42 @@ class EventReader:
                     self.tail = data
                     continue
                 data, self.tail = data[:cut], data[cut:]
-            yield data
+            return data
         if last := self._last():
-            yield last + b"\n\n"
+            return last + b"\n\n"
+        return b""
+
+    async def splice(self, out: ClientOut) -> None:
+        """Write whole events to `out` as each read arrives, until a read must take the slow
+        path (`held`: it holds `"usage"`, or `out` is paused) or the stream ends. The caller
+        then goes on with `block()`."""
+        self.out = out
+        try:
+            await self.content.splice(self._sink)
+        finally:
+            self.out = None
+
+    def _sink(self, data: bytes) -> None:
+        """One read, in the connection's callback (no await here: see `splice`)."""
+        out = self.out
+        assert out is not None
+        if self.watch is not None:
+            self.watch.touch()
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n")
+        if self.tail:
+            data, self.tail = self.tail + data, b""
+        if b'"usage"' in data or out.paused:
+            self.held = data
+            self.content.end_splice()
+            return
+        if not data.endswith(b"\n\n"):
+            cut = data.rfind(b"\n\n") + 2
+            if cut < 2:
+                self.tail = data
+                return
+            data, self.tail = data[:cut], data[cut:]
+        out.write(data)
 
 
 @dataclass(slots=True)
@@ -157,7 +226,7 @@ class Streaming:
     `batches` goes on where `first_batch` ended; `reader.blocks()` does too, for a relay that
     passes bytes through (the two share the reader's tail: use one or the other)."""
 
-    response: aiohttp.ClientResponse
+    response: UpstreamConnection
     first_batch: list[bytes]
     batches: AsyncGenerator[list[bytes], None]
     reader: EventReader
@@ -181,18 +250,20 @@ class Streaming:
         self.response.release()
 
 
-def _is_json(response: aiohttp.ClientResponse) -> bool:
+def _is_json(response: UpstreamConnection) -> bool:
     return response.content_type == "application/json"
 
 
 class Forwarder:
-    """Attempts over the gateway's one shared `aiohttp.ClientSession` (bound by the lifespan).
+    """Attempts over the gateway's `UpstreamPool` (bound by the lifespan, with the shared
+    `aiohttp.ClientSession` that probes and scrapes use).
 
     `first_byte_timeout_s` bounds an attempt up to its commit (the engine's first event, or
     its whole answer when it does not stream); `idle_timeout_s` bounds each silence after it."""
 
     def __init__(self, first_byte_timeout_s: float, idle_timeout_s: float) -> None:
         self.session: aiohttp.ClientSession | None = None
+        self.pool: UpstreamPool | None = None
         self.first_byte_timeout_s = first_byte_timeout_s
         self.idle_timeout_s = idle_timeout_s
 
@@ -210,11 +281,10 @@ class Forwarder:
     async def _attempt(
         self, url: str, payload: bytes, stream: bool, headers: Mapping[str, str] | None
     ) -> Passthrough | Complete | Streaming:
-        assert self.session is not None, "the lifespan binds the session"
-        sent = _JSON if headers is None else {**_JSON, **headers}
+        assert self.pool is not None, "the lifespan binds the pool"
         try:
-            response = await self.session.post(url, data=payload, headers=sent)
-        except (aiohttp.ClientConnectionError, OSError) as exc:
+            response = await self.pool.post(url, payload, headers)
+        except OSError as exc:
             raise RetryableFailure(f"{type(exc).__name__}: {exc}", connection=True) from None
         committed = False
         try:
@@ -232,7 +302,7 @@ class Forwarder:
                     raise RetryableFailure("engine sent a non-object JSON body")
                 return Complete(body)
             watch = StallWatch(response, self.idle_timeout_s)
-            reader = EventReader(response.content, watch)
+            reader = EventReader(response, watch)
             batches = reader.batches()
             try:
                 async for first in batches:
@@ -244,7 +314,7 @@ class Forwarder:
                 if not committed:
                     watch.cancel()
             raise RetryableFailure("engine closed the stream before its first event")
-        except aiohttp.ClientError as exc:
+        except UpstreamBroke as exc:
             raise RetryableFailure(f"{type(exc).__name__}: {exc}") from None
         finally:
             if not committed:

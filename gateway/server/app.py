@@ -66,6 +66,7 @@ from gateway.pipeline.placement import Placement
 from gateway.pipeline.ratelimit import RateLimiter, TokenSettlement
 from gateway.pipeline.reconcile import Reconciler
 from gateway.pipeline.record import Recorder
+from gateway.pipeline.upstream import UpstreamPool
 from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
 from gateway.server.admin import AdminServer
@@ -398,6 +399,10 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
         )
         parts.forwarder.session = session
+        # the attempts' own connections (the relay splices them to the clients)
+        pool = UpstreamPool(settings.upstream_max_connections, settings.connect_timeout_s)
+        stack.callback(pool.close)
+        parts.forwarder.pool = pool
         stack.push_async_callback(parts.limiter.close)
         directory = parts.directory
         if settings.redis_url:

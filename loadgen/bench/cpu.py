@@ -73,6 +73,8 @@ class Pass:
     engine_cpu_s: float
     gateway_cpu_s: float
     events: int
+    gateway_system_s: float = 0.0
+    """The part of `gateway_cpu_s` spent in the kernel (socket reads and writes, epoll)."""
 
 
 def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,13 +182,14 @@ def _timed(
 ) -> Pass:
     engine_pid, gw_pid = pids
     engine_cpu0 = processes.cpu_seconds(engine_pid)
-    gw_cpu0 = processes.cpu_seconds(gw_pid) if gw_pid else 0.0
+    gw_user0, gw_sys0 = processes.cpu_split(gw_pid) if gw_pid else (0.0, 0.0)
     t0 = time.monotonic()
     errors, events = asyncio.run(_load(url, key, args.requests, args, max_tokens))
     wall = time.monotonic() - t0
     engine_cpu = processes.cpu_seconds(engine_pid) - engine_cpu0
-    gw_cpu = (processes.cpu_seconds(gw_pid) - gw_cpu0) if gw_pid else 0.0
-    return Pass(name, errors, wall, engine_cpu, gw_cpu, events)
+    gw_user, gw_sys = processes.cpu_split(gw_pid) if gw_pid else (0.0, 0.0)
+    gw_user, gw_sys = gw_user - gw_user0, gw_sys - gw_sys0
+    return Pass(name, errors, wall, engine_cpu, gw_user + gw_sys, events, gw_sys)
 
 
 def _measure(
@@ -258,7 +261,11 @@ def run_relay(args: argparse.Namespace, key: str) -> list[Pass]:
         )
     chunks = long.events - short.events
     per_chunk = (long.gateway_cpu_s - short.gateway_cpu_s) / max(chunks, 1) * 1e6
-    print(f"  gateway CPU per relayed chunk: {per_chunk:.1f} µs ({chunks:,} chunks more)")
+    system = (long.gateway_system_s - short.gateway_system_s) / max(chunks, 1) * 1e6
+    print(
+        f"  gateway CPU per relayed chunk: {per_chunk:.1f} µs ({chunks:,} chunks more; "
+        f"user {per_chunk - system:.1f}, system {system:.1f})"
+    )
     return [short, long]
 
 

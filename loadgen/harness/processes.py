@@ -190,10 +190,16 @@ def gateway(
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc)."""
+    user, system = cpu_split(pid)
+    return user + system
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU time of a process so far (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
     ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
 
 
 def children(pid: int) -> list[int]:

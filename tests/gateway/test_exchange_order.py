@@ -13,7 +13,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from gateway.pipeline.exchange import Exchange
-from gateway.pipeline.forwarder import EventReader, Streaming
+from gateway.pipeline.forwarder import EventReader, Forwarder, Streaming
+from gateway.pipeline.upstream import UpstreamPool
 
 EVENTS = [
     b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
@@ -52,11 +53,12 @@ class _Hooks:
     def stream_broke(self, exchange: Any, exc: BaseException | str) -> None: ...
 
 
-def _exchange(log: list[str]) -> Exchange:
-    reader = EventReader(_Content(EVENTS[1:]))  # type: ignore[arg-type]
+def _exchange(log: list[str], first: int = 1) -> Exchange:
+    """The first `first` events arrive in the first read (all of them: a short answer)."""
+    reader = EventReader(_Content(EVENTS[first:]))  # type: ignore[arg-type]
     stream = Streaming(
         SimpleNamespace(close=lambda: None, release=lambda: None),  # type: ignore[arg-type]
-        [EVENTS[0].rstrip(b"\n")],
+        [e.rstrip(b"\n") for e in EVENTS[:first]],
         reader.batches(),
         reader,
     )
@@ -64,9 +66,9 @@ def _exchange(log: list[str]) -> Exchange:
     return Exchange(_Hooks(log), SimpleNamespace(), lease, None, stream)  # type: ignore[arg-type]
 
 
-def _consume(stream: str, log: list[str]) -> None:
+def _consume(stream: str, log: list[str], first: int = 1) -> None:
     async def run() -> None:
-        exchange = _exchange(log)
+        exchange = _exchange(log, first)
         chunks = exchange.batches(include_usage=True) if stream == "bytes" else exchange.chunks()
         async for chunk in chunks:
             log.append(f"client:{len(chunk)}")
@@ -83,9 +85,75 @@ def test_the_relay_runs_the_first_token_hook_before_the_first_bytes_go_out() -> 
     assert log[-1] == "finish"
 
 
+def test_a_first_read_holding_the_usage_runs_the_first_token_hook_before_the_usage() -> None:
+    for shape in ("bytes", "chunks"):
+        log: list[str] = []
+        _consume(shape, log, first=len(EVENTS))
+        assert log[0] == "first_token", (shape, log)  # then the usage (once), then finish
+        assert log.count("usage") == 1 and log[-1] == "finish"
+
+
 def test_parsed_chunks_run_the_first_token_hook_before_the_first_chunk() -> None:
     log: list[str] = []
     _consume("chunks", log)
     assert log[0] == "first_token", log
     assert log.count("first_token") == 1
     assert log[-1] == "finish"
+
+
+class _Client:
+    """The client's side of a spliced relay (`ClientOut`), logging each write."""
+
+    paused = False
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.received = b""
+
+    def write(self, data: bytes) -> None:
+        self.log.append(f"client:{len(data)}")
+        self.received += data
+
+    async def drain(self) -> None: ...
+
+
+async def test_the_spliced_relay_runs_the_hooks_in_order_over_a_real_connection() -> None:
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        for event in EVENTS:  # a read each, or several per read: the order must not change
+            writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    forwarder = Forwarder(5.0, 5.0)
+    forwarder.pool = UpstreamPool(8, 2.0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+    try:
+        opened = await forwarder.attempt(url, b"{}", stream=True)
+        assert isinstance(opened, Streaming)
+        log: list[str] = []
+        lease = SimpleNamespace(state=SimpleNamespace(id="r0", heard_s=0.0), release=lambda: None)
+        exchange = Exchange(_Hooks(log), SimpleNamespace(), lease, None, opened)  # type: ignore[arg-type]
+        client = _Client(log)
+        await exchange.relay(client, include_usage=True)
+    finally:
+        forwarder.pool.close()
+        server.close()
+        await server.wait_closed()
+    assert log[0] == "first_token", log
+    assert log.count("first_token") == 1 and log.count("usage") == 1
+    usage_at = log.index("usage")  # before the client is given the usage event
+    assert sum(int(e.split(":")[1]) for e in log[:usage_at] if e.startswith("client:")) <= len(
+        EVENTS[0] + EVENTS[1]
+    )
+    assert log[-1] == "finish"
+    assert client.received == b"".join(EVENTS)
