@@ -5,7 +5,10 @@
     GET      /docs, /redoc   that document rendered (Swagger UI, ReDoc)
     POST     /reset_prefix_cache[?replica=URL]   every engine's (or one's) prefix cache reset
                              through the gateway, which stops routing on what they held before
-                             the engines answer (`Keying.reset_prefix_cache`): {url: status}
+                             the engines answer (`Keying.reset_prefix_cache`): {url: status}.
+                             A write that costs every tenant its cache: it takes an `admin_keys`
+                             key (`Authorization: Bearer KEY`; 401 without one, 403 when no
+                             admin keys are configured), as the billing admin routes do.
 
 `/metrics` tells every tenant's token counts, hot-prefix rates and the replicas' queues, and
 the documents map the whole surface, so none of them is served on `port`: they listen on
@@ -30,6 +33,9 @@ from aiohttp import web
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from gateway.request.tenant import hash_key
+from gateway.tenancy.registry import bearer_key
+
 log = logging.getLogger(__name__)
 
 OPENAPI_PATH = "/openapi.json"
@@ -45,9 +51,11 @@ class AdminServer:
         openapi: Callable[[], dict[str, Any]],
         title: str,
         reset: Callable[[str | None], Awaitable[dict[str, int]]] | None = None,
+        admin_hashes: frozenset[str] = frozenset(),
     ) -> None:
         self._metrics = metrics
         self._reset = reset
+        self._admin_hashes = admin_hashes
         self._openapi = openapi
         self._title = title
         self._runner: web.AppRunner | None = None
@@ -82,6 +90,18 @@ class AdminServer:
         log.info("kvgate: metrics and API documents on %s:%d", LOOPBACK, self.port)
         return self.port
 
+    def _refusal(self, request: web.Request) -> web.Response | None:
+        """None for an admin key; else the 401 / 403 that says what is missing."""
+        if not self._admin_hashes:
+            message = "no admin keys are configured (set admin_keys)"
+            return web.json_response({"error": message}, status=403)
+        key = bearer_key(request.headers.get("authorization"))
+        if not key or hash_key(key) not in self._admin_hashes:
+            log.warning("kvgate: admin port refused a %s without an admin key", request.path)
+            message = "this needs an admin key: send it as 'Authorization: Bearer KEY'"
+            return web.json_response({"error": message}, status=401)
+        return None
+
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
@@ -104,6 +124,9 @@ class AdminServer:
 
     async def _serve_reset(self, request: web.Request) -> web.Response:
         assert self._reset is not None
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
         statuses = await self._reset(request.query.get("replica"))
         if not statuses:
             return web.json_response({"error": "no such replica"}, status=404)

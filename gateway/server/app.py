@@ -47,7 +47,7 @@ from gateway.api.epp.server import start_epp
 from gateway.api.grpc.service import GrpcServer, start_grpc
 from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
-from gateway.billing.service import Billing
+from gateway.billing.service import Billing, admin_key_hashes
 from gateway.directory.routing import RoutingDirectory
 from gateway.events.intake import EventIntake
 from gateway.events.layouts import LaidOutEvents
@@ -450,6 +450,7 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
                 lambda: app.openapi(),
                 app.title,
                 functools.partial(_reset_prefix_caches, parts),
+                admin_key_hashes(settings.admin_keys),
             )
             stack.push_async_callback(admin.stop)
             if settings.worker_admin_fd is not None:

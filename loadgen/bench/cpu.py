@@ -36,7 +36,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
@@ -75,6 +75,13 @@ class Pass:
     events: int
     gateway_system_s: float = 0.0
     """The part of `gateway_cpu_s` spent in the kernel (socket reads and writes, epoll)."""
+    ttfts_s: list[float] = field(default_factory=list)
+    """Per request, sent to its first body bytes (a streamed answer's first event)."""
+
+    def ttft_ms(self, q: float) -> float:
+        """The `q` quantile of `ttfts_s` in ms (nearest rank; 0 with none)."""
+        ranked = sorted(self.ttfts_s)
+        return ranked[min(len(ranked) - 1, int(q * len(ranked)))] * 1e3 if ranked else 0.0
 
 
 def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,9 +143,15 @@ def _system_prompt(prompt_bytes: int) -> str:
 
 
 async def _load(
-    url: str, key: str | None, n: int, args: argparse.Namespace, max_tokens: int
+    url: str,
+    key: str | None,
+    n: int,
+    args: argparse.Namespace,
+    max_tokens: int,
+    ttfts: list[float] | None = None,
 ) -> tuple[int, int]:
-    """(errors, SSE events received) for `n` requests at `args.concurrency`."""
+    """(errors, SSE events received) for `n` requests at `args.concurrency`; each request's
+    time to its first body bytes appended to `ttfts` when given."""
     headers = {"content-type": "application/json"}
     if key:
         headers["authorization"] = f"Bearer {key}"
@@ -158,10 +171,15 @@ async def _load(
                 "max_tokens": max_tokens,
                 "stream": args.stream,
             }
+            sent = time.perf_counter()
+            first = True
             async with http.post(
                 url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers
             ) as resp:
                 async for data in resp.content.iter_any():
+                    if first and ttfts is not None:
+                        ttfts.append(time.perf_counter() - sent)
+                    first = False
                     events += data.count(b"\n\n")
                     if resp.status != 200 and not errors:  # what went wrong, once
                         print(f"  first error: {resp.status} {data[:200]!r}")
@@ -184,12 +202,13 @@ def _timed(
     engine_cpu0 = processes.cpu_seconds(engine_pid)
     gw_user0, gw_sys0 = processes.cpu_split(gw_pid) if gw_pid else (0.0, 0.0)
     t0 = time.monotonic()
-    errors, events = asyncio.run(_load(url, key, args.requests, args, max_tokens))
+    ttfts: list[float] = []
+    errors, events = asyncio.run(_load(url, key, args.requests, args, max_tokens, ttfts))
     wall = time.monotonic() - t0
     engine_cpu = processes.cpu_seconds(engine_pid) - engine_cpu0
     gw_user, gw_sys = processes.cpu_split(gw_pid) if gw_pid else (0.0, 0.0)
     gw_user, gw_sys = gw_user - gw_user0, gw_sys - gw_sys0
-    return Pass(name, errors, wall, engine_cpu, gw_user + gw_sys, events, gw_sys)
+    return Pass(name, errors, wall, engine_cpu, gw_user + gw_sys, events, gw_sys, ttfts)
 
 
 def _measure(

@@ -49,8 +49,15 @@ def _messages(c: int, turn: int) -> list[dict[str, Any]]:
 
 
 async def _stream(
-    http: httpx.AsyncClient, url: str, c: int, turn: int, max_tokens: int, started: asyncio.Event
+    http: httpx.AsyncClient,
+    url: str,
+    c: int,
+    turn: int,
+    max_tokens: int,
+    started: asyncio.Event,
+    watched: str = "",
 ) -> Streamed:
+    """One streamed turn; `started` is set once a stream served by `watched` has had tokens."""
     body = {"model": DEFAULT_MODEL, "messages": _messages(c, turn), "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     events: list[bytes] = []
@@ -63,8 +70,8 @@ async def _stream(
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:].encode())
-                    if len(events) == 2:
-                        started.set()  # tokens are flowing (the victim's, if it is there)
+                    if len(events) == 2 and replica == watched:
+                        started.set()  # tokens are flowing on the victim
     except httpx.HTTPError:
         return Streamed("failed")
     return _judge(events, replica, matched)
@@ -95,7 +102,9 @@ async def _under_kill(url: str, convs: range, victim: processes.Proc) -> list[St
     had tokens; every conversation's turn 2 sent right after the kill."""
     async with httpx.AsyncClient(headers=HEADERS, timeout=60) as http:
         flowing = asyncio.Event()
-        running = [asyncio.create_task(_stream(http, url, c, 1, 100, flowing)) for c in convs]
+        running = [
+            asyncio.create_task(_stream(http, url, c, 1, 100, flowing, victim.url)) for c in convs
+        ]
         await asyncio.wait_for(flowing.wait(), 60)
         victim.popen.kill()  # SIGKILL, by pid
         victim.popen.wait(timeout=10)
@@ -116,7 +125,8 @@ def run(size: Size) -> Outcome:
         try:
             processes.wait_ready(gateway.url, "/readyz", gateway.popen, processes.STARTUP_TIMEOUT_S)
             placed = asyncio.run(_turns(gateway.url, range(2 * n), 0, 2))
-            homes = Counter(s.replica for s in placed if s.outcome == "ok")
+            # the victim: the home of most conversations that stream under the kill
+            homes = Counter(s.replica for s in placed[:n] if s.outcome == "ok")
             victim = next(e for e in engines if e.url == homes.most_common(1)[0][0])
             killed = asyncio.run(_under_kill(gateway.url, convs, victim))
             port = int(victim.url.rsplit(":", 1)[1])

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from loadgen.bench.billing import add_bench_billing_arguments, run_bench_billing
 from loadgen.bench.cpu import add_bench_cpu_arguments, run_bench_cpu
 from loadgen.demo import add_demo_arguments, run_policy
 from loadgen.workloads import agent_day, count_requests
@@ -38,6 +39,22 @@ def test_the_cpu_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "through kvgate" in out and "direct to engine" in out
     assert out.startswith("on: python ") and "load average" in out  # what it ran on
+
+
+def test_the_billing_benchmark_prices_billing_and_times_first_tokens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ("--requests", "40", "--concurrency", "4", "--stream", "--no-redis")
+    assert run_bench_billing(_args(add_bench_billing_arguments, *argv)) == 0
+    out = capsys.readouterr().out
+    assert "TTFT p50 ms" in out
+    for name in ("no billing", "billing, local WAL"):
+        row = re.search(
+            rf"^{re.escape(name)} +0 +\d+ +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)$", out, re.M
+        )
+        assert row is not None, out
+        p50, p99 = float(row[3]), float(row[4])
+        assert 0 < p50 <= p99, out
 
 
 def test_the_conversation_benchmark_prices_precise_keying_apart(

@@ -93,13 +93,16 @@ def indexed(gateway: Served, url: str, min_blocks: int = 1) -> Callable[[], bool
 def precise_fleet(
     start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
 ) -> Callable[..., tuple[list[Served], list[Served]]]:
-    def make(n: int = 2, num_gateways: int = 1, **engine: Any) -> tuple[list[Served], list[Served]]:
+    def make(
+        n: int = 2, num_gateways: int = 1, admin_keys: list[str] | None = None, **engine: Any
+    ) -> tuple[list[Served], list[Served]]:
         base = free_ports(n)
         engines = [
             start_engines(1, kv_events=events_config(base + i), **engine)[0] for i in range(n)
         ]
         ports = {e.url: base + i for i, e in enumerate(engines)}
-        gateways = [start_gateway(engines, **precise_settings(ports)) for _ in range(num_gateways)]
+        settings = precise_settings(ports, admin_keys=admin_keys or [])
+        gateways = [start_gateway(engines, **settings) for _ in range(num_gateways)]
         join(gateways, engines)
         return engines, gateways
 
