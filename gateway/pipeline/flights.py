@@ -111,7 +111,9 @@ class SharedMarkers(Protocol):
         """How often a waiter re-reads its leader's marker (the channel may miss a landing)."""
         ...
 
-    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool: ...
+    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool:
+        """Set `marker` on `blocks` (if absent); False only when it was certainly not set."""
+        ...
 
     def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None: ...
 
@@ -155,10 +157,12 @@ class Flights:
         for block in blocks:
             self._writing.setdefault(block, flight)
         if self.shared is not None:
-            marker = Marker(PENDING, f"{self.gateway_id}:{flight.id}", replica, expected_s)
+            # set before the call: a call cancelled (or timed out) on its way may have set the
+            # marker all the same, and only the leader's landing clears it before its ttl
+            flight.marker = Marker(PENDING, f"{self.gateway_id}:{flight.id}", replica, expected_s)
             try:
-                if await self.shared.lead(blocks, marker.format(), ttl_s):
-                    flight.marker = marker
+                if not await self.shared.lead(blocks, flight.marker.format(), ttl_s):
+                    flight.marker = None  # not sent: nothing to land
             except BaseException:  # cancelled while announcing: nobody will end it but us
                 self.end(flight, ok=False)
                 raise
