@@ -331,10 +331,12 @@ class RoutingDirectory:
         self._write(Call(lambda shared: shared.markers.land(blocks, marker, landed, ttl_s)))
 
     async def read_marker(self, block: BlockHash) -> str | None:
+        """The block's marker, "" when Redis has none, None when Redis did not answer."""
         if self.shared is None:
             return None
         try:
-            return await asyncio.wait_for(self.shared.markers.read_marker(block), self.deadline_s)
+            marker = await asyncio.wait_for(self.shared.markers.read_marker(block), self.deadline_s)
+            return "" if marker is None else marker
         except asyncio.CancelledError:
             raise
         except Exception:

@@ -17,7 +17,7 @@ from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.schema import block_keys, text
 from gateway.directory.routing import RoutingDirectory
-from gateway.pipeline.flights import OK, PENDING, Flights, Marker
+from gateway.pipeline.flights import FAIL, OK, PENDING, Flights, Marker
 from loadgen.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -129,3 +129,31 @@ async def test_a_landing_that_overtakes_its_late_marker_leaves_no_pending_marker
     await store.land(blocks2, pending.format(), pending.landed(True).format(), 2.0)
     assert await store.read_marker(blocks2[-1]) == other.format()
     await client.aclose()
+
+
+async def test_a_sibling_whose_leaders_marker_is_gone_is_released(
+    fresh_redis: RedisServer,
+) -> None:
+    """A sibling holds on another gateway's pending marker and the marker goes (Redis restarted
+    empty, or the marker's ttl ran out): no landing can release it any more. Before the fix it
+    took a vanished marker for a pending one and waited out its whole bound."""
+    directory = RoutingDirectory(
+        MemoryDirectory(MemoryIndex()),
+        RedisDirectory(await open_redis(fresh_redis.url, cluster=False)),
+        deadline_s=5.0,
+        track_writers=True,
+    )
+    await directory.start()
+    flights = Flights(shared=directory)
+    blocks = chain_hashes(b"a shared prefix " * 400, root_hash(b"salt", "m"), 256)
+    assert directory.shared is not None
+    pending = Marker(PENDING, "other-gateway:1", "r1", 1.0)
+    await directory.shared.markers.lead(blocks, pending.format(), 10.0)
+    waiting = asyncio.create_task(
+        flights.wait_remote(pending.key, 5.0, lambda: directory.read_marker(blocks[-1]))
+    )
+    fresh_redis.cli("FLUSHALL")  # the store lost the marker
+    released = await waiting
+    assert released is not None and released.state == FAIL  # before the fix: None after 5 s
+    assert flights.stats.timeouts == 0 and flights.stats.released_failed == 1
+    await directory.close()
