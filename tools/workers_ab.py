@@ -8,9 +8,12 @@ Each arm is what `kvgate bench`'s `workers1` / `workers2` arms run (fresh simula
 bench point 1, a fresh redis-server, one `kvgate serve --workers N --redis-url ...`, the replay
 of `REQUESTS` requests from line 4,000 at time scale 4), with the gateway's code taken from the
 named tree (`here` is this checkout; another, e.g. an older commit exported with `git archive`,
-runs through `processes.start_gateway(cwd=)`). One markdown row per arm: errors, hit ratio,
-TTFT, the gateway's process-tree CPU per request, and the directory's counters from the pod's
-merged /metrics (lookups answered locally, write-backs, blocks written back).
+runs through `processes.start_gateway(cwd=)`). A workers count ending in `m` (`here:1m`) runs
+the same gateway over its in-process directory (no Redis), for comparison. One markdown row per
+arm: errors, hit ratio, TTFT, the gateway's process-tree CPU per request, the directory's
+counters from the pod's merged /metrics (lookups answered locally, write-backs, blocks written
+back) and its fan-out holds (held siblings, released by their leader's landing / by their
+timeout, seconds held in all).
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ CAPACITY_BLOCKS = 69184
 """Bench point 1's engine KV (capacity frac 0.25 of the 2,000-request slice), per engine."""
 
 
-def counter(page: str, name: str) -> float:
-    """The sum of a counter's samples over the pod's workers (its `worker` labels)."""
+def counter(page: str, name: str, label: str = "") -> float:
+    """The sum of a counter's samples over the pod's workers (its `worker` labels), of those
+    whose labels contain `label` (e.g. `reason="timeout"`) when given."""
     total = 0.0
     for line in page.splitlines():
         head = line.split("{")[0].split(" ")[0]
-        if head == name:
+        if head == name and label in line.split(" ")[0]:
             total += float(line.split()[-1])
     return total
 
@@ -50,7 +54,9 @@ def arm(requests: int, tree: str, workers: str) -> str:
     env = {"KVGATE_DIRECTORY_CAPACITY_BLOCKS": str(directory), "KVGATE_SEED": "0"}
     with processes.engines(4, setup.engine_args()) as engines, redis_server(port=0) as redis:
         args = ["--policy", "cache_aware", "--tenant", f"bench:{peers.BENCH_KEY}"]
-        args += ["--log-level", "warning", "--workers", workers, "--redis-url", redis.url]
+        args += ["--log-level", "warning", "--workers", workers.removesuffix("m")]
+        if not workers.endswith("m"):
+            args += ["--redis-url", redis.url]
         urls = [e.url for e in engines]
         gw = processes.start_gateway(processes.free_port(), urls, args, env, cwd=tree)
         try:
@@ -74,9 +80,14 @@ def arm(requests: int, tree: str, workers: str) -> str:
     local = counter(page, "kvgate_directory_fallbacks_total")
     backs = counter(page, "kvgate_directory_write_backs_total")
     blocks = counter(page, "kvgate_directory_written_back_blocks_total")
+    holds = counter(page, "kvgate_fanout_holds_total")
+    landed = counter(page, "kvgate_fanout_releases_total", 'reason="landed"')
+    timeouts = counter(page, "kvgate_fanout_releases_total", 'reason="timeout"')
+    held = counter(page, "kvgate_fanout_hold_seconds_sum")
     return (
         f"| {workers} | {s.errors} | {s.hit_ratio:.3f} | {s.ttft_mean_s:.3f} / "
-        f"{s.ttft_p99_s:.3f} | {cpu_ms:.2f} | {local:.0f} | {backs:.0f} | {blocks:,.0f} |"
+        f"{s.ttft_p99_s:.3f} | {cpu_ms:.2f} | {local:.0f} | {backs:.0f} | {blocks:,.0f} "
+        f"| {holds:.0f} / {landed:.0f} / {timeouts:.0f} / {held:.1f} |"
     )
 
 
@@ -87,9 +98,10 @@ def main(argv: list[str]) -> int:
     trees = {"here": HERE} | dict(a.split("=", 1) for a in argv[2:])
     print(
         "| tree | workers | errors | hit ratio | TTFT mean / p99 s | gateway CPU ms/req "
-        "| lookups answered locally | write-backs | blocks written back |"
+        "| lookups answered locally | write-backs | blocks written back "
+        "| holds / landed / timeouts / s held |"
     )
-    print("| --- " + "| ---: " * 8 + "|")
+    print("| --- " + "| ---: " * 9 + "|")
     for item in argv[1].split(","):
         name, _, workers = item.partition(":")
         print(f"| {name} " + arm(int(argv[0]), trees[name], workers), flush=True)

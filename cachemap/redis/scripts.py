@@ -122,11 +122,15 @@ return n
 )
 
 # ARGV (after the chain): the leader's pending marker, its landed marker, ttl ms, channel.
+# A block with no marker gets the landed one too: the leader's own marker call may still be on
+# its way (it missed its deadline, Redis runs it later) and must then find the block taken
+# (set if absent), not leave a pending marker no landing will ever clear.
 LAND = (
     CHAIN
     + """
 for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i] .. ':w') == ARGV[3] then
+  local current = redis.call('GET', KEYS[i] .. ':w')
+  if current == ARGV[3] or not current then
     redis.call('SET', KEYS[i] .. ':w', ARGV[4], 'PX', ARGV[5])
   end
 end

@@ -307,7 +307,11 @@ class RoutingDirectory:
 
     # -- fan-out leaders across gateways (`gateway.pipeline.flights.SharedMarkers`) ----------------
     async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool:
-        """Mark blocks as being written (on the request path, with the lookup's deadline)."""
+        """Mark blocks as being written (on the request path, with the lookup's deadline).
+        False only when no marker was sent. A call that failed or missed its deadline may have
+        reached Redis all the same (the script was on the socket: Redis runs it when it gets
+        to it), so it answers True and the leader lands what may be there — a marker left
+        pending would hold every sibling that finds it until its hold's timeout."""
         if self.shared is None or self.degraded or not blocks:
             return False
         try:
@@ -315,8 +319,7 @@ class RoutingDirectory:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.debug("fan-out marker not set: %s", exc)
-            return False
+            log.debug("fan-out marker call failed (it may be set; the leader lands it): %s", exc)
         return True
 
     @property
@@ -328,10 +331,12 @@ class RoutingDirectory:
         self._write(Call(lambda shared: shared.markers.land(blocks, marker, landed, ttl_s)))
 
     async def read_marker(self, block: BlockHash) -> str | None:
+        """The block's marker, "" when Redis has none, None when Redis did not answer."""
         if self.shared is None:
             return None
         try:
-            return await asyncio.wait_for(self.shared.markers.read_marker(block), self.deadline_s)
+            marker = await asyncio.wait_for(self.shared.markers.read_marker(block), self.deadline_s)
+            return "" if marker is None else marker
         except asyncio.CancelledError:
             raise
         except Exception:

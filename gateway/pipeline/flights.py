@@ -111,11 +111,16 @@ class SharedMarkers(Protocol):
         """How often a waiter re-reads its leader's marker (the channel may miss a landing)."""
         ...
 
-    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool: ...
+    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool:
+        """Set `marker` on `blocks` (if absent); False only when it was certainly not set."""
+        ...
 
     def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None: ...
 
-    async def read_marker(self, block: BlockHash) -> str | None: ...
+    async def read_marker(self, block: BlockHash) -> str | None:
+        """The block's marker; "" when the store answered that it has none (it expired, or
+        the store lost it), None when the store did not answer."""
+        ...
 
 
 class Flights:
@@ -155,10 +160,12 @@ class Flights:
         for block in blocks:
             self._writing.setdefault(block, flight)
         if self.shared is not None:
-            marker = Marker(PENDING, f"{self.gateway_id}:{flight.id}", replica, expected_s)
+            # set before the call: a call cancelled (or timed out) on its way may have set the
+            # marker all the same, and only the leader's landing clears it before its ttl
+            flight.marker = Marker(PENDING, f"{self.gateway_id}:{flight.id}", replica, expected_s)
             try:
-                if await self.shared.lead(blocks, marker.format(), ttl_s):
-                    flight.marker = marker
+                if not await self.shared.lead(blocks, flight.marker.format(), ttl_s):
+                    flight.marker = None  # not sent: nothing to land
             except BaseException:  # cancelled while announcing: nobody will end it but us
                 self.end(flight, ok=False)
                 raise
@@ -211,7 +218,7 @@ class Flights:
             future = self._remote[key] = asyncio.get_running_loop().create_future()
         self._waiting[key] = self._waiting.get(key, 0) + 1
         try:
-            landed = await self._await_landing(future, timeout_s, recheck)
+            landed = await self._await_landing(key, future, timeout_s, recheck)
             if landed is None:
                 self.stats.timeouts += 1
         finally:
@@ -232,17 +239,22 @@ class Flights:
 
     async def _await_landing(
         self,
+        key: str,
         future: asyncio.Future[Marker],
         timeout_s: float,
         recheck: Callable[[], Awaitable[str | None]],
     ) -> Marker | None:
         """The landing, from the channel (`notify`) or from re-reading the marker: first at
         once (it may have landed between the lookup and now), then every `landing_poll_s`
-        (pub/sub may be down or lose a message). None when `timeout_s` passes first."""
+        (pub/sub may be down or lose a message). None when `timeout_s` passes first. A marker
+        the store no longer has (expired, or lost with the store's state) will never land: the
+        waiter is released as if its leader had failed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             text = await recheck()
+            if text == "":
+                return Marker(FAIL, key, "")
             current = Marker.parse(text) if text is not None else None
             if current is not None and current.state != PENDING:
                 return current

@@ -1,6 +1,7 @@
 """A fan-out leader cancelled while its shared marker is being set leaves no flight behind
 (issue 14, item 12): the real directory facade over a real redis-server that stops answering
-(SIGSTOP), so the cancellation lands inside the marker's Redis call."""
+(SIGSTOP), so the cancellation lands inside the marker's Redis call; and the leader's marker
+landed whatever became of its call (holds over Redis, lead's round)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from cachemap.keys import chain_hashes, root_hash
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
+from cachemap.redis.schema import block_keys, text
 from gateway.directory.routing import RoutingDirectory
-from gateway.pipeline.flights import Flights
+from gateway.pipeline.flights import FAIL, OK, PENDING, Flights, Marker
 from loadgen.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -46,4 +48,112 @@ async def test_a_leader_cancelled_while_announcing_itself_leaves_no_flight(
         os.kill(fresh_redis.proc.pid, signal.SIGCONT)
     assert len(flights) == 0  # before the fix: every block stayed "being written" forever
     assert flights.find(blocks, 0) is None  # a later sibling finds nothing to hold on
+    await directory.close()
+
+
+async def test_a_marker_set_after_its_call_timed_out_still_lands(
+    fresh_redis: RedisServer,
+) -> None:
+    """Holds over Redis (lead's round): the leader's marker call misses its deadline (5 ms by
+    default, often missed on a loaded machine) but Redis runs it anyway — the script was on the
+    socket. Before the fix the leader took the timeout for "no marker", never landed it, and
+    the pending marker stayed for the whole hold: every sibling at another gateway (or at this
+    one, once the leader had ended) that looked it up was held until its timeout."""
+    directory = RoutingDirectory(
+        MemoryDirectory(MemoryIndex()),
+        RedisDirectory(await open_redis(fresh_redis.url, cluster=False)),
+        deadline_s=0.05,
+        track_writers=True,
+    )
+    sibling_directory = RoutingDirectory(
+        MemoryDirectory(MemoryIndex()),
+        RedisDirectory(await open_redis(fresh_redis.url, cluster=False)),
+        deadline_s=5.0,
+        track_writers=True,
+    )
+    await directory.start()
+    await sibling_directory.start()
+    leader_flights = Flights(shared=directory)
+    sibling_flights = Flights(shared=sibling_directory)
+    salt = root_hash(b"salt", "m")
+    # the scripts are loaded (a call while Redis is stopped must not need a SCRIPT LOAD)
+    await leader_flights.lead("r1", chain_hashes(b"warm-up " * 100, salt, 256), 1.0, 10.0)
+    blocks = chain_hashes(b"a shared prefix " * 400, salt, 256)
+    assert fresh_redis.proc is not None
+    os.kill(fresh_redis.proc.pid, signal.SIGSTOP)  # Redis is descheduled past the deadline
+    try:
+        flight = await leader_flights.lead("r1", blocks, 1.0, 10.0)  # the call times out
+    finally:
+        os.kill(fresh_redis.proc.pid, signal.SIGCONT)  # ...and Redis runs the script
+    admin = await open_redis(fresh_redis.url, cluster=False)
+    key = block_keys([blocks[-1]])[0] + b":w"
+    for _ in range(1000):  # the script came on another connection: read until it has run
+        if await admin.get(key) is not None:
+            break
+    marker = Marker.parse(text(await admin.get(key)))
+    assert marker is not None and marker.state == PENDING
+    lookup = await sibling_directory.lookup(blocks)
+    assert lookup.writer_depth == len(blocks) and lookup.writer is not None
+    waiting = asyncio.create_task(
+        sibling_flights.wait_remote(
+            marker.key, 3.0, lambda: sibling_directory.read_marker(blocks[-1])
+        )
+    )
+    leader_flights.end(flight, ok=True)  # the leader's first byte
+    landed = await waiting
+    assert landed is not None and landed.state == OK  # before the fix: None after 3 s
+    assert sibling_flights.stats.timeouts == 0
+    await admin.aclose()
+    await directory.close()
+    await sibling_directory.close()
+
+
+async def test_a_landing_that_overtakes_its_late_marker_leaves_no_pending_marker(
+    fresh_redis: RedisServer,
+) -> None:
+    """The other order of the same race: the marker's call missed its deadline and Redis runs
+    it only after the leader's landing (a different connection). Before the fix the landing
+    found no marker to turn "ok", and the late marker then stayed pending for its whole ttl."""
+    client = await open_redis(fresh_redis.url, cluster=False)
+    store = RedisDirectory(client).markers
+    blocks = chain_hashes(b"a shared prefix " * 400, root_hash(b"salt", "m"), 256)
+    pending = Marker(PENDING, "gw:1", "r1", 1.0)
+    await store.land(blocks, pending.format(), pending.landed(True).format(), 2.0)
+    await store.lead(blocks, pending.format(), 10.0)  # the late call
+    for block in (blocks[0], blocks[-1]):
+        marker = await store.read_marker(block)
+        assert marker is not None and Marker.parse(marker) == pending.landed(True)
+    other = Marker(PENDING, "gw:2", "r2", 1.0)  # another leader's marker is never touched
+    blocks2 = chain_hashes(b"another prefix " * 400, root_hash(b"salt", "m"), 256)
+    await store.lead(blocks2, other.format(), 10.0)
+    await store.land(blocks2, pending.format(), pending.landed(True).format(), 2.0)
+    assert await store.read_marker(blocks2[-1]) == other.format()
+    await client.aclose()
+
+
+async def test_a_sibling_whose_leaders_marker_is_gone_is_released(
+    fresh_redis: RedisServer,
+) -> None:
+    """A sibling holds on another gateway's pending marker and the marker goes (Redis restarted
+    empty, or the marker's ttl ran out): no landing can release it any more. Before the fix it
+    took a vanished marker for a pending one and waited out its whole bound."""
+    directory = RoutingDirectory(
+        MemoryDirectory(MemoryIndex()),
+        RedisDirectory(await open_redis(fresh_redis.url, cluster=False)),
+        deadline_s=5.0,
+        track_writers=True,
+    )
+    await directory.start()
+    flights = Flights(shared=directory)
+    blocks = chain_hashes(b"a shared prefix " * 400, root_hash(b"salt", "m"), 256)
+    assert directory.shared is not None
+    pending = Marker(PENDING, "other-gateway:1", "r1", 1.0)
+    await directory.shared.markers.lead(blocks, pending.format(), 10.0)
+    waiting = asyncio.create_task(
+        flights.wait_remote(pending.key, 5.0, lambda: directory.read_marker(blocks[-1]))
+    )
+    fresh_redis.cli("FLUSHALL")  # the store lost the marker
+    released = await waiting
+    assert released is not None and released.state == FAIL  # before the fix: None after 5 s
+    assert flights.stats.timeouts == 0 and flights.stats.released_failed == 1
     await directory.close()
