@@ -74,29 +74,29 @@ def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iter
     tokenize.add_metric(["encoded"], tokens.tokens_encoded)
     tokenize.add_metric(["prefix"], tokens.prefix_tokens)
     yield tokenize
-    incremental = CounterMetricFamily(
+    yield _by(
         "kvgate_precise_incremental_checks",
         "Sampled chats rendered message by message and whole, by result (a mismatch turns "
         "message-by-message rendering off).",
-        labels=["result"],
+        "result",
+        {
+            "match": tokens.incremental_checks - tokens.incremental_mismatches,
+            "mismatch": tokens.incremental_mismatches,
+        },
     )
-    incremental.add_metric(["match"], tokens.incremental_checks - tokens.incremental_mismatches)
-    incremental.add_metric(["mismatch"], tokens.incremental_mismatches)
-    yield incremental
     yield CounterMetricFamily(
         "kvgate_precise_keying_seconds",
         "CPU time rendering, tokenizing and hashing precise requests.",
         tokens.seconds,
     )
     if check is not None:
-        checks = CounterMetricFamily(
+        checked = check.stats
+        yield _by(
             "kvgate_precise_tokenizer_checks",
             "Sampled requests compared with an engine's /tokenize, by result.",
-            labels=["result"],
+            "result",
+            {"match": checked.checks - checked.mismatches, "mismatch": checked.mismatches},
         )
-        checks.add_metric(["match"], check.stats.checks - check.stats.mismatches)
-        checks.add_metric(["mismatch"], check.stats.mismatches)
-        yield checks
 
 
 def _shared(precise: PreciseKeys, writer: EventWriter) -> Iterable[Any]:
@@ -106,22 +106,27 @@ def _shared(precise: PreciseKeys, writer: EventWriter) -> Iterable[Any]:
     )
     owned.add_metric([], len(writer.domains()))
     yield owned
-    flushes = CounterMetricFamily(
+    yield _by(
         "kvgate_events_shared_flushes",
         "Pipelined writes of the event index into Redis, by outcome.",
-        labels=["outcome"],
+        "outcome",
+        {"ok": writer.flushes, "error": writer.flush_errors},
     )
-    flushes.add_metric(["ok"], writer.flushes)
-    flushes.add_metric(["error"], writer.flush_errors)
-    yield flushes
-    lookups = CounterMetricFamily(
+    stats = precise.stats
+    yield _by(
         "kvgate_events_shared_lookups",
         "Lookups of the shared event index, by outcome (failed: routed on the prediction).",
-        labels=["outcome"],
+        "outcome",
+        {"ok": stats.shared_lookups - stats.shared_failures, "failed": stats.shared_failures},
     )
-    lookups.add_metric(["ok"], precise.stats.shared_lookups - precise.stats.shared_failures)
-    lookups.add_metric(["failed"], precise.stats.shared_failures)
-    yield lookups
+
+
+def _by(name: str, documentation: str, label: str, values: dict[str, float]) -> Any:
+    """A counter with one sample per value of `label`."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value, count in values.items():
+        family.add_metric([value], count)
+    return family
 
 
 def _feeds(precise: PreciseKeys) -> Iterable[Any]:

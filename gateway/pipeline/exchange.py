@@ -185,18 +185,13 @@ class Exchange:
         stream = self.stream
         assert stream is not None
         try:
-            # the hook before the client holds a token (see `_events`), and before the usage
-            # hooks: a short answer's first read may hold its usage already
-            await self.first_token()
-            first = await self._rewrite(stream.first_batch, include_usage)
+            first = await self._opening(stream, include_usage)
             if first:
                 yield first
-            await stream.batches.aclose()  # the reader goes on where it stopped, unsplit
             async with contextlib.aclosing(stream.reader.blocks()) as blocks:
                 async for block in blocks:
                     if b'"usage"' in block:
-                        events = [e for e in block.split(b"\n\n") if e]
-                        block = await self._rewrite(events, include_usage)
+                        block = await self._usage_block(block, include_usage)
                         if not block:
                             continue
                     yield block
@@ -217,13 +212,9 @@ class Exchange:
         stream = self.stream
         assert stream is not None
         try:
-            # the hook before the client holds a token (see `_events`), and before the usage
-            # hooks: a short answer's first read may hold its usage already
-            await self.first_token()
-            first = await self._rewrite(stream.first_batch, include_usage)
+            first = await self._opening(stream, include_usage)
             if first:
                 out.write(first)
-            await stream.batches.aclose()  # the reader goes on where it stopped
             reader = stream.reader
             while True:
                 if out.paused:
@@ -233,8 +224,7 @@ class Exchange:
                 if not block:
                     break
                 if b'"usage"' in block:
-                    events = [e for e in block.split(b"\n\n") if e]
-                    block = await self._rewrite(events, include_usage)
+                    block = await self._usage_block(block, include_usage)
                     if not block:
                         continue
                 if out.paused:
@@ -246,6 +236,19 @@ class Exchange:
             self._fail(exc)
         finally:
             await self.finish()
+
+    async def _opening(self, stream: Streaming, include_usage: bool) -> bytes:
+        """The first batch to send, after the first-token hook: before the client holds a
+        token (see `_events`), and before the usage hooks (a short answer's first read may
+        hold its usage already). The reader then goes on where the batches stopped, unsplit."""
+        await self.first_token()
+        first = await self._rewrite(stream.first_batch, include_usage)
+        await stream.batches.aclose()
+        return first
+
+    async def _usage_block(self, block: bytes, include_usage: bool) -> bytes:
+        """A read holding the text `"usage"`: split, and its usage event through the hooks."""
+        return await self._rewrite([e for e in block.split(b"\n\n") if e], include_usage)
 
     async def _rewrite(self, events: list[bytes], include_usage: bool) -> bytes:
         """Events with their separators, the usage event through the hooks."""

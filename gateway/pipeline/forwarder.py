@@ -143,14 +143,27 @@ class EventReader:
             data, self.held = self.held, b""
             return data
         data = await self.content.readany()
-        if not data:
-            return b""
+        return self._arrived(data) if data else b""
+
+    def _arrived(self, data: bytes) -> bytes:
+        """A read as the events see it: the idle watch touched, CRLF folded, the tail first."""
         if self.watch is not None:
             self.watch.touch()
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n")
         if self.tail:
             data, self.tail = self.tail + data, b""
+        return data
+
+    def _whole(self, data: bytes) -> bytes:
+        """The read's whole events, the rest kept as the tail (b"": none is whole yet)."""
+        if data.endswith(b"\n\n"):
+            return data
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            self.tail = data
+            return b""
+        data, self.tail = data[:cut], data[cut:]
         return data
 
     def _last(self) -> bytes:
@@ -175,13 +188,8 @@ class EventReader:
         """The next read's whole events (b"": the stream ended; its unterminated last event,
         if any, comes just before that)."""
         while data := await self._read():
-            if not data.endswith(b"\n\n"):
-                cut = data.rfind(b"\n\n") + 2
-                if cut < 2:
-                    self.tail = data
-                    continue
-                data, self.tail = data[:cut], data[cut:]
-            return data
+            if whole := self._whole(data):
+                return whole
         if last := self._last():
             return last + b"\n\n"
         return b""
@@ -200,23 +208,13 @@ class EventReader:
         """One read, in the connection's callback (no await here: see `splice`)."""
         out = self.out
         assert out is not None
-        if self.watch is not None:
-            self.watch.touch()
-        if b"\r" in data:
-            data = data.replace(b"\r\n", b"\n")
-        if self.tail:
-            data, self.tail = self.tail + data, b""
+        data = self._arrived(data)
         if b'"usage"' in data or out.paused:
             self.held = data
             self.content.end_splice()
             return
-        if not data.endswith(b"\n\n"):
-            cut = data.rfind(b"\n\n") + 2
-            if cut < 2:
-                self.tail = data
-                return
-            data, self.tail = data[:cut], data[cut:]
-        out.write(data)
+        if whole := self._whole(data):
+            out.write(whole)
 
 
 @dataclass(slots=True)
