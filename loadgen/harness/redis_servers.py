@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +23,12 @@ import redis
 from loadgen.harness.processes import free_port
 
 START_TIMEOUT_S = 20.0
+PORT_ATTEMPTS = 5
+"""A port picked as free may be taken before the server binds it: pick again so often."""
+
+
+class PortTaken(RuntimeError):
+    """The server could not listen on its port: another process holds it."""
 
 
 def docker_engine_available() -> bool:
@@ -40,11 +46,6 @@ def _wait_for(predicate: object, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not up after {START_TIMEOUT_S} s")
         time.sleep(0.02)
-
-
-def _ping(args: Sequence[str]) -> bool:
-    result = subprocess.run(["redis-cli", *args, "ping"], capture_output=True, text=True)
-    return result.stdout.strip() == "PONG"
 
 
 @dataclass
@@ -88,8 +89,27 @@ class RedisServer:
         ]
         if not self.port:
             args += ["--unixsocket", str(self.socket), "--unixsocketperm", "700"]
-        self.proc = subprocess.Popen([*args, *self.extra])
-        _wait_for(lambda: _ping(self.cli_args()), f"redis-server {self.url}")
+        proc = subprocess.Popen([*args, *self.extra])
+        try:
+            _wait_for(lambda: self._answers_as(proc), f"redis-server {self.url}")
+        except BaseException:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+            raise
+        self.proc = proc
+
+    def _answers_as(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Whether the server on our address is `proc` itself. A PING alone is not enough: when
+        the port is taken the new server exits, and the other one answers."""
+        if proc.poll() is not None:
+            log = self.workdir / "redis.log"
+            tail = log.read_text(errors="replace")[-300:] if log.exists() else ""
+            raise PortTaken(f"redis-server could not listen on {self.url}: {tail.strip()}")
+        result = subprocess.run(
+            ["redis-cli", *self.cli_args(), "info", "server"], capture_output=True, text=True
+        )
+        return f"process_id:{proc.pid}" in result.stdout
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -102,6 +122,21 @@ class RedisServer:
             ["redis-cli", *self.cli_args(), *command], capture_output=True, text=True, check=True
         )
         return result.stdout
+
+
+def _start_on_a_free_port(
+    server: RedisServer, *, retry: bool, pick: Callable[[], int] = free_port
+) -> None:
+    """Start `server`; where its port was only picked as free (and another process took it
+    since), pick another one."""
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            server.start()
+            return
+        except PortTaken:
+            if not retry or attempt == PORT_ATTEMPTS - 1:
+                raise
+            server.port = pick()
 
 
 @contextlib.contextmanager
@@ -119,7 +154,7 @@ def redis_server(port: int | None = None, extra: Sequence[str] = ()) -> Iterator
         return
     with tempfile.TemporaryDirectory(prefix="kvgate-redis-") as tmp:
         server = RedisServer(Path(tmp), port=free_port() if port == 0 else (port or 0), extra=extra)
-        server.start()
+        _start_on_a_free_port(server, retry=port == 0)
         try:
             yield server
         finally:
@@ -205,7 +240,7 @@ def redis_cluster(num_masters: int = 3, replicas: int = 0) -> Iterator[RedisClus
                         "0",
                     ),
                 )
-                node.start()
+                _start_on_a_free_port(node, retry=True, pick=_free_cluster_port)
                 nodes.append(node)
             subprocess.run(
                 [
