@@ -224,7 +224,7 @@ class Shipper:
 
     async def _ship(self) -> int:
         shipped = 0
-        current = self.wal.current
+        current, synced = self.wal.synced  # one value: the segment and its size agree
         for path in segment_paths(self.wal.directory):
             if current is not None and path.name > current.name:
                 break  # the writer is creating it (`current` moves once it is ready)
@@ -233,7 +233,7 @@ class Shipper:
             # the current one only as far as it is synced (a failed write is cut back)
             finished = path != current
             offset = self.offsets.get(path.name, 0)
-            end = None if finished else self.wal.synced_size
+            end = None if finished else synced
             try:
                 records, new_offset, _ = await asyncio.to_thread(read_segment, path, offset, end)
             except WalLayoutError as exc:  # never shipped as garbage, never deleted

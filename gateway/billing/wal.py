@@ -27,6 +27,9 @@ Invariants:
 - A failed write leaves nothing behind: the segment is cut back to its last good size (when
   even that fails, the log moves on to a new segment), so no later line is glued to a torn
   one, and every record of the failed batch fails with `WalUnavailable`.
+- Shippers read `synced`, (the current segment, its bytes on stable storage), as one value: a
+  record is in it from the moment its append returns, and a record cut back out never was
+  (the size is published only after the cut, in the same step as the waiters are told).
 - Readers see records only. A line without its newline is a torn write from a crash: never
   acknowledged, skipped; a restarted writer always opens a fresh segment.
 - Every open entry not yet settled is in the current segment (a new segment starts with them,
@@ -190,9 +193,11 @@ class WriteAheadLog:
         self._lock_fd: int | None = None
         self._fd: int | None = None
         self._size = 0
-        self.synced_size = 0
-        """Bytes of the current segment known to be on stable storage (what shippers read)."""
-        self.current: Path | None = None
+        self.synced: tuple[Path | None, int] = (None, 0)
+        """(the current segment, how many of its bytes are on stable storage): what shippers
+        read, as one value — the writer's thread replaces it whole, so a reader never pairs one
+        segment with another's size (a drain mid-rotation then read the old segment only as far
+        as the new one's header, and missed what had been acknowledged)."""
         self._pending: list[_Line] = []
         self._flusher: asyncio.Task[None] | None = None
         self._open: dict[str, bytes] = {}
@@ -267,6 +272,11 @@ class WriteAheadLog:
         self._open.pop(record_id, None)
 
     @property
+    def current(self) -> Path | None:
+        """The segment being written."""
+        return self.synced[0]
+
+    @property
     def num_open(self) -> int:
         return len(self._open)
 
@@ -321,14 +331,17 @@ class WriteAheadLog:
                 if not line.durable and not line.future.done():
                     line.future.set_result(None)
             if any(line.durable for line in lines):
-                await asyncio.to_thread(self._sync, start, self._carried())
+                await asyncio.to_thread(self._sync, start, self._carried(), publish=False)
                 self.num_syncs += 1
-            late = [line for line in lines if line.durable and line.future.cancelled()]
-            if late:  # written after their waiters gave up: nobody was told; cut them out
-                kept = b"".join(
-                    line.data for line in lines if line not in late and line.future.done()
-                )
-                await asyncio.to_thread(self._replace, start, kept, self._carried())
+                kept = lines
+                # written after their waiters gave up (nobody was told): cut them out, again
+                # if more give up meanwhile; only the rest is ever shown to shippers, in the
+                # same step as its waiters are told
+                while any(line.durable and line.future.cancelled() for line in kept):
+                    kept = [line for line in kept if not line.future.cancelled()]
+                    data = b"".join(line.data for line in kept)
+                    await asyncio.to_thread(self._replace, start, data, self._carried())
+                self.synced = (self.current, self._size)
         except OSError as exc:
             self.num_failures += 1
             failure = WalUnavailable(f"the billing log could not be written: {exc}")
@@ -366,7 +379,7 @@ class WriteAheadLog:
         self._carry = False
         return start
 
-    def _sync(self, start: int, carried: bytes) -> None:
+    def _sync(self, start: int, carried: bytes, *, publish: bool = True) -> None:
         fd = self._fd
         assert fd is not None
         try:
@@ -374,17 +387,19 @@ class WriteAheadLog:
         except OSError:
             self._cut(start, carried)
             raise
-        self.synced_size = self._size
+        if publish:
+            self.synced = (self.current, self._size)
 
     def _replace(self, start: int, data: bytes, carried: bytes) -> None:
-        """Cut the segment back to `start` and write `data` there instead (synced)."""
+        """Cut the segment back to `start` and write `data` there instead (synced; shippers
+        are told by the caller, which never showed them past `start`)."""
         fd = self._fd
         assert fd is not None
         os.ftruncate(fd, start)
-        self._size = self.synced_size = start
+        self._size = start
         self._carry = True  # open entries may have been in what was cut
         if data:
-            self._sync(self._write(data, carried), carried)
+            self._sync(self._write(data, carried), carried, publish=False)
         else:
             os.fdatasync(fd)
 
@@ -398,7 +413,8 @@ class WriteAheadLog:
         try:
             os.ftruncate(fd, good)
             os.fdatasync(fd)
-            self._size = self.synced_size = good
+            self._size = good
+            self.synced = (self.current, good)
             self._broken = None
             return
         except OSError as exc:
@@ -441,8 +457,8 @@ class WriteAheadLog:
                 path.unlink()
             raise
         old, self._fd = self._fd, fd
-        self._size = self.synced_size = len(head)
+        self._size = len(head)
         self._carry = False
-        self.current = path
+        self.synced = (path, len(head))
         if old is not None:
             os.close(old)

@@ -4,7 +4,11 @@ exactly-once windows) against a real redis-server."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+import os
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,7 @@ from cachemap.redis.client import open_redis
 from gateway.billing.store import LocalLedger, RedisLedgerStore, Shipper
 from gateway.billing.wal import (
     WalLocked,
+    WalUnavailable,
     WriteAheadLog,
     read_directory,
     read_segment,
@@ -148,12 +153,173 @@ async def test_shipping_while_segments_rotate_loses_nothing(
         await asyncio.gather(*(wal.append(record(i)) for i in range(start, start + 10)))
     done.set()
     await shipping
-    await shipper.ship_once()
-    stored = [r["id"] for r in await RedisLedgerStore(client).query("acme", None, None)]
-    assert sorted(stored) == sorted(f"req-{i}" for i in range(300))
-    assert len(segment_paths(wal.directory)) == 1  # only the current one is left
+    try:
+        # every record is acknowledged, so shipped now: the last one's segment may be mid
+        # rotation (seen: the drain read it only up to the next segment's synced size)
+        await shipper.ship_once()
+        stored = [r["id"] for r in await RedisLedgerStore(client).query("acme", None, None)]
+        assert sorted(stored) == sorted(f"req-{i}" for i in range(300))
+        await wal.flushed()  # a rotation still in progress ends
+        await shipper.ship_once()
+        assert len(segment_paths(wal.directory)) == 1  # only the current one is left
+    finally:
+        await wal.aclose()
+        await client.aclose()
+
+
+class _MemoryStore:
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    async def put(self, records: list[dict[str, Any]]) -> int:
+        new = {str(r["id"]) for r in records} - self.ids
+        self.ids |= new
+        return len(new)
+
+    async def query(
+        self, tenant: str | None, start: Decimal | None, end: Decimal | None
+    ) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+
+class _SteppedLog(WriteAheadLog):
+    """A log whose file work (the worker thread) stops before each of its state changes until
+    the test lets it go on: every interleaving of a shipper with the writer, one at a time."""
+
+    stepping = False
+    paused: queue.Queue[str]
+    go: queue.Queue[bool]
+
+    def step(self, name: str) -> None:
+        if self.stepping and threading.current_thread() is not threading.main_thread():
+            self.paused.put(name)
+            self.go.get()
+
+    def __setattr__(self, name: str, value: object) -> None:
+        self.step(name)
+        object.__setattr__(self, name, value)
+
+    @contextlib.contextmanager
+    def stepped(self) -> Iterator[None]:
+        """Step the writer's thread inside; on the way out (a failed assertion too) let it run."""
+        self.stepping = True
+        try:
+            yield
+        finally:
+            self.stepping = False
+            self.go.put(True)  # the thread, if it is stopped
+            self.paused.put("done")  # a waiter for its next step, if there is one
+
+
+async def _writer_steps(wal: _SteppedLog) -> AsyncIterator[str]:
+    """The writer thread's state changes, each while the thread is stopped before it (it goes
+    on when the next one is asked for), until its flusher is done."""
+    name = await asyncio.to_thread(wal.paused.get)
+    flusher = wal._flusher
+    assert flusher is not None
+    while True:
+        yield name
+        wal.go.put(True)
+        step = asyncio.create_task(asyncio.to_thread(wal.paused.get))
+        await asyncio.wait((step, flusher), return_when=asyncio.FIRST_COMPLETED)
+        if not step.done():  # the writer is done: end the thread waiting for its next step
+            wal.paused.put("done")
+            await step
+            return
+        name = step.result()
+
+
+async def _drain_at_step(directory: Path, at: int) -> tuple[int, set[str]]:
+    """Three records, then three more that fill the segment (a rotation follows their commit),
+    the writer's thread stopped before each of its state changes; one drain while it is stopped
+    at step `at`. Returns the steps the writer made and what that drain missed of what had been
+    acknowledged before it."""
+    wal = _SteppedLog(directory, segment_bytes=300)
+    wal.paused, wal.go = queue.Queue(), queue.Queue()
+    wal.open()
+    store = _MemoryStore()
+    shipper = Shipper(wal, store)
+    for i in range(3):
+        await wal.append(record(i))
+    crossing = {f"req-{i}": asyncio.create_task(wal.append(record(i))) for i in range(3, 6)}
+    steps, missed = 0, set[str]()
+    with wal.stepped():
+        async for _ in _writer_steps(wal):
+            steps += 1
+            if steps == at:
+                acknowledged = {f"req-{i}" for i in range(3)} | {
+                    k for k, t in crossing.items() if t.done()
+                }
+                await shipper.drain()
+                missed = acknowledged - store.ids
+    await asyncio.gather(*crossing.values())
+    await shipper.drain()
+    assert store.ids == {f"req-{i}" for i in range(6)}  # and nothing is lost in the end
     await wal.aclose()
-    await client.aclose()
+    return steps, missed
+
+
+async def test_a_drain_ships_every_acknowledged_record_at_every_step_of_a_rotation(
+    tmp_path: Path,
+) -> None:
+    # An export drains the shipper to include this gateway's latest records: a record
+    # acknowledged before the drain must be in the store after it, wherever the drain falls
+    # against the writer's thread (seen: a drain in the middle of a rotation read the old
+    # segment only up to the new one's synced size, and missed the last batch).
+    at, steps = 1, 2
+    while at <= steps:
+        steps, missed = await _drain_at_step(tmp_path / f"at-{at}", at)
+        assert not missed, f"a drain at the writer's step {at} of {steps} missed {missed}"
+        at += 1
+    assert steps >= 6  # the write, the sync and the rotation were all stepped through
+
+
+async def test_a_record_whose_append_missed_its_deadline_is_never_shipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The disk stops with a batch's sync in flight: the append of its older record fails by
+    # the deadline (that request is told its billing failed) and, when the sync lands, that
+    # record is cut back out — and only that one: its batch's younger record, still in time, is
+    # acknowledged and must stay. A shipper running at any step between must not ship the cut
+    # record (seen: the landed sync told shippers its bytes were there before they were cut
+    # out; and the cut also took the younger record out, acknowledged but not in the log).
+    wal = _SteppedLog(tmp_path, deadline_s=0.3)
+    wal.paused, wal.go = queue.Queue(), queue.Queue()
+    wal.open()
+    cut = os.ftruncate
+
+    def stepped_cut(fd: int, size: int) -> None:  # the cut is a step of its own
+        wal.step("ftruncate")
+        cut(fd, size)
+
+    monkeypatch.setattr(os, "ftruncate", stepped_cut)
+    store = _MemoryStore()
+    shipper = Shipper(wal, store)
+    await wal.append(record(1))
+
+    async def in_time() -> None:  # submitted just after, with all the time it needs
+        wal.deadline_s = 60.0
+        await wal.append(record(3))
+
+    with wal.stepped():
+        late = asyncio.create_task(wal.append(record(2)))
+        younger = asyncio.create_task(in_time())  # the same batch: the flusher starts after
+        steps = _writer_steps(wal)
+        seen = [await anext(steps)]  # the writer is stopped: the older append's deadline passes
+        with pytest.raises(WalUnavailable):
+            await late
+        await shipper.drain()
+        async for name in steps:
+            seen.append(name)
+            await shipper.drain()
+            assert "req-2" not in store.ids, f"shipped before the writer's step {seen}"
+    await younger
+    await wal.append(record(4))
+    await shipper.drain()
+    assert [r["id"] for r in read_directory(tmp_path)] == ["req-1", "req-3", "req-4"]
+    assert store.ids == {"req-1", "req-3", "req-4"}
+    assert "ftruncate" in seen  # the sync landed, then the cut was made
+    await wal.aclose()
 
 
 @pytest.mark.redis
