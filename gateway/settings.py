@@ -310,6 +310,11 @@ class Settings(BaseSettings):
     gateway ingests every engine in process (docs/precise.md, "Who ingests")."""
     kv_events_lease_s: float = DEFAULT_EVENTS_LEASE_S
     """An engine's events pass to another gateway this long after their owner stopped renewing."""
+    lora_adapters: dict[str, str] = Field(default_factory=dict)
+    """Precise mode: LoRA adapter name -> its base model (vLLM `--lora-modules name=path`; a
+    request names the adapter as its `model`). A request for an adapter is keyed under it, as
+    the engine hashes its blocks (vLLM mixes `lora_name` into every block's extra keys): it
+    matches its adapter's blocks only, never the base model's or another adapter's."""
     speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
     offload_cost: float = DEFAULT_OFFLOAD_COST
     tokenizer_check_every: int = DEFAULT_CHECK_EVERY
@@ -344,6 +349,16 @@ class Settings(BaseSettings):
     def _at_least_one(cls, value: int) -> int:
         if value < 1:
             raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapters(cls, value: dict[str, str]) -> dict[str, str]:
+        for adapter, base in value.items():
+            if not adapter or not base or adapter == base:
+                raise ValueError(
+                    f"{adapter!r}: {base!r}: an adapter and its base model are two non-empty names"
+                )
         return value
 
     @field_validator("tokenizer_dir")

@@ -24,7 +24,9 @@ way no later event repairs).
 Media map to tiers: GPU (also none, "cuda", "device"), CPU ("CPU", SGLang's "CPU_PINNED",
 "host"), anything else STORAGE (disk, remote stores): an unknown medium is never taken for a
 GPU hit. The salt of a chain is block 0's extra keys' last string that is not the LoRA name
-(vLLM puts LoRA, multimodal then cache_salt keys in that order), or SGLang's metadata.
+(vLLM puts LoRA, multimodal then cache_salt keys in that order), or SGLang's metadata. The
+adapter is `lora_name` (vLLM keys its blocks on the name); one with only a `lora_id` roots its
+chain in `UNNAMED_ADAPTER` + id, so it can never pass for the base model's.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ _STORED_FIELDS = (
     "kv_cache_spec_sliding_window",
 )
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+UNNAMED_ADAPTER = "\x00lora_id:"
+"""The root of a LoRA block whose event names its adapter only by `lora_id` (SGLang, older
+vLLM): no request is keyed under it (requests name adapters), so it matches nothing — and never
+the base model's chain, which it would if it were indexed with no adapter."""
 _GPU_NAMES = frozenset(("gpu", "cuda", "device", "hbm"))
 _CPU_NAMES = frozenset(("cpu", "cpu_pinned", "host", "dram"))
 
@@ -143,6 +149,8 @@ def _stored(item: Any) -> BlockStored:
     lora_name = None if metadata is not None else f["lora_name"]
     if lora_name is not None and not isinstance(lora_name, str):
         raise MalformedBatch("BlockStored.lora_name must be a string")
+    if lora_name is None and f["lora_id"] is not None:  # an adapter known only by its id
+        lora_name = f"{UNNAMED_ADAPTER}{f['lora_id']}"
     hashes = _hashes(f["block_hashes"])
     token_ids = f["token_ids"]
     if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):

@@ -58,15 +58,19 @@ class ChainCache:
         self.max_bytes = max_bytes
         self.reused_blocks = 0
         self.hashed_blocks = 0
-        self._entries: OrderedDict[tuple[str, bytes], tuple[bytes, list[BlockHash]]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str | None, bytes], tuple[bytes, list[BlockHash]]] = (
+            OrderedDict()
+        )
         self._bytes = 0
 
-    def keys(self, token_ids: Sequence[int], cache_salt: str) -> list[BlockHash]:
+    def keys(
+        self, token_ids: Sequence[int], cache_salt: str, lora_name: str | None = None
+    ) -> list[BlockHash]:
         data = token_bytes(token_ids)
         width = self.width
         if len(data) < width:
             return []
-        slot = (cache_salt, data[:width])
+        slot = (cache_salt, lora_name, data[:width])
         known = self._entries.pop(slot, None)
         shared = 0
         if known is not None:
@@ -77,7 +81,7 @@ class ChainCache:
             keys = known[1][:shared]
             keys += chain_hashes(data[shared * width :], keys[-1], width, parent=keys[-1])
         else:
-            keys = chain_hashes(data, precise_root(cache_salt), width)
+            keys = chain_hashes(data, precise_root(cache_salt, lora_name), width)
         self.reused_blocks += shared
         self.hashed_blocks += len(keys) - shared
         self._entries[slot] = (data, keys)
@@ -162,6 +166,8 @@ class PreciseKeys:
     shared: EventReader | None = None
     """The event index in Redis (set when the gateway starts with `kv_events_shared`)."""
     shared_deadline_s: float = 0.005
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    """LoRA adapter -> base model (`lora_adapters`): a request for one is keyed under it."""
 
     def __post_init__(self) -> None:
         self.chains = ChainCache(self.index.block_size)
@@ -170,12 +176,16 @@ class PreciseKeys:
     def block_size(self) -> int:
         return self.index.block_size
 
+    def lora_of(self, model: str | None) -> str | None:
+        """The adapter a request for `model` runs with (None: a base model)."""
+        return model if model is not None and model in self.adapters else None
+
     async def keys(
-        self, body: Mapping[str, Any], chat: bool, cache_salt: str
+        self, body: Mapping[str, Any], chat: bool, cache_salt: str, lora_name: str | None = None
     ) -> tuple[Sequence[int], list[BlockHash]]:
         started = time.perf_counter()
         ids = await self.tokens.ids_off_loop(body, chat, cache_salt)
-        keys = self.chains.keys(ids, cache_salt)
+        keys = self.chains.keys(ids, cache_salt, lora_name)
         self.tokens.stats.requests += 1
         self.tokens.stats.seconds += time.perf_counter() - started
         if self.shared is not None:

@@ -149,8 +149,9 @@ class Keying:
         trace: RequestTrace,
     ) -> Keyed:
         body, chat = engine_body(parsed), parsed.kind == CHAT
+        lora = precise.lora_of(parsed.model)  # an adapter's blocks chain from its name
         try:
-            ids, hashes = await precise.keys(body, chat, tenant.cache_salt)
+            ids, hashes = await precise.keys(body, chat, tenant.cache_salt, lora)
         except ChatTemplateError as exc:
             raise InvalidRequest(str(exc)) from None
         self._maybe_check(body, chat, ids, candidates)
@@ -176,7 +177,7 @@ class Keying:
         block_bytes = 4 * precise.block_size
         affinity = affinity_key(
             token_bytes(ids),
-            precise_root(tenant.cache_salt),
+            precise_root(tenant.cache_salt, lora),
             hashes,
             self.keys.consistent_hash_blocks,
             block_bytes,

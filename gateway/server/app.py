@@ -219,7 +219,12 @@ def _precise(
         )
         intake = EventIntake(config, index, lambda: list(replicas.states))
     keys = PreciseKeys(
-        PromptTokens(tokenizer), index, intake, settings.engine_dp_size, layouts=layouts
+        PromptTokens(tokenizer),
+        index,
+        intake,
+        settings.engine_dp_size,
+        layouts=layouts,
+        adapters=dict(settings.lora_adapters),
     )
     return keys, intake
 

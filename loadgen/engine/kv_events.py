@@ -17,7 +17,9 @@ step that changed the cache. Payloads (msgpack), field for field as the engines 
     vllm        [ts, [event, ...], data_parallel_rank], each event a map tagged by "type":
                 {"type": "BlockStored", "block_hashes": [u64], "parent_block_hash": u64|nil,
                  "token_ids": [int], "block_size": int, "lora_id": nil, "medium": "GPU"|"CPU",
-                 "lora_name": nil, "extra_keys": [[salt], nil, ...] only when a block has one}
+                 "lora_name": adapter|nil, "extra_keys": [[lora?, salt], [lora?], ...] only when
+                 a block has one (vLLM's order: the adapter's name in every block, the salt in
+                 block 0; lora_id is left nil: kvgate keys on the name, as vLLM's hash does)}
                 {"type": "BlockRemoved", "block_hashes": [u64], "medium": ...}
                 {"type": "AllBlocksCleared"}
                 (vLLM >= the 2026 switch to maps, vllm-project/vllm#42892: the outer batch stays
@@ -27,7 +29,8 @@ step that changed the cache. Payloads (msgpack), field for field as the engines 
                  lora_name(, extra_keys)], ["BlockRemoved", hashes, medium], ["AllBlocksCleared"]
     sglang      [ts, [event, ...], attn_dp_rank] (SGLang's `disaggregation/kv_events.py`):
                 ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium] plus a
-                trailing {"cache_salt": salt} when salted (BlockStoredWithMetadata),
+                trailing {"cache_salt": salt} when salted (BlockStoredWithMetadata; no LoRA:
+                SGLang's events name an adapter only by lora_id),
                 ["BlockRemoved", hashes, medium], ["AllBlocksCleared"]; hashes are signed
                 int64 (`hash_str_to_int64`), media "GPU" and "CPU_PINNED".
 
@@ -177,10 +180,14 @@ def _parent(parent: bytes | None, signed: bool = False) -> Any:
 
 
 def _extra_keys(e: Stored) -> list[Any] | None:
-    """vLLM's per-block extra keys: the salt in block 0's (None elsewhere); None if unsalted."""
-    if e.cache_salt is None:
+    """vLLM's per-block extra keys (`generate_block_hash_extra_keys`): the LoRA adapter's name
+    in every block's, then the salt in block 0's; None when no block has one."""
+    lora = [e.lora_name] if e.lora_name is not None else []
+    if e.cache_salt is None and not lora:
         return None
-    return [[e.cache_salt], *([None] * (len(e.hashes) - 1))]
+    if e.cache_salt is None:
+        return [lora for _ in e.hashes]
+    return [[*lora, e.cache_salt], *([lora or None] * (len(e.hashes) - 1))]
 
 
 def _vllm_map_event(e: CacheEvent) -> dict[str, Any]:
@@ -193,7 +200,7 @@ def _vllm_map_event(e: CacheEvent) -> dict[str, Any]:
             "block_size": e.block_size,
             "lora_id": None,
             "medium": e.medium,
-            "lora_name": None,
+            "lora_name": e.lora_name,
         }
         extra = _extra_keys(e)
         if extra is not None:
@@ -215,7 +222,7 @@ def _vllm_array_event(e: CacheEvent) -> list[Any]:
             e.block_size,
             None,
             e.medium,
-            None,
+            e.lora_name,
         ]
         extra = _extra_keys(e)
         if extra is not None:

@@ -46,6 +46,9 @@ class Stored:
     cache_salt: str | None = None
     """The request's salt when `hashes[0]` is block 0 of its chain (vLLM puts it in that block's
     `extra_keys`), else None."""
+    lora_name: str | None = None
+    """The LoRA adapter the blocks were computed with (vLLM's `lora_name`, also in every block's
+    `extra_keys`), None for the base model."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,7 @@ class BlockInfo:
     parent: bytes | None
     token_ids: tuple[int, ...]
     cache_salt: str | None
+    lora_name: str | None = None
 
 
 @dataclass
@@ -127,6 +131,7 @@ class CpuTier:
                         block_size,
                         CPU,
                         info[first].cache_salt,
+                        info[first].lora_name,
                     )
                 )
         evicted: list[bytes] = []
@@ -268,6 +273,7 @@ class BlockPool:
                         block_size,
                         GPU,
                         info[first].cache_salt,
+                        info[first].lora_name,
                     )
                 )
         if self.cpu is not None and hashes:

@@ -111,6 +111,10 @@ class EngineConfig:
     stall_after_tokens: int | None = None
     """Test hook: every streamed answer stops sending after this many tokens, its connection
     open, until the client leaves (an engine stalled mid-stream)."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters served beside the base model (vLLM `--lora-modules name=path`): a request
+    whose `model` is one is computed with it, so its blocks chain from the adapter's name (and
+    its KV events carry `lora_name`); `/v1/models` lists each with the base as its `parent`."""
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -119,6 +123,8 @@ class EngineConfig:
             raise ValueError("data_parallel_size must be at least 1")
         if self.cpu_offload_blocks < 0:
             raise ValueError("cpu_offload_blocks must be non-negative")
+        if self.model in self.lora_modules or len(set(self.lora_modules)) < len(self.lora_modules):
+            raise ValueError("a LoRA adapter's name must differ from the model's and the others'")
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -364,15 +370,16 @@ class _EngineApp:
         self.prompts = RenderedPrompts()  # the API server's: every rank's requests are here
         self.local_tokenizer = str(MODEL_DIR)  # a Hugging Face tokenizer directory (routers)
 
-    def model_card(self) -> dict[str, Any]:
+    def model_card(self, adapter: str | None = None) -> dict[str, Any]:
+        """The base model's card, or an adapter's (vLLM: `root` its path, `parent` the base)."""
         config = self.config
         return {
-            "id": config.model,
+            "id": adapter or config.model,
             "object": "model",
             "created": int(self.engine.start_time),
             "owned_by": "vllm",
-            "root": config.model,
-            "parent": None,
+            "root": f"/adapters/{adapter}" if adapter else config.model,
+            "parent": config.model if adapter else None,
             "max_model_len": config.max_model_len,
         }
 
@@ -406,7 +413,8 @@ class _EngineApp:
         return Response(status_code=200)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self.model_card()]})
+        cards = [self.model_card(), *(self.model_card(a) for a in self.config.lora_modules)]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VLLM_VERSION})
@@ -560,13 +568,14 @@ class _Generation:
     salt: str | None
     stream: bool
     include_usage: bool
+    lora_name: str | None = None
 
 
 def _parse_generation(
     config: EngineConfig, body: dict[str, Any], chat: bool, prompts: RenderedPrompts
 ) -> _Generation:
     model = body.get("model")
-    if model is not None and model != config.model:
+    if model is not None and model != config.model and model not in config.lora_modules:
         raise BadRequest(f"The model `{model}` does not exist.", status=404)
     tokens = prompts.ids(body, chat)
     default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
@@ -592,19 +601,20 @@ def _parse_generation(
         salt=salt,
         stream=body.get("stream") is True,
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        lora_name=model if model in config.lora_modules else None,
     )
 
 
 def _make_job(engine: Engine, gen: _Generation, body: dict[str, Any]) -> tuple[Job, list[str]]:
     """The job for the core, and the output tokens it will produce (deterministic)."""
     config, tokens = engine.config, gen.tokens
-    hashes = block_hashes(tokens, config.block_size, gen.salt)
+    hashes = block_hashes(tokens, config.block_size, gen.salt, lora_name=gen.lora_name)
     max_cached = (len(tokens) - 1) // config.block_size * config.block_size
     seed = mmh3.hash(hashes[-1] if hashes else repr(list(tokens[-8:])).encode(), signed=False)
     output = default_tokenizer().output_ids(seed, gen.max_tokens)
     pieces = default_tokenizer().pieces(output)
     ids = [*tokens, *output]  # what the blocks hold, and what the KV events announce
-    final = block_hashes(ids, config.block_size, gen.salt, resume=hashes)
+    final = block_hashes(ids, config.block_size, gen.salt, resume=hashes, lora_name=gen.lora_name)
     job = Job(
         id=engine.next_id("chatcmpl" if gen.chat else "cmpl"),
         block_hashes=hashes,
@@ -615,6 +625,7 @@ def _make_job(engine: Engine, gen: _Generation, body: dict[str, Any]) -> tuple[J
         final_hashes=final,
         token_ids=ids,
         cache_salt=gen.salt,
+        lora_name=gen.lora_name,
     )
     return job, pieces
 
@@ -811,6 +822,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_CPU_HIT_COST_FRAC,
         help="a block loaded from the CPU tier costs this fraction of prefilling it",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served as models (vLLM's flag; the path is not read)",
+    )
     parser.add_argument("--fail-first", type=int, default=0, help=argparse.SUPPRESS)
 
 
@@ -836,6 +854,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         data_parallel_size=args.data_parallel_size,
         kv_events=kv_events,
         cpu_offload_blocks=args.cpu_offload_blocks,
+        lora_modules=tuple(m.split("=", 1)[0] for m in args.lora_modules),
     )
 
 

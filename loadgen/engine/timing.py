@@ -196,6 +196,8 @@ class Job:
     token_ids: Sequence[int] = ()
     """Prompt + output token ids, for the events' `token_ids` (empty: the events carry none)."""
     cache_salt: str | None = None
+    lora_name: str | None = None
+    """The LoRA adapter the request names as its model (None: the base model)."""
     arrival_s: float = 0.0
     cached_tokens: int = 0
     cpu_cached_tokens: int = 0
@@ -443,6 +445,7 @@ class EngineCore:
                     hashes[i - 1] if i else None,
                     tuple(ids[i * size : (i + 1) * size]),
                     job.cache_salt if i == 0 else None,
+                    job.lora_name,
                 )
                 for i in range(first, last)
             ]

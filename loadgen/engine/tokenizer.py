@@ -93,19 +93,21 @@ def block_hashes(
     cache_salt: str | None,
     *,
     resume: Sequence[bytes] = (),
+    lora_name: str | None = None,
 ) -> list[bytes]:
     """vLLM-style chained hashes of the full token blocks; `cache_salt` is mixed into block 0.
 
-    hash(-1) = H("salt" ‖ 0x00 ‖ cache_salt), hash(i) = H(hash(i-1) ‖ ids of block i as
-    32-bit little-endian), H = MurmurHash3 x64 128. `resume`: hashes already computed for the
-    leading blocks (they are kept and the chain continues from the last one), so extending a
-    prompt by its output costs only the tail.
+    hash(-1) = H("salt" ‖ 0x00 ‖ cache_salt [‖ 0x00 "lora" 0x00 ‖ lora_name]), hash(i) =
+    H(hash(i-1) ‖ ids of block i as 32-bit little-endian), H = MurmurHash3 x64 128. A LoRA
+    adapter's chain so shares no block with the base model's, as in vLLM (which mixes the
+    adapter's name into every block's extra keys; rooting the chain in it is equivalent here).
+    `resume`: hashes already computed for the leading blocks (they are kept and the chain
+    continues from the last one), so extending a prompt by its output costs only the tail.
     """
-    parent = (
-        resume[-1]
-        if resume
-        else mmh3.mmh3_x64_128_digest(b"salt\x00" + (cache_salt or "").encode())
-    )
+    root = b"salt\x00" + (cache_salt or "").encode()
+    if lora_name is not None:
+        root += b"\x00lora\x00" + lora_name.encode()
+    parent = resume[-1] if resume else mmh3.mmh3_x64_128_digest(root)
     digest = mmh3.mmh3_x64_128_digest
     out: list[bytes] = list(resume)
     ids = array.array("I", token_ids).tobytes()
