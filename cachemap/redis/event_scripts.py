@@ -39,14 +39,19 @@ return n
 """
 
 # ARGV: the chain's prefix, its 10-byte suffixes joined, "rid,epoch;"*. Stops at the first block
-# no given domain holds at its epoch. Returns {rid, depth, blocks held on no GPU}*.
+# no given domain holds at its epoch, nor claims by a live speculative entry of that epoch
+# (`:s`, written by SPECULATE; counted as a GPU block, as in process). Returns
+# {rid, depth, blocks held on no GPU, blocks only a speculative entry claims}*.
 LOOKUP = """
 local prefix, blob = ARGV[1], ARGV[2]
 local want = {}
 for rid, e in string.gmatch(ARGV[3], '([^,;]+),([^,;]+);') do want[rid] = e .. ':' end
-local depth, off = {}, {}
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local depth, off, spec = {}, {}, {}
 for i = 1, #blob / 10 do
-  local fields = redis.call('HGETALL', prefix .. string.sub(blob, i * 10 - 9, i * 10) .. ':e')
+  local key = prefix .. string.sub(blob, i * 10 - 9, i * 10)
+  local fields = redis.call('HGETALL', key .. ':e')
   local advanced = false
   for j = 1, #fields, 2 do
     local rid = fields[j]
@@ -60,6 +65,19 @@ for i = 1, #blob / 10 do
       end
     end
   end
+  fields = redis.call('HGETALL', key .. ':s')
+  for j = 1, #fields, 2 do
+    local rid = fields[j]
+    local e = want[rid]
+    if e and (depth[rid] or 0) == i - 1 then
+      local v = fields[j + 1]
+      if string.sub(v, 1, #e) == e and tonumber(string.sub(v, #e + 1)) > now then
+        depth[rid] = i
+        advanced = true
+        spec[rid] = (spec[rid] or 0) + 1
+      end
+    end
+  end
   if not advanced then break end
 end
 local out = {}
@@ -67,8 +85,25 @@ for rid, d in pairs(depth) do
   out[#out + 1] = rid
   out[#out + 1] = d
   out[#out + 1] = off[rid] or 0
+  out[#out + 1] = spec[rid] or 0
 end
 return out
+"""
+
+# KEYS: the chain's first block (the slot). ARGV: the chain's prefix, the 10-byte suffixes of the
+# blocks placed, domain id, its epoch, ttl ms. Each block's `:s` hash gets rid -> "epoch:expiry
+# ms" (Redis's clock, the one LOOKUP compares with); the key expires with its last entry, so an
+# unconfirmed entry costs memory for one ttl only.
+SPECULATE = """
+local prefix, blob, rid, ttl = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[5])
+local t = redis.call('TIME')
+local value = ARGV[4] .. ':' .. (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl)
+for i = 1, #blob / 10 do
+  local key = prefix .. string.sub(blob, i * 10 - 9, i * 10) .. ':s'
+  redis.call('HSET', key, rid, value)
+  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+end
+return 1
 """
 
 # KEYS: a lease. ARGV: the gateway's id, the lease ms. Renew if held by this gateway.

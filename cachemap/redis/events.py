@@ -6,6 +6,8 @@ them once per fleet (docs/precise.md, "Who ingests"). Key schema (`{...}`: the c
 
     kvg:{TAG}:<suffix>:e      HASH  domain id -> "<epoch>:<tier mask digit>"   (no TTL: an
                                     engine does not re-announce a block it reuses)
+    kvg:{TAG}:<suffix>:s      HASH  domain id -> "<epoch>:<expiry, Redis ms>"  a speculative
+                                    entry (any gateway's placement), PX = the speculative ttl
     kvg:{kvg-ev}:domains      HASH  domain id -> "<epoch>|<domain name>"  (present: events flow)
     kvg:{kvg-ev}:lease:<id>   STR   the owning gateway's id, PX = the lease  (`Leases`)
     kvg:{kvg-ev:<id>}:map     HASH  engine hash -> own key (16 bytes) + tier mask digit
@@ -24,6 +26,12 @@ Invariants:
   gave are current (else it retries with the new ones) — so once the bump is written no
   lookup anywhere matches the wiped blocks, before any cleanup ran. Old-epoch fields are then
   deleted in the background (`CLEAN` deletes only fields of an older epoch).
+- A speculative entry (`EventReader.speculate`: the gateway that placed a request, for the
+  blocks past what the index already matched there) counts, like the in-process one, as a GPU
+  block of the domain until it expires (Redis's clock) or the domain's epoch moves; a fan-out
+  sibling routed by another gateway before the leader's event sees it. It is not removed when
+  the event confirms it (the `:e` field matches first); a block the engine evicts within the
+  ttl of its placement stays claimed until then (in process, a confirmation ends the entry).
 - The map and `next_seq` let a new owner (a takeover, a restarted gateway) continue where the
   last one stopped: parents resolve, removals apply, and the seq says what to replay.
 """
@@ -59,6 +67,7 @@ from cachemap.redis.event_scripts import (
     LOOKUP,
     RELEASE,
     RENEW,
+    SPECULATE,
     WRITE,
     digit,
     engine_field,
@@ -72,6 +81,9 @@ from cachemap.redis.schema import chain_call, replica_id, text
 
 log = logging.getLogger(__name__)
 
+MAX_SPECULATING = 256
+"""Speculative writes in flight per gateway: beyond it a placement's entry is not shared (it is
+still entered in process). Each is one script call of ~0.1 ms; 256 are a burst of ~25 ms."""
 MAX_PENDING_BLOCKS = 4096
 """Block writes a feed may queue before it waits for a flush: ~20 ms of writes, and the
 backpressure that keeps a burst in the SUB socket's queue rather than in memory."""
@@ -433,8 +445,14 @@ class EventReader:
         """Called with a domain's name when its epoch is seen to move (a wipe or a restart
         its owner wrote): the caller drops what it keeps of the domain (speculative entries)."""
         self.retries = 0
+        self.speculated = 0
+        """Speculative entries written (blocks)."""
+        self.speculate_failures = 0
+        """Speculative writes that failed, or were not sent (`MAX_SPECULATING` in flight)."""
         self._lookup = client.register_script(LOOKUP)
+        self._speculate = client.register_script(SPECULATE)
         self._arg = b""
+        self._speculating: set[asyncio.Task[None]] = set()
 
     def live(self, domain: str) -> bool:
         return replica_id(domain) in self.epochs
@@ -481,11 +499,53 @@ class EventReader:
                 continue
             break
         out: dict[str, Match] = {}
-        for i in range(0, len(flat), 3):
+        for i in range(0, len(flat), 4):
             name = self.names.get(text(flat[i]))
             if name is not None:
-                out[name] = Match(int(flat[i + 1]), int(flat[i + 2]))
+                out[name] = Match(int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
         return out
+
+    def speculate(self, domain: str, hashes: Sequence[BlockHash], ttl_s: float) -> bool:
+        """Share a placement's speculative entry (`hashes`: one chain's blocks, as placed),
+        written in the background: the request does not wait for it. False when not sent (the
+        domain's events do not flow, nothing to write, or too many writes in flight)."""
+        rid = replica_id(domain)
+        epoch = self.epochs.get(rid)
+        if epoch is None or not hashes:
+            return False
+        if len(self._speculating) >= MAX_SPECULATING:
+            self.speculate_failures += 1
+            return False
+        task = asyncio.get_running_loop().create_task(
+            self._write_speculative(rid, epoch, hashes, max(int(ttl_s * 1000), 1))
+        )
+        self._speculating.add(task)
+        task.add_done_callback(self._speculating.discard)
+        return True
+
+    async def _write_speculative(
+        self, rid: str, epoch: int, hashes: Sequence[BlockHash], ttl_ms: int
+    ) -> None:
+        keys, head = chain_call(hashes)
+        try:
+            try:
+                await self.client.evalsha(
+                    self._speculate.sha, 1, keys[0], *head, rid, epoch, ttl_ms
+                )
+            except NoScriptError:
+                await self.client.script_load(SPECULATE)
+                await self.client.evalsha(
+                    self._speculate.sha, 1, keys[0], *head, rid, epoch, ttl_ms
+                )
+        except Exception as exc:  # Redis away or slow: this placement is known here only
+            self.speculate_failures += 1
+            log.debug("shared speculative entry not written: %r", exc)
+            return
+        self.speculated += len(hashes)
+
+    async def close(self) -> None:
+        """Wait for the speculative writes in flight (each is bounded by the client's timeout)."""
+        await asyncio.gather(*self._speculating, return_exceptions=True)
 
 
 class Leases:

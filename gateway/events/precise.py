@@ -259,6 +259,12 @@ class PreciseKeys:
             return
         domain = domain_of(replica, rank or 0, self.layouts.dp_size(replica, self.dp_size))
         self.stats.speculated += self.index.speculate(domain, keys, self.clock())
+        found = keys.matches if isinstance(keys, LookedUp) else None
+        if self.shared is not None and found is not None:  # for the other gateways' lookups
+            held = found.get(domain)
+            self.shared.speculate(
+                domain, keys[held.depth if held else 0 :], self.index.speculative_ttl_s
+            )
 
 
 class TokenizerCheck:

@@ -419,6 +419,9 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             directory.register(settings.engines)
             _share_events(parts, directory.shared.client)
         stack.push_async_callback(directory.close)
+        shared = parts.keying.precise.shared if parts.keying and parts.keying.precise else None
+        if shared is not None:  # its speculative writes end before the client closes
+            stack.push_async_callback(shared.close)
         await directory.start()
         if parts.billing is not None:
             stack.push_async_callback(parts.billing.stop)

@@ -1,0 +1,78 @@
+"""Speculative entries in the shared event index (a real redis-server): a placement at one
+gateway is matched by every gateway's lookup as a GPU block until its ttl (Redis's clock) or a
+wipe of its domain; what the index already holds is matched first."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import zmq.asyncio
+
+from cachemap.events import Match, precise_keys
+from cachemap.redis.client import AnyRedis, open_redis
+from cachemap.redis.events import EventReader, EventWriter
+from tests.gateway.events.test_intake_shared import PROMPT, SALT, batch, feed_of, stored
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[AnyRedis]:
+    redis = await open_redis(redis_url, cluster=False)
+    yield redis
+    await redis.aclose()
+
+
+async def test_a_placement_is_matched_by_another_reader_until_a_wipe(client: AnyRedis) -> None:
+    domain = f"http://{uuid.uuid4().hex[:8]}:8000"
+    ctx = zmq.asyncio.Context()
+    writer = EventWriter(client, block_size=16)
+    feed = feed_of(writer, domain, ctx, await writer.adopt(domain))
+    await feed.receive(0, batch(stored(10, PROMPT[:32])))  # the engine holds 2 of 4 blocks
+    await writer.flush()
+    here, there = EventReader(client), EventReader(client)
+    keys = precise_keys(PROMPT, SALT, 16)
+    assert (await here.lookup(keys))[domain] == Match(2, 0, 0)
+    assert here.speculate(domain, keys[2:], ttl_s=60.0)  # the placement: the 2 blocks past it
+    await here.close()
+    assert here.speculated == 2 and here.speculate_failures == 0
+    assert (await there.lookup(keys))[domain] == Match(4, 0, 2)
+    assert not there.speculate("http://never-seen:1", keys, ttl_s=60.0)  # no events: not sent
+    # a wipe: the entries were of the old epoch, they match nothing now
+    await feed.receive(1, batch({"type": "AllBlocksCleared"}))
+    assert domain not in await there.lookup(keys)
+    feed.close()
+    await writer.close()
+    ctx.term()
+
+
+async def redis_ms(client: AnyRedis) -> int:
+    seconds, micros = await client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def test_an_entry_ends_with_its_ttl_on_redis_clock(client: AnyRedis) -> None:
+    domain = f"http://{uuid.uuid4().hex[:8]}:8000"
+    ctx = zmq.asyncio.Context()
+    writer = EventWriter(client, block_size=16)
+    feed = feed_of(writer, domain, ctx, await writer.adopt(domain))
+    await feed.receive(0, batch())  # the domain's events flow: it has an epoch
+    await writer.flush()
+    reader = EventReader(client)
+    await reader.refresh()
+    keys = precise_keys(PROMPT, SALT, 16)
+    start_ms = await redis_ms(client)
+    assert reader.speculate(domain, keys, ttl_s=0.5)
+    await reader.close()
+    assert (await reader.lookup(keys))[domain] == Match(4, 0, 4)
+    # its expiry is Redis's time + 0.5 s: once Redis's clock passed it, no lookup matches it
+    # (the clock is read, not slept on: a bounded number of round trips)
+    for _ in range(100_000):
+        if await redis_ms(client) > start_ms + 600:
+            break
+    assert domain not in await reader.lookup(keys)
+    feed.close()
+    await writer.close()
+    ctx.term()
