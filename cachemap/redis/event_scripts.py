@@ -7,6 +7,8 @@ from cachemap.events import EngineHash
 from cachemap.keys import TAG_BYTES, BlockHash
 
 DOMAINS_KEY = b"kvg:{kvg-ev}:domains"
+GATEWAYS_KEY = b"kvg:{kvg-ev}:gateways"
+"""Live gateways of the shared index: id -> "<expiry, Redis ms>:<domains owned>" (`GATEWAYS`)."""
 RECORD_BYTES = 2 * TAG_BYTES + (16 - TAG_BYTES) + 1
 """One block write in a script's blob: the tag in hex, the suffix, the mask digit (23 bytes)."""
 
@@ -104,6 +106,27 @@ for i = 1, #blob / 10 do
   if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
 end
 return 1
+"""
+
+# KEYS: the gateways hash. ARGV: this gateway's id, the lease ms, the domains it owns. Marks it
+# live for one lease (Redis's clock), drops the gateways whose mark ran out; returns the owned
+# counts of every live gateway (this one's first).
+GATEWAYS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], ARGV[1], (now + tonumber(ARGV[2])) .. ':' .. ARGV[3])
+local out = {tonumber(ARGV[3])}
+local all = redis.call('HGETALL', KEYS[1])
+for j = 1, #all, 2 do
+  local v = all[j + 1]
+  local c = string.find(v, ':', 1, true)
+  if tonumber(string.sub(v, 1, c - 1)) < now then
+    redis.call('HDEL', KEYS[1], all[j])
+  elseif all[j] ~= ARGV[1] then
+    out[#out + 1] = tonumber(string.sub(v, c + 1))
+  end
+end
+return out
 """
 
 # KEYS: a lease. ARGV: the gateway's id, the lease ms. Renew if held by this gateway.

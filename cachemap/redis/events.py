@@ -10,6 +10,7 @@ them once per fleet (docs/precise.md, "Who ingests"). Key schema (`{...}`: the c
                                     entry (any gateway's placement), PX = the speculative ttl
     kvg:{kvg-ev}:domains      HASH  domain id -> "<epoch>|<domain name>"  (present: events flow)
     kvg:{kvg-ev}:lease:<id>   STR   the owning gateway's id, PX = the lease  (`Leases`)
+    kvg:{kvg-ev}:gateways     HASH  gateway id -> "<expiry ms>:<domains owned>" (`Leases.heartbeat`)
     kvg:{kvg-ev:<id>}:map     HASH  engine hash -> own key (16 bytes) + tier mask digit
     kvg:{kvg-ev:<id>}:feed    HASH  next_seq (the seq after the last batch written), sliding
 
@@ -64,6 +65,8 @@ from cachemap.redis.client import AnyRedis
 from cachemap.redis.event_scripts import (
     CLEAN,
     DOMAINS_KEY,
+    GATEWAYS,
+    GATEWAYS_KEY,
     LOOKUP,
     RELEASE,
     RENEW,
@@ -550,7 +553,8 @@ class EventReader:
 
 class Leases:
     """One owner per domain: a key set if absent with an expiry, renewed by its holder; a dead
-    holder's lease expires and another gateway takes the domain."""
+    holder's lease expires and another gateway takes the domain. Each gateway also marks itself
+    live for a lease with the number of domains it owns (`heartbeat`), so owners can balance."""
 
     def __init__(self, client: AnyRedis, owner: str, lease_s: float) -> None:
         self.client = client
@@ -558,6 +562,17 @@ class Leases:
         self.lease_ms = max(int(lease_s * 1000), 1)
         self._renew = client.register_script(RENEW)
         self._release = client.register_script(RELEASE)
+        self._gateways = client.register_script(GATEWAYS)
+
+    async def heartbeat(self, owned: int) -> list[int]:
+        """Mark this gateway live (one lease) owning `owned` domains; the owned counts of every
+        live gateway, this one's first."""
+        counts = await self._gateways(keys=[GATEWAYS_KEY], args=[self.owner, self.lease_ms, owned])
+        return [int(c) for c in counts]
+
+    async def leave(self) -> None:
+        """A graceful stop: the others balance without waiting for this gateway's mark to end."""
+        await self.client.hdel(GATEWAYS_KEY, self.owner)
 
     async def acquire(self, domain: str) -> bool:
         key = lease_key(replica_id(domain))

@@ -34,7 +34,11 @@ renewed `RENEWALS_PER_LEASE` times per lease). A feed applies its batches to the
 written); a lookup does not drain a shared feed (the other gateways read Redis, not its
 socket). A new owner starts from the seq its predecessor wrote, so what it missed is replayed
 like a gap. An owner that cannot renew within `FENCE_SHARE` of its lease stops writing before
-the lease can pass to another gateway.
+the lease can pass to another gateway. Owners balance (`EventIntake._balance`): each round a
+gateway marks itself live with the number of domains it owns; one owning more than
+ceil(domains / live gateways), or 2 more than the least loaded, releases the surplus, and one
+below the fair share takes free domains up to it — so the first gateway to start does not keep
+every engine, and a dead gateway's domains spread over the others once its leases run out.
 """
 
 from __future__ import annotations
@@ -379,6 +383,10 @@ class EventIntake:
         self.writer: EventWriter | None = None
         self.leases: Leases | None = None
         self.lease_s = 0.0
+        self.gateways = 0
+        """Live gateways of the shared index at the last ownership round (0: not counted)."""
+        self.handed_over = 0
+        """Domains this gateway released for balance."""
         self._renewed: dict[str, float] = {}
 
     def share(self, writer: EventWriter, leases: Leases, lease_s: float) -> None:
@@ -442,11 +450,18 @@ class EventIntake:
 
     async def own(self) -> None:
         """One round of the shared mode's ownership: renew the leases held (a lost one closes
-        its feed), give up domains that left, take unowned ones (their state from Redis)."""
-        assert self.writer is not None and self.leases is not None
-        writer, leases = self.writer, self.leases
-        loop = asyncio.get_running_loop()
+        its feed), give up domains that left, balance (`_balance`), take unowned ones up to
+        the fair share (their state from Redis)."""
         wanted = self._wanted()
+        await self._renew(wanted)
+        room = await self._balance(len(wanted))
+        if room > 0:
+            await self._acquire(wanted, room)
+
+    async def _renew(self, wanted: dict[str, FeedConfig]) -> None:
+        assert self.leases is not None
+        leases = self.leases
+        loop = asyncio.get_running_loop()
         for domain in sorted(self._feeds):
             if domain not in wanted:
                 await self._disown(domain, release=True)
@@ -464,7 +479,39 @@ class EventIntake:
             elif held is False or sent - self._renewed[domain] > FENCE_SHARE * self.lease_s:
                 log.warning("KV events of %s: the lease is lost; another gateway owns them", domain)
                 await self._disown(domain, release=False)
+
+    async def _balance(self, num_domains: int) -> int:
+        """Mark this gateway live with its count and even the counts out: with G live gateways
+        none should own more than ceil(domains / G) (`fair`), nor 2 more than the least loaded.
+        A gateway above that releases its surplus (the last of its domains in order; their
+        leases are free at once) and takes nothing this round (it would take them back); one
+        below `fair` that is among the least loaded may take free domains up to it. Returns
+        how many it may take (Redis away: as many as are free, as without balancing)."""
+        assert self.leases is not None
+        mine = len(self._feeds)
+        try:
+            counts = await self.leases.heartbeat(mine)
+        except Exception as exc:  # Redis away: no balancing this round
+            log.debug("KV events: gateways not counted: %s", exc)
+            return num_domains
+        self.gateways = len(counts)
+        fair = -(-num_domains // len(counts))
+        surplus = max(mine - fair, 1 if mine >= min(counts) + 2 else 0)
+        if not surplus:  # the least loaded take first (the others would take back what
+            return fair - mine if mine <= min(counts) else 0  # was just released for them)
+        for domain in sorted(self._feeds)[-surplus:]:
+            log.info("KV events of %s: released for balance (%d gateways)", domain, len(counts))
+            self.handed_over += 1
+            await self._disown(domain, release=True)
+        return 0
+
+    async def _acquire(self, wanted: dict[str, FeedConfig], room: int) -> None:
+        assert self.writer is not None and self.leases is not None
+        writer, leases = self.writer, self.leases
+        loop = asyncio.get_running_loop()
         for domain in sorted(wanted.keys() - self._feeds.keys()):
+            if room <= 0:
+                return
             sent = loop.time()
             try:
                 if not await leases.acquire(domain):
@@ -476,6 +523,7 @@ class EventIntake:
             log.info("KV events of %s: owned here (from seq %s)", domain, next_seq)
             self._renewed[domain] = sent
             self._open(wanted[domain], next_seq)
+            room -= 1
 
     async def _retake(self, domain: str) -> bool:
         """A lease found gone with nobody holding it: Redis lost its state (a restart without
@@ -546,6 +594,9 @@ class EventIntake:
                 if self.leases is not None:
                     with contextlib.suppress(Exception):
                         await self.leases.release(domain)
+            if self.leases is not None:
+                with contextlib.suppress(Exception):
+                    await self.leases.leave()
             await self.writer.close()
         self._feeds.clear()
         self._tasks.clear()

@@ -65,9 +65,20 @@ def owner_of(gateways: list[Served], url: str) -> Served:
     return owners[0]
 
 
+def balanced(gateways: list[Served], engines: list[Served]) -> bool:
+    """Owners balanced: each gateway counts them all and owns no more than its fair share."""
+    fair = -(-len(engines) // len(gateways))
+    return all(
+        intake_of(g).gateways == len(gateways) and len(intake_of(g).owned()) <= fair
+        for g in gateways
+    )
+
+
 def join(gateways: list[Served], engines: list[Served]) -> None:
-    """Every engine owned by one gateway, whose feed has seen a batch (a PUB drops what it
-    sends before the SUB joined: reset the idle engine until the owner's feed saw a wipe)."""
+    """Owners balanced, every engine owned by one gateway, whose feed has seen a batch (a PUB
+    drops what it sends before the SUB joined: reset the idle engine until the owner's feed saw
+    a wipe)."""
+    wait_until(lambda: balanced(gateways, engines), what="the owners balanced")
     for engine in engines:
 
         def joined(engine: Served = engine) -> bool:
@@ -200,11 +211,16 @@ def test_a_dead_owners_engines_are_taken_over_and_nothing_is_lost(
 
         wait_until(joined, what="the first gateway's feeds to join")
     second = start_gateway(engines, **shared_settings(ports, fresh_redis.url))
+    # the owners balance: the first hands one engine to the second
+    wait_until(
+        lambda: len(intake_of(second).owned()) == 1 and owned_there(metrics) == 1,
+        what="one engine each",
+    )
+    [theirs] = [e for e in engines if e.url not in intake_of(second).owned()]
     salt = salt_of(second)
     body = chat(CONVERSATION)
-    direct(y, body, salt)  # written by the first gateway, read by the second
-    wait_until(lambda: matched(second, body) >= 8, what="Y's blocks via the first gateway")
-    assert intake_of(second).owned() == []
+    direct(theirs, body, salt)  # written by the first gateway, read by the second
+    wait_until(lambda: matched(second, body) >= 8, what="its blocks via the first gateway")
     first.popen.kill()  # no release: its leases run out
     first.popen.wait(timeout=10)
     wait_until(
@@ -218,10 +234,61 @@ def test_a_dead_owners_engines_are_taken_over_and_nothing_is_lost(
     other = chat([{"role": "user", "content": words("taken-over", 80)}])
 
     def indexed_after_takeover() -> bool:
-        direct(x, other, salt)  # the SUB may join after the first publish: send until seen
-        return writer_of(second).num_blocks(x.url) >= 4
+        direct(theirs, other, salt)  # the SUB may join after the first publish: send until seen
+        return writer_of(second).num_blocks(theirs.url) >= 4
 
-    wait_until(indexed_after_takeover, what="X's new blocks written by the new owner")
+    wait_until(indexed_after_takeover, what="its new blocks written by the new owner")
     routed = via(second, other)
-    assert routed.headers["x-kvgate-replica"] == x.url
+    assert routed.headers["x-kvgate-replica"] == theirs.url
     assert int(routed.headers["x-kvgate-matched-blocks"]) >= 4
+
+
+def test_owners_balance_over_three_gateways_and_a_dead_ones_engines_spread(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    process_gateway: Callable[..., Proc],
+    fresh_redis: RedisServer,
+) -> None:
+    base = free_ports(4)
+    engines = [start_engines(1, kv_events=events_config(base + i))[0] for i in range(4)]
+    ports = {e.url: base + i for i, e in enumerate(engines)}
+    first = process_gateway(engines, ports)  # starts alone: it takes every engine
+    assert first.metrics_url is not None
+    metrics = first.metrics_url
+    wait_until(lambda: owned_there(metrics) == 4, what="all four owned by the first")
+    others = [start_gateway(engines, **shared_settings(ports, fresh_redis.url)) for _ in "ab"]
+
+    def spread() -> bool:  # ceil(4 / 3) = 2 at most each, every engine owned once
+        mine = [len(intake_of(g).owned()) for g in others]
+        return (
+            owned_there(metrics) <= 2
+            and all(1 <= n <= 2 for n in mine)
+            and (owned_there(metrics) + sum(mine) == 4)
+        )
+
+    wait_until(spread, timeout_s=10 * LEASE_S, what="ownership spread over three gateways")
+    owned = sorted(u for g in others for u in intake_of(g).owned())
+    assert len(set(owned)) == len(owned)  # no engine owned twice
+    first.popen.kill()  # no release: its leases and its mark run out
+    first.popen.wait(timeout=10)
+    # within the lease (its leases and its mark expire) plus two ownership rounds, the
+    # survivors own every engine, two each
+    wait_until(
+        lambda: sorted(len(intake_of(g).owned()) for g in others) == [2, 2],
+        timeout_s=LEASE_S + 2 * LEASE_S / 3 + 2.0,
+        what="the dead gateway's engines taken over, spread",
+    )
+    assert sorted(u for g in others for u in intake_of(g).owned()) == sorted(ports)
+    # a taken-over engine is indexed by its new owner
+    salt = salt_of(others[0])
+    body = chat([{"role": "user", "content": words("balanced", 80)}])
+    target = engines[0]
+    owner = owner_of(others, target.url)
+
+    def indexed() -> bool:
+        direct(target, body, salt)  # the SUB may join after the first publish: send until seen
+        return writer_of(owner).num_blocks(target.url) >= 4
+
+    wait_until(indexed, what="its blocks written by its owner")
+    for gateway in others:
+        assert via(gateway, body).headers["x-kvgate-replica"] == target.url
