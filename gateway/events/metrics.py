@@ -106,6 +106,28 @@ def _shared(precise: PreciseKeys, writer: EventWriter) -> Iterable[Any]:
     )
     owned.add_metric([], len(writer.domains()))
     yield owned
+    intake = precise.intake
+    if intake is not None:
+        gateways = GaugeMetricFamily(
+            "kvgate_events_shared_gateways",
+            "Live gateways of the shared event index at the last ownership round (balance).",
+        )
+        gateways.add_metric([], intake.gateways)
+        yield gateways
+        handed = CounterMetricFamily(
+            "kvgate_events_handovers",
+            "Domains this gateway released so that owners balance over the live gateways.",
+        )
+        handed.add_metric([], intake.handed_over)
+        yield handed
+    if precise.shared is not None:
+        yield _by(
+            "kvgate_events_shared_speculative",
+            "Speculative entries written into the shared index, by outcome (blocks written; "
+            "writes failed or not sent).",
+            "outcome",
+            {"blocks": precise.shared.speculated, "failed": precise.shared.speculate_failures},
+        )
     yield _by(
         "kvgate_events_shared_flushes",
         "Pipelined writes of the event index into Redis, by outcome.",

@@ -91,10 +91,10 @@ def join(gateways: list[Served], engines: list[Served]) -> None:
         wait_until(joined, what="each engine owned and its feed joined")
 
 
-def owned_there(metrics_url: str) -> float:
-    """A gateway process's `kvgate_events_owned_domains` (a gauge without labels)."""
+def owned_there(metrics_url: str, name: str = "kvgate_events_owned_domains") -> float:
+    """A gateway process's `kvgate_events_owned_domains` (or another metric without labels)."""
     for line in httpx.get(metrics_url + "/metrics").text.splitlines():
-        if line.startswith("kvgate_events_owned_domains "):
+        if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -269,6 +269,8 @@ def test_owners_balance_over_three_gateways_and_a_dead_ones_engines_spread(
     wait_until(spread, timeout_s=10 * LEASE_S, what="ownership spread over three gateways")
     owned = sorted(u for g in others for u in intake_of(g).owned())
     assert len(set(owned)) == len(owned)  # no engine owned twice
+    assert owned_there(metrics, "kvgate_events_handovers_total") >= 2  # 4 -> 2 at most
+    assert owned_there(metrics, "kvgate_events_shared_gateways") == 3
     first.popen.kill()  # no release: its leases and its mark run out
     first.popen.wait(timeout=10)
     # within the lease (its leases and its mark expire) plus two ownership rounds, the
