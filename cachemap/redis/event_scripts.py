@@ -42,7 +42,9 @@ return n
 
 # ARGV: the chain's prefix, its 10-byte suffixes joined, "rid,epoch;"*. Stops at the first block
 # no given domain holds at its epoch, nor claims by a live speculative entry of that epoch
-# (`:s`, written by SPECULATE; counted as a GPU block, as in process). Returns
+# (`:s`, written by SPECULATE; counted as a GPU block, as in process; read only when a domain
+# still in the chain found no event for the block: a chain held whole costs no `:s` read after
+# block 1). Returns
 # {rid, depth, blocks held on no GPU, blocks only a speculative entry claims}*.
 LOOKUP = """
 local prefix, blob = ARGV[1], ARGV[2]
@@ -51,10 +53,11 @@ for rid, e in string.gmatch(ARGV[3], '([^,;]+),([^,;]+);') do want[rid] = e .. '
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local depth, off, spec = {}, {}, {}
+local alive = math.huge
 for i = 1, #blob / 10 do
   local key = prefix .. string.sub(blob, i * 10 - 9, i * 10)
   local fields = redis.call('HGETALL', key .. ':e')
-  local advanced = false
+  local advanced = 0
   for j = 1, #fields, 2 do
     local rid = fields[j]
     local e = want[rid]
@@ -62,25 +65,28 @@ for i = 1, #blob / 10 do
       local v = fields[j + 1]
       if string.sub(v, 1, #e) == e then
         depth[rid] = i
-        advanced = true
+        advanced = advanced + 1
         if tonumber(string.sub(v, #e + 1)) % 2 == 0 then off[rid] = (off[rid] or 0) + 1 end
       end
     end
   end
-  fields = redis.call('HGETALL', key .. ':s')
-  for j = 1, #fields, 2 do
-    local rid = fields[j]
-    local e = want[rid]
-    if e and (depth[rid] or 0) == i - 1 then
-      local v = fields[j + 1]
-      if string.sub(v, 1, #e) == e and tonumber(string.sub(v, #e + 1)) > now then
-        depth[rid] = i
-        advanced = true
-        spec[rid] = (spec[rid] or 0) + 1
+  if advanced < alive then -- a domain still in the chain has no event for this block
+    fields = redis.call('HGETALL', key .. ':s')
+    for j = 1, #fields, 2 do
+      local rid = fields[j]
+      local e = want[rid]
+      if e and (depth[rid] or 0) == i - 1 then
+        local v = fields[j + 1]
+        if string.sub(v, 1, #e) == e and tonumber(string.sub(v, #e + 1)) > now then
+          depth[rid] = i
+          advanced = advanced + 1
+          spec[rid] = (spec[rid] or 0) + 1
+        end
       end
     end
   end
-  if not advanced then break end
+  if advanced == 0 then break end
+  alive = advanced
 end
 local out = {}
 for rid, d in pairs(depth) do
