@@ -218,6 +218,10 @@ class Settings(BaseSettings):
     """Set by the supervisor in each worker's environment (KVGATE_WORKER_ADMIN_FD), never by
     hand: the open loopback socket (a port the kernel picked) the worker serves its admin
     routes on, for the supervisor to merge; the pod's `/pod` lists the ports."""
+    worker_view_fds: tuple[int, ...] = ()
+    """Set by the supervisor in each worker's environment (KVGATE_WORKER_VIEW_FDS), never by
+    hand: the pod view's datagram sockets — worker 0 sends its probes' and scrapes' findings on
+    them, every other worker receives on its one (gateway.fleet.podview)."""
 
     # -- shared state: the directory (issue #3), rate limits (issue #6) ------------------------
     redis_url: str | None = None

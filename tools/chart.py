@@ -68,6 +68,7 @@ CHART_MANAGED = frozenset(
         "workers",
         "worker_index",
         "worker_admin_fd",
+        "worker_view_fds",
     }
 )
 """Settings the chart sets from its own values (service, secret, redis, epp, the drain's grace

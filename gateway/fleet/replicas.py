@@ -20,6 +20,14 @@ every gateway's requests. The router sees it beside this gateway's own pending p
 once when a replica is first seen or comes back up. A healthy replica that answered a scrape or
 a request within the probe interval is not probed: the cost follows the need, not the fleet.
 
+Workers (`kvgate serve --workers N`, issue 17 item 4): worker 0's set `lead`s — after every
+probe round, scrape round and change of a replica's health it sends its view of the fleet to
+the other workers (gateway.fleet.podview) — and theirs `follow`: a replica the view covers is
+neither probed nor scraped by them, its health, models and engine figures are the view's
+(`adopt`: the newer evidence of up or down wins, so a follower's own connection failure still
+marks a replica down at once, until worker 0 hears from it after that). A replica the view has
+not covered for `stale_after_s` is probed and scraped by the follower itself again.
+
 Membership: `states` holds the replicas the gateway routes to. The static `--engine` list is
 fixed; discovery (gateway.fleet.discovery) `add`s and `remove`s replicas while the gateway runs, and
 `hold`s a replica down while Kubernetes says it is not ready. A removed replica's state stays
@@ -44,6 +52,7 @@ from gateway.fleet.engine_metrics import (
     EngineMetrics,
     parse_engine_metrics,
 )
+from gateway.fleet.podview import ViewEntry, ViewReceiver, ViewSender
 from gateway.tasks import BackgroundTasks
 from router.types import Replica
 
@@ -57,6 +66,10 @@ MAX_SCRAPES_PER_S = 16.0
 """At most this many /metrics scrapes a second (each ~0.3-0.5 ms of CPU in aiohttp and the
 parse): up to 16 replicas are read every `metrics_interval_s`, 64 every 4 s, so an idle
 gateway's background cost stops growing with the fleet (issue 17: <= 2% of a core at 64)."""
+STALE_AFTER_ROUNDS = 2
+"""A follower counts a replica as covered by worker 0's view for this many of worker 0's send
+rounds (plus one probe timeout, a round's longest) past its last entry: one lost or late
+datagram does not make both workers probe, two rounds missing do."""
 DEFAULT_OUTPUT_TOKENS = 256.0
 """Output tokens assumed for a request without max_tokens until the engines' usage has taught
 the mean: a chat answer of a few paragraphs."""
@@ -124,6 +137,14 @@ class ReplicaState:
     probed: bool = field(default=False, repr=False)
     heard_s: float = field(default=0.0, repr=False)
     """When it last answered (monotonic): a scrape, or a request committed to it."""
+    checked_s: float = field(default=0.0, repr=False)
+    """When a health probe last found it up (monotonic)."""
+    down_s: float = field(default=0.0, repr=False)
+    """When this gateway last marked it down (monotonic)."""
+    scraped_s: float = field(default=0.0, repr=False)
+    """When `metrics` was read (monotonic): by this gateway, or by worker 0 for a follower."""
+    covered_until_s: float = field(default=0.0, repr=False)
+    """A follower: worker 0's view speaks for it until then (monotonic); 0: it never has."""
 
     @property
     def id(self) -> str:
@@ -237,11 +258,17 @@ class ReplicaSet:
         self._interval_s = interval_s
         self._metrics_interval_s = metrics_interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout_s = timeout_s
         self._unhealthy_after = unhealthy_after
         self._on_restart = on_restart
         self._on_start_marker = on_start_marker
         self._scrape_metrics = scrape_metrics
         self._tasks = BackgroundTasks("replicas")
+        self._sender: ViewSender | None = None
+        self._receiver: ViewReceiver | None = None
+        self._lapsed = False
+        self.view_lapses = 0
+        """A follower: times worker 0's view went silent on some replica (it probed them)."""
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""
@@ -306,9 +333,108 @@ class ReplicaSet:
     def _spawn_probe(self, state: ReplicaState) -> None:
         self._tasks.spawn(self._probe(state), name=f"probe {state.url}")
 
+    # -- one prober per pod (gateway.fleet.podview) --------------------------------------------
+    def lead(self, sender: ViewSender) -> None:
+        """Worker 0: send the view to the other workers (before `start`)."""
+        self._sender = sender
+
+    def follow(self, receiver: ViewReceiver) -> None:
+        """Another worker: route on worker 0's view (before `start`); `receiver` adopts."""
+        self._receiver = receiver
+
+    @property
+    def sender(self) -> ViewSender | None:
+        return self._sender
+
+    @property
+    def receiver(self) -> ViewReceiver | None:
+        return self._receiver
+
+    def stale_after_s(self) -> float:
+        """How long past its last entry a replica stays covered by worker 0's view: worker 0
+        sends every probe round and every scrape round, so `STALE_AFTER_ROUNDS` of the shorter
+        of their intervals, plus a probe's timeout (a round waits on its slowest replica)."""
+        period = self._interval_s
+        if self._scrape_metrics and self._metrics_interval_s is not None:
+            period = min(period, self._scrape_interval_s())
+        return STALE_AFTER_ROUNDS * period + self._timeout_s
+
+    def _publish(self) -> None:
+        if self._sender is not None:
+            self._sender.send(self._entries())
+
+    def _entries(self) -> list[ViewEntry]:
+        return [
+            ViewEntry(
+                url=s.url,
+                healthy=s.healthy,
+                since_s=max(s.heard_s, s.checked_s) if s.healthy else s.down_s,
+                models=tuple(sorted(s.models)),
+                max_model_len=s.max_model_len,
+                metrics=s.metrics,
+                scraped_s=s.scraped_s,
+            )
+            for s in self.states.values()
+            if s.probed
+        ]
+
+    def _covered(self, state: ReplicaState, now: float) -> bool:
+        return state.covered_until_s > now
+
+    async def adopt(self, entries: list[ViewEntry]) -> None:
+        """A follower: worker 0's entries, each for a replica this worker routes to (others,
+        and replicas discovery holds down here, are left to this worker)."""
+        now = time.monotonic()
+        if self._lapsed:
+            log.info("worker 0's view of the replicas is back")
+            self._lapsed = False
+        covered_until = now + self.stale_after_s()
+        for entry in entries:
+            state = self.states.get(entry.url)
+            if state is None or state.held_down is not None or state.removed:
+                continue
+            state.covered_until_s = covered_until
+            await self._adopt_one(state, entry)
+
+    async def _adopt_one(self, state: ReplicaState, entry: ViewEntry) -> None:
+        """The newer evidence wins: worker 0's up after our own mark-down, its down after the
+        last answer we had; its engine figures when newer than ours, read as a scrape of ours
+        (our share of the queue now, the restart checks)."""
+        heard_here = state.heard_s
+        before = state.metrics
+        if entry.models:
+            state.models = frozenset(entry.models)
+            state.max_model_len = entry.max_model_len
+        fresh = entry.metrics is not None and entry.scraped_s > state.scraped_s
+        if fresh:
+            state.metrics = entry.metrics
+            state.scraped_s = entry.scraped_s
+            state.heard_s = max(state.heard_s, entry.scraped_s)
+            state.own_waiting_at_scrape = state.num_prefilling
+            state.own_running_at_scrape = state.num_inflight
+        if entry.healthy and not state.healthy and entry.since_s > state.down_s:
+            await self._came_up(state)
+        elif not entry.healthy and state.healthy and entry.since_s > heard_here:
+            self.mark_down(state.url, "worker 0 marked it down")
+        state.probed = True
+        if fresh:
+            await self._maybe_restarted(state, before)
+
+    async def _came_up(self, state: ReplicaState) -> None:
+        """A probed replica is healthy again (ours or worker 0's finding): one that reports no
+        start time may have lost its KV cache while we could not reach it."""
+        state.consecutive_failures = 0
+        if state.probed:
+            log.warning("replica %s is back up", state.url)
+            if state.metrics is None or state.metrics.start_marker is None:
+                await self._on_restart(state.url)
+        state.healthy = True
+        self._publish()
+
     # -- the loops -------------------------------------------------------------------------
     async def start(self, session: aiohttp.ClientSession) -> None:
-        """Probe every replica once (so the first request sees real health), then keep probing."""
+        """Probe every replica once (so the first request sees real health), then keep probing;
+        a follower adopts worker 0's view as it comes."""
         self._session = session
         await self.probe_all()
         self._tasks.spawn(
@@ -318,9 +444,14 @@ class ReplicaSet:
             self._tasks.spawn(
                 self._loop(self._scrape_interval_s, self.scrape_all), name="metrics scrapes"
             )
+        if self._receiver is not None:
+            self._tasks.spawn(self._receiver.run(), name="pod view")
 
     async def stop(self) -> None:
         await self._tasks.close()
+        for end in (self._sender, self._receiver):
+            if end is not None:
+                end.close()
 
     def _scrape_interval_s(self) -> float:
         """`metrics_interval_s`, stretched so a round costs at most `MAX_SCRAPES_PER_S`."""
@@ -338,11 +469,32 @@ class ReplicaSet:
                 log.exception("replica round %s failed", getattr(round_, "__name__", round_))
 
     async def probe_all(self) -> None:
-        """Probe every replica not heard from within the interval (`_heard_lately`)."""
+        """Probe every replica not heard from within the interval (`_heard_lately`) nor
+        covered by worker 0's view (a follower); worker 0 then sends its view."""
         now = time.monotonic()
+        self._note_lapses(now)
         await asyncio.gather(
-            *(self._probe(s) for s in list(self.states.values()) if not self._heard_lately(s, now))
+            *(
+                self._probe(s)
+                for s in list(self.states.values())
+                if not self._heard_lately(s, now) and not self._covered(s, now)
+            )
         )
+        self._publish()
+
+    def _note_lapses(self, now: float) -> None:
+        """A follower whose view went silent on a replica it had covered says so, once."""
+        if self._receiver is None or self._lapsed:
+            return
+        lapsed = [s.url for s in self.states.values() if 0.0 < s.covered_until_s <= now]
+        if lapsed:
+            self._lapsed = True
+            self.view_lapses += 1
+            log.warning(
+                "worker 0's view of %d replicas is older than %.1f s: probing them here",
+                len(lapsed),
+                self.stale_after_s(),
+            )
 
     def _heard_lately(self, state: ReplicaState, now: float) -> bool:
         """A healthy replica that answered a scrape or a request within the probe interval (or
@@ -360,10 +512,17 @@ class ReplicaSet:
         )
 
     async def scrape_all(self) -> None:
-        """Read every healthy replica's /metrics: load signals, restarts."""
+        """Read every healthy replica's /metrics not covered by worker 0's view: load signals,
+        restarts; worker 0 then sends its view."""
+        now = time.monotonic()
         await asyncio.gather(
-            *(self._scrape_and_check(s) for s in list(self.states.values()) if s.healthy)
+            *(
+                self._scrape_and_check(s)
+                for s in list(self.states.values())
+                if s.healthy and not self._covered(s, now)
+            )
         )
+        self._publish()
 
     async def _scrape_and_check(self, state: ReplicaState) -> None:
         before = state.metrics
@@ -386,6 +545,7 @@ class ReplicaSet:
             return
         if ok:
             state.consecutive_failures = 0
+            state.checked_s = time.monotonic()
             before = state.metrics
             # scrape with every probe, or on coming up (a restart must be known before routing)
             if self._scrape_metrics and (
@@ -393,11 +553,7 @@ class ReplicaSet:
             ):
                 await self._scrape(state)
             if not state.healthy:
-                if state.probed:
-                    log.warning("replica %s is back up", state.url)
-                    if state.metrics is None or state.metrics.start_marker is None:
-                        await self._on_restart(state.url)
-                state.healthy = True
+                await self._came_up(state)
             await self._maybe_restarted(state, before)
             state.probed = True
         else:
@@ -418,7 +574,7 @@ class ReplicaSet:
                 own_running = state.num_inflight  # ...and of the requests it runs
                 text = (await resp.read()).decode(errors="replace")
             state.metrics = parse_engine_metrics(text)
-            state.heard_s = time.monotonic()
+            state.heard_s = state.scraped_s = time.monotonic()
             state.own_waiting_at_scrape = own_waiting
             state.own_running_at_scrape = own_running
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
@@ -452,6 +608,8 @@ class ReplicaSet:
         state = self.find(replica_id)
         if state is None:
             return  # removed meanwhile: nothing routes to it any more
+        state.down_s = time.monotonic()
         if state.healthy:
             log.warning("replica %s marked down: %s", replica_id, why)
-        state.healthy = False
+            state.healthy = False
+            self._publish()

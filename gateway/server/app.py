@@ -71,6 +71,7 @@ from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
 from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
+from gateway.server.workers import share_fleet_view
 from gateway.settings import Settings, redact_url
 from gateway.tenancy.registry import TenantRegistry
 from gateway.tenancy.tenant_file import TenantFileWatcher
@@ -427,6 +428,7 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             stack.push_async_callback(parts.billing.stop)
             await parts.billing.start()
         stack.push_async_callback(parts.replicas.stop)
+        share_fleet_view(settings, parts.replicas)  # --workers N: one prober per pod
         await parts.replicas.start(session)
         if parts.keying is not None:
             stack.push_async_callback(parts.keying.close)

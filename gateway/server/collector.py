@@ -165,6 +165,33 @@ class GatewayCollector(Collector):
                     kv_usage.add_metric(labels, m.kv_usage)
                 foreign.add_metric(labels, s.snapshot().foreign_prefill_tokens)
         yield from (healthy, inflight, requests, pending, waiting, running, kv_usage, foreign)
+        yield from self._pod_view()
+
+    def _pod_view(self) -> Iterable[Any]:
+        """`--workers N`: worker 0's datagrams of its probes' findings, the others' receipts
+        (summed over the pod: one send per follower and datagram), the views gone silent."""
+        sender, receiver = self.replicas.sender, self.replicas.receiver
+        if sender is None and receiver is None:
+            return
+        datagrams = CounterMetricFamily(
+            "kvgate_pod_view_datagrams",
+            "Pod view datagrams (worker 0's probe and scrape findings): sent, dropped (a "
+            "follower's full queue), received, malformed.",
+            labels=["event"],
+        )
+        if sender is not None:
+            datagrams.add_metric(["sent"], sender.sent)
+            datagrams.add_metric(["dropped"], sender.dropped)
+        if receiver is not None:
+            datagrams.add_metric(["received"], receiver.received)
+            datagrams.add_metric(["malformed"], receiver.malformed)
+        yield datagrams
+        if receiver is not None:
+            yield CounterMetricFamily(
+                "kvgate_pod_view_lapses",
+                "Times worker 0's view went silent on replicas this worker then probed itself.",
+                value=self.replicas.view_lapses,
+            )
 
     def _discovery(self) -> Iterable[Any]:
         if self.discovery is None:

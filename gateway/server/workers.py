@@ -21,6 +21,11 @@ them. It serves the admin port itself: `/metrics` merged over the workers' own a
 and admin ports, JSON). A worker's admin socket is bound by the supervisor on loopback to a port
 the kernel picks and handed to the worker as an open file descriptor (`worker_admin_fd`), so no
 fixed port beside `metrics_port` has to be free and no other process can take it in between.
+
+One prober and scraper per pod (issue 17 item 4): worker 0 alone probes and scrapes the
+replicas and sends its view of them to the others over a datagram socket pair per other worker
+(`worker_view_fds`, made here, inherited by both ends; gateway.fleet.podview). A worker whose
+view goes silent probes and scrapes for itself after a bound (`ReplicaSet.stale_after_s`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from collections.abc import Sequence
 import aiohttp
 from aiohttp import web
 
+from gateway.fleet.podview import ViewReceiver, ViewSender
+from gateway.fleet.replicas import ReplicaSet
 from gateway.server.pod_metrics import merge
 from gateway.settings import Settings
 
@@ -46,6 +53,7 @@ log = logging.getLogger(__name__)
 
 WORKER_INDEX_ENV = "KVGATE_WORKER_INDEX"
 WORKER_ADMIN_FD_ENV = "KVGATE_WORKER_ADMIN_FD"
+WORKER_VIEW_FDS_ENV = "KVGATE_WORKER_VIEW_FDS"
 LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
 SCRAPE_TIMEOUT_S = 5.0
@@ -85,6 +93,29 @@ def loopback_socket() -> socket.socket:
     return sock
 
 
+def view_sockets(workers: int) -> list[list[socket.socket]]:
+    """Each worker's ends of the pod view's channel: worker 0 one sending end per other worker,
+    worker i > 0 the receiving end of its own pair (`AF_UNIX` datagrams: gateway.fleet.podview)."""
+    ends: list[list[socket.socket]] = [[] for _ in range(workers)]
+    for index in range(1, workers):
+        send, receive = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        ends[0].append(send)
+        ends[index].append(receive)
+    return ends
+
+
+def share_fleet_view(settings: Settings, replicas: ReplicaSet) -> None:
+    """A worker's part in the pod's one prober (before the replicas start): worker 0 leads,
+    the others follow; a lone gateway (no `worker_view_fds`) probes for itself."""
+    if not settings.worker_view_fds:
+        return
+    socks = [socket.socket(fileno=fd) for fd in settings.worker_view_fds]
+    if settings.worker_index == 0:
+        replicas.lead(ViewSender(socks))
+    else:
+        replicas.follow(ViewReceiver(socks[0], replicas.adopt))
+
+
 def refusal(settings: Settings) -> str | None:
     """Why these settings cannot run as a pod of workers, or None."""
     if settings.port == 0 or settings.grpc_port == 0 or settings.metrics_port == 0:
@@ -107,11 +138,14 @@ class Supervisor:
         self.workers: list[asyncio.subprocess.Process] = []
         self.draining = False
 
-    def _environment(self, index: int, admin: socket.socket | None) -> dict[str, str]:
+    def _environment(
+        self, index: int, admin: socket.socket | None, views: list[socket.socket]
+    ) -> dict[str, str]:
         env = {**os.environ, WORKER_INDEX_ENV: str(index)}
         env.pop(WORKER_ADMIN_FD_ENV, None)
         if admin is not None:
             env[WORKER_ADMIN_FD_ENV] = str(admin.fileno())
+        env[WORKER_VIEW_FDS_ENV] = str([v.fileno() for v in views])
         if self.settings.server_secret is None and self.settings.server_secret_file is None:
             # the workers must salt alike; a random secret per worker would split the directory
             env["KVGATE_SERVER_SECRET"] = self._secret
@@ -125,27 +159,30 @@ class Supervisor:
         admin_sockets: list[socket.socket] = []
         if self.settings.metrics_port is not None:
             admin_sockets = [loopback_socket() for _ in range(self.settings.workers)]
+        views = view_sockets(self.settings.workers)
         try:
             for index in range(self.settings.workers):
                 if self.draining:  # asked to stop while starting: start no more
                     break
                 inherited = admin_sockets[index] if admin_sockets else None
+                fds = [] if inherited is None else [inherited.fileno()]
+                fds += [v.fileno() for v in views[index]]
                 self.workers.append(
                     await asyncio.create_subprocess_exec(
                         sys.executable,
                         "-m",
                         "kvgate_cli",
                         *self.argv,
-                        env=self._environment(index, inherited),
-                        pass_fds=() if inherited is None else (inherited.fileno(),),
+                        env=self._environment(index, inherited, views[index]),
+                        pass_fds=fds,
                         process_group=0,  # a terminal's ^C reaches the supervisor only
                         preexec_fn=_drain_with_the_supervisor,
                     )
                 )
             ports = [int(s.getsockname()[1]) for s in admin_sockets]
         finally:
-            for sock in admin_sockets:  # the workers hold their own copies
-                sock.close()
+            for sock in admin_sockets + [v for ends in views for v in ends]:
+                sock.close()  # the workers hold their own copies
         log.info(
             "kvgate: %d workers (pids %s) on port %d",
             len(self.workers),

@@ -72,10 +72,13 @@ def metrics_page(names: Sequence[str] = ()) -> bytes:
 
 @dataclass
 class StandInLog:
-    """What the stand-ins were asked (`hits` by path) and which paths answer 503 (`failing`)."""
+    """What the stand-ins were asked (`hits` by path, `port_hits` by port and path) and which
+    paths (`failing`) or ports (`down`) answer 503."""
 
     hits: Counter[str] = field(default_factory=Counter)
     failing: set[str] = field(default_factory=set)
+    port_hits: Counter[tuple[int, str]] = field(default_factory=Counter)
+    down: set[int] = field(default_factory=set)
 
 
 def _stand_in_app(log: StandInLog) -> web.Application:
@@ -96,7 +99,10 @@ def _stand_in_app(log: StandInLog) -> web.Application:
     @web.middleware
     async def logged(request: web.Request, handler: Handler) -> web.StreamResponse:
         log.hits[request.path] += 1
-        if request.path in log.failing:
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        port = int(sockname[1]) if sockname else 0
+        log.port_hits[port, request.path] += 1
+        if request.path in log.failing or port in log.down:
             return web.Response(status=503)
         return await handler(request)
 
