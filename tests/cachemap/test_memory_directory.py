@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from cachemap.keys import BlockHash
@@ -88,8 +90,27 @@ def test_forget_is_an_epoch_bump_and_old_entries_are_reaped_in_bounded_steps() -
     assert index.lookup(a) == {"r1": 5, "r2": 10}
     for _ in range(3):
         index.record("r2", a[:1])
-    # every stale entry of the old epoch is gone from the index, the new epoch's stay
-    assert sum(1 for holders in index._index.values() if "r1" in holders) == 5
+    # every stale entry of the old epoch is released (3000 > one call's budget), the new stay
+    assert not index._graveyard
+    assert index.num_entries("r1") == 5
+
+
+def test_the_index_adds_no_object_for_the_cyclic_gc_to_walk_per_block() -> None:
+    """A gateway's directory holds ~225k blocks per engine: per-block objects the collector
+    tracks are walked by every older-generation pass (5-7% of the request path's CPU)."""
+    index = MemoryIndex(clock=Clock())
+    chains = [chain(f"c{c}-", 500) for c in range(40)]  # 20,000 blocks
+    gc.collect()
+    before = len(gc.get_objects())
+    for c, blocks in enumerate(chains):
+        index.record(f"r{c % 4}", blocks)
+        index.record(f"r{(c + 1) % 4}", blocks[:100])  # blocks held by two replicas
+    index.forget("r0")  # an epoch in the graveyard, one current after it
+    index.record("r0", chains[0][:50])
+    assert index.lookup(chains[1]) == {"r1": 500, "r2": 100}
+    gc.collect()
+    # a handful of tracked objects (the replicas' LRUs, the index's own dicts), none per block
+    assert len(gc.get_objects()) - before < 50
 
 
 def test_invalid_configuration_names_the_field() -> None:
