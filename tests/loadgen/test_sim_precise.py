@@ -12,7 +12,14 @@ import pytest
 
 from kvgate_cli import main
 from loadgen.engine.timing import TimingModel
-from loadgen.sim import APPROXIMATE, PRECISE, PolicyResult, SimConfig, run_policies
+from loadgen.sim import (
+    APPROXIMATE,
+    PRECISE,
+    PolicyResult,
+    SimConfig,
+    _Conversations,
+    run_policies,
+)
 from loadgen.traces.readers import Trace, TraceRequest
 from loadgen.traces.sessions import agent_sessions_trace
 from router.registry import RouterConfig
@@ -159,3 +166,22 @@ def test_round_three_moves_the_cheapest_session_and_hits_more_than_round_two() -
     assert third.lost_staying_tokens + third.lost_moving_tokens < (
         second.lost_staying_tokens + second.lost_moving_tokens
     )
+
+
+def test_the_live_conversations_are_the_recent_or_running_others_own_blocks() -> None:
+    """What the simulated router tells `CrowdingScorer`: per replica, every other conversation
+    routed within the hot horizon or still running there, as the blocks beyond those it
+    shares with the request being placed."""
+    convs = _Conversations(hot_s=15.0)
+    system = tuple(range(10))
+    convs.routed("a", "r0", 0.0, (*system, 100, 101, 102))
+    convs.routed("b", "r0", 1.0, (*system, 200))
+    convs.routed("c", "r1", 2.0, (*system, 300, 301))
+    convs.finished("a")
+    convs.finished("c")
+    mine = (*system, 400)
+    assert convs.live("d", mine, 10.0) == {"r0": [3, 1], "r1": [2]}
+    # 16 s after its step a (finished) is gone; b still runs; c's own conversation is not listed
+    assert convs.live("c", (*system, 300, 301, 302), 16.5) == {"r0": [1]}
+    convs.routed("a", "r1", 17.0, (*system, 100, 101, 102, 103))  # a returns, elsewhere
+    assert convs.live("d", mine, 17.0) == {"r0": [1], "r1": [4]}
