@@ -88,7 +88,13 @@ from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT
 from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
 from router.profile import RoutingProfile
-from router.registry import DEFAULT_DISPLACEMENT_WEIGHT, POLICIES, RouterConfig, build_policy
+from router.registry import (
+    DEFAULT_CROWDING_WEIGHT,
+    DEFAULT_DISPLACEMENT_WEIGHT,
+    POLICIES,
+    RouterConfig,
+    build_policy,
+)
 from router.scorers import (
     DEFAULT_DISPLACEMENT_HALF_LIFE_S,
     DEFAULT_DISPLACEMENT_HOT_S,
@@ -309,20 +315,70 @@ class _ReplicaState:
             kv_frontier=frontier,
         )
 
-    def frontier(self, need_blocks: int, now: float) -> KvFrontier:
+    def frontier(self, need_blocks: int, now: float, live: tuple[int, ...] = ()) -> KvFrontier:
         """The engine's eviction frontier as deep as `need_blocks` new blocks would evict,
-        in runs of blocks the router last used at one time."""
+        in runs of blocks the router last used at one time, with the engine's capacity and
+        the other live conversations' own blocks there (`live`)."""
         pool = self.core.cache
         empty = pool.num_empty
         depth = need_blocks - empty
         if depth <= 0:
-            return KvFrontier(empty)
+            return KvFrontier(empty, (), pool.capacity_blocks, live)
         runs: list[tuple[int, float]] = []
         order = itertools.islice(pool.eviction_order(), depth)
         for used_s, run in itertools.groupby(order, key=self.routed_s.get):
             idle = now - used_s if used_s is not None else math.inf
             runs.append((sum(1 for _ in run), idle))
-        return KvFrontier(empty, tuple(runs))
+        return KvFrontier(empty, tuple(runs), pool.capacity_blocks, live)
+
+
+class _Conversations:
+    """Precise mode: who needs each replica soon, as a gateway knows it from its own routing —
+    per conversation, the replica it was last sent to, when, with which blocks, and whether
+    that request still runs. A conversation is live while its last request runs or was routed
+    within the hot horizon; a conversation's own blocks are those beyond what it shares with
+    the request being placed (shared leading blocks count once: cached for both)."""
+
+    def __init__(self, hot_s: float) -> None:
+        self.hot_s = hot_s
+        self.last: dict[str, tuple[str, float, tuple[int, ...]]] = {}
+        self.running: dict[str, int] = {}
+        self._shared: dict[tuple[str, str], int] = {}
+        """Leading hash ids two conversations share: a conversation's prompt only grows, so
+        (but for one being a prefix of the other, both kept whole) it never changes."""
+
+    def routed(self, conversation: str, replica: str, now: float, ids: tuple[int, ...]) -> None:
+        self.last[conversation] = (replica, now, ids)
+        self.running[conversation] = self.running.get(conversation, 0) + 1
+
+    def finished(self, conversation: str) -> None:
+        self.running[conversation] -= 1
+
+    def live(self, conversation: str, ids: tuple[int, ...], now: float) -> dict[str, list[int]]:
+        """Per replica, the own blocks of every other live conversation there."""
+        out: dict[str, list[int]] = {}
+        for other, (replica, at, theirs) in list(self.last.items()):
+            if other == conversation:
+                continue
+            if now - at >= self.hot_s and not self.running.get(other):
+                del self.last[other]  # routed again, it comes back
+                continue
+            out.setdefault(replica, []).append(
+                len(theirs) - self.shared(conversation, ids, other, theirs)
+            )
+        return out
+
+    def shared(self, a: str, a_ids: tuple[int, ...], b: str, b_ids: tuple[int, ...]) -> int:
+        key = (a, b) if a < b else (b, a)
+        n = self._shared.get(key)
+        if n is None or n in (len(a_ids), len(b_ids)):
+            n = 0
+            for x, y in zip(a_ids, b_ids, strict=False):
+                if x != y:
+                    break
+                n += 1
+            self._shared[key] = n
+        return n
 
 
 class _PredictingDirectory:
@@ -415,6 +471,7 @@ def simulate(
     index = directory.index
     precise = config.mode == PRECISE
     frontiers = _frontier_reader(profile) if precise else None
+    conversations = _Conversations(frontiers.hot_s if frontiers is not None else 0.0)
     replicas = [
         _ReplicaState(
             f"r{i}", EngineCore(config.timing, BlockPool(per_replica, record_events=precise))
@@ -466,6 +523,7 @@ def simulate(
                 else:
                     rep.num_inflight -= 1
                     rep.decode_tokens = max(rep.decode_tokens - outputs.pop(job.id), 0.0)
+                    conversations.finished(_conversation(req))
                     outcomes[req.index] = _outcome(req, rep.id, job, reason)
                     del estimates[job.id]
             publish(state, t)
@@ -486,7 +544,7 @@ def simulate(
             sequence=req.index,
             decode_token_weight=config.decode_token_weight,
         )
-        snapshot = _snapshots(replicas, route, clock.now, frontiers)
+        snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         rep = by_id[decision.replica]
@@ -495,6 +553,7 @@ def simulate(
         rep.pending_prefill_tokens += estimate
         if frontiers is not None:
             rep.routed_s.update(dict.fromkeys(hs, clock.now))
+        conversations.routed(_conversation(req), rep.id, clock.now, req.hash_ids)
         output = req.output_length
         if config.max_output_tokens is not None:
             output = min(output, config.max_output_tokens)
@@ -548,12 +607,26 @@ def _snapshots(
     route: RouteRequest,
     now: float,
     scorer: DisplacementScorer | None,
+    conversations: _Conversations,
+    req: TraceRequest,
 ) -> list[Replica]:
     """The router's view of every replica, each with its eviction frontier when the policy
-    reads one (as deep as this request's placement there reaches, its queue's blocks first)."""
+    reads one (as deep as this request's placement there reaches, its queue's blocks first,
+    with the other live conversations' own blocks there)."""
     if scorer is None:
         return [r.snapshot() for r in replicas]
-    return [r.snapshot(r.frontier(scorer.depth_blocks(route, r.snapshot()), now)) for r in replicas]
+    live = conversations.live(_conversation(req), req.hash_ids, now)
+    return [
+        r.snapshot(
+            r.frontier(scorer.depth_blocks(route, r.snapshot()), now, tuple(live.get(r.id, ())))
+        )
+        for r in replicas
+    ]
+
+
+def _conversation(req: TraceRequest) -> str:
+    """The request's conversation, or a name of its own when the trace gives none."""
+    return req.conversation if req.conversation is not None else f"#{req.index}"
 
 
 def _outcome(req: TraceRequest, replica: str, job: Job, reason: str) -> RequestOutcome:
@@ -757,6 +830,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "(0: displacement only breaks ties)",
     )
     parser.add_argument(
+        "--crowding-weight",
+        type=float,
+        default=DEFAULT_CROWDING_WEIGHT,
+        help="cache_pressure: on a replica whose live conversations do not fit, the weight of "
+        "moving the cheapest one (0: off, round 2's ranking)",
+    )
+    parser.add_argument(
         "--utilization",
         type=float,
         default=None,
@@ -823,6 +903,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         displacement_half_life_s=args.displacement_half_life_s,
         displacement_hot_s=args.displacement_hot_s,
         displacement_weight=args.displacement_weight,
+        crowding_weight=args.crowding_weight,
     )
     overrides = {
         k: v

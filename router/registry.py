@@ -15,6 +15,7 @@ from router.profile import RoutingProfile
 from router.scorers import (
     DEFAULT_DISPLACEMENT_HALF_LIFE_S,
     DEFAULT_DISPLACEMENT_HOT_S,
+    CrowdingScorer,
     DisplacementScorer,
     EstimatedWorkScorer,
     InflightScorer,
@@ -38,6 +39,13 @@ docs/benchmarks.md "round 2", half-size agent sessions: w = 1 / 2 / 4 / 8 gave 9
 as a tie-break only, which the Mooncake slice at 10% prefers (its conversations rarely return:
 a hot block there is seldom reused)."""
 
+DEFAULT_CROWDING_WEIGHT = 1.0
+"""A crowded replica's cheapest conversation pays its stake there and the overcommit, once, in
+the prefix scorer's unit: it gives up exactly its advantage there, so it moves to a replica
+where it fits and stays only if every other is worse (see `CrowdingScorer`). docs/benchmarks.md
+"round 3": 96.6 / 96.8% of the shared LRU on the full / half-size agent sessions against round
+2's 96.2 / 95.8 (weight 0)."""
+
 _TIE_BREAK = 1e-6
 """Weight of the load scorer in `cache_aware`: below 1/num_blocks for any real prompt, so it
 only breaks ties between equal matches."""
@@ -53,8 +61,12 @@ class RouterConfig:
     """cache_pressure: an evicted block used less than this long ago weighs a whole block."""
     displacement_weight: float = DEFAULT_DISPLACEMENT_WEIGHT
     """cache_pressure: what a displaced recently used block costs against a cached one."""
+    crowding_weight: float = DEFAULT_CROWDING_WEIGHT
+    """cache_pressure: the weight of `CrowdingScorer` (0: off, round 2's ranking)."""
 
     def __post_init__(self) -> None:
+        if self.crowding_weight < 0:
+            raise ValueError(f"crowding_weight must be non-negative, got {self.crowding_weight}")
         if self.displacement_weight < 0:
             raise ValueError(
                 f"displacement_weight must be non-negative, got {self.displacement_weight}"
@@ -92,6 +104,7 @@ def cache_pressure(config: RouterConfig) -> RoutingProfile:
                 DisplacementScorer(config.displacement_half_life_s, config.displacement_hot_s),
                 -config.displacement_weight,
             ),
+            (CrowdingScorer(), -config.crowding_weight),
             (
                 WorkAndDisplacementScorer(
                     config.displacement_half_life_s, config.displacement_hot_s

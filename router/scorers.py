@@ -150,6 +150,62 @@ class DisplacementScorer:
         return {r.id: min(self.displaced_blocks(req, r) / req.num_blocks, 1.0) for r in replicas}
 
 
+def _elsewhere(req: RouteRequest, replica: str) -> int:
+    """The most blocks of the request cached on any replica but `replica`."""
+    return max((n for rid, n in req.overlap.items() if rid != replica), default=0)
+
+
+def crowding(req: RouteRequest, replica: Replica) -> tuple[int, int, float]:
+    """(overcommit, stake, cheapest) of placing `req` on `replica`: the blocks by which the
+    request and the other live conversations there exceed its KV (<= 0: they fit; 0 when
+    unknown), the request's stake there (its cached blocks beyond the most any other replica
+    holds: what leaving costs it) and the smallest other live conversation's own blocks (what
+    leaving costs the cheapest of the others; inf without one)."""
+    frontier = replica.kv_frontier
+    if frontier is None or frontier.capacity_blocks <= 0:
+        return 0, 0, math.inf
+    over = req.num_blocks + sum(frontier.live) - frontier.capacity_blocks
+    stake = max(req.overlap.get(replica.id, 0) - _elsewhere(req, replica.id), 0)
+    return over, stake, min(frontier.live, default=math.inf)
+
+
+class CrowdingScorer:
+    """A COST in [0, 1]: on a replica whose recent conversations need more KV than it holds,
+    whether this request is the one that should leave.
+
+    A replica is crowded for a request when the request's blocks and the other live
+    conversations' own blocks (`KvFrontier.live`) exceed its capacity: whatever is placed, one
+    of them will not fit, and until one leaves each step evicts the next one's tail (the
+    replica thrashes). Leaving costs a conversation the context it has there (it prefills it
+    again elsewhere), so the one that should leave is the cheapest: the request's stake on
+    the replica against each other live conversation's own blocks (`crowding`). If the
+    request is the cheapest, it pays its stake plus the overcommit (capped at its size): it
+    moves to a replica where it fits, or stays if every other one is worse. If a cheaper
+    conversation is there, it pays nothing here: that one leaves at its own next step, by the
+    same rule. (What it evicts meanwhile is still `DisplacementScorer`'s: forgiving the
+    cheaper one's blocks measured 96.6% of the shared LRU against 96.8% without, half size.)
+
+    0 without a capacity or live conversations (approximate mode, events off) and when the
+    replica is not crowded, so the profile's sums are unchanged then."""
+
+    name = "crowding"
+
+    @staticmethod
+    def cost_blocks(req: RouteRequest, replica: Replica) -> float:
+        """The cost in blocks of placing the request on `replica`."""
+        over, stake, cheapest = crowding(req, replica)
+        if over <= 0 or stake > cheapest:
+            return 0.0
+        return float(stake + min(over, req.num_blocks))
+
+    def score(
+        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+    ) -> dict[str, float]:
+        if req.num_blocks == 0:
+            return {r.id: 0.0 for r in replicas}
+        return {r.id: min(self.cost_blocks(req, r) / req.num_blocks, 1.0) for r in replicas}
+
+
 class WorkAndDisplacementScorer:
     """Less (load + the live tokens a placement here would evict) scores higher: the
     prefill work now and the re-prefill it causes later, in one unit. `EstimatedWorkScorer`'s

@@ -20,10 +20,17 @@ class KvFrontier:
     first, as (num_blocks, idle_s) with idle_s the seconds since those blocks were last used.
     A producer may stop listing past the deepest eviction any placement would cause; blocks
     past the listed ones count as not evictable (a request needing them waits, or preempts).
+
+    `capacity_blocks` and `live` say who else needs the replica soon: the KV it holds in all,
+    and, for every other conversation the router sent there recently (within the hot horizon,
+    or still running), the blocks its next request needs beyond those it shares with this
+    request (its own context). 0 and () are "unknown": the crowding rule then never applies.
     """
 
     empty_blocks: int
     runs: tuple[tuple[int, float], ...] = ()
+    capacity_blocks: int = 0
+    live: tuple[int, ...] = ()
 
     @property
     def num_evictable_listed(self) -> int:

@@ -12,7 +12,14 @@ import pytest
 
 from kvgate_cli import main
 from loadgen.engine.timing import TimingModel
-from loadgen.sim import APPROXIMATE, PRECISE, PolicyResult, SimConfig, run_policies
+from loadgen.sim import (
+    APPROXIMATE,
+    PRECISE,
+    PolicyResult,
+    SimConfig,
+    _Conversations,
+    run_policies,
+)
 from loadgen.traces.readers import Trace, TraceRequest
 from loadgen.traces.sessions import agent_sessions_trace
 from router.registry import RouterConfig
@@ -55,15 +62,19 @@ def test_round_two_evicts_less_and_hits_more_than_round_one(
     runs: dict[str, PolicyResult],
 ) -> None:
     """The hot horizon and weight 4 (the defaults) against the first round's weight 1 and
-    plain 30-s half-life, on the same sessions (docs/benchmarks.md, "round 2")."""
+    plain 30-s half-life, on the same sessions (docs/benchmarks.md, "round 2"); both without
+    round 3's crowding rule, which these sessions (about one live per replica) do not need."""
     round_1 = RouterConfig(
-        displacement_weight=1.0, displacement_half_life_s=30.0, displacement_hot_s=0.0
+        displacement_weight=1.0,
+        displacement_half_life_s=30.0,
+        displacement_hot_s=0.0,
+        crowding_weight=0.0,
     )
     trace = agent_sessions_trace(SESSIONS)
-    _, (first,) = run_policies(
-        trace, ["cache_pressure"], replace(CONFIG, router=round_1, mode=PRECISE)
+    first, second = (
+        run_policies(trace, ["cache_pressure"], replace(CONFIG, router=config, mode=PRECISE))[1][0]
+        for config in (round_1, RouterConfig(crowding_weight=0.0))
     )
-    second = runs["cache_pressure@precise"]
     # both lose most to sessions eroded where they stayed (here ~1 live session fits a
     # replica), round 2 less
     assert first.lost_staying_tokens > first.lost_moving_tokens
@@ -134,3 +145,43 @@ def test_the_command_runs_both_modes_side_by_side(
     assert payload["config"]["event_delay_s"] == 0.05
     assert main(["sim", "agent-sessions:sessions=0"]) == 2
     assert "sessions must be positive" in capsys.readouterr().out
+
+
+CROWDED = "agent-sessions:sessions=30,concurrency=6,steps=20"
+"""30 sessions of 20 steps growing from 12,000 to 51,900 tokens, 6 at a time, on 2 replicas of
+~1,070 blocks: three live sessions per replica outgrow it, so one must move now and then."""
+
+
+def test_round_three_moves_the_cheapest_session_and_hits_more_than_round_two() -> None:
+    """The crowding rule (the default) against round 2 (crowding_weight 0) on sessions that
+    crowd their replicas (docs/benchmarks.md, "round 3")."""
+    trace = agent_sessions_trace(CROWDED)
+    config = replace(CONFIG, num_replicas=2, mode=PRECISE)
+    second, third = (
+        run_policies(trace, ["cache_pressure"], replace(config, router=router))[1][0]
+        for router in (RouterConfig(crowding_weight=0.0), RouterConfig())
+    )
+    assert third.hit_ratio > second.hit_ratio * 1.02
+    assert third.evicted_blocks < second.evicted_blocks
+    assert third.lost_staying_tokens + third.lost_moving_tokens < (
+        second.lost_staying_tokens + second.lost_moving_tokens
+    )
+
+
+def test_the_live_conversations_are_the_recent_or_running_others_own_blocks() -> None:
+    """What the simulated router tells `CrowdingScorer`: per replica, every other conversation
+    routed within the hot horizon or still running there, as the blocks beyond those it
+    shares with the request being placed."""
+    convs = _Conversations(hot_s=15.0)
+    system = tuple(range(10))
+    convs.routed("a", "r0", 0.0, (*system, 100, 101, 102))
+    convs.routed("b", "r0", 1.0, (*system, 200))
+    convs.routed("c", "r1", 2.0, (*system, 300, 301))
+    convs.finished("a")
+    convs.finished("c")
+    mine = (*system, 400)
+    assert convs.live("d", mine, 10.0) == {"r0": [3, 1], "r1": [2]}
+    # 16 s after its step a (finished) is gone; b still runs; c's own conversation is not listed
+    assert convs.live("c", (*system, 300, 301, 302), 16.5) == {"r0": [1]}
+    convs.routed("a", "r1", 17.0, (*system, 100, 101, 102, 103))  # a returns, elsewhere
+    assert convs.live("d", mine, 17.0) == {"r0": [1], "r1": [4]}
