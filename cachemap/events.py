@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import and_, contains
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash, token_bytes
 
@@ -58,6 +60,19 @@ HiCache). So a CPU hit ranks below a GPU hit and far above a miss."""
 
 MAX_SPECULATIVE_PER_DOMAIN = 65_536
 """Speculative entries kept per domain: ~1M tokens of 16-token blocks in flight."""
+
+
+_EMPTY: dict[str, int] = {}
+"""The holders of a key no domain holds (never written: shared by every lookup)."""
+_EMPTY_SPEC: dict[str, float] = {}
+
+
+def _first(values: Sequence[int], value: int, start: int, stop: int) -> int:
+    """The first index in [start, stop) of `value` in `values` (`list.index`), else `stop`."""
+    try:
+        return values.index(value, start, stop)
+    except ValueError:
+        return stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,14 +315,21 @@ class EventIndex:
     # -- speculation -----------------------------------------------------------------------
     def speculate(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
         """Count `keys` as held by `domain` until the event comes or `speculative_ttl_s`
-        passes; returns how many entries were added (keys already on its GPU are not)."""
+        passes; returns how many entries were added (keys already on its GPU are not).
+
+        The leading run the domain holds on its GPU is found without a Python step per key
+        (`_gpu_masks`): a continuation's blocks are all held but its last turn's, and stepping
+        through them was ~6% of a precise gateway's CPU on conversations (py-spy)."""
         state = self._domain(domain)
         self.sweep(domain, now_s)
         expires = now_s + self.speculative_ttl_s
         added = 0
-        for key in keys:
-            if self._holders.get(key, {}).get(domain, 0) & GPU:
+        gpu = self._gpu_masks(domain, keys)
+        start = _first(gpu, 0, 0, len(gpu))
+        for i in range(start, len(keys)):
+            if gpu[i]:
                 continue
+            key = keys[i]
             spec = self._speculative.get(key)
             if spec is None:
                 spec = self._speculative[key] = {}
@@ -317,6 +339,11 @@ class EventIndex:
         while len(state.speculative) > MAX_SPECULATIVE_PER_DOMAIN:
             self._expire_one(domain, state, float("inf"))
         return added
+
+    def _gpu_masks(self, domain: str, keys: Sequence[BlockHash]) -> list[int]:
+        """Per key, its GPU bit on `domain` (0 when not held there on a GPU), in C loops."""
+        held = map(self._holders.get, keys, repeat(_EMPTY))
+        return list(map(and_, map(dict.get, held, repeat(domain), repeat(0)), repeat(GPU)))
 
     def sweep(self, domain: str, now_s: float) -> None:
         """Expire the domain's speculative entries whose time has passed (counted)."""
@@ -336,30 +363,62 @@ class EventIndex:
 
     # -- reading ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockHash], now_s: float) -> dict[str, Match]:
-        """domain -> its match of the chain `keys` (domains matching nothing are absent)."""
-        depth: dict[str, int] = {}
-        offloaded: dict[str, int] = {}
-        speculative: dict[str, int] = {}
-        empty: dict[str, int] = {}
-        for i, key in enumerate(keys):
-            holders = self._holders.get(key, empty)
-            spec = self._speculative.get(key)
-            advanced = False
-            for domain, mask in holders.items():
-                if depth.get(domain, 0) == i:
-                    depth[domain] = i + 1
-                    advanced = True
-                    if not mask & GPU and not (spec and spec.get(domain, 0.0) > now_s):
-                        offloaded[domain] = offloaded.get(domain, 0) + 1
-            if spec:
-                for domain, expires in spec.items():
-                    if expires > now_s and depth.get(domain, 0) == i:
-                        depth[domain] = i + 1
-                        speculative[domain] = speculative.get(domain, 0) + 1
-                        advanced = True
-            if not advanced:
-                break
-        return {d: Match(n, offloaded.get(d, 0), speculative.get(d, 0)) for d, n in depth.items()}
+        """domain -> its match of the chain `keys` (domains matching nothing are absent).
+
+        A domain's depth is its leading run of keys it holds (any tier) or claims by an
+        unexpired speculative entry. Runs of held keys are found by `list.index` over a
+        membership list built by `map` (C loops); only speculative stretches and domains
+        with offloaded tiers step in Python. Stepping every key in Python was ~12% of a
+        precise gateway's CPU on conversations (py-spy: ~1.7 µs per 16-token block)."""
+        if not keys:
+            return {}
+        first = self._holders.get(keys[0], _EMPTY)
+        first_spec = self._speculative.get(keys[0], _EMPTY_SPEC)
+        domains = [*first, *(d for d, e in first_spec.items() if e > now_s and d not in first)]
+        if not domains:
+            return {}
+        held = list(map(self._holders.get, keys, repeat(_EMPTY)))
+        return {d: self._match(d, keys, held, now_s) for d in domains}
+
+    def _match(
+        self, domain: str, keys: Sequence[BlockHash], held: list[dict[str, int]], now_s: float
+    ) -> Match:
+        """One domain's match (`lookup`): held runs by C loops, speculative runs stepped."""
+        n = len(keys)
+        member = list(map(contains, held, repeat(domain)))
+        state = self._domains.get(domain)
+        off_tiers = state is not None and bool(state.tier_counts[CPU] or state.tier_counts[STORAGE])
+        offloaded = speculative = i = 0
+        while i < n:
+            j = _first(member, False, i, n)
+            if off_tiers:
+                offloaded += self._offloaded(domain, keys, held, i, j, now_s)
+            i = j
+            while i < n and not member[i]:
+                spec = self._speculative.get(keys[i])
+                if spec is None or spec.get(domain, 0.0) <= now_s:
+                    return Match(i, offloaded, speculative)
+                speculative += 1
+                i += 1
+        return Match(n, offloaded, speculative)
+
+    def _offloaded(
+        self,
+        domain: str,
+        keys: Sequence[BlockHash],
+        held: list[dict[str, int]],
+        start: int,
+        stop: int,
+        now_s: float,
+    ) -> int:
+        """Held keys in [start, stop) on no GPU of `domain` and not claimed speculatively."""
+        count = 0
+        for i in range(start, stop):
+            if not held[i][domain] & GPU:
+                spec = self._speculative.get(keys[i])
+                if not (spec and spec.get(domain, 0.0) > now_s):
+                    count += 1
+        return count
 
     def own_key(self, domain: str, engine_hash: EngineHash) -> BlockHash | None:
         """The own key the domain's block `engine_hash` was indexed under (None: unknown)."""

@@ -89,3 +89,64 @@ def test_a_speculative_entry_expires_without_its_event() -> None:
     assert index.lookup(keys, 12.0) == {}  # expired: the engine never stored it
     index.sweep("b", 12.0)
     assert index.stats.speculative_expired == 4 and index.num_speculative("b") == 0
+
+
+def _stepped_lookup(index: EventIndex, keys: list[bytes], now_s: float) -> dict[str, Match]:
+    """The lookup stepped key by key (what `EventIndex.lookup` computed before its C loops):
+    the reference the fast lookup must equal."""
+    depth: dict[str, int] = {}
+    offloaded: dict[str, int] = {}
+    speculative: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        holders = index._holders.get(key, {})
+        spec = index._speculative.get(key)
+        advanced = False
+        for domain, mask in holders.items():
+            if depth.get(domain, 0) == i:
+                depth[domain] = i + 1
+                advanced = True
+                if not mask & GPU and not (spec and spec.get(domain, 0.0) > now_s):
+                    offloaded[domain] = offloaded.get(domain, 0) + 1
+        for domain, expires in (spec or {}).items():
+            if expires > now_s and depth.get(domain, 0) == i:
+                depth[domain] = i + 1
+                speculative[domain] = speculative.get(domain, 0) + 1
+                advanced = True
+        if not advanced:
+            break
+    return {d: Match(n, offloaded.get(d, 0), speculative.get(d, 0)) for d, n in depth.items()}
+
+
+def test_the_lookup_equals_stepping_key_by_key_on_random_indexes() -> None:
+    """Holes, tiers, speculative entries (live, expired, confirmed) on three domains: every
+    lookup of every prefix of the chain equals the stepped reference, and a speculation adds
+    exactly the keys not already on the domain's GPU."""
+    import random
+
+    rng = random.Random(16)
+    ids = list(range(1000, 1000 + 16 * 40))
+    keys = precise_keys(ids, SALT, 16)
+    for trial in range(60):
+        index = EventIndex(speculative_ttl_s=2.0)
+        for domain in ("a", "b", "c"):
+            cut = rng.randrange(0, 41)
+            if cut:
+                tier = rng.choice([GPU, GPU, CPU])
+                hashes = list(range(100 * trial, 100 * trial + cut))
+                index.store(domain, stored(hashes, ids[: 16 * cut], tier=tier))
+                half = cut // 2
+                if tier == GPU and rng.random() < 0.5:  # some offloaded copies too
+                    index.store(domain, stored(hashes[:half], ids[: 16 * half], tier=CPU))
+                for h in rng.sample(hashes, k=min(len(hashes), rng.randrange(0, 4))):
+                    index.remove(domain, BlockRemoved([h], rng.choice([GPU, CPU])))  # holes
+            if rng.random() < 0.6:
+                lo = rng.randrange(0, 40)
+                hi = rng.randrange(lo, 41)
+                at = rng.choice([8.0, 10.0])
+                gpu_held = {
+                    k for k in keys[lo:hi] if index._holders.get(k, {}).get(domain, 0) & GPU
+                }
+                assert index.speculate(domain, keys[lo:hi], at) == hi - lo - len(gpu_held)
+        for now in (9.0, 10.5, 12.5):
+            for n in (0, 1, 7, 20, 40):
+                assert index.lookup(keys[:n], now) == _stepped_lookup(index, keys[:n], now)
