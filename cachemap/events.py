@@ -243,8 +243,7 @@ class EventIndex:
                 self.stats.unresolved_parents += 1
                 return []
         keys = stored_keys(event, parent_key, self.block_size)
-        for engine_hash, key in zip(event.block_hashes, keys, strict=False):
-            self._hold(domain, state, engine_hash, key, event.tier)
+        self._hold_all(domain, state, event.block_hashes, keys, event.tier)
         self.stats.stored_blocks += len(keys)
         return keys
 
@@ -295,22 +294,42 @@ class EventIndex:
             state = self._domains[domain] = _Domain()
         return state
 
-    def _hold(
-        self, domain: str, state: _Domain, engine_hash: EngineHash, key: BlockHash, tier: int
+    def _hold_all(
+        self,
+        domain: str,
+        state: _Domain,
+        engine_hashes: Sequence[EngineHash],
+        keys: list[BlockHash],
+        tier: int,
     ) -> None:
-        holders = self._holders.get(key)
-        if holders is None:
-            holders = self._holders[key] = {}
-        mask = holders.get(domain, 0)
-        if not mask & tier:
-            state.tier_counts[tier] += 1
-        holders[domain] = mask | tier
-        state.engine[engine_hash] = key
-        spec = self._speculative.get(key)
-        if spec is not None and spec.pop(domain, None) is not None:
-            self.stats.speculative_confirmed += 1
-            if not spec:
-                del self._speculative[key]
+        """Hold each (engine hash, own key) pair on `tier`, confirming speculative entries.
+
+        One loop with its lookups bound to locals, a new key's holders made in one step:
+        applying a thrashing engine's stores (~730 blocks a request at bench point 2) was
+        ~16% of a precise gateway's CPU through a method call per block (py-spy)."""
+        holders_of = self._holders
+        speculative = self._speculative
+        engine = state.engine
+        new = confirmed = 0
+        for engine_hash, key in zip(engine_hashes, keys, strict=False):
+            holders = holders_of.get(key)
+            if holders is None:
+                holders_of[key] = {domain: tier}
+                new += 1
+            else:
+                mask = holders.get(domain, 0)
+                if not mask & tier:
+                    new += 1
+                holders[domain] = mask | tier
+            engine[engine_hash] = key
+            if speculative:
+                spec = speculative.get(key)
+                if spec is not None and spec.pop(domain, None) is not None:
+                    confirmed += 1
+                    if not spec:
+                        del speculative[key]
+        state.tier_counts[tier] += new
+        self.stats.speculative_confirmed += confirmed
 
     # -- speculation -----------------------------------------------------------------------
     def speculate(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
@@ -326,15 +345,18 @@ class EventIndex:
         added = 0
         gpu = self._gpu_masks(domain, keys)
         start = _first(gpu, 0, 0, len(gpu))
+        speculative = self._speculative
+        append = state.speculative.append
         for i in range(start, len(keys)):
             if gpu[i]:
                 continue
             key = keys[i]
-            spec = self._speculative.get(key)
+            spec = speculative.get(key)
             if spec is None:
-                spec = self._speculative[key] = {}
-            spec[domain] = expires
-            state.speculative.append((expires, key))
+                speculative[key] = {domain: expires}
+            else:
+                spec[domain] = expires
+            append((expires, key))
             added += 1
         while len(state.speculative) > MAX_SPECULATIVE_PER_DOMAIN:
             self._expire_one(domain, state, float("inf"))
