@@ -23,7 +23,11 @@ Invariants:
   before it returns: a lookup after it sees none of them.
 - A speculative entry (`speculate`) matches like a GPU block until it expires
   (`speculative_ttl_s`) or an event stores its key (confirmed); at most
-  `MAX_SPECULATIVE_PER_DOMAIN` are kept per domain, the oldest dropped first.
+  `MAX_SPECULATIVE_PER_DOMAIN` are kept per domain, the oldest dropped first. Entries are kept
+  for the last block of each window of `SPECULATIVE_STRIDE` blocks and for a placement's last
+  block: a chain key names its whole prefix, so an entry claims every block of its window (a
+  request that shares a speculated prompt's prefix and ends or parts inside a window matches
+  that window only up to a kept key: at most `SPECULATIVE_STRIDE - 1` blocks fewer).
 - Only full-attention groups are indexed: a store of a sliding-window group is ignored, and so
   are removals of groups a store said were sliding-window.
 """
@@ -59,7 +63,14 @@ DEFAULT_OFFLOAD_COST = 0.07
 HiCache). So a CPU hit ranks below a GPU hit and far above a miss."""
 
 MAX_SPECULATIVE_PER_DOMAIN = 65_536
-"""Speculative entries kept per domain: ~1M tokens of 16-token blocks in flight."""
+"""Speculative entries kept per domain: ~4M tokens of 16-token blocks in flight (one entry a
+window of `SPECULATIVE_STRIDE` blocks)."""
+
+SPECULATIVE_STRIDE = 4
+"""Blocks per speculative entry (a window's last block; module docstring): 64 tokens, the
+approximate mode's 256-byte block. An entry per block was ~18% of a precise gateway's CPU at
+bench point 2 (mostly new ~730-block prompts; py-spy), a quarter of it now; the price is a
+match up to 3 blocks (48 tokens) short for a request ending or parting inside a window."""
 
 
 _EMPTY: dict[str, int] = {}
@@ -333,8 +344,10 @@ class EventIndex:
 
     # -- speculation -----------------------------------------------------------------------
     def speculate(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
-        """Count `keys` as held by `domain` until the event comes or `speculative_ttl_s`
-        passes; returns how many entries were added (keys already on its GPU are not).
+        """Count the chain `keys` as held by `domain` until the event comes or
+        `speculative_ttl_s` passes: an entry for the last key of each window of
+        `SPECULATIVE_STRIDE` (and the last key) where the domain's GPU lacks any block of the
+        window; returns how many entries were added.
 
         The leading run the domain holds on its GPU is found without a Python step per key
         (`_gpu_masks`): a continuation's blocks are all held but its last turn's, and stepping
@@ -344,13 +357,16 @@ class EventIndex:
         expires = now_s + self.speculative_ttl_s
         added = 0
         gpu = self._gpu_masks(domain, keys)
-        start = _first(gpu, 0, 0, len(gpu))
+        n = len(keys)
+        start = _first(gpu, 0, 0, n)
         speculative = self._speculative
         append = state.speculative.append
-        for i in range(start, len(keys)):
-            if gpu[i]:
+        stride = SPECULATIVE_STRIDE
+        for low in range(start - start % stride, n, stride):
+            end = min(low + stride, n)
+            if 0 not in gpu[low:end]:
                 continue
-            key = keys[i]
+            key = keys[end - 1]
             spec = speculative.get(key)
             if spec is None:
                 speculative[key] = {domain: expires}
@@ -387,25 +403,42 @@ class EventIndex:
     def lookup(self, keys: Sequence[BlockHash], now_s: float) -> dict[str, Match]:
         """domain -> its match of the chain `keys` (domains matching nothing are absent).
 
-        A domain's depth is its leading run of keys it holds (any tier) or claims by an
-        unexpired speculative entry. Runs of held keys are found by `list.index` over a
-        membership list built by `map` (C loops); only speculative stretches and domains
-        with offloaded tiers step in Python. Stepping every key in Python was ~12% of a
-        precise gateway's CPU on conversations (py-spy: ~1.7 µs per 16-token block)."""
+        A domain's depth is its leading run of keys it holds (any tier) or claims (`_claim`:
+        an unexpired speculative entry of the key or of a later key of its window). Runs of
+        held keys are found by `list.index` over a membership list built by `map` (C loops);
+        only claimed stretches and domains with offloaded tiers step in Python. Stepping every
+        key in Python was ~12% of a precise gateway's CPU on conversations (py-spy: ~1.7 µs
+        per 16-token block)."""
         if not keys:
             return {}
         first = self._holders.get(keys[0], _EMPTY)
-        first_spec = self._speculative.get(keys[0], _EMPTY_SPEC)
-        domains = [*first, *(d for d, e in first_spec.items() if e > now_s and d not in first)]
+        domains = [*first]
+        for key in keys[:SPECULATIVE_STRIDE]:
+            for d, expires in self._speculative.get(key, _EMPTY_SPEC).items():
+                if expires > now_s and d not in domains:
+                    domains.append(d)
         if not domains:
             return {}
         held = list(map(self._holders.get, keys, repeat(_EMPTY)))
-        return {d: self._match(d, keys, held, now_s) for d in domains}
+        matches = {d: self._match(d, keys, held, now_s) for d in domains}
+        return {d: m for d, m in matches.items() if m.depth}
+
+    def _claim(self, domain: str, keys: Sequence[BlockHash], i: int, now_s: float) -> int:
+        """The last position of `i`'s window claimed with `i` by an unexpired speculative
+        entry of `domain` (the deepest such key from `i` to the window's end), or -1."""
+        speculative = self._speculative
+        for p in range(
+            min(i - i % SPECULATIVE_STRIDE + SPECULATIVE_STRIDE, len(keys)) - 1, i - 1, -1
+        ):
+            spec = speculative.get(keys[p])
+            if spec is not None and spec.get(domain, 0.0) > now_s:
+                return p
+        return -1
 
     def _match(
         self, domain: str, keys: Sequence[BlockHash], held: list[dict[str, int]], now_s: float
     ) -> Match:
-        """One domain's match (`lookup`): held runs by C loops, speculative runs stepped."""
+        """One domain's match (`lookup`): held runs by C loops, claimed windows stepped."""
         n = len(keys)
         member = list(map(contains, held, repeat(domain)))
         state = self._domains.get(domain)
@@ -416,12 +449,13 @@ class EventIndex:
             if off_tiers:
                 offloaded += self._offloaded(domain, keys, held, i, j, now_s)
             i = j
-            while i < n and not member[i]:
-                spec = self._speculative.get(keys[i])
-                if spec is None or spec.get(domain, 0.0) <= now_s:
-                    return Match(i, offloaded, speculative)
-                speculative += 1
-                i += 1
+            if i == n:
+                break
+            claimed = self._claim(domain, keys, i, now_s)
+            if claimed < 0:
+                return Match(i, offloaded, speculative)
+            speculative += member[i : claimed + 1].count(False)
+            i = claimed + 1
         return Match(n, offloaded, speculative)
 
     def _offloaded(
@@ -436,10 +470,8 @@ class EventIndex:
         """Held keys in [start, stop) on no GPU of `domain` and not claimed speculatively."""
         count = 0
         for i in range(start, stop):
-            if not held[i][domain] & GPU:
-                spec = self._speculative.get(keys[i])
-                if not (spec and spec.get(domain, 0.0) > now_s):
-                    count += 1
+            if not held[i][domain] & GPU and self._claim(domain, keys, i, now_s) < 0:
+                count += 1
         return count
 
     def own_key(self, domain: str, engine_hash: EngineHash) -> BlockHash | None:
