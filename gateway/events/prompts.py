@@ -43,6 +43,7 @@ import array
 import asyncio
 import itertools
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,6 +58,13 @@ from cachemap.tokenizer import ModelTokenizer, chat_flag
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_THREADS = ("TOKENIZERS_PARALLELISM", "false")
+"""Set in the gateway's environment unless the operator set it: the `tokenizers` library then
+encodes on the calling thread instead of handing each call to its rayon pool. A call's hand-off
+and the pool's threads spinning for work after it cost more CPU than the BPE itself on this
+machine (`tools.precise_cost keying`, one run alternating: a continuation's ~400 new tokens
+1,098-1,114 µs of process CPU through the pool, 399-494 µs without). Big texts still leave the
+event loop (`OFF_LOOP_CHARS`), in a worker thread of our own."""
 OFF_LOOP_CHARS = 16_384
 """Text to encode above which it is encoded in a thread (~4k tokens, ~5 ms of the loop); below
 it the thread hop (~0.1 ms) costs more than it saves."""
@@ -135,6 +143,7 @@ class PromptTokens:
         incremental: bool = True,
         chunking: bool = True,
     ) -> None:
+        os.environ.setdefault(*TOKENIZER_THREADS)
         self.tokenizer = tokenizer
         self.max_cached_tokens = max_cached_tokens
         self.max_prefix_tokens = max_prefix_tokens

@@ -4,6 +4,7 @@ model's template and tokenized by segments, against a real engine's /tokenize.""
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -404,3 +405,34 @@ def test_a_tokenizer_that_merges_across_spaces_encodes_long_texts_whole(
     assert list(got) == tokenizer.encode(text)
     assert forced.stats.chunk_mismatches == 1 and not forced.chunking
     assert "cut at word boundaries differ" in caplog.text
+
+
+def test_the_gateways_tokenizer_runs_no_thread_pool() -> None:
+    """A fresh process keying a long chat (in its worker thread too) starts no rayon threads:
+    `PromptTokens` turns the library's pool off unless the operator set it; set, it is kept."""
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio, os\n"
+        "from cachemap.tokenizer import ModelTokenizer\n"
+        "from gateway.events.prompts import PromptTokens\n"
+        "from loadgen.engine.tokenizer import MODEL_DIR\n"
+        "from loadgen.text import words\n"
+        "tokens = PromptTokens(ModelTokenizer(MODEL_DIR))\n"
+        "body = {'messages': [{'role': 'user', 'content': words('pool', 6000)}]}\n"
+        "asyncio.run(tokens.ids_off_loop(body, True))\n"
+        "tokens.ids({'messages': [{'role': 'user', 'content': words('pool2', 900)}]}, True)\n"
+        "print(os.environ['TOKENIZERS_PARALLELISM'], len(os.listdir('/proc/self/task')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    # the main thread and asyncio's one worker thread, no pool
+    assert out[0] == "false" and int(out[1]) <= 2
+    env["TOKENIZERS_PARALLELISM"] = "true"
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[0] == "true" and int(out[1]) > 2  # the operator's choice: the pool runs
