@@ -23,7 +23,11 @@ Invariants:
   before it returns: a lookup after it sees none of them.
 - A speculative entry (`speculate`) matches like a GPU block until it expires
   (`speculative_ttl_s`) or an event stores its key (confirmed); at most
-  `MAX_SPECULATIVE_PER_DOMAIN` are kept per domain, the oldest dropped first.
+  `MAX_SPECULATIVE_PER_DOMAIN` are kept per domain, the oldest dropped first. Entries are kept
+  for the last block of each window of `SPECULATIVE_STRIDE` blocks and for a placement's last
+  block: a chain key names its whole prefix, so an entry claims every block of its window (a
+  request that shares a speculated prompt's prefix and ends or parts inside a window matches
+  that window only up to a kept key: at most `SPECULATIVE_STRIDE - 1` blocks fewer).
 - Only full-attention groups are indexed: a store of a sliding-window group is ignored, and so
   are removals of groups a store said were sliding-window.
 """
@@ -33,6 +37,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import and_, contains
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash, token_bytes
 
@@ -57,7 +63,27 @@ DEFAULT_OFFLOAD_COST = 0.07
 HiCache). So a CPU hit ranks below a GPU hit and far above a miss."""
 
 MAX_SPECULATIVE_PER_DOMAIN = 65_536
-"""Speculative entries kept per domain: ~1M tokens of 16-token blocks in flight."""
+"""Speculative entries kept per domain: ~4M tokens of 16-token blocks in flight (one entry a
+window of `SPECULATIVE_STRIDE` blocks)."""
+
+SPECULATIVE_STRIDE = 4
+"""Blocks per speculative entry (a window's last block; module docstring): 64 tokens, the
+approximate mode's 256-byte block. An entry per block was ~18% of a precise gateway's CPU at
+bench point 2 (mostly new ~730-block prompts; py-spy), a quarter of it now; the price is a
+match up to 3 blocks (48 tokens) short for a request ending or parting inside a window."""
+
+
+_EMPTY: dict[str, int] = {}
+"""The holders of a key no domain holds (never written: shared by every lookup)."""
+_EMPTY_SPEC: dict[str, float] = {}
+
+
+def _first(values: Sequence[int], value: int, start: int, stop: int) -> int:
+    """The first index in [start, stop) of `value` in `values` (`list.index`), else `stop`."""
+    try:
+        return values.index(value, start, stop)
+    except ValueError:
+        return stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,8 +254,7 @@ class EventIndex:
                 self.stats.unresolved_parents += 1
                 return []
         keys = stored_keys(event, parent_key, self.block_size)
-        for engine_hash, key in zip(event.block_hashes, keys, strict=False):
-            self._hold(domain, state, engine_hash, key, event.tier)
+        self._hold_all(domain, state, event.block_hashes, keys, event.tier)
         self.stats.stored_blocks += len(keys)
         return keys
 
@@ -280,43 +305,83 @@ class EventIndex:
             state = self._domains[domain] = _Domain()
         return state
 
-    def _hold(
-        self, domain: str, state: _Domain, engine_hash: EngineHash, key: BlockHash, tier: int
+    def _hold_all(
+        self,
+        domain: str,
+        state: _Domain,
+        engine_hashes: Sequence[EngineHash],
+        keys: list[BlockHash],
+        tier: int,
     ) -> None:
-        holders = self._holders.get(key)
-        if holders is None:
-            holders = self._holders[key] = {}
-        mask = holders.get(domain, 0)
-        if not mask & tier:
-            state.tier_counts[tier] += 1
-        holders[domain] = mask | tier
-        state.engine[engine_hash] = key
-        spec = self._speculative.get(key)
-        if spec is not None and spec.pop(domain, None) is not None:
-            self.stats.speculative_confirmed += 1
-            if not spec:
-                del self._speculative[key]
+        """Hold each (engine hash, own key) pair on `tier`, confirming speculative entries.
+
+        One loop with its lookups bound to locals, a new key's holders made in one step:
+        applying a thrashing engine's stores (~730 blocks a request at bench point 2) was
+        ~16% of a precise gateway's CPU through a method call per block (py-spy)."""
+        holders_of = self._holders
+        speculative = self._speculative
+        engine = state.engine
+        new = confirmed = 0
+        for engine_hash, key in zip(engine_hashes, keys, strict=False):
+            holders = holders_of.get(key)
+            if holders is None:
+                holders_of[key] = {domain: tier}
+                new += 1
+            else:
+                mask = holders.get(domain, 0)
+                if not mask & tier:
+                    new += 1
+                holders[domain] = mask | tier
+            engine[engine_hash] = key
+            if speculative:
+                spec = speculative.get(key)
+                if spec is not None and spec.pop(domain, None) is not None:
+                    confirmed += 1
+                    if not spec:
+                        del speculative[key]
+        state.tier_counts[tier] += new
+        self.stats.speculative_confirmed += confirmed
 
     # -- speculation -----------------------------------------------------------------------
     def speculate(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
-        """Count `keys` as held by `domain` until the event comes or `speculative_ttl_s`
-        passes; returns how many entries were added (keys already on its GPU are not)."""
+        """Count the chain `keys` as held by `domain` until the event comes or
+        `speculative_ttl_s` passes: an entry for the last key of each window of
+        `SPECULATIVE_STRIDE` (and the last key) where the domain's GPU lacks any block of the
+        window; returns how many entries were added.
+
+        The leading run the domain holds on its GPU is found without a Python step per key
+        (`_gpu_masks`): a continuation's blocks are all held but its last turn's, and stepping
+        through them was ~6% of a precise gateway's CPU on conversations (py-spy)."""
         state = self._domain(domain)
         self.sweep(domain, now_s)
         expires = now_s + self.speculative_ttl_s
         added = 0
-        for key in keys:
-            if self._holders.get(key, {}).get(domain, 0) & GPU:
+        gpu = self._gpu_masks(domain, keys)
+        n = len(keys)
+        start = _first(gpu, 0, 0, n)
+        speculative = self._speculative
+        append = state.speculative.append
+        stride = SPECULATIVE_STRIDE
+        for low in range(start - start % stride, n, stride):
+            end = min(low + stride, n)
+            if 0 not in gpu[low:end]:
                 continue
-            spec = self._speculative.get(key)
+            key = keys[end - 1]
+            spec = speculative.get(key)
             if spec is None:
-                spec = self._speculative[key] = {}
-            spec[domain] = expires
-            state.speculative.append((expires, key))
+                speculative[key] = {domain: expires}
+            else:
+                spec[domain] = expires
+            append((expires, key))
             added += 1
         while len(state.speculative) > MAX_SPECULATIVE_PER_DOMAIN:
             self._expire_one(domain, state, float("inf"))
         return added
+
+    def _gpu_masks(self, domain: str, keys: Sequence[BlockHash]) -> list[int]:
+        """Per key, its GPU bit on `domain` (0 when not held there on a GPU), in C loops."""
+        held = map(self._holders.get, keys, repeat(_EMPTY))
+        return list(map(and_, map(dict.get, held, repeat(domain), repeat(0)), repeat(GPU)))
 
     def sweep(self, domain: str, now_s: float) -> None:
         """Expire the domain's speculative entries whose time has passed (counted)."""
@@ -336,30 +401,78 @@ class EventIndex:
 
     # -- reading ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockHash], now_s: float) -> dict[str, Match]:
-        """domain -> its match of the chain `keys` (domains matching nothing are absent)."""
-        depth: dict[str, int] = {}
-        offloaded: dict[str, int] = {}
-        speculative: dict[str, int] = {}
-        empty: dict[str, int] = {}
-        for i, key in enumerate(keys):
-            holders = self._holders.get(key, empty)
-            spec = self._speculative.get(key)
-            advanced = False
-            for domain, mask in holders.items():
-                if depth.get(domain, 0) == i:
-                    depth[domain] = i + 1
-                    advanced = True
-                    if not mask & GPU and not (spec and spec.get(domain, 0.0) > now_s):
-                        offloaded[domain] = offloaded.get(domain, 0) + 1
-            if spec:
-                for domain, expires in spec.items():
-                    if expires > now_s and depth.get(domain, 0) == i:
-                        depth[domain] = i + 1
-                        speculative[domain] = speculative.get(domain, 0) + 1
-                        advanced = True
-            if not advanced:
+        """domain -> its match of the chain `keys` (domains matching nothing are absent).
+
+        A domain's depth is its leading run of keys it holds (any tier) or claims (`_claim`:
+        an unexpired speculative entry of the key or of a later key of its window). Runs of
+        held keys are found by `list.index` over a membership list built by `map` (C loops);
+        only claimed stretches and domains with offloaded tiers step in Python. Stepping every
+        key in Python was ~12% of a precise gateway's CPU on conversations (py-spy: ~1.7 µs
+        per 16-token block)."""
+        if not keys:
+            return {}
+        first = self._holders.get(keys[0], _EMPTY)
+        domains = [*first]
+        for key in keys[:SPECULATIVE_STRIDE]:
+            for d, expires in self._speculative.get(key, _EMPTY_SPEC).items():
+                if expires > now_s and d not in domains:
+                    domains.append(d)
+        if not domains:
+            return {}
+        held = list(map(self._holders.get, keys, repeat(_EMPTY)))
+        matches = {d: self._match(d, keys, held, now_s) for d in domains}
+        return {d: m for d, m in matches.items() if m.depth}
+
+    def _claim(self, domain: str, keys: Sequence[BlockHash], i: int, now_s: float) -> int:
+        """The last position of `i`'s window claimed with `i` by an unexpired speculative
+        entry of `domain` (the deepest such key from `i` to the window's end), or -1."""
+        speculative = self._speculative
+        for p in range(
+            min(i - i % SPECULATIVE_STRIDE + SPECULATIVE_STRIDE, len(keys)) - 1, i - 1, -1
+        ):
+            spec = speculative.get(keys[p])
+            if spec is not None and spec.get(domain, 0.0) > now_s:
+                return p
+        return -1
+
+    def _match(
+        self, domain: str, keys: Sequence[BlockHash], held: list[dict[str, int]], now_s: float
+    ) -> Match:
+        """One domain's match (`lookup`): held runs by C loops, claimed windows stepped."""
+        n = len(keys)
+        member = list(map(contains, held, repeat(domain)))
+        state = self._domains.get(domain)
+        off_tiers = state is not None and bool(state.tier_counts[CPU] or state.tier_counts[STORAGE])
+        offloaded = speculative = i = 0
+        while i < n:
+            j = _first(member, False, i, n)
+            if off_tiers:
+                offloaded += self._offloaded(domain, keys, held, i, j, now_s)
+            i = j
+            if i == n:
                 break
-        return {d: Match(n, offloaded.get(d, 0), speculative.get(d, 0)) for d, n in depth.items()}
+            claimed = self._claim(domain, keys, i, now_s)
+            if claimed < 0:
+                return Match(i, offloaded, speculative)
+            speculative += member[i : claimed + 1].count(False)
+            i = claimed + 1
+        return Match(n, offloaded, speculative)
+
+    def _offloaded(
+        self,
+        domain: str,
+        keys: Sequence[BlockHash],
+        held: list[dict[str, int]],
+        start: int,
+        stop: int,
+        now_s: float,
+    ) -> int:
+        """Held keys in [start, stop) on no GPU of `domain` and not claimed speculatively."""
+        count = 0
+        for i in range(start, stop):
+            if not held[i][domain] & GPU and self._claim(domain, keys, i, now_s) < 0:
+                count += 1
+        return count
 
     def own_key(self, domain: str, engine_hash: EngineHash) -> BlockHash | None:
         """The own key the domain's block `engine_hash` was indexed under (None: unknown)."""

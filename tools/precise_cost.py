@@ -2,6 +2,8 @@
 
     python -m tools.precise_cost ingest [NUM_BLOCKS]    event ingest, blocks indexed per second
     python -m tools.precise_cost keying [TURNS]         CPU per request, precise vs approximate
+    python -m tools.precise_cost long [PROMPTS]         the same on one-message prompts sharing
+                                                        beginnings (bench point 2's shape)
     python -m tools.precise_cost wipe [TRIALS] [shared] stale lookups after a wipe, time to detect
                                                         (shared: through the index in Redis)
     python -m tools.precise_cost redis [NUM_BLOCKS]     event blocks written into a shared Redis
@@ -195,6 +197,53 @@ async def keying(turns: int) -> None:
         f"last turn    precise {cpu_us['precise'][-1]:,.0f} us, rendered whole "
         f"{cpu_us['whole'][-1]:,.0f} us, approximate {cpu_us['approximate'][-1]:,.0f} us"
     )
+
+
+LONG_SHARED_WORDS = 8_000
+"""`long`: the words a group of prompts shares before each's own (bench point 2's prompts are one
+~11.7k-token user message, a shared prefix and its own rest)."""
+LONG_OWN_WORDS = 3_500
+LONG_GROUP = 4
+"""Prompts per shared beginning: the first of a group is all new."""
+
+
+async def long_prompts(prompts: int) -> None:
+    """`prompts` one-message chats in groups of `LONG_GROUP` sharing `LONG_SHARED_WORDS` words,
+    keyed with long segments cut at word boundaries (the default) and encoded whole
+    (`chunking=False`, before); CPU time of the process, the tokenizer's threads included."""
+    tokenizer = ModelTokenizer(MODEL_DIR)
+    arms = {
+        "cut": PreciseKeys(PromptTokens(tokenizer), EventIndex(), None),
+        "whole": PreciseKeys(PromptTokens(tokenizer, chunking=False), EventIndex(), None),
+    }
+    clock = time.process_time
+    cpu_s = dict.fromkeys(arms, 0.0)
+    firsts = dict.fromkeys(arms, 0.0)
+    tokens = first_tokens = 0
+    for i in range(prompts):
+        text = words(f"long-shared{i // LONG_GROUP}", LONG_SHARED_WORDS) + words(
+            f"long-own{i}", LONG_OWN_WORDS
+        )
+        body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+        for name, precise in sorted(arms.items(), reverse=i % 2 == 1):  # alternate order
+            started = clock()
+            ids, _ = await precise.keys(body, True, "salt")
+            elapsed = clock() - started
+            cpu_s[name] += elapsed
+            if i % LONG_GROUP == 0:
+                firsts[name] += elapsed
+        tokens += len(ids)
+        first_tokens += len(ids) if i % LONG_GROUP == 0 else 0
+    later_tokens = tokens - first_tokens
+    print(f"prompts: {prompts} in groups of {LONG_GROUP}, {tokens / prompts:,.0f} tokens each")
+    for name in arms:
+        total, first = cpu_s[name], firsts[name]
+        print(
+            f"{name:<6} {total / prompts * 1e3:6.2f} ms/prompt "
+            f"({total / tokens * 1e6:.2f} us/token);"
+            f" a group's first {first / first_tokens * 1e6:.2f} us/token, the rest "
+            f"{(total - first) / later_tokens * 1e6:.2f} us/token"
+        )
 
 
 async def wipe(trials: int, shared: bool = False) -> None:
@@ -495,7 +544,7 @@ def local_lookup_us() -> float:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("ingest", "keying", "wipe", "redis", "shared"):
+    if not argv or argv[0] not in ("ingest", "keying", "long", "wipe", "redis", "shared"):
         print(__doc__)
         return 2
     if argv[0] == "ingest":
@@ -504,6 +553,8 @@ def main(argv: list[str]) -> int:
         asyncio.run(into_redis(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
     elif argv[0] == "shared":
         asyncio.run(shared(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
+    elif argv[0] == "long":
+        asyncio.run(long_prompts(int(argv[1]) if len(argv) > 1 else 40))
     elif argv[0] == "wipe":
         asyncio.run(wipe(int(argv[1]) if len(argv) > 1 else 200, "shared" in argv[2:]))
     else:

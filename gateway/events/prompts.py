@@ -14,6 +14,14 @@ than a miss: an unsalted cache would tell tenant B that tenant A sent this syste
   token. A Hugging Face tokenizer splits its input at added tokens before anything else, so
   encoding the pieces one by one gives exactly the ids of encoding the whole; in a chat every
   message starts with one (`<|im_start|>`).
+  A segment longer than `CHUNK_CHARS` is cut again right before a space between two
+  non-spaces (`word_cuts`), about every `CHUNK_CHARS`: a byte-level BPE's
+  pre-tokenizer starts a new piece there whatever follows, so the pieces' ids concatenate to
+  the segment's, and a long message that begins like an earlier one (one user message of
+  ~12k tokens at bench point 2, a pasted document) encodes only from the piece where the two
+  part. Enabled when probes of every kind of text encode the same whole and cut
+  (`chunks_concatenate`), and checked like the incremental rendering: the first cut text and
+  every `VERIFY_EVERY`-th is also encoded whole; a difference turns cutting off for good.
 - prefixes (`DEFAULT_PREFIX_CACHE_TOKENS`): a conversation's ids up to the end of its last
   message without the generation prompt, found by a chain of keys over its messages'
   JSON (`key(i) = H(key(i-1) || message i)`, `key(-1) = H(salt, tools)`), so a continuation
@@ -33,7 +41,9 @@ from __future__ import annotations
 
 import array
 import asyncio
+import itertools
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +58,13 @@ from cachemap.tokenizer import ModelTokenizer, chat_flag
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_THREADS = ("TOKENIZERS_PARALLELISM", "false")
+"""Set in the gateway's environment unless the operator set it: the `tokenizers` library then
+encodes on the calling thread instead of handing each call to its rayon pool. A call's hand-off
+and the pool's threads spinning for work after it cost more CPU than the BPE itself on this
+machine (`tools.precise_cost keying`, one run alternating: a continuation's ~400 new tokens
+1,098-1,114 µs of process CPU through the pool, 399-494 µs without). Big texts still leave the
+event loop (`OFF_LOOP_CHARS`), in a worker thread of our own."""
 OFF_LOOP_CHARS = 16_384
 """Text to encode above which it is encoded in a thread (~4k tokens, ~5 ms of the loop); below
 it the thread hop (~0.1 ms) costs more than it saves."""
@@ -57,6 +74,21 @@ turns of ~40 live 100k-token conversations, or thousands of ordinary chats."""
 DEFAULT_PREFIX_CACHE_TOKENS = 8_000_000
 """Token ids kept of conversation prefixes (32 MB): one entry per live conversation, so ~80
 conversations at 100k tokens or ~2,000 at 4k."""
+CHUNK_CHARS = 2_048
+"""A segment longer than this is cut at a word boundary about every this many characters
+(~450 tokens): a prefix shared with an earlier text is reused up to the cut before they part,
+so ~half a piece of it is encoded again; each piece costs a cache entry and a lookup (~1 µs),
+~0.2% of encoding it."""
+_CHUNK_PROBES = (
+    "Hello world, it's 2024: 3.14159 rocks!  Two  spaces,\tTabs\n\nnew lines; don't stop.",
+    "  leading spaces and trailing ones   ",
+    "naïve café — “quotes” 日本語 テキスト 中文 emoji 🙂🙂 x = a+b*c; f(x) != g(y) ' quote",
+    "a " * 40 + "\n b \r\n c" + " ..." * 20 + " 12345 67890 1 2 3",
+)
+"""Texts of every kind (words, digits, punctuation, runs of spaces, newlines, non-ASCII)
+whose ids, encoded whole and encoded cut at every word boundary, must agree for cutting to
+be on: a tokenizer whose pre-tokenizer adds a prefix space to each piece (SentencePiece's
+Metaspace) or splits otherwise fails them."""
 VERIFY_EVERY = 64
 """Every Nth incremental rendering (and the first) is also rendered whole and compared: ~1.5%
 more rendering, and a template the probes did not catch is turned off within 64 requests."""
@@ -77,6 +109,9 @@ class TokenizeStats:
     """Tokens taken from the prefix cache."""
     incremental_checks: int = 0
     incremental_mismatches: int = 0
+    chunk_checks: int = 0
+    """Texts cut at word boundaries that were also encoded whole and compared."""
+    chunk_mismatches: int = 0
     seconds: float = 0.0
     """Time spent rendering, tokenizing and hashing (the precise mode's CPU per request)."""
 
@@ -106,7 +141,9 @@ class PromptTokens:
         max_prefix_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
         *,
         incremental: bool = True,
+        chunking: bool = True,
     ) -> None:
+        os.environ.setdefault(*TOKENIZER_THREADS)
         self.tokenizer = tokenizer
         self.max_cached_tokens = max_cached_tokens
         self.max_prefix_tokens = max_prefix_tokens
@@ -115,6 +152,10 @@ class PromptTokens:
         self._specials = tuple(t for t in added if t)
         self.template = IncrementalTemplate(tokenizer.template, added)
         self.incremental = incremental and self.template.enabled
+        self.chunking = chunking and chunks_concatenate(tokenizer, CHUNK_CHARS)
+        self._chunked_count = 0
+        self._whole: tuple[str, array.array[int]] | None = None
+        """(text, its ids encoded whole) made in a thread for the next sampled check."""
         self._cache: OrderedDict[tuple[str, str], array.array[int]] = OrderedDict()
         self._cached_tokens = 0
         self._prefixes: OrderedDict[bytes, array.array[int]] = OrderedDict()
@@ -131,11 +172,15 @@ class PromptTokens:
         plan = self._plan(body, chat, cache_salt)
         if isinstance(plan, list):
             return plan
-        missing = [
-            p for p in dict.fromkeys(self.segments(plan.text)) if (cache_salt, p) not in self._cache
-        ]
-        if sum(len(p) for p in missing) > OFF_LOOP_CHARS:
-            encoded = await asyncio.to_thread(self.tokenizer.encode_many, missing)
+        pieces, cut = self._cut(plan.text)
+        missing = [p for p in dict.fromkeys(pieces) if (cache_salt, p) not in self._cache]
+        check = cut and len(plan.text) > OFF_LOOP_CHARS and self._chunk_check_due()
+        if check or sum(len(p) for p in missing) > OFF_LOOP_CHARS:
+            encoded = await asyncio.to_thread(
+                self.tokenizer.encode_many, [*missing, plan.text] if check else missing
+            )
+            if check:
+                self._whole = (plan.text, array.array("I", encoded.pop()))
             for piece, ids in zip(missing, encoded, strict=True):
                 self.stats.tokens_encoded += len(ids)
                 self._keep(cache_salt, piece, array.array("I", ids))
@@ -234,10 +279,18 @@ class PromptTokens:
 
     def encode(self, text: str, salt: str = "") -> array.array[int]:
         """The ids of `text`, segment by segment through the salted segment cache."""
+        pieces, cut = self._cut(text)
+        check = cut and self._chunk_check_due()
+        if check:
+            self._chunked_count += 1
+        out = self._encode_pieces(pieces, salt)
+        return self._check_chunks(text, out) if check else out
+
+    def _encode_pieces(self, pieces: list[str], salt: str) -> array.array[int]:
         out: array.array[int] = array.array("I")
         stats = self.stats
         cache = self._cache
-        for piece in self.segments(text):
+        for piece in pieces:
             if not piece:
                 continue
             stats.segments += 1
@@ -254,9 +307,38 @@ class PromptTokens:
             self._keep(salt, piece, ids)
         return out
 
+    def _chunk_check_due(self) -> bool:
+        """Whether the text now encoded, cut at word boundaries, is a sampled check: the first
+        such text or every `VERIFY_EVERY`-th."""
+        return self.chunking and self._chunked_count % VERIFY_EVERY == 0
+
+    def _check_chunks(self, text: str, ids: array.array[int]) -> array.array[int]:
+        ready, self._whole = self._whole, None
+        if ready is not None and ready[0] == text:
+            whole = ready[1]
+        else:
+            whole = array.array("I", self.tokenizer.encode(text))
+        self.stats.chunk_checks += 1
+        if whole == ids:
+            return ids
+        self.stats.chunk_mismatches += 1
+        self.chunking = False
+        log.warning(
+            "precise mode: this tokenizer's ids of a text cut at word boundaries differ from "
+            "its ids of the whole (%d ids against %d); long texts are now encoded whole",
+            len(ids),
+            len(whole),
+        )
+        return whole
+
     def segments(self, text: str) -> list[str]:
         """`text` cut right before every added token (str.find per token: a regex lookahead at
-        every position was 1 ms per 80 kB)."""
+        every position was 1 ms per 80 kB), and a long piece again at word boundaries about
+        every `CHUNK_CHARS` when `chunking` (the module docstring)."""
+        return self._cut(text)[0]
+
+    def _cut(self, text: str) -> tuple[list[str], bool]:
+        """`segments`, and whether any piece was cut at a word boundary."""
         starts = {0}
         for token in self._specials:
             i = text.find(token)
@@ -264,7 +346,18 @@ class PromptTokens:
                 starts.add(i)
                 i = text.find(token, i + len(token))
         cuts = sorted(starts)
-        return [text[a:b] for a, b in zip(cuts, [*cuts[1:], len(text)], strict=True)]
+        ends = [*cuts[1:], len(text)]
+        cut = False
+        if self.chunking and len(text) > CHUNK_CHARS:
+            for a, b in zip(list(cuts), list(ends), strict=True):
+                if b - a > CHUNK_CHARS:
+                    words = word_cuts(text, a, b, CHUNK_CHARS)
+                    cuts.extend(words)
+                    cut = cut or bool(words)
+            if cut:
+                cuts.sort()
+                ends = [*cuts[1:], len(text)]
+        return [text[a:b] for a, b in zip(cuts, ends, strict=True)], cut
 
     @staticmethod
     def _message_keys(
@@ -310,6 +403,40 @@ class PromptTokens:
     @property
     def prefix_cached_tokens(self) -> int:
         return self._prefix_tokens
+
+
+def word_cuts(text: str, start: int, stop: int, every: int) -> list[int]:
+    """Positions in (start, stop) about `every` characters apart, each right before a space
+    that follows a non-space and precedes a non-space: where GPT-2-style pre-tokenizers
+    (` ?\\p{L}+`, ` ?\\p{N}+`, ...) always begin a piece, since no pattern starting at a
+    non-space crosses a space and the pieces after it see the same text."""
+    out = []
+    i = start + every
+    while i < stop - 1:
+        i = text.find(" ", i, stop - 1)
+        if i < 0:
+            break
+        if not text[i - 1].isspace() and not text[i + 1].isspace():
+            out.append(i)
+            i += every
+        else:
+            i += 1
+    return out
+
+
+def chunks_concatenate(tokenizer: ModelTokenizer, every: int) -> bool:
+    """Whether the probes (`_CHUNK_PROBES`) encode the same whole and cut at every word
+    boundary, each piece apart: the condition for cutting long segments."""
+    for probe in _CHUNK_PROBES:
+        cuts = word_cuts(probe, 0, len(probe), 1)
+        if not cuts:
+            return False
+        bounds = [0, *cuts, len(probe)]
+        pieces = [probe[a:b] for a, b in itertools.pairwise(bounds)]
+        joined = [i for ids in tokenizer.encode_many(pieces) for i in ids]
+        if joined != tokenizer.encode(probe):
+            return False
+    return every > 0
 
 
 __all__ = ["ChatTemplateError", "PromptTokens", "TokenizeStats"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from cachemap.events import (
     CPU,
     GPU,
+    SPECULATIVE_STRIDE,
     BlockRemoved,
     BlockStored,
     EventIndex,
@@ -72,10 +73,13 @@ def test_a_speculative_entry_is_confirmed_by_its_event() -> None:
     keys = precise_keys(IDS, SALT, 16)
     index.store("a", stored([1], IDS[:16]))
     # routed at t=10: the next turn, at t=11, already finds the whole prompt on "a"
-    assert index.speculate("a", keys, 10.0) == 3  # block 0 is held already
+    # one entry, for the last block of the window of SPECULATIVE_STRIDE (4) blocks: it claims
+    # blocks 1-3 (block 0 is held already)
+    assert index.speculate("a", keys, 10.0) == 1
     assert index.lookup(keys, 11.0) == {"a": Match(4, 0, 3)}
+    assert index.lookup(keys[:3], 11.0) == {"a": Match(1, 0, 0)}  # ends inside the window
     index.store("a", stored([2, 3, 4], IDS[16:], parent=1))  # the event lands at t=11.5
-    assert index.stats.speculative_confirmed == 3
+    assert index.stats.speculative_confirmed == 1
     assert index.lookup(keys, 13.0) == {"a": Match(4, 0, 0)}  # past the TTL: held for real
     index.sweep("a", 13.0)
     assert index.stats.speculative_expired == 0 and index.num_speculative("a") == 0
@@ -88,4 +92,73 @@ def test_a_speculative_entry_expires_without_its_event() -> None:
     assert index.lookup(keys, 11.9) == {"b": Match(4, 0, 4)}
     assert index.lookup(keys, 12.0) == {}  # expired: the engine never stored it
     index.sweep("b", 12.0)
-    assert index.stats.speculative_expired == 4 and index.num_speculative("b") == 0
+    assert index.stats.speculative_expired == 1 and index.num_speculative("b") == 0
+
+
+def _stepped_lookup(index: EventIndex, keys: list[bytes], now_s: float) -> dict[str, Match]:
+    """The lookup stepped key by key: a domain advances over a key it holds or claims (an
+    unexpired speculative entry of the key or of a later key of its window of
+    SPECULATIVE_STRIDE); the reference the fast lookup must equal."""
+
+    def claimed(domain: str, i: int) -> bool:
+        end = min(i - i % SPECULATIVE_STRIDE + SPECULATIVE_STRIDE, len(keys))
+        return any(
+            index._speculative.get(keys[p], {}).get(domain, 0.0) > now_s for p in range(i, end)
+        )
+
+    depth: dict[str, int] = {}
+    offloaded: dict[str, int] = {}
+    speculative: dict[str, int] = {}
+    domains = (
+        {d for d in index.domains() if index._holders.get(keys[0], {}).get(d) or claimed(d, 0)}
+        if keys
+        else set()
+    )
+    for domain in domains:
+        i = 0
+        while i < len(keys):
+            mask = index._holders.get(keys[i], {}).get(domain, 0)
+            if mask:
+                if not mask & GPU and not claimed(domain, i):
+                    offloaded[domain] = offloaded.get(domain, 0) + 1
+            elif claimed(domain, i):
+                speculative[domain] = speculative.get(domain, 0) + 1
+            else:
+                break
+            i += 1
+        depth[domain] = i
+    return {d: Match(n, offloaded.get(d, 0), speculative.get(d, 0)) for d, n in depth.items()}
+
+
+def test_the_lookup_equals_stepping_key_by_key_on_random_indexes() -> None:
+    """Holes, tiers, speculative entries (live, expired, confirmed) on three domains: every
+    lookup of every prefix of the chain equals the stepped reference, and a speculation adds
+    one entry per window of SPECULATIVE_STRIDE blocks not all on the domain's GPU."""
+    import random
+
+    rng = random.Random(16)
+    ids = list(range(1000, 1000 + 16 * 40))
+    keys = precise_keys(ids, SALT, 16)
+    for trial in range(60):
+        index = EventIndex(speculative_ttl_s=2.0)
+        for domain in ("a", "b", "c"):
+            cut = rng.randrange(0, 41)
+            if cut:
+                tier = rng.choice([GPU, GPU, CPU])
+                hashes = list(range(100 * trial, 100 * trial + cut))
+                index.store(domain, stored(hashes, ids[: 16 * cut], tier=tier))
+                half = cut // 2
+                if tier == GPU and rng.random() < 0.5:  # some offloaded copies too
+                    index.store(domain, stored(hashes[:half], ids[: 16 * half], tier=CPU))
+                for h in rng.sample(hashes, k=min(len(hashes), rng.randrange(0, 4))):
+                    index.remove(domain, BlockRemoved([h], rng.choice([GPU, CPU])))  # holes
+            for _ in range(rng.randrange(0, 3)):  # placements of prompts of this chain
+                n = rng.randrange(1, 41)
+                at = rng.choice([8.0, 10.0])
+                on_gpu = [bool(index._holders.get(k, {}).get(domain, 0) & GPU) for k in keys[:n]]
+                windows = range(0, n, SPECULATIVE_STRIDE)
+                lacking = sum(not all(on_gpu[w : w + SPECULATIVE_STRIDE]) for w in windows)
+                assert index.speculate(domain, keys[:n], at) == lacking
+        for now in (9.0, 10.5, 12.5):
+            for n in (0, 1, 3, 7, 20, 39, 40):
+                assert index.lookup(keys[:n], now) == _stepped_lookup(index, keys[:n], now)

@@ -3,6 +3,8 @@ model's template and tokenized by segments, against a real engine's /tokenize.""
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -345,3 +347,92 @@ def test_a_template_that_refuses_a_lone_system_message_still_keys_every_chat(
         assert list(ids) == tokens.tokenizer.encode(tokens.tokenizer.render_chat(messages))
         messages.append({"role": "assistant", "content": "ok"})
     assert tokens.stats.prefix_hits == 2
+
+
+def test_long_messages_sharing_a_beginning_encode_from_where_they_part(engine: Served) -> None:
+    """Single-message prompts of ~3k tokens (bench point 2's shape) that begin alike: the
+    second encodes about what follows their shared text, not all of it, and both are the
+    engine's ids (the whole message cut at word boundaries, async path included)."""
+    import asyncio
+
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    assert tokens.chunking
+    shared = "Context: " + words("doc-shared", 2500) + ",  then\n\n" + words("doc-more", 400)
+    ids: list[list[int]] = []
+    encoded: list[int] = []
+    for i, body_text in enumerate((shared + words("ask-a", 300), shared + words("ask-b", 300))):
+        parsed = parse_chat(raw({"messages": [{"role": "user", "content": body_text}]}), LIMIT)
+        before = tokens.stats.tokens_encoded
+        got = asyncio.run(tokens.ids_off_loop(engine_body(parsed), True, "s"))
+        encoded.append(tokens.stats.tokens_encoded - before)
+        ids.append(list(got))
+        assert ids[i] == engine_ids(engine, parsed)
+    assert encoded[0] >= len(ids[0]) - 3  # all new
+    assert encoded[1] < 300 + 1_000  # the different end and about one piece before it
+    assert tokens.stats.chunk_checks == 1 and tokens.stats.chunk_mismatches == 0
+
+
+def test_word_cuts_fall_between_two_non_spaces_about_every_n() -> None:
+    from gateway.events.prompts import word_cuts
+
+    text = "ab  cd\n ef gh ijk   l m"
+    assert word_cuts(text, 0, len(text), 1) == [10, 13, 21]  # 'f g', 'h i', 'l m'
+    cuts = word_cuts(words("cuts", 2000), 0, 12_000, 2048)
+    assert cuts and all(b - a >= 2048 for a, b in itertools.pairwise(cuts))
+
+
+def test_a_tokenizer_that_merges_across_spaces_encodes_long_texts_whole(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a pre-tokenizer the BPE merges across spaces: the probes turn cutting off; and
+    were it forced on, the first cut text's whole encoding catches it and is what returns."""
+    spec = orjson.loads((MODEL_DIR / "tokenizer.json").read_bytes())
+    spec["pre_tokenizer"] = None
+    (tmp_path / "tokenizer.json").write_bytes(orjson.dumps(spec))
+    (tmp_path / "tokenizer_config.json").write_bytes(
+        (MODEL_DIR / "tokenizer_config.json").read_bytes()
+    )
+    tokenizer = ModelTokenizer(tmp_path)
+    assert not PromptTokens(tokenizer).chunking
+    from gateway.events import prompts
+
+    monkeypatch.setattr(prompts, "CHUNK_CHARS", 1)  # cut at every word boundary
+    forced = PromptTokens(tokenizer)
+    forced.chunking = True
+    text = prompts._CHUNK_PROBES[2] * 3
+    with caplog.at_level("WARNING"):
+        got = forced.encode(text)
+    assert list(got) == tokenizer.encode(text)
+    assert forced.stats.chunk_mismatches == 1 and not forced.chunking
+    assert "cut at word boundaries differ" in caplog.text
+
+
+def test_the_gateways_tokenizer_runs_no_thread_pool() -> None:
+    """A fresh process keying a long chat (in its worker thread too) starts no rayon threads:
+    `PromptTokens` turns the library's pool off unless the operator set it; set, it is kept."""
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio, os\n"
+        "from cachemap.tokenizer import ModelTokenizer\n"
+        "from gateway.events.prompts import PromptTokens\n"
+        "from loadgen.engine.tokenizer import MODEL_DIR\n"
+        "from loadgen.text import words\n"
+        "tokens = PromptTokens(ModelTokenizer(MODEL_DIR))\n"
+        "body = {'messages': [{'role': 'user', 'content': words('pool', 6000)}]}\n"
+        "asyncio.run(tokens.ids_off_loop(body, True))\n"
+        "tokens.ids({'messages': [{'role': 'user', 'content': words('pool2', 900)}]}, True)\n"
+        "print(os.environ['TOKENIZERS_PARALLELISM'], len(os.listdir('/proc/self/task')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    # the main thread and asyncio's one worker thread, no pool
+    assert out[0] == "false" and int(out[1]) <= 2
+    env["TOKENIZERS_PARALLELISM"] = "true"
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[0] == "true" and int(out[1]) > 2  # the operator's choice: the pool runs
