@@ -314,6 +314,8 @@ async def _lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> list[boo
             look = await task
             fell_back.append(look.degraded)
             assert look.degraded or look.overlap == {replica: 8}
+        if d.shared is not None and d.shared.lane is not None:  # each was read late, not lost
+            assert d.shared.lane.stats.late_answers == rounds
         return fell_back
     finally:
         stats.close()
