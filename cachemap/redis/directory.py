@@ -374,8 +374,11 @@ class RedisDirectory:
         return await self.meta.prune(to_ms(self.clock()), horizon_ms)
 
     async def start(self) -> None:
-        """Load the generations and keep them fresh: the channel, and the poll behind it."""
+        """Load the generations and keep them fresh: the channel, and the poll behind it; open
+        the lookups' connection."""
         await self.refresh_generations()
+        if self.lane is not None:
+            await self.lane.warm()
         self._tasks = [
             asyncio.create_task(self._watch_generations(), name="generations channel"),
             asyncio.create_task(self._poll_generations(), name="generations poll"),

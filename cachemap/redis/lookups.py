@@ -126,6 +126,14 @@ class LookupLane:
             if call.deadline_s is not None:
                 loop.call_at(now + call.deadline_s, self._expire, call)
 
+    async def warm(self) -> None:
+        """Open the connection now (at start), so the first lookups do not wait for it. A
+        failure is not raised: the next lookup tries again."""
+        if self._conn is None and not self._closed:
+            if self._connecting is None:
+                self._connecting = asyncio.create_task(self._open(), name="lookup lane connect")
+            await asyncio.shield(self._connecting)
+
     def _write(self, conn: AbstractConnection, calls: list[_Call]) -> None:
         live = [call for call in calls if not call.future.done()]
         if not live:

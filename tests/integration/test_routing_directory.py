@@ -344,9 +344,10 @@ async def test_a_redis_that_stopped_answering_still_costs_a_busy_loop_its_deadli
     d.deadline_s = 0.005
     client = await open_redis(fresh_redis.url)
     try:
+        assert d.shared is not None and d.shared.lane is not None
+        assert d.shared.lane.stats.connects == 1  # opened at start, before any lookup
         probe = chain(f"{replica}-paused", 4)
         await shared_answers(d, probe, 5.0)
-        assert d.shared is not None and d.shared.lane is not None
         await client.execute_command("CLIENT", "PAUSE", 2000, "ALL")
         task = asyncio.create_task(d.lookup(probe))
         for _ in range(10_000):  # yield until the lookup is written (bounded)
