@@ -11,9 +11,9 @@ named tree (`here` is this checkout; another, e.g. an older commit exported with
 runs through `processes.start_gateway(cwd=)`). A workers count ending in `m` (`here:1m`) runs
 the same gateway over its in-process directory (no Redis), for comparison. One markdown row per
 arm: errors, hit ratio, TTFT, the gateway's process-tree CPU per request, the directory's
-counters from the pod's merged /metrics (lookups answered locally, write-backs, blocks written
-back) and its fan-out holds (held siblings, released by their leader's landing / by their
-timeout, seconds held in all).
+counters from the pod's merged /metrics (lookups answered locally of all lookups, late reads,
+write-backs, blocks written back) and its fan-out holds (held siblings, released by their
+leader's landing / by their timeout, seconds held in all).
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def arm(requests: int, tree: str, workers: str) -> str:
             processes.stop([gw])
     s = summarise(rows, TIME_SCALE, wall)
     local = counter(page, "kvgate_directory_fallbacks_total")
+    lookups = counter(page, "kvgate_directory_lookups_total")
+    late = counter(page, "kvgate_directory_late_reads_total")
     backs = counter(page, "kvgate_directory_write_backs_total")
     blocks = counter(page, "kvgate_directory_written_back_blocks_total")
     holds = counter(page, "kvgate_fanout_holds_total")
@@ -86,7 +88,8 @@ def arm(requests: int, tree: str, workers: str) -> str:
     held = counter(page, "kvgate_fanout_hold_seconds_sum")
     return (
         f"| {workers} | {s.errors} | {s.hit_ratio:.3f} | {s.ttft_mean_s:.3f} / "
-        f"{s.ttft_p99_s:.3f} | {cpu_ms:.2f} | {local:.0f} | {backs:.0f} | {blocks:,.0f} "
+        f"{s.ttft_p99_s:.3f} | {cpu_ms:.2f} | {local:.0f} / {lookups:.0f} | {late:.0f} "
+        f"| {backs:.0f} | {blocks:,.0f} "
         f"| {holds:.0f} / {landed:.0f} / {timeouts:.0f} / {held:.1f} |"
     )
 
@@ -98,10 +101,10 @@ def main(argv: list[str]) -> int:
     trees = {"here": HERE} | dict(a.split("=", 1) for a in argv[2:])
     print(
         "| tree | workers | errors | hit ratio | TTFT mean / p99 s | gateway CPU ms/req "
-        "| lookups answered locally | write-backs | blocks written back "
+        "| lookups answered locally / all | late reads | write-backs | blocks written back "
         "| holds / landed / timeouts / s held |"
     )
-    print("| --- " + "| ---: " * 9 + "|")
+    print("| --- " + "| ---: " * 10 + "|")
     for item in argv[1].split(","):
         name, _, workers = item.partition(":")
         print(f"| {name} " + arm(int(argv[0]), trees[name], workers), flush=True)

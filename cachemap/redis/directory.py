@@ -45,6 +45,7 @@ from cachemap.keys import TAG_BYTES, BlockHash
 from cachemap.rates import MIN_SPAN_S
 from cachemap.redis import scripts
 from cachemap.redis.client import AnyRedis, stop_task
+from cachemap.redis.lookups import LookupLane
 from cachemap.redis.meta import DirectoryLayoutError, ReplicaMeta
 from cachemap.redis.schema import CHANNEL, chain_call, replica_id, text
 from cachemap.redis.stores import MarkerStore, RateStore
@@ -64,8 +65,19 @@ RESTORE_BATCH = 512
 """Blocks per write-back call: ~0.5 ms of server time, so a write-back of a whole index never
 holds Redis for long."""
 MAX_PIPELINED_LOOKUPS = 8
-"""Lookups per pipelined write: a burst is cut into several pipelines on several connections,
-so the client reads one pipeline's answers while Redis runs the next one's scripts."""
+"""Lookups per pipelined write: a burst is cut into several writes (in a cluster, several
+pipelines on several connections), so the client reads one write's answers while Redis runs the
+next one's scripts."""
+
+
+@dataclass
+class _Queued:
+    """A lookup waiting for its tick's batch to be written."""
+
+    keys: list[bytes]
+    args: list[Any]
+    deadline_s: float | None
+    future: asyncio.Future[Any]
 
 
 @dataclass
@@ -100,9 +112,16 @@ class RedisDirectory:
         self.cluster = isinstance(client, RedisCluster)
         self._lookup = client.register_script(scripts.LOOKUP)
         self.batch_lookups = True
-        """Pipeline the lookups of one event-loop tick (in a cluster, redis-py's pipeline sends
-        each node its own; its `evalsha` helper is blocked there, the raw command is not)."""
-        self._batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]] = []
+        """Pipeline the lookups of one event-loop tick: on one Redis, down the lookups' own
+        connection (`cachemap.redis.lookups`: the deadline counts Redis's time, not the loop's
+        lag); in a cluster, redis-py's pipeline sends each node its own (its `evalsha` helper
+        is blocked there, the raw command is not) and the deadline is wall time."""
+        self.lane: LookupLane | None = (
+            None
+            if isinstance(client, RedisCluster)
+            else LookupLane(client, scripts.LOOKUP, self._lookup.sha)
+        )
+        self._batch: list[_Queued] = []
         self._sending: set[asyncio.Task[None]] = set()
         self._record = client.register_script(scripts.RECORD)
         self._restore = client.register_script(scripts.RESTORE)
@@ -135,11 +154,18 @@ class RedisDirectory:
         return (await self.lookup_full(hashes)).detail
 
     async def lookup_full(
-        self, hashes: Sequence[BlockHash], *, rate_window_s: float = 0.0, writers: bool = False
+        self,
+        hashes: Sequence[BlockHash],
+        *,
+        rate_window_s: float = 0.0,
+        writers: bool = False,
+        deadline_s: float | None = None,
     ) -> SharedLookup:
         """One script call: each replica's depth and last use; with `rate_window_s`, the
         matched prefix's request rate (this request counted) and k; with `writers`, the
-        deepest uncached block an in-flight leader is writing and the leader's marker."""
+        deepest uncached block an in-flight leader is writing and the leader's marker.
+        With `deadline_s`, a `TimeoutError` when Redis did not answer within it (on one Redis,
+        the time to the reply's receipt: `cachemap.redis.lookups`)."""
         if not hashes:
             return SharedLookup({})
         if self._replica_arg is None:  # rebuilt only when a generation or a floor changed
@@ -157,7 +183,7 @@ class RedisDirectory:
             int(MIN_SPAN_S * 1000),
         ]
         keys, head = chain_call(hashes)
-        flat, hot, writer = await self._call_lookup(keys, [*head, *args])
+        flat, hot, writer = await self._call_lookup(keys, [*head, *args], deadline_s)
         names = self._names
         detail: dict[str, tuple[int, float]] = {}
         for i in range(0, len(flat), 3):
@@ -175,61 +201,61 @@ class RedisDirectory:
             result.writer_depth, result.writer = int(writer[0]), text(writer[1])
         return result
 
-    async def _call_lookup(self, keys: list[bytes], args: list[Any]) -> Any:
+    async def _call_lookup(
+        self, keys: list[bytes], args: list[Any], deadline_s: float | None
+    ) -> Any:
         """One EVALSHA per lookup; the lookups that arrive in the same event-loop tick share one
         pipelined write and read (each is still its own command and its own answer)."""
         if not self.batch_lookups:
-            return await self._lookup(keys=keys, args=args)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            call = self._lookup(keys=keys, args=args)
+            return await (call if deadline_s is None else asyncio.wait_for(call, deadline_s))
+        queued = _Queued(keys, args, deadline_s, asyncio.get_running_loop().create_future())
         batch = self._batch
-        batch.append((keys, args, future))
+        batch.append(queued)
         if len(batch) == 1:
             asyncio.get_running_loop().call_soon(self._flush_lookups, batch)
         if len(batch) == MAX_PIPELINED_LOOKUPS:
             self._batch = []  # the next lookups start the next pipeline
-        return await future
+        if self.lane is not None or deadline_s is None:  # the lane keeps the deadline itself
+            return await queued.future
+        return await asyncio.wait_for(queued.future, deadline_s)
 
-    def _flush_lookups(
-        self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]]
-    ) -> None:
+    def _flush_lookups(self, batch: list[_Queued]) -> None:
         if batch is self._batch:
             self._batch = []
-        task = asyncio.create_task(self._send_lookups(batch))
+        live = [item for item in batch if not item.future.done()]  # callers may have given up
+        if not live:
+            return
+        if self.lane is not None:
+            self.lane.send([(item.keys, item.args, item.deadline_s, item.future) for item in live])
+            return
+        task = asyncio.create_task(self._send_lookups(live))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def _send_lookups(
-        self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]]
-    ) -> None:
-        live = [item for item in batch if not item[2].done()]  # callers may have given up
-        if not live:
-            return
+    async def _send_lookups(self, live: list[_Queued]) -> None:
+        """A cluster's batch: one pipeline, a command per lookup."""
         try:
-            if len(live) == 1:
-                results: list[Any] = [await self._lookup(keys=live[0][0], args=live[0][1])]
-            else:
-                results = await self._pipelined(live)
+            results = await self._pipelined(live)
         except Exception as exc:  # every waiter hears the error (the caller falls back)
-            for _, _, future in live:
-                if not future.done():
-                    future.set_exception(exc)
+            for item in live:
+                if not item.future.done():
+                    item.future.set_exception(exc)
             return
-        for (_, _, future), result in zip(live, results, strict=True):
-            if future.done():
+        for item, result in zip(live, results, strict=True):
+            if item.future.done():
                 continue
             if isinstance(result, Exception):
-                future.set_exception(result)
+                item.future.set_exception(result)
             else:
-                future.set_result(result)
+                item.future.set_result(result)
 
-    async def _pipelined(
-        self, batch: list[tuple[list[bytes], list[Any], asyncio.Future[Any]]]
-    ) -> list[Any]:
+    async def _pipelined(self, batch: list[_Queued]) -> list[Any]:
         sha = self._lookup.sha
         for attempt in range(2):
             pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
-            for keys, args, _ in batch:
-                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            for item in batch:
+                pipe.execute_command("EVALSHA", sha, len(item.keys), *item.keys, *item.args)
             results = await pipe.execute(raise_on_error=False)
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
                 await self.client.script_load(scripts.LOOKUP)  # on every primary of a cluster
@@ -310,6 +336,8 @@ class RedisDirectory:
         self._closing = True
         for task in self._tasks:
             await stop_task(task, 2 * GEN_REFRESH_S)
+        if self.lane is not None:
+            await self.lane.close()
         await self.client.aclose()
 
     # -- generations -------------------------------------------------------------------------
@@ -346,8 +374,11 @@ class RedisDirectory:
         return await self.meta.prune(to_ms(self.clock()), horizon_ms)
 
     async def start(self) -> None:
-        """Load the generations and keep them fresh: the channel, and the poll behind it."""
+        """Load the generations and keep them fresh: the channel, and the poll behind it; open
+        the lookups' connection."""
         await self.refresh_generations()
+        if self.lane is not None:
+            await self.lane.warm()
         self._tasks = [
             asyncio.create_task(self._watch_generations(), name="generations channel"),
             asyncio.create_task(self._poll_generations(), name="generations poll"),

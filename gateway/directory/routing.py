@@ -1,12 +1,15 @@
 """The directory as the gateway uses it: shared through Redis when configured, never a reason
 for a client to see an error.
 
-    lookup ──▶ Redis (one script call, deadline `redis_deadline_s`) ──ok──▶ shared overlap
+    lookup ──▶ Redis (one script call, deadline `redis_deadline_s`*) ──ok──▶ shared overlap
                   │ timeout / error (counted by the breaker)
                   ▼
                the local in-process directory ──▶ overlap, degraded=True (the director then
                                                    breaks ties by consistent hashing, so all
                                                    gateways still agree on new prefixes)
+
+* from the lookup's write to its reply's receipt, on one Redis (`cachemap.redis.lookups`): a
+  reply in the socket while this loop runs other requests is not a Redis that stopped answering.
 
 A shared lookup that matched nothing, or any while a write-back runs, also consults the local
 index (what this gateway placed itself): Redis that lost entries — restarted empty, or missed
@@ -186,6 +189,8 @@ class RoutingDirectory:
         pool = getattr(shared.client, "connection_pool", None)
         if pool is not None:
             await pool.disconnect()
+        if shared.lane is not None:
+            await shared.lane.disconnect()
 
     def _reset(self) -> None:
         """Redis lost its state (the meta state is written back already): write back every
@@ -215,9 +220,11 @@ class RoutingDirectory:
             started = time.perf_counter()
             window = self.rates.window_s if self.rates is not None else 0.0
             try:
-                full = await asyncio.wait_for(
-                    shared.lookup_full(hashes, rate_window_s=window, writers=self.track_writers),
-                    self.deadline_s,
+                full = await shared.lookup_full(
+                    hashes,
+                    rate_window_s=window,
+                    writers=self.track_writers,
+                    deadline_s=self.deadline_s,  # Redis's time, not this loop's lag
                 )
             except asyncio.CancelledError:
                 raise

@@ -246,6 +246,14 @@ class GatewayCollector(Collector):
             "Records/drops that did not reach the shared directory.",
             self.directory.writes.num_dropped,
         )
+        shared = self.directory.shared
+        lane = shared.lane if shared is not None else None
+        yield CounterMetricFamily(
+            "kvgate_directory_late_reads",
+            "Shared lookups past their deadline whose reply was in, not yet read by this "
+            "process's loop: answered, not a fallback.",
+            lane.stats.late_answers if lane is not None else 0,
+        )
         yield CounterMetricFamily(
             "kvgate_directory_local_hints",
             "Shared lookups the local index deepened (a miss in Redis, or during a write-back).",

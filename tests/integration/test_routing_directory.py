@@ -11,6 +11,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+import redis as sync_redis
+import uvloop
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.redis.client import open_redis
@@ -271,6 +273,90 @@ async def test_one_stall_that_fails_every_lookup_in_flight_is_one_failure_not_an
         for p in probes:  # each starts after the one before it failed: a real outage
             assert (await d.lookup(p)).degraded
         assert d.degraded
+    finally:
+        with contextlib.suppress(Exception):
+            await client.execute_command("CLIENT", "UNPAUSE")
+        await client.aclose()
+        await d.close()
+
+
+def _hog(seconds: float) -> None:
+    """Hold the event loop with CPU, as other requests' work does under load."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def _lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> list[bool]:
+    """Each round: a lookup is sent, Redis answers it (its `INFO commandstats` counts the call),
+    then the loop is held for 10 ms, twice the 5-ms deadline, before it reads the reply.
+    Returns whether each round fell back to the local directory."""
+    replica = f"http://{uuid.uuid4().hex[:8]}:8000"
+    d = await composed(redis.url, [replica])
+    d.deadline_s = 0.005
+    stats = sync_redis.Redis.from_url(redis.url)
+    try:
+        probe = chain(f"{replica}-busy", 8)
+        await d.record(replica, probe)
+        await d.flushed()
+        await shared_answers(d, probe, 5.0)  # the connection is open, the script loaded
+        fell_back = []
+        for _ in range(rounds):
+            calls = int(stats.info("commandstats")["cmdstat_evalsha"]["calls"])
+            task = asyncio.create_task(d.lookup(probe))
+            for _ in range(10_000):  # yield until Redis has run it (bounded)
+                await asyncio.sleep(0)
+                if int(stats.info("commandstats")["cmdstat_evalsha"]["calls"]) > calls:
+                    break
+            else:
+                raise AssertionError("the lookup never reached Redis")
+            _hog(0.010)  # the reply is in the socket; the loop is busy past the deadline
+            look = await task
+            fell_back.append(look.degraded)
+            assert look.degraded or look.overlap == {replica: 8}
+        if d.shared is not None and d.shared.lane is not None:  # each was read late, not lost
+            assert d.shared.lane.stats.late_answers == rounds
+        return fell_back
+    finally:
+        stats.close()
+        await d.close()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_reply_that_arrived_while_the_loop_was_busy_is_not_a_fallback(
+    fresh_redis: RedisServer, loop: str
+) -> None:
+    """Issue 17: the deadline protects a request from a Redis that does not answer. A reply
+    that is in the socket while this process runs other requests' CPU came in time: counting
+    the loop's lag against it made most lookups of a loaded gateway fall back (the deadline
+    was wall time around the await). Run on both loops: uvloop, as `kvgate serve` runs, fires
+    due timers before it polls the socket; asyncio polls first."""
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    assert run(_lookups_past_a_busy_loop(fresh_redis, 5)) == [False] * 5
+
+
+async def test_a_redis_that_stopped_answering_still_costs_a_busy_loop_its_deadline(
+    fresh_redis: RedisServer, replica: str
+) -> None:
+    """What the deadline protects: with Redis paused, nothing arrives while the loop is held,
+    so the lookup gets no grace for the loop's lag and falls back."""
+    d = await composed(fresh_redis.url, [replica])
+    d.deadline_s = 0.005
+    client = await open_redis(fresh_redis.url)
+    try:
+        assert d.shared is not None and d.shared.lane is not None
+        assert d.shared.lane.stats.connects == 1  # opened at start, before any lookup
+        probe = chain(f"{replica}-paused", 4)
+        await shared_answers(d, probe, 5.0)
+        await client.execute_command("CLIENT", "PAUSE", 2000, "ALL")
+        task = asyncio.create_task(d.lookup(probe))
+        for _ in range(10_000):  # yield until the lookup is written (bounded)
+            await asyncio.sleep(0)
+            if d.shared.lane.in_flight:
+                break
+        _hog(0.010)
+        assert (await task).degraded
+        assert d.shared.lane.stats.late_answers == 0
     finally:
         with contextlib.suppress(Exception):
             await client.execute_command("CLIENT", "UNPAUSE")

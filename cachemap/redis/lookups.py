@@ -1,0 +1,279 @@
+"""The lookups' own connection: pipelined, with a deadline that counts Redis's time only.
+
+A lookup's deadline protects a request from a Redis that does not answer. Measured as wall
+time around an `await` (`asyncio.wait_for`), it also counted the gateway's own event-loop lag:
+the reply may be in the socket for milliseconds while other requests' CPU runs, the loop's
+timers fire before it polls the socket (uvloop), and the caller resumes three or more loop
+iterations after the reply arrived (the sender's task, the caller's, `wait_for`'s own). Under
+load that made most lookups miss a 5 ms deadline although Redis answered in ~0.2 ms (issue 17).
+
+Here the deadline runs from when the lookup was written to when its reply was *received*: when
+the timer fires and the lookup is unanswered, it fails only if nothing is waiting on our side
+of the connection — no bytes in the kernel's socket buffer, none in the stream's buffer that
+the reader has not parsed yet. Bytes waiting there are replies Redis has sent (ours, or the
+ones before it on this connection, in order): the loop, not Redis, is late, and a fallback
+would not be faster (it needs the loop too), so the lookup waits on, re-checked every
+`RECHECK_S`, for at most `LAG_GRACE_S` beyond its deadline. A Redis that stops answering
+sends nothing: its lookups fail at the deadline, as before. A lookup still waiting for the
+connection to open is Redis's time too (the handshake's round trips): it fails at the deadline.
+
+One connection, pipelined: every lookup is written as it is flushed (a tick's batch in one
+write), and one reader takes the replies in order, answering each caller as its reply is
+parsed. A lookup that gave up keeps its place: its reply is read and dropped, so the
+connection stays in step and is not reconnected after every missed deadline. A connection
+error fails every lookup in flight, and the next lookup opens a new connection.
+
+It reads redis-py's connection internals (`_reader`, `_writer`: the stream pair) to write
+without an await and to see unread bytes; redis-py is pinned to one major (8), and the tests
+that run lookups through here fail if they move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+
+LAG_GRACE_S = 0.25
+"""How long past its deadline a lookup whose reply bytes are waiting, unread, may wait for the
+loop to read them: far above the loop lag seen under the bench's load (tens of ms), and still a
+bound if something unforeseen kept bytes arriving without ever answering this lookup."""
+RECHECK_S = 0.001
+"""How often a lookup given grace re-checks: a loop iteration or so at the lag that gave it."""
+
+
+class LookupTimeout(TimeoutError):
+    """Redis did not answer the lookup within its deadline (nothing was received)."""
+
+
+@dataclass(eq=False)
+class _Call:
+    command: tuple[Any, ...]
+    future: asyncio.Future[Any]
+    deadline_s: float | None
+    started: float = 0.0
+    """`loop.time()` when the call was flushed (its deadline runs from here)."""
+    sent: bool = False
+    retried: bool = False
+    graced: bool = False
+    """Its deadline passed with its reply possibly waiting unread (counted once)."""
+
+
+@dataclass
+class LaneStats:
+    late_answers: int = 0
+    """Lookups given grace at their deadline: bytes were waiting unread on our side."""
+    timeouts: int = 0
+    """Lookups failed at their deadline: nothing received."""
+    connects: int = 0
+
+
+class LookupLane:
+    """Pipelined EVALSHA calls of one script on a connection of their own (module docstring)."""
+
+    def __init__(self, client: aioredis.Redis, source: str, sha: str) -> None:
+        self._client = client
+        self._source = source
+        self._sha = sha
+        self._conn: AbstractConnection | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._waiting: list[_Call] = []
+        """Calls flushed while the connection was opening, written once it is open."""
+        self._pending: deque[_Call] = deque()
+        """Calls written, in the order of their replies."""
+        self._reading: asyncio.Task[None] | None = None
+        self._closed = False
+        self.stats = LaneStats()
+
+    @property
+    def in_flight(self) -> int:
+        """Lookups written and not yet answered (or given up and not yet read)."""
+        return len(self._pending)
+
+    def send(
+        self, calls: Sequence[tuple[list[bytes], list[Any], float | None, asyncio.Future[Any]]]
+    ) -> None:
+        """Write the calls (keys, args, deadline, the future their caller awaits) in one go.
+        The reader answers each future itself: a caller resumes one loop iteration after its
+        reply is parsed."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        batch = [
+            _Call(("EVALSHA", self._sha, len(keys), *keys, *args), future, d, now)
+            for keys, args, d, future in calls
+        ]
+        if self._closed:
+            _fail(batch, RedisConnectionError("the lookup lane is closed"))
+            return
+        conn = self._conn
+        if conn is not None and _open(conn):
+            self._write(conn, batch)
+        else:
+            self._conn = None
+            self._waiting.extend(batch)
+            if self._connecting is None:
+                self._connecting = asyncio.create_task(self._open(), name="lookup lane connect")
+        for call in batch:
+            if call.deadline_s is not None:
+                loop.call_at(now + call.deadline_s, self._expire, call)
+
+    async def warm(self) -> None:
+        """Open the connection now (at start), so the first lookups do not wait for it. A
+        failure is not raised: the next lookup tries again."""
+        if self._conn is None and not self._closed:
+            if self._connecting is None:
+                self._connecting = asyncio.create_task(self._open(), name="lookup lane connect")
+            await asyncio.shield(self._connecting)
+
+    def _write(self, conn: AbstractConnection, calls: list[_Call]) -> None:
+        live = [call for call in calls if not call.future.done()]
+        if not live:
+            return
+        writer = conn._writer
+        assert writer is not None
+        writer.writelines(conn.pack_commands([call.command for call in live]))
+        for call in live:
+            call.sent = True
+        self._pending.extend(live)
+        if self._reading is None:
+            self._reading = asyncio.create_task(self._read(conn), name="lookup lane reader")
+
+    async def _open(self) -> None:
+        pool = self._client.connection_pool
+        conn: AbstractConnection = pool.make_connection()  # type: ignore[no-untyped-call]
+        try:
+            await conn.connect()  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            waiting, self._waiting = self._waiting, []
+            _fail(waiting, exc)
+            with contextlib.suppress(Exception):
+                await conn.disconnect(nowait=True)
+            return
+        finally:
+            self._connecting = None
+        self.stats.connects += 1
+        if self._closed:
+            await conn.disconnect(nowait=True)
+            return
+        self._conn = conn
+        waiting, self._waiting = self._waiting, []
+        self._write(conn, waiting)
+
+    async def _read(self, conn: AbstractConnection) -> None:
+        """Take the replies in order until none is outstanding; a lookup that gave up still
+        has its reply read (and dropped), so the next reply is the next caller's."""
+        try:
+            while self._pending:
+                try:
+                    reply: Any = await conn.read_response()
+                except ResponseError as exc:
+                    reply = exc
+                call = self._pending.popleft()
+                if isinstance(reply, NoScriptError) and not call.retried:
+                    await self._client.script_load(self._source)  # Redis lost its scripts
+                    call.retried = True
+                    if not call.future.done() and conn is self._conn and _open(conn):
+                        self._write_again(conn, call)
+                        continue
+                if call.future.done():
+                    continue
+                if isinstance(reply, Exception):
+                    call.future.set_exception(reply)
+                else:
+                    call.future.set_result(reply)
+        except BaseException as exc:
+            # the connection is out of step or gone: every call on it hears the error
+            pending, self._pending = list(self._pending), deque()
+            _fail(pending, exc if isinstance(exc, Exception) else RedisConnectionError(str(exc)))
+            if self._conn is conn:
+                self._conn = None
+            with contextlib.suppress(Exception):
+                await conn.disconnect(nowait=True)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            if self._reading is asyncio.current_task():
+                self._reading = None
+
+    def _write_again(self, conn: AbstractConnection, call: _Call) -> None:
+        writer = conn._writer
+        assert writer is not None
+        writer.writelines(conn.pack_commands([call.command]))
+        self._pending.append(call)
+
+    def _expire(self, call: _Call) -> None:
+        """The call's deadline: fail it unless its reply may be waiting on our side."""
+        if call.future.done():
+            return
+        loop = asyncio.get_running_loop()
+        assert call.deadline_s is not None
+        if call.sent and loop.time() < call.started + call.deadline_s + LAG_GRACE_S:
+            conn = self._conn
+            if conn is not None and _unread(conn):
+                loop.call_later(RECHECK_S, self._expire, call)
+                if not call.graced:
+                    call.graced = True
+                    self.stats.late_answers += 1
+                return
+        self.stats.timeouts += 1
+        call.future.set_exception(
+            LookupTimeout(f"no reply from Redis within {call.deadline_s * 1000:.1f} ms")
+        )
+
+    async def disconnect(self) -> None:
+        """Drop the connection (after an outage: it is dead); the next lookup opens another."""
+        conn, self._conn = self._conn, None
+        reading = self._reading
+        if reading is not None:
+            reading.cancel()
+            with contextlib.suppress(BaseException):
+                await reading
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await conn.disconnect(nowait=True)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+            with contextlib.suppress(BaseException):
+                await self._connecting
+        waiting, self._waiting = self._waiting, []
+        _fail(waiting, RedisConnectionError("the lookup lane is closed"))
+        await self.disconnect()
+
+
+def _open(conn: AbstractConnection) -> bool:
+    writer = conn._writer
+    return writer is not None and not writer.is_closing()
+
+
+def _unread(conn: AbstractConnection) -> bool:
+    """Bytes Redis sent that this process has not parsed: in the stream's buffer (read from
+    the socket, the reader not resumed yet), or in the kernel's (the loop has not polled)."""
+    reader, writer = conn._reader, conn._writer
+    if reader is None or writer is None:
+        return False
+    if len(reader._buffer):  # type: ignore[attr-defined]
+        return True
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _fail(calls: Sequence[_Call], exc: Exception) -> None:
+    for call in calls:
+        if not call.future.done():
+            call.future.set_exception(exc)
