@@ -29,7 +29,7 @@ from loadgen.harness import processes
 from loadgen.harness.redis_servers import redis_server
 from loadgen.sim import percentile
 from loadgen.traces.readers import read_trace
-from tools.workers_ab import CAPACITY_BLOCKS, counter
+from tools.workers_ab import CAPACITY_BLOCKS, holds
 
 HERE = str(Path(__file__).resolve().parent.parent)
 RATES = (20.0, 30.0, 45.0, 68.0, 101.0)
@@ -61,14 +61,11 @@ def arm(tree: str, workers: str, bodies: list[bytes]) -> str:
             page = httpx.get(metrics + "/metrics", timeout=10.0).text
         finally:
             processes.stop([gw])
-    holds = counter(page, "kvgate_fanout_holds_total")
-    landed = counter(page, "kvgate_fanout_releases_total", 'reason="landed"')
-    failed = counter(page, "kvgate_fanout_releases_total", 'reason="leader_failed"')
-    timeouts = counter(page, "kvgate_fanout_releases_total", 'reason="timeout"')
-    held = counter(page, "kvgate_fanout_hold_seconds_sum")
+    h = holds(page)
     return (
         f"| {workers} | {' | '.join(steps)} "
-        f"| {holds:.0f} / {landed:.0f} / {failed:.0f} / {timeouts:.0f} / {held:.1f} |"
+        f"| {h.holds:.0f} / {h.landed:.0f} / {h.leader_failed:.0f} / {h.timeouts:.0f} "
+        f"/ {h.held_s:.1f} |"
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -45,6 +46,28 @@ def counter(page: str, name: str, label: str = "") -> float:
         if head == name and label in line.split(" ")[0]:
             total += float(line.split()[-1])
     return total
+
+
+@dataclass(frozen=True)
+class Holds:
+    """A pod's fan-out holds from its /metrics page: how many, how each was released, seconds."""
+
+    holds: float
+    landed: float
+    leader_failed: float
+    timeouts: float
+    held_s: float
+
+
+def holds(page: str) -> Holds:
+    released = "kvgate_fanout_releases_total"
+    return Holds(
+        counter(page, "kvgate_fanout_holds_total"),
+        counter(page, released, 'reason="landed"'),
+        counter(page, released, 'reason="leader_failed"'),
+        counter(page, released, 'reason="timeout"'),
+        counter(page, "kvgate_fanout_hold_seconds_sum"),
+    )
 
 
 def arm(requests: int, tree: str, workers: str) -> str:
@@ -82,15 +105,12 @@ def arm(requests: int, tree: str, workers: str) -> str:
     late = counter(page, "kvgate_directory_late_reads_total")
     backs = counter(page, "kvgate_directory_write_backs_total")
     blocks = counter(page, "kvgate_directory_written_back_blocks_total")
-    holds = counter(page, "kvgate_fanout_holds_total")
-    landed = counter(page, "kvgate_fanout_releases_total", 'reason="landed"')
-    timeouts = counter(page, "kvgate_fanout_releases_total", 'reason="timeout"')
-    held = counter(page, "kvgate_fanout_hold_seconds_sum")
+    h = holds(page)
     return (
         f"| {workers} | {s.errors} | {s.hit_ratio:.3f} | {s.ttft_mean_s:.3f} / "
         f"{s.ttft_p99_s:.3f} | {cpu_ms:.2f} | {local:.0f} / {lookups:.0f} | {late:.0f} "
         f"| {backs:.0f} | {blocks:,.0f} "
-        f"| {holds:.0f} / {landed:.0f} / {timeouts:.0f} / {held:.1f} |"
+        f"| {h.holds:.0f} / {h.landed:.0f} / {h.timeouts:.0f} / {h.held_s:.1f} |"
     )
 
 

@@ -23,15 +23,22 @@ from loadgen.harness.redis_servers import RedisServer
 pytestmark = pytest.mark.redis
 
 
+async def _directory(redis: RedisServer, deadline_s: float) -> RoutingDirectory:
+    """A gateway's routing directory over `redis` (its own connection), its writers tracked."""
+    return RoutingDirectory(
+        MemoryDirectory(MemoryIndex()),
+        RedisDirectory(await open_redis(redis.url, cluster=False)),
+        deadline_s=deadline_s,
+        track_writers=True,
+    )
+
+
 async def test_a_leader_cancelled_while_announcing_itself_leaves_no_flight(
     fresh_redis: RedisServer,
 ) -> None:
-    directory = RoutingDirectory(
-        MemoryDirectory(MemoryIndex()),
-        RedisDirectory(await open_redis(fresh_redis.url, cluster=False)),
-        deadline_s=30.0,  # the marker's call waits: the cancellation comes first
-        track_writers=True,
-    )
+    directory = await _directory(
+        fresh_redis, 30.0
+    )  # the marker's call waits: the cancellation comes first
     await directory.start()
     flights = Flights(shared=directory)
     blocks = chain_hashes(b"a shared prefix " * 400, root_hash(b"salt", "m"), 256)
@@ -59,18 +66,8 @@ async def test_a_marker_set_after_its_call_timed_out_still_lands(
     socket. Before the fix the leader took the timeout for "no marker", never landed it, and
     the pending marker stayed for the whole hold: every sibling at another gateway (or at this
     one, once the leader had ended) that looked it up was held until its timeout."""
-    directory = RoutingDirectory(
-        MemoryDirectory(MemoryIndex()),
-        RedisDirectory(await open_redis(fresh_redis.url, cluster=False)),
-        deadline_s=0.05,
-        track_writers=True,
-    )
-    sibling_directory = RoutingDirectory(
-        MemoryDirectory(MemoryIndex()),
-        RedisDirectory(await open_redis(fresh_redis.url, cluster=False)),
-        deadline_s=5.0,
-        track_writers=True,
-    )
+    directory = await _directory(fresh_redis, 0.05)
+    sibling_directory = await _directory(fresh_redis, 5.0)
     await directory.start()
     await sibling_directory.start()
     leader_flights = Flights(shared=directory)
@@ -137,12 +134,7 @@ async def test_a_sibling_whose_leaders_marker_is_gone_is_released(
     """A sibling holds on another gateway's pending marker and the marker goes (Redis restarted
     empty, or the marker's ttl ran out): no landing can release it any more. Before the fix it
     took a vanished marker for a pending one and waited out its whole bound."""
-    directory = RoutingDirectory(
-        MemoryDirectory(MemoryIndex()),
-        RedisDirectory(await open_redis(fresh_redis.url, cluster=False)),
-        deadline_s=5.0,
-        track_writers=True,
-    )
+    directory = await _directory(fresh_redis, 5.0)
     await directory.start()
     flights = Flights(shared=directory)
     blocks = chain_hashes(b"a shared prefix " * 400, root_hash(b"salt", "m"), 256)
