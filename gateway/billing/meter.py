@@ -51,6 +51,7 @@ from gateway.billing.contents import load_snapshot, save_snapshot
 from gateway.billing.pending import BilledRequest, Pending, profile_for
 from gateway.billing.pricing.clock import Clock, WallClock
 from gateway.billing.pricing.layout import (
+    BlockCounts,
     Layout,
     Tokenizer,
     chat_layout,
@@ -157,6 +158,8 @@ class BillingMeter:
         self.estimator = estimator or TokenEstimator(settings.bytes_per_token)
         """The gateway's one bytes-per-token estimate (learned by the pipeline's recorder)."""
         self.tokenizer = tokenizer
+        self.counts = BlockCounts()
+        """The tokenizer's counts of blocks seen before (a continuation counts what it adds)."""
         self.clock: Clock = clock or WallClock()
         self.options = ProfileOptions(
             lookback_blocks=settings.billing_lookback_blocks,
@@ -277,7 +280,14 @@ class BillingMeter:
                 check_anthropic_marks(marks, self.options)
         counted = None
         if self.tokenizer is not None:
-            counted = counted_ends(rendered, [b.end for b in layout.blocks], self.tokenizer)
+            counted = counted_ends(
+                rendered,
+                [b.end for b in layout.blocks],
+                self.tokenizer,
+                keys=layout.keys,
+                cache=self.counts,
+                scope=tenant.scope,
+            )
         max_tokens = body.get("max_completion_tokens")
         if max_tokens is None:
             max_tokens = body.get("max_tokens")

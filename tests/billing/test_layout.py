@@ -9,6 +9,7 @@ import pytest
 
 from cachemap.rendering import GENERATION_PROMPT, render_chat
 from gateway.billing.pricing.layout import (
+    BlockCounts,
     chat_layout,
     counted_ends,
     fit_to_total,
@@ -156,3 +157,37 @@ def test_counted_positions_fit_the_engines_total() -> None:
     assert fit_to_total([10, 20, 30], 33) == [10, 20, 33]  # the template's extra tokens
     assert fit_to_total([10, 20, 30], 25) == [10, 20, 25]
     assert fit_to_total([10, 20, 30], 15) == [10, 15, 15]  # clamped, never more than N
+
+
+def test_a_continuation_counts_only_the_blocks_it_adds_and_only_within_its_scope() -> None:
+    """The billing tokenizer's counts of blocks seen before are kept per scope: a session's
+    step counts its new messages, not its whole prompt again; the counts are the same."""
+    counted: list[str] = []
+
+    def count(text: str) -> int:
+        counted.append(text)
+        return count_tokens(text)
+
+    messages: list[dict[str, Any]] = [{"role": "system", "content": words("sys", 300)}]
+    cache = BlockCounts()
+    for step in range(4):
+        messages.append({"role": "user", "content": words(f"u{step}", 200)})
+        rendered, layout = layout_of({"messages": messages})
+        ends = [b.end for b in layout.blocks]
+        counted.clear()
+        got = counted_ends(rendered, ends, count, keys=layout.keys, cache=cache, scope="acme")
+        assert got == counted_ends(rendered, ends, count_tokens)
+        new_blocks = len(ends) if step == 0 else 2  # the last reply and the new message
+        assert len(counted) == new_blocks, step
+        messages.append({"role": "assistant", "content": words(f"a{step}", 100)})
+    counted.clear()
+    counted_ends(rendered, ends, count, keys=layout.keys, cache=cache, scope="globex")
+    assert len(counted) == len(ends)  # another scope counts for itself
+
+
+def test_the_block_counts_are_bounded() -> None:
+    cache = BlockCounts(max_entries=3)
+    for i in range(5):
+        cache.put("acme", bytes([i]), i)
+    assert len(cache) == 3
+    assert cache.get("acme", bytes([0])) is None and cache.get("acme", bytes([4])) == 4

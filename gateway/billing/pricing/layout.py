@@ -24,6 +24,7 @@ always exact.
 from __future__ import annotations
 
 import importlib
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
@@ -199,11 +200,59 @@ def proportional_ends(ends: Sequence[int], num_bytes: int, num_tokens: int) -> l
     return [(2 * e * num_tokens + num_bytes) // (2 * num_bytes) for e in ends]
 
 
-def counted_ends(rendered: bytes, ends: Sequence[int], count: Tokenizer) -> list[int]:
-    """Cumulative token counts of each block's bytes, counted piece by piece."""
+DEFAULT_COUNTED_BLOCKS = 32_768
+"""Blocks whose token count `BlockCounts` keeps (~5 MB): a few hundred live conversations'."""
+
+
+class BlockCounts:
+    """Token counts of blocks already counted, by (isolation scope, the block's chain key).
+
+    A conversation resends its whole prompt at every step; without this each step counted every
+    block again (a 50-step session counted its first blocks 50 times). A block's count depends
+    on its own bytes only, and its chain key names those bytes behind one exact prefix, so a
+    continuation counts only what it adds. The scope is part of the key: one tenant's request
+    never runs faster because another's counted the same text. Bounded: least recently used
+    out first."""
+
+    def __init__(self, max_entries: int = DEFAULT_COUNTED_BLOCKS) -> None:
+        self.max_entries = max_entries
+        self._counts: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def get(self, scope: str, key: bytes) -> int | None:
+        found = self._counts.get((scope, key))
+        if found is not None:
+            self._counts.move_to_end((scope, key))
+        return found
+
+    def put(self, scope: str, key: bytes, count: int) -> None:
+        self._counts[(scope, key)] = count
+        if len(self._counts) > self.max_entries:
+            self._counts.popitem(last=False)
+
+
+def counted_ends(
+    rendered: bytes,
+    ends: Sequence[int],
+    count: Tokenizer,
+    *,
+    keys: Sequence[bytes] = (),
+    cache: BlockCounts | None = None,
+    scope: str = "",
+) -> list[int]:
+    """Cumulative token counts of each block's bytes, counted piece by piece (with `cache`
+    and the blocks' chain `keys`, a block counted before under `scope` is not counted again)."""
     out, total, start = [], 0, 0
-    for end in ends:
-        total += count(rendered[start:end].decode("utf-8", errors="replace"))
+    cached = cache is not None and len(keys) == len(ends)
+    for i, end in enumerate(ends):
+        n = cache.get(scope, keys[i]) if cache is not None and cached else None
+        if n is None:
+            n = count(rendered[start:end].decode("utf-8", errors="replace"))
+            if cache is not None and cached:
+                cache.put(scope, keys[i], n)
+        total += n
         out.append(total)
         start = end
     return out
