@@ -30,9 +30,10 @@ from typing import Any
 
 import aiohttp
 
-from cachemap.events import EventIndex, Match, domain_of, precise_root
+from cachemap.events import EventIndex, Match, domain_of, precise_keys, precise_root
 from cachemap.keys import BlockHash, chain_hashes, token_bytes
 from cachemap.layouts import EngineLayouts
+from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE
 from cachemap.redis.events import EventReader
 from gateway.events.intake import EventIntake
 from gateway.events.prompts import PromptTokens
@@ -131,6 +132,8 @@ class PreciseStats:
     shared_lookups: int = 0
     shared_failures: int = 0
     """Shared lookups that failed or missed the deadline (those requests used the prediction)."""
+    image_requests: int = 0
+    """Requests keyed with images (their blocks' keys carry the images' identities)."""
 
 
 class LookedUp(list[BlockHash]):
@@ -168,6 +171,8 @@ class PreciseKeys:
     shared_deadline_s: float = 0.005
     adapters: Mapping[str, str] = field(default_factory=dict)
     """LoRA adapter -> base model (`lora_adapters`): a request for one is keyed under it."""
+    mm_tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE
+    """Placeholder tokens per image, as the engines expand them (`mm_tokens_per_image`)."""
 
     def __post_init__(self) -> None:
         self.chains = ChainCache(self.index.block_size)
@@ -185,7 +190,12 @@ class PreciseKeys:
     ) -> tuple[Sequence[int], list[BlockHash]]:
         started = time.perf_counter()
         ids = await self.tokens.ids_off_loop(body, chat, cache_salt)
-        keys = self.chains.keys(ids, cache_salt, lora_name)
+        ids, images = self.tokens.tokenizer.with_images(ids, body, chat, self.mm_tokens_per_image)
+        if images:  # the chain cache knows token ids only: an image's blocks are hashed here
+            keys = precise_keys(ids, cache_salt, self.block_size, lora_name, images)
+            self.stats.image_requests += 1
+        else:
+            keys = self.chains.keys(ids, cache_salt, lora_name)
         self.tokens.stats.requests += 1
         self.tokens.stats.seconds += time.perf_counter() - started
         if self.shared is not None:
