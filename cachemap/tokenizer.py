@@ -23,7 +23,7 @@ import orjson
 from tokenizers import Tokenizer
 
 from cachemap.chat_template import ChatTemplate, ChatTemplateError
-from cachemap.multimodal import Placeholder, expand, image_identifiers
+from cachemap.multimodal import Placeholder, expand, has_parts, image_identifiers
 
 
 def chat_flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -145,13 +145,16 @@ class ModelTokenizer:
     ) -> tuple[Sequence[int], tuple[Placeholder, ...]]:
         """A prompt's ids as the engine caches them: each image's placeholder expanded into
         `tokens_per_image`, and each image's span with its identifier (`cachemap.multimodal`).
-        A completion, a text-only model, or a chat without images: the ids as they are."""
+        A completion, a text-only model, or a chat without images: the ids as they are (a
+        placeholder typed into a chat without images is a token like any other: no image, no
+        extra key, on both sides)."""
         placeholder = self.image_token_id
-        if not chat or placeholder is None:
-            return ids, ()
         messages = body.get("messages")
-        identifiers = image_identifiers(messages) if isinstance(messages, list) else []
-        if not identifiers and placeholder not in ids:
+        if not chat or placeholder is None or not has_parts(messages):
+            return ids, ()
+        assert isinstance(messages, list)
+        identifiers = image_identifiers(messages)
+        if not identifiers:
             return ids, ()
         return expand(ids, placeholder, identifiers, tokens_per_image)
 

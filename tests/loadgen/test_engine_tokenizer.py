@@ -44,6 +44,9 @@ def data_url(image: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(image).decode()
 
 
+CAT = data_url(b"\x89PNG cat" * 50)
+
+
 def image_message(url: str, text: str = "What is in this picture?") -> dict[str, Any]:
     """A user turn of a text part and an image part (vLLM places the image first)."""
     return {
@@ -153,7 +156,7 @@ def test_an_image_is_placeholder_tokens_and_its_blocks_are_keyed_by_its_bytes(
 ) -> None:
     (engine,) = start_engines(1, mm_tokens_per_image=48)
     system = {"role": "system", "content": "Look closely." + words("img-sys", 40)}
-    cat, dog = data_url(b"\x89PNG cat" * 50), data_url(b"\x89PNG dog" * 50)
+    cat, dog = CAT, data_url(b"\x89PNG dog" * 50)
     body = {"model": MODEL, "messages": [system, image_message(cat)], "max_tokens": 1}
     ids = post(engine.url, "/tokenize", body)["tokens"]
     start = ids.index(TOK.image_token_id)
@@ -189,8 +192,8 @@ def test_an_image_is_placeholder_tokens_and_its_blocks_are_keyed_by_its_bytes(
         ),
         ({"messages": [image_message("data:image/png;base64,@@@")]}, "not valid base64"),
         (
-            {"messages": [{"role": "user", "content": "a typed <|image_pad|>"}]},
-            "1 image placeholders for 0 images",
+            {"messages": [{"role": "system", "content": "<|image_pad|>"}, image_message(CAT)]},
+            "2 image placeholders for 1 images",
         ),
         ({"messages": [image_message("data:text/plain;base64,AAAA")]}, "data:image/<type>"),
         (
