@@ -32,7 +32,7 @@ import base64
 import binascii
 import hashlib
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,10 +114,17 @@ def image_parts(messages: Sequence[Any]) -> list[tuple[str, Mapping[str, Any]]]:
     return out
 
 
-def image_identifiers(messages: Sequence[Any]) -> list[str]:
+def identify(part: Mapping[str, Any], where: str) -> str:
+    """An `image_url` part's identifier (`image_bytes`, then `image_identifier`)."""
+    return image_identifier(image_bytes(part, where))
+
+
+def image_identifiers(
+    messages: Sequence[Any], identify: Callable[[Mapping[str, Any], str], str] = identify
+) -> list[str]:
     """The identifier of every image of a chat, in rendering order (`ChatTemplateError` for a
-    part that is not an inline image)."""
-    return [image_identifier(image_bytes(part, where)) for where, part in image_parts(messages)]
+    part that is not an inline image); `identify` may be a cache in front of `identify`."""
+    return [identify(part, where) for where, part in image_parts(messages)]
 
 
 def expand(

@@ -15,7 +15,7 @@ malformed request raises `ChatTemplateError` (a `ValueError`) naming what is wro
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import orjson
 from tokenizers import Tokenizer
 
 from cachemap.chat_template import ChatTemplate, ChatTemplateError
-from cachemap.multimodal import Placeholder, expand, has_parts, image_identifiers
+from cachemap.multimodal import Placeholder, expand, has_parts, identify, image_identifiers
 
 
 def chat_flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -141,19 +141,25 @@ class ModelTokenizer:
         raise ChatTemplateError("'prompt' must be a string or a list of token ids")
 
     def with_images(
-        self, ids: Sequence[int], body: Mapping[str, Any], chat: bool, tokens_per_image: int
+        self,
+        ids: Sequence[int],
+        body: Mapping[str, Any],
+        chat: bool,
+        tokens_per_image: int,
+        identify: Callable[[Mapping[str, Any], str], str] = identify,
     ) -> tuple[Sequence[int], tuple[Placeholder, ...]]:
         """A prompt's ids as the engine caches them: each image's placeholder expanded into
         `tokens_per_image`, and each image's span with its identifier (`cachemap.multimodal`).
         A completion, a text-only model, or a chat without images: the ids as they are (a
         placeholder typed into a chat without images is a token like any other: no image, no
-        extra key, on both sides)."""
+        extra key, on both sides). `identify`: an image part's identifier (the gateway's
+        cache in front of `cachemap.multimodal.identify`)."""
         placeholder = self.image_token_id
         messages = body.get("messages")
         if not chat or placeholder is None or not has_parts(messages):
             return ids, ()
         assert isinstance(messages, list)
-        identifiers = image_identifiers(messages)
+        identifiers = image_identifiers(messages, identify)
         if not identifiers:
             return ids, ()
         return expand(ids, placeholder, identifiers, tokens_per_image)

@@ -12,9 +12,11 @@ import httpx
 import msgpack
 import pytest
 
+from cachemap.chat_template import ChatTemplateError
 from cachemap.events import EventIndex, precise_keys
-from cachemap.multimodal import Placeholder, blocks_mm_keys, extras_of
+from cachemap.multimodal import Placeholder, blocks_mm_keys, extras_of, identify
 from gateway.events.decode import decode_batch
+from gateway.events.precise import ImageIds
 from loadgen.engine.kv_events import encode_batch
 from loadgen.engine.kvpool import GPU, Stored
 from loadgen.engine.tokenizer import block_hashes, default_tokenizer
@@ -76,6 +78,19 @@ def test_an_images_blocks_carry_its_identifier_and_match_only_that_image() -> No
         later = (Placeholder("cat", 21, 24),)
         assert index.lookup(precise_keys(ids, "s", 16, None, later), 0.0)["x"].depth == 1
         assert index.lookup(precise_keys(ids, "t", 16, None, cat), 0.0) == {}  # another salt
+
+
+def test_image_identifiers_are_cached_per_tenant_and_a_bad_part_still_fails() -> None:
+    ids = ImageIds(max_entries=2)
+    part = {"type": "image_url", "image_url": {"url": CAT}}
+    first = ids.identifier("a", part, "p")
+    assert first == identify(part, "p") and (ids.hits, ids.misses) == (0, 1)
+    assert ids.identifier("a", part, "p") == first and ids.hits == 1
+    assert ids.identifier("b", part, "p") == first and ids.misses == 2  # another tenant: its own
+    ids.identifier("c", part, "p")  # a third entry evicts the least recent ("a")
+    assert ids.identifier("a", part, "p") == first and ids.misses == 4
+    with pytest.raises(ChatTemplateError, match="not fetched"):
+        ids.identifier("a", {"type": "image_url", "image_url": {"url": "http://x/y.png"}}, "p")
 
 
 def test_the_same_image_routes_to_its_replica_and_another_matches_only_the_text_before_it(

@@ -22,4 +22,4 @@ def test_images_prints_the_image_arm_beside_the_text_arm(
     asyncio.run(precise_cost.images(3, 4))
     out = capsys.readouterr().out
     assert "requests: 3, one 4 KB image each" in out and "(64 of the image)" in out
-    assert "precise with the image" in out and "the image costs" in out
+    assert "a new image: precise" in out and out.count("the image costs") == 2
