@@ -3,10 +3,12 @@
 Two steps, as in vLLM's chat serving:
 
 1. **Messages are parsed** (`prepare_messages`, vLLM's "string" content format): a content that
-   is a list of parts becomes its text parts joined with "\\n" (a non-text part is refused: the
-   model is text-only), null content becomes ""; an assistant's `tool_calls` keep only
-   non-empty lists, and each call's `function.arguments` string is parsed as JSON (an empty one
-   is `{}`), because templates render arguments with `tojson`.
+   is a list of parts becomes its text parts joined with "\\n" (a non-text part is refused by a
+   text-only model; a multimodal one's `image_url` parts become its image placeholder, each on
+   its own line before the text, as vLLM places them), null content becomes ""; an
+   assistant's `tool_calls` keep only non-empty lists, and each call's `function.arguments`
+   string is parsed as JSON (an empty one is `{}`), because templates render arguments with
+   `tojson`.
 2. **The template is rendered** (`ChatTemplate.render`, transformers' `apply_chat_template`
    with `tokenize=False`): jinja2's `ImmutableSandboxedEnvironment` with `trim_blocks` and
    `lstrip_blocks`, the `loopcontrols` extension, a `raise_exception(message)` global, a
@@ -36,7 +38,7 @@ class ChatTemplateError(ValueError):
     """The conversation cannot be rendered: the message says what is wrong with it."""
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, image_token: str | None = None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -44,20 +46,35 @@ def _text_of(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise ChatTemplateError(f"{where}: 'content' must be a string, null or a list of parts")
     texts: list[str] = []
+    images = 0
     for part in content:
         if not isinstance(part, Mapping):
             raise ChatTemplateError(f"{where}: each content part must be an object")
         kind = part.get("type")
+        if kind == "image_url" and image_token is not None:
+            images += 1
+            continue
         if kind != "text":
+            what = "this model" if image_token is not None else "this text-only model"
             raise ChatTemplateError(
-                f"{where}: content part type {kind!r} is not supported by this text-only model; "
-                "send text parts"
+                f"{where}: content part type {kind!r} is not supported by {what}; "
+                "send text parts" + (" or image_url parts" if image_token is not None else "")
             )
         text = part.get("text")
         if not isinstance(text, str):
             raise ChatTemplateError(f"{where}: a text part needs a string 'text'")
         texts.append(text)
-    return "\n".join(texts)
+    joined = "\n".join(texts)
+    if image_token is None or not images:
+        return joined
+    # vLLM's "string" content format: a placeholder the text already holds stands for an
+    # image; the missing ones go first, each on its own line
+    missing = images - joined.count(image_token)
+    if missing < 0:
+        raise ChatTemplateError(
+            f"{where}: the text holds more {image_token} placeholders than the part has images"
+        )
+    return "\n".join([image_token] * missing + [joined])
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -82,8 +99,12 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def prepare_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """OpenAI-shaped messages as the template sees them (step 1 of the module docstring)."""
+def prepare_messages(
+    messages: Sequence[Any], image_token: str | None = None
+) -> list[dict[str, Any]]:
+    """OpenAI-shaped messages as the template sees them (step 1 of the module docstring).
+    `image_token`: the model's image placeholder (a multimodal model): each `image_url` part
+    becomes one, as vLLM places them (`cachemap.multimodal`); None: image parts are refused."""
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -92,7 +113,11 @@ def prepare_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"{where}: 'role' must be a non-empty string")
-        prepared = {**message, "role": role, "content": _text_of(message.get("content"), where)}
+        prepared = {
+            **message,
+            "role": role,
+            "content": _text_of(message.get("content"), where, image_token),
+        }
         if role == "assistant" and message.get("tool_calls") is not None:
             calls = _tool_calls(message["tool_calls"], where)
             if calls:
@@ -137,13 +162,20 @@ def _compile(source: str) -> jinja2.Template:
 class ChatTemplate:
     """A compiled chat template and the special tokens it is rendered with."""
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str | None]) -> None:
+    def __init__(
+        self,
+        source: str,
+        special_tokens: Mapping[str, str | None],
+        image_token: str | None = None,
+    ) -> None:
         try:
             self.template = _compile(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"the chat template does not compile: {exc}") from None
         self.source = source
         self.special_tokens = dict(special_tokens)
+        self.image_token = image_token
+        """The image placeholder of a multimodal model (`prepare_messages`), else None."""
 
     def render(
         self,
@@ -162,7 +194,7 @@ class ChatTemplate:
             isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
         ):
             raise ChatTemplateError("'tools' must be a list of objects")
-        conversation = prepare_messages(messages)
+        conversation = prepare_messages(messages, self.image_token)
         try:
             rendered = self.template.render(
                 messages=conversation,

@@ -41,6 +41,7 @@ from itertools import repeat
 from operator import and_, contains
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash, token_bytes
+from cachemap.multimodal import MMKey, Placeholder, extras_of, mm_key_bytes
 
 EngineHash = int | bytes
 """A block hash as the engine sends it: a 64-bit int (vLLM unsigned, SGLang signed) or bytes."""
@@ -97,6 +98,9 @@ class BlockStored:
     lora_name: str | None = None
     group_idx: int | None = None
     full_attention: bool = True
+    mm_keys: Sequence[Sequence[MMKey]] | None = None
+    """Per block, the images it holds placeholders of, (identifier, offset): vLLM's multimodal
+    extra keys, hashed into the block's own key as the gateway hashes a request's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,22 +126,34 @@ def precise_root(cache_salt: str | None, lora_name: str | None = None) -> BlockH
 
 
 def precise_keys(
-    token_ids: Sequence[int], cache_salt: str | None, block_size: int, lora_name: str | None = None
+    token_ids: Sequence[int],
+    cache_salt: str | None,
+    block_size: int,
+    lora_name: str | None = None,
+    images: Sequence[Placeholder] = (),
 ) -> list[BlockHash]:
-    """The own keys of a prompt's full blocks: what the gateway looks up for a request."""
-    return chain_hashes(token_bytes(token_ids), precise_root(cache_salt, lora_name), 4 * block_size)
+    """The own keys of a prompt's full blocks: what the gateway looks up for a request (its
+    images' identities in the blocks their placeholders fill, as `stored_keys` has them)."""
+    extras = extras_of(images, len(token_ids) // block_size, block_size) if images else None
+    return chain_hashes(
+        token_bytes(token_ids), precise_root(cache_salt, lora_name), 4 * block_size, extras=extras
+    )
 
 
 def stored_keys(
     event: BlockStored, parent_key: BlockHash | None, block_size: int
 ) -> list[BlockHash]:
-    """The own keys of a BlockStored's blocks: its token ids chained from its parent's own key
-    (or from the root of its salt and LoRA when it has no parent)."""
+    """The own keys of a BlockStored's blocks: its token ids (and images) chained from its
+    parent's own key (or from the root of its salt and LoRA when it has no parent)."""
+    extras = None
+    if event.mm_keys:
+        extras = {i: mm_key_bytes(k) for i, k in enumerate(event.mm_keys) if k}
     return chain_hashes(
         token_bytes(event.token_ids),
         precise_root(event.cache_salt, event.lora_name),
         4 * block_size,
         parent=parent_key,
+        extras=extras,
     )
 
 

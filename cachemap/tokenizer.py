@@ -8,14 +8,14 @@ special tokens and `chat_template`); nothing is fetched from a hub.
 
 Requests become prompts as vLLM makes them (`prompt_of`): a chat (`messages`, `tools`,
 `add_generation_prompt` default true, `continue_final_message` default false) is rendered with
-the template; a completion's `prompt` is a string (or a list of one string) tokenized as it is,
-or a list of token ids taken as they are. A malformed request raises `ChatTemplateError` (a
-`ValueError`) naming what is wrong.
+the template (a multimodal model's images: `with_images`); a completion's `prompt` is a string
+(or a list of one string) tokenized as it is, or a list of token ids taken as they are. A
+malformed request raises `ChatTemplateError` (a `ValueError`) naming what is wrong.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import orjson
 from tokenizers import Tokenizer
 
 from cachemap.chat_template import ChatTemplate, ChatTemplateError
+from cachemap.multimodal import Placeholder, expand, has_parts, identify, image_identifiers
 
 
 def chat_flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -53,7 +54,14 @@ class ModelTokenizer:
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         names = ("bos_token", "eos_token", "pad_token", "unk_token")
         self.special_tokens = {n: config[n] for n in names if isinstance(config.get(n), str)}
-        self.template = ChatTemplate(config["chat_template"], self.special_tokens)
+        image_token = config.get("image_token")
+        self.image_token_id: int | None = (
+            self._tokenizer.token_to_id(image_token) if isinstance(image_token, str) else None
+        )
+        """The image placeholder's id (a multimodal model: `image_token` in the config names
+        an added token), else None: image parts are refused."""
+        self.image_token = image_token if self.image_token_id is not None else None
+        self.template = ChatTemplate(config["chat_template"], self.special_tokens, self.image_token)
 
     def added_tokens(self) -> list[str]:
         """The added tokens' texts (special tokens and the like): the tokenizer splits its
@@ -131,6 +139,30 @@ class ModelTokenizer:
         ):
             return self.check_ids(prompt, "prompt")
         raise ChatTemplateError("'prompt' must be a string or a list of token ids")
+
+    def with_images(
+        self,
+        ids: Sequence[int],
+        body: Mapping[str, Any],
+        chat: bool,
+        tokens_per_image: int,
+        identify: Callable[[Mapping[str, Any], str], str] = identify,
+    ) -> tuple[Sequence[int], tuple[Placeholder, ...]]:
+        """A prompt's ids as the engine caches them: each image's placeholder expanded into
+        `tokens_per_image`, and each image's span with its identifier (`cachemap.multimodal`).
+        A completion, a text-only model, or a chat without images: the ids as they are (a
+        placeholder typed into a chat without images is a token like any other: no image, no
+        extra key, on both sides). `identify`: an image part's identifier (the gateway's
+        cache in front of `cachemap.multimodal.identify`)."""
+        placeholder = self.image_token_id
+        messages = body.get("messages")
+        if not chat or placeholder is None or not has_parts(messages):
+            return ids, ()
+        assert isinstance(messages, list)
+        identifiers = image_identifiers(messages, identify)
+        if not identifiers:
+            return ids, ()
+        return expand(ids, placeholder, identifiers, tokens_per_image)
 
     def check_ids(self, ids: list[Any], name: str) -> list[int]:
         """`ids` when each is a token id of the vocabulary, else a `ChatTemplateError`."""

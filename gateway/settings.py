@@ -25,6 +25,7 @@ from pydantic_settings import (
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.events import DEFAULT_BLOCK_SIZE, DEFAULT_OFFLOAD_COST, DEFAULT_SPECULATIVE_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
+from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE
 from gateway.request.tenant import BILLING_PROFILES, check_tenant_name
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
 from router.filters import (
@@ -319,6 +320,9 @@ class Settings(BaseSettings):
     request names the adapter as its `model`). A request for an adapter is keyed under it, as
     the engine hashes its blocks (vLLM mixes `lora_name` into every block's extra keys): it
     matches its adapter's blocks only, never the base model's or another adapter's."""
+    mm_tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE
+    """Precise mode: placeholder tokens each image of a chat expands into, as the engines
+    expand it (`kvgate engine --mm-tokens-per-image`; docs/precise.md, *Images*)."""
     speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
     offload_cost: float = DEFAULT_OFFLOAD_COST
     tokenizer_check_every: int = DEFAULT_CHECK_EVERY
@@ -348,7 +352,7 @@ class Settings(BaseSettings):
             raise ValueError("discovery_scheme must be http or https")
         return value
 
-    @field_validator("engine_block_size", "engine_dp_size")
+    @field_validator("engine_block_size", "engine_dp_size", "mm_tokens_per_image")
     @classmethod
     def _at_least_one(cls, value: int) -> int:
         if value < 1:

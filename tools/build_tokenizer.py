@@ -42,7 +42,7 @@ TEMPLATE_FILE = "chat_template.jinja"
 SEED = 20_261_201
 """The corpus generator's seed: change it and every token id changes."""
 BPE_VOCAB_SIZE = 4_089
-"""Byte alphabet (256) + merges; with the 7 added tokens the vocabulary is 4,096 ids: a few
+"""Byte alphabet (256) + merges; with the 8 added tokens the vocabulary is 4,097 ids: a few
 thousand keeps tokenizer.json small, and is enough for ~2,000 whole-word tokens."""
 NUM_PSEUDO_WORDS = 3_000
 NUM_CONVERSATIONS = 4_000
@@ -63,7 +63,12 @@ ADDED_TOKENS = (
     ("</tool_call>", False),
     ("<tool_response>", False),
     ("</tool_response>", False),
+    ("<|image_pad|>", True),
 )
+IMAGE_TOKEN = "<|image_pad|>"
+"""The image placeholder (Qwen2-VL's name): each image of a chat renders as one, which the
+engine expands into `--mm-tokens-per-image` of them (cachemap.multimodal); the config names it
+as `image_token`, as multimodal processors' configs do."""
 
 _ENGLISH_TEXT = (
     "the of and to in is that for it as with was on be by this are from at or an have not but "
@@ -315,6 +320,7 @@ def build_tokenizer_config(tokenizer_json: str) -> str:
         "clean_up_tokenization_spaces": False,
         "eos_token": "<|im_end|>",
         "errors": "replace",
+        "image_token": IMAGE_TOKEN,
         "model_max_length": MAX_MODEL_LEN,
         "pad_token": "<|endoftext|>",
         "split_special_tokens": False,

@@ -6,6 +6,8 @@
                                                         beginnings (bench point 2's shape)
     python -m tools.precise_cost wipe [TRIALS] [shared] stale lookups after a wipe, time to detect
                                                         (shared: through the index in Redis)
+    python -m tools.precise_cost images [REQUESTS] [KB] keying a chat with an image of KB kilobytes
+                                                        against the same chat without it
     python -m tools.precise_cost redis [NUM_BLOCKS]     event blocks written into a shared Redis
     python -m tools.precise_cost shared [NUM_BLOCKS]    the same through the event index in Redis
                                                         (`EventWriter`): a server and a cluster
@@ -24,11 +26,23 @@ rendered from the cached prefix, tokenized by segments, the token blocks hashed,
 looked up); and the precise path rendering every chat whole (`incremental=False`, the design
 before). CPU time of the process (the tokenizer's threads included); the first turn (everything
 tokenized) and the median continuation apart, and the BPE alone of each continuation's new text.
+
+`images`: REQUESTS (200) chats of a 2,000-word system prompt and a user turn of 30 words and one
+image of KB (100) kilobytes of random bytes as a data URL, each its own image, keyed by the
+precise path (the placeholder expanded, the image decoded and hashed, the blocks hashed with
+their extra keys, the event index looked up) and the same chats without the image part
+(the chain cache's path), alternating; and the approximate chain over the canonical rendering
+(which holds the base64 text); then each request again (the image's identifier cached,
+`ImageIds`). CPU time of the process, medians after the first request, and the image's
+decode + SHA-256 alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import os
 import statistics
 import sys
 import threading
@@ -197,6 +211,67 @@ async def keying(turns: int) -> None:
         f"last turn    precise {cpu_us['precise'][-1]:,.0f} us, rendered whole "
         f"{cpu_us['whole'][-1]:,.0f} us, approximate {cpu_us['approximate'][-1]:,.0f} us"
     )
+
+
+async def images(requests: int, kilobytes: int) -> None:
+    tokenizer = ModelTokenizer(MODEL_DIR)
+    arms = {
+        "image": PreciseKeys(PromptTokens(tokenizer), EventIndex(), None),
+        "text": PreciseKeys(PromptTokens(tokenizer), EventIndex(), None),
+    }
+    system = {"role": "system", "content": words("bench-mm-system", 2000)}
+    names = ("image", "text", "image again", "text again", "approximate", "hash")
+    cpu_us: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.process_time
+    tokens: list[int] = []
+    for i in range(requests):
+        image = os.urandom(kilobytes * 1024)
+        url = "data:image/png;base64," + base64.b64encode(image).decode()
+        question = {"type": "text", "text": words(f"bench-mm-user{i}", 30)}
+        picture = {"type": "image_url", "image_url": {"url": url}}
+        bodies = {
+            "image": {
+                "model": "m",
+                "messages": [system, {"role": "user", "content": [question, picture]}],
+            },
+            "text": {"model": "m", "messages": [system, {"role": "user", "content": [question]}]},
+        }
+        for again in ("", " again"):  # a new image, then the same request (its id cached)
+            for name, precise in sorted(arms.items(), reverse=i % 2 == 1):  # alternate order
+                started = clock()
+                ids, keys = await precise.keys(bodies[name], True, "salt")
+                precise.view(keys, ["r"])
+                cpu_us[name + again].append((clock() - started) * 1e6)
+                if name == "image" and not again:
+                    tokens.append(len(ids))
+        parsed = parse_chat(orjson.dumps(bodies["image"]), 1 << 26)
+        started = clock()
+        chain_hashes(parsed.rendered, root_hash(b"salt", "m"))
+        cpu_us["approximate"].append((clock() - started) * 1e6)
+        started = clock()
+        hashlib.sha256(base64.b64decode(url.split(",", 1)[1], validate=True)).hexdigest()
+        cpu_us["hash"].append((clock() - started) * 1e6)
+    assert arms["image"].stats.image_requests == 2 * requests
+    assert arms["image"].images.hits == requests
+
+    def median(name: str) -> float:
+        return statistics.median(cpu_us[name][1:] or cpu_us[name])
+
+    print(
+        f"requests: {requests}, one {kilobytes} KB image each, {tokens[0]:,} prompt tokens "
+        f"({arms['image'].mm_tokens_per_image} of the image); CPU time, medians"
+    )
+    print(
+        f"a new image: precise {median('image'):,.0f} us, without it {median('text'):,.0f} us: "
+        f"the image costs {median('image') - median('text'):,.0f} us "
+        f"(its decode + SHA-256 alone {median('hash'):,.0f} us)"
+    )
+    print(
+        f"the same request again (identifier cached): precise {median('image again'):,.0f} us, "
+        f"without the image {median('text again'):,.0f} us: the image costs "
+        f"{median('image again') - median('text again'):,.0f} us"
+    )
+    print(f"approximate with the image {median('approximate'):,.0f} us")
 
 
 LONG_SHARED_WORDS = 8_000
@@ -544,7 +619,7 @@ def local_lookup_us() -> float:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("ingest", "keying", "long", "wipe", "redis", "shared"):
+    if not argv or argv[0] not in ("ingest", "keying", "long", "wipe", "redis", "shared", "images"):
         print(__doc__)
         return 2
     if argv[0] == "ingest":
@@ -553,6 +628,9 @@ def main(argv: list[str]) -> int:
         asyncio.run(into_redis(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
     elif argv[0] == "shared":
         asyncio.run(shared(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
+    elif argv[0] == "images":
+        count = int(argv[1]) if len(argv) > 1 else 200
+        asyncio.run(images(count, int(argv[2]) if len(argv) > 2 else 100))
     elif argv[0] == "long":
         asyncio.run(long_prompts(int(argv[1]) if len(argv) > 1 else 40))
     elif argv[0] == "wipe":

@@ -24,7 +24,10 @@ way no later event repairs).
 Media map to tiers: GPU (also none, "cuda", "device"), CPU ("CPU", SGLang's "CPU_PINNED",
 "host"), anything else STORAGE (disk, remote stores): an unknown medium is never taken for a
 GPU hit. The salt of a chain is block 0's extra keys' last string that is not the LoRA name
-(vLLM puts LoRA, multimodal then cache_salt keys in that order), or SGLang's metadata. The
+(vLLM puts LoRA, multimodal then cache_salt keys in that order), or SGLang's metadata. A
+block's multimodal keys are its extra keys' [identifier, offset] pairs (current vLLM's
+`(mm_feature.identifier, offset)` tuples; an older vLLM's bare identifier strings would be
+taken for the salt, so such blocks match no request rather than a wrong one). The
 adapter is `lora_name` (vLLM keys its blocks on the name); one with only a `lora_id` roots its
 chain in `UNNAMED_ADAPTER` + id, so it can never pass for the base model's.
 """
@@ -174,7 +177,31 @@ def _stored(item: Any) -> BlockStored:
         lora_name,
         _int(f["group_idx"]),
         full,
+        None if metadata is not None else _mm_keys(f["extra_keys"], len(hashes)),
     )
+
+
+def _mm_keys(extra_keys: Any, num_blocks: int) -> list[tuple[tuple[str, int], ...]] | None:
+    """Per block, its multimodal extra keys: the [identifier, offset] pairs among its extra
+    keys (the LoRA name and the salt are strings). None when no block has one."""
+    if not isinstance(extra_keys, list):
+        return None
+    out: list[tuple[tuple[str, int], ...]] = []
+    found = False
+    for keys in extra_keys[:num_blocks]:
+        pairs: tuple[tuple[str, int], ...] = ()
+        if isinstance(keys, list | tuple):
+            pairs = tuple(
+                (k[0], k[1])
+                for k in keys
+                if isinstance(k, list | tuple)
+                and len(k) == 2
+                and isinstance(k[0], str)
+                and type(k[1]) is int
+            )
+        found = found or bool(pairs)
+        out.append(pairs)
+    return out if found else None
 
 
 def _hashes(value: Any) -> list[EngineHash]:

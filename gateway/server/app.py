@@ -226,6 +226,7 @@ def _precise(
         settings.engine_dp_size,
         layouts=layouts,
         adapters=dict(settings.lora_adapters),
+        mm_tokens_per_image=settings.mm_tokens_per_image,
     )
     return keys, intake
 

@@ -18,7 +18,8 @@ step that changed the cache. Payloads (msgpack), field for field as the engines 
                 {"type": "BlockStored", "block_hashes": [u64], "parent_block_hash": u64|nil,
                  "token_ids": [int], "block_size": int, "lora_id": nil, "medium": "GPU"|"CPU",
                  "lora_name": adapter|nil, "extra_keys": [[lora?, salt], [lora?], ...] only when
-                 a block has one (vLLM's order: the adapter's name in every block, the salt in
+                 a block has one (vLLM's order: the adapter's name in every block, then
+                 [image identifier, offset] per image the block holds, then the salt in
                  block 0; lora_id is left nil: kvgate keys on the name, as vLLM's hash does)}
                 {"type": "BlockRemoved", "block_hashes": [u64], "medium": ...}
                 {"type": "AllBlocksCleared"}
@@ -181,13 +182,20 @@ def _parent(parent: bytes | None, signed: bool = False) -> Any:
 
 def _extra_keys(e: Stored) -> list[Any] | None:
     """vLLM's per-block extra keys (`generate_block_hash_extra_keys`): the LoRA adapter's name
-    in every block's, then the salt in block 0's; None when no block has one."""
+    in every block's, then each image the block holds as [identifier, offset], then the salt in
+    block 0's; None when no block has one."""
     lora = [e.lora_name] if e.lora_name is not None else []
-    if e.cache_salt is None and not lora:
+    if e.cache_salt is None and not lora and not e.mm_keys:
         return None
-    if e.cache_salt is None:
-        return [lora for _ in e.hashes]
-    return [[*lora, e.cache_salt], *([lora or None] * (len(e.hashes) - 1))]
+    out: list[Any] = []
+    for i in range(len(e.hashes)):
+        keys: list[Any] = [*lora]
+        if e.mm_keys:
+            keys.extend([identifier, offset] for identifier, offset in e.mm_keys[i])
+        if i == 0 and e.cache_salt is not None:
+            keys.append(e.cache_salt)
+        out.append(keys or None)
+    return out
 
 
 def _vllm_map_event(e: CacheEvent) -> dict[str, Any]:

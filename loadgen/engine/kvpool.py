@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from cachemap.multimodal import MMKey
+
 GPU = "GPU"
 CPU = "CPU"
 """Medium names as vLLM spells them (an encoder may rename them, e.g. SGLang's CPU_PINNED)."""
@@ -49,6 +51,9 @@ class Stored:
     lora_name: str | None = None
     """The LoRA adapter the blocks were computed with (vLLM's `lora_name`, also in every block's
     `extra_keys`), None for the base model."""
+    mm_keys: tuple[tuple[MMKey, ...], ...] = ()
+    """Per block, the images whose placeholders it holds, (identifier, offset): vLLM's
+    multimodal extra keys (empty: no block has one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +78,12 @@ class BlockInfo:
     token_ids: tuple[int, ...]
     cache_salt: str | None
     lora_name: str | None = None
+    mm_keys: tuple[MMKey, ...] = ()
+
+
+def _mm_keys(info: Sequence[BlockInfo]) -> tuple[tuple[MMKey, ...], ...]:
+    keys = tuple(i.mm_keys for i in info)
+    return keys if any(keys) else ()
 
 
 @dataclass
@@ -132,6 +143,7 @@ class CpuTier:
                         CPU,
                         info[first].cache_salt,
                         info[first].lora_name,
+                        _mm_keys(info[first:last]),
                     )
                 )
         evicted: list[bytes] = []
@@ -274,6 +286,7 @@ class BlockPool:
                         GPU,
                         info[first].cache_salt,
                         info[first].lora_name,
+                        _mm_keys(info[first:last]),
                     )
                 )
         if self.cpu is not None and hashes:

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from cachemap.chat_template import ChatTemplateError
+from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE, Placeholder
 from loadgen.engine.tokenizer import default_tokenizer
 
 _RENDERED_PROMPTS = 256
@@ -74,14 +75,35 @@ def check_ids(ids: list[Any], name: str) -> list[int]:
 
 class RenderedPrompts:
     """One engine's prompt token ids, with those of its last renders kept for one generation
-    each (see `_RENDERED_PROMPTS`): LRU, at most `_RENDERED_PROMPTS` entries."""
+    each (see `_RENDERED_PROMPTS`): LRU, at most `_RENDERED_PROMPTS` entries. A chat's images
+    expand into `tokens_per_image` placeholder ids each (`cachemap.multimodal`): what the
+    engine caches, and what /tokenize answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE) -> None:
+        self.tokens_per_image = tokens_per_image
         self._kept: OrderedDict[tuple[str, str | None], tuple[int, ...]] = OrderedDict()
 
     def ids(self, body: dict[str, Any], chat: bool, *, rendering: bool = False) -> tuple[int, ...]:
-        """The prompt's token ids. `rendering` (the /tokenize and /render endpoints): keep them
-        for the generation of the same text and salt, which takes them."""
+        """The prompt's token ids, images expanded. `rendering` (the /tokenize and /render
+        endpoints): keep them for the generation of the same text and salt, which takes them."""
+        return self.prompt(body, chat, rendering=rendering)[0]
+
+    def prompt(
+        self, body: dict[str, Any], chat: bool, *, rendering: bool = False
+    ) -> tuple[tuple[int, ...], tuple[Placeholder, ...]]:
+        """`ids`, and each image's span (identifier, offset, length) in them."""
+        ids = self._text_ids(body, chat, rendering)
+        try:
+            expanded, spans = default_tokenizer().with_images(
+                ids, body, chat, self.tokens_per_image
+            )
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc)) from None
+        return (tuple(expanded), spans) if spans else (ids, ())
+
+    def _text_ids(self, body: dict[str, Any], chat: bool, rendering: bool) -> tuple[int, ...]:
+        """The ids of the prompt's text (one placeholder per image), kept as `ids` says: the
+        images are not in the key, and need not be (their spans are found again each time)."""
         text = prompt_text(body, chat)
         if not isinstance(text, str):
             return tuple(text)

@@ -49,6 +49,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE, Placeholder, extras_of
 from loadgen.engine.kv_events import KVEventsConfig, ZmqPublisher, parse_kv_events_config
 from loadgen.engine.kvpool import BlockPool
 from loadgen.engine.prompts import (
@@ -115,6 +116,8 @@ class EngineConfig:
     """LoRA adapters served beside the base model (vLLM `--lora-modules name=path`): a request
     whose `model` is one is computed with it, so its blocks chain from the adapter's name (and
     its KV events carry `lora_name`); `/v1/models` lists each with the base as its `parent`."""
+    mm_tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE
+    """Placeholder tokens each image of a chat expands into (`cachemap.multimodal`)."""
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -123,6 +126,8 @@ class EngineConfig:
             raise ValueError("data_parallel_size must be at least 1")
         if self.cpu_offload_blocks < 0:
             raise ValueError("cpu_offload_blocks must be non-negative")
+        if self.mm_tokens_per_image < 1:
+            raise ValueError("mm_tokens_per_image must be at least 1")
         if self.model in self.lora_modules or len(set(self.lora_modules)) < len(self.lora_modules):
             raise ValueError("a LoRA adapter's name must differ from the model's and the others'")
 
@@ -367,7 +372,9 @@ class _EngineApp:
         self.engine = self.engines[0]
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(self.engines))
-        self.prompts = RenderedPrompts()  # the API server's: every rank's requests are here
+        self.prompts = RenderedPrompts(
+            config.mm_tokens_per_image
+        )  # the API server's: every rank's requests are here
         self.local_tokenizer = str(MODEL_DIR)  # a Hugging Face tokenizer directory (routers)
 
     def model_card(self, adapter: str | None = None) -> dict[str, Any]:
@@ -569,6 +576,8 @@ class _Generation:
     stream: bool
     include_usage: bool
     lora_name: str | None = None
+    images: tuple[Placeholder, ...] = ()
+    """Each image's placeholder span in `tokens` (its identifier keys the blocks it fills)."""
 
 
 def _parse_generation(
@@ -577,7 +586,7 @@ def _parse_generation(
     model = body.get("model")
     if model is not None and model != config.model and model not in config.lora_modules:
         raise BadRequest(f"The model `{model}` does not exist.", status=404)
-    tokens = prompts.ids(body, chat)
+    tokens, images = prompts.prompt(body, chat)
     default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
     max_tokens = _int_field(body, "max_completion_tokens", 0, 1) if chat else 0
     max_tokens = max_tokens or _int_field(body, "max_tokens", default_max, 1)
@@ -602,19 +611,22 @@ def _parse_generation(
         stream=body.get("stream") is True,
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
         lora_name=model if model in config.lora_modules else None,
+        images=images,
     )
 
 
 def _make_job(engine: Engine, gen: _Generation, body: dict[str, Any]) -> tuple[Job, list[str]]:
     """The job for the core, and the output tokens it will produce (deterministic)."""
     config, tokens = engine.config, gen.tokens
-    hashes = block_hashes(tokens, config.block_size, gen.salt, lora_name=gen.lora_name)
+    size = config.block_size
+    extras = extras_of(gen.images, (len(tokens) + gen.max_tokens) // size, size)
+    hashes = block_hashes(tokens, size, gen.salt, lora_name=gen.lora_name, extras=extras)
     max_cached = (len(tokens) - 1) // config.block_size * config.block_size
     seed = mmh3.hash(hashes[-1] if hashes else repr(list(tokens[-8:])).encode(), signed=False)
     output = default_tokenizer().output_ids(seed, gen.max_tokens)
     pieces = default_tokenizer().pieces(output)
     ids = [*tokens, *output]  # what the blocks hold, and what the KV events announce
-    final = block_hashes(ids, config.block_size, gen.salt, resume=hashes, lora_name=gen.lora_name)
+    final = block_hashes(ids, size, gen.salt, resume=hashes, lora_name=gen.lora_name, extras=extras)
     job = Job(
         id=engine.next_id("chatcmpl" if gen.chat else "cmpl"),
         block_hashes=hashes,
@@ -626,6 +638,7 @@ def _make_job(engine: Engine, gen: _Generation, body: dict[str, Any]) -> tuple[J
         token_ids=ids,
         cache_salt=gen.salt,
         lora_name=gen.lora_name,
+        images=gen.images,
     )
     return job, pieces
 
@@ -829,6 +842,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="LoRA adapters served as models (vLLM's flag; the path is not read)",
     )
+    parser.add_argument(
+        "--mm-tokens-per-image",
+        type=int,
+        default=DEFAULT_TOKENS_PER_IMAGE,
+        help="placeholder tokens each image_url part of a chat expands into",
+    )
     parser.add_argument("--fail-first", type=int, default=0, help=argparse.SUPPRESS)
 
 
@@ -855,6 +874,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_events=kv_events,
         cpu_offload_blocks=args.cpu_offload_blocks,
         lora_modules=tuple(m.split("=", 1)[0] for m in args.lora_modules),
+        mm_tokens_per_image=args.mm_tokens_per_image,
     )
 
 

@@ -45,6 +45,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cachemap.multimodal import Placeholder, blocks_mm_keys
 from loadgen.engine.kvpool import BlockInfo, BlockPool
 
 DEFAULT_PREFILL_TOKENS_PER_S = 13_000.0
@@ -198,6 +199,8 @@ class Job:
     cache_salt: str | None = None
     lora_name: str | None = None
     """The LoRA adapter the request names as its model (None: the base model)."""
+    images: tuple[Placeholder, ...] = ()
+    """Each image's placeholder span in `token_ids`: the events' multimodal extra keys."""
     arrival_s: float = 0.0
     cached_tokens: int = 0
     cpu_cached_tokens: int = 0
@@ -440,12 +443,14 @@ class EngineCore:
         info: list[BlockInfo] = []
         if self.cache.log is not None:
             size, ids = job.block_size, job.token_ids
+            mm = blocks_mm_keys(job.images, last, size, first) if job.images else {}
             info = [
                 BlockInfo(
                     hashes[i - 1] if i else None,
                     tuple(ids[i * size : (i + 1) * size]),
                     job.cache_salt if i == 0 else None,
                     job.lora_name,
+                    mm.get(i, ()),
                 )
                 for i in range(first, last)
             ]

@@ -4,8 +4,9 @@ does (and a gateway can load the same files as "the model's tokenizer").
 
 The model directory `MODEL_DIR` (`loadgen/engine/model/`, built reproducibly by
 `python -m tools.build_tokenizer`, see docs/engine.md) holds `tokenizer.json` (4,089 BPE tokens
-then 7 added ones: `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, `<tool_call>`, `</tool_call>`,
-`<tool_response>`, `</tool_response>`) and `tokenizer_config.json` (special tokens and the chat
+then 8 added ones: `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, `<tool_call>`, `</tool_call>`,
+`<tool_response>`, `</tool_response>`, `<|image_pad|>` (the image placeholder,
+`cachemap.multimodal`)) and `tokenizer_config.json` (special tokens, `image_token` and the chat
 template, `chat_template.jinja`).
 
 Invariants the load generators build on (tests/loadgen/test_tokenizer.py checks them):
@@ -26,7 +27,7 @@ from __future__ import annotations
 import array
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import mmh3
@@ -94,6 +95,7 @@ def block_hashes(
     *,
     resume: Sequence[bytes] = (),
     lora_name: str | None = None,
+    extras: Mapping[int, bytes] | None = None,
 ) -> list[bytes]:
     """vLLM-style chained hashes of the full token blocks; `cache_salt` is mixed into block 0.
 
@@ -103,6 +105,8 @@ def block_hashes(
     adapter's name into every block's extra keys; rooting the chain in it is equivalent here).
     `resume`: hashes already computed for the leading blocks (they are kept and the chain
     continues from the last one), so extending a prompt by its output costs only the tail.
+    `extras`: block index -> bytes hashed after its ids (the images whose placeholders the
+    block holds, `cachemap.multimodal.extras_of`: vLLM's multimodal extra keys).
     """
     root = b"salt\x00" + (cache_salt or "").encode()
     if lora_name is not None:
@@ -112,7 +116,8 @@ def block_hashes(
     out: list[bytes] = list(resume)
     ids = array.array("I", token_ids).tobytes()
     width = 4 * block_size
+    extra = extras or {}
     for start in range(len(resume) * width, len(ids) - width + 1, width):
-        parent = digest(parent + ids[start : start + width])
+        parent = digest(parent + ids[start : start + width] + extra.get(start // width, b""))
         out.append(parent)
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cachemap.keys import chain_hashes, root_hash
 from cachemap.rendering import (
     GENERATION_PROMPT,
     MAX_JSON_DEPTH,
@@ -61,6 +63,27 @@ def test_string_content_and_text_parts_render_alike() -> None:
         }
     ]
     assert render_chat(as_string) == render_chat(as_parts)
+
+
+def test_an_images_bytes_are_in_the_rendering_so_another_image_parts_the_chain() -> None:
+    """Approximate mode's identity of an image is its data URL (the bytes, base64): the same
+    text with another image shares only the blocks before the image (issue 16's images)."""
+
+    def turn(image: bytes) -> list[dict[str, Any]]:
+        url = "data:image/png;base64," + base64.b64encode(image).decode()
+        content = [
+            {"type": "text", "text": "What is it?"},
+            {"type": "image_url", "image_url": {"url": url}},
+        ]
+        return [{"role": "system", "content": "S" * 600}, {"role": "user", "content": content}]
+
+    root = root_hash(b"tenant", "m")
+    cat, dog = (render_chat(turn(b"cat" * 200)).encode(), render_chat(turn(b"dog" * 200)).encode())
+    assert render_chat(turn(b"cat" * 200)).encode() == cat
+    a, b = chain_hashes(cat, root), chain_hashes(dog, root)
+    before = next(i for i, (x, y) in enumerate(zip(cat, dog, strict=True)) if x != y) // 256
+    assert before >= 2 and a[:before] == b[:before]
+    assert not set(a[before:]) & set(b)
 
 
 def test_tool_call_arguments_are_canonical_json() -> None:

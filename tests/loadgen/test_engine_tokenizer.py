@@ -3,6 +3,7 @@ token counts, context checks and the prefix cache that follow them."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,24 @@ CHAT = [
     },
     {"role": "tool", "tool_call_id": "c1", "content": "2 passed"},
 ]
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+CAT = data_url(b"\x89PNG cat" * 50)
+
+
+def image_message(url: str, text: str = "What is in this picture?") -> dict[str, Any]:
+    """A user turn of a text part and an image part (vLLM places the image first)."""
+    return {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": text},
+            {"type": "image_url", "image_url": {"url": url}},
+        ],
+    }
 
 
 @pytest.fixture
@@ -128,8 +147,36 @@ def test_a_token_id_prompt_is_used_as_given(engine: Served) -> None:
     ids = TOK.encode("Once upon a time")
     answer = post(engine.url, "/v1/completions", {"prompt": ids, "max_tokens": 2})
     assert answer["usage"]["prompt_tokens"] == len(ids)
-    error = post(engine.url, "/v1/completions", {"prompt": [1, 4096]}, status=400)
-    assert "4096" in error["error"]["message"]
+    error = post(engine.url, "/v1/completions", {"prompt": [1, 4097]}, status=400)
+    assert "4097" in error["error"]["message"]
+
+
+def test_an_image_is_placeholder_tokens_and_its_blocks_are_keyed_by_its_bytes(
+    start_engines: Callable[..., list[Served]],
+) -> None:
+    (engine,) = start_engines(1, mm_tokens_per_image=48)
+    system = {"role": "system", "content": "Look closely." + words("img-sys", 40)}
+    cat, dog = CAT, data_url(b"\x89PNG dog" * 50)
+    body = {"model": MODEL, "messages": [system, image_message(cat)], "max_tokens": 1}
+    ids = post(engine.url, "/tokenize", body)["tokens"]
+    start = ids.index(TOK.image_token_id)
+    assert ids[start : start + 48] == [TOK.image_token_id] * 48 and ids.count(4096) == 48
+    text = TOK.render_chat(body["messages"])  # one placeholder, then the text on its line
+    assert "<|im_start|>user\n<|image_pad|>\nWhat is in this picture?" in text
+    assert ids == [
+        *TOK.encode(text)[:start],
+        *ids[start : start + 48],
+        *TOK.encode(text)[start + 1 :],
+    ]
+    post(engine.url, "/v1/chat/completions", body)
+    again = post(engine.url, "/v1/chat/completions", body)["usage"]
+    assert again["prompt_tokens"] == len(ids)
+    assert again["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 1) // 16 * 16
+    other = {**body, "messages": [system, image_message(dog)]}
+    assert post(engine.url, "/tokenize", other)["tokens"] == ids  # the same ids ...
+    usage = post(engine.url, "/v1/chat/completions", other)["usage"]
+    # ... but no block holding a placeholder of the other image: only those before it hit
+    assert usage["prompt_tokens_details"]["cached_tokens"] == start // 16 * 16
 
 
 @pytest.mark.parametrize(
@@ -137,8 +184,18 @@ def test_a_token_id_prompt_is_used_as_given(engine: Served) -> None:
     [
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-            "text-only model",
+            "needs a string 'image_url.url'",
         ),
+        (
+            {"messages": [image_message("https://example.com/cat.png")]},
+            "image URLs are not fetched",
+        ),
+        ({"messages": [image_message("data:image/png;base64,@@@")]}, "not valid base64"),
+        (
+            {"messages": [{"role": "system", "content": "<|image_pad|>"}, image_message(CAT)]},
+            "2 image placeholders for 1 images",
+        ),
+        ({"messages": [image_message("data:text/plain;base64,AAAA")]}, "data:image/<type>"),
         (
             {
                 "messages": [

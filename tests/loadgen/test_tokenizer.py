@@ -43,9 +43,10 @@ TOOLS_POSTAMBLE = (
 
 
 def test_the_vocabulary_is_small_and_the_special_tokens_follow_the_bpe() -> None:
-    assert TOK.vocab_size == 4096
+    assert TOK.vocab_size == 4097
     added = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
     assert [TOK.encode(t) for t in added] == [[4089], [4090], [4091], [4092], [4093]]
+    assert TOK.image_token == "<|image_pad|>" and TOK.encode(TOK.image_token) == [4096]
     assert TOK.special_tokens == {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     assert (MODEL_DIR / "tokenizer.json").stat().st_size < 400_000
 
@@ -204,8 +205,8 @@ def test_continue_final_message_stops_inside_the_last_message() -> None:
         ([{"content": "x"}], "'role' must be a non-empty string"),
         ([{"role": "user", "content": 3}], "'content' must be"),
         (
-            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
-            "not supported by this text-only model",
+            [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
+            "'input_audio' is not supported by this model",
         ),
         (
             [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}],

@@ -1,4 +1,4 @@
-"""`tools.precise_cost long`, small: it runs and prints both arms' CPU per token."""
+"""`tools.precise_cost long` and `images`, small: they run and print their arms' CPU."""
 
 from __future__ import annotations
 
@@ -14,3 +14,12 @@ def test_long_prompts_prints_both_arms(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "prompts: 2 in groups of 4" in out
     assert out.count("us/token") == 6 and "cut " in out and "whole " in out
+
+
+def test_images_prints_the_image_arm_beside_the_text_arm(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    asyncio.run(precise_cost.images(3, 4))
+    out = capsys.readouterr().out
+    assert "requests: 3, one 4 KB image each" in out and "(64 of the image)" in out
+    assert "a new image: precise" in out and out.count("the image costs") == 2
