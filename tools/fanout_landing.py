@@ -1,9 +1,9 @@
 """Fan-out with billing on, precise mode: the siblings' time to first token when their leader
 lands at its BlockStored (this tree) against its first token (another checkout), in one run.
 
-    python -m tools.fanout_landing [--rounds R] [--siblings K] [--stream-interval S ...] TREE ...
+    python -m tools.fanout_landing [--rounds R] [--siblings K] [--stream-interval S,S...] TREE ...
 
-    python -m tools.fanout_landing --stream-interval 1 50 base=/tmp/base here
+    python -m tools.fanout_landing --stream-interval 1,50 base=/tmp/base here
 
 Each arm (a tree and a stream interval): 2 simulated engines publishing KV events over ZMQ
 (6,500 prefill tokens/s; `--stream-interval S`: a completion's first chunk waits for S tokens,
@@ -214,7 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trees", nargs="+", help="NAME=DIR, or 'here' for this checkout")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--siblings", type=int, default=3)
-    parser.add_argument("--stream-interval", type=int, nargs="+", default=[1, 50])
+    parser.add_argument(
+        "--stream-interval",
+        type=lambda text: [int(v) for v in text.split(",")],
+        default=[1, 50],
+        help="the engines' stream intervals, one set of arms each (comma-separated)",
+    )
     args = parser.parse_args(argv)
     trees = [("here", HERE) if t == "here" else tuple(t.split("=", 1)) for t in args.trees]
     arms = [Arm(name, tree, s) for s in args.stream_interval for name, tree in trees]
