@@ -16,7 +16,7 @@ RECORD_BYTES = 2 * TAG_BYTES + (16 - TAG_BYTES) + 1
 # with it the domain's speculative entry of the block (`:s`): the block is gone, nothing may
 # claim it until the entry's ttl. A stored block's entry is left to its ttl: LOOKUP reads `:s`
 # only for a block without an event of the domain, so the `:e` field is what matches from now
-# (an HDEL per stored block too cost the redis-server ~28% more CPU on the ingest benchmark).
+# (an HDEL per stored block too cost the redis-server 1.28x its CPU on the ingest benchmark).
 WRITE = """
 local rid, value, blob = ARGV[1], ARGV[2] .. ':', ARGV[3]
 for o = 1, #blob, 23 do
