@@ -30,9 +30,11 @@ Invariants:
 - A speculative entry (`EventReader.speculate`: the gateway that placed a request, for the
   blocks past what the index already matched there) counts, like the in-process one, as a GPU
   block of the domain until it expires (Redis's clock) or the domain's epoch moves; a fan-out
-  sibling routed by another gateway before the leader's event sees it. It is not removed when
-  the event confirms it (the `:e` field matches first); a block the engine evicts within the
-  ttl of its placement stays claimed until then (in process, a confirmation ends the entry).
+  sibling routed by another gateway before the leader's event sees it. Once the block's event
+  is written its `:e` field matches instead (a lookup reads `:s` only for a block without
+  one), the owner's write of its removal deletes the domain's entry, and a block the domain
+  already holds gets none: a block the engine evicts within the ttl of its placement is not
+  claimed past its removal.
 - The map and `next_seq` let a new owner (a takeover, a restarted gateway) continue where the
   last one stopped: parents resolve, removals apply, and the seq says what to replay.
 """

@@ -5,7 +5,8 @@ A request:
      "segments": [{"id": "system", "tokens": 10000, "cache_control": {"ttl": "5m"}},
                   {"id": "turn-1", "tokens": 500, "role": "user"}],
      "output_tokens": 100, "max_tokens": 100,
-     "first_token_s": 1.5, "mode": "explicit", "cached_content": "doc", "cache_control": {}}
+     "first_token_s": 1.5, "stored_s": 0.6, "mode": "explicit", "cached_content": "doc",
+     "cache_control": {}}
 
 An explicit cached-content operation:
     {"t": 0, "tenant": "acme", "op": "cache.create", "id": "doc", "segments": [...], "ttl_s": 7200}
@@ -15,9 +16,11 @@ An explicit cached-content operation:
 `t` is seconds after `--start` (default the Unix epoch, so `t` may be absolute). Two requests
 whose segment-id sequences share a prefix share that content exactly. Optional: `cache_control`
 (on a segment: a breakpoint; at the top level: Anthropic's automatic breakpoint on the last
-segment), `max_tokens` (0 is Anthropic's ping), `first_token_s` (default 0), `mode`, `role` on a
-segment ("user"/"tool" segments carry OpenAI's implicit breakpoint; without any role, the last
-segment does), `cached_content`. Decimal values are parsed exactly (never through a float).
+segment), `max_tokens` (0 is Anthropic's ping), `first_token_s` (default 0), `stored_s` (when
+the gateway indexed the engine's BlockStored of the prompt, precise mode with KV events: its
+entries are visible from the earlier of the two; docs/billing.md#common-model), `mode`, `role`
+on a segment ("user"/"tool" segments carry OpenAI's implicit breakpoint; without any role, the
+last segment does), `cached_content`. Decimal values are parsed exactly (never through a float).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ _REQUEST_FIELDS = frozenset(
         "output_tokens",
         "max_tokens",
         "first_token_s",
+        "stored_s",
         "mode",
         "cached_content",
         "cache_control",
@@ -75,12 +79,22 @@ class Event:
     output_tokens: int = 0
     max_tokens: int | None = None
     first_token_s: Decimal = Decimal(0)
+    stored_s: Decimal | None = None
+    """The engine's BlockStored of the prompt, indexed (KV events on); None: events off."""
     explicit_mode: bool = False
     cached_content: str | None = None
     auto_ttl: str | None = None
     object_id: str | None = None
     ttl_s: Decimal | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def visible_after(event: Event) -> Decimal:
+    """Seconds from the request's start until its entries are visible: its first token, or its
+    BlockStored indexed, whichever came first (docs/billing.md#common-model)."""
+    if event.stored_s is None:
+        return event.first_token_s
+    return min(event.first_token_s, event.stored_s)
 
 
 def chain_keys(ids: Iterable[str], root: bytes = b"kvgate-billing/v1") -> list[bytes]:
@@ -175,6 +189,11 @@ def parse_event(text: str, line: int) -> Event | None:
     first = _decimal(raw.get("first_token_s", 0), f"{where}: first_token_s")
     if first < 0 or t + first >= MAX_T:
         raise EventError(f"{where}: first_token_s must not be negative")
+    stored = raw.get("stored_s")
+    if stored is not None:
+        stored = _decimal(stored, f"{where}: stored_s")
+        if stored < 0 or t + stored >= MAX_T:
+            raise EventError(f"{where}: stored_s must not be negative")
     cached = raw.get("cached_content")
     if cached is not None and not isinstance(cached, str):
         raise EventError(f"{where}: cached_content must be a string id")
@@ -187,6 +206,7 @@ def parse_event(text: str, line: int) -> Event | None:
         output_tokens=output,
         max_tokens=max_tokens,
         first_token_s=first,
+        stored_s=stored,
         explicit_mode=mode == "explicit",
         cached_content=cached,
         auto_ttl=auto,

@@ -127,6 +127,13 @@ class OpenBill:
     visible_at: Decimal
     estimated_tokens: int
     billed: bool = False
+    first_token: Decimal | None = None
+    """The first token's instant, when it came after the entries became visible (a fan-out
+    leader admitted at its BlockStored); else `visible_at` is it."""
+    opened: bool = False
+    """Its open entry is in the WAL."""
+    written: asyncio.Task[None] | None = None
+    """The background write of its shared entries (billing store), if any."""
     recording: asyncio.Task[None] | None = None
     """The write of the usage's record, once started: it outlives a cancelled exchange (the
     drain's grace), and its outcome decides whether the finish writes an aborted record."""
@@ -174,6 +181,9 @@ class BillingMeter:
         self._unpriced_warned: set[tuple[str, str]] = set()
         self.shared: SharedEntries | None = None
         """The entries every gateway shares (set by `Billing.start` with a billing store)."""
+        self._confirmed: dict[str, asyncio.Future[OpenBill | None]] = {}
+        """Fan-out leaders admitted at their BlockStored (`landed`), until their first token."""
+        self._tasks: set[asyncio.Future[None]] = set()
 
     # -- helpers -------------------------------------------------------------------------------
     def ledger(self, profile: str) -> CacheLedger:
@@ -207,8 +217,7 @@ class BillingMeter:
             return fit_to_total(pending.counted, num_tokens)
         return proportional_ends(ends, pending.layout.num_bytes, num_tokens)
 
-    def _estimate_tokens(self, record: ExchangeRecord, pending: Pending) -> int:
-        body = record.body
+    def _estimate_tokens(self, body: Any, pending: Pending) -> int:
         usage = body.get("usage") if isinstance(body, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
             return int(usage["prompt_tokens"])
@@ -389,8 +398,29 @@ class BillingMeter:
         pending = getattr(record.parsed, "billing", None)
         if not isinstance(pending, Pending) or id(record) in self._open:
             return  # not prepared by this meter, or already admitted (see on_usage)
-        visible_at = self.clock.now()
-        estimated = self._estimate_tokens(record, pending)
+        now = self.clock.now()
+        confirmed = self._confirmed.pop(pending.request_id, None)
+        bill = None if confirmed is None else await confirmed
+        if bill is not None:  # a fan-out leader admitted at its BlockStored (`landed`)
+            bill.first_token = now
+            self._open[id(record)] = bill
+        else:
+            pending.admitted = True
+            estimated = self._estimate_tokens(record.body, pending)
+            bill = self._open[id(record)] = await self._admit(pending, now, estimated)
+        if pending.op == "request" and not bill.opened:
+            # what is known now, durable past a crash of this gateway: the record it gets if it
+            # never ends (the next start, or `kvgate billing ship`, writes it then)
+            try:
+                await self.wal.open_entry(pending.request_id, self._aborted(bill, record.replica))
+            except WalUnavailable as exc:
+                raise BillingUnavailable(str(exc)) from None
+            bill.opened = True
+
+    async def _admit(self, pending: Pending, visible_at: Decimal, estimated: int) -> OpenBill:
+        """Admit a request to its profile's ledger, its entries visible from `visible_at`; with
+        a billing store, joined with the shared entries first and written back after. Returns
+        the bill (its plan) and the background write of the shared entries, if any."""
         request = self._metered(
             pending.profile,
             pending.layout,
@@ -401,6 +431,7 @@ class BillingMeter:
         )
         ledger = None
         plan = Plan()
+        written: asyncio.Task[None] | None = None
         if pending.price_model is not None and pending.op == "request":
             ledger = self.ledger(pending.profile)
             shared = self.shared if pending.profile in SHARED_PROFILES else None
@@ -419,7 +450,7 @@ class BillingMeter:
             except BillingError as exc:  # e.g. the object expired since the start
                 log.warning("billing: %s: %s; billed as uncached", pending.request_id, exc)
             if shared is not None:
-                shared.store(
+                written = shared.store(
                     scope,
                     {
                         k: e
@@ -429,16 +460,80 @@ class BillingMeter:
                 )
         elif pending.op != "request":
             ledger = self.ledger(pending.profile)
-        bill = self._open[id(record)] = OpenBill(
-            pending, request, plan, ledger, visible_at, estimated
-        )
-        if pending.op == "request":
-            # what is known now, durable past a crash of this gateway: the record it gets if it
-            # never ends (the next start, or `kvgate billing ship`, writes it then)
-            try:
-                await self.wal.open_entry(pending.request_id, self._aborted(bill, record))
-            except WalUnavailable as exc:
-                raise BillingUnavailable(str(exc)) from None
+        return OpenBill(pending, request, plan, ledger, visible_at, estimated, written=written)
+
+    async def landed(self, routed: Routed) -> None:
+        """The director's landed hook: a fan-out leader's replica reported the leader's prefix
+        stored (its KV events, precise mode) before its first token, and its siblings are about
+        to be released. The events confirm the write, so the leader's entries are visible from
+        now (docs/billing.md#common-model): it is admitted here, before the release, so every
+        sibling (which starts at its release) reads them. With a billing store the entries are
+        written there before this returns (within `billing_ledger_deadline_s`), so a sibling at
+        another gateway, released by this landing, finds them. Its first token adopts the bill
+        (`on_first_token`); a leader that never gets one is billed as aborted (`abandoned`)."""
+        pending = getattr(routed.parsed, "billing", None)
+        if not isinstance(pending, Pending) or pending.admitted or pending.op != "request":
+            return  # not ours, or its first token came first (it lands on that, as before)
+        pending.admitted = True
+        future: asyncio.Future[OpenBill | None] = asyncio.get_running_loop().create_future()
+        self._confirmed[pending.request_id] = future
+        try:
+            bill = await self._admit(
+                pending, self.clock.now(), self._estimate_tokens(None, pending)
+            )
+        except BaseException:  # not admitted: its first token admits it, as without events
+            self._confirmed.pop(pending.request_id, None)
+            pending.admitted = False
+            future.set_result(None)
+            raise
+        try:  # its would-be aborted record, as at a first token (before anyone may settle it)
+            await self.wal.open_entry(
+                pending.request_id, self._aborted(bill, routed.decision.replica)
+            )
+            bill.opened = True
+        except WalUnavailable as exc:  # its first token writes it again, or fails the request
+            log.error("billing: %s: open entry at the landing: %s", pending.request_id, exc)
+        future.set_result(bill)
+        if bill.written is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.shield(bill.written), self.settings.billing_ledger_deadline_s
+                )
+
+    def abandoned(self, routed: Routed) -> None:
+        """The director's abandoned hook: a fan-out leader ended without a first token. If it
+        was admitted at its BlockStored (`landed`), the engine did its prefill and its entries
+        were read: it is billed as an aborted exchange (docs/billing.md#decisions), in the
+        background (its open entry covers a crash meanwhile)."""
+        pending = getattr(routed.parsed, "billing", None)
+        if not isinstance(pending, Pending):
+            return
+        confirmed = self._confirmed.pop(pending.request_id, None)
+        if confirmed is None:
+            return
+        task = asyncio.ensure_future(self._abandon(confirmed, routed.decision.replica))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _abandon(self, confirmed: asyncio.Future[OpenBill | None], replica: str) -> None:
+        bill = await confirmed
+        if bill is None:  # never admitted: nothing to bill
+            return
+        try:
+            await self.wal.append(self._aborted(bill, replica))
+        except WalUnavailable as exc:  # its open entry stays: the next start records it
+            log.error(
+                "billing: %s: the aborted record waits for recovery: %s",
+                bill.pending.request_id,
+                exc,
+            )
+            return
+        self.wal.settle(bill.pending.request_id)
+
+    async def drain(self) -> None:
+        """Wait for the aborted records of abandoned leaders (shutdown, tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     # -- 3. usage ------------------------------------------------------------------------------
     async def on_usage(self, record: ExchangeRecord, usage: EngineUsage) -> None:
@@ -464,7 +559,9 @@ class BillingMeter:
             charge = None
             if bill.ledger is not None:
                 charge = bill.ledger.bill(bill.request, bill.plan, ends, n, o)
-            entry = self._record(bill, record, charge, "ok" if charge else "unpriced", usage)
+            entry = self._record(
+                bill, record.replica, charge, "ok" if charge else "unpriced", usage
+            )
         # NOTE: the write is a task of its own and awaited shielded: a cancellation here (the
         # drain's grace) cannot take back a record already on its way to the disk, so the
         # finish waits for that write instead of writing a second, aborted record of the id
@@ -488,7 +585,7 @@ class BillingMeter:
     def _record(
         self,
         bill: OpenBill,
-        record: ExchangeRecord,
+        replica: str,
         charge: Charge | None,
         status: str,
         usage: EngineUsage | None,
@@ -505,11 +602,11 @@ class BillingMeter:
             model=pending.model,
             price_model=pending.price_model,
             start=pending.start,
-            first_token=bill.visible_at,
+            first_token=bill.first_token or bill.visible_at,
             charge=charge,
             usage=profile_usage(pending.profile, charge) if charge else {},
             cached_content=(pending.cached_content.object_id if pending.cached_content else None),
-            replica=record.replica,
+            replica=replica,
             engine_cached_tokens=usage.cached_tokens if usage is not None else None,
             gateway=self.gateway_id,
         )
@@ -527,7 +624,7 @@ class BillingMeter:
         if bill.pending.op != "request":
             return  # a failed creation creates nothing and costs nothing
         try:
-            await self.wal.append(self._aborted(bill, record))
+            await self.wal.append(self._aborted(bill, record.replica))
         except WalUnavailable as exc:  # its open entry stays: the next start records it
             log.error(
                 "billing: %s: the aborted record waits for recovery: %s",
@@ -542,13 +639,13 @@ class BillingMeter:
         self.wal.settle(bill.pending.request_id)
         bill.billed = True
 
-    def _aborted(self, bill: OpenBill, record: ExchangeRecord) -> dict[str, Any]:
+    def _aborted(self, bill: OpenBill, replica: str) -> dict[str, Any]:
         """The record of an exchange that ends before its usage: the prompt as estimated at
         the first token, no output (docs/billing.md#decisions)."""
         charge = None
         if bill.ledger is not None:
             charge = bill.ledger.bill(bill.request, bill.plan, None, None, 0)
-        return self._record(bill, record, charge, "aborted" if charge else "unpriced", None)
+        return self._record(bill, replica, charge, "aborted" if charge else "unpriced", None)
 
     # -- explicit cached contents --------------------------------------------------------------
     def _create_content(self, bill: OpenBill, n: int) -> tuple[dict[str, Any], Charge]:

@@ -50,6 +50,8 @@ class Pending:
     scope: str = ""
     """The request's isolation scope (`Tenant.scope`): what its ledger entries are keyed by,
     while `tenant` (the name) is who is billed."""
+    admitted: bool = False
+    """Admitted to the ledger (at its first token, or a fan-out leader at its BlockStored)."""
 
 
 @dataclass(slots=True)

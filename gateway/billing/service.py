@@ -83,6 +83,7 @@ class Billing:
             self.shipper.start()  # replays whatever earlier runs left unshipped
 
     async def stop(self) -> None:
+        await self.meter.drain()  # abandoned leaders' aborted records, before the WAL closes
         if self.meter.shared is not None:
             await self.meter.shared.drain()
         if self.shipper is not None:

@@ -134,14 +134,16 @@ class SharedEntries:
         self._recovered()
         return {b: decode(v) for b, v in zip(blocks, values, strict=True) if v is not None}
 
-    def store(self, scope: str, entries: Mapping[bytes, Entry]) -> None:
+    def store(self, scope: str, entries: Mapping[bytes, Entry]) -> asyncio.Task[None] | None:
         """Join `entries` into Redis in the background (the next request needs them, this one
-        does not)."""
+        does not); the write's task, for a caller that must know it landed (a fan-out leader's
+        landing, `BillingMeter.landed`), None when there is nothing to write."""
         if not entries:
-            return
+            return None
         task = asyncio.create_task(self._store(scope, list(entries.items())))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
+        return task
 
     async def _store(self, scope: str, items: Iterable[tuple[bytes, Entry]]) -> None:
         pairs = list(items)

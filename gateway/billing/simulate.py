@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-from gateway.billing.events import Event, Segment, chain_keys, implicit_flags, parse_events
+from gateway.billing.events import (
+    Event,
+    Segment,
+    chain_keys,
+    implicit_flags,
+    parse_events,
+    visible_after,
+)
 from gateway.billing.pricing.ledger import CacheLedger
 from gateway.billing.pricing.model import BillingError, Block, CachedContent, Charge, MeteredRequest
 from gateway.billing.pricing.money import ZERO, display, divide, iso, plain
@@ -262,7 +269,7 @@ class Simulator:
             tenant=event.tenant,
             model=self.model,
             start=t,
-            visible_at=t + event.first_token_s,
+            visible_at=t + visible_after(event),
             blocks=tuple(blocks),
             num_prompt_tokens=total,
             num_output_tokens=event.output_tokens,

@@ -32,7 +32,7 @@ from gateway.pipeline.placement import Placement
 from gateway.pipeline.relayed import LandFlight, Pick
 from gateway.request.cache_control import strip_marks
 from gateway.request.parsed import CHAT, COMPLETION, ParsedRequest
-from gateway.request.state import RequestHook, Routed, RoutedHook
+from gateway.request.state import AbandonedHook, LandedHook, RequestHook, Routed, RoutedHook
 from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
 from gateway.request.trace import AttemptTrace, NoTracer, RequestTrace, Tracer
@@ -117,6 +117,8 @@ class Director:
         max_attempts: int,
         request_hooks: Sequence[RequestHook] = (),
         routed_hooks: Sequence[RoutedHook] = (),
+        landed_hooks: Sequence[LandedHook] = (),
+        abandoned_hooks: Sequence[AbandonedHook] = (),
         tracer: Tracer | None = None,
         rng: random.Random | None = None,
     ) -> None:
@@ -134,6 +136,8 @@ class Director:
         self.max_attempts = max_attempts
         self.request_hooks = list(request_hooks)
         self.routed_hooks = list(routed_hooks)
+        self.landed_hooks = list(landed_hooks)
+        self.abandoned_hooks = list(abandoned_hooks)
         self.tracer: Tracer = tracer or NoTracer()
         self.rng = rng or random.Random()
         self.stats = DirectorStats()
@@ -204,6 +208,11 @@ class Director:
             routed, flight = await self._route(
                 parsed, tenant, candidates, trace, opened_s, charged, on_hold
             )
+            if flight is not None and self.landed_hooks:
+                # an Envoy-forwarded leader ends through its relayed events, which do not run
+                # the abandoned hooks: with billing it lands at its first byte, as before
+                flight.confirm = None
+                flight.lands_on_events = False
             # the replicas still there after routing (a hold may outlast one: a rollout)
             ranking = [r for r in routed.decision.ranking if r in self.replicas.states]
             ranking = ranking[: self.max_attempts]
@@ -339,7 +348,15 @@ class Director:
             admitted_tokens=charged,
             ranks=keyed.ranks,
         )
+        if placed.flight is not None and self.landed_hooks:
+            placed.flight.confirm = lambda: self._landed(routed)
         return routed, placed.flight
+
+    async def _landed(self, routed: Routed) -> None:
+        """A leader's prefix is stored at its replica (its KV events): the landed hooks run
+        before its siblings are released (billing: its entries are visible from now)."""
+        for hook in self.landed_hooks:
+            await hook(routed)
 
     # -- 3. forward ------------------------------------------------------------------------
     async def _lead(
@@ -347,8 +364,11 @@ class Director:
     ) -> Exchange | Passthrough:
         """Forward a fan-out leader: its siblings are released when its first byte is in (the
         engine has prefilled, the KV is written), whether or not its client streams, or when it
-        fails. Its first-token hook runs before the release, so what it wrote is visible (the
-        directory's record, the billing ledger's entry) to every sibling it releases."""
+        fails — or earlier, when its replica's KV events report the prefix stored (after the
+        landed hooks: `_landed`). Its first-token hook runs before the release, so what it
+        wrote is visible (the directory's record, the billing ledger's entry) to every sibling
+        it releases. A leader ending without a first token runs the abandoned hooks (billing
+        bills a leader it admitted at its BlockStored as aborted)."""
         flights = self.placement.flights
         assert flights is not None
         landed = False
@@ -366,6 +386,9 @@ class Director:
             return opened
         finally:
             flights.end(flight, ok=landed)
+            if not landed:
+                for hook in self.abandoned_hooks:
+                    hook(routed)
 
     def _upstream_payload(
         self, routed: Routed, *, relayed: bool = False, ask_usage: bool = True

@@ -6,9 +6,10 @@ same scope walks its own hashes from its matched depth while they are being writ
 salted, so scopes never meet) and finds the leader writing the deepest of them. The leader
 lands when its first byte arrives (the engine has prefilled, the KV is written) or fails; either
 way every waiter is released at once, and a waiter never waits longer than its bound. A waiter
-is never a leader while it waits, so waits cannot form a cycle. In precise mode (without
-billing) the leader may land earlier: when its replica's KV events report the flight's last
-block stored (`stored`), the prefix is in the event index its siblings are routed on.
+is never a leader while it waits, so waits cannot form a cycle. In precise mode the leader may
+land earlier: when its replica's KV events report the flight's last block stored (`stored`),
+the prefix is in the event index its siblings are routed on. What must happen before such a
+landing releases anyone (billing makes the leader's entry visible) is the flight's `confirm`.
 
 Across gateways (with Redis): a leader also sets a `Marker` on each block it writes
 (set-if-absent, expiring after the longest hold), which other gateways' lookups find in the same
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,6 +32,8 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Histogram
 
 from cachemap.keys import BlockHash
+
+log = logging.getLogger(__name__)
 
 _ids = itertools.count(1)
 
@@ -87,6 +91,13 @@ class Flight:
     started_s: float = field(default_factory=time.monotonic)
     marker: Marker | None = None
     """The shared marker when the flight is announced through Redis."""
+    confirm: Callable[[], Awaitable[None]] | None = None
+    """Awaited when the replica's events report the flight's prefix stored, before the
+    landing releases the siblings (the director's landed hooks: billing's visibility)."""
+    lands_on_events: bool = True
+    """False: the flight lands at its first byte only (a leader whose landed hooks cannot run
+    there: one Envoy forwards, with billing on)."""
+    confirming: bool = False
 
 
 @dataclass
@@ -133,6 +144,7 @@ class Flights:
         self.shared = shared
         self.gateway_id = os.urandom(4).hex()
         self.stats = HoldStats()
+        self._confirming: set[asyncio.Task[None]] = set()
         self._histogram = Histogram(
             "kvgate_fanout_hold_seconds",
             "How long siblings waited for their leader's write.",
@@ -185,7 +197,8 @@ class Flights:
 
     def stored(self, replica: str, keys: Sequence[BlockHash]) -> None:
         """`replica`'s engine reports `keys` stored (its KV events): a flight of that replica
-        whose last block is among them has written its prefix, so it lands now. A flight
+        whose last block is among them has written its prefix, so it lands now — after its
+        `confirm`, when it has one (in a task: this runs inside the event intake). A flight
         whose last block another flight writes lands at its first byte, as before."""
         for key in keys:
             flight = self._writing.get(key)
@@ -193,10 +206,31 @@ class Flights:
                 flight is not None
                 and flight.replica == replica
                 and flight.blocks[-1] == key
+                and flight.lands_on_events
+                and not flight.confirming
                 and not flight.landed.is_set()
             ):
-                self.stats.landed_on_events += 1
-                self.end(flight, ok=True)
+                if flight.confirm is None:
+                    self.stats.landed_on_events += 1
+                    self.end(flight, ok=True)
+                    continue
+                flight.confirming = True
+                task = asyncio.get_running_loop().create_task(self._confirm(flight))
+                self._confirming.add(task)
+                task.add_done_callback(self._confirming.discard)
+
+    async def _confirm(self, flight: Flight) -> None:
+        """Land a flight on its events once its `confirm` ran; if it failed, the flight lands
+        at its first byte (or fails) as without events."""
+        assert flight.confirm is not None
+        try:
+            await flight.confirm()
+        except Exception:
+            log.exception("a fan-out leader's landing on its KV events failed; it lands later")
+            return
+        if not flight.landed.is_set():
+            self.stats.landed_on_events += 1
+            self.end(flight, ok=True)
 
     # -- other gateways' leaders ----------------------------------------------------------------
     def notify(self, text: str) -> None:

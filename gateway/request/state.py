@@ -29,6 +29,12 @@ replacement request (billing expands explicit cached contents and strips billing
 RoutedHook = Callable[["Routed"], None]
 """Runs when routing ends, after any fan-out hold, before the first attempt: the request's
 start as billing counts it (a held request starts at its release)."""
+LandedHook = Callable[["Routed"], Awaitable[None]]
+"""Runs when a fan-out leader's replica reports its prefix stored (KV events, precise mode),
+before its first token and before its siblings are released: billing makes the leader's
+entries visible then, so the siblings read them."""
+AbandonedHook = Callable[["Routed"], None]
+"""Runs when a fan-out leader ends without a first token (its landed hooks may have run)."""
 
 
 @dataclass(frozen=True, slots=True)

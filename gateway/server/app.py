@@ -272,9 +272,9 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     tracing = build_tracing(settings, span_exporter)
     layouts = EngineLayouts()  # per-engine layouts from pod annotations (discovery writes)
     precise, intake = _precise(settings, replicas, layouts)  # before any probe: `intake` is bound
-    if flights is not None and precise is not None and intake is not None and billing is None:
-        # a leader lands on its BlockStored; with billing it lands at its first byte, the time
-        # its ledger entry becomes visible to the siblings (docs/billing.md#held-requests)
+    if flights is not None and precise is not None and intake is not None:
+        # a leader lands on its BlockStored; with billing its ledger entry becomes visible then
+        # (the director's landed hook runs first: docs/billing.md#held-requests)
         on_stored = flights.stored
         precise.index.on_stored = lambda domain, keys: on_stored(replica_of(domain), keys)
     forwarder = Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s)
@@ -305,6 +305,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         max_attempts=settings.max_attempts,
         request_hooks=[billing.meter.prepare] if billing else [],
         routed_hooks=[billing.meter.routed] if billing else [],
+        landed_hooks=[billing.meter.landed] if billing else [],
+        abandoned_hooks=[billing.meter.abandoned] if billing else [],
         tracer=tracing.tracer,
         rng=random.Random(settings.seed),
     )

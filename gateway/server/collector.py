@@ -314,6 +314,11 @@ class GatewayCollector(Collector):
             releases.add_metric(["leader_failed"], flights.stats.released_failed)
             releases.add_metric(["timeout"], flights.stats.timeouts)
             yield releases
+            yield CounterMetricFamily(
+                "kvgate_fanout_landed_on_events",
+                "Fan-out leaders landed by their replica's BlockStored, before their first byte.",
+                flights.stats.landed_on_events,
+            )
         yield histograms.family(
             "kvgate_directory_lookup_seconds",
             "Directory lookups as the request path waited for them, by source (shared: Redis; "

@@ -88,6 +88,24 @@ def test_7_fan_out_pays_a_write_per_sibling_unless_they_wait_for_the_first_token
     assert run("v07_fan_out_waiting", "anthropic", "sonnet-5").totals.iet == 15_500
 
 
+def test_14_with_kv_events_the_leaders_entry_is_visible_from_its_block_stored() -> None:
+    """Siblings released at the leader's BlockStored read its entry; with the entry visible
+    only from the first token, the siblings released then would each pay a write, vector 7's
+    38,500 again (why the gateway with billing used to hold them until the first token)."""
+    sim = run("v14_fan_out_events", "anthropic", "sonnet-5")
+    assert [row.usage["cache_read_input_tokens"] for row in sim.rows] == [0] + [10_000] * 3
+    assert sim.totals.iet == 15_500
+    assert run("v14_fan_out_events_first_token", "anthropic", "sonnet-5").totals.iet == 38_500
+    # the first token still bounds visibility when it comes first (stored_s after it)
+    line = (
+        '{"t": 0, "tenant": "acme", "segments": [{"id": "c", "tokens": 10000, '
+        '"cache_control": {}}], "first_token_s": 1.5, "stored_s": 2.0}'
+    )
+    r2 = line.replace('"t": 0', '"t": 1.6').replace(', "stored_s": 2.0', "")
+    late = simulate([line, r2], "anthropic", "sonnet-5")
+    assert [row.usage["cache_read_input_tokens"] for row in late.rows] == [0, 10_000]
+
+
 def test_8_openai_implicit_breakpoint_and_30_minute_lifetime() -> None:
     sim = run("v08_openai", "openai", "gpt-5.6")
     details = [row.usage["prompt_tokens_details"] for row in sim.rows]

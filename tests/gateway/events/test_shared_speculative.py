@@ -76,3 +76,61 @@ async def test_an_entry_ends_with_its_ttl_on_redis_clock(client: AnyRedis) -> No
     feed.close()
     await writer.close()
     ctx.term()
+
+
+def removed(first: int, count: int) -> dict[str, object]:
+    return {"type": "BlockRemoved", "block_hashes": [first + i for i in range(count)]}
+
+
+async def test_the_confirming_event_ends_the_entry_so_an_eviction_unclaims_the_block(
+    client: AnyRedis,
+) -> None:
+    """The placement's entry is confirmed by the engine's BlockStored, then the engine evicts
+    the blocks well within the entry's ttl: no lookup may still claim them (the confirmation
+    ended the speculative claim; before, it stood until its ttl ran out)."""
+    domain = f"http://{uuid.uuid4().hex[:8]}:8000"
+    ctx = zmq.asyncio.Context()
+    writer = EventWriter(client, block_size=16)
+    feed = feed_of(writer, domain, ctx, await writer.adopt(domain))
+    await feed.receive(0, batch(stored(10, PROMPT[:32])))
+    await writer.flush()
+    reader = EventReader(client)
+    keys = precise_keys(PROMPT, SALT, 16)
+    assert (await reader.lookup(keys))[domain] == Match(2, 0, 0)
+    assert reader.speculate(domain, keys[2:], ttl_s=60.0)
+    await reader.close()
+    assert (await reader.lookup(keys))[domain] == Match(4, 0, 2)
+    await feed.receive(1, batch(stored(12, PROMPT[32:], parent=11)))  # confirmed
+    await writer.flush()
+    assert (await reader.lookup(keys))[domain] == Match(4, 0, 0)
+    await feed.receive(2, batch(removed(12, 2)))  # evicted, 59 s before the ttl
+    await writer.flush()
+    assert (await reader.lookup(keys))[domain] == Match(2, 0, 0)
+    feed.close()
+    await writer.close()
+    ctx.term()
+
+
+async def test_a_placement_written_after_its_confirmation_claims_nothing_past_an_eviction(
+    client: AnyRedis,
+) -> None:
+    """The speculative write is in the background: the engine's event may be in the index
+    before it lands. A block the domain already holds at its epoch gets no entry, so the
+    eviction that follows leaves nothing claiming it."""
+    domain = f"http://{uuid.uuid4().hex[:8]}:8000"
+    ctx = zmq.asyncio.Context()
+    writer = EventWriter(client, block_size=16)
+    feed = feed_of(writer, domain, ctx, await writer.adopt(domain))
+    await feed.receive(0, batch(stored(10, PROMPT)))
+    await writer.flush()
+    reader = EventReader(client)
+    keys = precise_keys(PROMPT, SALT, 16)
+    assert (await reader.lookup(keys))[domain] == Match(4, 0, 0)
+    assert reader.speculate(domain, keys[2:], ttl_s=60.0)  # late: read before the event
+    await reader.close()
+    await feed.receive(1, batch(removed(12, 2)))
+    await writer.flush()
+    assert (await reader.lookup(keys))[domain] == Match(2, 0, 0)
+    feed.close()
+    await writer.close()
+    ctx.term()
