@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.api.asgi import StatusSend, body_arrived
@@ -127,3 +128,13 @@ def test_body_arrived_only_once_uvicorn_holds_the_whole_body() -> None:
         assert bodies == [b"0123456789", b"0123456789"]
     finally:
         served.stop()
+
+
+def test_json_bytes_sends_the_head_starlettes_response_would() -> None:
+    body = b'{"id":"x"}'
+    for headers in ({}, {"X-Kvgate-Replica": "http://r1", "x-kvgate-decision": "prefix"}):
+        ours = JSONBytes(body, headers, status_code=201)
+        theirs = Response(body, 201, headers, media_type="application/json")
+        assert ours.raw_headers == theirs.raw_headers
+        assert (ours.status_code, ours.body) == (theirs.status_code, theirs.body)
+        assert ours.headers["content-length"] == "10"
