@@ -60,18 +60,85 @@ class StatusSend:
 
     `raw` is the server's own `send`: a streaming response sends its body messages there,
     past this layer, once it has started (a frame less per relayed chunk, where the relay's
-    budget is a few µs)."""
+    budget is a few µs).
 
-    __slots__ = ("raw", "status")
+    A response of known length (a `content-length` header: every JSON answer and error) is
+    held at its start and goes out with its body in one socket write (`send_whole`): uvicorn
+    writes the head and the body apart, two `write` calls and two wake-ups of the client for
+    each small answer."""
+
+    __slots__ = ("_start", "raw", "status")
 
     def __init__(self, raw: Send) -> None:
         self.raw = raw
         self.status: int | None = None
+        self._start: Message | None = None
 
     async def __call__(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
+        start = self._start
+        if start is not None:
+            self._start = None
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                await send_whole(self.raw, start, message)
+                return
+            await self.raw(start)
+        elif message["type"] == "http.response.start":
             self.status = message["status"]
+            if _has_length(message):
+                self._start = message
+                return
         await self.raw(message)
+
+
+def _has_length(start: Message) -> bool:
+    return any(name == b"content-length" for name, _ in start.get("headers", ()))
+
+
+class _Gathered:
+    """What uvicorn writes for one response, kept for one `write` (`send_whole`); a close it
+    asks for (a response without keep-alive) is kept for after that write."""
+
+    __slots__ = ("closing", "parts")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def close(self) -> None:
+        self.closing = True
+
+
+async def send_whole(send: Send, start: Message, body: Message) -> None:
+    """A response's start and its only body message through uvicorn's httptools `send`, its
+    bytes in one write to the client's transport. uvicorn's `send` still does everything else
+    it does (headers checked, keep-alive, content-length, the next pipelined request), so its
+    state of the response stays its own. Under any other server, or when the connection is
+    paused or gone, the two messages simply go through `send`."""
+    cycle = getattr(send, "__self__", None)
+    if (
+        not isinstance(cycle, RequestResponseCycle)
+        or cycle.response_started
+        or cycle.disconnected
+        or cycle.flow.write_paused  # uvicorn would wait here: nothing to gather meanwhile
+    ):
+        await send(start)
+        await send(body)
+        return
+    transport = cycle.transport
+    gathered = _Gathered()
+    cycle.transport = gathered  # type: ignore[assignment]
+    try:
+        await send(start)  # neither waits: the connection is not paused, nothing is written
+        await send(body)
+    finally:
+        cycle.transport = transport
+        if gathered.parts:
+            transport.write(b"".join(gathered.parts))
+        if gathered.closing:
+            transport.close()
 
 
 def raw_send(send: Send) -> Send:
@@ -116,6 +183,18 @@ def chunked_out(send: Send) -> ChunkedOut | None:
     ):
         return ChunkedOut(cycle)
     return None
+
+
+def body_arrived(receive: Receive) -> bool:
+    """Whether uvicorn's httptools protocol already holds the request's whole body, so that
+    `receive` hands it over at once: nothing to wait for, so no deadline to arm (a small
+    request's body arrives with its headers)."""
+    cycle = getattr(receive, "__self__", None)
+    return (
+        isinstance(cycle, RequestResponseCycle)
+        and not cycle.more_body
+        and not (cycle.disconnected or cycle.response_complete)
+    )
 
 
 class GatewayASGI:

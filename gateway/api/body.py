@@ -17,6 +17,7 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 
 from cachemap.rendering import MAX_JSON_DEPTH, too_deep
+from gateway.api.asgi import body_arrived
 from gateway.errors import (
     ClientGone,
     InvalidRequest,
@@ -34,6 +35,12 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
             raise InvalidRequest("content-length must be a number of bytes")
         if int(declared) > max_bytes:
             raise _too_large(int(declared), max_bytes)
+    if body_arrived(request.receive):  # one message, no wait: no timer to arm and cancel
+        message = await request.receive()
+        whole: bytes = message.get("body", b"")
+        if len(whole) > max_bytes:
+            raise _too_large(len(whole), max_bytes)
+        return whole
     chunks: list[bytes] = []
     size = 0
     try:

@@ -40,6 +40,27 @@ def debug_headers(exchange: Exchange, enabled: bool) -> dict[str, str]:
     }
 
 
+class JSONBytes(Response):
+    """A JSON body serialized already, its head built here: the bytes Starlette's `Response`
+    would send (the given headers, then content-length and content-type), without its
+    `init_headers` (a lowercasing, encoding and scanning pass on every answer)."""
+
+    media_type = "application/json"
+
+    def __init__(
+        self, body: bytes, headers: dict[str, str] | None = None, status_code: int = 200
+    ) -> None:
+        self.status_code = status_code
+        self.background = None
+        self.body = body
+        raw = [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()
+        ]
+        raw.append((b"content-length", b"%d" % len(body)))
+        raw.append((b"content-type", b"application/json"))
+        self.raw_headers = raw
+
+
 class ExchangeSSE(Response):
     """Streams an exchange to the client as server-sent events; subclasses say what bytes.
 

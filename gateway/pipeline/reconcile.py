@@ -64,6 +64,9 @@ class Reconciler:
             ["source"],
             registry=registry,
         )
+        # the two children looked up once: `labels()` takes a lock and builds a key per call
+        self._predicted = self._tokens.labels("predicted")
+        self._engine = self._tokens.labels("engine")
 
     async def on_first_token(self, record: ExchangeRecord) -> None:
         return None
@@ -87,8 +90,8 @@ class Reconciler:
         stats = self.stats
         stats.predicted_tokens += predicted
         stats.engine_cached_tokens += engine_cached
-        self._tokens.labels("predicted").inc(predicted)
-        self._tokens.labels("engine").inc(engine_cached)
+        self._predicted.inc(predicted)
+        self._engine.inc(engine_cached)
         self._error.observe((predicted - engine_cached) / prompt_tokens)
         if engine_cached + SLACK_TOKENS < predicted:
             stats.overestimates += 1

@@ -34,7 +34,7 @@ from gateway.api.anthropic.convert import parse_count_tokens, parse_messages
 from gateway.api.anthropic.schemas import openapi_operation
 from gateway.api.context import FrontEnd
 from gateway.api.errors import anthropic_error_body, to_anthropic_http
-from gateway.api.responses import ExchangeSSE, debug_headers
+from gateway.api.responses import ExchangeSSE, JSONBytes, debug_headers
 from gateway.api.usage import cache_usage
 from gateway.errors import EngineRejected, GatewayError, ModelNotFound, TenantError
 from gateway.pipeline.forwarder import Passthrough
@@ -277,10 +277,9 @@ async def serve(
         raise EngineRejected(opened.status, opened.body)
     if not opened.parsed.stream:
         body = await opened.complete()
-        return Response(
+        return JSONBytes(
             orjson.dumps(message_body(parsed, body)),
-            media_type="application/json",
-            headers=debug_headers(opened, front.debug_headers),  # the replica that answered
+            debug_headers(opened, front.debug_headers),  # the replica that answered
         )
     return _AnthropicSSE(opened, debug_headers(opened, front.debug_headers))
 

@@ -15,7 +15,7 @@ from gateway.api.context import FrontEnd
 from gateway.api.errors import to_http
 from gateway.api.openai.parse import parse_chat, parse_completion
 from gateway.api.openapi import REF as _REF
-from gateway.api.responses import OpenAISSE, debug_headers
+from gateway.api.responses import JSONBytes, OpenAISSE, debug_headers
 from gateway.errors import GatewayError
 from gateway.pipeline.forwarder import Passthrough
 from gateway.request.parsed import ParsedRequest
@@ -71,11 +71,11 @@ async def handle(
     forward); its answer goes back as JSON, as the engine's SSE stream, or as the engine's 4xx."""
     opened = await front.pipeline.open(parsed, tenant, trace_headers)
     if isinstance(opened, Passthrough):
-        return Response(opened.body, status_code=opened.status, media_type="application/json")
+        return JSONBytes(opened.body, status_code=opened.status)
     if not opened.parsed.stream:
         body = await opened.complete()
         headers = debug_headers(opened, front.debug_headers)  # the replica that answered
-        return Response(orjson.dumps(body), media_type="application/json", headers=headers)
+        return JSONBytes(orjson.dumps(body), headers)
     return OpenAISSE(opened, debug_headers(opened, front.debug_headers))
 
 
