@@ -34,6 +34,7 @@ from router.filters import (
 )
 from router.overflow import DEFAULT_HOT_SHARE
 from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
+from router.scorers import DEFAULT_DISPLACEMENT_HALF_LIFE_S, DEFAULT_DISPLACEMENT_HOT_S
 
 log = logging.getLogger(__name__)
 
@@ -320,6 +321,11 @@ class Settings(BaseSettings):
     the engine hashes its blocks (vLLM mixes `lora_name` into every block's extra keys): it
     matches its adapter's blocks only, never the base model's or another adapter's."""
     speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
+    displacement_hot_s: float = DEFAULT_DISPLACEMENT_HOT_S
+    """`cache_pressure` in precise mode: a block the placement would evict that was used less
+    than this long ago weighs a whole live block (router.scorers; an agent's step interval)."""
+    displacement_half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S
+    """`cache_pressure`: past the hot horizon, an evicted block's weight halves this often."""
     offload_cost: float = DEFAULT_OFFLOAD_COST
     tokenizer_check_every: int = DEFAULT_CHECK_EVERY
     """Every Nth precise request (and the first) is checked against the engine's /tokenize (0:
@@ -389,6 +395,7 @@ class Settings(BaseSettings):
         "discovery_watch_timeout_s",
         "speculative_ttl_s",
         "kv_events_lease_s",
+        "displacement_half_life_s",
     )
     @classmethod
     def _positive_interval(cls, value: float | None) -> float | None:
