@@ -519,7 +519,12 @@ def pick_time_scale(setup: Setup) -> tuple[float, list[tuple[float, float]]]:
 
 # -- the command ----------------------------------------------------------------------------
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="a Mooncake-format trace")
+    parser.add_argument(
+        "--trace",
+        default=str(DEFAULT_TRACE),
+        help="a Mooncake-format trace, or agent-sessions[:sessions=N,concurrency=C,...] (many "
+        "concurrent agent sessions, as `kvgate sim` builds them; --start counts requests)",
+    )
     parser.add_argument("--start", type=int, default=DEFAULT_START, help="first line (0-based)")
     parser.add_argument(
         "--requests", type=int, default=DEFAULT_REQUESTS, help="requests replayed per router"
