@@ -28,12 +28,17 @@ Invariants:
   block: a chain key names its whole prefix, so an entry claims every block of its window (a
   request that shares a speculated prompt's prefix and ends or parts inside a window matches
   that window only up to a kept key: at most `SPECULATIVE_STRIDE - 1` blocks fewer).
+- With `track_recency`, each domain's GPU blocks are also kept in eviction order with their
+  last use (`cachemap.recency`): a BlockStored's blocks and a placement's `touch` become the
+  newest, a GPU removal or a wipe takes them out, so `eviction_runs` is the engine's frontier
+  as far as this gateway can know it. Off (the default), nothing of it is kept or paid for.
 - Only full-attention groups are indexed: a store of a sliding-window group is ignored, and so
   are removals of groups a store said were sliding-window.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +47,7 @@ from operator import and_, contains
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash, token_bytes
 from cachemap.multimodal import MMKey, Placeholder, extras_of, mm_key_bytes
+from cachemap.recency import DomainRecency
 
 EngineHash = int | bytes
 """A block hash as the engine sends it: a 64-bit int (vLLM unsigned, SGLang signed) or bytes."""
@@ -216,6 +222,7 @@ class _Domain:
     )
     sliding_groups: set[int] = field(default_factory=set)
     speculative: deque[tuple[float, BlockHash]] = field(default_factory=deque)
+    recency: DomainRecency | None = None
 
 
 class EventIndex:
@@ -229,11 +236,16 @@ class EventIndex:
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
         speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
+        track_recency: bool = False,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.speculative_ttl_s = speculative_ttl_s
+        self.track_recency = track_recency
+        self.clock = clock
+        """When a store is applied (`track_recency`): the time its blocks were last used."""
         self.stats = IndexStats()
         self._holders: dict[BlockHash, dict[str, int]] = {}
         self._speculative: dict[BlockHash, dict[str, float]] = {}
@@ -271,6 +283,8 @@ class EventIndex:
                 return []
         keys = stored_keys(event, parent_key, self.block_size)
         self._hold_all(domain, state, event.block_hashes, keys, event.tier)
+        if self.track_recency and event.tier == GPU:
+            self._recency(state).use(keys[: len(event.block_hashes)], self.clock())
         self.stats.stored_blocks += len(keys)
         return keys
 
@@ -291,6 +305,8 @@ class EventIndex:
                 continue
             state.tier_counts[event.tier] -= 1
             self.stats.removed_blocks += 1
+            if event.tier == GPU and state.recency is not None:
+                state.recency.remove(key)
             mask &= ~event.tier
             if mask:
                 holders[domain] = mask
@@ -314,6 +330,28 @@ class EventIndex:
             spec = self._speculative.get(key)
             if spec is not None and spec.pop(domain, None) is not None and not spec:
                 del self._speculative[key]
+
+    @staticmethod
+    def _recency(state: _Domain) -> DomainRecency:
+        if state.recency is None:
+            state.recency = DomainRecency()
+        return state.recency
+
+    def touch(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
+        """A placement on `domain` uses its leading blocks there (`track_recency`): they become
+        the newest in its eviction order. Returns how many it held (0 when not tracking)."""
+        state = self._domains.get(domain)
+        if not self.track_recency or state is None:
+            return 0
+        return self._recency(state).touch(keys, now_s)
+
+    def eviction_runs(self, domain: str, depth: int, now_s: float) -> tuple[tuple[int, float], ...]:
+        """The domain's `depth` next evicted GPU blocks as (num_blocks, idle_s) runs, oldest
+        first (`DomainRecency.runs`); () when not tracking or unknown."""
+        state = self._domains.get(domain)
+        if state is None or state.recency is None:
+            return ()
+        return state.recency.runs(depth, now_s)
 
     def _domain(self, domain: str) -> _Domain:
         state = self._domains.get(domain)

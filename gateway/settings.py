@@ -35,6 +35,7 @@ from router.filters import (
 )
 from router.overflow import DEFAULT_HOT_SHARE
 from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
+from router.scorers import DEFAULT_DISPLACEMENT_HALF_LIFE_S, DEFAULT_DISPLACEMENT_HOT_S
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +325,11 @@ class Settings(BaseSettings):
     """Precise mode: placeholder tokens each image of a chat expands into, as the engines
     expand it (`kvgate engine --mm-tokens-per-image`; docs/precise.md, *Images*)."""
     speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
+    displacement_hot_s: float = DEFAULT_DISPLACEMENT_HOT_S
+    """`cache_pressure` in precise mode: a block the placement would evict that was used less
+    than this long ago weighs a whole live block (router.scorers; an agent's step interval)."""
+    displacement_half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S
+    """`cache_pressure`: past the hot horizon, an evicted block's weight halves this often."""
     offload_cost: float = DEFAULT_OFFLOAD_COST
     tokenizer_check_every: int = DEFAULT_CHECK_EVERY
     """Every Nth precise request (and the first) is checked against the engine's /tokenize (0:
@@ -393,6 +399,7 @@ class Settings(BaseSettings):
         "discovery_watch_timeout_s",
         "speculative_ttl_s",
         "kv_events_lease_s",
+        "displacement_half_life_s",
     )
     @classmethod
     def _positive_interval(cls, value: float | None) -> float | None:

@@ -349,7 +349,8 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         default=str(CONVERSATION_TRACE),
         help="a trace (Mooncake or Qwen-Bailian JSONL, agent session files merged at offsets: "
-        "a.json@0,b.json@30), or a closed-loop workload: "
+        "a.json@0,b.json@30, or agent-sessions[:sessions=N,concurrency=C,...]: many concurrent "
+        "agent sessions as `kvgate sim` builds them), or a closed-loop workload: "
         + ", ".join(WORKLOADS)
         + "; default: the shipped Mooncake conversation trace",
     )

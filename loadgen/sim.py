@@ -94,6 +94,7 @@ from router.registry import (
     POLICIES,
     RouterConfig,
     build_policy,
+    frontier_reader,
 )
 from router.scorers import (
     DEFAULT_DISPLACEMENT_HALF_LIFE_S,
@@ -443,17 +444,6 @@ def _directory(
     return _PredictingDirectory(index)
 
 
-def _frontier_reader(profile: RoutingProfile) -> DisplacementScorer | None:
-    """The policy's scorer that reads eviction frontiers, if it has one."""
-    for scorer, _ in profile.scorers:
-        if isinstance(scorer, DisplacementScorer):
-            return scorer
-        inner = getattr(scorer, "displacement", None)
-        if isinstance(inner, DisplacementScorer):
-            return inner
-    return None
-
-
 def simulate(
     trace: Trace,
     policy: str,
@@ -470,7 +460,7 @@ def simulate(
     directory = _directory(config, per_replica, clock)
     index = directory.index
     precise = config.mode == PRECISE
-    frontiers = _frontier_reader(profile) if precise else None
+    frontiers = frontier_reader(profile) if precise else None
     conversations = _Conversations(frontiers.hot_s if frontiers is not None else 0.0)
     replicas = [
         _ReplicaState(

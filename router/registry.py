@@ -175,3 +175,14 @@ def build_policy(name: str, config: RouterConfig | None = None) -> RoutingProfil
             f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}"
         ) from None
     return factory(config or RouterConfig())
+
+
+def frontier_reader(profile: RoutingProfile) -> DisplacementScorer | None:
+    """The policy's scorer that reads eviction frontiers, if it has one (`cache_pressure`)."""
+    for scorer, _ in profile.scorers:
+        if isinstance(scorer, DisplacementScorer):
+            return scorer
+        inner = getattr(scorer, "displacement", None)
+        if isinstance(inner, DisplacementScorer):
+            return inner
+    return None

@@ -40,6 +40,9 @@ class EngineMetrics:
     prefix_queries: float | None = None
     prefix_hits: float | None = None
     start_time_s: float | None = None
+    num_gpu_blocks: int | None = None
+    """The engine's KV capacity in blocks (`vllm:cache_config_info`'s `num_gpu_blocks` label;
+    per DP rank): what precise mode's eviction frontier counts empty blocks against."""
 
     @property
     def start_marker(self) -> str | None:
@@ -61,6 +64,26 @@ class EngineMetrics:
         return False
 
 
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+"""vLLM's info gauge of its cache config: value 1, the config in its labels (`block_size`,
+`num_gpu_blocks`, ...)."""
+
+
+def cache_config_blocks(text: str) -> int | None:
+    """`num_gpu_blocks` from the first `vllm:cache_config_info` sample (None: absent or not a
+    number, as before vLLM profiled its memory: the label is then "None")."""
+    at = text.find(CACHE_CONFIG_INFO + "{")
+    if at < 0:
+        return None
+    line = text[at : text.find("\n", at) if text.find("\n", at) >= 0 else len(text)]
+    label = line.find('num_gpu_blocks="')
+    if label < 0:
+        return None
+    start = label + len('num_gpu_blocks="')
+    value = line[start : line.find('"', start)]
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def parse_engine_metrics(text: str) -> EngineMetrics:
     """The fields kvgate uses, from a Prometheus text exposition (unknown families ignored)."""
     found: dict[str, tuple[int, float]] = {}
@@ -70,10 +93,16 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         if field in found and found[field][0] < rank:
             continue
         found[field] = (rank, total)
-    return EngineMetrics(**{field: value for field, (_, value) in found.items()})
+    return EngineMetrics(
+        **{field: value for field, (_, value) in found.items()},
+        num_gpu_blocks=cache_config_blocks(text),
+    )
 
 
-_SAMPLE_NAMES = tuple(name + suffix for name in _WANTED for suffix in ("", "_total"))
+_SAMPLE_NAMES = (
+    *(name + suffix for name in _WANTED for suffix in ("", "_total")),
+    CACHE_CONFIG_INFO,
+)
 SCRAPE_PATH = "/metrics?" + urlencode([("name[]", name) for name in _SAMPLE_NAMES])
 """/metrics asking for the wanted families only: prometheus_client's exposition (vLLM's,
 SGLang's) then renders ~20 lines instead of ~600; an engine that ignores the query sends the

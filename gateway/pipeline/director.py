@@ -27,6 +27,7 @@ from gateway.pipeline.forwarder import (
     RetryableFailure,
     Streaming,
 )
+from gateway.pipeline.frontier import Frontiers
 from gateway.pipeline.keying import Keying
 from gateway.pipeline.placement import Placement
 from gateway.pipeline.relayed import LandFlight, Pick
@@ -121,8 +122,11 @@ class Director:
         abandoned_hooks: Sequence[AbandonedHook] = (),
         tracer: Tracer | None = None,
         rng: random.Random | None = None,
+        frontiers: Frontiers | None = None,
     ) -> None:
         self.keying = keying
+        self.frontiers = frontiers
+        """Precise mode with `cache_pressure`: each replica's eviction frontier (None: off)."""
         self.keys = keying.keys
         self.admission = admission
         self.directory = directory
@@ -320,9 +324,14 @@ class Director:
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
 
+        frontiers = self.frontiers if policy is self.policy else None
+
         def snapshot() -> list[Replica]:
             # the replicas serving the model now (a hold may outlast a replica: a rollout)
-            return [c.snapshot() for c in candidates if c.id in self.replicas.states]
+            now = [c.snapshot() for c in candidates if c.id in self.replicas.states]
+            if frontiers is None:
+                return now
+            return frontiers.annotate(route, now, hashes, keyed.ranks)
 
         placed = await self.placement.place(
             policy, route, snapshot, hashes, lookup, self.rng, on_hold=on_hold
@@ -333,6 +342,10 @@ class Director:
             self.directory.set_k(lookup.hot_key, placed.new_k)
         decision = placed.decision
         self.keying.placed(keyed, decision.replica)
+        conversation = None
+        if frontiers is not None:
+            rank = keyed.ranks.get(decision.replica)
+            conversation = frontiers.placed(decision.replica, rank, hashes)
         counter_key = (policy.name, decision.reason)
         self.stats.decisions[counter_key] = self.stats.decisions.get(counter_key, 0) + 1
         trace.decided(policy.name, decision, len(hashes))
@@ -347,6 +360,7 @@ class Director:
             routed_s=time.monotonic(),
             admitted_tokens=charged,
             ranks=keyed.ranks,
+            conversation=conversation,
         )
         if placed.flight is not None and self.landed_hooks:
             placed.flight.confirm = lambda: self._landed(routed)

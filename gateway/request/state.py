@@ -59,6 +59,9 @@ class Routed:
     ranks: Mapping[str, int] = field(default_factory=dict)
     """replica -> the data-parallel rank holding the request's prefix (precise mode, engines
     whose ranks share one port): sent as `X-data-parallel-rank`."""
+    conversation: int | None = None
+    """The conversation precise mode's frontiers placed it in (`gateway.pipeline.frontier`),
+    told when its exchange ends; None without them."""
 
 
 @dataclass(slots=True, eq=False)

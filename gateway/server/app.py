@@ -61,6 +61,7 @@ from gateway.pipeline.admission import Admission
 from gateway.pipeline.director import Director
 from gateway.pipeline.flights import Flights
 from gateway.pipeline.forwarder import Forwarder
+from gateway.pipeline.frontier import FrontierObserver, Frontiers
 from gateway.pipeline.keying import Keying, RouteKeys
 from gateway.pipeline.placement import Placement
 from gateway.pipeline.ratelimit import RateLimiter, TokenSettlement
@@ -77,7 +78,8 @@ from gateway.tenancy.registry import TenantRegistry
 from gateway.tenancy.tenant_file import TenantFileWatcher
 from router.filters import LoadBoundFilter
 from router.overflow import OverflowConfig
-from router.registry import RouterConfig, build_fallback, build_policy
+from router.profile import RoutingProfile
+from router.registry import RouterConfig, build_fallback, build_policy, frontier_reader
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +233,37 @@ def _precise(
     return keys, intake
 
 
+def _frontiers(
+    settings: Settings,
+    policy: RoutingProfile,
+    precise: PreciseKeys | None,
+    intake: EventIntake | None,
+    replicas: ReplicaSet,
+) -> Frontiers | None:
+    """Eviction frontiers for a policy that reads them (`cache_pressure`), in precise mode
+    with in-process events; the event index then keeps each domain's eviction order. In
+    shared mode (`kv_events_shared`) the blocks are in Redis, their order is not: none."""
+    scorer = frontier_reader(policy)
+    if scorer is None or precise is None or intake is None or settings.kv_events_shared:
+        return None
+    precise.index.track_recency = True
+    states = replicas.states
+
+    def capacity(replica: str) -> int | None:
+        state = states.get(replica)
+        metrics = state.metrics if state is not None else None
+        return metrics.num_gpu_blocks if metrics is not None else None
+
+    layouts, dp_size = precise.layouts, precise.dp_size
+    return Frontiers(
+        precise.index,
+        scorer,
+        capacity,
+        intake.live,
+        lambda replica: layouts.dp_size(replica, dp_size),
+    )
+
+
 def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Parts:
     """Construct every part; nothing is started and no socket is opened."""
     tenants = TenantRegistry.from_pairs(settings.secret_bytes(), settings.tenants)
@@ -246,7 +279,10 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         absolute_slack_tokens=settings.absolute_slack_tokens,
         relative_slack=settings.relative_slack,
         consistent_hash_blocks=settings.consistent_hash_blocks,
+        displacement_hot_s=settings.displacement_hot_s,
+        displacement_half_life_s=settings.displacement_half_life_s,
     )
+    policy = build_policy(settings.policy, router_config)
     directory = build_directory(settings)
     replicas = _replicas(settings, directory, lambda: intake)
     registry = build_registry()
@@ -277,6 +313,9 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         # (the director's landed hook runs first: docs/billing.md#held-requests)
         on_stored = flights.stored
         precise.index.on_stored = lambda domain, keys: on_stored(replica_of(domain), keys)
+    frontiers = _frontiers(settings, policy, precise, intake, replicas)
+    if frontiers is not None:
+        observers.append(FrontierObserver(frontiers))
     forwarder = Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s)
     keying = Keying(
         RouteKeys(
@@ -297,7 +336,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         directory=directory,
         replicas=replicas,
         placement=placement,
-        policy=build_policy(settings.policy, router_config),
+        policy=policy,
         fallback_policy=build_fallback(settings.policy, router_config),
         forwarder=forwarder,
         recorder=Recorder(directory, estimator, observers),
@@ -309,6 +348,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         abandoned_hooks=[billing.meter.abandoned] if billing else [],
         tracer=tracing.tracer,
         rng=random.Random(settings.seed),
+        frontiers=frontiers,
     )
     discovery = _discovery(settings, replicas, directory, layouts)
     registry.register(

@@ -86,6 +86,7 @@ from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import Trace, read_trace
 from loadgen.traces.synthesis import PromptSynthesizer
 from router.registry import POLICIES
+from router.scorers import DEFAULT_DISPLACEMENT_HALF_LIFE_S, DEFAULT_DISPLACEMENT_HOT_S
 
 DEFAULT_TRACE = CONVERSATION_TRACE
 """The Mooncake conversation trace shipped in `loadgen/traces/mooncake/`."""
@@ -248,8 +249,11 @@ def start_router(
     engine_urls: Sequence[str],
     directory_capacity_blocks: int,
     events: dict[str, str] | None = None,
+    time_scale: float = 1.0,
 ) -> Iterator[Router]:
-    """`events`: engine URL -> its KV events endpoint (the precise arms)."""
+    """`events`: engine URL -> its KV events endpoint (the precise arms). `time_scale`: the
+    replay's compression; a precise arm's displacement horizons (`cache_pressure`), which the
+    gateway reads in wall seconds, are divided by it so they mean trace seconds."""
     if arm.kind == "client":
         yield Router(tuple(engine_urls), None, None)
         return
@@ -263,6 +267,9 @@ def start_router(
             extra, extra_env = processes.precise_gateway_args(events or {}, str(MODEL_DIR))
             args += extra
             env.update(extra_env)
+            env["KVGATE_DISPLACEMENT_HOT_S"] = f"{DEFAULT_DISPLACEMENT_HOT_S / time_scale:g}"
+            half_life = DEFAULT_DISPLACEMENT_HALF_LIFE_S / time_scale
+            env["KVGATE_DISPLACEMENT_HALF_LIFE_S"] = f"{half_life:g}"
         if arm.kind in WORKER_KINDS:
             with redis_server(port=0) as redis:
                 args += ["--workers", str(WORKER_KINDS[arm.kind]), "--redis-url", redis.url]
@@ -370,7 +377,11 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
     with (
         _engines(arm, setup) as (engines, events),
         start_router(
-            arm, [e.url for e in engines], setup.directory_capacity_blocks, events
+            arm,
+            [e.url for e in engines],
+            setup.directory_capacity_blocks,
+            events,
+            setup.time_scale,
         ) as router,
     ):
         options = ReplayOptions(
@@ -519,7 +530,12 @@ def pick_time_scale(setup: Setup) -> tuple[float, list[tuple[float, float]]]:
 
 # -- the command ----------------------------------------------------------------------------
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="a Mooncake-format trace")
+    parser.add_argument(
+        "--trace",
+        default=str(DEFAULT_TRACE),
+        help="a Mooncake-format trace, or agent-sessions[:sessions=N,concurrency=C,...] (many "
+        "concurrent agent sessions, as `kvgate sim` builds them; --start counts requests)",
+    )
     parser.add_argument("--start", type=int, default=DEFAULT_START, help="first line (0-based)")
     parser.add_argument(
         "--requests", type=int, default=DEFAULT_REQUESTS, help="requests replayed per router"

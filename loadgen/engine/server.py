@@ -320,6 +320,22 @@ class _EngineCollector(Collector):
         yield counter("vllm:generation_tokens", "Tokens generated.", _generated)
         yield counter("vllm:request_success", "Requests finished.", _finished)
         yield counter("vllm:num_preemptions", "Preemptions (never: requests reserve KV).", _zero)
+        # vLLM's info gauge: the cache config in labels, value 1 (num_gpu_blocks per rank)
+        info_labels = ["block_size", "num_gpu_blocks", "num_cpu_blocks", "enable_prefix_caching"]
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=info_labels
+        )
+        first = self.engines[0].config
+        info.add_metric(
+            [
+                str(first.block_size),
+                str(first.capacity_blocks),
+                str(first.cpu_offload_blocks),
+                "True",
+            ],
+            1.0,
+        )
+        yield info
         start = GaugeMetricFamily("process_start_time_seconds", "Start time (Unix s).")
         start.add_metric([], self.engines[0].start_time)
         yield start

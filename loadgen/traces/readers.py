@@ -239,8 +239,21 @@ def read_trace(
     be agent session files merged at offsets, "a.json@0,b.json@30" (seconds). `block_size`
     None: the format's own (512 Mooncake, 16 Bailian, the documents' for agent sessions).
     `fmt`: "auto" (detected) or one of `FORMATS`. `num_tenants` > 0 assigns each conversation
-    to a tenant."""
+    to a tenant. `path` "agent-sessions[:options]" builds the simulator's many concurrent agent
+    sessions (`loadgen.traces.sessions`) instead of reading a file."""
     _check_start_limit(block_size, start, limit, num_tenants)
+    if isinstance(path, str) and path.startswith("agent-sessions") and not Path(path).exists():
+        # many concurrent agent sessions, as `kvgate sim` builds them (loadgen.traces.sessions)
+        from loadgen.traces.sessions import agent_sessions_trace
+
+        built = agent_sessions_trace(path)
+        if block_size is not None and block_size != built.block_size:
+            raise ValueError(
+                f"{path}: its blocks are {built.block_size} tokens; set block=N in the spec"
+            )
+        picked = built.requests[start : None if limit is None else start + limit]
+        sliced = assign_tenants([replace(r, index=i) for i, r in enumerate(picked)], num_tenants)
+        return Trace(built.name, built.block_size, _shifted(sliced))
     if isinstance(path, str) and ("@" in path or "," in path) and not Path(path).exists():
         fmt = "agent"  # session files merged at offsets: "a.json@0,b.json@30"
     elif fmt == "auto":

@@ -94,14 +94,18 @@ def precise_fleet(
     start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
 ) -> Callable[..., tuple[list[Served], list[Served]]]:
     def make(
-        n: int = 2, num_gateways: int = 1, admin_keys: list[str] | None = None, **engine: Any
+        n: int = 2,
+        num_gateways: int = 1,
+        admin_keys: list[str] | None = None,
+        gateway_overrides: dict[str, Any] | None = None,
+        **engine: Any,
     ) -> tuple[list[Served], list[Served]]:
         base = free_ports(n)
         engines = [
             start_engines(1, kv_events=events_config(base + i), **engine)[0] for i in range(n)
         ]
         ports = {e.url: base + i for i, e in enumerate(engines)}
-        settings = precise_settings(ports, admin_keys=admin_keys or [])
+        settings = precise_settings(ports, admin_keys=admin_keys or [], **(gateway_overrides or {}))
         gateways = [start_gateway(engines, **settings) for _ in range(num_gateways)]
         join(gateways, engines)
         return engines, gateways

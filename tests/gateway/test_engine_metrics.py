@@ -126,3 +126,23 @@ def test_crlf_pages_labels_with_spaces_and_nan_samples_parse() -> None:
     )
     metrics = parse_engine_metrics(page)
     assert metrics.num_running == 2.0 and metrics.num_waiting == 4.0
+
+
+def test_the_kv_capacity_comes_from_vllms_cache_config_info() -> None:
+    """vLLM's info gauge carries the config in labels (value 1); the scrape asks for it too."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from gateway.fleet.engine_metrics import SCRAPE_PATH
+
+    registry = CollectorRegistry()
+    info = ("block_size", "num_gpu_blocks", "enable_prefix_caching")
+    Gauge("vllm:cache_config_info", "Cache config.", info, registry=registry).labels(
+        "16", "27384", "True"
+    ).set(1)
+    Gauge("vllm:num_requests_running", "Running.", registry=registry).set(2)
+    names = parse_qs(urlsplit(SCRAPE_PATH).query)["name[]"]
+    asked = generate_latest(registry.restricted_registry(names)).decode()
+    assert parse_engine_metrics(asked) == EngineMetrics(num_running=2.0, num_gpu_blocks=27384)
+    # before vLLM profiled its memory the label is "None": unknown, not a crash
+    unprofiled = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n'
+    assert parse_engine_metrics(unprofiled).num_gpu_blocks is None

@@ -50,3 +50,19 @@ def test_the_defaults_reach_past_100k_tokens_and_the_same_spec_gives_the_same_tr
 def test_bad_options_are_named(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         agent_sessions_trace(spec)
+
+
+def test_replay_and_bench_read_the_spec_as_a_trace_sliced_and_shifted() -> None:
+    """`read_trace` (what `kvgate replay` and `kvgate bench` open) builds the sessions from a
+    spec: the simulator's requests from `start`, `limit` of them, arrivals from 0."""
+    from loadgen.traces.readers import read_trace
+
+    spec = "agent-sessions:sessions=3,steps=4,start=4000,tool=200,output=56"
+    whole = agent_sessions_trace(spec)
+    sliced = read_trace(spec, start=2, limit=5, num_tenants=2)
+    assert [r.hash_ids for r in sliced.requests] == [r.hash_ids for r in whole.requests[2:7]]
+    assert [r.index for r in sliced.requests] == list(range(5))
+    assert sliced.requests[0].arrival_s == 0.0 and sliced.block_size == 64
+    assert {r.tenant for r in sliced.requests} <= {"tenant-0", "tenant-1"}
+    with pytest.raises(ValueError, match="blocks are 64 tokens"):
+        read_trace(spec, block_size=16)
