@@ -93,7 +93,7 @@ PROFILE_PARTS = (
     ("pod view", ("podview.py", "adopt (gateway/fleet/replicas.py", "_publish (gateway/fleet")),
     ("lookup lane", ("cachemap/redis/lookups.py",)),
     ("redis client", ("redis/asyncio/", "redis/_parsers", "cachemap/redis/")),
-    ("relay", ("gateway/relay", "relay.py")),
+    ("relay", ("gateway/pipeline/relayed.py", "gateway/pipeline/upstream.py", "relay")),
     ("discovery", ("gateway/fleet/discovery.py",)),
 )
 """(part, frames that put a sample in it): the first part whose frame appears in a stack."""
