@@ -88,6 +88,8 @@ class SharedLookup:
     k: int = 1
     writer_depth: int = 0
     writer: str | None = None
+    writer_from: int = 0
+    """The index of the writer's flight's first block in the looked-up chain (its marker's key)."""
 
 
 class RedisDirectory:
@@ -199,6 +201,7 @@ class RedisDirectory:
             )
         if writer:
             result.writer_depth, result.writer = int(writer[0]), text(writer[1])
+            result.writer_from = int(writer[2]) - 1
         return result
 
     async def _call_lookup(

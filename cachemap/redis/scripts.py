@@ -92,10 +92,36 @@ if window_ms > 0 and deepest > 0 then
 end
 local writer = {}
 if ARGV[6] == '1' then
-  for i = deepest + 1, #KEYS do
-    local w = redis.call('GET', KEYS[i] .. ':w')
-    if not w then break end
-    writer = {i, w}
+  -- a leader's flight starts where its replica's cache ended: at no block, or at a depth some
+  -- replica holds now (`LEAD`); its one marker key is its first block's, and holds the marker
+  -- and the flight's block suffixes. How far this chain shares the flight: blocks are chained
+  -- hashes, so agreeing at a block means agreeing at every one before it (a bisection).
+  local starts, seen = {0}, {[0] = true}
+  for _, d in pairs(depth) do
+    if not seen[d] then seen[d] = true; starts[#starts + 1] = d end
+  end
+  local best = deepest
+  for _, s in ipairs(starts) do
+    if s < #KEYS then
+      local v = redis.call('GET', KEYS[s + 1] .. ':w')
+      local sep = v and string.find(v, '\\n', 1, true)
+      if sep then
+        local lo, hi = 0, math.min((#v - sep) / 10, #KEYS - s)
+        while lo < hi do
+          local mid = math.floor((lo + hi + 1) / 2)
+          local at, o = sep + mid * 10, (s + mid) * 10
+          if string.sub(v, at - 9, at) == string.sub(blob, o - 9, o) then
+            lo = mid
+          else
+            hi = mid - 1
+          end
+        end
+        if s + lo > best then
+          best = s + lo
+          writer = {best, string.sub(v, 1, sep - 1), s + 1}
+        end
+      end
+    end
   end
 end
 return {out, hot, writer}
@@ -108,36 +134,30 @@ if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'k', ARGV
 return 1
 """
 
-# ARGV (after the chain): the leader's marker, ttl ms. A block's marker is its key + ":w";
-# the first writer wins.
-LEAD = (
-    CHAIN
-    + """
-local n = 0
-for i = 1, #KEYS do
-  if redis.call('SET', KEYS[i] .. ':w', ARGV[3], 'NX', 'PX', ARGV[4]) then n = n + 1 end
+# ARGV (after the chain, which is not expanded): the leader's marker, ttl ms. One key per
+# flight, its first block's + ":w": the marker, a newline, the flight's block suffixes (what a
+# sibling's lookup compares its own chain with). The first writer wins.
+LEAD = """
+if redis.call('SET', KEYS[1] .. ':w', ARGV[3] .. '\\n' .. ARGV[2], 'NX', 'PX', ARGV[4]) then
+  return 1
 end
-return n
+return 0
 """
-)
 
-# ARGV (after the chain): the leader's pending marker, its landed marker, ttl ms, channel.
-# A block with no marker gets the landed one too: the leader's own marker call may still be on
-# its way (it missed its deadline, Redis runs it later) and must then find the block taken
-# (set if absent), not leave a pending marker no landing will ever clear.
-LAND = (
-    CHAIN
-    + """
-for i = 1, #KEYS do
-  local current = redis.call('GET', KEYS[i] .. ':w')
-  if current == ARGV[3] or not current then
-    redis.call('SET', KEYS[i] .. ':w', ARGV[4], 'PX', ARGV[5])
-  end
+# ARGV (after the chain, not expanded): the leader's pending marker, its landed marker, ttl ms,
+# channel. A flight with no marker gets the landed one too: the leader's own marker call may
+# still be on its way (it missed its deadline, Redis runs it later) and must then find the key
+# taken (set if absent), not leave a pending marker no landing will ever clear. Another
+# leader's marker on the key is left alone.
+LAND = """
+local key = KEYS[1] .. ':w'
+local current = redis.call('GET', key)
+if not current or string.sub(current, 1, #ARGV[3] + 1) == ARGV[3] .. '\\n' then
+  redis.call('SET', key, ARGV[4] .. '\\n' .. ARGV[2], 'PX', ARGV[5])
 end
 redis.call('PUBLISH', ARGV[6], ARGV[4])
 return 1
 """
-)
 
 # ARGV (after the chain): rid, generation, last use ms, ttl ms. A field already at this
 # generation keeps the later of the two uses (write-behind batches may arrive out of order).

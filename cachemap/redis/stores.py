@@ -2,7 +2,8 @@
 prefix's spread changes) and fan-out leaders' markers (written while a leader prefills).
 
     kvg:{TAG}:<block>:r   HASH    a matched prefix's request times and its k (`RateStore`)
-    kvg:{TAG}:<block>:w   STRING  a fan-out leader's marker, set if absent (`MarkerStore`)
+    kvg:{TAG}:<block>:w   STRING  a fan-out leader's marker and its flight's blocks, on the
+                                  flight's first block, set if absent (`MarkerStore`)
 
 Both sit in their chain's slot, so the lookup reads them in the same script call.
 """
@@ -32,7 +33,8 @@ class MarkerStore:
         self._land = client.register_script(scripts.LAND)
 
     async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> int:
-        """Mark `blocks` as being written by a leader (set if absent); how many it now holds."""
+        """Mark the flight writing `blocks` (set if absent): one key, one SET, whatever the
+        flight's length; 1 when this marker now holds it."""
         if not blocks:
             return 0
         keys, head = chain_call(blocks)
@@ -41,13 +43,17 @@ class MarkerStore:
     async def land(
         self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float
     ) -> None:
-        """The leader's write landed (or failed): its markers say so for `ttl_s`, and every
+        """The leader's write landed (or failed): its marker says so for `ttl_s`, and every
         gateway hears it on `LAND_CHANNEL`."""
         if not blocks:
             return
         keys, head = chain_call(blocks)
         await self._land(keys=keys, args=[*head, marker, landed, int(ttl_s * 1000), LAND_CHANNEL])
 
-    async def read_marker(self, block: BlockHash) -> str | None:
-        value = await self.client.get(block_keys([block])[0] + b":w")
-        return None if value is None else text(value)
+    async def read_marker(self, first: BlockHash) -> str | None:
+        """The marker of the flight whose first block is `first` (the lookup's `writer_from`)."""
+        value = await self.client.get(block_keys([first])[0] + b":w")
+        if value is None:
+            return None
+        raw = value if isinstance(value, bytes) else value.encode()
+        return text(raw.split(b"\n", 1)[0])  # the flight's blocks after it are binary

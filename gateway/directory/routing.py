@@ -73,6 +73,8 @@ class Lookup:
     writer: str | None = None
     """Another gateway's fan-out leader writing this request's blocks up to `writer_depth`: its
     marker as stored (`gateway.pipeline.flights.Marker`)."""
+    writer_from: int = 0
+    """Where that leader's flight starts in this request's blocks: its marker is read there."""
 
 
 @dataclass
@@ -241,6 +243,7 @@ class RoutingDirectory:
                     lookup.hot_key = hashes[full.hot_depth - 1]
                     lookup.hot = PrefixRate(full.rate_per_min, full.k)
                 lookup.writer_depth, lookup.writer = full.writer_depth, full.writer
+                lookup.writer_from = full.writer_from
                 if not lookup.overlap or self.write_back.running:
                     self._hint(lookup, await self.local.lookup_detail(hashes))
                 return lookup
@@ -338,7 +341,8 @@ class RoutingDirectory:
         self._write(Call(lambda shared: shared.markers.land(blocks, marker, landed, ttl_s)))
 
     async def read_marker(self, block: BlockHash) -> str | None:
-        """The block's marker, "" when Redis has none, None when Redis did not answer."""
+        """The marker of the flight starting at `block`, "" when Redis has none, None when
+        Redis did not answer."""
         if self.shared is None:
             return None
         try:

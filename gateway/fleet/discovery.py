@@ -33,6 +33,15 @@ What the gateway does with what it sees (invariants):
   handing on the slice that names it, so an engine's layout (`ANNOTATIONS`: its KV events
   port, replay port, DP size) is in `layouts` before the replica joins the set and its event
   feeds open; a pod that cannot be read (403, gone) gets the settings' layout, with a warning.
+
+One watch per pod (`kvgate serve --workers N`, issue 17 item 4): worker 0 alone lists and
+watches; after every change, and every view period, it sends the endpoint set it reconciled
+(each endpoint's readiness, pod and layout) to the other workers on the pod view's channel
+(gateway.fleet.podview). A follower reconciles each whole set exactly as worker 0 did its
+slices, so every worker routes to the same replicas with the same layouts. A follower that has
+had no whole set for the view's staleness bound (`ReplicaSet.stale_after_s`), or none within
+the first sync's timeout at its start, lists and watches for itself, as a lone gateway does;
+when worker 0's sets come again it stops its watch and follows them.
 """
 
 from __future__ import annotations
@@ -43,12 +52,14 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from cachemap.layouts import DEFAULT_LAYOUT, EngineLayout, EngineLayouts
+from gateway.fleet.podview import MemberEntry, ViewReceiver, ViewSender
 from gateway.fleet.replicas import ReplicaSet
 from gateway.tasks import BackgroundTasks
 
@@ -94,6 +105,12 @@ class DiscoveryStats:
     leaves: int = 0
     epochs: int = 0
     """Replicas forgotten because their pod was replaced (a new pod uid at the address)."""
+    sets_sent: int = 0
+    """Worker 0 of a pod: endpoint sets sent to the other workers."""
+    sets_applied: int = 0
+    """A follower: worker 0's endpoint sets applied."""
+    takeovers: int = 0
+    """A follower: times worker 0's sets lapsed and this worker watched for itself."""
     synced: bool = False
 
 
@@ -412,18 +429,39 @@ class Discovery:
         """slice name -> its endpoints, as last seen"""
         self.known: dict[str, Endpoint] = {}
         """URL -> the endpoint the replica set reflects"""
-        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+        """(the watcher's generation, or 0 for worker 0's sets; kind; payload)"""
         self._settled = asyncio.Event()
         """The first list was applied, or the first attempt failed: the start goes on."""
         self._tasks = BackgroundTasks("discovery")
         self._watcher: SliceWatcher | None = None
+        self._generation = 0
+        """Of the running watcher: events of one stopped since are dropped."""
+        self._sender: ViewSender | None = None
+        self._receiver: ViewReceiver | None = None
+        self._version = 0
+        self._desired: dict[str, Endpoint] = {}
+        """What the slices (or worker 0's last set) say: worker 0 sends it."""
+        self._last_set_s = 0.0
+
+    @property
+    def watching(self) -> bool:
+        """This gateway lists and watches (a follower only while worker 0's sets lapsed)."""
+        return self._watcher is not None
 
     async def start(self, first_sync_timeout_s: float = FIRST_SYNC_TIMEOUT_S) -> None:
-        """Start watching and wait (bounded) for the first list to be applied, or to fail."""
+        """Start watching (or, a follower in a pod, following worker 0's endpoint sets) and
+        wait (bounded) for the first list or set to be applied, or the first attempt to fail."""
+        self._sender, self._receiver = self.replicas.sender, self.replicas.receiver
         self._tasks.spawn(self._consume(), name="discovery-consumer")
-        loop = asyncio.get_running_loop()
-        self._watcher = SliceWatcher(self.target, loop, self._queue.put_nowait, self.stats)
-        self._watcher.start()
+        if self._receiver is not None:
+            self._receiver.on_members = self._from_worker_0
+            self._last_set_s = time.monotonic()
+            self._tasks.spawn(self._watch_the_view(first_sync_timeout_s), name="discovery-view")
+        else:
+            self._start_watcher()
+            if self._sender is not None:
+                self._tasks.spawn(self._send_every_period(), name="discovery-sets")
         try:
             await asyncio.wait_for(self._settled.wait(), first_sync_timeout_s)
         except TimeoutError:
@@ -432,14 +470,75 @@ class Discovery:
                 first_sync_timeout_s,
             )
 
+    def _start_watcher(self) -> None:
+        self._generation += 1
+        generation = self._generation
+
+        def emit(event: tuple[str, Any]) -> None:
+            self._queue.put_nowait((generation, *event))
+
+        self._watcher = SliceWatcher(self.target, asyncio.get_running_loop(), emit, self.stats)
+        self._watcher.start()
+
+    async def _stop_watcher(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        self._generation += 1  # what it emitted and is still queued is dropped
+        if watcher is not None:
+            await asyncio.to_thread(watcher.stop)
+
     async def stop(self) -> None:
-        if self._watcher is not None:
-            await asyncio.to_thread(self._watcher.stop)
+        await self._stop_watcher()
         await self._tasks.close()
+        if self._receiver is not None:
+            self._receiver.on_members = None
+
+    # -- one watch per pod (gateway.fleet.podview) ----------------------------------------------
+    def _send(self) -> None:
+        """Worker 0: the endpoint set, to every follower (once the first list is applied)."""
+        if self._sender is None or not self.stats.synced:
+            return
+        self._version += 1
+        self._sender.send_members(
+            self._version,
+            [
+                MemberEntry(e.url, e.ready, e.pod_uid, e.pod_name, self.pods.get(e.pod_uid or ""))
+                for e in self._desired.values()
+            ],
+        )
+        self.stats.sets_sent += 1
+
+    async def _send_every_period(self) -> None:
+        """Worker 0: the set every view period too, so a follower tells "no change" from
+        "worker 0 is gone" (a lost datagram costs one period)."""
+        while True:
+            await asyncio.sleep(self.replicas.view_period_s())
+            self._send()
+
+    async def _from_worker_0(self, entries: list[MemberEntry]) -> None:
+        self._queue.put_nowait((0, "members", entries))
+
+    async def _watch_the_view(self, first_sync_timeout_s: float) -> None:
+        """A follower: watch for itself when worker 0's sets lapse — none within the first
+        sync's timeout at the start, then none for the view's staleness bound."""
+        bound = first_sync_timeout_s
+        while True:
+            await asyncio.sleep(min(bound, self.replicas.view_period_s()))
+            if self._watcher is not None:
+                continue
+            if time.monotonic() - self._last_set_s > bound:
+                self.stats.takeovers += 1
+                log.warning(
+                    "worker 0's EndpointSlice view is older than %.1f s: watching here", bound
+                )
+                self._start_watcher()
+            if self.stats.synced:
+                bound = self.replicas.stale_after_s()
 
     async def _consume(self) -> None:
         while True:
-            kind, payload = await self._queue.get()
+            generation, kind, payload = await self._queue.get()
+            if generation and generation != self._generation:
+                continue  # a stopped watcher's: worker 0's sets speak now
             try:
                 await self._apply(kind, payload)
             except asyncio.CancelledError:
@@ -451,6 +550,9 @@ class Discovery:
         port, scheme = self.target.port_name, self.target.scheme
         if kind == "error":
             self._settled.set()
+            return
+        if kind == "members":
+            await self._apply_set(payload)
             return
         if kind == "pods":
             for uid, annotations in payload.items():
@@ -466,10 +568,29 @@ class Discovery:
                 self.slices[name] = endpoints_of(payload, port, scheme)
             else:
                 self.slices.pop(name, None)
-        await self.reconcile(merge(self.slices))
+        self._desired = merge(self.slices)
+        await self.reconcile(self._desired)
         if kind == "sync":
             self.stats.synced = True
             self._settled.set()
+        self._send()
+
+    async def _apply_set(self, entries: list[MemberEntry]) -> None:
+        """A follower: worker 0's endpoint set, reconciled as its slices were there."""
+        self._last_set_s = time.monotonic()
+        if self._watcher is not None:
+            log.info("worker 0's EndpointSlice view is back: following it")
+            await self._stop_watcher()
+        for entry in entries:
+            if entry.pod_uid is not None and entry.layout is not None:
+                self.pods[entry.pod_uid] = entry.layout
+        while len(self.pods) > MAX_PODS_REMEMBERED:
+            del self.pods[next(iter(self.pods))]
+        self._desired = {e.url: Endpoint(e.url, e.ready, e.pod_uid, e.pod_name) for e in entries}
+        await self.reconcile(self._desired)
+        self.stats.sets_applied += 1
+        self.stats.synced = True
+        self._settled.set()
 
     async def reconcile(self, desired: dict[str, Endpoint]) -> None:
         """Make the replica set what the slices say (static engines are left alone)."""

@@ -350,14 +350,19 @@ class ReplicaSet:
     def receiver(self) -> ViewReceiver | None:
         return self._receiver
 
-    def stale_after_s(self) -> float:
-        """How long past its last entry a replica stays covered by worker 0's view: worker 0
-        sends every probe round and every scrape round, so `STALE_AFTER_ROUNDS` of the shorter
-        of their intervals, plus a probe's timeout (a round waits on its slowest replica)."""
+    def view_period_s(self) -> float:
+        """How often worker 0 sends its view: every probe round and every scrape round, so the
+        shorter of their intervals (discovery sends its endpoint set as often)."""
         period = self._interval_s
         if self._scrape_metrics and self._metrics_interval_s is not None:
             period = min(period, self._scrape_interval_s())
-        return STALE_AFTER_ROUNDS * period + self._timeout_s
+        return period
+
+    def stale_after_s(self) -> float:
+        """How long past its last entry a replica stays covered by worker 0's view:
+        `STALE_AFTER_ROUNDS` of its send period, plus a probe's timeout (a round waits on its
+        slowest replica)."""
+        return STALE_AFTER_ROUNDS * self.view_period_s() + self._timeout_s
 
     def _publish(self) -> None:
         if self._sender is not None:

@@ -11,8 +11,9 @@ land earlier: when its replica's KV events report the flight's last block stored
 the prefix is in the event index its siblings are routed on. What must happen before such a
 landing releases anyone (billing makes the leader's entry visible) is the flight's `confirm`.
 
-Across gateways (with Redis): a leader also sets a `Marker` on each block it writes
-(set-if-absent, expiring after the longest hold), which other gateways' lookups find in the same
+Across gateways (with Redis): a leader also sets a `Marker` on the flight — one key, its first
+block's, holding the marker and the flight's blocks (set-if-absent, expiring after the longest
+hold) — which other gateways' lookups find and compare with their own chains in the same
 script call; when it lands the marker becomes "ok" (or "fail") for a few seconds and the landing
 is published on a channel every gateway listens to. A waiter registers for the landing before it
 reads the marker again, so a landing between its lookup and its wait is never missed.
@@ -123,14 +124,15 @@ class SharedMarkers(Protocol):
         ...
 
     async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool:
-        """Set `marker` on `blocks` (if absent); False only when it was certainly not set."""
+        """Set `marker` on the flight writing `blocks` (if absent); False only when it was
+        certainly not set."""
         ...
 
     def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None: ...
 
     async def read_marker(self, block: BlockHash) -> str | None:
-        """The block's marker; "" when the store answered that it has none (it expired, or
-        the store lost it), None when the store did not answer."""
+        """The marker of the flight whose first block is `block`; "" when the store answered
+        that it has none (it expired, or the store lost it), None when it did not answer."""
         ...
 
 

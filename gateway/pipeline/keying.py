@@ -173,6 +173,7 @@ class Keying:
             predicted.hot,
             predicted.writer_depth,
             predicted.writer,
+            predicted.writer_from,
         )
         block_bytes = 4 * precise.block_size
         affinity = affinity_key(

@@ -165,7 +165,7 @@ class Placement:
         timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * expected_s)
         shared_markers = flights.shared
         assert shared_markers is not None
-        block = hashes[shared - 1]
+        block = hashes[lookup.writer_from]  # the flight's first block holds its marker
         if on_hold is not None:
             await on_hold(max(timeout, 0.001))
         landed = await flights.wait_remote(

@@ -35,6 +35,9 @@ DISCOVERY_EVENTS = (
     "joins",
     "leaves",
     "epochs",
+    "sets_sent",
+    "sets_applied",
+    "takeovers",
 )
 
 

@@ -26,6 +26,8 @@ One prober and scraper per pod (issue 17 item 4): worker 0 alone probes and scra
 replicas and sends its view of them to the others over a datagram socket pair per other worker
 (`worker_view_fds`, made here, inherited by both ends; gateway.fleet.podview). A worker whose
 view goes silent probes and scrapes for itself after a bound (`ReplicaSet.stale_after_s`).
+Kubernetes discovery likewise: worker 0 alone watches the EndpointSlices and sends its endpoint
+set on the same channel; a worker whose sets lapse watches for itself (gateway.fleet.discovery).
 """
 
 from __future__ import annotations

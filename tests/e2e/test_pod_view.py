@@ -2,7 +2,10 @@
 processes over a real redis-server and stand-in replicas on real loopback ports
 (loadgen.bench.idle, which count what they are asked). The replicas see one probe stream and
 one scrape stream, both workers route around a replica that goes down, and a worker whose
-view's source goes silent (worker 0 stopped with SIGSTOP) probes and scrapes for itself."""
+view's source goes silent (worker 0 stopped with SIGSTOP) probes and scrapes for itself. With
+Kubernetes discovery (the stub API server of tests/kube_stub.py) the pod lists and watches the
+EndpointSlices once, both workers route to what joins and stop routing to what leaves, and a
+follower whose worker 0 stops watches for itself."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -19,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadgen.bench.idle import StandInLog, stand_ins
 from loadgen.harness import processes
-from tests.servers import wait_until
+from tests.kube_stub import KubeStub, endpoint_slice, pod_endpoint, write_kubeconfig
+from tests.servers import start_app, stop_all, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
@@ -155,45 +160,123 @@ def test_the_replicas_see_one_stream_of_scrapes_and_of_probes_from_a_pod(
         assert sample(page(gateway, 1), "kvgate_pod_view_lapses_total") == 0.0
 
 
+def replicas_of(gateway: processes.Proc, index: int) -> set[str]:
+    """The replicas worker `index` routes to or may route to (in its replica set)."""
+    return {
+        s.labels["replica"]
+        for family in text_string_to_metric_families(page(gateway, index))
+        for s in family.samples
+        if s.name == "kvgate_replica_healthy"
+    }
+
+
+def discovery_event(gateway: processes.Proc, index: int, kind: str) -> float:
+    return sample(page(gateway, index), "kvgate_discovery_events_total", kind=kind) or 0.0
+
+
+@contextlib.contextmanager
+def kube_api(tmp_path: Path) -> Iterator[tuple[KubeStub, dict[str, str]]]:
+    """The stub API server, and the settings that make a gateway discover from it."""
+    api = KubeStub()
+    server = start_app(api.app())
+    env = {
+        "KVGATE_DISCOVERY": "kubernetes",
+        "KVGATE_DISCOVERY_LABEL_SELECTOR": "kubernetes.io/service-name=vllm",
+        "KVGATE_DISCOVERY_PORT_NAME": "http",
+        "KVGATE_KUBECONFIG": str(write_kubeconfig(tmp_path / "kubeconfig", server.url)),
+        "KVGATE_DISCOVERY_RETRY_S": "0.1",
+    }
+    try:
+        yield api, env
+    finally:
+        stop_all([server])
+
+
+def publish(api: KubeStub, url: str) -> None:
+    """One slice per stand-in (each listens on its own port, one port per slice)."""
+    name = f"vllm-{port_of(url)}"
+    api.put(
+        endpoint_slice(name, "vllm", [pod_endpoint("127.0.0.1", name, name)], port=port_of(url))
+    )
+
+
 def test_both_workers_route_around_a_down_replica_and_one_whose_view_goes_silent_probes_itself(
-    redis_url: str,
+    redis_url: str, tmp_path: Path
 ) -> None:
+    """The pod discovers its replicas: one list and one watch (worker 0's) reach the API server
+    while worker 0 runs; worker 1 watches for itself while worker 0 is stopped."""
     log = StandInLog()
-    with stand_ins(3, log) as urls, pod(redis_url, urls) as gateway:
-        wait_until(lambda: all(healthy(gateway, i, u) == 1.0 for i in range(2) for u in urls))
-        route_around_and_back(gateway, log, urls)
-        # worker 0 alive but silent: worker 1 probes and scrapes for itself after the bound
-        leader = worker_pid(gateway, 0)
-        os.kill(leader, signal.SIGSTOP)  # worker 0 alive but silent
-        try:
+    with stand_ins(4, log) as every, kube_api(tmp_path) as (api, env):
+        for url in (every[0], every[1], every[3]):
+            publish(api, url)
+        with pod(redis_url, [], **env) as gateway:
             wait_until(
-                lambda: sample(page(gateway, 1), "kvgate_pod_view_lapses_total") == 1.0,
+                lambda: all(
+                    replicas_of(gateway, i) == {every[0], every[1], every[3]} for i in range(2)
+                ),
                 4 * BOUND_S,
-                "worker 1 noticing the silence",
+                "both workers discovering",
             )
-            # worker 0 is stopped: every scrape from now on is worker 1's own
-            scrapes = log.port_hits[port_of(urls[1]), "/metrics"]
+            publish(api, every[2])  # a pod joins and one leaves: both workers follow
+            api.delete(f"vllm-{port_of(every[3])}")
+            urls = every[:3]
             wait_until(
-                lambda: log.port_hits[port_of(urls[1]), "/metrics"] >= scrapes + 3,
+                lambda: all(replicas_of(gateway, i) == set(urls) for i in range(2)),
                 4 * BOUND_S,
-                "worker 1 scraping for itself",
+                "both workers routing to the pod that joined, not to the one that left",
             )
-            log.down.add(port_of(urls[0]))
+            assert discovery_event(gateway, 1, "sets_applied") >= 1
+            assert api.count("list") == 1 and api.count("watch") == 1  # worker 0's alone
+            wait_until(lambda: all(healthy(gateway, i, u) == 1.0 for i in range(2) for u in urls))
+            route_around_and_back(gateway, log, urls)
+            # worker 0 alive but silent: worker 1 probes, scrapes and watches for itself
+            leader = worker_pid(gateway, 0)
+            os.kill(leader, signal.SIGSTOP)  # worker 0 alive but silent
+            try:
+                wait_until(
+                    lambda: sample(page(gateway, 1), "kvgate_pod_view_lapses_total") == 1.0,
+                    4 * BOUND_S,
+                    "worker 1 noticing the silence",
+                )
+                # worker 0 is stopped: every scrape from now on is worker 1's own
+                scrapes = log.port_hits[port_of(urls[1]), "/metrics"]
+                wait_until(
+                    lambda: log.port_hits[port_of(urls[1]), "/metrics"] >= scrapes + 3,
+                    4 * BOUND_S,
+                    "worker 1 scraping for itself",
+                )
+                log.down.add(port_of(urls[0]))
+                wait_until(
+                    lambda: healthy(gateway, 1, urls[0]) == 0.0,
+                    4 * BOUND_S,
+                    "worker 1 marking the replica down by its own probes",
+                )
+                assert healthy(gateway, 1, urls[1]) == 1.0
+                wait_until(lambda: api.count("list") == 2, 4 * BOUND_S, "worker 1 listing")
+                assert discovery_event(gateway, 1, "takeovers") == 1.0
+                api.delete(f"vllm-{port_of(urls[2])}")  # seen by worker 1's own watch
+                wait_until(
+                    lambda: replicas_of(gateway, 1) == set(urls[:2]),
+                    4 * BOUND_S,
+                    "worker 1 dropping the pod its own watch saw leave",
+                )
+            finally:
+                os.kill(leader, signal.SIGCONT)
+            received = sample(page(gateway, 1), "kvgate_pod_view_datagrams_total", event="received")
+            applied = discovery_event(gateway, 1, "sets_applied")
+            assert received is not None
             wait_until(
-                lambda: healthy(gateway, 1, urls[0]) == 0.0,
+                lambda: (
+                    (
+                        sample(
+                            page(gateway, 1), "kvgate_pod_view_datagrams_total", event="received"
+                        )
+                        or 0
+                    )
+                    > received
+                    and discovery_event(gateway, 1, "sets_applied") > applied
+                ),
                 4 * BOUND_S,
-                "worker 1 marking the replica down by its own probes",
+                "worker 1 back on worker 0's view and endpoint sets",
             )
-            assert healthy(gateway, 1, urls[1]) == 1.0
-        finally:
-            os.kill(leader, signal.SIGCONT)
-        received = sample(page(gateway, 1), "kvgate_pod_view_datagrams_total", event="received")
-        assert received is not None
-        wait_until(
-            lambda: (
-                (sample(page(gateway, 1), "kvgate_pod_view_datagrams_total", event="received") or 0)
-                > received
-            ),
-            4 * BOUND_S,
-            "worker 1 back on worker 0's view",
-        )
+            assert all(replicas_of(gateway, i) == set(urls[:2]) for i in range(2))

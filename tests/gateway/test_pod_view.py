@@ -10,14 +10,20 @@ import time
 import aiohttp
 import pytest
 
+from cachemap.layouts import EngineLayout
 from gateway.fleet.engine_metrics import EngineMetrics
 from gateway.fleet.podview import (
     VIEW_CHUNK_BYTES,
+    MemberEntry,
+    MembersAssembly,
+    MembersPart,
     ViewEntry,
     ViewReceiver,
     ViewSender,
     decode,
+    decode_message,
     encode,
+    encode_members,
 )
 from gateway.fleet.replicas import ReplicaSet
 from loadgen.bench.idle import StandInLog, stand_ins
@@ -44,6 +50,35 @@ def test_a_large_fleet_is_split_into_datagrams_that_each_decode_alone() -> None:
     assert [e for d in datagrams for e in decode(d)] == entries
     bare = ViewEntry("http://x:1", healthy=False, since_s=5.0)
     assert decode(next(encode([bare]))) == [bare]
+
+
+def test_an_endpoint_set_applies_only_whole_and_only_when_newer() -> None:
+    """Discovery's endpoint sets (one watch per pod): a large set spans datagrams, each
+    bounded; a follower applies it once every part of one number is in, never half of it (half
+    a set would remove the other half's replicas), and never an older set after a newer."""
+    members = [
+        MemberEntry(f"http://10.1.{i // 250}.{i % 250}:8000", i % 3 != 0, f"uid-{i}", f"vllm-{i}")
+        for i in range(1000)
+    ]
+    members[1] = MemberEntry("http://annotated:8000", True, "u", "p", EngineLayout(6000, None, 2))
+    datagrams = encode_members(7, members)
+    assert len(datagrams) > 1 and all(len(d) <= VIEW_CHUNK_BYTES + 64 for d in datagrams)
+    parts = [decode_message(d) for d in datagrams]
+    assert all(isinstance(p, MembersPart) for p in parts)
+    assembly = MembersAssembly()
+    *first, last = [p for p in parts if isinstance(p, MembersPart)]
+    assert all(assembly.add(p) is None for p in reversed(first))  # in any order
+    assert assembly.add(last) == members
+    assert assembly.add(last) is None  # a duplicate of an applied set
+    older = decode_message(encode_members(6, members[:1])[0])
+    assert isinstance(older, MembersPart) and assembly.add(older) is None
+    empty = decode_message(encode_members(8, [])[0])  # every discovered replica left
+    assert isinstance(empty, MembersPart) and assembly.add(empty) == []
+    # the view's own datagrams still decode as view entries
+    assert decode_message(next(encode([entry(0)]))) == [entry(0)]
+    for bad in (b'{"k":"members","v":9,"i":3,"n":2,"e":[]}', b'{"k":"other"}', b"[{}]"):
+        with pytest.raises((ValueError, KeyError, TypeError)):
+            decode_message(bad)
 
 
 async def test_a_full_queue_drops_without_blocking_and_the_receiver_counts_bad_datagrams() -> None:

@@ -83,17 +83,17 @@ async def test_a_marker_set_after_its_call_timed_out_still_lands(
     finally:
         os.kill(fresh_redis.proc.pid, signal.SIGCONT)  # ...and Redis runs the script
     admin = await open_redis(fresh_redis.url, cluster=False)
-    key = block_keys([blocks[-1]])[0] + b":w"
+    key = block_keys([blocks[0]])[0] + b":w"  # the flight's one marker, on its first block
     for _ in range(1000):  # the script came on another connection: read until it has run
         if await admin.get(key) is not None:
             break
-    marker = Marker.parse(text(await admin.get(key)))
+    marker = Marker.parse(text((await admin.get(key)).split(b"\n", 1)[0]))
     assert marker is not None and marker.state == PENDING
     lookup = await sibling_directory.lookup(blocks)
     assert lookup.writer_depth == len(blocks) and lookup.writer is not None
     waiting = asyncio.create_task(
         sibling_flights.wait_remote(
-            marker.key, 3.0, lambda: sibling_directory.read_marker(blocks[-1])
+            marker.key, 3.0, lambda: sibling_directory.read_marker(blocks[lookup.writer_from])
         )
     )
     leader_flights.end(flight, ok=True)  # the leader's first byte
@@ -117,14 +117,13 @@ async def test_a_landing_that_overtakes_its_late_marker_leaves_no_pending_marker
     pending = Marker(PENDING, "gw:1", "r1", 1.0)
     await store.land(blocks, pending.format(), pending.landed(True).format(), 2.0)
     await store.lead(blocks, pending.format(), 10.0)  # the late call
-    for block in (blocks[0], blocks[-1]):
-        marker = await store.read_marker(block)
-        assert marker is not None and Marker.parse(marker) == pending.landed(True)
+    marker = await store.read_marker(blocks[0])  # the flight's one marker
+    assert marker is not None and Marker.parse(marker) == pending.landed(True)
     other = Marker(PENDING, "gw:2", "r2", 1.0)  # another leader's marker is never touched
     blocks2 = chain_hashes(b"another prefix " * 400, root_hash(b"salt", "m"), 256)
     await store.lead(blocks2, other.format(), 10.0)
     await store.land(blocks2, pending.format(), pending.landed(True).format(), 2.0)
-    assert await store.read_marker(blocks2[-1]) == other.format()
+    assert await store.read_marker(blocks2[0]) == other.format()
     await client.aclose()
 
 
@@ -142,10 +141,59 @@ async def test_a_sibling_whose_leaders_marker_is_gone_is_released(
     pending = Marker(PENDING, "other-gateway:1", "r1", 1.0)
     await directory.shared.markers.lead(blocks, pending.format(), 10.0)
     waiting = asyncio.create_task(
-        flights.wait_remote(pending.key, 5.0, lambda: directory.read_marker(blocks[-1]))
+        flights.wait_remote(pending.key, 5.0, lambda: directory.read_marker(blocks[0]))
     )
     fresh_redis.cli("FLUSHALL")  # the store lost the marker
     released = await waiting
     assert released is not None and released.state == FAIL  # before the fix: None after 5 s
     assert flights.stats.timeouts == 0 and flights.stats.released_failed == 1
     await directory.close()
+
+
+async def test_a_flight_is_one_marker_key_and_a_sibling_finds_how_far_it_shares_it(
+    fresh_redis: RedisServer,
+) -> None:
+    """Fan-out markers cost Redis one SET per flight, not one per block (issue 17 item 4): the
+    leader's flight starts where its replica's cache ended; a sibling's lookup finds the one
+    key there and how far its own chain shares the flight, a diverged chain only that far, a
+    chain that leaves before the flight starts nothing."""
+    client = await open_redis(fresh_redis.url, cluster=False)
+    store = RedisDirectory(client)
+    store.register(["r1"])
+    await store.start()
+    salt = root_hash(b"salt", "m")
+    blocks = chain_hashes(b"a shared prefix " * 400, salt, 256)  # 25 blocks
+    await store.record("r1", blocks[:4])  # r1 holds the first four
+    pending = Marker(PENDING, "gw:1", "r1", 1.0)
+    sets_before = _calls(fresh_redis, "set")
+    assert await store.markers.lead(blocks[4:], pending.format(), 10.0) == 1
+    assert _calls(fresh_redis, "set") - sets_before == 1  # before: one SET per block (21)
+    assert len(await client.keys("kvg:*:w")) == 1
+    # a second leader of the same flight loses (first writer wins)
+    other = Marker(PENDING, "gw:2", "r2", 1.0)
+    assert await store.markers.lead(blocks[4:], other.format(), 10.0) == 0
+
+    sibling = await store.lookup_full(blocks, writers=True)
+    assert (sibling.writer_depth, sibling.writer_from) == (len(blocks), 4)
+    assert sibling.writer == pending.format()
+    diverged = blocks[:12] + chain_hashes(b"its own turn " * 400, salt, 256, parent=blocks[11])
+    found = await store.lookup_full(diverged, writers=True)
+    assert (found.writer_depth, found.writer_from, found.writer) == (12, 4, pending.format())
+    assert await store.markers.read_marker(diverged[found.writer_from]) == pending.format()
+    left_early = blocks[:3] + chain_hashes(b"elsewhere " * 400, salt, 256, parent=blocks[2])
+    assert (await store.lookup_full(left_early, writers=True)).writer is None
+
+    gets_before, sets_before = _calls(fresh_redis, "get"), _calls(fresh_redis, "set")
+    await store.markers.land(blocks[4:], pending.format(), pending.landed(True).format(), 2.0)
+    assert _calls(fresh_redis, "get") - gets_before == 1
+    assert _calls(fresh_redis, "set") - sets_before == 1
+    assert await store.markers.read_marker(blocks[4]) == pending.landed(True).format()
+    await store.close()
+
+
+def _calls(redis: RedisServer, command: str) -> int:
+    """How many times Redis ran `command` (scripts' calls included: INFO commandstats)."""
+    for line in redis.cli("INFO", "commandstats").splitlines():
+        if line.startswith(f"cmdstat_{command}:"):
+            return int(line.split("calls=", 1)[1].split(",", 1)[0])
+    return 0
