@@ -519,16 +519,7 @@ class BillingMeter:
         bill = await confirmed
         if bill is None:  # never admitted: nothing to bill
             return
-        try:
-            await self.wal.append(self._aborted(bill, replica))
-        except WalUnavailable as exc:  # its open entry stays: the next start records it
-            log.error(
-                "billing: %s: the aborted record waits for recovery: %s",
-                bill.pending.request_id,
-                exc,
-            )
-            return
-        self.wal.settle(bill.pending.request_id)
+        await self._record_aborted(bill, replica)
 
     async def drain(self) -> None:
         """Wait for the aborted records of abandoned leaders (shutdown, tests)."""
@@ -623,9 +614,14 @@ class BillingMeter:
                 return
         if bill.pending.op != "request":
             return  # a failed creation creates nothing and costs nothing
+        await self._record_aborted(bill, record.replica)
+
+    async def _record_aborted(self, bill: OpenBill, replica: str) -> None:
+        """Append an exchange's aborted record; a WAL that cannot take it leaves its open entry
+        for the next start to record."""
         try:
-            await self.wal.append(self._aborted(bill, record.replica))
-        except WalUnavailable as exc:  # its open entry stays: the next start records it
+            await self.wal.append(self._aborted(bill, replica))
+        except WalUnavailable as exc:
             log.error(
                 "billing: %s: the aborted record waits for recovery: %s",
                 bill.pending.request_id,
