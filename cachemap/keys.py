@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Mapping, Sequence
-from typing import NewType
+from typing import NewType, cast
 
 import mmh3
 
@@ -68,11 +68,12 @@ def chain_hashes(
     if extras:
         return _chain_with_extras(data, root, block_bytes, parent, extras)
     digest = mmh3.mmh3_x64_128_digest
-    out: list[BlockHash] = []
+    out: list[bytes] = []
+    append = out.append
     first = 0
     if parent is None:
         last = digest(root + data[:block_bytes])
-        out.append(BlockHash(last))
+        append(last)
         first = block_bytes
     else:
         last = parent
@@ -80,11 +81,13 @@ def chain_hashes(
     # bytes slices, not memoryview slices: the block is copied once either way (into the
     # concatenation), and a bytes slice of a bytes object is one allocation where a
     # memoryview slice is an object the concatenation must then read through the buffer
-    # protocol (245 against 317 ns per block on a 47 KB prompt)
+    # protocol (245 against 317 ns per block on a 47 KB prompt). No `BlockHash(...)` per
+    # block: a NewType is a Python-level call at run time (~150 ns, a third of the loop);
+    # the list is the same objects, named by the cast once
     for start in range(first, len(data) - block_bytes + 1, block_bytes):
         last = tag + digest(last + data[start : start + block_bytes])[TAG_BYTES:]
-        out.append(BlockHash(last))
-    return out
+        append(last)
+    return cast(list[BlockHash], out)
 
 
 def _chain_with_extras(

@@ -13,7 +13,10 @@ the same body (a long tool-using conversation of ~100 KB of JSON, as coding agen
     parse     the whole of `parse_chat`: load, every field's check, the render
     render    the canonical text of the messages and tools (`render_chat`, then UTF-8)
     hash      the block chain of the rendered text (`chain_hashes`, one mmh3 per 256 bytes)
-    upstream  the engine's body: a copy of the parsed dict with the salt, dumped by orjson
+    upstream  the engine's body: the client's bytes with the salt spliced in (`splice_fields`,
+              what the director sends for an OpenAI body)
+    redump    the same body as the parsed dict with the salt, dumped again by orjson (the
+              path of a body that cannot be spliced, and of every body before the splice)
 
 Each figure is the median of `rounds` timings of `repeat` calls in this thread's CPU time (not
 wall time: on a loaded machine the process is descheduled between calls), so spikes move it
@@ -34,6 +37,7 @@ from cachemap.keys import chain_hashes, root_hash
 from cachemap.rendering import render_chat
 from gateway.api.body import load_json_object
 from gateway.api.openai.parse import parse_chat
+from gateway.pipeline.payload import splice_fields
 from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.text import words
 
@@ -101,7 +105,8 @@ def stage_costs(raw: bytes, repeat: int = 20, rounds: int = 7) -> dict[str, floa
         "parse": lambda: parse_chat(raw, limit),
         "render": lambda: render_chat(messages, tools).encode(),
         "hash": lambda: chain_hashes(rendered, root),
-        "upstream": lambda: orjson.dumps({**body, "cache_salt": "salt"}),
+        "upstream": lambda: splice_fields(raw, body, {"cache_salt": "salt", "stream": True}),
+        "redump": lambda: orjson.dumps({**body, "cache_salt": "salt"}),
     }
     return {name: _median_us(call, repeat, rounds) for name, call in stages.items()}
 

@@ -29,6 +29,7 @@ from gateway.pipeline.forwarder import (
 )
 from gateway.pipeline.frontier import Frontiers
 from gateway.pipeline.keying import Keying
+from gateway.pipeline.payload import splice_fields
 from gateway.pipeline.placement import Placement
 from gateway.pipeline.relayed import LandFlight, Pick
 from gateway.request.cache_control import strip_marks
@@ -412,16 +413,21 @@ class Director:
         answer to the client as it comes (`relayed`: Envoy, which cannot assemble a stream into
         the JSON the client asked for). `ask_usage`: a stream is asked for its usage."""
         parsed = routed.parsed
+        fields: dict[str, Any] = {"cache_salt": routed.tenant.cache_salt}
+        stream = parsed.stream or (not relayed and engine_streams(parsed.body))
+        if stream:
+            fields["stream"] = True
+            if ask_usage:
+                fields["stream_options"] = {"include_usage": True}
+        if parsed.raw is not None and not (parsed.breakpoints or parsed.prewarm):
+            spliced = splice_fields(parsed.raw, parsed.body, fields)
+            if spliced is not None:
+                return spliced, stream
         body = dict(parsed.body)
         if parsed.breakpoints or parsed.prewarm:  # a front end that keeps cache hints in the body
             body = strip_marks(body)
             body["max_tokens"] = max(body.get("max_tokens") or 1, 1)
-        body["cache_salt"] = routed.tenant.cache_salt
-        stream = parsed.stream or (not relayed and engine_streams(body))
-        if stream:
-            body["stream"] = True
-            if ask_usage:
-                body["stream_options"] = {"include_usage": True}
+        body.update(fields)
         return orjson.dumps(body), stream
 
     async def _forward(self, routed: Routed, trace: RequestTrace) -> Exchange | Passthrough:

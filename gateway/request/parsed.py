@@ -26,3 +26,8 @@ class ParsedRequest:
     prewarm: bool = False
     """`max_tokens: 0`: read and refresh the cache, generate nothing (one token is generated
     upstream, since engines need max_tokens >= 1, and discarded)."""
+    raw: bytes | None = None
+    """The client's JSON that `body` was parsed from, when `body` is exactly it (the OpenAI
+    front end): the engine's body is then these bytes with the gateway's fields spliced in,
+    not `body` serialized again (`gateway.pipeline.payload`). None: a front end that built
+    `body` itself (Anthropic, gRPC)."""

@@ -137,3 +137,13 @@ def test_tool_call_arguments_nested_too_deep_are_a_nesting_error() -> None:
             render_chat([{"role": "assistant", "tool_calls": [call]}])
     fine = {"id": "c", "function": {"name": "f", "arguments": json.dumps(_nested(10))}}
     assert "<|tool_call|>" in render_chat([{"role": "assistant", "tool_calls": [fine]}])
+
+
+def test_many_shallow_containers_are_not_too_deep_and_one_deep_among_them_is() -> None:
+    """Past `MAX_JSON_DEPTH` containers the count gives up and the serialization answers."""
+    shallow = {"messages": [{"role": "user", "content": [{"type": "text"}]} for _ in range(200)]}
+    assert not too_deep(shallow)
+    shallow["messages"].append({"content": _nested(MAX_JSON_DEPTH - 2)})
+    assert too_deep(shallow)
+    # a body of one long message (the bench's shape) is 3 containers: the count alone answers
+    assert not too_deep({"model": "m", "messages": [{"role": "user", "content": "[{" * 5000}]})

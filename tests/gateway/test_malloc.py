@@ -47,3 +47,34 @@ def test_freed_tables_stay_resident_unless_the_threshold_is_pinned() -> None:
 def test_an_operators_own_threshold_is_left_alone() -> None:
     pinned, _ = _free_mb_after_tables("pin", {"MALLOC_MMAP_THRESHOLD_": "4194304"})
     assert not pinned
+
+
+REQUEST_SCRIPT = """
+import sys
+from gateway.server.malloc import c_heap, pin_mmap_threshold
+pin_mmap_threshold()
+bodies = [bytearray(80_000) for _ in range(100)]  # 8 MB of request-sized blocks, on the heap
+del bodies
+print(c_heap().free_mb)
+"""
+
+
+def _free_mb_after_requests(env: dict[str, str]) -> float:
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    run_env.update(env)
+    done = subprocess.run(
+        [sys.executable, "-c", REQUEST_SCRIPT],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=run_env,
+    )
+    return float(done.stdout)
+
+
+def test_request_sized_blocks_freed_stay_on_the_heap_for_the_next_requests() -> None:
+    """The pinned mmap threshold freezes glibc's trim threshold at 128 KiB, which handed freed
+    bodies back at once (each next body faulted its pages in again): it is pinned higher."""
+    assert _free_mb_after_requests({}) > 7
+    # an operator's own trim threshold is left alone
+    assert _free_mb_after_requests({"MALLOC_TRIM_THRESHOLD_": "131072"}) < 1

@@ -165,7 +165,7 @@ def parse_chat(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
     except NestingError as exc:
         raise _fail(str(exc), "messages") from None
     _check_size(rendered, max_prompt_bytes)
-    return ParsedRequest(CHAT, model, body, rendered, stream, include_usage)
+    return ParsedRequest(CHAT, model, body, rendered, stream, include_usage, raw=raw)
 
 
 def parse_completion(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
@@ -192,7 +192,7 @@ def parse_completion(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
         )
     rendered = render_completion(prompt).encode()
     _check_size(rendered, max_prompt_bytes)
-    return ParsedRequest(COMPLETION, model, body, rendered, stream, include_usage)
+    return ParsedRequest(COMPLETION, model, body, rendered, stream, include_usage, raw=raw)
 
 
 def _check_size(rendered: bytes, max_prompt_bytes: int) -> None:
