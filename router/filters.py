@@ -76,5 +76,7 @@ class LoadBoundFilter:
         if not replicas:
             return []
         room = [r for r in replicas if not r.kv_saturated] or list(replicas)
-        limit = self.bound(req, room)
-        return [r for r in room if req.load(r) <= limit]
+        loads = [req.load(r) for r in room]  # once each: `bound` and the cut read the same
+        least = min(loads)
+        limit = least + self.absolute_slack_tokens + self.relative_slack * least
+        return [r for r, load in zip(room, loads, strict=True) if load <= limit]

@@ -126,9 +126,7 @@ class Exchange:
                     return await self._whole_body()
                 assembler = Assembler()
                 try:
-                    async with contextlib.aclosing(self._parsed(self._events())) as chunks:
-                        async for chunk in chunks:
-                            assembler.add(chunk)
+                    await self._assemble(self.stream, assembler)
                 except GatewayError as exc:  # a hook refused (billing could not write)
                     self._fail(exc)
                 if self.failure is None:
@@ -138,6 +136,44 @@ class Exchange:
                     raise self.failure
         finally:
             await self.finish()
+
+    async def _assemble(self, stream: Streaming, assembler: Assembler) -> None:
+        """The stream's chunks into `assembler`, as `_parsed(_events())` gives them, in one
+        loop: no async generator per answer (py-spy: the three generators and their
+        `aclosing` were a fixed cost of every non-streamed answer). The reader goes on where
+        the first batch ended (`block`, as the relay does). The usage hook's refusal is raised
+        (`complete` fails the exchange); a failing stream ends it with `failure` set."""
+        await stream.batches.aclose()
+        try:
+            await self.first_token()  # before any chunk: see `_events`
+        except _UPSTREAM_ERRORS as exc:
+            self._broke(stream, exc)
+            return
+        except GatewayError as exc:
+            self._fail(exc)
+            return
+        reader = stream.reader
+        events = stream.first_batch
+        while True:
+            for event in events:
+                chunk = _data_chunk(event)
+                if chunk is None:
+                    continue
+                if isinstance(chunk.get("error"), dict) and "choices" not in chunk:
+                    self._engine_error(chunk)
+                    return
+                usage = chunk.get("usage")
+                if isinstance(usage, dict):
+                    await self.hooks.usage(self, usage)
+                assembler.add(chunk)
+            try:
+                block = await reader.block()
+            except _UPSTREAM_ERRORS as exc:
+                self._broke(stream, exc)
+                return
+            if not block:
+                return
+            events = [e for e in block.split(b"\n\n") if e]
 
     async def _whole_body(self) -> dict[str, Any]:
         body = self.record.body
@@ -296,18 +332,8 @@ class Exchange:
         async with contextlib.aclosing(events):
             async for batch in events:
                 for event in batch:
-                    if not event.startswith(b"data:"):
-                        continue
-                    data = event[5:].strip()
-                    if data == b"[DONE]":
-                        # not `return`: the batches run out, so the stream ends the same way
-                        # whichever network read holds [DONE]
-                        continue
-                    try:
-                        chunk = orjson.loads(data)
-                    except orjson.JSONDecodeError:
-                        continue
-                    if not isinstance(chunk, dict):
+                    chunk = _data_chunk(event)
+                    if chunk is None:
                         continue
                     if isinstance(chunk.get("error"), dict) and "choices" not in chunk:
                         self._engine_error(chunk)
@@ -379,3 +405,19 @@ class Exchange:
         finally:
             if self.on_closed is not None:
                 self.on_closed()
+
+
+def _data_chunk(event: bytes) -> dict[str, Any] | None:
+    """An SSE event's JSON object, or None for what carries no chunk: not a data event,
+    `[DONE]` (skipped, not an end: the batches run out, so the stream ends the same way
+    whichever network read holds it), malformed JSON, not an object."""
+    if not event.startswith(b"data:"):
+        return None
+    data = event[5:].strip()
+    if data == b"[DONE]":
+        return None
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return chunk if isinstance(chunk, dict) else None

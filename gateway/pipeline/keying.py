@@ -21,6 +21,7 @@ after the answer, or, from an idle engine, later still).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -71,6 +72,13 @@ def engine_body(parsed: ParsedRequest) -> dict[str, object]:
     if parsed.breakpoints or parsed.prewarm:
         return strip_marks(dict(parsed.body))
     return parsed.body
+
+
+@functools.lru_cache(maxsize=4096)
+def _root_hash(salt: bytes, model: str) -> BlockHash:
+    """`root_hash`, once per scope and model (a hash of the salt and the name per request
+    otherwise; bounded: a `user` scope has a salt per end user)."""
+    return root_hash(salt, model)
 
 
 class Keying:
@@ -126,7 +134,7 @@ class Keying:
         self, parsed: ParsedRequest, tenant: Tenant, trace: RequestTrace
     ) -> Keyed:
         block_bytes = self.keys.block_bytes
-        root = root_hash(tenant.salt, parsed.model)
+        root = _root_hash(tenant.salt, parsed.model)
         hashes = chain_hashes(parsed.rendered, root, block_bytes)
         lookup = await self._lookup(hashes, trace)
         bytes_per_token = self.estimator.bytes_per_token(parsed.model, tenant=tenant.name)

@@ -12,6 +12,9 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from gateway.errors import UpstreamError
 from gateway.pipeline.exchange import Exchange
 from gateway.pipeline.forwarder import EventReader, Forwarder, Streaming
 from gateway.pipeline.upstream import UpstreamPool
@@ -53,12 +56,15 @@ class _Hooks:
     def stream_broke(self, exchange: Any, exc: BaseException | str) -> None: ...
 
 
-def _exchange(log: list[str], first: int = 1) -> Exchange:
-    """The first `first` events arrive in the first read (all of them: a short answer)."""
-    reader = EventReader(_Content(EVENTS[first:]))  # type: ignore[arg-type]
+def _exchange(
+    log: list[str], first: int = 1, events: list[bytes] = EVENTS, reads: list[bytes] | None = None
+) -> Exchange:
+    """The first `first` events arrive in the first read (all of them: a short answer), the
+    rest a read each (or as `reads`)."""
+    reader = EventReader(_Content(events[first:] if reads is None else reads))  # type: ignore[arg-type]
     stream = Streaming(
         SimpleNamespace(close=lambda: None, release=lambda: None),  # type: ignore[arg-type]
-        [e.rstrip(b"\n") for e in EVENTS[:first]],
+        [e.rstrip(b"\n") for e in events[:first]],
         reader.batches(),
         reader,
     )
@@ -99,6 +105,36 @@ def test_parsed_chunks_run_the_first_token_hook_before_the_first_chunk() -> None
     assert log[0] == "first_token", log
     assert log.count("first_token") == 1
     assert log[-1] == "finish"
+
+
+def test_a_non_streamed_answer_is_assembled_from_any_reads_with_the_hooks_in_order() -> None:
+    """`complete` reads on where the first batch ended, whatever the reads' boundaries (an
+    event split across reads, several in one, [DONE] and a comment skipped)."""
+    rest = b": a comment\n\n" + b"".join(EVENTS[1:])
+    for reads in ([rest], [rest[i : i + 7] for i in range(0, len(rest), 7)]):
+        log: list[str] = []
+
+        async def run(reads: list[bytes] = reads, log: list[str] = log) -> dict[str, object]:
+            return await _exchange(log, reads=reads).complete()
+
+        body = asyncio.run(run())
+        choices = body["choices"]
+        assert isinstance(choices, list) and choices[0]["message"]["content"] == "ab"
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
+        assert log == ["first_token", "usage", "finish"], log
+
+
+def test_an_engine_error_event_fails_a_non_streamed_answer() -> None:
+    error = b'data: {"error":{"message":"boom","code":500}}\n\n'
+    log: list[str] = []
+
+    async def run() -> None:
+        await _exchange(log, events=[EVENTS[0], error]).complete()
+
+    with pytest.raises(UpstreamError) as raised:
+        asyncio.run(run())
+    assert raised.value.code == "upstream_error_event" and "boom" not in str(raised.value)
+    assert log == ["first_token", "finish"], log
 
 
 class _Client:
