@@ -156,16 +156,11 @@ class Exchange:
         events = stream.first_batch
         while True:
             for event in events:
-                chunk = _data_chunk(event)
-                if chunk is None:
-                    continue
-                if isinstance(chunk.get("error"), dict) and "choices" not in chunk:
-                    self._engine_error(chunk)
+                chunk = await self._answer_chunk(event)
+                if chunk is _ENDED:
                     return
-                usage = chunk.get("usage")
-                if isinstance(usage, dict):
-                    await self.hooks.usage(self, usage)
-                assembler.add(chunk)
+                if chunk is not None:
+                    assembler.add(chunk)
             try:
                 block = await reader.block()
             except _UPSTREAM_ERRORS as exc:
@@ -332,16 +327,25 @@ class Exchange:
         async with contextlib.aclosing(events):
             async for batch in events:
                 for event in batch:
-                    chunk = _data_chunk(event)
-                    if chunk is None:
-                        continue
-                    if isinstance(chunk.get("error"), dict) and "choices" not in chunk:
-                        self._engine_error(chunk)
+                    chunk = await self._answer_chunk(event)
+                    if chunk is _ENDED:
                         return
-                    usage = chunk.get("usage")
-                    if isinstance(usage, dict):
-                        await self.hooks.usage(self, usage)
-                    yield chunk
+                    if chunk is not None:
+                        yield chunk
+
+    async def _answer_chunk(self, event: bytes) -> dict[str, Any] | None:
+        """An event's chunk of the answer (None: not a data chunk), its usage handed to the
+        hooks; `_ENDED` when it is the engine's error event (the exchange has failed)."""
+        chunk = _data_chunk(event)
+        if chunk is None:
+            return None
+        if isinstance(chunk.get("error"), dict) and "choices" not in chunk:
+            self._engine_error(chunk)
+            return _ENDED
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            await self.hooks.usage(self, usage)
+        return chunk
 
     async def _usage_event(self, event: bytes, include_usage: bool) -> bytes:
         try:
@@ -405,6 +409,10 @@ class Exchange:
         finally:
             if self.on_closed is not None:
                 self.on_closed()
+
+
+_ENDED: dict[str, Any] = {}
+"""`Exchange._answer_chunk`'s answer for the engine's error event (compared by identity)."""
 
 
 def _data_chunk(event: bytes) -> dict[str, Any] | None:

@@ -35,14 +35,18 @@ class CountedWrites:
         return getattr(self._transport, name)
 
 
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
 def counting_app(seen: list[CountedWrites]) -> Any:
     """Answers every request with a JSON body through the gateway's `StatusSend`."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await _lifespan(receive, send)
             return
         cycle = send.__self__  # type: ignore[attr-defined]
         counted = CountedWrites(cycle.transport)
@@ -99,9 +103,7 @@ def test_body_arrived_only_once_uvicorn_holds_the_whole_body() -> None:
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await _lifespan(receive, send)
             return
         arrived.append(body_arrived(receive))
         body = b""
