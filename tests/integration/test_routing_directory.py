@@ -300,8 +300,11 @@ async def _lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> list[boo
         await d.record(replica, probe)
         await d.flushed()
         await shared_answers(d, probe, 5.0)  # the connection is open, the script loaded
-        fell_back = []
-        for _ in range(rounds):
+        lane = d.shared.lane if d.shared is not None else None
+        # warm-up lookups past the 5-ms deadline on a loaded machine count too: from here
+        timeouts, graced = (lane.stats.timeouts, lane.stats.late_answers) if lane else (0, 0)
+        fell_back, late = [], 0
+        for _ in range(20 * rounds):  # bounded: a round whose reply was read early is redone
             calls = int(stats.info("commandstats")["cmdstat_evalsha"]["calls"])
             task = asyncio.create_task(d.lookup(probe))
             for _ in range(10_000):  # yield until Redis has run it (bounded)
@@ -310,12 +313,21 @@ async def _lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> list[boo
                     break
             else:
                 raise AssertionError("the lookup never reached Redis")
+            # the reply may have come, and been read, in one of those yields: not this case
+            unread = lane is None or lane.in_flight > 0
             _hog(0.010)  # the reply is in the socket; the loop is busy past the deadline
             look = await task
-            fell_back.append(look.degraded)
             assert look.degraded or look.overlap == {replica: 8}
-        if d.shared is not None and d.shared.lane is not None:  # each was read late, not lost
-            assert d.shared.lane.stats.late_answers == rounds
+            if unread:
+                fell_back.append(look.degraded)
+                late += 1
+                if late == rounds:
+                    break
+        assert late == rounds, f"only {late} of {20 * rounds} replies were still unread"
+        if lane is not None:  # none was lost; at least one was read past its deadline
+            # (uvloop may poll the socket before it fires the deadline: a round in time then)
+            assert lane.stats.timeouts == timeouts
+            assert 1 <= lane.stats.late_answers - graced <= rounds
         return fell_back
     finally:
         stats.close()
@@ -357,15 +369,20 @@ async def test_a_redis_that_stopped_answering_still_costs_a_busy_loop_its_deadli
             await asyncio.sleep(0.01)
         else:
             raise AssertionError("an earlier lookup's reply never came")
+        # a warm-up lookup past its 5-ms deadline on a loaded machine had its grace: count
+        # from here
+        graced = d.shared.lane.stats.late_answers
         await client.execute_command("CLIENT", "PAUSE", 2000, "ALL")
         task = asyncio.create_task(d.lookup(probe))
         for _ in range(10_000):  # yield until the lookup is written (bounded)
             await asyncio.sleep(0)
             if d.shared.lane.in_flight:
                 break
+        else:
+            raise AssertionError("the lookup was never written")
         _hog(0.010)
         assert (await task).degraded
-        assert d.shared.lane.stats.late_answers == 0
+        assert d.shared.lane.stats.late_answers == graced
     finally:
         with contextlib.suppress(Exception):
             await client.execute_command("CLIENT", "UNPAUSE")

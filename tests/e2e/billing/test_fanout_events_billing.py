@@ -47,7 +47,10 @@ def events_billing(ports: dict[str, int], wal: Path, **extra: Any) -> dict[str, 
     return {
         **precise_settings(ports),
         "fanout_hold": True,
-        "engine_prefill_tokens_per_s": 6_500,
+        # the gateway's estimate, a third of the engines' speed: a hold's bound (twice the
+        # expected prefill, ~2 s) outlasts a loaded machine's event path, so only the landing
+        # can release the siblings
+        "engine_prefill_tokens_per_s": 2_000,
         "billing_wal_dir": wal,
         "billing_model_map": {MODEL: "sonnet-5", f"openai:{MODEL}": "gpt-5.6"},
         "billing_profiles": {"acme": "anthropic"},
