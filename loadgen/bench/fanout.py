@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from loadgen.bench.engine_work import busy_seconds, engine_totals, imbalance
 from loadgen.client import Result, stream_chat
 from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.engine.timing import DEFAULT_DECODE_S_PER_TOKEN, DEFAULT_PREFILL_TOKENS_PER_S
@@ -47,26 +45,6 @@ def add_bench_fanout_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--skip-hold", action="store_true", help="skip the fan-out hold arm")
     parser.add_argument("--skip-hot", action="store_true", help="skip the hot-prefix overflow arm")
-
-
-@dataclass
-class EngineTotals:
-    prompt_tokens: float = 0.0
-    cached_tokens: float = 0.0
-    generation_tokens: float = 0.0
-
-
-def engine_totals(url: str) -> EngineTotals:
-    totals = EngineTotals()
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        value = sum(s.value for s in family.samples if s.name.endswith("_total"))
-        if family.name == "vllm:prompt_tokens":
-            totals.prompt_tokens = value
-        elif family.name == "vllm:prefix_cache_hits":
-            totals.cached_tokens = value
-        elif family.name == "vllm:generation_tokens":
-            totals.generation_tokens = value
-    return totals
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
@@ -136,20 +114,15 @@ def run_hot(args: argparse.Namespace, overflow: bool) -> dict[str, float]:
         before = [engine_totals(e.url) for e in engines]
         results = asyncio.run(_open_loop(gw.url, args))
         after = [engine_totals(e.url) for e in engines]
-    busy = []
-    for b, a in zip(before, after, strict=True):
-        prefill = a.prompt_tokens - a.cached_tokens - b.prompt_tokens + b.cached_tokens
-        decode = a.generation_tokens - b.generation_tokens
-        busy.append(prefill / DEFAULT_PREFILL_TOKENS_PER_S + decode * DEFAULT_DECODE_S_PER_TOKEN)
+    busy = busy_seconds(before, after, DEFAULT_PREFILL_TOKENS_PER_S, DEFAULT_DECODE_S_PER_TOKEN)
     ok = [r for r in results if r.ok]
     ttfts = [r.ttft_s * args.time_scale for r in ok]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.engine_cached_tokens for r in ok)
-    mean = sum(busy) / len(busy)
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
-        "imbalance": max(busy) / mean if mean else 0.0,
+        "imbalance": imbalance(busy),
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p99_s": percentile(ttfts, 0.99),
         "hit_ratio": cached / prompt if prompt else 0.0,

@@ -18,8 +18,10 @@ starts cold with the same KV capacity:
     epp-headers:<policy>     the same, the response body not sent to the picker (cheaper:
                              no usage, no billing)
 
-Per arm it records errors, the hit ratio (engine-reported cached tokens / input tokens), TTFT
-mean / p50 / p99 as measured and in trace seconds, the router process's CPU per request (from
+Per arm it records errors, the hit ratio (engine-reported cached tokens / input tokens), the
+imbalance (the busiest engine's work over the mean, from the engines' own counters: uncached
+prefill plus decode, the simulator's measure), TTFT mean / p50 / p99 as measured and in trace
+seconds, the router process's CPU per request (from
 /proc; for the epp arms kvgate's, with Envoy's beside it), the idle hop (after the replay:
 the median TTFT of `HOP_PROBES` one-token requests through the router minus the same straight
 at an engine: what the routing layer adds on an idle path), and the machine's CPU busy share
@@ -56,6 +58,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from loadgen.bench.engine_work import busy_seconds, engine_totals, imbalance
 from loadgen.bench.fast_engine import fast_engines
 from loadgen.bench.rate import (
     DEFAULT_FACTOR,
@@ -342,6 +345,9 @@ class ArmResult:
     """kvgate arms: the gateway's routing decisions by reason (prefix, load_bound, no_match)."""
     rate: RateResult | None = None
     """The max-rate steps against instant stand-in engines (`loadgen.bench.rate`)."""
+    imbalance: float | None = None
+    """The busiest engine's work over the mean during the replay (`loadgen.bench.engine_work`:
+    uncached prefill plus decode, from the engines' own counters), as the simulator reports."""
 
 
 @dataclass(frozen=True)
@@ -391,6 +397,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
             max_output_tokens=setup.max_output_tokens,
             label=f"{arm.name} (run {run})",
         )
+        work0 = [engine_totals(e.url) for e in engines]
         engine_cpu0 = sum(processes.cpu_seconds(e.pid) for e in engines)
         router_cpu0 = processes.tree_cpu_seconds(router.pid) if router.pid else 0.0
         envoy_cpu0 = processes.cpu_seconds(router.envoy_pid) if router.envoy_pid else 0.0
@@ -399,6 +406,12 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         load.start()
         rows, wall = asyncio.run(replay(trace, options))
         busy = load.stop()
+        work = busy_seconds(
+            work0,
+            [engine_totals(e.url) for e in engines],
+            setup.prefill_tokens_per_s,
+            setup.decode_s_per_token,
+        )
         n = max(len(rows), 1)
         router_cpu = (
             (processes.tree_cpu_seconds(router.pid) - router_cpu0) / n * 1e3 if router.pid else None
@@ -432,6 +445,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         decisions=decisions,
         envoy_cpu_ms_per_request=envoy_cpu,
         hop_ms=hop,
+        imbalance=imbalance(work),
     )
 
 
@@ -766,24 +780,26 @@ def run_bench(args: argparse.Namespace) -> int:
 def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> str:
     k = setup.time_scale
     lines = [
-        "| arm | run | requests | errors | hit ratio | of shared LRU | TTFT mean s | TTFT p50 s "
-        "| TTFT p99 s | TTFT mean (trace s) | TTFT p99 (trace s) | router CPU ms/req "
+        "| arm | run | requests | errors | hit ratio | of shared LRU | imbalance | TTFT mean s "
+        "| TTFT p50 s | TTFT p99 s | TTFT mean (trace s) | TTFT p99 (trace s) | router CPU ms/req "
         "| Envoy CPU ms/req | idle hop ms | machine CPU busy | max req/s |",
-        "| --- " + "| ---: " * 15 + "|",
+        "| --- " + "| ---: " * 16 + "|",
     ]
     for r in results:
         s = r.summary
         if s is None:
-            lines.append(f"| {r.arm} | {r.run} | | | | | | | | | | | | | {r.note} | |")
+            lines.append(f"| {r.arm} | {r.run} | | | | | | | | | | | | | | {r.note} | |")
             continue
         cpu = "" if r.router_cpu_ms_per_request is None else f"{r.router_cpu_ms_per_request:.2f}"
         envoy_cpu = (
             "" if r.envoy_cpu_ms_per_request is None else f"{r.envoy_cpu_ms_per_request:.2f}"
         )
         hop = "" if r.hop_ms is None else f"{r.hop_ms:.2f}"
+        spread = "" if r.imbalance is None else f"{r.imbalance:.2f}"
         lines.append(
             f"| {r.arm} | {r.run} | {s.requests} | {s.errors} | {s.hit_ratio:.3f} | "
-            f"{s.hit_ratio / lru if lru else 0:.1%} | {s.ttft_mean_s:.3f} | {s.ttft_p50_s:.3f} | "
+            f"{s.hit_ratio / lru if lru else 0:.1%} | {spread} | {s.ttft_mean_s:.3f} | "
+            f"{s.ttft_p50_s:.3f} | "
             f"{s.ttft_p99_s:.3f} | {s.ttft_mean_s * k:.2f} | {s.ttft_p99_s * k:.2f} | {cpu} | "
             f"{envoy_cpu} | {hop} | {r.machine_busy_share:.0%} | {max_rate(r.rate)} |"
         )

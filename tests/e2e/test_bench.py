@@ -72,6 +72,9 @@ def test_a_small_bench_runs_every_arm_and_writes_one_table(
         assert row["summary"] is not None, f"{name} did not run: {row['note']}"
         assert row["summary"]["requests"] == 40 and row["summary"]["errors"] == 0, row["note"]
         assert f"| {name} | 1 | 40 | 0 |" in table
+        # the engines' own counters: the busiest of the two did at least the mean, at most all
+        assert 1.0 <= row["imbalance"] <= 2.0, row
+        assert f"| {row['imbalance']:.2f} |" in table
         if name != "client:round_robin":
             assert row["router_cpu_ms_per_request"] > 0
             assert row["hop_ms"] is not None
