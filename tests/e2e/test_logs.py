@@ -64,9 +64,10 @@ def test_one_json_format_a_start_up_line_and_an_access_line(json_gateway: tuple[
         url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {WRONG_KEY}"}
     )
     assert refused.status_code == 401
-    wait_until(
+    wait_until(  # the refusal's access line comes after its warning: wait for both exchanges'
         lambda: (
-            any(e["logger"] == "kvgate.access" for e in log_lines(stderr))
+            {e.get("status") for e in log_lines(stderr) if e["logger"] == "kvgate.access"}
+            >= {200, 401}
             and "authentication failed" in stderr.read_text()
         ),
         what="the access and authentication lines",
