@@ -406,12 +406,6 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         load.start()
         rows, wall = asyncio.run(replay(trace, options))
         busy = load.stop()
-        work = busy_seconds(
-            work0,
-            [engine_totals(e.url) for e in engines],
-            setup.prefill_tokens_per_s,
-            setup.decode_s_per_token,
-        )
         n = max(len(rows), 1)
         router_cpu = (
             (processes.tree_cpu_seconds(router.pid) - router_cpu0) / n * 1e3 if router.pid else None
@@ -421,6 +415,13 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         envoy_cpu = None
         if router.envoy_pid:
             envoy_cpu = (processes.cpu_seconds(router.envoy_pid) - envoy_cpu0) / n * 1e3
+        # after the CPU readings: these scrapes' client and engine CPU are not the replay's
+        work = busy_seconds(
+            work0,
+            [engine_totals(e.url) for e in engines],
+            setup.prefill_tokens_per_s,
+            setup.decode_s_per_token,
+        )
         decisions = (
             routing_decisions(router.metrics_url)
             if arm.kind in GATEWAY_KINDS and router.metrics_url
@@ -799,8 +800,8 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
         lines.append(
             f"| {r.arm} | {r.run} | {s.requests} | {s.errors} | {s.hit_ratio:.3f} | "
             f"{s.hit_ratio / lru if lru else 0:.1%} | {spread} | {s.ttft_mean_s:.3f} | "
-            f"{s.ttft_p50_s:.3f} | "
-            f"{s.ttft_p99_s:.3f} | {s.ttft_mean_s * k:.2f} | {s.ttft_p99_s * k:.2f} | {cpu} | "
+            f"{s.ttft_p50_s:.3f} | {s.ttft_p99_s:.3f} | {s.ttft_mean_s * k:.2f} | "
+            f"{s.ttft_p99_s * k:.2f} | {cpu} | "
             f"{envoy_cpu} | {hop} | {r.machine_busy_share:.0%} | {max_rate(r.rate)} |"
         )
     decided = [r for r in results if r.decisions]

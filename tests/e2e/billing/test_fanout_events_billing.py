@@ -20,7 +20,11 @@ from gateway.billing.wal import read_directory
 from loadgen.harness.redis_servers import RedisServer
 from tests.clients import director
 from tests.conftest import MODEL, TENANT_KEY
-from tests.e2e.test_fanout_events import SHARED_PROMPT, SLOW_FIRST_CHUNK
+from tests.e2e.test_fanout_events import (
+    GATEWAY_PREFILL_ESTIMATE,
+    SHARED_PROMPT,
+    SLOW_FIRST_CHUNK,
+)
 from tests.e2e.test_precise import join, precise_settings
 from tests.loadgen.test_kv_events import events_config, free_ports
 from tests.servers import Served, wait_until
@@ -47,10 +51,7 @@ def events_billing(ports: dict[str, int], wal: Path, **extra: Any) -> dict[str, 
     return {
         **precise_settings(ports),
         "fanout_hold": True,
-        # the gateway's estimate, a third of the engines' speed: a hold's bound (twice the
-        # expected prefill, ~2 s) outlasts a loaded machine's event path, so only the landing
-        # can release the siblings
-        "engine_prefill_tokens_per_s": 2_000,
+        "engine_prefill_tokens_per_s": GATEWAY_PREFILL_ESTIMATE,
         "billing_wal_dir": wal,
         "billing_model_map": {MODEL: "sonnet-5", f"openai:{MODEL}": "gpt-5.6"},
         "billing_profiles": {"acme": "anthropic"},
