@@ -52,8 +52,13 @@ class LoadBoundFilter:
     load(r) = prefill tokens queued on r + this request's uncached tokens on r (a replica that
     holds the prefix counts its saving) + decode_token_weight × output tokens r is still to
     generate (`RouteRequest.load`); eligible when
-        load(r) <= min_load + absolute_slack + relative_slack * min_load,
-    among the replicas whose KV cache is not saturated (all of them when every one is).
+        load(r) <= min_load + absolute_slack + relative_slack * min_load.
+
+    A KV cache the engine reports full is not over the bound on that account: a request there
+    waits for running ones to free blocks (vLLM admits no request it cannot hold), and that
+    wait is their prefill and outstanding output, already in the load. Treating usage >= 95%
+    as over the bound moved a long agent session off the replica holding it whenever another
+    session ran there (docs/design/routing.md, "A KV cache reported full").
     """
 
     name = "load_bound"
@@ -75,8 +80,7 @@ class LoadBoundFilter:
     def filter(self, req: RouteRequest, replicas: Sequence[Replica]) -> list[Replica]:
         if not replicas:
             return []
-        room = [r for r in replicas if not r.kv_saturated] or list(replicas)
-        loads = [req.load(r) for r in room]  # once each: `bound` and the cut read the same
+        loads = [req.load(r) for r in replicas]  # once each: `bound` and the cut read the same
         least = min(loads)
         limit = least + self.absolute_slack_tokens + self.relative_slack * least
-        return [r for r, load in zip(room, loads, strict=True) if load <= limit]
+        return [r for r, load in zip(replicas, loads, strict=True) if load <= limit]

@@ -5,10 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-KV_SATURATED = 0.95
-"""A replica whose KV cache is 95% full cannot admit a request's blocks without evicting
-running ones' (vLLM preempts, then recomputes): whatever its queues, it is over the bound."""
-
 
 @dataclass(frozen=True, slots=True)
 class KvFrontier:
@@ -75,7 +71,9 @@ class Replica:
     request_output_tokens: float = 0.0
     """Output tokens assumed per request another gateway runs there (this gateway's mean)."""
     kv_usage: float | None = None
-    """The engine's KV cache usage, 0..1 (vllm:kv_cache_usage_perc), when it reports one."""
+    """The engine's KV cache usage, 0..1 (vllm:kv_cache_usage_perc), when it reports one: the
+    share running requests hold. Observed, not a bound: a full cache makes a new request wait
+    for the running ones, whose work the load already counts (`LoadBoundFilter`)."""
     kv_frontier: KvFrontier | None = None
     """The replica's eviction frontier when precise mode knows it (None: unknown)."""
 
@@ -85,10 +83,6 @@ class Replica:
         running requests (seen through the engine's metrics) at the mean length."""
         foreign = self.engine_num_running - self.own_num_running
         return self.decode_tokens + (foreign * self.request_output_tokens if foreign > 0 else 0.0)
-
-    @property
-    def kv_saturated(self) -> bool:
-        return self.kv_usage is not None and self.kv_usage >= KV_SATURATED
 
     @property
     def foreign_prefill_tokens(self) -> float:
