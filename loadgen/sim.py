@@ -313,7 +313,6 @@ class _ReplicaState:
             self.num_inflight,
             self.pending_prefill_tokens,
             decode_tokens=self.decode_tokens,
-            kv_usage=self.core.cache.usage,  # what the live engine's /metrics reports
             kv_frontier=frontier,
         )
 

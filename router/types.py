@@ -70,10 +70,6 @@ class Replica:
     """...of which this gateway's (its requests in flight there when that scrape answered)."""
     request_output_tokens: float = 0.0
     """Output tokens assumed per request another gateway runs there (this gateway's mean)."""
-    kv_usage: float | None = None
-    """The engine's KV cache usage, 0..1 (vllm:kv_cache_usage_perc), when it reports one: the
-    share running requests hold. Observed, not a bound: a full cache makes a new request wait
-    for the running ones, whose work the load already counts (`LoadBoundFilter`)."""
     kv_frontier: KvFrontier | None = None
     """The replica's eviction frontier when precise mode knows it (None: unknown)."""
 

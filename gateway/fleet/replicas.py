@@ -170,7 +170,6 @@ class ReplicaState:
             engine_num_running=running or 0.0,
             own_num_running=self.own_running_at_scrape if running is not None else 0.0,
             request_output_tokens=self.fleet.mean_output_tokens if running is not None else 0.0,
-            kv_usage=metrics.kv_usage if metrics is not None else None,
         )
 
 

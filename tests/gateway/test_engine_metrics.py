@@ -3,9 +3,15 @@ prometheus_client itself (the library both engines use)."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from gateway.fleet.engine_metrics import EngineMetrics, parse_engine_metrics
+from gateway.fleet.replicas import ReplicaState
+from router.registry import build_policy
+from router.types import RouteRequest
 
 LABELS = ("model_name", "engine")
 MODEL = ("meta-llama/Llama-3.1-8B-Instruct", "0")
@@ -146,3 +152,32 @@ def test_the_kv_capacity_comes_from_vllms_cache_config_info() -> None:
     # before vLLM profiled its memory the label is "None": unknown, not a crash
     unprofiled = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n'
     assert parse_engine_metrics(unprofiled).num_gpu_blocks is None
+
+
+@pytest.mark.parametrize("policy_name", ["cache_aware", "cache_pressure"])
+def test_a_kv_cache_reported_full_keeps_the_conversation_it_holds(policy_name: str) -> None:
+    """A replica whose engine reported its KV cache 97–100% used (`vllm:kv_cache_usage_perc`:
+    the share running requests hold) was over the bound whatever its queues, so a long agent
+    session's next step left the replica that held it whenever another session ran there, and
+    re-prefilled 100k tokens elsewhere: live, 32 sessions at 10% KV, 0.323 → 0.465 hit ratio
+    (precise cache_pressure 0.228 → 0.742) without the rule (docs/benchmarks.md "A KV cache
+    reported full"). A full KV makes a new request wait for running ones, which the load
+    already counts (their prefill and outstanding output); usage is not a bound of its own.
+    From the scrape through the gateway's snapshot to the policy's decision."""
+    policy = build_policy(policy_name)
+    req = RouteRequest(90, 6_400.0, {"r0": 90})  # 6,400 tokens, 90 blocks of 64 cached on r0
+
+    def fleet(holder: ReplicaState) -> list[ReplicaState]:
+        return [holder, ReplicaState("r1", healthy=True), ReplicaState("r2", healthy=True)]
+
+    for usage in (0.97, 1.0):
+        full = ReplicaState("r0", healthy=True, metrics=EngineMetrics(kv_usage=usage))
+        snapshots = [r.snapshot() for r in fleet(full)]
+        kept = policy.decide(req, snapshots, random.Random(0))
+        assert kept is not None and kept.replica == "r0" and kept.reason == "prefix"
+    # the queue still moves it: the same request over the bound goes elsewhere
+    busy = ReplicaState(
+        "r0", healthy=True, pending_prefill_tokens=200_000, metrics=EngineMetrics(kv_usage=1.0)
+    )
+    moved = policy.decide(req, [r.snapshot() for r in fleet(busy)], random.Random(0))
+    assert moved is not None and moved.replica != "r0" and moved.reason == "load_bound"
