@@ -131,6 +131,17 @@ class DomainRecency:
                 break
         return tuple(out)
 
+    def oldest(self, max_runs: int) -> list[tuple[int, float]]:
+        """The first `max_runs` live runs, next evicted first, as (num_blocks, last use): what
+        an owner publishes of its domain for the other gateways (`cachemap.redis.frontiers`)."""
+        out: list[tuple[int, float]] = []
+        for run in self._runs:
+            if run.count:
+                out.append((run.count, run.used_s))
+                if len(out) >= max_runs:
+                    break
+        return out
+
     def _compact(self) -> None:
         """Drop the runs later touches emptied (amortised: when the deque doubled since)."""
         live = deque(r for r in self._runs if r.count)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ from cachemap.events import (
     stored_keys,
 )
 from cachemap.keys import TAG_BYTES, BlockHash
+from cachemap.recency import DomainRecency
 from cachemap.redis.client import AnyRedis
 from cachemap.redis.event_scripts import (
     CLEAN,
@@ -120,6 +122,10 @@ class _Owned:
     stale: list[BlockHash] = field(default_factory=list)
     """Keys of older epochs whose fields are still to be cleaned."""
     dirty: bool = False
+    recency: DomainRecency | None = None
+    """The GPU blocks in eviction order (`track_recency`; `cachemap.redis.frontiers`)."""
+    recency_moved: bool = False
+    """The order changed since it was last published."""
 
 
 class EventWriter:
@@ -129,9 +135,20 @@ class EventWriter:
     `apply` and `clear` are synchronous (the `Feed` calls them between two awaits); `commit`
     after each batch schedules a flush, and waits for it on a wipe or a backlog."""
 
-    def __init__(self, client: AnyRedis, *, block_size: int) -> None:
+    def __init__(
+        self,
+        client: AnyRedis,
+        *,
+        block_size: int,
+        track_recency: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.client = client
         self.block_size = block_size
+        self.track_recency = track_recency
+        """Keep each owned domain's GPU blocks in eviction order, as the in-process index
+        does (a policy reads frontiers: `cachemap.redis.frontiers` publishes them)."""
+        self.clock = clock
         self.cluster = isinstance(client, RedisCluster)
         self.stats = IndexStats()
         self.committed_epochs: dict[str, int] = {}
@@ -169,6 +186,10 @@ class EventWriter:
             for tier in (GPU, CPU, STORAGE):
                 if mask & tier:
                     state.tier_counts[tier] += 1
+        if self.track_recency:  # which blocks are held is known, their order is not
+            state.recency = DomainRecency()
+            state.recency.use([k for k, m in state.masks.items() if m & GPU], self.clock())
+            state.recency_moved = True
         self._owned[domain] = state
         self.committed_epochs[domain] = state.epoch
         return state.next_seq
@@ -242,6 +263,9 @@ class EventWriter:
             if changed or state.engine.get(engine_hash) != key:
                 state.engine[engine_hash] = key
                 state.mapping[engine_hash] = key + digit(mask)
+        if self.track_recency and tier == GPU:
+            self._recency(state).use(keys[: len(event.block_hashes)], self.clock())
+            state.recency_moved = True
         self.stats.stored_blocks += len(keys)
 
     def _remove(self, state: _Owned, event: BlockRemoved) -> None:
@@ -257,6 +281,9 @@ class EventWriter:
                 continue
             state.tier_counts[tier] -= 1
             self.stats.removed_blocks += 1
+            if tier == GPU and state.recency is not None:
+                state.recency.remove(key)
+                state.recency_moved = True
             mask &= ~tier
             state.blocks[key] = mask
             if mask:
@@ -282,6 +309,9 @@ class EventWriter:
         state.sliding.clear()
         state.tier_counts = dict.fromkeys((GPU, CPU, STORAGE), 0)
         state.cleared = True
+        if state.recency is not None:
+            state.recency = DomainRecency()
+            state.recency_moved = True
         self._touch(state)
 
     async def commit(self, domain: str, next_seq: int | None, wiped: bool) -> None:
@@ -327,6 +357,49 @@ class EventWriter:
         if self._failing:
             log.warning("KV events: writing to Redis again")
         self._failing = False
+
+    # -- eviction order (`track_recency`) ------------------------------------------------------
+    @staticmethod
+    def _recency(state: _Owned) -> DomainRecency:
+        if state.recency is None:
+            state.recency = DomainRecency()
+        return state.recency
+
+    def touch(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
+        """A placement on an owned domain uses its leading blocks there: they become the
+        newest. Returns how many it held (0: not owned, or not tracking)."""
+        state = self._owned.get(domain)
+        if not self.track_recency or state is None:
+            return 0
+        held = self._recency(state).touch(keys, now_s)
+        state.recency_moved = state.recency_moved or held > 0
+        return held
+
+    def eviction_runs(self, domain: str, depth: int, now_s: float) -> tuple[tuple[int, float], ...]:
+        """An owned domain's next evicted GPU blocks (`DomainRecency.runs`)."""
+        state = self._owned.get(domain)
+        if state is None or state.recency is None:
+            return ()
+        return state.recency.runs(depth, now_s)
+
+    def take_moved_frontiers(
+        self, max_runs: int
+    ) -> list[tuple[str, int, int, list[tuple[int, float]]]]:
+        """(domain, epoch, GPU blocks, oldest runs) of each owned domain whose order moved
+        since the last call; they count as published (`frontiers_moved` puts one back)."""
+        out = []
+        for domain, state in self._owned.items():
+            if state.recency_moved and state.recency is not None:
+                state.recency_moved = False
+                runs = state.recency.oldest(max_runs)
+                out.append((domain, state.epoch, state.tier_counts[GPU], runs))
+        return out
+
+    def frontiers_moved(self, domains: Iterable[str]) -> None:
+        for domain in domains:
+            state = self._owned.get(domain)
+            if state is not None:
+                state.recency_moved = True
 
     # -- writing -----------------------------------------------------------------------------
     async def flush(self) -> None:
@@ -464,6 +537,10 @@ class EventReader:
 
     async def refresh(self) -> None:
         self._epochs_read(await self.client.hgetall(DOMAINS_KEY))
+
+    def take_epochs(self, raw: dict[Any, Any]) -> None:
+        """The domains hash as read elsewhere (`cachemap.redis.frontiers`' rounds)."""
+        self._epochs_read(raw)
 
     def _epochs_read(self, raw: dict[Any, Any]) -> bool:
         """Take the epochs Redis holds; True when they differ from those the lookup used."""

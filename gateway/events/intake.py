@@ -58,6 +58,7 @@ import zmq.asyncio
 
 from cachemap.events import AllBlocksCleared, CacheEvent, domain_of, rank_endpoint
 from cachemap.redis.events import EventWriter, Leases
+from cachemap.redis.frontiers import SharedFrontiers
 from gateway.events.decode import MalformedBatch, decode_batch
 from gateway.tasks import BackgroundTasks
 
@@ -387,6 +388,8 @@ class EventIntake:
         """Live gateways of the shared index at the last ownership round (0: not counted)."""
         self.handed_over = 0
         """Domains this gateway released for balance."""
+        self.frontiers: SharedFrontiers | None = None
+        """Shared mode with a policy that reads frontiers: their rounds run with the intake."""
         self._renewed: dict[str, float] = {}
 
     def share(self, writer: EventWriter, leases: Leases, lease_s: float) -> None:
@@ -565,6 +568,8 @@ class EventIntake:
     async def start(self) -> None:
         if self.writer is not None:
             self._background.spawn(self._own_loop(), name="events ownership")
+            if self.frontiers is not None:
+                self._background.spawn(self.frontiers.run(), name="events frontiers")
             return
         self.refresh()
         self._background.spawn(self._refresh_loop(), name="events refresh")
@@ -597,6 +602,8 @@ class EventIntake:
             if self.leases is not None:
                 with contextlib.suppress(Exception):
                     await self.leases.leave()
+            if self.frontiers is not None:
+                await self.frontiers.close()
             await self.writer.close()
         self._feeds.clear()
         self._tasks.clear()

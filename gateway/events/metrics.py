@@ -120,6 +120,25 @@ def _shared(precise: PreciseKeys, writer: EventWriter) -> Iterable[Any]:
         )
         handed.add_metric([], intake.handed_over)
         yield handed
+        frontiers = intake.frontiers
+        if frontiers is not None:
+            yield _by(
+                "kvgate_events_shared_frontiers",
+                "Eviction orders shared for cache_pressure, by what happened: published (by "
+                "this gateway as an owner), malformed (fetched and skipped), touches sent "
+                "(placements here on domains owned elsewhere), touches applied (other "
+                "gateways' placements on domains owned here), touches failed (not sent), "
+                "rounds failed (against Redis).",
+                "event",
+                {
+                    "published": frontiers.published,
+                    "malformed": frontiers.malformed,
+                    "touches_sent": frontiers.touches_sent,
+                    "touches_applied": frontiers.touches_applied,
+                    "touches_failed": frontiers.touch_failures,
+                    "rounds_failed": frontiers.round_failures,
+                },
+            )
     if precise.shared is not None:
         yield _by(
             "kvgate_events_shared_speculative",

@@ -23,8 +23,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
-from cachemap.events import GPU, EventIndex, domain_of
+from cachemap.events import GPU, domain_of
 from cachemap.keys import BlockHash
 from gateway.request.state import ExchangeRecord
 from gateway.request.usage import EngineUsage
@@ -37,6 +38,19 @@ ones of any fleet whose KV holds only a few conversations per replica."""
 MAX_RUNNING_S = 600.0
 """A conversation whose request never reported its end (a 4xx passed through, a lost
 exchange) stops counting as running after 10 minutes."""
+
+
+class RecencySource(Protocol):
+    """Where a domain's eviction order is read: the in-process `cachemap.events.EventIndex`
+    (with `track_recency`), or the shared index's `cachemap.redis.frontiers.SharedFrontiers`."""
+
+    def num_blocks(self, domain: str, tier: int = GPU) -> int: ...
+
+    def eviction_runs(
+        self, domain: str, depth: int, now_s: float
+    ) -> tuple[tuple[int, float], ...]: ...
+
+    def touch(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int: ...
 
 
 def shared_blocks(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
@@ -130,11 +144,12 @@ class LiveConversations:
 class Frontiers:
     """Builds each candidate's `KvFrontier` for a request, and learns from placements (module
     docstring). `capacity(replica)` is its engine's KV blocks per domain (None: unknown);
-    `live(replica)` whether its events flow; `dp_size(replica)` its DP ranks."""
+    `live(replica)` whether its events flow; `dp_size(replica)` its DP ranks. `index` and
+    `live` are set again when the gateway joins a shared index (`gateway.server.app`)."""
 
     def __init__(
         self,
-        index: EventIndex,
+        index: RecencySource,
         scorer: DisplacementScorer,
         capacity: Callable[[str], int | None],
         live: Callable[[str], bool],

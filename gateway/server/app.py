@@ -33,13 +33,14 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cachemap.events import EventIndex, replica_of
+from cachemap.events import EventIndex, domain_of, replica_of
 from cachemap.layouts import EngineLayouts
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
 from cachemap.redis.client import AnyRedis, open_redis
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.events import EventReader, EventWriter, Leases
+from cachemap.redis.frontiers import SharedFrontiers
 from cachemap.tokenizer import ModelTokenizer
 from gateway.api.asgi import MeteredASGI, on_http_exception, on_unexpected
 from gateway.api.context import FrontEnd
@@ -240,13 +241,15 @@ def _frontiers(
     intake: EventIntake | None,
     replicas: ReplicaSet,
 ) -> Frontiers | None:
-    """Eviction frontiers for a policy that reads them (`cache_pressure`), in precise mode
-    with in-process events; the event index then keeps each domain's eviction order. In
-    shared mode (`kv_events_shared`) the blocks are in Redis, their order is not: none."""
+    """Eviction frontiers for a policy that reads them (`cache_pressure`), in precise mode.
+    With in-process events the event index keeps each domain's eviction order; in shared
+    mode (`kv_events_shared`) the owners keep it and publish it, and the frontiers read it
+    once the gateway has joined the index (`_share_events`; until then: no frontier)."""
     scorer = frontier_reader(policy)
-    if scorer is None or precise is None or intake is None or settings.kv_events_shared:
+    if scorer is None or precise is None or intake is None:
         return None
-    precise.index.track_recency = True
+    if not settings.kv_events_shared:
+        precise.index.track_recency = True
     states = replicas.states
 
     def capacity(replica: str) -> int | None:
@@ -259,7 +262,7 @@ def _frontiers(
         precise.index,
         scorer,
         capacity,
-        intake.live,
+        (lambda replica: False) if settings.kv_events_shared else intake.live,
         lambda replica: layouts.dp_size(replica, dp_size),
     )
 
@@ -399,8 +402,12 @@ def _share_events(parts: Parts, client: AnyRedis) -> None:
     precise = parts.keying.precise if parts.keying is not None else None
     if not settings.kv_events_shared or precise is None:
         return
+    frontiers = parts.director.frontiers
+    writer = None
     if parts.intake is not None:
-        writer = EventWriter(client, block_size=settings.engine_block_size)
+        writer = EventWriter(
+            client, block_size=settings.engine_block_size, track_recency=frontiers is not None
+        )
         owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         parts.intake.share(
             writer, Leases(client, owner, settings.kv_events_lease_s), settings.kv_events_lease_s
@@ -408,6 +415,14 @@ def _share_events(parts: Parts, client: AnyRedis) -> None:
     precise.shared = EventReader(client)
     precise.shared.on_wipe = precise.index.clear  # its speculative entries go with the wipe
     precise.shared_deadline_s = settings.redis_deadline_s
+    if frontiers is not None and parts.intake is not None:  # the owners' order, shared
+        shared = SharedFrontiers(client, precise.shared, writer)
+        layouts, dp_size = precise.layouts, precise.dp_size
+        frontiers.index = shared
+        frontiers.live = lambda replica: shared.live(
+            domain_of(replica, 0, layouts.dp_size(replica, dp_size))
+        )
+        parts.intake.frontiers = shared
 
 
 SETTLE_S = 5.0

@@ -105,3 +105,14 @@ def test_runs_are_an_lru_of_the_blocks_held(ops: list[tuple[str, list[int]]]) ->
             expected.append((1, now - used))
     assert recency.runs(len(model), now) == tuple(expected)
     assert sum(n for n, _ in recency.runs(len(model) // 2, now)) == len(model) // 2
+
+
+def test_oldest_lists_live_runs_with_their_last_use() -> None:
+    recency = DomainRecency()
+    keys = [BlockHash(bytes([i]) * 8) for i in range(5)]
+    recency.use(keys[:2], 0.0)
+    recency.use(keys[2:4], 5.0)
+    recency.use(keys[4:], 9.0)
+    recency.touch(keys[2:4], 12.0)  # the middle run empties: not listed
+    assert recency.oldest(8) == [(2, 0.0), (1, 9.0), (2, 12.0)]
+    assert recency.oldest(1) == [(2, 0.0)]

@@ -8,9 +8,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import httpx
 import pytest
 
+from loadgen.harness.redis_servers import RedisServer
 from loadgen.text import words
+from tests.conftest import metrics_url
 from tests.e2e.test_precise import (
     chat,
     direct,
@@ -20,6 +23,8 @@ from tests.e2e.test_precise import (
     salt_of,
     via,
 )
+from tests.e2e.test_precise_shared import intake_of, join, owner_of, shared_settings
+from tests.loadgen.test_kv_events import events_config, free_ports
 from tests.servers import Served, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -95,3 +100,72 @@ def test_a_new_conversation_evicts_the_cold_conversation_not_the_hot_session(
         assert placed.headers["x-kvgate-replica"] == y.url and matched_on_y > 0
         assert cached(after) < cached(hot_cached)
         assert parts_of(gateway).director.frontiers is None
+
+
+SHARED_HOT_S, SHARED_HALF_LIFE_S = 1.5, 0.15
+"""Shared mode reads another owner's order up to two rounds (~0.2 s) late: a horizon with
+room for that on a loaded machine."""
+
+
+@pytest.mark.redis
+def test_two_gateways_sharing_the_index_place_on_the_owners_published_order(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    fresh_redis: RedisServer,
+) -> None:
+    """`kv_events_shared`: each gateway owns one engine's events. The gateway placing the new
+    conversation owns X (its order in memory) and reads Y's as Y's owner publishes it: the
+    same choice as in process, where `cache_aware` would evict the hot session."""
+    base = free_ports(2)
+    x, y = (
+        start_engines(1, kv_events=events_config(base + i), capacity_blocks=CAPACITY)[0]
+        for i in range(2)
+    )
+    ports = {x.url: base, y.url: base + 1}
+    settings = shared_settings(
+        ports,
+        fresh_redis.url,
+        policy="cache_pressure",
+        displacement_hot_s=SHARED_HOT_S,
+        displacement_half_life_s=SHARED_HALF_LIFE_S,
+        metrics_interval_s=0.05,
+    )
+    gateways = [start_gateway([x, y], **settings) for _ in "ab"]
+    join(gateways, [x, y])
+    gateway = owner_of(gateways, x.url)
+    assert y.url not in intake_of(gateway).owned()  # Y's order comes over Redis
+    states = parts_of(gateway).replicas.states
+    wait_until(
+        lambda: all((m := states[e.url].metrics) and m.num_gpu_blocks == CAPACITY for e in (x, y)),
+        what="the engines' capacity scraped",
+    )
+    frontiers = parts_of(gateway).director.frontiers
+    assert frontiers is not None
+    order = frontiers.index
+    salt = salt_of(gateway)
+    direct(x, chat(COLD), salt)
+    wait_until(
+        lambda: (
+            order.num_blocks(x.url) >= 20
+            and order.eviction_runs(x.url, 1, time.time())[0][1] >= 2 * SHARED_HOT_S
+        ),
+        what="X's conversation indexed and cold",
+    )
+    hot = direct(y, chat(HOT), salt)
+    wait_until(lambda: order.num_blocks(y.url) >= 20, what="Y's order published and read")
+    hot_cached = direct(y, chat(HOT), salt)
+    assert cached(hot_cached) >= 16 * 20
+
+    placed = via(gateway, chat(NEW))
+    step = chat([*HOT, hot["choices"][0]["message"], {"role": "user", "content": "next"}])
+    after = direct(y, step, salt)
+    assert placed.headers["x-kvgate-replica"] == x.url
+    assert cached(after) >= cached(hot_cached)
+    assert frontiers.num_built >= 2
+    shared = intake_of(owner_of(gateways, y.url)).frontiers
+    assert shared is not None and shared.published >= 1
+    scraped = httpx.get(metrics_url(owner_of(gateways, y.url)) + "/metrics").text
+    line = 'kvgate_events_shared_frontiers_total{event="published"} '
+    assert [float(s.split(" ")[1]) for s in scraped.splitlines() if s.startswith(line)] == [
+        float(shared.published)
+    ]
