@@ -31,7 +31,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import islice, repeat
+from operator import attrgetter
 
 from cachemap.keys import BlockHash
 
@@ -47,6 +48,9 @@ class _Run:
     id: int
     used_s: float
     count: int
+
+
+_COUNT, _USED = attrgetter("count"), attrgetter("used_s")
 
 
 @dataclass
@@ -134,13 +138,8 @@ class DomainRecency:
     def oldest(self, max_runs: int) -> list[tuple[int, float]]:
         """The first `max_runs` live runs, next evicted first, as (num_blocks, last use): what
         an owner publishes of its domain for the other gateways (`cachemap.redis.frontiers`)."""
-        out: list[tuple[int, float]] = []
-        for run in self._runs:
-            if run.count:
-                out.append((run.count, run.used_s))
-                if len(out) >= max_runs:
-                    break
-        return out
+        live = list(islice(filter(_COUNT, self._runs), max_runs))
+        return list(zip(map(_COUNT, live), map(_USED, live), strict=True))
 
     def _compact(self) -> None:
         """Drop the runs later touches emptied (amortised: when the deque doubled since)."""

@@ -126,6 +126,8 @@ class _Owned:
     """The GPU blocks in eviction order (`track_recency`; `cachemap.redis.frontiers`)."""
     recency_moved: bool = False
     """The order changed since it was last published."""
+    published_s: float = float("-inf")
+    published_epoch: int = -1
 
 
 class EventWriter:
@@ -383,16 +385,22 @@ class EventWriter:
         return state.recency.runs(depth, now_s)
 
     def take_moved_frontiers(
-        self, max_runs: int
+        self, max_runs: int, now_s: float = 0.0, every_s: float = 0.0
     ) -> list[tuple[str, int, int, list[tuple[int, float]]]]:
         """(domain, epoch, GPU blocks, oldest runs) of each owned domain whose order moved
-        since the last call; they count as published (`frontiers_moved` puts one back)."""
+        since it was last taken, at most once per `every_s` (a new epoch at once: until it
+        is published the domain has no frontier anywhere); they count as published
+        (`frontiers_moved` puts one back)."""
         out = []
         for domain, state in self._owned.items():
-            if state.recency_moved and state.recency is not None:
-                state.recency_moved = False
-                runs = state.recency.oldest(max_runs)
-                out.append((domain, state.epoch, state.tier_counts[GPU], runs))
+            if not state.recency_moved or state.recency is None:
+                continue
+            if now_s - state.published_s < every_s and state.published_epoch == state.epoch:
+                continue
+            state.recency_moved = False
+            state.published_s, state.published_epoch = now_s, state.epoch
+            runs = state.recency.oldest(max_runs)
+            out.append((domain, state.epoch, state.tier_counts[GPU], runs))
         return out
 
     def frontiers_moved(self, domains: Iterable[str]) -> None:

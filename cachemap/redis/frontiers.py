@@ -18,6 +18,8 @@ Key schema (`{...}`: the cluster hash tag; the frontier hashes beside the domain
                                     the GPU blocks held, the domain's name, then its oldest
                                     `MAX_PUBLISHED_RUNS` runs as (blocks, last use in wall s)
     kvg:{kvg-ev}:frontier:v   HASH  domain id -> its version (a reader fetches only what moved)
+    kvg:{kvg-ev}:frontier:touched  HASH  domain id -> 1: its touch list has something (an idle
+                                    owner reads this one hash, not every list)
     kvg:{kvg-ev:<id>}:touch   LIST  placements the owner has not applied yet: each the leading
                                     own keys (16 bytes each) a placement matched there; trimmed
                                     to the newest `MAX_QUEUED_TOUCHES`
@@ -26,11 +28,12 @@ Invariants and limits:
 - A published frontier counts only at the epoch the reader's lookups see for its domain: after
   a wipe, until the owner's next round publishes the empty order of the new epoch, the domain
   has no frontier (it ranks as `cache_aware` ranks it), never the wiped one.
-- Freshness: a reader's view of a domain it does not own is up to two rounds old (the owner's
-  publish, then its own fetch; `ROUND_S` each); another gateway's placement reaches the order a
-  round after it is made. A domain owned here reads the writer's own order, as in process.
-  Each round also reads the domains' epochs (the lookups read them too), so a gateway that
-  has routed nothing yet knows which published frontiers are current.
+- Freshness: a reader's view of a domain it does not own is up to ~0.7 s old (the owner
+  publishes a moved order at most every `PUBLISH_EVERY_S`, then the reader's fetch, `ROUND_S`
+  each); another gateway's placement reaches the owner's order a round after it is made.
+  A domain owned here reads the writer's own order, as in process.
+  A fetch reads the domains' epochs with the frontiers (the lookups read them too), so a
+  gateway that has routed nothing yet knows which published frontiers are current.
 - Runs past the published `MAX_PUBLISHED_RUNS` (the newest blocks) are not listed: like any
   producer's cut-off (`router.types.KvFrontier`), they count as not evictable.
 - A new owner (a takeover, a restart) knows which blocks its domain holds (the map in Redis),
@@ -45,9 +48,10 @@ import asyncio
 import logging
 import struct
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio.cluster import RedisCluster
 
@@ -62,10 +66,16 @@ log = logging.getLogger(__name__)
 
 FRONTIER_KEY = b"kvg:{kvg-ev}:frontier"
 VERSIONS_KEY = b"kvg:{kvg-ev}:frontier:v"
+TOUCHED_KEY = b"kvg:{kvg-ev}:frontier:touched"
 KEY_BYTES = 16
 ROUND_S = 0.1
-"""The owner's publish and every gateway's fetch: a reader lags the events by up to 0.2 s,
-against runs merged within 1 s and a displacement half-life of 5 s."""
+"""Every gateway's round: the versions fetched, an owner's touches applied and its moved
+orders published (`PUBLISH_EVERY_S`). Idle, one round trip."""
+PUBLISH_EVERY_S = 0.5
+"""A domain's order is published at most twice a second (a new epoch at once): under load
+every engine step moves it, and a frontier half a second old misses little against runs
+merged within 1 s and a half-life of 5 s — publishing every round cost an owner of 64 busy
+domains ~8% of a core (docs/benchmarks.md)."""
 MAX_PUBLISHED_RUNS = 256
 """Runs published per domain (12 bytes each, ~3 kB): the oldest, which a placement evicts
 first; a domain's runs merge within a second, so 256 cover minutes of its history."""
@@ -78,7 +88,9 @@ MAX_TOUCHING = 256
 """Touch writes in flight per gateway: beyond it a placement's touch is not sent."""
 
 _HEADER = struct.Struct("<qIH")
-_RUN = struct.Struct("<Id")
+_RUN_BYTES = 12
+"""A run's count (uint32) and last use (float64), in the machine's byte order (x86 and ARM
+servers alike are little-endian: the gateways of one fleet agree)."""
 
 
 def touch_key(rid: str) -> bytes:
@@ -97,10 +109,17 @@ class Published:
 
 
 def pack(epoch: int, num_blocks: int, name: str, runs: Sequence[tuple[int, float]]) -> bytes:
+    """The header, the name, then the runs' block counts (uint32) and their last uses
+    (float64), each as one array (no Python step per run)."""
     encoded = name.encode()
+    counts, used = zip(*runs, strict=True) if runs else ((), ())
     return b"".join(
-        [_HEADER.pack(epoch, num_blocks, len(encoded)), encoded]
-        + [_RUN.pack(n, used) for n, used in runs]
+        [
+            _HEADER.pack(epoch, num_blocks, len(encoded)),
+            encoded,
+            array("I", counts).tobytes(),
+            array("d", used).tobytes(),
+        ]
     )
 
 
@@ -108,14 +127,20 @@ def unpack(raw: bytes) -> Published:
     """A published frontier back (ValueError / struct.error on a malformed one)."""
     epoch, num_blocks, name_len = _HEADER.unpack_from(raw)
     start = _HEADER.size + name_len
-    if len(raw) < start or (len(raw) - start) % _RUN.size:
+    if len(raw) < start or (len(raw) - start) % _RUN_BYTES:
         raise ValueError(f"a published frontier of {len(raw)} bytes is malformed")
     name = raw[_HEADER.size : start].decode()
-    return Published(epoch, num_blocks, name, tuple(_RUN.iter_unpack(raw[start:])))
+    split = start + (len(raw) - start) // _RUN_BYTES * 4
+    counts, used = array("I"), array("d")
+    counts.frombytes(raw[start:split])
+    used.frombytes(raw[split:])
+    return Published(epoch, num_blocks, name, tuple(zip(counts, used, strict=True)))
 
 
 def split_keys(blob: bytes) -> list[BlockHash]:
-    return [BlockHash(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]
+    """A touch's keys back."""
+    keys = [blob[i : i + KEY_BYTES] for i in range(0, len(blob) - KEY_BYTES + 1, KEY_BYTES)]
+    return cast(list[BlockHash], keys)
 
 
 class SharedFrontiers:
@@ -139,6 +164,9 @@ class SharedFrontiers:
         """domain name -> its frontier as last fetched"""
         self._versions: dict[bytes, bytes] = {}
         self._touching: set[asyncio.Task[None]] = set()
+        self._leftover: set[str] = set()
+        self.publish_every_s = PUBLISH_EVERY_S
+        """Owned domains whose touch list held more than a round takes."""
         self.rounds = 0
         self.published = 0
         """Frontiers this gateway published (as an owner)."""
@@ -196,18 +224,26 @@ class SharedFrontiers:
             self.touch_failures += 1
             return 0
         task = asyncio.get_running_loop().create_task(
-            self._send_touch(touch_key(replica_id(domain)), b"".join(keys))
+            self._send_touch(replica_id(domain), b"".join(keys))
         )
         self._touching.add(task)
         task.add_done_callback(self._touching.discard)
         return 0
 
-    async def _send_touch(self, key: bytes, blob: bytes) -> None:
+    async def _send_touch(self, rid: str, blob: bytes) -> None:
+        """The touch, then its mark (in a cluster the two are in different slots: sent one
+        after the other, so an owner that sees the mark finds the touch)."""
+        key = touch_key(rid)
         try:
             pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
             pipe.rpush(key, blob)
             pipe.ltrim(key, -MAX_QUEUED_TOUCHES, -1)
-            await pipe.execute()
+            if self.cluster:
+                await pipe.execute()
+                await self.client.hset(TOUCHED_KEY, rid, 1)
+            else:
+                pipe.hset(TOUCHED_KEY, rid, 1)
+                await pipe.execute()
         except Exception as exc:  # Redis away: the owner sees this conversation as colder
             self.touch_failures += 1
             log.debug("frontier touch not sent: %r", exc)
@@ -216,32 +252,51 @@ class SharedFrontiers:
 
     # -- rounds ------------------------------------------------------------------------------
     async def round(self) -> None:
-        """One round: as an owner, apply the touches sent and publish what moved; then fetch
-        the frontiers whose version moved."""
-        if self.writer is not None:
-            await self._apply_touches(self.writer)
-            await self._publish(self.writer)
-        await self._fetch()
+        """One round: the versions (and, as an owner, the touch marks) in one pipeline; as an
+        owner, apply the touches sent and publish what moved; then fetch the frontiers of
+        other owners whose version moved. Idle, that is one round trip."""
+        writer = self.writer
+        owned = {replica_id(d): d for d in writer.domains()} if writer is not None else {}
+        pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
+        pipe.hgetall(VERSIONS_KEY)
+        if owned:
+            pipe.hgetall(TOUCHED_KEY)
+        replies = await pipe.execute()
+        if writer is not None:
+            if owned:
+                await self._apply_touches(writer, owned, replies[1])
+            await self._publish(writer)
+        await self._fetch(replies[0], owned)
         self.rounds += 1
 
-    async def _apply_touches(self, writer: EventWriter) -> None:
-        owned = writer.domains()
-        if not owned:
+    async def _apply_touches(
+        self, writer: EventWriter, owned: dict[str, str], marks: dict[Any, Any]
+    ) -> None:
+        """The touches of the owned domains marked touched (or left over from last round):
+        the marks go first, then the lists are read, so a touch sent meanwhile is either
+        taken now or marked again."""
+        rids = sorted({text(r) for r in marks} & owned.keys() | self._leftover)
+        if not rids:
             return
+        self._leftover = set()
+        if marks:
+            await self.client.hdel(TOUCHED_KEY, *marks)
         pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
-        for domain in owned:
-            pipe.lpop(touch_key(replica_id(domain)), MAX_TOUCHES_PER_ROUND)
+        for rid in rids:
+            pipe.lpop(touch_key(rid), MAX_TOUCHES_PER_ROUND)
         results = await pipe.execute(raise_on_error=False)
         now = self.clock()
-        for domain, blobs in zip(owned, results, strict=True):
+        for rid, blobs in zip(rids, results, strict=True):
             if not isinstance(blobs, list):
                 continue
+            if len(blobs) >= MAX_TOUCHES_PER_ROUND:
+                self._leftover.add(rid)  # more are waiting: next round
             for blob in blobs:
-                writer.touch(domain, split_keys(bytes(blob)), now)
+                writer.touch(owned[rid], split_keys(bytes(blob)), now)
                 self.touches_applied += 1
 
     async def _publish(self, writer: EventWriter) -> None:
-        moved = writer.take_moved_frontiers(MAX_PUBLISHED_RUNS)
+        moved = writer.take_moved_frontiers(MAX_PUBLISHED_RUNS, self.clock(), self.publish_every_s)
         if not moved:
             return
         version = str(time.time_ns()).encode()
@@ -258,13 +313,15 @@ class SharedFrontiers:
             raise
         self.published += len(blobs)
 
-    async def _fetch(self) -> None:
-        pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
-        pipe.hgetall(DOMAINS_KEY)  # the epochs too: a gateway with no lookups learns them here
-        pipe.hgetall(VERSIONS_KEY)
-        domains, versions = await pipe.execute()
-        self.events.take_epochs(domains)
-        changed = [rid for rid, v in versions.items() if self._versions.get(rid) != v]
+    async def _fetch(self, versions: dict[Any, Any], owned: dict[str, str]) -> None:
+        """The frontiers whose version moved, but those owned here (read from the writer),
+        with the domains' epochs: a gateway that routed nothing yet learns them here."""
+        changed = []
+        for rid, version in versions.items():
+            if self._versions.get(rid) != version:
+                self._versions[rid] = version
+                if text(rid) not in owned:
+                    changed.append(rid)
         gone = {text(rid) for rid in self._versions.keys() - versions.keys()}
         if gone:  # (a flushed Redis)
             self._versions = {r: v for r, v in self._versions.items() if text(r) not in gone}
@@ -273,9 +330,12 @@ class SharedFrontiers:
             }
         if not changed:
             return
-        blobs: list[Any] = await self.client.hmget(FRONTIER_KEY, changed)
-        for rid, raw in zip(changed, blobs, strict=True):
-            self._versions[rid] = versions[rid]
+        pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
+        pipe.hgetall(DOMAINS_KEY)
+        pipe.hmget(FRONTIER_KEY, changed)
+        domains, blobs = await pipe.execute()
+        self.events.take_epochs(domains)
+        for raw in blobs:
             if raw is None:
                 continue
             try:

@@ -26,6 +26,7 @@ from cachemap.redis.client import AnyRedis, open_redis
 from cachemap.redis.events import EventReader, EventWriter, _Owned
 from cachemap.redis.frontiers import (
     FRONTIER_KEY,
+    PUBLISH_EVERY_S,
     VERSIONS_KEY,
     SharedFrontiers,
     pack,
@@ -211,3 +212,22 @@ def test_an_owners_order_is_the_in_process_indexs(ops: list[tuple[str, int, int]
         assert writer.num_blocks("d") == local.num_blocks("d")
     now = 2.0 * len(ops)
     assert writer.eviction_runs("d", 10_000, now) == local.eviction_runs("d", 10_000, now)
+
+
+async def test_a_moving_order_is_published_at_most_every_half_second_a_wipe_at_once(
+    client: AnyRedis, domain: str
+) -> None:
+    clock = Clock(1000.0)
+    writer, owner = await owned_with_two_runs(client, domain, clock)
+    await owner.round()
+    assert owner.published == 1
+    writer.touch(domain, precise_keys(OLD, SALT, 16), clock.now)  # the order moves
+    clock.now += PUBLISH_EVERY_S / 2
+    await owner.round()
+    assert owner.published == 1  # too soon
+    clock.now += PUBLISH_EVERY_S / 2
+    await owner.round()
+    assert owner.published == 2
+    writer.apply(domain, AllBlocksCleared())  # a new epoch: published at the next round
+    await owner.round()
+    assert owner.published == 3
