@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory, MemoryIndex
@@ -130,3 +132,54 @@ async def test_the_async_directory_delegates_to_the_index() -> None:
     await directory.forget("r1")
     assert await directory.lookup(a) == {}
     await directory.close()
+
+
+def _reference_walk(
+    lru: dict[BlockHash, float], hashes: list[BlockHash], expired_before: float
+) -> tuple[int, float] | None:
+    """The walk a block at a time (the implementation before the windowed one)."""
+    depth, last = 0, 0.0
+    for block in hashes:
+        used = lru.get(block)
+        if used is None or used <= expired_before:
+            break
+        depth, last = depth + 1, used
+    return (depth, last) if depth else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(1, 300), st.integers(0, 50)), max_size=12),
+    st.integers(1, 400),
+    st.integers(0, 60),
+)
+def test_lookups_and_records_match_a_block_at_a_time_model(
+    records: list[tuple[int, int, int]], chain_len: int, now: int
+) -> None:
+    """Random chains recorded on random replicas at random times (some past the TTL), then a
+    chain looked up: each replica's depth and last use are the block-at-a-time walk's, and
+    each replica's order is that of moving each block to the newest end, the tail first."""
+    clock = Clock()
+    index = MemoryIndex(ttl_s=30, capacity_blocks=100, clock=clock)
+    chain = [BlockHash(i.to_bytes(16, "big")) for i in range(400)]
+    model: dict[str, dict[BlockHash, float]] = {}
+    for replica, length, at in sorted(records, key=lambda r: r[2]):
+        clock.now = float(at)
+        index.record(f"r{replica}", chain[:length])
+        lru = model.setdefault(f"r{replica}", {})
+        for block in reversed(chain[:length]):
+            lru.pop(block, None)
+            lru[block] = float(at)
+        while len(lru) > 100:
+            del lru[next(iter(lru))]
+    clock.now = float(max([now] + [r[2] for r in records]))
+    expired_before = clock.now - 30
+    want = {
+        r: walk
+        for r, lru in model.items()
+        if (walk := _reference_walk(lru, chain[:chain_len], expired_before)) is not None
+    }
+    assert index.lookup_detail(chain[:chain_len]) == want
+    for replica, lru in model.items():
+        newest_first = [(k, t) for k, t in reversed(lru.items()) if t > expired_before]
+        assert [e for e in index.entries(replica) if e[1] > expired_before] == newest_first
