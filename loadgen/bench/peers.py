@@ -8,6 +8,9 @@ starts cold with the same KV capacity:
     kvgate:<policy>          kvgate serve --policy <policy>   (every registered policy)
     precise:<policy>         the same in precise mode: --tokenizer-dir (the engines' model
                              directory), the engines publishing KV events, one port each
+    precise2:<policy>        two such gateways sharing the event index (kv_events_shared) in
+                             a redis-server of the arm's own; the replay alternates requests
+                             between them (a Service spreading connections), CPU of both
     sglang:cache_aware       python -m sglang_router.launch_router --policy cache_aware
     vllm:cache_aware         vllm-router --policy cache_aware
     vllm:round_robin         vllm-router --policy round_robin
@@ -122,7 +125,9 @@ EPP_KINDS = ("epp", "epp-headers")
 WORKER_KINDS = {"workers1": 1, "workers2": 2}
 """kvgate over a redis-server of its own with `--workers N` (issue 17 item 4): `workers1` is the
 baseline with the same Redis directory, so the pair differs by the workers alone."""
-GATEWAY_KINDS = ("kvgate", "precise", *EPP_KINDS, *WORKER_KINDS)
+PRECISE_KINDS = ("precise", "precise2")
+"""Arms whose engines publish KV events and whose gateways route on them."""
+GATEWAY_KINDS = ("kvgate", *PRECISE_KINDS, *EPP_KINDS, *WORKER_KINDS)
 """Arms whose router is `kvgate serve` (routing decisions read from its /metrics)."""
 HOP_PROBES = 40
 """One-token requests after each replay to time the idle hop (their median is stable to ~0.1 ms
@@ -148,7 +153,8 @@ def parse_arms(spec: str) -> list[Arm]:
         names += [*ALL_PEER_ARMS, "client:round_robin"]
     else:
         names = [s.strip() for s in spec.split(",") if s.strip()]
-    valid = {f"{kind}:{p}" for kind in ("kvgate", "precise", *WORKER_KINDS) for p in POLICIES}
+    kinds = ("kvgate", *PRECISE_KINDS, *WORKER_KINDS)
+    valid = {f"{kind}:{p}" for kind in kinds for p in POLICIES}
     valid |= {*ALL_PEER_ARMS, "client:round_robin"}
     valid |= {f"{kind}:{p}" for kind in EPP_KINDS for p in POLICIES}
     arms = []
@@ -226,6 +232,8 @@ class Router:
     metrics_url: str | None = None
     """kvgate's /metrics (its admin port)."""
     envoy_pid: int | None = None
+    other_pids: tuple[int, ...] = ()
+    """Further gateway processes of the arm (`precise2`): their CPU counts as the router's."""
 
 
 def _wait_for_model(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -266,7 +274,7 @@ def start_router(
             "KVGATE_SEED": "0",
         }
         args = ["--policy", arm.policy, "--tenant", f"bench:{BENCH_KEY}", "--log-level", "warning"]
-        if arm.kind == "precise":
+        if arm.kind in PRECISE_KINDS:
             extra, extra_env = processes.precise_gateway_args(events or {}, str(MODEL_DIR))
             args += extra
             env.update(extra_env)
@@ -281,6 +289,17 @@ def start_router(
                         str(gw.metrics_url), "/metrics", gw.popen, processes.STARTUP_TIMEOUT_S
                     )  # every worker answers (the pod's page needs them all)
                     yield Router((gw.url,), gw.pid, BENCH_KEY, gw.metrics_url)
+            return
+        if arm.kind == "precise2":
+            env["KVGATE_KV_EVENTS_SHARED"] = "true"
+            env["KVGATE_SERVER_SECRET"] = "bench-shared-secret"  # one salt for both
+            with redis_server(port=0) as redis:
+                args += ["--redis-url", redis.url]
+                with (
+                    processes.gateway(engine_urls, args, env=env) as a,
+                    processes.gateway(engine_urls, args, env=env) as b,
+                ):
+                    yield Router((a.url, b.url), a.pid, BENCH_KEY, a.metrics_url, None, (b.pid,))
             return
         if arm.kind in ("kvgate", "precise"):
             with processes.gateway(engine_urls, args, env=env) as gw:
@@ -399,7 +418,8 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         )
         work0 = [engine_totals(e.url) for e in engines]
         engine_cpu0 = sum(processes.cpu_seconds(e.pid) for e in engines)
-        router_cpu0 = processes.tree_cpu_seconds(router.pid) if router.pid else 0.0
+        router_pids = (router.pid, *router.other_pids) if router.pid else ()
+        router_cpu0 = sum(map(processes.tree_cpu_seconds, router_pids))
         envoy_cpu0 = processes.cpu_seconds(router.envoy_pid) if router.envoy_pid else 0.0
         client_cpu0 = time.process_time()
         load = MachineLoad()
@@ -408,7 +428,9 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         busy = load.stop()
         n = max(len(rows), 1)
         router_cpu = (
-            (processes.tree_cpu_seconds(router.pid) - router_cpu0) / n * 1e3 if router.pid else None
+            (sum(map(processes.tree_cpu_seconds, router_pids)) - router_cpu0) / n * 1e3
+            if router_pids
+            else None
         )
         engine_cpu = (sum(processes.cpu_seconds(e.pid) for e in engines) - engine_cpu0) / n
         client_cpu = (time.process_time() - client_cpu0) / n
@@ -453,7 +475,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
 @contextlib.contextmanager
 def _engines(arm: Arm, setup: Setup) -> Iterator[tuple[list[processes.Proc], dict[str, str]]]:
     """The arm's fresh engines; a precise arm's publish KV events (endpoints by engine URL)."""
-    if arm.kind == "precise":
+    if arm.kind in PRECISE_KINDS:
         with processes.engines_with_events(setup.num_engines, setup.engine_args()) as both:
             yield both
         return
@@ -502,7 +524,7 @@ def routing_decisions(metrics_url: str) -> dict[str, int]:
     return out
 
 
-NO_RATE_KINDS = ("precise",)
+NO_RATE_KINDS = PRECISE_KINDS
 """Arms whose max rate is not measured: precise mode routes on the engines' KV events, which
 the stand-ins do not publish."""
 
