@@ -28,6 +28,28 @@ def test_arms_are_parsed_and_unknown_ones_named() -> None:
     assert peer_missing(Arm("kvgate", "cache_aware")) is None
     pair = parse_arms("workers1:cache_aware,workers2:cache_aware")  # --workers 1 vs 2 on Redis
     assert [a.kind for a in pair] == ["workers1", "workers2"]
+    assert parse_arms("precise2:cache_pressure") == [Arm("precise2", "cache_pressure")]
+
+
+@pytest.mark.redis
+def test_a_precise2_arm_routes_through_two_gateways_sharing_the_event_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two precise gateways over one redis-server of the arm's own, requests alternating: no
+    errors, both gateways' CPU counted, and the engines' cache hit (the conversations' later
+    turns find their prefixes wherever the other gateway placed the earlier ones)."""
+    out = tmp_path / "bench.md"
+    argv = ["bench", "--trace", str(CONVERSATION_TRACE), "--start", "4000", "--requests", "30"]
+    argv += ["--engines", "2", "--arms", "precise2:cache_pressure", "--time-scale", "50"]
+    argv += ["--rate-steps", "0", "--out", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    (row,) = orjson.loads(out.with_suffix(".json").read_bytes())["results"]
+    assert row["summary"] is not None, row["note"]
+    assert row["summary"]["requests"] == 30 and row["summary"]["errors"] == 0, row["note"]
+    assert row["router_cpu_ms_per_request"] > 0
+    assert row["summary"]["hit_ratio"] > 0
+    assert 0 < sum(row["decisions"].values()) < 30  # one gateway's decisions: not all of them
 
 
 def test_a_small_bench_runs_every_arm_and_writes_one_table(
