@@ -5,9 +5,6 @@ Domains are unique per test, so the tests share the servers."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,7 +19,7 @@ from cachemap.events import (
     EventIndex,
     precise_keys,
 )
-from cachemap.redis.client import AnyRedis, open_redis
+from cachemap.redis.client import AnyRedis
 from cachemap.redis.events import EventReader, EventWriter, _Owned
 from cachemap.redis.frontiers import (
     FRONTIER_KEY,
@@ -33,27 +30,15 @@ from cachemap.redis.frontiers import (
     unpack,
 )
 from cachemap.redis.schema import replica_id
+from tests.integration.test_event_index_redis import client, domain
+
+__all__ = ["client", "domain"]  # the fixtures (Redis and Cluster; a unique domain), by name
 
 pytestmark = pytest.mark.redis
 
 SALT = "tenant-salt"
 OLD = list(range(1000, 1000 + 16 * 6))  # six 16-token blocks, stored first
 NEW = list(range(9000, 9000 + 16 * 2))  # two blocks of another conversation, stored later
-
-
-@pytest.fixture(params=["redis", "cluster"])
-async def client(
-    request: pytest.FixtureRequest, redis_url: str, redis_cluster_url: str
-) -> AsyncIterator[AnyRedis]:
-    url = redis_url if request.param == "redis" else redis_cluster_url
-    redis = await open_redis(url, cluster=request.param == "cluster")
-    yield redis
-    await redis.aclose()
-
-
-@pytest.fixture
-def domain() -> str:
-    return f"http://{uuid.uuid4().hex[:8]}:8000"
 
 
 class Clock:
