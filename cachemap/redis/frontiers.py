@@ -20,9 +20,10 @@ Key schema (`{...}`: the cluster hash tag; the frontier hashes beside the domain
     kvg:{kvg-ev}:frontier:v   HASH  domain id -> its version (a reader fetches only what moved)
     kvg:{kvg-ev}:frontier:touched  HASH  domain id -> 1: its touch list has something (an idle
                                     owner reads this one hash, not every list)
-    kvg:{kvg-ev:<id>}:touch   LIST  placements the owner has not applied yet: each the leading
-                                    own keys (16 bytes each) a placement matched there; trimmed
-                                    to the newest `MAX_QUEUED_TOUCHES`
+    kvg:{kvg-ev:<id>}:touch   LIST  placements the owner has not applied yet: each a placed
+                                    request's own keys (16 bytes each; the owner touches the
+                                    leading ones it holds); trimmed to the newest
+                                    `MAX_QUEUED_TOUCHES`
 
 Invariants and limits:
 - A published frontier counts only at the epoch the reader's lookups see for its domain: after
@@ -165,8 +166,8 @@ class SharedFrontiers:
         self._versions: dict[bytes, bytes] = {}
         self._touching: set[asyncio.Task[None]] = set()
         self._leftover: set[str] = set()
-        self.publish_every_s = PUBLISH_EVERY_S
         """Owned domains whose touch list held more than a round takes."""
+        self.publish_every_s = PUBLISH_EVERY_S
         self.rounds = 0
         self.published = 0
         """Frontiers this gateway published (as an owner)."""
