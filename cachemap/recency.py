@@ -29,7 +29,7 @@ count is the number of keys mapped to it; `num_blocks` is the sum of the live co
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, repeat
 from operator import attrgetter
@@ -51,6 +51,25 @@ class _Run:
 
 
 _COUNT, _USED = attrgetter("count"), attrgetter("used_s")
+
+
+def to_depth(
+    runs: Iterable[tuple[int, float]], depth: int, now_s: float
+) -> tuple[tuple[int, float], ...]:
+    """(num_blocks, last use) runs, next evicted first, as the frontier lists them: the oldest
+    `depth` blocks as (num_blocks, idle_s), idle_s the seconds since the run was last used;
+    empty runs are skipped; stops as soon as `depth` is covered."""
+    out: list[tuple[int, float]] = []
+    left = depth
+    for count, used_s in runs:
+        if left <= 0:
+            break
+        if not count:
+            continue
+        taken = min(count, left)
+        out.append((taken, max(now_s - used_s, 0.0)))
+        left -= taken
+    return tuple(out)
 
 
 @dataclass
@@ -116,24 +135,14 @@ class DomainRecency:
         return True
 
     def runs(self, depth: int, now_s: float) -> tuple[tuple[int, float], ...]:
-        """The oldest `depth` blocks as (num_blocks, idle_s) runs, next evicted first; idle_s
-        is the seconds since the run was last used. Stops as soon as `depth` is covered."""
-        out: list[tuple[int, float]] = []
+        """The oldest `depth` blocks as (num_blocks, idle_s) runs, next evicted first
+        (`to_depth`)."""
         if depth <= 0:
             return ()
         runs = self._runs
         while runs and runs[0].count == 0:
             del self._by_id[runs.popleft().id]
-        left = depth
-        for run in runs:
-            if run.count == 0:
-                continue
-            taken = min(run.count, left)
-            out.append((taken, max(now_s - run.used_s, 0.0)))
-            left -= taken
-            if left <= 0:
-                break
-        return tuple(out)
+        return to_depth(zip(map(_COUNT, runs), map(_USED, runs), strict=True), depth, now_s)
 
     def oldest(self, max_runs: int) -> list[tuple[int, float]]:
         """The first `max_runs` live runs, next evicted first, as (num_blocks, last use): what

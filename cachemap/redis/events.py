@@ -265,8 +265,8 @@ class EventWriter:
             if changed or state.engine.get(engine_hash) != key:
                 state.engine[engine_hash] = key
                 state.mapping[engine_hash] = key + digit(mask)
-        if self.track_recency and tier == GPU:
-            self._recency(state).use(keys[: len(event.block_hashes)], self.clock())
+        if tier == GPU and state.recency is not None:
+            state.recency.use(keys[: len(event.block_hashes)], self.clock())
             state.recency_moved = True
         self.stats.stored_blocks += len(keys)
 
@@ -360,20 +360,14 @@ class EventWriter:
             log.warning("KV events: writing to Redis again")
         self._failing = False
 
-    # -- eviction order (`track_recency`) ------------------------------------------------------
-    @staticmethod
-    def _recency(state: _Owned) -> DomainRecency:
-        if state.recency is None:
-            state.recency = DomainRecency()
-        return state.recency
-
+    # -- eviction order (`track_recency`: each owned domain's `recency`, made at adoption) ------
     def touch(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
         """A placement on an owned domain uses its leading blocks there: they become the
         newest. Returns how many it held (0: not owned, or not tracking)."""
         state = self._owned.get(domain)
-        if not self.track_recency or state is None:
+        if state is None or state.recency is None:
             return 0
-        held = self._recency(state).touch(keys, now_s)
+        held = state.recency.touch(keys, now_s)
         state.recency_moved = state.recency_moved or held > 0
         return held
 
@@ -385,7 +379,7 @@ class EventWriter:
         return state.recency.runs(depth, now_s)
 
     def take_moved_frontiers(
-        self, max_runs: int, now_s: float = 0.0, every_s: float = 0.0
+        self, max_runs: int, now_s: float, every_s: float
     ) -> list[tuple[str, int, int, list[tuple[int, float]]]]:
         """(domain, epoch, GPU blocks, oldest runs) of each owned domain whose order moved
         since it was last taken, at most once per `every_s` (a new epoch at once: until it

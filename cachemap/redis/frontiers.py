@@ -20,10 +20,9 @@ Key schema (`{...}`: the cluster hash tag; the frontier hashes beside the domain
     kvg:{kvg-ev}:frontier:v   HASH  domain id -> its version (a reader fetches only what moved)
     kvg:{kvg-ev}:frontier:touched  HASH  domain id -> 1: its touch list has something (an idle
                                     owner reads this one hash, not every list)
-    kvg:{kvg-ev:<id>}:touch   LIST  placements the owner has not applied yet: each a placed
-                                    request's own keys (16 bytes each; the owner touches the
-                                    leading ones it holds); trimmed to the newest
-                                    `MAX_QUEUED_TOUCHES`
+    kvg:{kvg-ev:<id>}:touch   LIST  placements the owner has not applied yet: each the own keys
+                                    (16 bytes each) a placement matched there; trimmed to the
+                                    newest `MAX_QUEUED_TOUCHES`
 
 Invariants and limits:
 - A published frontier counts only at the epoch the reader's lookups see for its domain: after
@@ -58,6 +57,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from cachemap.events import GPU
 from cachemap.keys import BlockHash
+from cachemap.recency import to_depth
 from cachemap.redis.client import AnyRedis
 from cachemap.redis.event_scripts import DOMAINS_KEY
 from cachemap.redis.events import EventReader, EventWriter
@@ -185,40 +185,33 @@ class SharedFrontiers:
             return None
         return published
 
-    def _owned(self, domain: str) -> bool:
-        return self.writer is not None and self.writer.owns(domain)
+    def _owner_here(self, domain: str) -> EventWriter | None:
+        """This gateway's writer when it owns `domain` (its order is then in memory)."""
+        writer = self.writer
+        return writer if writer is not None and writer.owns(domain) else None
 
     def live(self, domain: str) -> bool:
         """The domain has an order to read: owned here, or published at its current epoch."""
-        return self._owned(domain) or self._current(domain) is not None
+        return self._owner_here(domain) is not None or self._current(domain) is not None
 
     def num_blocks(self, domain: str, tier: int = GPU) -> int:
-        if self.writer is not None and self._owned(domain):
-            return self.writer.num_blocks(domain, tier)
+        if (writer := self._owner_here(domain)) is not None:
+            return writer.num_blocks(domain, tier)
         published = self._current(domain)
         return published.num_blocks if published is not None and tier == GPU else 0
 
     def eviction_runs(self, domain: str, depth: int, now_s: float) -> tuple[tuple[int, float], ...]:
-        if self.writer is not None and self._owned(domain):
-            return self.writer.eviction_runs(domain, depth, now_s)
+        if (writer := self._owner_here(domain)) is not None:
+            return writer.eviction_runs(domain, depth, now_s)
         published = self._current(domain)
-        if published is None or depth <= 0:
-            return ()
-        out: list[tuple[int, float]] = []
-        left = depth
-        for n, used in published.runs:
-            taken = min(n, left)
-            out.append((taken, max(now_s - used, 0.0)))
-            left -= taken
-            if left <= 0:
-                break
-        return tuple(out)
+        return to_depth(published.runs, depth, now_s) if published is not None else ()
 
     def touch(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
-        """A placement here on `domain`: applied now when owned here, else sent to the owner
-        in the background (the request does not wait). Returns the blocks touched now."""
-        if self.writer is not None and self._owned(domain):
-            return self.writer.touch(domain, keys, now_s)
+        """A placement here on `domain` (`keys`: the blocks it matched there): applied now
+        when owned here, else sent to the owner in the background (the request does not
+        wait). Returns the blocks touched now."""
+        if (writer := self._owner_here(domain)) is not None:
+            return writer.touch(domain, keys, now_s)
         if not keys or not self.events.live(domain):
             return 0
         if len(self._touching) >= MAX_TOUCHING:

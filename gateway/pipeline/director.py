@@ -346,7 +346,8 @@ class Director:
         conversation = None
         if frontiers is not None:
             rank = keyed.ranks.get(decision.replica)
-            conversation = frontiers.placed(decision.replica, rank, hashes)
+            matched = placed.route.overlap.get(decision.replica, 0)
+            conversation = frontiers.placed(decision.replica, rank, hashes, matched)
         counter_key = (policy.name, decision.reason)
         self.stats.decisions[counter_key] = self.stats.decisions.get(counter_key, 0) + 1
         trace.decided(policy.name, decision, len(hashes))

@@ -193,11 +193,15 @@ class Frontiers:
             self.num_built += 1
         return out
 
-    def placed(self, replica: str, rank: int | None, keys: Sequence[BlockHash]) -> int | None:
-        """The request was placed: its matched blocks there become the newest (the engine
-        takes them out of its free queue), and its conversation is routed there."""
+    def placed(
+        self, replica: str, rank: int | None, keys: Sequence[BlockHash], matched: int
+    ) -> int | None:
+        """The request was placed: its `matched` leading blocks there become the newest (the
+        engine takes them out of its free queue; nothing to touch past them, and in shared
+        mode nothing to send), and its conversation is routed there."""
         now = self.clock()
-        self.index.touch(self._domain(replica, rank), keys, now)
+        if matched > 0:
+            self.index.touch(self._domain(replica, rank), keys[:matched], now)
         return self.conversations.routed(keys, replica, now)
 
     def finished(self, conversation: int | None) -> None:

@@ -79,7 +79,8 @@ def test_annotate_builds_each_frontier_as_deep_as_the_placement_reaches() -> Non
     store(index, "a", cold, 1)  # a: ten blocks used 100 s ago
     clock.now = 95.0
     store(index, "b", hot, 101)  # b: ten blocks used 5 s ago
-    c = frontiers.placed("b", None, precise_keys(hot, SALT, 16))
+    hot_keys = precise_keys(hot, SALT, 16)
+    c = frontiers.placed("b", None, hot_keys, len(hot_keys))
     assert c is not None
     clock.now = 100.0
     new = prompt(3, 8)
@@ -97,3 +98,20 @@ def test_annotate_builds_each_frontier_as_deep_as_the_placement_reaches() -> Non
     rng = random.Random(0)
     assert pressure.decide(route, [a, b], rng).replica == "a"  # type: ignore[union-attr]
     assert aware.decide(route, [b, a], rng).replica == "b"  # type: ignore[union-attr]
+
+
+def test_a_placement_touches_only_the_blocks_it_matched_there() -> None:
+    clock = Clock()
+    index = EventIndex(track_recency=True, clock=clock)
+    scorer = frontier_reader(build_policy("cache_pressure"))
+    assert scorer is not None
+    frontiers = Frontiers(index, scorer, lambda r: 12, lambda r: True, clock=clock)
+    cold = prompt(1, 6)
+    clock.now = 0.0
+    store(index, "a", cold, 1)
+    keys = precise_keys(cold, SALT, 16)
+    clock.now = 50.0
+    frontiers.placed("a", None, keys, 0)  # matched nothing there: its order stays
+    assert index.eviction_runs("a", 6, 50.0) == ((6, 50.0),)
+    frontiers.placed("a", None, keys, 2)  # the first two are used now, the rest are not
+    assert index.eviction_runs("a", 6, 50.0) == ((4, 50.0), (2, 0.0))

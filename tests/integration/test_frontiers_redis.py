@@ -19,6 +19,7 @@ from cachemap.events import (
     EventIndex,
     precise_keys,
 )
+from cachemap.recency import DomainRecency
 from cachemap.redis.client import AnyRedis
 from cachemap.redis.events import EventReader, EventWriter, _Owned
 from cachemap.redis.frontiers import (
@@ -177,7 +178,7 @@ def test_an_owners_order_is_the_in_process_indexs(ops: list[tuple[str, int, int]
     clock = Clock(0.0)
     local = EventIndex(track_recency=True, clock=clock)
     writer = EventWriter(Redis(), block_size=16, track_recency=True, clock=clock)
-    writer._owned["d"] = _Owned(replica_id("d"))  # adopted with nothing written before
+    writer._owned["d"] = _Owned(replica_id("d"), recency=DomainRecency())  # adopted, empty
     for step, (op, conversation, n) in enumerate(ops):
         clock.now = 2.0 * step
         tokens = [conversation * 1000 + i for i in range(16 * n)]
