@@ -117,6 +117,9 @@ DEFAULT_METRICS_INTERVAL_S = 1.0
 """Read each replica's /metrics once a second: its queue is what other gateways have sent in the
 last second, and every gateway scrapes every engine, so G gateways cost each engine G scrapes/s
 (vLLM renders /metrics in its API process)."""
+DEFAULT_LOAD_SHARE_INTERVAL_S = 0.1
+"""Ten rounds a second: another gateway's 2-s agent prefill is counted here within 5% of its
+length; one Redis round trip each (cost measured in docs/benchmarks.md)."""
 DISCOVERY_MODES = ("static", "kubernetes")
 DEFAULT_WATCH_TIMEOUT_S = 290
 """Ask the API server to end each watch after ~5 min (its own default is 5–10): a quiet watch is
@@ -235,6 +238,12 @@ class Settings(BaseSettings):
     redis_write_deadline_s: float = DEFAULT_REDIS_WRITE_DEADLINE_S
     scrape_metrics: bool = True
     """Read each replica's /metrics with every health probe (restarts, load signals)."""
+    share_load: bool = True
+    """With `redis_url`: publish this gateway's requests in flight per replica and read every
+    other gateway's, so the load bound counts theirs exactly (gateway.fleet.shared_load);
+    false: other gateways' requests are seen only through the engines' /metrics."""
+    load_share_interval_s: float = DEFAULT_LOAD_SHARE_INTERVAL_S
+    """How often `share_load` publishes and reads (one Redis round trip)."""
 
     # -- hot prefixes and fan-out (issue #5) ----------------------------------------------------
     engine_prefill_tokens_per_s: float = DEFAULT_ENGINE_PREFILL_TOKENS_PER_S
@@ -395,6 +404,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "metrics_interval_s",
+        "load_share_interval_s",
         "discovery_retry_s",
         "discovery_watch_timeout_s",
         "speculative_ttl_s",

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from cachemap.redis.client import AnyRedis
 from gateway.fleet.engine_metrics import (
     SCRAPE_HEADERS,
     SCRAPE_PATH,
@@ -53,6 +54,7 @@ from gateway.fleet.engine_metrics import (
     parse_engine_metrics,
 )
 from gateway.fleet.podview import ViewEntry, ViewReceiver, ViewSender
+from gateway.fleet.shared_load import NO_PEERS, PeerLoad, SharedLoad
 from gateway.tasks import BackgroundTasks
 from router.types import Replica
 
@@ -124,11 +126,15 @@ class ReplicaState:
     num_requests: int = 0
     decode_tokens: float = 0.0
     """Output tokens expected from this gateway's requests on the replica (router.types)."""
+    peer: PeerLoad | None = None
+    """Other gateways' requests here, when they share their load over Redis (None: unknown)."""
     metrics: EngineMetrics | None = None
     own_waiting_at_scrape: int = 0
-    """`num_prefilling` when the last scrape answered: our share of the engine's queue then."""
+    """`num_prefilling` (with the peers') when the last scrape answered: the known share of
+    the engine's queue then."""
     own_running_at_scrape: int = 0
-    """`num_inflight` when the last scrape answered: our share of the engine's running then."""
+    """`num_inflight` (with the peers') when the last scrape answered: the known share of the
+    engine's running then."""
     held_down: str | None = None
     """Why discovery keeps the replica out of routing (Kubernetes: not ready), or None."""
     removed: bool = False
@@ -154,19 +160,27 @@ class ReplicaState:
         """Count one attempt on this replica (see `Lease`)."""
         return Lease(self, uncached_tokens, output_tokens)
 
+    def known_at_scrape(self) -> None:
+        """A scrape answered (ours or worker 0's): the requests whose load is counted exactly
+        — this gateway's and its peers' — are the known share of the engine's figures."""
+        peer = self.peer or NO_PEERS
+        self.own_waiting_at_scrape = self.num_prefilling + peer.num_prefilling
+        self.own_running_at_scrape = self.num_inflight + peer.num_inflight
+
     def snapshot(self) -> Replica:
         metrics = self.metrics
         waiting = metrics.num_waiting if metrics is not None else None
         running = metrics.num_running if metrics is not None else None
+        peer = self.peer or NO_PEERS
         return Replica(
             self.url,
             self.healthy,
-            self.num_inflight,
-            self.pending_prefill_tokens,
+            self.num_inflight + peer.num_inflight,
+            self.pending_prefill_tokens + peer.prefill_tokens,
             engine_num_waiting=waiting or 0.0,
             own_num_waiting=self.own_waiting_at_scrape if waiting is not None else 0.0,
             foreign_request_tokens=self.fleet.mean_request_tokens if waiting is not None else 0.0,
-            decode_tokens=self.decode_tokens,
+            decode_tokens=self.decode_tokens + peer.decode_tokens,
             engine_num_running=running or 0.0,
             own_num_running=self.own_running_at_scrape if running is not None else 0.0,
             request_output_tokens=self.fleet.mean_output_tokens if running is not None else 0.0,
@@ -268,6 +282,12 @@ class ReplicaSet:
         self._lapsed = False
         self.view_lapses = 0
         """A follower: times worker 0's view went silent on some replica (it probed them)."""
+        self.shared_load: SharedLoad | None = None
+
+    def share_load(self, client: AnyRedis, round_s: float) -> None:
+        """Publish this gateway's load to its peers on `client` and count theirs (from
+        `start` to `stop`; gateway.fleet.shared_load)."""
+        self.shared_load = SharedLoad(client, lambda: list(self.states.values()), round_s)
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""
@@ -414,8 +434,7 @@ class ReplicaSet:
             state.metrics = entry.metrics
             state.scraped_s = entry.scraped_s
             state.heard_s = max(state.heard_s, entry.scraped_s)
-            state.own_waiting_at_scrape = state.num_prefilling
-            state.own_running_at_scrape = state.num_inflight
+            state.known_at_scrape()
         if entry.healthy and not state.healthy and entry.since_s > state.down_s:
             await self._came_up(state)
         elif not entry.healthy and state.healthy and entry.since_s > heard_here:
@@ -450,8 +469,12 @@ class ReplicaSet:
             )
         if self._receiver is not None:
             self._tasks.spawn(self._receiver.run(), name="pod view")
+        if self.shared_load is not None:
+            await self.shared_load.start()
 
     async def stop(self) -> None:
+        if self.shared_load is not None:
+            await self.shared_load.stop()
         await self._tasks.close()
         for end in (self._sender, self._receiver):
             if end is not None:
@@ -574,8 +597,9 @@ class ReplicaSet:
             ) as resp:
                 if resp.status != 200:
                     return
-                own_waiting = state.num_prefilling  # our share of the queue the engine reports
-                own_running = state.num_inflight  # ...and of the requests it runs
+                peer = state.peer or NO_PEERS  # the known share of the queue it reports...
+                own_waiting = state.num_prefilling + peer.num_prefilling
+                own_running = state.num_inflight + peer.num_inflight  # ...and of its running
                 text = (await resp.read()).decode(errors="replace")
             state.metrics = parse_engine_metrics(text)
             state.heard_s = state.scraped_s = time.monotonic()

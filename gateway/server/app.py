@@ -477,6 +477,8 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             )
             directory.register(settings.engines)
             _share_events(parts, directory.shared.client)
+            if settings.share_load:
+                parts.replicas.share_load(directory.shared.client, settings.load_share_interval_s)
         stack.push_async_callback(directory.close)
         shared = parts.keying.precise.shared if parts.keying and parts.keying.precise else None
         if shared is not None:  # its speculative writes end before the client closes

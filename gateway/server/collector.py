@@ -150,7 +150,8 @@ class GatewayCollector(Collector):
         )
         foreign = GaugeMetricFamily(
             "kvgate_replica_foreign_prefill_tokens",
-            "Prefill work other gateways queued on the replica, as the router counts it.",
+            "Prefill work other gateways queued on the replica, as the router counts it "
+            "(their shared load, and the engine's queue beyond it).",
             labels=["replica"],
         )
         for s in self.replicas.states.values():
@@ -166,9 +167,33 @@ class GatewayCollector(Collector):
                         family.add_metric(labels, value)
                 if m.kv_usage is not None:
                     kv_usage.add_metric(labels, m.kv_usage)
-                foreign.add_metric(labels, s.snapshot().foreign_prefill_tokens)
+            if m is not None or s.peer is not None:
+                peer = s.peer.prefill_tokens if s.peer is not None else 0.0
+                foreign.add_metric(labels, s.snapshot().foreign_prefill_tokens + peer)
         yield from (healthy, inflight, requests, pending, waiting, running, kv_usage, foreign)
         yield from self._pod_view()
+        yield from self._shared_load()
+
+    def _shared_load(self) -> Iterable[Any]:
+        """With `redis_url`: the rounds publishing this gateway's load and reading its peers'."""
+        shared = self.replicas.shared_load
+        if shared is None:
+            return
+        rounds = CounterMetricFamily(
+            "kvgate_load_shared_rounds",
+            "Shared load rounds: ok, failed (Redis away or slow), malformed (peer entries "
+            "skipped).",
+            labels=["event"],
+        )
+        rounds.add_metric(["ok"], shared.rounds)
+        rounds.add_metric(["failed"], shared.failed)
+        rounds.add_metric(["malformed"], shared.malformed)
+        yield rounds
+        yield GaugeMetricFamily(
+            "kvgate_load_shared_peers",
+            "Other gateways whose load the last shared load round counted.",
+            shared.num_peers,
+        )
 
     def _pod_view(self) -> Iterable[Any]:
         """`--workers N`: worker 0's datagrams of its probes' findings, the others' receipts

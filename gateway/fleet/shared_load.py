@@ -1,0 +1,213 @@
+"""The load view shared by every gateway on one Redis (issue 16, shared mode; issue 17, workers).
+
+A gateway's load bound counts its own requests exactly — each one in flight on a replica, its
+uncached prefill until its first token, its expected output until its end (`Lease`) — and the
+requests other gateways sent there only through the engine's /metrics: a count of waiting and
+running requests, a second old, each assumed the size of this gateway's mean. Behind a Service
+spreading requests over N gateways (or `--workers N`), that leaves each gateway seeing its own
+1/N of the fleet's prefill exactly and the rest coarsely and late, so two gateways pile long
+prefills onto the same replica between scrapes.
+
+Here every gateway publishes its own per-replica figures and reads everyone else's, one Lua
+script call per round (`round_s`, 0.1 s by default):
+
+    kvg:{kvg-load}:gateways   hash   gateway id -> "<Redis ms>|<its figures>"
+
+The script stamps this gateway's entry with Redis's clock, drops every entry older than
+`stale_s` (a gateway that died or lost Redis stops counting within it), and returns the
+others'. Their sums land on each `ReplicaState` as `peer_*` (`ReplicaState.snapshot` adds them
+to its own), and a scrape counts them as known (`own_*_at_scrape`), so the engine's queue is
+not counted twice: the engine-derived estimate is left for requests no gateway on this Redis
+sent. An idle gateway publishes an empty list (a heartbeat): a round costs one round trip.
+
+When Redis is unreachable the peers' figures from the last answer stand until `stale_s` past it,
+then go to zero: the gateway routes on its own figures and the engines', as it did before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import orjson
+
+from cachemap.redis.client import AnyRedis
+from gateway.tasks import BackgroundTasks
+
+if TYPE_CHECKING:  # the replica set holds this module's SharedLoad
+    from gateway.fleet.replicas import ReplicaState
+
+log = logging.getLogger(__name__)
+
+LOAD_KEY = b"kvg:{kvg-load}:gateways"
+
+# KEYS: the load hash. ARGV: this gateway's id, its figures ("" on leaving), the stale bound ms.
+# Stamps this gateway's entry with Redis's clock, drops the entries past the bound, returns the
+# other gateways' figures.
+SHARE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local stale = tonumber(ARGV[3])
+if ARGV[2] == '' then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], now .. '|' .. ARGV[2])
+end
+local out = {}
+local all = redis.call('HGETALL', KEYS[1])
+for j = 1, #all, 2 do
+  local v = all[j + 1]
+  local bar = string.find(v, '|', 1, true)
+  local stamp = bar and tonumber(string.sub(v, 1, bar - 1))
+  if not stamp or now - stamp > stale then
+    redis.call('HDEL', KEYS[1], all[j])
+  elseif all[j] ~= ARGV[1] then
+    out[#out + 1] = string.sub(v, bar + 1)
+  end
+end
+redis.call('PEXPIRE', KEYS[1], stale * 4)
+return out
+"""
+
+
+@dataclass(slots=True)
+class PeerLoad:
+    """Other gateways' requests on one replica, summed."""
+
+    num_inflight: int = 0
+    num_prefilling: int = 0
+    prefill_tokens: float = 0.0
+    decode_tokens: float = 0.0
+
+
+NO_PEERS = PeerLoad()
+"""A replica no peer has a request on (or no shared load)."""
+
+DEFAULT_STALE_ROUNDS = 10
+MIN_STALE_S = 1.0
+"""A gateway's entry counts for 10 rounds past its last write, and at least 1 s (a gateway's
+event loop stalled by a long request parse must not flicker out of its peers' view)."""
+
+
+def encode(states: Iterable[ReplicaState]) -> bytes:
+    """This gateway's figures: per replica with a request of its in flight, [url, in flight,
+    prefilling, pending prefill tokens, expected output tokens]."""
+    return orjson.dumps(
+        [
+            [
+                s.url,
+                s.num_inflight,
+                s.num_prefilling,
+                round(s.pending_prefill_tokens),
+                round(s.decode_tokens),
+            ]
+            for s in states
+            if s.num_inflight > 0
+        ]
+    )
+
+
+def decode(blobs: Iterable[bytes]) -> tuple[dict[str, PeerLoad], int]:
+    """The peers' figures summed per replica, and how many entries were malformed (skipped:
+    a gateway of another version, a corrupted value — never a crash)."""
+    out: dict[str, PeerLoad] = {}
+    malformed = 0
+    for blob in blobs:
+        try:
+            rows = orjson.loads(blob)
+            parsed = [
+                (str(url), int(inflight), int(prefilling), float(prefill), float(decode))
+                for url, inflight, prefilling, prefill, decode in rows
+            ]
+        except (orjson.JSONDecodeError, TypeError, ValueError):
+            malformed += 1
+            continue
+        for url, inflight, prefilling, prefill, decode_ in parsed:
+            peer = out.get(url)
+            if peer is None:
+                peer = out[url] = PeerLoad()
+            peer.num_inflight += max(inflight, 0)
+            peer.num_prefilling += max(prefilling, 0)
+            peer.prefill_tokens += max(prefill, 0.0)
+            peer.decode_tokens += max(decode_, 0.0)
+    return out, malformed
+
+
+class SharedLoad:
+    """Publishes this gateway's figures and applies its peers' to `states` (module docstring).
+    `states()` gives the replica states to publish and to update (the replica set's, its
+    retired ones included: their requests still run)."""
+
+    def __init__(
+        self,
+        client: AnyRedis,
+        states: Callable[[], Iterable[ReplicaState]],
+        round_s: float,
+        gateway_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.states = states
+        self.round_s = round_s
+        self.stale_s = max(MIN_STALE_S, DEFAULT_STALE_ROUNDS * round_s)
+        self.gateway_id = gateway_id or (
+            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+        self.clock = clock
+        self._share = client.register_script(SHARE)
+        self._tasks = BackgroundTasks("shared load")
+        self._answered_s = 0.0
+        self.rounds = 0
+        self.failed = 0
+        self.malformed = 0
+        self.num_peers = 0
+
+    async def round(self) -> None:
+        """Publish, read, apply: one script call."""
+        states = list(self.states())
+        try:
+            blobs = await self._share(
+                keys=[LOAD_KEY], args=[self.gateway_id, encode(states), int(self.stale_s * 1000)]
+            )
+        except Exception as exc:  # Redis away or slow: the last answer stands until stale
+            self.failed += 1
+            log.debug("shared load round failed: %r", exc)
+            if self.clock() - self._answered_s > self.stale_s:
+                self._apply(states, {})
+                self.num_peers = 0
+            return
+        self._answered_s = self.clock()
+        self.rounds += 1
+        peers, malformed = decode(blobs)
+        self.malformed += malformed
+        self.num_peers = len(blobs)
+        self._apply(states, peers)
+
+    @staticmethod
+    def _apply(states: list[ReplicaState], peers: dict[str, PeerLoad]) -> None:
+        for state in states:
+            state.peer = peers.get(state.url)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.round_s)
+            await self.round()
+
+    async def start(self) -> None:
+        await self.round()
+        self._tasks.spawn(self._loop(), name="shared load")
+
+    async def stop(self) -> None:
+        """Stop the rounds; the peers stop counting this gateway at once (not after the bound)."""
+        await self._tasks.close()
+        try:
+            await self._share(keys=[LOAD_KEY], args=[self.gateway_id, "", int(self.stale_s * 1000)])
+        except Exception as exc:
+            log.debug("shared load not withdrawn: %r", exc)

@@ -1,0 +1,157 @@
+"""The load view shared between gateways (`gateway.fleet.shared_load`) against a real
+redis-server and a real 3-master Redis Cluster: one gateway's requests in flight count in
+another's snapshot of the same replica, a stopped or silent gateway stops counting, a malformed
+entry is skipped, and Redis going away leaves the last view standing only for the stale bound.
+Replica URLs are unique per test, so the tests share the servers."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from cachemap.redis.client import AnyRedis, open_redis
+from gateway.fleet.replicas import FleetLoad, ReplicaState
+from gateway.fleet.shared_load import LOAD_KEY, SharedLoad, decode, encode
+from loadgen.harness.redis_servers import RedisServer
+from tests.integration.test_event_index_redis import client
+
+__all__ = ["client"]  # the fixture (Redis and Cluster), by name
+
+pytestmark = pytest.mark.redis
+
+
+def fleet(*urls: str) -> dict[str, ReplicaState]:
+    shared = FleetLoad()
+    return {url: ReplicaState(url, healthy=True, fleet=shared) for url in urls}
+
+
+def urls(n: int) -> list[str]:
+    run = uuid.uuid4().hex[:8]
+    return [f"http://{run}-{i}:8000" for i in range(n)]
+
+
+def gateway(client: AnyRedis, states: dict[str, ReplicaState]) -> SharedLoad:
+    return SharedLoad(client, lambda: list(states.values()), round_s=0.1)
+
+
+async def test_a_peers_requests_count_in_this_gateways_snapshot(client: AnyRedis) -> None:
+    x, y = urls(2)
+    mine, theirs = fleet(x, y), fleet(x, y)
+    a, b = gateway(client, theirs), gateway(client, mine)
+    mine[x].lease(1_000.0, output_tokens=50.0).keep()  # this gateway's own request on x
+    long_prefill = theirs[x].lease(40_000.0, output_tokens=200.0).keep()
+    theirs[x].lease(3_000.0).keep()
+    theirs[y].lease(500.0).keep().prefilled()  # its first token came back: decoding only
+
+    await a.round()  # publishes
+    await b.round()  # reads
+    seen_x, seen_y = mine[x].snapshot(), mine[y].snapshot()
+    assert seen_x.num_inflight == 3
+    assert seen_x.pending_prefill_tokens == 1_000.0 + 40_000.0 + 3_000.0
+    assert seen_x.decode_tokens == 50.0 + 200.0
+    assert seen_y.num_inflight == 1 and seen_y.pending_prefill_tokens == 0.0
+    assert mine[x].peer is not None and mine[x].peer.num_prefilling == 2
+    assert b.num_peers >= 1 and b.rounds == 1 and b.failed == 0
+
+    long_prefill.release()  # the peer's request ends; its next round says so
+    await a.round()
+    await b.round()
+    assert mine[x].snapshot().pending_prefill_tokens == 1_000.0 + 3_000.0
+
+    await a.stop()  # a graceful stop withdraws it at once
+    await b.round()
+    assert mine[x].peer is None and mine[y].peer is None
+    assert mine[x].snapshot().num_inflight == 1  # its own request only
+
+
+async def test_a_scrape_counts_the_peers_requests_as_known(client: AnyRedis) -> None:
+    """The engine's queue holds both gateways' requests: the foreign estimate must not count
+    the peer's again (it is in `pending_prefill_tokens` already)."""
+    (x,) = urls(1)
+    mine, theirs = fleet(x), fleet(x)
+    a, b = gateway(client, theirs), gateway(client, mine)
+    for _ in range(3):
+        theirs[x].lease(2_000.0).keep()
+    await a.round()
+    await b.round()
+    mine[x].known_at_scrape()  # what a scrape answering now records
+    assert mine[x].own_waiting_at_scrape == 3 and mine[x].own_running_at_scrape == 3
+    await a.stop()
+
+
+async def test_a_gateway_silent_past_the_bound_stops_counting(client: AnyRedis) -> None:
+    """A gateway that died without withdrawing: its entry, stamped by Redis's clock, is dropped
+    by the next round past the bound (here an entry written 10 s ago)."""
+    (x,) = urls(1)
+    mine = fleet(x)
+    b = gateway(client, mine)
+    dead = f"dead-{uuid.uuid4().hex[:8]}"
+    seconds, micros = await client.time()
+    old_ms = int(seconds) * 1000 + int(micros) // 1000 - 10_000
+    await client.hset(LOAD_KEY, dead, f"{old_ms}|".encode() + orjson_row(x, 5, 5, 9e4, 0))
+    await b.round()
+    assert mine[x].peer is None
+    assert not await client.hexists(LOAD_KEY, dead)  # and gone from Redis
+
+
+async def test_a_malformed_entry_is_counted_and_skipped(client: AnyRedis) -> None:
+    x, y = urls(2)
+    mine, theirs = fleet(x, y), fleet(x, y)
+    a, b = gateway(client, theirs), gateway(client, mine)
+    theirs[y].lease(700.0).keep()
+    await a.round()
+    seconds, micros = await client.time()
+    now_ms = int(seconds) * 1000 + int(micros) // 1000
+    bad = f"bad-{uuid.uuid4().hex[:8]}"
+    await client.hset(LOAD_KEY, bad, f"{now_ms}|[[1, 2]]")  # a row too short
+    try:
+        await b.round()
+        assert b.malformed >= 1 and b.failed == 0
+        assert mine[y].snapshot().pending_prefill_tokens == 700.0  # the good entry counts
+    finally:
+        await client.hdel(LOAD_KEY, bad)
+        await a.stop()
+
+
+def orjson_row(url: str, inflight: int, prefilling: int, prefill: float, out: float) -> bytes:
+    states = fleet(url)
+    state = states[url]
+    state.num_inflight, state.num_prefilling = inflight, prefilling
+    state.pending_prefill_tokens, state.decode_tokens = prefill, out
+    return encode(states.values())
+
+
+def test_decoding_sums_the_peers_and_skips_what_it_cannot_read() -> None:
+    x = "http://x:8000"
+    one, two = orjson_row(x, 2, 1, 4_000.0, 10.0), orjson_row(x, 1, 1, 500.0, 0.0)
+    peers, malformed = decode([one, two, b"{not json", b'[["u", "one", 0, 0, 0]]'])
+    assert malformed == 2
+    assert peers[x].num_inflight == 3 and peers[x].prefill_tokens == 4_500.0
+    assert encode(fleet(x).values()) == b"[]"  # an idle gateway publishes only its heartbeat
+
+
+async def test_redis_gone_leaves_the_last_view_for_the_bound_then_none(
+    fresh_redis: RedisServer,
+) -> None:
+    (x,) = urls(1)
+    mine, theirs = fleet(x), fleet(x)
+    now = [100.0]
+    clients = [await open_redis(fresh_redis.url, timeout_s=0.2) for _ in range(2)]
+    a = gateway(clients[0], theirs)
+    b = SharedLoad(clients[1], lambda: list(mine.values()), round_s=0.1, clock=lambda: now[0])
+    theirs[x].lease(8_000.0).keep()
+    await a.round()
+    await b.round()
+    assert mine[x].snapshot().pending_prefill_tokens == 8_000.0
+    fresh_redis.stop()
+    try:
+        now[0] += 0.5  # within the bound (1 s): the last answer stands
+        await b.round()
+        assert b.failed == 1 and mine[x].snapshot().pending_prefill_tokens == 8_000.0
+        now[0] += 1.0  # past it: the peers' figures go
+        await b.round()
+        assert b.failed == 2 and mine[x].peer is None
+    finally:
+        for c in clients:
+            await c.aclose()
