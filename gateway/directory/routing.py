@@ -103,6 +103,7 @@ class RoutingDirectory:
         shared: RedisDirectory | None = None,
         *,
         deadline_s: float = 0.005,
+        deadline_per_block_s: float = 0.0,
         write_deadline_s: float = 0.5,
         rates: PrefixRates | None = None,
         track_writers: bool = False,
@@ -113,6 +114,8 @@ class RoutingDirectory:
         self.on_land: Callable[[str], None] | None = None
         """Called with every landing another gateway's (or this one's) leader announces."""
         self.deadline_s = deadline_s
+        self.deadline_per_block_s = deadline_per_block_s
+        """Added to a lookup's deadline per block of its chain (the script walks it)."""
         self.write_deadline_s = write_deadline_s
         self.stats = DirectoryStats()
         self._tasks = BackgroundTasks("directory")
@@ -211,6 +214,9 @@ class RoutingDirectory:
             self.on_land(landed)
 
     # -- the request path --------------------------------------------------------------------
+    def lookup_deadline_s(self, num_blocks: int) -> float:
+        return self.deadline_s + self.deadline_per_block_s * num_blocks
+
     async def lookup(self, hashes: Sequence[BlockHash]) -> Lookup:
         self.stats.lookups += 1
         if not hashes:
@@ -226,7 +232,8 @@ class RoutingDirectory:
                     hashes,
                     rate_window_s=window,
                     writers=self.track_writers,
-                    deadline_s=self.deadline_s,  # Redis's time, not this loop's lag
+                    # Redis's time, not this loop's lag; a long chain's walk takes longer
+                    deadline_s=self.lookup_deadline_s(len(hashes)),
                 )
             except asyncio.CancelledError:
                 raise
@@ -325,7 +332,9 @@ class RoutingDirectory:
         if self.shared is None or self.degraded or not blocks:
             return False
         try:
-            await asyncio.wait_for(self.shared.markers.lead(blocks, marker, ttl_s), self.deadline_s)
+            await asyncio.wait_for(
+                self.shared.markers.lead(blocks, marker, ttl_s), self.lookup_deadline_s(len(blocks))
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:

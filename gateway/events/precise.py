@@ -217,6 +217,8 @@ class PreciseKeys:
     shared: EventReader | None = None
     """The event index in Redis (set when the gateway starts with `kv_events_shared`)."""
     shared_deadline_s: float = 0.005
+    shared_deadline_per_block_s: float = 0.0
+    """Added to a shared lookup's deadline per key of its chain (the script walks it)."""
     adapters: Mapping[str, str] = field(default_factory=dict)
     """LoRA adapter -> base model (`lora_adapters`): a request for one is keyed under it."""
     mm_tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE
@@ -256,7 +258,8 @@ class PreciseKeys:
         out = LookedUp(keys)
         self.stats.shared_lookups += 1
         try:
-            out.matches = await asyncio.wait_for(shared.lookup(keys), self.shared_deadline_s)
+            deadline = self.shared_deadline_s + self.shared_deadline_per_block_s * len(keys)
+            out.matches = await asyncio.wait_for(shared.lookup(keys), deadline)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Redis away or slow: the prediction routes this one

@@ -133,6 +133,7 @@ def build_directory(settings: Settings) -> RoutingDirectory:
     return RoutingDirectory(
         local,
         deadline_s=settings.redis_deadline_s,
+        deadline_per_block_s=settings.redis_deadline_per_block_s,
         write_deadline_s=settings.redis_write_deadline_s,
         rates=PrefixRates() if settings.overflow else None,
         track_writers=settings.fanout_hold and settings.redis_url is not None,
@@ -415,6 +416,7 @@ def _share_events(parts: Parts, client: AnyRedis) -> None:
     precise.shared = EventReader(client)
     precise.shared.on_wipe = precise.index.clear  # its speculative entries go with the wipe
     precise.shared_deadline_s = settings.redis_deadline_s
+    precise.shared_deadline_per_block_s = settings.redis_deadline_per_block_s
     if frontiers is not None and parts.intake is not None:  # the owners' order, shared
         shared = SharedFrontiers(client, precise.shared, writer)
         layouts, dp_size = precise.layouts, precise.dp_size

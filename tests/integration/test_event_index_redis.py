@@ -145,3 +145,37 @@ async def test_domains_hash_names_each_domain_and_its_epoch(client: AnyRedis, do
     await writer.commit(domain, 1, wiped=True)
     value = await client.hget(DOMAINS_KEY, replica_id(domain))
     assert value == f"1|{domain}".encode()
+
+
+async def test_a_long_chains_shared_lookup_has_the_time_its_walk_takes(
+    client: AnyRedis, domain: str
+) -> None:
+    """Precise mode's shared lookup (`PreciseKeys`) of a 6,000-block agent prompt (96k tokens):
+    Redis walks it a block at a time, 10-40 ms here, so a fixed few-ms deadline routed such
+    turns on the prediction alone (a two-gateway bench: 62% of lookups failed). With the
+    default per-block allowance Redis answers it, even behind a 200-µs base deadline. (Without
+    it the outcome is a race — a timeout, or redis-py finishing the read it was cancelled in —
+    so this test pins the allowance's side only; its directory twin in
+    tests/integration/test_routing_directory.py pins both.)"""
+    from cachemap.events import EventIndex
+    from cachemap.tokenizer import ModelTokenizer
+    from gateway.events.precise import PreciseKeys, PromptTokens
+    from gateway.settings import DEFAULT_REDIS_DEADLINE_PER_BLOCK_S
+    from loadgen.engine.tokenizer import MODEL_DIR
+
+    ids = list(range(100_000, 100_000 + 16 * 6_000))
+    writer = EventWriter(client, block_size=16)
+    await writer.adopt(domain)
+    writer.apply(domain, stored(10_000_000, ids))
+    await writer.commit(domain, 1, wiped=False)
+    await writer.flush()
+    reader = EventReader(client)
+    await reader.refresh()
+    precise = PreciseKeys(PromptTokens(ModelTokenizer(MODEL_DIR)), EventIndex(), None)
+    precise.shared = reader
+    precise.shared_deadline_s = 200e-6
+    precise.shared_deadline_per_block_s = DEFAULT_REDIS_DEADLINE_PER_BLOCK_S
+    for _ in range(3):
+        found = await precise._shared_lookup(reader, precise_keys(ids, SALT, 16))
+        assert found.matches is not None and found.matches[domain].depth == 6_000
+    assert precise.stats.shared_failures == 0

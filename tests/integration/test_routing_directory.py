@@ -43,9 +43,10 @@ async def later_than(t_s: float) -> None:
     raise AssertionError("the clock did not advance")
 
 
-async def composed(redis_url: str, replicas: list[str]) -> RoutingDirectory:
+async def composed(redis_url: str, replicas: list[str], **overrides: float) -> RoutingDirectory:
     """The directory exactly as `gateway.server.app` builds and starts it."""
-    settings = gateway_settings(replicas, redis_url=redis_url, redis_deadline_s=0.5)
+    overrides.setdefault("redis_deadline_s", 0.5)
+    settings = gateway_settings(replicas, redis_url=redis_url, **overrides)
     directory = build(settings).directory
     directory.shared = RedisDirectory(
         await open_redis(redis_url),
@@ -64,6 +65,33 @@ async def composed(redis_url: str, replicas: list[str]) -> RoutingDirectory:
 @pytest.fixture
 async def replica() -> AsyncIterator[str]:
     yield f"http://{uuid.uuid4().hex[:8]}:8000"
+
+
+@pytest.mark.parametrize("per_block_s", [0.0, 100e-6])
+async def test_a_long_chains_lookup_has_the_time_its_walk_takes(
+    redis_url: str, replica: str, per_block_s: float
+) -> None:
+    """The lookup script walks the chain a block at a time, so a 100k-token agent prompt
+    takes tens of ms in Redis: a fixed few-ms deadline sent every such turn to the fallback
+    (and tripped the breaker). With the per-block allowance the same lookup is answered by
+    Redis. (A 200-µs base deadline, which a 6,000-block walk cannot meet, and 100 µs a block.)
+    The deadline here is Redis's time (`cachemap.redis.lookups`), so both sides are exact."""
+    d = await composed(
+        redis_url, [replica], redis_deadline_s=200e-6, redis_deadline_per_block_s=per_block_s
+    )
+    try:
+        hashes = chain(f"{replica}-agent", 6_000)
+        await d.record(replica, hashes)
+        await d.flushed()
+        lookup = await d.lookup(hashes)
+        assert lookup.overlap[replica] == 6_000  # the local index answers a fallback too
+        if per_block_s:
+            assert (d.stats.shared_lookups, d.stats.fallbacks) == (1, 0)
+            assert not lookup.degraded
+        else:
+            assert (d.stats.shared_lookups, d.stats.fallbacks) == (0, 1)
+    finally:
+        await d.close()
 
 
 async def test_an_expiry_from_a_shared_lookup_keeps_what_the_local_index_used_since(
