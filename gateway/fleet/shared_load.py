@@ -15,7 +15,7 @@ script call per round (`round_s`, 0.1 s by default):
 
 The script stamps this gateway's entry with Redis's clock, drops every entry older than
 `stale_s` (a gateway that died or lost Redis stops counting within it), and returns the
-others'. Their sums land on each `ReplicaState` as `peer_*` (`ReplicaState.snapshot` adds them
+others'. Their sums land on each `ReplicaState` as `peer` (`ReplicaState.snapshot` adds them
 to its own), and a scrape counts them as known (`own_*_at_scrape`), so the engine's queue is
 not counted twice: the engine-derived estimate is left for requests no gateway on this Redis
 sent. An idle gateway publishes an empty list (a heartbeat): a round costs one round trip.
@@ -90,6 +90,7 @@ class PeerLoad:
 NO_PEERS = PeerLoad()
 """A replica no peer has a request on (or no shared load)."""
 
+WITHDRAW_DEADLINE_S = 0.5
 DEFAULT_STALE_ROUNDS = 10
 MIN_STALE_S = 1.0
 """A gateway's entry counts for 10 rounds past its last write, and at least 1 s (a gateway's
@@ -123,20 +124,20 @@ def decode(blobs: Iterable[bytes]) -> tuple[dict[str, PeerLoad], int]:
         try:
             rows = orjson.loads(blob)
             parsed = [
-                (str(url), int(inflight), int(prefilling), float(prefill), float(decode))
-                for url, inflight, prefilling, prefill, decode in rows
+                (str(url), int(inflight), int(prefilling), float(prefill), float(output))
+                for url, inflight, prefilling, prefill, output in rows
             ]
         except (orjson.JSONDecodeError, TypeError, ValueError):
             malformed += 1
             continue
-        for url, inflight, prefilling, prefill, decode_ in parsed:
+        for url, inflight, prefilling, prefill, output in parsed:
             peer = out.get(url)
             if peer is None:
                 peer = out[url] = PeerLoad()
             peer.num_inflight += max(inflight, 0)
             peer.num_prefilling += max(prefilling, 0)
             peer.prefill_tokens += max(prefill, 0.0)
-            peer.decode_tokens += max(decode_, 0.0)
+            peer.decode_tokens += max(output, 0.0)
     return out, malformed
 
 
@@ -207,7 +208,9 @@ class SharedLoad:
     async def stop(self) -> None:
         """Stop the rounds; the peers stop counting this gateway at once (not after the bound)."""
         await self._tasks.close()
-        try:
-            await self._share(keys=[LOAD_KEY], args=[self.gateway_id, "", int(self.stale_s * 1000)])
+        stale_ms = int(self.stale_s * 1000)
+        withdraw = self._share(keys=[LOAD_KEY], args=[self.gateway_id, "", stale_ms])
+        try:  # bounded: a Redis gone at shutdown must not hold the stop (the entry goes stale)
+            await asyncio.wait_for(withdraw, WITHDRAW_DEADLINE_S)
         except Exception as exc:
             log.debug("shared load not withdrawn: %r", exc)

@@ -152,6 +152,7 @@ async def test_redis_gone_leaves_the_last_view_for_the_bound_then_none(
         now[0] += 1.0  # past it: the peers' figures go
         await b.round()
         assert b.failed == 2 and mine[x].peer is None
+        await b.stop()  # the withdrawal fails, bounded: the stop goes on
     finally:
         for c in clients:
             await c.aclose()
