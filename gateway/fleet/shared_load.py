@@ -18,7 +18,9 @@ The script stamps this gateway's entry with Redis's clock, drops every entry old
 others'. Their sums land on each `ReplicaState` as `peer` (`ReplicaState.snapshot` adds them
 to its own), and a scrape counts them as known (`own_*_at_scrape`), so the engine's queue is
 not counted twice: the engine-derived estimate is left for requests no gateway on this Redis
-sent. An idle gateway publishes an empty list (a heartbeat): a round costs one round trip.
+sent. A round is one round trip; an idle gateway (nothing in flight here, nothing seen of its
+peers) goes to Redis once a second only, with an empty list (a heartbeat), and at its next
+0.1-s round once it has a request in flight.
 
 When Redis is unreachable the peers' figures from the last answer stand until `stale_s` past it,
 then go to zero: the gateway routes on its own figures and the engines', as it did before.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import socket
 import time
@@ -91,10 +94,21 @@ NO_PEERS = PeerLoad()
 """A replica no peer has a request on (or no shared load)."""
 
 WITHDRAW_DEADLINE_S = 0.5
+HEARTBEAT_S = 1.0
+"""An idle round — nothing in flight here, none published last time, no peer's load seen —
+goes to Redis at most this often: an idle gateway's rounds were 0.4–0.6% of a core with 64
+replicas (`kvgate bench-idle`), for an empty list its peers do not need ten times a second. A
+gateway turning busy publishes at its next 0.1-s round; one turning idle publishes its empty
+list at once."""
 DEFAULT_STALE_ROUNDS = 10
-MIN_STALE_S = 1.0
-"""A gateway's entry counts for 10 rounds past its last write, and at least 1 s (a gateway's
-event loop stalled by a long request parse must not flicker out of its peers' view)."""
+MIN_STALE_S = 3.0
+"""A gateway's entry counts for 10 rounds past its last write, and at least 3 heartbeats (an
+idle gateway writes once a second; an event loop stalled by a long request parse must not
+flicker out of its peers' view either)."""
+
+
+EMPTY = b"[]"
+"""An idle gateway's figures."""
 
 
 def encode(states: Iterable[ReplicaState]) -> bytes:
@@ -165,17 +179,37 @@ class SharedLoad:
         self._share = client.register_script(SHARE)
         self._tasks = BackgroundTasks("shared load")
         self._answered_s = 0.0
+        self._called_s = -math.inf
+        self._busy = False
+        """This gateway published requests in flight, or saw a peer's, at its last call."""
         self.rounds = 0
         self.failed = 0
         self.malformed = 0
         self.num_peers = 0
 
-    async def round(self) -> None:
-        """Publish, read, apply: one script call."""
+    def due(self, states: list[ReplicaState]) -> bool:
+        """Whether this round goes to Redis: while anyone's load is in the view or this
+        gateway's changed since its last call, and once a heartbeat otherwise."""
+        if self._busy or self.clock() - self._called_s >= HEARTBEAT_S:
+            return True
+        return any(s.num_inflight > 0 for s in states)
+
+    async def tick(self) -> bool:
+        """One 0.1-s round: a call when `due`. True when it called."""
         states = list(self.states())
+        if not self.due(states):
+            return False
+        await self.round(states)
+        return True
+
+    async def round(self, states: list[ReplicaState] | None = None) -> None:
+        """Publish, read, apply: one script call."""
+        states = list(self.states()) if states is None else states
+        self._called_s = self.clock()
+        figures = encode(states)
         try:
             blobs = await self._share(
-                keys=[LOAD_KEY], args=[self.gateway_id, encode(states), int(self.stale_s * 1000)]
+                keys=[LOAD_KEY], args=[self.gateway_id, figures, int(self.stale_s * 1000)]
             )
         except Exception as exc:  # Redis away or slow: the last answer stands until stale
             self.failed += 1
@@ -190,6 +224,7 @@ class SharedLoad:
         self.malformed += malformed
         self.num_peers = len(blobs)
         self._apply(states, peers)
+        self._busy = figures != EMPTY or any(s.peer is not None for s in states)
 
     @staticmethod
     def _apply(states: list[ReplicaState], peers: dict[str, PeerLoad]) -> None:
@@ -199,7 +234,7 @@ class SharedLoad:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.round_s)
-            await self.round()
+            await self.tick()
 
     async def start(self) -> None:
         await self.round()

@@ -146,13 +146,51 @@ async def test_redis_gone_leaves_the_last_view_for_the_bound_then_none(
     assert mine[x].snapshot().pending_prefill_tokens == 8_000.0
     fresh_redis.stop()
     try:
-        now[0] += 0.5  # within the bound (1 s): the last answer stands
+        now[0] += 2.0  # within the bound (3 s): the last answer stands
         await b.round()
         assert b.failed == 1 and mine[x].snapshot().pending_prefill_tokens == 8_000.0
-        now[0] += 1.0  # past it: the peers' figures go
+        now[0] += 1.5  # past it: the peers' figures go
         await b.round()
         assert b.failed == 2 and mine[x].peer is None
         await b.stop()  # the withdrawal fails, bounded: the stop goes on
     finally:
         for c in clients:
             await c.aclose()
+
+
+async def test_an_idle_gateway_calls_redis_once_a_heartbeat_and_at_once_when_busy(
+    client: AnyRedis,
+) -> None:
+    """Rounds run every 0.125 s here (exact in binary: the clock is summed); an idle one goes
+    to Redis once a second. A request in flight makes the next round call, and so does the one
+    after the last request ended (its peers must see the empty list now, not at the
+    heartbeat); a peer's load on our replicas keeps every round calling."""
+    (x,) = urls(1)
+    mine = fleet(x)
+    now = [100.0]
+    g = SharedLoad(client, lambda: list(mine.values()), round_s=0.125, clock=lambda: now[0])
+
+    async def ticks(n: int) -> list[bool]:
+        called = []
+        for _ in range(n):
+            now[0] += 0.125
+            called.append(await g.tick())
+        return called
+
+    assert await g.tick()  # the first round calls
+    assert await ticks(8) == [False] * 7 + [True]  # idle: once a second
+    lease = mine[x].lease(1_000.0).keep()
+    assert await ticks(3) == [True, True, True]  # busy: every round
+    lease.release()
+    assert await ticks(3) == [True, False, False]  # the empty list once, then idle
+    theirs = fleet(x)
+    peer = gateway(client, theirs)
+    try:
+        theirs[x].lease(500.0).keep()
+        await peer.round()
+        # seen at the next heartbeat (idle here: nothing routes on it before a request comes,
+        # and this gateway's own request makes the round after it call), then every round
+        assert await ticks(8) == [False] * 5 + [True, True, True]
+        assert mine[x].peer is not None and mine[x].peer.num_inflight == 1
+    finally:
+        await peer.stop()
