@@ -287,7 +287,7 @@ class ReplicaSet:
     def share_load(self, client: AnyRedis, round_s: float) -> None:
         """Publish this gateway's load to its peers on `client` and count theirs (from
         `start` to `stop`; gateway.fleet.shared_load)."""
-        self.shared_load = SharedLoad(client, lambda: list(self.states.values()), round_s)
+        self.shared_load = SharedLoad(client, self.states.values, round_s)
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""

@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.pipeline.director import Director
 from loadgen.engine.timing import TimingModel
 from loadgen.text import words
 from tests.clients import director
@@ -101,8 +100,8 @@ def test_a_peers_queued_prefills_move_the_next_turn_off_their_replica(
     if shared:
         assert where != holder and reason == "load_bound"
         assert 'kvgate_load_shared_rounds_total{event="ok"}' in page
-        d: Director = here.app.state.director
-        assert d.replicas.shared_load is not None and d.replicas.shared_load.failed == 0
+        shared_load = director(here).replicas.shared_load
+        assert shared_load is not None and shared_load.failed == 0
     else:
         assert (where, reason) == (holder, "prefix")
         assert "kvgate_load_shared_rounds_total" not in page
