@@ -84,11 +84,13 @@ DEFAULT_REDIS_DEADLINE_S = 0.005
 """A lookup is one script call, ~0.2 ms on a LAN: 5 ms is 25× that, and routing locally beats
 waiting longer (a prefill of the whole prompt costs tens of ms at worst)."""
 DEFAULT_REDIS_DEADLINE_PER_BLOCK_S = 20e-6
-"""Added to a lookup's deadline per block of its chain: the script walks the chain a block at a
-time (~3–7 µs each in Redis, the higher figure under load), so a 100k-token agent prompt of
-6,250 blocks takes 20–45 ms in Redis alone, past any fixed few-ms deadline on every turn
-(docs/benchmarks.md, "Lookups of long chains"). 20 µs a block allows 3× that and bounds the wait
-at ~1.6% of the prompt's own prefill (6,250 × 16 tokens at 13,000 tokens/s: 7.7 s)."""
+"""Added to a lookup's deadline per block of its chain: the directory's script walks the chain a
+block at a time (~3–7 µs each in Redis, the higher figure under load), so a 100k-token agent
+prompt of 6,250 blocks takes 20–45 ms in Redis alone, past any fixed few-ms deadline on every
+turn (docs/benchmarks.md, "Lookups of long chains"). 20 µs a block allows 3× that and bounds the
+wait at ~1.6% of the prompt's own prefill (6,250 × 16 tokens at 13,000 tokens/s: 7.7 s). The
+shared event index's lookup bisects on prefix marks (~1 ms for that chain) and walks only past
+them; the allowance is then a bound it rarely nears."""
 DEFAULT_BILLING_LEDGER_DEADLINE_S = 0.05
 """One MGET on the billing store: ~0.2 ms on a LAN; 50 ms before billing from local state."""
 DEFAULT_REDIS_WRITE_DEADLINE_S = 0.5

@@ -10,23 +10,33 @@ DOMAINS_KEY = b"kvg:{kvg-ev}:domains"
 GATEWAYS_KEY = b"kvg:{kvg-ev}:gateways"
 """Live gateways of the shared index: id -> "<expiry, Redis ms>:<domains owned>" (`GATEWAYS`)."""
 RECORD_BYTES = 2 * TAG_BYTES + (16 - TAG_BYTES) + 1
-"""One block write in a script's blob: the tag in hex, the suffix, the mask digit (23 bytes)."""
+"""One block in a blob: its tag in hex, suffix, mask digit (23 bytes; what `CLEAN` reads)."""
+WRITE_BYTES = RECORD_BYTES + 7
+"""One block write in `WRITE`'s blob: a record and its prefix mark (`prefix_mark`: 30 bytes)."""
+NO_PREFIX = b"-------"
+PREFIX_DIGITS = 7
 
-# ARGV: domain id, epoch, blob of RECORD_BYTES records. A mask digit 0 deletes the field, and
-# with it the domain's speculative entry of the block (`:s`): the block is gone, nothing may
-# claim it until the entry's ttl. A stored block's entry is left to its ttl: LOOKUP reads `:s`
-# only for a block without an event of the domain, so the `:e` field is what matches from now
-# (an HDEL per stored block too cost the redis-server 1.28x its CPU on the ingest benchmark).
+# ARGV: domain id, epoch, blob of WRITE_BYTES records. A field is "<epoch>:<mask>" or, when the
+# owner knows the block's whole prefix (the chain up to and including it) is held in the domain,
+# "<epoch>:<mask>:<blocks of that prefix on no GPU, 7 digits>": LOOKUP finds the deepest such
+# block by bisection instead of reading the chain block by block (`cachemap.redis.events`,
+# "Prefix marks"). A mask digit 0 deletes the field, and with it the domain's speculative entry
+# of the block (`:s`): the block is gone, nothing may claim it until the entry's ttl. A stored
+# block's entry is left to its ttl: LOOKUP reads `:s` only for a block without an event of the
+# domain, so the `:e` field is what matches from now (an HDEL per stored block too cost the
+# redis-server 1.28x its CPU on the ingest benchmark).
 WRITE = """
 local rid, value, blob = ARGV[1], ARGV[2] .. ':', ARGV[3]
-for o = 1, #blob, 23 do
+for o = 1, #blob, 30 do
   local base = 'kvg:{' .. string.sub(blob, o, o + 11) .. '}:' .. string.sub(blob, o + 12, o + 21)
   local m = string.sub(blob, o + 22, o + 22)
   if m == '0' then
     redis.call('HDEL', base .. ':e', rid)
     redis.call('HDEL', base .. ':s', rid)
-  else
+  elseif string.byte(blob, o + 23) == 45 then -- '-': not all of its prefix is held
     redis.call('HSET', base .. ':e', rid, value .. m)
+  else
+    redis.call('HSET', base .. ':e', rid, value .. m .. ':' .. string.sub(blob, o + 23, o + 29))
   end
 end
 return 1
@@ -48,60 +58,68 @@ end
 return n
 """
 
-# ARGV: the chain's prefix, its 10-byte suffixes joined, "rid,epoch;"*. Stops at the first block
-# no given domain holds at its epoch, nor claims by a live speculative entry of that epoch
-# (`:s`, written by SPECULATE; counted as a GPU block, as in process; read only when a domain
-# still in the chain found no event for the block: a chain held whole costs no `:s` read after
-# block 1). Returns
+# ARGV: the chain's prefix, its 10-byte suffixes joined, "rid,epoch;"*. A domain's depth is its
+# leading run of blocks held at its epoch (`:e`) or claimed by a live speculative entry of that
+# epoch (`:s`, written by SPECULATE; counted as a GPU block, as in process). Only the domains
+# holding or claiming block 1 are looked at. For each, the deepest block whose field carries a
+# prefix mark (its whole prefix held: `WRITE`) is found by bisection, log2(n) reads, and the
+# count of its prefix's blocks on no GPU taken from the mark; from there the chain is read block
+# by block (`:e`, then `:s` for a block without an event) until neither holds: the blocks past
+# the marks are a turn's new ones (speculative), or follow a hole. A block with a mark has every
+# block before it held, so the result is the block-by-block walk's (a field without a mark,
+# e.g. one written before marks existed, only makes the walk longer). Returns
 # {rid, depth, blocks held on no GPU, blocks only a speculative entry claims}*.
 LOOKUP = """
 local prefix, blob = ARGV[1], ARGV[2]
+local n = #blob / 10
 local want = {}
 for rid, e in string.gmatch(ARGV[3], '([^,;]+),([^,;]+);') do want[rid] = e .. ':' end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local depth, off, spec = {}, {}, {}
-local alive = math.huge
-for i = 1, #blob / 10 do
-  local key = prefix .. string.sub(blob, i * 10 - 9, i * 10)
-  local fields = redis.call('HGETALL', key .. ':e')
-  local advanced = 0
+local function key(i) return prefix .. string.sub(blob, i * 10 - 9, i * 10) end
+local function held(v, e) return v and string.sub(v, 1, #e) == e end
+local function claimed(v, e)
+  return v and string.sub(v, 1, #e) == e and tonumber(string.sub(v, #e + 1)) > now
+end
+local first = {}
+for _, suffix in ipairs({':e', ':s'}) do
+  local fields = redis.call('HGETALL', key(1) .. suffix)
   for j = 1, #fields, 2 do
-    local rid = fields[j]
-    local e = want[rid]
-    if e and (depth[rid] or 0) == i - 1 then
-      local v = fields[j + 1]
-      if string.sub(v, 1, #e) == e then
-        depth[rid] = i
-        advanced = advanced + 1
-        if tonumber(string.sub(v, #e + 1)) % 2 == 0 then off[rid] = (off[rid] or 0) + 1 end
-      end
-    end
+    if want[fields[j]] then first[fields[j]] = want[fields[j]] end
   end
-  if advanced < alive then -- a domain still in the chain has no event for this block
-    fields = redis.call('HGETALL', key .. ':s')
-    for j = 1, #fields, 2 do
-      local rid = fields[j]
-      local e = want[rid]
-      if e and (depth[rid] or 0) == i - 1 then
-        local v = fields[j + 1]
-        if string.sub(v, 1, #e) == e and tonumber(string.sub(v, #e + 1)) > now then
-          depth[rid] = i
-          advanced = advanced + 1
-          spec[rid] = (spec[rid] or 0) + 1
-        end
-      end
-    end
-  end
-  if advanced == 0 then break end
-  alive = advanced
 end
 local out = {}
-for rid, d in pairs(depth) do
-  out[#out + 1] = rid
-  out[#out + 1] = d
-  out[#out + 1] = off[rid] or 0
-  out[#out + 1] = spec[rid] or 0
+for rid, e in pairs(first) do
+  local lo, hi, off, spec = 0, n, 0, 0
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    local v = redis.call('HGET', key(mid) .. ':e', rid)
+    if held(v, e) and #v > #e + 2 then
+      lo = mid
+      off = tonumber(string.sub(v, #e + 3))
+    else
+      hi = mid - 1
+    end
+  end
+  local depth = lo
+  for i = lo + 1, n do
+    local base = key(i)
+    local v = redis.call('HGET', base .. ':e', rid)
+    if held(v, e) then
+      if tonumber(string.sub(v, #e + 1, #e + 1)) % 2 == 0 then off = off + 1 end
+    elseif claimed(redis.call('HGET', base .. ':s', rid), e) then
+      spec = spec + 1
+    else
+      break
+    end
+    depth = i
+  end
+  if depth > 0 then
+    out[#out + 1] = rid
+    out[#out + 1] = depth
+    out[#out + 1] = off
+    out[#out + 1] = spec
+  end
 end
 return out
 """
@@ -196,6 +214,18 @@ def digit(mask: int) -> bytes:
 
 
 def record(key: BlockHash, mask: int) -> bytes:
-    """One block write in a script's blob (`RECORD_BYTES`): its chain's tag in hex, the rest of
-    its key, the mask digit (0: delete)."""
+    """One block in a script's blob (`RECORD_BYTES`): its chain's tag in hex, the rest of its
+    key, the mask digit (0: delete)."""
     return key[:TAG_BYTES].hex().encode() + key[TAG_BYTES:] + digit(mask)
+
+
+def write_record(key: BlockHash, mask: int, mark: int | None) -> bytes:
+    """One block write in `WRITE`'s blob (`WRITE_BYTES`): its record and its prefix mark, the
+    blocks of its prefix on no GPU (`PREFIX_DIGITS` digits), or `NO_PREFIX` when not all of its
+    prefix is held (None)."""
+    return b"%b%b%d%b" % (
+        key[:TAG_BYTES].hex().encode(),
+        key[TAG_BYTES:],
+        mask,
+        NO_PREFIX if mark is None else b"%07d" % mark,
+    )

@@ -4,14 +4,15 @@ holds, written by the domain's one owner (`EventWriter`), read by every gateway 
 The in-process `cachemap.events.EventIndex` keeps the same facts per gateway; this one keeps
 them once per fleet (docs/precise.md, "Who ingests"). Key schema (`{...}`: the cluster hash tag):
 
-    kvg:{TAG}:<suffix>:e      HASH  domain id -> "<epoch>:<tier mask digit>"   (no TTL: an
-                                    engine does not re-announce a block it reuses)
+    kvg:{TAG}:<suffix>:e      HASH  domain id -> "<epoch>:<tier mask digit>[:<prefix mark>]"
+                                    (no TTL: an engine does not re-announce a block it reuses)
     kvg:{TAG}:<suffix>:s      HASH  domain id -> "<epoch>:<expiry, Redis ms>"  a speculative
                                     entry (any gateway's placement), PX = the speculative ttl
     kvg:{kvg-ev}:domains      HASH  domain id -> "<epoch>|<domain name>"  (present: events flow)
     kvg:{kvg-ev}:lease:<id>   STR   the owning gateway's id, PX = the lease  (`Leases`)
     kvg:{kvg-ev}:gateways     HASH  gateway id -> "<expiry ms>:<domains owned>" (`Leases.heartbeat`)
     kvg:{kvg-ev:<id>}:map     HASH  engine hash -> own key (16 bytes) + tier mask digit
+                                    + "r" (a chain's first block) or "p" + its parent's own key
     kvg:{kvg-ev:<id>}:feed    HASH  next_seq (the seq after the last batch written), sliding
 
 The keys and the Lua scripts are in `cachemap.redis.event_scripts`. TAG and suffix are the
@@ -35,6 +36,13 @@ Invariants:
   one), the owner's write of its removal deletes the domain's entry, and a block the domain
   already holds gets none: a block the engine evicts within the ttl of its placement is not
   claimed past its removal.
+- Prefix marks: a block's field carries a mark when every block of its prefix (the chain up
+  to and including it; an own key names its whole prefix) is held by the domain, with the count
+  of those on no GPU. The owner keeps each block's parent and children and, when a block comes
+  or goes (or moves tier), re-marks the blocks below it, in the same flush and so in the same
+  script call (one chain, one slot): a lookup bisects to the deepest marked block of its chain
+  and reads block by block only past it (`LOOKUP`; a 6,000-block chain costs ~13 reads and not
+  6,000). A mark is only ever a shortcut: a block without one is read as before.
 - The map and `next_seq` let a new owner (a takeover, a restarted gateway) continue where the
   last one stopped: parents resolve, removals apply, and the seq says what to replay.
 """
@@ -83,6 +91,7 @@ from cachemap.redis.event_scripts import (
     lease_key,
     map_key,
     record,
+    write_record,
 )
 from cachemap.redis.schema import chain_call, replica_id, text
 
@@ -128,6 +137,18 @@ class _Owned:
     """The order changed since it was last published."""
     published_s: float = float("-inf")
     published_epoch: int = -1
+    parents: dict[BlockHash, bytes] = field(default_factory=dict)
+    """Held block -> its parent's own key (`ROOT`: a chain's first block); absent: unknown (a
+    block adopted from a map written without parents), so never marked."""
+    children: dict[bytes, BlockHash | list[BlockHash]] = field(default_factory=dict)
+    """Own key -> the held block whose parent it is, or a list of them when the chain branches
+    there (kept while any is held, whether the key is held or not)."""
+    marks: dict[BlockHash, int] = field(default_factory=dict)
+    """Held block whose whole prefix is held -> the blocks of that prefix on no GPU."""
+
+
+ROOT = b""
+"""A chain's first block's parent (`_Owned.parents`)."""
 
 
 class EventWriter:
@@ -184,6 +205,15 @@ class EventWriter:
             key, mask = BlockHash(bytes(value[:16])), int(value[16:17])
             state.engine[engine_hash_of(name)] = key
             state.masks[key] = state.masks.get(key, 0) | mask
+            parent = value[17:18]
+            if parent == b"r":
+                state.parents[key] = ROOT
+            elif parent == b"p":
+                state.parents[key] = bytes(value[18:34])
+        for key, parent in state.parents.items():
+            _add_child(state.children, parent, key)
+        for key in _children(state.children, ROOT):  # the marks the last owner wrote
+            _mark(state, key, write=False)
         for mask in state.masks.values():
             for tier in (GPU, CPU, STORAGE):
                 if mask & tier:
@@ -215,7 +245,7 @@ class EventWriter:
         if state is None:
             return 0
         state.blocks = dict(state.masks)
-        state.mapping = {h: k + digit(state.masks.get(k, 0)) for h, k in state.engine.items()}
+        state.mapping = {h: _map_value(state, k) for h, k in state.engine.items()}
         state.sliding_changed = bool(state.sliding)
         self._touch(state)
         return len(state.blocks)
@@ -254,6 +284,9 @@ class EventWriter:
                 return
         keys = stored_keys(event, parent_key, self.block_size)
         tier = event.tier
+        parent: bytes = ROOT if parent_key is None else parent_key
+        parents, children, marks = state.parents, state.children, state.marks
+        above = 0 if parent_key is None else marks.get(parent_key)
         for engine_hash, key in zip(event.block_hashes, keys, strict=False):
             mask = state.masks.get(key, 0)
             changed = not mask & tier
@@ -262,9 +295,26 @@ class EventWriter:
                 mask |= tier
                 state.masks[key] = mask
                 state.blocks[key] = mask
+            if key in parents:
+                if changed:
+                    _mark(state, key)
+            elif key in children:  # (adopted without its parent, and has children)
+                parents[key] = parent
+                _add_child(children, parent, key)
+                changed = True
+                _mark(state, key)
+            else:  # a new block at the end of its chain: its mark is its parent's
+                parents[key] = parent
+                _add_child(children, parent, key)
+                changed = True
+                if above is not None:
+                    marks[key] = above if mask & GPU else above + 1
+                    state.blocks[key] = mask
             if changed or state.engine.get(engine_hash) != key:
                 state.engine[engine_hash] = key
-                state.mapping[engine_hash] = key + digit(mask)
+                state.mapping[engine_hash] = _map_value(state, key)
+            parent = key
+            above = marks.get(key)
         if tier == GPU and state.recency is not None:
             state.recency.use(keys[: len(event.block_hashes)], self.clock())
             state.recency_moved = True
@@ -275,6 +325,7 @@ class EventWriter:
             self.stats.skipped_groups += 1
             return
         tier = event.tier
+        moved: list[BlockHash] = []
         for engine_hash in event.block_hashes:
             key = state.engine.get(engine_hash)
             mask = state.masks.get(key, 0) if key is not None else 0
@@ -290,11 +341,22 @@ class EventWriter:
             state.blocks[key] = mask
             if mask:
                 state.masks[key] = mask
-                state.mapping[engine_hash] = key + digit(mask)
+                state.mapping[engine_hash] = _map_value(state, key)
             else:
                 del state.masks[key]
                 del state.engine[engine_hash]
                 state.mapping[engine_hash] = None
+                parent = state.parents.pop(key, None)
+                if parent is not None:
+                    _drop_child(state.children, parent, key)
+            moved.append(key)
+        # the marks after the masks, deepest first: an engine evicts a chain from its end, and
+        # a chain removed whole then costs one step a block, not a walk of what is below it
+        for key in reversed(moved):
+            if key in state.masks or key in state.children:
+                _mark(state, key)
+            else:
+                state.marks.pop(key, None)
 
     def clear(self, domain: str) -> None:
         """A wipe or a restart: a new epoch (written by the next flush), nothing kept."""
@@ -308,6 +370,9 @@ class EventWriter:
         state.masks.clear()
         state.blocks.clear()
         state.mapping.clear()
+        state.parents.clear()
+        state.children.clear()
+        state.marks.clear()
         state.sliding.clear()
         state.tier_counts = dict.fromkeys((GPU, CPU, STORAGE), 0)
         state.cleared = True
@@ -455,11 +520,13 @@ class EventWriter:
             pipe.hset(DOMAINS_KEY, rid, domains_value)
             pipe.execute_command("UNLINK", map_key(rid))  # (a cluster pipeline has no unlink)
             pipe.hdel(feed_key(rid), "sliding")
-        for records in self._groups(blocks.items()):
+        marks = state.marks
+        writes = ((k, write_record(k, m, marks.get(k))) for k, m in blocks.items())
+        for records in self._groups(writes):
             pipe.execute_command(
                 "EVALSHA", self._write.sha, 1, records[0], rid, state.epoch, records[1]
             )
-        for records in self._groups((k, 0) for k in stale):
+        for records in self._groups((k, record(k, 0)) for k in stale):
             pipe.execute_command(
                 "EVALSHA", self._clean.sha, 1, records[0], rid, state.epoch, records[1]
             )
@@ -482,16 +549,16 @@ class EventWriter:
             self._touch(state)
         return blocks, mapping, cleared, stale, state.epoch
 
-    def _groups(self, items: Iterable[tuple[BlockHash, int]]) -> list[tuple[bytes, bytes]]:
+    def _groups(self, items: Iterable[tuple[BlockHash, bytes]]) -> list[tuple[bytes, bytes]]:
         """(a key naming the slot, the records' blob) per script call: one call in all on a
         single server, one per chain tag in a cluster (a script stays in one slot)."""
         by_tag: dict[bytes, list[bytes]] = {}
-        for key, mask in items:
+        for key, blob in items:
             tag = key[:TAG_BYTES] if self.cluster else b""
             records = by_tag.get(tag)
             if records is None:
                 records = by_tag[tag] = [chain_call([key])[0][0]]
-            records.append(record(key, mask))
+            records.append(blob)
         return [(r[0], b"".join(r[1:])) for r in by_tag.values()]
 
     # -- reading (metrics) ---------------------------------------------------------------------
@@ -509,6 +576,86 @@ class EventWriter:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _map_value(state: _Owned, key: BlockHash) -> bytes:
+    """A block's map value: its own key, mask digit, and parent (when known)."""
+    value = key + digit(state.masks.get(key, 0))
+    parent = state.parents.get(key)
+    if parent is None:
+        return value
+    return value + (b"r" if parent == ROOT else b"p" + parent)
+
+
+def _add_child(
+    children: dict[bytes, BlockHash | list[BlockHash]], parent: bytes, key: BlockHash
+) -> None:
+    below = children.get(parent)
+    if below is None:
+        children[parent] = key
+    elif isinstance(below, list):
+        below.append(key)
+    else:
+        children[parent] = [below, key]
+
+
+def _drop_child(
+    children: dict[bytes, BlockHash | list[BlockHash]], parent: bytes, key: BlockHash
+) -> None:
+    below = children.get(parent)
+    if isinstance(below, list):
+        below.remove(key)
+        if len(below) == 1:
+            children[parent] = below[0]
+    elif below == key:
+        del children[parent]
+
+
+def _children(children: dict[bytes, BlockHash | list[BlockHash]], parent: bytes) -> list[BlockHash]:
+    below = children.get(parent)
+    if below is None:
+        return []
+    return list(below) if isinstance(below, list) else [below]
+
+
+def _mark(state: _Owned, key: BlockHash, *, write: bool = True) -> None:
+    """Bring `key`'s prefix mark, and its descendants', up to date with the blocks held (its
+    mask or parent just changed); each block whose mark changed is queued for writing. A
+    block's mark is its parent's plus one if it is on no GPU; it has none when it is not held,
+    its parent is unknown, or its parent has none. A block stored at the end of its chain (the
+    common case) has no children: no walk."""
+    masks, marks, children = state.masks, state.marks, state.children
+    stack: list[BlockHash] | None = None
+    k = key
+    while True:
+        mask = masks.get(k, 0)
+        mark: int | None = None
+        if mask:
+            parent = state.parents.get(k)
+            if parent is not None:
+                above = 0 if parent == ROOT else marks.get(BlockHash(parent))
+                if above is not None:
+                    mark = above if mask & GPU else above + 1
+        if mark != marks.get(k, None):
+            if mark is None:
+                del marks[k]
+            else:
+                marks[k] = mark
+            if write and mask:
+                state.blocks[k] = mask
+            below = children.get(k)
+            if below is not None:
+                if stack is None:
+                    stack = []
+                if isinstance(below, list):
+                    stack.extend(below)
+                else:
+                    stack.append(below)
+        elif k is key and write and mask:
+            state.blocks[k] = mask  # (its mask changed: written with the mark it has)
+        if not stack:
+            return
+        k = stack.pop()
 
 
 class EventReader:
