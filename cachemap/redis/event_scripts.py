@@ -68,12 +68,31 @@ return n
 # the marks are a turn's new ones (speculative), or follow a hole. A block with a mark has every
 # block before it held, so the result is the block-by-block walk's (a field without a mark,
 # e.g. one written before marks existed, only makes the walk longer). Returns
-# {rid, depth, blocks held on no GPU, blocks only a speculative entry claims}*.
+# {changed, domains, {rid, depth, blocks held on no GPU, blocks only a speculative entry
+# claims}*}. With a second key (the domains hash; one Redis, not a cluster, where it sits in
+# another slot) the epochs are read here, in the same call as the chain: when they differ from
+# those the caller passed (a wipe, a new domain, a Redis that lost its state) `changed` is 1 and
+# `domains` that hash's HGETALL, for the caller to update its view. Without it the caller's
+# epochs are used and `changed` is 0 (the caller reads the hash in the same pipeline).
 LOOKUP = """
 local prefix, blob = ARGV[1], ARGV[2]
 local n = #blob / 10
 local want = {}
 for rid, e in string.gmatch(ARGV[3], '([^,;]+),([^,;]+);') do want[rid] = e .. ':' end
+local changed, domains = 0, {}
+if KEYS[2] then
+  local all = redis.call('HGETALL', KEYS[2])
+  local now, same, count = {}, true, 0
+  for j = 1, #all, 2 do
+    local e = string.match(all[j + 1], '^([^|]*)') .. ':'
+    now[all[j]] = e
+    count = count + 1
+    if want[all[j]] ~= e then same = false end
+  end
+  for _ in pairs(want) do count = count - 1 end
+  if not same or count ~= 0 then changed, domains = 1, all end
+  want = now
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function key(i) return prefix .. string.sub(blob, i * 10 - 9, i * 10) end
@@ -121,7 +140,7 @@ for rid, e in pairs(first) do
     out[#out + 1] = spec
   end
 end
-return out
+return {changed, domains, out}
 """
 
 # KEYS: the chain's first block (the slot). ARGV: the chain's prefix, the 10-byte suffixes of the

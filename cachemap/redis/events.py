@@ -24,8 +24,9 @@ Invariants:
   is the truth and Redis the copy, so a write sets an absolute mask (never read-modify-write)
   and the writes pending for a key coalesce to the last one.
 - A wipe (AllBlocksCleared, a restart) bumps the domain's epoch: a lookup counts a field only
-  at the epoch it was given, and the reader checks, in the same pipeline, that the epochs it
-  gave are current (else it retries with the new ones) — so once the bump is written no
+  at the epoch it was given, and the epochs are read with the lookup (on one Redis in the
+  script itself, which answers on the current ones and says when they moved; in a cluster in
+  the same pipeline, the reader retrying with the new ones) — so once the bump is written no
   lookup anywhere matches the wiped blocks, before any cleanup ran. Old-epoch fields are then
   deleted in the background (`CLEAN` deletes only fields of an older epoch).
 - A speculative entry (`EventReader.speculate`: the gateway that placed a request, for the
@@ -93,6 +94,7 @@ from cachemap.redis.event_scripts import (
     record,
     write_record,
 )
+from cachemap.redis.lookups import LookupLane
 from cachemap.redis.schema import chain_call, replica_id, text
 
 log = logging.getLogger(__name__)
@@ -677,6 +679,13 @@ class EventReader:
         self.speculate_failures = 0
         """Speculative writes that failed, or were not sent (`MAX_SPECULATING` in flight)."""
         self._lookup = client.register_script(LOOKUP)
+        self.lane: LookupLane | None = (
+            None
+            if isinstance(client, RedisCluster)
+            else LookupLane(client, LOOKUP, self._lookup.sha)
+        )
+        """One Redis: lookups go down their own connection, one script call each (the epochs
+        read in it), the deadline on Redis's time."""
         self._speculate = client.register_script(SPECULATE)
         self._arg = b""
         self._speculating: set[asyncio.Task[None]] = set()
@@ -708,33 +717,54 @@ class EventReader:
         self._arg = "".join(f"{rid},{e};" for rid, e in epochs.items()).encode()
         return True
 
-    async def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, Match]:
-        """domain -> its match of the chain (domains matching nothing are absent)."""
+    async def lookup(
+        self, hashes: Sequence[BlockHash], deadline_s: float | None = None
+    ) -> dict[str, Match]:
+        """domain -> its match of the chain (domains matching nothing are absent). Past
+        `deadline_s` it raises a `TimeoutError`: on one Redis that is Redis's time (the lookups'
+        own connection, `cachemap.redis.lookups`: a reply that arrived while this process's
+        loop ran other work is not late), in a cluster wall time around the pipeline."""
         if not hashes:
             return {}
         keys, head = chain_call(hashes)
-        for attempt in range(3):
-            pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
-            pipe.hgetall(DOMAINS_KEY)
-            pipe.execute_command("EVALSHA", self._lookup.sha, 1, keys[0], *head, self._arg)
-            raw, flat = await pipe.execute(raise_on_error=False)
-            if isinstance(raw, Exception):
-                raise raw
-            if isinstance(flat, NoScriptError):
-                await self.client.script_load(LOOKUP)
-                continue
-            if isinstance(flat, Exception):
-                raise flat
-            if self._epochs_read(raw) and attempt < 2:  # a wipe or a new domain since
-                self.retries += 1
-                continue
-            break
+        if self.lane is None:
+            pipelined = self._pipelined(keys, head)
+            flat = await (
+                pipelined if deadline_s is None else asyncio.wait_for(pipelined, deadline_s)
+            )
+        else:
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self.lane.send([([keys[0], DOMAINS_KEY], [*head, self._arg], deadline_s, future)])
+            changed, raw, flat = await future
+            if changed:  # answered on the epochs Redis holds: this view catches up
+                self._epochs_read(dict(zip(raw[::2], raw[1::2], strict=True)))
         out: dict[str, Match] = {}
         for i in range(0, len(flat), 4):
             name = self.names.get(text(flat[i]))
             if name is not None:
                 out[name] = Match(int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
         return out
+
+    async def _pipelined(self, keys: list[bytes], head: list[bytes]) -> Any:
+        """A cluster's lookup: the domains hash (another slot) read in the same pipeline as the
+        chain's script; looked up again when the epochs moved since this view's."""
+        for attempt in range(3):
+            pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
+            pipe.hgetall(DOMAINS_KEY)
+            pipe.execute_command("EVALSHA", self._lookup.sha, 1, keys[0], *head, self._arg)
+            raw, reply = await pipe.execute(raise_on_error=False)
+            if isinstance(raw, Exception):
+                raise raw
+            if isinstance(reply, NoScriptError) and attempt < 2:
+                await self.client.script_load(LOOKUP)
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            if self._epochs_read(raw) and attempt < 2:  # a wipe or a new domain since
+                self.retries += 1
+                continue
+            return reply[2]
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def speculate(self, domain: str, hashes: Sequence[BlockHash], ttl_s: float) -> bool:
         """Share a placement's speculative entry (`hashes`: one chain's blocks, as placed),
@@ -774,9 +804,15 @@ class EventReader:
             return
         self.speculated += len(hashes)
 
-    async def close(self) -> None:
+    async def settle(self) -> None:
         """Wait for the speculative writes in flight (each is bounded by the client's timeout)."""
         await asyncio.gather(*self._speculating, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Settle, then close the lookups' connection."""
+        await self.settle()
+        if self.lane is not None:
+            await self.lane.close()
 
 
 class Leases:

@@ -149,20 +149,18 @@ class LookupLane:
 
     async def _open(self) -> None:
         pool = self._client.connection_pool
-        conn: AbstractConnection = pool.make_connection()  # type: ignore[no-untyped-call]
         try:
-            await conn.connect()  # type: ignore[no-untyped-call]
+            # taken from the client's pool and never given back: closing the client closes it
+            conn: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]
         except Exception as exc:
             waiting, self._waiting = self._waiting, []
             _fail(waiting, exc)
-            with contextlib.suppress(Exception):
-                await conn.disconnect(nowait=True)
             return
         finally:
             self._connecting = None
         self.stats.connects += 1
         if self._closed:
-            await conn.disconnect(nowait=True)
+            await self._drop(conn)
             return
         self._conn = conn
         waiting, self._waiting = self._waiting, []
@@ -196,8 +194,7 @@ class LookupLane:
             _fail(pending, exc if isinstance(exc, Exception) else RedisConnectionError(str(exc)))
             if self._conn is conn:
                 self._conn = None
-            with contextlib.suppress(Exception):
-                await conn.disconnect(nowait=True)
+            await self._drop(conn)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
@@ -238,8 +235,15 @@ class LookupLane:
             with contextlib.suppress(BaseException):
                 await reading
         if conn is not None:
-            with contextlib.suppress(Exception):
-                await conn.disconnect(nowait=True)
+            await self._drop(conn)
+
+    async def _drop(self, conn: AbstractConnection) -> None:
+        """Close a connection of the lane's and hand it back to the pool (which opens it again
+        when a command of the client's takes it)."""
+        with contextlib.suppress(Exception):
+            await conn.disconnect(nowait=True)
+        with contextlib.suppress(Exception):
+            await self._client.connection_pool.release(conn)
 
     async def close(self) -> None:
         self._closed = True

@@ -259,7 +259,7 @@ class PreciseKeys:
         self.stats.shared_lookups += 1
         try:
             deadline = self.shared_deadline_s + self.shared_deadline_per_block_s * len(keys)
-            out.matches = await asyncio.wait_for(shared.lookup(keys), deadline)
+            out.matches = await shared.lookup(keys, deadline)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Redis away or slow: the prediction routes this one

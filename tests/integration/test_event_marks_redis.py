@@ -184,7 +184,7 @@ async def _few_reads(url: str) -> None:
         assert (depth, offloaded, calls <= 20) == (6_000, 1, True)
         # a placement's speculative entry for the turn's 40 new blocks: read past the marks
         assert reader.speculate(domain, keys, 30.0)
-        await reader.close()
+        await reader.settle()
         depth, offloaded, speculative, calls = await lookup()
         assert (depth, offloaded, speculative) == (6_040, 1, 40)
         assert calls <= 20 + 2 * 41

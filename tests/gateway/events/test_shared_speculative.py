@@ -36,7 +36,7 @@ async def test_a_placement_is_matched_by_another_reader_until_a_wipe(client: Any
     keys = precise_keys(PROMPT, SALT, 16)
     assert (await here.lookup(keys))[domain] == Match(2, 0, 0)
     assert here.speculate(domain, keys[2:], ttl_s=60.0)  # the placement: the 2 blocks past it
-    await here.close()
+    await here.settle()
     assert here.speculated == 2 and here.speculate_failures == 0
     assert (await there.lookup(keys))[domain] == Match(4, 0, 2)
     assert not there.speculate("http://never-seen:1", keys, ttl_s=60.0)  # no events: not sent
@@ -65,7 +65,7 @@ async def test_an_entry_ends_with_its_ttl_on_redis_clock(client: AnyRedis) -> No
     keys = precise_keys(PROMPT, SALT, 16)
     start_ms = await redis_ms(client)
     assert reader.speculate(domain, keys, ttl_s=0.5)
-    await reader.close()
+    await reader.settle()
     assert (await reader.lookup(keys))[domain] == Match(4, 0, 4)
     # its expiry is Redis's time + 0.5 s: once Redis's clock passed it, no lookup matches it
     # (the clock is read, not slept on: a bounded number of round trips)
@@ -98,7 +98,7 @@ async def test_the_confirming_event_ends_the_entry_so_an_eviction_unclaims_the_b
     keys = precise_keys(PROMPT, SALT, 16)
     assert (await reader.lookup(keys))[domain] == Match(2, 0, 0)
     assert reader.speculate(domain, keys[2:], ttl_s=60.0)
-    await reader.close()
+    await reader.settle()
     assert (await reader.lookup(keys))[domain] == Match(4, 0, 2)
     await feed.receive(1, batch(stored(12, PROMPT[32:], parent=11)))  # confirmed
     await writer.flush()
@@ -127,7 +127,7 @@ async def test_a_placement_written_after_its_confirmation_claims_nothing_past_an
     keys = precise_keys(PROMPT, SALT, 16)
     assert (await reader.lookup(keys))[domain] == Match(4, 0, 0)
     assert reader.speculate(domain, keys[2:], ttl_s=60.0)  # late: read before the event
-    await reader.close()
+    await reader.settle()
     await feed.receive(1, batch(removed(12, 2)))
     await writer.flush()
     assert (await reader.lookup(keys))[domain] == Match(2, 0, 0)
