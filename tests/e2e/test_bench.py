@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import orjson
 import pytest
 
 from kvgate_cli import main
-from loadgen.bench.peers import Arm, parse_arms, peer_missing
+from loadgen.bench.peers import Arm, parse_arms, peer_missing, prioritise
+from loadgen.harness.redis_servers import redis_server
 from loadgen.traces import CONVERSATION_TRACE
 from router.registry import POLICIES
 
@@ -41,9 +43,9 @@ def test_a_precise2_arm_routes_through_two_gateways_sharing_the_event_index(
     out = tmp_path / "bench.md"
     argv = ["bench", "--trace", str(CONVERSATION_TRACE), "--start", "4000", "--requests", "30"]
     argv += ["--engines", "2", "--arms", "precise2:cache_pressure", "--time-scale", "50"]
-    argv += ["--rate-steps", "0", "--out", str(out)]
+    argv += ["--rate-steps", "0", "--redis-nice", "5", "--out", str(out)]
     assert main(argv) == 0
-    capsys.readouterr()
+    assert "redis-server at nice 5" in capsys.readouterr().out
     (row,) = orjson.loads(out.with_suffix(".json").read_bytes())["results"]
     assert row["summary"] is not None, row["note"]
     assert row["summary"]["requests"] == 30 and row["summary"]["errors"] == 0, row["note"]
@@ -146,3 +148,16 @@ def test_bad_bench_options_are_refused(capsys: pytest.CaptureFixture[str]) -> No
     assert "unknown arm" in capsys.readouterr().out
     assert main(["bench", "--utilization", "1.5"]) == 2
     assert "--utilization must be between 0 and 1" in capsys.readouterr().out
+
+
+def test_the_shared_arms_redis_server_runs_at_the_niceness_asked() -> None:
+    """`--redis-nice`: the shared arms' redis-server stands for one with a core of its own
+    (`REDIS_NICE`); 0 leaves it as any other process. (A positive niceness: allowed without
+    privileges, so this holds on any machine.)"""
+    with redis_server(port=0) as redis:
+        assert redis.proc is not None
+        before = os.getpriority(os.PRIO_PROCESS, redis.proc.pid)
+        prioritise(redis, 0)
+        assert os.getpriority(os.PRIO_PROCESS, redis.proc.pid) == before
+        prioritise(redis, before + 3)
+        assert os.getpriority(os.PRIO_PROCESS, redis.proc.pid) == before + 3
