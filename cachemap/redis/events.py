@@ -81,16 +81,17 @@ from cachemap.redis.event_scripts import (
     GATEWAYS,
     GATEWAYS_KEY,
     LOOKUP,
+    MAP,
     RELEASE,
     RENEW,
     SPECULATE,
     WRITE,
     digit,
-    engine_field,
     engine_hash_of,
     feed_key,
     lease_key,
     map_key,
+    map_record,
     record,
     write_record,
 )
@@ -187,6 +188,7 @@ class EventWriter:
         self._tasks: set[asyncio.Task[None]] = set()
         self._write = client.register_script(WRITE)
         self._clean = client.register_script(CLEAN)
+        self._map = client.register_script(MAP)
 
     # -- ownership -------------------------------------------------------------------------
     async def adopt(self, domain: str) -> int | None:
@@ -484,6 +486,7 @@ class EventWriter:
                         raise
                     await self.client.script_load(WRITE)  # on every primary of a cluster
                     await self.client.script_load(CLEAN)
+                    await self.client.script_load(MAP)
 
     async def _flush_once(self) -> None:
         taken = [(d, s) for d, s in self._owned.items() if s.dirty]
@@ -532,12 +535,9 @@ class EventWriter:
             pipe.execute_command(
                 "EVALSHA", self._clean.sha, 1, records[0], rid, state.epoch, records[1]
             )
-        sets = {engine_field(h): v for h, v in mapping.items() if v is not None}
-        drops = [engine_field(h) for h, v in mapping.items() if v is None]
-        if sets:
-            pipe.hset(map_key(rid), mapping=sets)
-        if drops:
-            pipe.hdel(map_key(rid), *drops)
+        if mapping:
+            blob = b"".join([map_record(h, v) for h, v in mapping.items()])
+            pipe.execute_command("EVALSHA", self._map.sha, 1, map_key(rid), blob)
         feed: dict[str, Any] = {}
         if state.next_seq is not None:
             feed["next_seq"] = state.next_seq

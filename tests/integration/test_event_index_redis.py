@@ -136,6 +136,30 @@ async def test_a_new_owner_continues_where_the_last_one_stopped(
     assert int(await client.hget(feed_key(replica_id(domain)), "next_seq")) == 41
 
 
+async def test_every_kind_of_engine_hash_reaches_the_next_owner_through_the_map(
+    client: AnyRedis, domain: str
+) -> None:
+    """The map is written as one blob per flush (`MAP`): vLLM's unsigned 64-bit hashes,
+    SGLang's signed ones and byte hashes each come back to a new owner exactly, a removed
+    block's field is gone, and its removals by those hashes apply."""
+    hashes: list[int | bytes] = [2**64 - 1, -(2**63), 7, b"\x00\xff" * 16, 2**63, -1]
+    first = EventWriter(client, block_size=16)
+    await first.adopt(domain)
+    first.apply(domain, BlockStored(hashes, None, PROMPT, 16, GPU, SALT))
+    first.apply(domain, BlockRemoved([hashes[-1]], GPU))
+    await first.flush()
+    assert await client.hlen(map_key(replica_id(domain))) == 5
+    second = EventWriter(client, block_size=16)
+    await second.adopt(domain)
+    assert second.num_blocks(domain) == 5
+    second.apply(domain, BlockRemoved(hashes[1:5], GPU))
+    await second.flush()
+    assert second.stats.unknown_removals == 0 and second.num_blocks(domain) == 1
+    assert await client.hlen(map_key(replica_id(domain))) == 1
+    reader = EventReader(client)
+    assert (await reader.lookup(precise_keys(PROMPT, SALT, 16)))[domain].depth == 1
+
+
 async def test_a_lease_has_one_holder_and_passes_on_when_it_expires(
     client: AnyRedis, domain: str
 ) -> None:
