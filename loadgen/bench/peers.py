@@ -254,14 +254,16 @@ def _wait_for_model(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: f
     raise TimeoutError(f"router at {url} not ready after {timeout_s:.0f} s: {last}")
 
 
-REDIS_NICE = -10
-"""The niceness of the redis-server the shared arms (`precise2`, `workers*`) start: in production
-Redis has a core of its own; here it shares two cores with the engines, the gateways and the
-client, and at the default priority the scheduler preempted it mid-command (SLOWLOG: single
-HSETs of 13 ms, scripts 3x longer in wall time than in CPU), so two thirds of the two gateways'
-shared lookups missed their deadline; at -10, 4-5% (docs/benchmarks.md, "Prefix marks").
-`--redis-nice 0` runs it as any other process. Setting it needs root or CAP_SYS_NICE: without,
-the bench says so and runs it at the default."""
+REDIS_NICE = 0
+"""The niceness of the redis-server the shared arms (`precise2`, `workers*`) start (`--redis-nice`).
+In production Redis has a core of its own; here it shares two cores with the engines, the
+gateways and the client, and the scheduler preempts it mid-command (SLOWLOG: single HSETs of
+13 ms): two thirds of two precise gateways' shared lookups missed their deadline. At -10 they
+answered (3-9% missed) but the engines starved instead: health probes timed out, replicas were
+marked down, and two of three runs lost 29 and 75 requests to 503s (docs/benchmarks.md,
+"Prefix marks"). Neither models a Redis of its own on two cores, so the default leaves it as
+any other process, comparable with earlier runs. A negative value needs root or
+CAP_SYS_NICE: without, the bench says so and runs it at the default."""
 
 
 def prioritise(redis: RedisServer, nice: int) -> None:
@@ -684,8 +686,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--redis-nice",
         type=int,
         default=REDIS_NICE,
-        help="niceness of the shared arms' redis-server (its own core in production; 0: as "
-        "any other process)",
+        help="niceness of the shared arms' redis-server (default 0: as any other process; "
+        "negative: nearer a Redis with a core of its own, at the engines' expense)",
     )
     parser.add_argument("--out", default="bench-results.md", help="markdown table (and .json)")
 

@@ -151,9 +151,9 @@ def test_bad_bench_options_are_refused(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_the_shared_arms_redis_server_runs_at_the_niceness_asked() -> None:
-    """`--redis-nice`: the shared arms' redis-server stands for one with a core of its own
-    (`REDIS_NICE`); 0 leaves it as any other process. (A positive niceness: allowed without
-    privileges, so this holds on any machine.)"""
+    """`--redis-nice`: the shared arms' redis-server at the niceness asked (`REDIS_NICE`); 0
+    leaves it as any other process. (A positive niceness: allowed without privileges, so this
+    holds on any machine.)"""
     with redis_server(port=0) as redis:
         assert redis.proc is not None
         before = os.getpriority(os.PRIO_PROCESS, redis.proc.pid)
