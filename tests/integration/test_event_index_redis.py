@@ -31,6 +31,7 @@ from cachemap.tokenizer import ModelTokenizer
 from gateway.events.precise import PreciseKeys, PreciseStats, PromptTokens
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.harness.redis_servers import RedisServer
+from tests.busy_loop import hog, script_calls, until_redis_ran
 
 pytestmark = pytest.mark.redis
 
@@ -57,6 +58,17 @@ def domain() -> str:
 def stored(first: int, ids: list[int], parent: int | None = None, tier: int = GPU) -> BlockStored:
     hashes = [first + i for i in range(len(ids) // 16)]
     return BlockStored(hashes, parent, ids, 16, tier, SALT if parent is None else None)
+
+
+async def owned(client: AnyRedis, domain: str, first: int, ids: list[int]) -> EventWriter:
+    """An owner that adopted `domain` and wrote one chain of `ids` (engine hashes from
+    `first`) at seq 1."""
+    writer = EventWriter(client, block_size=16)
+    await writer.adopt(domain)
+    writer.apply(domain, stored(first, ids))
+    await writer.commit(domain, 1, wiped=False)
+    await writer.flush()
+    return writer
 
 
 async def test_an_owners_writes_are_every_readers_matches(client: AnyRedis, domain: str) -> None:
@@ -200,11 +212,7 @@ async def test_a_long_chains_shared_lookup_has_the_time_its_walk_takes(
     from gateway.settings import DEFAULT_REDIS_DEADLINE_PER_BLOCK_S
 
     ids = list(range(100_000, 100_000 + 16 * 6_000))
-    writer = EventWriter(client, block_size=16)
-    await writer.adopt(domain)
-    writer.apply(domain, stored(10_000_000, ids))
-    await writer.commit(domain, 1, wiped=False)
-    await writer.flush()
+    await owned(client, domain, 10_000_000, ids)
     reader = EventReader(client)
     await reader.refresh()
     precise = PreciseKeys(PromptTokens(ModelTokenizer(MODEL_DIR)), EventIndex(), None)
@@ -217,13 +225,6 @@ async def test_a_long_chains_shared_lookup_has_the_time_its_walk_takes(
     assert precise.stats.shared_failures == 0
 
 
-def _hog(seconds: float) -> None:
-    """Hold the event loop with CPU, as other requests' work does under load."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 async def _shared_lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> PreciseStats:
     """Each round: precise mode's shared lookup (5-ms deadline) is sent, Redis answers it (its
     `INFO commandstats` counts the call), then the loop is held 10 ms before it reads the
@@ -231,11 +232,7 @@ async def _shared_lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> P
     domain = f"http://{uuid.uuid4().hex[:8]}:8000"
     client = await open_redis(redis.url)
     stats = sync_redis.Redis.from_url(redis.url)
-    writer = EventWriter(client, block_size=16)
-    await writer.adopt(domain)
-    writer.apply(domain, stored(100, PROMPT))
-    await writer.commit(domain, 1, wiped=False)
-    await writer.flush()
+    await owned(client, domain, 100, PROMPT)
     reader = EventReader(client)
     precise = PreciseKeys(PromptTokens(ModelTokenizer(MODEL_DIR)), EventIndex(), None)
     precise.shared, precise.shared_deadline_s = reader, 0.005
@@ -249,17 +246,12 @@ async def _shared_lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> P
         assert reader.lane is not None
         counted = PreciseStats()
         for _ in range(20 * rounds):  # bounded: a round whose reply was read early is redone
-            calls = int(stats.info("commandstats")["cmdstat_evalsha"]["calls"])
+            calls = script_calls(stats)
             task = asyncio.create_task(precise._shared_lookup(reader, keys))
-            for _ in range(10_000):  # yield until Redis has run it (bounded)
-                await asyncio.sleep(0)
-                if int(stats.info("commandstats")["cmdstat_evalsha"]["calls"]) > calls:
-                    break
-            else:
-                raise AssertionError("the lookup never reached Redis")
+            await until_redis_ran(stats, calls)
             unread = not task.done()  # not answered in one of those yields
             failures = precise.stats.shared_failures
-            _hog(0.010)  # the reply is in the socket; the loop is busy past the deadline
+            hog(0.010)  # the reply is in the socket; the loop is busy past the deadline
             found = await task
             if unread:
                 counted.shared_lookups += 1

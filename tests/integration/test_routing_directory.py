@@ -23,6 +23,7 @@ from gateway.directory.breaker import DEGRADE_AFTER
 from gateway.directory.routing import RoutingDirectory
 from gateway.server.app import build
 from loadgen.harness.redis_servers import RedisServer
+from tests.busy_loop import hog, script_calls, until_redis_ran
 from tests.conftest import gateway_settings
 
 pytestmark = pytest.mark.redis
@@ -308,13 +309,6 @@ async def test_one_stall_that_fails_every_lookup_in_flight_is_one_failure_not_an
         await d.close()
 
 
-def _hog(seconds: float) -> None:
-    """Hold the event loop with CPU, as other requests' work does under load."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 async def _lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> list[bool]:
     """Each round: a lookup is sent, Redis answers it (its `INFO commandstats` counts the call),
     then the loop is held for 10 ms, twice the 5-ms deadline, before it reads the reply.
@@ -333,17 +327,12 @@ async def _lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> list[boo
         timeouts, graced = (lane.stats.timeouts, lane.stats.late_answers) if lane else (0, 0)
         fell_back: list[bool] = []  # the rounds whose reply was still unread at the hog
         for _ in range(20 * rounds):  # bounded: a round whose reply was read early is redone
-            calls = int(stats.info("commandstats")["cmdstat_evalsha"]["calls"])
+            calls = script_calls(stats)
             task = asyncio.create_task(d.lookup(probe))
-            for _ in range(10_000):  # yield until Redis has run it (bounded)
-                await asyncio.sleep(0)
-                if int(stats.info("commandstats")["cmdstat_evalsha"]["calls"]) > calls:
-                    break
-            else:
-                raise AssertionError("the lookup never reached Redis")
+            await until_redis_ran(stats, calls)
             # the reply may have come, and been read, in one of those yields: not this case
             unread = lane is None or lane.in_flight > 0
-            _hog(0.010)  # the reply is in the socket; the loop is busy past the deadline
+            hog(0.010)  # the reply is in the socket; the loop is busy past the deadline
             look = await task
             assert look.degraded or look.overlap == {replica: 8}
             if unread:
@@ -407,7 +396,7 @@ async def test_a_redis_that_stopped_answering_still_costs_a_busy_loop_its_deadli
                 break
         else:
             raise AssertionError("the lookup was never written")
-        _hog(0.010)
+        hog(0.010)
         assert (await task).degraded
         assert d.shared.lane.stats.late_answers == graced
     finally:
