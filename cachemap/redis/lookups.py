@@ -91,6 +91,8 @@ class LookupLane:
         self._pending: deque[_Call] = deque()
         """Calls written, in the order of their replies."""
         self._reading: asyncio.Task[None] | None = None
+        self._closed_conns: list[AbstractConnection] = []
+        """Connections found closed at a send (not by the lane), to give back to the pool."""
         self._closed = False
         self.stats = LaneStats()
 
@@ -118,6 +120,8 @@ class LookupLane:
         if conn is not None and _open(conn):
             self._write(conn, batch)
         else:
+            if conn is not None:  # closed under us (the pool disconnected): given back below
+                self._closed_conns.append(conn)
             self._conn = None
             self._waiting.extend(batch)
             if self._connecting is None:
@@ -149,6 +153,9 @@ class LookupLane:
 
     async def _open(self) -> None:
         pool = self._client.connection_pool
+        closed, self._closed_conns = self._closed_conns, []
+        for old in closed:
+            await self._drop(old)
         try:
             # taken from the client's pool and never given back: closing the client closes it
             conn: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]

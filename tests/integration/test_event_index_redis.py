@@ -305,3 +305,26 @@ async def test_a_paused_redis_still_costs_a_shared_lookup_its_deadline(
         await pauser.aclose()
         await reader.close()
         await client.aclose()
+
+
+async def test_a_lane_whose_connection_the_pool_closed_reconnects_and_gives_it_back(
+    fresh_redis: RedisServer, domain: str
+) -> None:
+    """The lookups' connection is the client pool's: when the pool disconnects everything
+    (the directory's breaker probe does, after an outage), the next lookup opens another and
+    the closed one goes back to the pool, so outages do not pile up connections in use."""
+    client = await open_redis(fresh_redis.url)
+    try:
+        await owned(client, domain, 100, PROMPT)
+        reader = EventReader(client)
+        keys = precise_keys(PROMPT, SALT, 16)
+        pool = client.connection_pool
+        for _ in range(3):
+            assert (await reader.lookup(keys))[domain].depth == 6
+            await pool.disconnect()
+        assert (await reader.lookup(keys))[domain].depth == 6
+        assert reader.lane is not None and reader.lane.stats.connects == 4
+        assert len(pool._in_use_connections) == 1  # the lane's open one
+        await reader.close()
+    finally:
+        await client.aclose()
