@@ -749,7 +749,7 @@ class EventReader:
         """A cluster's lookup: the domains hash (another slot) read in the same pipeline as the
         chain's script; looked up again when the epochs moved since this view's."""
         for attempt in range(3):
-            pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
+            pipe = self.client.pipeline()
             pipe.hgetall(DOMAINS_KEY)
             pipe.execute_command("EVALSHA", self._lookup.sha, 1, keys[0], *head, self._arg)
             raw, reply = await pipe.execute(raise_on_error=False)
