@@ -40,10 +40,16 @@ Invariants:
 - Prefix marks: a block's field carries a mark when every block of its prefix (the chain up
   to and including it; an own key names its whole prefix) is held by the domain, with the count
   of those on no GPU. The owner keeps each block's parent and children and, when a block comes
-  or goes (or moves tier), re-marks the blocks below it, in the same flush and so in the same
-  script call (one chain, one slot): a lookup bisects to the deepest marked block of its chain
-  and reads block by block only past it (`LOOKUP`; a 6,000-block chain costs ~13 reads and not
-  6,000). A mark is only ever a shortcut: a block without one is read as before.
+  or goes (or moves tier), re-marks the blocks below it in the same flush: a lookup bisects to
+  the deepest marked block of its chain and reads block by block only past it (`LOOKUP`; a
+  6,000-block chain costs ~13 reads and not 6,000). A mark is only ever a shortcut: a block
+  without one is read as before.
+- A flush's block writes go in script calls of at most `WRITE_CHUNK` blocks, its map writes in
+  calls of `MAP_CHUNK` (Redis serves other clients between two), the block writes in an order
+  under which no lookup between two calls sees a mark whose prefix is not all there: the writes
+  without a mark first (they only ever take a claim away), then the deletions, each block's
+  deleted descendants before it, then the marked writes, each block's marked ancestors before
+  it (`_write_order`). A chain is in one slot, so its calls go to one node, in that order.
 - The map and `next_seq` let a new owner (a takeover, a restarted gateway) continue where the
   last one stopped: parents resolve, removals apply, and the seq says what to replay.
 """
@@ -55,7 +61,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
@@ -86,6 +92,7 @@ from cachemap.redis.event_scripts import (
     RENEW,
     SPECULATE,
     WRITE,
+    WRITE_BYTES,
     digit,
     engine_hash_of,
     feed_key,
@@ -103,6 +110,13 @@ log = logging.getLogger(__name__)
 MAX_SPECULATING = 256
 """Speculative writes in flight per gateway: beyond it a placement's entry is not shared (it is
 still entered in process). Each is one script call of ~0.1 ms; 256 are a burst of ~25 ms."""
+WRITE_CHUNK = 128
+"""Block writes per `WRITE` call (~4 kB of arguments, well under a ms of Redis): between two
+calls Redis serves the lookups. One call a flush held a lookup ~25 ms behind a 20,000-block
+batch, up to ~0.3 s live at 10% KV; calls of 128 hold it ~2-4 ms, the flush no slower
+(`tools.flush_stall`; 512 held it ~3.5-5.5 ms, against the lookups' 5-ms deadline)."""
+MAP_CHUNK = 256
+"""Map fields set or deleted per `MAP` call (~10 kB; a field costs Redis less than a block)."""
 MAX_PENDING_BLOCKS = 4096
 """Block writes a feed may queue before it waits for a flush: ~20 ms of writes, and the
 backpressure that keeps a burst in the SUB socket's queue rather than in memory."""
@@ -148,6 +162,8 @@ class _Owned:
     there (kept while any is held, whether the key is held or not)."""
     marks: dict[BlockHash, int] = field(default_factory=dict)
     """Held block whose whole prefix is held -> the blocks of that prefix on no GPU."""
+    removed: dict[BlockHash, bytes] = field(default_factory=dict)
+    """Pending deletions' parents (`_write_order`: a block's deleted descendants go first)."""
 
 
 ROOT = b""
@@ -353,6 +369,7 @@ class EventWriter:
                 parent = state.parents.pop(key, None)
                 if parent is not None:
                     _drop_child(state.children, parent, key)
+                    state.removed[key] = parent
             moved.append(key)
         # the marks after the masks, deepest first: an engine evicts a chain from its end, and
         # a chain removed whole then costs one step a block, not a walk of what is below it
@@ -377,6 +394,7 @@ class EventWriter:
         state.parents.clear()
         state.children.clear()
         state.marks.clear()
+        state.removed.clear()
         state.sliding.clear()
         state.tier_counts = dict.fromkeys((GPU, CPU, STORAGE), 0)
         state.cleared = True
@@ -502,9 +520,10 @@ class EventWriter:
         except Exception:
             self.flush_errors += 1
             for _, state, pending in undo:  # put back what was taken, newer writes win
-                blocks, mapping, cleared, stale, epoch = pending
+                blocks, removed, mapping, cleared, stale, epoch = pending
                 if epoch == state.epoch:  # (a wipe since made them void)
                     state.blocks = {**blocks, **state.blocks}
+                    state.removed = {**removed, **state.removed}
                     state.mapping = {**mapping, **state.mapping}
                 state.cleared = state.cleared or cleared
                 state.stale = stale + state.stale
@@ -516,9 +535,14 @@ class EventWriter:
 
     def _queue(self, pipe: Any, domain: str, state: _Owned) -> Any:
         rid = state.rid
-        blocks, mapping, cleared = state.blocks, state.mapping, state.cleared
+        blocks, removed, mapping, cleared = (
+            state.blocks,
+            state.removed,
+            state.mapping,
+            state.cleared,
+        )
         stale, state.stale = state.stale[:CLEAN_CHUNK], state.stale[CLEAN_CHUNK:]
-        state.blocks, state.mapping, state.cleared = {}, {}, False
+        state.blocks, state.removed, state.mapping, state.cleared = {}, {}, {}, False
         state.dirty = bool(state.stale)
         domains_value = f"{state.epoch}|{domain}"
         if cleared:
@@ -526,18 +550,26 @@ class EventWriter:
             pipe.execute_command("UNLINK", map_key(rid))  # (a cluster pipeline has no unlink)
             pipe.hdel(feed_key(rid), "sliding")
         marks = state.marks
-        writes = ((k, write_record(k, m, marks.get(k))) for k, m in blocks.items())
-        for records in self._groups(writes):
-            pipe.execute_command(
-                "EVALSHA", self._write.sha, 1, records[0], rid, state.epoch, records[1]
-            )
+        if len(blocks) > WRITE_CHUNK:  # (fewer: one call per chain slot, atomic, any order)
+            order: Iterable[BlockHash] = _write_order(blocks, marks, state.parents, removed)
+        else:
+            order = blocks
+        writes = ((k, write_record(k, blocks[k], marks.get(k))) for k in order)
+        step = WRITE_CHUNK * WRITE_BYTES
+        for slot, blob in self._groups(writes):
+            for at in range(0, len(blob), step):
+                pipe.execute_command(
+                    "EVALSHA", self._write.sha, 1, slot, rid, state.epoch, blob[at : at + step]
+                )
         for records in self._groups((k, record(k, 0)) for k in stale):
             pipe.execute_command(
                 "EVALSHA", self._clean.sha, 1, records[0], rid, state.epoch, records[1]
             )
         if mapping:
-            blob = b"".join([map_record(h, v) for h, v in mapping.items()])
-            pipe.execute_command("EVALSHA", self._map.sha, 1, map_key(rid), blob)
+            fields = [map_record(h, v) for h, v in mapping.items()]
+            for at in range(0, len(fields), MAP_CHUNK):
+                blob = b"".join(fields[at : at + MAP_CHUNK])
+                pipe.execute_command("EVALSHA", self._map.sha, 1, map_key(rid), blob)
         feed: dict[str, Any] = {}
         if state.next_seq is not None:
             feed["next_seq"] = state.next_seq
@@ -549,7 +581,7 @@ class EventWriter:
         pipe.hset(DOMAINS_KEY, rid, domains_value)
         if state.stale:
             self._touch(state)
-        return blocks, mapping, cleared, stale, state.epoch
+        return blocks, removed, mapping, cleared, stale, state.epoch
 
     def _groups(self, items: Iterable[tuple[BlockHash, bytes]]) -> list[tuple[bytes, bytes]]:
         """(a key naming the slot, the records' blob) per script call: one call in all on a
@@ -578,6 +610,59 @@ class EventWriter:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _write_order(
+    blocks: dict[BlockHash, int],
+    marks: dict[BlockHash, int],
+    parents: dict[BlockHash, bytes],
+    removed: dict[BlockHash, bytes],
+) -> list[BlockHash]:
+    """A flush's block writes in an order that is safe to split into calls (module docstring):
+    the unmarked writes, the deletions with each block's deleted descendants before it, the
+    marked writes with each block's marked ancestors before it. Under it, after any prefix of
+    the writes, every mark in Redis has its whole prefix there: an unmarked write only takes a
+    claim away; a deleted block's held descendants are among the unmarked writes (the owner
+    re-marked them) and its deleted ones come before it; a marked block's ancestors are marked
+    too, so each is in Redis already or a marked write before it."""
+    unmarked: list[BlockHash] = []
+    deleted: list[BlockHash] = []
+    marked: list[BlockHash] = []
+    for key, mask in blocks.items():
+        if not mask:
+            deleted.append(key)
+        elif key in marks:
+            marked.append(key)
+        else:
+            unmarked.append(key)
+    unmarked += reversed(_ancestors_first(deleted, removed))
+    unmarked += _ancestors_first(marked, parents)
+    return unmarked
+
+
+def _ancestors_first(keys: list[BlockHash], parents: dict[BlockHash, bytes]) -> list[BlockHash]:
+    """`keys` ordered so that each comes after those of its ancestors among them: O(len(keys)),
+    and one step a key when they come in chain order already (a chain stored, the common case)."""
+    up = cast(dict[bytes, bytes], parents)
+    pending = dict.fromkeys(keys)
+    out: list[BlockHash] = []
+    for key in keys:
+        if key not in pending:
+            continue
+        parent = up.get(key)
+        if parent not in pending:  # (ROOT, b"", never is)
+            del pending[key]
+            out.append(key)
+            continue
+        path: list[bytes] = [key]
+        while parent in pending:
+            assert parent is not None
+            path.append(parent)
+            parent = up.get(parent)
+        for k in path:
+            del pending[BlockHash(k)]
+        out += cast(list[BlockHash], path[::-1])
+    return out
 
 
 def _map_value(state: _Owned, key: BlockHash) -> bytes:

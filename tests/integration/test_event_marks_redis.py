@@ -7,7 +7,10 @@ owner — against a real redis-server and a real 3-master Redis Cluster."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +26,9 @@ from cachemap.events import (
     EventIndex,
     precise_keys,
 )
+from cachemap.redis import events
 from cachemap.redis.client import open_redis
+from cachemap.redis.event_scripts import DOMAINS_KEY, WRITE
 from cachemap.redis.events import EventReader, EventWriter
 from cachemap.redis.schema import block_keys, replica_id, text
 from loadgen.harness.redis_servers import redis_server
@@ -197,4 +202,134 @@ async def _few_reads(url: str) -> None:
         deep = await client.hget(block_keys(keys)[5_000] + b":e", rid)
         assert deep is not None and text(deep).count(":") == 1  # held, unmarked
     finally:
+        await client.aclose()
+
+
+class Stepwise:
+    """A pipeline whose commands run one at a time on the real client, `after_write` awaited
+    after each `WRITE` call: what a lookup could see between two calls of a flush."""
+
+    def __init__(self, client: Any, after_write: Callable[[], Awaitable[None]]) -> None:
+        self.client = client
+        self.after_write = after_write
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        def queue(*args: Any, **kwargs: Any) -> None:
+            self.calls.append((name, args, kwargs))
+
+        return queue
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        out = []
+        for name, args, kwargs in self.calls:
+            out.append(await getattr(self.client, name)(*args, **kwargs))
+            if name == "execute_command" and args[1] == WRITE_SHA:
+                await self.after_write()
+        return out
+
+
+WRITE_SHA = hashlib.sha1(WRITE.encode()).hexdigest()
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(ops=st.lists(op, max_size=30))
+def test_a_flush_split_into_calls_never_shows_a_mark_whose_prefix_is_missing(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, ops: list[tuple[str, int, int, int, int, int]]
+) -> None:
+    """One block per `WRITE` call, every call checked: each field of a domain's current epoch
+    that carries a prefix mark has every block of its prefix in Redis (else a lookup between
+    two calls would bisect to it and claim a block the domain no longer holds). The order that
+    keeps it (`_write_order`) is what this pins: the pending writes in the order they were
+    first touched fail it (a tier move touches a block before a stored ancestor marks it)."""
+    monkeypatch.setattr(events, "WRITE_CHUNK", 1)
+    asyncio.run(_split_flushes(redis_url, ops))
+
+
+HELD = [("store", 0, 0, 0, 5, GPU), ("store", 0, 0, 5, 5, GPU), ("flush", 0, 0, 0, 0, 0)]
+"""Branch 0's ten blocks held on domain 0's GPU, written."""
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [
+        # block 3 was evicted (4-9 unmarked); block 7 then moves a copy to CPU (touched first)
+        # and block 3 comes back (3-9 marked again): 7's mark must not land before 3 is back
+        [
+            *HELD,
+            ("remove", 0, 0, 3, 0, GPU),
+            ("flush", 0, 0, 0, 0, 0),
+            ("store", 0, 0, 7, 1, CPU),
+            ("store", 0, 0, 3, 1, GPU),
+        ],
+        # blocks 3 and 5-9 evicted in one batch, 3 first: 5-9 (marked in Redis) must be gone,
+        # and 4 unmarked, before 3 is
+        [*HELD, *[("remove", 0, 0, i, 0, GPU) for i in (3, 5, 6, 7, 8, 9)]],
+    ],
+    ids=["an-ancestor-back", "a-chain-cut"],
+)
+def test_the_writes_touched_out_of_order_are_split_in_a_safe_order(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, ops: list[tuple[str, int, int, int, int, int]]
+) -> None:
+    """The cases the first-touch order gets wrong, one block per `WRITE` call."""
+    monkeypatch.setattr(events, "WRITE_CHUNK", 1)
+    assert asyncio.run(_split_flushes(redis_url, ops)) >= 10  # marks were there to check
+
+
+async def _split_flushes(url: str, ops: list[tuple[str, int, int, int, int, int]]) -> int:
+    client = await open_redis(url)
+    run = uuid.uuid4().hex[:8]
+    domains = [f"http://{run}-{d}:8000" for d in range(2)]
+    chains = [block_keys(precise_keys(path(b), run, 16)) for b in range(BRANCHES)]
+    checked = [0]
+
+    async def marks_have_their_prefix() -> None:
+        for domain in domains:
+            rid = replica_id(domain)
+            current = await client.hget(DOMAINS_KEY, rid)
+            epoch = text(current).split("|")[0] if current is not None else None
+            for chain in chains:
+                held = []
+                for key in chain:
+                    value = await client.hget(key + b":e", rid)
+                    fields = text(value).split(":") if value is not None else []
+                    held.append(bool(fields) and fields[0] == epoch)
+                    if held[-1] and len(fields) == 3:
+                        assert all(held), (domain, chain.index(key), held)
+                        checked[0] += 1
+
+    client.pipeline = lambda *args, **kwargs: Stepwise(client, marks_have_their_prefix)
+    local = EventIndex(block_size=16)
+    writer = EventWriter(client, block_size=16)
+    for domain in domains:
+        await writer.adopt(domain)
+    reader = EventReader(client)
+    try:
+        for name, d, branch, at, n, tier in ops:
+            domain = domains[d]
+            event: CacheEvent
+            if name in ("flush", "adopt"):
+                await writer.flush()
+                continue
+            if name == "store":
+                event = store(branch, at, min(at + n, DEPTH), tier, run)
+            elif name == "remove":
+                event = BlockRemoved([engine_hash(branch, at)], tier)
+            else:
+                event = AllBlocksCleared()
+            local.apply(domain, event)
+            writer.apply(domain, event)
+            await writer.commit(domain, None, wiped=name == "wipe")
+        await writer.flush()
+        await reader.refresh()
+        for branch in range(BRANCHES):
+            keys = precise_keys(path(branch), run, 16)
+            assert await reader.lookup(keys) == local.lookup(keys, 0.0), branch
+        return checked[0]
+    finally:
+        await reader.close()
         await client.aclose()
