@@ -85,6 +85,40 @@ op = st.one_of(
 )
 
 
+async def play(
+    client: Any, domains: list[str], run: str, ops: list[tuple[str, int, int, int, int, int]]
+) -> EventIndex:
+    """`ops` applied to an owner of `domains` (flushed at the end) and to the in-process index
+    it must agree with, which is returned."""
+    local = EventIndex(block_size=16)
+    writer = EventWriter(client, block_size=16)
+    for domain in domains:
+        await writer.adopt(domain)
+    for name, d, branch, at, n, tier in ops:
+        domain = domains[d]
+        event: CacheEvent
+        if name == "flush":
+            await writer.flush()
+            continue
+        if name == "adopt":  # the owner is gone; a new one loads what it wrote
+            await writer.flush()
+            writer = EventWriter(client, block_size=16)
+            for each in domains:
+                await writer.adopt(each)
+            continue
+        if name == "store":
+            event = store(branch, at, min(at + n, DEPTH), tier, run)
+        elif name == "remove":
+            event = BlockRemoved([engine_hash(branch, at)], tier)
+        else:
+            event = AllBlocksCleared()
+        local.apply(domain, event)
+        writer.apply(domain, event)
+        await writer.commit(domain, None, wiped=name == "wipe")
+    await writer.flush()
+    return local
+
+
 @pytest.mark.parametrize("kind", ["redis", "cluster"])
 @settings(
     max_examples=60,
@@ -108,34 +142,9 @@ async def _same_matches(
     client = await open_redis(url, cluster=cluster)
     run = uuid.uuid4().hex[:8]  # its own salt and domains: the examples share the servers
     domains = [f"http://{run}-{d}:8000" for d in range(2)]
-    local = EventIndex(block_size=16)
-    writer = EventWriter(client, block_size=16)
-    for domain in domains:
-        await writer.adopt(domain)
     reader = EventReader(client)
     try:
-        for name, d, branch, at, n, tier in ops:
-            domain = domains[d]
-            event: CacheEvent
-            if name == "flush":
-                await writer.flush()
-                continue
-            if name == "adopt":  # the owner is gone; a new one loads what it wrote
-                await writer.flush()
-                writer = EventWriter(client, block_size=16)
-                for each in domains:
-                    await writer.adopt(each)
-                continue
-            if name == "store":
-                event = store(branch, at, min(at + n, DEPTH), tier, run)
-            elif name == "remove":
-                event = BlockRemoved([engine_hash(branch, at)], tier)
-            else:
-                event = AllBlocksCleared()
-            local.apply(domain, event)
-            writer.apply(domain, event)
-            await writer.commit(domain, None, wiped=name == "wipe")
-        await writer.flush()
+        local = await play(client, domains, run, ops)
         await reader.refresh()
         for branch in range(BRANCHES):
             for n in (DEPTH, 4):
@@ -247,7 +256,7 @@ def test_a_flush_split_into_calls_never_shows_a_mark_whose_prefix_is_missing(
     keeps it (`_write_order`) is what this pins: the pending writes in the order they were
     first touched fail it (a tier move touches a block before a stored ancestor marks it)."""
     monkeypatch.setattr(events, "WRITE_CHUNK", 1)
-    asyncio.run(_split_flushes(redis_url, ops))
+    asyncio.run(_split_flushes(redis_url, ops, monkeypatch))
 
 
 HELD = [("store", 0, 0, 0, 5, GPU), ("store", 0, 0, 5, 5, GPU), ("flush", 0, 0, 0, 0, 0)]
@@ -277,10 +286,14 @@ def test_the_writes_touched_out_of_order_are_split_in_a_safe_order(
 ) -> None:
     """The cases the first-touch order gets wrong, one block per `WRITE` call."""
     monkeypatch.setattr(events, "WRITE_CHUNK", 1)
-    assert asyncio.run(_split_flushes(redis_url, ops)) >= 10  # marks were there to check
+    assert (
+        asyncio.run(_split_flushes(redis_url, ops, monkeypatch)) >= 10
+    )  # marks were there to check
 
 
-async def _split_flushes(url: str, ops: list[tuple[str, int, int, int, int, int]]) -> int:
+async def _split_flushes(
+    url: str, ops: list[tuple[str, int, int, int, int, int]], monkeypatch: pytest.MonkeyPatch
+) -> int:
     client = await open_redis(url)
     run = uuid.uuid4().hex[:8]
     domains = [f"http://{run}-{d}:8000" for d in range(2)]
@@ -302,29 +315,12 @@ async def _split_flushes(url: str, ops: list[tuple[str, int, int, int, int, int]
                         assert all(held), (domain, chain.index(key), held)
                         checked[0] += 1
 
-    client.pipeline = lambda *args, **kwargs: Stepwise(client, marks_have_their_prefix)
-    local = EventIndex(block_size=16)
-    writer = EventWriter(client, block_size=16)
-    for domain in domains:
-        await writer.adopt(domain)
+    monkeypatch.setattr(
+        client, "pipeline", lambda *a, **k: Stepwise(client, marks_have_their_prefix)
+    )
     reader = EventReader(client)
     try:
-        for name, d, branch, at, n, tier in ops:
-            domain = domains[d]
-            event: CacheEvent
-            if name in ("flush", "adopt"):
-                await writer.flush()
-                continue
-            if name == "store":
-                event = store(branch, at, min(at + n, DEPTH), tier, run)
-            elif name == "remove":
-                event = BlockRemoved([engine_hash(branch, at)], tier)
-            else:
-                event = AllBlocksCleared()
-            local.apply(domain, event)
-            writer.apply(domain, event)
-            await writer.commit(domain, None, wiped=name == "wipe")
-        await writer.flush()
+        local = await play(client, domains, run, ops)
         await reader.refresh()
         for branch in range(BRANCHES):
             keys = precise_keys(path(branch), run, 16)
