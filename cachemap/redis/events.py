@@ -113,7 +113,7 @@ still entered in process). Each is one script call of ~0.1 ms; 256 are a burst o
 WRITE_CHUNK = 128
 """Block writes per `WRITE` call (~4 kB of arguments, well under a ms of Redis): between two
 calls Redis serves the lookups. One call a flush held a lookup ~25 ms behind a 20,000-block
-batch, up to ~0.3 s live at 10% KV; calls of 128 hold it ~2-4 ms, the flush no slower
+batch, up to ~0.3 s live at 10% KV; calls of 128 hold it ~2-4 ms, for a flush 0-20% longer
 (`tools.flush_stall`; 512 held it ~3.5-5.5 ms, against the lookups' 5-ms deadline)."""
 MAP_CHUNK = 256
 """Map fields set or deleted per `MAP` call (~10 kB; a field costs Redis less than a block)."""
@@ -535,14 +535,10 @@ class EventWriter:
 
     def _queue(self, pipe: Any, domain: str, state: _Owned) -> Any:
         rid = state.rid
-        blocks, removed, mapping, cleared = (
-            state.blocks,
-            state.removed,
-            state.mapping,
-            state.cleared,
-        )
+        blocks, mapping, cleared = state.blocks, state.mapping, state.cleared
+        removed, state.removed = state.removed, {}
         stale, state.stale = state.stale[:CLEAN_CHUNK], state.stale[CLEAN_CHUNK:]
-        state.blocks, state.removed, state.mapping, state.cleared = {}, {}, {}, False
+        state.blocks, state.mapping, state.cleared = {}, {}, False
         state.dirty = bool(state.stale)
         domains_value = f"{state.epoch}|{domain}"
         if cleared:

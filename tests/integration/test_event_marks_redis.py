@@ -29,7 +29,7 @@ from cachemap.events import (
 from cachemap.redis import events
 from cachemap.redis.client import open_redis
 from cachemap.redis.event_scripts import DOMAINS_KEY, WRITE
-from cachemap.redis.events import EventReader, EventWriter
+from cachemap.redis.events import MAP_CHUNK, WRITE_CHUNK, EventReader, EventWriter
 from cachemap.redis.schema import block_keys, replica_id, text
 from loadgen.harness.redis_servers import redis_server
 
@@ -176,7 +176,12 @@ async def _few_reads(url: str) -> None:
         writer = EventWriter(client, block_size=16)
         await writer.adopt(domain)
         writer.apply(domain, BlockStored(list(range(1, 6_001)), None, ids, 16, GPU, SALT))
+        await client.config_resetstat()
         await writer.flush()
+        # written in bounded calls (Redis serves lookups between two): the blocks', the map's
+        evalsha = (await client.info("commandstats"))["cmdstat_evalsha"]
+        done = evalsha["calls"] - evalsha.get("failed_calls", 0)  # (NOSCRIPT at the first)
+        assert done == -(-6_000 // WRITE_CHUNK) - (-6_000 // MAP_CHUNK)
         reader = EventReader(client)
         await reader.refresh()
         keys = precise_keys(ids + more, SALT, 16)
