@@ -62,11 +62,15 @@ def run_kvgate(args: list[str], timeout_s: float) -> str:
     return done.stdout
 
 
+class ExitedBeforeReady(RuntimeError):
+    """A server process ended before it answered its readiness path."""
+
+
 def wait_ready(url: str, path: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with status {proc.returncode}")
+            raise ExitedBeforeReady(f"{url}: process exited with status {proc.returncode}")
         try:
             if httpx.get(url + path, timeout=1.0).status_code == 200:
                 return
@@ -74,6 +78,27 @@ def wait_ready(url: str, path: str, proc: subprocess.Popen[bytes], timeout_s: fl
             pass
         time.sleep(0.05)
     raise TimeoutError(f"{url}{path} not ready after {timeout_s:.0f} s")
+
+
+START_ATTEMPTS = 3
+"""Starts of a server on ports `free_port` chose, before it is given up: a port can be taken
+between the choice and the server's bind (an outgoing connection's source port is drawn from
+the same range), and the server then exits at once (uvicorn: status 3); it is started again on
+new ports."""
+
+
+def wait_all(procs: list[Proc], path: str, restart: Callable[[], Proc] | None) -> None:
+    """Until each of `procs` answers `path`. One that exits first is replaced in `procs` by
+    `restart()` (on new ports: `START_ATTEMPTS` starts in all) when given, else it raises."""
+    for i in range(len(procs)):
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                wait_ready(procs[i].url, path, procs[i].popen, STARTUP_TIMEOUT_S)
+                break
+            except ExitedBeforeReady:
+                if restart is None or attempt == START_ATTEMPTS:
+                    raise
+                procs[i] = restart()
 
 
 def start_engine(port: int, engine_args: Sequence[str] = (), quiet: bool = True) -> Proc:
@@ -133,8 +158,8 @@ def engines(
     chosen = list(ports) if ports else [free_port() for _ in range(num)]
     procs = [start_engine(p, engine_args) for p in chosen]
     try:
-        for p in procs:
-            wait_ready(p.url, "/health", p.popen, STARTUP_TIMEOUT_S)
+        restart = None if ports else lambda: start_engine(free_port(), engine_args)
+        wait_all(procs, "/health", restart)
         yield procs
     finally:
         stop(procs)
@@ -149,15 +174,18 @@ def engines_with_events(
     `kv_events_endpoints`, for precise mode)."""
     procs: list[Proc] = []
     events: dict[str, str] = {}
+
+    def start() -> Proc:
+        port = free_port()
+        config = orjson.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+        proc = start_engine(free_port(), [*engine_args, "--kv-events-config", config.decode()])
+        events[proc.url] = f"tcp://127.0.0.1:{port}"
+        return proc
+
     try:
-        for _ in range(num):
-            port = free_port()
-            config = orjson.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
-            proc = start_engine(free_port(), [*engine_args, "--kv-events-config", config.decode()])
-            procs.append(proc)
-            events[proc.url] = f"tcp://127.0.0.1:{port}"
-        for proc in procs:
-            wait_ready(proc.url, "/health", proc.popen, STARTUP_TIMEOUT_S)
+        procs += [start() for _ in range(num)]
+        wait_all(procs, "/health", start)
+        events = {p.url: events[p.url] for p in procs}  # (not a start that exited)
         yield procs, events
     finally:
         stop(procs)
@@ -180,12 +208,15 @@ def gateway(
     env: dict[str, str] | None = None,
     quiet: bool = True,
 ) -> Iterator[Proc]:
-    proc = start_gateway(port or free_port(), engine_urls, gateway_args, env, quiet)
+    def start() -> Proc:
+        return start_gateway(port or free_port(), engine_urls, gateway_args, env, quiet)
+
+    procs = [start()]
     try:
-        wait_ready(proc.url, "/readyz", proc.popen, STARTUP_TIMEOUT_S)
-        yield proc
+        wait_all(procs, "/readyz", None if port else start)
+        yield procs[0]
     finally:
-        stop([proc])
+        stop(procs)
 
 
 def cpu_seconds(pid: int) -> float:
