@@ -11,6 +11,8 @@
     python -m tools.precise_cost redis [NUM_BLOCKS]     event blocks written into a shared Redis
     python -m tools.precise_cost shared [NUM_BLOCKS]    the same through the event index in Redis
                                                         (`EventWriter`): a server and a cluster
+    python -m tools.precise_cost route [TURNS]          a continuation's lookups past its keying,
+                                                        the prediction walked or not
 
 `ingest`: NUM_BLOCKS (131,072) blocks in vLLM map-encoded batches of one BlockStored of 64
 blocks (a 1,024-token prefill) each, every other chain a continuation of the previous one (its
@@ -56,6 +58,7 @@ import zmq.asyncio
 
 from cachemap.events import BlockRemoved, BlockStored, EventIndex, precise_keys
 from cachemap.keys import chain_hashes, root_hash
+from cachemap.memory import MemoryIndex
 from cachemap.tokenizer import ModelTokenizer
 from gateway.api.openai.parse import parse_chat
 from gateway.events.decode import decode_batch
@@ -591,6 +594,69 @@ async def shared(num_blocks: int) -> None:
     print(f"in-process EventIndex, the same lookup: {local_lookup_us():,.1f} us median")
 
 
+def route(turns: int, conversations: int = 30, domains: int = 4) -> None:
+    """A continuation's lookups once its keys are known, on an events-fed gateway: the event
+    index's lookup and the placement's speculation, with the prediction's lookup beside them
+    (before: always walked, and the speculation finding its chain's holders again) and without
+    (now: every candidate's events flow, the speculation reusing the lookup's holders). Each
+    conversation's turns are stored on its domain by BlockStored events as the engine would
+    announce them, and recorded in the prediction as the gateway does; both are timed alike
+    and the record is not. Thread CPU time, medians over every continuation, arms alternated."""
+    index = EventIndex(speculative_ttl_s=2.0)
+    prediction = MemoryIndex(capacity_blocks=1 << 22, ttl_s=1e9, clock=lambda: 0.0)
+    names = [f"r{d}" for d in range(domains)]
+    ids = [[(c * 7919 + i) % 4000 for i in range(16 * 128)] for c in range(conversations)]
+    per_turn = 16 * 27  # ~430 new tokens a turn, as in `keying`
+    costs: dict[str, list[float]] = {"before": [], "now": []}
+    engine_hash = 0
+    stored: list[list[int]] = [[] for _ in range(conversations)]  # engine hashes, per block
+    for turn in range(turns):
+        for c in range(conversations):
+            domain = names[c % domains]
+            n = 16 * 128 + turn * per_turn
+            while len(ids[c]) < n:
+                ids[c].append((len(ids[c]) * 31 + c) % 4000)
+            keys = precise_keys(ids[c][:n], f"salt{c}", 16)
+            arms = ("before", "now") if (turn + c) % 2 else ("now", "before")
+            for arm in arms:
+                clock = time.thread_time
+                started = clock()
+                if arm == "before":
+                    prediction.lookup_detail(keys)
+                index.lookup(keys, float(turn))
+                if arm == "before":
+                    index._last_held = None  # the speculation finds the holders again
+                index.speculate(domain, keys, float(turn))
+                if turn:
+                    costs[arm].append((clock() - started) * 1e6)
+            prediction.record(domain, keys)
+            start = len(stored[c])
+            hashes = list(range(engine_hash, engine_hash + len(keys) - start))
+            parent = stored[c][-1] if start else None
+            engine_hash += len(hashes)
+            stored[c] += hashes
+            if hashes:
+                index.store(
+                    domain,
+                    BlockStored(
+                        hashes,
+                        parent,
+                        ids[c][16 * start : 16 * len(keys)],
+                        16,
+                        cache_salt=None if start else f"salt{c}",
+                    ),
+                )
+    blocks = len(precise_keys(ids[0][: 16 * 128 + (turns - 1) * per_turn], "s", 16))
+    print(
+        f"{conversations} conversations x {turns} turns on {domains} domains, up to {blocks} "
+        f"blocks a prompt; {sum(index.num_blocks(d) for d in names):,} blocks indexed"
+    )
+    for arm, values in costs.items():
+        print(f"  {arm:<6} {statistics.median(values):7.1f} us per continuation (median)")
+    saved = statistics.median(costs["before"]) - statistics.median(costs["now"])
+    print(f"  saved  {saved:7.1f} us")
+
+
 def report(what: str, runs: list[tuple[int, float, float, float]], redis_s: float) -> None:
     blocks = runs[0][0]
     wall = statistics.median(r[1] for r in runs)
@@ -619,7 +685,8 @@ def local_lookup_us() -> float:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("ingest", "keying", "long", "wipe", "redis", "shared", "images"):
+    modes = ("ingest", "keying", "long", "wipe", "redis", "shared", "images", "route")
+    if not argv or argv[0] not in modes:
         print(__doc__)
         return 2
     if argv[0] == "ingest":
@@ -631,6 +698,8 @@ def main(argv: list[str]) -> int:
     elif argv[0] == "images":
         count = int(argv[1]) if len(argv) > 1 else 200
         asyncio.run(images(count, int(argv[2]) if len(argv) > 2 else 100))
+    elif argv[0] == "route":
+        route(int(argv[1]) if len(argv) > 1 else DEFAULT_TURNS)
     elif argv[0] == "long":
         asyncio.run(long_prompts(int(argv[1]) if len(argv) > 1 else 40))
     elif argv[0] == "wipe":

@@ -257,7 +257,7 @@ class RoutingDirectory:
         if shared is not None:
             self.stats.fallbacks += 1
         detail = await self.local.lookup_detail(hashes)
-        return self._rated(_lookup(detail, degraded=shared is not None), hashes)
+        return self.rated(_lookup(detail, degraded=shared is not None), hashes)
 
     def _hint(self, lookup: Lookup, local: dict[str, tuple[int, float]]) -> None:
         """Deepen a shared lookup with what the local index holds."""
@@ -270,7 +270,8 @@ class RoutingDirectory:
         if hinted:
             self.stats.local_hints += 1
 
-    def _rated(self, lookup: Lookup, hashes: Sequence[BlockHash]) -> Lookup:
+    def rated(self, lookup: Lookup, hashes: Sequence[BlockHash]) -> Lookup:
+        """`lookup` with its hot prefix, the deepest block matched, and that prefix's rate."""
         depth = max(lookup.overlap.values(), default=0)
         if self.rates is not None and depth > 0:
             lookup.hot_key = hashes[depth - 1]

@@ -310,7 +310,12 @@ class Director:
     ) -> tuple[Routed, Flight | None]:
         keyed = await self.keying.key(parsed, tenant, [c.id for c in candidates], trace)
         lookup, hashes = keyed.lookup, keyed.hashes
-        source = "shared" if self.directory.shared is not None and not lookup.degraded else "local"
+        if self.keying.last_on_events:
+            source = "events"
+        elif self.directory.shared is not None and not lookup.degraded:
+            source = "shared"
+        else:
+            source = "local"
         self.stats.lookup_seconds.labels(source).observe(self.keying.last_lookup_s)
         route = RouteRequest(
             num_blocks=len(hashes),

@@ -350,7 +350,8 @@ class GatewayCollector(Collector):
         yield histograms.family(
             "kvgate_directory_lookup_seconds",
             "Directory lookups as the request path waited for them, by source (shared: Redis; "
-            "local: in process, or the fallback while Redis is away).",
+            "local: in process, or the fallback while Redis is away; events: precise mode's "
+            "KV events alone, every candidate's events flowing).",
             ["source"],
             stats.lookup_seconds,
         )

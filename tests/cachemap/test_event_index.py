@@ -162,3 +162,27 @@ def test_the_lookup_equals_stepping_key_by_key_on_random_indexes() -> None:
         for now in (9.0, 10.5, 12.5):
             for n in (0, 1, 3, 7, 20, 39, 40):
                 assert index.lookup(keys[:n], now) == _stepped_lookup(index, keys[:n], now)
+
+
+def test_a_speculation_after_the_lookup_of_its_chain_sees_the_events_between() -> None:
+    """The speculation of a placement reuses the holders its lookup read (the routing decision
+    in between), unless an event changed the index since: a store, a removal or a wipe between
+    the two is what the speculation goes by."""
+    keys = precise_keys(IDS, SALT, 16)
+    for between, entries in (
+        (lambda index: None, 1),  # held block 0: one entry, for blocks 1-3's window
+        # the rest stored since: nothing to claim (1 if the lookup's holders were reused)
+        (lambda index: index.store("a", stored([2, 3, 4], IDS[16:], parent=1)), 0),
+        (lambda index: index.remove("a", BlockRemoved([1], GPU)), 1),
+        (lambda index: index.clear("a"), 1),
+    ):
+        index = EventIndex(speculative_ttl_s=2.0)
+        index.store("a", stored([1], IDS[:16]))
+        other = precise_keys(IDS[:32], SALT, 16)
+        index.store("b", stored([7, 8], IDS[:32]))
+        assert index.lookup(keys, 10.0) == {"a": Match(1, 0), "b": Match(2, 0)}
+        between(index)
+        assert index.speculate("a", keys, 10.0) == entries
+        # a lookup of another chain in between: the speculation finds its own chain's holders
+        index.lookup(other, 10.0)
+        assert index.speculate("b", keys, 10.0) == 1  # blocks 2-3 of its window lack

@@ -23,3 +23,12 @@ def test_images_prints_the_image_arm_beside_the_text_arm(
     out = capsys.readouterr().out
     assert "requests: 3, one 4 KB image each" in out and "(64 of the image)" in out
     assert "a new image: precise" in out and out.count("the image costs") == 2
+
+
+def test_route_stores_every_turn_and_prints_both_arms(capsys: pytest.CaptureFixture[str]) -> None:
+    precise_cost.route(3, conversations=4, domains=2)
+    out = capsys.readouterr().out
+    # 4 conversations' last prompts, every block of each stored by its events
+    blocks = 4 * len(precise_cost.precise_keys(list(range(16 * 128 + 2 * 16 * 27)), "s", 16))
+    assert f"{blocks:,} blocks indexed" in out
+    assert "before" in out and "now" in out and "saved" in out
