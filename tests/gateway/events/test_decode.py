@@ -69,6 +69,10 @@ def test_short_arrays_are_padded() -> None:
         msgpack.packb(["ts", []]),
         msgpack.packb([1.0, [["BlockStored", "not a list", None, [1], 16]]]),
         msgpack.packb([1.0, [["BlockStored", [1], None, ["x"], 16]]]),
+        # ids no engine has: before they were caught here, indexing them raised OverflowError
+        msgpack.packb([1.0, [["BlockStored", [1], None, [-1] + [2] * 15, 16]]]),
+        msgpack.packb([1.0, [["BlockStored", [1], None, [2**32] + [2] * 15, 16]]]),
+        msgpack.packb([1.0, [["BlockStored", [1], None, [2.0] * 16, 16]]]),
         msgpack.packb([1.0, [["BlockStored", [1], None, [1], 0]]]),
         msgpack.packb([1.0, [42]]),
     ],
