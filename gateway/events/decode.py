@@ -71,6 +71,11 @@ UNNAMED_ADAPTER = "\x00lora_id:"
 """The root of a LoRA block whose event names its adapter only by `lora_id` (SGLang, older
 vLLM): no request is keyed under it (requests name adapters), so it matches nothing — and never
 the base model's chain, which it would if it were indexed with no adapter."""
+MM_OFFSETS = range(-(2**63), 2**63)
+"""An image's offset from its block's first token (negative for a block after the image's
+first) in a block's extra keys: hashed as a signed 64-bit integer
+(`cachemap.multimodal.mm_key_bytes`), so one outside it makes the batch malformed (it raised
+out of the index before)."""
 _GPU_NAMES = frozenset(("gpu", "cuda", "device", "hbm"))
 _CPU_NAMES = frozenset(("cpu", "cpu_pinned", "host", "dram"))
 
@@ -203,6 +208,10 @@ def _mm_keys(extra_keys: Any, num_blocks: int) -> list[tuple[tuple[str, int], ..
                 and len(k) == 2
                 and isinstance(k[0], str)
                 and type(k[1]) is int
+            )
+        if any(offset not in MM_OFFSETS for _, offset in pairs):
+            raise MalformedBatch(
+                "BlockStored.extra_keys: an image offset must be a signed 64-bit integer"
             )
         found = found or bool(pairs)
         out.append(pairs)

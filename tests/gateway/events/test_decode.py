@@ -73,6 +73,10 @@ def test_short_arrays_are_padded() -> None:
         msgpack.packb([1.0, [["BlockStored", [1], None, [-1] + [2] * 15, 16]]]),
         msgpack.packb([1.0, [["BlockStored", [1], None, [2**32] + [2] * 15, 16]]]),
         msgpack.packb([1.0, [["BlockStored", [1], None, [2.0] * 16, 16]]]),
+        # an image offset past a signed 64-bit integer (indexing it raised struct.error)
+        msgpack.packb(
+            [1.0, [["BlockStored", [1], None, [2] * 16, 16, None, None, None, [[["i", 2**63]]]]]]
+        ),
         msgpack.packb([1.0, [["BlockStored", [1], None, [1], 0]]]),
         msgpack.packb([1.0, [42]]),
     ],
