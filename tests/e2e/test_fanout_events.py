@@ -39,6 +39,17 @@ GATEWAY_PREFILL_ESTIMATE = 2_000
 """The gateways' prefill estimate, a third of those engines' speed: a hold's bound (twice the
 expected prefill, ~2 s) outlasts a loaded machine's event path, so only the leader's landing
 releases its siblings (at 6,500 the 0.65-s bound ran out in CI, then the leader landed)."""
+SLOW_LEADER = {
+    **SLOW_FIRST_CHUNK,
+    "timing": TimingModel(prefill_tokens_per_s=2_000, decode_s_per_token=0.01),
+}
+"""Engines for a sibling sent to another gateway once the leader's marker is in Redis: the
+leader prefills ~2 s, so the sibling reaches its gateway's lookup before the leader lands (at
+6,500 tokens/s, ~0.6 s, it did not once under a fresh clone's suite: the sibling found the
+entry landed and did not hold)."""
+SLOW_LEADER_ESTIMATE = 1_000
+"""The gateways' prefill estimate beside `SLOW_LEADER`: the hold's bound (twice the estimated
+prefill) stays past the landing."""
 SHARED_PROMPT = "You are a subagent." + words("events/shared", SHARED_TOKENS // 2)
 
 
@@ -49,7 +60,7 @@ def test_a_sibling_at_another_gateway_is_released_by_the_leaders_block_stored(
 ) -> None:
     base = free_ports(2)
     engines = [
-        start_engines(1, kv_events=events_config(base + i), **SLOW_FIRST_CHUNK)[0] for i in range(2)
+        start_engines(1, kv_events=events_config(base + i), **SLOW_LEADER)[0] for i in range(2)
     ]
     ports = {e.url: base + i for i, e in enumerate(engines)}
     settings = {
@@ -58,7 +69,7 @@ def test_a_sibling_at_another_gateway_is_released_by_the_leaders_block_stored(
         "redis_url": fresh_redis.url,
         "redis_deadline_s": 0.5,
         "server_secret": "fleet",
-        "engine_prefill_tokens_per_s": GATEWAY_PREFILL_ESTIMATE,
+        "engine_prefill_tokens_per_s": SLOW_LEADER_ESTIMATE,
     }
     a, b = (start_gateway(engines, **settings) for _ in range(2))
     join([a, b], engines)

@@ -17,7 +17,6 @@ import redis
 
 from gateway.billing.pricing.money import parse_instant
 from gateway.billing.wal import read_directory
-from loadgen.engine.timing import TimingModel
 from loadgen.harness.redis_servers import RedisServer
 from tests.clients import director
 from tests.conftest import MODEL, TENANT_KEY
@@ -25,6 +24,8 @@ from tests.e2e.test_fanout_events import (
     GATEWAY_PREFILL_ESTIMATE,
     SHARED_PROMPT,
     SLOW_FIRST_CHUNK,
+    SLOW_LEADER,
+    SLOW_LEADER_ESTIMATE,
 )
 from tests.e2e.test_precise import join, precise_settings
 from tests.loadgen.test_kv_events import events_config, free_ports
@@ -32,8 +33,6 @@ from tests.servers import Served, wait_until
 
 pytestmark = pytest.mark.e2e
 
-SLOW_LEADER = TimingModel(prefill_tokens_per_s=2_000, decode_s_per_token=0.01)
-SLOW_LEADER_ESTIMATE = 1_000
 ANTHROPIC = {"cache_control": {"type": "ephemeral"}}
 """Anthropic's automatic breakpoint (top level): the whole completion prompt is one entry."""
 
@@ -130,11 +129,7 @@ def test_a_sibling_at_another_gateway_reads_the_entry_its_leader_made_visible_at
     sibling at B holds on A's leader marker and is released by the leader's BlockStored at A;
     A wrote the entry, visible from that instant, to the store before announcing the landing,
     so B bills a read. The stored visibility is before the leader's first token."""
-    # a leader prefilling ~2 s: the sibling is sent once A's marker is in Redis and must reach
-    # B's lookup before the leader lands (at 6,500 tokens/s, ~0.6 s, it did not once, in a
-    # fresh clone's suite: B then found the entry landed and did not hold); the gateways'
-    # estimate below it keeps the hold's bound (twice the estimated prefill) past the landing
-    engines, ports = event_engines(start_engines, timing=SLOW_LEADER)
+    engines, ports = event_engines(start_engines, **SLOW_LEADER)  # the sibling before the landing
     common = {
         "engine_prefill_tokens_per_s": SLOW_LEADER_ESTIMATE,
         "redis_url": fresh_redis.url,
