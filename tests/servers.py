@@ -4,6 +4,7 @@ can reach into an engine's state) or a subprocess (see loadgen.harness.processes
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,8 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-
-from loadgen.harness.processes import free_port
 
 READY_TIMEOUT_S = 20.0
 
@@ -45,16 +44,27 @@ class Served:
 
 def start_app(app: Any, port: int | None = None, host: str = "127.0.0.1") -> Served:
     """Serve `app` on loopback (any 127.x address: a test may give each replica its own, the
-    way pods have their own IPs behind one port)."""
-    port = port or free_port()
+    way pods have their own IPs behind one port). Without a port, the socket is bound here to
+    one the kernel picks and handed to uvicorn: a port chosen first and bound later could be
+    taken in between (an outgoing connection drew it once, in a suite run: "address already
+    in use")."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port or 0))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"server on port {port} failed to start: {exc}") from None
+    port = sock.getsockname()[1]
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="on", access_log=False
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     wait_until(lambda: server.started or not thread.is_alive(), READY_TIMEOUT_S, "server start")
     if not server.started:
+        sock.close()
         raise RuntimeError(f"server on port {port} failed to start")
     return Served(app, port, server, thread, host)
 
