@@ -25,6 +25,14 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str
         time.sleep(0.01)
 
 
+async def serve_lifespan(receive: Any, send: Any) -> None:
+    """An ASGI app's lifespan scope, answered: startup complete, then shutdown complete (for a
+    test's own bare app, which uvicorn runs with `lifespan="on"`)."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
 @dataclass
 class Served:
     app: Any

@@ -610,6 +610,7 @@ def route(turns: int, conversations: int = 30, domains: int = 4) -> None:
     costs: dict[str, list[float]] = {"before": [], "now": []}
     engine_hash = 0
     stored: list[list[int]] = [[] for _ in range(conversations)]  # engine hashes, per block
+    clock = time.thread_time
     for turn in range(turns):
         for c in range(conversations):
             domain = names[c % domains]
@@ -619,7 +620,6 @@ def route(turns: int, conversations: int = 30, domains: int = 4) -> None:
             keys = precise_keys(ids[c][:n], f"salt{c}", 16)
             arms = ("before", "now") if (turn + c) % 2 else ("now", "before")
             for arm in arms:
-                clock = time.thread_time
                 started = clock()
                 if arm == "before":
                     prediction.lookup_detail(keys)

@@ -23,7 +23,7 @@ from gateway.api.asgi import ChunkedOut, chunked_out
 from gateway.pipeline.upstream import MAX_BUFFERED_BYTES
 from tests.clients import director
 from tests.conftest import MODEL, TENANT_KEY
-from tests.servers import Served, start_app, stop_all, wait_until
+from tests.servers import Served, serve_lifespan, start_app, stop_all, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -38,9 +38,7 @@ def test_uvicorn_gives_the_relay_its_transport_and_the_chunks_frame_right() -> N
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         assert scope["type"] in ("http", "lifespan")
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+            await serve_lifespan(receive, send)
             return
         await send({"type": "http.response.start", "status": 200, "headers": []})
         out = chunked_out(send)
