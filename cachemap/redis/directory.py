@@ -44,7 +44,7 @@ from cachemap.directory import (
 from cachemap.keys import TAG_BYTES, BlockHash
 from cachemap.rates import MIN_SPAN_S
 from cachemap.redis import scripts
-from cachemap.redis.client import AnyRedis, stop_task
+from cachemap.redis.client import AnyRedis, close_pubsub, stop_task
 from cachemap.redis.lookups import LookupLane
 from cachemap.redis.meta import DirectoryLayoutError, ReplicaMeta
 from cachemap.redis.schema import CHANNEL, chain_call, replica_id, text
@@ -419,7 +419,7 @@ class RedisDirectory:
                             self._subscription(True, None)
                 finally:
                     self.subscribed = False
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await close_pubsub(pubsub)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away, or pub/sub refused: the poll carries on

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from cachemap.redis.client import close_pubsub
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.schema import LAND_CHANNEL
 
@@ -60,7 +61,7 @@ class LandingWatcher:
                             self._state(True, None)
                 finally:
                     self.subscribed = False
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await close_pubsub(pubsub)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away or pub/sub refused: waiters poll; retry
