@@ -9,8 +9,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.backoff import ExponentialWithJitterBackoff
 from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 
 log = logging.getLogger(__name__)
 
