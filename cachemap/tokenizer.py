@@ -15,6 +15,7 @@ malformed request raises `ChatTemplateError` (a `ValueError`) naming what is wro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,43 @@ class ModelTokenizer:
         self.image_token = image_token if self.image_token_id is not None else None
         self.template = ChatTemplate(config["chat_template"], self.special_tokens, self.image_token)
 
+    @functools.cached_property
+    def _separator(self) -> tuple[str, int] | None:
+        """An added token that strips nothing around it and is matched as it is written: texts
+        joined by it encode as if each were encoded alone (checked on a probe), else None.
+        Found on first use, not at load: encoding starts the library's thread pool unless the
+        caller has set TOKENIZERS_PARALLELISM first (`gateway.events.prompts`)."""
+        for token_id, token in sorted(self._tokenizer.get_added_tokens_decoder().items()):
+            if token.lstrip or token.rstrip or token.single_word or token.normalized:
+                continue
+            content = token.content
+            if not content or any(c.isspace() for c in content):
+                continue
+            probe = ["Hello", " world\n", "  x", " 1 2", ""]
+            joined = self.encode(content.join(probe))
+            expected = [*self.encode(probe[0])]
+            for text in probe[1:]:
+                expected += [token_id, *self.encode(text)]
+            if joined == expected:
+                return content, token_id
+        return None
+
     def added_tokens(self) -> list[str]:
         """The added tokens' texts (special tokens and the like): the tokenizer splits its
         input at these before anything else."""
         return [t.content for t in self._tokenizer.get_added_tokens_decoder().values()]
+
+    def added_tokens_are_plain(self) -> bool:
+        """Whether every added token is matched as written with no whitespace in it and
+        strips nothing beside it: then a text cut at a space encodes piece by piece as it
+        does whole around them (`gateway.events.words`)."""
+        return not any(
+            token.lstrip
+            or token.rstrip
+            or token.single_word
+            or any(c.isspace() for c in token.content)
+            for token in self._tokenizer.get_added_tokens_decoder().values()
+        )
 
     def encode(self, text: str) -> list[int]:
         """The token ids of `text` (`encode_batch_fast`: no offsets, ~1.5x faster)."""
@@ -79,6 +113,24 @@ class ModelTokenizer:
         return [
             e.ids for e in self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
         ]
+
+    def encode_pieces(self, texts: Sequence[str]) -> list[list[int]]:
+        """The ids of each text, in one call to the BPE: the texts joined by an added token
+        that strips nothing (`_find_separator`) and the ids cut at its id. ~4x cheaper than
+        `encode_many` on a thousand words (the library's cost is per call, not per token).
+        `encode_many` when the model has no such token or a text holds it."""
+        separator = self._separator
+        if separator is None or len(texts) < 2 or any(separator[0] in t for t in texts):
+            return self.encode_many(texts)
+        ids = self.encode(separator[0].join(texts))
+        out = []
+        start = 0
+        for _ in range(len(texts) - 1):
+            end = ids.index(separator[1], start)
+            out.append(ids[start:end])
+            start = end + 1
+        out.append(ids[start:])
+        return out
 
     def count(self, text: str) -> int:
         return len(self.encode(text))

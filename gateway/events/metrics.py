@@ -66,14 +66,21 @@ def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iter
     tokens = precise.tokens.stats
     tokenize = CounterMetricFamily(
         "kvgate_precise_tokens",
-        "Prompt tokens of precise requests: all of them, those encoded (segment cache misses) "
-        "and those taken from a cached conversation prefix.",
+        "Prompt tokens of precise requests: all of them, those the BPE encoded (missed by the "
+        "segment and word caches) and those taken from a cached conversation prefix.",
         labels=["kind"],
     )
     tokenize.add_metric(["prompt"], tokens.tokens)
     tokenize.add_metric(["encoded"], tokens.tokens_encoded)
     tokenize.add_metric(["prefix"], tokens.prefix_tokens)
     yield tokenize
+    word_stats = precise.tokens.word_ids.stats
+    yield _by(
+        "kvgate_precise_word_pieces",
+        "Pieces of new text looked up word by word, by result (a miss is encoded by the BPE).",
+        "result",
+        {"hit": word_stats.pieces - word_stats.misses, "miss": word_stats.misses},
+    )
     yield _by(
         "kvgate_precise_incremental_checks",
         "Sampled chats rendered message by message and whole, by result (a mismatch turns "

@@ -22,6 +22,9 @@ than a miss: an unsalted cache would tell tenant B that tenant A sent this syste
   part. Enabled when probes of every kind of text encode the same whole and cut
   (`chunks_concatenate`), and checked like the incremental rendering: the first cut text and
   every `VERIFY_EVERY`-th is also encoded whole; a difference turns cutting off for good.
+  A segment the cache lacks is encoded word by word under the same rule (`words`, each piece
+  from a salted word cache; `gateway.events.words`): a new turn costs a dict lookup a word, not
+  the tokenizer's ~1.3 µs a token. The same probes and checks govern it.
 - prefixes (`DEFAULT_PREFIX_CACHE_TOKENS`): a conversation's ids up to the end of its last
   message without the generation prompt, found by a chain of keys over its messages'
   JSON (`key(i) = H(key(i-1) || message i)`, `key(-1) = H(salt, tools)`), so a continuation
@@ -55,6 +58,7 @@ import orjson
 from cachemap.chat_template import ChatTemplateError
 from cachemap.incremental import IncrementalTemplate
 from cachemap.tokenizer import ModelTokenizer, chat_flag
+from gateway.events.words import DEFAULT_WORD_CACHE_PIECES, WordIds, rule_holds
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,7 @@ _CHUNK_PROBES = (
     "  leading spaces and trailing ones   ",
     "naïve café — “quotes” 日本語 テキスト 中文 emoji 🙂🙂 x = a+b*c; f(x) != g(y) ' quote",
     "a " * 40 + "\n b \r\n c" + " ..." * 20 + " 12345 67890 1 2 3",
+    "class A:\n    def f(self, x):\n        return  x + 1  # one\n\n\t\tx = [1, 2]\n",
 )
 """Texts of every kind (words, digits, punctuation, runs of spaces, newlines, non-ASCII)
 whose ids, encoded whole and encoded cut at every word boundary, must agree for cutting to
@@ -142,6 +147,8 @@ class PromptTokens:
         *,
         incremental: bool = True,
         chunking: bool = True,
+        words: bool = True,
+        max_word_pieces: int = DEFAULT_WORD_CACHE_PIECES,
     ) -> None:
         os.environ.setdefault(*TOKENIZER_THREADS)
         self.tokenizer = tokenizer
@@ -152,8 +159,16 @@ class PromptTokens:
         self._specials = tuple(t for t in added if t)
         self.template = IncrementalTemplate(tokenizer.template, added)
         self.incremental = incremental and self.template.enabled
-        self.chunking = chunking and chunks_concatenate(tokenizer, CHUNK_CHARS)
-        self._chunked_count = 0
+        # a cut inside an added token would split it, and one that strips the spaces beside it
+        # eats the space a piece starts with: no cutting with either kind
+        cuttable = tokenizer.added_tokens_are_plain()
+        self.chunking = chunking and cuttable and chunks_concatenate(tokenizer, CHUNK_CHARS)
+        self.words = words and self.chunking
+        """Segments the cache lacks are encoded word by word (`gateway.events.words`)."""
+        loose = self.words and rule_holds(tokenizer.encode_many, _CHUNK_PROBES, loose=True)
+        self.word_ids = WordIds(tokenizer.encode_pieces, max_word_pieces, loose=loose)
+        self._cut_count = 0
+        """Texts encoded through a cut (chunks or words): the sampled checks count these."""
         self._whole: tuple[str, array.array[int]] | None = None
         """(text, its ids encoded whole) made in a thread for the next sampled check."""
         self._cache: OrderedDict[tuple[str, str], array.array[int]] = OrderedDict()
@@ -174,16 +189,21 @@ class PromptTokens:
             return plan
         pieces, cut = self._cut(plan.text)
         missing = [p for p in dict.fromkeys(pieces) if (cache_salt, p) not in self._cache]
-        check = cut and len(plan.text) > OFF_LOOP_CHARS and self._chunk_check_due()
+        check = (cut or self.words) and len(plan.text) > OFF_LOOP_CHARS and self._cut_check_due()
+        if self.words and sum(len(p) for p in missing) > OFF_LOOP_CHARS:
+            missing = self.word_ids.missing(missing, cache_salt)  # their new words only
         if check or sum(len(p) for p in missing) > OFF_LOOP_CHARS:
             encoded = await asyncio.to_thread(
                 self.tokenizer.encode_many, [*missing, plan.text] if check else missing
             )
             if check:
                 self._whole = (plan.text, array.array("I", encoded.pop()))
-            for piece, ids in zip(missing, encoded, strict=True):
-                self.stats.tokens_encoded += len(ids)
-                self._keep(cache_salt, piece, array.array("I", ids))
+            self.stats.tokens_encoded += sum(map(len, encoded))
+            if self.words:
+                self.word_ids.add(cache_salt, missing, encoded)
+            else:
+                for piece, ids in zip(missing, encoded, strict=True):
+                    self._keep(cache_salt, piece, array.array("I", ids))
         return self._assemble(plan, body, chat)
 
     def ids(self, body: Mapping[str, Any], chat: bool, cache_salt: str = "") -> Sequence[int]:
@@ -278,11 +298,13 @@ class PromptTokens:
         return whole
 
     def encode(self, text: str, salt: str = "") -> array.array[int]:
-        """The ids of `text`, segment by segment through the salted segment cache."""
+        """The ids of `text`, segment by segment through the salted segment cache (a segment
+        it lacks word by word when `words`)."""
         pieces, cut = self._cut(text)
-        check = cut and self._chunk_check_due()
-        if check:
-            self._chunked_count += 1
+        cutting = cut or self.words
+        check = cutting and self._cut_check_due()
+        if cutting:
+            self._cut_count += 1
         out = self._encode_pieces(pieces, salt)
         return self._check_chunks(text, out) if check else out
 
@@ -301,16 +323,22 @@ class PromptTokens:
                 stats.segment_hits += 1
                 out.extend(cached)
                 continue
-            ids = array.array("I", self.tokenizer.encode(piece))
-            stats.tokens_encoded += len(ids)
+            if self.words:
+                ids = array.array("I")
+                before = self.word_ids.stats.tokens_encoded
+                ids.frombytes(self.word_ids.ids(piece, salt))
+                stats.tokens_encoded += self.word_ids.stats.tokens_encoded - before
+            else:
+                ids = array.array("I", self.tokenizer.encode(piece))
+                stats.tokens_encoded += len(ids)
             out.extend(ids)
             self._keep(salt, piece, ids)
         return out
 
-    def _chunk_check_due(self) -> bool:
-        """Whether the text now encoded, cut at word boundaries, is a sampled check: the first
-        such text or every `VERIFY_EVERY`-th."""
-        return self.chunking and self._chunked_count % VERIFY_EVERY == 0
+    def _cut_check_due(self) -> bool:
+        """Whether the text now encoded through a cut (chunks or words) is a sampled check:
+        the first such text and every `VERIFY_EVERY`-th after it."""
+        return self.chunking and self._cut_count % VERIFY_EVERY == 0
 
     def _check_chunks(self, text: str, ids: array.array[int]) -> array.array[int]:
         ready, self._whole = self._whole, None
@@ -322,10 +350,14 @@ class PromptTokens:
         if whole == ids:
             return ids
         self.stats.chunk_mismatches += 1
-        self.chunking = False
+        self.chunking = self.words = False
+        self._cache.clear()  # pieces of cut texts: some may hold the wrong ids
+        self._cached_tokens = 0
+        self._prefixes.clear()
+        self._prefix_tokens = 0
         log.warning(
             "precise mode: this tokenizer's ids of a text cut at word boundaries differ from "
-            "its ids of the whole (%d ids against %d); long texts are now encoded whole",
+            "its ids of the whole (%d ids against %d); texts are now encoded whole",
             len(ids),
             len(whole),
         )
