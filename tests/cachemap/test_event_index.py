@@ -3,6 +3,9 @@ for the same prompt; tiers, removals, wipes, continuations and speculative entri
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cachemap.events import (
     CPU,
     GPU,
@@ -186,3 +189,114 @@ def test_a_speculation_after_the_lookup_of_its_chain_sees_the_events_between() -
         # a lookup of another chain in between: the speculation finds its own chain's holders
         index.lookup(other, 10.0)
         assert index.speculate("b", keys, 10.0) == 1  # blocks 2-3 of its window lack
+
+
+def test_a_key_that_leaves_before_its_child_is_broken_until_it_is_whole_again() -> None:
+    """Blocks 0-3 held on a GPU: the run is found by bisection. Block 1 evicted while 2 and 3
+    stay (out of order): 1 is broken and the chain is read key by key (depth 1, not 4). Held
+    again (a re-store under its parent): whole. Evicted again, then its children too: no
+    longer broken (nothing of it below is held)."""
+    index = EventIndex()
+    keys = precise_keys(IDS, SALT, 16)
+    index.store("a", stored([1, 2, 3, 4], IDS))
+    state = index._domains["a"]
+    assert index.lookup(keys, 0.0) == {"a": Match(4, 0)} and index._last_held is None
+    assert state.children == {keys[0]: 1, keys[1]: 1, keys[2]: 1} and not state.broken
+    index.remove("a", BlockRemoved([2], GPU))
+    assert state.broken == {keys[1]}
+    assert index.lookup(keys, 0.0) == {"a": Match(1, 0)} and index._last_held is not None
+    assert index.lookup(keys[:1], 0.0) == {"a": Match(1, 0)}
+    index.store("a", stored([2], IDS[16:32], parent=1))
+    assert not state.broken and index.lookup(keys, 0.0) == {"a": Match(4, 0)}
+    index.remove("a", BlockRemoved([2], GPU))
+    index.remove("a", BlockRemoved([3, 4], GPU))
+    assert not state.broken and state.children == {}
+    assert index.lookup(keys, 0.0) == {"a": Match(1, 0)}
+    index.clear("a")
+    assert index._parent == {}
+
+
+BRANCH_SPLITS = (8, 3, 5, 0)
+"""Branch b shares its first BRANCH_SPLITS[b] blocks with branch 0 (branch 3 nothing)."""
+
+
+def _branch_ids(branch: int, n: int) -> list[int]:
+    return [
+        (0 if i < BRANCH_SPLITS[branch] else branch) * 10_000 + i * 16 + t
+        for i in range(n)
+        for t in range(16)
+    ]
+
+
+def _branch_hash(branch: int, i: int) -> int:
+    return 1 + (0 if i < BRANCH_SPLITS[branch] else branch) * 100 + i
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("store"),
+            st.sampled_from("ab"),
+            st.integers(0, 3),
+            st.one_of(st.just(0), st.integers(0, 7)),  # a chain's start, or a continuation
+            st.integers(1, 8),
+            st.sampled_from([GPU, GPU, GPU, CPU]),
+        ),
+        st.tuples(
+            st.just("remove"),
+            st.sampled_from("ab"),
+            st.integers(0, 3),
+            st.integers(0, 7),
+            st.integers(1, 3),
+            st.sampled_from([GPU, GPU, CPU]),
+        ),
+        st.tuples(
+            st.just("clear"), st.sampled_from("ab"), st.just(0), st.just(0), st.just(0), st.just(0)
+        ),
+        st.tuples(
+            st.just("speculate"),
+            st.sampled_from("ab"),
+            st.integers(0, 3),
+            st.integers(1, 8),
+            st.just(0),
+            st.just(0),
+        ),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_OPS, st.booleans())
+def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
+    ops: list[tuple[str, str, int, int, int, int]], offload: bool
+) -> None:
+    """A tree of four branches on two domains: stores of any run (a continuation only where
+    its parent is held), removals in any order (holes: broken keys), wipes, speculative
+    entries and, in half the examples, tier moves (else every block is on a GPU: the
+    bisection's case). After every op, every branch's lookup equals the stepped reference,
+    and a speculation adds one entry per window not all on the domain's GPU."""
+    index = EventIndex(speculative_ttl_s=2.0)
+    chains = [precise_keys(_branch_ids(b, 8), SALT, 16) for b in range(4)]
+    for kind, domain, branch, at, count, any_tier in ops:
+        tier = any_tier if offload else GPU
+        if kind == "store":
+            stop = min(8, at + count)
+            parent = _branch_hash(branch, at - 1) if at else None
+            hashes = [_branch_hash(branch, i) for i in range(at, stop)]
+            ids = _branch_ids(branch, stop)[16 * at :]
+            index.store(domain, stored(hashes, ids, parent=parent, tier=tier))
+        elif kind == "remove":
+            hashes = [_branch_hash(branch, i) for i in range(at, min(8, at + count))]
+            index.remove(domain, BlockRemoved(hashes, tier))
+        elif kind == "clear":
+            index.clear(domain)
+        else:
+            keys = chains[branch][:at]
+            on_gpu = [bool(index._holders.get(k, {}).get(domain, 0) & GPU) for k in keys]
+            windows = range(0, len(keys), SPECULATIVE_STRIDE)
+            lacking = sum(not all(on_gpu[w : w + SPECULATIVE_STRIDE]) for w in windows)
+            assert index.speculate(domain, keys, 10.0) == lacking
+        for keys in chains:
+            for n in (1, 4, 8):
+                assert index.lookup(keys[:n], 10.5) == _stepped_lookup(index, keys[:n], 10.5)
