@@ -157,12 +157,14 @@ def test_the_first_cut_text_and_every_64th_after_it_are_checked_whole() -> None:
     assert tokens.stats.chunk_checks == 2 and tokens.stats.chunk_mismatches == 0
 
 
+@pytest.mark.parametrize("size", [3, 60])
 def test_a_difference_in_a_sampled_check_turns_word_cutting_off(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, size: int
 ) -> None:
     """A tokenizer whose BPE merges across spaces (no pre-tokenizer) fails the load-time
     probes; forced on anyway, the first sampled text's whole encoding differs: cutting goes
-    off for good, the caches built from cut texts are dropped, and the ids are the whole's."""
+    off for good, the caches built from cut texts are dropped, and the ids are the whole's.
+    A text of ~7 kB is checked on its first `CHECK_CHARS` only, and caught the same."""
     from gateway.events import prompts
 
     spec = orjson.loads((MODEL_DIR / "tokenizer.json").read_bytes())
@@ -176,7 +178,7 @@ def test_a_difference_in_a_sampled_check_turns_word_cutting_off(
     forced = PromptTokens(tokenizer)
     forced.chunking = forced.words = True
     monkeypatch.setattr(prompts, "VERIFY_EVERY", 2)
-    messages = [{"role": "user", "content": prompts._CHUNK_PROBES[2] * 3}]
+    messages = [{"role": "user", "content": prompts._CHUNK_PROBES[2] * size}]
     with caplog.at_level("WARNING"):
         forced.ids({"messages": messages}, chat=True, cache_salt="s")  # the first: checked
     whole = tokenizer.encode(tokenizer.render_chat(messages))
