@@ -368,6 +368,7 @@ class Director:
             admitted_tokens=charged,
             ranks=keyed.ranks,
             conversation=conversation,
+            unpredicted=keyed.unpredicted,
         )
         if placed.flight is not None and self.landed_hooks:
             placed.flight.confirm = lambda: self._landed(routed)

@@ -11,9 +11,11 @@ router's units — in one of two modes.
 In precise mode the placement is also entered as a short speculative entry (`speculate`), so
 a back-to-back turn or a fan-out sibling sees it before the engine's event lands. With the
 in-process directory, a request whose candidates' events all flow is routed on the events
-without walking the prediction (which is still recorded: it routes a replica whose events stop);
-with the shared directory the prediction is always looked up (it carries the other gateways'
-fan-out markers).
+without walking the prediction, and the prediction is not recorded for a replica whose events
+flow (`Keyed.unpredicted`): a feed that has applied a batch counts as flowing for as long as
+it lives, so that prediction would never be read. With the shared directory the prediction is
+always looked up and recorded (it carries the other gateways' fan-out markers, and routes
+every replica while the shared index is away).
 
 A prefix-cache reset sent through the gateway (`reset_prefix_cache`, the admin port's
 `POST /reset_prefix_cache`) closes the wipe window: from the moment it is sent until the
@@ -69,6 +71,8 @@ class Keyed:
     affinity_key: bytes
     offloaded: dict[str, int] = field(default_factory=dict)
     ranks: dict[str, int] = field(default_factory=dict)
+    unpredicted: frozenset[str] = frozenset()
+    """Replicas routed on their KV events whose prediction is never read (`Routed`)."""
 
 
 def engine_body(parsed: ParsedRequest) -> dict[str, object]:
@@ -196,8 +200,9 @@ class Keying:
             predicted.writer_from,
         )
         block_bytes = 4 * precise.block_size
+        head = self.keys.consistent_hash_blocks * precise.block_size  # all affinity_key reads
         affinity = affinity_key(
-            token_bytes(ids),
+            token_bytes(ids[:head]),
             precise_root(tenant.cache_salt, lora),
             hashes,
             self.keys.consistent_hash_blocks,
@@ -211,6 +216,9 @@ class Keying:
             affinity,
             view.offloaded,
             view.ranks,
+            # in process, a replica whose events flow is routed on them for as long as its
+            # feed lives (it never goes back to not live): its prediction would never be read
+            view.live if self.directory.shared is None else frozenset(),
         )
 
     def _events_view(

@@ -43,7 +43,7 @@ class Recorder:
     async def first_token(self, exchange: Exchange) -> None:
         record = exchange.record
         record.first_token_s = time.monotonic()
-        if record.routed.hashes:
+        if record.routed.hashes and record.replica not in record.routed.unpredicted:
             await self.directory.record(record.replica, record.routed.hashes)
         for observer in self.observers:
             await observer.on_first_token(record)
@@ -63,7 +63,7 @@ class Recorder:
         """A non-streamed exchange moved to another replica before its answer was whole: the
         prompt's blocks are on the new replica too (observers saw the first token already)."""
         record = exchange.record
-        if record.routed.hashes:
+        if record.routed.hashes and record.replica not in record.routed.unpredicted:
             await self.directory.record(record.replica, record.routed.hashes)
 
     async def finish(self, exchange: Exchange) -> None:

@@ -62,6 +62,9 @@ class Routed:
     conversation: int | None = None
     """The conversation precise mode's frontiers placed it in (`gateway.pipeline.frontier`),
     told when its exchange ends; None without them."""
+    unpredicted: frozenset[str] = frozenset()
+    """Replicas whose prediction is neither read nor written: their KV events route them
+    (precise mode, in-process index; `gateway.pipeline.keying`)."""
 
 
 @dataclass(slots=True, eq=False)

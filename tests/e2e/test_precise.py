@@ -226,28 +226,32 @@ def test_the_prediction_is_walked_only_for_replicas_whose_events_do_not_flow(
     start_gateway: Callable[..., Served],
 ) -> None:
     """In process, a request whose candidates' events all flow reads the events alone (the
-    prediction would be used for none of them); one more candidate without events and the
-    prediction is looked up again, for it."""
+    prediction would be used for none of them), and records no prediction for a replica whose
+    events flow (it would never be read); one more candidate without events and the
+    prediction is looked up again, for it, and recorded where it routed."""
     turns = [*CONVERSATION, {"role": "assistant", "content": words("precise-reply", 30)}]
     follow = [*turns, {"role": "user", "content": words("precise-user-2", 20)}]
     _, (gateway,) = precise_fleet(2)
     directory = parts_of(gateway).directory
     first = via(gateway, chat(CONVERSATION)).headers["x-kvgate-replica"]
     wait_until(indexed(gateway, first, 8), what="the first turn's blocks indexed")
+    before = directory.local.index.num_entries(first)
     second = via(gateway, chat(follow))
     assert second.headers["x-kvgate-replica"] == first
     assert int(second.headers["x-kvgate-matched-blocks"]) >= 8
     assert directory.stats.lookups == 0
     timed = parts_of(gateway).director.stats.lookup_seconds.children
     assert {k: h.count for k, h in timed.items()} == {("events",): 2}
-    assert directory.local.index.num_entries(first) > 0  # still recorded: the fallback
+    assert directory.local.index.num_entries(first) == before  # not recorded again
 
     (silent,) = start_engines(1)  # publishes no events
     port = free_ports(1)
     (loud,) = start_engines(1, kv_events=events_config(port))
     mixed = start_gateway([loud, silent], **precise_settings({loud.url: port}))
     join([mixed], [loud])
-    via(mixed, chat(CONVERSATION))
+    placed = via(mixed, chat(CONVERSATION)).headers["x-kvgate-replica"]
     assert parts_of(mixed).directory.stats.lookups == 1
+    recorded = parts_of(mixed).directory.local.index.num_entries(placed)
+    assert (recorded > 0) == (placed == silent.url)  # the prediction is kept where it is read
     timed = parts_of(mixed).director.stats.lookup_seconds.children
     assert {k: h.count for k, h in timed.items()} == {("local",): 1}
