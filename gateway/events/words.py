@@ -216,11 +216,15 @@ class WordIds:
     def missing(self, texts: Sequence[str], salt: str) -> list[str]:
         """The pieces of `texts` the cache lacks, each once, as texts to encode."""
         out: dict[str, None] = {}
+        later = self._young.of(salt)[0]
         for text in texts:
             parts = parts_of(text, self.loose)
             if self._find(salt, parts[0], False) is None:
                 out[parts[0]] = None
-            for part in parts[1:]:
+            rest = parts[1:]
+            if None not in map(later.get, rest):  # all young: a C loop, not a step a word
+                continue
+            for part in rest:
                 if self._find(salt, part, True) is None:
                     out[" " + part] = None
         return list(out)

@@ -222,3 +222,21 @@ def test_a_pre_tokenizer_that_keeps_a_run_of_whitespace_whole_gets_the_strict_ru
     ids = tokens.ids({"messages": messages}, chat=True, cache_salt="s")
     assert list(ids) == tokenizer.encode(tokenizer.render_chat(messages))
     assert tokenizer.encode("\n word") != tokenizer.encode("\n") + tokenizer.encode(" word")
+
+
+def test_a_big_texts_new_words_are_found_and_added_before_it_is_encoded() -> None:
+    """What `PromptTokens.ids_off_loop` does for a big text: `missing` names each piece the
+    cache lacks once (and nothing it holds), `add` keeps their ids, and the text then
+    encodes with no miss, to the tokenizer's ids."""
+    cache = WordIds(TOKENIZER.encode_pieces, loose=True)
+    known = words("big-known", 200).strip()
+    cache.ids(known, "s")
+    new = words("big-new", 50).strip()
+    text = known + " " + new + " " + known
+    found = cache.missing([text, text], "s")
+    expected = {" " + w for w in new.split(" ")} - {" " + w for w in known.split(" ")}
+    assert set(found) == expected and len(found) == len(set(found))
+    cache.add("s", found, TOKENIZER.encode_many(found))
+    misses = cache.stats.misses
+    assert ids_of(cache.ids(text, "s")) == TOKENIZER.encode(text)
+    assert cache.stats.misses == misses
