@@ -195,6 +195,8 @@ class WordIds:
         self.stats = WordStats()
         self._young = _Generation()
         self._old = _Generation()
+        self._parted: dict[str, list[str]] = {}
+        """The last `missing` call's texts cut into parts, for `ids` of the same texts next."""
 
     @property
     def size(self) -> int:
@@ -203,7 +205,7 @@ class WordIds:
 
     def ids(self, text: str, salt: str) -> bytes:
         """The ids of `text` as native uint32 bytes (`array("I").frombytes`)."""
-        parts = parts_of(text, self.loose)
+        parts = self._parted.pop(text, None) or parts_of(text, self.loose)
         rest = parts[1:]
         self.stats.pieces += len(parts)
         later, first = self._young.of(salt)
@@ -217,8 +219,9 @@ class WordIds:
         """The pieces of `texts` the cache lacks, each once, as texts to encode."""
         out: dict[str, None] = {}
         later = self._young.of(salt)[0]
+        self._parted = parted = {}
         for text in texts:
-            parts = parts_of(text, self.loose)
+            parts = parted[text] = parts_of(text, self.loose)
             if self._find(salt, parts[0], False) is None:
                 out[parts[0]] = None
             rest = parts[1:]

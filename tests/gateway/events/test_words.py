@@ -239,4 +239,5 @@ def test_a_big_texts_new_words_are_found_and_added_before_it_is_encoded() -> Non
     cache.add("s", found, TOKENIZER.encode_many(found))
     misses = cache.stats.misses
     assert ids_of(cache.ids(text, "s")) == TOKENIZER.encode(text)
+    assert ids_of(cache.ids(text, "s")) == TOKENIZER.encode(text)  # its parts, cut again
     assert cache.stats.misses == misses
