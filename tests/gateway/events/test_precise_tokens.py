@@ -22,6 +22,7 @@ from loadgen.engine.server import EngineConfig, create_engine_app
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.text import words
 from tests.conftest import FAST, MODEL
+from tests.gateway.events.tokenizers import merging_tokenizer
 from tests.servers import Served, start_app
 
 LIMIT = 1 << 20
@@ -387,13 +388,7 @@ def test_a_tokenizer_that_merges_across_spaces_encodes_long_texts_whole(
 ) -> None:
     """Without a pre-tokenizer the BPE merges across spaces: the probes turn cutting off; and
     were it forced on, the first cut text's whole encoding catches it and is what returns."""
-    spec = orjson.loads((MODEL_DIR / "tokenizer.json").read_bytes())
-    spec["pre_tokenizer"] = None
-    (tmp_path / "tokenizer.json").write_bytes(orjson.dumps(spec))
-    (tmp_path / "tokenizer_config.json").write_bytes(
-        (MODEL_DIR / "tokenizer_config.json").read_bytes()
-    )
-    tokenizer = ModelTokenizer(tmp_path)
+    tokenizer = merging_tokenizer(tmp_path)
     assert not PromptTokens(tokenizer).chunking
     from gateway.events import prompts
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import array
 from typing import Any
 
-import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +16,7 @@ from gateway.events.prompts import PromptTokens, word_cuts
 from gateway.events.words import WordIds, cuts, parts_of, rule_holds, split
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.text import words
+from tests.gateway.events.tokenizers import edited_tokenizer, merging_tokenizer
 
 TOKENIZER = ModelTokenizer(MODEL_DIR)
 CHARS = st.sampled_from(
@@ -128,14 +128,11 @@ def test_encoding_pieces_in_one_call_equals_one_call_each() -> None:
 
 
 def test_added_tokens_that_strip_spaces_turn_cutting_off(tmp_path: Any) -> None:
-    spec = orjson.loads((MODEL_DIR / "tokenizer.json").read_bytes())
-    for token in spec["added_tokens"]:
-        token["rstrip"] = True  # eats the spaces after it: joining by it would change the ids
-    (tmp_path / "tokenizer.json").write_bytes(orjson.dumps(spec))
-    (tmp_path / "tokenizer_config.json").write_bytes(
-        (MODEL_DIR / "tokenizer_config.json").read_bytes()
-    )
-    tokenizer = ModelTokenizer(tmp_path)
+    def strip_after(spec: dict[str, Any]) -> None:
+        for token in spec["added_tokens"]:
+            token["rstrip"] = True  # eats the spaces after it: joining by it changes the ids
+
+    tokenizer = edited_tokenizer(tmp_path, strip_after)
     texts = [" a", " b", "  c"]
     assert tokenizer._separator is None
     assert tokenizer.encode_pieces(texts) == tokenizer.encode_many(texts)
@@ -167,13 +164,7 @@ def test_a_difference_in_a_sampled_check_turns_word_cutting_off(
     A text of ~7 kB is checked on its first `CHECK_CHARS` only, and caught the same."""
     from gateway.events import prompts
 
-    spec = orjson.loads((MODEL_DIR / "tokenizer.json").read_bytes())
-    spec["pre_tokenizer"] = None
-    (tmp_path / "tokenizer.json").write_bytes(orjson.dumps(spec))
-    (tmp_path / "tokenizer_config.json").write_bytes(
-        (MODEL_DIR / "tokenizer_config.json").read_bytes()
-    )
-    tokenizer = ModelTokenizer(tmp_path)
+    tokenizer = merging_tokenizer(tmp_path)
     assert not PromptTokens(tokenizer).words
     forced = PromptTokens(tokenizer)
     forced.chunking = forced.words = True
@@ -193,8 +184,7 @@ def test_a_pre_tokenizer_that_keeps_a_run_of_whitespace_whole_gets_the_strict_ru
     """A pre-tokenizer splitting `\\s+` greedily (no `\\s+(?!\\S)`) gives "\\n" + " word" no
     cut between them ("\\n " is one piece): the loose rule's probes fail, the strict rule's
     pass, and the ids are still the whole's."""
-    spec = orjson.loads((MODEL_DIR / "tokenizer.json").read_bytes())
-    spec["pre_tokenizer"] = {
+    greedy = {
         "type": "Sequence",
         "pretokenizers": [
             {
@@ -211,11 +201,7 @@ def test_a_pre_tokenizer_that_keeps_a_run_of_whitespace_whole_gets_the_strict_ru
             },
         ],
     }
-    (tmp_path / "tokenizer.json").write_bytes(orjson.dumps(spec))
-    (tmp_path / "tokenizer_config.json").write_bytes(
-        (MODEL_DIR / "tokenizer_config.json").read_bytes()
-    )
-    tokenizer = ModelTokenizer(tmp_path)
+    tokenizer = edited_tokenizer(tmp_path, lambda spec: spec.update(pre_tokenizer=greedy))
     tokens = PromptTokens(tokenizer)
     assert tokens.words and not tokens.word_ids.loose
     messages = [{"role": "user", "content": " Fix\n the  bug\n    in main.py"}]
