@@ -184,6 +184,12 @@ def replica_of(domain: str) -> str:
     return replica if mark else domain
 
 
+def rank_of(domain: str) -> int | None:
+    """A domain's DP rank (`domain_of`'s inverse); None for a replica without ranks."""
+    _, mark, rank = domain.rpartition("#")
+    return int(rank) if mark and rank.isdigit() else None
+
+
 def rank_endpoint(endpoint: str, rank: int) -> str:
     """Data-parallel rank r's event endpoint, as vLLM and SGLang offset it: tcp port + r, or an
     inproc name with `_dp{r}`."""

@@ -48,7 +48,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -191,8 +191,9 @@ class Feed:
         self._sub.set_hwm(RECEIVE_HWM)
         self._sub.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
         self._sub.connect(config.endpoint)
-        # the same socket for `drain`'s non-blocking reads (a shadow owns nothing)
-        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
+        self.socket: zmq.Socket[bytes] = zmq.Socket.shadow(self._sub.underlying)
+        """The same socket, blocking-style (a shadow owns nothing): `drain`'s non-blocking
+        reads, and what `EventIntake.drain` polls for this feed's batches."""
         self._held: tuple[int, bytes] | None = None
         self._replaying = False
         self._closed = False
@@ -231,7 +232,7 @@ class Feed:
             return
         while self._held is None:
             try:
-                frames = self._sync.recv_multipart(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) != 3 or len(frames[1]) != 8:
@@ -379,6 +380,14 @@ class EventIntake:
         self._ctx = zmq.asyncio.Context()
         self._feeds: dict[str, Feed] = {}
         """domain -> its feed"""
+        self._by_replica: dict[str, list[Feed]] = {}
+        """replica -> its feeds, by rank: a request's candidates are looked up, not searched
+        for among every feed (a scan per candidate was 8 ms a request at 256 replicas)"""
+        self._poller = zmq.Poller()
+        """Every feed's socket: `drain` asks which hold batches in one call"""
+        self._polled: dict[zmq.Socket[bytes], Feed] = {}
+        self._live: set[str] = set()
+        """Replicas found live (a feed that applied a batch stays live while it is open)"""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._background = BackgroundTasks("events")
         self.writer: EventWriter | None = None
@@ -397,7 +406,9 @@ class EventIntake:
         self.writer, self.leases, self.lease_s = writer, leases, lease_s
 
     def feeds(self, replica: str | None = None) -> list[Feed]:
-        return [f for f in self._feeds.values() if replica is None or f.config.replica == replica]
+        if replica is None:
+            return list(self._feeds.values())
+        return list(self._by_replica.get(replica, ()))
 
     def restarted(self, replica: str) -> None:
         """The replica set saw the engine restart: whatever its seq says, its blocks are gone."""
@@ -405,17 +416,34 @@ class EventIntake:
             feed.stats.restarts += 1
             feed.wipe()
 
-    def drain(self, replicas: Iterable[str]) -> None:
-        """Apply what these replicas' sockets already hold (`Feed.drain`): called right before
-        a lookup."""
-        for replica in replicas:
-            for feed in self.feeds(replica):
-                if feed.commit is None:  # a shared feed commits from its own task only
-                    feed.drain()
+    def drain(self) -> None:
+        """Apply what the feeds' sockets already hold (`Feed.drain`): called right before a
+        lookup. One poll of every socket (a C loop) finds the feeds with batches waiting, and
+        each of those is read until its socket is empty, candidate of this request or not: a
+        poll may consume the notification its feed's task waits for, so no polled socket is
+        left holding a batch (a feed held for a replay is read by its task, which checks its
+        socket before it waits). Shared: nothing (a shared feed commits from its own task)."""
+        if self.writer is not None:
+            return
+        for socket, _ in self._poller.poll(0):
+            self._polled[socket].drain()
 
     def live(self, replica: str) -> bool:
         """The replica's events are flowing: route on the index, not on the prediction."""
-        return any(f.live for f in self.feeds(replica))
+        if replica in self._live:
+            return True
+        if any(f.live for f in self._by_replica.get(replica, ())):
+            self._live.add(replica)
+            return True
+        return False
+
+    def live_among(self, replicas: Collection[str]) -> set[str]:
+        """The replicas among these whose events flow (`live`): a set intersection once
+        every one is known live."""
+        found = self._live.intersection(replicas)
+        if len(found) < len(replicas):
+            found.update(r for r in replicas if r not in found and self.live(r))
+        return found
 
     def _wanted(self) -> dict[str, FeedConfig]:
         return {c.domain: c for r in self._replicas() for c in self.config.feeds(r)}
@@ -431,13 +459,27 @@ class EventIntake:
             commit=writer.commit if writer is not None else None,
         )
         self._feeds[config.domain] = feed
+        self._by_replica.setdefault(config.replica, []).append(feed)
+        self._poller.register(feed.socket, zmq.POLLIN)
+        self._polled[feed.socket] = feed
         self._tasks[config.domain] = asyncio.get_running_loop().create_task(
             self._run(feed), name=f"events {config.domain}"
         )
 
     def _close(self, domain: str) -> None:
         self._tasks.pop(domain).cancel()
-        self._feeds.pop(domain).close()
+        feed = self._feeds.pop(domain)
+        self._forget(feed)
+        feed.close()
+
+    def _forget(self, feed: Feed) -> None:
+        feeds = self._by_replica[feed.config.replica]
+        feeds.remove(feed)
+        if not feeds:
+            del self._by_replica[feed.config.replica]
+            self._live.discard(feed.config.replica)
+        self._poller.unregister(feed.socket)
+        del self._polled[feed.socket]
 
     def refresh(self) -> None:
         """Open feeds for replicas that joined, close those of replicas that left (and drop
@@ -592,6 +634,7 @@ class EventIntake:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for feed in self._feeds.values():
+            self._forget(feed)
             feed.close()
         if self.writer is not None:  # a graceful stop hands the domains on at once
             for domain in list(self._feeds):

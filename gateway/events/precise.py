@@ -32,7 +32,15 @@ from typing import Any
 import aiohttp
 import mmh3
 
-from cachemap.events import EventIndex, Match, domain_of, precise_keys, precise_root
+from cachemap.events import (
+    EventIndex,
+    Match,
+    domain_of,
+    precise_keys,
+    precise_root,
+    rank_of,
+    replica_of,
+)
 from cachemap.keys import BlockHash, chain_hashes, token_bytes
 from cachemap.layouts import EngineLayouts
 from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE, identify
@@ -283,36 +291,55 @@ class PreciseKeys:
         if self.intake is None:  # no events: the prediction alone
             return EventsView({}, {}, {}, frozenset())
         intake = self.intake
-        intake.drain(replicas)  # what already reached their sockets (a wipe) comes first
+        intake.drain()  # what already reached the sockets (a wipe) comes first
         local = self.index.lookup(keys, self.clock())
-        return self._view(local, {r for r in replicas if intake.live(r)})
+        return self._view(local, intake.live_among(replicas))
 
     def _domains(self, replica: str) -> list[str]:
         return [domain_of(replica, rank, self.dp_size) for rank in range(self.dp_size)]
 
     def _view(self, matches: dict[str, Match], live: set[str]) -> EventsView:
+        """Each live replica's best rank among the domains that matched (a few, whatever the
+        fleet's size): the deepest match, then the most of it on the GPU, then the lowest
+        rank."""
+        best: dict[str, tuple[int | None, Match]] = {}
+        for domain, match in matches.items():
+            found = self._replica_rank(domain, live)
+            if found is None:
+                continue
+            replica, rank = found
+            held = best.get(replica)
+            if held is None or (match.depth, match.depth - match.offloaded, -(rank or 0)) > (
+                held[1].depth,
+                held[1].depth - held[1].offloaded,
+                -(held[0] or 0),
+            ):
+                best[replica] = (rank, match)
         overlap: dict[str, int] = {}
         offloaded: dict[str, int] = {}
         ranks: dict[str, int] = {}
-        for replica in sorted(live):
-            best = None
-            dp_size = self.layouts.dp_size(replica, self.dp_size)
-            for rank in range(dp_size):
-                match = matches.get(domain_of(replica, rank, dp_size))
-                if match is None:
-                    continue
-                gpu = match.depth - match.offloaded
-                if best is None or (match.depth, gpu) > (
-                    best[1].depth,
-                    best[1].depth - best[1].offloaded,
-                ):
-                    best = (rank, match)
-            if best is not None:
-                overlap[replica] = best[1].depth
-                offloaded[replica] = best[1].offloaded
-                if dp_size > 1:
-                    ranks[replica] = best[0]
+        for replica in sorted(best):
+            rank, match = best[replica]
+            overlap[replica] = match.depth
+            offloaded[replica] = match.offloaded
+            if rank is not None:
+                ranks[replica] = rank
         return EventsView(overlap, offloaded, ranks, frozenset(live))
+
+    def _replica_rank(self, domain: str, live: set[str]) -> tuple[str, int | None] | None:
+        """The live replica a domain is, and its rank (None: the replica has no DP ranks);
+        None for another replica's domain, or one that is not of the replica's DP layout."""
+        replica, rank = replica_of(domain), rank_of(domain)
+        if replica not in live:
+            return None
+        dp_size = self.layouts.dp_size(replica, self.dp_size)
+        if rank is None:
+            return (replica, None) if dp_size <= 1 else None
+        return (
+            (replica, rank)
+            if rank < dp_size and domain == domain_of(replica, rank, dp_size)
+            else None
+        )
 
     def speculate(self, replica: str, rank: int | None, keys: list[BlockHash]) -> None:
         """The request was placed: its blocks count as held there until the event or expiry.

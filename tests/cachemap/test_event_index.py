@@ -14,7 +14,10 @@ from cachemap.events import (
     BlockStored,
     EventIndex,
     Match,
+    domain_of,
     precise_keys,
+    rank_of,
+    replica_of,
 )
 
 IDS = list(range(100, 164))  # 4 blocks of 16
@@ -300,3 +303,15 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
         for keys in chains:
             for n in (1, 4, 8):
                 assert index.lookup(keys[:n], 10.5) == _stepped_lookup(index, keys[:n], 10.5)
+
+
+def test_a_domain_name_gives_back_its_replica_and_rank() -> None:
+    for replica in ("http://10.0.0.7:8000", "http://[::1]:8000"):
+        assert (replica_of(domain_of(replica, 0, 1)), rank_of(domain_of(replica, 0, 1))) == (
+            replica,
+            None,
+        )
+        for rank in (0, 3):
+            domain = domain_of(replica, rank, 4)
+            assert (replica_of(domain), rank_of(domain)) == (replica, rank)
+    assert rank_of("http://a:8000#x") is None

@@ -38,7 +38,7 @@ async def test_a_wipe_on_the_socket_is_applied_before_the_lookup(
         # blocking call is the point; the engine serves from its own thread)
         reset = httpx.post(engine.url + "/reset_prefix_cache")  # noqa: ASYNC210
         assert reset.status_code == 200
-        assert feed._sync.poll(DEADLINE_S * 1000), "the wipe never reached the socket"
+        assert feed.socket.poll(DEADLINE_S * 1000), "the wipe never reached the socket"
         assert index.lookup(keys, 0.0) == {engine.url: Match(2, 0)}  # the window
         view = precise.view(keys, [engine.url])
         assert view.overlap == {} and view.live == {engine.url}
