@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from router.types import Replica, RouteRequest
+from router.types import DecisionMemo, Replica, RouteRequest
 
 DEFAULT_ABSOLUTE_SLACK_TOKENS = 131_072.0
 """Locality is kept while a replica's estimated work is within this many prefill tokens of the
@@ -34,7 +34,9 @@ instead of pinning every request to whichever replica happens to be idle."""
 class Filter(Protocol):
     name: str
 
-    def filter(self, req: RouteRequest, replicas: Sequence[Replica]) -> list[Replica]: ...
+    def filter(
+        self, req: RouteRequest, replicas: Sequence[Replica], memo: DecisionMemo | None = None
+    ) -> list[Replica]: ...
 
 
 class HealthyFilter:
@@ -42,7 +44,9 @@ class HealthyFilter:
 
     name = "healthy"
 
-    def filter(self, req: RouteRequest, replicas: Sequence[Replica]) -> list[Replica]:
+    def filter(
+        self, req: RouteRequest, replicas: Sequence[Replica], memo: DecisionMemo | None = None
+    ) -> list[Replica]:
         return [r for r in replicas if r.healthy]
 
 
@@ -77,10 +81,12 @@ class LoadBoundFilter:
         least = min(req.load(r) for r in replicas)
         return least + self.absolute_slack_tokens + self.relative_slack * least
 
-    def filter(self, req: RouteRequest, replicas: Sequence[Replica]) -> list[Replica]:
+    def filter(
+        self, req: RouteRequest, replicas: Sequence[Replica], memo: DecisionMemo | None = None
+    ) -> list[Replica]:
         if not replicas:
             return []
-        loads = [req.load(r) for r in replicas]  # once each: `bound` and the cut read the same
+        loads = (memo or DecisionMemo(req)).loads(replicas)  # the tie-breaks read them too
         least = min(loads)
         limit = least + self.absolute_slack_tokens + self.relative_slack * least
         return [r for r, load in zip(replicas, loads, strict=True) if load <= limit]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from router.filters import Filter, HealthyFilter
 from router.pickers import max_score_ranking
 from router.scorers import Scorer
-from router.types import Decision, Replica, RouteRequest
+from router.types import Decision, DecisionMemo, Replica, RouteRequest
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,9 @@ class RoutingProfile:
         """Rank the replicas for `req`; None when no replica survives the hard filters."""
         candidates = list(replicas)
         demoted: list[Replica] = []
+        memo = DecisionMemo(req)
         for f in self.filters:
-            kept = f.filter(req, candidates)
+            kept = f.filter(req, candidates, memo)
             if not isinstance(f, HealthyFilter):
                 kept_ids = {r.id for r in kept}
                 demoted.extend(r for r in candidates if r.id not in kept_ids)
@@ -42,16 +43,18 @@ class RoutingProfile:
                 break
         if not candidates and not demoted:
             return None
-        ranking = self._rank(req, candidates, rng) + self._rank(req, demoted, rng)
+        ranking = self._rank(req, candidates, rng, memo) + self._rank(req, demoted, rng, memo)
         matched = req.overlap.get(ranking[0], 0)
         return Decision(tuple(ranking), self._reason(req, candidates, demoted, matched), matched)
 
-    def _rank(self, req: RouteRequest, group: list[Replica], rng: random.Random) -> list[str]:
+    def _rank(
+        self, req: RouteRequest, group: list[Replica], rng: random.Random, memo: DecisionMemo
+    ) -> list[str]:
         if not group:
             return []
         total = dict.fromkeys((r.id for r in group), 0.0)
         for scorer, weight in self.scorers:
-            for rid, value in scorer.score(req, group, rng).items():
+            for rid, value in scorer.score(req, group, rng, memo).items():
                 total[rid] += weight * min(max(value, 0.0), 1.0)
         return max_score_ranking(total, rng)
 

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import mmh3
 
-from router.types import KvFrontier, Replica, RouteRequest
+from router.types import DecisionMemo, KvFrontier, Replica, RouteRequest
 
 DEFAULT_DISPLACEMENT_HOT_S = 15.0
 """An evicted block used less than 15 s ago weighs a whole block: an agent's next step follows
@@ -41,7 +41,11 @@ class Scorer(Protocol):
     name: str
 
     def score(
-        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
     ) -> dict[str, float]: ...
 
 
@@ -59,7 +63,11 @@ class PrefixScorer:
     name = "prefix"
 
     def score(
-        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
     ) -> dict[str, float]:
         if req.num_blocks == 0:
             return {r.id: 0.0 for r in replicas}
@@ -131,23 +139,55 @@ class DisplacementScorer:
     def displaced_blocks(self, req: RouteRequest, replica: Replica) -> float:
         """What the request's own new blocks evict on `replica`, after the queue ahead took
         its share: displacement_blocks(queue + need) − displacement_blocks(queue); 0 without
-        a frontier."""
+        a frontier.
+
+        Both sums in one walk of the frontier, each accumulated in `displacement_blocks`'s
+        order (so the result is that difference to the bit; a property test holds it)."""
         frontier = replica.kv_frontier
         if frontier is None:
             return 0.0
         queued = self.queued_blocks(req, replica)
-        total = queued + self.need_blocks(req, replica.id)
-        cost = displacement_blocks(frontier, total, self.half_life_s, self.hot_s)
+        left = queued + self.need_blocks(req, replica.id) - frontier.empty_blocks
+        left_queued = queued - frontier.empty_blocks
+        hot_s, half_life_s = self.hot_s, self.half_life_s
+        cost = cost_queued = 0.0
+        for num_blocks, idle_s in frontier.runs:
+            if left <= 0:  # the queue's share is no deeper than the total: both are done
+                break
+            weight = liveness(max(idle_s, 0.0), hot_s, half_life_s)
+            taken = min(num_blocks, left)
+            cost += taken * weight
+            left -= taken
+            if left_queued > 0:
+                taken = min(num_blocks, left_queued)
+                cost_queued += taken * weight
+                left_queued -= taken
+        cost += max(left, 0)
         if queued:
-            cost -= displacement_blocks(frontier, queued, self.half_life_s, self.hot_s)
+            cost -= cost_queued + max(left_queued, 0)
         return max(cost, 0.0)
 
+    @property
+    def memo_key(self) -> str:
+        """The name its displaced blocks go by in a `DecisionMemo` (one per parameter set)."""
+        return f"displaced {self.half_life_s!r} {self.hot_s!r}"
+
     def score(
-        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
     ) -> dict[str, float]:
         if req.num_blocks == 0:
             return {r.id: 0.0 for r in replicas}
-        return {r.id: min(self.displaced_blocks(req, r) / req.num_blocks, 1.0) for r in replicas}
+        displaced = (memo or DecisionMemo(req)).values(
+            self.memo_key, replicas, self.displaced_blocks
+        )
+        return {
+            r.id: min(blocks / req.num_blocks, 1.0)
+            for r, blocks in zip(replicas, displaced, strict=True)
+        }
 
 
 def _elsewhere(req: RouteRequest, replica: str) -> int:
@@ -199,7 +239,11 @@ class CrowdingScorer:
         return float(stake + min(over, req.num_blocks))
 
     def score(
-        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
     ) -> dict[str, float]:
         if req.num_blocks == 0:
             return {r.id: 0.0 for r in replicas}
@@ -221,13 +265,20 @@ class WorkAndDisplacementScorer:
         self.displacement = DisplacementScorer(half_life_s, hot_s)
 
     def score(
-        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
     ) -> dict[str, float]:
         per_block = req.tokens_per_block
+        memo = memo or DecisionMemo(req)
+        displacement = self.displacement
+        displaced = memo.values(displacement.memo_key, replicas, displacement.displaced_blocks)
         return _lower_is_better(
             {
-                r.id: req.load(r) + self.displacement.displaced_blocks(req, r) * per_block
-                for r in replicas
+                r.id: load + blocks * per_block
+                for r, load, blocks in zip(replicas, memo.loads(replicas), displaced, strict=True)
             }
         )
 
@@ -239,9 +290,14 @@ class EstimatedWorkScorer:
     name = "estimated_work"
 
     def score(
-        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
     ) -> dict[str, float]:
-        return _lower_is_better({r.id: req.load(r) for r in replicas})
+        loads = (memo or DecisionMemo(req)).loads(replicas)
+        return _lower_is_better({r.id: load for r, load in zip(replicas, loads, strict=True)})
 
 
 class InflightScorer:
@@ -250,7 +306,11 @@ class InflightScorer:
     name = "inflight"
 
     def score(
-        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
     ) -> dict[str, float]:
         return _lower_is_better({r.id: float(r.num_inflight) for r in replicas})
 
@@ -261,7 +321,11 @@ class RoundRobinScorer:
     name = "round_robin"
 
     def score(
-        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
     ) -> dict[str, float]:
         ids = sorted(r.id for r in replicas)
         n = len(ids)
@@ -273,7 +337,11 @@ class RandomScorer:
     name = "random"
 
     def score(
-        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
     ) -> dict[str, float]:
         return {r.id: rng.random() for r in replicas}
 
@@ -287,7 +355,11 @@ class RendezvousScorer:
     name = "consistent_hash"
 
     def score(
-        self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
     ) -> dict[str, float]:
         key = req.affinity_key
         return {

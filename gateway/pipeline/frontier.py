@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from cachemap.events import GPU, domain_of
@@ -178,18 +178,26 @@ class Frontiers:
         """`replicas` with their frontiers for this request (those with events and a capacity)."""
         now = self.clock()
         live = self.conversations.live(keys, now)
+        ranks = ranks or {}
+        capacity_of, is_live, index, depth_blocks = (
+            self.capacity,
+            self.live,
+            self.index,
+            self.scorer.depth_blocks,
+        )
         out: list[Replica] = []
         for r in replicas:
-            capacity = self.capacity(r.id)
-            if not capacity or not self.live(r.id):
+            capacity = capacity_of(r.id)
+            if not capacity or not is_live(r.id):
                 out.append(r)
                 continue
-            domain = self._domain(r.id, (ranks or {}).get(r.id))
-            empty = max(capacity - self.index.num_blocks(domain, GPU), 0)
-            depth = self.scorer.depth_blocks(route, r) - empty
-            runs = self.index.eviction_runs(domain, depth, now) if depth > 0 else ()
-            frontier = KvFrontier(empty, runs, capacity, tuple(live.get(r.id, ())))
-            out.append(replace(r, kv_frontier=frontier))
+            domain = self._domain(r.id, ranks.get(r.id))
+            empty = max(capacity - index.num_blocks(domain, GPU), 0)
+            depth = depth_blocks(route, r) - empty
+            runs = index.eviction_runs(domain, depth, now) if depth > 0 else ()
+            out.append(
+                r.with_frontier(KvFrontier(empty, runs, capacity, tuple(live.get(r.id, ()))))
+            )
             self.num_built += 1
         return out
 
