@@ -217,3 +217,4 @@ async def test_a_moving_order_is_published_at_most_every_half_second_a_wipe_at_o
     writer.apply(domain, AllBlocksCleared())  # a new epoch: published at the next round
     await owner.round()
     assert owner.published == 3
+    await writer.close()  # the wipe's background flush, ended before the client closes
