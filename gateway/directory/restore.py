@@ -42,25 +42,38 @@ class WriteBack:
         self.local = local
         self.stats = WriteBackStats()
         self._tasks = tasks
-        self._running = 0
-        self._pending: tuple[float | None] | None = None
-        """A request that came while a write-back ran: (its `since_s`,), None: everything."""
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._pending: tuple[float | None, str] | None = None
+        """A request that came while a write-back ran: (its `since_s`, why); `since_s` None:
+        everything."""
 
     @property
     def running(self) -> bool:
-        return self._running > 0
+        return not self._idle.is_set()
+
+    async def finished(self) -> None:
+        """Wait until no write-back runs or waits to run."""
+        await self._idle.wait()
 
     def start(self, shared: RedisDirectory, since_s: float | None, why: str) -> None:
         """Write back entries used since `since_s` (None: all of them), in the background."""
         if self.running:  # one at a time; the widest request waiting runs next
-            if self._pending is None or since_s is None:
-                self._pending = (since_s,)
-            elif self._pending[0] is not None:
-                self._pending = (min(self._pending[0], since_s),)
+            waiting = self._pending
+            if (
+                waiting is None
+                or since_s is None
+                or (waiting[0] is not None and since_s < waiting[0])
+            ):
+                self._pending = (since_s, why)
             return
+        self._launch(shared, since_s, why)
+
+    def _launch(self, shared: RedisDirectory, since_s: float | None, why: str) -> None:
         if not any(self.local.num_entries(r) for r in self.local.replicas()):
+            self._idle.set()
             return
-        self._running += 1
+        self._idle.clear()
         self._tasks.spawn(self._run(shared, since_s, why), name="directory write-back")
 
     async def _run(self, shared: RedisDirectory, since_s: float | None, why: str) -> None:
@@ -77,12 +90,13 @@ class WriteBack:
             self.stats.failures += 1
             log.warning("directory write-back stopped: %s", exc)
         finally:
-            self._running -= 1
             elapsed = time.perf_counter() - started
             self.stats.runs += 1
             self.stats.blocks_written += written
             self.stats.last_seconds = elapsed
             log.warning("directory write-back (%s): %d blocks in %.3f s", why, written, elapsed)
             pending, self._pending = self._pending, None
-            if pending is not None:
-                self.start(shared, pending[0], why)
+            if pending is None:
+                self._idle.set()
+            else:  # still running: a waiter on `finished` waits for this one too
+                self._launch(shared, *pending)

@@ -152,11 +152,14 @@ class RoutingDirectory:
 
     @property
     def idle(self) -> bool:
-        """No write is queued or in flight."""
-        return self.writes.idle
+        """No write is queued or in flight, and no write-back runs."""
+        return self.writes.idle and not self.write_back.running
 
     async def flushed(self) -> None:
+        """Wait until Redis holds what this gateway knows: every queued write attempted and
+        no write-back running."""
         await self.writes.flushed()
+        await self.write_back.finished()
 
     async def start(self) -> None:
         shared = self.shared
@@ -178,24 +181,26 @@ class RoutingDirectory:
         self._closing = True
         if self.shared is not None and not self.degraded:  # leave Redis what we know
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.writes.flushed(), self.write_deadline_s)
+                await asyncio.wait_for(self.flushed(), self.write_deadline_s)
         await self._tasks.close(2 * READ_INTERVAL_S)
         if self.shared is not None:
             with contextlib.suppress(Exception):
                 await self.shared.close()
 
     async def _probe(self) -> None:
-        """The breaker's probe: Redis answers, the generations are current, and connections
-        from before the outage are dropped (they are dead)."""
+        """The breaker's probe: connections from before the outage are dropped (they are
+        dead), then Redis answers and the generations are current. The drop comes first: a
+        refresh that finds Redis empty starts the write-back at once, and a drop after it
+        closed the write-back's first connection under it (redis-py retried after a backoff)."""
         shared = self.shared
         assert shared is not None
-        await asyncio.wait_for(shared.client.ping(), self.write_deadline_s)
-        await asyncio.wait_for(shared.refresh_generations(), self.write_deadline_s)
         pool = getattr(shared.client, "connection_pool", None)
         if pool is not None:
             await pool.disconnect()
         if shared.lane is not None:
             await shared.lane.disconnect()
+        await asyncio.wait_for(shared.client.ping(), self.write_deadline_s)
+        await asyncio.wait_for(shared.refresh_generations(), self.write_deadline_s)
 
     def _reset(self) -> None:
         """Redis lost its state (the meta state is written back already): write back every

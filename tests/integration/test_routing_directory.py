@@ -223,6 +223,37 @@ async def test_redis_back_empty_keeps_the_conversations_placement(
         await d.close()
 
 
+async def test_flushed_waits_for_the_write_back_of_a_reset(
+    fresh_redis: RedisServer, replica: str
+) -> None:
+    """`flushed` means Redis holds what this gateway knows, so it also waits for a write-back
+    under way. It waited for the write-behind queue alone: after Redis lost its state, a
+    caller of `flushed` (a closing gateway, the test above) read Redis before the write-back
+    had written anything (CI, 2026-12-04)."""
+    d = await composed(fresh_redis.url, [replica])
+    try:
+        a = chain(f"{replica}-a", 6)
+        await d.record(replica, a)
+        await d.flushed()
+        fresh_redis.cli("flushall")  # this test's own Redis loses its state
+        shared = d.shared
+        assert shared is not None
+        await shared.refresh_generations()  # the reset noticed: the write-back is spawned
+        assert d.write_back.running
+        d.write_back.start(shared, 0.0, "after an outage")  # waits behind it
+        await d.flushed()
+        assert not d.write_back.running
+        assert d.write_back.stats.runs == 2  # the one waiting ran before `flushed` returned
+        assert d.write_back.stats.blocks_written == 6  # the second found them all in Redis
+        newcomer = await composed(fresh_redis.url, [replica])
+        try:
+            assert (await newcomer.lookup(a)).overlap == {replica: 6}
+        finally:
+            await newcomer.close()
+    finally:
+        await d.close()
+
+
 async def test_a_directory_layout_this_gateway_does_not_know_is_refused(
     fresh_redis: RedisServer, replica: str
 ) -> None:
