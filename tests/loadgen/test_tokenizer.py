@@ -244,6 +244,55 @@ def test_the_template_runs_sandboxed() -> None:
         ChatTemplate(mutate, {}).render([{"role": "user", "content": "x"}])
 
 
+_ATTRIBUTES = (
+    "{% for m in messages %}{{ m.role }}:{{ m.content }}|{{ m.name is defined }}|"
+    "{{ m.tool_calls or '-' }}|{{ m.get('role') }}|{{ m.keys() | list | length }}|"
+    "{{ m.items is callable }}|{{ m['content'] }}|{{ m.missing | default('d') }}\n"
+    "{% endfor %}"
+)
+
+
+@given(
+    st.lists(
+        st.dictionaries(
+            st.sampled_from(["role", "content", "name", "tool_calls", "items", "get", "keys"]),
+            st.text(max_size=5),
+            min_size=1,
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+@settings(max_examples=60, deadline=None)
+def test_attributes_of_messages_render_as_in_the_plain_sandbox(
+    messages: list[dict[str, str]],
+) -> None:
+    """`message.role` on a dict is answered without the sandbox's raise-and-catch: the same
+    text as the sandbox itself, for present and missing keys and keys named like dict
+    methods (`m.items`, `m.get`: the method, as before)."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from cachemap.chat_template import _compile
+
+    plain = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    ).from_string(_ATTRIBUTES)
+    assert _compile(_ATTRIBUTES).render(messages=messages) == plain.render(messages=messages)
+
+
+def test_a_dicts_methods_stay_sandboxed() -> None:
+    """The fast path leaves a dict method's name to the sandbox: mutating one is refused."""
+    from cachemap.chat_template import ChatTemplate
+
+    pop = "{{ messages[0].pop('role') }}"
+    with pytest.raises(ChatTemplateError, match="cannot render"):
+        ChatTemplate(pop, {}).render([{"role": "user", "content": "x"}])
+    dunder = "{{ messages[0].__class__.__subclasses__() }}"
+    with pytest.raises(ChatTemplateError, match="cannot render"):
+        ChatTemplate(dunder, {}).render([{"role": "user", "content": "x"}])
+
+
 def test_another_model_directory_loads_the_same_way(tmp_path: Any) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((MODEL_DIR / name).read_bytes())
