@@ -13,7 +13,8 @@ what triggers them here; in a gateway the request path's allocations trigger the
 older generation's pass walks whatever the directory keeps tracked), the tracked object count
 and what one full collection (`gc.collect()`, the oldest generation's pass) costs at that size.
 
-Run it against another checkout with `PYTHONPATH=<that tree>` to compare the two.
+To compare another checkout, run it from inside that checkout (`cd <tree> && python -m
+tools.index_cost`): `python -m` puts the current directory ahead of `PYTHONPATH`.
 """
 
 from __future__ import annotations

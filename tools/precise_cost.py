@@ -1,6 +1,7 @@
 """Precise mode's costs (issue 16; docs/benchmarks.md).
 
-    python -m tools.precise_cost ingest [NUM_BLOCKS]    event ingest, blocks indexed per second
+    python -m tools.precise_cost ingest [NUM_BLOCKS] [BLOCKS_PER_EVENT]
+                                                        event ingest, blocks indexed per second
     python -m tools.precise_cost keying [TURNS]         CPU per request, precise vs approximate
     python -m tools.precise_cost long [PROMPTS]         the same on one-message prompts sharing
                                                         beginnings (bench point 2's shape)
@@ -13,13 +14,18 @@
                                                         (`EventWriter`): a server and a cluster
     python -m tools.precise_cost route [TURNS]          a continuation's lookups past its keying,
                                                         the prediction walked or not
+    python -m tools.precise_cost fleet [REPLICAS ...]   the intake's per-request work (drain every
+                                                        candidate's sockets, which of them are live)
+                                                        against the fleet's size
 
-`ingest`: NUM_BLOCKS (131,072) blocks in vLLM map-encoded batches of one BlockStored of 64
-blocks (a 1,024-token prefill) each, every other chain a continuation of the previous one (its
-parent resolved through the engine-hash map), then as many BlockRemoved: timed (1) decoding and
-applying on one core (the work on the gateway's event loop), (2) the same batches through a
-real ZMQ PUB socket on loopback into a `Feed` (socket, seq tracking and all), publish of the
-first to indexed of the last.
+`ingest`: NUM_BLOCKS (131,072) blocks in vLLM map-encoded batches of one BlockStored of
+BLOCKS_PER_EVENT (64) blocks each (a 1,024-token prefill; a decode step's batch holds a block or
+a few, one per sequence that filled one), every other chain a continuation of the previous one
+(its parent resolved through the engine-hash map), then as many BlockRemoved: timed (1)
+decoding and applying on one core (the work on the gateway's event loop), (2) the same batches
+through a real ZMQ PUB socket on loopback into a `Feed` (socket, seq tracking and all), from
+another process as an engine publishes, publish of the first to indexed of the last, and this
+process's CPU over it (the feed's own work).
 
 `keying`: one agent conversation of TURNS turns (a 2,000-token system prompt, each turn ~300
 tokens of user text and a ~100-token reply, up to ~40k tokens), each turn keyed three ways: the
@@ -44,11 +50,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import multiprocessing
 import os
 import statistics
 import sys
-import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -62,7 +69,7 @@ from cachemap.memory import MemoryIndex
 from cachemap.tokenizer import ModelTokenizer
 from gateway.api.openai.parse import parse_chat
 from gateway.events.decode import decode_batch
-from gateway.events.intake import Feed, FeedConfig
+from gateway.events.intake import EventIntake, EventsConfig, Feed, FeedConfig
 from gateway.events.precise import PreciseKeys, PromptTokens
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.text import words
@@ -72,30 +79,30 @@ DEFAULT_BLOCKS = 131_072
 DEFAULT_TURNS = 100
 
 
-def batches(num_blocks: int) -> list[bytes]:
+def batches(num_blocks: int, per_event: int = BLOCKS_PER_EVENT) -> list[bytes]:
     out = []
-    num_events = num_blocks // BLOCKS_PER_EVENT
+    num_events = num_blocks // per_event
     for e in range(num_events):
-        base = e * BLOCKS_PER_EVENT
+        base = e * per_event
         parent = base - 1 if e % 2 else None
         event: dict[str, Any] = {
             "type": "BlockStored",
-            "block_hashes": list(range(base, base + BLOCKS_PER_EVENT)),
+            "block_hashes": list(range(base, base + per_event)),
             "parent_block_hash": parent,
-            "token_ids": [(base * 16 + i) % 4000 for i in range(16 * BLOCKS_PER_EVENT)],
+            "token_ids": [(base * 16 + i) % 4000 for i in range(16 * per_event)],
             "block_size": 16,
             "lora_id": None,
             "medium": "GPU",
             "lora_name": None,
         }
         if parent is None:
-            event["extra_keys"] = [[f"salt{e}"]] + [None] * (BLOCKS_PER_EVENT - 1)
+            event["extra_keys"] = [[f"salt{e}"]] + [None] * (per_event - 1)
         out.append(msgpack.packb([time.time(), [event], 0]))
     for e in range(num_events):
-        base = e * BLOCKS_PER_EVENT
+        base = e * per_event
         removed = {
             "type": "BlockRemoved",
-            "block_hashes": list(range(base, base + BLOCKS_PER_EVENT)),
+            "block_hashes": list(range(base, base + per_event)),
             "medium": "GPU",
         }
         out.append(msgpack.packb([time.time(), [removed], 0]))
@@ -113,51 +120,83 @@ def ingest_in_process(payloads: list[bytes]) -> float:
     return elapsed
 
 
-async def ingest_over_zmq(payloads: list[bytes]) -> float:
-    ctx = zmq.asyncio.Context()
-    pub_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    pub = pub_ctx.socket(zmq.PUB)
-    pub.set_hwm(len(payloads) + 10)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    index = EventIndex()
-    feed = Feed(FeedConfig("r", 0, "r", f"tcp://127.0.0.1:{port}", None, ""), index, ctx)
-    task = asyncio.create_task(feed.run())
-    # join: send a probe (an empty batch at seq 0) until the SUB has it
-    while feed.stats.batches == 0:
-        pub.send_multipart((b"", (0).to_bytes(8, "big"), msgpack.packb([time.time(), [], 0])))
-        await asyncio.sleep(0.01)
-    first_seq = feed.next_seq or 1
-    started = time.perf_counter()
-
-    def publish() -> None:
-        for i, payload in enumerate(payloads):
-            pub.send_multipart((b"", (first_seq + i).to_bytes(8, "big"), payload))
-
-    thread = threading.Thread(target=publish)
-    thread.start()
-    deadline = time.monotonic() + 600
-    while feed.next_seq != first_seq + len(payloads):
-        assert time.monotonic() < deadline, "the feed stopped indexing"
-        await asyncio.sleep(0.001)
-    elapsed = time.perf_counter() - started
-    thread.join()
-    task.cancel()
-    feed.close()
-    pub.close(linger=0)
+def _publish(payloads: list[bytes], ports: Any, go: Any) -> None:
+    """The engine's side, in a process of its own: bind a PUB socket, send a probe (an empty
+    batch at seq 0) every 10 ms until told to go, then every payload at seq 1, 2, ..."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.set_hwm(len(payloads) + 1000)
+    ports.put(pub.bind_to_random_port("tcp://127.0.0.1"))
+    probe = msgpack.packb([time.time(), [], 0])
+    while not go.wait(0.01):
+        pub.send_multipart((b"", (0).to_bytes(8, "big"), probe))
+    for seq, payload in enumerate(payloads, 1):
+        pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+    pub.close(linger=-1)  # until every batch is handed to the subscriber
     ctx.term()
-    pub_ctx.term()
-    assert feed.stats.gaps == 0, "the PUB dropped batches (HWM)"
-    return elapsed
 
 
-def ingest(num_blocks: int) -> None:
-    payloads = batches(num_blocks)
-    total = 2 * (num_blocks // BLOCKS_PER_EVENT) * BLOCKS_PER_EVENT  # stored + removed
+async def ingest_over_zmq(payloads: list[bytes]) -> tuple[float, float]:
+    """(wall seconds from the go to the last batch indexed, this process's CPU seconds over
+    them: the feed's own work; the publisher is another process, as an engine is)."""
+    spawn = multiprocessing.get_context("spawn")
+    ports, go = spawn.Queue(), spawn.Event()
+    publisher = spawn.Process(target=_publish, args=(payloads, ports, go), daemon=True)
+    publisher.start()
+    ctx = zmq.asyncio.Context()
+    try:
+        port = ports.get(timeout=60)
+        feed = Feed(FeedConfig("r", 0, "r", f"tcp://127.0.0.1:{port}", None, ""), EventIndex(), ctx)
+        task = asyncio.create_task(feed.run())
+        try:
+            deadline = time.monotonic() + 600
+            while feed.stats.batches == 0:  # joined: a probe arrived
+                assert time.monotonic() < deadline, "no probe reached the feed"
+                await asyncio.sleep(0.005)
+            started = time.perf_counter()
+            cpu_started = time.process_time()
+            go.set()
+            while feed.next_seq != 1 + len(payloads):
+                assert time.monotonic() < deadline, "the feed stopped indexing"
+                await asyncio.sleep(0.001)
+            elapsed = time.perf_counter() - started
+            cpu = time.process_time() - cpu_started
+        finally:  # the socket closed before the context ends, even when an assert failed
+            task.cancel()
+            feed.close()
+        assert feed.stats.gaps == 0, "the PUB dropped batches (HWM)"
+    finally:
+        go.set()
+        publisher.join(timeout=60)
+        if publisher.is_alive():
+            publisher.kill()
+        ctx.term()
+    return elapsed, cpu
+
+
+def ingest(num_blocks: int, per_event: int = BLOCKS_PER_EVENT) -> None:
+    if not 1 <= per_event <= num_blocks:
+        raise SystemExit(f"BLOCKS_PER_EVENT must be 1..NUM_BLOCKS ({num_blocks}), got {per_event}")
+    payloads = batches(num_blocks, per_event)
+    total = 2 * (num_blocks // per_event) * per_event  # stored + removed
     local = statistics.median(ingest_in_process(payloads) for _ in range(3))
-    wire = statistics.median(asyncio.run(ingest_over_zmq(payloads)) for _ in range(3))
-    print(f"blocks (stored + removed): {total:,}")
-    print(f"decode + index, one core : {total / local:,.0f} blocks/s ({local * 1e3:.0f} ms)")
-    print(f"ZMQ PUB -> Feed -> index : {total / wire:,.0f} blocks/s ({wire * 1e3:.0f} ms)")
+    runs = [asyncio.run(ingest_over_zmq(payloads)) for _ in range(3)]
+    wire = statistics.median(r[0] for r in runs)
+    feed_cpu = statistics.median(r[1] for r in runs)
+    per_batch = f"{len(payloads):,} batches of {per_event} block{'s' * (per_event > 1)}"
+    print(f"blocks (stored + removed): {total:,} in {per_batch}")
+    print(
+        f"decode + index, one core : {total / local:,.0f} blocks/s ({local * 1e3:.0f} ms, "
+        f"{local / len(payloads) * 1e6:.1f} us a batch)"
+    )
+    print(
+        f"ZMQ PUB -> Feed -> index : {total / wire:,.0f} blocks/s ({wire * 1e3:.0f} ms, "
+        f"{wire / len(payloads) * 1e6:.1f} us a batch)"
+    )
+    print(
+        f"  of which the feed's CPU: {total / feed_cpu:,.0f} blocks/s per core "
+        f"({feed_cpu / len(payloads) * 1e6:.1f} us a batch; the publisher is another process)"
+    )
 
 
 async def keying(turns: int) -> None:
@@ -657,6 +696,53 @@ def route(turns: int, conversations: int = 30, domains: int = 4) -> None:
     print(f"  saved  {saved:7.1f} us")
 
 
+FLEET_SIZES = (4, 16, 64, 256)
+FLEET_CALLS = 2_000
+
+
+async def fleet(sizes: Sequence[int], calls: int = FLEET_CALLS) -> None:
+    """What a precise request's events view costs at each fleet size, past the index's
+    lookup: the sockets drained (`EventIntake.drain`, nothing waiting on them), the live
+    replicas picked and each one's match read (`PreciseKeys.view`), with every replica a
+    candidate and its events flowing, and two of them holding the request's 64-block chain.
+    One SUB socket per replica, connected to a loopback port nothing listens on (no batch
+    arrives; each feed is marked as having applied one). Thread CPU time, median of `calls`;
+    the index's lookup alone beside it."""
+    print(f"calls: {calls:,} per fleet size, every replica a candidate, 2 holding the chain")
+    tokenizer = ModelTokenizer(MODEL_DIR)
+    ids = [(i * 31) % 4000 for i in range(16 * BLOCKS_PER_EVENT)]
+    for size in sizes:
+        replicas = [f"http://10.0.{n // 256}.{n % 256}:8000" for n in range(size)]
+        endpoints = {r: f"tcp://127.0.0.1:{1 + n}" for n, r in enumerate(replicas)}
+        index = EventIndex()
+        intake = EventIntake(EventsConfig(endpoints=endpoints), index, replicas.copy)
+        precise = PreciseKeys(PromptTokens(tokenizer), index, intake)
+        intake.refresh()
+        try:
+            for feed in intake.feeds():
+                feed.stats.last_batch_s = 0.0  # as if its engine had published
+            for n, replica in enumerate(replicas[:2]):
+                hashes = list(range(n * BLOCKS_PER_EVENT, (n + 1) * BLOCKS_PER_EVENT))
+                index.store(replica, BlockStored(hashes, None, ids, 16, cache_salt="s"))
+            keys = precise_keys(ids, "s", 16)
+            views, lookups = [], []
+            for _ in range(calls):
+                started = time.thread_time()
+                view = precise.view(keys, replicas)
+                views.append(time.thread_time() - started)
+                started = time.thread_time()
+                index.lookup(keys, 0.0)
+                lookups.append(time.thread_time() - started)
+            assert len(view.live) == size and set(view.overlap) == set(replicas[:2])
+        finally:
+            await intake.close()
+        view_us, lookup_us = statistics.median(views) * 1e6, statistics.median(lookups) * 1e6
+        print(
+            f"  {size:4d} replicas: {view_us:7.1f} us a request "
+            f"(the index's lookup alone {lookup_us:5.1f})"
+        )
+
+
 def report(what: str, runs: list[tuple[int, float, float, float]], redis_s: float) -> None:
     blocks = runs[0][0]
     wall = statistics.median(r[1] for r in runs)
@@ -685,12 +771,15 @@ def local_lookup_us() -> float:
 
 
 def main(argv: list[str]) -> int:
-    modes = ("ingest", "keying", "long", "wipe", "redis", "shared", "images", "route")
+    modes = ("ingest", "keying", "long", "wipe", "redis", "shared", "images", "route", "fleet")
     if not argv or argv[0] not in modes:
         print(__doc__)
         return 2
     if argv[0] == "ingest":
-        ingest(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS)
+        ingest(
+            int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS,
+            int(argv[2]) if len(argv) > 2 else BLOCKS_PER_EVENT,
+        )
     elif argv[0] == "redis":
         asyncio.run(into_redis(int(argv[1]) if len(argv) > 1 else DEFAULT_BLOCKS))
     elif argv[0] == "shared":
@@ -700,6 +789,8 @@ def main(argv: list[str]) -> int:
         asyncio.run(images(count, int(argv[2]) if len(argv) > 2 else 100))
     elif argv[0] == "route":
         route(int(argv[1]) if len(argv) > 1 else DEFAULT_TURNS)
+    elif argv[0] == "fleet":
+        asyncio.run(fleet([int(n) for n in argv[1:]] or FLEET_SIZES))
     elif argv[0] == "long":
         asyncio.run(long_prompts(int(argv[1]) if len(argv) > 1 else 40))
     elif argv[0] == "wipe":

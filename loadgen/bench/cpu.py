@@ -13,9 +13,10 @@ chunk, with everything a request costs once (parse, route, record) cancelled out
 `--conversations N` measures precise mode's keying against approximate mode's (issue 16): N
 agent conversations (each its own ~2,000-token system prompt, ~300-token user turns, the
 engine's ~100-token replies appended as an agent appends them) through an approximate gateway
-and through a precise one (the model's tokenizer, engines publishing KV events), one after the
-other in one run; the first turns (the whole prompt tokenized) and the continuations (turns 2
-to `--turns`) are separate passes, so each is reported per request on its own.
+and through a precise one (the model's tokenizer, engines publishing KV events), all up at once
+and run in blocks of turns, A B C then C B A, so the machine's drift during the run moves every
+arm alike; the first turns (the whole prompt tokenized) and the continuations (turns 2 to
+`--turns`) are separate passes, so each is reported per request on its own.
 
 `--suite` runs what issue 17 tracks in one go: small and agent-sized prompts, each with and
 without streaming, the per-stage costs of an agent-sized body (`tools.stages`), and the
@@ -36,6 +37,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -63,6 +65,9 @@ CONVERSATION_ENGINE = [*FAST_ENGINE, "--capacity-blocks", str(1 << 18)]
 new blocks (an engine that thrashes re-announces whole prompts: event ingest, measured apart by
 `tools.precise_cost ingest`, not keying)."""
 ARMS = ("approximate", "precise, events off", "precise")
+BLOCK_TURNS = 10
+"""Turns an arm runs before the next arm's turn (`--conversations`): 300 requests at 30
+conversations, so a gateway's caches go cold once in 300 requests, not once a turn."""
 
 
 @dataclass(slots=True)
@@ -336,9 +341,22 @@ async def _turn(
     return errors, tokens
 
 
-def _conversation_arm(args: argparse.Namespace, key: str, arm: str) -> list[Pass]:
-    """(first turns, continuations) through one gateway of the arm (`ARMS`): approximate;
-    precise keys with the prediction only (the keying alone); precise with KV events."""
+@dataclass(slots=True)
+class _Arm:
+    """One arm of `--conversations`: its engine, its gateway and its conversations so far."""
+
+    name: str
+    url: str
+    engine_pid: int
+    gateway_pid: int
+    conversations: list[list[dict[str, object]]]
+
+
+@contextlib.contextmanager
+def _conversation_arm(args: argparse.Namespace, key: str, arm: str) -> Iterator[_Arm]:
+    """An engine and a gateway of the arm (`ARMS`: approximate; precise keys with the
+    prediction only, the keying alone; precise with KV events), warmed, its conversations not
+    started."""
     serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
     engine_args = CONVERSATION_ENGINE
     with contextlib.ExitStack() as stack:
@@ -361,30 +379,52 @@ def _conversation_arm(args: argparse.Namespace, key: str, arm: str) -> list[Pass
         for turn in range(3):
             asyncio.run(_turn(gw.url, key, warm, turn, args.concurrency))
         conversations = [system(f"cpu-c{c}") for c in range(args.conversations)]
-        passes = []
+        yield _Arm(arm, gw.url, engine.pid, gw.pid, conversations)
+
+
+def _interleaved_passes(args: argparse.Namespace, key: str) -> list[Pass]:
+    """(first turns, continuations) of every arm, all arms up at once, run in blocks of
+    `BLOCK_TURNS` turns, the arms in order in one block and in reverse in the next (A B C,
+    C B A, ...): a machine that speeds up or slows down during the run moves every arm alike,
+    and a gateway's caches go cold only once a block. Each arm's CPU is read over the whole
+    pass, so what its gateway does in the background (ingesting its engine's events) counts,
+    and so does what every gateway does idle while the others run (~3 ms/s, the same scrapes
+    and probes in every arm)."""
+    with contextlib.ExitStack() as stack:
+        arms = [stack.enter_context(_conversation_arm(args, key, arm)) for arm in ARMS]
+        passes: list[list[Pass]] = [[] for _ in arms]
         for name, turns in (("first turns", range(1)), ("continuations", range(1, args.turns))):
-            engine_cpu0 = processes.cpu_seconds(engine.pid)
-            gw_cpu0 = processes.cpu_seconds(gw.pid)
+            engine0 = [processes.cpu_seconds(a.engine_pid) for a in arms]
+            gateway0 = [processes.cpu_seconds(a.gateway_pid) for a in arms]
+            errors, tokens = [0] * len(arms), [0] * len(arms)
             t0 = time.monotonic()
-            errors = tokens = 0
-            for turn in turns:
-                e, t = asyncio.run(_turn(gw.url, key, conversations, turn, args.concurrency))
-                errors, tokens = errors + e, tokens + t
-            passes.append(
-                Pass(
-                    f"{arm}: {name}",
-                    errors,
-                    time.monotonic() - t0,
-                    processes.cpu_seconds(engine.pid) - engine_cpu0,
-                    processes.cpu_seconds(gw.pid) - gw_cpu0,
-                    tokens,  # prompt tokens, in the events field
+            blocks = [turns[i : i + BLOCK_TURNS] for i in range(0, len(turns), BLOCK_TURNS)]
+            for b, block in enumerate(blocks):
+                order = range(len(arms)) if b % 2 == 0 else reversed(range(len(arms)))
+                for j in order:
+                    a = arms[j]
+                    for turn in block:
+                        e, t = asyncio.run(
+                            _turn(a.url, key, a.conversations, turn, args.concurrency)
+                        )
+                        errors[j], tokens[j] = errors[j] + e, tokens[j] + t
+            wall = time.monotonic() - t0
+            for j, a in enumerate(arms):
+                passes[j].append(
+                    Pass(
+                        f"{a.name}: {name}",
+                        errors[j],
+                        wall,
+                        processes.cpu_seconds(a.engine_pid) - engine0[j],
+                        processes.cpu_seconds(a.gateway_pid) - gateway0[j],
+                        tokens[j],  # prompt tokens, in the events field
+                    )
                 )
-            )
-        return passes
+        return [p for arm_passes in passes for p in arm_passes]
 
 
 def run_conversations(args: argparse.Namespace, key: str) -> list[Pass]:
-    passes = [p for arm in ARMS for p in _conversation_arm(args, key, arm)]
+    passes = _interleaved_passes(args, key)
     n = args.conversations
     print(
         f"{n} conversations x {args.turns} turns, concurrency {args.concurrency}; "

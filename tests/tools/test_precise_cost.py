@@ -1,4 +1,5 @@
-"""`tools.precise_cost long` and `images`, small: they run and print their arms' CPU."""
+"""`tools.precise_cost ingest`, `long`, `images`, `route` and `fleet`, small: they run and print
+their arms' CPU."""
 
 from __future__ import annotations
 
@@ -32,3 +33,23 @@ def test_route_stores_every_turn_and_prints_both_arms(capsys: pytest.CaptureFixt
     blocks = 4 * len(precise_cost.precise_keys(list(range(16 * 128 + 2 * 16 * 27)), "s", 16))
     assert f"{blocks:,} blocks indexed" in out
     assert "before" in out and "now" in out and "saved" in out
+
+
+def test_fleet_views_every_size_with_two_replicas_holding_the_chain(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    asyncio.run(precise_cost.fleet([2, 5], calls=20))
+    out = capsys.readouterr().out
+    assert "calls: 20 per fleet size" in out
+    assert "   2 replicas:" in out and "   5 replicas:" in out and out.count("lookup alone") == 2
+
+
+@pytest.mark.parametrize("per_event", [1, 4])
+def test_ingest_indexes_batches_of_any_size(
+    capsys: pytest.CaptureFixture[str], per_event: int
+) -> None:
+    precise_cost.ingest(64, per_event)
+    out = capsys.readouterr().out
+    batches = 2 * 64 // per_event
+    assert f"blocks (stored + removed): 128 in {batches} batches of {per_event} block" in out
+    assert out.count("us a batch") == 3 and "the feed's CPU" in out
