@@ -13,13 +13,16 @@ import pytest
 
 from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.pipeline.director import Director
+from loadgen.harness.envoy import Envoy
 from tests.conftest import TENANT_KEY
 from tests.servers import Served
 
 _OPEN: list[openai.OpenAI | anthropic.Anthropic] = []
 
 
-def openai_client(gateway: Served, key: str = TENANT_KEY) -> openai.OpenAI:
+def openai_client(gateway: Served | Envoy, key: str = TENANT_KEY) -> openai.OpenAI:
+    """An OpenAI SDK client of the gateway (or of the Envoy in front of it), closed after the
+    test."""
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
     _OPEN.append(client)
     return client

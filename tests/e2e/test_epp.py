@@ -18,6 +18,7 @@ from gateway.tenancy.tenant_file import add_key
 from loadgen.harness import processes
 from loadgen.harness.envoy import Envoy, EnvoySetup, envoy
 from loadgen.text import words
+from tests.clients import openai_client
 from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of
 from tests.e2e.test_fanout import REAL_TIME, computed_tokens, sibling
 from tests.e2e.test_precise import (
@@ -69,10 +70,6 @@ def start_stack(
         yield start
 
 
-def client(proxy: Envoy, key: str = TENANT_KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
-
-
 def served_by(engines: list[Served]) -> list[int]:
     return [len(engine_of(e).seen_headers) for e in engines]
 
@@ -81,7 +78,7 @@ def test_a_conversation_through_envoy_stays_on_the_replica_with_its_prefix(
     start_stack: Callable[..., tuple[list[Served], Served, Envoy]],
 ) -> None:
     engines, gateway, proxy = start_stack()
-    sdk = client(proxy)
+    sdk = openai_client(proxy)
     messages: list[Any] = [SYSTEM]
     cached = []
     for turn in range(4):
@@ -147,9 +144,13 @@ def test_tenants_do_not_share_a_cache_through_envoy(
 ) -> None:
     _, _, proxy = start_stack()
     messages = [SYSTEM, {"role": "user", "content": "the same question"}]
-    first = client(proxy).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
-    again = client(proxy).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
-    other = client(proxy, OTHER_KEY).chat.completions.create(
+    first = openai_client(proxy).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2
+    )
+    again = openai_client(proxy).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2
+    )
+    other = openai_client(proxy, OTHER_KEY).chat.completions.create(
         model=MODEL, messages=messages, max_tokens=2
     )
     assert first.usage is not None and again.usage is not None and other.usage is not None
@@ -443,7 +444,7 @@ def test_envoys_retry_down_the_list_and_the_served_endpoint_gets_the_record(
     _, gateway, proxy = start_stack(
         [*failing, *healthy], envoy_options={"report_served": report_served}, overflow=False
     )
-    sdk = client(proxy)
+    sdk = openai_client(proxy)
     retried: list[Any] | None = None
     for i in range(20):  # new conversations until one is picked onto the failing engine
         messages: list[Any] = [{"role": "user", "content": f"conv {i}: " + words(f"c{i}", 1500)}]
