@@ -3,15 +3,18 @@ can reach into an engine's state) or a subprocess (see loadgen.harness.processes
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
+
+T = TypeVar("T")
 
 READY_TIMEOUT_S = 20.0
 
@@ -48,6 +51,17 @@ class Served:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+    def on_loop(self, read: Callable[[], T], timeout_s: float = 10.0) -> T:
+        """`read()` called on the server's event loop, its result returned here: the app's
+        state is only ever used from that loop, and some reads tidy as they go (an eviction
+        order drops its emptied runs), so a read from the test's thread can race a write."""
+
+        async def call() -> T:
+            return read()
+
+        loop = self.server.servers[0].get_loop()
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout_s)
 
 
 def start_app(app: Any, port: int | None = None, host: str = "127.0.0.1") -> Served:

@@ -4,6 +4,7 @@ uvicorn is given it (a port chosen, closed and bound later was once taken in bet
 from __future__ import annotations
 
 import socket
+import threading
 from typing import Any
 
 import httpx
@@ -43,3 +44,11 @@ def test_a_port_asked_for_that_is_taken_is_an_error() -> None:
         taken.listen()
         with pytest.raises(RuntimeError, match="failed to start"):
             servers.start_app(hello, taken.getsockname()[1])
+
+
+def test_on_loop_reads_on_the_servers_own_thread() -> None:
+    """A test reads an app's state where the app uses it: on its event loop's thread."""
+    with servers.serve(hello) as served:
+        assert served.on_loop(threading.current_thread) is served.thread
+        with pytest.raises(ZeroDivisionError):  # the read's error reaches the test
+            served.on_loop(lambda: 1 // 0)

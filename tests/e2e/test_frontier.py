@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -45,6 +46,17 @@ NEW = [SYSTEM, {"role": "user", "content": words("frontier-new", 520)}]
 """Shares the hot session's system prompt: the longest cached prefix is on the hot replica."""
 
 
+def oldest_idle_s(gateway: Served, order: Any, domain: str) -> float:
+    """How long the domain's next evicted block has been idle; -1 before its order holds one.
+
+    Read on the gateway's loop (`Served.on_loop`): the order drops its emptied runs as it is
+    read, and a read from the test's thread between a store's new run and its blocks joining
+    it dropped that run, leaving the order empty for good (CI: "X's conversation cold" timed
+    out; before that, an IndexError on the empty order)."""
+    runs = gateway.on_loop(lambda: order.eviction_runs(domain, 1, time.time()))
+    return float(runs[0][1]) if runs else -1.0
+
+
 def cached(response: dict[str, object]) -> int:
     usage = response["usage"]
     assert isinstance(usage, dict)
@@ -77,7 +89,7 @@ def test_a_new_conversation_evicts_the_cold_conversation_not_the_hot_session(
     index = parts_of(gateway).keying.precise.index  # type: ignore[union-attr]
     if index.track_recency:  # cache_aware reads no age: nothing to wait for
         wait_until(  # the cold conversation ages past the hot horizon
-            lambda: index.eviction_runs(x.url, 1, time.time())[0][1] >= 2 * HOT_S,
+            lambda: oldest_idle_s(gateway, index, x.url) >= 2 * HOT_S,
             what="X's conversation cold",
         )
     hot = direct(y, chat(HOT), salt)  # Y: a session in use now
@@ -147,7 +159,7 @@ def test_two_gateways_sharing_the_index_place_on_the_owners_published_order(
     wait_until(
         lambda: (
             order.num_blocks(x.url) >= 20
-            and order.eviction_runs(x.url, 1, time.time())[0][1] >= 2 * SHARED_HOT_S
+            and oldest_idle_s(gateway, order, x.url) >= 2 * SHARED_HOT_S
         ),
         what="X's conversation indexed and cold",
     )
