@@ -25,7 +25,9 @@ a few, one per sequence that filled one), every other chain a continuation of th
 decoding and applying on one core (the work on the gateway's event loop), (2) the same batches
 through a real ZMQ PUB socket on loopback into a `Feed` (socket, seq tracking and all), from
 another process as an engine publishes, publish of the first to indexed of the last, and this
-process's CPU over it (the feed's own work).
+process's CPU over it (the feed's own work); (3) the first half of the batches (the stores, at
+most 4,000) again, paced at one every 0.5 ms as a live engine's decode steps come: the CPU a
+batch then, and the event loop's thread's share (each batch its own wake-up).
 
 `keying`: one agent conversation of TURNS turns (a 2,000-token system prompt, each turn ~300
 tokens of user text and a ~100-token reply, up to ~40k tokens), each turn keyed three ways: the
@@ -120,9 +122,10 @@ def ingest_in_process(payloads: list[bytes]) -> float:
     return elapsed
 
 
-def _publish(payloads: list[bytes], ports: Any, go: Any) -> None:
+def _publish(payloads: list[bytes], ports: Any, go: Any, gap_s: float = 0.0) -> None:
     """The engine's side, in a process of its own: bind a PUB socket, send a probe (an empty
-    batch at seq 0) every 10 ms until told to go, then every payload at seq 1, 2, ..."""
+    batch at seq 0) every 10 ms until told to go, then every payload at seq 1, 2, ... (one
+    every `gap_s`, kept by a spin: a sleep that short oversleeps)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.set_hwm(len(payloads) + 1000)
@@ -130,18 +133,23 @@ def _publish(payloads: list[bytes], ports: Any, go: Any) -> None:
     probe = msgpack.packb([time.time(), [], 0])
     while not go.wait(0.01):
         pub.send_multipart((b"", (0).to_bytes(8, "big"), probe))
+    due = time.perf_counter()
     for seq, payload in enumerate(payloads, 1):
+        due += gap_s
+        while gap_s and time.perf_counter() < due:
+            pass
         pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
     pub.close(linger=-1)  # until every batch is handed to the subscriber
     ctx.term()
 
 
-async def ingest_over_zmq(payloads: list[bytes]) -> tuple[float, float]:
+async def ingest_over_zmq(payloads: list[bytes], gap_s: float = 0.0) -> tuple[float, float, float]:
     """(wall seconds from the go to the last batch indexed, this process's CPU seconds over
-    them: the feed's own work; the publisher is another process, as an engine is)."""
+    them: the feed's own work, the publisher being another process, as an engine is; the
+    event loop's thread alone, without ZMQ's I/O thread)."""
     spawn = multiprocessing.get_context("spawn")
     ports, go = spawn.Queue(), spawn.Event()
-    publisher = spawn.Process(target=_publish, args=(payloads, ports, go), daemon=True)
+    publisher = spawn.Process(target=_publish, args=(payloads, ports, go, gap_s), daemon=True)
     publisher.start()
     ctx = zmq.asyncio.Context()
     try:
@@ -154,13 +162,14 @@ async def ingest_over_zmq(payloads: list[bytes]) -> tuple[float, float]:
                 assert time.monotonic() < deadline, "no probe reached the feed"
                 await asyncio.sleep(0.005)
             started = time.perf_counter()
-            cpu_started = time.process_time()
+            cpu_started, loop_started = time.process_time(), time.thread_time()
             go.set()
             while feed.next_seq != 1 + len(payloads):
                 assert time.monotonic() < deadline, "the feed stopped indexing"
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0.05 if gap_s else 0.001)  # paced: few wake-ups of its own
             elapsed = time.perf_counter() - started
             cpu = time.process_time() - cpu_started
+            loop_cpu = time.thread_time() - loop_started
         finally:  # the socket closed before the context ends, even when an assert failed
             task.cancel()
             feed.close()
@@ -171,7 +180,12 @@ async def ingest_over_zmq(payloads: list[bytes]) -> tuple[float, float]:
         if publisher.is_alive():
             publisher.kill()
         ctx.term()
-    return elapsed, cpu
+    return elapsed, cpu, loop_cpu
+
+
+PACED_GAP_S = 0.0005
+"""The paced arm's batch interval: 2,000 batches a second, one at a time (a decode step's)."""
+PACED_BATCHES = 4000
 
 
 def ingest(num_blocks: int, per_event: int = BLOCKS_PER_EVENT) -> None:
@@ -196,6 +210,14 @@ def ingest(num_blocks: int, per_event: int = BLOCKS_PER_EVENT) -> None:
     print(
         f"  of which the feed's CPU: {total / feed_cpu:,.0f} blocks/s per core "
         f"({feed_cpu / len(payloads) * 1e6:.1f} us a batch; the publisher is another process)"
+    )
+    # live, batches come one at a time: each costs the loop a wake-up, not a share of a burst
+    paced = payloads[: min(PACED_BATCHES, len(payloads) // 2)]  # stores only
+    _, cpu, loop_cpu = asyncio.run(ingest_over_zmq(paced, PACED_GAP_S))
+    print(
+        f"paced, a batch every {PACED_GAP_S * 1e3:g} ms ({len(paced):,} batches): "
+        f"{cpu / len(paced) * 1e6:.1f} us of CPU a batch, {loop_cpu / len(paced) * 1e6:.1f} on "
+        "the event loop's thread (its wake-ups included)"
     )
 
 

@@ -53,3 +53,4 @@ def test_ingest_indexes_batches_of_any_size(
     batches = 2 * 64 // per_event
     assert f"blocks (stored + removed): 128 in {batches} batches of {per_event} block" in out
     assert out.count("us a batch") == 3 and "the feed's CPU" in out
+    assert f"a batch every 0.5 ms ({64 // per_event:,} batches): " in out  # the stores, paced

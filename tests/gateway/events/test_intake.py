@@ -196,3 +196,40 @@ async def test_a_wipe_drops_the_domain_and_a_left_replica_is_dropped(
         assert index.lookup(keys, 0.0) == {} and intake.feeds(urls[1]) == []
     finally:
         await intake.close()
+
+
+async def test_a_gap_a_lookups_drain_finds_is_replayed_without_another_batch(
+    served: Callable[..., Served], intake_for: Callable[..., EventIntake]
+) -> None:
+    """A lookup's drain reads a batch whose seq asks for a replay and holds it for the feed's
+    task; the task replays at once, not only when the engine next publishes (before, the
+    drain took the wake-up the task's poll waited for, and the task slept until then)."""
+    port = free_ports(2)
+    engine = served(kv_events=events_config(port, replay_port=port + 1))
+    url = engine.url
+    config = EventsConfig(
+        endpoints={url: f"tcp://127.0.0.1:{port}"},
+        replay_endpoints={url: f"tcp://127.0.0.1:{port + 1}"},
+        topic=TOPIC,
+    )
+    index = EventIndex()
+    intake = intake_for([url], config, index)
+    await intake.start()
+    [feed] = intake.feeds(url)
+    await joined(url, [feed])
+    await call(complete, url, A, cache_salt="s")
+    keys = precise_keys(A, "s", 16)
+    await until(lambda: index.lookup(keys, 0.0) == {url: Match(2, 0)}, "A's blocks")
+    assert feed.next_seq is not None
+    feed.next_seq -= 1  # as if A's batch had been missed: the next batch is a gap
+    index.clear(url)
+    # the loop held (a blocking call: the engine serves from its own thread) until B's batch
+    # is on the socket, so the lookup's drain reads it before the feed's reader can
+    complete(url, B, cache_salt="s")
+    assert feed.socket.poll(DEADLINE_S * 1000), "B's batch never reached the socket"
+    intake.drain()
+    assert feed.stats.replays == 0 and feed.stats.gaps == 0  # held for the task
+    await until(lambda: feed.stats.replays == 1, "the replay")  # the engine stays idle
+    assert feed.stats.unrepaired_gaps == 0
+    assert index.lookup(keys, 0.0) == {url: Match(2, 0)}  # A's batch, replayed
+    assert index.lookup(precise_keys(B, "s", 16), 0.0) == {url: Match(2, 0)}
