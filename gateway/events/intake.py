@@ -194,14 +194,14 @@ class Feed:
         self.socket.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
         self.socket.connect(config.endpoint)
         self._held: tuple[int, bytes] | None = None
-        self._replaying = False
+        self._busy = False
+        """`run`'s task awaits a replay or a commit: the socket waits (batches stay in order)."""
         self._closed = False
         self._work = asyncio.Event()
         """Set by the reader when `run`'s task has something to await: a held batch's replay,
         or (shared) a commit."""
         self._reading: asyncio.AbstractEventLoop | None = None
         """The loop the reader is on (None: not reading)."""
-        self._committing = False
         self._committed_wipes = 0
         self._dealer: zmq.asyncio.Socket | None = None
 
@@ -224,33 +224,27 @@ class Feed:
             while True:
                 await self._work.wait()
                 self._work.clear()
-                if self._held is not None:
-                    seq, payload = self._held
-                    self._replaying = True
-                    try:
-                        await self._receive(seq, payload)
-                    finally:
-                        self._replaying = False
-                        self._held = None
-                    self._readable()  # the batches that queued behind it
-                if self.commit is not None:
-                    self._committing = True
-                    try:
+                held, self._held = self._held, None
+                self._busy = True  # the socket is not read while this task awaits
+                try:
+                    if held is not None:
+                        await self.receive(*held)  # its replay, the batch, the commit
+                    else:
                         await self._commit()
-                    finally:
-                        self._committing = False
-                    self._readable()  # the batches that queued behind it
+                finally:
+                    self._busy = False
+                self._readable()  # the batches that queued meanwhile
         finally:
             self._stop_reading()
 
     def _readable(self) -> None:
         """The socket's FD signalled: apply what it holds (`drain`), and hand the task what
-        must be awaited. While the task awaits a replay or a commit, the signal is only
-        cleared: the socket is read again when that ends (a shared feed's batches are
-        applied between its commits, as before)."""
+        must be awaited. While the task awaits a replay or a commit (or is about to), the
+        signal is only cleared: the socket is read again when that ends (a shared feed's
+        batches are applied between its commits, as before)."""
         if self._closed:
             return
-        if self._replaying or self._committing or self._held is not None:
+        if self._busy or self._held is not None:
             self.socket.get(zmq.EVENTS)  # clears the FD's signal
             return
         applied = self.next_seq
@@ -268,11 +262,10 @@ class Feed:
         called before a lookup too (`EventIntake.drain`), so a wipe that reached this gateway
         is in the index before the routing decision even when the loop has not yet run this
         feed's reader. A batch whose seq calls for a replay is held for `run`; nothing is taken
-        while a replay is under way (batches stay in order). Ends on a read that finds nothing
-        (zmq.Again), which also clears the FD's signal. (Checking the EVENTS flag before each
-        read instead costs ~2 us more a batch when batches come in bursts, and the same when
-        they come one at a time.)"""
-        if self._replaying or self._closed:
+        while its task awaits a replay or a commit (batches stay in order). Ends on a read that
+        finds nothing (zmq.Again), which also clears the FD's signal (checking the EVENTS flag
+        before each read instead costs ~2 us more a batch in bursts, and no less paced)."""
+        if self._busy or self._closed:
             return
         socket = self.socket
         while self._held is None:
