@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 from typing import Any
 
+import jinja2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -279,6 +281,49 @@ def test_attributes_of_messages_render_as_in_the_plain_sandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     ).from_string(_ATTRIBUTES)
     assert _compile(_ATTRIBUTES).render(messages=messages) == plain.render(messages=messages)
+
+
+_GLOBALS = (
+    "{{ bos_token }}{% set ns = namespace(n=0) %}{% for m in messages %}"
+    "{% if m.role == 'stop' %}{{ raise_exception('no ' + m.content) }}{% endif %}"
+    "{% if m.role == 'skip' %}{% continue %}{% endif %}{% set ns.n = ns.n + 1 %}"
+    "{{ ns.n }}{{ m.role }}:{{ m.content | tojson }}{% for i in range(2) %}.{% endfor %}"
+    "{% endfor %}{{ cycler('a', 'b').next() }}{{ joiner(',')() }}"
+    "{% if add_generation_prompt %}{{ eos_token }}{% endif %}{{ tools | length }}"
+    "{{ strftime_now('%Y') | length }}"
+)
+
+
+@given(
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "skip", "stop"]), "content": st.text()}
+        ),
+        max_size=4,
+    ),
+    st.booleans(),
+)
+@settings(max_examples=80, deadline=None)
+def test_a_render_equals_jinjas_own_with_the_globals_it_flattens(
+    messages: list[dict[str, str]], add_generation_prompt: bool
+) -> None:
+    """`ChatTemplate.render` builds its context with the globals flattened once (not merged
+    from their `ChainMap` per render): the same text as `jinja2.Template.render` with every
+    kind of global (namespace, range, cycler, joiner, ours), and the same error."""
+    from cachemap.chat_template import ChatTemplate, _compile
+
+    tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+    template = ChatTemplate(_GLOBALS, tokens)
+    try:
+        expected = _compile(_GLOBALS).render(
+            messages=messages, tools=[{}], add_generation_prompt=add_generation_prompt, **tokens
+        )
+    except jinja2.TemplateError as exc:
+        with pytest.raises(ChatTemplateError, match=re.escape(str(exc))):
+            template.render(messages, [{}], add_generation_prompt=add_generation_prompt)
+        return
+    got = template.render(messages, [{}], add_generation_prompt=add_generation_prompt)
+    assert got == expected
 
 
 def test_a_dicts_methods_stay_sandboxed() -> None:
