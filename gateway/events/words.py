@@ -57,6 +57,11 @@ _GOOD = (
 but whitespace (the tokenizers' Unicode White_Space), the format characters around it, the
 byte-order mark and control characters."""
 _BAD = re.compile(f"[^{_GOOD}]")
+_SPACE_BEFORE_BAD = re.compile(f" (?![{_GOOD}])")
+"""A space no cut under either rule: before a character that is not `_GOOD`, another space or
+the text's end. A literal first, so the scan is a memchr for each space."""
+_BAD_BEFORE_SPACE = re.compile(f"[^{_GOOD}] ")
+"""A space no cut under the strict rule: after a character that is not `_GOOD`."""
 PIECE_STRICT = re.compile(f" ?(?:[^ ]+| (?![{_GOOD}])|(?<![{_GOOD}]) )*")
 """A piece under the strict rule: an optional leading space (a cut), then runs without a space
 and spaces that are no cut (not between two good characters). `findall` also matches "" at
@@ -88,14 +93,18 @@ def parts_of(text: str, loose: bool = False) -> list[str]:
     parts = text.split(" ")
     if len(parts) == 1:
         return parts
+    if (
+        text[0] != " "
+        and _SPACE_BEFORE_BAD.search(text) is None
+        and (loose or _BAD_BEFORE_SPACE.search(text) is None)
+    ):
+        return parts  # every space is a cut: a regex scan, not a Python step a part (py-spy)
     empty = parts.count("")
     if empty * GLUE_AT_MOST > len(parts):  # runs of spaces (code's indentation)
         return _by_pattern(text, loose)
     probe = parts if not empty else [p or "\x00" for p in parts]
     firsts = "".join(map(_first, probe[1:]))
     lasts = "" if loose else "".join(map(_last, probe[:-1]))
-    if parts[0] and _BAD.search(firsts) is None and _BAD.search(lasts) is None:
-        return parts
     bad = {m.start() for m in _BAD.finditer(firsts)}
     if not loose:
         bad.update(m.start() for m in _BAD.finditer(lasts))
