@@ -401,6 +401,9 @@ def test_a_tokenizer_that_merges_across_spaces_encodes_long_texts_whole(
     assert list(got) == tokenizer.encode(text)
     assert forced.stats.chunk_mismatches == 1 and not forced.chunking
     assert "cut at word boundaries differ" in caplog.text
+    # the same text again (the object whose cut was kept): no longer cut at words
+    assert forced.segments(text) == [text]
+    assert list(forced.encode(text)) == tokenizer.encode(text)
 
 
 def test_the_gateways_tokenizer_runs_no_thread_pool() -> None:
