@@ -215,13 +215,17 @@ class WordIds:
     def ids(self, text: str, salt: str) -> bytes:
         """The ids of `text` as native uint32 bytes (`array("I").frombytes`)."""
         parts = self._parted.pop(text, None) or parts_of(text, self.loose)
-        rest = parts[1:]
         self.stats.pieces += len(parts)
         later, first = self._young.of(salt)
-        got = list(map(later.get, rest))
         head = first.get(parts[0])
-        if head is None or None in got:
-            head = self._fill(salt, parts[0], rest, got)
+        if head is not None:
+            try:  # every piece young: one C loop, no list to test for gaps (~1/3 less)
+                return head + b"".join(map(later.get, itertools.islice(parts, 1, None)))  # type: ignore[arg-type]
+            except TypeError:  # a None: a piece the young generation lacks
+                pass
+        rest = parts[1:]
+        got = list(map(later.get, rest))
+        head = self._fill(salt, parts[0], rest, got)
         return head + b"".join(got)  # type: ignore[arg-type]
 
     def missing(self, texts: Sequence[str], salt: str) -> list[str]:

@@ -87,6 +87,9 @@ def test_a_turn_of_known_words_encodes_nothing_and_code_is_cut_too() -> None:
     again = " ".join(reversed(first.split(" ")))  # the same words in another order
     assert ids_of(cache.ids(again, "s")) == TOKENIZER.encode(again)
     assert cache.stats.misses == misses + 1  # its first word, now without a space before it
+    more = first.split(" ")[0] + " zqxjv " + first  # its first piece known, a later one new
+    assert ids_of(cache.ids(more, "s")) == TOKENIZER.encode(more)
+    assert cache.stats.misses == misses + 2
     code = "\n".join(f"    def f{i}(self, x):\n        return  x + {i}\n" for i in range(20))
     assert ids_of(cache.ids(code, "s")) == TOKENIZER.encode(code)
     assert len(parts_of(code)) > 40  # cut at the spaces between words, not only at lines
