@@ -31,6 +31,11 @@ than a miss: an unsalted cache would tell tenant B that tenant A sent this syste
   renders and tokenizes only the messages it adds (`cachemap.incremental` says when a
   template allows it). The entry a continuation came from is moved to the old end: one
   conversation keeps one live entry, and a fan-out sibling arriving just after still finds it.
+  The message keys themselves are kept per conversation (`DEFAULT_MESSAGE_KEYS_BYTES`), found
+  by key(0), with the JSON of the whole message list they were computed from: a request whose
+  list's JSON starts with that one's (up to its closing bracket, then a comma) holds the same
+  first messages, so their keys are reused and only the new messages are serialized and
+  hashed (one `orjson.dumps` of the list and a memcmp instead of a dump and a hash a message).
 
 Residual channel, stated: the bounds are shared, so one tenant's volume evicts another's
 entries sooner (as the engines' own KV caches do); no entry is ever shared.
@@ -78,6 +83,9 @@ turns of ~40 live 100k-token conversations, or thousands of ordinary chats."""
 DEFAULT_PREFIX_CACHE_TOKENS = 8_000_000
 """Token ids kept of conversation prefixes (32 MB): one entry per live conversation, so ~80
 conversations at 100k tokens or ~2,000 at 4k."""
+DEFAULT_MESSAGE_KEYS_BYTES = 32 << 20
+"""JSON of conversations' message lists kept with their message keys (32 MB): ~270 chats at
+turn 40 of bench-cpu's conversations (120 kB each), ~80 agent sessions of 100k tokens."""
 CHUNK_CHARS = 2_048
 """A segment longer than this is cut at a word boundary about every this many characters
 (~450 tokens): a prefix shared with an earlier text is reused up to the cut before they part,
@@ -100,6 +108,7 @@ VERIFY_EVERY = 64
 """Every Nth incremental rendering (and the first) is also rendered whole and compared: ~1.5%
 more rendering, and a template the probes did not catch is turned off within 64 requests."""
 _PROMPTS_DOMAIN = b"kvgate/prompts/v1"
+_COMMA = ord(",")
 
 
 @dataclass
@@ -177,6 +186,10 @@ class PromptTokens:
         self._prefixes: OrderedDict[bytes, array.array[int]] = OrderedDict()
         self._prefix_tokens = 0
         self._incremental_count = 0
+        self._chats: OrderedDict[bytes, tuple[bytes, list[bytes]]] = OrderedDict()
+        """key(0) -> the JSON of the last message list keyed from it, and its message keys."""
+        self._chat_bytes = 0
+        self.max_message_keys_bytes = DEFAULT_MESSAGE_KEYS_BYTES
 
     async def ids_off_loop(
         self, body: Mapping[str, Any], chat: bool, cache_salt: str = ""
@@ -402,21 +415,49 @@ class PromptTokens:
                 ends = [*cuts[1:], len(text)]
         return [text[a:b] for a, b in zip(cuts, ends, strict=True)], cut
 
-    @staticmethod
     def _message_keys(
-        salt: str, messages: Sequence[Any], tools: Sequence[Any] | None
+        self, salt: str, messages: Sequence[Any], tools: Sequence[Any] | None
     ) -> list[bytes] | None:
+        """key(i) = H(key(i-1) || JSON of message i) for every message (module docstring),
+        the keys of the first messages taken from this conversation's last list when its JSON
+        begins this one's; None when the messages are not JSON."""
+        if not messages:
+            return []
+        digest = mmh3.mmh3_x64_128_digest
         try:
-            key = mmh3.mmh3_x64_128_digest(
-                _PROMPTS_DOMAIN + salt.encode() + b"\x00" + orjson.dumps(tools)
-            )
-            keys = []
-            for message in messages:
-                key = mmh3.mmh3_x64_128_digest(key + orjson.dumps(message))
-                keys.append(key)
+            key = digest(_PROMPTS_DOMAIN + salt.encode() + b"\x00" + orjson.dumps(tools))
+            first = digest(key + orjson.dumps(messages[0]))
+            whole = orjson.dumps(messages)
         except (orjson.JSONEncodeError, UnicodeEncodeError):
             return None
+        keys = [first]
+        known = self._chats.pop(first, None)
+        if known is not None:
+            self._chat_bytes -= len(known[0])
+            old, old_keys = known
+            if whole == old:
+                keys = old_keys
+            elif (
+                len(whole) > len(old)
+                and whole[len(old) - 1] == _COMMA
+                and whole.startswith(memoryview(old)[:-1])
+            ):
+                keys = old_keys[:]  # the old list's messages, the same bytes, then more
+        key = keys[-1]
+        for message in messages[len(keys) :]:
+            key = digest(key + orjson.dumps(message))  # JSON already: cannot fail now
+            keys.append(key)
+        self._keep_chat(first, whole, keys)
         return keys
+
+    def _keep_chat(self, first: bytes, whole: bytes, keys: list[bytes]) -> None:
+        if len(whole) > self.max_message_keys_bytes:
+            return
+        self._chats[first] = (whole, keys)
+        self._chat_bytes += len(whole)
+        while self._chat_bytes > self.max_message_keys_bytes:
+            _, (dropped, _) = self._chats.popitem(last=False)
+            self._chat_bytes -= len(dropped)
 
     def _keep(self, salt: str, piece: str, ids: array.array[int]) -> None:
         if len(ids) > self.max_cached_tokens:

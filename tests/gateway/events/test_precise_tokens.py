@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachemap.tokenizer import ModelTokenizer
 from gateway.api.anthropic.convert import parse_messages
@@ -295,6 +297,98 @@ def test_the_prefix_cache_is_bounded() -> None:
         messages = [SYSTEM, {"role": "user", "content": words(f"bound{i}", 120)}]
         tokens.ids({"messages": messages}, chat=True, cache_salt="s")
     assert 0 < tokens.prefix_cached_tokens <= 500
+
+
+def message_keys_from_scratch(salt: str, messages: list[Any], tools: Any) -> list[bytes]:
+    """The message keys' definition (`gateway.events.prompts`), a dump and a hash a message."""
+    import mmh3
+
+    from gateway.events.prompts import _PROMPTS_DOMAIN
+
+    key = mmh3.mmh3_x64_128_digest(_PROMPTS_DOMAIN + salt.encode() + b"\x00" + orjson.dumps(tools))
+    keys = []
+    for message in messages:
+        key = mmh3.mmh3_x64_128_digest(key + orjson.dumps(message))
+        keys.append(key)
+    return keys
+
+
+MESSAGE_VALUES = st.one_of(
+    st.text(max_size=6),
+    st.integers(-20, 200),
+    st.none(),
+    st.booleans(),
+    st.lists(st.integers(0, 12), max_size=2),
+)
+MESSAGES = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant"]), "content": MESSAGE_VALUES}
+        ),
+        MESSAGE_VALUES,
+    ),
+    max_size=5,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["extend", "same", "cut", "edit", "new"]),
+            MESSAGES,
+            st.sampled_from(["s", "t"]),
+            st.sampled_from([None, [{"n": 1}]]),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_message_keys_reused_from_a_conversations_last_list_are_its_keys_from_scratch(
+    steps: list[tuple[str, list[Any], str, Any]],
+) -> None:
+    """A conversation's keys reuse the last list's keys where its JSON begins the new one's:
+    turns that extend it (numbers that run on, `1` then `12`, included), retries, lists cut
+    short, edited and new, under two salts and two tool lists, are each keyed exactly as from
+    scratch."""
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    messages: list[Any] = [{"role": "system", "content": "sys"}]
+    for action, more, salt, tools in steps:
+        if action == "extend":
+            messages = [*messages, *more]
+        elif action == "cut":
+            messages = messages[: max(1, len(messages) // 2)]
+        elif action == "edit" and more:
+            messages = [*messages[:-1], more[0]]
+        elif action == "new":
+            messages = [{"role": "system", "content": "sys"}, *more]
+        assert tokens._message_keys(salt, messages, tools) == message_keys_from_scratch(
+            salt, messages, tools
+        )
+
+
+def test_a_number_that_runs_on_is_not_a_message_already_keyed() -> None:
+    """[..., 1] then [..., 12, ...]: the old JSON is a byte prefix of the new one, but the last
+    message differs; only a comma right after it says the message ended there."""
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    first: list[Any] = [{"role": "system", "content": "sys"}, 1]
+    tokens._message_keys("s", first, None)
+    then: list[Any] = [{"role": "system", "content": "sys"}, 12, "x"]
+    assert tokens._message_keys("s", then, None) == message_keys_from_scratch("s", then, None)
+
+
+def test_the_message_keys_kept_are_bounded() -> None:
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    tokens.max_message_keys_bytes = 2_000
+    for i in range(8):
+        messages = [
+            {"role": "system", "content": f"conversation {i}"},
+            {"role": "user", "content": words(f"b{i}", 60)},
+        ]
+        assert tokens._message_keys("s", messages, None) == message_keys_from_scratch(
+            "s", messages, None
+        )
+    assert 0 < tokens._chat_bytes <= 2_000 and len(tokens._chats) < 8
 
 
 def test_a_template_that_does_not_render_by_message_is_caught_and_rendered_whole(
