@@ -32,10 +32,11 @@ than a miss: an unsalted cache would tell tenant B that tenant A sent this syste
   template allows it). The entry a continuation came from is moved to the old end: one
   conversation keeps one live entry, and a fan-out sibling arriving just after still finds it.
   The message keys themselves are kept per conversation (`DEFAULT_MESSAGE_KEYS_BYTES`, LRU),
-  found by key(0), which holds the salt like every other entry, with the JSON of the whole message list they were computed from: a request whose
-  list's JSON starts with that one's (up to its closing bracket, then a comma) holds the same
-  first messages, so their keys are reused and only the new messages are serialized and
-  hashed (one `orjson.dumps` of the list and a memcmp instead of a dump and a hash a message).
+  found by key(0), which holds the salt like every other entry, with the JSON of the whole
+  message list they were computed from: a request whose list's JSON starts with that one's
+  (up to its closing bracket, then a comma) holds the same first messages, so their keys are
+  reused and only the new messages are serialized and hashed (one `orjson.dumps` of the list
+  and a memcmp instead of a dump and a hash a message).
 
 Residual channel, stated: the bounds are shared, so one tenant's volume evicts another's
 entries sooner (as the engines' own KV caches do); no entry is ever shared.
