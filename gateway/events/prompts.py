@@ -157,6 +157,7 @@ class PromptTokens:
         max_cached_tokens: int = DEFAULT_SEGMENT_CACHE_TOKENS,
         max_prefix_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
         *,
+        max_message_keys_bytes: int = DEFAULT_MESSAGE_KEYS_BYTES,
         incremental: bool = True,
         chunking: bool = True,
         words: bool = True,
@@ -180,8 +181,9 @@ class PromptTokens:
         loose = self.words and rule_holds(tokenizer.encode_many, _CHUNK_PROBES, loose=True)
         self.word_ids = WordIds(tokenizer.encode_pieces, max_word_pieces, loose=loose)
         self._cut_count = 0
-        self._last_cut: tuple[str | None, bool, tuple[list[str], bool]] = (None, False, ([], False))
         """Texts encoded through a cut (chunks or words): the sampled checks count these."""
+        self._last_cut: tuple[str | None, bool, tuple[list[str], bool]] = (None, False, ([], False))
+        """(text, chunking, its cut): the last text `_cut` answered."""
         self._cache: OrderedDict[tuple[str, str], array.array[int]] = OrderedDict()
         self._cached_tokens = 0
         self._prefixes: OrderedDict[bytes, array.array[int]] = OrderedDict()
@@ -190,7 +192,7 @@ class PromptTokens:
         self._chats: OrderedDict[bytes, tuple[bytes, list[bytes]]] = OrderedDict()
         """key(0) -> the JSON of the last message list keyed from it, and its message keys."""
         self._chat_bytes = 0
-        self.max_message_keys_bytes = DEFAULT_MESSAGE_KEYS_BYTES
+        self.max_message_keys_bytes = max_message_keys_bytes
 
     async def ids_off_loop(
         self, body: Mapping[str, Any], chat: bool, cache_salt: str = ""

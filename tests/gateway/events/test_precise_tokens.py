@@ -378,8 +378,7 @@ def test_a_number_that_runs_on_is_not_a_message_already_keyed() -> None:
 
 
 def test_the_message_keys_kept_are_bounded() -> None:
-    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
-    tokens.max_message_keys_bytes = 2_000
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR), max_message_keys_bytes=2_000)
     for i in range(8):
         messages = [
             {"role": "system", "content": f"conversation {i}"},
