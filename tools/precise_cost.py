@@ -60,7 +60,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
+import msgspec
 import orjson
 import zmq
 import zmq.asyncio
@@ -99,7 +99,7 @@ def batches(num_blocks: int, per_event: int = BLOCKS_PER_EVENT) -> list[bytes]:
         }
         if parent is None:
             event["extra_keys"] = [[f"salt{e}"]] + [None] * (per_event - 1)
-        out.append(msgpack.packb([time.time(), [event], 0]))
+        out.append(msgspec.msgpack.encode([time.time(), [event], 0]))
     for e in range(num_events):
         base = e * per_event
         removed = {
@@ -107,7 +107,7 @@ def batches(num_blocks: int, per_event: int = BLOCKS_PER_EVENT) -> list[bytes]:
             "block_hashes": list(range(base, base + per_event)),
             "medium": "GPU",
         }
-        out.append(msgpack.packb([time.time(), [removed], 0]))
+        out.append(msgspec.msgpack.encode([time.time(), [removed], 0]))
     return out
 
 
@@ -130,7 +130,7 @@ def _publish(payloads: list[bytes], ports: Any, go: Any, gap_s: float = 0.0) -> 
     pub = ctx.socket(zmq.PUB)
     pub.set_hwm(len(payloads) + 1000)
     ports.put(pub.bind_to_random_port("tcp://127.0.0.1"))
-    probe = msgpack.packb([time.time(), [], 0])
+    probe = msgspec.msgpack.encode([time.time(), [], 0])
     while not go.wait(0.01):
         pub.send_multipart((b"", (0).to_bytes(8, "big"), probe))
     due = time.perf_counter()

@@ -31,6 +31,15 @@ block's multimodal keys are its extra keys' [identifier, offset] pairs (current 
 taken for the salt, so such blocks match no request rather than a wrong one). The
 adapter is `lora_name` (vLLM keys its blocks on the name); one with only a `lora_id` roots its
 chain in `UNNAMED_ADAPTER` + id, so it can never pass for the base model's.
+
+Two ways in, one semantics. A batch of known events all in one layout (maps, or tagged arrays:
+vLLM's two encodings and SGLang's) is decoded by msgspec straight into structs whose fields
+are in the array order (`_layouts`, the last layout that worked tried first), then checked by
+the same code as the tolerant path; anything else (an unknown event type, a batch as a map,
+layouts mixed, a payload that is not one) goes the tolerant way: msgspec's untyped decode,
+each event's fields picked by name or place (`_tolerant`). The typed way skips a dict per
+event and the lookups of its fields: ~4.5 against ~10 us an event (py-spy: decoding was
+~half of the ~290 us a continuation of `kvgate bench-cpu` costs a precise gateway in events).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+import msgspec
 
 from cachemap.events import (
     CPU,
@@ -53,20 +62,72 @@ from cachemap.events import (
     EngineHash,
 )
 
-_STORED_FIELDS = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
+
+class _StoredFields(msgspec.Struct, gc=False):
+    """A BlockStored's fields in their array order (any value: `_stored` checks them)."""
+
+    block_hashes: Any = None
+    parent_block_hash: Any = None
+    token_ids: Any = None
+    block_size: Any = None
+    lora_id: Any = None
+    medium: Any = None
+    lora_name: Any = None
+    extra_keys: Any = None
+    group_idx: Any = None
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
+
+
+class _RemovedFields(msgspec.Struct, gc=False):
+    block_hashes: Any = None
+    medium: Any = None
+    group_idx: Any = None
+
+
+class _MapStored(_StoredFields, tag_field="type", tag="BlockStored"):
+    pass
+
+
+class _MapRemoved(_RemovedFields, tag_field="type", tag="BlockRemoved"):
+    pass
+
+
+class _MapCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _ArrayStored(_StoredFields, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _ArrayRemoved(_RemovedFields, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _BatchOfMaps(msgspec.Struct, array_like=True, gc=False):
+    ts: Any
+    events: list[_MapStored | _MapRemoved | _MapCleared]
+    data_parallel_rank: Any = None
+
+
+class _BatchOfArrays(msgspec.Struct, array_like=True, gc=False):
+    ts: Any
+    events: list[_ArrayStored | _ArrayRemoved | _ArrayCleared]
+    data_parallel_rank: Any = None
+
+
+_STORED_FIELDS = _StoredFields.__struct_fields__
+_REMOVED_FIELDS = _RemovedFields.__struct_fields__
+_layouts: tuple[msgspec.msgpack.Decoder[Any], ...] = (
+    msgspec.msgpack.Decoder(_BatchOfMaps),
+    msgspec.msgpack.Decoder(_BatchOfArrays),
 )
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+"""The fast layouts (module docstring), the last to decode a batch first."""
 UNNAMED_ADAPTER = "\x00lora_id:"
 """The root of a LoRA block whose event names its adapter only by `lora_id` (SGLang, older
 vLLM): no request is keyed under it (requests name adapters), so it matches nothing — and never
@@ -104,36 +165,69 @@ def tier_of(medium: Any) -> int:
 
 def decode_batch(payload: bytes) -> Batch:
     """The batch in `payload` (see the module docstring), or `MalformedBatch`."""
+    global _layouts
+    for decoder in _layouts:  # the layout that decoded the last batch first
+        try:
+            raw = decoder.decode(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
+        if decoder is not _layouts[0]:
+            _layouts = (decoder, *(d for d in _layouts if d is not decoder))
+        try:
+            return _batch(raw.ts, raw.events, raw.data_parallel_rank)
+        except MalformedBatch:
+            break  # the tolerant path raises its own error (the same check)
+    return _tolerant(payload)
+
+
+def _tolerant(payload: bytes) -> Batch:
+    """Any payload, as Python objects: every shape the module docstring accepts."""
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
+        raw = msgspec.msgpack.decode(payload)
+    except Exception as exc:  # any failure to decode is a malformed batch
         raise MalformedBatch(f"not msgpack: {exc}") from None
     if isinstance(raw, dict):
         raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
     if not isinstance(raw, list | tuple) or len(raw) < 2:
         raise MalformedBatch("a batch is [ts, events, rank?]")
-    ts, body = raw[0], raw[1]
     rank = raw[2] if len(raw) > 2 else None
-    if not isinstance(ts, int | float) or isinstance(ts, bool) or not isinstance(body, list):
+    if not isinstance(raw[1], list):
         raise MalformedBatch("a batch's ts must be a number and its events a list")
-    if rank is not None and not isinstance(rank, int):
-        raise MalformedBatch("a batch's rank must be an integer")
-    events: list[CacheEvent] = []
+    events: list[Any] = []
     unknown = 0
-    for item in body:
+    for item in raw[1]:
         event = _event(item)
         if event is None:
             unknown += 1
         else:
             events.append(event)
-    return Batch(float(ts), events, rank, unknown)
+    return _batch(raw[0], events, rank, unknown)
 
 
-def _fields(item: Any, names: Sequence[str]) -> dict[str, Any]:
+def _batch(ts: Any, events: list[Any], rank: Any, unknown: int = 0) -> Batch:
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        raise MalformedBatch("a batch's ts must be a number and its events a list")
+    if rank is not None and not isinstance(rank, int):
+        raise MalformedBatch("a batch's rank must be an integer")
+    out: list[CacheEvent] = []
+    for event in events:  # the fast layouts' structs, or the tolerant path's events
+        kind = type(event)
+        if kind is _MapStored or kind is _ArrayStored:
+            out.append(_stored(*msgspec.structs.astuple(event)))
+        elif kind is _MapRemoved or kind is _ArrayRemoved:
+            out.append(_removed(event.block_hashes, event.medium, event.group_idx))
+        elif kind is _MapCleared or kind is _ArrayCleared:
+            out.append(AllBlocksCleared())
+        else:
+            out.append(event)
+    return Batch(float(ts), out, rank, unknown)
+
+
+def _fields(item: Any, names: Sequence[str]) -> list[Any]:
     if isinstance(item, dict):
-        return {n: item.get(n) for n in names}
-    values = list(item[1:]) + [None] * len(names)
-    return dict(zip(names, values, strict=False))
+        return [item.get(n) for n in names]
+    values = list(item[1 : len(names) + 1])
+    return values + [None] * (len(names) - len(values))
 
 
 def _event(item: Any) -> CacheEvent | None:
@@ -146,48 +240,61 @@ def _event(item: Any) -> CacheEvent | None:
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     if kind == "BlockRemoved":
-        f = _fields(item, _REMOVED_FIELDS)
-        return BlockRemoved(_hashes(f["block_hashes"]), tier_of(f["medium"]), _int(f["group_idx"]))
+        return _removed(*_fields(item, _REMOVED_FIELDS))
     if kind == "BlockStored":
-        return _stored(item)
+        return _stored(*_fields(item, _STORED_FIELDS))
     return None
 
 
-def _stored(item: Any) -> BlockStored:
-    f = _fields(item, _STORED_FIELDS)
-    metadata = f["lora_name"] if isinstance(f["lora_name"], dict) else None
-    lora_name = None if metadata is not None else f["lora_name"]
-    if lora_name is not None and not isinstance(lora_name, str):
+def _removed(block_hashes: Any, medium: Any, group_idx: Any) -> BlockRemoved:
+    return BlockRemoved(_hashes(block_hashes), tier_of(medium), _int(group_idx))
+
+
+def _stored(
+    block_hashes: Any,
+    parent: Any,
+    token_ids: Any,
+    block_size: Any,
+    lora_id: Any,
+    medium: Any,
+    lora_name: Any,
+    extra_keys: Any,
+    group_idx: Any,
+    kind: Any,
+    window: Any,
+) -> BlockStored:
+    """A BlockStored from its fields in `_STORED_FIELDS`' order, checked."""
+    metadata = lora_name if isinstance(lora_name, dict) else None
+    if metadata is not None:
+        lora_name = None
+    elif lora_name is not None and not isinstance(lora_name, str):
         raise MalformedBatch("BlockStored.lora_name must be a string")
-    if lora_name is None and f["lora_id"] is not None:  # an adapter known only by its id
-        lora_name = f"{UNNAMED_ADAPTER}{f['lora_id']}"
-    hashes = _hashes(f["block_hashes"])
-    if not isinstance(f["token_ids"], list):
+    if lora_name is None and lora_id is not None:  # an adapter known only by its id
+        lora_name = f"{UNNAMED_ADAPTER}{lora_id}"
+    hashes = _hashes(block_hashes)
+    if not isinstance(token_ids, list):
         raise MalformedBatch("BlockStored.token_ids must be a list of integers")
     try:  # checked in C (a Python step per token was ~4% of a precise gateway at point 2)
-        token_ids = array.array("I", f["token_ids"])
+        ids = array.array("I", token_ids)
     except (TypeError, OverflowError):  # not an int, or outside 0..2**32-1
         raise MalformedBatch("BlockStored.token_ids must be a list of integers") from None
-    block_size = f["block_size"]
     if type(block_size) is not int or block_size <= 0:
         raise MalformedBatch("BlockStored.block_size must be a positive integer")
-    parent = f["parent_block_hash"]
     if parent is not None:
         parent = _hashes([parent])[0]
-    salt = _salt(metadata, f["extra_keys"], lora_name) if parent is None else None
-    kind, window = f["kv_cache_spec_kind"], f["kv_cache_spec_sliding_window"]
+    salt = _salt(metadata, extra_keys, lora_name) if parent is None else None
     full = window is None and (kind is None or "full" in str(kind).lower())
     return BlockStored(
         hashes,
         parent,
-        token_ids,
+        ids,
         block_size,
-        tier_of(f["medium"]),
+        tier_of(medium),
         salt,
         lora_name,
-        _int(f["group_idx"]),
+        _int(group_idx),
         full,
-        None if metadata is not None else _mm_keys(f["extra_keys"], len(hashes)),
+        None if metadata is not None or extra_keys is None else _mm_keys(extra_keys, len(hashes)),
     )
 
 

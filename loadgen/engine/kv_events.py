@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-import msgpack
+import msgspec
 import orjson
 import zmq
 
@@ -165,7 +165,7 @@ def encode_batch(events: Sequence[CacheEvent], ts: float, rank: int, encoding: s
         body = [_vllm_array_event(e) for e in events]
     else:
         body = [_vllm_map_event(e) for e in events]
-    packed: bytes = msgpack.packb([ts, body, rank])
+    packed: bytes = msgspec.msgpack.encode([ts, body, rank])
     return packed
 
 

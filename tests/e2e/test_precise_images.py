@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import msgpack
+import msgspec
 import pytest
 
 from cachemap.chat_template import ChatTemplateError
@@ -65,7 +65,7 @@ def test_an_images_blocks_carry_its_identifier_and_match_only_that_image() -> No
     mm_keys = ((), (("cat", 4),), (("cat", -12),), ())
     stored = Stored(tuple(hashes), None, tuple(ids[:64]), 16, GPU, "s", None, mm_keys)
     for encoding in ("vllm", "vllm-array"):
-        event = msgpack.unpackb(encode_batch([stored], 1.0, 0, encoding))[1][0]
+        event = msgspec.msgpack.decode(encode_batch([stored], 1.0, 0, encoding))[1][0]
         extra = event["extra_keys"] if encoding == "vllm" else event[8]
         assert extra == [["s"], [["cat", 4]], [["cat", -12]], None]  # vLLM's order: mm, salt
         (decoded,) = decode_batch(encode_batch([stored], 1.0, 0, encoding)).events

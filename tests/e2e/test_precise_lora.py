@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import httpx
-import msgpack
+import msgspec
 import pytest
 
 from cachemap.events import EventIndex, precise_keys
@@ -41,7 +41,7 @@ def test_an_adapters_events_key_its_chain_apart_from_the_base_models() -> None:
     assert not set(base) & set(lora)  # the engine: an adapter shares no block with the base
     stored = Stored(tuple(lora), None, tuple(ids[:32]), 16, GPU, "s", ADAPTER)
     for encoding in ("vllm", "vllm-array"):
-        raw = msgpack.unpackb(encode_batch([stored], 1.0, 0, encoding))
+        raw = msgspec.msgpack.decode(encode_batch([stored], 1.0, 0, encoding))
         event = raw[1][0]
         extra = event["extra_keys"] if encoding == "vllm" else event[8]
         assert extra == [[ADAPTER, "s"], [ADAPTER]]  # vLLM's order: the adapter, then the salt
@@ -56,7 +56,7 @@ def test_an_adapters_events_key_its_chain_apart_from_the_base_models() -> None:
 def test_an_adapter_known_only_by_its_id_never_passes_for_the_base_model() -> None:
     ids = list(range(32))
     event = ["BlockStored", [1, 2], None, ids, 16, 7, "GPU", None]  # SGLang-style: lora_id only
-    (decoded,) = decode_batch(msgpack.packb([1.0, [event], 0])).events
+    (decoded,) = decode_batch(msgspec.msgpack.encode([1.0, [event], 0])).events
     index = EventIndex()
     index.apply("x", decoded)
     assert index.num_blocks("x") == 2

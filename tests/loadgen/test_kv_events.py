@@ -1,5 +1,5 @@
-"""KV events over real ZMQ sockets on loopback, read by this file's own decoder (plain msgpack
-and the wire layout as vLLM and SGLang document it, not the code under test)."""
+"""KV events over real ZMQ sockets on loopback, read by this file's own decoder (untyped
+MessagePack and the wire layout as vLLM and SGLang document it, not the code under test)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
-import msgpack
+import msgspec
 import pytest
 import zmq
 
@@ -48,7 +48,7 @@ def free_ports(n: int) -> int:
 
 class Subscriber:
     """A SUB socket and a DEALER replay socket (a REQ socket takes one reply per request and
-    a replay is many), decoding with msgpack alone."""
+    a replay is many), decoding untyped MessagePack alone."""
 
     def __init__(self, port: int, replay_port: int | None = None) -> None:
         self.ctx = zmq.Context.instance()
@@ -65,7 +65,7 @@ class Subscriber:
             return None
         topic, seq, payload = self.sub.recv_multipart()
         assert topic == TOPIC.encode() and len(seq) == 8
-        return int.from_bytes(seq, "big"), msgpack.unpackb(payload)
+        return int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)
 
     def must_receive(self) -> tuple[int, list[Any]]:
         got = self.receive()
@@ -87,7 +87,7 @@ class Subscriber:
             if int.from_bytes(seq, "big", signed=True) == -1:
                 assert payload == b""
                 return out
-            out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+            out.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
 
     def close(self) -> None:
         self.sub.close(linger=0)

@@ -3,7 +3,7 @@ it must survive (vLLM's newer fields, short arrays, garbage)."""
 
 from __future__ import annotations
 
-import msgpack
+import msgspec
 import pytest
 
 from cachemap.events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored
@@ -43,7 +43,7 @@ def test_newer_vllm_fields_and_unknown_keys() -> None:
         "something_new": {"a": 1},
     }  # fmt: skip
     full = dict(sliding, kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=None)
-    batch = decode_batch(msgpack.packb([1.0, [sliding, full, {"type": "Future"}]]))
+    batch = decode_batch(msgspec.msgpack.encode([1.0, [sliding, full, {"type": "Future"}]]))
     a, b = batch.events
     assert isinstance(a, BlockStored) and isinstance(b, BlockStored)
     assert not a.full_attention and b.full_attention and a.group_idx == 1
@@ -53,7 +53,9 @@ def test_newer_vllm_fields_and_unknown_keys() -> None:
 
 def test_short_arrays_are_padded() -> None:
     batch = decode_batch(
-        msgpack.packb([1, [["BlockStored", [5], None, [2] * 16, 16], ["BlockRemoved", [5]]]])
+        msgspec.msgpack.encode(
+            [1, [["BlockStored", [5], None, [2] * 16, 16], ["BlockRemoved", [5]]]]
+        )
     )
     stored, removed = batch.events
     assert isinstance(stored, BlockStored) and stored.tier == GPU and stored.lora_name is None
@@ -64,21 +66,21 @@ def test_short_arrays_are_padded() -> None:
     "payload",
     [
         b"\xc1not msgpack",
-        msgpack.packb("a string"),
-        msgpack.packb([1.0]),
-        msgpack.packb(["ts", []]),
-        msgpack.packb([1.0, [["BlockStored", "not a list", None, [1], 16]]]),
-        msgpack.packb([1.0, [["BlockStored", [1], None, ["x"], 16]]]),
+        msgspec.msgpack.encode("a string"),
+        msgspec.msgpack.encode([1.0]),
+        msgspec.msgpack.encode(["ts", []]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", "not a list", None, [1], 16]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, ["x"], 16]]]),
         # ids no engine has: before they were caught here, indexing them raised OverflowError
-        msgpack.packb([1.0, [["BlockStored", [1], None, [-1] + [2] * 15, 16]]]),
-        msgpack.packb([1.0, [["BlockStored", [1], None, [2**32] + [2] * 15, 16]]]),
-        msgpack.packb([1.0, [["BlockStored", [1], None, [2.0] * 16, 16]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [-1] + [2] * 15, 16]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [2**32] + [2] * 15, 16]]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [2.0] * 16, 16]]]),
         # an image offset past a signed 64-bit integer (indexing it raised struct.error)
-        msgpack.packb(
+        msgspec.msgpack.encode(
             [1.0, [["BlockStored", [1], None, [2] * 16, 16, None, None, None, [[["i", 2**63]]]]]]
         ),
-        msgpack.packb([1.0, [["BlockStored", [1], None, [1], 0]]]),
-        msgpack.packb([1.0, [42]]),
+        msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1], 0]]]),
+        msgspec.msgpack.encode([1.0, [42]]),
     ],
 )
 def test_malformed_batches_raise_one_error(payload: bytes) -> None:

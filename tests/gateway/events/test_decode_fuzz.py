@@ -6,12 +6,23 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
+import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachemap.events import EventIndex, precise_keys
-from gateway.events.decode import MalformedBatch, decode_batch
+from gateway.events.decode import (
+    _REMOVED_FIELDS,
+    _STORED_FIELDS,
+    Batch,
+    MalformedBatch,
+    _layouts,
+    _tolerant,
+    decode_batch,
+)
+from loadgen.engine.kv_events import ENCODINGS, encode_batch
+from loadgen.engine.kvpool import CacheEvent, Cleared, Removed, Stored
 
 MSGPACK_INTS = st.integers(min_value=-(2**63), max_value=2**64 - 1)
 scalars = st.one_of(
@@ -69,13 +80,70 @@ batch = st.tuples(st.floats(allow_nan=False), st.lists(events, min_size=1, max_s
 batches = st.one_of(batch.map(list), values)
 
 
+def as_map(event: list[Any]) -> dict[str, Any]:
+    """An array-layout event in vLLM's map layout (its fields by name, the tag as "type")."""
+    names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(event[0], ())
+    return {"type": event[0], **dict(zip(names, event[1:], strict=False))}
+
+
+def layouts(draw: st.DrawFn) -> Any:
+    """A batch of either layout, with a rank of any kind, short or long, or anything else."""
+    events = draw(st.lists(st.one_of(stored(), removed(), st.just(["AllBlocksCleared"]))))
+    if draw(st.booleans()):
+        events = [as_map(e) if draw(st.integers(0, 9)) else e for e in events]
+    if draw(st.integers(0, 9)) == 0:
+        events.insert(draw(st.integers(0, len(events))), draw(values))
+    ts = mostly(draw, st.one_of(st.floats(allow_nan=False), st.integers(-5, 5)))
+    rank = draw(st.one_of(st.none(), st.integers(0, 3), values))
+    if draw(st.integers(0, 19)) == 0:
+        return draw(values)
+    return draw(st.sampled_from([[ts, events], [ts, events, rank], [ts, events, rank, 1]]))
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.composite(layouts)())
+def test_the_fast_layouts_decode_as_the_tolerant_decoder_does(payload: Any) -> None:
+    """`decode_batch` reads the engines' layouts through typed structs and everything else
+    through `_tolerant`: the same batch, or the same error, for any payload."""
+    encoded = msgspec.msgpack.encode(payload)
+    try:
+        expected: Batch | str = _tolerant(encoded)
+    except MalformedBatch as exc:
+        expected = str(exc)
+    try:
+        got: Batch | str = decode_batch(encoded)
+    except MalformedBatch as exc:
+        got = str(exc)
+    assert got == expected
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_every_engine_encoding_takes_a_fast_layout(encoding: str) -> None:
+    """Each encoding the simulated engine publishes (vLLM's two, SGLang's) decodes by a typed
+    layout, not by the tolerant path: the events of a live feed cost ~5 us less each."""
+    stored = Stored((b"\x01" * 8,), None, tuple(range(16)), 16, "GPU", cache_salt="s")
+    events: list[CacheEvent] = [stored, Removed(stored.hashes, "CPU_PINNED"), Cleared()]
+    payload = encode_batch(events, 1.0, 0, encoding)
+    decoded = [decoder.decode(payload) for decoder in _layouts if _decodes(decoder, payload)]
+    assert len(decoded) == 1 and len(decoded[0].events) == 3
+    assert decode_batch(payload) == _tolerant(payload)
+
+
+def _decodes(decoder: msgspec.msgpack.Decoder[Any], payload: bytes) -> bool:
+    try:
+        decoder.decode(payload)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.lists(batches, min_size=1, max_size=3))
 def test_any_batch_decodes_and_applies_or_is_malformed(payloads: list[Any]) -> None:
     index = EventIndex()
     for payload in payloads:
         try:
-            batch = decode_batch(msgpack.packb(payload))
+            batch = decode_batch(msgspec.msgpack.encode(payload))
         except MalformedBatch:
             continue
         for event in batch.events:

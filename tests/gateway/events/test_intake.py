@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
-import msgpack
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -158,7 +158,7 @@ async def test_a_gap_is_replayed_and_a_late_joiner_recovers_the_buffer(
         await feed.receive(seqs[2] + 1, b"\xc1 garbage")
         assert feed.stats.malformed == 1 and feed.next_seq == seqs[2] + 2
         # so is one whose token ids no tokenizer has (it raised out of the feed before)
-        negative = msgpack.packb([1.0, [["BlockStored", [9], None, [-5] * 16, 16]]])
+        negative = msgspec.msgpack.encode([1.0, [["BlockStored", [9], None, [-5] * 16, 16]]])
         await feed.receive(seqs[2] + 2, negative)
         assert feed.stats.malformed == 2 and feed.next_seq == seqs[2] + 3
         # seq back at 0: the engine restarted, everything it announced is gone

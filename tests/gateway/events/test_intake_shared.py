@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgpack
+import msgspec
 import pytest
 import zmq.asyncio
 from redis import exceptions as redis_errors
@@ -37,7 +37,7 @@ async def client(redis_url: str) -> AsyncIterator[AnyRedis]:
 
 
 def batch(*events: dict[str, Any]) -> bytes:
-    payload: bytes = msgpack.packb([time.time(), list(events), 0])
+    payload: bytes = msgspec.msgpack.encode([time.time(), list(events), 0])
     return payload
 
 
