@@ -202,6 +202,8 @@ class Flights:
         whose last block is among them has written its prefix, so it lands now — after its
         `confirm`, when it has one (in a task: this runs inside the event intake). A flight
         whose last block another flight writes lands at its first byte, as before."""
+        if not self._writing:  # nothing in flight: the usual case of a live feed's event
+            return
         for key in keys:
             flight = self._writing.get(key)
             if (
