@@ -11,13 +11,14 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cachemap.tokenizer import ModelTokenizer
 from gateway.api.anthropic.convert import parse_messages
 from gateway.api.openai.parse import parse_chat, parse_completion
 from gateway.events.precise import PromptTokens
+from gateway.events.prompts import firsts_of, special_starts
 from gateway.pipeline.keying import engine_body
 from gateway.request.parsed import CHAT, ParsedRequest
 from loadgen.engine.server import EngineConfig, create_engine_app
@@ -528,3 +529,42 @@ def test_the_gateways_tokenizer_runs_no_thread_pool() -> None:
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
     ).stdout.split()
     assert out[0] == "true" and int(out[1]) > 2  # the operator's choice: the pool runs
+
+
+def _starts_by_token(text: str, specials: tuple[str, ...]) -> set[int]:
+    """Every occurrence of each added token, one find after another: the reference."""
+    starts = {0}
+    for token in specials:
+        i = text.find(token)
+        while i >= 0:
+            starts.add(i)
+            i = text.find(token, i + len(token))
+    return starts
+
+
+SPECIAL_SETS = (
+    ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"),
+    ("<|im", "<|im_start|>", "im_end", "[INST]"),  # a prefix of another, one inside another
+    ("aba", "<|x|>"),  # overlaps itself: a find per token
+    (),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@example(SPECIAL_SETS[2], ["ab", "aba"])  # "ababa": "aba" at 0, and at 2 only by overlapping
+@given(
+    st.sampled_from(SPECIAL_SETS),
+    st.lists(
+        st.sampled_from(["<", "|", "<|", "im", "_end", "<|im_start|>", "<|im_end|>", "aba", "ab",
+                         "a", " word", "\n", "[INST]", "</tool_call>", "<" * 70]),
+        max_size=30,
+    ),
+)  # fmt: skip
+def test_special_starts_are_every_occurrence_of_every_added_token(
+    specials: tuple[str, ...], parts: list[str]
+) -> None:
+    """The scan by first characters finds what a find per token finds, with tokens that are
+    prefixes of others, tokens inside others, a token that overlaps itself, and markup past
+    `FEW_SPECIAL_FIRSTS` places."""
+    text = "".join(parts)
+    assert special_starts(text, specials, firsts_of(specials)) == _starts_by_token(text, specials)
