@@ -48,6 +48,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -140,10 +141,13 @@ class AllBlocksCleared:
 CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+@functools.lru_cache(maxsize=4096)
 def precise_root(cache_salt: str | None, lora_name: str | None = None) -> BlockHash:
     """The parent of block 0 in precise mode: the engine's isolation scope (the `cache_salt`
     the gateway sent, so tenants share nothing) and the LoRA adapter. The model is not in it:
-    a domain is one engine serving one model, and a lookup only asks the model's replicas."""
+    a domain is one engine serving one model, and a lookup only asks the model's replicas.
+    Kept for the last 4,096 scopes, as the approximate root is (`gateway.pipeline.keying`):
+    every request hashed it for its affinity key, ~0.8 us (py-spy: 2.4% of the keying)."""
     return root_hash(b"precise\x00" + (cache_salt or "").encode(), lora_name or "")
 
 
