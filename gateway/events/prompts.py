@@ -32,8 +32,9 @@ than a miss: an unsalted cache would tell tenant B that tenant A sent this syste
   template allows it). The entry a continuation came from is moved to the old end: one
   conversation keeps one live entry, and a fan-out sibling arriving just after still finds it.
   The message keys themselves are kept per conversation (`DEFAULT_MESSAGE_KEYS_BYTES`, LRU),
-  found by key(0), which holds the salt like every other entry, with the JSON of the whole
-  message list they were computed from: a request whose list's JSON starts with that one's
+  found by key(0), which holds the salt like every other entry (up to
+  `CHATS_PER_FIRST_MESSAGE` conversations that open alike under one key(0)), with the JSON of
+  the whole message list they were computed from: a request whose list's JSON starts with one's
   (up to its closing bracket, then a comma) holds the same first messages, so their keys are
   reused and only the new messages are serialized and hashed (one `orjson.dumps` of the list
   and a memcmp instead of a dump and a hash a message).
@@ -84,6 +85,11 @@ turns of ~40 live 100k-token conversations, or thousands of ordinary chats."""
 DEFAULT_PREFIX_CACHE_TOKENS = 8_000_000
 """Token ids kept of conversation prefixes (32 MB): one entry per live conversation, so ~80
 conversations at 100k tokens or ~2,000 at 4k."""
+CHATS_PER_FIRST_MESSAGE = 8
+"""Message lists kept per first message (and salt, and tools): conversations that open alike
+(one system prompt, fan-out siblings) each find their own last list; one slot per first
+message made them evict each other, so that every request of two interleaved ones was keyed
+from scratch."""
 DEFAULT_MESSAGE_KEYS_BYTES = 32 << 20
 """JSON of conversations' message lists kept with their message keys (32 MB): ~270 chats at
 turn 40 of bench-cpu's conversations (120 kB each), ~80 agent sessions of 100k tokens."""
@@ -172,6 +178,8 @@ class TokenizeStats:
     chunk_checks: int = 0
     """Texts cut at word boundaries that were also encoded whole and compared."""
     chunk_mismatches: int = 0
+    message_keys_reused: int = 0
+    """Messages whose keys came from their conversation's last list (not serialized again)."""
     seconds: float = 0.0
     """Time spent rendering, tokenizing and hashing (the precise mode's CPU per request)."""
 
@@ -233,8 +241,9 @@ class PromptTokens:
         self._prefixes: OrderedDict[bytes, array.array[int]] = OrderedDict()
         self._prefix_tokens = 0
         self._incremental_count = 0
-        self._chats: OrderedDict[bytes, tuple[bytes, list[bytes]]] = OrderedDict()
-        """key(0) -> the JSON of the last message list keyed from it, and its message keys."""
+        self._chats: OrderedDict[bytes, list[tuple[bytes, list[bytes]]]] = OrderedDict()
+        """key(0) -> the JSON of the last message lists keyed from it and their message keys,
+        the latest first (at most `CHATS_PER_FIRST_MESSAGE`)."""
         self._chat_bytes = 0
         self.max_message_keys_bytes = max_message_keys_bytes
 
@@ -472,11 +481,9 @@ class PromptTokens:
         except (orjson.JSONEncodeError, UnicodeEncodeError):
             return None
         keys = [first]
-        known = self._chats.pop(first, None)
-        if known is not None:
-            self._chat_bytes -= len(known[0])
-            old, old_keys = known
-            if whole == old:
+        chats = self._chats.pop(first, None) or []
+        for i, (old, old_keys) in enumerate(chats):
+            if whole == old:  # a retry, a sibling sent again
                 keys = old_keys
             elif (
                 len(whole) > len(old)
@@ -484,21 +491,31 @@ class PromptTokens:
                 and whole.startswith(memoryview(old)[:-1])
             ):
                 keys = old_keys[:]  # the old list's messages, the same bytes, then more
+            else:
+                continue
+            self._chat_bytes -= len(chats.pop(i)[0])  # this one, longer, replaces it
+            self.stats.message_keys_reused += len(keys)
+            break
         key = keys[-1]
         for message in messages[len(keys) :]:
             key = digest(key + orjson.dumps(message))  # JSON already: cannot fail now
             keys.append(key)
-        self._keep_chat(first, whole, keys)
+        self._keep_chat(first, chats, whole, keys)
         return keys
 
-    def _keep_chat(self, first: bytes, whole: bytes, keys: list[bytes]) -> None:
-        if len(whole) > self.max_message_keys_bytes:
-            return
-        self._chats[first] = (whole, keys)
-        self._chat_bytes += len(whole)
+    def _keep_chat(
+        self, first: bytes, chats: list[tuple[bytes, list[bytes]]], whole: bytes, keys: list[bytes]
+    ) -> None:
+        if len(whole) <= self.max_message_keys_bytes:
+            chats.insert(0, (whole, keys))
+            self._chat_bytes += len(whole)
+            if len(chats) > CHATS_PER_FIRST_MESSAGE:
+                self._chat_bytes -= len(chats.pop()[0])
+        if chats:
+            self._chats[first] = chats
         while self._chat_bytes > self.max_message_keys_bytes:
-            _, (dropped, _) = self._chats.popitem(last=False)
-            self._chat_bytes -= len(dropped)
+            _, dropped = self._chats.popitem(last=False)
+            self._chat_bytes -= sum(len(chat) for chat, _ in dropped)
 
     def _keep(self, salt: str, piece: str, ids: array.array[int]) -> None:
         if len(ids) > self.max_cached_tokens:

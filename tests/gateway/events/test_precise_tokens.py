@@ -568,3 +568,19 @@ def test_special_starts_are_every_occurrence_of_every_added_token(
     `FEW_SPECIAL_FIRSTS` places."""
     text = "".join(parts)
     assert special_starts(text, specials, firsts_of(specials)) == _starts_by_token(text, specials)
+
+
+def test_conversations_that_open_alike_each_reuse_their_own_message_keys() -> None:
+    """Three conversations with one system prompt (one key(0)), their turns interleaved: each
+    continuation reuses the keys of its own last list, not only the latest conversation's."""
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    chats: list[list[Any]] = [[SYSTEM] for _ in range(3)]
+    for turn in range(4):
+        for c, messages in enumerate(chats):
+            messages.append({"role": "user", "content": words(f"alike{c}-{turn}", 20)})
+            before = tokens.stats.message_keys_reused
+            keys = tokens._message_keys("s", messages, None)
+            assert keys == message_keys_from_scratch("s", messages, None)
+            reused = tokens.stats.message_keys_reused - before
+            assert reused == (len(messages) - 2 if turn else 0), (turn, c)
+            messages.append({"role": "assistant", "content": words(f"reply{c}-{turn}", 10)})
