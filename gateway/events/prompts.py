@@ -126,7 +126,7 @@ falls back to a find per token (a text of markup, `<` after `<`)."""
 def firsts_of(specials: Sequence[str]) -> str:
     """The first characters of the added tokens, for `special_starts`; "" when one of them
     overlaps itself (a proper prefix that is also its suffix, "aba"): two of its occurrences
-    may overlap, and only a find per token gives them as the tokenizer's scan does."""
+    may overlap, and a find per token skips the second as the cuts always have."""
     for token in specials:
         if any(token[:n] == token[-n:] for n in range(1, len(token))):
             return ""
@@ -493,7 +493,7 @@ class PromptTokens:
                 keys = old_keys[:]  # the old list's messages, the same bytes, then more
             else:
                 continue
-            self._chat_bytes -= len(chats.pop(i)[0])  # this one, longer, replaces it
+            self._chat_bytes -= len(chats.pop(i)[0])  # the new list (same or longer) replaces it
             self.stats.message_keys_reused += len(keys)
             break
         key = keys[-1]
