@@ -151,7 +151,7 @@ def special_starts(text: str, specials: tuple[str, ...], firsts: str) -> set[int
         if i >= 0:
             break  # markup: a find per token instead
     else:
-        if firsts or not specials:
+        if firsts:
             return starts
     for token in specials:
         i = text.find(token)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -532,14 +533,9 @@ def test_the_gateways_tokenizer_runs_no_thread_pool() -> None:
 
 
 def _starts_by_token(text: str, specials: tuple[str, ...]) -> set[int]:
-    """Every occurrence of each added token, one find after another: the reference."""
-    starts = {0}
-    for token in specials:
-        i = text.find(token)
-        while i >= 0:
-            starts.add(i)
-            i = text.find(token, i + len(token))
-    return starts
+    """Every occurrence of each added token, leftmost and not overlapping one another (as a
+    find after the last one's end gives them): the reference, by `re`."""
+    return {0} | {m.start() for token in specials for m in re.finditer(re.escape(token), text)}
 
 
 SPECIAL_SETS = (
