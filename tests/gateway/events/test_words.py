@@ -230,3 +230,21 @@ def test_a_big_texts_new_words_are_found_and_added_before_it_is_encoded() -> Non
     assert ids_of(cache.ids(text, "s")) == TOKENIZER.encode(text)
     assert ids_of(cache.ids(text, "s")) == TOKENIZER.encode(text)  # its parts, cut again
     assert cache.stats.misses == misses
+
+
+def test_a_big_text_all_known_is_looked_up_once_and_only_under_its_salt() -> None:
+    """A chunk cut before a space (`word_cuts`) starts with one: it is cut at every later
+    space as any other text, and `missing` of a text whose pieces are all cached keeps its
+    ids for the `ids` that follows, under its salt only: another tenant's `ids` of the same
+    text in between (the encoding awaits a thread) encodes its own pieces."""
+    cache = WordIds(TOKENIZER.encode_pieces, loose=True)
+    known = words("chunked", 300)  # " w1 w2 ...": a chunk after a cut
+    assert known[0] == " " and parts_of(known, loose=True)[0] == " " + known.split(" ")[1]
+    assert ids_of(cache.ids(known, "a")) == TOKENIZER.encode(known)
+    misses = cache.stats.misses
+    assert cache.missing([known], "a") == []
+    assert ids_of(cache.ids(known, "b")) == TOKENIZER.encode(known)
+    assert cache.stats.misses > misses  # b encoded its own words, a's kept ids unseen
+    misses = cache.stats.misses
+    assert ids_of(cache.ids(known, "a")) == TOKENIZER.encode(known)
+    assert cache.stats.misses == misses
