@@ -172,6 +172,17 @@ def rule_holds(encode_many: Encoder, probes: Sequence[str], loose: bool) -> bool
     return True
 
 
+def _all_young(later: dict[str, bytes], head: bytes | None, parts: list[str]) -> bytes | None:
+    """The ids of `parts` when its first piece's are `head` and every later piece is in the
+    young generation's `later`: one C loop, no list to test for gaps; else None."""
+    if head is None:
+        return None
+    try:
+        return head + b"".join(map(later.get, itertools.islice(parts, 1, None)))  # type: ignore[arg-type]
+    except TypeError:  # a None: a piece the young generation lacks
+        return None
+
+
 class _Generation:
     """One generation of the cache: per salt, (later pieces by their text after the space,
     first pieces by their text)."""
@@ -224,18 +235,14 @@ class WordIds:
             return joined[0]
         parts = self._parted.pop(text, None) or parts_of(text, self.loose)
         self.stats.pieces += len(parts)
-        later, first = self._young.of(salt)
-        start = parts[0]  # a first piece " x" is the later piece "x" (`_find`)
-        head = later.get(start[1:]) if start[:1] == " " else first.get(start)
-        if head is not None:
-            try:  # every piece young: one C loop, no list to test for gaps (~1/3 less)
-                return head + b"".join(map(later.get, itertools.islice(parts, 1, None)))  # type: ignore[arg-type]
-            except TypeError:  # a None: a piece the young generation lacks
-                pass
+        later = self._young.of(salt)[0]
+        head = self._find(salt, parts[0], False)
+        whole = _all_young(later, head, parts)
+        if whole is not None:
+            return whole
         rest = parts[1:]
         got = list(map(later.get, rest))
-        head = self._fill(salt, parts[0], rest, got)
-        return head + b"".join(got)  # type: ignore[arg-type]
+        return self._fill(salt, parts[0], head, rest, got) + b"".join(got)  # type: ignore[arg-type]
 
     def missing(self, texts: Sequence[str], salt: str) -> list[str]:
         """The pieces of `texts` the cache lacks, each once, as texts to encode."""
@@ -246,14 +253,11 @@ class WordIds:
         for text in texts:
             parts = parts_of(text, self.loose)
             head = self._find(salt, parts[0], False)
-            if head is not None:
-                try:  # all young: a C loop, not a step a word, and `ids` looks up nothing
-                    ids = head + b"".join(map(later.get, itertools.islice(parts, 1, None)))  # type: ignore[arg-type]
-                    joined[salt, text] = (ids, len(parts))
-                    continue
-                except TypeError:  # a None: a piece the young generation lacks
-                    pass
-            else:
+            whole = _all_young(later, head, parts)
+            if whole is not None:  # `ids` of it next looks up nothing
+                joined[salt, text] = (whole, len(parts))
+                continue
+            if head is None:
                 out[parts[0]] = None
             parted[text] = parts
             rest = parts[1:]
@@ -271,9 +275,11 @@ class WordIds:
             later = piece[:1] == " "
             self._keep(salt, piece[1:] if later else piece, later, array.array("I", ids).tobytes())
 
-    def _fill(self, salt: str, head: str, rest: list[str], got: list[bytes | None]) -> bytes:
-        """`got`'s gaps and the first piece from the old generation or the BPE (one call)."""
-        first = self._find(salt, head, False)
+    def _fill(
+        self, salt: str, head: str, first: bytes | None, rest: list[str], got: list[bytes | None]
+    ) -> bytes:
+        """`got`'s gaps and, where `first` is None, the first piece `head`, from the old
+        generation or the BPE (one call)."""
         todo = [] if first is not None else [head]
         for i, found in enumerate(got):
             if found is None:
