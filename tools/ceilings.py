@@ -161,11 +161,12 @@ def reuse_distances(
     )
 
 
-def _quantiles(values: Sequence[float]) -> str:
+def _quantiles(values: Sequence[float], spec: str = ",.0f") -> str:
+    """QUANTILES of sorted `values`, nearest rank below."""
     if not values:
         return "none"
     return ", ".join(
-        f"p{round(q * 100)} {values[int(q * (len(values) - 1))]:,.0f}" for q in QUANTILES
+        f"p{round(q * 100)} {values[int(q * (len(values) - 1))]:{spec}}" for q in QUANTILES
     )
 
 
@@ -208,12 +209,17 @@ class Session:
         return self.own[bisect.bisect_right(self.arrivals, t) - 1]
 
 
+def _conversation(req: TraceRequest) -> str:
+    """The request's conversation, or a name of its own (`loadgen.sim`'s rule)."""
+    return req.conversation if req.conversation is not None else f"#{req.index}"
+
+
 def sessions_of(trace: Trace) -> tuple[int, dict[str, Session]]:
     """The blocks every conversation shares (the longest common prefix of their first
     requests) and each conversation's steps."""
     steps: dict[str, list[TraceRequest]] = {}
     for req in trace.requests:
-        steps.setdefault(req.conversation or f"#{req.index}", []).append(req)
+        steps.setdefault(_conversation(req), []).append(req)
     firsts = [reqs[0].hash_ids for reqs in steps.values()]
     shared = 0
     while all(len(f) > shared and f[shared] == firsts[0][shared] for f in firsts):
@@ -260,7 +266,7 @@ def best_fit_overflow(
         home[name] = best
     over = 0
     for req in trace.requests:
-        r = home[req.conversation or f"#{req.index}"]
+        r = home[_conversation(req)]
         if shared + sum(o.own_at(req.arrival_s) for o in placed[r]) > capacity:
             over += 1
     return over, [len(p) for p in placed]
@@ -278,9 +284,8 @@ def sessions(spec: str, replicas: int) -> None:
         f"x {per_replica:,} blocks, {shared} blocks shared by all"
     )
     print(
-        "  the live sessions' blocks over the fleet's KV at each arrival: "
-        + ", ".join(f"p{round(q * 100)} {fill[int(q * (len(fill) - 1))]:.2f}" for q in QUANTILES)
-        + f", max {fill[-1]:.2f}"
+        f"  the live sessions' blocks over the fleet's KV at each arrival: "
+        f"{_quantiles(fill, '.2f')}, max {fill[-1]:.2f}"
     )
     print(f"  the largest session: {largest:,} blocks, {largest / per_replica:.2f} of a replica")
     print(
