@@ -10,8 +10,9 @@ Both at 10% KV (`CAPACITY_FRAC`), sized as `loadgen.sim.references` sizes them.
 capacity against the same LRU told which blocks are ever used again (an admission oracle: a
 router cannot tell an engine what not to keep, so this is the headroom no placement reaches);
 then whether anything a router sees when a request arrives tells those blocks apart (its
-kind and its length), and how far ahead a reuse comes, in blocks stored between, against the
-fleet's capacity.
+kind, its length, its output class); what placing unmatched requests by unequal weights
+does (four LRUs of a quarter each, `WEIGHTS`, `SEEDS`); and how far ahead a reuse comes, in
+blocks stored between, against the fleet's capacity.
 
 `sessions`: an agent-session trace. How full the fleet's KV is with the live sessions' own
 blocks (the shared system prompt once), the largest session against one replica, and the
@@ -25,6 +26,7 @@ context again).
 from __future__ import annotations
 
 import bisect
+import random
 import sys
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -42,15 +44,45 @@ MOONCAKE_BLOCK = 512
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 LENGTH_BUCKETS = (8, 16, 32, 48)
 """Prompt length classes in blocks: below 8, 8–15, ..., 48 and above."""
+OUTPUT_EDGE = 50
+"""Output classes: below 50 tokens and from 50 (`kvgate bench` caps `max_tokens` at 64, so a
+router there sees no finer class)."""
+WEIGHTS = ((1, 1, 1, 1), (2, 1, 1, 1), (4, 3, 2, 1), (10, 1, 1, 1))
+SEEDS = (0, 1, 2)
 
 
-def _prefix(cached: OrderedDict[int, None], ids: Sequence[int]) -> int:
-    n = 0
-    for h in ids:
-        if h not in cached:
-            break
-        n += 1
-    return n
+class Lru:
+    """An engine's prefix cache in blocks: hits are the longest cached prefix, the least
+    recently used block goes first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.cached: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, ids: Sequence[int]) -> int:
+        n = 0
+        for h in ids:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+    def store(self, ids: Sequence[int], keep: Sequence[bool] | None = None) -> None:
+        """Store (or touch) the blocks; with `keep`, block j only where keep[j] (the rest
+        are used and dropped)."""
+        cached = self.cached
+        for j, h in enumerate(ids):
+            if keep is None or keep[j]:
+                cached[h] = None
+                cached.move_to_end(h)
+            else:
+                cached.pop(h, None)
+        while len(cached) > self.capacity:
+            cached.popitem(last=False)
+
+
+def _hit_tokens(req: TraceRequest, blocks: int, block_size: int) -> int:
+    return min(blocks * block_size, req.input_length)
 
 
 def lru_hit_ratio(
@@ -58,21 +90,34 @@ def lru_hit_ratio(
 ) -> float:
     """Engine-style prefix hits (cached tokens ÷ input tokens) of one LRU of `capacity`
     blocks over the trace in order; with `keep`, a request's block j is stored only where
-    keep[i][j] (the rest are used and dropped)."""
-    cached: OrderedDict[int, None] = OrderedDict()
+    keep[i][j]."""
+    lru = Lru(capacity)
     hit = total = 0
     for i, req in enumerate(trace.requests):
-        ids = req.hash_ids
-        hit += min(_prefix(cached, ids) * trace.block_size, req.input_length)
+        hit += _hit_tokens(req, lru.match(req.hash_ids), trace.block_size)
         total += req.input_length
-        for j, h in enumerate(ids):
-            if keep is None or keep[i][j]:
-                cached[h] = None
-                cached.move_to_end(h)
-            else:
-                cached.pop(h, None)
-        while len(cached) > capacity:
-            cached.popitem(last=False)
+        lru.store(req.hash_ids, None if keep is None else keep[i])
+    return hit / total if total else 0.0
+
+
+def weighted_partition_hit_ratio(
+    trace: Trace, capacity: int, weights: Sequence[float], seed: int
+) -> float:
+    """One LRU per weight, `capacity` split evenly: a request goes where its longest prefix
+    past the shared first block is cached, else to a replica drawn by `weights` (seeded). With
+    unequal weights the lightly loaded replicas keep their blocks longer."""
+    rng = random.Random(seed)
+    caches = [Lru(capacity // len(weights)) for _ in weights]
+    replicas = range(len(weights))
+    hit = total = 0
+    for req in trace.requests:
+        matched = [c.match(req.hash_ids) for c in caches]
+        best = max(replicas, key=matched.__getitem__)
+        if matched[best] <= 1:
+            best = rng.choices(replicas, weights)[0]
+        hit += _hit_tokens(req, matched[best], trace.block_size)
+        total += req.input_length
+        caches[best].store(req.hash_ids)
     return hit / total if total else 0.0
 
 
@@ -124,7 +169,17 @@ def first_new(trace: Trace) -> list[int]:
     return out
 
 
-CLASSES = ("first turn", "continuation", *(_length_class(edge) for edge in (0, *LENGTH_BUCKETS)))
+def _output_class(tokens: int) -> str:
+    return f"output < {OUTPUT_EDGE}" if tokens < OUTPUT_EDGE else f"output >= {OUTPUT_EDGE}"
+
+
+CLASSES = (
+    "first turn",
+    "continuation",
+    *(_length_class(edge) for edge in (0, *LENGTH_BUCKETS)),
+    _output_class(0),
+    _output_class(OUTPUT_EDGE),
+)
 
 
 def reuse_by_class(
@@ -137,7 +192,8 @@ def reuse_by_class(
         ids = req.hash_ids
         new = range(n, len(ids))
         reused = sum(1 for j in new if uses[i][j] is not None)
-        for name in ("continuation" if n > 1 else "first turn", _length_class(len(ids))):
+        kind = "continuation" if n > 1 else "first turn"
+        for name in (kind, _length_class(len(ids)), _output_class(req.output_length)):
             r = out[name]
             r.new += len(new)
             r.reused += reused
@@ -186,6 +242,14 @@ def mooncake(start: int, limit: int, replicas: int = 4) -> None:
     print("  new blocks used again later, by what the router sees:")
     for name, r in reuse_by_class(trace, uses, firsts).items():
         print(f"    {name:>16}: {r.reused:,} of {r.new:,} ({r.share:.2f})")
+    print(
+        "  4 replicas, an unmatched request placed at random by weight (seeds "
+        + ", ".join(map(str, SEEDS))
+        + "):"
+    )
+    for weights in WEIGHTS:
+        ratios = (weighted_partition_hit_ratio(trace, capacity, weights, seed) for seed in SEEDS)
+        print(f"    {':'.join(map(str, weights)):>16}: " + " / ".join(f"{r:.3f}" for r in ratios))
     distances = reuse_distances(trace, uses, firsts)
     within = sum(1 for d in distances if d <= capacity)
     print(

@@ -46,7 +46,32 @@ def test_reuse_counts_only_new_blocks_and_measures_distance_in_blocks_stored() -
     by_class = ceilings.reuse_by_class(trace, uses, firsts)
     assert (by_class["first turn"].new, by_class["first turn"].reused) == (6, 3)
     assert (by_class["continuation"].new, by_class["continuation"].reused) == (1, 0)
+    assert (by_class["output < 50"].new, by_class["output < 50"].reused) == (7, 3)
+    assert by_class["output >= 50"].new == 0
     assert ceilings.reuse_distances(trace, uses, firsts) == [0, 4, 4]  # 0: block 0 at once
+
+
+def test_a_partition_by_weight_sends_unmatched_requests_where_the_weights_say() -> None:
+    """All the weight on one replica of two is one LRU of half the capacity; one replica is
+    the shared LRU; a request whose prefix is cached goes where it is, whatever the weights."""
+    scan = _trace((0, (1, 2), None), (1, (3, 4), None), (2, (1, 2), None))
+    assert ceilings.weighted_partition_hit_ratio(scan, 4, (1,), 0) == pytest.approx(2 / 6)
+    assert ceilings.lru_hit_ratio(scan, 2) == 0.0
+    assert ceilings.weighted_partition_hit_ratio(scan, 4, (1, 0), 0) == 0.0
+    assert ceilings.weighted_partition_hit_ratio(scan, 4, (0, 1), 0) == 0.0
+    # two conversations of 2 blocks taking turns, 2 blocks a replica: together on one
+    # replica they evict each other; apart (as even weights soon place them) they both hit
+    turns = _trace(*((float(i), (1, 2) if i % 2 else (3, 4), None) for i in range(40)))
+    assert ceilings.weighted_partition_hit_ratio(turns, 4, (1, 0), 0) == 0.0
+    assert ceilings.weighted_partition_hit_ratio(turns, 4, (1, 1), 0) > 0.5
+    # 20 conversations of a first turn and a continuation, space for all: each continuation
+    # finds its 2 blocks where they are, whichever replica the weights drew
+    follows = _trace(
+        *((float(c), (100 + c, 200 + c), None) for c in range(20)),
+        *((20.0 + c, (100 + c, 200 + c, 300 + c), None) for c in range(20)),
+    )
+    hits = ceilings.weighted_partition_hit_ratio(follows, 400, (1, 1, 1, 1), 0)
+    assert hits == pytest.approx(40 / 100)
 
 
 def test_best_fit_on_known_futures_separates_two_big_sessions_when_it_can() -> None:
@@ -77,7 +102,8 @@ def test_it_prints_both_ceilings_on_small_slices(capsys: pytest.CaptureFixture[s
     found = re.findall(r"(?:one shared LRU: hit ratio|admission oracle\):) ([0-9.]+)", out)
     lru, oracle = (float(x) for x in found)
     assert oracle > lru > 0
-    assert "continuation:" in out and "reuse distance" in out
+    assert "continuation:" in out and "reuse distance" in out and "output < 50:" in out
+    assert out.count(" / ") >= 4 and "10:1:1:1:" in out
     assert ceilings.main(["sessions", "agent-sessions:sessions=8,concurrency=4,steps=6", "2"]) == 0
     out = capsys.readouterr().out
     assert "8 sessions, 48 requests, 2 replicas" in out and "on an over-full replica" in out
