@@ -544,18 +544,38 @@ def log_start_up(parts: Parts) -> None:
     log.log(
         level,
         "kvgate: serving on http://%s:%d, %d/%d replicas healthy, policy %s, mode %s, "
-        "directory %s, %d tenant keys, discovery %s, log format %s",
+        "keying %s, directory %s, %d tenant keys, billing %s, discovery %s, log format %s",
         settings.host,
         settings.port,
         healthy,
         total,
         parts.director.policy.name,
         settings.mode,
+        keying_summary(parts),
         redact_url(settings.redis_url) if settings.redis_url else "in-process",
         len(parts.tenants),
+        billing_summary(settings),
         settings.discovery,
         settings.log_format,
     )
+
+
+def keying_summary(parts: Parts) -> str:
+    """approximate (bytes), or precise with how many engine cache domains' KV events it reads"""
+    precise = parts.keying.precise if parts.keying is not None else None
+    if precise is None:
+        return "approximate"
+    if parts.intake is None:
+        return "precise (KV events off: residency predicted)"
+    shared = ", shared in Redis" if parts.settings.kv_events_shared else ""
+    return f"precise ({len(parts.intake.feeds())} KV event feeds{shared})"
+
+
+def billing_summary(settings: Settings) -> str:
+    if settings.billing_wal_dir is None:
+        return "off"
+    store = redact_url(settings.billing_redis_url) if settings.billing_redis_url else "no store"
+    return f"on (WAL {settings.billing_wal_dir}, {store})"
 
 
 def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None) -> MeteredASGI:
