@@ -205,6 +205,11 @@ class Decision:
     ranking: tuple[str, ...]
     reason: str
     matched_blocks: int = 0
+    scores: tuple[float, ...] = ()
+    """Each ranked replica's weighted score, in ranking order (a demoted replica's within the
+    demoted group, ranked after every eligible one): what a route receipt shows."""
+    policy: str = ""
+    """The profile that decided (the local fallback's while the shared directory is away)."""
 
     @property
     def replica(self) -> str:

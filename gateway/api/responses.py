@@ -15,6 +15,7 @@ from gateway.api.asgi import ChunkedOut, chunked_out, raw_send
 from gateway.api.errors import openai_error_body
 from gateway.errors import GatewayError
 from gateway.pipeline.exchange import Exchange
+from gateway.request.receipt import receipt_fields, receipt_header
 
 
 class ShuttingDown(GatewayError):
@@ -29,15 +30,21 @@ class ShuttingDown(GatewayError):
 
 def debug_headers(exchange: Exchange, enabled: bool) -> dict[str, str]:
     """`x-kvgate-*` headers naming the replica and why it was chosen (operators only: they
-    reveal cache state, so `debug_headers` is off by default)."""
-    if not enabled:
-        return {}
+    reveal cache state, so `debug_headers` is off by default), and the route receipt
+    `x-kvgate-route` (gateway.request.receipt) with them or for a tenant given
+    `route_receipts`."""
     routed = exchange.routed
-    return {
-        "x-kvgate-replica": exchange.replica_url,
-        "x-kvgate-matched-blocks": str(routed.route.overlap.get(exchange.record.replica, 0)),
-        "x-kvgate-decision": routed.decision.reason,
-    }
+    receipt = enabled or routed.tenant.policy.route_receipts
+    if not receipt:
+        return {}
+    headers = {"x-kvgate-route": receipt_header(receipt_fields(routed, exchange.record.replica))}
+    if enabled:
+        headers["x-kvgate-replica"] = exchange.replica_url
+        headers["x-kvgate-matched-blocks"] = str(
+            routed.route.overlap.get(exchange.record.replica, 0)
+        )
+        headers["x-kvgate-decision"] = routed.decision.reason
+    return headers
 
 
 class JSONBytes(Response):

@@ -44,6 +44,9 @@ class TenantPolicy:
     """Whether the tenant's `traceparent` decides if its requests are traced. Off (the default),
     a client's sampled flag can only opt a request out: the gateway samples at its configured
     ratio, so no tenant can make it trace (and export) every request."""
+    route_receipts: bool = False
+    """Whether its answers carry the `x-kvgate-route` receipt (the replica chosen, its match,
+    the runner-up and their scores: the fleet's names and load, so an operator's choice)."""
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:

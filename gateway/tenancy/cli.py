@@ -48,6 +48,12 @@ def add_tenants_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="let the tenant's traceparent decide tracing (default: sampled at the ratio)",
     )
+    add.add_argument(
+        "--route-receipts",
+        action="store_true",
+        default=None,
+        help="answers carry the x-kvgate-route receipt: the replica chosen and why",
+    )
     add.add_argument("--label", help="a note kept with the key (who or what uses it)")
 
     listing = actions.add_parser("list", help="tenants, their policies and key ids")
@@ -80,6 +86,7 @@ def run_tenants(args: argparse.Namespace) -> int:
                 tokens_per_min=args.tokens_per_min,
                 max_prompt_tokens=args.max_prompt_tokens,
                 trusted_tracing=args.trusted_tracing,
+                route_receipts=args.route_receipts,
             )
             verb = "created tenant" if created else "added a key to tenant"
             print(

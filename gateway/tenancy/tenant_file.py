@@ -13,6 +13,7 @@ Format (YAML; a file named *.json is read and written as JSON, same structure)::
         tokens_per_min: 2000000
         max_prompt_tokens: 100000
         trusted_tracing: false     # true: its traceparent's sampled flag decides tracing
+        route_receipts: false      # true: answers carry x-kvgate-route (why this replica)
         keys:
           - sha256: 9f86d081884c7d65...   # SHA-256 hex of the key; the key itself is never kept
             created: "2026-11-30T10:00:00Z"
@@ -100,6 +101,7 @@ class TenantEntry(BaseModel):
     tokens_per_min: PositiveInt | None = None
     max_prompt_tokens: PositiveInt | None = None
     trusted_tracing: bool = False
+    route_receipts: bool = False
     keys: list[KeyEntry] = Field(default_factory=list)
 
     @field_validator("billing_profile")
@@ -120,6 +122,7 @@ class TenantEntry(BaseModel):
             tokens_per_min=self.tokens_per_min,
             max_prompt_tokens=self.max_prompt_tokens,
             trusted_tracing=self.trusted_tracing,
+            route_receipts=self.route_receipts,
         )
 
 
