@@ -29,15 +29,16 @@ class ShuttingDown(GatewayError):
 
 
 def debug_headers(exchange: Exchange, enabled: bool) -> dict[str, str]:
-    """`x-kvgate-*` headers naming the replica and why it was chosen (operators only: they
-    reveal cache state, so `debug_headers` is off by default), and the route receipt
-    `x-kvgate-route` (gateway.request.receipt) with them or for a tenant given
-    `route_receipts`."""
+    """The answer's `x-request-id` (the gateway's id of the exchange: what the access log and
+    the console's request lookup know it by); `x-kvgate-*` headers naming the replica and why
+    it was chosen (operators only: they reveal cache state, so `debug_headers` is off by
+    default); and the route receipt `x-kvgate-route` (gateway.request.receipt) with them or
+    for a tenant given `route_receipts`."""
     routed = exchange.routed
-    receipt = enabled or routed.tenant.policy.route_receipts
-    if not receipt:
-        return {}
-    headers = {"x-kvgate-route": receipt_header(receipt_fields(routed, exchange.record.replica))}
+    headers = {"x-request-id": exchange.record.request_id}
+    if not (enabled or routed.tenant.policy.route_receipts):
+        return headers
+    headers["x-kvgate-route"] = receipt_header(receipt_fields(routed, exchange.record.replica))
     if enabled:
         headers["x-kvgate-replica"] = exchange.replica_url
         headers["x-kvgate-matched-blocks"] = str(

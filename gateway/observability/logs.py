@@ -10,7 +10,6 @@ instead logs its method, path, status and duration (`log_refusal`)."""
 from __future__ import annotations
 
 import logging
-import secrets
 import sys
 import time
 from typing import Any
@@ -63,7 +62,8 @@ def access_fields(record: ExchangeRecord, now_s: float) -> dict[str, Any]:
     usage: EngineUsage | None = record.usage
     body_id = record.body.get("id") if record.body else None
     return {
-        "request_id": body_id if isinstance(body_id, str) else "req_" + secrets.token_hex(8),
+        "request_id": record.request_id,
+        "response_id": body_id if isinstance(body_id, str) else None,
         "tenant": routed.tenant.name,
         "model": routed.parsed.model,
         "kind": routed.parsed.kind,

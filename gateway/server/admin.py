@@ -3,6 +3,7 @@
     GET|HEAD /metrics        Prometheus exposition (the ServiceMonitor scrapes this port)
     GET      /openapi.json   the OpenAPI document of the tenant-facing HTTP routes
     GET      /docs, /redoc   that document rendered (Swagger UI, ReDoc)
+    GET      /console[/...]  the operator's live console (gateway.server.console)
     POST     /reset_prefix_cache[?replica=URL]   every engine's (or one's) prefix cache reset
                              through the gateway, which stops routing on what they held before
                              the engines answer (`Keying.reset_prefix_cache`): {url: status}.
@@ -34,6 +35,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from gateway.request.tenant import hash_key
+from gateway.server.console import Console
 from gateway.tenancy.registry import bearer_key
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,9 @@ class AdminServer:
         title: str,
         reset: Callable[[str | None], Awaitable[dict[str, int]]] | None = None,
         admin_hashes: frozenset[str] = frozenset(),
+        console: Console | None = None,
     ) -> None:
+        self._console = console
         self._metrics = metrics
         self._reset = reset
         self._admin_hashes = admin_hashes
@@ -69,6 +73,8 @@ class AdminServer:
         app.router.add_get("/redoc", self._serve_redoc)
         if self._reset is not None:
             app.router.add_post("/reset_prefix_cache", self._serve_reset)
+        if self._console is not None:
+            self._console.add_routes(app)
         return app
 
     async def start(self, host: str, port: int) -> int:

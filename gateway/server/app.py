@@ -25,7 +25,7 @@ import random
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from fastapi import FastAPI
@@ -57,6 +57,7 @@ from gateway.fleet.discovery import Discovery, KubeTarget
 from gateway.fleet.replicas import ReplicaSet
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import RequestMetrics, build_registry, render
+from gateway.observability.recent import RecentRoutes
 from gateway.observability.tracing import Tracing, build_tracing
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.director import Director
@@ -73,6 +74,7 @@ from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
 from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
+from gateway.server.console import Console
 from gateway.server.workers import share_fleet_view
 from gateway.settings import Settings, redact_url
 from gateway.tenancy.registry import TenantRegistry
@@ -108,6 +110,8 @@ class Parts:
     """Precise mode's KV event feeds (None: events off)."""
     grpc: GrpcServer | None = None
     """The gRPC server while it runs (started by `run`)."""
+    recent: RecentRoutes = field(default_factory=RecentRoutes)
+    """The last exchanges' route receipts: the console's request lookup."""
     draining: bool = False
 
     def begin_drain(self) -> None:
@@ -297,6 +301,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     placement = _placement(settings, flights)
     limiter = RateLimiter(settings.redis_url, settings.rate_limit_timeout_s)
     request_metrics = RequestMetrics()
+    recent = RecentRoutes()
     observers: list[ExchangeObserver] = [
         TokenSettlement(limiter),
         Reconciler(
@@ -308,6 +313,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         *([billing.meter] if billing else []),
         request_metrics,
         AccessLog(),
+        recent,
     ]
     tracing = build_tracing(settings, span_exporter)
     layouts = EngineLayouts()  # per-engine layouts from pod annotations (discovery writes)
@@ -393,6 +399,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         registry,
         keying,
         intake,
+        recent=recent,
     )
 
 
@@ -517,12 +524,14 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             stack.push_async_callback(epp_server.stop)
             app.state.epp_port = epp_server.port
         if settings.metrics_port is not None:
+            admin_hashes = admin_key_hashes(settings.admin_keys)
             admin = AdminServer(
                 lambda: render(parts.registry),
                 lambda: app.openapi(),
                 app.title,
                 functools.partial(_reset_prefix_caches, parts),
-                admin_key_hashes(settings.admin_keys),
+                admin_hashes,
+                console=Console(parts.registry, parts.recent, admin_hashes),
             )
             stack.push_async_callback(admin.stop)
             if settings.worker_admin_fd is not None:

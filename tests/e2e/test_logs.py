@@ -78,7 +78,8 @@ def test_one_json_format_a_start_up_line_and_an_access_line(json_gateway: tuple[
     assert "keying approximate" in start["message"] and "billing off" in start["message"]
     (access,) = [e for e in entries if e["logger"] == "kvgate.access" and e.get("tenant")]
     usage = answer.json()["usage"]
-    assert access["request_id"] == answer.json()["id"]
+    assert access["request_id"] == answer.headers["x-request-id"]
+    assert access["response_id"] == answer.json()["id"]
     assert (access["tenant"], access["model"], access["status"]) == ("acme", MODEL, 200)
     assert access["prompt_tokens"] == usage["prompt_tokens"]
     assert access["completion_tokens"] == usage["completion_tokens"] == 4

@@ -58,6 +58,7 @@ def test_a_tenant_given_receipts_sees_why_and_another_sees_nothing(
     assert float(again["score"]) > float(again["runner_up_score"])
     other = ask(hidden)
     assert not [h for h in other.headers if h.startswith("x-kvgate")]
+    assert other.headers["x-request-id"].startswith("req_")
     (line,) = [r for r in caplog.records if r.name == "kvgate.access"]
     fields = line.__dict__["fields"]
     assert (fields["policy"], fields["reason"]) == ("cache_aware", "prefix")
