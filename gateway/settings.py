@@ -87,7 +87,8 @@ DEFAULT_REDIS_DEADLINE_PER_BLOCK_S = 20e-6
 """Added to a lookup's deadline per block of its chain: the directory's script walks the chain a
 block at a time (~3–7 µs each in Redis, the higher figure under load), so a 100k-token agent
 prompt of 6,250 blocks takes 20–45 ms in Redis alone, past any fixed few-ms deadline on every
-turn (docs/benchmarks.md, "Lookups of long chains"). 20 µs a block allows 3× that and bounds the
+turn (docs/benchmarks-archive.md, "Lookups of long chains"). 20 µs a block allows 3× that
+and bounds the
 wait at ~1.6% of the prompt's own prefill (6,250 × 16 tokens at 13,000 tokens/s: 7.7 s). The
 shared event index's lookup bisects on prefix marks (~1 ms for that chain) and walks only past
 them; the allowance is then a bound it rarely nears."""
@@ -127,7 +128,7 @@ last second, and every gateway scrapes every engine, so G gateways cost each eng
 (vLLM renders /metrics in its API process)."""
 DEFAULT_LOAD_SHARE_INTERVAL_S = 0.1
 """Ten rounds a second: another gateway's 2-s agent prefill is counted here within 5% of its
-length; one Redis round trip each (cost measured in docs/benchmarks.md)."""
+length; one Redis round trip each (cost measured in docs/benchmarks-archive.md)."""
 DISCOVERY_MODES = ("static", "kubernetes")
 DEFAULT_WATCH_TIMEOUT_S = 290
 """Ask the API server to end each watch after ~5 min (its own default is 5–10): a quiet watch is

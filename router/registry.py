@@ -34,7 +34,7 @@ DEFAULT_DISPLACEMENT_WEIGHT = 4.0
 """A live block a placement evicts costs four blocks it finds cached: its owner prefills it
 again when it returns, and on a replica full of live sessions that prefill evicts the next
 one's, and so on (each step of a thrashing replica re-prefills what the last one evicted).
-docs/benchmarks.md "round 2", half-size agent sessions: w = 1 / 2 / 4 / 8 gave 93.0 / 95.3 /
+docs/benchmarks-archive.md "round 2", half-size agent sessions: w = 1 / 2 / 4 / 8 gave 93.0 / 95.3 /
 95.8 / 96.0% of the shared LRU with a p99 TTFT of 7.0 / 5.4 / 5.5 / 6.4 s. 0 keeps displacement
 as a tie-break only, which the Mooncake slice at 10% prefers (its conversations rarely return:
 a hot block there is seldom reused)."""
@@ -42,7 +42,8 @@ a hot block there is seldom reused)."""
 DEFAULT_CROWDING_WEIGHT = 1.0
 """A crowded replica's cheapest conversation pays its stake there and the overcommit, once, in
 the prefix scorer's unit: it gives up exactly its advantage there, so it moves to a replica
-where it fits and stays only if every other is worse (see `CrowdingScorer`). docs/benchmarks.md
+where it fits and stays only if every other is worse (see `CrowdingScorer`).
+docs/benchmarks-archive.md
 "round 3": 96.6 / 96.8% of the shared LRU on the full / half-size agent sessions against round
 2's 96.2 / 95.8 (weight 0)."""
 

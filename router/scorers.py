@@ -15,7 +15,7 @@ DEFAULT_DISPLACEMENT_HOT_S = 15.0
 """An evicted block used less than 15 s ago weighs a whole block: an agent's next step follows
 its previous reply and one tool call (a 400-token reply at ~15 ms per token and a short tool
 call: 5–15 s), so such a block belongs to a live conversation that will ask for it again.
-docs/benchmarks.md "round 2": 12 / 15 / 20 s gave 96.2 / 95.8 / 95.4% of the shared LRU on
+docs/benchmarks-archive.md "round 2": 12 / 15 / 20 s gave 96.2 / 95.8 / 95.4% of the shared LRU on
 the half-size agent-session run (half-life 5 s, weight 4): 15 s is the steps' upper end, kept
 rather than tuned to one trace."""
 DEFAULT_DISPLACEMENT_HALF_LIFE_S = 5.0
