@@ -120,6 +120,9 @@ this size. Past it the soonest-expiring go first (docs/billing.md#decisions)."""
 DEFAULT_BILLING_WAL_DEADLINE_S = 5.0
 """An fdatasync takes milliseconds on a healthy volume; 5 s is a disk that stopped: the request
 fails (503) instead of hanging on it."""
+# -- billing hardening, round 2 (issue 45, items 1-3) ---------------------------------------------
+DEFAULT_BILLING_REDIS_ALLOW_UNSAFE_FSYNC = False
+"""A shipped segment is deleted on the store's reply: refuse a store that may lose it."""
 # -- Kubernetes, engine load signals, observability (issue 9; docs/operations.md) --------------
 DEFAULT_METRICS_INTERVAL_S = 1.0
 """Read each replica's /metrics once a second: its queue is what other gateways have sent in the
@@ -476,6 +479,10 @@ class Settings(BaseSettings):
     """How long a request waits for its billing record to be durable before it fails (503)."""
     billing_gateway_id: str | None = None
     """This gateway's name in ledger records (default host:pid)."""
+    # -- billing hardening, round 2 (issue 45, items 1-3) ---------------------------------
+    billing_redis_allow_unsafe_fsync: bool = DEFAULT_BILLING_REDIS_ALLOW_UNSAFE_FSYNC
+    """Accept a ledger store without appendonly yes / appendfsync always (and no WAITAOF): a
+    store crash may then lose shipped records whose segments are already deleted."""
     admin_keys: list[str] = Field(default_factory=list)
     """Keys for /admin/billing/*: clear keys (hashed on load, never kept) or `sha256:<hex>`."""
 

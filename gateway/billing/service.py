@@ -18,6 +18,7 @@ from gateway.billing.store import (
     LocalLedger,
     RedisLedgerStore,
     Shipper,
+    check_durability,
     check_layout,
 )
 from gateway.billing.wal import WalLayoutError, WriteAheadLog
@@ -76,8 +77,11 @@ class Billing:
             from cachemap.redis.client import open_redis
 
             self._client = await open_redis(url, cluster=False)
+            durability = await check_durability(
+                self._client, allow_unsafe=self.settings.billing_redis_allow_unsafe_fsync
+            )  # a store that may lose what it acknowledged fails the start
             await check_layout(self._client, claim=True)  # an unknown layout fails the start
-            self.store = RedisLedgerStore(self._client)
+            self.store = RedisLedgerStore(self._client, wait_aof=durability.wait_aof)
             self.meter.shared = SharedEntries(self._client, self.settings.billing_ledger_deadline_s)
             self.shipper = Shipper(self.wal, self.store)
             self.shipper.start()  # replays whatever earlier runs left unshipped

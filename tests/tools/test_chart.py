@@ -356,3 +356,23 @@ def test_workers_without_redis_are_refused(tmp_path: Path) -> None:
         "autoscaling": {"enabled": False},
     }
     assert "workers: 2 needs a shared Redis" in refused(tmp_path, values)
+
+
+def test_the_in_chart_redis_fsyncs_every_write_as_the_billing_store_requires(
+    tmp_path: Path,
+) -> None:
+    """Issue 45, item 1: the chart's Redis ran `--appendfsync everysec` while docs/billing.md
+    requires `always` of the ledger store (and the gateway now refuses anything else)."""
+    (server,) = one(chart.template(), "StatefulSet", "kvgate-redis")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    args = server["args"]
+    assert args[args.index("--appendfsync") + 1] == "always"
+    assert "everysec" not in args
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"redis": {"appendfsync": "everysec"}}))  # an operator's choice
+    (server,) = one(chart.template(path), "StatefulSet", "kvgate-redis")["spec"]["template"][
+        "spec"
+    ]["containers"]
+    assert server["args"][server["args"].index("--appendfsync") + 1] == "everysec"
+    assert "appendfsync" in refused(tmp_path, {"redis": {"appendfsync": "sometimes"}})
