@@ -1,6 +1,7 @@
 """The write-ahead log: one gateway's billing records, durable before the response completes.
 
     <dir>/LOCK                     flock'd by the one gateway that owns the directory
+    <dir>/LEASE                    the wall-clock time its owner last renewed it (unix s)
     <dir>/wal-00000001.jsonl       append-only segments, one JSON value per line, after a
                                    header line ["kvgate-wal", <layout>]
     <dir>/shipped.json             how far each segment has been shipped (advisory)
@@ -55,6 +56,7 @@ import contextlib
 import fcntl
 import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +82,19 @@ _SEAL_LINE_MAX = 256
 
 class WalLocked(RuntimeError):
     """Another process owns this WAL directory."""
+
+
+LEASE_FILE = "LEASE"
+
+
+def lease_age_s(directory: Path, now: float | None = None) -> float | None:
+    """How long ago the directory's owner last renewed its lease; None without a lease (a
+    directory written before leases, or never opened)."""
+    try:
+        renewed = float((directory / LEASE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return (time.time() if now is None else now) - renewed
 
 
 class WalLayoutError(ValueError):
@@ -270,7 +285,10 @@ class WriteAheadLog:
         """Aborted records written at `open` for a previous run's unsettled exchanges."""
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def open(self) -> None:
+    def open(self, *, take_over_after_s: float | None = None) -> None:
+        """Own the directory (its lock, then its lease), bill a previous run's unsettled open
+        entries, start a fresh segment. `take_over_after_s`: the directory of another gateway,
+        taken over only if its lease is at least that old (`WalLocked` otherwise)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         lock_fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -281,7 +299,12 @@ class WriteAheadLog:
                 f"the billing WAL directory {self.directory} is in use by another gateway; "
                 "give each gateway its own billing_wal_dir"
             ) from None
+        age = lease_age_s(self.directory)
+        if take_over_after_s is not None and age is not None and age < take_over_after_s:
+            os.close(lock_fd)  # the lock is free but the lease fresh: its owner may be alive
+            raise WalLocked(f"the billing WAL directory {self.directory} has a fresh lease")
         self._lock_fd = lock_fd
+        self.renew_lease()
         recovered = unsettled(self.directory)
         self._rotate(b"")
         if recovered:
@@ -297,6 +320,14 @@ class WriteAheadLog:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def renew_lease(self) -> None:
+        """Write the lease: this owner is alive now (no fsync: a lease lost with the machine
+        belongs to an owner that is gone)."""
+        path = self.directory / LEASE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(repr(time.time()))
+        os.replace(tmp, path)
 
     async def flushed(self) -> None:
         """Wait until every write submitted so far has landed or failed."""

@@ -213,7 +213,7 @@ def test_everything_on_renders_every_option() -> None:
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     (gateway,) = pod["containers"]
     billing = next(m for m in gateway["volumeMounts"] if m["name"] == "billing")
-    assert billing["subPathExpr"] == "$(POD_NAME)"  # one claim, a directory per pod
+    assert "subPathExpr" not in billing  # one claim, seen whole: a directory per pod in it
     claim = one(objects, "PersistentVolumeClaim")
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert {
@@ -376,3 +376,26 @@ def test_the_in_chart_redis_fsyncs_every_write_as_the_billing_store_requires(
     ]["containers"]
     assert server["args"][server["args"].index("--appendfsync") + 1] == "everysec"
     assert "appendfsync" in refused(tmp_path, {"redis": {"appendfsync": "sometimes"}})
+
+
+def test_with_billing_persistence_every_gateway_sees_its_siblings_wal_to_take_over() -> None:
+    """Issue 45, item 3: with persistence on, each pod mounted only its own directory
+    (`subPathExpr: $(POD_NAME)`), so nobody ever opened the directory of a pod that was gone.
+    Now the claim is mounted whole, the pod's log is `<walDir>/<pod name>`, and the gateway takes
+    over the sibling directories whose gateway is gone."""
+    objects = chart.template(chart.EVERYTHING_VALUES)
+    (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in gateway["env"]}
+    names = [e["name"] for e in gateway["env"]]
+    assert names.index("POD_NAME") < names.index("KVGATE_BILLING_WAL_DIR")  # $(POD_NAME) expands
+    assert env["KVGATE_BILLING_WAL_DIR"] == "/var/lib/kvgate/billing/$(POD_NAME)"
+    assert env["KVGATE_BILLING_WAL_TAKEOVER"] == "true"
+    (mount,) = [m for m in gateway["volumeMounts"] if m["name"] == "billing"]
+    assert mount == {"name": "billing", "mountPath": "/var/lib/kvgate/billing"}  # no subPath
+    claim = one(objects, "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    # without persistence: an emptyDir per pod, its own log, nothing to take over
+    (gateway,) = one(chart.template(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in gateway["env"]}
+    assert env["KVGATE_BILLING_WAL_DIR"] == "/var/lib/kvgate/billing"
+    assert "KVGATE_BILLING_WAL_TAKEOVER" not in env
