@@ -358,23 +358,35 @@ def test_workers_without_redis_are_refused(tmp_path: Path) -> None:
     assert "workers: 2 needs a shared Redis" in refused(tmp_path, values)
 
 
-def test_the_in_chart_redis_fsyncs_every_write_as_the_billing_store_requires(
-    tmp_path: Path,
-) -> None:
-    """Issue 45, item 1: the chart's Redis ran `--appendfsync everysec` while docs/billing.md
-    requires `always` of the ledger store (and the gateway now refuses anything else)."""
-    (server,) = one(chart.template(), "StatefulSet", "kvgate-redis")["spec"]["template"]["spec"][
+def test_the_in_chart_ledger_store_fsyncs_every_write_as_billing_requires(tmp_path: Path) -> None:
+    """Issue 45, item 1: the chart's only Redis ran `--appendfsync everysec` while docs/billing.md
+    requires `always` of the ledger store (and the gateway now refuses anything else). The
+    ledger store is a Redis of its own (`billing.store`), wired as billing_redis_url; the
+    directory's Redis keeps `everysec` (an fsync before every reply would hold its lookups)."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"billing": {"store": {"enabled": True}}}))
+    objects = chart.template(path)
+    validated = chart.validate(objects)
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+    store = one(objects, "StatefulSet", "kvgate-billing-store")
+    (server,) = store["spec"]["template"]["spec"]["containers"]
+    args = server["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == "always"
+    assert store["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    service = one(objects, "Service", "kvgate-billing-store")
+    assert service["spec"]["selector"] == store["spec"]["selector"]["matchLabels"]
+    (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in gateway["env"]}
+    assert env["KVGATE_BILLING_REDIS_URL"] == "redis://kvgate-billing-store:6379/0"
+    (directory,) = one(objects, "StatefulSet", "kvgate-redis")["spec"]["template"]["spec"][
         "containers"
     ]
-    args = server["args"]
-    assert args[args.index("--appendfsync") + 1] == "always"
-    assert "everysec" not in args
-    path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump({"redis": {"appendfsync": "everysec"}}))  # an operator's choice
-    (server,) = one(chart.template(path), "StatefulSet", "kvgate-redis")["spec"]["template"][
-        "spec"
-    ]["containers"]
-    assert server["args"][server["args"].index("--appendfsync") + 1] == "everysec"
+    assert directory["args"][directory["args"].index("--appendfsync") + 1] == "everysec"
+    # off by default; one ledger store, never two; an fsync mode Redis knows
+    assert not [o for o in chart.template() if o["metadata"]["name"] == "kvgate-billing-store"]
+    both = {"billing": {"store": {"enabled": True}}, "config": {"billing_redis_url": "redis://x"}}
+    assert "choose one ledger store" in refused(tmp_path, both)
     assert "appendfsync" in refused(tmp_path, {"redis": {"appendfsync": "sometimes"}})
 
 
