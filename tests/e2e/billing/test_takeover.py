@@ -108,3 +108,21 @@ def test_a_directory_with_a_live_owner_is_never_taken_over(tmp_path: Path) -> No
     taker = WriteAheadLog(tmp_path / "kvgate-a")
     taker.open(take_over_after_s=0.0)
     taker.close()
+
+
+def test_the_siblings_are_every_gateways_and_every_workers_directory_but_ours(
+    tmp_path: Path,
+) -> None:
+    """`<root>/<pod>` or, under `--workers`, `<root>/<pod>/worker-<i>`: ours is never a sibling
+    (our own workers reopen their own directories), nor is anything without a LOCK."""
+    for wal_dir in ("kvgate-a", "kvgate-b/worker-0", "kvgate-b/worker-1", "ours/worker-1"):
+        (tmp_path / wal_dir).mkdir(parents=True)
+        (tmp_path / wal_dir / "LOCK").touch()
+    (tmp_path / "lost+found").mkdir()
+    (tmp_path / "notes.txt").touch()
+    assert wal_directories(tmp_path, tmp_path / "ours") == [
+        tmp_path / "kvgate-a",
+        tmp_path / "kvgate-b" / "worker-0",
+        tmp_path / "kvgate-b" / "worker-1",
+    ]
+    assert wal_directories(tmp_path / "absent", tmp_path / "ours") == []
