@@ -565,6 +565,10 @@ class WriteAheadLog:
         old, self._fd = self._fd, fd
         self._size = len(head)
         self._carry = False
+        # the old segment is sealed at its good size: nothing is left to cut (a cut retried
+        # here cut the *new* segment to the old one's size, padding it with NULs that made the
+        # next acknowledged record unreadable)
+        self._broken = None
         self.synced = (path, len(head))
         if old is not None:
             os.close(old)

@@ -168,3 +168,36 @@ async def test_a_restart_reads_a_sealed_segment_up_to_its_seal(
     assert again.num_recovered == 1
     statuses = [(r["id"], r["status"]) for r in read_directory(tmp_path / "wal")]
     assert statuses == [("acme:req-1", "aborted")]
+
+
+async def test_a_rotation_after_the_log_broke_leaves_the_new_segment_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sync fails, the cut fails, the next segment cannot be created: the log is broken
+    (every write first retries the cut). A rotation that then succeeds (the segment was full)
+    ends that: before, the retried cut truncated the *new* segment to the old one's good size,
+    padding it with NULs that glued themselves to the next acknowledged record (unreadable:
+    lost)."""
+    wal = WriteAheadLog(tmp_path / "wal", segment_bytes=300)
+    wal.open()
+    await wal.append(record(0, "acme", "complete"))
+    real_open = os.open
+    refused = [True]
+
+    def open_refusing_a_segment_once(path: Any, flags: int, mode: int = 0o777) -> int:
+        if refused[0] and Path(path).name.startswith("wal-"):
+            refused[0] = False
+            raise OSError(errno.ENOSPC, "injected")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "fdatasync", fail_once(os.fdatasync))
+    monkeypatch.setattr(os, "ftruncate", fail_once(os.ftruncate))
+    monkeypatch.setattr(os, "open", open_refusing_a_segment_once)
+    big = {**record(1, "acme", "complete"), "pad": "x" * 300}  # the segment is full after it
+    with pytest.raises(WalUnavailable):
+        await wal.append(big)
+    await wal.flushed()  # the rotation of the full segment, which succeeds
+    monkeypatch.undo()
+    await wal.append(record(2, "acme", "complete"))
+    await wal.aclose()
+    assert [r["id"] for r in read_directory(tmp_path / "wal")] == ["acme:req-0", "acme:req-2"]
