@@ -121,6 +121,15 @@ this size. Past it the soonest-expiring go first (docs/billing.md#decisions)."""
 DEFAULT_BILLING_WAL_DEADLINE_S = 5.0
 """An fdatasync takes milliseconds on a healthy volume; 5 s is a disk that stopped: the request
 fails (503) instead of hanging on it."""
+# -- billing hardening, round 2 (issue 45, items 1-3) ---------------------------------------------
+DEFAULT_BILLING_REDIS_ALLOW_UNSAFE_FSYNC = False
+"""A shipped segment is deleted on the store's reply: refuse a store that may lose it."""
+DEFAULT_BILLING_WAL_TAKEOVER = False
+"""Only where every gateway's WAL directory is on one shared volume (the chart's persistence)."""
+DEFAULT_BILLING_WAL_LEASE_S = 30.0
+"""A live gateway renews its directory's lease every 10 s: a directory whose lease is 30 s old
+and whose lock is free has no live owner (a container restart takes a few seconds, and 30 s
+covers clock skew between nodes of tens of seconds' worth of NTP trouble)."""
 # -- Kubernetes, engine load signals, observability (issue 9; docs/operations.md) --------------
 DEFAULT_METRICS_INTERVAL_S = 1.0
 """Read each replica's /metrics once a second: its queue is what other gateways have sent in the
@@ -477,6 +486,15 @@ class Settings(BaseSettings):
     """How long a request waits for its billing record to be durable before it fails (503)."""
     billing_gateway_id: str | None = None
     """This gateway's name in ledger records (default host:pid)."""
+    # -- billing hardening, round 2 (issue 45, items 1-3) ---------------------------------
+    billing_redis_allow_unsafe_fsync: bool = DEFAULT_BILLING_REDIS_ALLOW_UNSAFE_FSYNC
+    """Accept a ledger store without appendonly yes / appendfsync always (and no WAITAOF): a
+    store crash may then lose shipped records whose segments are already deleted."""
+    billing_wal_takeover: bool = DEFAULT_BILLING_WAL_TAKEOVER
+    """Ship the WAL directories beside `billing_wal_dir` whose gateway is gone (lock free,
+    lease expired): the pods of a Deployment on one shared volume (docs/billing.md)."""
+    billing_wal_lease_s: float = DEFAULT_BILLING_WAL_LEASE_S
+    """How old a directory's lease must be before another gateway takes it over."""
     admin_keys: list[str] = Field(default_factory=list)
     """Keys for /admin/billing/*: clear keys (hashed on load, never kept) or `sha256:<hex>`."""
 
@@ -550,6 +568,7 @@ class Settings(BaseSettings):
         "epp_max_message_timeout_s",
         "body_read_timeout_s",
         "billing_wal_deadline_s",
+        "billing_wal_lease_s",
         "first_byte_timeout_s",
         "stream_idle_timeout_s",
         "connect_timeout_s",
