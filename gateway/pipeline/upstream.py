@@ -17,13 +17,20 @@ Invariants:
   (`pause_reading`) until a reader takes them, so a slow consumer backs the engine up through
   TCP instead of growing the gateway's memory; a sink is bounded by its own consumer;
 - a failure before the response's headers is a `ConnectionError` (the caller may try another
-  replica); after them, reads raise `UpstreamBroke`.
+  replica); after them, reads raise `UpstreamBroke`;
+- a response is parsed by a parser of its own (one per request), and the engine's bytes count
+  only while a request is in flight and its response has not ended: a byte that arrives on an
+  idle connection, or after the response's end, closes the connection (never reused), and an
+  idle connection whose socket is readable (unread bytes, or the engine's FIN) is not taken
+  from the pool. Else a stray response, whose length could swallow the next real answer, would
+  be read as the answer to the next request on the connection, another tenant's perhaps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import select
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -43,6 +50,10 @@ Sink = Callable[[bytes], None]
 
 class UpstreamBroke(Exception):
     """The engine's connection ended, or sent bytes that are not HTTP, mid-response."""
+
+
+class _Stray(Exception):
+    """A second response began on a request's connection: bytes the request never asked for."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -71,10 +82,13 @@ class UpstreamConnection(asyncio.Protocol):
         self._key = key
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser = httptools.HttpResponseParser(self)  # a new one per request: `send`
+        self._fd = -1
         self.num_requests = 0
         self.idle_since_s = 0.0
         self.lost = False
+        self.in_flight = False
+        """A request was written and its connection not yet released or closed."""
         self._reset()
 
     def _reset(self) -> None:
@@ -84,6 +98,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._keep_alive = True
         self._framed = False  # a content-length or chunked body (else it ends at EOF)
         self._headers_done: asyncio.Future[None] | None = None
+        self._began = False
         self._bytes_seen = False
         self._pieces: list[bytes] = []
         self._buffer: list[bytes] = []
@@ -99,12 +114,21 @@ class UpstreamConnection(asyncio.Protocol):
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = self.transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1
         self._pool.opened(self)
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_flight or self._complete:
+            self._stray()  # nobody asked for these bytes: the connection is done
+            return
         self._bytes_seen = True
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if not isinstance(exc.__context__, _Stray):
+                raise AssertionError("an httptools callback failed") from exc.__context__
+            self._stray()  # after this response's end: what came before it stands
         except httptools.HttpParserError as exc:
             self._failed(UpstreamBroke(f"the engine sent malformed HTTP: {exc}"))
             self._close_transport()
@@ -143,6 +167,11 @@ class UpstreamConnection(asyncio.Protocol):
         self.end_splice()
 
     # -- httptools callbacks -----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._began:
+            raise _Stray  # stops the parser before any byte of it is taken
+        self._began = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         if name == b"content-type":
@@ -184,12 +213,29 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
+    def _stray(self) -> None:
+        """Bytes no request asked for: the connection is closed, never reused."""
+        self._keep_alive = False
+        self._close_transport()
+
+    def readable(self) -> bool:
+        """Bytes (or the engine's FIN) wait unread in the socket: an idle connection that is
+        readable is not reused (`UpstreamPool._connection`)."""
+        if self._fd < 0:
+            return False  # not a socket the loop exposes: data_received still guards it
+        try:
+            return bool(select.select([self._fd], (), (), 0)[0])
+        except (OSError, ValueError):
+            return True
+
     # -- the request -------------------------------------------------------------------------
     async def send(self, head: bytes, payload: bytes) -> None:
         """Write one request and wait for its response's headers (`ConnectionError` if the
         connection ends before them)."""
         assert self.transport is not None
         self.num_requests += 1
+        self.in_flight = True
+        self._parser = httptools.HttpResponseParser(self)
         self._headers_done = self._loop.create_future()
         self.transport.write(head + payload if len(payload) < 16384 else head)
         if len(payload) >= 16384:
@@ -264,11 +310,13 @@ class UpstreamConnection(asyncio.Protocol):
     def close(self) -> None:
         """Drop the connection (an engine aborts the request it was answering)."""
         self._keep_alive = False
+        self.in_flight = False
         self._close_transport()
         self._pool.done(self, reuse=False)
 
     def release(self) -> None:
         """The response is over: back to the pool if it ended whole, else closed."""
+        self.in_flight = False
         reuse = self._complete and self._error is None and self._keep_alive and not self.lost
         if not reuse:
             self._close_transport()
@@ -337,7 +385,7 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.lost and now - conn.idle_since_s < KEEPALIVE_S:
+            if not conn.lost and now - conn.idle_since_s < KEEPALIVE_S and not conn.readable():
                 conn._reset()
                 return conn
             conn._close_transport()
