@@ -83,7 +83,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)  # a new one per request: `send`
-        self._fd = -1
+        self._poll: select.poll | None = None
         self.num_requests = 0
         self.idle_since_s = 0.0
         self.lost = False
@@ -115,7 +115,9 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         sock = self.transport.get_extra_info("socket")
-        self._fd = sock.fileno() if sock is not None else -1
+        if sock is not None:  # poll, not select: a busy gateway's descriptors pass 1024
+            self._poll = select.poll()
+            self._poll.register(sock.fileno(), select.POLLIN)
         self._pool.opened(self)
 
     def data_received(self, data: bytes) -> None:
@@ -221,12 +223,9 @@ class UpstreamConnection(asyncio.Protocol):
     def readable(self) -> bool:
         """Bytes (or the engine's FIN) wait unread in the socket: an idle connection that is
         readable is not reused (`UpstreamPool._connection`)."""
-        if self._fd < 0:
+        if self._poll is None:
             return False  # not a socket the loop exposes: data_received still guards it
-        try:
-            return bool(select.select([self._fd], (), (), 0)[0])
-        except (OSError, ValueError):
-            return True
+        return bool(self._poll.poll(0))  # ~1.5 µs
 
     # -- the request -------------------------------------------------------------------------
     async def send(self, head: bytes, payload: bytes) -> None:

@@ -66,7 +66,7 @@ def test_a_stray_response_after_a_stream_reaches_neither_it_nor_the_next_request
         return sse_answer(f"answer {n}") + stray_swallowing(sse_answer(f"answer {n + 1}"))
 
     engine = raw_engine(shape=shape)
-    gateway = start_gateway([engine], scrape_metrics=False, first_byte_timeout_s=2.0)  # type: ignore[list-item]
+    gateway = start_gateway([engine], scrape_metrics=False, first_byte_timeout_s=2.0)
     for n, key in ((1, TENANT_KEY), (2, OTHER_KEY), (3, TENANT_KEY)):
         started = time.monotonic()
         response = chat(gateway, key, stream=True)
@@ -85,7 +85,7 @@ def test_a_stray_response_on_an_idle_connection_reaches_no_request(
     gateway reads it while no request is in flight). Before: kept, parsed, and the connection
     reused; the next answer was swallowed. Now the connection is closed when the bytes come."""
     engine = raw_engine(shape=default_shape)
-    gateway = start_gateway([engine], scrape_metrics=False, first_byte_timeout_s=2.0)  # type: ignore[list-item]
+    gateway = start_gateway([engine], scrape_metrics=False, first_byte_timeout_s=2.0)
     pool = director(gateway).forwarder.pool
     assert pool is not None
     for stream in (True, False):
