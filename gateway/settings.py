@@ -144,6 +144,16 @@ DEFAULT_EPP_MAX_MESSAGE_TIMEOUT_S = 30.0
 the same value in the shipped Envoy config): a fan-out hold's bound (at most `fanout_max_hold_s`,
 10 s) plus the pick after it fits with room."""
 
+# -- hardening round 2: the upstream client and the relay (issue 45, items 5-6) ---------------
+DEFAULT_UPSTREAM_MAX_HEADER_BYTES = 64 * 1024
+"""An engine's response head is ~200 bytes; 64 KiB is the limit uvicorn and h11 put on the heads
+they read, and bounds llhttp's cost, which copies a header value at every read (quadratic: an
+8 MB header cost the event loop 332 ms)."""
+DEFAULT_UPSTREAM_MAX_BODY_BYTES = 64 * 1024 * 1024
+"""The most of an engine's whole answer (non-streamed, or a 4xx) the gateway holds: an engine
+answers whole only what it cannot stream (`prompt_logprobs`, beam search, `best_of`), and a
+128k-token prompt's `prompt_logprobs` with 5 alternatives each (~300 B a token, ~40 MB) fits."""
+
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
 )
@@ -203,6 +213,12 @@ class Settings(BaseSettings):
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     """How long a request body may take to arrive, whole (408 after)."""
     upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
+    # -- hardening round 2 (issue 45, items 5-6; docs/reliability.md) ----------------------
+    upstream_max_header_bytes: int = DEFAULT_UPSTREAM_MAX_HEADER_BYTES
+    """The longest response head an engine may send (a 502 past it, before any byte is relayed)."""
+    upstream_max_body_bytes: int = DEFAULT_UPSTREAM_MAX_BODY_BYTES
+    """The largest whole body (a non-streamed answer, a 4xx) read from an engine (502 past it);
+    a 5xx's body is read only for the log's first 200 bytes."""
     debug_headers: bool = False
     """Operator debugging only: adds x-kvgate-replica / -matched-blocks / -decision headers.
     Off by default, because they tell a client about cache state."""
@@ -604,6 +620,8 @@ class Settings(BaseSettings):
         "max_prompt_bytes",
         "billing_ledger_max_entries",
         "workers",
+        "upstream_max_header_bytes",
+        "upstream_max_body_bytes",
     )
     @classmethod
     def _positive(cls, value: int) -> int:

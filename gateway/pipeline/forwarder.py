@@ -25,7 +25,18 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from gateway.pipeline.upstream import UpstreamBroke, UpstreamConnection, UpstreamPool
+from gateway.errors import UpstreamError
+from gateway.pipeline.upstream import (
+    BodyTooLarge,
+    HeadersTooLarge,
+    UpstreamBroke,
+    UpstreamConnection,
+    UpstreamPool,
+)
+from gateway.settings import DEFAULT_UPSTREAM_MAX_BODY_BYTES
+
+ERROR_TEXT_BYTES = 200
+"""What of a 5xx's body is read, for the log; the rest is never read (the connection closes)."""
 
 
 class RetryableFailure(Exception):
@@ -316,11 +327,19 @@ class Forwarder:
     `first_byte_timeout_s` bounds an attempt up to its commit (the engine's first event, or
     its whole answer when it does not stream); `idle_timeout_s` bounds each silence after it."""
 
-    def __init__(self, first_byte_timeout_s: float, idle_timeout_s: float) -> None:
+    def __init__(
+        self,
+        first_byte_timeout_s: float,
+        idle_timeout_s: float,
+        max_body_bytes: int = DEFAULT_UPSTREAM_MAX_BODY_BYTES,
+    ) -> None:
         self.session: aiohttp.ClientSession | None = None
         self.pool: UpstreamPool | None = None
         self.first_byte_timeout_s = first_byte_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.max_body_bytes = max_body_bytes
+        """A body read whole (a 4xx, a non-streamed answer) over it is a 502, not retried: the
+        answer's size is the request's doing, not the replica's."""
 
     async def attempt(
         self, url: str, payload: bytes, stream: bool, headers: Mapping[str, str] | None = None
@@ -349,18 +368,20 @@ class Forwarder:
         assert self.pool is not None, "the lifespan binds the pool"
         try:
             response = await self.pool.post(url, payload, headers)
+        except HeadersTooLarge as exc:  # it answered, badly: try another, it is not down
+            raise RetryableFailure(str(exc)) from None
         except OSError as exc:
             raise RetryableFailure(f"{type(exc).__name__}: {exc}", connection=True) from None
         committed = False
         try:
             if response.status >= 500:
-                text = (await response.read())[:200].decode(errors="replace")
+                text = (await response.read_head(ERROR_TEXT_BYTES)).decode(errors="replace")
                 raise RetryableFailure(f"engine answered {response.status}: {text}")
             if response.status >= 400:
-                return Passthrough(response.status, await response.read())
+                return Passthrough(response.status, await response.read(self.max_body_bytes))
             if not stream or _is_json(response):  # asked not to stream, or would not
                 try:
-                    body = orjson.loads(await response.read())
+                    body = orjson.loads(await response.read(self.max_body_bytes))
                 except orjson.JSONDecodeError:
                     raise RetryableFailure("engine sent malformed JSON") from None
                 if not isinstance(body, dict):
@@ -374,6 +395,11 @@ class Forwarder:
                     watch.start(response)
                     return Streaming(response, first, batches, reader, watch)
             raise RetryableFailure("engine closed the stream before its first event")
+        except BodyTooLarge as exc:
+            raise UpstreamError(
+                f"the engine's answer is larger than the gateway accepts ({exc.limit} bytes)",
+                code="upstream_too_large",
+            ) from None
         except UpstreamBroke as exc:
             raise RetryableFailure(f"{type(exc).__name__}: {exc}") from None
         finally:

@@ -18,6 +18,8 @@ Invariants:
   TCP instead of growing the gateway's memory; a sink is bounded by its own consumer;
 - a failure before the response's headers is a `ConnectionError` (the caller may try another
   replica); after them, reads raise `UpstreamBroke`;
+- a response head is at most `max_header_bytes` (else a `HeadersTooLarge` before the
+  headers), and `read(limit)` takes a whole body only up to its limit (`BodyTooLarge`);
 - a response is parsed by a parser of its own (one per request), and the engine's bytes count
   only while a request is in flight and its response has not ended: a byte that arrives on an
   idle connection, or after the response's end, closes the connection (never reused), and an
@@ -39,6 +41,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.settings import DEFAULT_UPSTREAM_MAX_HEADER_BYTES
+
 KEEPALIVE_S = 4.0
 """How long an idle connection is reused: under uvicorn's default keep-alive of 5 s (vLLM's and
 SGLang's servers), so the engine does not close it under a request we are writing."""
@@ -50,6 +54,18 @@ Sink = Callable[[bytes], None]
 
 class UpstreamBroke(Exception):
     """The engine's connection ended, or sent bytes that are not HTTP, mid-response."""
+
+
+class HeadersTooLarge(ConnectionError):
+    """The engine's response head passed the pool's `max_header_bytes` (nothing was relayed)."""
+
+
+class BodyTooLarge(UpstreamBroke):
+    """A body read whole (`read(limit)`) passed its limit; the connection is not reused."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the engine's answer is larger than {limit} bytes")
+        self.limit = limit
 
 
 class _Stray(Exception):
@@ -98,6 +114,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._keep_alive = True
         self._framed = False  # a content-length or chunked body (else it ends at EOF)
         self._headers_done: asyncio.Future[None] | None = None
+        self._head_bytes = 0
         self._began = False
         self._bytes_seen = False
         self._pieces: list[bytes] = []
@@ -126,7 +143,14 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._bytes_seen = True
         try:
-            self._parser.feed_data(data)
+            if self.status:
+                self._parser.feed_data(data)
+            else:
+                self._feed_head(data)
+        except HeadersTooLarge as exc:
+            self._failed(UpstreamBroke(str(exc)), exc)
+            self._close_transport()
+            return
         except httptools.HttpParserCallbackError as exc:
             if not isinstance(exc.__context__, _Stray):
                 raise AssertionError("an httptools callback failed") from exc.__context__
@@ -168,6 +192,20 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake()
         self.end_splice()
 
+    def _feed_head(self, data: bytes) -> None:
+        """Feed bytes while the head is still coming, never more than `max_header_bytes` of it
+        (llhttp has no limit of its own)."""
+        limit = self._pool.max_header_bytes
+        room = limit - self._head_bytes
+        self._head_bytes += len(data)
+        if len(data) <= room:
+            self._parser.feed_data(data)
+            return
+        self._parser.feed_data(data[:room])
+        if not self.status:
+            raise HeadersTooLarge(f"the engine sent a response head over {limit} bytes")
+        self._parser.feed_data(data[room:])
+
     # -- httptools callbacks -----------------------------------------------------------------
     def on_message_begin(self) -> None:
         if self._began:
@@ -202,12 +240,12 @@ class UpstreamConnection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException, before_headers: ConnectionError | None = None) -> None:
         if self._error is None:
             self._error = exc
         waiter = self._headers_done
         if waiter is not None and not waiter.done():
-            waiter.set_exception(ConnectionError(str(exc)))
+            waiter.set_exception(before_headers or ConnectionError(str(exc)))
         self._wake()
         self.end_splice()
 
@@ -266,12 +304,27 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
-    async def read(self) -> bytes:
-        """The rest of the body, whole."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The rest of the body, whole; past `limit` bytes, `BodyTooLarge` (the caller then
+        releases the connection, which closes it: its response did not end)."""
         parts = []
+        size = 0
         while data := await self.readany():
+            size += len(data)
+            if limit is not None and size > limit:
+                raise BodyTooLarge(limit)
             parts.append(data)
         return b"".join(parts)
+
+    async def read_head(self, size: int) -> bytes:
+        """The body's first `size` bytes at most (an error's text for the log); the rest is
+        never read (the connection is then closed at its release, not drained)."""
+        parts = []
+        got = 0
+        while got < size and (data := await self.readany()):
+            parts.append(data)
+            got += len(data)
+        return b"".join(parts)[:size]
 
     async def splice(self, sink: Sink) -> None:
         """Hand every body read to `sink` as it arrives, in `data_received`, until the sink
@@ -329,9 +382,15 @@ class UpstreamPool:
     connection that ends before any byte of its response (the engine closed it while we wrote)
     is replaced once by a new one; any other failure is the caller's."""
 
-    def __init__(self, max_connections: int, connect_timeout_s: float) -> None:
+    def __init__(
+        self,
+        max_connections: int,
+        connect_timeout_s: float,
+        max_header_bytes: int = DEFAULT_UPSTREAM_MAX_HEADER_BYTES,
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
+        self.max_header_bytes = max_header_bytes
         self._slots: asyncio.Semaphore | None = None
         self._idle: dict[tuple[str, int, bool], list[UpstreamConnection]] = {}
         self.connections: set[UpstreamConnection] = set()

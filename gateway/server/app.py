@@ -320,7 +320,11 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     frontiers = _frontiers(settings, policy, precise, intake, replicas)
     if frontiers is not None:
         observers.append(FrontierObserver(frontiers))
-    forwarder = Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s)
+    forwarder = Forwarder(
+        settings.first_byte_timeout_s,
+        settings.stream_idle_timeout_s,
+        settings.upstream_max_body_bytes,
+    )
     keying = Keying(
         RouteKeys(
             settings.block_bytes,
@@ -466,7 +470,11 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
         )
         parts.forwarder.session = session
         # the attempts' own connections (the relay splices them to the clients)
-        pool = UpstreamPool(settings.upstream_max_connections, settings.connect_timeout_s)
+        pool = UpstreamPool(
+            settings.upstream_max_connections,
+            settings.connect_timeout_s,
+            settings.upstream_max_header_bytes,
+        )
         stack.callback(pool.close)
         parts.forwarder.pool = pool
         stack.push_async_callback(parts.limiter.close)

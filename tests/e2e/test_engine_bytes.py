@@ -13,7 +13,7 @@ import pytest
 
 from tests.clients import director
 from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY
-from tests.raw_engine import RawEngine, default_shape, sse_answer
+from tests.raw_engine import RawEngine, default_shape, http_answer, sse_answer
 from tests.servers import Served, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -101,3 +101,62 @@ def test_a_stray_response_on_an_idle_connection_reaches_no_request(
         assert f"answer {n + 1}".encode() in response.content
         assert time.monotonic() - started < 2.0
         assert engine.num_completions == before + 2
+
+
+FLOOD = 8 * 1024 * 1024
+
+
+class Flood:
+    """The engine's answers, switched by the test: `mode` names the misbehaviour."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+
+    def __call__(self, n: int, body: bytes) -> bytes:
+        if self.mode == "header":  # an 8 MB header (llhttp's cost is quadratic in it)
+            return sse_answer(f"answer {n}", head=b"x-flood: %b\r\n" % (b"a" * FLOOD))
+        if self.mode in ("400", "500"):  # an 8 MB error body
+            error = b'{"error": {"message": "%b"}}' % (b"e" * FLOOD)
+            return http_answer(int(self.mode), b"application/json", error)
+        if self.mode == "json":  # an 8 MB answer, not streamed (whatever was asked): read whole
+            return http_answer(200, b"application/json", b'{"x": "%b"}' % (b"j" * FLOOD))
+        return default_shape(n, body)
+
+
+def test_an_engines_huge_head_or_body_is_a_clean_502_and_the_gateway_stays_responsive(
+    raw_engine: Callable[..., RawEngine], start_gateway: Callable[..., Served]
+) -> None:
+    """Item 5. Before: an 8 MB header was parsed whole (332 ms of event loop each) and the answer
+    relayed; an 8 MB 4xx was read whole and passed through; an 8 MB non-streamed answer was
+    read whole. Now the head is cut at `upstream_max_header_bytes` (64 KiB), a whole body at
+    `upstream_max_body_bytes` (1 MiB here), each a 502 in the API's shape, a 5xx's body is
+    read only for the log, and the next request is served at once (the replica is not down)."""
+    flood = Flood()
+    engine = raw_engine(shape=flood)
+    gateway = start_gateway([engine], scrape_metrics=False, upstream_max_body_bytes=1024 * 1024)
+    pool = director(gateway).forwarder.pool
+    assert pool is not None
+    cases = (("header", True), ("400", True), ("500", True), ("json", False), ("500", False))
+    for mode, stream in cases:
+        flood.mode = mode
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        started = time.monotonic()
+        response = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={**body, "stream": stream},
+            headers={"authorization": f"Bearer {TENANT_KEY}"},
+            timeout=10,
+        )
+        elapsed = time.monotonic() - started
+        assert response.status_code == 502, (mode, response.status_code, response.text[:200])
+        error = response.json()["error"]
+        assert error["type"] == "upstream_error", error
+        assert len(response.content) < 1000 and "127.0.0.1" not in error["message"]
+        if mode in ("400", "json"):
+            assert error["code"] == "upstream_too_large" and "1048576 bytes" in error["message"]
+        assert elapsed < 2.0, (mode, elapsed)
+        wait_until(lambda: not gateway.on_loop(lambda: len(pool.connections)), 5, "dropped")
+        flood.mode = "ok"
+        started = time.monotonic()
+        assert chat(gateway, OTHER_KEY, stream).status_code == 200
+        assert time.monotonic() - started < 1.0
