@@ -153,6 +153,14 @@ class QuotaExceeded(GatewayError):
         return {"retry-after": str(max(1, round(self.retry_after_s + 0.5)))}
 
 
+class TooManyInFlight(QuotaExceeded):
+    """429: the tenant has as many requests in flight as it may (`tenant_max_inflight`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=1.0)
+        self.code = "too_many_requests_in_flight"
+
+
 class NoReplica(GatewayError):
     status = 503
     type = "service_unavailable_error"

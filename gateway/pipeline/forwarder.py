@@ -71,7 +71,7 @@ class Closable(Protocol):
 class ClientOut(Protocol):
     """The client's side of a spliced relay: bytes written straight to its connection (framed
     by the front end), `paused` while the client's socket buffer is over its high-water mark,
-    `drain()` until it is not."""
+    `drain()` until it is not, `cut()` to drop the connection (a client too slow to read)."""
 
     @property
     def paused(self) -> bool: ...
@@ -79,6 +79,8 @@ class ClientOut(Protocol):
     def write(self, data: bytes) -> None: ...
 
     async def drain(self) -> None: ...
+
+    def cut(self) -> None: ...
 
 
 class StallWatch:

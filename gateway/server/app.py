@@ -340,7 +340,12 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     )
     director = Director(
         keying=keying,
-        admission=Admission(tenants, limiter, settings.max_prompt_bytes),
+        admission=Admission(
+            tenants,
+            limiter,
+            settings.max_prompt_bytes,
+            settings.effective_tenant_max_inflight(),
+        ),
         directory=directory,
         replicas=replicas,
         placement=placement,
@@ -357,6 +362,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         tracer=tracing.tracer,
         rng=random.Random(settings.seed),
         frontiers=frontiers,
+        drain_timeout_s=settings.client_drain_timeout_s,
     )
     discovery = _discovery(settings, replicas, directory, layouts)
     registry.register(
