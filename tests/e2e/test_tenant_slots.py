@@ -92,13 +92,15 @@ def test_a_tenants_own_max_inflight_overrides_the_gateways_and_each_request_leav
     assert admission.num_inflight == {}
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 def test_a_client_that_stops_reading_is_cut_after_the_drain_deadline_and_billed_aborted(
-    start_gateway: Callable[..., Served], tmp_path: Path
+    start_gateway: Callable[..., Served], tmp_path: Path, path: str
 ) -> None:
     """Before: the relay waited on the client's `drain()` for ever, holding the engine's
     connection and slot as long as the client held its socket open. Now, after
     `client_drain_timeout_s` (0.5 s here) of a full buffer, the client's connection and the
-    engine's are dropped and the request is billed as aborted."""
+    engine's are dropped and the request is billed as aborted. OpenAI's stream is spliced
+    (`Exchange.drain`), Anthropic's goes through uvicorn's `send` (`ExchangeSSE`): both."""
     flood = Flood()
     engine = start_app(flood.app())
     client = socket.socket()
@@ -116,9 +118,9 @@ def test_a_client_that_stops_reading_is_cut_after_the_drain_deadline_and_billed_
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         client.connect(("127.0.0.1", gateway.port))
         client.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+            b"POST %s HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
             b"authorization: Bearer %s\r\ncontent-length: %d\r\n\r\n%s"
-            % (TENANT_KEY.encode(), len(body), body)
+            % (path.encode(), TENANT_KEY.encode(), len(body), body)
         )
         assert client.recv(1024).startswith(b"HTTP/1.1 200")  # then the client reads no more
         started = time.monotonic()
