@@ -61,7 +61,7 @@ class HeadersTooLarge(ConnectionError):
 
 
 class BodyTooLarge(UpstreamBroke):
-    """A body read whole (`read(limit)`) passed its limit; the connection is not reused."""
+    """A body read whole (`read(limit)`) passed its limit."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"the engine's answer is larger than {limit} bytes")
@@ -151,14 +151,12 @@ class UpstreamConnection(asyncio.Protocol):
             self._failed(UpstreamBroke(str(exc)), exc)
             self._close_transport()
             return
-        except httptools.HttpParserCallbackError as exc:
+        except httptools.HttpParserError as exc:  # a callback's error is one too
             if not isinstance(exc.__context__, _Stray):
-                raise AssertionError("an httptools callback failed") from exc.__context__
+                self._failed(UpstreamBroke(f"the engine sent malformed HTTP: {exc}"))
+                self._close_transport()
+                return
             self._stray()  # after this response's end: what came before it stands
-        except httptools.HttpParserError as exc:
-            self._failed(UpstreamBroke(f"the engine sent malformed HTTP: {exc}"))
-            self._close_transport()
-            return
         if self._pieces:
             pieces = self._pieces
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -306,7 +304,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     async def read(self, limit: int | None = None) -> bytes:
         """The rest of the body, whole; past `limit` bytes, `BodyTooLarge` (the caller then
-        releases the connection, which closes it: its response did not end)."""
+        releases the connection: closed unless the whole response had arrived)."""
         parts = []
         size = 0
         while data := await self.readany():

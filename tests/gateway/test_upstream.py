@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.pipeline.upstream import MAX_BUFFERED_BYTES, UpstreamBroke, UpstreamPool
+from gateway.pipeline.upstream import (
+    MAX_BUFFERED_BYTES,
+    BodyTooLarge,
+    HeadersTooLarge,
+    UpstreamBroke,
+    UpstreamPool,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 SSE_HEAD = (
@@ -328,4 +334,39 @@ async def test_bytes_after_the_end_of_a_response_are_not_part_of_it(
         assert await conn.read() == b'{"n": 1}'  # a new connection: its first answer
     conn.release()
     assert server.num_connections == 2
+    pool.close()
+
+
+async def test_a_head_or_a_whole_body_over_its_limit_fails_and_the_connection_closes(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    """Item 5, at the pool: llhttp is fed at most `max_header_bytes` of a head (however the
+    engine splits it), and `read(limit)` stops past its limit; neither connection is reused."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            request = await read_request(reader)
+            if request.endswith(b'"head"}'):
+                writer.write(JSON_HEAD + b"x-big: ")
+                for _ in range(40):  # 40 reads' worth of a 4 KB header line
+                    writer.write(b"a" * 4096)
+                    await writer.drain()
+                writer.write(b"\r\ncontent-length: 2\r\n\r\n{}")
+            else:
+                writer.write(answer_of(b"b" * 1_000_000))  # more than is read ahead
+            await writer.drain()
+
+    server = await serve(answer)
+    pool = UpstreamPool(8, 2.0, max_header_bytes=16 * 1024)
+    with pytest.raises(HeadersTooLarge, match="over 16384 bytes"):
+        await pool.post(server.url, b'{"a":"head"}')
+    conn = await pool.post(server.url, b'{"a":"body"}')
+    with pytest.raises(BodyTooLarge, match="larger than 4096 bytes"):
+        await conn.read(4096)
+    conn.release()  # its response had not ended: closed, not pooled
+    await eventually(lambda: not pool.connections)
+    conn = await pool.post(server.url, b'{"a":"body"}')
+    assert len(await conn.read(1_000_000)) == 1_000_000
+    conn.release()
+    assert server.num_connections == 3
     pool.close()
