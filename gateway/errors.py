@@ -171,6 +171,17 @@ class UpstreamError(GatewayError):
     type = "upstream_error"
 
 
+TOO_LARGE = "upstream_too_large"
+
+
+def too_large(limit: int) -> UpstreamError:
+    """502: an engine's whole answer passed `upstream_max_body_bytes` (not retried: its size is
+    the request's doing, and another replica would answer as much)."""
+    return UpstreamError(
+        f"the engine's answer is larger than the gateway accepts ({limit} bytes)", code=TOO_LARGE
+    )
+
+
 class EngineRejected(GatewayError):
     """An engine's 4xx, carried as an error by the front ends that translate bodies."""
 

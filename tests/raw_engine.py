@@ -31,14 +31,14 @@ def chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
 
 
-def sse_answer(text: str, head: bytes = b"") -> bytes:
-    """A whole streamed chat answer: one content event, the usage event, [DONE]."""
+def sse_answer(text: str, head: bytes = b"", num_events: int = 1) -> bytes:
+    """A whole streamed chat answer: `num_events` content events, the usage event, [DONE]."""
     delta = {"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": None}
     end = {"index": 0, "delta": {}, "finish_reason": "stop"}
     usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
     base = {"id": "chatcmpl-raw", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
     events = [
-        b"data: " + orjson.dumps({**base, "choices": [delta]}) + b"\n\n",
+        *[b"data: " + orjson.dumps({**base, "choices": [delta]}) + b"\n\n"] * num_events,
         b"data: " + orjson.dumps({**base, "choices": [end], "usage": usage}) + b"\n\n",
         b"data: [DONE]\n\n",
     ]

@@ -480,6 +480,7 @@ class Director:
             opened,
             reforward=reforward,
             drain_timeout_s=self.drain_timeout_s,
+            max_body_bytes=self.forwarder.max_body_bytes,
         )
 
     async def _commit(

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.errors import GatewayError, UpstreamError
+from gateway.errors import TOO_LARGE, GatewayError, UpstreamError, too_large
 from gateway.fleet.replicas import Lease
 from gateway.pipeline.assemble import Assembler
 from gateway.pipeline.forwarder import ClientOut, Complete, Streaming
@@ -82,8 +82,11 @@ class Exchange:
         *,
         reforward: Reforward | None = None,
         drain_timeout_s: float | None = None,
+        max_body_bytes: int | None = None,
     ) -> None:
         self.hooks = hooks
+        self.max_body_bytes = max_body_bytes
+        """The largest answer `complete` assembles (a 502 `upstream_too_large` past it)."""
         self.drain_timeout_s = drain_timeout_s
         """How long a write to the client may wait for it to read (None: as long as it takes)."""
         self.cut = False
@@ -166,7 +169,12 @@ class Exchange:
             return
         reader = stream.reader
         events = stream.first_batch
+        size = 0
         while True:
+            size += sum(len(e) for e in events)
+            if self.max_body_bytes is not None and size > self.max_body_bytes:
+                self._fail(too_large(self.max_body_bytes))
+                return
             for event in events:
                 chunk = await self._answer_chunk(event)
                 if chunk is _ENDED:
@@ -197,6 +205,7 @@ class Exchange:
         if (
             self._reforward is None
             or not isinstance(self.failure, UpstreamError)
+            or self.failure.code == TOO_LARGE  # the request's doing: as large elsewhere
             or self.record.usage is not None
             or self.client_gone
         ):

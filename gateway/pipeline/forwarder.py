@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from gateway.errors import UpstreamError
+from gateway.errors import too_large
 from gateway.pipeline.upstream import (
     BodyTooLarge,
     HeadersTooLarge,
@@ -37,6 +37,10 @@ from gateway.settings import DEFAULT_UPSTREAM_MAX_BODY_BYTES
 
 ERROR_TEXT_BYTES = 200
 """What of a 5xx's body is read, for the log; the rest is never read (the connection closes)."""
+
+
+class EventTooLarge(UpstreamBroke):
+    """An SSE event longer than the reader holds back (`EventReader.max_event_bytes`)."""
 
 
 class RetryableFailure(Exception):
@@ -198,11 +202,19 @@ class EventReader:
     Engines end lines with \\n (vLLM, SGLang); a \\r\\n stream is normalised. `watch` hears of
     every read."""
 
-    __slots__ = ("content", "held", "out", "tail", "watch")
+    __slots__ = ("content", "held", "max_event_bytes", "out", "tail", "watch")
 
-    def __init__(self, content: UpstreamConnection, watch: StallWatch | None = None) -> None:
+    def __init__(
+        self,
+        content: UpstreamConnection,
+        watch: StallWatch | None = None,
+        max_event_bytes: int = DEFAULT_UPSTREAM_MAX_BODY_BYTES,
+    ) -> None:
         self.content = content
         self.watch = watch
+        self.max_event_bytes = max_event_bytes
+        """The longest event held back whole (`EventTooLarge` past it: an engine that never
+        ends its event would grow the tail for ever)."""
         self.tail = b""
         self.held = b""
         self.out: ClientOut | None = None
@@ -231,10 +243,16 @@ class EventReader:
             return data
         cut = data.rfind(b"\n\n") + 2
         if cut < 2:
-            self.tail = data
+            self._hold(data)
             return b""
-        data, self.tail = data[:cut], data[cut:]
+        data, tail = data[:cut], data[cut:]
+        self._hold(tail)
         return data
+
+    def _hold(self, tail: bytes) -> None:
+        if len(tail) > self.max_event_bytes:
+            raise EventTooLarge(f"the engine sent an event over {self.max_event_bytes} bytes")
+        self.tail = tail
 
     def _last(self) -> bytes:
         """The stream's unterminated last event, if any (without its separator)."""
@@ -243,7 +261,8 @@ class EventReader:
 
     async def batches(self) -> AsyncGenerator[list[bytes], None]:
         while data := await self._read():
-            *events, self.tail = data.split(b"\n\n")
+            *events, tail = data.split(b"\n\n")
+            self._hold(tail)
             events = [e for e in events if e]
             if events:
                 yield events
@@ -279,8 +298,8 @@ class EventReader:
         out = self.out
         assert out is not None
         data = self._arrived(data)
-        if b'"usage"' in data or out.paused:
-            self.held = data
+        if b'"usage"' in data or out.paused or len(data) > self.max_event_bytes:
+            self.held = data  # the slow path: it may await, or raise (`_whole`)
             self.content.end_splice()
             return
         if whole := self._whole(data):
@@ -389,7 +408,7 @@ class Forwarder:
                 if not isinstance(body, dict):
                     raise RetryableFailure("engine sent a non-object JSON body")
                 return Complete(body)
-            reader = EventReader(response, watch)
+            reader = EventReader(response, watch, self.max_body_bytes)
             batches = reader.batches()
             async for first in batches:
                 if any(event.startswith(b"data:") for event in first):
@@ -398,10 +417,7 @@ class Forwarder:
                     return Streaming(response, first, batches, reader, watch)
             raise RetryableFailure("engine closed the stream before its first event")
         except BodyTooLarge as exc:
-            raise UpstreamError(
-                f"the engine's answer is larger than the gateway accepts ({exc.limit} bytes)",
-                code="upstream_too_large",
-            ) from None
+            raise too_large(exc.limit) from None
         except UpstreamBroke as exc:
             raise RetryableFailure(f"{type(exc).__name__}: {exc}") from None
         finally:
