@@ -226,8 +226,9 @@ class Settings(BaseSettings):
     upstream_max_header_bytes: int = DEFAULT_UPSTREAM_MAX_HEADER_BYTES
     """The longest response head an engine may send (a 502 past it, before any byte is relayed)."""
     upstream_max_body_bytes: int = DEFAULT_UPSTREAM_MAX_BODY_BYTES
-    """The largest whole body (a non-streamed answer, a 4xx) read from an engine (502 past it);
-    a 5xx's body is read only for the log's first 200 bytes."""
+    """The largest whole body (a non-streamed answer, a 4xx) read from an engine, or assembled
+    from its stream, and the longest event held back (502 past it); a 5xx's body is read only
+    for the log's first 200 bytes."""
     tenant_max_inflight: int | None = None
     """Requests one tenant may have in flight at once in this process (429 past it); a tenant's
     `max_inflight` in the tenants file overrides it. None: half of `upstream_max_connections`."""
