@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from gateway.directory.routing import RoutingDirectory
-from gateway.errors import InvalidRequest, ModelNotFound, NoReplica, UpstreamError
+from gateway.errors import InvalidRequest, ModelNotFound, NoReplica, TooManyInFlight, UpstreamError
 from gateway.fleet.replicas import Lease, ReplicaSet, ReplicaState
 from gateway.observability.histograms import LOOKUP_BUCKETS_S, LabelledHistograms
 from gateway.pipeline.admission import Admission
@@ -62,6 +62,10 @@ def engine_streams(body: dict[str, Any]) -> bool:
 class DirectorStats:
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)
     retries: int = 0
+    inflight_refused: int = 0
+    """Requests refused (429) for their tenant's requests in flight (`Admission.enter`)."""
+    clients_cut: int = 0
+    """Streams cut because their client did not read within the drain deadline."""
     lookup_seconds: LabelledHistograms = field(
         default_factory=lambda: LabelledHistograms(LOOKUP_BUCKETS_S)
     )
@@ -187,7 +191,14 @@ class Director:
             trace.failed(exc)
             raise
         if isinstance(opened, Exchange):
-            opened.on_closed = ended
+            exchange = opened
+
+            def closed() -> None:
+                if exchange.cut:
+                    self.stats.clients_cut += 1
+                ended()
+
+            opened.on_closed = closed
         else:
             ended()
         return opened
@@ -299,7 +310,11 @@ class Director:
             candidates = [c for c in candidates if c.id in only and c.healthy]
             if not candidates:
                 raise NoReplica("no endpoint of the data plane's subset can serve this request")
-        left = self.admission.enter(tenant)
+        try:
+            left = self.admission.enter(tenant)
+        except TooManyInFlight:
+            self.stats.inflight_refused += 1
+            raise
         try:
             charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
         except BaseException:

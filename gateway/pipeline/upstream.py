@@ -254,6 +254,8 @@ class UpstreamConnection(asyncio.Protocol):
     def _stray(self) -> None:
         """Bytes no request asked for: the connection is closed, never reused."""
         self._keep_alive = False
+        if self.transport is not None and not self.transport.is_closing():
+            self._pool.num_strays += 1
         self._close_transport()
 
     def readable(self) -> bool:
@@ -393,6 +395,8 @@ class UpstreamPool:
         self._idle: dict[tuple[str, int, bool], list[UpstreamConnection]] = {}
         self.connections: set[UpstreamConnection] = set()
         """Every open connection, idle or in use."""
+        self.num_strays = 0
+        """Connections dropped for bytes no request asked for, or found readable when idle."""
         self._tls: ssl.SSLContext | None = None
 
     async def post(
@@ -441,9 +445,11 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.lost and now - conn.idle_since_s < KEEPALIVE_S and not conn.readable():
-                conn._reset()
-                return conn
+            if not conn.lost and now - conn.idle_since_s < KEEPALIVE_S:
+                if not conn.readable():
+                    conn._reset()
+                    return conn
+                self.num_strays += 1  # unread bytes (or the engine's FIN) on an idle one
             conn._close_transport()
         host, port, tls = key
         loop = asyncio.get_running_loop()

@@ -375,6 +375,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             discovery=discovery,
             precise=precise,
             check=keying.check,
+            forwarder=forwarder,
         )
     )
     front = FrontEnd(

@@ -76,6 +76,8 @@ def test_a_stray_response_after_a_stream_reaches_neither_it_nor_the_next_request
         assert response.content.endswith(b"data: [DONE]\n\n")
         assert time.monotonic() - started < 2.0
     assert engine.num_completions == 3
+    pool = director(gateway).forwarder.pool
+    assert pool is not None and pool.num_strays == 3  # counted: kvgate_upstream_stray_...
 
 
 def test_a_stray_response_on_an_idle_connection_reaches_no_request(

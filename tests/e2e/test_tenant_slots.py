@@ -18,7 +18,7 @@ from gateway.pipeline.admission import Admission
 from gateway.request.tenant import Tenant, TenantPolicy
 from loadgen.engine.timing import TimingModel
 from tests.clients import director
-from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY
+from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, metrics_url
 from tests.e2e.test_relay import Flood
 from tests.servers import Served, start_app, stop_all, wait_until
 
@@ -60,6 +60,7 @@ def test_one_tenant_holding_many_streams_leaves_slots_for_another(
                 assert "max_inflight 2" in error["message"]
                 assert response.headers["retry-after"] == "2"
         assert statuses == [200, 200, 429, 429]
+        assert director(gateway).stats.inflight_refused == 2
         started = time.monotonic()
         other = httpx.post(
             url,
@@ -140,6 +141,8 @@ def test_a_client_that_stops_reading_is_cut_after_the_drain_deadline_and_billed_
         assert record["status"] == "aborted" and record["tenant"] == "acme"
         assert record["output_tokens"] == 0
         assert unsettled(tmp_path / "wal") == []
+        metrics = httpx.get(metrics_url(gateway) + "/metrics", timeout=5).text
+        assert "kvgate_clients_cut_total 1.0" in metrics
         client.settimeout(5)
         with contextlib.suppress(ConnectionError):  # reset, or the end of what was sent
             while client.recv(65536):
