@@ -54,6 +54,8 @@ def test_add_prints_the_key_once_and_stores_only_its_hash(
         "100000",
         "--max-prompt-tokens",
         "32000",
+        "--max-inflight",
+        "8",
         "--label",
         "ci",
     )
@@ -75,6 +77,7 @@ def test_add_prints_the_key_once_and_stores_only_its_hash(
         100000,
         32000,
     )
+    assert entry.max_inflight == 8
     assert entry.keys[0].label == "ci" and entry.keys[0].created
     # a second key for the same tenant keeps the policy, and is a different key
     status, out2, err = kvgate(capsys, "tenants", "add", "--file", str(path), "acme")
