@@ -154,6 +154,25 @@ DEFAULT_EPP_MAX_MESSAGE_TIMEOUT_S = 30.0
 the same value in the shipped Envoy config): a fan-out hold's bound (at most `fanout_max_hold_s`,
 10 s) plus the pick after it fits with room."""
 
+# -- hardening round 2: the upstream client and the relay (issue 45, items 5-6) ---------------
+DEFAULT_UPSTREAM_MAX_HEADER_BYTES = 64 * 1024
+"""An engine's response head is ~200 bytes; 64 KiB is the limit uvicorn and h11 put on the heads
+they read, and bounds llhttp's cost, which copies a header value at every read (quadratic: an
+8 MB header cost the event loop 332 ms)."""
+DEFAULT_UPSTREAM_MAX_BODY_BYTES = 64 * 1024 * 1024
+"""The most of an engine's whole answer (non-streamed, or a 4xx) the gateway holds: an engine
+answers whole only what it cannot stream (`prompt_logprobs`, beam search, `best_of`), and a
+128k-token prompt's `prompt_logprobs` with 5 alternatives each (~300 B a token, ~40 MB) fits."""
+DEFAULT_TENANT_INFLIGHT_SHARE = 0.5
+"""Without `tenant_max_inflight`, a tenant may hold half the upstream slots (512 of 1,024): one
+tenant's many streams leave the other half to everyone else, and a gateway serving one tenant
+still takes it far past any engine's batch (vLLM's default max_num_seqs is 256)."""
+DEFAULT_CLIENT_DRAIN_TIMEOUT_S = 10.0
+"""How long the relay waits for a client to read what fills its socket buffer (~48 KB: asyncio's
+high-water mark down to its low-water mark): a client slower than ~5 KB/s reads slower than an
+engine streams tokens and would hold an engine connection for ever; a 100 kbit/s mobile link
+takes ~4 s."""
+
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
 )
@@ -213,6 +232,33 @@ class Settings(BaseSettings):
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     """How long a request body may take to arrive, whole (408 after)."""
     upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
+    # -- hardening round 2 (issue 45, items 5-6; docs/reliability.md) ----------------------
+    upstream_max_header_bytes: int = DEFAULT_UPSTREAM_MAX_HEADER_BYTES
+    """The longest response head an engine may send (a 502 past it, before any byte is relayed)."""
+    upstream_max_body_bytes: int = DEFAULT_UPSTREAM_MAX_BODY_BYTES
+    """The largest whole body (a non-streamed answer, a 4xx) read from an engine, or assembled
+    from its stream, and the longest event held back (502 past it); a 5xx's body is read only
+    for the log's first 200 bytes."""
+    tenant_max_inflight: int | None = None
+    """Requests one tenant may have in flight at once in this process (429 past it); a tenant's
+    `max_inflight` in the tenants file overrides it. None: half of `upstream_max_connections`."""
+    client_drain_timeout_s: float = DEFAULT_CLIENT_DRAIN_TIMEOUT_S
+    """How long a stream waits for its client to read before it is cut (engine connection
+    closed, billed as aborted)."""
+
+    @field_validator("tenant_max_inflight")
+    @classmethod
+    def _positive_or_none(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be positive (or absent: half of upstream_max_connections)")
+        return value
+
+    def effective_tenant_max_inflight(self) -> int:
+        """`tenant_max_inflight`, or its default share of the upstream slots."""
+        if self.tenant_max_inflight is not None:
+            return self.tenant_max_inflight
+        return max(1, int(self.upstream_max_connections * DEFAULT_TENANT_INFLIGHT_SHARE))
+
     debug_headers: bool = False
     """Operator debugging only: adds x-kvgate-replica / -matched-blocks / -decision headers.
     Off by default, because they tell a client about cache state."""
@@ -573,6 +619,7 @@ class Settings(BaseSettings):
         "stream_idle_timeout_s",
         "connect_timeout_s",
         "shutdown_grace_s",
+        "client_drain_timeout_s",
     )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
@@ -624,6 +671,8 @@ class Settings(BaseSettings):
         "max_prompt_bytes",
         "billing_ledger_max_entries",
         "workers",
+        "upstream_max_header_bytes",
+        "upstream_max_body_bytes",
     )
     @classmethod
     def _positive(cls, value: int) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from gateway.directory.routing import RoutingDirectory
-from gateway.errors import InvalidRequest, ModelNotFound, NoReplica, UpstreamError
+from gateway.errors import InvalidRequest, ModelNotFound, NoReplica, TooManyInFlight, UpstreamError
 from gateway.fleet.replicas import Lease, ReplicaSet, ReplicaState
 from gateway.observability.histograms import LOOKUP_BUCKETS_S, LabelledHistograms
 from gateway.pipeline.admission import Admission
@@ -62,6 +62,10 @@ def engine_streams(body: dict[str, Any]) -> bool:
 class DirectorStats:
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)
     retries: int = 0
+    inflight_refused: int = 0
+    """Requests refused (429) for their tenant's requests in flight (`Admission.enter`)."""
+    clients_cut: int = 0
+    """Streams cut because their client did not read within the drain deadline."""
     lookup_seconds: LabelledHistograms = field(
         default_factory=lambda: LabelledHistograms(LOOKUP_BUCKETS_S)
     )
@@ -124,7 +128,10 @@ class Director:
         tracer: Tracer | None = None,
         rng: random.Random | None = None,
         frontiers: Frontiers | None = None,
+        drain_timeout_s: float | None = None,
     ) -> None:
+        self.drain_timeout_s = drain_timeout_s
+        """How long a stream waits for its client to read before it is cut (`Exchange.drain`)."""
         self.keying = keying
         self.frontiers = frontiers
         """Precise mode with `cache_pressure`: each replica's eviction frontier (None: off)."""
@@ -172,7 +179,8 @@ class Director:
         trace = self.tracer.begin(parsed, tenant, trace_headers)
         ended = self.activity.begin()
         try:
-            candidates, tenant, parsed, charged = await self._admit(parsed, tenant)
+            candidates, tenant, parsed, charged, left = await self._admit(parsed, tenant)
+            ended = _both(ended, left)
             routed, flight = await self._route(parsed, tenant, candidates, trace, opened_s, charged)
             if flight is None:
                 opened = await self._forward(routed, trace)
@@ -183,7 +191,14 @@ class Director:
             trace.failed(exc)
             raise
         if isinstance(opened, Exchange):
-            opened.on_closed = ended
+            exchange = opened
+
+            def closed() -> None:
+                if exchange.cut:
+                    self.stats.clients_cut += 1
+                ended()
+
+            opened.on_closed = closed
         else:
             ended()
         return opened
@@ -209,7 +224,8 @@ class Director:
         trace = self.tracer.begin(parsed, tenant, trace_headers)
         ended = self.activity.begin()
         try:
-            candidates, tenant, parsed, charged = await self._admit(parsed, tenant, only)
+            candidates, tenant, parsed, charged, left = await self._admit(parsed, tenant, only)
+            ended = _both(ended, left)
             routed, flight = await self._route(
                 parsed, tenant, candidates, trace, opened_s, charged, on_hold
             )
@@ -267,13 +283,13 @@ class Director:
     # -- 1. admit --------------------------------------------------------------------------
     async def _admit(
         self, parsed: ParsedRequest, tenant: Tenant, only: Collection[str] | None = None
-    ) -> tuple[list[ReplicaState], Tenant, ParsedRequest, int]:
+    ) -> tuple[list[ReplicaState], Tenant, ParsedRequest, int, Callable[[], None]]:
         """The replicas that may serve the request, the tenant as this request sees it (its
-        end user's salt in a `user` scope), the request as the hooks left it, and the tokens
-        charged to its rate limit. Order: the tenant's scope, model and size
-        (gateway.pipeline.admission), the request hooks (and the size of what they made), then
-        the fleet (404, 503), then the rate limit, so a request that cannot be served spends
-        no budget."""
+        end user's salt in a `user` scope), the request as the hooks left it, the tokens
+        charged to its rate limit, and the end of its count in flight. Order: the tenant's
+        scope, model and size (gateway.pipeline.admission), the request hooks (and the size of
+        what they made), then the fleet (404, 503), then the tenant's requests in flight, then
+        the rate limit, so a request that cannot be served spends no budget."""
         prompt_tokens = self.estimator.prompt_tokens(parsed, tenant=tenant.name)
         tenant = self.admission.check(parsed, tenant, prompt_tokens)
         rendered = parsed.rendered
@@ -294,8 +310,17 @@ class Director:
             candidates = [c for c in candidates if c.id in only and c.healthy]
             if not candidates:
                 raise NoReplica("no endpoint of the data plane's subset can serve this request")
-        charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
-        return candidates, tenant, parsed, charged
+        try:
+            left = self.admission.enter(tenant)
+        except TooManyInFlight:
+            self.stats.inflight_refused += 1
+            raise
+        try:
+            charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
+        except BaseException:
+            left()
+            raise
+        return candidates, tenant, parsed, charged, left
 
     # -- 2. route --------------------------------------------------------------------------
     async def _route(
@@ -462,7 +487,16 @@ class Director:
                 lease, opened, attempt = again
                 return lease, opened
 
-        return Exchange(self.recorder, routed, lease, trace, opened, reforward=reforward)
+        return Exchange(
+            self.recorder,
+            routed,
+            lease,
+            trace,
+            opened,
+            reforward=reforward,
+            drain_timeout_s=self.drain_timeout_s,
+            max_body_bytes=self.forwarder.max_body_bytes,
+        )
 
     async def _commit(
         self,
@@ -542,6 +576,16 @@ class Director:
             state = self.replicas.states.get(replica_id)
             if state is not None and replica_id not in tried:
                 yield state
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    """One end for two counts (each of which ends once, however often called)."""
+
+    def end() -> None:
+        first()
+        second()
+
+    return end
 
 
 def _headers(routed: Routed, replica: str, upstream: AttemptTrace) -> dict[str, str] | None:

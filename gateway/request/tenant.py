@@ -40,6 +40,9 @@ class TenantPolicy:
     requests_per_min: int | None = None
     tokens_per_min: int | None = None
     max_prompt_tokens: int | None = None
+    max_inflight: int | None = None
+    """Requests this tenant may have in flight at once in one gateway process (None: the
+    gateway's `tenant_max_inflight`)."""
     trusted_tracing: bool = False
     """Whether the tenant's `traceparent` decides if its requests are traced. Off (the default),
     a client's sampled flag can only opt a request out: the gateway samples at its configured
@@ -51,7 +54,7 @@ class TenantPolicy:
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
             raise ValueError(f"unknown isolation scope {self.scope!r}; choose one of {SCOPES}")
-        for name in ("requests_per_min", "tokens_per_min", "max_prompt_tokens"):
+        for name in ("requests_per_min", "tokens_per_min", "max_prompt_tokens", "max_inflight"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive (or absent for no limit)")

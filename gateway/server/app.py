@@ -326,7 +326,11 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     frontiers = _frontiers(settings, policy, precise, intake, replicas)
     if frontiers is not None:
         observers.append(FrontierObserver(frontiers))
-    forwarder = Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s)
+    forwarder = Forwarder(
+        settings.first_byte_timeout_s,
+        settings.stream_idle_timeout_s,
+        settings.upstream_max_body_bytes,
+    )
     keying = Keying(
         RouteKeys(
             settings.block_bytes,
@@ -342,7 +346,12 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     )
     director = Director(
         keying=keying,
-        admission=Admission(tenants, limiter, settings.max_prompt_bytes),
+        admission=Admission(
+            tenants,
+            limiter,
+            settings.max_prompt_bytes,
+            settings.effective_tenant_max_inflight(),
+        ),
         directory=directory,
         replicas=replicas,
         placement=placement,
@@ -359,6 +368,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         tracer=tracing.tracer,
         rng=random.Random(settings.seed),
         frontiers=frontiers,
+        drain_timeout_s=settings.client_drain_timeout_s,
     )
     discovery = _discovery(settings, replicas, directory, layouts)
     registry.register(
@@ -371,6 +381,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             discovery=discovery,
             precise=precise,
             check=keying.check,
+            forwarder=forwarder,
         )
     )
     front = FrontEnd(
@@ -473,7 +484,11 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
         )
         parts.forwarder.session = session
         # the attempts' own connections (the relay splices them to the clients)
-        pool = UpstreamPool(settings.upstream_max_connections, settings.connect_timeout_s)
+        pool = UpstreamPool(
+            settings.upstream_max_connections,
+            settings.connect_timeout_s,
+            settings.upstream_max_header_bytes,
+        )
         stack.callback(pool.close)
         parts.forwarder.pool = pool
         stack.push_async_callback(parts.limiter.close)

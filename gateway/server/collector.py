@@ -21,6 +21,7 @@ from gateway.fleet.replicas import ReplicaSet
 from gateway.observability import histograms
 from gateway.observability.metrics import RequestMetrics
 from gateway.pipeline.director import DirectorStats
+from gateway.pipeline.forwarder import Forwarder
 from gateway.pipeline.placement import Placement
 
 HOTTEST_SHOWN = 5
@@ -53,7 +54,9 @@ class GatewayCollector(Collector):
         discovery: Discovery | None = None,
         precise: PreciseKeys | None = None,
         check: TokenizerCheck | None = None,
+        forwarder: Forwarder | None = None,
     ) -> None:
+        self.forwarder = forwarder
         self.precise = precise
         self.check = check
         self.stats = stats
@@ -249,6 +252,22 @@ class GatewayCollector(Collector):
         yield decisions
         yield CounterMetricFamily(
             "kvgate_upstream_retries", "Attempts retried on another replica.", stats.retries
+        )
+        yield CounterMetricFamily(
+            "kvgate_inflight_refused",
+            "Requests refused for their tenant's requests in flight (tenant_max_inflight).",
+            stats.inflight_refused,
+        )
+        yield CounterMetricFamily(
+            "kvgate_clients_cut",
+            "Streams cut: the client did not read within client_drain_timeout_s.",
+            stats.clients_cut,
+        )
+        pool = self.forwarder.pool if self.forwarder is not None else None
+        yield CounterMetricFamily(
+            "kvgate_upstream_stray_connections",
+            "Engine connections dropped for bytes no request asked for (or readable when idle).",
+            pool.num_strays if pool is not None else 0,
         )
         dstats = self.directory.stats
         lookups = CounterMetricFamily(

@@ -12,6 +12,7 @@ Format (YAML; a file named *.json is read and written as JSON, same structure)::
         requests_per_min: 600      # absent: no limit
         tokens_per_min: 2000000
         max_prompt_tokens: 100000
+        max_inflight: 64           # absent: the gateway's tenant_max_inflight
         trusted_tracing: false     # true: its traceparent's sampled flag decides tracing
         route_receipts: false      # true: answers carry x-kvgate-route (why this replica)
         keys:
@@ -100,6 +101,7 @@ class TenantEntry(BaseModel):
     requests_per_min: PositiveInt | None = None
     tokens_per_min: PositiveInt | None = None
     max_prompt_tokens: PositiveInt | None = None
+    max_inflight: PositiveInt | None = None
     trusted_tracing: bool = False
     route_receipts: bool = False
     keys: list[KeyEntry] = Field(default_factory=list)
@@ -121,6 +123,7 @@ class TenantEntry(BaseModel):
             requests_per_min=self.requests_per_min,
             tokens_per_min=self.tokens_per_min,
             max_prompt_tokens=self.max_prompt_tokens,
+            max_inflight=self.max_inflight,
             trusted_tracing=self.trusted_tracing,
             route_receipts=self.route_receipts,
         )
