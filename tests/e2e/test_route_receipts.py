@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from gateway.tenancy.tenant_file import add_key
 from loadgen.text import words
 from tests.conftest import MODEL
-from tests.servers import Served
+from tests.servers import Served, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -46,12 +47,13 @@ def test_a_tenant_given_receipts_sees_why_and_another_sees_nothing(
         assert r.status_code == 200, r.text
         return r
 
+    caplog.set_level(logging.INFO, logger="kvgate.access")
     first = receipt(ask(shown))
     assert (first["policy"], first["reason"]) == ("cache_aware", "no_match")
     matched, total = (int(n) for n in first["matched"].split("/"))
     assert matched == 0 and total > 0
-    with caplog.at_level(logging.INFO, logger="kvgate.access"):
-        again = receipt(ask(shown))  # the same prompt: its prefix is where the first went
+    second = ask(shown)  # the same prompt: its prefix is where the first went
+    again = receipt(second)
     assert (again["reason"], again["replica"]) == ("prefix", first["replica"])
     assert again["matched"] == f"{total}/{total}"
     assert again["runner_up"] != again["replica"] and again["runner_up_matched"] == "0"
@@ -59,8 +61,20 @@ def test_a_tenant_given_receipts_sees_why_and_another_sees_nothing(
     other = ask(hidden)
     assert not [h for h in other.headers if h.startswith("x-kvgate")]
     assert other.headers["x-request-id"].startswith("req_")
-    (line,) = [r for r in caplog.records if r.name == "kvgate.access"]
-    fields = line.__dict__["fields"]
+
+    def access_line() -> dict[str, Any] | None:  # logged when the exchange ends: wait for it
+        for r in caplog.records:
+            fields: dict[str, Any] = r.__dict__.get("fields", {})
+            if (
+                r.name == "kvgate.access"
+                and fields.get("request_id") == second.headers["x-request-id"]
+            ):
+                return fields
+        return None
+
+    wait_until(lambda: access_line() is not None, what="the second answer's access line")
+    fields = access_line()
+    assert fields is not None
     assert (fields["policy"], fields["reason"]) == ("cache_aware", "prefix")
     assert fields["matched"] == again["matched"]
     assert fields["runner_up"] == again["runner_up"] and "decided" not in fields
