@@ -230,10 +230,12 @@ return #sets / 2 + #dels
 
 
 def map_record(engine_hash: EngineHash, value: bytes | None) -> bytes:
-    """One field of `MAP`'s blob: the engine hash's field and its value (None: delete)."""
+    """One field of `MAP`'s blob: the engine hash's field and its value (None: delete).
+    ValueError for a field or value of 256 bytes or more (the decoder bounds engine hashes)."""
     field_ = engine_field(engine_hash)
     value = value or b""
-    assert len(field_) < 256 and len(value) < 256, "map fields and values are short"
+    if len(field_) >= 256 or len(value) >= 256:
+        raise ValueError(f"a map field or value of {len(field_)}/{len(value)} bytes (max 255)")
     return b"%c%b%c%b" % (len(field_), field_, len(value), value)
 
 

@@ -170,6 +170,48 @@ ROOT = b""
 """A chain's first block's parent (`_Owned.parents`)."""
 
 
+@dataclass
+class _Pending:
+    """One domain's writes taken out of its state for a flush, put back if it fails."""
+
+    blocks: dict[BlockHash, int]
+    removed: dict[BlockHash, bytes]
+    mapping: dict[EngineHash, bytes | None]
+    cleared: bool
+    stale: list[BlockHash]
+    sliding_changed: bool
+    epoch: int
+
+    @classmethod
+    def take(cls, state: _Owned) -> _Pending:
+        pending = cls(
+            state.blocks,
+            state.removed,
+            state.mapping,
+            state.cleared,
+            state.stale[:CLEAN_CHUNK],
+            state.sliding_changed,
+            state.epoch,
+        )
+        state.blocks, state.removed, state.mapping, state.cleared = {}, {}, {}, False
+        state.stale = state.stale[CLEAN_CHUNK:]
+        state.sliding_changed = False
+        state.dirty = bool(state.stale)
+        return pending
+
+    def restore(self, state: _Owned) -> None:
+        """Put the writes back under those queued since (newer writes win); a wipe since made
+        the blocks, removals and map writes void."""
+        if self.epoch == state.epoch:
+            state.blocks = {**self.blocks, **state.blocks}
+            state.removed = {**self.removed, **state.removed}
+            state.mapping = {**self.mapping, **state.mapping}
+        state.cleared = state.cleared or self.cleared
+        state.stale = self.stale + state.stale
+        state.sliding_changed = state.sliding_changed or self.sliding_changed
+        state.dirty = True
+
+
 class EventWriter:
     """The owner's side: events applied to owned domains in memory, written to Redis in
     pipelined batches (see the module docstring for the invariants).
@@ -507,44 +549,58 @@ class EventWriter:
                     await self.client.script_load(MAP)
 
     async def _flush_once(self) -> None:
+        """One pipeline of every dirty domain's pending writes. Each domain's writes are taken
+        out of its state and built into commands inside a `try`: a domain whose commands
+        cannot be built (a bug, or a value no script carries) gets its writes back and is left
+        out, and every domain gets its writes back when the pipeline fails (issue 45, item 7:
+        they were taken before the `try`, so one engine's bad block dropped every domain queued
+        before it). The first such error is raised after the others were written."""
         taken = [(d, s) for d, s in self._owned.items() if s.dirty]
         if not taken:
             return
         pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
-        undo = [(domain, state, self._queue(pipe, domain, state)) for domain, state in taken]
-        try:
-            results = await pipe.execute(raise_on_error=False)
-            errors = [r for r in results if isinstance(r, Exception)]
-            if errors:
-                raise next((e for e in errors if isinstance(e, NoScriptError)), errors[0])
-        except Exception:
-            self.flush_errors += 1
-            for _, state, pending in undo:  # put back what was taken, newer writes win
-                blocks, removed, mapping, cleared, stale, epoch = pending
-                if epoch == state.epoch:  # (a wipe since made them void)
-                    state.blocks = {**blocks, **state.blocks}
-                    state.removed = {**removed, **state.removed}
-                    state.mapping = {**mapping, **state.mapping}
-                state.cleared = state.cleared or cleared
-                state.stale = stale + state.stale
-                state.dirty = True
-            raise
-        self.flushes += 1
-        for domain, state, _ in undo:
-            self.committed_epochs[domain] = state.epoch
+        undo: list[tuple[str, _Owned, _Pending]] = []
+        unbuilt: Exception | None = None
+        for domain, state in taken:
+            pending = _Pending.take(state)
+            try:
+                commands = self._commands(domain, state, pending)
+            except Exception as exc:
+                pending.restore(state)
+                self.flush_errors += 1
+                log.error("KV events of %s: writes not built (kept, retried): %r", domain, exc)
+                unbuilt = unbuilt or exc
+                continue
+            for args in commands:
+                pipe.execute_command(*args)
+            undo.append((domain, state, pending))
+        if undo:
+            try:
+                results = await pipe.execute(raise_on_error=False)
+                errors = [r for r in results if isinstance(r, Exception)]
+                if errors:
+                    raise next((e for e in errors if isinstance(e, NoScriptError)), errors[0])
+            except Exception:
+                self.flush_errors += 1
+                for _, state, pending in undo:  # put back what was taken, newer writes win
+                    pending.restore(state)
+                raise
+            self.flushes += 1
+            for domain, state, _ in undo:
+                self.committed_epochs[domain] = state.epoch
+        if unbuilt is not None:
+            raise unbuilt
 
-    def _queue(self, pipe: Any, domain: str, state: _Owned) -> Any:
+    def _commands(self, domain: str, state: _Owned, pending: _Pending) -> list[tuple[Any, ...]]:
+        """The commands that write one domain's `pending` writes (taken from `state`)."""
         rid = state.rid
-        blocks, mapping, cleared = state.blocks, state.mapping, state.cleared
-        removed, state.removed = state.removed, {}
-        stale, state.stale = state.stale[:CLEAN_CHUNK], state.stale[CLEAN_CHUNK:]
-        state.blocks, state.mapping, state.cleared = {}, {}, False
-        state.dirty = bool(state.stale)
+        blocks, removed, stale = pending.blocks, pending.removed, pending.stale
+        out: list[tuple[Any, ...]] = []
         domains_value = f"{state.epoch}|{domain}"
-        if cleared:
-            pipe.hset(DOMAINS_KEY, rid, domains_value)
-            pipe.execute_command("UNLINK", map_key(rid))  # (a cluster pipeline has no unlink)
-            pipe.hdel(feed_key(rid), "sliding")
+        if pending.cleared:
+            out.append(("HSET", DOMAINS_KEY, rid, domains_value))
+            out.append(("UNLINK", map_key(rid)))  # (a cluster pipeline has no unlink)
+            out.append(("HDEL", feed_key(rid), "sliding"))
         marks = state.marks
         if len(blocks) > WRITE_CHUNK:  # (fewer: one call per chain slot, atomic, any order)
             order: Iterable[BlockHash] = _write_order(blocks, marks, state.parents, removed)
@@ -554,30 +610,27 @@ class EventWriter:
         step = WRITE_CHUNK * WRITE_BYTES
         for slot, blob in self._groups(writes):
             for at in range(0, len(blob), step):
-                pipe.execute_command(
-                    "EVALSHA", self._write.sha, 1, slot, rid, state.epoch, blob[at : at + step]
+                out.append(
+                    ("EVALSHA", self._write.sha, 1, slot, rid, state.epoch, blob[at : at + step])
                 )
         for records in self._groups((k, record(k, 0)) for k in stale):
-            pipe.execute_command(
-                "EVALSHA", self._clean.sha, 1, records[0], rid, state.epoch, records[1]
-            )
-        if mapping:
-            fields = [map_record(h, v) for h, v in mapping.items()]
+            out.append(("EVALSHA", self._clean.sha, 1, records[0], rid, state.epoch, records[1]))
+        if pending.mapping:
+            fields = [map_record(h, v) for h, v in pending.mapping.items()]
             for at in range(0, len(fields), MAP_CHUNK):
                 blob = b"".join(fields[at : at + MAP_CHUNK])
-                pipe.execute_command("EVALSHA", self._map.sha, 1, map_key(rid), blob)
-        feed: dict[str, Any] = {}
+                out.append(("EVALSHA", self._map.sha, 1, map_key(rid), blob))
+        feed: list[Any] = []
         if state.next_seq is not None:
-            feed["next_seq"] = state.next_seq
-        if state.sliding_changed:
-            state.sliding_changed = False
-            feed["sliding"] = ",".join(str(g) for g in sorted(state.sliding))
+            feed += ["next_seq", state.next_seq]
+        if pending.sliding_changed:
+            feed += ["sliding", ",".join(str(g) for g in sorted(state.sliding))]
         if feed:
-            pipe.hset(feed_key(rid), mapping=feed)
-        pipe.hset(DOMAINS_KEY, rid, domains_value)
+            out.append(("HSET", feed_key(rid), *feed))
+        out.append(("HSET", DOMAINS_KEY, rid, domains_value))
         if state.stale:
             self._touch(state)
-        return blocks, removed, mapping, cleared, stale, state.epoch
+        return out
 
     def _groups(self, items: Iterable[tuple[BlockHash, bytes]]) -> list[tuple[bytes, bytes]]:
         """(a key naming the slot, the records' blob) per script call: one call in all on a

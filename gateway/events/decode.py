@@ -137,6 +137,10 @@ MM_OFFSETS = range(-(2**63), 2**63)
 first) in a block's extra keys: hashed as a signed 64-bit integer
 (`cachemap.multimodal.mm_key_bytes`), so one outside it makes the batch malformed (it raised
 out of the index before)."""
+MAX_HASH_BYTES = 64
+"""The longest block hash accepted as bytes (vLLM's sha256 hashes are 32 bytes, its ints and
+SGLang's are 64-bit): a longer one makes the batch malformed. Unbounded, one engine's hash of
+any length reached the shared index's writer, whose map cannot hold it (issue 45, item 7)."""
 _GPU_NAMES = frozenset(("gpu", "cuda", "device", "hbm"))
 _CPU_NAMES = frozenset(("cpu", "cpu_pinned", "host", "dram"))
 
@@ -329,10 +333,16 @@ _HASH_TYPES = frozenset((int, bytes))
 
 
 def _hashes(value: Any) -> list[EngineHash]:
-    """Each an int (not a bool) or bytes: checked by type in C loops (a Python step per hash
-    was ~8% of decoding a conversation's events)."""
-    if not isinstance(value, list) or not _HASH_TYPES.issuperset(map(type, value)):
+    """Each an int (not a bool; msgpack's are 64-bit) or bytes of at most `MAX_HASH_BYTES`:
+    checked by type in C loops (a Python step per hash was ~8% of decoding a conversation's
+    events), and by length only when there are bytes."""
+    if not isinstance(value, list):
         raise MalformedBatch("block_hashes must be a list of integers or bytes")
+    types = set(map(type, value))
+    if not _HASH_TYPES.issuperset(types):
+        raise MalformedBatch("block_hashes must be a list of integers or bytes")
+    if bytes in types and max(len(h) for h in value if type(h) is bytes) > MAX_HASH_BYTES:
+        raise MalformedBatch(f"a block hash must be at most {MAX_HASH_BYTES} bytes")
     return value
 
 
