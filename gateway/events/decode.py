@@ -45,6 +45,7 @@ bench-cpu`: decoding was ~45 of the ~110 samples a precise gateway spent on its 
 from __future__ import annotations
 
 import array
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -211,6 +212,8 @@ def _tolerant(payload: bytes) -> Batch:
 def _batch(ts: Any, events: list[Any], rank: Any, unknown: int = 0) -> Batch:
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise MalformedBatch("a batch's ts must be a number and its events a list")
+    if not math.isfinite(ts):  # a NaN or an infinity poisoned the lag statistics (issue 45)
+        raise MalformedBatch("a batch's ts must be finite")
     if rank is not None and not isinstance(rank, int):
         raise MalformedBatch("a batch's rank must be an integer")
     out: list[CacheEvent] = []

@@ -25,6 +25,9 @@ FEED_COUNTERS = (
     "replayed_batches",
     "restarts",
     "wipes",
+    "over_capacity",
+    "cut_replays",
+    "disconnects",
 )
 
 
