@@ -65,7 +65,9 @@ class PlacedChains:
         placed = self._placed.get(domain)
         if placed is None or depth <= 0:
             return 0
-        for at in range((depth - 1) // CHECKPOINT_BLOCKS * CHECKPOINT_BLOCKS, -1, -CHECKPOINT_BLOCKS):
+        for at in range(
+            (depth - 1) // CHECKPOINT_BLOCKS * CHECKPOINT_BLOCKS, -1, -CHECKPOINT_BLOCKS
+        ):
             if keys[at] in placed:
                 return min(depth, at + CHECKPOINT_BLOCKS)
         return 0

@@ -778,7 +778,10 @@ class EventIntake:
                 return False
         except Exception:
             return False
-        blocks = self.writer.rewrite(domain)
+        try:
+            blocks = await self.writer.retake(domain)
+        except Exception:  # Redis away again: the next round retries
+            return False
         log.warning(
             "KV events of %s: the lease was gone; retaken, %d blocks written back", domain, blocks
         )
