@@ -13,6 +13,7 @@ from cachemap.events import EventIndex, precise_keys
 from cachemap.tokenizer import ModelTokenizer
 from gateway.events.claims import CHECKPOINT_BLOCKS
 from gateway.events.intake import EventIntake, EventsConfig
+from gateway.events.metrics import precise_families
 from gateway.events.precise import PreciseKeys, PromptTokens
 from loadgen.engine.tokenizer import MODEL_DIR
 
@@ -56,6 +57,9 @@ async def test_a_claim_of_a_chain_never_routed_there_does_not_attract_its_tenant
         assert view.overlap == {HONEST: 30}
         assert HONEST in view.live and LIAR not in view.live
         assert precise.placed.unplaced_claims == {LIAR: 1}
+        # counted per engine on the admin port's /metrics
+        [claims] = [f for f in precise_families(precise, None) if f.name.endswith("claims")]
+        assert [(s.labels, s.value) for s in claims.samples] == [({"domain": LIAR}, 1)]
         # a claim within what was placed (plus one window) is confirmed as before
         short = keys[:CHECKPOINT_BLOCKS]
         assert precise.view(short, [HONEST, LIAR]).overlap == {
