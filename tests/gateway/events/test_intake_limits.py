@@ -18,7 +18,10 @@ import zmq.asyncio
 from cachemap.events import CPU, GPU, CacheEvent, EventIndex, precise_keys
 from gateway.events.decode import MalformedBatch, decode_batch
 from gateway.events.intake import REPLAY_SLACK, Feed, FeedConfig, FeedLimits
-from gateway.settings import DEFAULT_KV_EVENTS_MAX_MESSAGE_BYTES
+from gateway.fleet.engine_metrics import EngineMetrics
+from gateway.server.app import build
+from gateway.settings import DEFAULT_KV_EVENTS_MAX_MESSAGE_BYTES, Settings
+from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.harness.processes import free_port
 
 DEADLINE_S = 10.0
@@ -211,3 +214,24 @@ def test_a_timestamp_that_is_not_finite_is_malformed(ts: float) -> None:
         decode_batch(batch(stored(1, 1, "s"), ts=ts))
     with pytest.raises(MalformedBatch, match="finite"):
         decode_batch(msgspec.msgpack.encode({"ts": ts, "events": []}))
+
+
+async def test_a_gateways_feeds_take_the_engines_capacity_from_its_metrics() -> None:
+    """The intake a gateway builds caps each domain at its engine's `num_gpu_blocks` as the
+    metrics scrape reads it (unknown until then: `kv_events_max_blocks` alone)."""
+    url = "http://127.0.0.1:18000"
+    settings = Settings(
+        engines=[url],
+        tokenizer_dir=MODEL_DIR,
+        kv_events_endpoints={url: "tcp://127.0.0.1:15557"},
+        kv_events_max_blocks=5000,
+        kv_events_max_message_bytes=65536,
+    )
+    parts = build(settings)
+    assert parts.intake is not None
+    limits = parts.intake.limits
+    assert (limits.max_blocks, limits.max_message_bytes) == (5000, 65536)
+    assert limits.capacity(url) is None
+    parts.replicas.states[url].metrics = EngineMetrics(num_gpu_blocks=4096)
+    assert limits.capacity(url) == 4096
+    await parts.intake.close()
