@@ -36,7 +36,9 @@ older vLLM and SGLang, each after the DEALER's empty delimiter; seq -1 ends the 
 Every batch is applied synchronously on the event loop between two awaits (a reader on the
 socket's FD, `Feed.run`), and a lookup first drains the sockets (`EventIntake.drain`), so a
 wipe is in the index before the next routing decision that runs after its message reached the
-gateway's socket, whether or not the loop has run the feed since.
+gateway's socket, whether or not the loop has run the feed since — unless more than a read's
+time budget of batches is queued before it (a flood: `FeedLimits.drain_budget_s`), when it is
+applied on a later loop turn.
 
 Shared (`kv_events_shared`, `share`): the index is in Redis (`cachemap.redis.events`) and a
 gateway runs the feeds only of the domains whose lease it holds (`Leases`: set if absent,
