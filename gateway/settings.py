@@ -178,6 +178,18 @@ _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
 )
 
 
+# -- KV events: what one engine's feed may cost (issue 45, item 8) --
+DEFAULT_KV_EVENTS_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""The largest KV event message read (`ZMQ_MAXMSGSIZE`): a batch covers one engine step, whose
+new blocks a chunked prefill bounds (16,384 tokens are ~100 kB); 4 MiB is ~800k tokens in one
+step. A 5 MB batch cost ~180 ms of the event loop to decode and apply."""
+DEFAULT_KV_EVENTS_DRAIN_BUDGET_S = 0.005
+"""Event loop time one callback of a feed's reader spends applying batches (at least one): a
+flood is applied over several loop turns, with requests served in between."""
+DEFAULT_KV_EVENTS_MAX_BLOCKS = 1_000_000
+"""Blocks a domain may hold over all tiers (16M tokens at 16 a block, above any GPU plus CPU
+offload tier of one engine today; ~300 MB of index): a bound when the engine's metrics give no
+KV capacity, and on the tiers they do not cover."""
 DEFAULT_CHECK_EVERY = 1000
 DEFAULT_EVENTS_LEASE_S = 5.0
 """How long an engine's events stay with a gateway that stopped renewing (shared event index):
@@ -392,6 +404,14 @@ class Settings(BaseSettings):
     gateway ingests every engine in process (docs/precise.md, "Who ingests")."""
     kv_events_lease_s: float = DEFAULT_EVENTS_LEASE_S
     """An engine's events pass to another gateway this long after their owner stopped renewing."""
+    # -- what one engine's events may cost (issue 45, item 8; docs/precise.md, "Limits") --
+    kv_events_max_message_bytes: int = DEFAULT_KV_EVENTS_MAX_MESSAGE_BYTES
+    """The largest KV event message read (ZMQ_MAXMSGSIZE on the SUB and replay sockets)."""
+    kv_events_drain_budget_s: float = DEFAULT_KV_EVENTS_DRAIN_BUDGET_S
+    """Event loop time one read of a feed spends applying batches (the rest on the next turn)."""
+    kv_events_max_blocks: int = DEFAULT_KV_EVENTS_MAX_BLOCKS
+    """Blocks a domain may hold over all tiers (also capped at the engine's `num_gpu_blocks` on
+    the GPU when its metrics give it); past it the domain is wiped."""
     lora_adapters: dict[str, str] = Field(default_factory=dict)
     """Precise mode: LoRA adapter name -> its base model (vLLM `--lora-modules name=path`; a
     request names the adapter as its `model`). A request for an adapter is keyed under it, as
@@ -476,6 +496,7 @@ class Settings(BaseSettings):
         "discovery_watch_timeout_s",
         "speculative_ttl_s",
         "kv_events_lease_s",
+        "kv_events_drain_budget_s",
         "displacement_half_life_s",
     )
     @classmethod
@@ -673,6 +694,8 @@ class Settings(BaseSettings):
         "workers",
         "upstream_max_header_bytes",
         "upstream_max_body_bytes",
+        "kv_events_max_message_bytes",
+        "kv_events_max_blocks",
     )
     @classmethod
     def _positive(cls, value: int) -> int:

@@ -50,7 +50,7 @@ from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
 from gateway.billing.service import Billing, admin_key_hashes
 from gateway.directory.routing import RoutingDirectory
-from gateway.events.intake import EventIntake
+from gateway.events.intake import EventIntake, FeedLimits
 from gateway.events.layouts import LaidOutEvents
 from gateway.events.precise import PreciseKeys, PromptTokens, TokenizerCheck
 from gateway.fleet.discovery import Discovery, KubeTarget
@@ -226,7 +226,20 @@ def _precise(
             dp_size=settings.engine_dp_size,
             layouts=layouts,
         )
-        intake = EventIntake(config, index, lambda: list(replicas.states))
+        states = replicas.states
+
+        def capacity(replica: str) -> int | None:
+            state = states.get(replica)
+            metrics = state.metrics if state is not None else None
+            return metrics.num_gpu_blocks if metrics is not None else None
+
+        limits = FeedLimits(
+            settings.kv_events_max_message_bytes,
+            settings.kv_events_drain_budget_s,
+            settings.kv_events_max_blocks,
+            capacity,
+        )
+        intake = EventIntake(config, index, lambda: list(replicas.states), limits=limits)
     keys = PreciseKeys(
         PromptTokens(tokenizer),
         index,
