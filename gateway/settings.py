@@ -565,6 +565,15 @@ class Settings(BaseSettings):
     admin_keys: list[str] = Field(default_factory=list)
     """Keys for /admin/billing/*: clear keys (hashed on load, never kept) or `sha256:<hex>`."""
 
+    # -- control surfaces (issue 45 items 11, 13) ------------------------------------------------
+    epp_token: SecretStr | None = None
+    """The picker's shared token: an ext-proc stream must carry `authorization: Bearer TOKEN`
+    (Envoy's `grpc_service.initial_metadata`) or is refused UNAUTHENTICATED before a message is
+    read. None: any client that reaches `epp_port` may pose as Envoy (keep the port private)."""
+    admin_port_auth: bool = False
+    """Every route of the admin port (/metrics, the API documents, /pod) takes an `admin_keys`
+    key (401 without): /metrics names every tenant's token counts. Off: only the writes do."""
+
     @field_validator("billing_profile")
     @classmethod
     def _known_billing_profile(cls, value: str) -> str:
@@ -681,6 +690,14 @@ class Settings(BaseSettings):
                 f"max_body_bytes ({self.max_body_bytes}) must be at least max_prompt_bytes "
                 f"({self.max_prompt_bytes}): a body holds its prompt"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _admin_auth_needs_keys(self) -> Settings:
+        if self.admin_port_auth and not self.admin_keys:
+            raise ValueError("admin_port_auth needs admin_keys: no key could open the admin port")
+        if self.epp_token is not None and not self.epp_token.get_secret_value():
+            raise ValueError("epp_token is empty: set a token or leave it unset")
         return self
 
     @field_validator(

@@ -70,6 +70,7 @@ CHART_MANAGED = frozenset(
         "worker_admin_fd",
         "worker_view_fds",
         "billing_wal_takeover",
+        "epp_token",
     }
 )
 """Settings the chart sets from its own values (service, secret, redis, epp, the drain's grace

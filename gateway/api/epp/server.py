@@ -58,7 +58,8 @@ async def start_epp(settings: Settings, front: FrontEnd) -> EppServer:
             ("grpc.so_reuseport", int(settings.worker_index is not None)),
         ]
     )
-    service = PickerService(front, settings.epp_max_message_timeout_s)
+    token = settings.epp_token.get_secret_value() if settings.epp_token else None
+    service = PickerService(front, settings.epp_max_message_timeout_s, token)
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
