@@ -560,6 +560,7 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
                 functools.partial(_reset_prefix_caches, parts),
                 admin_hashes,
                 console=Console(parts.registry, parts.recent, admin_hashes),
+                every_route_needs_a_key=settings.admin_port_auth,
             )
             stack.push_async_callback(admin.stop)
             if settings.worker_admin_fd is not None:

@@ -71,6 +71,8 @@ def test_the_defaults_render_the_whole_deployment() -> None:
         ("ConfigMap", "kvgate"),
         ("Deployment", "kvgate"),
         ("HorizontalPodAutoscaler", "kvgate"),
+        ("NetworkPolicy", "kvgate"),
+        ("NetworkPolicy", "kvgate-redis"),
         ("Pod", "kvgate-test"),
         ("PodDisruptionBudget", "kvgate"),
         ("Role", "kvgate-discovery"),
@@ -120,7 +122,9 @@ def test_the_defaults_render_the_whole_deployment() -> None:
     assert server["image"].startswith("redis:")
     assert server["args"][:2] == ["--appendonly", "yes"]
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
-    assert env["KVGATE_REDIS_URL"] == "redis://kvgate-redis:6379/0"
+    assert (
+        env["KVGATE_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@kvgate-redis:6379/0"
+    )  # a generated password
 
 
 def test_the_gateway_accepts_what_the_chart_renders(tmp_path: Path) -> None:
@@ -275,7 +279,7 @@ def test_epp_mode_renders_an_inference_pool_the_picker_and_its_endpoints(tmp_pat
             "kind": "Service",
             "name": "kvgate",
             "port": {"number": 9002},
-            "failureMode": "FailOpen",
+            "failureMode": "FailClose",
         },
     }
     assert chart.validate_inference_pools(objects) == []
@@ -378,7 +382,9 @@ def test_the_in_chart_ledger_store_fsyncs_every_write_as_billing_requires(tmp_pa
     assert service["spec"]["selector"] == store["spec"]["selector"]["matchLabels"]
     (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in gateway["env"]}
-    assert env["KVGATE_BILLING_REDIS_URL"] == "redis://kvgate-billing-store:6379/0"
+    assert (
+        env["KVGATE_BILLING_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@kvgate-billing-store:6379/0"
+    )
     (directory,) = one(objects, "StatefulSet", "kvgate-redis")["spec"]["template"]["spec"][
         "containers"
     ]
