@@ -395,6 +395,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             precise=precise,
             check=keying.check,
             forwarder=forwarder,
+            resets=lambda: keying.num_resets,
         )
     )
     front = FrontEnd(

@@ -7,7 +7,7 @@ composition root, which knows them all). Every name is listed in docs/operations
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -55,8 +55,10 @@ class GatewayCollector(Collector):
         precise: PreciseKeys | None = None,
         check: TokenizerCheck | None = None,
         forwarder: Forwarder | None = None,
+        resets: Callable[[], int] | None = None,
     ) -> None:
         self.forwarder = forwarder
+        self.resets = resets
         self.precise = precise
         self.check = check
         self.stats = stats
@@ -73,6 +75,12 @@ class GatewayCollector(Collector):
         if self.precise is not None:
             yield from precise_families(self.precise, self.check)
         yield from self._routing()
+        if self.resets is not None:
+            yield CounterMetricFamily(
+                "kvgate_prefix_cache_resets",
+                "Engine prefix-cache resets this process forwarded that the engine took (200).",
+                value=self.resets(),
+            )
 
     def _requests(self) -> Iterable[Any]:
         m = self.metrics
