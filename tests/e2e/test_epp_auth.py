@@ -4,6 +4,7 @@ stream; a tenant is authenticated on the headers; the buffered body is bounded i
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,9 +16,11 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 
+from gateway.api.epp.service import Conversation
 from loadgen.harness.envoy import Envoy, EnvoySetup, envoy
 from tests.conftest import MODEL, TENANT_KEY, engine_of
 from tests.e2e.test_epp import endpoint, start_stack
+from tests.e2e.test_precise import parts_of
 from tests.servers import Served
 
 pytestmark = pytest.mark.e2e
@@ -137,3 +140,37 @@ def test_envoy_sends_the_token_as_initial_metadata_and_without_it_fails_closed(
         r = httpx.post(bare.url + "/v1/chat/completions", json=request, headers=auth)
         assert r.status_code >= 500, r.text
     assert sum(len(engine_of(e).seen_headers) for e in engines) == served
+
+
+class Recorder:
+    """The stream's write side, kept: what the picker sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.ProcessingResponse] = []
+
+    async def write(self, message: pb.ProcessingResponse) -> None:
+        self.sent.append(message)
+
+
+def test_nothing_of_the_request_is_kept_after_the_pick(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    gateway = start_gateway(start_engines(1), mode="epp", epp_port=0)
+    front = parts_of(gateway).front
+
+    async def converse() -> tuple[int, list[str]]:
+        recorder = Recorder()
+        conversation = Conversation(front, recorder, 30.0)
+        await conversation.handle(headers())
+        await conversation.handle(body(chat_body(), end=True))
+        for _ in range(3):  # chunks after the pick: a confused or hostile sender
+            await conversation.handle(body(b"x" * 4096, end=False))
+        kept = len(conversation.body)
+        await conversation.close(None)
+        return kept, [m.WhichOneof("response") for m in recorder.sent]
+
+    loop = gateway.server.servers[0].get_loop()
+    kept, answers = asyncio.run_coroutine_threadsafe(converse(), loop).result(10)
+    assert answers[0] == "request_headers"  # the pick, then its body, nothing more
+    assert set(answers[1:]) == {"request_body"}
+    assert kept == 0
