@@ -9,6 +9,9 @@ health check of the picker cluster asks the ext-proc service, so a dead picker h
 host and the stream fails before the request's body is streamed to it: that is when
 FailOpen (`failure_mode_allow`) can still let the request through. All turn NOT_SERVING at
 shutdown.
+
+The health services answer anyone (they tell nothing); the ext-proc service, with `epp_token`
+set, serves only streams that carry it (`PickerService`, docs/deployment.md#the-envoy-config).
 """
 
 from __future__ import annotations
