@@ -62,11 +62,19 @@ def admin_refusal(request: web.Request, admin_hashes: frozenset[str]) -> web.Res
     return None
 
 
+CONSOLE_PREFIX = "/console"
+"""The console checks the same keys itself, and also takes its sign-in cookie (a browser sends
+no bearer key): the admin port's guard leaves its routes to it."""
+
+
 def key_guard(admin_hashes: frozenset[str]) -> Any:
-    """An aiohttp middleware: every route takes an admin key (`admin_port_auth`)."""
+    """An aiohttp middleware: every route takes an admin key (`admin_port_auth`), but the
+    console's, which do the same check themselves (with their sign-in cookie besides)."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == CONSOLE_PREFIX or request.path.startswith(CONSOLE_PREFIX + "/"):
+            return await handler(request)
         refusal = admin_refusal(request, admin_hashes)
         return refusal if refusal is not None else await handler(request)
 

@@ -354,7 +354,9 @@ class PodAdmin:
         return web.Response(body=body, headers={"content-type": content_type})
 
 
+FORWARDED_HEADERS = ("authorization", "cookie")
+"""What a worker is told of the pod's request: its key (a bearer key, or the console's cookie)."""
+
+
 def _forwarded(request: web.Request) -> dict[str, str]:
-    """What a worker is told of the pod's request: its key, if it came with one."""
-    key = request.headers.get("authorization")
-    return {"authorization": key} if key else {}
+    return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}

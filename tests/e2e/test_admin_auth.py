@@ -52,3 +52,19 @@ def test_unguarded_the_reads_are_open_and_the_reset_still_takes_a_key(
 def test_a_guarded_port_without_any_key_is_refused_at_start() -> None:
     with pytest.raises(ValidationError, match="admin_port_auth needs admin_keys"):
         load_settings(admin_port_auth=True)
+
+
+def test_the_console_signs_in_with_its_cookie_on_a_guarded_port(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    """The console checks the same keys itself and takes its sign-in cookie (a browser sends
+    no bearer key): the port's guard leaves it to do so, and the cookie opens nothing else."""
+    gateway = start_gateway(start_engines(1), admin_port_auth=True, admin_keys=[ADMIN_KEY])
+    with httpx.Client(base_url=metrics_url(gateway)) as browser:
+        page = browser.get("/console")
+        assert page.status_code == 401 and "needs an admin key" in page.text
+        assert browser.post("/console/login", data={"key": "wrong"}).status_code == 401
+        assert browser.post("/console/login", data={"key": ADMIN_KEY}).status_code == 303
+        assert browser.get("/console").status_code == 200
+        assert browser.get("/console/state.json").status_code == 200
+        assert browser.get("/metrics").status_code == 401
