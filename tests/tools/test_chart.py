@@ -133,7 +133,7 @@ def test_the_gateway_accepts_what_the_chart_renders(tmp_path: Path) -> None:
     for values in (None, chart.EVERYTHING_VALUES, EXTERNAL_VALUES):
         objects = chart.template(values)
         config = tmp_path / "kvgate.yaml"
-        config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+        config.write_text(one(objects, "ConfigMap", "kvgate")["data"]["kvgate.yaml"])
         (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e["value"] for e in gateway["env"] if "value" in e}
         redis_url = env.get("KVGATE_REDIS_URL", "").replace("$(REDIS_PASSWORD)", "pw") or None
@@ -293,7 +293,7 @@ def test_epp_mode_renders_an_inference_pool_the_picker_and_its_endpoints(tmp_pat
         "tier": "gpu",
     }
     config = tmp_path / "kvgate.yaml"
-    config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    config.write_text(one(objects, "ConfigMap", "kvgate")["data"]["kvgate.yaml"])
     settings = load_settings(config)
     assert settings.mode == "epp" and settings.epp_port == 9002
     assert settings.discovery == "kubernetes"
@@ -324,7 +324,7 @@ def test_metrics_port_null_serves_no_metrics(tmp_path: Path) -> None:
     (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "metrics" not in {p["name"] for p in gateway["ports"]}
     config = tmp_path / "kvgate.yaml"
-    config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    config.write_text(one(objects, "ConfigMap", "kvgate")["data"]["kvgate.yaml"])
     assert load_settings(config).metrics_port is None
 
 
@@ -335,7 +335,7 @@ def test_the_drain_fits_in_the_pods_termination_grace(tmp_path: Path) -> None:
     objects = chart.template()
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     (gateway,) = pod["containers"]
-    config = yaml.safe_load(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    config = yaml.safe_load(one(objects, "ConfigMap", "kvgate")["data"]["kvgate.yaml"])
     sleep = gateway["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert sleep + config["shutdown_grace_s"] + 15 == pod["terminationGracePeriodSeconds"]
     path = tmp_path / "values.yaml"

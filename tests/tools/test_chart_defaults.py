@@ -178,7 +178,7 @@ def test_admin_port_auth_reaches_the_gateway_and_the_service_monitor_sends_the_k
         "serviceMonitor.bearerTokenSecret.key=admin-key",
     )
     config = tmp_path / "kvgate.yaml"
-    config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    config.write_text(one(objects, "ConfigMap", "kvgate")["data"]["kvgate.yaml"])
     settings = load_settings(config)
     assert settings.admin_port_auth is True and settings.admin_keys == ["sha256:" + "ab" * 32]
     (endpoint,) = one(objects, "ServiceMonitor")["spec"]["endpoints"]
@@ -196,7 +196,7 @@ def test_the_pickers_token_goes_from_the_secret_to_the_gateway() -> None:
     (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     ref = env_of(gateway)["KVGATE_EPP_TOKEN"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "kvgate", "key": "epp-token"}
-    assert "epp_token" not in one(objects, "ConfigMap")["data"]["kvgate.yaml"]
+    assert "epp_token" not in one(objects, "ConfigMap", "kvgate")["data"]["kvgate.yaml"]
     assert "KVGATE_EPP_TOKEN" not in env_of(
         one(chart.template(EPP_VALUES), "Deployment")["spec"]["template"]["spec"]["containers"][0]
     )
