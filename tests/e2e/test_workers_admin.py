@@ -42,7 +42,7 @@ def guarded_pod(redis_url: str, urls: list[str], tmp_path: Path) -> Iterator[pro
     gateway = processes.start_gateway(processes.free_port(), urls, args, env=env)
     try:
         processes.wait_ready(gateway.url, "/readyz", gateway.popen, processes.STARTUP_TIMEOUT_S)
-        wait_until(lambda: len(worker_ports(gateway)) == WORKERS, 30, "both workers listed")
+        wait_until(lambda: workers_answer(gateway), 30, "both workers' admin pages")
         yield gateway
     finally:
         processes.stop([gateway])
@@ -55,6 +55,18 @@ def worker_ports(gateway: processes.Proc) -> list[int]:
     except httpx.HTTPError:
         return []
     return [w["admin_port"] for w in pod.json()["workers"]] if pod.status_code == 200 else []
+
+
+def workers_answer(gateway: processes.Proc) -> bool:
+    """Every worker listed and serving its own admin page (the pod's /metrics needs them all)."""
+    ports = worker_ports(gateway)
+    try:
+        pages = [
+            httpx.get(f"http://127.0.0.1:{p}/metrics", headers=ADMIN, timeout=5) for p in ports
+        ]
+    except httpx.HTTPError:
+        return False
+    return len(ports) == WORKERS and all(page.status_code == 200 for page in pages)
 
 
 def resets_of(page: str) -> float:
