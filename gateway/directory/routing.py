@@ -283,6 +283,13 @@ class RoutingDirectory:
             lookup.hot = self.rates.observe(lookup.hot_key)
         return lookup
 
+    def uncount(self, prefix: BlockHash) -> None:
+        """A later sibling of a fan-out flight: its lookup's count of `prefix` is taken back,
+        in both stores (the siblings of one flight are one arrival)."""
+        if self.rates is not None:
+            self.rates.unobserve(prefix)
+        self._write(Call(lambda shared: shared.hot.uncount(prefix)))
+
     def set_k(self, prefix: BlockHash, k: int) -> None:
         if self.rates is not None:
             self.rates.set_k(prefix, k)

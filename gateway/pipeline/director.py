@@ -346,6 +346,8 @@ class Director:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
         if placed.new_k is not None and lookup.hot_key is not None:
             self.directory.set_k(lookup.hot_key, placed.new_k)
+        if placed.uncount and lookup.hot_key is not None:
+            self.directory.uncount(lookup.hot_key)
         decision = placed.decision
         self.keying.placed(keyed, decision.replica)
         conversation = None

@@ -314,6 +314,11 @@ class GatewayCollector(Collector):
             "Requests routed with a hot prefix spread to replicas that did not hold it yet.",
             placement.stats.spread_requests,
         )
+        yield CounterMetricFamily(
+            "kvgate_overflow_sibling_holds",
+            "Fan-out siblings kept on their holder (it had room) whatever their prefix's rate.",
+            placement.stats.sibling_holds,
+        )
         rates = self.directory.rates
         if rates is not None:
             k = GaugeMetricFamily(
