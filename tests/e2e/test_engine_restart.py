@@ -37,8 +37,10 @@ KEY = "sk-restart"
 ENGINE = ["--time-scale", "50"]
 """Fast engines: a turn takes milliseconds, so the turns race only the restart's detection."""
 HEALTH_INTERVAL_S = 10.0
-"""Longer than the issue's 2 s: an engine process's start on a loaded machine can take more than
-that, and the point is a restart the periodic health check has not seen yet."""
+"""Health probes and /metrics scrapes this far apart (the issue's were 2 s and 1 s): an engine
+process's start on a loaded machine can take seconds, and the point is a restart that neither
+periodic check has seen yet (a scrape landing between its /health answering and the turns
+caught it in about one run of four before the fix)."""
 CONVERSATIONS = 8
 
 
@@ -107,7 +109,11 @@ def run_restart(
     """Place the conversations, SIGKILL the engine holding most, restart it on its port, send
     its conversations' next turns as soon as its /health answers. Returns (the first turns,
     the next turns, the victim, seconds from the kill to its /health answering)."""
-    env = {"KVGATE_DEBUG_HEADERS": "true", "KVGATE_HEALTH_INTERVAL_S": str(HEALTH_INTERVAL_S)}
+    env = {
+        "KVGATE_DEBUG_HEADERS": "true",
+        "KVGATE_HEALTH_INTERVAL_S": str(HEALTH_INTERVAL_S),
+        "KVGATE_METRICS_INTERVAL_S": str(HEALTH_INTERVAL_S),
+    }
     if redis_url is not None:
         env["KVGATE_REDIS_URL"] = redis_url
     args = ["--tenant", f"acme:{KEY}", "--log-level", "error"]
@@ -172,7 +178,12 @@ def test_an_answer_contradicting_its_prediction_makes_its_replica_suspect_at_onc
     the suspicion. Before the fix a later turn whose entries were newer than the first's (which
     reconciliation's LRU expiry does not reach) was misled too."""
     engines = start_engines(2)
-    gateway = start_gateway(engines, tenants=[f"acme:{KEY}"], health_interval_s=HEALTH_INTERVAL_S)
+    gateway = start_gateway(
+        engines,
+        tenants=[f"acme:{KEY}"],
+        health_interval_s=HEALTH_INTERVAL_S,
+        metrics_interval_s=HEALTH_INTERVAL_S,
+    )
     first = asyncio.run(send_turns([gateway.url], list(range(CONVERSATIONS)), 0))
     victim_url = Counter(t.replica for t in first.values()).most_common(1)[0][0]
     convs = [c for c, t in first.items() if t.replica == victim_url]
