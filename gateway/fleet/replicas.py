@@ -384,8 +384,8 @@ class ReplicaSet:
         if not state.suspect:
             return
         since = state.suspect_s
-        if state.scraped_s < since:
-            await self._scrape(state)
+        if self._scrape_metrics and state.scraped_s < since and not await self._scrape(state):
+            return  # its /metrics did not answer: still suspect (the check probes again)
         metrics = state.metrics
         marker = metrics.start_marker if metrics is not None and state.scraped_s >= since else None
         if marker is not None and self._on_start_marker is not None:
@@ -680,14 +680,16 @@ class ReplicaSet:
                 self.mark_down(state.url, "failed health probes")
             state.probed = True
 
-    async def _scrape(self, state: ReplicaState) -> None:
+    async def _scrape(self, state: ReplicaState) -> bool:
+        """Read its /metrics; False when it did not answer at all (an answer that is not a
+        200 reads nothing, but is an answer)."""
         assert self._session is not None
         try:
             async with self._session.get(
                 state.url + SCRAPE_PATH, headers=SCRAPE_HEADERS, timeout=self._timeout
             ) as resp:
                 if resp.status != 200:
-                    return
+                    return True
                 peer = state.peer or NO_PEERS  # the known share of the queue it reports...
                 own_waiting = state.num_prefilling + peer.num_prefilling
                 own_running = state.num_inflight + peer.num_inflight  # ...and of its running
@@ -696,8 +698,12 @@ class ReplicaSet:
             state.heard_s = state.scraped_s = time.monotonic()
             state.own_waiting_at_scrape = own_waiting
             state.own_running_at_scrape = own_running
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        except ValueError as exc:
+            log.debug("metrics of %s unreadable: %s", state.url, exc)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.debug("metrics of %s unavailable: %s", state.url, exc)
+            return False
+        return True
 
     async def _maybe_restarted(self, state: ReplicaState, before: EngineMetrics | None) -> None:
         now = state.metrics

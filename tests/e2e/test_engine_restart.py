@@ -42,6 +42,9 @@ process's start on a loaded machine can take seconds, and the point is a restart
 periodic check has seen yet (a scrape landing between its /health answering and the turns
 caught it in about one run of four before the fix)."""
 CONVERSATIONS = 8
+REDIS_DEADLINE_S = 0.5
+"""A loaded machine's Redis misses 5 ms now and then; a lookup that fell back to the local index
+would be routed by another path than the one under test."""
 
 
 @dataclass
@@ -116,6 +119,7 @@ def run_restart(
     }
     if redis_url is not None:
         env["KVGATE_REDIS_URL"] = redis_url
+        env["KVGATE_REDIS_DEADLINE_S"] = str(REDIS_DEADLINE_S)
     args = ["--tenant", f"acme:{KEY}", "--log-level", "error"]
     gateways = [
         processes.start_gateway(processes.free_port(), [e.url for e in engines], args, env=env)
@@ -207,3 +211,76 @@ def test_an_answer_contradicting_its_prediction_makes_its_replica_suspect_at_onc
     # its entries are gone, not back: the turn just misled is routed on what it wrote since
     again = asyncio.run(send_turns([gateway.url], convs, 1))
     assert misled(again, victim_url) == [], again
+
+
+# -- a gateway that saw nothing of the kill ------------------------------------------------------
+def served_connections(port: int) -> int:
+    """Established TCP connections the process listening on `port` holds (/proc/net/tcp*)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                count += 1
+    return count
+
+
+def suspicion_checked(metrics_url: str, replica: str) -> bool:
+    """The gateway suspected `replica` and has checked its identity since."""
+    text = httpx.get(f"{metrics_url}/metrics", timeout=5).text
+    return (
+        f'kvgate_replica_suspect{{replica="{replica}"}} 0.0' in text
+        and f'kvgate_replica_suspicions_total{{replica="{replica}"}} 0.0' not in text
+        and f'kvgate_replica_suspicions_total{{replica="{replica}"}}' in text
+    )
+
+
+def test_a_gateway_with_no_connection_to_the_killed_engine_follows_the_epoch_in_redis(
+    engines: list[processes.Proc], fresh_redis: RedisServer
+) -> None:
+    """B placed the conversations and then held no connection to the victim (the engine closed
+    them idle); A held one, saw the kill, and bumped the victim's epoch in Redis once its start
+    marker was new. B's lookups then miss the victim in Redis, and B's local index, consulted on
+    a shared miss, must not answer with the past life's entries: a generation that jumped by a
+    restart epoch in Redis forgets the replica's local entries too."""
+    env = {
+        "KVGATE_DEBUG_HEADERS": "true",
+        "KVGATE_HEALTH_INTERVAL_S": str(HEALTH_INTERVAL_S),
+        "KVGATE_METRICS_INTERVAL_S": str(HEALTH_INTERVAL_S),
+        "KVGATE_REDIS_URL": fresh_redis.url,
+        "KVGATE_REDIS_DEADLINE_S": str(REDIS_DEADLINE_S),
+        "KVGATE_SERVER_SECRET": "fleet",  # one salt: A and B key the conversations alike
+    }
+    args = ["--tenant", f"acme:{KEY}", "--log-level", "error"]
+    a, b = (
+        processes.start_gateway(processes.free_port(), [e.url for e in engines], args, env=env)
+        for _ in range(2)
+    )
+    try:
+        processes.wait_all([a, b], "/readyz", None)
+        first = asyncio.run(send_turns([b.url], list(range(CONVERSATIONS)), 0))
+        victim_url = Counter(t.replica for t in first.values()).most_common(1)[0][0]
+        victim = next(e for e in engines if e.url == victim_url)
+        port = int(victim_url.rsplit(":", 1)[1])
+        convs = [c for c, t in first.items() if t.replica == victim_url]
+        # the engine closes idle connections after its keep-alive (5 s): B holds none then
+        wait_until(lambda: served_connections(port) == 0, 30, "the victim's connections idle out")
+        again = asyncio.run(send_turns([a.url], convs[:1], 0))  # A: a kept-alive connection
+        assert again[convs[0]].replica == victim_url
+        victim.popen.kill()
+        victim.popen.wait(timeout=10)
+        engines.append(processes.start_engine(port, ENGINE))
+        healthy_at_once(victim_url)
+        wait_until(lambda: suspicion_checked(a.metrics_url, victim_url), 30, "A's check")
+        after = asyncio.run(send_turns([b.url], convs, 1))
+        text = httpx.get(f"{b.metrics_url}/metrics", timeout=5).text
+    finally:
+        processes.stop([a, b])
+    assert misled(after, victim_url) == [], after
+    # B saw nothing itself: no connection ended, no answer contradicted a prediction
+    assert f'kvgate_replica_suspicions_total{{replica="{victim_url}"}} 0.0' in text
