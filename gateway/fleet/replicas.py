@@ -311,8 +311,8 @@ class ReplicaSet:
         """A follower: times worker 0's view went silent on some replica (it probed them)."""
         self.shared_load: SharedLoad | None = None
         self.suspicions = 0
-        self._suspects: set[str] = set()
         """Times a replica became suspect (each starts an identity check)."""
+        self._suspects: set[str] = set()
 
     def share_load(self, client: AnyRedis, round_s: float) -> None:
         """Publish this gateway's load to its peers on `client` and count theirs (from
