@@ -128,6 +128,14 @@ return {out, hot, writer}
 """
 )
 
+# KEYS: a prefix's rate key. Takes back one request of the current count (never its first: the
+# young rate's clock starts there): a later sibling of a fan-out flight is not a new arrival.
+UNCOUNT = """
+local c = tonumber(redis.call('HGET', KEYS[1], 'c'))
+if c and c > 1 then redis.call('HINCRBY', KEYS[1], 'c', -1) end
+return 1
+"""
+
 # KEYS: a prefix's rate key. ARGV: k.
 SET_K = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'k', ARGV[1]) end

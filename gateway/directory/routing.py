@@ -145,6 +145,7 @@ class RoutingDirectory:
         self.epochs.shared = shared
         if shared is not None:
             shared.on_reset = self._reset
+            shared.on_epoch = self._restarted_elsewhere
 
     @property
     def degraded(self) -> bool:
@@ -201,6 +202,12 @@ class RoutingDirectory:
             await shared.lane.disconnect()
         await asyncio.wait_for(shared.client.ping(), self.write_deadline_s)
         await asyncio.wait_for(shared.refresh_generations(), self.write_deadline_s)
+
+    def _restarted_elsewhere(self, replica: str) -> None:
+        """Redis shows the replica restarted (its epoch moved; often another gateway saw it):
+        its local entries go too, or a shared miss would be answered from them (`_hint`) with
+        the past life's blocks (issue 45, item 17)."""
+        self.local.index.forget(replica)
 
     def _reset(self) -> None:
         """Redis lost its state (the meta state is written back already): write back every
@@ -282,6 +289,13 @@ class RoutingDirectory:
             lookup.hot_key = hashes[depth - 1]
             lookup.hot = self.rates.observe(lookup.hot_key)
         return lookup
+
+    def uncount(self, prefix: BlockHash) -> None:
+        """A later sibling of a fan-out flight: its lookup's count of `prefix` is taken back,
+        in both stores (the siblings of one flight are one arrival)."""
+        if self.rates is not None:
+            self.rates.unobserve(prefix)
+        self._write(Call(lambda shared: shared.hot.uncount(prefix)))
 
     def set_k(self, prefix: BlockHash, k: int) -> None:
         if self.rates is not None:

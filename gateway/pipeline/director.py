@@ -335,6 +335,10 @@ class Director:
     ) -> tuple[Routed, Flight | None]:
         keyed = await self.keying.key(parsed, tenant, [c.id for c in candidates], trace)
         lookup, hashes = keyed.lookup, keyed.hashes
+        suspects = self.replicas.suspects()
+        if suspects:  # they may have restarted: their entries count once their identity is known
+            lookup.overlap = {r: d for r, d in lookup.overlap.items() if r not in suspects}
+            lookup.last_use = {r: t for r, t in lookup.last_use.items() if r not in suspects}
         if self.keying.last_on_events:
             source = "events"
         elif self.directory.shared is not None and not lookup.degraded:
@@ -371,6 +375,8 @@ class Director:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
         if placed.new_k is not None and lookup.hot_key is not None:
             self.directory.set_k(lookup.hot_key, placed.new_k)
+        if placed.uncount and lookup.hot_key is not None:
+            self.directory.uncount(lookup.hot_key)
         decision = placed.decision
         self.keying.placed(keyed, decision.replica)
         conversation = None

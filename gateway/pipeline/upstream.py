@@ -398,6 +398,10 @@ class UpstreamPool:
         self.num_strays = 0
         """Connections dropped for bytes no request asked for, or found readable when idle."""
         self._tls: ssl.SSLContext | None = None
+        self.on_peer_closed: Callable[[tuple[str, int, bool]], None] | None = None
+        """Called with an engine's (host, port, tls) when it ended a keep-alive connection it
+        had let us keep (idle, younger than `KEEPALIVE_S`, or reset as we reused it): the
+        engine may have restarted (`gateway.fleet.replicas`, "Suspicion")."""
 
     async def post(
         self, url: str, payload: bytes, headers: Mapping[str, str] | None = None
@@ -429,6 +433,7 @@ class UpstreamPool:
                     conn._holding_slot = False
                     conn._close_transport()
                     if conn.num_requests > 1 and not conn._bytes_seen:
+                        self._peer_closed(conn._key)  # the engine may have restarted
                         continue  # a stale keep-alive connection: once more on a new one
                     raise
                 except BaseException:
@@ -482,11 +487,18 @@ class UpstreamPool:
         self.connections.add(conn)
 
     def forget(self, conn: UpstreamConnection) -> None:
-        """A connection ended: it is no longer idle (its slot, if in use, is freed by `done`)."""
+        """A connection ended: it is no longer idle (its slot, if in use, is freed by `done`).
+        An idle one the engine ended before its keep-alive ran out is reported."""
         self.connections.discard(conn)
         idle = self._idle.get(conn._key)
         if idle and conn in idle:
             idle.remove(conn)
+            if time.monotonic() - conn.idle_since_s < KEEPALIVE_S:
+                self._peer_closed(conn._key)
+
+    def _peer_closed(self, key: tuple[str, int, bool]) -> None:
+        if self.on_peer_closed is not None:
+            self.on_peer_closed(key)
 
     def close(self) -> None:
         for conn in list(self.connections):

@@ -69,7 +69,7 @@ from gateway.pipeline.placement import Placement
 from gateway.pipeline.ratelimit import RateLimiter, TokenSettlement
 from gateway.pipeline.reconcile import Reconciler
 from gateway.pipeline.record import Recorder
-from gateway.pipeline.upstream import UpstreamPool
+from gateway.pipeline.upstream import UpstreamPool, origin
 from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
 from gateway.server.admin import AdminServer
@@ -163,6 +163,13 @@ def _replicas(
         scrape_metrics=settings.scrape_metrics,
         metrics_interval_s=settings.metrics_interval_s,
     )
+
+
+def _peer_closed(replicas: ReplicaSet, key: tuple[str, int, bool]) -> None:
+    """An engine ended a keep-alive connection it had let us keep: it may have restarted."""
+    for url in list(replicas.states):
+        if origin(url)[:3] == key:
+            replicas.suspect(url, "it closed a kept-alive connection")
 
 
 def _discovery(
@@ -315,14 +322,16 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     limiter = RateLimiter(settings.redis_url, settings.rate_limit_timeout_s)
     request_metrics = RequestMetrics()
     recent = RecentRoutes()
+    reconciler = Reconciler(
+        directory,
+        settings.block_bytes,
+        registry,
+        block_tokens=settings.engine_block_size if settings.tokenizer_dir else None,
+    )
+    reconciler.on_contradicted = replicas.suspect  # a restart the connections did not show
     observers: list[ExchangeObserver] = [
         TokenSettlement(limiter),
-        Reconciler(
-            directory,
-            settings.block_bytes,
-            registry,
-            block_tokens=settings.engine_block_size if settings.tokenizer_dir else None,
-        ),
+        reconciler,
         *([billing.meter] if billing else []),
         request_metrics,
         AccessLog(),
@@ -505,6 +514,7 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
         )
         stack.callback(pool.close)
         parts.forwarder.pool = pool
+        pool.on_peer_closed = functools.partial(_peer_closed, parts.replicas)
         stack.push_async_callback(parts.limiter.close)
         directory = parts.directory
         if settings.redis_url:

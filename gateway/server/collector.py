@@ -165,9 +165,23 @@ class GatewayCollector(Collector):
             "(their shared load, and the engine's queue beyond it).",
             labels=["replica"],
         )
+        suspect = GaugeMetricFamily(
+            "kvgate_replica_suspect",
+            "1 while the replica may have restarted: its directory entries are ignored until its "
+            "identity is checked.",
+            labels=["replica"],
+        )
+        suspicions = CounterMetricFamily(
+            "kvgate_replica_suspicions",
+            "Times the replica became suspect (a connection it ended or refused, an answer "
+            "contradicting its prediction, a mark-down).",
+            labels=["replica"],
+        )
         for s in self.replicas.states.values():
             labels = [s.url]
             healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
+            suspect.add_metric(labels, 1.0 if s.suspect else 0.0)
+            suspicions.add_metric(labels, s.suspicions)
             inflight.add_metric(labels, s.num_inflight)
             requests.add_metric(labels, s.num_requests)
             pending.add_metric(labels, s.pending_prefill_tokens)
@@ -182,6 +196,7 @@ class GatewayCollector(Collector):
                 peer = s.peer.prefill_tokens if s.peer is not None else 0.0
                 foreign.add_metric(labels, s.snapshot().foreign_prefill_tokens + peer)
         yield from (healthy, inflight, requests, pending, waiting, running, kv_usage, foreign)
+        yield from (suspect, suspicions)
         yield from self._pod_view()
         yield from self._shared_load()
 
@@ -340,6 +355,11 @@ class GatewayCollector(Collector):
             "kvgate_overflow_spread_requests",
             "Requests routed with a hot prefix spread to replicas that did not hold it yet.",
             placement.stats.spread_requests,
+        )
+        yield CounterMetricFamily(
+            "kvgate_overflow_sibling_holds",
+            "Fan-out siblings kept on their holder (it had room) whatever their prefix's rate.",
+            placement.stats.sibling_holds,
         )
         rates = self.directory.rates
         if rates is not None:

@@ -16,6 +16,7 @@ from gateway.pipeline.upstream import (
     HeadersTooLarge,
     UpstreamBroke,
     UpstreamPool,
+    origin,
 )
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -370,3 +371,35 @@ async def test_a_head_or_a_whole_body_over_its_limit_fails_and_the_connection_cl
     conn.release()
     assert server.num_connections == 3
     pool.close()
+
+
+async def test_an_engine_ending_a_kept_alive_connection_is_reported(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    """Issue 45, item 17: an idle pooled connection the engine ends before its keep-alive ran
+    out (a SIGKILL closes every socket of the process) is reported at once, so the replica
+    becomes suspect before any request finds it restarted; ours closing one is not."""
+    drop = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+        writer.write(b"content-length: 2\r\n\r\n{}")
+        await writer.drain()
+        await drop.wait()  # then the engine dies: its socket closes
+
+    server = await serve(answer)
+    pool = UpstreamPool(8, 2.0)
+    reported: list[tuple[str, int, bool]] = []
+    pool.on_peer_closed = reported.append
+    conn = await pool.post(server.url, b"{}")
+    assert await conn.read() == b"{}"
+    conn.release()  # idle in the pool
+    assert reported == []
+    drop.set()
+    await eventually(lambda: bool(reported))
+    assert reported == [origin(server.url)[:3]]
+    conn = await pool.post(server.url, b"{}")  # a new connection: the pool has none idle
+    pool.close()  # ours: not reported
+    await eventually(lambda: not pool.connections)
+    assert len(reported) == 1
