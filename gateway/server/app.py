@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cachemap.affinity import ConversationAffinity
 from cachemap.events import EventIndex, domain_of, replica_of
 from cachemap.layouts import EngineLayouts
 from cachemap.memory import MemoryDirectory, MemoryIndex
@@ -285,6 +286,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         consistent_hash_blocks=settings.consistent_hash_blocks,
         displacement_hot_s=settings.displacement_hot_s,
         displacement_half_life_s=settings.displacement_half_life_s,
+        affinity_weight=settings.affinity_weight,
     )
     policy = build_policy(settings.policy, router_config)
     directory = build_directory(settings)
@@ -333,6 +335,13 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         precise,
         TokenizerCheck(settings.tokenizer_check_every) if precise is not None else None,
         lambda: forwarder.session,
+        affinity=(
+            ConversationAffinity(
+                capacity=settings.affinity_capacity, ttl_s=settings.affinity_ttl_s
+            )
+            if settings.affinity_weight > 0 and policy.locality
+            else None
+        ),
     )
     director = Director(
         keying=keying,
