@@ -336,9 +336,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         TokenizerCheck(settings.tokenizer_check_every) if precise is not None else None,
         lambda: forwarder.session,
         affinity=(
-            ConversationAffinity(
-                capacity=settings.affinity_capacity, ttl_s=settings.affinity_ttl_s
-            )
+            ConversationAffinity(capacity=settings.affinity_capacity, ttl_s=settings.affinity_ttl_s)
             if settings.affinity_weight > 0 and policy.locality
             else None
         ),
