@@ -46,6 +46,12 @@ DEFAULT_AFFINITY_TTL_S = 3_600.0
 a meeting, a long build) last minutes to an hour; past that, the replica it went to is as good
 as any other (its KV is long gone there too, and the load has moved)."""
 
+MAX_WALK_BLOCKS = 2_048
+"""A lookup walks at most this many blocks back from the end: a turn that added more (32k
+tokens at the engines' 16-token blocks, ~128k at the directory's 256-byte ones) finds no home.
+It bounds the walk of a new conversation, which finds nothing: 2,048 dict probes (~0.1 ms)
+rather than a 200k-token prompt's 12,500."""
+
 _REAP_PER_RECORD = 8
 """Expired entries removed from the LRU's front per record(): bounded work on the hot path,
 more than one per record so expired entries never pile up behind live ones."""
@@ -94,12 +100,13 @@ class ConversationAffinity:
 
     def lookup(self, hashes: Sequence[BlockHash]) -> Home | None:
         """The deepest recorded block of `hashes` that has not expired, walking from the end
-        (a conversation's previous request is usually a few blocks short of this one)."""
+        (a conversation's previous request is usually a few blocks short of this one), at
+        most `MAX_WALK_BLOCKS` deep."""
         entries = self._entries
         if not entries:
             return None
         expired_before = self.clock() - self.ttl_s
-        for depth in range(len(hashes), 0, -1):
+        for depth in range(len(hashes), max(len(hashes) - MAX_WALK_BLOCKS, 0), -1):
             key = hashes[depth - 1]
             entry = entries.get(key)
             if entry is None:

@@ -92,3 +92,14 @@ def test_an_empty_prompt_records_nothing_and_bad_bounds_are_named() -> None:
         ConversationAffinity(capacity=0)
     with pytest.raises(ValueError, match="ttl_s must be positive"):
         ConversationAffinity(ttl_s=0)
+
+
+def test_the_walk_back_is_bounded() -> None:
+    from cachemap.affinity import MAX_WALK_BLOCKS
+
+    table = ConversationAffinity(clock=Clock())
+    a = chain("a", MAX_WALK_BLOCKS + 2)
+    table.record(a[:3], "r1")
+    assert table.lookup(a) == Home("r1", 3, a[2])  # the 2,048th block from the end
+    longer = a + chain("b", 1)
+    assert table.lookup(longer) is None  # one block further: not walked that far
