@@ -126,8 +126,15 @@ class Keying:
         else:
             keyed = await self._precise(self.precise, parsed, tenant, candidates, trace)
         if self.affinity is not None:
-            keyed.home = self.affinity.lookup(keyed.hashes)
+            keyed.home = await self._home(self.affinity, keyed.hashes)
         return keyed
+
+    async def _home(self, affinity: ConversationAffinity, hashes: list[BlockHash]) -> Home | None:
+        """The conversation's home: Redis's when it answers with one (every gateway's latest
+        placement), else this gateway's own table (Redis away, or it lost the entry)."""
+        local = affinity.lookup(hashes)
+        answered, shared = await self.directory.home(hashes)
+        return shared if answered and shared is not None else local
 
     async def _lookup(self, hashes: Sequence[BlockHash], trace: RequestTrace) -> Lookup:
         started_ns, started = time.time_ns(), time.perf_counter_ns()
@@ -310,5 +317,6 @@ class Keying:
         speculative entry."""
         if self.affinity is not None:
             self.affinity.record(keyed.hashes, replica, keyed.home)
+            self.directory.record_home(keyed.hashes, replica, keyed.home, self.affinity.ttl_s)
         if self.precise is not None:
             self.precise.speculate(replica, keyed.ranks.get(replica), keyed.hashes)

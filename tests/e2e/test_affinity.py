@@ -12,10 +12,11 @@ import httpx
 import pytest
 
 from loadgen.text import words
+from tests.clients import director
 from tests.clients import openai_client as client
 from tests.conftest import metrics_url
 from tests.e2e.test_gateway import SYSTEM, ask
-from tests.servers import Served
+from tests.servers import Served, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -66,3 +67,41 @@ def test_without_affinity_the_tie_break_scatters_them(
     start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
 ) -> None:
     assert not all(_second_turns_stay(start_engines, start_gateway, affinity_weight=0.0))
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("backend", ["redis", "cluster"])
+def test_another_gateway_sends_the_turn_home_through_the_shared_directory(
+    backend: str,
+    redis_url: str,
+    redis_cluster_url: str,
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+) -> None:
+    """Turn 1 through gateway A, every cache wiped, turn 2 through gateway B, whose own table
+    never saw the conversation: only Redis knows its home."""
+    url = redis_url if backend == "redis" else redis_cluster_url
+    shared = {"redis_url": url, "redis_deadline_s": 0.5, "redis_write_deadline_s": 5.0}
+    engines = start_engines(4)
+    a = start_gateway(engines, admin_keys=[ADMIN_KEY], **shared)
+    b = start_gateway(engines, **shared)
+    turns: list[tuple[list[dict[str, Any]], str]] = []
+    for i in range(CONVERSATIONS):
+        messages: list[dict[str, Any]] = [
+            SYSTEM,
+            {"role": "user", "content": words(f"{backend}-s{i}", 2000)},
+        ]
+        reply, where = ask(client(a), messages)
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": words(f"{backend}-n{i}", 100)},
+        ]
+        turns.append((messages, where))
+    wait_until(lambda: director(a).directory.idle, what="the homes reached Redis")
+    wiped = httpx.post(
+        metrics_url(a) + "/reset_prefix_cache", headers={"authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert wiped.status_code == 200 and set(wiped.json().values()) == {200}
+    stayed = [ask(client(b), messages)[1] == where for messages, where in turns]
+    assert all(stayed)
+    assert director(b).directory.stats.fallbacks == 0
