@@ -22,6 +22,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from cachemap.affinity import DEFAULT_AFFINITY_CAPACITY, DEFAULT_AFFINITY_TTL_S
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.events import DEFAULT_BLOCK_SIZE, DEFAULT_OFFLOAD_COST, DEFAULT_SPECULATIVE_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
@@ -426,6 +427,15 @@ class Settings(BaseSettings):
     than this long ago weighs a whole live block (router.scorers; an agent's step interval)."""
     displacement_half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S
     """`cache_pressure`: past the hot horizon, an evicted block's weight halves this often."""
+    # -- conversation affinity (issue 40; cachemap.affinity, router.scorers) ----------------
+    affinity_weight: float | None = None
+    """`cache_aware`, `cache_pressure`: the weight of a conversation's home, the replica its
+    previous request went to, kept after its KV is evicted everywhere (0: off; unset: 1 in
+    precise mode, 0 in approximate mode, whose prediction already keeps conversations home)."""
+    affinity_capacity: int = DEFAULT_AFFINITY_CAPACITY
+    """Conversations whose home this gateway remembers (least recently routed first out)."""
+    affinity_ttl_s: float = DEFAULT_AFFINITY_TTL_S
+    """A conversation silent this long is new: its home is forgotten."""
     offload_cost: float = DEFAULT_OFFLOAD_COST
     tokenizer_check_every: int = DEFAULT_CHECK_EVERY
     """Every Nth precise request (and the first) is checked against the engine's /tokenize (0:
@@ -498,11 +508,26 @@ class Settings(BaseSettings):
         "kv_events_lease_s",
         "kv_events_drain_budget_s",
         "displacement_half_life_s",
+        "affinity_ttl_s",
     )
     @classmethod
     def _positive_interval(cls, value: float | None) -> float | None:
         if value is not None and value <= 0:
             raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("affinity_weight")
+    @classmethod
+    def _non_negative_weight(cls, value: float | None) -> float | None:
+        if value is not None and not value >= 0:
+            raise ValueError("must be a non-negative weight (0: off)")
+        return value
+
+    @field_validator("affinity_capacity")
+    @classmethod
+    def _positive_capacity(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be a positive number of conversations")
         return value
 
     @model_validator(mode="after")

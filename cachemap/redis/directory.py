@@ -48,7 +48,7 @@ from cachemap.redis.client import AnyRedis, close_pubsub, stop_task
 from cachemap.redis.lookups import LookupLane
 from cachemap.redis.meta import DirectoryLayoutError, ReplicaMeta
 from cachemap.redis.schema import CHANNEL, chain_call, replica_id, text
-from cachemap.redis.stores import MarkerStore, RateStore
+from cachemap.redis.stores import HomeStore, MarkerStore, RateStore
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ class RedisDirectory:
         self._drop = client.register_script(scripts.DROP)
         self.hot = RateStore(client)
         self.markers = MarkerStore(client)
+        self.homes = HomeStore(client)
         self.meta = ReplicaMeta(client)
         self.meta.on_change = self._meta_changed
         self.meta.on_epoch = self._epoch

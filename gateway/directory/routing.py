@@ -38,6 +38,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cachemap.affinity import Home
 from cachemap.directory import on_ms
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
@@ -360,6 +361,32 @@ class RoutingDirectory:
         except Exception as exc:
             log.debug("fan-out marker call failed (it may be set; the leader lands it): %s", exc)
         return True
+
+    # -- conversations' homes across gateways (`cachemap.affinity`, `Keying`) ----------------------
+    async def home(self, hashes: Sequence[BlockHash]) -> tuple[bool, Home | None]:
+        """(answered, the home Redis holds for `hashes`' conversation): one script call with the
+        lookup's deadline; (False, None) without Redis, while degraded, or when it did not
+        answer (the caller then reads its own table)."""
+        shared = self.shared
+        if shared is None or self.degraded or not hashes:
+            return False, None
+        try:
+            found = await asyncio.wait_for(
+                shared.homes.lookup(hashes), self.lookup_deadline_s(len(hashes))
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("conversation home lookup failed (the local table answers): %s", exc)
+            return False, None
+        return True, found
+
+    def record_home(
+        self, hashes: Sequence[BlockHash], replica: str, home: Home | None, ttl_s: float
+    ) -> None:
+        """The conversation of `hashes` went to `replica` (write-behind, off the request path)."""
+        if self.shared is not None and hashes:
+            self._write(Call(lambda shared: shared.homes.record(hashes, replica, home, ttl_s)))
 
     @property
     def landing_poll_s(self) -> float:

@@ -356,6 +356,8 @@ class Director:
             decode_token_weight=self.keys.decode_token_weight,
             offloaded=keyed.offloaded,
             offload_cost=self.keys.offload_cost,
+            home=keyed.home.replica if keyed.home is not None else None,
+            home_blocks=keyed.home.depth_blocks if keyed.home is not None else 0,
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
 

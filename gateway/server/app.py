@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cachemap.affinity import ConversationAffinity
 from cachemap.events import EventIndex, domain_of, replica_of
 from cachemap.layouts import EngineLayouts
 from cachemap.memory import MemoryDirectory, MemoryIndex
@@ -82,7 +83,13 @@ from gateway.tenancy.tenant_file import TenantFileWatcher
 from router.filters import LoadBoundFilter
 from router.overflow import OverflowConfig
 from router.profile import RoutingProfile
-from router.registry import RouterConfig, build_fallback, build_policy, frontier_reader
+from router.registry import (
+    RouterConfig,
+    affinity_weight_for,
+    build_fallback,
+    build_policy,
+    frontier_reader,
+)
 
 log = logging.getLogger(__name__)
 
@@ -309,6 +316,9 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         consistent_hash_blocks=settings.consistent_hash_blocks,
         displacement_hot_s=settings.displacement_hot_s,
         displacement_half_life_s=settings.displacement_half_life_s,
+        affinity_weight=affinity_weight_for(
+            settings.affinity_weight, precise=settings.tokenizer_dir is not None
+        ),
     )
     policy = build_policy(settings.policy, router_config)
     directory = build_directory(settings)
@@ -365,6 +375,11 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         precise,
         TokenizerCheck(settings.tokenizer_check_every) if precise is not None else None,
         lambda: forwarder.session,
+        affinity=(
+            ConversationAffinity(capacity=settings.affinity_capacity, ttl_s=settings.affinity_ttl_s)
+            if router_config.affinity_weight > 0 and policy.locality
+            else None
+        ),
     )
     director = Director(
         keying=keying,
