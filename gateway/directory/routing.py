@@ -1,15 +1,17 @@
 """The directory as the gateway uses it: shared through Redis when configured, never a reason
 for a client to see an error.
 
-    lookup ──▶ Redis (one script call, deadline `redis_deadline_s`*) ──ok──▶ shared overlap
+    lookup ──▶ Redis (one script call, deadline `deadline.LookupDeadline`*) ──ok──▶ shared overlap
                   │ timeout / error (counted by the breaker)
                   ▼
                the local in-process directory ──▶ overlap, degraded=True (the director then
                                                    breaks ties by consistent hashing, so all
                                                    gateways still agree on new prefixes)
 
-* from the lookup's write to its reply's receipt, on one Redis (`cachemap.redis.lookups`): a
-  reply in the socket while this loop runs other requests is not a Redis that stopped answering.
+* from the lookup's write to its reply's receipt, on one Redis or each master of a cluster
+  (`cachemap.redis.lookups`, `cachemap.redis.node_lanes`): a reply in the socket while this
+  loop runs other requests is not a Redis that stopped answering. The deadline follows
+  Redis's recent p99 round trip within a cap (`deadline`).
 
 A shared lookup that matched nothing, or any while a write-back runs, also consults the local
 index (what this gateway placed itself): Redis that lost entries — restarted empty, or missed
@@ -19,6 +21,7 @@ this gateway's reconciliation then corrects in both stores.
 
 The parts, one job each:
 - `breaker.Breaker`: when Redis is treated as away, and the probe that brings it back;
+- `deadline.LookupDeadline`: how long a lookup may take;
 - `writes.WriteBehind`: records, drops, expiries and other writes, off the request path;
 - `landings.LandingWatcher`: other gateways' fan-out leaders landing (pub/sub);
 - `epochs.RestartEpochs`: restarted replicas' entries stop matching at once;
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -44,7 +48,8 @@ from cachemap.memory import MemoryDirectory
 from cachemap.rates import PrefixRate, PrefixRates
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.meta import DirectoryLayoutError
-from gateway.directory.breaker import Breaker
+from gateway.directory.breaker import PROBE_LOOKUPS, Breaker
+from gateway.directory.deadline import LookupDeadline
 from gateway.directory.epochs import RestartEpochs
 from gateway.directory.landings import POLL_UNSUBSCRIBED_S, READ_INTERVAL_S, LandingWatcher
 from gateway.directory.restore import WriteBack
@@ -55,6 +60,8 @@ log = logging.getLogger(__name__)
 
 START_DEADLINE_FACTOR = 4
 """Redis's first answer (loading scripts, generations) may take this many write deadlines."""
+DEFAULT_DEADLINE_CAP_S = 0.025
+"""See `gateway.settings.DEFAULT_REDIS_DEADLINE_CAP_S`."""
 
 
 @dataclass
@@ -104,6 +111,7 @@ class RoutingDirectory:
         *,
         deadline_s: float = 0.005,
         deadline_per_block_s: float = 0.0,
+        deadline_cap_s: float = DEFAULT_DEADLINE_CAP_S,
         write_deadline_s: float = 0.5,
         rates: PrefixRates | None = None,
         track_writers: bool = False,
@@ -113,9 +121,7 @@ class RoutingDirectory:
         self.track_writers = track_writers
         self.on_land: Callable[[str], None] | None = None
         """Called with every landing another gateway's (or this one's) leader announces."""
-        self.deadline_s = deadline_s
-        self.deadline_per_block_s = deadline_per_block_s
-        """Added to a lookup's deadline per block of its chain (the script walks it)."""
+        self.deadline = LookupDeadline(deadline_s, deadline_per_block_s, deadline_cap_s)
         self.write_deadline_s = write_deadline_s
         self.stats = DirectoryStats()
         self._tasks = BackgroundTasks("directory")
@@ -145,6 +151,7 @@ class RoutingDirectory:
         self.epochs.shared = shared
         if shared is not None:
             shared.on_reset = self._reset
+            shared.lane.on_round_trip = self.deadline.observe
 
     @property
     def degraded(self) -> bool:
@@ -187,20 +194,29 @@ class RoutingDirectory:
             with contextlib.suppress(Exception):
                 await self.shared.close()
 
-    async def _probe(self) -> None:
-        """The breaker's probe: connections from before the outage are dropped (they are
-        dead), then Redis answers and the generations are current. The drop comes first: a
-        refresh that finds Redis empty starts the write-back at once, and a drop after it
-        closed the write-back's first connection under it (redis-py retried after a backoff)."""
+    async def _probe(self, reconnect: bool) -> None:
+        """The breaker's probe: with `reconnect`, connections from before the outage are
+        dropped first (they may be dead); the generations are made current, then real lookups
+        (`PROBE_LOOKUPS`, of chains nobody holds: random 16-byte blocks, so a cluster's probes
+        reach every master) must be answered within the lookup's deadline. The drop comes
+        first: a refresh that finds Redis empty starts the write-back at once, and a drop after
+        it closed the write-back's first connection under it (redis-py retried after a
+        backoff)."""
         shared = self.shared
         assert shared is not None
-        pool = getattr(shared.client, "connection_pool", None)
-        if pool is not None:
-            await pool.disconnect()
-        if shared.lane is not None:
+        if reconnect:
+            pool = getattr(shared.client, "connection_pool", None)
+            if pool is not None:
+                await pool.disconnect()
             await shared.lane.disconnect()
-        await asyncio.wait_for(shared.client.ping(), self.write_deadline_s)
         await asyncio.wait_for(shared.refresh_generations(), self.write_deadline_s)
+        deadline_s = self.lookup_deadline_s(1)
+        await asyncio.gather(
+            *(
+                shared.lookup_full([BlockHash(os.urandom(16))], deadline_s=deadline_s)
+                for _ in range(PROBE_LOOKUPS)
+            )
+        )
 
     def _reset(self) -> None:
         """Redis lost its state (the meta state is written back already): write back every
@@ -219,8 +235,17 @@ class RoutingDirectory:
             self.on_land(landed)
 
     # -- the request path --------------------------------------------------------------------
+    @property
+    def deadline_s(self) -> float:
+        """The lookup deadline's base (`LookupDeadline`)."""
+        return self.deadline.base_s
+
+    @deadline_s.setter
+    def deadline_s(self, seconds: float) -> None:
+        self.deadline.base_s = seconds
+
     def lookup_deadline_s(self, num_blocks: int) -> float:
-        return self.deadline_s + self.deadline_per_block_s * num_blocks
+        return self.deadline.seconds(num_blocks)
 
     async def lookup(self, hashes: Sequence[BlockHash]) -> Lookup:
         self.stats.lookups += 1
@@ -361,7 +386,8 @@ class RoutingDirectory:
         if self.shared is None:
             return None
         try:
-            marker = await asyncio.wait_for(self.shared.markers.read_marker(block), self.deadline_s)
+            read = self.shared.markers.read_marker(block)
+            marker = await asyncio.wait_for(read, self.lookup_deadline_s(0))
             return "" if marker is None else marker
         except asyncio.CancelledError:
             raise

@@ -134,6 +134,7 @@ def build_directory(settings: Settings) -> RoutingDirectory:
         local,
         deadline_s=settings.redis_deadline_s,
         deadline_per_block_s=settings.redis_deadline_per_block_s,
+        deadline_cap_s=settings.redis_deadline_cap_s,
         write_deadline_s=settings.redis_write_deadline_s,
         rates=PrefixRates() if settings.overflow else None,
         track_writers=settings.fanout_hold and settings.redis_url is not None,
