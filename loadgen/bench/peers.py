@@ -594,8 +594,17 @@ def routing_decisions(metrics_url: str) -> dict[str, int]:
     return out
 
 
+DIRECTORY_COUNTERS = {
+    "kvgate_directory_fallbacks_total": "fallbacks",
+    "kvgate_directory_late_reads_total": "late_reads",
+    "kvgate_directory_lookup_timeouts_total": "timeouts",
+    "kvgate_directory_lookup_lagged_total": "lagged",
+}
+"""The directory's counters an `@N` arm reports (a gateway without one reports it absent)."""
+
+
 def directory_lookups(metrics_url: str) -> dict[str, int]:
-    """`kvgate_directory_lookups_total` by source and `kvgate_directory_fallbacks_total`."""
+    """`kvgate_directory_lookups_total` by source, and `DIRECTORY_COUNTERS`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
@@ -604,8 +613,8 @@ def directory_lookups(metrics_url: str) -> dict[str, int]:
         for sample in family.samples:
             if sample.name == "kvgate_directory_lookups_total":
                 out[sample.labels.get("source", "")] = int(sample.value)
-            elif sample.name == "kvgate_directory_fallbacks_total":
-                out["fallbacks"] = int(sample.value)
+            elif sample.name in DIRECTORY_COUNTERS:
+                out[DIRECTORY_COUNTERS[sample.name]] = int(sample.value)
     return out
 
 
@@ -939,7 +948,13 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
             looked = d.get("shared", 0) + d.get("local", 0)
             lines.append(
                 f"{r.arm} (run {r.run}) directory lookups: {looked:,}, answered by Redis "
-                f"{d.get('shared', 0) / max(looked, 1):.2%}, fallbacks {d.get('fallbacks', 0):,}  "
+                f"{d.get('shared', 0) / max(looked, 1):.2%}, fallbacks {d.get('fallbacks', 0):,}"
+                + "".join(
+                    f", {key.replace('_', ' ')} {d[key]:,}"
+                    for key in ("timeouts", "lagged", "late_reads")
+                    if key in d
+                )
+                + "  "
             )
     decided = [r for r in results if r.decisions]
     if decided:
