@@ -240,6 +240,10 @@ class Settings(BaseSettings):
     """Set by the supervisor in each worker's environment (KVGATE_WORKER_VIEW_FDS), never by
     hand: the pod view's datagram sockets — worker 0 sends its probes' and scrapes' findings on
     them, every other worker receives on its one (gateway.fleet.podview)."""
+    worker_placement_fds: tuple[int, ...] = ()
+    """Set by the supervisor (KVGATE_WORKER_PLACEMENT_FDS), never by hand: this worker's
+    receiving end of the pod's placement channel, then the other workers' sending ends
+    (gateway.directory.siblings)."""
 
     # -- shared state: the directory (issue #3), rate limits (issue #6) ------------------------
     redis_url: str | None = None

@@ -53,6 +53,7 @@ from gateway.directory.deadline import LookupDeadline
 from gateway.directory.epochs import RestartEpochs
 from gateway.directory.landings import POLL_UNSUBSCRIBED_S, READ_INTERVAL_S, LandingWatcher
 from gateway.directory.restore import WriteBack
+from gateway.directory.siblings import Siblings
 from gateway.directory.writes import Call, Drop, Expire, Record, Write, WriteBehind
 from gateway.tasks import BackgroundTasks
 
@@ -134,6 +135,9 @@ class RoutingDirectory:
         self.shared = shared
         self._closing = False
         self._landings: LandingWatcher | None = None
+        self.siblings: Siblings | None = None
+        """The other workers of this pod (`--workers N`): what each places reaches every
+        local index (`siblings`), so a fallback sees the pod's placements."""
 
     @property
     def shared(self) -> RedisDirectory | None:
@@ -169,6 +173,8 @@ class RoutingDirectory:
         await self.write_back.finished()
 
     async def start(self) -> None:
+        if self.siblings is not None:
+            self.siblings.start(self.local.index)
         shared = self.shared
         if shared is None:
             return
@@ -186,6 +192,8 @@ class RoutingDirectory:
 
     async def close(self) -> None:
         self._closing = True
+        if self.siblings is not None:
+            self.siblings.close()
         if self.shared is not None and not self.degraded:  # leave Redis what we know
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.flushed(), self.write_deadline_s)
@@ -321,11 +329,15 @@ class RoutingDirectory:
         self.local.index.record(replica, hashes, at_s)
         if hashes:
             self._write(Record(replica, hashes, at_s))
+            if self.siblings is not None:
+                self.siblings.record(replica, hashes, at_s)
 
     async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.local.drop(replica, hashes)
         if hashes:
             self._write(Drop(replica, hashes))
+            if self.siblings is not None:
+                self.siblings.drop(replica, hashes)
 
     async def expire(self, replica: str, before_s: float) -> None:
         await self.local.expire(replica, before_s)

@@ -73,7 +73,7 @@ from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
 from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
-from gateway.server.workers import share_fleet_view
+from gateway.server.workers import share_fleet_view, share_placements
 from gateway.settings import Settings, redact_url
 from gateway.tenancy.registry import TenantRegistry
 from gateway.tenancy.tenant_file import TenantFileWatcher
@@ -482,6 +482,7 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             _share_events(parts, directory.shared.client)
             if settings.share_load:
                 parts.replicas.share_load(directory.shared.client, settings.load_share_interval_s)
+        share_placements(settings, directory)  # --workers N: every local index sees the pod's
         stack.push_async_callback(directory.close)
         shared = parts.keying.precise.shared if parts.keying and parts.keying.precise else None
         if shared is not None:  # its speculative writes end before the client closes
