@@ -3,7 +3,7 @@
     healthy ──DEGRADE_AFTER consecutive failed lookups──▶ degraded ──RECOVER_AFTER good──▶ healthy
                                                             │          probes in a row
                                  the request path stops asking Redis; a background probe runs
-                                 every PROBE_INTERVAL_S: a real lookup under the deadline
+                                 every PROBE_INTERVAL_S: real lookups under the deadline
 
 Only failures Redis is responsible for count (`redis_fault`): a lookup that timed out with
 nothing received, a connection error, an error reply. Not this process's own: a reply that
@@ -149,4 +149,5 @@ class Breaker:
             good += 1
             if good >= RECOVER_AFTER:
                 self.state.consecutive_failures = 0
-                self._set(False, f"Redis answered {good} lookups in a row in time")
+                answered = good * PROBE_LOOKUPS
+                self._set(False, f"{good} probes in a row ({answered} lookups) answered in time")
