@@ -93,6 +93,11 @@ and bounds the
 wait at ~1.6% of the prompt's own prefill (6,250 × 16 tokens at 13,000 tokens/s: 7.7 s). The
 shared event index's lookup bisects on prefix marks (~1 ms for that chain) and walks only past
 them; the allowance is then a bound it rarely nears."""
+DEFAULT_REDIS_DEADLINE_CAP_S = 0.025
+"""How far a lookup's deadline may follow Redis's recent p99 up (`gateway.directory.deadline`):
+5× the base, room for a lookup queued behind other gateways' 2–4 ms write chunks, while a Redis
+that stopped answering costs each of the few requests before the breaker opens at most 25 ms
+(a 10k-token prefill costs ~0.8 s)."""
 DEFAULT_BILLING_LEDGER_DEADLINE_S = 0.05
 """One MGET on the billing store: ~0.2 ms on a LAN; 50 ms before billing from local state."""
 DEFAULT_REDIS_WRITE_DEADLINE_S = 0.5
@@ -304,6 +309,10 @@ class Settings(BaseSettings):
     """Set by the supervisor in each worker's environment (KVGATE_WORKER_VIEW_FDS), never by
     hand: the pod view's datagram sockets — worker 0 sends its probes' and scrapes' findings on
     them, every other worker receives on its one (gateway.fleet.podview)."""
+    worker_placement_fds: tuple[int, ...] = ()
+    """Set by the supervisor (KVGATE_WORKER_PLACEMENT_FDS), never by hand: this worker's
+    receiving end of the pod's placement channel, then the other workers' sending ends
+    (gateway.directory.siblings)."""
 
     # -- shared state: the directory (issue #3), rate limits (issue #6) ------------------------
     redis_url: str | None = None
@@ -315,6 +324,9 @@ class Settings(BaseSettings):
     redis_deadline_per_block_s: float = DEFAULT_REDIS_DEADLINE_PER_BLOCK_S
     """Added to `redis_deadline_s` per block of the chain a lookup reads (directory and event
     index): a lookup's script cost grows with its chain."""
+    redis_deadline_cap_s: float = Field(default=DEFAULT_REDIS_DEADLINE_CAP_S, gt=0)
+    """The directory's lookup deadline follows twice Redis's recent p99 round trip from
+    `redis_deadline_s` up to this (never below `redis_deadline_s`)."""
     redis_write_deadline_s: float = DEFAULT_REDIS_WRITE_DEADLINE_S
     scrape_metrics: bool = True
     """Read each replica's /metrics with every health probe (restarts, load signals)."""

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError
 
 from cachemap.directory import (
     DEFAULT_REPLICA_CAPACITY_BLOCKS,
@@ -47,6 +46,7 @@ from cachemap.redis import scripts
 from cachemap.redis.client import AnyRedis, close_pubsub, stop_task
 from cachemap.redis.lookups import LookupLane
 from cachemap.redis.meta import DirectoryLayoutError, ReplicaMeta
+from cachemap.redis.node_lanes import NodeLanes
 from cachemap.redis.schema import CHANNEL, chain_call, replica_id, text
 from cachemap.redis.stores import HomeStore, MarkerStore, RateStore
 
@@ -114,17 +114,16 @@ class RedisDirectory:
         self.cluster = isinstance(client, RedisCluster)
         self._lookup = client.register_script(scripts.LOOKUP)
         self.batch_lookups = True
-        """Pipeline the lookups of one event-loop tick: on one Redis, down the lookups' own
-        connection (`cachemap.redis.lookups`: the deadline counts Redis's time, not the loop's
-        lag); in a cluster, redis-py's pipeline sends each node its own (its `evalsha` helper
-        is blocked there, the raw command is not) and the deadline is wall time."""
-        self.lane: LookupLane | None = (
-            None
+        """Pipeline the lookups of one event-loop tick (else each is written as it comes);
+        either way down the lookups' own connection (`cachemap.redis.lookups`, one per master
+        of a cluster: `cachemap.redis.node_lanes`), the deadline on Redis's time, not the
+        loop's lag."""
+        self.lane: LookupLane | NodeLanes = (
+            NodeLanes(client, scripts.LOOKUP, self._lookup.sha)
             if isinstance(client, RedisCluster)
             else LookupLane(client, scripts.LOOKUP, self._lookup.sha)
         )
         self._batch: list[_Queued] = []
-        self._sending: set[asyncio.Task[None]] = set()
         self._record = client.register_script(scripts.RECORD)
         self._restore = client.register_script(scripts.RESTORE)
         self._drop = client.register_script(scripts.DROP)
@@ -152,6 +151,11 @@ class RedisDirectory:
         self.subscribed = False
         """The channel's subscription is up (else the poll alone keeps generations fresh)."""
         self._subscription_failed = False
+
+    @property
+    def lookup_sha(self) -> str:
+        """The lookup script's SHA (what a lookup's EVALSHA names)."""
+        return str(self._lookup.sha)
 
     # -- the protocol ------------------------------------------------------------------------
     async def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
@@ -212,64 +216,27 @@ class RedisDirectory:
     async def _call_lookup(
         self, keys: list[bytes], args: list[Any], deadline_s: float | None
     ) -> Any:
-        """One EVALSHA per lookup; the lookups that arrive in the same event-loop tick share one
-        pipelined write and read (each is still its own command and its own answer)."""
-        if not self.batch_lookups:
-            call = self._lookup(keys=keys, args=args)
-            return await (call if deadline_s is None else asyncio.wait_for(call, deadline_s))
+        """One EVALSHA per lookup, down the lane (which keeps the deadline on Redis's time);
+        the lookups that arrive in the same event-loop tick share one pipelined write (each
+        still its own command and its own answer)."""
         queued = _Queued(keys, args, deadline_s, asyncio.get_running_loop().create_future())
+        if not self.batch_lookups:
+            self.lane.send([(keys, args, deadline_s, queued.future)])
+            return await queued.future
         batch = self._batch
         batch.append(queued)
         if len(batch) == 1:
             asyncio.get_running_loop().call_soon(self._flush_lookups, batch)
         if len(batch) == MAX_PIPELINED_LOOKUPS:
             self._batch = []  # the next lookups start the next pipeline
-        if self.lane is not None or deadline_s is None:  # the lane keeps the deadline itself
-            return await queued.future
-        return await asyncio.wait_for(queued.future, deadline_s)
+        return await queued.future
 
     def _flush_lookups(self, batch: list[_Queued]) -> None:
         if batch is self._batch:
             self._batch = []
         live = [item for item in batch if not item.future.done()]  # callers may have given up
-        if not live:
-            return
-        if self.lane is not None:
+        if live:
             self.lane.send([(item.keys, item.args, item.deadline_s, item.future) for item in live])
-            return
-        task = asyncio.create_task(self._send_lookups(live))
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
-
-    async def _send_lookups(self, live: list[_Queued]) -> None:
-        """A cluster's batch: one pipeline, a command per lookup."""
-        try:
-            results = await self._pipelined(live)
-        except Exception as exc:  # every waiter hears the error (the caller falls back)
-            for item in live:
-                if not item.future.done():
-                    item.future.set_exception(exc)
-            return
-        for item, result in zip(live, results, strict=True):
-            if item.future.done():
-                continue
-            if isinstance(result, Exception):
-                item.future.set_exception(result)
-            else:
-                item.future.set_result(result)
-
-    async def _pipelined(self, batch: list[_Queued]) -> list[Any]:
-        sha = self._lookup.sha
-        for attempt in range(2):
-            pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
-            for item in batch:
-                pipe.execute_command("EVALSHA", sha, len(item.keys), *item.keys, *item.args)
-            results = await pipe.execute(raise_on_error=False)
-            if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
-                await self.client.script_load(scripts.LOOKUP)  # on every primary of a cluster
-                continue
-            return list(results)
-        return list(results)
 
     async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.record_many([(replica, hashes, None)])
@@ -344,8 +311,7 @@ class RedisDirectory:
         self._closing = True
         for task in self._tasks:
             await stop_task(task, 2 * GEN_REFRESH_S)
-        if self.lane is not None:
-            await self.lane.close()
+        await self.lane.close()
         await self.client.aclose()
 
     # -- generations -------------------------------------------------------------------------
@@ -385,8 +351,7 @@ class RedisDirectory:
         """Load the generations and keep them fresh: the channel, and the poll behind it; open
         the lookups' connection."""
         await self.refresh_generations()
-        if self.lane is not None:
-            await self.lane.warm()
+        await self.lane.warm()
         self._tasks = [
             asyncio.create_task(self._watch_generations(), name="generations channel"),
             asyncio.create_task(self._poll_generations(), name="generations poll"),

@@ -13,15 +13,23 @@ of the connection — no bytes in the kernel's socket buffer, none in the stream
 the reader has not parsed yet. Bytes waiting there are replies Redis has sent (ours, or the
 ones before it on this connection, in order): the loop, not Redis, is late, and a fallback
 would not be faster (it needs the loop too), so the lookup waits on, re-checked every
-`RECHECK_S`, for at most `LAG_GRACE_S` beyond its deadline. A Redis that stops answering
-sends nothing: its lookups fail at the deadline, as before. A lookup still waiting for the
-connection to open is Redis's time too (the handshake's round trips): it fails at the deadline.
+`RECHECK_S`, for at most `LAG_GRACE_S` beyond its deadline (past that it fails as `LoopLag`:
+this process's fault, which a breaker must not count against Redis). A Redis that stops
+answering sends nothing: its lookups fail at the deadline (`LookupTimeout`), as before. A
+lookup still waiting for the connection to open is Redis's time too (the handshake's round
+trips): it fails at the deadline.
 
 One connection, pipelined: every lookup is written as it is flushed (a tick's batch in one
 write), and one reader takes the replies in order, answering each caller as its reply is
 parsed. A lookup that gave up keeps its place: its reply is read and dropped, so the
 connection stays in step and is not reconnected after every missed deadline. A connection
-error fails every lookup in flight, and the next lookup opens a new connection.
+error fails every lookup in flight, and the next lookup opens a new connection. Every reply
+read, a given-up lookup's too, reports its round trip (written to parsed) to `on_round_trip`:
+what a deadline that follows Redis's recent latency learns from.
+
+A Redis Cluster gets one lane per master (`cachemap.redis.node_lanes`): a lookup's keys share
+one slot, so each lookup is one script call on one node, and a loop turn's lookups for a node
+go down that node's lane in one write.
 
 It reads redis-py's connection internals (`_reader`, `_writer`: the stream pair) to write
 without an await and to see unread bytes; redis-py is pinned to one major (8), and the tests
@@ -34,7 +42,7 @@ import asyncio
 import contextlib
 import select
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +61,15 @@ RECHECK_S = 0.001
 
 class LookupTimeout(TimeoutError):
     """Redis did not answer the lookup within its deadline (nothing was received)."""
+
+
+class LoopLag(TimeoutError):
+    """The lookup's reply was waiting, unread, for `LAG_GRACE_S` past its deadline: this
+    process's loop was late, not Redis."""
+
+
+class LaneClosed(RedisConnectionError):
+    """The lane was closed or disconnected by its owner while the lookup was in flight."""
 
 
 @dataclass(eq=False)
@@ -74,13 +91,17 @@ class LaneStats:
     """Lookups given grace at their deadline: bytes were waiting unread on our side."""
     timeouts: int = 0
     """Lookups failed at their deadline: nothing received."""
+    lagged: int = 0
+    """Lookups failed because their reply waited unread past the grace (this loop's lag)."""
     connects: int = 0
 
 
 class LookupLane:
     """Pipelined EVALSHA calls of one script on a connection of their own (module docstring)."""
 
-    def __init__(self, client: aioredis.Redis, source: str, sha: str) -> None:
+    def __init__(
+        self, client: aioredis.Redis, source: str, sha: str, stats: LaneStats | None = None
+    ) -> None:
         self._client = client
         self._source = source
         self._sha = sha
@@ -94,7 +115,9 @@ class LookupLane:
         self._closed_conns: list[AbstractConnection] = []
         """Connections found closed at a send (not by the lane), to give back to the pool."""
         self._closed = False
-        self.stats = LaneStats()
+        self.stats = LaneStats() if stats is None else stats
+        self.on_round_trip: Callable[[float], None] | None = None
+        """Called with each reply's round trip in seconds (written to parsed)."""
 
     @property
     def in_flight(self) -> int:
@@ -114,7 +137,7 @@ class LookupLane:
             for keys, args, d, future in calls
         ]
         if self._closed:
-            _fail(batch, RedisConnectionError("the lookup lane is closed"))
+            _fail(batch, LaneClosed("the lookup lane is closed"))
             return
         conn = self._conn
         if conn is not None and _open(conn):
@@ -183,6 +206,8 @@ class LookupLane:
                 except ResponseError as exc:
                     reply = exc
                 call = self._pending.popleft()
+                if self.on_round_trip is not None:
+                    self.on_round_trip(asyncio.get_running_loop().time() - call.started)
                 if isinstance(reply, NoScriptError) and not call.retried:
                     await self._client.script_load(self._source)  # Redis lost its scripts
                     call.retried = True
@@ -198,7 +223,7 @@ class LookupLane:
         except BaseException as exc:
             # the connection is out of step or gone: every call on it hears the error
             pending, self._pending = list(self._pending), deque()
-            _fail(pending, exc if isinstance(exc, Exception) else RedisConnectionError(str(exc)))
+            _fail(pending, exc if isinstance(exc, Exception) else LaneClosed(repr(exc)))
             if self._conn is conn:
                 self._conn = None
             await self._drop(conn)
@@ -220,14 +245,20 @@ class LookupLane:
             return
         loop = asyncio.get_running_loop()
         assert call.deadline_s is not None
-        if call.sent and loop.time() < call.started + call.deadline_s + LAG_GRACE_S:
-            conn = self._conn
-            if conn is not None and _unread(conn):
-                loop.call_later(RECHECK_S, self._expire, call)
-                if not call.graced:
-                    call.graced = True
-                    self.stats.late_answers += 1
-                return
+        conn = self._conn
+        unread = call.sent and conn is not None and _unread(conn)
+        if unread and loop.time() < call.started + call.deadline_s + LAG_GRACE_S:
+            loop.call_later(RECHECK_S, self._expire, call)
+            if not call.graced:
+                call.graced = True
+                self.stats.late_answers += 1
+            return
+        if unread:  # replies have been waiting for the whole grace: this loop is late
+            self.stats.lagged += 1
+            call.future.set_exception(
+                LoopLag(f"the reply waited unread {LAG_GRACE_S * 1000:.0f} ms past the deadline")
+            )
+            return
         self.stats.timeouts += 1
         call.future.set_exception(
             LookupTimeout(f"no reply from Redis within {call.deadline_s * 1000:.1f} ms")
@@ -259,7 +290,7 @@ class LookupLane:
             with contextlib.suppress(BaseException):
                 await self._connecting
         waiting, self._waiting = self._waiting, []
-        _fail(waiting, RedisConnectionError("the lookup lane is closed"))
+        _fail(waiting, LaneClosed("the lookup lane is closed"))
         await self.disconnect()
 
 

@@ -1,15 +1,17 @@
 """The directory as the gateway uses it: shared through Redis when configured, never a reason
 for a client to see an error.
 
-    lookup ──▶ Redis (one script call, deadline `redis_deadline_s`*) ──ok──▶ shared overlap
+    lookup ──▶ Redis (one script call, deadline `deadline.LookupDeadline`*) ──ok──▶ shared overlap
                   │ timeout / error (counted by the breaker)
                   ▼
                the local in-process directory ──▶ overlap, degraded=True (the director then
                                                    breaks ties by consistent hashing, so all
                                                    gateways still agree on new prefixes)
 
-* from the lookup's write to its reply's receipt, on one Redis (`cachemap.redis.lookups`): a
-  reply in the socket while this loop runs other requests is not a Redis that stopped answering.
+* from the lookup's write to its reply's receipt, on one Redis or each master of a cluster
+  (`cachemap.redis.lookups`, `cachemap.redis.node_lanes`): a reply in the socket while this
+  loop runs other requests is not a Redis that stopped answering. The deadline follows
+  Redis's recent p99 round trip within a cap (`deadline`).
 
 A shared lookup that matched nothing, or any while a write-back runs, also consults the local
 index (what this gateway placed itself): Redis that lost entries — restarted empty, or missed
@@ -19,6 +21,7 @@ this gateway's reconciliation then corrects in both stores.
 
 The parts, one job each:
 - `breaker.Breaker`: when Redis is treated as away, and the probe that brings it back;
+- `deadline.LookupDeadline`: how long a lookup may take;
 - `writes.WriteBehind`: records, drops, expiries and other writes, off the request path;
 - `landings.LandingWatcher`: other gateways' fan-out leaders landing (pub/sub);
 - `epochs.RestartEpochs`: restarted replicas' entries stop matching at once;
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -45,10 +49,12 @@ from cachemap.memory import MemoryDirectory
 from cachemap.rates import PrefixRate, PrefixRates
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.meta import DirectoryLayoutError
-from gateway.directory.breaker import Breaker
+from gateway.directory.breaker import PROBE_LOOKUPS, Breaker
+from gateway.directory.deadline import LookupDeadline
 from gateway.directory.epochs import RestartEpochs
 from gateway.directory.landings import POLL_UNSUBSCRIBED_S, READ_INTERVAL_S, LandingWatcher
 from gateway.directory.restore import WriteBack
+from gateway.directory.siblings import Siblings
 from gateway.directory.writes import Call, Drop, Expire, Record, Write, WriteBehind
 from gateway.tasks import BackgroundTasks
 
@@ -56,6 +62,8 @@ log = logging.getLogger(__name__)
 
 START_DEADLINE_FACTOR = 4
 """Redis's first answer (loading scripts, generations) may take this many write deadlines."""
+DEFAULT_DEADLINE_CAP_S = 0.025
+"""See `gateway.settings.DEFAULT_REDIS_DEADLINE_CAP_S`."""
 
 
 @dataclass
@@ -105,6 +113,7 @@ class RoutingDirectory:
         *,
         deadline_s: float = 0.005,
         deadline_per_block_s: float = 0.0,
+        deadline_cap_s: float = DEFAULT_DEADLINE_CAP_S,
         write_deadline_s: float = 0.5,
         rates: PrefixRates | None = None,
         track_writers: bool = False,
@@ -114,9 +123,7 @@ class RoutingDirectory:
         self.track_writers = track_writers
         self.on_land: Callable[[str], None] | None = None
         """Called with every landing another gateway's (or this one's) leader announces."""
-        self.deadline_s = deadline_s
-        self.deadline_per_block_s = deadline_per_block_s
-        """Added to a lookup's deadline per block of its chain (the script walks it)."""
+        self.deadline = LookupDeadline(deadline_s, deadline_per_block_s, deadline_cap_s)
         self.write_deadline_s = write_deadline_s
         self.stats = DirectoryStats()
         self._tasks = BackgroundTasks("directory")
@@ -129,6 +136,9 @@ class RoutingDirectory:
         self.shared = shared
         self._closing = False
         self._landings: LandingWatcher | None = None
+        self.siblings: Siblings | None = None
+        """The other workers of this pod (`--workers N`): what each places reaches every
+        local index (`siblings`), so a fallback sees the pod's placements."""
 
     @property
     def shared(self) -> RedisDirectory | None:
@@ -147,6 +157,7 @@ class RoutingDirectory:
         if shared is not None:
             shared.on_reset = self._reset
             shared.on_epoch = self._restarted_elsewhere
+            shared.lane.on_round_trip = self.deadline.observe
 
     @property
     def degraded(self) -> bool:
@@ -164,6 +175,8 @@ class RoutingDirectory:
         await self.write_back.finished()
 
     async def start(self) -> None:
+        if self.siblings is not None:
+            self.siblings.start(self.local.index)
         shared = self.shared
         if shared is None:
             return
@@ -181,6 +194,8 @@ class RoutingDirectory:
 
     async def close(self) -> None:
         self._closing = True
+        if self.siblings is not None:
+            self.siblings.close()
         if self.shared is not None and not self.degraded:  # leave Redis what we know
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.flushed(), self.write_deadline_s)
@@ -189,20 +204,29 @@ class RoutingDirectory:
             with contextlib.suppress(Exception):
                 await self.shared.close()
 
-    async def _probe(self) -> None:
-        """The breaker's probe: connections from before the outage are dropped (they are
-        dead), then Redis answers and the generations are current. The drop comes first: a
-        refresh that finds Redis empty starts the write-back at once, and a drop after it
-        closed the write-back's first connection under it (redis-py retried after a backoff)."""
+    async def _probe(self, reconnect: bool) -> None:
+        """The breaker's probe: with `reconnect`, connections from before the outage are
+        dropped first (they may be dead); the generations are made current, then real lookups
+        (`PROBE_LOOKUPS`, of chains nobody holds: random 16-byte blocks, so a cluster's probes
+        reach every master) must be answered within the lookup's deadline. The drop comes
+        first: a refresh that finds Redis empty starts the write-back at once, and a drop after
+        it closed the write-back's first connection under it (redis-py retried after a
+        backoff)."""
         shared = self.shared
         assert shared is not None
-        pool = getattr(shared.client, "connection_pool", None)
-        if pool is not None:
-            await pool.disconnect()
-        if shared.lane is not None:
+        if reconnect:
+            pool = getattr(shared.client, "connection_pool", None)
+            if pool is not None:
+                await pool.disconnect()
             await shared.lane.disconnect()
-        await asyncio.wait_for(shared.client.ping(), self.write_deadline_s)
         await asyncio.wait_for(shared.refresh_generations(), self.write_deadline_s)
+        deadline_s = self.lookup_deadline_s(1)
+        await asyncio.gather(
+            *(
+                shared.lookup_full([BlockHash(os.urandom(16))], deadline_s=deadline_s)
+                for _ in range(PROBE_LOOKUPS)
+            )
+        )
 
     def _restarted_elsewhere(self, replica: str) -> None:
         """Redis shows the replica restarted (its epoch moved; often another gateway saw it):
@@ -227,8 +251,17 @@ class RoutingDirectory:
             self.on_land(landed)
 
     # -- the request path --------------------------------------------------------------------
+    @property
+    def deadline_s(self) -> float:
+        """The lookup deadline's base (`LookupDeadline`)."""
+        return self.deadline.base_s
+
+    @deadline_s.setter
+    def deadline_s(self, seconds: float) -> None:
+        self.deadline.base_s = seconds
+
     def lookup_deadline_s(self, num_blocks: int) -> float:
-        return self.deadline_s + self.deadline_per_block_s * num_blocks
+        return self.deadline.seconds(num_blocks)
 
     async def lookup(self, hashes: Sequence[BlockHash]) -> Lookup:
         self.stats.lookups += 1
@@ -311,11 +344,15 @@ class RoutingDirectory:
         self.local.index.record(replica, hashes, at_s)
         if hashes:
             self._write(Record(replica, hashes, at_s))
+            if self.siblings is not None:
+                self.siblings.record(replica, hashes, at_s)
 
     async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.local.drop(replica, hashes)
         if hashes:
             self._write(Drop(replica, hashes))
+            if self.siblings is not None:
+                self.siblings.drop(replica, hashes)
 
     async def expire(self, replica: str, before_s: float) -> None:
         await self.local.expire(replica, before_s)
@@ -402,7 +439,8 @@ class RoutingDirectory:
         if self.shared is None:
             return None
         try:
-            marker = await asyncio.wait_for(self.shared.markers.read_marker(block), self.deadline_s)
+            read = self.shared.markers.read_marker(block)
+            marker = await asyncio.wait_for(read, self.lookup_deadline_s(0))
             return "" if marker is None else marker
         except asyncio.CancelledError:
             raise

@@ -76,7 +76,7 @@ from gateway.request.tokens import TokenEstimator
 from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
 from gateway.server.console import Console
-from gateway.server.workers import share_fleet_view
+from gateway.server.workers import share_fleet_view, share_placements
 from gateway.settings import Settings, redact_url
 from gateway.tenancy.registry import TenantRegistry
 from gateway.tenancy.tenant_file import TenantFileWatcher
@@ -145,6 +145,7 @@ def build_directory(settings: Settings) -> RoutingDirectory:
         local,
         deadline_s=settings.redis_deadline_s,
         deadline_per_block_s=settings.redis_deadline_per_block_s,
+        deadline_cap_s=settings.redis_deadline_cap_s,
         write_deadline_s=settings.redis_write_deadline_s,
         rates=PrefixRates() if settings.overflow else None,
         track_writers=settings.fanout_hold and settings.redis_url is not None,
@@ -542,6 +543,7 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             _share_events(parts, directory.shared.client)
             if settings.share_load:
                 parts.replicas.share_load(directory.shared.client, settings.load_share_interval_s)
+        share_placements(settings, directory)  # --workers N: every local index sees the pod's
         stack.push_async_callback(directory.close)
         shared = parts.keying.precise.shared if parts.keying and parts.keying.precise else None
         if shared is not None:  # its speculative writes end before the client closes

@@ -325,6 +325,24 @@ class GatewayCollector(Collector):
             lane.stats.late_answers if lane is not None else 0,
         )
         yield CounterMetricFamily(
+            "kvgate_directory_lookup_timeouts",
+            "Shared lookups that received nothing from Redis within their deadline (fallbacks "
+            "the breaker counts).",
+            lane.stats.timeouts if lane is not None else 0,
+        )
+        yield CounterMetricFamily(
+            "kvgate_directory_lookup_lagged",
+            "Shared lookups whose reply waited unread past the grace while this process's loop "
+            "was busy (fallbacks the breaker does not count).",
+            lane.stats.lagged if lane is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_directory_lookup_deadline_seconds",
+            "A one-block shared lookup's deadline now: twice Redis's recent p99 round trip, "
+            "between redis_deadline_s and redis_deadline_cap_s.",
+            self.directory.lookup_deadline_s(1),
+        )
+        yield CounterMetricFamily(
             "kvgate_directory_local_hints",
             "Shared lookups the local index deepened (a miss in Redis, or during a write-back).",
             dstats.local_hints,

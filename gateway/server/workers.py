@@ -48,6 +48,8 @@ import orjson
 from aiohttp import web
 
 from gateway.billing.service import admin_key_hashes
+from gateway.directory.routing import RoutingDirectory
+from gateway.directory.siblings import Siblings
 from gateway.fleet.podview import ViewReceiver, ViewSender
 from gateway.fleet.replicas import ReplicaSet
 from gateway.server.admin import key_guard
@@ -59,6 +61,7 @@ log = logging.getLogger(__name__)
 WORKER_INDEX_ENV = "KVGATE_WORKER_INDEX"
 WORKER_ADMIN_FD_ENV = "KVGATE_WORKER_ADMIN_FD"
 WORKER_VIEW_FDS_ENV = "KVGATE_WORKER_VIEW_FDS"
+WORKER_PLACEMENT_FDS_ENV = "KVGATE_WORKER_PLACEMENT_FDS"
 LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1
 SCRAPE_TIMEOUT_S = 5.0
@@ -111,6 +114,25 @@ def view_sockets(workers: int) -> list[list[socket.socket]]:
     return ends
 
 
+def placement_sockets(workers: int) -> list[list[socket.socket]]:
+    """Each worker's ends of the placement channel (gateway.directory.siblings): the receiving
+    end of its own pair first, then the sending ends of every other worker's pair."""
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(workers)]
+    return [
+        [pairs[i][1], *(send for j, (send, _) in enumerate(pairs) if j != i)]
+        for i in range(workers)
+    ]
+
+
+def share_placements(settings: Settings, directory: RoutingDirectory) -> None:
+    """A worker's part in the pod's placements: what it places reaches the other workers'
+    local indexes, and theirs reach its own (a lone gateway has no such channel)."""
+    if len(settings.worker_placement_fds) < 2:
+        return
+    socks = [socket.socket(fileno=fd) for fd in settings.worker_placement_fds]
+    directory.siblings = Siblings(socks[0], socks[1:])
+
+
 def share_fleet_view(settings: Settings, replicas: ReplicaSet) -> None:
     """A worker's part in the pod's one prober (before the replicas start): worker 0 leads,
     the others follow; a lone gateway (no `worker_view_fds`) probes for itself."""
@@ -146,13 +168,18 @@ class Supervisor:
         self.draining = False
 
     def _environment(
-        self, index: int, admin: socket.socket | None, views: list[socket.socket]
+        self,
+        index: int,
+        admin: socket.socket | None,
+        views: list[socket.socket],
+        placements: list[socket.socket],
     ) -> dict[str, str]:
         env = {**os.environ, WORKER_INDEX_ENV: str(index)}
         env.pop(WORKER_ADMIN_FD_ENV, None)
         if admin is not None:
             env[WORKER_ADMIN_FD_ENV] = str(admin.fileno())
         env[WORKER_VIEW_FDS_ENV] = str([v.fileno() for v in views])
+        env[WORKER_PLACEMENT_FDS_ENV] = str([p.fileno() for p in placements])
         if self.settings.server_secret is None and self.settings.server_secret_file is None:
             # the workers must salt alike; a random secret per worker would split the directory
             env["KVGATE_SERVER_SECRET"] = self._secret
@@ -167,6 +194,7 @@ class Supervisor:
         if self.settings.metrics_port is not None:
             admin_sockets = [loopback_socket() for _ in range(self.settings.workers)]
         views = view_sockets(self.settings.workers)
+        placements = placement_sockets(self.settings.workers)
         try:
             for index in range(self.settings.workers):
                 if self.draining:  # asked to stop while starting: start no more
@@ -174,13 +202,14 @@ class Supervisor:
                 inherited = admin_sockets[index] if admin_sockets else None
                 fds = [] if inherited is None else [inherited.fileno()]
                 fds += [v.fileno() for v in views[index]]
+                fds += [p.fileno() for p in placements[index]]
                 self.workers.append(
                     await asyncio.create_subprocess_exec(
                         sys.executable,
                         "-m",
                         "kvgate_cli",
                         *self.argv,
-                        env=self._environment(index, inherited, views[index]),
+                        env=self._environment(index, inherited, views[index], placements[index]),
                         pass_fds=fds,
                         process_group=0,  # a terminal's ^C reaches the supervisor only
                         preexec_fn=_drain_with_the_supervisor,
@@ -188,7 +217,8 @@ class Supervisor:
                 )
             ports = [int(s.getsockname()[1]) for s in admin_sockets]
         finally:
-            for sock in admin_sockets + [v for ends in views for v in ends]:
+            owned = [s for ends in views + placements for s in ends]
+            for sock in admin_sockets + owned:
                 sock.close()  # the workers hold their own copies
         log.info(
             "kvgate: %d workers (pids %s) on port %d",

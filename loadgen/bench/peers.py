@@ -6,6 +6,10 @@ starts cold with the same KV capacity:
 
     arm                      router process
     kvgate:<policy>          kvgate serve --policy <policy>   (every registered policy)
+    kvgate:<policy>@N        N such gateways sharing the directory in a redis-server of the
+                             arm's own (`--gateways N` for every kvgate arm); the replay
+                             spreads requests over them round robin, as a Service would; the
+                             tier's CPU (gateways and redis-server) is the router's
     precise:<policy>         the same in precise mode: --tokenizer-dir (the engines' model
                              directory), the engines publishing KV events, one port each
     precise2:<policy>        two such gateways sharing the event index (kv_events_shared) in
@@ -139,14 +143,20 @@ class Arm:
     kind: str
     """kvgate, sglang, vllm or client."""
     policy: str
+    gateways: int = 1
+    """kvgate arms: gateways sharing one redis-server's directory (1: in-process, no Redis)."""
 
     @property
     def name(self) -> str:
-        return f"{self.kind}:{self.policy}"
+        many = f"@{self.gateways}" if self.gateways > 1 else ""
+        return f"{self.kind}:{self.policy}{many}"
 
 
-def parse_arms(spec: str) -> list[Arm]:
-    """`all` or a comma-separated list of kind:policy names."""
+def parse_arms(spec: str, gateways: int = 1) -> list[Arm]:
+    """`all` or a comma-separated list of kind:policy names; a kvgate arm may end in `@N` (N
+    gateways on one Redis), else it has `gateways`."""
+    if gateways < 1:
+        raise ValueError(f"--gateways must be at least 1, got {gateways}")
     epp = [f"{kind}:cache_aware" for kind in EPP_KINDS]
     if spec == "all":
         names = [f"kvgate:{p}" for p in POLICIES] + [*epp, "precise:cache_aware"]
@@ -159,10 +169,16 @@ def parse_arms(spec: str) -> list[Arm]:
     valid |= {f"{kind}:{p}" for kind in EPP_KINDS for p in POLICIES}
     arms = []
     for name in names:
+        name, _, many = name.partition("@")
         if name not in valid:
             raise ValueError(f"unknown arm {name!r}; choose from {', '.join(sorted(valid))}")
         kind, _, policy = name.partition(":")
-        arms.append(Arm(kind, policy))
+        count = gateways if kind == "kvgate" else 1
+        if many:
+            if kind != "kvgate" or not many.isdigit() or int(many) < 1:
+                raise ValueError(f"{name}@{many}: only kvgate arms take @N, N a whole number >= 1")
+            count = int(many)
+        arms.append(Arm(kind, policy, count))
     return arms
 
 
@@ -233,7 +249,10 @@ class Router:
     """kvgate's /metrics (its admin port)."""
     envoy_pid: int | None = None
     other_pids: tuple[int, ...] = ()
-    """Further gateway processes of the arm (`precise2`): their CPU counts as the router's."""
+    """Further gateway processes of the arm (`precise2`, `@N`) and its redis-server (`@N`):
+    their CPU counts as the router's."""
+    other_metrics_urls: tuple[str, ...] = ()
+    """The further gateways' /metrics (`@N`): their directory lookups count too."""
 
 
 def _wait_for_model(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -326,6 +345,21 @@ def start_router(
                 ):
                     yield Router((a.url, b.url), a.pid, BENCH_KEY, a.metrics_url, None, (b.pid,))
             return
+        if arm.kind == "kvgate" and arm.gateways > 1:
+            env["KVGATE_SERVER_SECRET"] = "bench-shared-secret"  # one salt for all
+            with redis_server(port=0) as redis, contextlib.ExitStack() as stack:
+                prioritise(redis, redis_nice)
+                args += ["--redis-url", redis.url]
+                gws = [
+                    stack.enter_context(processes.gateway(engine_urls, args, env=env))
+                    for _ in range(arm.gateways)
+                ]
+                assert redis.proc is not None
+                others = (*(gw.pid for gw in gws[1:]), redis.proc.pid)
+                more = tuple(str(gw.metrics_url) for gw in gws[1:])
+                urls = tuple(gw.url for gw in gws)
+                yield Router(urls, gws[0].pid, BENCH_KEY, gws[0].metrics_url, None, others, more)
+            return
         if arm.kind in ("kvgate", "precise"):
             with processes.gateway(engine_urls, args, env=env) as gw:
                 yield Router((gw.url,), gw.pid, BENCH_KEY, gw.metrics_url)
@@ -392,6 +426,9 @@ class ArmResult:
     imbalance: float | None = None
     """The busiest engine's work over the mean during the replay (`loadgen.bench.engine_work`:
     uncached prefill plus decode, from the engines' own counters), as the simulator reports."""
+    directory: dict[str, int] = dataclasses.field(default_factory=dict)
+    """kvgate arms on Redis (`@N`): directory lookups by source (`shared`, `local`) and the
+    `fallbacks` (Redis did not answer in time), summed over the gateways."""
 
 
 @dataclass(frozen=True)
@@ -476,6 +513,11 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
             if arm.kind in GATEWAY_KINDS and router.metrics_url
             else {}
         )
+        directory: dict[str, int] = {}
+        if arm.gateways > 1 and router.metrics_url:
+            for url in (router.metrics_url, *router.other_metrics_urls):
+                for key, value in directory_lookups(url).items():
+                    directory[key] = directory.get(key, 0) + value
         hop = None
         if len(router.targets) == 1:
             hop = idle_ttft_ms(router.targets[0], router.api_key) - idle_ttft_ms(
@@ -496,6 +538,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         envoy_cpu_ms_per_request=envoy_cpu,
         hop_ms=hop,
         imbalance=imbalance(work),
+        directory=directory,
     )
 
 
@@ -551,6 +594,30 @@ def routing_decisions(metrics_url: str) -> dict[str, int]:
     return out
 
 
+DIRECTORY_COUNTERS = {
+    "kvgate_directory_fallbacks_total": "fallbacks",
+    "kvgate_directory_late_reads_total": "late_reads",
+    "kvgate_directory_lookup_timeouts_total": "timeouts",
+    "kvgate_directory_lookup_lagged_total": "lagged",
+}
+"""The directory's counters an `@N` arm reports (a gateway without one reports it absent)."""
+
+
+def directory_lookups(metrics_url: str) -> dict[str, int]:
+    """`kvgate_directory_lookups_total` by source, and `DIRECTORY_COUNTERS`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvgate_directory_lookups_total":
+                out[sample.labels.get("source", "")] = int(sample.value)
+            elif sample.name in DIRECTORY_COUNTERS:
+                out[DIRECTORY_COUNTERS[sample.name]] = int(sample.value)
+    return out
+
+
 NO_RATE_KINDS = PRECISE_KINDS
 """Arms whose max rate is not measured: precise mode routes on the engines' KV events, which
 the stand-ins do not publish."""
@@ -569,10 +636,10 @@ def run_rate(
             arm, stand_ins.urls, setup.directory_capacity_blocks, redis_nice=setup.redis_nice
         ) as router,
     ):
-        pid = router.pid
+        pids = (router.pid, *router.other_pids) if router.pid else ()
 
         def cpu() -> tuple[float | None, float]:
-            own = processes.tree_cpu_seconds(pid) if pid else None
+            own = sum(map(processes.tree_cpu_seconds, pids)) if pids else None
             return own, processes.cpu_seconds(stand_ins.pid)
 
         return ramp(router.targets, router.api_key, bodies, options, cpu)
@@ -689,6 +756,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="niceness of the shared arms' redis-server (default 0: as any other process; "
         "negative: nearer a Redis with a core of its own, at the engines' expense)",
     )
+    parser.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="run every kvgate arm as N gateways on one redis-server of its own, the replay "
+        "spreading requests over them round robin (an arm's own @N wins; default 1: one "
+        "in-process gateway)",
+    )
     parser.add_argument("--out", default="bench-results.md", help="markdown table (and .json)")
 
 
@@ -698,7 +773,7 @@ def run_bench(args: argparse.Namespace) -> int:
     console = report_console()
     command = shlex.join(["kvgate", *getattr(args, "argv", [])])
     try:
-        arms = parse_arms(args.arms)
+        arms = parse_arms(args.arms, args.gateways)
         if args.directory_scale <= 0:
             raise ValueError("--directory-scale must be positive")
         if args.engines < 1 or args.requests < 1 or args.repeat < 1:
@@ -772,7 +847,7 @@ def run_bench(args: argparse.Namespace) -> int:
         f"ideal {refs.ideal_hit_ratio:.1%}\nbackground CPU load before the bench: "
         f"{background:.0%} of {os.cpu_count()} cores"
     )
-    if any(arm.kind == "precise2" or arm.kind in WORKER_KINDS for arm in arms):
+    if any(arm.kind == "precise2" or arm.kind in WORKER_KINDS or arm.gateways > 1 for arm in arms):
         console.print(f"the shared arms' redis-server at nice {setup.redis_nice} (--redis-nice)")
     if args.time_scale == "auto":
         scale, probes = pick_time_scale(setup)
@@ -865,6 +940,22 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
             f"{s.ttft_p99_s * k:.2f} | {cpu} | "
             f"{envoy_cpu} | {hop} | {r.machine_busy_share:.0%} | {max_rate(r.rate)} |"
         )
+    shared = [r for r in results if r.directory]
+    if shared:
+        lines.append("")
+        for r in shared:
+            d = r.directory
+            looked = d.get("shared", 0) + d.get("local", 0)
+            lines.append(
+                f"{r.arm} (run {r.run}) directory lookups: {looked:,}, answered by Redis "
+                f"{d.get('shared', 0) / max(looked, 1):.2%}, fallbacks {d.get('fallbacks', 0):,}"
+                + "".join(
+                    f", {key.replace('_', ' ')} {d[key]:,}"
+                    for key in ("timeouts", "lagged", "late_reads")
+                    if key in d
+                )
+                + "  "
+            )
     decided = [r for r in results if r.decisions]
     if decided:
         lines.append("")

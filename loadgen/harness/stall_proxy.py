@@ -3,7 +3,9 @@
 `StallProxy(upstream_port)` listens on a free port in a thread of its own (its own event loop)
 and pipes bytes both ways. While `delay_s` is above zero every chunk from upstream waits that
 long before it is passed on: each reply arrives late, as from a server stalled in a long command
-or a congested link, while the connection stays open. Closed with `close()` (or as a context).
+or a congested link, while the connection stays open. With `stall_pattern` set, only the
+connections that have sent those bytes (e.g. one script's SHA: its lookups) stall; the others
+(PINGs, other scripts) pass at once. Closed with `close()` (or as a context).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class StallProxy:
         self.upstream = (upstream_host, upstream_port)
         self.port = free_port()
         self.delay_s = 0.0
+        self.stall_pattern: bytes | None = None
+        """Stall only the connections whose client sent these bytes (None: every connection)."""
         self.stalled_chunks = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -60,18 +64,24 @@ class StallProxy:
         except OSError:
             client_w.close()
             return
+        matched = [False]  # this connection's client sent `stall_pattern`
         for pipe in (
-            self._pipe(client_r, up_w, stall=False),
-            self._pipe(up_r, client_w, stall=True),
+            self._pipe(client_r, up_w, stall=False, matched=matched),
+            self._pipe(up_r, client_w, stall=True, matched=matched),
         ):
             task = asyncio.create_task(pipe)  # tracked: every pipe ends before the loop does
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, stall: bool) -> None:
+    async def _pipe(
+        self, r: asyncio.StreamReader, w: asyncio.StreamWriter, stall: bool, matched: list[bool]
+    ) -> None:
         try:
             while chunk := await r.read(65536):
-                if stall and self.delay_s > 0:
+                pattern = self.stall_pattern
+                if not stall and pattern is not None and pattern in chunk:
+                    matched[0] = True
+                if stall and self.delay_s > 0 and (pattern is None or matched[0]):
                     self.stalled_chunks += 1
                     await asyncio.sleep(self.delay_s)
                 w.write(chunk)

@@ -31,6 +31,18 @@ def test_arms_are_parsed_and_unknown_ones_named() -> None:
     pair = parse_arms("workers1:cache_aware,workers2:cache_aware")  # --workers 1 vs 2 on Redis
     assert [a.kind for a in pair] == ["workers1", "workers2"]
     assert parse_arms("precise2:cache_pressure") == [Arm("precise2", "cache_pressure")]
+    assert parse_arms("kvgate:cache_aware,kvgate:cache_aware@2") == [
+        Arm("kvgate", "cache_aware"),
+        Arm("kvgate", "cache_aware", 2),
+    ]
+    assert [a.name for a in parse_arms("kvgate:cache_aware,client:round_robin", 3)] == [
+        "kvgate:cache_aware@3",
+        "client:round_robin",
+    ]
+    with pytest.raises(ValueError, match="only kvgate arms take @N"):
+        parse_arms("vllm:cache_aware@2")
+    with pytest.raises(ValueError, match="--gateways must be at least 1"):
+        parse_arms("kvgate:cache_aware", 0)
 
 
 @pytest.mark.redis
@@ -51,6 +63,31 @@ def test_a_precise2_arm_routes_through_two_gateways_sharing_the_event_index(
     assert row["summary"]["requests"] == 30 and row["summary"]["errors"] == 0, row["note"]
     assert row["router_cpu_ms_per_request"] > 0
     assert row["summary"]["hit_ratio"] > 0
+    assert 0 < sum(row["decisions"].values()) < 30  # one gateway's decisions: not all of them
+
+
+@pytest.mark.redis
+def test_a_many_gateway_arm_spreads_the_replay_over_gateways_on_one_redis(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39: `kvgate:<policy>@2` (or `--gateways 2`) runs two gateways over one
+    redis-server of the arm's own, requests round robin: no errors, the tier's CPU counted,
+    and both gateways' directory lookups reported (how many Redis answered)."""
+    out = tmp_path / "bench.md"
+    argv = ["bench", "--trace", str(CONVERSATION_TRACE), "--start", "4000", "--requests", "30"]
+    argv += ["--engines", "2", "--arms", "kvgate:cache_aware", "--gateways", "2"]
+    argv += ["--time-scale", "50", "--rate-steps", "0", "--out", str(out)]
+    assert main(argv) == 0
+    assert "kvgate:cache_aware@2 (run 1) directory lookups: 30, answered by Redis" in (
+        capsys.readouterr().out
+    )
+    (row,) = orjson.loads(out.with_suffix(".json").read_bytes())["results"]
+    assert row["arm"] == "kvgate:cache_aware@2"
+    assert row["summary"]["requests"] == 30 and row["summary"]["errors"] == 0, row["note"]
+    assert row["router_cpu_ms_per_request"] > 0
+    directory = row["directory"]
+    assert directory["shared"] + directory["local"] == 30  # both gateways' lookups
+    assert directory["shared"] > 0
     assert 0 < sum(row["decisions"].values()) < 30  # one gateway's decisions: not all of them
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -16,7 +17,7 @@ from loadgen.harness.redis_servers import RedisServer
 from loadgen.text import words
 from tests.clients import director
 from tests.clients import openai_client as client
-from tests.conftest import FAST, MODEL
+from tests.conftest import FAST, MODEL, metrics_url
 from tests.servers import Served, serve, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -77,6 +78,15 @@ def test_two_gateways_send_the_next_turn_where_the_last_one_went(
     for g in gateways:
         stats = director(g).directory.stats
         assert stats.fallbacks == 0 and stats.shared_lookups > 0
+        page = httpx.get(metrics_url(g) + "/metrics", timeout=10).text
+        assert "kvgate_directory_lookup_timeouts_total 0.0" in page
+        assert "kvgate_directory_lookup_lagged_total 0.0" in page
+        deadline = next(
+            float(line.split()[-1])
+            for line in page.splitlines()
+            if line.startswith("kvgate_directory_lookup_deadline_seconds ")
+        )  # the base here (0.5 s, above the cap) plus one block's allowance
+        assert deadline == pytest.approx(0.5 + 20e-6)
 
 
 @pytest.mark.parametrize("shared", [False, True])

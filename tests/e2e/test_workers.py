@@ -27,6 +27,7 @@ from gateway.api.grpc._pb import gateway_pb2_grpc
 from gateway.billing.wal import read_directory
 from loadgen.engine.timing import TimingModel
 from loadgen.harness import processes
+from loadgen.harness.redis_servers import RedisServer
 from loadgen.text import words
 from tests.conftest import FAST, MODEL, TENANT_KEY
 from tests.servers import Served, wait_until
@@ -261,3 +262,35 @@ def test_workers_do_not_outlive_a_supervisor_killed_by_sigkill(pod: processes.Pr
     pod.popen.kill()  # no drain forwarded: the kernel's parent-death signal drains them
     pod.popen.wait(timeout=5)
     wait_until(lambda: not any(alive(pid) for pid in children), 20, "the orphans stopped")
+
+
+def test_while_redis_is_away_each_worker_falls_back_on_the_whole_pods_placements(
+    fresh_redis: RedisServer,
+    start_engines: Callable[..., list[Served]],
+    tmp_path: Path,
+) -> None:
+    """Issue 45 item 15 / issue 39 item 5: with Redis away every lookup is answered by the
+    worker's own local index. It held only what that worker placed, so a conversation whose
+    next turn the kernel gave the other worker (half of them: connections are spread by their
+    4-tuple) matched nothing. The workers now send each other their placements."""
+    engines = start_engines(4)
+    with launched(fresh_redis.url, [e.url for e in engines], tmp_path) as gateway:
+        fresh_redis.stop()
+        matched = []
+        for i in range(8):
+            messages: list[dict[str, Any]] = [
+                {"role": "system", "content": words(f"away/{i}/sys", 600)},
+                {"role": "user", "content": words(f"away/{i}/task", 100)},
+            ]
+            body = {"model": MODEL, "messages": messages, "max_tokens": 8}
+            first = httpx.post(gateway.url + CHAT, json=body, headers=HEADERS, timeout=30)
+            assert first.status_code == 200, first.text
+            messages += [
+                {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                {"role": "user", "content": words(f"away/{i}/next", 20)},
+            ]
+            body = {"model": MODEL, "messages": messages, "max_tokens": 8}
+            second = httpx.post(gateway.url + CHAT, json=body, headers=HEADERS, timeout=30)
+            assert second.status_code == 200, second.text
+            matched.append(int(second.headers["x-kvgate-matched-blocks"]))
+        assert all(m > 0 for m in matched), matched

@@ -17,13 +17,15 @@ import uvloop
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
+from cachemap.redis.lookups import LAG_GRACE_S
 from cachemap.redis.meta import DirectoryLayoutError
 from cachemap.redis.schema import replica_id
 from gateway.directory.breaker import DEGRADE_AFTER
 from gateway.directory.routing import RoutingDirectory
 from gateway.server.app import build
 from loadgen.harness.redis_servers import RedisServer
-from tests.busy_loop import hog, script_calls, until_redis_ran
+from loadgen.harness.stall_proxy import StallProxy
+from tests.busy_loop import hog
 from tests.conftest import gateway_settings
 
 pytestmark = pytest.mark.redis
@@ -340,14 +342,49 @@ async def test_one_stall_that_fails_every_lookup_in_flight_is_one_failure_not_an
         await d.close()
 
 
-async def _lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> list[bool]:
+class _ScriptCalls:
+    """The EVALSHA calls every server of a Redis (one, or a cluster's masters) has run."""
+
+    def __init__(self, url: str) -> None:
+        server = sync_redis.Redis.from_url(url)
+        self._servers = [server]
+        if server.info("cluster").get("cluster_enabled"):
+            cluster = sync_redis.RedisCluster.from_url(url)
+            self._servers += [
+                sync_redis.Redis(host=n.host, port=n.port)
+                for n in cluster.get_primaries()  # type: ignore[no-untyped-call]
+                if n.port != server.connection_pool.connection_kwargs["port"]
+            ]
+            cluster.close()
+
+    def __call__(self) -> int:
+        return sum(  # a server that ran none has no line
+            int(server.info("commandstats").get("cmdstat_evalsha", {"calls": 0})["calls"])
+            for server in self._servers
+        )
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.close()
+
+
+async def _until_redis_ran(calls: _ScriptCalls, before: int) -> None:
+    """Yield to the loop until Redis has run more than `before` script calls (bounded)."""
+    for _ in range(10_000):
+        await asyncio.sleep(0)
+        if calls() > before:
+            return
+    raise AssertionError("the lookup never reached Redis")
+
+
+async def _lookups_past_a_busy_loop(url: str, rounds: int) -> list[bool]:
     """Each round: a lookup is sent, Redis answers it (its `INFO commandstats` counts the call),
     then the loop is held for 10 ms, twice the 5-ms deadline, before it reads the reply.
     Returns whether each round fell back to the local directory."""
     replica = f"http://{uuid.uuid4().hex[:8]}:8000"
-    d = await composed(redis.url, [replica])
+    d = await composed(url, [replica])
     d.deadline_s = 0.005
-    stats = sync_redis.Redis.from_url(redis.url)
+    stats = _ScriptCalls(url)
     try:
         probe = chain(f"{replica}-busy", 8)
         await d.record(replica, probe)
@@ -358,9 +395,9 @@ async def _lookups_past_a_busy_loop(redis: RedisServer, rounds: int) -> list[boo
         timeouts, graced = (lane.stats.timeouts, lane.stats.late_answers) if lane else (0, 0)
         fell_back: list[bool] = []  # the rounds whose reply was still unread at the hog
         for _ in range(20 * rounds):  # bounded: a round whose reply was read early is redone
-            calls = script_calls(stats)
+            calls = stats()
             task = asyncio.create_task(d.lookup(probe))
-            await until_redis_ran(stats, calls)
+            await _until_redis_ran(stats, calls)
             # the reply may have come, and been read, in one of those yields: not this case
             unread = lane is None or lane.in_flight > 0
             hog(0.010)  # the reply is in the socket; the loop is busy past the deadline
@@ -391,7 +428,19 @@ def test_a_reply_that_arrived_while_the_loop_was_busy_is_not_a_fallback(
     was wall time around the await). Run on both loops: uvloop, as `kvgate serve` runs, fires
     due timers before it polls the socket; asyncio polls first."""
     run = uvloop.run if loop == "uvloop" else asyncio.run
-    assert run(_lookups_past_a_busy_loop(fresh_redis, 5)) == [False] * 5
+    assert run(_lookups_past_a_busy_loop(fresh_redis.url, 5)) == [False] * 5
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_cluster_reply_that_arrived_while_the_loop_was_busy_is_not_a_fallback(
+    redis_cluster_url: str, loop: str
+) -> None:
+    """Issue 39 item 1 / issue 45 item 15: the same on a 3-master Cluster. Its lookups went
+    through redis-py's cluster pipeline under a wall-clock `wait_for`, so the loop's own lag
+    counted against Redis and a busy gateway fell back although every node had answered;
+    they go down a lane per node now, on Redis's time."""
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    assert run(_lookups_past_a_busy_loop(redis_cluster_url, 5)) == [False] * 5
 
 
 async def test_a_redis_that_stopped_answering_still_costs_a_busy_loop_its_deadline(
@@ -435,3 +484,94 @@ async def test_a_redis_that_stopped_answering_still_costs_a_busy_loop_its_deadli
             await client.execute_command("CLIENT", "UNPAUSE")
         await client.aclose()
         await d.close()
+
+
+async def test_a_loop_stalled_past_the_grace_is_not_a_redis_failure(
+    fresh_redis: RedisServer, replica: str
+) -> None:
+    """Issue 45 item 15: the breaker counts only what Redis is responsible for. A lookup whose
+    reply Redis sent while this process's loop was held past the whole grace falls back (the
+    request is late already), but its reply was waiting unread: the loop was late, not Redis.
+    Three such stalls one after another opened the breaker and sent every worker of a pod to
+    its local index."""
+    d = await composed(fresh_redis.url, [replica])
+    d.deadline_s = 0.005
+    stats = _ScriptCalls(fresh_redis.url)
+    try:
+        probe = chain(f"{replica}-stalled", 4)
+        await d.record(replica, probe)
+        await d.flushed()
+        await shared_answers(d, probe, 5.0)
+        for _ in range(DEGRADE_AFTER):
+            calls = stats()
+            task = asyncio.create_task(d.lookup(probe))
+            await _until_redis_ran(stats, calls)
+            hog(LAG_GRACE_S + 0.05)  # the reply is in the socket; the loop is held past grace
+            await task
+        assert not d.degraded
+        assert d.breaker.state.consecutive_failures == 0
+    finally:
+        stats.close()
+        await d.close()
+
+
+async def test_the_breaker_stays_open_while_lookups_are_slow_though_pings_are_fast(
+    fresh_redis: RedisServer, replica: str
+) -> None:
+    """Issue 45 item 15: the breaker's probe must be what the request path does. A Redis whose
+    lookups are slow (a stalling proxy delays the replies on the connections that send the
+    lookup script; PINGs and the generations' script pass at once) answered the PING probe
+    at once: the breaker closed every `PROBE_INTERVAL_S`, three more requests paid the
+    deadline, and it opened again (flapping, each recovery a write-back). Probed with real
+    lookups, it stays open until lookups are answered in time, then closes once."""
+    with StallProxy(fresh_redis.port) as proxy:
+        d = await composed(proxy.url, [replica])
+        d.deadline_s = 0.02
+        try:
+            probe = chain(f"{replica}-slow", 4)
+            await d.record(replica, probe)
+            await d.flushed()
+            await shared_answers(d, probe, 5.0)
+            assert d.shared is not None
+            changes = d.breaker.state.state_changes
+            proxy.stall_pattern = d.shared.lookup_sha.encode()
+            proxy.delay_s = 0.1
+            slow_at = asyncio.get_running_loop().time()
+            while not d.degraded:  # bounded: each lookup misses its deadline, one after another
+                assert asyncio.get_running_loop().time() < slow_at + 2.0, "it never opened"
+                await d.lookup(probe)
+            while asyncio.get_running_loop().time() < slow_at + 2.0:
+                await d.lookup(probe)  # requests keep coming while lookups are slow
+                await asyncio.sleep(0.02)
+            assert d.breaker.state.state_changes == changes + 1  # opened once, never closed
+            proxy.delay_s = 0.0
+            await shared_answers(d, probe, 5.0)
+            assert d.breaker.state.state_changes == changes + 2
+        finally:
+            await d.close()
+
+
+async def test_a_redis_slower_than_the_base_deadline_is_still_used(
+    fresh_redis: RedisServer, replica: str
+) -> None:
+    """Issue 39 item 1: the deadline follows Redis's recent p99 within a cap. Lookups that
+    take ~10 ms (queued behind writes, a busier Redis) against a 5-ms base all fell back to
+    the local index, and the breaker stayed open; with the deadline at twice the recent p99
+    (cap 25 ms) Redis answers them, after the breaker's probes have measured it."""
+    with StallProxy(fresh_redis.port) as proxy:
+        d = await composed(proxy.url, [replica], redis_deadline_cap_s=0.025)
+        d.deadline_s = 0.005
+        try:
+            probe = chain(f"{replica}-busier", 4)
+            await d.record(replica, probe)
+            await d.flushed()
+            await shared_answers(d, probe, 5.0)
+            assert d.shared is not None
+            proxy.stall_pattern = d.shared.lookup_sha.encode()
+            proxy.delay_s = 0.010
+            await shared_answers(d, probe, 10.0)
+            answered = [not (await d.lookup(probe)).degraded for _ in range(20)]
+            assert sum(answered) >= 18, answered
+            assert d.lookup_deadline_s(0) > 0.010
+        finally:
+            await d.close()
