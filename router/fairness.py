@@ -301,15 +301,6 @@ class FairQueue(Generic[T]):
         ]
         return min(heads) if heads else None
 
-    def oldest_in(self, scope: str) -> float | None:
-        """When `scope`'s longest-waiting request arrived (None: it has none queued)."""
-        heads = [
-            b.scopes[scope].queue[0].enqueued_s
-            for b in self._bands.values()
-            if scope in b.backlogged
-        ]
-        return min(heads) if heads else None
-
     def counter(self, scope: str, band: int) -> float | None:
         """A scope's virtual token counter in a band (None: not tracked)."""
         band_state = self._bands.get(band)

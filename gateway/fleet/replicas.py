@@ -86,6 +86,9 @@ class FleetLoad:
     num_routed: int = 0
     mean_output_tokens: float = DEFAULT_OUTPUT_TOKENS
     num_answered: int = 0
+    on_freed: Callable[[], None] | None = field(default=None, repr=False)
+    """Called when a lease frees room on a replica (its prefill ended, or it was released):
+    flow control's wake-up (gateway.pipeline.flow)."""
 
     def observe(self, uncached_tokens: float) -> None:
         self.num_routed += 1
@@ -225,6 +228,9 @@ class Lease:
         state = self.state
         state.pending_prefill_tokens = max(state.pending_prefill_tokens - self.uncached_tokens, 0.0)
         state.num_prefilling = max(state.num_prefilling - 1, 0)
+        freed = state.fleet.on_freed
+        if freed is not None:
+            freed()
 
     def release(self) -> None:
         """The request is off the replica."""

@@ -54,6 +54,8 @@ class Routed:
     routed_s: float
     """When routing ended (monotonic; after any fan-out hold, so a held sibling's clock starts
     at its release)."""
+    queued_s: float = 0.0
+    """Time it waited in flow control's queue for room in the fleet (part of routed - opened)."""
     admitted_tokens: int = 0
     """Tokens charged to the tenant's tokens/min budget at admission; usage settles the rest."""
     ranks: Mapping[str, int] = field(default_factory=dict)

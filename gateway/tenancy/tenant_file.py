@@ -13,6 +13,9 @@ Format (YAML; a file named *.json is read and written as JSON, same structure)::
         tokens_per_min: 2000000
         max_prompt_tokens: 100000
         trusted_tracing: false     # true: its traceparent's sampled flag decides tracing
+        weight: 2                  # its share of a saturated fleet (docs/flow-control.md)
+        priority: 0                # its band (lower first); a request may ask within
+        priority_range: [0, 2]     #   this range with `priority` (absent: only `priority`)
         keys:
           - sha256: 9f86d081884c7d65...   # SHA-256 hex of the key; the key itself is never kept
             created: "2026-11-30T10:00:00Z"
@@ -46,9 +49,23 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from gateway.request.tenant import BILLING_PROFILES, TenantPolicy, check_tenant_name, hash_key
+from gateway.request.tenant import (
+    BILLING_PROFILES,
+    MAX_PRIORITY,
+    MAX_WEIGHT,
+    TenantPolicy,
+    check_tenant_name,
+    hash_key,
+)
 from gateway.tasks import BackgroundTasks
 from gateway.tenancy.registry import TenantRegistry, TenantSpec
 
@@ -100,7 +117,25 @@ class TenantEntry(BaseModel):
     tokens_per_min: PositiveInt | None = None
     max_prompt_tokens: PositiveInt | None = None
     trusted_tracing: bool = False
+    weight: Annotated[float, Field(gt=0, le=MAX_WEIGHT)] = 1.0
+    priority: Annotated[int, Field(strict=True, ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
+    priority_range: tuple[int, int] | None = None
     keys: list[KeyEntry] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _priority_in_range(self) -> TenantEntry:
+        if self.priority_range is not None:
+            low, high = self.priority_range
+            if not -MAX_PRIORITY <= low <= high <= MAX_PRIORITY:
+                raise ValueError(
+                    f"priority_range must be [low, high] with {-MAX_PRIORITY} <= low <= high "
+                    f"<= {MAX_PRIORITY}, got [{low}, {high}]"
+                )
+            if not low <= self.priority <= high:
+                raise ValueError(
+                    f"priority {self.priority} is outside priority_range [{low}, {high}]"
+                )
+        return self
 
     @field_validator("billing_profile")
     @classmethod
@@ -120,6 +155,9 @@ class TenantEntry(BaseModel):
             tokens_per_min=self.tokens_per_min,
             max_prompt_tokens=self.max_prompt_tokens,
             trusted_tracing=self.trusted_tracing,
+            weight=self.weight,
+            priority=self.priority,
+            priority_range=self.priority_range,
         )
 
 

@@ -1,0 +1,328 @@
+"""Fair flow control: at saturation a request waits in the gateway, in its scope's queue, until
+a replica has room; the fair queue (router.fairness) decides who goes next (docs/flow-control.md).
+
+    admit ──▶ key (hash, look up) ──▶ flow control ──▶ place (the router picks) ──▶ forward
+                                        │ room: dispatch at once (no await)
+                                        │ a fan-out sibling of a leader in flight: its hold
+                                        │   is its wait (placement), charged, not queued
+                                        └ no room: wait in the scope's sub-queue
+                                            ── a prefill ends / a tick ──▶ dispatch
+
+A request is counted in the least uncached prefill over its candidates (the lookup is done
+before it waits: the prefix a conversation has cached is already known), for the room it
+takes and for its scope's counter. The replica loads the router compares are read when it
+is placed, after the wait.
+
+Room (`router.fairness.headroom_tokens`): a replica has room while the prefill queued on it —
+this gateway's unanswered prefills (`ReplicaState.pending_prefill_tokens`) and other gateways'
+requests waiting at the engine (`vllm:num_requests_waiting`, counted through
+`Replica.foreign_prefill_tokens`) — is under `max_pending_prefill_s` of work. A request
+dispatched but not yet leased (it is still being keyed and placed) holds its prompt tokens in
+`transit_tokens`, so a burst does not overshoot between its dispatch and its lease.
+
+Wake-ups: a lease's prefill ending or its release (`FleetLoad.on_freed`), and, while anything
+waits, a tick every `TICK_S` (engine scrapes, health and the fleet change without a lease).
+
+Bounded, nothing lost: a scope with `max_queued_per_scope` waiting gets a 429 with Retry-After
+(its own backlog); a gateway with `max_queued` waiting, a 503 (the fleet is full for everyone).
+A request that waited `max_queue_s` gets the 429 when it arrived behind requests of its own scope
+(its backlog is why it waited) and the 503 otherwise. A client gone while queued is removed:
+nothing reaches an engine, the gateway logs it, and it counts as a reject (`client_gone`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.errors import InvalidRequest, Overloaded, QueueFull
+from gateway.fleet.replicas import ReplicaSet, ReplicaState
+from gateway.observability.histograms import LATENCY_BUCKETS_S, LabelledHistograms
+from gateway.request.parsed import ParsedRequest
+from gateway.request.tenant import Tenant
+from router.fairness import FairQueue, Queued, headroom_tokens
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05
+"""While requests wait, room is re-read every 50 ms even without a lease ending: a scrape's
+engine queue, a replica back up or joined. A tenth of the default room bound."""
+REJECT_REASONS = ("scope_full", "gateway_full", "scope_timeout", "fleet_timeout", "client_gone")
+
+
+def request_priority(parsed: ParsedRequest, tenant: Tenant) -> int:
+    """The request's band: its `priority` (vLLM's field) within the tenant's allowed range, else
+    the tenant's own; a value outside the range is a 400 naming the field."""
+    priority = parsed.priority
+    if priority is None:
+        return tenant.policy.priority
+    low, high = tenant.policy.allowed_priorities
+    if not low <= priority <= high:
+        allowed = f"{low}" if low == high else f"{low} to {high}"
+        raise InvalidRequest(
+            f"'priority' {priority} is outside what this API key may ask for ({allowed}; "
+            "lower is served first)",
+            param="priority",
+        )
+    return priority
+
+
+@dataclass(frozen=True)
+class FlowLimits:
+    max_pending_prefill_tokens: float
+    """A replica has room while its queued prefill is under this (tokens)."""
+    max_queued_per_scope: int
+    max_queued: int
+    max_queue_s: float
+    prefill_tokens_per_s: float
+    """To turn a backlog into a Retry-After."""
+
+
+@dataclass
+class FlowStats:
+    dispatched: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(band, "immediate" | "queued" | "sibling") -> requests let through."""
+    rejects: dict[str, int] = field(default_factory=dict)
+    queue_seconds: LabelledHistograms = field(
+        default_factory=lambda: LabelledHistograms(LATENCY_BUCKETS_S)
+    )
+    """Time in the queue of requests dispatched from it, by (tenant, band)."""
+
+    def count_dispatch(self, band: int, how: str) -> None:
+        key = (str(band), how)
+        self.dispatched[key] = self.dispatched.get(key, 0) + 1
+
+    def count_reject(self, reason: str) -> None:
+        self.rejects[reason] = self.rejects.get(reason, 0) + 1
+
+
+class Ticket:
+    """A dispatched request's claim on the fleet's headroom until its lease takes over (`routed`,
+    once, however often called), and how long it waited."""
+
+    __slots__ = ("_flow", "_tokens", "queued_s")
+
+    def __init__(self, flow: FlowControl | None, tokens: float, queued_s: float) -> None:
+        self._flow = flow
+        self._tokens = tokens
+        self.queued_s = queued_s
+
+    def routed(self) -> None:
+        """Routing ended (the lease is taken before the next await) or the request failed."""
+        flow, self._flow = self._flow, None
+        if flow is not None:
+            flow.transit_tokens = max(flow.transit_tokens - self._tokens, 0.0)
+
+
+NO_TICKET = Ticket(None, 0.0, 0.0)
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    future: asyncio.Future[float]
+    model: str
+    tokens: float
+    ahead: int
+    """Requests of its own scope queued before it when it arrived."""
+
+
+class FlowControl:
+    """The gateway's queue (module docstring). Invariants: `transit_tokens` is the prompt tokens
+    of requests dispatched and not yet routed; a waiter's future is resolved only by a dispatch
+    (with its queue time) and only while it is queued, so a request is dispatched at most once
+    and a removed one never."""
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        limits: FlowLimits,
+        queue: FairQueue[_Waiter],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.replicas = replicas
+        self.limits = limits
+        self.queue = queue
+        self.clock = clock
+        self.stats = FlowStats()
+        self.transit_tokens = 0.0
+        self._tick: asyncio.TimerHandle | None = None
+        replicas.fleet.on_freed = self.pump
+
+    # -- room --------------------------------------------------------------------------------
+    def headroom(self, candidates: Sequence[ReplicaState]) -> float:
+        """Prompt tokens the replicas can still take before none has room; infinite when none
+        is healthy (nothing to wait for: routing answers its 503 at once, as without flow
+        control)."""
+        healthy = [c.snapshot() for c in candidates if c.healthy]
+        if not healthy:
+            return math.inf
+        return headroom_tokens(healthy, self.limits.max_pending_prefill_tokens)
+
+    def room(self) -> dict[str, float]:
+        """Each routed replica's room in prompt tokens (the metrics' `replica_room_tokens`)."""
+        bound = self.limits.max_pending_prefill_tokens
+        return {
+            s.id: headroom_tokens([s.snapshot()], bound) if s.healthy else 0.0
+            for s in self.replicas.states.values()
+        }
+
+    def _has_room(self, candidates: Sequence[ReplicaState]) -> bool:
+        return self.headroom(candidates) > self.transit_tokens
+
+    # -- the request's side ----------------------------------------------------------------------
+    def try_enter(
+        self,
+        tenant: Tenant,
+        band: int,
+        prompt_tokens: float,
+        output_tokens: float,
+        candidates: Sequence[ReplicaState],
+    ) -> Ticket | None:
+        """The hot path, synchronous: a ticket at once when the fleet has room and no one is
+        queued (the dispatch is charged to the scope's counter), else None: `wait`."""
+        if self.queue or not self._has_room(candidates):
+            return None
+        cost = self.queue.cost(prompt_tokens, output_tokens)
+        self.queue.charge(tenant.scope, band, tenant.policy.weight, cost)
+        self.stats.count_dispatch(band, "immediate")
+        self.transit_tokens += prompt_tokens
+        return Ticket(self, prompt_tokens, 0.0)
+
+    def sibling(
+        self, tenant: Tenant, band: int, prompt_tokens: float, output_tokens: float
+    ) -> Ticket:
+        """A fan-out sibling whose leader is in flight in this gateway: it is held until the
+        leader's prefix lands and then goes to the leader's replica, so it does not queue here
+        too (one wait, not two); it is charged to its scope like any dispatch."""
+        cost = self.queue.cost(prompt_tokens, output_tokens)
+        self.queue.charge(tenant.scope, band, tenant.policy.weight, cost)
+        self.stats.count_dispatch(band, "sibling")
+        return Ticket(None, 0.0, 0.0)
+
+    async def wait(
+        self,
+        tenant: Tenant,
+        band: int,
+        model: str,
+        prompt_tokens: float,
+        output_tokens: float,
+    ) -> Ticket:
+        """Wait in the scope's queue until the request may go to the router; the ticket must be
+        `routed` when routing ends, whatever happens. Raises `QueueFull` or `Overloaded` past
+        the limits; a cancelled wait (the client left) leaves nothing behind."""
+        weight = tenant.policy.weight
+        cost = self.queue.cost(prompt_tokens, output_tokens)
+        self._check_limits(tenant, prompt_tokens)
+        now_s = self.clock()
+        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(future, model, prompt_tokens, self.queue.depth(tenant.scope))
+        queued = self.queue.push(
+            waiter, scope=tenant.scope, band=band, weight=weight, cost=cost, now_s=now_s
+        )
+        self.pump()
+        try:
+            queued_s = await asyncio.wait_for(
+                asyncio.shield(waiter.future), self.limits.max_queue_s
+            )
+        except TimeoutError:
+            if waiter.future.done():  # dispatched as the timer fired: go
+                return Ticket(self, prompt_tokens, waiter.future.result())
+            self.queue.remove(queued)
+            raise self._timed_out(tenant, queued) from None
+        except asyncio.CancelledError:
+            if self.queue.remove(queued):
+                self.stats.count_reject("client_gone")
+                log.info(
+                    "tenant %s: the client left after %.3f s in the queue; nothing was sent "
+                    "to an engine",
+                    tenant.name,
+                    self.clock() - now_s,
+                )
+            elif waiter.future.done():  # dispatched, then cancelled: give its claim back
+                self.transit_tokens = max(self.transit_tokens - waiter.tokens, 0.0)
+            raise
+        self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
+        return Ticket(self, prompt_tokens, queued_s)
+
+    def _check_limits(self, tenant: Tenant, prompt_tokens: float) -> None:
+        backlog = self.queue.depth(tenant.scope)
+        if backlog >= self.limits.max_queued_per_scope:
+            self.stats.count_reject("scope_full")
+            raise QueueFull(
+                f"{backlog} of this API key's requests are already waiting for room in the "
+                "fleet; retry later",
+                retry_after_s=self._retry_after_s(backlog, prompt_tokens),
+            )
+        if len(self.queue) >= self.limits.max_queued:
+            self.stats.count_reject("gateway_full")
+            raise Overloaded(
+                "the fleet is overloaded: too many requests are waiting for room; retry later",
+                retry_after_s=self._retry_after_s(1, prompt_tokens),
+            )
+
+    def _timed_out(self, tenant: Tenant, queued: Queued[_Waiter]) -> Exception:
+        """429 when the request arrived behind its own scope's backlog (that backlog is the
+        reason it waited), else 503 (the fleet had no room for it)."""
+        waited_s = self.limits.max_queue_s
+        ahead = queued.item.ahead
+        if ahead:
+            self.stats.count_reject("scope_timeout")
+            return QueueFull(
+                f"the request waited {waited_s:g} s behind {ahead} earlier requests of this API "
+                "key's own; retry later",
+                retry_after_s=self._retry_after_s(ahead, queued.item.tokens),
+            )
+        self.stats.count_reject("fleet_timeout")
+        return Overloaded(
+            f"the fleet had no room for the request within {waited_s:g} s; retry later",
+            retry_after_s=self._retry_after_s(1, queued.item.tokens),
+        )
+
+    def _retry_after_s(self, backlog: int, prompt_tokens: float) -> float:
+        """About when the backlog will have drained at one replica's prefill rate."""
+        return max(backlog * max(prompt_tokens, 1.0) / self.limits.prefill_tokens_per_s, 1.0)
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Dispatch queued requests while the fleet has room for them (synchronous: called
+        when a lease frees room, on a tick, and when a request is queued)."""
+        if not self.queue:
+            return
+        headroom: dict[str, float] = {}
+
+        def eligible(waiter: _Waiter) -> bool:
+            room = headroom.get(waiter.model)
+            if room is None:
+                room = headroom[waiter.model] = self.headroom(self.replicas.serving(waiter.model))
+            return room > self.transit_tokens
+
+        now_s = self.clock()
+        for _ in range(len(self.queue)):
+            queued = self.queue.pop(eligible)
+            if queued is None:
+                break
+            waiter = queued.item
+            if waiter.future.done():  # cancelled in the same turn: it is not dispatched
+                continue
+            self.transit_tokens += waiter.tokens
+            waiter.future.set_result(now_s - queued.enqueued_s)
+            self.stats.count_dispatch(queued.band, "queued")
+        self._maybe_tick()
+
+    def _maybe_tick(self) -> None:
+        if self.queue and self._tick is None:
+            self._tick = asyncio.get_running_loop().call_later(TICK_S, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self.pump()
+
+    def close(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        self.replicas.fleet.on_freed = None
