@@ -159,9 +159,11 @@ class Director:
         parsed: ParsedRequest,
         tenant: Tenant,
         trace_headers: dict[str, str] | None = None,
+        client_left: Callable[[], Awaitable[object]] | None = None,
     ) -> Exchange | Passthrough:
         """Serve one request up to its commitment: an exchange whose first byte has arrived, or
         an engine's 4xx to pass through. `trace_headers`: the client's W3C trace context.
+        `client_left()`: returns when the client disconnects (watched while it waits for room).
 
         1. Admit: the tenant's scope, model and size; the request hooks (billing's checks) with
            the scoped tenant, and the size again if they expanded the prompt; then the fleet
@@ -180,7 +182,14 @@ class Director:
         try:
             candidates, tenant, parsed, charged = await self._admit(parsed, tenant)
             routed, flight = await self._route(
-                parsed, tenant, candidates, trace, opened_s, charged, flow=self.flow
+                parsed,
+                tenant,
+                candidates,
+                trace,
+                opened_s,
+                charged,
+                flow=self.flow,
+                client_left=client_left,
             )
             if flight is None:
                 opened = await self._forward(routed, trace)
@@ -317,6 +326,7 @@ class Director:
         charged: int,
         on_hold: Callable[[float], Awaitable[None]] | None = None,
         flow: FlowControl | None = None,
+        client_left: Callable[[], Awaitable[object]] | None = None,
     ) -> tuple[Routed, Flight | None]:
         """Key the request, wait for room in the fleet (`flow`: flow control's turn, not for
         a fan-out sibling whose leader is in flight here: its hold is its wait, and it goes to
@@ -355,7 +365,9 @@ class Director:
 
         ticket = NO_TICKET
         if flow is not None:
-            ticket = await self._wait_for_room(flow, parsed, tenant, candidates, route, hashes)
+            ticket = await self._wait_for_room(
+                flow, parsed, tenant, candidates, route, hashes, client_left
+            )
         try:
             placed = await self.placement.place(
                 policy, route, snapshot, hashes, lookup, self.rng, on_hold=on_hold
@@ -403,6 +415,7 @@ class Director:
         candidates: list[ReplicaState],
         route: RouteRequest,
         hashes: Sequence[BlockHash],
+        client_left: Callable[[], Awaitable[object]] | None,
     ) -> Ticket:
         """Flow control's turn, counted in the request's least uncached prefill over the
         candidates: at once (no await) when the fleet has room and no one waits, or when a
@@ -417,7 +430,7 @@ class Director:
         ticket = flow.try_enter(tenant, band, uncached, output_tokens, candidates)
         if ticket is not None:
             return ticket
-        return await flow.wait(tenant, band, parsed.model, uncached, output_tokens)
+        return await flow.wait(tenant, band, parsed.model, uncached, output_tokens, client_left)
 
     async def _landed(self, routed: Routed) -> None:
         """A leader's prefix is stored at its replica (its KV events): the landed hooks run

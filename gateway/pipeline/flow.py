@@ -36,10 +36,12 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from asyncio import FIRST_COMPLETED
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from gateway.errors import InvalidRequest, Overloaded, QueueFull
+from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
 from gateway.fleet.replicas import ReplicaSet, ReplicaState
 from gateway.observability.histograms import LATENCY_BUCKETS_S, LabelledHistograms
 from gateway.request.parsed import ParsedRequest
@@ -210,10 +212,13 @@ class FlowControl:
         model: str,
         prompt_tokens: float,
         output_tokens: float,
+        client_left: Callable[[], Awaitable[object]] | None = None,
     ) -> Ticket:
         """Wait in the scope's queue until the request may go to the router; the ticket must be
         `routed` when routing ends, whatever happens. Raises `QueueFull` or `Overloaded` past
-        the limits; a cancelled wait (the client left) leaves nothing behind."""
+        the limits. `client_left()` returns when the client disconnects (an HTTP front end's
+        watch; gRPC cancels the caller's task instead): either way the request leaves the queue
+        and `ClientGone` (or the cancellation) is raised, nothing left behind."""
         weight = tenant.policy.weight
         cost = self.queue.cost(prompt_tokens, output_tokens)
         self._check_limits(tenant, prompt_tokens)
@@ -224,29 +229,39 @@ class FlowControl:
             waiter, scope=tenant.scope, band=band, weight=weight, cost=cost, now_s=now_s
         )
         self.pump()
+        watcher = asyncio.ensure_future(client_left()) if client_left is not None else None
         try:
-            queued_s = await asyncio.wait_for(
-                asyncio.shield(waiter.future), self.limits.max_queue_s
-            )
-        except TimeoutError:
-            if waiter.future.done():  # dispatched as the timer fired: go
-                return Ticket(self, prompt_tokens, waiter.future.result())
-            self.queue.remove(queued)
-            raise self._timed_out(tenant, queued) from None
-        except asyncio.CancelledError:
-            if self.queue.remove(queued):
-                self.stats.count_reject("client_gone")
-                log.info(
-                    "tenant %s: the client left after %.3f s in the queue; nothing was sent "
-                    "to an engine",
-                    tenant.name,
-                    self.clock() - now_s,
-                )
-            elif waiter.future.done():  # dispatched, then cancelled: give its claim back
-                self.transit_tokens = max(self.transit_tokens - waiter.tokens, 0.0)
+            waits: list[asyncio.Future[Any]] = [future] if watcher is None else [future, watcher]
+            await asyncio.wait(waits, timeout=self.limits.max_queue_s, return_when=FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the caller's task (a gRPC client cancelling)
+            self._left(tenant, queued, now_s)
             raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        if not future.done():
+            if watcher is not None and watcher.done() and not watcher.cancelled():
+                self._left(tenant, queued, now_s)
+                raise ClientGone("the client disconnected while its request waited for room")
+            self.queue.remove(queued)
+            raise self._timed_out(tenant, queued)
+        queued_s = future.result()
         self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
         return Ticket(self, prompt_tokens, queued_s)
+
+    def _left(self, tenant: Tenant, queued: Queued[_Waiter], since_s: float) -> None:
+        """The client left while its request waited: out of the queue (nothing reaches an
+        engine), or, dispatched in the same turn, its claim on the room given back."""
+        if self.queue.remove(queued):
+            self.stats.count_reject("client_gone")
+            log.info(
+                "tenant %s: the client left after %.3f s in the queue; nothing was sent to an "
+                "engine",
+                tenant.name,
+                self.clock() - since_s,
+            )
+        elif queued.item.future.done():
+            self.transit_tokens = max(self.transit_tokens - queued.item.tokens, 0.0)
 
     def _check_limits(self, tenant: Tenant, prompt_tokens: float) -> None:
         backlog = self.queue.depth(tenant.scope)

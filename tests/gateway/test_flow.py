@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.errors import InvalidRequest, Overloaded, QueueFull
+from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
 from gateway.fleet.replicas import Lease, ReplicaSet
 from gateway.pipeline.flow import FlowControl, FlowLimits, Ticket, request_priority
 from gateway.request.parsed import CHAT, ParsedRequest
@@ -183,6 +183,25 @@ async def test_a_client_gone_while_queued_is_removed_and_never_dispatched() -> N
     assert len(flow.queue) == 0 and flow.stats.rejects == {"client_gone": 1}
     lease.prefilled()
     assert flow.transit_tokens == 0.0 and ("0", "queued") not in flow.stats.dispatched
+
+
+async def test_a_client_left_while_queued_is_a_client_gone_and_never_dispatched() -> None:
+    replicas = _replicas()
+    flow = _flow(replicas)
+    lease = _fill(replicas)
+    left = asyncio.Event()
+
+    async def client_left() -> None:
+        await left.wait()
+
+    waiting = asyncio.create_task(flow.wait(_tenant("a"), 0, MODEL, 10.0, 0.0, client_left))
+    await _until(lambda: len(flow.queue) == 1, "queued")
+    left.set()
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(waiting, 5.0)
+    assert len(flow.queue) == 0 and flow.stats.rejects == {"client_gone": 1}
+    lease.prefilled()
+    assert flow.transit_tokens == 0.0
 
 
 async def test_a_replica_freeing_room_wakes_the_queue_without_a_tick() -> None:
