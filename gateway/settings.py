@@ -82,11 +82,12 @@ DEFAULT_ENGINE_PREFILL_TOKENS_PER_S = 13_000.0
 DEFAULT_FANOUT_MAX_HOLD_S = 10.0
 """However long a leader's prefill is expected to take, no sibling waits more than 10 s."""
 # -- fair flow control (issue 43; docs/flow-control.md) ------------------------------------------
-DEFAULT_FLOW_MAX_PENDING_PREFILL_S = 0.5
-"""A replica has room while the prefill queued on it (this gateway's unanswered prefills and
-other gateways' waiting requests) is under 0.5 s of work: enough that the engine never idles
-between one first token and the next dispatch (a dispatch takes ~1 ms), short enough that a
-request dispatched fairly waits behind at most half a second plus one prefill in progress."""
+DEFAULT_FLOW_MAX_PENDING_PREFILL_S = 0.25
+"""A replica has room while the prefill queued on it (this gateway's unanswered prefills, less
+the progress of the one running, and other gateways' waiting requests) is under 0.25 s of work:
+the next request is sent while the engine still has a quarter second to go, far more than a
+dispatch takes even on a starved gateway (~1 ms idle, tens of ms loaded), so the engine never
+runs dry; and a request dispatched fairly waits behind at most that plus one prefill queued."""
 DEFAULT_FLOW_MAX_QUEUED_PER_SCOPE = 256
 """A scope may have 256 requests waiting in the gateway (a flood of closed-loop clients, or an
 agent's fan-out, fits); the next is a 429 with Retry-After: its own backlog is full."""

@@ -45,8 +45,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from router.types import Replica
-
 T = TypeVar("T")
 
 DEFAULT_FLOOR_SHARE = 0.05
@@ -62,19 +60,12 @@ SWEEP_SLACK = 64
 virtual time has passed: the sweep's cost is amortized over at least this many dispatches."""
 
 
-def headroom_tokens(replicas: Sequence[Replica], max_pending_prefill_tokens: float) -> float:
-    """Prompt tokens the replicas can take before none has room: a replica has room while the
-    prefill queued on it — this gateway's unanswered prefills and other gateways' requests
-    waiting at the engine — is under `max_pending_prefill_tokens`; an idle replica takes a
-    request of any size (work-conserving), so the headroom of any healthy replica is > 0 when
-    nothing is queued on it."""
-    total = 0.0
-    for replica in replicas:
-        if not replica.healthy:
-            continue
-        queued = replica.pending_prefill_tokens + replica.foreign_prefill_tokens
-        total += max(max_pending_prefill_tokens - queued, 0.0)
-    return total
+def headroom_tokens(queued_tokens: Sequence[float], max_pending_prefill_tokens: float) -> float:
+    """Prompt tokens the replicas can take before none has room, given the prefill tokens
+    still queued on each healthy replica: a replica has room while that is under
+    `max_pending_prefill_tokens`, and an idle one takes a request of any size
+    (work-conserving), so a healthy replica with nothing queued always has headroom > 0."""
+    return sum(max(max_pending_prefill_tokens - queued, 0.0) for queued in queued_tokens)
 
 
 @dataclass(slots=True)

@@ -14,14 +14,15 @@ takes and for its scope's counter. The replica loads the router compares are rea
 is placed, after the wait.
 
 Room (`router.fairness.headroom_tokens`): a replica has room while the prefill queued on it —
-this gateway's unanswered prefills (`ReplicaState.pending_prefill_tokens`) and other gateways'
-requests waiting at the engine (`vllm:num_requests_waiting`, counted through
-`Replica.foreign_prefill_tokens`) — is under `max_pending_prefill_s` of work. A request
+this gateway's unanswered prefills (`ReplicaState.pending_prefill_tokens`, less the progress of
+the one in prefill since it began) and other gateways' requests waiting at the engine
+(`vllm:num_requests_waiting`, counted through `Replica.foreign_prefill_tokens`) — is under
+`max_pending_prefill_s` of work. A request
 dispatched but not yet leased (it is still being keyed and placed) holds its prompt tokens in
 `transit_tokens`, so a burst does not overshoot between its dispatch and its lease.
 
-Wake-ups: a lease's prefill ending or its release (`FleetLoad.on_freed`), and, while anything
-waits, a tick every `TICK_S` (engine scrapes, health and the fleet change without a lease).
+Wake-ups: a lease's prefill ending (`FleetLoad.on_freed`), and, while anything waits, a tick
+every `TICK_S` (prefill progress, engine scrapes, health and the fleet change without a lease).
 
 Bounded, nothing lost: a scope with `max_queued_per_scope` waiting gets a 429 with Retry-After
 (its own backlog); a gateway with `max_queued` waiting, a 503 (the fleet is full for everyone).
@@ -50,9 +51,10 @@ from router.fairness import FairQueue, Queued, headroom_tokens
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.05
-"""While requests wait, room is re-read every 50 ms even without a lease ending: a scrape's
-engine queue, a replica back up or joined. A tenth of the default room bound."""
+TICK_S = 0.025
+"""While requests wait, room is re-read every 25 ms even without a lease ending (prefill
+progress, a scrape's engine queue, a replica back up or joined): a tenth of the default room
+bound, so the next request reaches an engine well before it runs dry."""
 REJECT_REASONS = ("scope_full", "gateway_full", "scope_timeout", "fleet_timeout", "client_gone")
 
 
@@ -159,16 +161,29 @@ class FlowControl:
         """Prompt tokens the replicas can still take before none has room; infinite when none
         is healthy (nothing to wait for: routing answers its 503 at once, as without flow
         control)."""
-        healthy = [c.snapshot() for c in candidates if c.healthy]
-        if not healthy:
+        now_s = time.monotonic()
+        queued = [self.queued_tokens(c, now_s) for c in candidates if c.healthy]
+        if not queued:
             return math.inf
-        return headroom_tokens(healthy, self.limits.max_pending_prefill_tokens)
+        return headroom_tokens(queued, self.limits.max_pending_prefill_tokens)
+
+    def queued_tokens(self, state: ReplicaState, now_s: float) -> float:
+        """The prefill still queued on a replica: this gateway's unanswered prefills (less the
+        progress of the one in prefill since it began, at most its share) and other gateways'
+        requests waiting at the engine. The progress lets the next request go before the
+        engine runs dry, so the gateway's own latency never idles it."""
+        snapshot = state.snapshot()
+        queued = snapshot.pending_prefill_tokens + snapshot.foreign_prefill_tokens
+        if state.num_prefilling:
+            progress = (now_s - state.prefill_started_s) * self.limits.prefill_tokens_per_s
+            queued -= min(progress, state.pending_prefill_tokens / state.num_prefilling)
+        return max(queued, 0.0)
 
     def room(self) -> dict[str, float]:
         """Each routed replica's room in prompt tokens (the metrics' `replica_room_tokens`)."""
-        bound = self.limits.max_pending_prefill_tokens
+        bound, now_s = self.limits.max_pending_prefill_tokens, time.monotonic()
         return {
-            s.id: headroom_tokens([s.snapshot()], bound) if s.healthy else 0.0
+            s.id: headroom_tokens([self.queued_tokens(s, now_s)], bound) if s.healthy else 0.0
             for s in self.replicas.states.values()
         }
 

@@ -106,6 +106,22 @@ async def test_transit_stops_a_burst_overshooting_before_its_leases() -> None:
     assert flow.try_enter(a, 0, 10.0, 0.0, flow.replicas.serving(MODEL)) is None
 
 
+async def test_the_running_prefills_progress_makes_room_before_it_ends() -> None:
+    """2,000 tokens in prefill at 1,000 tokens/s: no room at first; 1.5 s in, 500 are left, under
+    the 1,000-token bound, so the next request goes before the engine runs dry (its progress
+    never counts past its own share of what is pending)."""
+    replicas = _replicas()
+    flow = _flow(replicas)
+    state = replicas.states["http://r0"]
+    _fill(replicas)
+    a = _tenant("a")
+    assert flow.try_enter(a, 0, 10.0, 0.0, [state]) is None
+    state.prefill_started_s -= 1.5
+    assert flow.queued_tokens(state, state.prefill_started_s + 1.5) == pytest.approx(500.0)
+    assert flow.try_enter(a, 0, 10.0, 0.0, [state]) is not None
+    assert flow.queued_tokens(state, state.prefill_started_s + 60.0) == 0.0
+
+
 async def test_a_light_scope_overtakes_a_flooding_ones_backlog() -> None:
     """A's backlog of ten waits for room; B's request, queued after all of them, goes second
     (after the A request at the head, which is older at an equal counter)."""
