@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -60,12 +60,25 @@ SWEEP_SLACK = 64
 virtual time has passed: the sweep's cost is amortized over at least this many dispatches."""
 
 
-def headroom_tokens(queued_tokens: Sequence[float], max_pending_prefill_tokens: float) -> float:
+def headroom_tokens(queued_tokens: Iterable[float], max_pending_prefill_tokens: float) -> float:
     """Prompt tokens the replicas can take before none has room, given the prefill tokens
     still queued on each healthy replica: a replica has room while that is under
     `max_pending_prefill_tokens`, and an idle one takes a request of any size
     (work-conserving), so a healthy replica with nothing queued always has headroom > 0."""
     return sum(max(max_pending_prefill_tokens - queued, 0.0) for queued in queued_tokens)
+
+
+def has_headroom(
+    queued_tokens: Iterable[float], max_pending_prefill_tokens: float, claimed_tokens: float
+) -> bool:
+    """Whether `headroom_tokens` exceeds `claimed_tokens` (what requests let through and not
+    yet placed will take), reading no more replicas than it needs: the request path's check."""
+    total = 0.0
+    for queued in queued_tokens:
+        total += max(max_pending_prefill_tokens - queued, 0.0)
+        if total > claimed_tokens:
+            return True
+    return False
 
 
 @dataclass(slots=True)

@@ -47,7 +47,7 @@ from gateway.fleet.replicas import ReplicaSet, ReplicaState
 from gateway.observability.histograms import LATENCY_BUCKETS_S, LabelledHistograms
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
-from router.fairness import FairQueue, Queued, headroom_tokens
+from router.fairness import FairQueue, Queued, has_headroom, headroom_tokens
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,17 @@ class FlowControl:
         }
 
     def _has_room(self, candidates: Sequence[ReplicaState]) -> bool:
-        return self.headroom(candidates) > self.transit_tokens
+        """Whether the fleet has room for one more request (infinite room when none is healthy,
+        as in `headroom`), reading replicas only until it knows."""
+        healthy = [c for c in candidates if c.healthy]
+        if not healthy:
+            return True
+        now_s = time.monotonic()
+        return has_headroom(
+            (self.queued_tokens(c, now_s) for c in healthy),
+            self.limits.max_pending_prefill_tokens,
+            self.transit_tokens,
+        )
 
     # -- the request's side ----------------------------------------------------------------------
     def try_enter(

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.fairness import FairQueue
+from router.fairness import FairQueue, has_headroom, headroom_tokens
 
 
 def _fill(
@@ -217,3 +217,20 @@ def test_work_conserving(pushes: list[tuple[str, int, int]]) -> None:
     out = [queued.item for queued in iter(queue.pop, None)]
     assert sorted(out) == list(range(len(pushes)))
     assert len(queue) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    queued=st.lists(st.floats(0, 20_000), max_size=8),
+    bound=st.floats(1, 10_000),
+    claimed=st.floats(0, 30_000),
+)
+def test_the_early_exit_room_check_agrees_with_the_headroom(
+    queued: list[float], bound: float, claimed: float
+) -> None:
+    assert has_headroom(queued, bound, claimed) == (headroom_tokens(queued, bound) > claimed)
+
+
+def test_an_idle_replica_has_room_for_a_request_of_any_size() -> None:
+    assert headroom_tokens([0.0], 100.0) == 100.0 and has_headroom([0.0], 100.0, 0.0)
+    assert not has_headroom([150.0, 100.0], 100.0, 0.0)  # both at or past the bound
