@@ -21,7 +21,8 @@ of a `user`-scoped tenant). Two rules order them:
 
        counter[s] += (prefill_tokens + decode_weight × decode_tokens) / weight[s]
 
-   and the backlogged scope with the least counter goes next (ties: the oldest head). A scope
+   and the backlogged scope with the least counter goes next (ties: the oldest head). The cost
+   is estimated at dispatch and settled with the real one (the engine's usage) when known. A scope
    whose sub-queue was empty and receives a request is lifted to
 
        counter[s] = max(counter[s], min(counter[t] for backlogged t in the band))
@@ -117,9 +118,10 @@ class FairQueue(Generic[T]):
     """Per-scope sub-queues in priority bands, dequeued by VTC within a band (module docstring).
 
     Invariants: a scope is in its band's `backlogged` iff its sub-queue is non-empty; `len`
-    counts every queued request; counters only grow, except that an idle scope's entry is
-    dropped once the band's virtual time has passed it (it would be lifted that far on return
-    anyway), so memory follows the backlog, not every scope ever seen.
+    counts every queued request; a counter grows by each dispatch's estimated cost and is
+    corrected (`settle`) by the real one; an idle scope's entry is dropped once the band's
+    virtual time has passed it (it would be lifted that far on return anyway), so memory
+    follows the backlog, not every scope ever seen.
     """
 
     def __init__(
@@ -191,6 +193,15 @@ class FairQueue(Generic[T]):
             band_state.virtual_s = max(band_state.virtual_s, entry.counter)
         if not entry.queue:
             self._maybe_forget(band_state, band, scope)
+
+    def settle(self, scope: str, band: int, delta_cost: float) -> None:
+        """Correct a dispatched request's charge once its real cost is known (the engine's
+        usage: its cached prompt, its output) by `delta_cost` weighted tokens; nothing when the
+        scope is no longer tracked (it would be lifted on return anyway)."""
+        band_state = self._bands.get(band)
+        entry = band_state.scopes.get(scope) if band_state is not None else None
+        if entry is not None and math.isfinite(delta_cost):
+            entry.counter += delta_cost / entry.weight
 
     def _scope(self, scope: str, band: int, weight: float) -> _Scope[T]:
         band_state = self._bands.get(band)

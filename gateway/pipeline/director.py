@@ -398,6 +398,7 @@ class Director:
             opened_s=opened_s,
             routed_s=time.monotonic(),
             queued_s=ticket.queued_s,
+            flow_charge=ticket.charge,
             admitted_tokens=charged,
             ranks=keyed.ranks,
             conversation=conversation,

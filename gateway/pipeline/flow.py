@@ -46,7 +46,9 @@ from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
 from gateway.fleet.replicas import ReplicaSet, ReplicaState
 from gateway.observability.histograms import LATENCY_BUCKETS_S, LabelledHistograms
 from gateway.request.parsed import ParsedRequest
+from gateway.request.state import ExchangeRecord
 from gateway.request.tenant import Tenant
+from gateway.request.usage import EngineUsage
 from router.fairness import FairQueue, Queued, has_headroom, headroom_tokens
 
 log = logging.getLogger(__name__)
@@ -106,14 +108,22 @@ class FlowStats:
 
 class Ticket:
     """A dispatched request's claim on the fleet's headroom until its lease takes over (`routed`,
-    once, however often called), and how long it waited."""
+    once, however often called), how long it waited, and what its scope was charged."""
 
-    __slots__ = ("_flow", "_tokens", "queued_s")
+    __slots__ = ("_flow", "_tokens", "charge", "queued_s")
 
-    def __init__(self, flow: FlowControl | None, tokens: float, queued_s: float) -> None:
+    def __init__(
+        self,
+        flow: FlowControl | None,
+        tokens: float,
+        queued_s: float,
+        charge: tuple[int, float] | None = None,
+    ) -> None:
         self._flow = flow
         self._tokens = tokens
         self.queued_s = queued_s
+        self.charge = charge
+        """(band, weighted tokens) charged to the scope, settled by the engine's usage."""
 
     def routed(self) -> None:
         """Routing ended (the lease is taken before the next await) or the request failed."""
@@ -217,7 +227,7 @@ class FlowControl:
         self.queue.charge(tenant.scope, band, tenant.policy.weight, cost)
         self.stats.count_dispatch(band, "immediate")
         self.transit_tokens += prompt_tokens
-        return Ticket(self, prompt_tokens, 0.0)
+        return Ticket(self, prompt_tokens, 0.0, (band, cost))
 
     def sibling(
         self, tenant: Tenant, band: int, prompt_tokens: float, output_tokens: float
@@ -228,7 +238,7 @@ class FlowControl:
         cost = self.queue.cost(prompt_tokens, output_tokens)
         self.queue.charge(tenant.scope, band, tenant.policy.weight, cost)
         self.stats.count_dispatch(band, "sibling")
-        return Ticket(None, 0.0, 0.0)
+        return Ticket(None, 0.0, 0.0, (band, cost))
 
     async def wait(
         self,
@@ -272,7 +282,7 @@ class FlowControl:
             raise self._timed_out(tenant, queued)
         queued_s = future.result()
         self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
-        return Ticket(self, prompt_tokens, queued_s)
+        return Ticket(self, prompt_tokens, queued_s, (band, cost))
 
     def _left(self, tenant: Tenant, queued: Queued[_Waiter], since_s: float) -> None:
         """The client left while its request waited: out of the queue (nothing reaches an
@@ -360,6 +370,25 @@ class FlowControl:
     def _on_tick(self) -> None:
         self._tick = None
         self.pump()
+
+    # -- the exchange's side (an `ExchangeObserver`) --------------------------------------------
+    async def on_first_token(self, record: ExchangeRecord) -> None:
+        return None
+
+    async def on_usage(self, record: ExchangeRecord, usage: EngineUsage) -> None:
+        """Settle the scope's charge with what the engine did: its uncached prompt and its
+        output (VTC counts served tokens; the dispatch only estimated them)."""
+        routed = record.routed
+        if routed.flow_charge is None or usage.prompt_tokens is None:
+            return
+        band, charged = routed.flow_charge
+        served = self.queue.cost(
+            usage.prompt_tokens - usage.cached_tokens, usage.completion_tokens or 0
+        )
+        self.queue.settle(routed.tenant.scope, band, served - charged)
+
+    async def on_finish(self, record: ExchangeRecord) -> None:
+        return None
 
     def close(self) -> None:
         if self._tick is not None:

@@ -339,6 +339,9 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     frontiers = _frontiers(settings, policy, precise, intake, replicas)
     if frontiers is not None:
         observers.append(FrontierObserver(frontiers))
+    flow = _flow(settings, replicas)
+    if flow is not None:
+        observers.append(flow)  # settles each scope's charge with the engine's usage
     forwarder = Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s)
     keying = Keying(
         RouteKeys(
@@ -372,7 +375,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         tracer=tracing.tracer,
         rng=random.Random(settings.seed),
         frontiers=frontiers,
-        flow=_flow(settings, replicas),
+        flow=flow,
     )
     discovery = _discovery(settings, replicas, directory, layouts)
     registry.register(

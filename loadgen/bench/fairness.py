@@ -6,16 +6,25 @@ prompt distinct (no cache helps). Five runs on fresh processes: B alone, A alone
 off and on), then B under A's flood with flow control off and on. Printed: B's TTFT p50/p99,
 A's requests completed within B's window, failures and 5xx. Times are in engine time
 (measured × `--time-scale`), so a faster-than-real engine reports what a real one would.
+
+`--scenario weights`: three tenants weighted 1:2:4 in a tenants file, all flooding; the share
+of the queue's dispatches within the window (from the admin port's metrics) and of the prompt
+tokens each was served (completed requests), beside its weight's share.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadgen.client import Result, stream_chat
 from loadgen.engine.server import DEFAULT_MODEL
@@ -38,6 +47,14 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
     parser.add_argument(
         "--time-scale", type=float, default=1.0, help="engines run this many times faster"
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=("noisy", "weights"),
+        default="noisy",
+        help="noisy: the noisy neighbour, flow control off and on; weights: three tenants "
+        "weighted 1:2:4 (a tenants file), each flooding with --a-clients / 3 clients of "
+        "--a-words words: their served prompt tokens against the weights",
     )
 
 
@@ -117,7 +134,111 @@ def _run(args: argparse.Namespace, light: bool, flood: bool, flow: bool) -> Run:
         return asyncio.run(_traffic(gw.url, args, light, flood))
 
 
+WEIGHTS = (1, 2, 4)
+
+
+def _queued_dispatches(metrics_url: str) -> dict[str, float]:
+    """Requests each tenant had dispatched from the queue so far (the gateway's admin port)."""
+    text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvgate_flow_queue_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    tenant = sample.labels["tenant"]
+                    out[tenant] = out.get(tenant, 0.0) + sample.value
+    return out
+
+
+async def _weighted_flood(
+    url: str, metrics_url: str, args: argparse.Namespace, keys: dict[str, str]
+) -> tuple[dict[str, list[Result]], dict[str, float]]:
+    """Every tenant floods with its closed-loop clients; the requests that finished within the
+    window (`--seconds`, after a warm-up as in the noisy run), by tenant, and the requests the
+    fair queue dispatched within it (what the policy decides; completions trail them)."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    stop = asyncio.Event()
+    done: dict[str, list[Result]] = {name: [] for name in keys}
+    per_tenant = max(args.a_clients // len(keys), 1)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+
+        async def flooder(name: str, i: int) -> None:
+            n = 0
+            while not stop.is_set():  # bounded: the window ends
+                text = f"{name}.{i}.{n} " + words(f"{name}{i}.{n}", args.a_words)
+                done[name].append(
+                    await stream_chat(http, url, keys[name], _body(text, args.max_tokens))
+                )
+                n += 1
+
+        tasks = [asyncio.create_task(flooder(n, i)) for n in keys for i in range(per_tenant)]
+        await asyncio.sleep(2.0 * args.a_words / DEFAULT_PREFILL_TOKENS_PER_S / args.time_scale)
+        start = time.monotonic()
+        before = await asyncio.to_thread(_queued_dispatches, metrics_url)
+        await asyncio.sleep(args.seconds)
+        after = await asyncio.to_thread(_queued_dispatches, metrics_url)
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    end = start + args.seconds
+    finished = {
+        name: [r for r in results if start <= r.start_s + r.latency_s <= end]
+        for name, results in done.items()
+    }
+    return finished, {name: after.get(name, 0.0) - before.get(name, 0.0) for name in keys}
+
+
+def run_weights(args: argparse.Namespace) -> int:
+    keys = {f"w{w}": f"sk-bench-weight-{w}" for w in WEIGHTS}
+    lines = ["version: 1", "tenants:"]
+    for w in WEIGHTS:
+        digest = hashlib.sha256(keys[f"w{w}"].encode()).hexdigest()
+        lines += [f"  w{w}:", f"    weight: {w}", "    keys:", f"      - sha256: {digest}"]
+    env = {
+        "KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * args.time_scale)
+    }
+    engine_args = ["--time-scale", str(args.time_scale), "--max-batch", "256"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tenants.yaml"
+        path.write_text("\n".join(lines) + "\n")
+        serve = ["--tenants-file", str(path), "--log-level", "warning"]
+        with (
+            processes.engines(args.engines, engine_args) as engines,
+            processes.gateway([e.url for e in engines], serve, env=env) as gw,
+        ):
+            assert gw.metrics_url is not None
+            results, dispatched = asyncio.run(_weighted_flood(gw.url, gw.metrics_url, args, keys))
+    served = {name: sum(r.prompt_tokens for r in rs if r.ok) for name, rs in results.items()}
+    total = sum(served.values()) or 1
+    total_dispatched = sum(dispatched.values()) or 1
+    print(
+        f"three tenants weighted {':'.join(map(str, WEIGHTS))}, {max(args.a_clients // 3, 1)} "
+        f"closed-loop clients each of {args.a_words:,} words, {args.seconds:g} s window, "
+        f"{args.engines} engines, flow control on"
+    )
+    print(
+        f"\n{'tenant':<8} {'weight share':>12} {'dispatched share':>16} {'served share':>12} "
+        f"{'requests':>8} {'failed':>6}"
+    )
+    errors = 0
+    for w in WEIGHTS:
+        name = f"w{w}"
+        failed = sum(1 for r in results[name] if not r.ok)
+        errors += sum(1 for r in results[name] if r.status >= 500)
+        print(
+            f"{name:<8} {w / sum(WEIGHTS):>12.1%} {dispatched[name] / total_dispatched:>16.1%} "
+            f"{served[name] / total:>12.1%} "
+            f"{len(results[name]):>8} {failed:>6}"
+        )
+    return 1 if errors else 0
+
+
 def run_bench_fairness(args: argparse.Namespace) -> int:
+    if args.scenario == "weights":
+        return run_weights(args)
     scale = args.time_scale
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "

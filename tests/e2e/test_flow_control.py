@@ -31,7 +31,7 @@ PREFILL_TOKENS_PER_S = 40_000
 TIMING = TimingModel(prefill_tokens_per_s=PREFILL_TOKENS_PER_S, decode_s_per_token=0.0005)
 """A's prompt (~2,000 tokens) prefills in ~50 ms: 32 of them are a backlog of ~0.8 s per engine."""
 A_CLIENTS = 32
-B_REQUESTS = 3
+B_REQUESTS = 5
 
 
 async def _noisy_neighbour(gateway: Served) -> tuple[list[int], list[int]]:

@@ -234,3 +234,16 @@ def test_the_early_exit_room_check_agrees_with_the_headroom(
 def test_an_idle_replica_has_room_for_a_request_of_any_size() -> None:
     assert headroom_tokens([0.0], 100.0) == 100.0 and has_headroom([0.0], 100.0, 0.0)
     assert not has_headroom([150.0, 100.0], 100.0, 0.0)  # both at or past the bound
+
+
+def test_settling_a_charge_moves_the_counter_by_the_real_cost() -> None:
+    """A request estimated at 13,000 tokens that the engine served as 8,000 (a better token
+    estimate, a cache hit) gives its scope back 5,000 / weight: counters count served work."""
+    queue: FairQueue[str] = FairQueue()
+    _fill(queue, "a", 2, cost=13_000.0, weight=2.0)
+    assert _drain(queue, 1) == ["a0"]
+    assert queue.counter("a", 0) == pytest.approx(6_500.0)
+    queue.settle("a", 0, 8_000.0 - 13_000.0)
+    assert queue.counter("a", 0) == pytest.approx(4_000.0)
+    queue.settle("gone", 0, 1.0)  # a scope no longer tracked: nothing to correct
+    assert queue.counter("gone", 0) is None
