@@ -274,6 +274,8 @@ class FlowControl:
         finally:
             if watcher is not None:
                 watcher.cancel()
+                if watcher.done() and not watcher.cancelled():
+                    watcher.exception()  # a receive that failed is a client gone too: retrieved
         if not future.done():
             if watcher is not None and watcher.done() and not watcher.cancelled():
                 self._left(tenant, queued, now_s)
