@@ -39,7 +39,12 @@ run: $(RUN_STAMP) ## 4 simulated engines + the gateway + the agent working day p
 # the suite starts many gateways and engines in subprocesses: compiling the packages once
 # first spares each of them compiling its imports again where PYTHONDONTWRITEBYTECODE is set (as
 # on this machine kind; Python still reads the files): ~6-10% of an e2e module's time
-test: $(DEV_STAMP) ## the test suite (starts its own engines and servers on loopback)
+# the console's tests drive a real headless browser: Debian's Chromium and its driver
+BROWSER := /usr/bin/chromedriver
+$(BROWSER):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+
+test: $(DEV_STAMP) $(BROWSER) ## the test suite (starts its own engines and servers on loopback)
 	$(PY) -m compileall -q -j0 kvgate_cli.py cachemap gateway loadgen router tools
 	$(PY) -m pytest $(ARGS)
 

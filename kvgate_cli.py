@@ -123,6 +123,12 @@ COMMANDS: dict[str, Command] = {
         "add_bench_billing_arguments",
         "run_bench_billing",
     ),
+    "bench-report": Command(
+        "docs/benchmarks.md's headline table from docs/benchmarks.json (--check: drift)",
+        "loadgen.bench.report",
+        "add_bench_report_arguments",
+        "run_bench_report",
+    ),
     "footprint": Command(
         "the memory of the gateway's bounded in-process stores, filled past them (JSON)",
         "gateway.server.footprint",

@@ -123,6 +123,15 @@ class PrefixRates:
         self._offer(prefix, rate)
         return PrefixRate(rate, counter.k)
 
+    def unobserve(self, prefix: BlockHash) -> None:
+        """Take back one request of the prefix's current count, never its first (the young
+        rate's clock starts there): a later sibling of a fan-out flight is not a new arrival."""
+        counter = self._counters.get(prefix)
+        if counter is None or counter.window != int(self.clock() // self.window_s):
+            return
+        if counter.current > 1:
+            counter.current -= 1
+
     def _rate_now(self, c: _Counter, now: float) -> float:
         """A counter's rate at `now`, however long ago it last counted (its current window
         then is a previous one, or older than both)."""

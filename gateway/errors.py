@@ -164,6 +164,14 @@ class QueueFull(QuotaExceeded):
         self.code = "queue_full"
 
 
+class TooManyInFlight(QuotaExceeded):
+    """429: the tenant has as many requests in flight as it may (`tenant_max_inflight`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after_s=1.0)
+        self.code = "too_many_requests_in_flight"
+
+
 class NoReplica(GatewayError):
     status = 503
     type = "service_unavailable_error"
@@ -186,6 +194,17 @@ class Overloaded(GatewayError):
 class UpstreamError(GatewayError):
     status = 502
     type = "upstream_error"
+
+
+TOO_LARGE = "upstream_too_large"
+
+
+def too_large(limit: int) -> UpstreamError:
+    """502: an engine's whole answer passed `upstream_max_body_bytes` (not retried: its size is
+    the request's doing, and another replica would answer as much)."""
+    return UpstreamError(
+        f"the engine's answer is larger than the gateway accepts ({limit} bytes)", code=TOO_LARGE
+    )
 
 
 class EngineRejected(GatewayError):

@@ -22,6 +22,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from cachemap.affinity import DEFAULT_AFFINITY_CAPACITY, DEFAULT_AFFINITY_TTL_S
 from cachemap.directory import DEFAULT_REPLICA_CAPACITY_BLOCKS, DEFAULT_TTL_S
 from cachemap.events import DEFAULT_BLOCK_SIZE, DEFAULT_OFFLOAD_COST, DEFAULT_SPECULATIVE_TTL_S
 from cachemap.keys import DEFAULT_BLOCK_BYTES
@@ -104,7 +105,8 @@ DEFAULT_REDIS_DEADLINE_PER_BLOCK_S = 20e-6
 """Added to a lookup's deadline per block of its chain: the directory's script walks the chain a
 block at a time (~3–7 µs each in Redis, the higher figure under load), so a 100k-token agent
 prompt of 6,250 blocks takes 20–45 ms in Redis alone, past any fixed few-ms deadline on every
-turn (docs/benchmarks.md, "Lookups of long chains"). 20 µs a block allows 3× that and bounds the
+turn (docs/benchmarks-archive.md, "Lookups of long chains"). 20 µs a block allows 3× that
+and bounds the
 wait at ~1.6% of the prompt's own prefill (6,250 × 16 tokens at 13,000 tokens/s: 7.7 s). The
 shared event index's lookup bisects on prefix marks (~1 ms for that chain) and walks only past
 them; the allowance is then a bound it rarely nears."""
@@ -137,6 +139,15 @@ this size. Past it the soonest-expiring go first (docs/billing.md#decisions)."""
 DEFAULT_BILLING_WAL_DEADLINE_S = 5.0
 """An fdatasync takes milliseconds on a healthy volume; 5 s is a disk that stopped: the request
 fails (503) instead of hanging on it."""
+# -- billing hardening, round 2 (issue 45, items 1-3) ---------------------------------------------
+DEFAULT_BILLING_REDIS_ALLOW_UNSAFE_FSYNC = False
+"""A shipped segment is deleted on the store's reply: refuse a store that may lose it."""
+DEFAULT_BILLING_WAL_TAKEOVER = False
+"""Only where every gateway's WAL directory is on one shared volume (the chart's persistence)."""
+DEFAULT_BILLING_WAL_LEASE_S = 30.0
+"""A live gateway renews its directory's lease every 10 s: a directory whose lease is 30 s old
+and whose lock is free has no live owner (a container restart takes a few seconds, and 30 s
+covers clock skew between nodes of tens of seconds' worth of NTP trouble)."""
 # -- Kubernetes, engine load signals, observability (issue 9; docs/operations.md) --------------
 DEFAULT_METRICS_INTERVAL_S = 1.0
 """Read each replica's /metrics once a second: its queue is what other gateways have sent in the
@@ -144,7 +155,7 @@ last second, and every gateway scrapes every engine, so G gateways cost each eng
 (vLLM renders /metrics in its API process)."""
 DEFAULT_LOAD_SHARE_INTERVAL_S = 0.1
 """Ten rounds a second: another gateway's 2-s agent prefill is counted here within 5% of its
-length; one Redis round trip each (cost measured in docs/benchmarks.md)."""
+length; one Redis round trip each (cost measured in docs/benchmarks-archive.md)."""
 DISCOVERY_MODES = ("static", "kubernetes")
 DEFAULT_WATCH_TIMEOUT_S = 290
 """Ask the API server to end each watch after ~5 min (its own default is 5–10): a quiet watch is
@@ -161,11 +172,42 @@ DEFAULT_EPP_MAX_MESSAGE_TIMEOUT_S = 30.0
 the same value in the shipped Envoy config): a fan-out hold's bound (at most `fanout_max_hold_s`,
 10 s) plus the pick after it fits with room."""
 
+# -- hardening round 2: the upstream client and the relay (issue 45, items 5-6) ---------------
+DEFAULT_UPSTREAM_MAX_HEADER_BYTES = 64 * 1024
+"""An engine's response head is ~200 bytes; 64 KiB is the limit uvicorn and h11 put on the heads
+they read, and bounds llhttp's cost, which copies a header value at every read (quadratic: an
+8 MB header cost the event loop 332 ms)."""
+DEFAULT_UPSTREAM_MAX_BODY_BYTES = 64 * 1024 * 1024
+"""The most of an engine's whole answer (non-streamed, or a 4xx) the gateway holds: an engine
+answers whole only what it cannot stream (`prompt_logprobs`, beam search, `best_of`), and a
+128k-token prompt's `prompt_logprobs` with 5 alternatives each (~300 B a token, ~40 MB) fits."""
+DEFAULT_TENANT_INFLIGHT_SHARE = 0.5
+"""Without `tenant_max_inflight`, a tenant may hold half the upstream slots (512 of 1,024): one
+tenant's many streams leave the other half to everyone else, and a gateway serving one tenant
+still takes it far past any engine's batch (vLLM's default max_num_seqs is 256)."""
+DEFAULT_CLIENT_DRAIN_TIMEOUT_S = 10.0
+"""How long the relay waits for a client to read what fills its socket buffer (~48 KB: asyncio's
+high-water mark down to its low-water mark): a client slower than ~5 KB/s reads slower than an
+engine streams tokens and would hold an engine connection for ever; a 100 kbit/s mobile link
+takes ~4 s."""
+
 _config_file: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "kvgate_config_file", default=None
 )
 
 
+# -- KV events: what one engine's feed may cost (issue 45, item 8) --
+DEFAULT_KV_EVENTS_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""The largest KV event message read (`ZMQ_MAXMSGSIZE`): a batch covers one engine step, whose
+new blocks a chunked prefill bounds (16,384 tokens are ~100 kB); 4 MiB is ~800k tokens in one
+step. A 5 MB batch cost ~180 ms of the event loop to decode and apply."""
+DEFAULT_KV_EVENTS_DRAIN_BUDGET_S = 0.005
+"""Event loop time one callback of a feed's reader spends applying batches (at least one): a
+flood is applied over several loop turns, with requests served in between."""
+DEFAULT_KV_EVENTS_MAX_BLOCKS = 1_000_000
+"""Blocks a domain may hold over all tiers (16M tokens at 16 a block, above any GPU plus CPU
+offload tier of one engine today; ~300 MB of index): a bound when the engine's metrics give no
+KV capacity, and on the tiers they do not cover."""
 DEFAULT_CHECK_EVERY = 1000
 DEFAULT_EVENTS_LEASE_S = 5.0
 """How long an engine's events stay with a gateway that stopped renewing (shared event index):
@@ -220,6 +262,33 @@ class Settings(BaseSettings):
     body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     """How long a request body may take to arrive, whole (408 after)."""
     upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
+    # -- hardening round 2 (issue 45, items 5-6; docs/reliability.md) ----------------------
+    upstream_max_header_bytes: int = DEFAULT_UPSTREAM_MAX_HEADER_BYTES
+    """The longest response head an engine may send (a 502 past it, before any byte is relayed)."""
+    upstream_max_body_bytes: int = DEFAULT_UPSTREAM_MAX_BODY_BYTES
+    """The largest whole body (a non-streamed answer, a 4xx) read from an engine, or assembled
+    from its stream, and the longest event held back (502 past it); a 5xx's body is read only
+    for the log's first 200 bytes."""
+    tenant_max_inflight: int | None = None
+    """Requests one tenant may have in flight at once in this process (429 past it); a tenant's
+    `max_inflight` in the tenants file overrides it. None: half of `upstream_max_connections`."""
+    client_drain_timeout_s: float = DEFAULT_CLIENT_DRAIN_TIMEOUT_S
+    """How long a stream waits for its client to read before it is cut (engine connection
+    closed, billed as aborted)."""
+
+    @field_validator("tenant_max_inflight")
+    @classmethod
+    def _positive_or_none(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError("must be positive (or absent: half of upstream_max_connections)")
+        return value
+
+    def effective_tenant_max_inflight(self) -> int:
+        """`tenant_max_inflight`, or its default share of the upstream slots."""
+        if self.tenant_max_inflight is not None:
+            return self.tenant_max_inflight
+        return max(1, int(self.upstream_max_connections * DEFAULT_TENANT_INFLIGHT_SHARE))
+
     debug_headers: bool = False
     """Operator debugging only: adds x-kvgate-replica / -matched-blocks / -decision headers.
     Off by default, because they tell a client about cache state."""
@@ -396,6 +465,14 @@ class Settings(BaseSettings):
     gateway ingests every engine in process (docs/precise.md, "Who ingests")."""
     kv_events_lease_s: float = DEFAULT_EVENTS_LEASE_S
     """An engine's events pass to another gateway this long after their owner stopped renewing."""
+    # -- what one engine's events may cost (issue 45, item 8; docs/precise.md, "Limits") --
+    kv_events_max_message_bytes: int = DEFAULT_KV_EVENTS_MAX_MESSAGE_BYTES
+    """The largest KV event message read (ZMQ_MAXMSGSIZE on the SUB and replay sockets)."""
+    kv_events_drain_budget_s: float = DEFAULT_KV_EVENTS_DRAIN_BUDGET_S
+    """Event loop time one read of a feed spends applying batches (the rest on the next turn)."""
+    kv_events_max_blocks: int = DEFAULT_KV_EVENTS_MAX_BLOCKS
+    """Blocks a domain may hold over all tiers (also capped at the engine's `num_gpu_blocks` on
+    the GPU when its metrics give it); past it the domain is wiped."""
     lora_adapters: dict[str, str] = Field(default_factory=dict)
     """Precise mode: LoRA adapter name -> its base model (vLLM `--lora-modules name=path`; a
     request names the adapter as its `model`). A request for an adapter is keyed under it, as
@@ -410,6 +487,15 @@ class Settings(BaseSettings):
     than this long ago weighs a whole live block (router.scorers; an agent's step interval)."""
     displacement_half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S
     """`cache_pressure`: past the hot horizon, an evicted block's weight halves this often."""
+    # -- conversation affinity (issue 40; cachemap.affinity, router.scorers) ----------------
+    affinity_weight: float | None = None
+    """`cache_aware`, `cache_pressure`: the weight of a conversation's home, the replica its
+    previous request went to, kept after its KV is evicted everywhere (0: off; unset: 1 in
+    precise mode, 0 in approximate mode, whose prediction already keeps conversations home)."""
+    affinity_capacity: int = DEFAULT_AFFINITY_CAPACITY
+    """Conversations whose home this gateway remembers (least recently routed first out)."""
+    affinity_ttl_s: float = DEFAULT_AFFINITY_TTL_S
+    """A conversation silent this long is new: its home is forgotten."""
     offload_cost: float = DEFAULT_OFFLOAD_COST
     tokenizer_check_every: int = DEFAULT_CHECK_EVERY
     """Every Nth precise request (and the first) is checked against the engine's /tokenize (0:
@@ -480,12 +566,28 @@ class Settings(BaseSettings):
         "discovery_watch_timeout_s",
         "speculative_ttl_s",
         "kv_events_lease_s",
+        "kv_events_drain_budget_s",
         "displacement_half_life_s",
+        "affinity_ttl_s",
     )
     @classmethod
     def _positive_interval(cls, value: float | None) -> float | None:
         if value is not None and value <= 0:
             raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("affinity_weight")
+    @classmethod
+    def _non_negative_weight(cls, value: float | None) -> float | None:
+        if value is not None and not value >= 0:
+            raise ValueError("must be a non-negative weight (0: off)")
+        return value
+
+    @field_validator("affinity_capacity")
+    @classmethod
+    def _positive_capacity(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("must be a positive number of conversations")
         return value
 
     @model_validator(mode="after")
@@ -536,8 +638,26 @@ class Settings(BaseSettings):
     """How long a request waits for its billing record to be durable before it fails (503)."""
     billing_gateway_id: str | None = None
     """This gateway's name in ledger records (default host:pid)."""
+    # -- billing hardening, round 2 (issue 45, items 1-3) ---------------------------------
+    billing_redis_allow_unsafe_fsync: bool = DEFAULT_BILLING_REDIS_ALLOW_UNSAFE_FSYNC
+    """Accept a ledger store without appendonly yes / appendfsync always (and no WAITAOF): a
+    store crash may then lose shipped records whose segments are already deleted."""
+    billing_wal_takeover: bool = DEFAULT_BILLING_WAL_TAKEOVER
+    """Ship the WAL directories beside `billing_wal_dir` whose gateway is gone (lock free,
+    lease expired): the pods of a Deployment on one shared volume (docs/billing.md)."""
+    billing_wal_lease_s: float = DEFAULT_BILLING_WAL_LEASE_S
+    """How old a directory's lease must be before another gateway takes it over."""
     admin_keys: list[str] = Field(default_factory=list)
     """Keys for /admin/billing/*: clear keys (hashed on load, never kept) or `sha256:<hex>`."""
+
+    # -- control surfaces (issue 45 items 11, 13) ------------------------------------------------
+    epp_token: SecretStr | None = None
+    """The picker's shared token: an ext-proc stream must carry `authorization: Bearer TOKEN`
+    (Envoy's `grpc_service.initial_metadata`) or is refused UNAUTHENTICATED before a message is
+    read. None: any client that reaches `epp_port` may pose as Envoy (keep the port private)."""
+    admin_port_auth: bool = False
+    """Every route of the admin port (/metrics, the API documents, /pod) takes an `admin_keys`
+    key (401 without): /metrics names every tenant's token counts. Off: only the writes do."""
 
     @field_validator("billing_profile")
     @classmethod
@@ -609,10 +729,12 @@ class Settings(BaseSettings):
         "epp_max_message_timeout_s",
         "body_read_timeout_s",
         "billing_wal_deadline_s",
+        "billing_wal_lease_s",
         "first_byte_timeout_s",
         "stream_idle_timeout_s",
         "connect_timeout_s",
         "shutdown_grace_s",
+        "client_drain_timeout_s",
     )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
@@ -655,6 +777,14 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _admin_auth_needs_keys(self) -> Settings:
+        if self.admin_port_auth and not self.admin_keys:
+            raise ValueError("admin_port_auth needs admin_keys: no key could open the admin port")
+        if self.epp_token is not None and not self.epp_token.get_secret_value():
+            raise ValueError("epp_token is empty: set a token or leave it unset")
+        return self
+
     @field_validator(
         "block_bytes",
         "directory_capacity_blocks",
@@ -664,6 +794,10 @@ class Settings(BaseSettings):
         "max_prompt_bytes",
         "billing_ledger_max_entries",
         "workers",
+        "upstream_max_header_bytes",
+        "upstream_max_body_bytes",
+        "kv_events_max_message_bytes",
+        "kv_events_max_blocks",
     )
     @classmethod
     def _positive(cls, value: int) -> int:

@@ -1,5 +1,7 @@
-"""`make run`: 4 simulated engines, the gateway, and the agent working day once per policy on
-freshly started engines; a table of hit ratio and TTFT; then a gateway left serving."""
+"""`make run`: 4 simulated engines, the gateway, and a team's day (three tenants, four developers'
+agent working days at once: a hot spine per tenant under concurrent load) once per policy on
+freshly started engines, precise mode beside approximate; a table of hit ratio and TTFT; then a
+gateway left serving."""
 
 from __future__ import annotations
 
@@ -17,10 +19,17 @@ from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.harness import processes
 from loadgen.runner import Summary, run_phases, summarise
-from loadgen.workloads import agent_day, count_requests
+from loadgen.workloads import count_requests, team_day
 
 DEMO_KEY = "sk-demo"
-POLICY_ORDER = ("cache_aware", "consistent_hash", "least_load", "round_robin", "random")
+DEVELOPERS = (
+    ("acme", "api", DEMO_KEY),
+    ("acme", "web", DEMO_KEY),
+    ("globex", "app", "sk-demo-globex"),
+    ("initech", "etl", "sk-demo-initech"),
+)
+"""(tenant, repository, key): two of acme's developers share its spine; each tenant its salt."""
+POLICY_ORDER = ("cache_aware", "precise", "consistent_hash", "round_robin")
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +62,14 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
 
 
 def _gateway_args(policy: str) -> list[str]:
-    return ["--policy", policy, "--tenant", f"demo:{DEMO_KEY}", "--log-level", "warning"]
+    tenants = sorted({f"{tenant}:{key}" for tenant, _, key in DEVELOPERS})
+    return [
+        "--policy",
+        policy,
+        *(a for t in tenants for a in ("--tenant", t)),
+        "--log-level",
+        "warning",
+    ]
 
 
 PRECISE = "precise"
@@ -80,7 +96,9 @@ def _fleet(args: argparse.Namespace, policy: str) -> Iterator[processes.Proc]:
 def run_policy(args: argparse.Namespace, policy: str) -> Summary:
     with _fleet(args, policy) as gw:
         results = asyncio.run(
-            run_phases(agent_day(), gw.url, DEMO_KEY, DEFAULT_MODEL, max_tokens=args.max_tokens)
+            run_phases(
+                team_day(DEVELOPERS), gw.url, DEMO_KEY, DEFAULT_MODEL, max_tokens=args.max_tokens
+            )
         )
     return summarise(results, time_scale=args.time_scale)
 
@@ -90,14 +108,20 @@ def run_ideal(args: argparse.Namespace) -> Summary:
     unlimited = [*_engine_args(args), "--capacity-blocks", str(1 << 30)]
     with processes.engines(1, unlimited) as engines:
         results = asyncio.run(
-            run_phases(agent_day(), engines[0].url, None, DEFAULT_MODEL, max_tokens=args.max_tokens)
+            run_phases(
+                team_day(DEVELOPERS),
+                engines[0].url,
+                None,
+                DEFAULT_MODEL,
+                max_tokens=args.max_tokens,
+            )
         )
     return summarise(results, time_scale=args.time_scale)
 
 
 def demo_table() -> Table:
     """The demo's table, its columns (a row per policy, then the ideal)."""
-    table = Table(title="agent working day")
+    table = Table(title="a team's day")
     for column in (
         "policy",
         "requests",
@@ -114,11 +138,13 @@ def demo_table() -> Table:
 def run_demo(args: argparse.Namespace) -> int:
     console = report_console()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    phases = agent_day()
+    phases = team_day(DEVELOPERS)
     console.print(
-        f"[bold]kvgate demo[/]: {args.engines} simulated engines, the agent working day "
-        f"({count_requests(phases)} requests) once per policy, engines {args.time_scale:g}x "
-        "faster than real time (TTFT below in real-engine seconds)"
+        f"[bold]kvgate demo[/]: {args.engines} simulated engines, a team's day "
+        f"({len(DEVELOPERS)} developers' agent sessions at once, 3 tenants, "
+        f"{count_requests(phases)} requests) once per policy (precise: cache_aware on the "
+        f"engines' KV events), engines {args.time_scale:g}x faster than real time (TTFT below "
+        "in real-engine seconds)"
     )
     table = demo_table()
     summaries: dict[str, Summary] = {}

@@ -92,7 +92,8 @@ async def run_phases(
             }
             if not session.tools:
                 body.pop("tools")
-            result = await stream_chat(http, base_url, api_key, body, step.label)
+            key = session.key if session.key is not None and api_key is not None else api_key
+            result = await stream_chat(http, base_url, key, body, step.label)
             results.append(result)
             if not result.ok:
                 return

@@ -56,6 +56,7 @@ from typing import Any
 
 import orjson
 
+from cachemap.affinity import ConversationAffinity
 from cachemap.directory import DEFAULT_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
@@ -89,10 +90,12 @@ from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
 from router.profile import RoutingProfile
 from router.registry import (
+    DEFAULT_AFFINITY_WEIGHT,
     DEFAULT_CROWDING_WEIGHT,
     DEFAULT_DISPLACEMENT_WEIGHT,
     POLICIES,
     RouterConfig,
+    affinity_weight_for,
     build_policy,
     frontier_reader,
 )
@@ -143,6 +146,9 @@ class SimConfig:
     setting of the same name (each simulated request's output is known: its trace length)."""
     mode: str = APPROXIMATE
     """The directory: predicted by the router (approximate) or fed by engine events (precise)."""
+    affinity_weight: float | None = None
+    """Conversation affinity's weight; None: the mode's default, as the gateway's
+    (`router.registry.affinity_weight_for`), which replaces `router.affinity_weight`."""
     event_delay_s: float = DEFAULT_EVENT_DELAY_S
     """Precise mode: how late an engine's events reach the directory."""
 
@@ -170,6 +176,9 @@ class RequestOutcome:
     ttft_s: float
     e2e_s: float
     reason: str
+    best_blocks: int = 0
+    """The most leading blocks of the request any replica held, as the directory said when
+    the router placed it."""
 
 
 @dataclass
@@ -202,6 +211,16 @@ class PolicyResult:
     """...and the tokens it did not find because it went to another replica (a move)."""
     num_moves: int = 0
     """Requests placed away from their conversation's previous request's replica."""
+    num_blind_moves: int = 0
+    """Of those, moves made while the directory showed the conversation's context gone
+    everywhere: no replica held half the blocks the request shares with its previous one."""
+    session_hops_mean: float = 0.0
+    """Moves per conversation (requests placed away from the previous one's replica)..."""
+    session_hops_max: int = 0
+    session_reprefill_tokens_mean: float = 0.0
+    """...and tokens per conversation prefilled again: of what its previous request left,
+    what a request did not find (lost staying + lost moving)."""
+    session_reprefill_tokens_max: int = 0
     sim_wall_s: float = 0.0
     outcomes: list[RequestOutcome] = field(default_factory=list, repr=False)
 
@@ -453,6 +472,8 @@ def simulate(
 ) -> PolicyResult:
     """Replay `trace` through `policy` in virtual time; see the module docstring."""
     wall0 = time.perf_counter()
+    weight = affinity_weight_for(config.affinity_weight, precise=config.mode == PRECISE)
+    config = replace(config, router=replace(config.router, affinity_weight=weight))
     profile = build_policy(policy, config.router)
     rng = random.Random(config.seed)
     clock = _Clock()
@@ -471,6 +492,12 @@ def simulate(
     by_id = {r.id: r for r in replicas}
     index_of = {r.id: i for i, r in enumerate(replicas)}
     rates = PrefixRates(clock=clock) if config.overflow and profile.locality else None
+    # conversation affinity, as the gateway keeps it: looked up and recorded at each decision
+    homes = (
+        ConversationAffinity(clock=clock)
+        if profile.locality and config.router.affinity_weight > 0
+        else None
+    )
     overflow = OverflowConfig(
         config.timing.prefill_tokens_per_s * config.timing.time_scale,
         fixed_threshold_per_min=config.overflow_threshold_per_min,
@@ -480,6 +507,7 @@ def simulate(
     block = trace.block_size
     outcomes: list[RequestOutcome | None] = [None] * len(trace.requests)
     estimates: dict[str, tuple[_ReplicaState, float, TraceRequest, str]] = {}
+    best_blocks: dict[int, int] = {}
     outputs: dict[str, int] = {}
     decisions: dict[str, int] = {}
 
@@ -514,7 +542,9 @@ def simulate(
                     rep.num_inflight -= 1
                     rep.decode_tokens = max(rep.decode_tokens - outputs.pop(job.id), 0.0)
                     conversations.finished(_conversation(req))
-                    outcomes[req.index] = _outcome(req, rep.id, job, reason)
+                    outcomes[req.index] = _outcome(
+                        req, rep.id, job, reason, best_blocks.pop(req.index)
+                    )
                     del estimates[job.id]
             publish(state, t)
             push(i)
@@ -525,6 +555,7 @@ def simulate(
         directory.catch_up(req.arrival_s)
         hs = keys[req.index].hashes
         overlap = index.lookup(hs) if hs else {}
+        home = homes.lookup(hs) if homes is not None else None
         route = RouteRequest(
             num_blocks=len(hs),
             num_prompt_tokens=float(req.input_length),
@@ -533,11 +564,16 @@ def simulate(
             affinity_key=keys[req.index].affinity,
             sequence=req.index,
             decode_token_weight=config.decode_token_weight,
+            home=home.replica if home is not None else None,
+            home_blocks=home.depth_blocks if home is not None else 0,
         )
         snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
+        best_blocks[req.index] = max(overlap.values(), default=0)
         rep = by_id[decision.replica]
+        if homes is not None:
+            homes.record(hs, rep.id, home)
         estimate = route.uncached_tokens(rep.id)
         rep.num_inflight += 1
         rep.pending_prefill_tokens += estimate
@@ -619,7 +655,9 @@ def _conversation(req: TraceRequest) -> str:
     return req.conversation if req.conversation is not None else f"#{req.index}"
 
 
-def _outcome(req: TraceRequest, replica: str, job: Job, reason: str) -> RequestOutcome:
+def _outcome(
+    req: TraceRequest, replica: str, job: Job, reason: str, best_blocks: int
+) -> RequestOutcome:
     assert job.first_token_s is not None and job.finish_s is not None
     return RequestOutcome(
         req.index,
@@ -631,22 +669,42 @@ def _outcome(req: TraceRequest, replica: str, job: Job, reason: str) -> RequestO
         job.first_token_s - req.arrival_s,
         job.finish_s - req.arrival_s,
         reason,
+        best_blocks,
     )
 
 
-def _losses(outcomes: Sequence[RequestOutcome], trace: Trace) -> tuple[int, int, int]:
-    """(lost staying, lost moving, moves): each request against its conversation's previous
-    one, in arrival order — what the previous left (their shared leading blocks, capped at
-    this input) minus what this one found, by whether it stayed on that replica."""
+@dataclass(frozen=True, slots=True)
+class SessionLosses:
+    """Each request against its conversation's previous one, in arrival order: what the
+    previous left (their shared leading blocks, capped at this input) minus what this one
+    found, by whether it stayed on that replica, and per conversation."""
+
+    lost_staying_tokens: int
+    lost_moving_tokens: int
+    num_moves: int
+    num_blind_moves: int
+    hops: dict[str, int]
+    """Per conversation: its moves."""
+    reprefill_tokens: dict[str, int]
+    """Per conversation: the tokens its requests prefilled again."""
+
+
+def session_losses(outcomes: Sequence[RequestOutcome], trace: Trace) -> SessionLosses:
+    """See `SessionLosses`; requests without a conversation are left out."""
     by_index = {o.index: o for o in outcomes}
     last: dict[str, tuple[TraceRequest, str]] = {}
-    staying = moving = moves = 0
+    hops: dict[str, int] = {}
+    reprefill: dict[str, int] = {}
+    staying = moving = moves = blind = 0
     for req in trace.requests:
         o = by_index.get(req.index)
         if o is None or req.conversation is None:
             continue
-        previous = last.get(req.conversation)
-        last[req.conversation] = (req, o.replica)
+        conversation = req.conversation
+        previous = last.get(conversation)
+        last[conversation] = (req, o.replica)
+        hops.setdefault(conversation, 0)
+        reprefill.setdefault(conversation, 0)
         if previous is None:
             continue
         before, replica = previous
@@ -656,12 +714,15 @@ def _losses(outcomes: Sequence[RequestOutcome], trace: Trace) -> tuple[int, int,
                 break
             shared += 1
         lost = max(_cached_tokens(shared, req, trace.block_size) - o.cached_tokens, 0)
+        reprefill[conversation] += lost
         if o.replica == replica:
             staying += lost
         else:
             moving += lost
             moves += 1
-    return staying, moving, moves
+            hops[conversation] += 1
+            blind += 2 * o.best_blocks < shared
+    return SessionLosses(staying, moving, moves, blind, hops, reprefill)
 
 
 def _result(
@@ -684,7 +745,8 @@ def _result(
     mean_prompts = statistics.fmean(prompts) if prompts else 0.0
     span = max(trace.span_s, 1e-9)
     prefill = sum(r.core.counters.busy_prefill_s for r in replicas)
-    staying, moving, moves = _losses(outcomes, trace)
+    losses = session_losses(outcomes, trace)
+    hops, reprefill = list(losses.hops.values()), list(losses.reprefill_tokens.values())
     return PolicyResult(
         policy=policy,
         mode=mode,
@@ -705,9 +767,14 @@ def _result(
         prefill_utilization=prefill / (len(replicas) * span),
         decisions=dict(sorted(decisions.items())),
         evicted_blocks=sum(r.core.cache.num_evictions for r in replicas),
-        lost_staying_tokens=staying,
-        lost_moving_tokens=moving,
-        num_moves=moves,
+        lost_staying_tokens=losses.lost_staying_tokens,
+        lost_moving_tokens=losses.lost_moving_tokens,
+        num_moves=losses.num_moves,
+        num_blind_moves=losses.num_blind_moves,
+        session_hops_mean=statistics.fmean(hops) if hops else 0.0,
+        session_hops_max=max(hops, default=0),
+        session_reprefill_tokens_mean=statistics.fmean(reprefill) if reprefill else 0.0,
+        session_reprefill_tokens_max=max(reprefill, default=0),
         sim_wall_s=wall_s,
         outcomes=outcomes,
     )
@@ -827,6 +894,15 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "moving the cheapest one (0: off, round 2's ranking)",
     )
     parser.add_argument(
+        "--affinity-weight",
+        type=float,
+        default=None,
+        help="cache_aware, cache_pressure: the weight of conversation affinity (the replica a "
+        "conversation's previous request went to, kept after its KV is evicted; 0: off; "
+        f"default: {DEFAULT_AFFINITY_WEIGHT:g} in precise mode, 0 in approximate mode, as the "
+        "gateway)",
+    )
+    parser.add_argument(
         "--utilization",
         type=float,
         default=None,
@@ -888,6 +964,35 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
 
 
+def _sessions_table(results: Sequence[PolicyResult]) -> Any:
+    """Per conversation: its hops between replicas, the share of them made blind (the
+    directory showing its context gone everywhere), and the tokens it prefilled again."""
+    from rich.table import Table
+
+    table = Table(title="per conversation: hops and re-prefilled tokens")
+    for column in (
+        "policy",
+        "moves",
+        "blind",
+        "hops mean",
+        "hops max",
+        "re-prefilled mean",
+        "re-prefilled max",
+    ):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for r in results:
+        table.add_row(
+            r.label,
+            f"{r.num_moves:,}",
+            f"{r.num_blind_moves / r.num_moves:.0%}" if r.num_moves else "-",
+            f"{r.session_hops_mean:.1f}",
+            f"{r.session_hops_max:,}",
+            f"{r.session_reprefill_tokens_mean:,.0f}",
+            f"{r.session_reprefill_tokens_max:,}",
+        )
+    return table
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     router = RouterConfig(
         displacement_half_life_s=args.displacement_half_life_s,
@@ -914,6 +1019,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             **decode_from_args(args),
         ),
         router=router,
+        affinity_weight=args.affinity_weight,
         seed=args.seed,
         max_output_tokens=args.max_output_tokens,
         directory_scale=args.directory_scale,
@@ -1003,6 +1109,7 @@ def run_sim(args: argparse.Namespace) -> int:
             f"{r.sim_wall_s:.1f}",
         )
     console.print(table)
+    console.print(_sessions_table(results))
     if args.json_out:
         payload = {
             "trace": {

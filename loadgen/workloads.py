@@ -13,6 +13,9 @@ The agent working day (`agent_day`), ~30 requests:
 - a retry branch forks off turn 7: turns 8 and 9 again, with different content;
 - the next day a new session in the same repository runs 9 more turns.
 
+The team's day (`team_day`, `make run`): several developers' agent days at once, of several
+tenants (each with its own key), phase by phase in parallel.
+
 The 50-step agent session (`agent_session`):
 - it starts at 12,000 tokens (tools, system prompt, project context, task: the rendered first
   prompt is exactly `start_tokens` engine tokens);
@@ -27,6 +30,7 @@ The 50-step agent session (`agent_session`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +73,8 @@ class Session:
     fork_of: str | None = None
     """A session that forks another starts from that session's history after `fork_at` steps."""
     fork_at: int = 0
+    key: str | None = None
+    """The API key its requests carry (its tenant's); None: the runner's."""
 
 
 @dataclass
@@ -171,6 +177,27 @@ def agent_day(tenant: str = "acme", repo: str = "repo") -> list[Phase]:
         Phase("main session, turns 7-9", [main_rest]),
         Phase("retry branch off turn 7", [retry]),
         Phase("next day, same repository", [next_day]),
+    ]
+
+
+def team_day(developers: Sequence[tuple[str, str, str | None]]) -> list[Phase]:
+    """Several developers' agent working days at once, `(tenant, repo, API key)` each: phase i of
+    every day runs in parallel with the others' phase i. A tenant's developers share its tools and
+    system prompt (a hot spine under concurrent load); tenants have their own keys, so their
+    caches are apart. `make run`'s workload."""
+    days = []
+    for tenant, repo, key in developers:
+        day = agent_day(tenant, repo)
+        for phase in day:
+            for session in phase.sessions:
+                session.name = f"{tenant}/{repo}/{session.name}"
+                if session.fork_of is not None:
+                    session.fork_of = f"{tenant}/{repo}/{session.fork_of}"
+                session.key = key
+        days.append(day)
+    return [
+        Phase(phases[0].name, [s for p in phases for s in p.sessions])
+        for phases in zip(*days, strict=True)
     ]
 
 

@@ -48,3 +48,16 @@ def worth_holding(
         return False
     after = with_leader(req, leader_replica, shared_blocks)
     return any(r.id == leader_replica for r in bound.filter(after, replicas))
+
+
+def holders_have_room(
+    req: RouteRequest, replicas: Sequence[Replica], depth: int, bound: LoadBoundFilter
+) -> bool:
+    """Whether a replica holding the first `depth` blocks is within the load bound for this
+    request (its measured load: queued prefill and outstanding decode). A sibling of a flight
+    widens its prefix only when this is False: a burst of siblings is one arrival, and the
+    holder that has room serves it with one write (issue 45, item 16)."""
+    holders = {r.id for r in replicas if r.healthy and req.overlap.get(r.id, 0) >= depth}
+    if not holders:
+        return False
+    return any(r.id in holders for r in bound.filter(req, replicas))

@@ -43,20 +43,29 @@ class RoutingProfile:
                 break
         if not candidates and not demoted:
             return None
-        ranking = self._rank(req, candidates, rng, memo) + self._rank(req, demoted, rng, memo)
+        eligible = self._scores(req, candidates, rng, memo)
+        ranking = max_score_ranking(eligible, rng) if eligible else []
+        scored = eligible
+        if demoted:
+            below = self._scores(req, demoted, rng, memo)
+            ranking += max_score_ranking(below, rng)
+            scored = {**below, **eligible}
         matched = req.overlap.get(ranking[0], 0)
-        return Decision(tuple(ranking), self._reason(req, candidates, demoted, matched), matched)
+        reason = self._reason(req, candidates, demoted, matched)
+        return Decision(
+            tuple(ranking), reason, matched, tuple(scored[r] for r in ranking), self.name
+        )
 
-    def _rank(
+    def _scores(
         self, req: RouteRequest, group: list[Replica], rng: random.Random, memo: DecisionMemo
-    ) -> list[str]:
-        if not group:
-            return []
+    ) -> dict[str, float]:
         total = dict.fromkeys((r.id for r in group), 0.0)
+        if not group:
+            return total
         for scorer, weight in self.scorers:
             for rid, value in scorer.score(req, group, rng, memo).items():
                 total[rid] += weight * min(max(value, 0.0), 1.0)
-        return max_score_ranking(total, rng)
+        return total
 
     def _reason(
         self,

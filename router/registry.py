@@ -15,6 +15,7 @@ from router.profile import RoutingProfile
 from router.scorers import (
     DEFAULT_DISPLACEMENT_HALF_LIFE_S,
     DEFAULT_DISPLACEMENT_HOT_S,
+    ConversationScorer,
     CrowdingScorer,
     DisplacementScorer,
     EstimatedWorkScorer,
@@ -34,7 +35,7 @@ DEFAULT_DISPLACEMENT_WEIGHT = 4.0
 """A live block a placement evicts costs four blocks it finds cached: its owner prefills it
 again when it returns, and on a replica full of live sessions that prefill evicts the next
 one's, and so on (each step of a thrashing replica re-prefills what the last one evicted).
-docs/benchmarks.md "round 2", half-size agent sessions: w = 1 / 2 / 4 / 8 gave 93.0 / 95.3 /
+docs/benchmarks-archive.md "round 2", half-size agent sessions: w = 1 / 2 / 4 / 8 gave 93.0 / 95.3 /
 95.8 / 96.0% of the shared LRU with a p99 TTFT of 7.0 / 5.4 / 5.5 / 6.4 s. 0 keeps displacement
 as a tie-break only, which the Mooncake slice at 10% prefers (its conversations rarely return:
 a hot block there is seldom reused)."""
@@ -42,9 +43,27 @@ a hot block there is seldom reused)."""
 DEFAULT_CROWDING_WEIGHT = 1.0
 """A crowded replica's cheapest conversation pays its stake there and the overcommit, once, in
 the prefix scorer's unit: it gives up exactly its advantage there, so it moves to a replica
-where it fits and stays only if every other is worse (see `CrowdingScorer`). docs/benchmarks.md
+where it fits and stays only if every other is worse (see `CrowdingScorer`).
+docs/benchmarks-archive.md
 "round 3": 96.6 / 96.8% of the shared LRU on the full / half-size agent sessions against round
 2's 96.2 / 95.8 (weight 0)."""
+
+DEFAULT_AFFINITY_WEIGHT = 1.0
+"""Conversation affinity (`ConversationScorer`) at the prefix scorer's weight: a conversation
+evicted everywhere goes back to its home as if the home still held its previous prompt, which
+is what approximate mode's memory of its placements did (docs/precise.md, "Conversation
+affinity", measures the weights). 0: off, the rankings of before issue 40."""
+
+
+def affinity_weight_for(configured: float | None, precise: bool) -> float:
+    """The affinity weight a mode routes with: the one configured, else `DEFAULT_AFFINITY_WEIGHT`
+    in precise mode and 0 in approximate mode, whose prediction already remembers where each
+    conversation went (evicted blocks stay predicted until their TTL): measured, affinity on top
+    of it read 93.1% of the shared LRU against 96.2% without at 25% KV (docs/precise.md)."""
+    if configured is not None:
+        return configured
+    return DEFAULT_AFFINITY_WEIGHT if precise else 0.0
+
 
 _TIE_BREAK = 1e-6
 """Weight of the load scorer in `cache_aware`: below 1/num_blocks for any real prompt, so it
@@ -63,10 +82,14 @@ class RouterConfig:
     """cache_pressure: what a displaced recently used block costs against a cached one."""
     crowding_weight: float = DEFAULT_CROWDING_WEIGHT
     """cache_pressure: the weight of `CrowdingScorer` (0: off, round 2's ranking)."""
+    affinity_weight: float = DEFAULT_AFFINITY_WEIGHT
+    """cache_aware, cache_pressure: the weight of `ConversationScorer` (0: off)."""
 
     def __post_init__(self) -> None:
         if self.crowding_weight < 0:
             raise ValueError(f"crowding_weight must be non-negative, got {self.crowding_weight}")
+        if self.affinity_weight < 0:
+            raise ValueError(f"affinity_weight must be non-negative, got {self.affinity_weight}")
         if self.displacement_weight < 0:
             raise ValueError(
                 f"displacement_weight must be non-negative, got {self.displacement_weight}"
@@ -78,7 +101,11 @@ def cache_aware(config: RouterConfig) -> RoutingProfile:
     return RoutingProfile(
         "cache_aware",
         (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
-        ((PrefixScorer(), 1.0), (EstimatedWorkScorer(), _TIE_BREAK)),
+        (
+            (PrefixScorer(), 1.0),
+            (EstimatedWorkScorer(), _TIE_BREAK),
+            (ConversationScorer(), config.affinity_weight),
+        ),
         locality=True,
     )
 
@@ -111,6 +138,7 @@ def cache_pressure(config: RouterConfig) -> RoutingProfile:
                 ),
                 _TIE_BREAK,
             ),
+            (ConversationScorer(crowded=True), config.affinity_weight),
         ),
         locality=True,
     )

@@ -15,7 +15,7 @@ DEFAULT_DISPLACEMENT_HOT_S = 15.0
 """An evicted block used less than 15 s ago weighs a whole block: an agent's next step follows
 its previous reply and one tool call (a 400-token reply at ~15 ms per token and a short tool
 call: 5–15 s), so such a block belongs to a live conversation that will ask for it again.
-docs/benchmarks.md "round 2": 12 / 15 / 20 s gave 96.2 / 95.8 / 95.4% of the shared LRU on
+docs/benchmarks-archive.md "round 2": 12 / 15 / 20 s gave 96.2 / 95.8 / 95.4% of the shared LRU on
 the half-size agent-session run (half-life 5 s, weight 4): 15 s is the steps' upper end, kept
 rather than tuned to one trace."""
 DEFAULT_DISPLACEMENT_HALF_LIFE_S = 5.0
@@ -72,6 +72,54 @@ class PrefixScorer:
         if req.num_blocks == 0:
             return {r.id: 0.0 for r in replicas}
         return {r.id: min(req.overlap.get(r.id, 0) / req.num_blocks, 1.0) for r in replicas}
+
+
+class ConversationScorer:
+    """The conversation's home (the replica its previous request went to, `RouteRequest.home`)
+    scores the context that request built there and no replica holds any more:
+
+        score(home) = max(home_blocks − max_r overlap[r], 0) / num_blocks,   0 elsewhere
+
+    Beside the prefix scorer at weight 1, the home then ranks as if it still held the
+    conversation's previous prompt: what approximate mode's memory of its own placements
+    does, and what precise mode, exact about residency, lost — when a conversation's KV is
+    evicted everywhere, every replica matches only the shared system prompt and the load
+    tie-break sends each turn somewhere else (a hop, its whole context prefilled again there,
+    evicting others as it goes: docs/precise.md, "Conversation affinity").
+
+    A weaker signal than residency: where some replica still holds the conversation's
+    context the credit shrinks by it (0 where one holds it all), so cached blocks decide as
+    before; and like every scorer it ranks only within the load bound. With `crowded`
+    (cache_pressure) the home earns nothing where the crowding rule picks this conversation as
+    the one to leave (`CrowdingScorer`): when one session must move, that rule chooses which.
+    """
+
+    name = "conversation"
+
+    def __init__(self, crowded: bool = False) -> None:
+        self.crowded = crowded
+
+    def score(
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
+    ) -> dict[str, float]:
+        out = dict.fromkeys((r.id for r in replicas), 0.0)
+        home = req.home
+        if home is None or home not in out or req.num_blocks == 0:
+            return out
+        held = max(req.overlap.values(), default=0)
+        credit = req.home_blocks - held
+        if credit <= 0:
+            return out
+        if self.crowded:
+            replica = next(r for r in replicas if r.id == home)
+            if CrowdingScorer.cost_blocks(req, replica) > 0:
+                return out
+        out[home] = min(credit / req.num_blocks, 1.0)
+        return out
 
 
 def displacement_blocks(

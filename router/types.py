@@ -124,6 +124,11 @@ class RouteRequest:
     """Of `overlap[replica]`, blocks the replica holds on no GPU (a CPU or storage tier, known
     from KV events): cached, but each costs `offload_cost` of prefilling it to load back."""
     offload_cost: float = 0.0
+    home: str | None = None
+    """The replica this request's conversation went to last (`cachemap.affinity`), kept after
+    its KV was evicted everywhere; None: a new conversation, or affinity off."""
+    home_blocks: int = 0
+    """...and the blocks of that previous request: the context the conversation built there."""
 
     def uncached_tokens(self, replica: str) -> float:
         cached = self.overlap.get(replica, 0) * self.tokens_per_block
@@ -205,6 +210,11 @@ class Decision:
     ranking: tuple[str, ...]
     reason: str
     matched_blocks: int = 0
+    scores: tuple[float, ...] = ()
+    """Each ranked replica's weighted score, in ranking order (a demoted replica's within the
+    demoted group, ranked after every eligible one): what a route receipt shows."""
+    policy: str = ""
+    """The profile that decided (the local fallback's while the shared directory is away)."""
 
     @property
     def replica(self) -> str:

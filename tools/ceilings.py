@@ -1,4 +1,4 @@
-"""What placement alone can win on issue 16's two hit-ratio goals (docs/benchmarks.md,
+"""What placement alone can win on issue 16's two hit-ratio goals (docs/benchmarks-archive.md,
 "The two open goals' ceilings").
 
     python -m tools.ceilings mooncake [START LIMIT]    bench point 2's slice (4000 4000)

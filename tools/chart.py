@@ -69,10 +69,13 @@ CHART_MANAGED = frozenset(
         "worker_index",
         "worker_admin_fd",
         "worker_view_fds",
+        "billing_wal_takeover",
+        "epp_token",
     }
 )
 """Settings the chart sets from its own values (service, secret, redis, epp, the drain's grace
-from terminationGracePeriodSeconds, the workers from the requested CPU; the worker index is
+from terminationGracePeriodSeconds, the workers from the requested CPU, the WAL takeover from
+billing.persistence; the worker index is
 the supervisor's) or never sets (secrets and keys do not belong in a
 ConfigMap; the in-cluster service account replaces a kubeconfig)."""
 ENUMS: dict[str, list[str]] = {

@@ -175,6 +175,7 @@ def run_arm(arm: Arm, rounds: int, k: int) -> None:
                 "KVGATE_BILLING_PROFILE": "anthropic",
                 "KVGATE_BILLING_MODEL_MAP": orjson.dumps({DEFAULT_MODEL: "sonnet-5"}).decode(),
                 "KVGATE_BILLING_REDIS_URL": store.url,
+                "KVGATE_BILLING_REDIS_ALLOW_UNSAFE_FSYNC": "true",  # a throwaway store
             }
         )
         args = [*extra, "--tenant", f"bench:{KEY}", "--log-level", "warning"]

@@ -1,4 +1,5 @@
-"""How long a lookup of the shared event index waits behind an owner's flush (docs/benchmarks.md,
+"""How long a lookup of the shared event index waits behind an owner's flush
+(docs/benchmarks-archive.md,
 "A flush in bounded calls"): one `WRITE` and one `MAP` call per flush against calls of
 `WRITE_CHUNK` blocks and `MAP_CHUNK` map fields.
 

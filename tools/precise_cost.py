@@ -1,4 +1,4 @@
-"""Precise mode's costs (issue 16; docs/benchmarks.md).
+"""Precise mode's costs (issue 16; docs/benchmarks-archive.md).
 
     python -m tools.precise_cost ingest [NUM_BLOCKS] [BLOCKS_PER_EVENT]
                                                         event ingest, blocks indexed per second

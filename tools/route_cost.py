@@ -1,4 +1,4 @@
-"""The router's own cost per decision against the fleet's size (docs/benchmarks.md).
+"""The router's own cost per decision against the fleet's size (docs/benchmarks-archive.md).
 
     python -m tools.route_cost [REPLICAS ...]     default 4 16 64 256
 

@@ -5,7 +5,7 @@
 Builds a gateway's parts (nothing started, no socket), counts NUM_PREFIXES distinct prefixes
 (100,000: the rate table's capacity) in its hot-prefix rates, then times rendering /metrics, the
 work a scrape does on the event loop: the median of 7. Run it from another checkout with
-PYTHONPATH pointing there to compare (docs/benchmarks.md).
+PYTHONPATH pointing there to compare (docs/benchmarks-archive.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What eviction frontiers over the shared index cost (docs/benchmarks.md, "Frontiers over the
+"""What eviction frontiers over the shared index cost (docs/benchmarks-archive.md,
+"Frontiers over the
 shared index").
 
     PYTHONPATH=. python -m tools.shared_frontier_cost [ROUNDS]

@@ -1,4 +1,4 @@
-"""What the load view shared over Redis costs (docs/benchmarks.md, "A load view shared over
+"""What the load view shared over Redis costs (docs/benchmarks-archive.md, "A load view shared over
 Redis").
 
     PYTHONPATH=. python -m tools.shared_load_cost [SAMPLES]

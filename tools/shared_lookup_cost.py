@@ -1,4 +1,4 @@
-"""What one lookup of the shared event index costs by chain length (docs/benchmarks.md,
+"""What one lookup of the shared event index costs by chain length (docs/benchmarks-archive.md,
 "Lookups of long chains" and "Prefix marks"): with prefix marks a lookup bisects to the deepest
 marked block (log2(n) reads a domain), so the cost barely grows with the chain.
 

@@ -1,4 +1,5 @@
-"""What a shared speculative entry costs (docs/benchmarks.md, "Precise mode's edges, round 3").
+"""What a shared speculative entry costs (docs/benchmarks-archive.md, "Precise mode's edges,
+round 3").
 
     PYTHONPATH=. python -m tools.shared_speculative_cost [ROUNDS] [--base DIR]
 

@@ -48,7 +48,7 @@ from cachemap.redis.client import AnyRedis, close_pubsub, stop_task
 from cachemap.redis.lookups import LookupLane
 from cachemap.redis.meta import DirectoryLayoutError, ReplicaMeta
 from cachemap.redis.schema import CHANNEL, chain_call, replica_id, text
-from cachemap.redis.stores import MarkerStore, RateStore
+from cachemap.redis.stores import HomeStore, MarkerStore, RateStore
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +130,13 @@ class RedisDirectory:
         self._drop = client.register_script(scripts.DROP)
         self.hot = RateStore(client)
         self.markers = MarkerStore(client)
+        self.homes = HomeStore(client)
         self.meta = ReplicaMeta(client)
         self.meta.on_change = self._meta_changed
+        self.meta.on_epoch = self._epoch
+        self.on_epoch: Callable[[str], None] | None = None
+        """Called with a replica's name when Redis shows it restarted (its generation rose by
+        a restart epoch: another gateway, or this one, reported it)."""
         self.on_reset: Callable[[], None] | None = None
         """Called when Redis is found to have lost its state (after the meta state is written
         back): the owner may write back its entries (`restore`)."""
@@ -446,6 +451,11 @@ class RedisDirectory:
 
     def _meta_changed(self) -> None:
         self._replica_arg = None
+
+    def _epoch(self, rid: str) -> None:
+        name = self._names.get(rid)
+        if name is not None and self.on_epoch is not None:
+            self.on_epoch(name)
 
     def _rid(self, replica: str) -> str:
         rid = replica_id(replica)

@@ -7,6 +7,9 @@ from cachemap.events import EngineHash
 from cachemap.keys import TAG_BYTES, BlockHash
 
 DOMAINS_KEY = b"kvg:{kvg-ev}:domains"
+OWNERS_KEY = b"kvg:{kvg-ev}:owners"
+"""domain id -> the token of its current owner, set at each adoption (`EventWriter.adopt`):
+every write script of the domain checks it (fencing, `cachemap.redis.events`)."""
 GATEWAYS_KEY = b"kvg:{kvg-ev}:gateways"
 """Live gateways of the shared index: id -> "<expiry, Redis ms>:<domains owned>" (`GATEWAYS`)."""
 RECORD_BYTES = 2 * TAG_BYTES + (16 - TAG_BYTES) + 1
@@ -25,8 +28,14 @@ PREFIX_DIGITS = 7
 # block's entry is left to its ttl: LOOKUP reads `:s` only for a block without an event of the
 # domain, so the `:e` field is what matches from now (an HDEL per stored block too cost the
 # redis-server 1.28x its CPU on the ingest benchmark).
+# With a second key (the owners hash; one Redis, where it is reachable) and a fourth argument
+# (the writer's owner token), nothing is written unless the token is the domain's current owner's
+# (returns -1): a stalled owner's late writes are refused. No token at all (Redis lost its
+# state) refuses nothing: the owner writes its domain back (`EventWriter.retake`).
 WRITE = """
 local rid, value, blob = ARGV[1], ARGV[2] .. ':', ARGV[3]
+local owner = KEYS[2] and redis.call('HGET', KEYS[2], rid)
+if owner and owner ~= ARGV[4] then return -1 end
 for o = 1, #blob, 30 do
   local base = 'kvg:{' .. string.sub(blob, o, o + 11) .. '}:' .. string.sub(blob, o + 12, o + 21)
   local m = string.sub(blob, o + 22, o + 22)
@@ -42,9 +51,12 @@ end
 return 1
 """
 
-# ARGV: domain id, current epoch, blob of records (mask ignored): fields of older epochs go.
+# ARGV: domain id, current epoch, blob of records (mask ignored), owner token: fields of older
+# epochs go. Fenced as `WRITE` is (a second key: the owners hash).
 CLEAN = """
 local rid, epoch, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local owner = KEYS[2] and redis.call('HGET', KEYS[2], rid)
+if owner and owner ~= ARGV[4] then return -1 end
 local n = 0
 for o = 1, #blob, 23 do
   local key = 'kvg:{' .. string.sub(blob, o, o + 11) .. '}:'
@@ -203,13 +215,16 @@ return 0
 """
 
 
-# KEYS: a domain's map. ARGV: a blob of (field length byte, field, value length byte, value)
-# records; a value of length 0 deletes the field. One argument for the whole batch: redis-py
-# packs each argument in Python (~1.5 µs apiece), and a flush of an eviction storm sets or
-# deletes thousands of fields (py-spy: `pack_command` was the owner's largest cost). Applied in
-# slices of `unpack`'s safe size.
+# KEYS: a domain's map, its feed hash. ARGV: a blob of (field length byte, field, value length
+# byte, value) records; a value of length 0 deletes the field. One argument for the whole batch:
+# redis-py packs each argument in Python (~1.5 µs apiece), and a flush of an eviction storm sets
+# or deletes thousands of fields (py-spy: `pack_command` was the owner's largest cost). Applied
+# in slices of `unpack`'s safe size. ARGV[2]: the writer's owner token; -1, and nothing written,
+# unless the feed hash names it (fencing).
 MAP = """
 local blob, key = ARGV[1], KEYS[1]
+local owner = redis.call('HGET', KEYS[2], 'owner')
+if owner and owner ~= ARGV[2] then return -1 end
 local sets, dels = {}, {}
 local o, n = 1, #blob
 while o <= n do
@@ -229,11 +244,45 @@ return #sets / 2 + #dels
 """
 
 
+# KEYS: a domain's feed hash, its map. ARGV: the writer's owner token, "1" to drop the map and the
+# sliding groups first (a wipe), then field, value pairs for the feed hash. -1, and nothing
+# written, unless the feed hash names the token (fencing; `FEED_OWNER`).
+FEED = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner and owner ~= ARGV[1] then return -1 end
+if ARGV[2] == '1' then
+  redis.call('UNLINK', KEYS[2])
+  redis.call('HDEL', KEYS[1], 'sliding')
+end
+if #ARGV > 2 then redis.call('HSET', KEYS[1], unpack(ARGV, 3)) end
+return 1
+"""
+
+# KEYS: the domains hash, the owners hash. ARGV: domain id, owner token, "<epoch>|<name>". Sets the
+# domain's entry only if the token is its current owner's and the epoch does not go back: 1, or -1
+# (refused). A stalled owner resumed after another adopted and wiped the domain wrote the older
+# epoch back, and readers counted the wiped blocks again (issue 45, item 10).
+DOMAIN = """
+local owner = redis.call('HGET', KEYS[2], ARGV[1])
+if owner and owner ~= ARGV[2] then return -1 end
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+local epoch = tonumber(string.match(ARGV[3], '^(%d+)'))
+if current and tonumber(string.match(current, '^(%d+)')) > epoch then return -1 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
+FEED_OWNER = b"owner"
+"""The feed hash's copy of the owner token (the map and feed writes are in that hash's slot)."""
+
+
 def map_record(engine_hash: EngineHash, value: bytes | None) -> bytes:
-    """One field of `MAP`'s blob: the engine hash's field and its value (None: delete)."""
+    """One field of `MAP`'s blob: the engine hash's field and its value (None: delete).
+    ValueError for a field or value of 256 bytes or more (the decoder bounds engine hashes)."""
     field_ = engine_field(engine_hash)
     value = value or b""
-    assert len(field_) < 256 and len(value) < 256, "map fields and values are short"
+    if len(field_) >= 256 or len(value) >= 256:
+        raise ValueError(f"a map field or value of {len(field_)}/{len(value)} bytes (max 255)")
     return b"%c%b%c%b" % (len(field_), field_, len(value), value)
 
 

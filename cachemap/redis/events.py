@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -83,11 +84,15 @@ from cachemap.recency import DomainRecency
 from cachemap.redis.client import AnyRedis
 from cachemap.redis.event_scripts import (
     CLEAN,
+    DOMAIN,
     DOMAINS_KEY,
+    FEED,
+    FEED_OWNER,
     GATEWAYS,
     GATEWAYS_KEY,
     LOOKUP,
     MAP,
+    OWNERS_KEY,
     RELEASE,
     RENEW,
     SPECULATE,
@@ -130,6 +135,8 @@ class _Owned:
     """One owned domain: the truth this writer keeps, and what it has not written yet."""
 
     rid: str
+    token: str = ""
+    """This owner's token, set in Redis at adoption (fencing: every write script checks it)."""
     epoch: int = 0
     next_seq: int | None = None
     engine: dict[EngineHash, BlockHash] = field(default_factory=dict)
@@ -168,6 +175,50 @@ class _Owned:
 
 ROOT = b""
 """A chain's first block's parent (`_Owned.parents`)."""
+REFUSED = -1
+"""A write script's answer when the writer is not the domain's current owner (fencing)."""
+
+
+@dataclass
+class _Pending:
+    """One domain's writes taken out of its state for a flush, put back if it fails."""
+
+    blocks: dict[BlockHash, int]
+    removed: dict[BlockHash, bytes]
+    mapping: dict[EngineHash, bytes | None]
+    cleared: bool
+    stale: list[BlockHash]
+    sliding_changed: bool
+    epoch: int
+
+    @classmethod
+    def take(cls, state: _Owned) -> _Pending:
+        pending = cls(
+            state.blocks,
+            state.removed,
+            state.mapping,
+            state.cleared,
+            state.stale[:CLEAN_CHUNK],
+            state.sliding_changed,
+            state.epoch,
+        )
+        state.blocks, state.removed, state.mapping, state.cleared = {}, {}, {}, False
+        state.stale = state.stale[CLEAN_CHUNK:]
+        state.sliding_changed = False
+        state.dirty = bool(state.stale)
+        return pending
+
+    def restore(self, state: _Owned) -> None:
+        """Put the writes back under those queued since (newer writes win); a wipe since made
+        the blocks, removals and map writes void."""
+        if self.epoch == state.epoch:
+            state.blocks = {**self.blocks, **state.blocks}
+            state.removed = {**self.removed, **state.removed}
+            state.mapping = {**self.mapping, **state.mapping}
+        state.cleared = state.cleared or self.cleared
+        state.stale = self.stale + state.stale
+        state.sliding_changed = state.sliding_changed or self.sliding_changed
+        state.dirty = True
 
 
 class EventWriter:
@@ -197,6 +248,8 @@ class EventWriter:
         """domain -> the epoch last written (a wipe is in Redis once this moved)."""
         self.flushes = 0
         self.flush_errors = 0
+        self.fenced = 0
+        """Domains dropped because Redis refused their writes: another owner adopted them."""
         self._owned: dict[str, _Owned] = {}
         self._lock = asyncio.Lock()
         self._scheduled = False
@@ -205,13 +258,15 @@ class EventWriter:
         self._write = client.register_script(WRITE)
         self._clean = client.register_script(CLEAN)
         self._map = client.register_script(MAP)
+        self._feed = client.register_script(FEED)
+        self._domain = client.register_script(DOMAIN)
 
     # -- ownership -------------------------------------------------------------------------
     async def adopt(self, domain: str) -> int | None:
         """Take over a domain: load what its last owner wrote; returns the seq to expect next
         (None: never written)."""
         rid = replica_id(domain)
-        state = _Owned(rid)
+        state = _Owned(rid, await self._fence(rid))
         current = await self.client.hget(DOMAINS_KEY, rid)
         if current is not None:
             state.epoch = int(text(current).split("|", 1)[0])
@@ -245,6 +300,24 @@ class EventWriter:
         self._owned[domain] = state
         self.committed_epochs[domain] = state.epoch
         return state.next_seq
+
+    async def _fence(self, rid: str) -> str:
+        """A new owner token for the domain, in the owners hash and then the feed hash (their
+        two slots): from here the last owner's writes are refused (a write of its that lands
+        before the feed hash's copy changes is read by `adopt` right after, as its own)."""
+        token = secrets.token_hex(8)
+        await self.client.hset(OWNERS_KEY, rid, token)
+        await self.client.hset(feed_key(rid), FEED_OWNER, token)
+        return token
+
+    async def retake(self, domain: str) -> int:
+        """`rewrite` under a new owner token: the lease was gone and is taken again (Redis
+        may have lost the owners hash with the rest)."""
+        state = self._owned.get(domain)
+        if state is None:
+            return 0
+        state.token = await self._fence(state.rid)
+        return self.rewrite(domain)
 
     async def release(self, domain: str, *, flush: bool = True) -> None:
         """Stop owning a domain: what is pending is written first (best effort), unless the
@@ -502,49 +575,81 @@ class EventWriter:
                 except NoScriptError:
                     if attempt:
                         raise
-                    await self.client.script_load(WRITE)  # on every primary of a cluster
-                    await self.client.script_load(CLEAN)
-                    await self.client.script_load(MAP)
+                    for script in (WRITE, CLEAN, MAP, FEED, DOMAIN):  # every primary
+                        await self.client.script_load(script)
 
     async def _flush_once(self) -> None:
+        """One pipeline of every dirty domain's pending writes. Each domain's writes are taken
+        out of its state and built into commands inside a `try`: a domain whose commands
+        cannot be built (a bug, or a value no script carries) gets its writes back and is left
+        out, and every domain gets its writes back when the pipeline fails (issue 45, item 7:
+        they were taken before the `try`, so one engine's bad block dropped every domain queued
+        before it). The first such error is raised after the others were written."""
         taken = [(d, s) for d, s in self._owned.items() if s.dirty]
         if not taken:
             return
         pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
-        undo = [(domain, state, self._queue(pipe, domain, state)) for domain, state in taken]
-        try:
-            results = await pipe.execute(raise_on_error=False)
-            errors = [r for r in results if isinstance(r, Exception)]
-            if errors:
-                raise next((e for e in errors if isinstance(e, NoScriptError)), errors[0])
-        except Exception:
-            self.flush_errors += 1
-            for _, state, pending in undo:  # put back what was taken, newer writes win
-                blocks, removed, mapping, cleared, stale, epoch = pending
-                if epoch == state.epoch:  # (a wipe since made them void)
-                    state.blocks = {**blocks, **state.blocks}
-                    state.removed = {**removed, **state.removed}
-                    state.mapping = {**mapping, **state.mapping}
-                state.cleared = state.cleared or cleared
-                state.stale = stale + state.stale
-                state.dirty = True
-            raise
-        self.flushes += 1
-        for domain, state, _ in undo:
-            self.committed_epochs[domain] = state.epoch
+        undo: list[tuple[str, _Owned, _Pending]] = []
+        spans: list[int] = [0]
+        """Each domain's commands' end in the pipeline (its results' span)."""
+        unbuilt: Exception | None = None
+        for domain, state in taken:
+            pending = _Pending.take(state)
+            try:
+                commands = self._commands(domain, state, pending)
+            except Exception as exc:
+                pending.restore(state)
+                self.flush_errors += 1
+                log.error("KV events of %s: writes not built (kept, retried): %r", domain, exc)
+                unbuilt = unbuilt or exc
+                continue
+            for args in commands:
+                pipe.execute_command(*args)
+            undo.append((domain, state, pending))
+            spans.append(spans[-1] + len(commands))
+        if undo:
+            try:
+                results = await pipe.execute(raise_on_error=False)
+                errors = [r for r in results if isinstance(r, Exception)]
+                if errors:
+                    raise next((e for e in errors if isinstance(e, NoScriptError)), errors[0])
+            except Exception:
+                self.flush_errors += 1
+                for _, state, pending in undo:  # put back what was taken, newer writes win
+                    pending.restore(state)
+                raise
+            self.flushes += 1
+            for i, (domain, state, _) in enumerate(undo):
+                if REFUSED in results[spans[i] : spans[i + 1]]:
+                    self._fenced(domain, state)
+                else:
+                    self.committed_epochs[domain] = state.epoch
+        if unbuilt is not None:
+            raise unbuilt
 
-    def _queue(self, pipe: Any, domain: str, state: _Owned) -> Any:
-        rid = state.rid
-        blocks, mapping, cleared = state.blocks, state.mapping, state.cleared
-        removed, state.removed = state.removed, {}
-        stale, state.stale = state.stale[:CLEAN_CHUNK], state.stale[CLEAN_CHUNK:]
-        state.blocks, state.mapping, state.cleared = {}, {}, False
-        state.dirty = bool(state.stale)
+    def _fenced(self, domain: str, state: _Owned) -> None:
+        """Redis refused a flush of the domain: another gateway adopted it (this owner stalled
+        past its lease). Its state here is void: dropped, the feed's writes ignored from now
+        (`apply` of a domain not owned), until the intake's next round closes the feed."""
+        if self._owned.get(domain) is state:
+            del self._owned[domain]
+        self.fenced += 1
+        log.warning("KV events of %s: writes refused, another gateway owns them now", domain)
+
+    def _commands(self, domain: str, state: _Owned, pending: _Pending) -> list[tuple[Any, ...]]:
+        """The commands that write one domain's `pending` writes (taken from `state`), each a
+        script that checks the owner token (`REFUSED` when it is not the domain's current
+        owner's; in a cluster the block writes cannot reach the owners hash, and are fenced by
+        the epoch alone: the domains hash never goes back)."""
+        rid, token = state.rid, state.token
+        blocks, removed, stale = pending.blocks, pending.removed, pending.stale
+        out: list[tuple[Any, ...]] = []
         domains_value = f"{state.epoch}|{domain}"
-        if cleared:
-            pipe.hset(DOMAINS_KEY, rid, domains_value)
-            pipe.execute_command("UNLINK", map_key(rid))  # (a cluster pipeline has no unlink)
-            pipe.hdel(feed_key(rid), "sliding")
+        domains = ("EVALSHA", self._domain.sha, 2, DOMAINS_KEY, OWNERS_KEY, rid, token)
+        feed_keys = (feed_key(rid), map_key(rid))
+        if pending.cleared:
+            out.append((*domains, domains_value))
+            out.append(("EVALSHA", self._feed.sha, 2, *feed_keys, token, "1"))
         marks = state.marks
         if len(blocks) > WRITE_CHUNK:  # (fewer: one call per chain slot, atomic, any order)
             order: Iterable[BlockHash] = _write_order(blocks, marks, state.parents, removed)
@@ -552,32 +657,31 @@ class EventWriter:
             order = blocks
         writes = ((k, write_record(k, blocks[k], marks.get(k))) for k in order)
         step = WRITE_CHUNK * WRITE_BYTES
+        owners = () if self.cluster else (OWNERS_KEY,)  # (another slot in a cluster)
         for slot, blob in self._groups(writes):
             for at in range(0, len(blob), step):
-                pipe.execute_command(
-                    "EVALSHA", self._write.sha, 1, slot, rid, state.epoch, blob[at : at + step]
-                )
+                chunk = blob[at : at + step]
+                write = (self._write.sha, 1 + len(owners), slot, *owners, rid, state.epoch)
+                out.append(("EVALSHA", *write, chunk, token))
         for records in self._groups((k, record(k, 0)) for k in stale):
-            pipe.execute_command(
-                "EVALSHA", self._clean.sha, 1, records[0], rid, state.epoch, records[1]
-            )
-        if mapping:
-            fields = [map_record(h, v) for h, v in mapping.items()]
+            clean = (self._clean.sha, 1 + len(owners), records[0], *owners, rid, state.epoch)
+            out.append(("EVALSHA", *clean, records[1], token))
+        if pending.mapping:
+            fields = [map_record(h, v) for h, v in pending.mapping.items()]
             for at in range(0, len(fields), MAP_CHUNK):
                 blob = b"".join(fields[at : at + MAP_CHUNK])
-                pipe.execute_command("EVALSHA", self._map.sha, 1, map_key(rid), blob)
-        feed: dict[str, Any] = {}
+                out.append(("EVALSHA", self._map.sha, 2, map_key(rid), feed_key(rid), blob, token))
+        feed: list[Any] = []
         if state.next_seq is not None:
-            feed["next_seq"] = state.next_seq
-        if state.sliding_changed:
-            state.sliding_changed = False
-            feed["sliding"] = ",".join(str(g) for g in sorted(state.sliding))
+            feed += ["next_seq", state.next_seq]
+        if pending.sliding_changed:
+            feed += ["sliding", ",".join(str(g) for g in sorted(state.sliding))]
         if feed:
-            pipe.hset(feed_key(rid), mapping=feed)
-        pipe.hset(DOMAINS_KEY, rid, domains_value)
+            out.append(("EVALSHA", self._feed.sha, 2, *feed_keys, token, "0", *feed))
+        out.append((*domains, domains_value))
         if state.stale:
             self._touch(state)
-        return blocks, removed, mapping, cleared, stale, state.epoch
+        return out
 
     def _groups(self, items: Iterable[tuple[BlockHash, bytes]]) -> list[tuple[bytes, bytes]]:
         """(a key naming the slot, the records' blob) per script call: one call in all on a

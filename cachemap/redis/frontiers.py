@@ -76,7 +76,7 @@ PUBLISH_EVERY_S = 0.5
 """A domain's order is published at most twice a second (a new epoch at once): under load
 every engine step moves it, and a frontier half a second old misses little against runs
 merged within 1 s and a half-life of 5 s — publishing every round cost an owner of 64 busy
-domains ~8% of a core (docs/benchmarks.md)."""
+domains ~8% of a core (docs/benchmarks-archive.md)."""
 MAX_PUBLISHED_RUNS = 256
 """Runs published per domain (12 bytes each, ~3 kB): the oldest, which a placement evicts
 first; a domain's runs merge within a second, so 256 cover minutes of its history."""

@@ -35,6 +35,9 @@ from cachemap.redis.schema import (
     text,
 )
 
+RESTART_EPOCH = 2
+"""A restart (`forget`, a new start marker) advances a replica's generation by this much."""
+
 
 class DirectoryLayoutError(RuntimeError):
     """The shared directory holds a layout this gateway does not know: it must not use it."""
@@ -53,6 +56,9 @@ class ReplicaMeta:
         self.version = 0
         """Bumped on every change of a generation, a floor or the base (callers cache on it)."""
         self.on_change: Callable[[], None] | None = None
+        self.on_epoch: Callable[[str], None] | None = None
+        """Called with a replica's id when its generation rose by a restart epoch (2) or more
+        at once: a restart some gateway reported (a capacity advance moves it by 1)."""
         self._count = client.register_script(scripts.COUNT)
         self._bump = client.register_script(scripts.BUMP)
         self._expire = client.register_script(scripts.EXPIRE)
@@ -151,9 +157,15 @@ class ReplicaMeta:
             self.set_floor(parts[0], int(parts[2]))
 
     def set_gen(self, rid: str, gen: int) -> None:
-        if gen > self.gen(rid):
+        before = self.gen(rid)
+        if gen > before:
             self.gens[rid] = gen
             self._changed()
+            self._epoch(rid, before, gen)
+
+    def _epoch(self, rid: str, before: int, gen: int) -> None:
+        if gen - before >= RESTART_EPOCH and self.on_epoch is not None:
+            self.on_epoch(rid)
 
     def set_floor(self, rid: str, floor_ms: int) -> None:
         if floor_ms > self.floor(rid):
@@ -172,6 +184,9 @@ class ReplicaMeta:
     def _merge(self, gens: dict[str, int], floors: dict[str, int], *, keep_absent: bool) -> None:
         """Take the higher of memory and Redis for every replica Redis has; a replica Redis
         does not have was pruned (dropped here too) unless `keep_absent` (Redis lost it)."""
+        for rid, v in gens.items():
+            if rid in self.gens:
+                self._epoch(rid, self.gens[rid], v)
         for mine, stored in ((self.gens, gens), (self.floors, floors)):
             merged = {rid: max(v, mine.get(rid, v)) for rid, v in stored.items()}
             if keep_absent:

@@ -128,6 +128,14 @@ return {out, hot, writer}
 """
 )
 
+# KEYS: a prefix's rate key. Takes back one request of the current count (never its first: the
+# young rate's clock starts there): a later sibling of a fan-out flight is not a new arrival.
+UNCOUNT = """
+local c = tonumber(redis.call('HGET', KEYS[1], 'c'))
+if c and c > 1 then redis.call('HINCRBY', KEYS[1], 'c', -1) end
+return 1
+"""
+
 # KEYS: a prefix's rate key. ARGV: k.
 SET_K = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'k', ARGV[1]) end
@@ -368,4 +376,29 @@ for i = 1, #floors, 2 do
 end
 if base > old_base then redis.call('SET', KEYS[6], base) end
 return {pruned, base}
+"""
+
+
+# ARGV (after the chain, not expanded): how many blocks back from the end to walk. Returns
+# {depth, replica} of the deepest block holding a conversation's home (its key + ":h"), or {}
+# (`cachemap.affinity`: a conversation's last replica, kept after its KV is evicted).
+HOME = (
+    CHAIN
+    + """
+local stop = #KEYS - tonumber(ARGV[3])
+if stop < 0 then stop = 0 end
+for i = #KEYS, stop + 1, -1 do
+  local replica = redis.call('GET', KEYS[i] .. ':h')
+  if replica then return {i, replica} end
+end
+return {}
+"""
+)
+
+# KEYS: the new home's key, then the key of the home it supersedes (optional, the same chain:
+# the same slot). ARGV: the replica, the TTL in ms.
+SET_HOME = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if KEYS[2] and KEYS[2] ~= KEYS[1] then redis.call('DEL', KEYS[2]) end
+return 1
 """

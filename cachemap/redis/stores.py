@@ -4,14 +4,17 @@ prefix's spread changes) and fan-out leaders' markers (written while a leader pr
     kvg:{TAG}:<block>:r   HASH    a matched prefix's request times and its k (`RateStore`)
     kvg:{TAG}:<block>:w   STRING  a fan-out leader's marker and its flight's blocks, on the
                                   flight's first block, set if absent (`MarkerStore`)
+    kvg:{TAG}:<block>:h   STRING  a conversation's home: the replica its request ending at
+                                  this block went to, PX = the affinity TTL (`HomeStore`)
 
-Both sit in their chain's slot, so the lookup reads them in the same script call.
+All sit in their chain's slot, so one script call reads or writes them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from cachemap.affinity import MAX_WALK_BLOCKS, Home
 from cachemap.keys import BlockHash
 from cachemap.redis import scripts
 from cachemap.redis.client import AnyRedis
@@ -21,9 +24,14 @@ from cachemap.redis.schema import LAND_CHANNEL, block_keys, chain_call, text
 class RateStore:
     def __init__(self, client: AnyRedis) -> None:
         self._set_k = client.register_script(scripts.SET_K)
+        self._uncount = client.register_script(scripts.UNCOUNT)
 
     async def set_k(self, prefix: BlockHash, k: int) -> None:
         await self._set_k(keys=[block_keys([prefix])[0] + b":r"], args=[k])
+
+    async def uncount(self, prefix: BlockHash) -> None:
+        """Take back one request of the prefix's count (a later sibling of a fan-out flight)."""
+        await self._uncount(keys=[block_keys([prefix])[0] + b":r"], args=[])
 
 
 class MarkerStore:
@@ -57,3 +65,31 @@ class MarkerStore:
             return None
         raw = value if isinstance(value, bytes) else value.encode()
         return text(raw.split(b"\n", 1)[0])  # the flight's blocks after it are binary
+
+
+class HomeStore:
+    """Conversations' homes shared by every gateway (`cachemap.affinity.ConversationAffinity`'s
+    lookup and record, one script call each; Redis expires them, so the TTL bounds them)."""
+
+    def __init__(self, client: AnyRedis) -> None:
+        self._home = client.register_script(scripts.HOME)
+        self._set_home = client.register_script(scripts.SET_HOME)
+
+    async def lookup(self, hashes: Sequence[BlockHash]) -> Home | None:
+        if not hashes:
+            return None
+        keys, head = chain_call(hashes)
+        found = await self._home(keys=keys, args=[*head, MAX_WALK_BLOCKS])
+        if not found:
+            return None
+        depth, replica = int(found[0]), text(found[1])
+        return Home(replica, depth, hashes[depth - 1])
+
+    async def record(
+        self, hashes: Sequence[BlockHash], replica: str, home: Home | None, ttl_s: float
+    ) -> None:
+        if not hashes:
+            return
+        superseded = [home.key] if home is not None and home.key != hashes[-1] else []
+        keys = [key + b":h" for key in block_keys([hashes[-1], *superseded])]
+        await self._set_home(keys=keys, args=[replica, max(int(ttl_s * 1000), 1)])

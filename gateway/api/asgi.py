@@ -171,6 +171,11 @@ class ChunkedOut:
     async def drain(self) -> None:
         await self._flow.drain()
 
+    def cut(self) -> None:
+        """Drop the client's connection now, its unsent bytes with it (uvicorn then sees a
+        disconnect: `drain` returns and nothing more is written)."""
+        self._transport.abort()
+
 
 def chunked_out(send: Send) -> ChunkedOut | None:
     """A direct writer for a started, chunked response served by uvicorn's httptools protocol
@@ -183,6 +188,20 @@ def chunked_out(send: Send) -> ChunkedOut | None:
     ):
         return ChunkedOut(cycle)
     return None
+
+
+def client_paused(send: Send) -> bool:
+    """Whether uvicorn's httptools protocol holds the client's writes back (its buffer is over
+    the high-water mark): its `send` would wait for the client (False under another server)."""
+    cycle = getattr(raw_send(send), "__self__", None)
+    return isinstance(cycle, RequestResponseCycle) and cycle.flow.write_paused
+
+
+def cut_client(send: Send) -> None:
+    """Drop the client's connection under uvicorn's httptools protocol (see `ChunkedOut.cut`)."""
+    cycle = getattr(raw_send(send), "__self__", None)
+    if isinstance(cycle, RequestResponseCycle):
+        cycle.transport.abort()
 
 
 def body_arrived(receive: Receive) -> bool:

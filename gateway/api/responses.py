@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import orjson
 from starlette.responses import Response
 
-from gateway.api.asgi import ChunkedOut, chunked_out, raw_send
+from gateway.api.asgi import ChunkedOut, chunked_out, client_paused, cut_client, raw_send
 from gateway.api.errors import openai_error_body
 from gateway.errors import GatewayError
-from gateway.pipeline.exchange import Exchange
+from gateway.pipeline.exchange import ClientTooSlow, Exchange
+from gateway.request.receipt import receipt_fields, receipt_header
 
 
 class ShuttingDown(GatewayError):
@@ -28,16 +29,23 @@ class ShuttingDown(GatewayError):
 
 
 def debug_headers(exchange: Exchange, enabled: bool) -> dict[str, str]:
-    """`x-kvgate-*` headers naming the replica and why it was chosen (operators only: they
-    reveal cache state, so `debug_headers` is off by default)."""
-    if not enabled:
-        return {}
+    """The answer's `x-request-id` (the gateway's id of the exchange: what the access log and
+    the console's request lookup know it by); `x-kvgate-*` headers naming the replica and why
+    it was chosen (operators only: they reveal cache state, so `debug_headers` is off by
+    default); and the route receipt `x-kvgate-route` (gateway.request.receipt) with them or
+    for a tenant given `route_receipts`."""
     routed = exchange.routed
-    return {
-        "x-kvgate-replica": exchange.replica_url,
-        "x-kvgate-matched-blocks": str(routed.route.overlap.get(exchange.record.replica, 0)),
-        "x-kvgate-decision": routed.decision.reason,
-    }
+    headers = {"x-request-id": exchange.record.request_id}
+    if not (enabled or routed.tenant.policy.route_receipts):
+        return headers
+    headers["x-kvgate-route"] = receipt_header(receipt_fields(routed, exchange.record.replica))
+    if enabled:
+        headers["x-kvgate-replica"] = exchange.replica_url
+        headers["x-kvgate-matched-blocks"] = str(
+            routed.route.overlap.get(exchange.record.replica, 0)
+        )
+        headers["x-kvgate-decision"] = routed.decision.reason
+    return headers
 
 
 class JSONBytes(Response):
@@ -93,6 +101,18 @@ class ExchangeSSE(Response):
         """A mid-stream error in the API's shape (the stream ends after it)."""
         raise NotImplementedError
 
+    async def _within_drain_deadline(self, sending: Awaitable[None]) -> bool:
+        """A write that waits for the client, at most the exchange's drain deadline; False (the
+        exchange cut, as `Exchange.drain` does) when the client did not read in time."""
+        exchange = self.exchange
+        try:
+            async with asyncio.timeout(exchange.drain_timeout_s):
+                await sending
+        except TimeoutError:
+            exchange.cut_slow_client()
+            return False
+        return True
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         exchange = self.exchange
         body = raw_send(send)  # the start goes through the app's layers, the body past them
@@ -110,7 +130,12 @@ class ExchangeSSE(Response):
                 await self.relay(out)
             else:
                 async for chunk in self.events():
-                    await body({"type": "http.response.body", "body": chunk, "more_body": True})
+                    message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                    if not client_paused(body):
+                        await body(message)  # written at once: nothing to wait for
+                    elif not await self._within_drain_deadline(body(message)):
+                        cut_client(body)
+                        break
         except asyncio.CancelledError:  # the drain's grace ran out: say so, then end
             exchange.abort()
             with contextlib.suppress(Exception):
@@ -143,7 +168,10 @@ class OpenAISSE(ExchangeSSE):
         await exchange.relay(out, exchange.parsed.include_usage)
         if exchange.failure is not None and not exchange.client_gone:
             if out.paused:
-                await out.drain()
+                try:
+                    await exchange.drain(out)
+                except ClientTooSlow:
+                    return
             out.write(self.error_event(exchange.failure))
 
     def error_event(self, err: GatewayError) -> bytes:

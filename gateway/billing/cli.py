@@ -3,7 +3,7 @@
     kvgate billing simulate EVENTS.jsonl --profile P --model M [--start ISO] [--json PATH|-]
     kvgate billing export --tenant T --from ISO --to ISO --format csv|jsonl|parquet [--output PATH]
     kvgate billing summary [--from ISO] [--to ISO] [--tenant T]
-    kvgate billing ship --wal-dir DIR [--wal-dir DIR ...] --redis-url URL
+    kvgate billing ship --wal-dir DIR [--wal-dir DIR ...] --redis-url URL [--allow-unsafe-fsync]
     kvgate billing inspect --wal-dir DIR [--wal-dir DIR ...]
 
 export and summary read the shared ledger store (`--redis-url`, or `billing_redis_url` from
@@ -65,6 +65,11 @@ def add_billing_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ship.add_argument("--wal-dir", action="append", type=Path, required=True, help="repeatable")
     ship.add_argument("--redis-url", required=True, help="the shared ledger store (an AOF Redis)")
+    ship.add_argument(
+        "--allow-unsafe-fsync",
+        action="store_true",
+        help="ship to a store without appendfsync always (a store crash may lose records)",
+    )
 
     inspect = commands.add_parser(
         "inspect", help="the records and unsettled open entries of WAL directories, as JSON"
@@ -168,7 +173,9 @@ def _ship(args: argparse.Namespace) -> int:
 
     from gateway.billing.store import ship_directories
 
-    shipped = asyncio.run(ship_directories(args.wal_dir, args.redis_url))
+    shipped = asyncio.run(
+        ship_directories(args.wal_dir, args.redis_url, allow_unsafe=args.allow_unsafe_fsync)
+    )
     for path, n in shipped.items():
         print(f"{path}: {n} records shipped")
     return 0

@@ -18,8 +18,10 @@ from gateway.billing.store import (
     LocalLedger,
     RedisLedgerStore,
     Shipper,
+    check_durability,
     check_layout,
 )
+from gateway.billing.takeover import Takeover
 from gateway.billing.wal import WalLayoutError, WriteAheadLog
 from gateway.errors import GatewayError
 from gateway.request.tenant import hash_key
@@ -64,6 +66,7 @@ class Billing:
         self.admin_hashes = admin_key_hashes(settings.admin_keys)
         self.store: LedgerStore | None = None
         self.shipper: Shipper | None = None
+        self.takeover: Takeover | None = None
         self._client: Any = None
 
     async def start(self) -> None:
@@ -76,16 +79,36 @@ class Billing:
             from cachemap.redis.client import open_redis
 
             self._client = await open_redis(url, cluster=False)
+            durability = await check_durability(
+                self._client, allow_unsafe=self.settings.billing_redis_allow_unsafe_fsync
+            )  # a store that may lose what it acknowledged fails the start
             await check_layout(self._client, claim=True)  # an unknown layout fails the start
-            self.store = RedisLedgerStore(self._client)
+            self.store = RedisLedgerStore(self._client, wait_aof=durability.wait_aof)
             self.meter.shared = SharedEntries(self._client, self.settings.billing_ledger_deadline_s)
             self.shipper = Shipper(self.wal, self.store)
             self.shipper.start()  # replays whatever earlier runs left unshipped
+        # a worker's directory is <pod's>/worker-<i>: the pod's directory is the one its
+        # siblings are beside (gateway.billing.takeover)
+        own = self.wal.directory
+        if self.settings.worker_index is not None:
+            own = own.parent
+        store = self.store if isinstance(self.store, RedisLedgerStore) else None
+        if self.settings.billing_wal_takeover and store is None:
+            log.warning("billing: billing_wal_takeover needs billing_redis_url; not taking over")
+        self.takeover = Takeover(
+            self.wal,
+            own,
+            self.settings.billing_wal_lease_s,
+            store if self.settings.billing_wal_takeover else None,
+        )
+        self.takeover.start()
 
     async def stop(self) -> None:
         await self.meter.drain()  # abandoned leaders' aborted records, before the WAL closes
         if self.meter.shared is not None:
             await self.meter.shared.drain()
+        if self.takeover is not None:
+            await self.takeover.stop()
         if self.shipper is not None:
             await self.shipper.stop()
         await self.wal.aclose()

@@ -14,6 +14,13 @@ Layouts (`LAYOUT`): 1 has no layout key (before layouts were versioned); 2 is 1 
 so gateways of both share one store. A gateway finding no key writes its own; one finding a
 layout it does not know refuses to start (`BillingLayoutError`), and exports refuse to read.
 
+Durability: a segment is deleted once its records are put, so a put must mean "on disk". At
+start (`check_durability`) a store whose `appendonly` is not `yes` or whose `appendfsync` is
+not `always` is refused (`BillingDurabilityError`, naming the setting) unless the operator
+accepts it (`billing_redis_allow_unsafe_fsync`); on Redis >= 7.2 every put also ends with
+`WAITAOF 1 0`, which returns once the writes are fsync'd to the local AOF, whatever
+`appendfsync` says (a put it does not confirm raises, so nothing is deleted or passed).
+
 Shipper: reads each WAL segment from its shipped offset, puts the complete records, advances
 the offset, deletes segments that are shipped and no longer written. A Redis outage only
 delays shipping (with backoff): requests wait for the local fsync, never for Redis.
@@ -26,13 +33,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.billing.pricing.money import dec
 from gateway.billing.wal import (
@@ -40,6 +49,7 @@ from gateway.billing.wal import (
     WriteAheadLog,
     read_directory,
     read_segment,
+    sealed_size,
     segment_paths,
 )
 from gateway.tasks import BackgroundTasks
@@ -57,6 +67,11 @@ QUERY_CHUNK = 1000
 LAYOUT = 2
 KNOWN_LAYOUTS = (1, 2)
 LAYOUT_KEY = f"{PREFIX}:layout"
+WAITAOF_TIMEOUT_MS = 5000
+"""A put waits at most 5 s for its fsync (everysec fsyncs within ~1-2 s): past it the store is
+taken as failing, and the shipper retries with backoff (the WAL keeps everything)."""
+WAITAOF_SINCE = (7, 2)
+"""WAITAOF came with Redis 7.2."""
 
 
 class BillingLayoutError(ValueError):
@@ -77,6 +92,79 @@ async def check_layout(client: Any, *, claim: bool) -> int:
             f"{', '.join(map(str, KNOWN_LAYOUTS))}: upgrade it, or give it another store"
         )
     return version
+
+
+class BillingDurabilityError(ValueError):
+    """The ledger store does not make each write durable before it answers."""
+
+
+class StoreNotDurable(OSError):
+    """WAITAOF did not confirm a put within its timeout (the shipper retries)."""
+
+
+def supports_waitaof(version: str) -> bool:
+    """Whether a Redis of `version` ("7.2.4") has WAITAOF."""
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    return parts >= WAITAOF_SINCE
+
+
+@dataclass(frozen=True, slots=True)
+class Durability:
+    """What `check_durability` found: the server's version and whether puts use WAITAOF."""
+
+    version: str
+    wait_aof: bool
+
+
+async def _config(client: Any, name: str) -> str | None:
+    """A CONFIG GET value, None when the server refuses CONFIG (a managed Redis may)."""
+    try:
+        found = await client.config_get(name)
+    except ResponseError:
+        return None
+    value = found.get(name)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def check_durability(client: Any, *, allow_unsafe: bool) -> Durability:
+    """Check, before anything is shipped, that a reply from the store means "on disk": the
+    append-only file on, and fsync'd before each reply (`appendfsync always`), or WAITAOF
+    (Redis >= 7.2) to confirm each put. Raises `BillingDurabilityError` naming what is wrong,
+    unless `allow_unsafe` (then it is logged, once)."""
+    info = await client.info("server")
+    version = str(info.get("redis_version", "0"))
+    wait_aof = supports_waitaof(version)
+    appendonly = await _config(client, "appendonly")
+    appendfsync = await _config(client, "appendfsync")
+    problem = None
+    if appendonly is None or appendfsync is None:
+        if not wait_aof:
+            problem = (
+                f"refuses CONFIG GET and is Redis {version} (no WAITAOF), so nothing confirms "
+                "that its writes are on disk"
+            )
+    elif appendonly != "yes":
+        problem = "runs appendonly no: a restart loses what was shipped (and deleted)"
+    elif appendfsync != "always" and not wait_aof:
+        problem = (
+            f"runs appendfsync {appendfsync} and is Redis {version} (WAITAOF needs 7.2): a crash "
+            "within a second of a ship loses records whose segments are already deleted"
+        )
+    if problem is None and appendonly == "yes" and appendfsync != "always":
+        log.info(
+            "billing: the ledger store runs appendfsync %s: each put waits on WAITAOF", appendfsync
+        )
+    if problem is not None:
+        message = (
+            f"the billing ledger store {problem}; run it with appendonly yes and appendfsync "
+            "always (docs/billing.md#the-ledger-store), or set billing_redis_allow_unsafe_fsync: "
+            "true to accept the loss"
+        )
+        if not allow_unsafe:
+            raise BillingDurabilityError(message)
+        log.warning("%s (accepted: billing_redis_allow_unsafe_fsync)", message)
+        wait_aof = wait_aof and appendonly == "yes"
+    return Durability(version, wait_aof)
 
 
 _PUT = """
@@ -115,21 +203,37 @@ def ordered(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class RedisLedgerStore:
-    def __init__(self, client: Any) -> None:
+    """`wait_aof`: each put ends with WAITAOF 1 0 (`check_durability` says when), and returns
+    only once the local AOF holds its writes on disk."""
+
+    def __init__(self, client: Any, *, wait_aof: bool = False) -> None:
         self.client = client
+        self.wait_aof = wait_aof
         self._script = client.register_script(_PUT)
 
     async def put(self, records: list[dict[str, Any]]) -> int:
         new = 0
         for i in range(0, len(records), SHIP_BATCH):
             async with self.client.pipeline(transaction=False) as pipe:
-                for record in records[i : i + SHIP_BATCH]:
+                batch = records[i : i + SHIP_BATCH]
+                for record in batch:
                     tenant = str(record["tenant"])
                     keys = [f"{PREFIX}:records", f"{PREFIX}:t:{tenant}", f"{PREFIX}:tenants"]
                     score = str(record["start_unix"])
                     args = [str(record["id"]), orjson.dumps(record), score, tenant]
                     await self._script(keys=keys, args=args, client=pipe)  # queued, not sent
-                new += sum(int(x) for x in await pipe.execute())
+                if self.wait_aof:
+                    # in the same pipeline: WAITAOF confirms the writes of its own connection
+                    pipe.execute_command("WAITAOF", 1, 0, WAITAOF_TIMEOUT_MS)
+                results = await pipe.execute()
+            if self.wait_aof:
+                local, _replicas = results.pop()
+                if int(local) < 1:
+                    raise StoreNotDurable(
+                        "the ledger store did not fsync the shipped records within "
+                        f"{WAITAOF_TIMEOUT_MS} ms"
+                    )
+            new += sum(int(x) for x in results)
         return new
 
     async def tenants(self) -> list[str]:
@@ -225,15 +329,19 @@ class Shipper:
     async def _ship(self) -> int:
         shipped = 0
         current, synced = self.wal.synced  # one value: the segment and its size agree
-        for path in segment_paths(self.wal.directory):
+        paths = segment_paths(self.wal.directory)
+        for i, path in enumerate(paths):
+            following = paths[i + 1] if i + 1 < len(paths) else None
             if current is not None and path.name > current.name:
                 break  # the writer is creating it (`current` moves once it is ready)
             # decided before reading: the writer moves `current` only after the old segment's
-            # last bytes are synced, so a segment seen finished here is read in full below;
-            # the current one only as far as it is synced (a failed write is cut back)
+            # last bytes are synced and the new one's seal written, so a segment seen finished
+            # here is read up to its seal (bytes past it were a failed write, never
+            # acknowledged), or in full when it has none (a crashed run's last segment); the
+            # current one only as far as it is synced (a failed write is cut back)
             finished = path != current
             offset = self.offsets.get(path.name, 0)
-            end = None if finished else synced
+            end = sealed_size(path, following) if finished else synced
             try:
                 records, new_offset, _ = await asyncio.to_thread(read_segment, path, offset, end)
             except WalLayoutError as exc:  # never shipped as garbage, never deleted
@@ -290,7 +398,9 @@ class Shipper:
             await asyncio.wait_for(self.ship_once(), 2.0)
 
 
-async def ship_directories(directories: Iterable[Path], redis_url: str) -> dict[Path, int]:
+async def ship_directories(
+    directories: Iterable[Path], redis_url: str, *, allow_unsafe: bool = False
+) -> dict[Path, int]:
     """Ship WAL directories whose gateway is gone (`kvgate billing ship`): each is taken over
     as its gateway would on a restart — its lock first, so a directory a live gateway still
     writes is refused (`WalLocked`) — shipped in full, and released. Records the store already
@@ -304,8 +414,9 @@ async def ship_directories(directories: Iterable[Path], redis_url: str) -> dict[
     client = await open_redis(redis_url, cluster=False)
     shipped: dict[Path, int] = {}
     try:
+        durability = await check_durability(client, allow_unsafe=allow_unsafe)
         await check_layout(client, claim=True)
-        store = RedisLedgerStore(client)
+        store = RedisLedgerStore(client, wait_aof=durability.wait_aof)
         for path in paths:
             wal = WriteAheadLog(path)
             wal.open()

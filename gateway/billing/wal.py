@@ -1,6 +1,7 @@
 """The write-ahead log: one gateway's billing records, durable before the response completes.
 
     <dir>/LOCK                     flock'd by the one gateway that owns the directory
+    <dir>/LEASE                    the wall-clock time its owner last renewed it (unix s)
     <dir>/wal-00000001.jsonl       append-only segments, one JSON value per line, after a
                                    header line ["kvgate-wal", <layout>]
     <dir>/shipped.json             how far each segment has been shipped (advisory)
@@ -9,6 +10,13 @@ A line is a record (a JSON object: `gateway.billing.records`, what is billed, wi
 or one of the log's own JSON arrays: the header, or an open entry `["kvgate-open", "<id>",
 {record}]` — an exchange that has had its first token, with the record it is billed by if it
 never ends (the `aborted` one).
+
+A segment that follows another starts, after its header, with the previous one's seal
+`["kvgate-seal", "<previous segment>", <good size>]`: where the previous segment's acknowledged
+bytes end. Bytes past it are a write that failed and could not be cut back out (its records were
+reported failed, and their exchanges billed as aborted): readers of a finished segment read it
+only up to its seal. A segment without one (the last of a crashed run, or written before seals)
+is read to its last complete line.
 
 Layouts (`LAYOUT`): 1 has no header (segments written before layouts were versioned); 2 starts
 each segment with its header. The log's own lines are arrays, which a layout-1 reader skips as
@@ -25,8 +33,9 @@ Invariants:
   `deadline_s`, else raises `WalUnavailable` — and that record is never in the log (a write
   still in flight when its deadline passed is cut back out when it lands).
 - A failed write leaves nothing behind: the segment is cut back to its last good size (when
-  even that fails, the log moves on to a new segment), so no later line is glued to a torn
-  one, and every record of the failed batch fails with `WalUnavailable`.
+  even that fails, the log moves on to a new segment whose seal ends the old one at that size),
+  so no later line is glued to a torn one, no reader sees a line of it, and every record of the
+  failed batch fails with `WalUnavailable`. Every truncation goes through that one cut.
 - Shippers read `synced`, (the current segment, its bytes on stable storage), as one value: a
   record is in it from the moment its append returns, and a record cut back out never was
   (the size is published only after the cut, in the same step as the waiters are told).
@@ -47,6 +56,7 @@ import contextlib
 import fcntl
 import os
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +75,26 @@ LAYOUT = 2
 """The layout this code writes (see the module docstring)."""
 KNOWN_LAYOUTS = (1, 2)
 HEADER_TAG = "kvgate-wal"
+SEAL_TAG = "kvgate-seal"
+_SEAL_LINE_MAX = 256
+"""A seal line is ~50 bytes; a longer second line is not one."""
 
 
 class WalLocked(RuntimeError):
     """Another process owns this WAL directory."""
+
+
+LEASE_FILE = "LEASE"
+
+
+def lease_age_s(directory: Path, now: float | None = None) -> float | None:
+    """How long ago the directory's owner last renewed its lease; None without a lease (a
+    directory written before leases, or never opened)."""
+    try:
+        renewed = float((directory / LEASE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return (time.time() if now is None else now) - renewed
 
 
 class WalLayoutError(ValueError):
@@ -88,6 +114,44 @@ def segment_layout(first_line: bytes) -> int:
     if isinstance(value, list) and len(value) == 2 and value[0] == HEADER_TAG:
         return int(value[1]) if isinstance(value[1], int) else -1
     return 1
+
+
+def seal_line(previous: str, good_size: int) -> bytes:
+    return orjson.dumps([SEAL_TAG, previous, good_size]) + b"\n"
+
+
+def seal_of(path: Path) -> tuple[str, int] | None:
+    """The seal at a segment's head: (the previous segment's name, its good size), if any."""
+    try:
+        with open(path, "rb") as f:
+            f.readline(_SEAL_LINE_MAX)  # the header
+            line = f.readline(_SEAL_LINE_MAX)
+    except FileNotFoundError:
+        return None
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        value = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    if (
+        isinstance(value, list)
+        and len(value) == 3
+        and value[0] == SEAL_TAG
+        and isinstance(value[1], str)
+        and isinstance(value[2], int)
+    ):
+        return value[1], value[2]
+    return None
+
+
+def sealed_size(path: Path, following: Path | None) -> int | None:
+    """How far a finished segment is read: the seal `following` (the next segment) gives it,
+    else None (to its last complete line)."""
+    if following is None:
+        return None
+    seal = seal_of(following)
+    return seal[1] if seal is not None and seal[0] == path.name else None
 
 
 def open_line(record_id: str, record: dict[str, Any]) -> bytes:
@@ -144,10 +208,17 @@ def read_segment(
     return records, offset + stop, stop < len(data)
 
 
+def _with_ends(paths: list[Path]) -> Iterator[tuple[Path, int | None]]:
+    """Each segment with where it is read up to (its seal; None: to its last complete line)."""
+    for i, path in enumerate(paths):
+        yield path, sealed_size(path, paths[i + 1] if i + 1 < len(paths) else None)
+
+
 def read_directory(directory: Path) -> Iterator[dict[str, Any]]:
-    """Every complete record in a directory's segments, in write order (duplicates included)."""
-    for path in segment_paths(directory):
-        records, _, _ = read_segment(path)
+    """Every acknowledged record in a directory's segments, in write order (duplicates
+    included): each segment up to its seal."""
+    for path, end in _with_ends(segment_paths(directory)):
+        records, _, _ = read_segment(path, 0, end)
         yield from records
 
 
@@ -156,8 +227,9 @@ def unsettled(directory: Path) -> list[dict[str, Any]]:
     the last two segments hold every one)."""
     opened: dict[str, dict[str, Any]] = {}
     settled: set[str] = set()
-    for path in segment_paths(directory)[-2:]:
-        for line in _lines(path.read_bytes()):
+    for path, end in list(_with_ends(segment_paths(directory)))[-2:]:
+        data = path.read_bytes()
+        for line in _lines(data if end is None else data[:end]):
             if isinstance(line, list):
                 if len(line) == 3 and line[0] == OPEN_TAG and isinstance(line[2], dict):
                     opened[str(line[1])] = line[2]
@@ -213,7 +285,10 @@ class WriteAheadLog:
         """Aborted records written at `open` for a previous run's unsettled exchanges."""
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def open(self) -> None:
+    def open(self, *, take_over_after_s: float | None = None) -> None:
+        """Own the directory (its lock, then its lease), bill a previous run's unsettled open
+        entries, start a fresh segment. `take_over_after_s`: the directory of another gateway,
+        taken over only if its lease is at least that old (`WalLocked` otherwise)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         lock_fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -224,7 +299,12 @@ class WriteAheadLog:
                 f"the billing WAL directory {self.directory} is in use by another gateway; "
                 "give each gateway its own billing_wal_dir"
             ) from None
+        age = lease_age_s(self.directory)
+        if take_over_after_s is not None and age is not None and age < take_over_after_s:
+            os.close(lock_fd)  # the lock is free but the lease fresh: its owner may be alive
+            raise WalLocked(f"the billing WAL directory {self.directory} has a fresh lease")
         self._lock_fd = lock_fd
+        self.renew_lease()
         recovered = unsettled(self.directory)
         self._rotate(b"")
         if recovered:
@@ -240,6 +320,14 @@ class WriteAheadLog:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    def renew_lease(self) -> None:
+        """Write the lease: this owner is alive now (no fsync: a lease lost with the machine
+        belongs to an owner that is gone)."""
+        path = self.directory / LEASE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(repr(time.time()))
+        os.replace(tmp, path)
 
     async def flushed(self) -> None:
         """Wait until every write submitted so far has landed or failed."""
@@ -395,13 +483,24 @@ class WriteAheadLog:
         are told by the caller, which never showed them past `start`)."""
         fd = self._fd
         assert fd is not None
-        os.ftruncate(fd, start)
+        try:
+            os.ftruncate(fd, start)
+        except OSError:
+            # NOTE: raised straight from here, the given-up lines stayed in the segment and the
+            # next sync published them: a record reported failed was shipped, and won its id
+            # over the aborted record the meter wrote next (issue 45, item 2)
+            self._cut(start, carried)
+            raise
         self._size = start
         self._carry = True  # open entries may have been in what was cut
         if data:
             self._sync(self._write(data, carried), carried, publish=False)
         else:
-            os.fdatasync(fd)
+            try:
+                os.fdatasync(fd)
+            except OSError:
+                self._cut(start, carried)
+                raise
 
     def _cut(self, good: int, carried: bytes) -> None:
         """Leave nothing of a failed write: cut the segment back to `good` bytes; failing that,
@@ -420,7 +519,7 @@ class WriteAheadLog:
         except OSError as exc:
             cut_failed = exc
         try:
-            self._rotate(carried)
+            self._rotate(carried, good)  # its seal ends this segment at `good`
             self._broken = None
         except OSError:
             self._broken = (good, cut_failed)
@@ -433,14 +532,21 @@ class WriteAheadLog:
         if self._broken is not None:
             raise self._broken[1]
 
-    def _rotate(self, carried: bytes) -> None:
-        """Open the next segment: its header (a segment always names its layout), then the open
-        entries (`carried`)."""
+    def _rotate(self, carried: bytes, good: int | None = None) -> None:
+        """Open the next segment: its header (a segment always names its layout), the seal of
+        the one it follows (its good size: `good`, else what the log holds as written), then
+        the open entries (`carried`)."""
         existing = segment_paths(self.directory)
         number = int(_SEGMENT.match(existing[-1].name).group(1)) + 1 if existing else 1  # type: ignore[union-attr]
         path = self.directory / f"wal-{number:08d}.jsonl"
+        previous = self.current
+        head = header_line()
+        if previous is not None:
+            if good is None:
+                good = self._broken[0] if self._broken is not None else self._size
+            head += seal_line(previous.name, good)
+        head += carried
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-        head = header_line() + carried
         try:
             view = memoryview(head)
             while view:
@@ -459,6 +565,10 @@ class WriteAheadLog:
         old, self._fd = self._fd, fd
         self._size = len(head)
         self._carry = False
+        # the old segment is sealed at its good size: nothing is left to cut (a cut retried
+        # here cut the *new* segment to the old one's size, padding it with NULs that made the
+        # next acknowledged record unreadable)
+        self._broken = None
         self.synced = (path, len(head))
         if old is not None:
             os.close(old)

@@ -12,7 +12,7 @@ Entries are written at the replica's current generation with their own last use,
 has none or an older one (`RedisDirectory.restore`), one call per 512 blocks of a chain, in the
 background. While it runs, lookups also consult the local index (`running`): a conversation's
 next turn finds its replica before its entries are back. Measured by `kvgate bench-redis-reset`
-(docs/benchmarks.md).
+(docs/benchmarks-archive.md).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cachemap.affinity import Home
 from cachemap.directory import on_ms
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
@@ -145,6 +146,7 @@ class RoutingDirectory:
         self.epochs.shared = shared
         if shared is not None:
             shared.on_reset = self._reset
+            shared.on_epoch = self._restarted_elsewhere
 
     @property
     def degraded(self) -> bool:
@@ -201,6 +203,12 @@ class RoutingDirectory:
             await shared.lane.disconnect()
         await asyncio.wait_for(shared.client.ping(), self.write_deadline_s)
         await asyncio.wait_for(shared.refresh_generations(), self.write_deadline_s)
+
+    def _restarted_elsewhere(self, replica: str) -> None:
+        """Redis shows the replica restarted (its epoch moved; often another gateway saw it):
+        its local entries go too, or a shared miss would be answered from them (`_hint`) with
+        the past life's blocks (issue 45, item 17)."""
+        self.local.index.forget(replica)
 
     def _reset(self) -> None:
         """Redis lost its state (the meta state is written back already): write back every
@@ -283,6 +291,13 @@ class RoutingDirectory:
             lookup.hot = self.rates.observe(lookup.hot_key)
         return lookup
 
+    def uncount(self, prefix: BlockHash) -> None:
+        """A later sibling of a fan-out flight: its lookup's count of `prefix` is taken back,
+        in both stores (the siblings of one flight are one arrival)."""
+        if self.rates is not None:
+            self.rates.unobserve(prefix)
+        self._write(Call(lambda shared: shared.hot.uncount(prefix)))
+
     def set_k(self, prefix: BlockHash, k: int) -> None:
         if self.rates is not None:
             self.rates.set_k(prefix, k)
@@ -346,6 +361,32 @@ class RoutingDirectory:
         except Exception as exc:
             log.debug("fan-out marker call failed (it may be set; the leader lands it): %s", exc)
         return True
+
+    # -- conversations' homes across gateways (`cachemap.affinity`, `Keying`) ----------------------
+    async def home(self, hashes: Sequence[BlockHash]) -> tuple[bool, Home | None]:
+        """(answered, the home Redis holds for `hashes`' conversation): one script call with the
+        lookup's deadline; (False, None) without Redis, while degraded, or when it did not
+        answer (the caller then reads its own table)."""
+        shared = self.shared
+        if shared is None or self.degraded or not hashes:
+            return False, None
+        try:
+            found = await asyncio.wait_for(
+                shared.homes.lookup(hashes), self.lookup_deadline_s(len(hashes))
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("conversation home lookup failed (the local table answers): %s", exc)
+            return False, None
+        return True, found
+
+    def record_home(
+        self, hashes: Sequence[BlockHash], replica: str, home: Home | None, ttl_s: float
+    ) -> None:
+        """The conversation of `hashes` went to `replica` (write-behind, off the request path)."""
+        if self.shared is not None and hashes:
+            self._write(Call(lambda shared: shared.homes.record(hashes, replica, home, ttl_s)))
 
     @property
     def landing_poll_s(self) -> float:

@@ -45,6 +45,7 @@ bench-cpu`: decoding was ~45 of the ~110 samples a precise gateway spent on its 
 from __future__ import annotations
 
 import array
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,10 @@ MM_OFFSETS = range(-(2**63), 2**63)
 first) in a block's extra keys: hashed as a signed 64-bit integer
 (`cachemap.multimodal.mm_key_bytes`), so one outside it makes the batch malformed (it raised
 out of the index before)."""
+MAX_HASH_BYTES = 64
+"""The longest block hash accepted as bytes (vLLM's sha256 hashes are 32 bytes, its ints and
+SGLang's are 64-bit): a longer one makes the batch malformed. Unbounded, one engine's hash of
+any length reached the shared index's writer, whose map cannot hold it (issue 45, item 7)."""
 _GPU_NAMES = frozenset(("gpu", "cuda", "device", "hbm"))
 _CPU_NAMES = frozenset(("cpu", "cpu_pinned", "host", "dram"))
 
@@ -207,6 +212,8 @@ def _tolerant(payload: bytes) -> Batch:
 def _batch(ts: Any, events: list[Any], rank: Any, unknown: int = 0) -> Batch:
     if not isinstance(ts, int | float) or isinstance(ts, bool):
         raise MalformedBatch("a batch's ts must be a number and its events a list")
+    if not math.isfinite(ts):  # a NaN or an infinity poisoned the lag statistics (issue 45)
+        raise MalformedBatch("a batch's ts must be finite")
     if rank is not None and not isinstance(rank, int):
         raise MalformedBatch("a batch's rank must be an integer")
     out: list[CacheEvent] = []
@@ -329,10 +336,16 @@ _HASH_TYPES = frozenset((int, bytes))
 
 
 def _hashes(value: Any) -> list[EngineHash]:
-    """Each an int (not a bool) or bytes: checked by type in C loops (a Python step per hash
-    was ~8% of decoding a conversation's events)."""
-    if not isinstance(value, list) or not _HASH_TYPES.issuperset(map(type, value)):
+    """Each an int (not a bool; msgpack's are 64-bit) or bytes of at most `MAX_HASH_BYTES`:
+    checked by type in C loops (a Python step per hash was ~8% of decoding a conversation's
+    events), and by length only when there are bytes."""
+    if not isinstance(value, list):
         raise MalformedBatch("block_hashes must be a list of integers or bytes")
+    types = set(map(type, value))
+    if not _HASH_TYPES.issuperset(types):
+        raise MalformedBatch("block_hashes must be a list of integers or bytes")
+    if bytes in types and max(len(h) for h in value if type(h) is bytes) > MAX_HASH_BYTES:
+        raise MalformedBatch(f"a block hash must be at most {MAX_HASH_BYTES} bytes")
     return value
 
 

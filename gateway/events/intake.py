@@ -19,13 +19,26 @@ Per feed, the seq decides (`Feed.accept`):
 - the first batch a feed sees with seq > 0: what the engine still buffers is replayed from 0
   (a gateway that restarts recovers the blocks announced while it was away).
 
+Limits (issue 45, item 8: a broken or hostile engine cannot stall or bloat the gateway,
+`FeedLimits`): a message over `max_message_bytes` is refused by ZMQ itself (the SUB drops that
+connection: libzmq treats it as a protocol error and does not reconnect, so the feed watches
+its socket's disconnections and connects again once its queue is read; the batch is a gap),
+one callback of a feed's reader applies batches
+for at most `drain_budget_s` (at least one; the rest on the next loop turn), a replay reads at
+most its span plus `REPLAY_SLACK` frames within `REPLAY_DEADLINE_FACTOR` answer timeouts, and a
+domain whose blocks pass the engine's KV capacity (`capacity`, its `num_gpu_blocks`, on the GPU)
+or `max_blocks` (all tiers) is wiped: an honest engine never holds more, so its index is wrong
+(removals missed) or the engine lies, and starting over is what both need.
+
 Both replay answer layouts are read: (topic, seq, payload), current vLLM, and (seq, payload),
 older vLLM and SGLang, each after the DEALER's empty delimiter; seq -1 ends the answer.
 
 Every batch is applied synchronously on the event loop between two awaits (a reader on the
 socket's FD, `Feed.run`), and a lookup first drains the sockets (`EventIntake.drain`), so a
 wipe is in the index before the next routing decision that runs after its message reached the
-gateway's socket, whether or not the loop has run the feed since.
+gateway's socket, whether or not the loop has run the feed since — unless more than a read's
+time budget of batches is queued before it (a flood: `FeedLimits.drain_budget_s`), when it is
+applied on a later loop turn.
 
 Shared (`kv_events_shared`, `share`): the index is in Redis (`cachemap.redis.events`) and a
 gateway runs the feeds only of the domains whose lease it holds (`Leases`: set if absent,
@@ -56,10 +69,24 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from cachemap.events import AllBlocksCleared, CacheEvent, domain_of, rank_endpoint
+from cachemap.events import (
+    CPU,
+    GPU,
+    STORAGE,
+    AllBlocksCleared,
+    BlockStored,
+    CacheEvent,
+    domain_of,
+    rank_endpoint,
+)
 from cachemap.redis.events import EventWriter, Leases
 from cachemap.redis.frontiers import SharedFrontiers
 from gateway.events.decode import MalformedBatch, decode_batch
+from gateway.settings import (
+    DEFAULT_KV_EVENTS_DRAIN_BUDGET_S,
+    DEFAULT_KV_EVENTS_MAX_BLOCKS,
+    DEFAULT_KV_EVENTS_MAX_MESSAGE_BYTES,
+)
 from gateway.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -75,6 +102,12 @@ RECEIVE_HWM = 100_000
 burst the engine could send is held rather than dropped (a drop is a gap)."""
 REFRESH_INTERVAL_S = 1.0
 """How often the intake matches its feeds to the replica set (discovery adds and removes)."""
+REPLAY_SLACK = 64
+"""Frames a replay reads past its span (an answer's duplicates and its end): more is an engine
+that answers forever (it looped on duplicate or malformed frames before)."""
+REPLAY_DEADLINE_FACTOR = 10
+"""A whole replay ends this many answer timeouts after it started (10 s by default; 10,000
+batches replay in well under that), however steadily the engine drips frames."""
 _LAGS_KEPT = 4096
 RENEWALS_PER_LEASE = 3
 """A lease is renewed three times per lease period: two renewals may fail (a Redis failover,
@@ -90,6 +123,19 @@ class EventSink(Protocol):
     def apply(self, domain: str, event: CacheEvent) -> None: ...
 
     def clear(self, domain: str) -> None: ...
+
+    def num_blocks(self, domain: str, tier: int = GPU) -> int: ...
+
+
+@dataclass(frozen=True)
+class FeedLimits:
+    """What one engine's feed may cost the gateway (module docstring, "Limits")."""
+
+    max_message_bytes: int = DEFAULT_KV_EVENTS_MAX_MESSAGE_BYTES
+    drain_budget_s: float = DEFAULT_KV_EVENTS_DRAIN_BUDGET_S
+    max_blocks: int = DEFAULT_KV_EVENTS_MAX_BLOCKS
+    capacity: Callable[[str], int | None] = lambda replica: None
+    """replica -> its KV capacity in GPU blocks, from its metrics (None: unknown)."""
 
 
 Commit = Callable[[str, int | None, bool], Awaitable[None]]
@@ -155,6 +201,12 @@ class FeedStats:
     replayed_batches: int = 0
     restarts: int = 0
     wipes: int = 0
+    over_capacity: int = 0
+    """Wipes because the domain's blocks passed the engine's capacity (`FeedLimits`)."""
+    disconnects: int = 0
+    """The SUB's connection lost (an engine restart, a message over the size limit)."""
+    cut_replays: int = 0
+    """Replays ended by their frame or time bound."""
     last_batch_s: float | None = None
     last_wipe_s: float | None = None
     lags_s: deque[float] = field(default_factory=lambda: deque(maxlen=_LAGS_KEPT))
@@ -175,8 +227,10 @@ class Feed:
         clock: Callable[[], float] = time.time,
         next_seq: int | None = None,
         commit: Commit | None = None,
+        limits: FeedLimits | None = None,
     ) -> None:
         self.config = config
+        self.limits = limits if limits is not None else FeedLimits()
         self.index = index
         self.stats = FeedStats()
         self.next_seq: int | None = next_seq
@@ -191,8 +245,17 @@ class Feed:
         reader on its FD (`run`) and from `EventIntake.drain`'s poll."""
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.set_hwm(RECEIVE_HWM)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         self.socket.setsockopt(zmq.SUBSCRIBE, config.topic.encode())
         self.socket.connect(config.endpoint)
+        monitor = f"inproc://kv-events-monitor-{id(self)}"
+        self.socket.monitor(monitor, zmq.EVENT_DISCONNECTED)
+        self._monitor: zmq.Socket[bytes] = zmq.Socket(ctx, zmq.PAIR)
+        """The SUB's disconnections (`_disconnected`)."""
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(monitor)
+        self._reconnect = False
+        """A disconnection was seen: connect again once the queue is read (`drain`)."""
         self._held: tuple[int, bytes] | None = None
         self._busy = False
         """`run`'s task awaits a replay or a commit: the socket waits (batches stay in order)."""
@@ -204,6 +267,8 @@ class Feed:
         """The loop the reader is on (None: not reading)."""
         self._committed_wipes = 0
         self._dealer: zmq.asyncio.Socket | None = None
+        self._resume: asyncio.Handle | None = None
+        """The reader's next turn, when a drain stopped at its budget with batches left."""
 
     @property
     def live(self) -> bool:
@@ -218,8 +283,10 @@ class Feed:
         commit of what was applied."""
         loop = asyncio.get_running_loop()
         loop.add_reader(self.socket.FD, self._readable)
+        loop.add_reader(self._monitor.FD, self._disconnected)
         self._reading = loop
         try:
+            self._disconnected()  # (a read to empty arms its FD: ZMQ's signal is an edge)
             self._readable()  # what reached the socket before the reader
             while True:
                 await self._work.wait()
@@ -252,9 +319,44 @@ class Feed:
         if self.commit is not None and self.next_seq != applied:
             self._work.set()
 
+    def _disconnected(self) -> None:
+        """The SUB lost its connection: an engine that restarted, or one that sent a message
+        over `max_message_bytes` (a protocol error, after which libzmq never reconnects). Either
+        way the feed connects again, after reading what the socket queued (a `disconnect`
+        drops it): a new connection of a restarted engine replaces libzmq's own retry."""
+        while not self._closed:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._reconnect = True
+            self.stats.disconnects += 1
+        if self._reconnect:
+            self._readable()
+
+    def _maybe_reconnect(self) -> None:
+        self._reconnect = False
+        with contextlib.suppress(zmq.ZMQError):  # (already gone)
+            self.socket.disconnect(self.config.endpoint)
+        self.socket.connect(self.config.endpoint)
+
+    def _resume_later(self) -> None:
+        """A drain stopped at its budget: the FD signals only new batches, so the reader runs
+        again on the loop's next turn (once, however many drains stop meanwhile)."""
+        if self._reading is not None and self._resume is None:
+            self._resume = self._reading.call_soon(self._resumed)
+
+    def _resumed(self) -> None:
+        self._resume = None
+        self._readable()
+
     def _stop_reading(self) -> None:
+        if self._resume is not None:
+            self._resume.cancel()
+            self._resume = None
         if self._reading is not None:
             self._reading.remove_reader(self.socket.FD)
+            self._reading.remove_reader(self._monitor.FD)
             self._reading = None
 
     def drain(self) -> None:
@@ -264,15 +366,25 @@ class Feed:
         feed's reader. A batch whose seq calls for a replay is held for `run`; nothing is taken
         while its task awaits a replay or a commit (batches stay in order). Ends on a read that
         finds nothing (zmq.Again), which also clears the FD's signal (checking the EVENTS flag
-        before each read instead costs ~2 us more a batch in bursts, and no less paced)."""
+        before each read instead costs ~2 us more a batch in bursts, and no less paced), or
+        once `drain_budget_s` is spent (at least one frame read; the reader runs again on the
+        loop's next turn): a flood waits for requests, not requests for the flood."""
         if self._busy or self._closed:
             return
         socket = self.socket
+        deadline = time.perf_counter() + self.limits.drain_budget_s
+        read = False
         while self._held is None:
+            if read and time.perf_counter() > deadline:  # the rest on the loop's next turn
+                self._resume_later()
+                return
             try:
                 frames = socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                if self._reconnect:  # the queue is read: nothing of it is lost
+                    self._maybe_reconnect()
                 return
+            read = True
             if len(frames) != 3 or len(frames[1]) != 8:
                 self.stats.malformed += 1
                 continue
@@ -343,17 +455,41 @@ class Feed:
             log.warning("KV events from %s: batch %d skipped: %s", self.config.domain, seq, exc)
             return
         domain = self.config.domain
+        index = self.index
+        gpu_capacity = self.limits.capacity(self.config.replica)
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
                 self.stats.wipes += 1
                 self.wipe()
-            else:
-                self.index.apply(domain, event)
+                continue
+            index.apply(domain, event)
+            if isinstance(event, BlockStored) and self._over_capacity(gpu_capacity):
+                break
         now = self.clock()
         self.stats.batches += 1
         self.stats.unknown_events += batch.num_unknown
         self.stats.last_batch_s = now
         self.stats.lags_s.append(max(now - batch.ts, 0.0))
+
+    def _over_capacity(self, gpu_capacity: int | None) -> bool:
+        """Wipe the domain when it holds more than the engine can (`FeedLimits`): the rest of
+        the batch is not applied (its blocks would chain to wiped ones)."""
+        domain, index = self.config.domain, self.index
+        gpu = index.num_blocks(domain, GPU)
+        if gpu_capacity is None or gpu <= gpu_capacity:
+            total = gpu + index.num_blocks(domain, CPU) + index.num_blocks(domain, STORAGE)
+            if total <= self.limits.max_blocks:
+                return False
+        self.stats.over_capacity += 1
+        log.warning(
+            "KV events of %s: more blocks than the engine holds (capacity %s GPU, %d in all); "
+            "the domain is wiped",
+            domain,
+            gpu_capacity,
+            self.limits.max_blocks,
+        )
+        self.wipe()
+        return True
 
     def wipe(self) -> None:
         self.index.clear(self.config.domain)
@@ -367,14 +503,17 @@ class Feed:
         if self._dealer is None:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
             self._dealer.connect(self.config.replay_endpoint)
         dealer = self._dealer
         await dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        while True:
-            if not await dealer.poll(self.replay_timeout_s * 1000):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REPLAY_DEADLINE_FACTOR * self.replay_timeout_s
+        for _ in range(until - start + REPLAY_SLACK):
+            wait_s = min(self.replay_timeout_s, deadline - loop.time())
+            if wait_s <= 0 or not await dealer.poll(wait_s * 1000):
                 log.warning("KV events replay from %s timed out", self.config.replay_endpoint)
-                dealer.close(linger=0)  # an answer's rest must not be read as the next one's
-                self._dealer = None
+                self._drop_dealer()
                 return
             frames = await dealer.recv_multipart()
             if frames and frames[0] == b"":
@@ -392,10 +531,25 @@ class Feed:
                 continue
             self.stats.replayed_batches += 1
             self._apply(seq, frames[1])
+        self.stats.cut_replays += 1
+        log.warning(
+            "KV events replay from %s: more frames than %d batches; cut",
+            self.config.replay_endpoint,
+            until - start,
+        )
+        self._drop_dealer()
+
+    def _drop_dealer(self) -> None:
+        """An answer's rest must not be read as the next one's."""
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
 
     def close(self) -> None:
         self._closed = True
         self._stop_reading()  # before the socket (and its FD) goes
+        self.socket.disable_monitor()
+        self._monitor.close(linger=0)
         self.socket.close(linger=0)
         if self._dealer is not None:
             self._dealer.close(linger=0)
@@ -412,11 +566,13 @@ class EventIntake:
         replicas: Callable[[], Iterable[str]],
         *,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        limits: FeedLimits | None = None,
     ) -> None:
         self.config = config
         self.index = index
         self._replicas = replicas
         self._replay_timeout_s = replay_timeout_s
+        self.limits = limits if limits is not None else FeedLimits()
         self._ctx = zmq.asyncio.Context()
         self._feeds: dict[str, Feed] = {}
         """domain -> its feed"""
@@ -497,6 +653,7 @@ class EventIntake:
             replay_timeout_s=self._replay_timeout_s,
             next_seq=next_seq,
             commit=writer.commit if writer is not None else None,
+            limits=self.limits,
         )
         self._feeds[config.domain] = feed
         self._by_replica.setdefault(config.replica, []).append(feed)
@@ -623,7 +780,10 @@ class EventIntake:
                 return False
         except Exception:
             return False
-        blocks = self.writer.rewrite(domain)
+        try:
+            blocks = await self.writer.retake(domain)
+        except Exception:  # Redis away again: the next round retries
+            return False
         log.warning(
             "KV events of %s: the lease was gone; retaken, %d blocks written back", domain, blocks
         )

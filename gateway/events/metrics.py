@@ -25,6 +25,9 @@ FEED_COUNTERS = (
     "replayed_batches",
     "restarts",
     "wipes",
+    "over_capacity",
+    "cut_replays",
+    "disconnects",
 )
 
 
@@ -45,6 +48,15 @@ def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iter
     yield blocks
     if writer is not None:
         yield from _shared(precise, writer)
+    claims = CounterMetricFamily(
+        "kvgate_events_unplaced_claims",
+        "Requests for which a domain's KV events claimed more of the prompt's chain than this "
+        "gateway placed there (routed on the prediction for that replica; issue 45, item 9).",
+        labels=["domain"],
+    )
+    for domain, count in sorted(precise.placed.unplaced_claims.items()):
+        claims.add_metric([domain], count)
+    yield claims
     stats = index.stats
     speculative = CounterMetricFamily(
         "kvgate_events_speculative_entries",

@@ -45,6 +45,7 @@ from cachemap.keys import BlockHash, chain_hashes, token_bytes
 from cachemap.layouts import EngineLayouts
 from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE, identify
 from cachemap.redis.events import EventReader
+from gateway.events.claims import PlacedChains
 from gateway.events.intake import EventIntake
 from gateway.events.prompts import PromptTokens
 from gateway.settings import DEFAULT_CHECK_EVERY
@@ -231,6 +232,8 @@ class PreciseKeys:
     """LoRA adapter -> base model (`lora_adapters`): a request for one is keyed under it."""
     mm_tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE
     """Placeholder tokens per image, as the engines expand them (`mm_tokens_per_image`)."""
+    placed: PlacedChains = field(default_factory=PlacedChains)
+    """What this gateway placed on each domain: the measure of its events' claims (`view`)."""
 
     def __post_init__(self) -> None:
         self.chains = ChainCache(self.index.block_size)
@@ -287,13 +290,35 @@ class PreciseKeys:
             local = self.index.lookup(keys, self.clock())  # this gateway's speculative entries
             domains = {d for r in replicas for d in self._domains(r) if shared.live(d)}
             matches = {d: m for d in domains if (m := merged(found.get(d), local.get(d)))}
-            return self._view(matches, {r for r in replicas if domains & set(self._domains(r))})
+            live = {r for r in replicas if domains & set(self._domains(r))}
+            return self._view(matches, live - self._doubted(keys, matches))
         if self.intake is None:  # no events: the prediction alone
             return EventsView({}, {}, {}, frozenset())
         intake = self.intake
         intake.drain()  # what already reached the sockets (a wipe) comes first
         local = self.index.lookup(keys, self.clock())
-        return self._view(local, intake.live_among(replicas))
+        live = intake.live_among(replicas)
+        doubted = self._doubted(keys, local)
+        return self._view(local, live - doubted if doubted else live)
+
+    def _doubted(self, keys: list[BlockHash], matches: dict[str, Match]) -> set[str]:
+        """The replicas with a domain claiming more of the chain than this gateway placed
+        there, when it placed the chain on another domain that matched
+        (`gateway.events.claims`): routed on the prediction for this request. With no claim
+        confirmed anywhere (a chain another gateway or a direct client placed) the events
+        stand, as before."""
+        if len(matches) < 2:
+            return set()
+        placed = self.placed
+        confirmed = {d: placed.confirmed(d, keys, m.depth) for d, m in matches.items()}
+        if not any(confirmed.values()):
+            return set()
+        doubted: set[str] = set()
+        for domain, match in matches.items():
+            if confirmed[domain] < match.depth:
+                placed.doubt(domain, match.depth, confirmed[domain])
+                doubted.add(replica_of(domain))
+        return doubted
 
     def _domains(self, replica: str) -> list[str]:
         return [domain_of(replica, rank, self.dp_size) for rank in range(self.dp_size)]
@@ -348,6 +373,7 @@ class PreciseKeys:
         if self.intake is None:
             return
         domain = domain_of(replica, rank or 0, self.layouts.dp_size(replica, self.dp_size))
+        self.placed.place(domain, keys)
         self.stats.speculated += self.index.speculate(domain, keys, self.clock())
         found = keys.matches if isinstance(keys, LookedUp) else None
         if self.shared is not None and found is not None:  # for the other gateways' lookups

@@ -13,6 +13,18 @@ backwards call `on_restart`. A replica that reports no start time and comes back
 marked down is treated as restarted too: an engine we could not reach may have lost its KV
 cache, and a wrong prediction costs a request each to discover.
 
+Suspicion (issue 45, item 17): an engine can be SIGKILLed and back on its port, with an empty
+cache and a new start time, well within one health interval. Every sign that its connections
+ended — a refused or reset connection while forwarding, a pooled keep-alive connection the
+engine closed or reset (`suspect`, from `gateway.pipeline.upstream`), an answer whose cached
+tokens contradict the directory's prediction (from reconciliation) — makes the replica
+*suspect* at once: routing ignores its directory entries (`suspects`) until its identity is
+checked, and a check starts at once, re-probing every `SUSPECT_PROBE_S` while it is away. When
+it answers, its start marker is read and reported (a new one bumps its epoch, here and in
+Redis) before the suspicion is lifted; an engine that reports none is forgotten (its entries
+go). A replica marked down is suspect too, so one coming back is never routed on its past
+life's entries while its restart is being checked.
+
 Load signals (issue 9): the scrape also reads the engine's queue (`num_waiting`), which counts
 every gateway's requests. The router sees it beside this gateway's own pending prefills
 (`router.types.Replica.foreign_prefill_tokens`). Scrapes run every `metrics_interval_s`
@@ -40,7 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -72,6 +84,12 @@ STALE_AFTER_ROUNDS = 2
 """A follower counts a replica as covered by worker 0's view for this many of worker 0's send
 rounds (plus one probe timeout, a round's longest) past its last entry: one lost or late
 datagram does not make both workers probe, two rounds missing do."""
+SUSPECT_PROBE_S = 0.05
+"""A suspect replica that does not answer is probed again this often: an engine restarted on
+its port is checked within 50 ms of its /health answering (each failed probe costs a refused
+connect, microseconds)."""
+SUSPECT_CHECK_S = 30.0
+"""...for at most this long: a replica still away after that is left to the health interval."""
 DEFAULT_OUTPUT_TOKENS = 256.0
 """Output tokens assumed for a request without max_tokens until the engines' usage has taught
 the mean: a chat answer of a few paragraphs."""
@@ -159,6 +177,15 @@ class ReplicaState:
     """When `metrics` was read (monotonic): by this gateway, or by worker 0 for a follower."""
     covered_until_s: float = field(default=0.0, repr=False)
     """A follower: worker 0's view speaks for it until then (monotonic); 0: it never has."""
+    suspect: bool = False
+    """It may have restarted since its entries were written: routing ignores them until its
+    identity is checked (module docstring, "Suspicion")."""
+    suspect_s: float = field(default=0.0, repr=False)
+    """When it last became suspect (monotonic)."""
+    suspicions: int = 0
+    """Times it became suspect."""
+    checking: bool = field(default=False, repr=False)
+    """An identity check of it is running."""
 
     @property
     def id(self) -> str:
@@ -298,6 +325,9 @@ class ReplicaSet:
         self.view_lapses = 0
         """A follower: times worker 0's view went silent on some replica (it probed them)."""
         self.shared_load: SharedLoad | None = None
+        self.suspicions = 0
+        """Times a replica became suspect (each starts an identity check)."""
+        self._suspects: set[str] = set()
 
     def share_load(self, client: AnyRedis, round_s: float) -> None:
         """Publish this gateway's load to its peers on `client` and count theirs (from
@@ -325,6 +355,62 @@ class ReplicaSet:
     def any_healthy(self) -> bool:
         return any(s.healthy for s in self.states.values())
 
+    def suspects(self) -> Set[str]:
+        """The replicas whose directory entries routing must ignore now (read per request:
+        kept as a set, not found by a walk of the fleet)."""
+        return self._suspects
+
+    # -- suspicion (issue 45, item 17) -------------------------------------------------------
+    def suspect(self, replica_id: str, why: str) -> None:
+        """The replica may have restarted: ignore its entries from now until its identity is
+        checked, and check it at once."""
+        state = self.states.get(replica_id)
+        if state is None:
+            return
+        if not state.suspect:
+            log.warning("replica %s is suspect (%s): checking its identity", replica_id, why)
+            self.suspicions += 1
+            state.suspicions += 1
+        state.suspect = True
+        state.suspect_s = time.monotonic()
+        self._suspects.add(replica_id)
+        if self._session is not None and not state.checking:
+            state.checking = True
+            self._tasks.spawn(self._check(state), name=f"check {state.url}")
+
+    async def _check(self, state: ReplicaState) -> None:
+        """Probe a suspect replica until its identity is checked (`_probe` lifts the
+        suspicion), every `SUSPECT_PROBE_S`, for at most `SUSPECT_CHECK_S`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SUSPECT_CHECK_S
+        try:
+            while state.suspect and not state.removed and state.held_down is None:
+                await self._probe(state)
+                if not state.suspect or loop.time() >= deadline:
+                    return
+                await asyncio.sleep(SUSPECT_PROBE_S)
+        finally:
+            state.checking = False
+
+    async def _verify(self, state: ReplicaState) -> None:
+        """A suspect replica answered a probe (and the scrape that follows it): report its
+        start marker (a new one is a restart: its epoch moves) or, with none to read, forget
+        its entries; then route on its entries again."""
+        if not state.suspect:
+            return
+        since = state.suspect_s
+        if self._scrape_metrics and state.scraped_s < since and not await self._scrape(state):
+            return  # its /metrics did not answer: still suspect (the check probes again)
+        metrics = state.metrics
+        marker = metrics.start_marker if metrics is not None and state.scraped_s >= since else None
+        if marker is not None and self._on_start_marker is not None:
+            await self._on_start_marker(state.url, marker)
+        else:
+            await self._on_restart(state.url)
+        if state.suspect_s == since:  # not suspected again while we checked
+            state.suspect = False
+            self._suspects.discard(state.url)
+
     # -- membership (discovery) --------------------------------------------------------------
     def add(self, url: str, held_down: str | None = None) -> ReplicaState:
         """A replica joined: route to it once a probe has found it healthy (probed at once,
@@ -347,6 +433,7 @@ class ReplicaSet:
             return None
         state.healthy = False
         state.removed = True
+        self._suspects.discard(url)
         log.info("replica %s left", url)
         self._retired = {u: s for u, s in self._retired.items() if s.num_inflight > 0}
         if state.num_inflight > 0:
@@ -591,12 +678,16 @@ class ReplicaSet:
             before = state.metrics
             # scrape with every probe, or on coming up (a restart must be known before routing)
             if self._scrape_metrics and (
-                self._metrics_interval_s is None or not state.healthy or not state.probed
+                self._metrics_interval_s is None
+                or not state.healthy
+                or not state.probed
+                or state.suspect
             ):
                 await self._scrape(state)
             if not state.healthy:
                 await self._came_up(state)
             await self._maybe_restarted(state, before)
+            await self._verify(state)
             state.probed = True
         else:
             state.consecutive_failures += 1
@@ -604,14 +695,16 @@ class ReplicaSet:
                 self.mark_down(state.url, "failed health probes")
             state.probed = True
 
-    async def _scrape(self, state: ReplicaState) -> None:
+    async def _scrape(self, state: ReplicaState) -> bool:
+        """Read its /metrics; False when it did not answer at all (an answer that is not a
+        200 reads nothing, but is an answer)."""
         assert self._session is not None
         try:
             async with self._session.get(
                 state.url + SCRAPE_PATH, headers=SCRAPE_HEADERS, timeout=self._timeout
             ) as resp:
                 if resp.status != 200:
-                    return
+                    return True
                 peer = state.peer or NO_PEERS  # the known share of the queue it reports...
                 own_waiting = state.num_prefilling + peer.num_prefilling
                 own_running = state.num_inflight + peer.num_inflight  # ...and of its running
@@ -620,8 +713,12 @@ class ReplicaSet:
             state.heard_s = state.scraped_s = time.monotonic()
             state.own_waiting_at_scrape = own_waiting
             state.own_running_at_scrape = own_running
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        except ValueError as exc:
+            log.debug("metrics of %s unreadable: %s", state.url, exc)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.debug("metrics of %s unavailable: %s", state.url, exc)
+            return False
+        return True
 
     async def _maybe_restarted(self, state: ReplicaState, before: EngineMetrics | None) -> None:
         now = state.metrics
@@ -648,9 +745,13 @@ class ReplicaSet:
         return bool(state.models)
 
     def mark_down(self, replica_id: str, why: str) -> None:
+        """Route around the replica until a probe finds it up; it is suspect from now (it may
+        come back as a new engine: `suspect`)."""
         state = self.find(replica_id)
         if state is None:
             return  # removed meanwhile: nothing routes to it any more
+        if state.held_down is None and not state.removed:
+            self.suspect(replica_id, why)
         state.down_s = time.monotonic()
         if state.healthy:
             log.warning("replica %s marked down: %s", replica_id, why)

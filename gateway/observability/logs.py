@@ -1,22 +1,23 @@
 """The gateway's logs: one format for every logger (kvgate's and uvicorn's), plain or JSON
 (`log_format`), and the access log, one line per exchange.
 
-The access line names the request, tenant, model and replica, the status, the token counts and
-the timings; never a key, a prompt or an answer (it is the log an operator ships anywhere). An
+The access line names the request, tenant, model and replica, the status, the token counts,
+the timings and the route receipt (policy, reason, matched blocks, the runner-up and the
+scores); never a key, a prompt or an answer (it is the log an operator ships anywhere). An
 exchange logs its line when it ends (`AccessLog`); a request answered with an error status
 instead logs its method, path, status and duration (`log_refusal`)."""
 
 from __future__ import annotations
 
 import logging
-import secrets
 import sys
 import time
 from typing import Any
 
 import orjson
 
-from gateway.request.state import ExchangeRecord
+from gateway.request.receipt import receipt_fields
+from gateway.request.state import ExchangeRecord, Routed
 from gateway.request.usage import EngineUsage
 
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -61,7 +62,8 @@ def access_fields(record: ExchangeRecord, now_s: float) -> dict[str, Any]:
     usage: EngineUsage | None = record.usage
     body_id = record.body.get("id") if record.body else None
     return {
-        "request_id": body_id if isinstance(body_id, str) else "req_" + secrets.token_hex(8),
+        "request_id": record.request_id,
+        "response_id": body_id if isinstance(body_id, str) else None,
         "tenant": routed.tenant.name,
         "model": routed.parsed.model,
         "kind": routed.parsed.kind,
@@ -75,7 +77,18 @@ def access_fields(record: ExchangeRecord, now_s: float) -> dict[str, Any]:
         "ttft_ms": _ms(record.first_token_s - routed.opened_s) if record.first_token_s else None,
         "queue_ms": _ms(routed.queued_s),
         "duration_ms": _ms(now_s - routed.opened_s),
+        **_route(routed, record.replica),
     }
+
+
+def _route(routed: Routed, answered: str) -> dict[str, Any]:
+    """The route receipt's fields (gateway.request.receipt); `decided` only when a retry
+    answered elsewhere (`replica` is the one that answered)."""
+    fields = receipt_fields(routed, answered)
+    decided = fields.pop("replica")
+    if fields.pop("answered", None) is not None:
+        fields["decided"] = decided
+    return fields
 
 
 def _ms(seconds: float) -> float:

@@ -9,18 +9,25 @@ The director calls it for every request, whatever the front end (`Director._admi
 3. Size: the estimated prompt tokens must not exceed the tenant's `max_prompt_tokens` (400).
    A request hook that grows the prompt (billing expands an explicit cached content) has the
    size checked again on what it made, bytes (`max_prompt_bytes`) and tokens (`check_size`).
-4. Rate: requests/min and tokens/min (429 with Retry-After). The tokens charged are the
+4. In flight: at most the tenant's `max_inflight` requests at once in this process (else the
+   gateway's `tenant_max_inflight`), from here until their exchange ends (429
+   `too_many_requests_in_flight`), so one tenant holding many streams cannot take every
+   upstream slot from the others (`enter`).
+5. Rate: requests/min and tokens/min (429 with Retry-After). The tokens charged are the
    prompt estimate plus `max_tokens` when given; the usage the engine reports settles the
    difference (`gateway.pipeline.ratelimit.TokenSettlement`, an exchange observer), so the
    bucket ends up charged with what was really used.
 
-Checks 1-3 come before the replica checks (404/503), the rate limit after them, so a request
-that cannot be served never spends its tenant's budget.
+Checks 1-3 come before the replica checks (404/503), 4 and 5 after them, so a request that
+cannot be served never spends its tenant's budget (nor does one refused for its requests in
+flight).
 """
 
 from __future__ import annotations
 
-from gateway.errors import Forbidden, InvalidRequest, QuotaExceeded
+from collections.abc import Callable
+
+from gateway.errors import Forbidden, InvalidRequest, QuotaExceeded, TooManyInFlight
 from gateway.pipeline.ratelimit import Limits, RateLimiter
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import SCOPE_USER, Tenant
@@ -52,18 +59,25 @@ def output_budget(parsed: ParsedRequest) -> int:
 
 
 class Admission:
-    """Per-tenant admission: the checks, then the rate-limit charge."""
+    """Per-tenant admission: the checks, the count in flight, then the rate-limit charge.
+
+    `num_inflight` holds a tenant only while it has a request in flight (an entry per active
+    tenant, not per tenant ever seen)."""
 
     def __init__(
         self,
         registry: TenantRegistry | None,
         limiter: RateLimiter | None,
         max_prompt_bytes: int | None = None,
+        max_inflight: int | None = None,
     ) -> None:
         self.registry = registry
         self.limiter = limiter
         self.max_prompt_bytes = max_prompt_bytes
         """The front ends check the prompt they parsed; this is for what a hook expanded."""
+        self.max_inflight = max_inflight
+        """A tenant's requests in flight at once, unless its policy says (None: no bound)."""
+        self.num_inflight: dict[str, int] = {}
 
     def check(self, parsed: ParsedRequest, tenant: Tenant, prompt_tokens: int) -> Tenant:
         """Steps 1-3; returns the tenant as this request sees it (with its end user's salt)."""
@@ -110,8 +124,34 @@ class Admission:
             )
         self.check_tokens(tenant, prompt_tokens)
 
+    def enter(self, tenant: Tenant) -> Callable[[], None]:
+        """Step 4: count one more request in flight for the tenant, or refuse it (429 naming
+        the bound); the returned function ends it (once, however often called)."""
+        limit = tenant.policy.max_inflight or self.max_inflight
+        name = tenant.name
+        held = self.num_inflight.get(name, 0)
+        if limit is not None and held >= limit:
+            raise TooManyInFlight(
+                f"tenant '{name}' has {held} requests in flight, as many as it may "
+                f"(max_inflight {limit}); retry when one has finished"
+            )
+        self.num_inflight[name] = held + 1
+        left = False
+
+        def leave() -> None:
+            nonlocal left
+            if not left:
+                left = True
+                remaining = self.num_inflight[name] - 1
+                if remaining:
+                    self.num_inflight[name] = remaining
+                else:
+                    del self.num_inflight[name]
+
+        return leave
+
     async def acquire(self, parsed: ParsedRequest, tenant: Tenant, prompt_tokens: int) -> int:
-        """Step 4: charge the request to its tenant's buckets; returns the tokens charged."""
+        """Step 5: charge the request to its tenant's buckets; returns the tokens charged."""
         policy = tenant.policy
         limits = Limits(policy.requests_per_min, policy.tokens_per_min)
         if self.limiter is None or limits.unlimited:

@@ -15,7 +15,7 @@ import orjson
 
 from cachemap.keys import BlockHash
 from gateway.directory.routing import RoutingDirectory
-from gateway.errors import InvalidRequest, ModelNotFound, NoReplica, UpstreamError
+from gateway.errors import InvalidRequest, ModelNotFound, NoReplica, TooManyInFlight, UpstreamError
 from gateway.fleet.replicas import Lease, ReplicaSet, ReplicaState
 from gateway.observability.histograms import LOOKUP_BUCKETS_S, LabelledHistograms
 from gateway.pipeline.admission import Admission
@@ -64,6 +64,10 @@ def engine_streams(body: dict[str, Any]) -> bool:
 class DirectorStats:
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)
     retries: int = 0
+    inflight_refused: int = 0
+    """Requests refused (429) for their tenant's requests in flight (`Admission.enter`)."""
+    clients_cut: int = 0
+    """Streams cut because their client did not read within the drain deadline."""
     lookup_seconds: LabelledHistograms = field(
         default_factory=lambda: LabelledHistograms(LOOKUP_BUCKETS_S)
     )
@@ -127,7 +131,10 @@ class Director:
         rng: random.Random | None = None,
         frontiers: Frontiers | None = None,
         flow: FlowControl | None = None,
+        drain_timeout_s: float | None = None,
     ) -> None:
+        self.drain_timeout_s = drain_timeout_s
+        """How long a stream waits for its client to read before it is cut (`Exchange.drain`)."""
         self.keying = keying
         self.flow = flow
         """Fair flow control's queue between admission and routing (None: off)."""
@@ -180,7 +187,8 @@ class Director:
         trace = self.tracer.begin(parsed, tenant, trace_headers)
         ended = self.activity.begin()
         try:
-            candidates, tenant, parsed, charged = await self._admit(parsed, tenant)
+            candidates, tenant, parsed, charged, left = await self._admit(parsed, tenant)
+            ended = _both(ended, left)
             routed, flight = await self._route(
                 parsed,
                 tenant,
@@ -200,7 +208,14 @@ class Director:
             trace.failed(exc)
             raise
         if isinstance(opened, Exchange):
-            opened.on_closed = ended
+            exchange = opened
+
+            def closed() -> None:
+                if exchange.cut:
+                    self.stats.clients_cut += 1
+                ended()
+
+            opened.on_closed = closed
         else:
             ended()
         return opened
@@ -226,7 +241,8 @@ class Director:
         trace = self.tracer.begin(parsed, tenant, trace_headers)
         ended = self.activity.begin()
         try:
-            candidates, tenant, parsed, charged = await self._admit(parsed, tenant, only)
+            candidates, tenant, parsed, charged, left = await self._admit(parsed, tenant, only)
+            ended = _both(ended, left)
             routed, flight = await self._route(
                 parsed, tenant, candidates, trace, opened_s, charged, on_hold
             )
@@ -284,13 +300,13 @@ class Director:
     # -- 1. admit --------------------------------------------------------------------------
     async def _admit(
         self, parsed: ParsedRequest, tenant: Tenant, only: Collection[str] | None = None
-    ) -> tuple[list[ReplicaState], Tenant, ParsedRequest, int]:
+    ) -> tuple[list[ReplicaState], Tenant, ParsedRequest, int, Callable[[], None]]:
         """The replicas that may serve the request, the tenant as this request sees it (its
-        end user's salt in a `user` scope), the request as the hooks left it, and the tokens
-        charged to its rate limit. Order: the tenant's scope, model and size
-        (gateway.pipeline.admission), the request hooks (and the size of what they made), then
-        the fleet (404, 503), then the rate limit, so a request that cannot be served spends
-        no budget."""
+        end user's salt in a `user` scope), the request as the hooks left it, the tokens
+        charged to its rate limit, and the end of its count in flight. Order: the tenant's
+        scope, model and size (gateway.pipeline.admission), the request hooks (and the size of
+        what they made), then the fleet (404, 503), then the tenant's requests in flight, then
+        the rate limit, so a request that cannot be served spends no budget."""
         prompt_tokens = self.estimator.prompt_tokens(parsed, tenant=tenant.name)
         tenant = self.admission.check(parsed, tenant, prompt_tokens)
         rendered = parsed.rendered
@@ -312,8 +328,17 @@ class Director:
             candidates = [c for c in candidates if c.id in only and c.healthy]
             if not candidates:
                 raise NoReplica("no endpoint of the data plane's subset can serve this request")
-        charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
-        return candidates, tenant, parsed, charged
+        try:
+            left = self.admission.enter(tenant)
+        except TooManyInFlight:
+            self.stats.inflight_refused += 1
+            raise
+        try:
+            charged = await self.admission.acquire(parsed, tenant, prompt_tokens)
+        except BaseException:
+            left()
+            raise
+        return candidates, tenant, parsed, charged, left
 
     # -- 2. route --------------------------------------------------------------------------
     async def _route(
@@ -334,6 +359,10 @@ class Director:
         await, so the flow ticket's claim hands over to the lease without a gap."""
         keyed = await self.keying.key(parsed, tenant, [c.id for c in candidates], trace)
         lookup, hashes = keyed.lookup, keyed.hashes
+        suspects = self.replicas.suspects()
+        if suspects:  # they may have restarted: their entries count once their identity is known
+            lookup.overlap = {r: d for r, d in lookup.overlap.items() if r not in suspects}
+            lookup.last_use = {r: t for r, t in lookup.last_use.items() if r not in suspects}
         if self.keying.last_on_events:
             source = "events"
         elif self.directory.shared is not None and not lookup.degraded:
@@ -351,6 +380,8 @@ class Director:
             decode_token_weight=self.keys.decode_token_weight,
             offloaded=keyed.offloaded,
             offload_cost=self.keys.offload_cost,
+            home=keyed.home.replica if keyed.home is not None else None,
+            home_blocks=keyed.home.depth_blocks if keyed.home is not None else 0,
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
 
@@ -378,6 +409,8 @@ class Director:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
         if placed.new_k is not None and lookup.hot_key is not None:
             self.directory.set_k(lookup.hot_key, placed.new_k)
+        if placed.uncount and lookup.hot_key is not None:
+            self.directory.uncount(lookup.hot_key)
         decision = placed.decision
         self.keying.placed(keyed, decision.replica)
         conversation = None
@@ -521,7 +554,16 @@ class Director:
                 lease, opened, attempt = again
                 return lease, opened
 
-        return Exchange(self.recorder, routed, lease, trace, opened, reforward=reforward)
+        return Exchange(
+            self.recorder,
+            routed,
+            lease,
+            trace,
+            opened,
+            reforward=reforward,
+            drain_timeout_s=self.drain_timeout_s,
+            max_body_bytes=self.forwarder.max_body_bytes,
+        )
 
     async def _commit(
         self,
@@ -601,6 +643,16 @@ class Director:
             state = self.replicas.states.get(replica_id)
             if state is not None and replica_id not in tried:
                 yield state
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    """One end for two counts (each of which ends once, however often called)."""
+
+    def end() -> None:
+        first()
+        second()
+
+    return end
 
 
 def _headers(routed: Routed, replica: str, upstream: AttemptTrace) -> dict[str, str] | None:

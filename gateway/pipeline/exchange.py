@@ -17,6 +17,9 @@ How it ends (typed, so a front end renders it in its own shape and a faster rela
 - moved: a client that did not stream has seen nothing when the engine's stream breaks before
   its usage, so the exchange moves to the next replica (`reforward`, the director's walk)
   instead of failing.
+- cut: the client did not read what fills its socket buffer within `drain_timeout_s`
+  (`drain`): its connection and the engine's are dropped, as if it had left (`client_gone`),
+  and billing records what it would for a client that left (aborted, before the usage).
 
 The hooks are the record step of the pipeline (`gateway.pipeline.record.Recorder`), declared
 here as a protocol, so the exchange knows nothing of the director.
@@ -24,14 +27,16 @@ here as a protocol, so the exchange knows nothing of the director.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import orjson
 
-from gateway.errors import GatewayError, UpstreamError
+from gateway.errors import TOO_LARGE, GatewayError, UpstreamError, too_large
 from gateway.fleet.replicas import Lease
 from gateway.pipeline.assemble import Assembler
 from gateway.pipeline.forwarder import ClientOut, Complete, Streaming
@@ -40,6 +45,8 @@ from gateway.request.parsed import ParsedRequest
 from gateway.request.state import ExchangeRecord, Routed
 from gateway.request.trace import RequestTrace
 from gateway.request.usage import EngineUsage
+
+log = logging.getLogger(__name__)
 
 STREAM_BROKE = "the engine's stream ended before the answer was complete (an upstream failure)"
 STREAM_STALLED = "the engine sent nothing for {:g} s (an upstream failure)"
@@ -74,8 +81,16 @@ class Exchange:
         opened: Complete | Streaming | None = None,
         *,
         reforward: Reforward | None = None,
+        drain_timeout_s: float | None = None,
+        max_body_bytes: int | None = None,
     ) -> None:
         self.hooks = hooks
+        self.max_body_bytes = max_body_bytes
+        """The largest answer `complete` assembles (a 502 `upstream_too_large` past it)."""
+        self.drain_timeout_s = drain_timeout_s
+        """How long a write to the client may wait for it to read (None: as long as it takes)."""
+        self.cut = False
+        """The client was too slow to read: the stream was cut (`drain`)."""
         self.lease = lease
         lease.state.heard_s = time.monotonic()  # it answered: no health probe needed now
         self.trace = trace
@@ -154,7 +169,12 @@ class Exchange:
             return
         reader = stream.reader
         events = stream.first_batch
+        size = 0
         while True:
+            size += sum(len(e) for e in events)
+            if self.max_body_bytes is not None and size > self.max_body_bytes:
+                self._fail(too_large(self.max_body_bytes))
+                return
             for event in events:
                 chunk = await self._answer_chunk(event)
                 if chunk is _ENDED:
@@ -185,6 +205,7 @@ class Exchange:
         if (
             self._reforward is None
             or not isinstance(self.failure, UpstreamError)
+            or self.failure.code == TOO_LARGE  # the request's doing: as large elsewhere
             or self.record.usage is not None
             or self.client_gone
         ):
@@ -249,7 +270,7 @@ class Exchange:
             reader = stream.reader
             while True:
                 if out.paused:
-                    await out.drain()
+                    await self.drain(out)
                 await reader.splice(out)
                 block = await reader.block()
                 if not block:
@@ -259,14 +280,41 @@ class Exchange:
                     if not block:
                         continue
                 if out.paused:
-                    await out.drain()
+                    await self.drain(out)
                 out.write(block)
+        except ClientTooSlow:
+            pass  # cut: `drain` has dropped both connections
         except _UPSTREAM_ERRORS as exc:
             self._broke(stream, exc)
         except GatewayError as exc:
             self._fail(exc)
         finally:
             await self.finish()
+
+    async def drain(self, out: ClientOut) -> None:
+        """Wait for the client to read (`out.drain()`), at most `drain_timeout_s`; past it the
+        client is cut (`cut_slow_client`, then `out.cut()`) and `ClientTooSlow` raised."""
+        if self.drain_timeout_s is None:
+            await out.drain()
+            return
+        try:
+            async with asyncio.timeout(self.drain_timeout_s):
+                await out.drain()
+        except TimeoutError:
+            self.cut_slow_client()
+            out.cut()
+            raise ClientTooSlow from None
+
+    def cut_slow_client(self) -> None:
+        """The client read nothing for `drain_timeout_s`: end the exchange as if it had left
+        (the engine's connection dropped, so the engine aborts the request)."""
+        self.cut = True
+        log.warning(
+            "a stream of tenant %s: its client did not read for %g s; cut",
+            self.routed.tenant.name,
+            self.drain_timeout_s,
+        )
+        self.abort()
 
     async def _opening(self, stream: Streaming, include_usage: bool) -> bytes:
         """The first batch to send, after the first-token hook: before the client holds a
@@ -409,6 +457,10 @@ class Exchange:
         finally:
             if self.on_closed is not None:
                 self.on_closed()
+
+
+class ClientTooSlow(Exception):
+    """The client did not read within the drain deadline: its stream was cut."""
 
 
 _ENDED: dict[str, Any] = {}

@@ -26,6 +26,7 @@ import itertools
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -112,6 +113,9 @@ class HoldStats:
     hold_seconds: list[float] = field(default_factory=list)
 
 
+MAX_JOINED_FLIGHTS = 4096
+"""Flights whose siblings are remembered as joined (one arrival each for a prefix's rate): far
+more than are ever in flight at once, so a flight is forgotten only long after it landed."""
 LANDED_TTL_S = 2.0
 """How long a landed marker stays: long enough for a sibling that looked up just before the
 landing to read it when it rechecks; short, because a replica may restart after it."""
@@ -147,6 +151,7 @@ class Flights:
         self.gateway_id = os.urandom(4).hex()
         self.stats = HoldStats()
         self._confirming: set[asyncio.Task[None]] = set()
+        self._joined: OrderedDict[str, None] = OrderedDict()
         self._histogram = Histogram(
             "kvgate_fanout_hold_seconds",
             "How long siblings waited for their leader's write.",
@@ -165,6 +170,24 @@ class Flights:
             found, shared = flight, i + 1
         return (found, shared) if found is not None else None
 
+    def writing(self, block: BlockHash) -> Flight | None:
+        """The live flight of this gateway writing `block`, if any."""
+        return self._writing.get(block)
+
+    def key(self, flight: Flight) -> str:
+        """A flight's name across gateways (its marker's key)."""
+        return f"{self.gateway_id}:{flight.id}"
+
+    def join(self, key: str) -> bool:
+        """A sibling joined the flight named `key`: True for its first sibling only (the
+        siblings of one flight are one arrival for their prefix's rate)."""
+        if key in self._joined:
+            return False
+        self._joined[key] = None
+        while len(self._joined) > MAX_JOINED_FLIGHTS:
+            self._joined.popitem(last=False)
+        return True
+
     async def lead(
         self, replica: str, blocks: Sequence[BlockHash], expected_s: float, ttl_s: float
     ) -> Flight:
@@ -176,7 +199,7 @@ class Flights:
         if self.shared is not None:
             # set before the call: a call cancelled (or timed out) on its way may have set the
             # marker all the same, and only the leader's landing clears it before its ttl
-            flight.marker = Marker(PENDING, f"{self.gateway_id}:{flight.id}", replica, expected_s)
+            flight.marker = Marker(PENDING, self.key(flight), replica, expected_s)
             try:
                 if not await self.shared.lead(blocks, flight.marker.format(), ttl_s):
                     flight.marker = None  # not sent: nothing to land

@@ -25,7 +25,22 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from gateway.pipeline.upstream import UpstreamBroke, UpstreamConnection, UpstreamPool
+from gateway.errors import too_large
+from gateway.pipeline.upstream import (
+    BodyTooLarge,
+    HeadersTooLarge,
+    UpstreamBroke,
+    UpstreamConnection,
+    UpstreamPool,
+)
+from gateway.settings import DEFAULT_UPSTREAM_MAX_BODY_BYTES
+
+ERROR_TEXT_BYTES = 200
+"""What of a 5xx's body is read, for the log; the rest is never read (the connection closes)."""
+
+
+class EventTooLarge(UpstreamBroke):
+    """An SSE event longer than the reader holds back (`EventReader.max_event_bytes`)."""
 
 
 class RetryableFailure(Exception):
@@ -60,7 +75,7 @@ class Closable(Protocol):
 class ClientOut(Protocol):
     """The client's side of a spliced relay: bytes written straight to its connection (framed
     by the front end), `paused` while the client's socket buffer is over its high-water mark,
-    `drain()` until it is not."""
+    `drain()` until it is not, `cut()` to drop the connection (a client too slow to read)."""
 
     @property
     def paused(self) -> bool: ...
@@ -68,6 +83,8 @@ class ClientOut(Protocol):
     def write(self, data: bytes) -> None: ...
 
     async def drain(self) -> None: ...
+
+    def cut(self) -> None: ...
 
 
 class StallWatch:
@@ -185,11 +202,19 @@ class EventReader:
     Engines end lines with \\n (vLLM, SGLang); a \\r\\n stream is normalised. `watch` hears of
     every read."""
 
-    __slots__ = ("content", "held", "out", "tail", "watch")
+    __slots__ = ("content", "held", "max_event_bytes", "out", "tail", "watch")
 
-    def __init__(self, content: UpstreamConnection, watch: StallWatch | None = None) -> None:
+    def __init__(
+        self,
+        content: UpstreamConnection,
+        watch: StallWatch | None = None,
+        max_event_bytes: int = DEFAULT_UPSTREAM_MAX_BODY_BYTES,
+    ) -> None:
         self.content = content
         self.watch = watch
+        self.max_event_bytes = max_event_bytes
+        """The longest event held back whole (`EventTooLarge` past it: an engine that never
+        ends its event would grow the tail for ever)."""
         self.tail = b""
         self.held = b""
         self.out: ClientOut | None = None
@@ -218,10 +243,16 @@ class EventReader:
             return data
         cut = data.rfind(b"\n\n") + 2
         if cut < 2:
-            self.tail = data
+            self._hold(data)
             return b""
-        data, self.tail = data[:cut], data[cut:]
+        data, tail = data[:cut], data[cut:]
+        self._hold(tail)
         return data
+
+    def _hold(self, tail: bytes) -> None:
+        if len(tail) > self.max_event_bytes:
+            raise EventTooLarge(f"the engine sent an event over {self.max_event_bytes} bytes")
+        self.tail = tail
 
     def _last(self) -> bytes:
         """The stream's unterminated last event, if any (without its separator)."""
@@ -230,7 +261,8 @@ class EventReader:
 
     async def batches(self) -> AsyncGenerator[list[bytes], None]:
         while data := await self._read():
-            *events, self.tail = data.split(b"\n\n")
+            *events, tail = data.split(b"\n\n")
+            self._hold(tail)
             events = [e for e in events if e]
             if events:
                 yield events
@@ -266,8 +298,8 @@ class EventReader:
         out = self.out
         assert out is not None
         data = self._arrived(data)
-        if b'"usage"' in data or out.paused:
-            self.held = data
+        if b'"usage"' in data or out.paused or len(data) > self.max_event_bytes:
+            self.held = data  # the slow path: it may await, or raise (`_whole`)
             self.content.end_splice()
             return
         if whole := self._whole(data):
@@ -316,11 +348,19 @@ class Forwarder:
     `first_byte_timeout_s` bounds an attempt up to its commit (the engine's first event, or
     its whole answer when it does not stream); `idle_timeout_s` bounds each silence after it."""
 
-    def __init__(self, first_byte_timeout_s: float, idle_timeout_s: float) -> None:
+    def __init__(
+        self,
+        first_byte_timeout_s: float,
+        idle_timeout_s: float,
+        max_body_bytes: int = DEFAULT_UPSTREAM_MAX_BODY_BYTES,
+    ) -> None:
         self.session: aiohttp.ClientSession | None = None
         self.pool: UpstreamPool | None = None
         self.first_byte_timeout_s = first_byte_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.max_body_bytes = max_body_bytes
+        """A body read whole (a 4xx, a non-streamed answer) over it is a 502, not retried: the
+        answer's size is the request's doing, not the replica's."""
 
     async def attempt(
         self, url: str, payload: bytes, stream: bool, headers: Mapping[str, str] | None = None
@@ -349,24 +389,26 @@ class Forwarder:
         assert self.pool is not None, "the lifespan binds the pool"
         try:
             response = await self.pool.post(url, payload, headers)
+        except HeadersTooLarge as exc:  # it answered, badly: try another, it is not down
+            raise RetryableFailure(str(exc)) from None
         except OSError as exc:
             raise RetryableFailure(f"{type(exc).__name__}: {exc}", connection=True) from None
         committed = False
         try:
             if response.status >= 500:
-                text = (await response.read())[:200].decode(errors="replace")
+                text = (await response.read_head(ERROR_TEXT_BYTES)).decode(errors="replace")
                 raise RetryableFailure(f"engine answered {response.status}: {text}")
             if response.status >= 400:
-                return Passthrough(response.status, await response.read())
+                return Passthrough(response.status, await response.read(self.max_body_bytes))
             if not stream or _is_json(response):  # asked not to stream, or would not
                 try:
-                    body = orjson.loads(await response.read())
+                    body = orjson.loads(await response.read(self.max_body_bytes))
                 except orjson.JSONDecodeError:
                     raise RetryableFailure("engine sent malformed JSON") from None
                 if not isinstance(body, dict):
                     raise RetryableFailure("engine sent a non-object JSON body")
                 return Complete(body)
-            reader = EventReader(response, watch)
+            reader = EventReader(response, watch, self.max_body_bytes)
             batches = reader.batches()
             async for first in batches:
                 if any(event.startswith(b"data:") for event in first):
@@ -374,6 +416,8 @@ class Forwarder:
                     watch.start(response)
                     return Streaming(response, first, batches, reader, watch)
             raise RetryableFailure("engine closed the stream before its first event")
+        except BodyTooLarge as exc:
+            raise too_large(exc.limit) from None
         except UpstreamBroke as exc:
             raise RetryableFailure(f"{type(exc).__name__}: {exc}") from None
         finally:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
+from cachemap.affinity import ConversationAffinity, Home
 from cachemap.chat_template import ChatTemplateError
 from cachemap.events import DEFAULT_OFFLOAD_COST, domain_of, precise_root
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash, token_bytes
@@ -73,6 +74,8 @@ class Keyed:
     ranks: dict[str, int] = field(default_factory=dict)
     unpredicted: frozenset[str] = frozenset()
     """Replicas routed on their KV events whose prediction is never read (`Routed`)."""
+    home: Home | None = None
+    """Where this request's conversation went last (`cachemap.affinity`; None: new, or off)."""
 
 
 def engine_body(parsed: ParsedRequest) -> dict[str, object]:
@@ -98,6 +101,7 @@ class Keying:
         precise: PreciseKeys | None = None,
         check: TokenizerCheck | None = None,
         session: Callable[[], aiohttp.ClientSession | None] = lambda: None,
+        affinity: ConversationAffinity | None = None,
     ) -> None:
         self.keys = keys
         self.directory = directory
@@ -105,6 +109,7 @@ class Keying:
         self.precise = precise
         self.check = check
         self._session = session
+        self.affinity = affinity
         self._tasks = BackgroundTasks("keying")
         self.last_lookup_s = 0.0
         self.last_on_events = False
@@ -117,8 +122,19 @@ class Keying:
         self, parsed: ParsedRequest, tenant: Tenant, candidates: Sequence[str], trace: RequestTrace
     ) -> Keyed:
         if self.precise is None:
-            return await self._approximate(parsed, tenant, trace)
-        return await self._precise(self.precise, parsed, tenant, candidates, trace)
+            keyed = await self._approximate(parsed, tenant, trace)
+        else:
+            keyed = await self._precise(self.precise, parsed, tenant, candidates, trace)
+        if self.affinity is not None:
+            keyed.home = await self._home(self.affinity, keyed.hashes)
+        return keyed
+
+    async def _home(self, affinity: ConversationAffinity, hashes: list[BlockHash]) -> Home | None:
+        """The conversation's home: Redis's when it answers with one (every gateway's latest
+        placement), else this gateway's own table (Redis away, or it lost the entry)."""
+        local = affinity.lookup(hashes)
+        answered, shared = await self.directory.home(hashes)
+        return shared if answered and shared is not None else local
 
     async def _lookup(self, hashes: Sequence[BlockHash], trace: RequestTrace) -> Lookup:
         started_ns, started = time.time_ns(), time.perf_counter_ns()
@@ -297,6 +313,10 @@ class Keying:
                 del self.wiping[replica]
 
     def placed(self, keyed: Keyed, replica: str) -> None:
-        """The request was placed on `replica`: precise mode's speculative entry."""
+        """The request was placed on `replica`: its conversation's home, and precise mode's
+        speculative entry."""
+        if self.affinity is not None:
+            self.affinity.record(keyed.hashes, replica, keyed.home)
+            self.directory.record_home(keyed.hashes, replica, keyed.home, self.affinity.ttl_s)
         if self.precise is not None:
             self.precise.speculate(replica, keyed.ranks.get(replica), keyed.hashes)

@@ -4,7 +4,10 @@
    request's uncached prefix, wait for it to land (bounded), then count its replica as
    holding that prefix.
 2. Hot prefixes (`router.overflow`): if the prefix this request matched is requested faster
-   than its holders can prefill, let k replicas count as holding it.
+   than its holders can prefill, let k replicas count as holding it. A sibling of a flight
+   (it held for a leader that landed, or it matched a prefix a leader is writing) is not a new
+   arrival: the siblings of one flight count once for the rate, and a sibling widens the
+   prefix only when its holder lacks room (issue 45, item 16).
 3. The policy ranks the replicas.
 4. A request that will write a long uncached prefix becomes a leader its siblings can find.
 """
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 from cachemap.keys import BlockHash
 from gateway.directory.routing import Lookup
 from gateway.pipeline.flights import OK, PENDING, Flight, Flights, Marker
-from router.fanout import DEFAULT_HOLD_FACTOR, with_leader, worth_holding
+from router.fanout import DEFAULT_HOLD_FACTOR, holders_have_room, with_leader, worth_holding
 from router.filters import LoadBoundFilter
 from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
@@ -31,6 +34,8 @@ class OverflowStats:
     widenings: int = 0
     shrinks: int = 0
     spread_requests: int = 0
+    sibling_holds: int = 0
+    """Siblings of a flight kept on its holder, which had room, whatever their prefix's rate."""
 
 
 @dataclass
@@ -43,6 +48,9 @@ class Placed:
     flight: Flight | None
     new_k: int | None = None
     """Set when the prefix's k changed: the caller stores it with the prefix's rate."""
+    uncount: bool = False
+    """The lookup counted this request for its prefix's rate, but it is a later sibling of a
+    flight that already counted once: the caller takes the count back."""
 
 
 class Placement:
@@ -80,17 +88,32 @@ class Placement:
         extends Envoy's message timeout with it)."""
         depth = max(route.overlap.values(), default=0)
         replicas = snapshot()
+        joined: str | None = None  # the flight this request is a sibling of
         # 1. fan-out
         if self.flights is not None:
-            waited, landed = await self._maybe_hold(route, replicas, hashes, lookup, depth, on_hold)
+            waited, landed, joined = await self._maybe_hold(
+                route, replicas, hashes, lookup, depth, on_hold
+            )
             if landed is not None:
                 replica, shared = landed
                 route = with_leader(route, replica, shared)
                 depth = max(depth, shared)
+            else:
+                joined = None
             if waited:
                 replicas = snapshot()  # a wait of up to seconds: the fleet may have moved on
+            if joined is None and depth > 0:
+                joined = self._writing(route, hashes, depth)
         # 2. hot prefixes, 3. the policy (`router.plan`, the simulator's step too)
         hot = lookup.hot
+        uncount = False
+        if joined is not None and hot is not None and self.flights is not None:
+            # one arrival per flight, and a burst of siblings widens nothing while their
+            # holder has room (its measured load, decode included)
+            uncount = not self.flights.join(joined)
+            if holders_have_room(route, replicas, depth, self.bound):
+                self.stats.sibling_holds += 1
+                hot = None
         planned = plan(
             policy,
             route,
@@ -124,7 +147,7 @@ class Placement:
                 flight = await self.flights.lead(
                     decision.replica, hashes[matched:], expected_s, ttl
                 )
-        return Placed(decision, route, flight, new_k)
+        return Placed(decision, route, flight, new_k, uncount)
 
     async def _maybe_hold(
         self,
@@ -134,33 +157,33 @@ class Placement:
         lookup: Lookup,
         depth: int,
         on_hold: Callable[[float], Awaitable[None]] | None = None,
-    ) -> tuple[bool, tuple[str, int] | None]:
+    ) -> tuple[bool, tuple[str, int] | None, str | None]:
         """Wait for a leader writing this request's uncached prefix, if that is worth it: a
         leader of this gateway first, else one another gateway announced through Redis.
-        Returns whether it waited, and (the replica that now holds the prefix, its depth) when
-        a leader landed."""
+        Returns whether it waited, (the replica that now holds the prefix, its depth) when
+        a leader landed, and the name of the flight it waited for."""
         flights = self.flights
         assert flights is not None
         found = flights.find(hashes, depth)
         if found is not None:
             leader, shared = found
             if not self._worth(route, replicas, leader.replica, depth, shared):
-                return False, None
+                return False, None, None
             timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * leader.expected_s)
             if on_hold is not None:
                 await on_hold(max(timeout, 0.001))
             ok = await flights.wait(leader, max(timeout, 0.001))
-            return True, ((leader.replica, shared) if ok else None)
+            return True, ((leader.replica, shared) if ok else None), flights.key(leader)
         text, shared = lookup.writer, lookup.writer_depth
         marker = Marker.parse(text) if text is not None else None
         if marker is None or shared <= depth:
-            return False, None
+            return False, None, None
         # a marker that says the leader already landed is not trusted here: the directory holds
         # (or within a flush holds) its record, and a replica may have restarted since
         if marker.state != PENDING or not self._worth(
             route, replicas, marker.replica, depth, shared
         ):
-            return False, None
+            return False, None, None
         expected_s = marker.expected_s if marker.expected_s is not None else self.max_hold_s
         timeout = min(self.max_hold_s, DEFAULT_HOLD_FACTOR * expected_s)
         shared_markers = flights.shared
@@ -172,8 +195,19 @@ class Placement:
             marker.key, max(timeout, 0.001), lambda: shared_markers.read_marker(block)
         )
         if landed is None or landed.state != OK:
-            return True, None
-        return True, (landed.replica, shared)
+            return True, None, None
+        return True, (landed.replica, shared), marker.key
+
+    def _writing(self, route: RouteRequest, hashes: Sequence[BlockHash], depth: int) -> str | None:
+        """The flight of this gateway still writing the prefix this request matched on the
+        flight's replica (precise mode's speculative entry matches it before it lands): the
+        request is one of its siblings."""
+        flights = self.flights
+        assert flights is not None
+        flight = flights.writing(hashes[depth - 1]) if depth <= len(hashes) else None
+        if flight is None or route.overlap.get(flight.replica, 0) < depth:
+            return None
+        return flights.key(flight)
 
     def _worth(
         self, route: RouteRequest, replicas: Sequence[Replica], leader: str, depth: int, shared: int

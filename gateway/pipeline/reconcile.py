@@ -10,10 +10,16 @@ prompt again (it was recorded at its first token), so dropping its blocks would 
 the miss proves is that the engine evicted an entry last used at time t — and an LRU engine
 evicts everything older first. So every entry of that replica last used at or before t (the
 deepest matched block's last use, which the lookup returned) is expired, in one O(1) step.
+
+An answer that read nothing at all where a match was predicted may also be an engine restarted
+since (issue 45, item 17): the replica becomes suspect at once (`on_contradicted`): routing
+ignores its entries until its start marker is checked, so the requests routed after this answer
+are not misled too; an unchanged marker (an eviction) gives the entries back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -34,6 +40,8 @@ class ReconcileStats:
     overestimates: int = 0
     underestimates: int = 0
     expiries: int = 0
+    contradictions: int = 0
+    """Answers that read nothing from a predicted match (the replica became suspect)."""
 
 
 class Reconciler:
@@ -52,6 +60,9 @@ class Reconciler:
         self.block_tokens = block_tokens
         """Precise mode: blocks are this many tokens exactly (no bytes-to-tokens guess)."""
         self.stats = ReconcileStats()
+        self.on_contradicted: Callable[[str, str], None] | None = None
+        """Called with (replica, why) when an answer read nothing from the cache where the
+        directory predicted a match: the engine may have restarted (`ReplicaSet.suspect`)."""
         self._error = Histogram(
             "kvgate_prediction_error_ratio",
             "(predicted - engine-reported cached tokens) / prompt tokens, per response.",
@@ -95,6 +106,11 @@ class Reconciler:
         self._error.observe((predicted - engine_cached) / prompt_tokens)
         if engine_cached + SLACK_TOKENS < predicted:
             stats.overestimates += 1
+            if engine_cached == 0 and self.on_contradicted is not None:
+                stats.contradictions += 1
+                self.on_contradicted(
+                    replica, f"it read no cached token where {predicted:.0f} were predicted"
+                )
             last_use = routed.last_use.get(replica)
             if last_use is not None:
                 stats.expiries += 1

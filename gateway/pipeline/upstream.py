@@ -17,13 +17,22 @@ Invariants:
   (`pause_reading`) until a reader takes them, so a slow consumer backs the engine up through
   TCP instead of growing the gateway's memory; a sink is bounded by its own consumer;
 - a failure before the response's headers is a `ConnectionError` (the caller may try another
-  replica); after them, reads raise `UpstreamBroke`.
+  replica); after them, reads raise `UpstreamBroke`;
+- a response head is at most `max_header_bytes` (else a `HeadersTooLarge` before the
+  headers), and `read(limit)` takes a whole body only up to its limit (`BodyTooLarge`);
+- a response is parsed by a parser of its own (one per request), and the engine's bytes count
+  only while a request is in flight and its response has not ended: a byte that arrives on an
+  idle connection, or after the response's end, closes the connection (never reused), and an
+  idle connection whose socket is readable (unread bytes, or the engine's FIN) is not taken
+  from the pool. Else a stray response, whose length could swallow the next real answer, would
+  be read as the answer to the next request on the connection, another tenant's perhaps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import select
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +40,8 @@ from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+
+from gateway.settings import DEFAULT_UPSTREAM_MAX_HEADER_BYTES
 
 KEEPALIVE_S = 4.0
 """How long an idle connection is reused: under uvicorn's default keep-alive of 5 s (vLLM's and
@@ -43,6 +54,22 @@ Sink = Callable[[bytes], None]
 
 class UpstreamBroke(Exception):
     """The engine's connection ended, or sent bytes that are not HTTP, mid-response."""
+
+
+class HeadersTooLarge(ConnectionError):
+    """The engine's response head passed the pool's `max_header_bytes` (nothing was relayed)."""
+
+
+class BodyTooLarge(UpstreamBroke):
+    """A body read whole (`read(limit)`) passed its limit."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the engine's answer is larger than {limit} bytes")
+        self.limit = limit
+
+
+class _Stray(Exception):
+    """A second response began on a request's connection: bytes the request never asked for."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -71,10 +98,13 @@ class UpstreamConnection(asyncio.Protocol):
         self._key = key
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser = httptools.HttpResponseParser(self)  # a new one per request: `send`
+        self._poll: select.poll | None = None
         self.num_requests = 0
         self.idle_since_s = 0.0
         self.lost = False
+        self.in_flight = False
+        """A request was written and its connection not yet released or closed."""
         self._reset()
 
     def _reset(self) -> None:
@@ -84,6 +114,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._keep_alive = True
         self._framed = False  # a content-length or chunked body (else it ends at EOF)
         self._headers_done: asyncio.Future[None] | None = None
+        self._head_bytes = 0
+        self._began = False
         self._bytes_seen = False
         self._pieces: list[bytes] = []
         self._buffer: list[bytes] = []
@@ -99,16 +131,32 @@ class UpstreamConnection(asyncio.Protocol):
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # poll, not select: a busy gateway's descriptors pass 1024
+            self._poll = select.poll()
+            self._poll.register(sock.fileno(), select.POLLIN)
         self._pool.opened(self)
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_flight or self._complete:
+            self._stray()  # nobody asked for these bytes: the connection is done
+            return
         self._bytes_seen = True
         try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._failed(UpstreamBroke(f"the engine sent malformed HTTP: {exc}"))
+            if self.status:
+                self._parser.feed_data(data)
+            else:
+                self._feed_head(data)
+        except HeadersTooLarge as exc:
+            self._failed(UpstreamBroke(str(exc)), exc)
             self._close_transport()
             return
+        except httptools.HttpParserError as exc:  # a callback's error is one too
+            if not isinstance(exc.__context__, _Stray):
+                self._failed(UpstreamBroke(f"the engine sent malformed HTTP: {exc}"))
+                self._close_transport()
+                return
+            self._stray()  # after this response's end: what came before it stands
         if self._pieces:
             pieces = self._pieces
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -142,7 +190,26 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake()
         self.end_splice()
 
+    def _feed_head(self, data: bytes) -> None:
+        """Feed bytes while the head is still coming, never more than `max_header_bytes` of it
+        (llhttp has no limit of its own)."""
+        limit = self._pool.max_header_bytes
+        room = limit - self._head_bytes
+        self._head_bytes += len(data)
+        if len(data) <= room:
+            self._parser.feed_data(data)
+            return
+        self._parser.feed_data(data[:room])
+        if not self.status:
+            raise HeadersTooLarge(f"the engine sent a response head over {limit} bytes")
+        self._parser.feed_data(data[room:])
+
     # -- httptools callbacks -----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._began:
+            raise _Stray  # stops the parser before any byte of it is taken
+        self._began = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         if name == b"content-type":
@@ -171,12 +238,12 @@ class UpstreamConnection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException, before_headers: ConnectionError | None = None) -> None:
         if self._error is None:
             self._error = exc
         waiter = self._headers_done
         if waiter is not None and not waiter.done():
-            waiter.set_exception(ConnectionError(str(exc)))
+            waiter.set_exception(before_headers or ConnectionError(str(exc)))
         self._wake()
         self.end_splice()
 
@@ -184,12 +251,28 @@ class UpstreamConnection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
+    def _stray(self) -> None:
+        """Bytes no request asked for: the connection is closed, never reused."""
+        self._keep_alive = False
+        if self.transport is not None and not self.transport.is_closing():
+            self._pool.num_strays += 1
+        self._close_transport()
+
+    def readable(self) -> bool:
+        """Bytes (or the engine's FIN) wait unread in the socket: an idle connection that is
+        readable is not reused (`UpstreamPool._connection`)."""
+        if self._poll is None:
+            return False  # not a socket the loop exposes: data_received still guards it
+        return bool(self._poll.poll(0))  # ~1.5 µs
+
     # -- the request -------------------------------------------------------------------------
     async def send(self, head: bytes, payload: bytes) -> None:
         """Write one request and wait for its response's headers (`ConnectionError` if the
         connection ends before them)."""
         assert self.transport is not None
         self.num_requests += 1
+        self.in_flight = True
+        self._parser = httptools.HttpResponseParser(self)
         self._headers_done = self._loop.create_future()
         self.transport.write(head + payload if len(payload) < 16384 else head)
         if len(payload) >= 16384:
@@ -221,12 +304,27 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
-    async def read(self) -> bytes:
-        """The rest of the body, whole."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The rest of the body, whole; past `limit` bytes, `BodyTooLarge` (the caller then
+        releases the connection: closed unless the whole response had arrived)."""
         parts = []
+        size = 0
         while data := await self.readany():
+            size += len(data)
+            if limit is not None and size > limit:
+                raise BodyTooLarge(limit)
             parts.append(data)
         return b"".join(parts)
+
+    async def read_head(self, size: int) -> bytes:
+        """The body's first `size` bytes at most (an error's text for the log); the rest is
+        never read (the connection is then closed at its release, not drained)."""
+        parts = []
+        got = 0
+        while got < size and (data := await self.readany()):
+            parts.append(data)
+            got += len(data)
+        return b"".join(parts)[:size]
 
     async def splice(self, sink: Sink) -> None:
         """Hand every body read to `sink` as it arrives, in `data_received`, until the sink
@@ -264,11 +362,13 @@ class UpstreamConnection(asyncio.Protocol):
     def close(self) -> None:
         """Drop the connection (an engine aborts the request it was answering)."""
         self._keep_alive = False
+        self.in_flight = False
         self._close_transport()
         self._pool.done(self, reuse=False)
 
     def release(self) -> None:
         """The response is over: back to the pool if it ended whole, else closed."""
+        self.in_flight = False
         reuse = self._complete and self._error is None and self._keep_alive and not self.lost
         if not reuse:
             self._close_transport()
@@ -282,14 +382,26 @@ class UpstreamPool:
     connection that ends before any byte of its response (the engine closed it while we wrote)
     is replaced once by a new one; any other failure is the caller's."""
 
-    def __init__(self, max_connections: int, connect_timeout_s: float) -> None:
+    def __init__(
+        self,
+        max_connections: int,
+        connect_timeout_s: float,
+        max_header_bytes: int = DEFAULT_UPSTREAM_MAX_HEADER_BYTES,
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections
+        self.max_header_bytes = max_header_bytes
         self._slots: asyncio.Semaphore | None = None
         self._idle: dict[tuple[str, int, bool], list[UpstreamConnection]] = {}
         self.connections: set[UpstreamConnection] = set()
         """Every open connection, idle or in use."""
+        self.num_strays = 0
+        """Connections dropped for bytes no request asked for, or found readable when idle."""
         self._tls: ssl.SSLContext | None = None
+        self.on_peer_closed: Callable[[tuple[str, int, bool]], None] | None = None
+        """Called with an engine's (host, port, tls) when it ended a keep-alive connection it
+        had let us keep (idle, younger than `KEEPALIVE_S`, or reset as we reused it): the
+        engine may have restarted (`gateway.fleet.replicas`, "Suspicion")."""
 
     async def post(
         self, url: str, payload: bytes, headers: Mapping[str, str] | None = None
@@ -321,6 +433,7 @@ class UpstreamPool:
                     conn._holding_slot = False
                     conn._close_transport()
                     if conn.num_requests > 1 and not conn._bytes_seen:
+                        self._peer_closed(conn._key)  # the engine may have restarted
                         continue  # a stale keep-alive connection: once more on a new one
                     raise
                 except BaseException:
@@ -338,8 +451,10 @@ class UpstreamPool:
         while idle:
             conn = idle.pop()
             if not conn.lost and now - conn.idle_since_s < KEEPALIVE_S:
-                conn._reset()
-                return conn
+                if not conn.readable():
+                    conn._reset()
+                    return conn
+                self.num_strays += 1  # unread bytes (or the engine's FIN) on an idle one
             conn._close_transport()
         host, port, tls = key
         loop = asyncio.get_running_loop()
@@ -372,11 +487,18 @@ class UpstreamPool:
         self.connections.add(conn)
 
     def forget(self, conn: UpstreamConnection) -> None:
-        """A connection ended: it is no longer idle (its slot, if in use, is freed by `done`)."""
+        """A connection ended: it is no longer idle (its slot, if in use, is freed by `done`).
+        An idle one the engine ended before its keep-alive ran out is reported."""
         self.connections.discard(conn)
         idle = self._idle.get(conn._key)
         if idle and conn in idle:
             idle.remove(conn)
+            if time.monotonic() - conn.idle_since_s < KEEPALIVE_S:
+                self._peer_closed(conn._key)
+
+    def _peer_closed(self, key: tuple[str, int, bool]) -> None:
+        if self.on_peer_closed is not None:
+            self.on_peer_closed(key)
 
     def close(self) -> None:
         for conn in list(self.connections):

@@ -13,6 +13,7 @@ exchange alone writes it â€” the first token's instant, the usage, the outcome â
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -84,6 +85,9 @@ class ExchangeRecord:
     usage: EngineUsage | None = None
     ok: bool = True
     """False when the stream broke or the client left."""
+    request_id: str = field(default_factory=lambda: "req_" + secrets.token_hex(12))
+    """The gateway's id of the exchange: the answer's `x-request-id`, the access log's
+    `request_id`, what the console looks a request up by."""
 
     @property
     def parsed(self) -> ParsedRequest:

@@ -46,6 +46,9 @@ class TenantPolicy:
     requests_per_min: int | None = None
     tokens_per_min: int | None = None
     max_prompt_tokens: int | None = None
+    max_inflight: int | None = None
+    """Requests this tenant may have in flight at once in one gateway process (None: the
+    gateway's `tenant_max_inflight`)."""
     trusted_tracing: bool = False
     """Whether the tenant's `traceparent` decides if its requests are traced. Off (the default),
     a client's sampled flag can only opt a request out: the gateway samples at its configured
@@ -57,6 +60,9 @@ class TenantPolicy:
     """Its requests' band when they name none (vLLM's convention: lower is served first)."""
     priority_range: tuple[int, int] | None = None
     """The `priority` values its requests may ask for (inclusive); None: only `priority`."""
+    route_receipts: bool = False
+    """Whether its answers carry the `x-kvgate-route` receipt (the replica chosen, its match,
+    the runner-up and their scores: the fleet's names and load, so an operator's choice)."""
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -71,7 +77,7 @@ class TenantPolicy:
             )
         if not low <= self.priority <= high:
             raise ValueError(f"priority {self.priority} is outside priority_range [{low}, {high}]")
-        for name in ("requests_per_min", "tokens_per_min", "max_prompt_tokens"):
+        for name in ("requests_per_min", "tokens_per_min", "max_prompt_tokens", "max_inflight"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive (or absent for no limit)")

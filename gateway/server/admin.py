@@ -3,12 +3,16 @@
     GET|HEAD /metrics        Prometheus exposition (the ServiceMonitor scrapes this port)
     GET      /openapi.json   the OpenAPI document of the tenant-facing HTTP routes
     GET      /docs, /redoc   that document rendered (Swagger UI, ReDoc)
+    GET      /console[/...]  the operator's live console (gateway.server.console)
     POST     /reset_prefix_cache[?replica=URL]   every engine's (or one's) prefix cache reset
                              through the gateway, which stops routing on what they held before
                              the engines answer (`Keying.reset_prefix_cache`): {url: status}.
                              A write that costs every tenant its cache: it takes an `admin_keys`
                              key (`Authorization: Bearer KEY`; 401 without one, 403 when no
                              admin keys are configured), as the billing admin routes do.
+
+With `admin_port_auth` every route takes that key (401 without): /metrics names every tenant's
+token counts (`kvgate_tenant_tokens{tenant,kind}`), and the documents map the whole surface.
 
 `/metrics` tells every tenant's token counts, hot-prefix rates and the replicas' queues, and
 the documents map the whole surface, so none of them is served on `port`: they listen on
@@ -30,16 +34,51 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from gateway.request.tenant import hash_key
+from gateway.server.console import Console
 from gateway.tenancy.registry import bearer_key
 
 log = logging.getLogger(__name__)
 
 OPENAPI_PATH = "/openapi.json"
 LOOPBACK = "127.0.0.1"
+
+
+def admin_refusal(request: web.Request, admin_hashes: frozenset[str]) -> web.Response | None:
+    """None for a request carrying an admin key; else the 401 / 403 that says what is missing
+    (the pod's admin port asks the same of its requests: gateway.server.workers)."""
+    if not admin_hashes:
+        message = "no admin keys are configured (set admin_keys)"
+        return web.json_response({"error": message}, status=403)
+    key = bearer_key(request.headers.get("authorization"))
+    if not key or hash_key(key) not in admin_hashes:
+        log.warning("kvgate: admin port refused a %s without an admin key", request.path)
+        message = "this needs an admin key: send it as 'Authorization: Bearer KEY'"
+        return web.json_response({"error": message}, status=401)
+    return None
+
+
+CONSOLE_PREFIX = "/console"
+"""The console checks the same keys itself, and also takes its sign-in cookie (a browser sends
+no bearer key): the admin port's guard leaves its routes to it."""
+
+
+def key_guard(admin_hashes: frozenset[str]) -> Any:
+    """An aiohttp middleware: every route takes an admin key (`admin_port_auth`), but the
+    console's, which do the same check themselves (with their sign-in cookie besides)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == CONSOLE_PREFIX or request.path.startswith(CONSOLE_PREFIX + "/"):
+            return await handler(request)
+        refusal = admin_refusal(request, admin_hashes)
+        return refusal if refusal is not None else await handler(request)
+
+    return guard
 
 
 class AdminServer:
@@ -52,7 +91,11 @@ class AdminServer:
         title: str,
         reset: Callable[[str | None], Awaitable[dict[str, int]]] | None = None,
         admin_hashes: frozenset[str] = frozenset(),
+        console: Console | None = None,
+        every_route_needs_a_key: bool = False,
     ) -> None:
+        self._console = console
+        self._every_route_needs_a_key = every_route_needs_a_key
         self._metrics = metrics
         self._reset = reset
         self._admin_hashes = admin_hashes
@@ -62,13 +105,16 @@ class AdminServer:
         self.port: int | None = None
 
     def _app(self) -> web.Application:
-        app = web.Application()
+        guards = [key_guard(self._admin_hashes)] if self._every_route_needs_a_key else []
+        app = web.Application(middlewares=guards)
         app.router.add_get("/metrics", self._serve_metrics)  # HEAD too (aiohttp's allow_head)
         app.router.add_get(OPENAPI_PATH, self._serve_openapi)
         app.router.add_get("/docs", self._serve_docs)
         app.router.add_get("/redoc", self._serve_redoc)
         if self._reset is not None:
             app.router.add_post("/reset_prefix_cache", self._serve_reset)
+        if self._console is not None:
+            self._console.add_routes(app)
         return app
 
     async def start(self, host: str, port: int) -> int:
@@ -91,16 +137,7 @@ class AdminServer:
         return self.port
 
     def _refusal(self, request: web.Request) -> web.Response | None:
-        """None for an admin key; else the 401 / 403 that says what is missing."""
-        if not self._admin_hashes:
-            message = "no admin keys are configured (set admin_keys)"
-            return web.json_response({"error": message}, status=403)
-        key = bearer_key(request.headers.get("authorization"))
-        if not key or hash_key(key) not in self._admin_hashes:
-            log.warning("kvgate: admin port refused a %s without an admin key", request.path)
-            message = "this needs an admin key: send it as 'Authorization: Bearer KEY'"
-            return web.json_response({"error": message}, status=401)
-        return None
+        return admin_refusal(request, self._admin_hashes)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -25,7 +25,7 @@ import random
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from fastapi import FastAPI
@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cachemap.affinity import ConversationAffinity
 from cachemap.events import EventIndex, domain_of, replica_of
 from cachemap.layouts import EngineLayouts
 from cachemap.memory import MemoryDirectory, MemoryIndex
@@ -50,13 +51,14 @@ from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
 from gateway.billing.service import Billing, admin_key_hashes
 from gateway.directory.routing import RoutingDirectory
-from gateway.events.intake import EventIntake
+from gateway.events.intake import EventIntake, FeedLimits
 from gateway.events.layouts import LaidOutEvents
 from gateway.events.precise import PreciseKeys, PromptTokens, TokenizerCheck
 from gateway.fleet.discovery import Discovery, KubeTarget
 from gateway.fleet.replicas import ReplicaSet
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import RequestMetrics, build_registry, render
+from gateway.observability.recent import RecentRoutes
 from gateway.observability.tracing import Tracing, build_tracing
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.director import Director
@@ -69,11 +71,12 @@ from gateway.pipeline.placement import Placement
 from gateway.pipeline.ratelimit import RateLimiter, TokenSettlement
 from gateway.pipeline.reconcile import Reconciler
 from gateway.pipeline.record import Recorder
-from gateway.pipeline.upstream import UpstreamPool
+from gateway.pipeline.upstream import UpstreamPool, origin
 from gateway.request.state import ExchangeObserver
 from gateway.request.tokens import TokenEstimator
 from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
+from gateway.server.console import Console
 from gateway.server.workers import share_fleet_view
 from gateway.settings import Settings, redact_url
 from gateway.tenancy.registry import TenantRegistry
@@ -82,7 +85,13 @@ from router.fairness import FairQueue
 from router.filters import LoadBoundFilter
 from router.overflow import OverflowConfig
 from router.profile import RoutingProfile
-from router.registry import RouterConfig, build_fallback, build_policy, frontier_reader
+from router.registry import (
+    RouterConfig,
+    affinity_weight_for,
+    build_fallback,
+    build_policy,
+    frontier_reader,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +119,8 @@ class Parts:
     """Precise mode's KV event feeds (None: events off)."""
     grpc: GrpcServer | None = None
     """The gRPC server while it runs (started by `run`)."""
+    recent: RecentRoutes = field(default_factory=RecentRoutes)
+    """The last exchanges' route receipts: the console's request lookup."""
     draining: bool = False
 
     def begin_drain(self) -> None:
@@ -161,6 +172,13 @@ def _replicas(
         scrape_metrics=settings.scrape_metrics,
         metrics_interval_s=settings.metrics_interval_s,
     )
+
+
+def _peer_closed(replicas: ReplicaSet, key: tuple[str, int, bool]) -> None:
+    """An engine ended a keep-alive connection it had let us keep: it may have restarted."""
+    for url in list(replicas.states):
+        if origin(url)[:3] == key:
+            replicas.suspect(url, "it closed a kept-alive connection")
 
 
 def _discovery(
@@ -241,7 +259,20 @@ def _precise(
             dp_size=settings.engine_dp_size,
             layouts=layouts,
         )
-        intake = EventIntake(config, index, lambda: list(replicas.states))
+        states = replicas.states
+
+        def capacity(replica: str) -> int | None:
+            state = states.get(replica)
+            metrics = state.metrics if state is not None else None
+            return metrics.num_gpu_blocks if metrics is not None else None
+
+        limits = FeedLimits(
+            settings.kv_events_max_message_bytes,
+            settings.kv_events_drain_budget_s,
+            settings.kv_events_max_blocks,
+            capacity,
+        )
+        intake = EventIntake(config, index, lambda: list(replicas.states), limits=limits)
     keys = PreciseKeys(
         PromptTokens(tokenizer),
         index,
@@ -304,6 +335,9 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         consistent_hash_blocks=settings.consistent_hash_blocks,
         displacement_hot_s=settings.displacement_hot_s,
         displacement_half_life_s=settings.displacement_half_life_s,
+        affinity_weight=affinity_weight_for(
+            settings.affinity_weight, precise=settings.tokenizer_dir is not None
+        ),
     )
     policy = build_policy(settings.policy, router_config)
     directory = build_directory(settings)
@@ -316,17 +350,21 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     placement = _placement(settings, flights)
     limiter = RateLimiter(settings.redis_url, settings.rate_limit_timeout_s)
     request_metrics = RequestMetrics()
+    recent = RecentRoutes()
+    reconciler = Reconciler(
+        directory,
+        settings.block_bytes,
+        registry,
+        block_tokens=settings.engine_block_size if settings.tokenizer_dir else None,
+    )
+    reconciler.on_contradicted = replicas.suspect  # a restart the connections did not show
     observers: list[ExchangeObserver] = [
         TokenSettlement(limiter),
-        Reconciler(
-            directory,
-            settings.block_bytes,
-            registry,
-            block_tokens=settings.engine_block_size if settings.tokenizer_dir else None,
-        ),
+        reconciler,
         *([billing.meter] if billing else []),
         request_metrics,
         AccessLog(),
+        recent,
     ]
     tracing = build_tracing(settings, span_exporter)
     layouts = EngineLayouts()  # per-engine layouts from pod annotations (discovery writes)
@@ -342,7 +380,11 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     flow = _flow(settings, replicas)
     if flow is not None:
         observers.append(flow)  # settles each scope's charge with the engine's usage
-    forwarder = Forwarder(settings.first_byte_timeout_s, settings.stream_idle_timeout_s)
+    forwarder = Forwarder(
+        settings.first_byte_timeout_s,
+        settings.stream_idle_timeout_s,
+        settings.upstream_max_body_bytes,
+    )
     keying = Keying(
         RouteKeys(
             settings.block_bytes,
@@ -355,10 +397,20 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         precise,
         TokenizerCheck(settings.tokenizer_check_every) if precise is not None else None,
         lambda: forwarder.session,
+        affinity=(
+            ConversationAffinity(capacity=settings.affinity_capacity, ttl_s=settings.affinity_ttl_s)
+            if router_config.affinity_weight > 0 and policy.locality
+            else None
+        ),
     )
     director = Director(
         keying=keying,
-        admission=Admission(tenants, limiter, settings.max_prompt_bytes),
+        admission=Admission(
+            tenants,
+            limiter,
+            settings.max_prompt_bytes,
+            settings.effective_tenant_max_inflight(),
+        ),
         directory=directory,
         replicas=replicas,
         placement=placement,
@@ -376,6 +428,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         rng=random.Random(settings.seed),
         frontiers=frontiers,
         flow=flow,
+        drain_timeout_s=settings.client_drain_timeout_s,
     )
     discovery = _discovery(settings, replicas, directory, layouts)
     registry.register(
@@ -389,6 +442,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             precise=precise,
             check=keying.check,
             flow=director.flow,
+            forwarder=forwarder,
+            resets=lambda: keying.num_resets,
         )
     )
     front = FrontEnd(
@@ -417,6 +472,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         registry,
         keying,
         intake,
+        recent=recent,
     )
 
 
@@ -490,9 +546,14 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
         )
         parts.forwarder.session = session
         # the attempts' own connections (the relay splices them to the clients)
-        pool = UpstreamPool(settings.upstream_max_connections, settings.connect_timeout_s)
+        pool = UpstreamPool(
+            settings.upstream_max_connections,
+            settings.connect_timeout_s,
+            settings.upstream_max_header_bytes,
+        )
         stack.callback(pool.close)
         parts.forwarder.pool = pool
+        pool.on_peer_closed = functools.partial(_peer_closed, parts.replicas)
         stack.push_async_callback(parts.limiter.close)
         directory = parts.directory
         if settings.redis_url:
@@ -541,12 +602,15 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             stack.push_async_callback(epp_server.stop)
             app.state.epp_port = epp_server.port
         if settings.metrics_port is not None:
+            admin_hashes = admin_key_hashes(settings.admin_keys)
             admin = AdminServer(
                 lambda: render(parts.registry),
                 lambda: app.openapi(),
                 app.title,
                 functools.partial(_reset_prefix_caches, parts),
-                admin_key_hashes(settings.admin_keys),
+                admin_hashes,
+                console=Console(parts.registry, parts.recent, admin_hashes),
+                every_route_needs_a_key=settings.admin_port_auth,
             )
             stack.push_async_callback(admin.stop)
             if settings.worker_admin_fd is not None:
@@ -568,18 +632,38 @@ def log_start_up(parts: Parts) -> None:
     log.log(
         level,
         "kvgate: serving on http://%s:%d, %d/%d replicas healthy, policy %s, mode %s, "
-        "directory %s, %d tenant keys, discovery %s, log format %s",
+        "keying %s, directory %s, %d tenant keys, billing %s, discovery %s, log format %s",
         settings.host,
         settings.port,
         healthy,
         total,
         parts.director.policy.name,
         settings.mode,
+        keying_summary(parts),
         redact_url(settings.redis_url) if settings.redis_url else "in-process",
         len(parts.tenants),
+        billing_summary(settings),
         settings.discovery,
         settings.log_format,
     )
+
+
+def keying_summary(parts: Parts) -> str:
+    """approximate (bytes), or precise with how many engine cache domains' KV events it reads"""
+    precise = parts.keying.precise if parts.keying is not None else None
+    if precise is None:
+        return "approximate"
+    if parts.intake is None:
+        return "precise (KV events off: residency predicted)"
+    shared = ", shared in Redis" if parts.settings.kv_events_shared else ""
+    return f"precise ({len(parts.intake.feeds())} KV event feeds{shared})"
+
+
+def billing_summary(settings: Settings) -> str:
+    if settings.billing_wal_dir is None:
+        return "off"
+    store = redact_url(settings.billing_redis_url) if settings.billing_redis_url else "no store"
+    return f"on (WAL {settings.billing_wal_dir}, {store})"
 
 
 def create_app(settings: Settings, *, span_exporter: SpanExporter | None = None) -> MeteredASGI:

@@ -7,7 +7,7 @@ composition root, which knows them all). Every name is listed in docs/operations
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -22,6 +22,7 @@ from gateway.observability import histograms
 from gateway.observability.metrics import RequestMetrics
 from gateway.pipeline.director import DirectorStats
 from gateway.pipeline.flow import REJECT_REASONS, FlowControl
+from gateway.pipeline.forwarder import Forwarder
 from gateway.pipeline.placement import Placement
 
 HOTTEST_SHOWN = 5
@@ -55,8 +56,12 @@ class GatewayCollector(Collector):
         precise: PreciseKeys | None = None,
         check: TokenizerCheck | None = None,
         flow: FlowControl | None = None,
+        forwarder: Forwarder | None = None,
+        resets: Callable[[], int] | None = None,
     ) -> None:
         self.flow = flow
+        self.forwarder = forwarder
+        self.resets = resets
         self.precise = precise
         self.check = check
         self.stats = stats
@@ -73,6 +78,12 @@ class GatewayCollector(Collector):
         if self.precise is not None:
             yield from precise_families(self.precise, self.check)
         yield from self._routing()
+        if self.resets is not None:
+            yield CounterMetricFamily(
+                "kvgate_prefix_cache_resets",
+                "Engine prefix-cache resets this process forwarded that the engine took (200).",
+                value=self.resets(),
+            )
         if self.flow is not None:
             yield from self._flow(self.flow)
 
@@ -213,9 +224,23 @@ class GatewayCollector(Collector):
             "(their shared load, and the engine's queue beyond it).",
             labels=["replica"],
         )
+        suspect = GaugeMetricFamily(
+            "kvgate_replica_suspect",
+            "1 while the replica may have restarted: its directory entries are ignored until its "
+            "identity is checked.",
+            labels=["replica"],
+        )
+        suspicions = CounterMetricFamily(
+            "kvgate_replica_suspicions",
+            "Times the replica became suspect (a connection it ended or refused, an answer "
+            "contradicting its prediction, a mark-down).",
+            labels=["replica"],
+        )
         for s in self.replicas.states.values():
             labels = [s.url]
             healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
+            suspect.add_metric(labels, 1.0 if s.suspect else 0.0)
+            suspicions.add_metric(labels, s.suspicions)
             inflight.add_metric(labels, s.num_inflight)
             requests.add_metric(labels, s.num_requests)
             pending.add_metric(labels, s.pending_prefill_tokens)
@@ -230,6 +255,7 @@ class GatewayCollector(Collector):
                 peer = s.peer.prefill_tokens if s.peer is not None else 0.0
                 foreign.add_metric(labels, s.snapshot().foreign_prefill_tokens + peer)
         yield from (healthy, inflight, requests, pending, waiting, running, kv_usage, foreign)
+        yield from (suspect, suspicions)
         yield from self._pod_view()
         yield from self._shared_load()
 
@@ -309,6 +335,22 @@ class GatewayCollector(Collector):
         yield CounterMetricFamily(
             "kvgate_upstream_retries", "Attempts retried on another replica.", stats.retries
         )
+        yield CounterMetricFamily(
+            "kvgate_inflight_refused",
+            "Requests refused for their tenant's requests in flight (tenant_max_inflight).",
+            stats.inflight_refused,
+        )
+        yield CounterMetricFamily(
+            "kvgate_clients_cut",
+            "Streams cut: the client did not read within client_drain_timeout_s.",
+            stats.clients_cut,
+        )
+        pool = self.forwarder.pool if self.forwarder is not None else None
+        yield CounterMetricFamily(
+            "kvgate_upstream_stray_connections",
+            "Engine connections dropped for bytes no request asked for (or readable when idle).",
+            pool.num_strays if pool is not None else 0,
+        )
         dstats = self.directory.stats
         lookups = CounterMetricFamily(
             "kvgate_directory_lookups",
@@ -372,6 +414,11 @@ class GatewayCollector(Collector):
             "kvgate_overflow_spread_requests",
             "Requests routed with a hot prefix spread to replicas that did not hold it yet.",
             placement.stats.spread_requests,
+        )
+        yield CounterMetricFamily(
+            "kvgate_overflow_sibling_holds",
+            "Fan-out siblings kept on their holder (it had room) whatever their prefix's rate.",
+            placement.stats.sibling_holds,
         )
         rates = self.directory.rates
         if rates is not None:

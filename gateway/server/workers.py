@@ -44,10 +44,13 @@ import sys
 from collections.abc import Sequence
 
 import aiohttp
+import orjson
 from aiohttp import web
 
+from gateway.billing.service import admin_key_hashes
 from gateway.fleet.podview import ViewReceiver, ViewSender
 from gateway.fleet.replicas import ReplicaSet
+from gateway.server.admin import key_guard
 from gateway.server.pod_metrics import merge
 from gateway.settings import Settings
 
@@ -61,6 +64,8 @@ PR_SET_PDEATHSIG = 1
 SCRAPE_TIMEOUT_S = 5.0
 """A worker's /metrics renders in milliseconds; 5 s means it is stuck, and the pod's page fails
 (503) rather than showing a partial sum that Prometheus would read as a counter reset."""
+RESET_TIMEOUT_S = 15.0
+"""A worker's reset waits on every engine's (10 s each, in parallel): 15 s bounds the pod's."""
 STOP_AFTER_GRACE_S = 15.0
 """Past its drain grace (and its 5 s settle) a worker that has not exited is killed."""
 
@@ -249,7 +254,10 @@ def exit_status(returncode: int | None) -> int:
 
 
 class PodAdmin:
-    """The pod's admin port: `/metrics` merged over the workers, the rest from worker 0."""
+    """The pod's admin port: `/metrics` merged over the workers, `POST /reset_prefix_cache`
+    sent to every worker (each keeps its own wipe state and event index), the rest from worker
+    0. A request's `Authorization` goes with it to the workers, which check it as a lone
+    gateway does; with `admin_port_auth` the pod checks it first too (`/pod` is its own)."""
 
     def __init__(self, settings: Settings, ports: list[int], pids: list[int]) -> None:
         assert settings.metrics_port is not None
@@ -261,9 +269,13 @@ class PodAdmin:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(SCRAPE_TIMEOUT_S))
-        app = web.Application()
+        guards = []
+        if self.settings.admin_port_auth:
+            guards.append(key_guard(admin_key_hashes(self.settings.admin_keys)))
+        app = web.Application(middlewares=guards)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/pod", self._pod)
+        app.router.add_post("/reset_prefix_cache", self._reset)
         app.router.add_get("/{path:.*}", self._from_worker_0)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -276,15 +288,20 @@ class PodAdmin:
         if self._session is not None:
             await self._session.close()
 
-    async def _get(self, port: int, path: str) -> tuple[bytes, str]:
+    async def _get(self, port: int, request: web.Request, path: str) -> tuple[bytes, str]:
         assert self._session is not None
-        async with self._session.get(f"http://{LOOPBACK}:{port}{path}") as response:
+        url = f"http://{LOOPBACK}:{port}{path}"
+        async with self._session.get(url, headers=_forwarded(request)) as response:
             response.raise_for_status()
             return await response.read(), response.headers.get("content-type", "text/plain")
 
     async def _metrics(self, request: web.Request) -> web.Response:
         try:
-            pages = await asyncio.gather(*(self._get(p, "/metrics") for p in self.ports))
+            pages = await asyncio.gather(*(self._get(p, request, "/metrics") for p in self.ports))
+        except aiohttp.ClientResponseError as exc:
+            if exc.status in (401, 403):  # the workers' refusal is the pod's
+                return web.json_response({"error": exc.message}, status=exc.status)
+            return web.Response(status=503, text=f"a worker's /metrics did not answer: {exc}\n")
         except (aiohttp.ClientError, TimeoutError) as exc:
             return web.Response(status=503, text=f"a worker's /metrics did not answer: {exc}\n")
         body = merge([page.decode() for page, _ in pages])
@@ -297,11 +314,49 @@ class PodAdmin:
         ]
         return web.json_response({"workers": workers})
 
+    async def _reset(self, request: web.Request) -> web.Response:
+        """Every worker resets (each forwards to the engines and forgets what they held, in its
+        own state): `{url: status}` with each engine's worst status over the workers, 200 only
+        when every worker's was; a refusal (401, 403, 404) or a silent worker (503) passes
+        through as the first worker to say it said it."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=RESET_TIMEOUT_S)
+
+        async def one(port: int) -> tuple[int, bytes]:
+            assert self._session is not None
+            url = f"http://{LOOPBACK}:{port}{request.path_qs}"
+            try:
+                async with self._session.post(
+                    url, headers=_forwarded(request), timeout=timeout
+                ) as response:
+                    return response.status, await response.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                return 503, orjson.dumps({"error": f"a worker did not answer: {exc}"})
+
+        answers = await asyncio.gather(*(one(port) for port in self.ports))
+        refused = next(((s, b) for s, b in answers if s not in (200, 502)), None)
+        if refused is not None:  # no key, an unknown replica, a worker away: as it was said
+            return web.Response(status=refused[0], body=refused[1], content_type="application/json")
+        statuses: dict[str, int] = {}
+        for _, page in answers:
+            for url, engine_status in orjson.loads(page).items():
+                statuses[url] = max(statuses.get(url, 0), int(engine_status))
+        ok = all(s == 200 for s, _ in answers)
+        return web.json_response(statuses, status=200 if ok else 502)
+
     async def _from_worker_0(self, request: web.Request) -> web.Response:
         try:
-            body, content_type = await self._get(self.ports[0], request.path_qs)
+            body, content_type = await self._get(self.ports[0], request, request.path_qs)
         except aiohttp.ClientResponseError as exc:
             return web.Response(status=exc.status)
         except (aiohttp.ClientError, TimeoutError):
             return web.Response(status=503, text="worker 0 did not answer\n")
         return web.Response(body=body, headers={"content-type": content_type})
+
+
+FORWARDED_HEADERS = ("authorization", "cookie")
+"""What a worker is told of the pod's request: its key (a bearer key, or the console's cookie)."""
+
+
+def _forwarded(request: web.Request) -> dict[str, str]:
+    return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}

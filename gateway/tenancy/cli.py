@@ -43,10 +43,21 @@ def add_tenants_arguments(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--tokens-per-min", type=int, help="rate limit, tokens per minute")
     add.add_argument("--max-prompt-tokens", type=int, help="largest prompt accepted")
     add.add_argument(
+        "--max-inflight",
+        type=int,
+        help="requests in flight at once per gateway process (default: tenant_max_inflight)",
+    )
+    add.add_argument(
         "--trusted-tracing",
         action="store_true",
         default=None,
         help="let the tenant's traceparent decide tracing (default: sampled at the ratio)",
+    )
+    add.add_argument(
+        "--route-receipts",
+        action="store_true",
+        default=None,
+        help="answers carry the x-kvgate-route receipt: the replica chosen and why",
     )
     add.add_argument("--label", help="a note kept with the key (who or what uses it)")
 
@@ -79,7 +90,9 @@ def run_tenants(args: argparse.Namespace) -> int:
                 requests_per_min=args.requests_per_min,
                 tokens_per_min=args.tokens_per_min,
                 max_prompt_tokens=args.max_prompt_tokens,
+                max_inflight=args.max_inflight,
                 trusted_tracing=args.trusted_tracing,
+                route_receipts=args.route_receipts,
             )
             verb = "created tenant" if created else "added a key to tenant"
             print(

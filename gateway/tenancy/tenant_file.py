@@ -12,10 +12,12 @@ Format (YAML; a file named *.json is read and written as JSON, same structure)::
         requests_per_min: 600      # absent: no limit
         tokens_per_min: 2000000
         max_prompt_tokens: 100000
+        max_inflight: 64           # absent: the gateway's tenant_max_inflight
         trusted_tracing: false     # true: its traceparent's sampled flag decides tracing
         weight: 2                  # its share of a saturated fleet (docs/flow-control.md)
         priority: 0                # its band (lower first); a request may ask within
         priority_range: [0, 2]     #   this range with `priority` (absent: only `priority`)
+        route_receipts: false      # true: answers carry x-kvgate-route (why this replica)
         keys:
           - sha256: 9f86d081884c7d65...   # SHA-256 hex of the key; the key itself is never kept
             created: "2026-11-30T10:00:00Z"
@@ -116,10 +118,12 @@ class TenantEntry(BaseModel):
     requests_per_min: PositiveInt | None = None
     tokens_per_min: PositiveInt | None = None
     max_prompt_tokens: PositiveInt | None = None
+    max_inflight: PositiveInt | None = None
     trusted_tracing: bool = False
     weight: Annotated[float, Field(gt=0, le=MAX_WEIGHT)] = 1.0
     priority: Annotated[int, Field(strict=True, ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
     priority_range: tuple[int, int] | None = None
+    route_receipts: bool = False
     keys: list[KeyEntry] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -154,10 +158,12 @@ class TenantEntry(BaseModel):
             requests_per_min=self.requests_per_min,
             tokens_per_min=self.tokens_per_min,
             max_prompt_tokens=self.max_prompt_tokens,
+            max_inflight=self.max_inflight,
             trusted_tracing=self.trusted_tracing,
             weight=self.weight,
             priority=self.priority,
             priority_range=self.priority_range,
+            route_receipts=self.route_receipts,
         )
 
 

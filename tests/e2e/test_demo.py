@@ -9,8 +9,8 @@ import pytest
 
 from loadgen.bench.billing import add_bench_billing_arguments, run_bench_billing
 from loadgen.bench.cpu import add_bench_cpu_arguments, run_bench_cpu
-from loadgen.demo import add_demo_arguments, run_policy
-from loadgen.workloads import agent_day, count_requests
+from loadgen.demo import DEVELOPERS, add_demo_arguments, run_policy
+from loadgen.workloads import agent_day, count_requests, team_day
 
 pytestmark = pytest.mark.e2e
 
@@ -25,12 +25,22 @@ def test_the_agent_day_is_about_thirty_requests() -> None:
     assert 28 <= count_requests(agent_day()) <= 32
 
 
-def test_cache_aware_beats_round_robin_on_the_agent_day() -> None:
+def test_the_team_day_runs_every_developers_day_phase_by_phase() -> None:
+    phases = team_day(DEVELOPERS)
+    assert count_requests(phases) == len(DEVELOPERS) * count_requests(agent_day())
+    assert len(phases) == len(agent_day())  # phase i of every day runs with the others'
+    keys = {s.key for p in phases for s in p.sessions}
+    assert keys == {key for _, _, key in DEVELOPERS} and len(keys) == 3  # three tenants
+    forks = [s for p in phases for s in p.sessions if s.fork_of is not None]
+    assert {s.fork_of for s in forks} == {f"{t}/{r}/main" for t, r, _ in DEVELOPERS}
+
+
+def test_cache_aware_beats_round_robin_on_the_team_day() -> None:
     args = _args(add_demo_arguments, "--time-scale", "50")
     cache_aware = run_policy(args, "cache_aware")
     round_robin = run_policy(args, "round_robin")
     assert cache_aware.errors == round_robin.errors == 0
-    assert cache_aware.requests == count_requests(agent_day())
+    assert cache_aware.requests == count_requests(team_day(DEVELOPERS))
     assert cache_aware.hit_ratio > round_robin.hit_ratio + 0.1
 
 

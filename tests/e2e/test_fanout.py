@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -155,8 +156,6 @@ def test_a_hot_spine_spreads_over_more_replicas(
 def test_holds_and_overflow_are_exported(
     start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
 ) -> None:
-    import httpx
-
     engines = start_engines(2, timing=REAL_TIME)
     gateway = start_gateway(engines, engine_prefill_tokens_per_s=6_500)
     asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i)) for i in range(4)]))
@@ -273,3 +272,55 @@ def test_a_leader_cancelled_mid_lead_releases_its_siblings_and_leaves_no_flight(
     assert len(flights) == 0  # no flight left for a later sibling to hold on
     asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(2))]))
     assert flights.stats.holds == 1  # the prefix has landed: nothing to wait for
+
+
+# -- a fan-out burst is not a hot prefix (issue 45, item 16) ------------------------------------
+BURST_TIMING = TimingModel(prefill_tokens_per_s=4_000, decode_s_per_token=0.001, time_scale=10)
+"""4,000 prefill tokens/s, ten times faster: the 15,000-token write takes 0.375 s, not 3.75."""
+BURST_SHARED = 15_000
+BURST_SYSTEM = "You are a subagent." + words("burst/system", BURST_SHARED // 2)
+BURST_CONTEXT = "Shared context:" + words("burst/context", BURST_SHARED // 2)
+
+
+def burst_sibling(i: int) -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": BURST_SYSTEM},
+        {"role": "user", "content": BURST_CONTEXT + f"\n\nSubtask {i}:" + words(f"bt{i}", 100)},
+    ]
+
+
+def test_a_fan_out_burst_is_one_write_and_fifteen_reads_with_overflow_on(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    """16 parallel siblings sharing a 15,000-token prefix nobody holds, 4 engines at 4,000
+    prefill tokens/s, overflow and holding on (precise mode: the leader's speculative entry
+    makes every later sibling match the whole prefix on its replica at once). The siblings
+    are one arrival of that prefix, and its holder has room: one write, fifteen reads. Before
+    the fix the young rate of 16 requests in one instant widened the prefix and siblings were
+    sent to replicas that wrote it again."""
+    from tests.e2e.test_precise import join, precise_settings
+    from tests.loadgen.test_kv_events import events_config, free_ports
+
+    base = free_ports(4)
+    engines = [
+        start_engines(1, timing=BURST_TIMING, kv_events=events_config(base + i))[0]
+        for i in range(4)
+    ]
+    settings = precise_settings(
+        {e.url: base + i for i, e in enumerate(engines)},
+        engine_prefill_tokens_per_s=4_000,
+        overflow=True,
+        fanout_hold=True,
+    )
+    gateway = start_gateway(engines, **settings)
+    join([gateway], engines)
+    results = asyncio.run(send_all(gateway, [(TENANT_KEY, burst_sibling(i)) for i in range(16)]))
+    assert all(isinstance(r, tuple) for r in results), results
+    cached = sorted(r[0].usage.engine_cached_tokens for r in results)
+    assert cached[0] == 0 and cached[1] >= BURST_SHARED, cached  # exactly one write
+    assert len({r[1] for r in results}) == 1  # all fifteen reads on the writer's replica
+    stats = director(gateway).placement.stats
+    assert stats.widenings == 0 and stats.spread_requests == 0
+    assert stats.sibling_holds >= 1
+    text = httpx.get(metrics_url(gateway) + "/metrics").text
+    assert f"kvgate_overflow_sibling_holds_total {float(stats.sibling_holds)}" in text

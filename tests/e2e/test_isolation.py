@@ -201,13 +201,17 @@ def test_no_upstream_timing_or_cache_header_reaches_a_client(
         ]
         assert [r.status_code for r in responses] == [200, 200, 400]
         for r in responses:
-            assert set(r.headers) - {"cache-control"} <= allowed, r.headers
+            assert set(r.headers) - {"cache-control", "x-request-id"} <= allowed, r.headers
+            # the gateway's own id of the exchange (random), never the engine's
+            assert r.headers.get("x-request-id", "req_").startswith("req_"), r.headers
         # the operator's debug flag adds the gateway's own routing headers, still no upstream ones
         loud = start_gateway([engine], debug_headers=True)
         r = post(loud, TENANT_KEY, chat("debug"))
         assert r.headers["x-kvgate-replica"] == engine.url
         assert (
-            set(r.headers) - {"x-kvgate-replica", "x-kvgate-matched-blocks"} - {"x-kvgate-decision"}
+            set(r.headers)
+            - {"x-kvgate-replica", "x-kvgate-matched-blocks", "x-kvgate-decision"}
+            - {"x-kvgate-route", "x-request-id"}
             <= allowed
         )
     finally:

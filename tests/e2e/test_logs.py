@@ -75,9 +75,11 @@ def test_one_json_format_a_start_up_line_and_an_access_line(json_gateway: tuple[
     entries = log_lines(stderr)  # every line parses as JSON: uvicorn's too
     (start,) = [e for e in entries if "serving on" in e["message"]]
     assert f"{url}," in start["message"] and "policy cache_aware" in start["message"]
+    assert "keying approximate" in start["message"] and "billing off" in start["message"]
     (access,) = [e for e in entries if e["logger"] == "kvgate.access" and e.get("tenant")]
     usage = answer.json()["usage"]
-    assert access["request_id"] == answer.json()["id"]
+    assert access["request_id"] == answer.headers["x-request-id"]
+    assert access["response_id"] == answer.json()["id"]
     assert (access["tenant"], access["model"], access["status"]) == ("acme", MODEL, 200)
     assert access["prompt_tokens"] == usage["prompt_tokens"]
     assert access["completion_tokens"] == usage["completion_tokens"] == 4

@@ -3,6 +3,7 @@ requests with the model's tokenizer and routing on what the events say."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -149,6 +150,19 @@ def test_a_wipe_stops_routing_on_its_entries_before_the_next_request(
     after = via(gateway, body)
     assert after.headers["x-kvgate-matched-blocks"] == "0"
     assert after.headers["x-kvgate-decision"] == "no_match"
+
+
+def test_the_start_up_line_names_precise_keying_and_its_event_feeds(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    base = free_ports(2)
+    x, y = (start_engines(1, kv_events=events_config(base + i))[0] for i in range(2))
+    with caplog.at_level(logging.INFO):
+        start_gateway([x, y], **precise_settings({x.url: base, y.url: base + 1}))
+    (line,) = [r.getMessage() for r in caplog.records if "serving on" in r.getMessage()]
+    assert "keying precise (2 KV event feeds)" in line and "billing off" in line
 
 
 def test_a_restarted_engine_seq_0_drops_its_entries(

@@ -67,3 +67,47 @@ def test_the_scrape_interval_stretches_with_the_fleet() -> None:
 
     assert interval(4) == interval(16) == 1.0
     assert interval(64) == 64 / MAX_SCRAPES_PER_S == 4.0
+
+
+async def test_a_suspect_replica_is_checked_at_once_and_routed_on_again_once_known() -> None:
+    """Issue 45, item 17: suspicion hides a replica's entries at once and checks it at once —
+    not at the next health probe, 30 s away here — and a replica that stopped answering is
+    re-probed every `SUSPECT_PROBE_S` until it answers; the suspicion ends only after its start
+    marker has been reported (the directory bumps its epoch if that is new)."""
+    log = StandInLog()
+    markers: list[tuple[str, str]] = []
+
+    async def on_start_marker(replica: str, marker: str) -> None:
+        markers.append((replica, marker))
+
+    with stand_ins(1, log) as urls:
+        (url,) = urls
+        port = int(url.rsplit(":", 1)[1])
+        replicas = ReplicaSet(
+            urls,
+            interval_s=30.0,
+            timeout_s=2.0,
+            unhealthy_after=1,
+            on_restart=_never,
+            on_start_marker=on_start_marker,
+        )
+        async with aiohttp.ClientSession() as session:
+            await replicas.start(session)
+            try:
+                reported = len(markers)
+                replicas.suspect(url, "a kept-alive connection ended")
+                assert replicas.suspects() == {url}  # at once, before any probe
+                await _until(lambda: not replicas.suspects())
+                assert len(markers) > reported  # its identity was read before
+                # a replica that refuses: marked down (suspect), re-probed until it answers
+                log.down.add(port)
+                replicas.mark_down(url, "connection refused")
+                assert replicas.suspects() == {url}
+                probes = log.hits["/health"]
+                await _until(lambda: log.hits["/health"] >= probes + 3)
+                assert not replicas.states[url].healthy and replicas.suspects() == {url}
+                log.down.discard(port)
+                await _until(lambda: replicas.states[url].healthy and not replicas.suspects())
+                assert replicas.suspicions == 2
+            finally:
+                await replicas.stop()

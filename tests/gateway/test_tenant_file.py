@@ -54,6 +54,8 @@ def test_add_prints_the_key_once_and_stores_only_its_hash(
         "100000",
         "--max-prompt-tokens",
         "32000",
+        "--max-inflight",
+        "8",
         "--label",
         "ci",
     )
@@ -75,6 +77,7 @@ def test_add_prints_the_key_once_and_stores_only_its_hash(
         100000,
         32000,
     )
+    assert entry.max_inflight == 8
     assert entry.keys[0].label == "ci" and entry.keys[0].created
     # a second key for the same tenant keeps the policy, and is a different key
     status, out2, err = kvgate(capsys, "tenants", "add", "--file", str(path), "acme")
@@ -145,6 +148,7 @@ def test_an_id_prefix_must_name_one_key(tmp_path: Path) -> None:
         ("tenants:\n  acme:\n    scope: org\n", "Input should be 'tenant' or 'user'"),
         ("tenants:\n  acme:\n    keys:\n      - sha256: abc\n", "64-character lowercase SHA-256"),
         ("tenants:\n  acme:\n    requests_per_min: 0\n", "greater than 0"),
+        ("tenants:\n  acme:\n    max_inflight: 0\n", "greater than 0"),
         ("tenants:\n  acme:\n    rpm: 5\n", "Extra inputs are not permitted"),
         ("tenants:\n  'a/b': {}\n", "tenant name 'a/b'"),
         (
@@ -169,6 +173,13 @@ def test_an_invalid_file_says_where_and_why(tmp_path: Path, text: str, message: 
     with pytest.raises(TenantFileError, match=r"tenants\.yaml") as info:
         parse(text, path)
     assert message in str(info.value)
+
+
+def test_a_tenants_max_inflight_is_its_policys(tmp_path: Path) -> None:
+    """Issue 45, item 6: the per-tenant override of `tenant_max_inflight`."""
+    content = parse("tenants:\n  acme:\n    max_inflight: 3\n  globex: {}\n", tmp_path / "t.yaml")
+    assert content.tenants["acme"].policy().max_inflight == 3
+    assert content.tenants["globex"].policy().max_inflight is None  # the gateway's bound
 
 
 def test_a_missing_file_says_how_to_create_it(tmp_path: Path) -> None:

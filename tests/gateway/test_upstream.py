@@ -10,7 +10,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.pipeline.upstream import MAX_BUFFERED_BYTES, UpstreamBroke, UpstreamPool
+from gateway.pipeline.upstream import (
+    MAX_BUFFERED_BYTES,
+    BodyTooLarge,
+    HeadersTooLarge,
+    UpstreamBroke,
+    UpstreamPool,
+    origin,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 SSE_HEAD = (
@@ -221,3 +228,178 @@ async def test_unread_body_bytes_stay_bounded_and_the_socket_is_paused(
     assert conn.transport.is_reading()  # a read resumes the socket
     conn.close()
     pool.close()
+
+
+JSON_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+STRAY_BODY = b'{"stray": "another request\'s '
+"""A partial answer an engine writes on an idle keep-alive connection (issue 45, item 4)."""
+
+
+def answer_of(body: bytes) -> bytes:
+    return JSON_HEAD + b"content-length: %d\r\n\r\n%b" % (len(body), body)
+
+
+def stray_swallowing(real: bytes) -> bytes:
+    """A partial response whose content-length swallows the `real` answer written after it."""
+    return JSON_HEAD + b"content-length: %d\r\n\r\n%b" % (len(STRAY_BODY) + len(real), STRAY_BODY)
+
+
+class StrayEngine:
+    """Answers the i-th request (on any connection) with `{"n": i}`; the test writes stray
+    bytes on its connection (`writers`) whenever it likes."""
+
+    def __init__(self) -> None:
+        self.writers: list[asyncio.StreamWriter] = []
+        self.num_answered = 0
+
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        while True:
+            await read_request(reader)
+            self.num_answered += 1
+            writer.write(answer_of(b'{"n": %d}' % self.num_answered))
+            await writer.drain()
+
+
+async def test_a_stray_response_waiting_unread_on_an_idle_connection_never_reaches_the_next(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    """Item 4, at the pool. The stray bytes are in the gateway's socket, not yet read, when the
+    next request takes the connection (a busy loop: they arrived after its last poll). Before:
+    that request's answer was the stray response, its body the stray bytes and the engine's real
+    answer swallowed by the stray's length. Now the connection is not reused."""
+    engine = StrayEngine()
+    server = await serve(engine)
+    pool = UpstreamPool(8, 2.0)
+    conn = await pool.post(server.url, b"{}")
+    assert await conn.read() == b'{"n": 1}'
+    conn.release()
+    (writer,) = engine.writers
+    writer.transport.write(stray_swallowing(answer_of(b'{"n": 2}')))  # sent now, not read yet
+    conn = await pool.post(server.url, b"{}")  # no await before the request is written
+    async with asyncio.timeout(2):
+        body = await conn.read()
+    assert body == b'{"n": 2}'  # its own answer, on a new connection
+    assert server.num_connections == 2
+    conn.release()
+    pool.close()
+
+
+async def test_a_byte_arriving_on_an_idle_connection_closes_it(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    """Item 4: the stray bytes are read while the connection sits idle in the pool. Before: they
+    were parsed and kept, the connection reused, and the next answer swallowed by the stray's
+    length (the next request waited for headers that had come already). Now the connection is
+    closed at once, and the next request gets its own answer on a new one."""
+    engine = StrayEngine()
+    server = await serve(engine)
+    pool = UpstreamPool(8, 2.0)
+    conn = await pool.post(server.url, b"{}")
+    assert await conn.read() == b'{"n": 1}'
+    conn.release()
+    (writer,) = engine.writers
+    writer.write(stray_swallowing(answer_of(b'{"n": 2}')))
+    await eventually(lambda: not pool.connections, timeout_s=2)  # closed by the gateway
+    conn = await pool.post(server.url, b"{}")
+    async with asyncio.timeout(2):
+        assert await conn.read() == b'{"n": 2}'  # its own answer, on a new connection
+    conn.release()
+    assert server.num_connections == 2
+    pool.close()
+
+
+async def test_bytes_after_the_end_of_a_response_are_not_part_of_it(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    """Item 4: the stray response follows the real one in the same network read. Before: its
+    body was handed to the reader as more of this response's body, and the connection went back
+    to the pool mid-stray. Now this answer is exactly its own, and the connection is dropped."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(answer_of(b'{"n": 1}') + stray_swallowing(answer_of(b'{"n": 2}')))
+        await writer.drain()
+        await read_request(reader)
+        writer.write(answer_of(b'{"n": 2}'))
+        await writer.drain()
+        await reader.read()
+
+    server = await serve(answer)
+    pool = UpstreamPool(8, 2.0)
+    conn = await pool.post(server.url, b"{}")
+    assert await conn.read() == b'{"n": 1}'
+    conn.release()
+    conn = await pool.post(server.url, b"{}")
+    async with asyncio.timeout(2):
+        assert await conn.read() == b'{"n": 1}'  # a new connection: its first answer
+    conn.release()
+    assert server.num_connections == 2
+    pool.close()
+
+
+async def test_a_head_or_a_whole_body_over_its_limit_fails_and_the_connection_closes(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    """Item 5, at the pool: llhttp is fed at most `max_header_bytes` of a head (however the
+    engine splits it), and `read(limit)` stops past its limit; neither connection is reused."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            request = await read_request(reader)
+            if request.endswith(b'"head"}'):
+                writer.write(JSON_HEAD + b"x-big: ")
+                for _ in range(40):  # 40 reads' worth of a 4 KB header line
+                    writer.write(b"a" * 4096)
+                    await writer.drain()
+                writer.write(b"\r\ncontent-length: 2\r\n\r\n{}")
+            else:
+                writer.write(answer_of(b"b" * 1_000_000))  # more than is read ahead
+            await writer.drain()
+
+    server = await serve(answer)
+    pool = UpstreamPool(8, 2.0, max_header_bytes=16 * 1024)
+    with pytest.raises(HeadersTooLarge, match="over 16384 bytes"):
+        await pool.post(server.url, b'{"a":"head"}')
+    conn = await pool.post(server.url, b'{"a":"body"}')
+    with pytest.raises(BodyTooLarge, match="larger than 4096 bytes"):
+        await conn.read(4096)
+    conn.release()  # its response had not ended: closed, not pooled
+    await eventually(lambda: not pool.connections)
+    conn = await pool.post(server.url, b'{"a":"body"}')
+    assert len(await conn.read(1_000_000)) == 1_000_000
+    conn.release()
+    assert server.num_connections == 3
+    pool.close()
+
+
+async def test_an_engine_ending_a_kept_alive_connection_is_reported(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    """Issue 45, item 17: an idle pooled connection the engine ends before its keep-alive ran
+    out (a SIGKILL closes every socket of the process) is reported at once, so the replica
+    becomes suspect before any request finds it restarted; ours closing one is not."""
+    drop = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+        writer.write(b"content-length: 2\r\n\r\n{}")
+        await writer.drain()
+        await drop.wait()  # then the engine dies: its socket closes
+
+    server = await serve(answer)
+    pool = UpstreamPool(8, 2.0)
+    reported: list[tuple[str, int, bool]] = []
+    pool.on_peer_closed = reported.append
+    conn = await pool.post(server.url, b"{}")
+    assert await conn.read() == b"{}"
+    conn.release()  # idle in the pool
+    assert reported == []
+    drop.set()
+    await eventually(lambda: bool(reported))
+    assert reported == [origin(server.url)[:3]]
+    conn = await pool.post(server.url, b"{}")  # a new connection: the pool has none idle
+    pool.close()  # ours: not reported
+    await eventually(lambda: not pool.connections)
+    assert len(reported) == 1

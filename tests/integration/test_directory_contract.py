@@ -309,6 +309,31 @@ async def test_the_shared_rate_of_a_burst_is_the_in_process_one(shared_store: St
     assert shared.rate_per_min == pytest.approx(29 * 60 / 1.0, rel=1e-3)  # a span of >= 1 s
 
 
+async def test_later_siblings_are_taken_back_from_the_shared_rate_as_in_process(
+    shared_store: Store,
+) -> None:
+    """Issue 45, item 16: a fan-out flight's later siblings are not new arrivals; the rate
+    Redis counts takes them back as `PrefixRates.unobserve` does, never below the first."""
+    store = shared_store
+    d = await store.make()
+    r1 = store.replica("r1")
+    named(d, store, "r1")
+    spine = store.chain("burst", 3)
+    await d.record(r1, spine)
+    store.clock.now = 1_800_000_003.0
+    local = PrefixRates(clock=store.clock)
+    for _ in range(16):
+        await d.lookup_full(spine, rate_window_s=local.window_s)
+        local.observe(spine[-1])
+    for _ in range(16):  # one more than the siblings: the first request stays
+        await d.hot.uncount(spine[-1])
+        local.unobserve(spine[-1])
+    store.clock.now += 0.5
+    shared = await d.lookup_full(spine, rate_window_s=local.window_s)
+    assert shared.rate_per_min == pytest.approx(local.observe(spine[-1]).rate_per_min, rel=1e-3)
+    assert shared.rate_per_min == pytest.approx(60.0, rel=1e-3)  # two arrivals over >= 1 s
+
+
 @pytest.mark.parametrize("num_blocks", [8, 64, 512])
 async def test_a_lookup_is_exactly_one_redis_command(
     num_blocks: int, fresh_redis: RedisServer

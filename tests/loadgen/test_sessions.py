@@ -66,3 +66,17 @@ def test_replay_and_bench_read_the_spec_as_a_trace_sliced_and_shifted() -> None:
     assert {r.tenant for r in sliced.requests} <= {"tenant-0", "tenant-1"}
     with pytest.raises(ValueError, match="blocks are 64 tokens"):
         read_trace(spec, block_size=16)
+
+
+def test_gaps_pause_every_nth_step_and_leave_the_trace_unchanged_when_off() -> None:
+    spec = "agent-sessions:sessions=1,steps=7,start=4000,tool=200,output=56,interval=10"
+    plain = agent_sessions_trace(spec)
+    assert agent_sessions_trace(spec + ",gap_every=0,gap=900").requests == plain.requests
+    gapped = agent_sessions_trace(spec + ",gap_every=3,gap=900")
+    waits = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(gapped.requests)]
+    # before steps 4 and 7 (1-based) the session waits 900 s ±50%, else 10 s ±50%
+    assert [i for i, w in enumerate(waits) if w >= 450] == [2, 5]
+    assert all(5 <= w <= 15 for i, w in enumerate(waits) if i not in (2, 5))
+    assert [r.hash_ids for r in gapped.requests] == [r.hash_ids for r in plain.requests]
+    with pytest.raises(ValueError, match="gap_every >= 0 and gap >= 0"):
+        agent_sessions_trace("agent-sessions:gap=-1")

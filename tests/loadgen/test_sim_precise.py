@@ -185,3 +185,40 @@ def test_the_live_conversations_are_the_recent_or_running_others_own_blocks() ->
     assert convs.live("c", (*system, 300, 301, 302), 16.5) == {"r0": [1]}
     convs.routed("a", "r1", 17.0, (*system, 100, 101, 102, 103))  # a returns, elsewhere
     assert convs.live("d", mine, 17.0) == {"r0": [1], "r1": [4]}
+
+
+def _blind_second_turn(seed: int, affinity_weight: float) -> PolicyResult:
+    """Turn 2 arrives before turn 1's events land: the directory shows it held nowhere (as
+    after an eviction everywhere), so only the conversation's home says where it went."""
+    reqs = [
+        TraceRequest(0, 0.0, 250, 1, (0, 1, 2), conversation="c"),
+        TraceRequest(1, 5.0, 350, 1, (0, 1, 2, 3), conversation="c"),
+    ]
+    config = SimConfig(
+        num_replicas=2,
+        capacity_frac=4.0,
+        timing=TimingModel(prefill_tokens_per_s=1000.0, decode_s_per_token=0.0),
+        affinity_weight=affinity_weight,
+        mode=PRECISE,
+        event_delay_s=10.0,
+        seed=seed,
+    )
+    _, (result,) = run_policies(Trace("blind turn", 100, reqs), ["cache_aware"], config)
+    return result
+
+
+def test_a_blind_turn_goes_home_with_affinity_and_hops_at_random_without() -> None:
+    """Issue 40's mechanism in two turns: precise mode sees no hit anywhere and places by load
+    (here a tie, broken at random: a hop in about half the seeds, each a blind move that
+    prefills the whole context again); the conversation's home keeps it where it was."""
+    without = [_blind_second_turn(seed, 0.0) for seed in range(8)]
+    assert any(r.num_moves for r in without)
+    for r in without:
+        assert r.num_blind_moves == r.num_moves
+        assert r.session_hops_mean == r.num_moves and r.session_hops_max == r.num_moves
+        assert r.session_reprefill_tokens_mean == r.lost_staying_tokens + r.lost_moving_tokens
+    for seed in range(8):
+        with_home = _blind_second_turn(seed, 1.0)
+        assert with_home.num_moves == 0 and with_home.session_hops_max == 0
+        first, second = sorted(with_home.outcomes, key=lambda o: o.index)
+        assert second.replica == first.replica and second.best_blocks == 0

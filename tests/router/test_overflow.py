@@ -137,3 +137,45 @@ def test_spread_adds_the_least_loaded_non_holders() -> None:
     deeper = RouteRequest(num_blocks=20, num_prompt_tokens=1280, overlap={"a": 12, "b": 18})
     widened, added = spread(deeper, replicas, depth=12, k=3)
     assert widened.overlap == {"a": 12, "b": 18, "c": 12}  # b's deeper match is kept
+
+
+# -- issue 45, item 16: a fan-out burst is one arrival, widened only when its holder is full ----
+def test_later_siblings_are_taken_back_from_the_rate_but_the_first_request_stays() -> None:
+    clock = Clock()
+    rates = PrefixRates(window_s=10.0, clock=clock)
+    prefix = BlockHash(b"p" * 16)
+    for _ in range(16):  # a burst of siblings in one instant...
+        rates.observe(prefix)
+    for _ in range(15):  # ...fifteen of which the placement finds are one flight's siblings
+        rates.unobserve(prefix)
+    rates.unobserve(prefix)  # never below the first request: the young rate's clock is there
+    clock.now += 0.5
+    assert rates.observe(prefix).rate_per_min == pytest.approx(60.0)  # two arrivals in 1 s
+    clock.now += 20.0  # a later window: nothing of an older one is taken back
+    rates.observe(prefix)
+    rates.unobserve(prefix)
+    assert rates.observe(prefix).rate_per_min > 0
+
+
+def test_a_holder_has_room_until_its_measured_load_passes_the_bound() -> None:
+    from router.fanout import holders_have_room
+    from router.filters import LoadBoundFilter
+
+    bound = LoadBoundFilter(absolute_slack_tokens=2_000, relative_slack=0.0)
+    req = RouteRequest(num_blocks=60, num_prompt_tokens=15_100, overlap={"a": 58})
+    idle = [Replica("a", True, 0, 0), Replica("b", True, 0, 0), Replica("c", True, 0, 0)]
+    assert holders_have_room(req, idle, depth=58, bound=bound)
+    # the holder's queue: 14 siblings' suffixes would not be enough to leave the bound...
+    queued = [Replica("a", True, 14, 14 * 100), *idle[1:]]
+    assert holders_have_room(req, queued, depth=58, bound=bound)
+    # ...but a long prefill queued there is: then a sibling may widen the prefix
+    busy = [Replica("a", True, 3, 40_000), *idle[1:]]
+    assert not holders_have_room(req, busy, depth=58, bound=bound)
+    # decode counts: thousands of output tokens still to generate on the holder
+    decoding = [Replica("a", True, 8, 0, decode_tokens=8_000), *idle[1:]]
+    weighted = RouteRequest(
+        num_blocks=60, num_prompt_tokens=15_100, overlap={"a": 58}, decode_token_weight=4.0
+    )
+    assert not holders_have_room(weighted, decoding, depth=58, bound=bound)
+    # nobody holds it (or the holder is down): no room to keep the siblings on
+    assert not holders_have_room(req, [Replica("a", False, 0, 0), *idle[1:]], 58, bound)

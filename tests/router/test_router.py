@@ -36,6 +36,9 @@ def test_cache_aware_picks_the_longest_match() -> None:
     assert decision.reason == "prefix"
     assert decision.matched_blocks == 90
     assert decision.ranking[:2] == ("r2", "r1")
+    # the receipt's numbers: the policy, and a score per ranked replica, best first
+    assert decision.policy == "cache_aware" and len(decision.scores) == len(IDS)
+    assert decision.scores[0] > decision.scores[1] > decision.scores[2]
 
 
 def test_the_best_match_is_passed_over_exactly_when_it_is_over_the_load_bound() -> None:
@@ -48,6 +51,7 @@ def test_the_best_match_is_passed_over_exactly_when_it_is_over_the_load_bound() 
     over = policy.decide(req, fleet(r2=15_761), random.Random(0))
     assert over is not None and over.replica != "r2" and over.reason == "load_bound"
     assert over.ranking[-1] == "r2"  # demoted, still a fallback for retries
+    assert len(over.scores) == len(over.ranking)  # r2 scored within the demoted group
 
 
 def test_decode_still_running_counts_in_the_bound() -> None:

@@ -71,6 +71,8 @@ def test_the_defaults_render_the_whole_deployment() -> None:
         ("ConfigMap", "kvgate"),
         ("Deployment", "kvgate"),
         ("HorizontalPodAutoscaler", "kvgate"),
+        ("NetworkPolicy", "kvgate"),
+        ("NetworkPolicy", "kvgate-redis"),
         ("Pod", "kvgate-test"),
         ("PodDisruptionBudget", "kvgate"),
         ("Role", "kvgate-discovery"),
@@ -120,7 +122,9 @@ def test_the_defaults_render_the_whole_deployment() -> None:
     assert server["image"].startswith("redis:")
     assert server["args"][:2] == ["--appendonly", "yes"]
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
-    assert env["KVGATE_REDIS_URL"] == "redis://kvgate-redis:6379/0"
+    assert (
+        env["KVGATE_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@kvgate-redis:6379/0"
+    )  # a generated password
 
 
 def test_the_gateway_accepts_what_the_chart_renders(tmp_path: Path) -> None:
@@ -129,7 +133,7 @@ def test_the_gateway_accepts_what_the_chart_renders(tmp_path: Path) -> None:
     for values in (None, chart.EVERYTHING_VALUES, EXTERNAL_VALUES):
         objects = chart.template(values)
         config = tmp_path / "kvgate.yaml"
-        config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+        config.write_text(one(objects, "ConfigMap", "kvgate")["data"]["kvgate.yaml"])
         (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e["value"] for e in gateway["env"] if "value" in e}
         redis_url = env.get("KVGATE_REDIS_URL", "").replace("$(REDIS_PASSWORD)", "pw") or None
@@ -213,7 +217,7 @@ def test_everything_on_renders_every_option() -> None:
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     (gateway,) = pod["containers"]
     billing = next(m for m in gateway["volumeMounts"] if m["name"] == "billing")
-    assert billing["subPathExpr"] == "$(POD_NAME)"  # one claim, a directory per pod
+    assert "subPathExpr" not in billing  # one claim, seen whole: a directory per pod in it
     claim = one(objects, "PersistentVolumeClaim")
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     assert {
@@ -275,7 +279,7 @@ def test_epp_mode_renders_an_inference_pool_the_picker_and_its_endpoints(tmp_pat
             "kind": "Service",
             "name": "kvgate",
             "port": {"number": 9002},
-            "failureMode": "FailOpen",
+            "failureMode": "FailClose",
         },
     }
     assert chart.validate_inference_pools(objects) == []
@@ -289,7 +293,7 @@ def test_epp_mode_renders_an_inference_pool_the_picker_and_its_endpoints(tmp_pat
         "tier": "gpu",
     }
     config = tmp_path / "kvgate.yaml"
-    config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    config.write_text(one(objects, "ConfigMap", "kvgate")["data"]["kvgate.yaml"])
     settings = load_settings(config)
     assert settings.mode == "epp" and settings.epp_port == 9002
     assert settings.discovery == "kubernetes"
@@ -320,7 +324,7 @@ def test_metrics_port_null_serves_no_metrics(tmp_path: Path) -> None:
     (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "metrics" not in {p["name"] for p in gateway["ports"]}
     config = tmp_path / "kvgate.yaml"
-    config.write_text(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    config.write_text(one(objects, "ConfigMap", "kvgate")["data"]["kvgate.yaml"])
     assert load_settings(config).metrics_port is None
 
 
@@ -331,7 +335,7 @@ def test_the_drain_fits_in_the_pods_termination_grace(tmp_path: Path) -> None:
     objects = chart.template()
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     (gateway,) = pod["containers"]
-    config = yaml.safe_load(one(objects, "ConfigMap")["data"]["kvgate.yaml"])
+    config = yaml.safe_load(one(objects, "ConfigMap", "kvgate")["data"]["kvgate.yaml"])
     sleep = gateway["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert sleep + config["shutdown_grace_s"] + 15 == pod["terminationGracePeriodSeconds"]
     path = tmp_path / "values.yaml"
@@ -356,3 +360,60 @@ def test_workers_without_redis_are_refused(tmp_path: Path) -> None:
         "autoscaling": {"enabled": False},
     }
     assert "workers: 2 needs a shared Redis" in refused(tmp_path, values)
+
+
+def test_the_in_chart_ledger_store_fsyncs_every_write_as_billing_requires(tmp_path: Path) -> None:
+    """Issue 45, item 1: the chart's only Redis ran `--appendfsync everysec` while docs/billing.md
+    requires `always` of the ledger store (and the gateway now refuses anything else). The
+    ledger store is a Redis of its own (`billing.store`), wired as billing_redis_url; the
+    directory's Redis keeps `everysec` (an fsync before every reply would hold its lookups)."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"billing": {"store": {"enabled": True}}}))
+    objects = chart.template(path)
+    validated = chart.validate(objects)
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+    store = one(objects, "StatefulSet", "kvgate-billing-store")
+    (server,) = store["spec"]["template"]["spec"]["containers"]
+    args = server["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == "always"
+    assert store["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    service = one(objects, "Service", "kvgate-billing-store")
+    assert service["spec"]["selector"] == store["spec"]["selector"]["matchLabels"]
+    (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in gateway["env"]}
+    assert (
+        env["KVGATE_BILLING_REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@kvgate-billing-store:6379/0"
+    )
+    (directory,) = one(objects, "StatefulSet", "kvgate-redis")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert directory["args"][directory["args"].index("--appendfsync") + 1] == "everysec"
+    # off by default; one ledger store, never two; an fsync mode Redis knows
+    assert not [o for o in chart.template() if o["metadata"]["name"] == "kvgate-billing-store"]
+    both = {"billing": {"store": {"enabled": True}}, "config": {"billing_redis_url": "redis://x"}}
+    assert "choose one ledger store" in refused(tmp_path, both)
+    assert "appendfsync" in refused(tmp_path, {"redis": {"appendfsync": "sometimes"}})
+
+
+def test_with_billing_persistence_every_gateway_sees_its_siblings_wal_to_take_over() -> None:
+    """Issue 45, item 3: with persistence on, each pod mounted only its own directory
+    (`subPathExpr: $(POD_NAME)`), so nobody ever opened the directory of a pod that was gone.
+    Now the claim is mounted whole, the pod's log is `<walDir>/<pod name>`, and the gateway takes
+    over the sibling directories whose gateway is gone."""
+    objects = chart.template(chart.EVERYTHING_VALUES)
+    (gateway,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in gateway["env"]}
+    names = [e["name"] for e in gateway["env"]]
+    assert names.index("POD_NAME") < names.index("KVGATE_BILLING_WAL_DIR")  # $(POD_NAME) expands
+    assert env["KVGATE_BILLING_WAL_DIR"] == "/var/lib/kvgate/billing/$(POD_NAME)"
+    assert env["KVGATE_BILLING_WAL_TAKEOVER"] == "true"
+    (mount,) = [m for m in gateway["volumeMounts"] if m["name"] == "billing"]
+    assert mount == {"name": "billing", "mountPath": "/var/lib/kvgate/billing"}  # no subPath
+    claim = one(objects, "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    # without persistence: an emptyDir per pod, its own log, nothing to take over
+    (gateway,) = one(chart.template(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in gateway["env"]}
+    assert env["KVGATE_BILLING_WAL_DIR"] == "/var/lib/kvgate/billing"
+    assert "KVGATE_BILLING_WAL_TAKEOVER" not in env

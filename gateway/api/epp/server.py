@@ -9,6 +9,9 @@ health check of the picker cluster asks the ext-proc service, so a dead picker h
 host and the stream fails before the request's body is streamed to it: that is when
 FailOpen (`failure_mode_allow`) can still let the request through. All turn NOT_SERVING at
 shutdown.
+
+The health services answer anyone (they tell nothing); the ext-proc service, with `epp_token`
+set, serves only streams that carry it (`PickerService`, docs/deployment.md#the-envoy-config).
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ async def start_epp(settings: Settings, front: FrontEnd) -> EppServer:
             ("grpc.so_reuseport", int(settings.worker_index is not None)),
         ]
     )
-    service = PickerService(front, settings.epp_max_message_timeout_s)
+    token = settings.epp_token.get_secret_value() if settings.epp_token else None
+    service = PickerService(front, settings.epp_max_message_timeout_s, token)
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

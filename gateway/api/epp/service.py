@@ -11,6 +11,11 @@ that order (headers → body → trailers, request side then response side):
     response_headers ─────────────▶ HeadersResponse; a 2xx is an exchange on the served replica
     response_body × n, end ───────▶ the same bytes (the first token recorded, the usage billed)
 
+Who may speak: with `epp_token` set, only a stream carrying it (Envoy's `initial_metadata`)
+is read at all (`PickerService`); the tenant's key is checked on the request headers, before
+any body byte is kept; the body kept is at most `max_body_bytes` in total (413 past it), and
+nothing of the request is kept after the pick or a refusal.
+
 Handlers stay thin, as the HTTP ones do: authenticate (the key header), parse
 (`gateway.api.openai.parse`), `Director.pick`, map errors in one place (`gateway.api.errors`).
 The request body mode may be FULL_DUPLEX_STREAMED (production: the documented Envoy config) or
@@ -22,9 +27,11 @@ reconciliation): Envoy announces its modes in the stream's first message (`proto
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from typing import Any
 
+import grpc
 import orjson
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
@@ -33,7 +40,7 @@ from gateway.api.epp import mutations as m
 from gateway.api.epp.relay import ResponseRelay
 from gateway.api.errors import openai_error_body
 from gateway.api.openai.parse import parse_chat, parse_completion
-from gateway.errors import GatewayError, UpstreamError
+from gateway.errors import GatewayError, PayloadTooLarge, UpstreamError
 from gateway.pipeline.relayed import Pick, RelayedExchange
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
@@ -67,6 +74,9 @@ class Conversation:
         self.relay_body = False
         self.body = bytearray()
         self.picked = False
+        """The pick was made (or the request refused): request bytes after it are dropped."""
+        self.refused = False
+        self.tenant: Tenant | None = None
         self.pick: Pick | None = None
         self.exchange: RelayedExchange | None = None
         self.relay: ResponseRelay | None = None
@@ -81,10 +91,19 @@ class Conversation:
             await self._request_headers(request)
         elif kind == "request_body":
             body = request.request_body
+            if self.picked:  # picked or refused: nothing more of the request is kept
+                return
+            if len(self.body) + len(body.body) > self.front.max_body_bytes:
+                await self._refuse(
+                    PayloadTooLarge(f"the body is over {self.front.max_body_bytes} bytes")
+                )
+                return
             self.body += body.body
             if body.end_of_stream:
                 await self._pick()
         elif kind == "request_trailers":
+            if self.refused:
+                return
             await self._pick()
             await self.send(m.trailers_continue(response=False))
         elif kind == "response_headers":
@@ -107,8 +126,20 @@ class Conversation:
         if request.request_headers.end_of_stream:
             self.picked = True
             await self.send(self._bodiless())
-        elif self.buffered:
+            return
+        try:  # on the headers: an unknown key's body is never buffered
+            self.tenant = self._authenticate()
+        except GatewayError as err:
+            await self._refuse(err)
+            return
+        if self.buffered:
             await self.send(m.headers_continue(response=False))
+
+    async def _refuse(self, err: GatewayError) -> None:
+        """Answer `err` now; the rest of the request is dropped unread."""
+        self.picked = self.refused = True
+        self.body = bytearray()
+        await self.send(_error(err))
 
     def _bodiless(self) -> Any:
         """A request without a body: the model list (as the standalone gateway answers it),
@@ -150,7 +181,7 @@ class Conversation:
             return
         self.picked = True
         try:
-            tenant = self._authenticate()
+            tenant = self.tenant or self._authenticate()
             parsed = self._parse()
             pick = await self.front.pipeline.pick(
                 parsed,
@@ -161,7 +192,7 @@ class Conversation:
                 on_hold=self._on_hold,
             )
         except GatewayError as err:
-            await self.send(_error(err))
+            await self._refuse(err)
             return
         self.pick = pick
         self.body = bytearray()
@@ -245,13 +276,34 @@ def _error(err: GatewayError) -> Any:
 
 
 class PickerService:
-    """The `envoy.service.ext_proc.v3.ExternalProcessor` servicer."""
+    """The `envoy.service.ext_proc.v3.ExternalProcessor` servicer. With a `token`, a stream
+    must carry `authorization: Bearer <token>` in its gRPC metadata (Envoy's
+    `grpc_service.initial_metadata`): without it the stream is refused UNAUTHENTICATED before
+    its first message is read, so no one but Envoy can pose as Envoy (a forged usage event
+    after a genuine pick would under-bill)."""
 
-    def __init__(self, front: FrontEnd, max_message_timeout_s: float) -> None:
+    def __init__(
+        self, front: FrontEnd, max_message_timeout_s: float, token: str | None = None
+    ) -> None:
         self.front = front
         self.max_message_timeout_s = max_message_timeout_s
+        self._token = None if token is None else f"Bearer {token}".encode()
+
+    def _authorized(self, context: Any) -> bool:
+        if self._token is None:
+            return True
+        sent = dict(context.invocation_metadata() or ()).get("authorization", "")
+        given = sent.encode() if isinstance(sent, str) else bytes(sent)
+        return hmac.compare_digest(given, self._token)
 
     async def Process(self, requests: Any, context: Any) -> None:
+        if not self._authorized(context):
+            log.warning("endpoint picker: refused an ext-proc stream without the picker's token")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "this ext-proc stream needs the picker's token (epp_token) as "
+                "'authorization: Bearer TOKEN' metadata",
+            )
         conversation = Conversation(self.front, context, self.max_message_timeout_s)
         failure: BaseException | None = None
         try:

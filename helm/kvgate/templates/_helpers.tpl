@@ -91,9 +91,15 @@ app.kubernetes.io/component: redis
 {{- if or .Values.redis.enabled .Values.redis.external.url .Values.redis.external.existingSecret -}}true{{- end -}}
 {{- end -}}
 
-{{/* The chart's Secret holds the Redis password when one is set for the in-chart Redis. */}}
+{{/* The chart's Secret holds the password of the in-chart Redis and billing store (given, or
+generated at install). */}}
 {{- define "kvgate.redisPassword" -}}
-{{- if and .Values.redis.enabled .Values.redis.password -}}true{{- end -}}
+{{- if or .Values.redis.enabled .Values.billing.store.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The chart's Secret holds the picker's token (epp_token). */}}
+{{- define "kvgate.eppToken" -}}
+{{- if and .Values.epp.enabled .Values.epp.token -}}true{{- end -}}
 {{- end -}}
 
 {{- define "kvgate.image" -}}

@@ -95,7 +95,10 @@ def test_two_gateways_bill_one_conversation_from_one_ledger(
     fresh_redis: RedisServer,
     tmp_path: Path,
 ) -> None:
-    shared = {"billing_profiles": {"acme": "anthropic", "globex": "anthropic"}}
+    shared: dict[str, Any] = {
+        "billing_profiles": {"acme": "anthropic", "globex": "anthropic"},
+        "billing_redis_allow_unsafe_fsync": True,  # a Redis without an AOF: not the point here
+    }
     a, clock_a = billed_gateway(
         start_engines, start_gateway, tmp_path / "a", billing_redis_url=fresh_redis.url, **shared
     )
@@ -153,6 +156,7 @@ def test_an_explicit_content_made_on_one_gateway_serves_on_another(
         "billing_profiles": {"acme": "google_explicit"},
         "billing_model_map": {MODEL: "gemini-3.1-pro"},
         "billing_redis_url": fresh_redis.url,
+        "billing_redis_allow_unsafe_fsync": True,  # a Redis without an AOF: not the point here
     }
     a, clock_a = billed_gateway(start_engines, start_gateway, tmp_path / "a", **settings)
     b, clock_b = billed_gateway(start_engines, start_gateway, tmp_path / "b", **settings)

@@ -86,3 +86,16 @@ def test_short_arrays_are_padded() -> None:
 def test_malformed_batches_raise_one_error(payload: bytes) -> None:
     with pytest.raises(MalformedBatch):
         decode_batch(payload)
+
+
+def test_a_block_hash_longer_than_any_engines_is_malformed() -> None:
+    """Issue 45, item 7: a hash of any length reached the shared index's writer."""
+    event = {"type": "BlockStored", "block_hashes": [b"\x01" * 64, 5], "parent_block_hash": None,
+             "token_ids": [1] * 32, "block_size": 16}  # fmt: skip
+    assert len(decode_batch(msgspec.msgpack.encode([1.0, [event]])).events) == 1
+    for long in ({"block_hashes": [b"\x01" * 65]}, {"parent_block_hash": b"\x02" * 300}):
+        with pytest.raises(MalformedBatch, match="at most 64 bytes"):
+            decode_batch(msgspec.msgpack.encode([1.0, [{**event, **long}]]))
+        removed = ["BlockRemoved", long.get("block_hashes", [b"\x03" * 65]), "GPU"]
+        with pytest.raises(MalformedBatch, match="at most 64 bytes"):
+            decode_batch(msgspec.msgpack.encode([1.0, [removed]]))

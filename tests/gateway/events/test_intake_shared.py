@@ -140,3 +140,51 @@ async def test_an_owner_writes_its_domain_back_when_redis_lost_it(
     assert (await reader.lookup(keys))[url].depth == 4
     await intake.close()
     await redis.aclose()
+
+
+async def test_one_engines_long_block_hash_drops_no_other_engines_writes(
+    client: AnyRedis,
+) -> None:
+    """Issue 45 item 7: two engines' feeds write through one owner; the second publishes a
+    block hash of 300 bytes (a field no map can hold). Its batch is malformed (counted, not
+    applied); the first engine's blocks, queued before it in the same flush, reach Redis."""
+    honest, hostile = (f"http://{uuid.uuid4().hex[:8]}:8000" for _ in range(2))
+    ctx = zmq.asyncio.Context()
+    writer = EventWriter(client, block_size=16)
+    good = feed_of(writer, honest, ctx, await writer.adopt(honest))
+    bad = feed_of(writer, hostile, ctx, await writer.adopt(hostile))
+    await good.receive(0, batch(stored(10, PROMPT)))
+    long_hash = stored(10, MORE)
+    long_hash["block_hashes"] = [b"\xab" * 300, b"\xac" * 16]
+    await bad.receive(0, batch(long_hash))
+    await writer.flush()
+    reader = EventReader(client)
+    assert honest in await reader.lookup(precise_keys(PROMPT, SALT, 16))
+    assert (await reader.lookup(precise_keys(PROMPT, SALT, 16)))[honest].depth == 4
+    assert bad.stats.malformed == 1 and writer.num_blocks(hostile) == 0
+    assert writer.flush_errors == 0
+    good.close()
+    bad.close()
+    await writer.close()
+    ctx.term()
+
+
+async def test_a_flush_that_cannot_be_built_keeps_every_domains_writes(
+    client: AnyRedis,
+) -> None:
+    """Item 7, the writer's side: a block the pipeline cannot carry (a hash too long for the
+    map, applied past the decoder) fails its own domain's part of the flush only. The other
+    domain's writes land; the failed domain's stay pending (nothing is dropped while the log
+    says "kept, retried")."""
+    honest, broken = (f"http://{uuid.uuid4().hex[:8]}:8000" for _ in range(2))
+    writer = EventWriter(client, block_size=16)
+    await writer.adopt(honest)
+    await writer.adopt(broken)
+    writer.apply(honest, BlockStored([1, 2, 3, 4], None, PROMPT, 16, cache_salt=SALT))
+    writer.apply(broken, BlockStored([b"\x01" * 300], None, MORE[:16], 16, cache_salt=SALT))
+    with pytest.raises(ValueError, match="map"):
+        await writer.flush()
+    reader = EventReader(client)
+    assert (await reader.lookup(precise_keys(PROMPT, SALT, 16)))[honest].depth == 4
+    assert writer.pending_blocks() == 1 and writer.flush_errors >= 1
+    await writer.close()

@@ -43,6 +43,8 @@ async def test_the_view_is_each_live_candidates_deepest_rank_ties_to_the_lowest(
         assert [f.config.domain for f in feeds] == [x.url + "#0", x.url + "#1"]
         await joined(x.url, feeds)
         keys = precise_keys(A, None, 16)
+        for rank in (0, 1):  # sent there by this gateway (claims are weighed by placements)
+            precise.placed.place(f"{x.url}#{rank}", keys)
         # rank 0 holds A's first block, rank 1 both
         await call(on_rank, x.url, A[:20], 0)
         await call(on_rank, x.url, A, 1)

@@ -1,0 +1,141 @@
+"""Conversation affinity: where each conversation's latest request went, kept after its KV is
+gone (issue 40).
+
+A conversation's next request extends its previous prompt, and hash(i) names the whole prefix
+up to block i (`cachemap.keys`), so the next request's chain holds the previous request's last
+block hash. The table maps that hash to the replica the router sent the request to:
+
+    record(hashes, replica):   table[hashes[-1]] = (replica, now)   (the entry it extended goes)
+    lookup(hashes):            the deepest d with hashes[d-1] in the table, walked from the end
+                               ──▶ Home(replica, d, key)            (None: a new conversation)
+
+The directory forgets a block when its engine evicts it; this table forgets a conversation only
+by age (`ttl_s`: an entry older than that matches nothing) and by room (`capacity`: least
+recently recorded first out). So "the conversation's KV is evicted everywhere" still knows the
+replica its previous turns went to, which precise mode's directory, exact about residency,
+does not (docs/precise.md, "Conversation affinity").
+
+Worked example (64-token blocks; the tenant's salt in every hash):
+
+    turn 1, blocks a b c        ──▶ r1; record: {c: r1}
+    turn 2, blocks a b c d e    lookup: c at depth 3 ──▶ Home(r1, 3); routed to r1;
+                                record: {e: r1} (c dropped: one entry per conversation)
+    turn 3 after an hour's pause, every replica evicted it: lookup finds e ──▶ Home(r1, 5),
+    unless the TTL passed: None.
+
+Salted hashes keep tenants apart: two tenants' chains share no hash, so a lookup never returns
+a home another tenant's conversation made.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cachemap.directory import DIRECTORY_CLOCK, Clock
+from cachemap.keys import BlockHash
+
+DEFAULT_AFFINITY_CAPACITY = 65_536
+"""Conversations remembered per gateway: an entry is a 16-byte key, a replica id and a time in
+an OrderedDict node (~200 bytes), so 64k conversations are ~13 MB. A fleet serves far fewer
+conversations within the TTL (the issue's trace: 142 sessions in 10.8 hours)."""
+
+DEFAULT_AFFINITY_TTL_S = 3_600.0
+"""A conversation silent for an hour is treated as new: a coding agent's human pauses (review,
+a meeting, a long build) last minutes to an hour; past that, the replica it went to is as good
+as any other (its KV is long gone there too, and the load has moved)."""
+
+MAX_WALK_BLOCKS = 2_048
+"""A lookup walks at most this many blocks back from the end: a turn that added more (32k
+tokens at the engines' 16-token blocks, ~128k at the directory's 256-byte ones) finds no home.
+It bounds the walk of a new conversation, which finds nothing: 2,048 dict probes (~0.1 ms)
+rather than a 200k-token prompt's 12,500."""
+
+_REAP_PER_RECORD = 8
+"""Expired entries removed from the LRU's front per record(): bounded work on the hot path,
+more than one per record so expired entries never pile up behind live ones."""
+
+
+@dataclass(frozen=True, slots=True)
+class Home:
+    """Where a request's conversation went last: `replica`, with `depth_blocks` of this
+    request's blocks making up that previous request's prompt (`key` is its last block)."""
+
+    replica: str
+    depth_blocks: int
+    key: BlockHash
+
+
+class ConversationAffinity:
+    """Conversations' last replicas, keyed by the last block of each routed request's chain.
+
+    Invariants:
+    - len(self) <= capacity after every record();
+    - an entry recorded at t matches no lookup at or after t + ttl_s (and lookups delete the
+      expired entries they step on);
+    - the LRU is in recording order (front: recorded longest ago), so the expired entries are
+      at its front and record() reaps them from there;
+    - a record that extends a looked-up home replaces it: one entry per conversation thread.
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: int = DEFAULT_AFFINITY_CAPACITY,
+        ttl_s: float = DEFAULT_AFFINITY_TTL_S,
+        clock: Clock = DIRECTORY_CLOCK,
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError(f"affinity capacity must be positive, got {capacity}")
+        if not ttl_s > 0:
+            raise ValueError(f"affinity ttl_s must be positive, got {ttl_s}")
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._entries: OrderedDict[BlockHash, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> Home | None:
+        """The deepest recorded block of `hashes` that has not expired, walking from the end
+        (a conversation's previous request is usually a few blocks short of this one), at
+        most `MAX_WALK_BLOCKS` deep."""
+        entries = self._entries
+        if not entries:
+            return None
+        expired_before = self.clock() - self.ttl_s
+        for depth in range(len(hashes), max(len(hashes) - MAX_WALK_BLOCKS, 0), -1):
+            key = hashes[depth - 1]
+            entry = entries.get(key)
+            if entry is None:
+                continue
+            replica, at = entry
+            if at <= expired_before:
+                del entries[key]
+                continue
+            return Home(replica, depth, key)
+        return None
+
+    def record(self, hashes: Sequence[BlockHash], replica: str, home: Home | None = None) -> None:
+        """The request of `hashes` went to `replica`; `home` is what lookup() returned for it,
+        whose entry this one supersedes."""
+        if not hashes:
+            return
+        entries = self._entries
+        now = self.clock()
+        if home is not None and home.key != hashes[-1]:
+            entries.pop(home.key, None)
+        key = hashes[-1]
+        entries[key] = (replica, now)
+        entries.move_to_end(key)
+        expired_before = now - self.ttl_s
+        for _ in range(_REAP_PER_RECORD):
+            oldest = next(iter(entries.values()))
+            if oldest[1] > expired_before:
+                break
+            entries.popitem(last=False)
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
+        assert len(entries) <= self.capacity

@@ -1,0 +1,105 @@
+"""Conversation affinity (cachemap.affinity), told as stories with exact outcomes."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachemap.affinity import ConversationAffinity, Home
+from cachemap.keys import BlockHash
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chain(name: str, n: int) -> list[BlockHash]:
+    return [BlockHash(f"{name}{i}".encode()) for i in range(n)]
+
+
+def test_a_conversation_finds_the_replica_of_its_previous_turn_by_its_last_block() -> None:
+    table = ConversationAffinity(clock=Clock())
+    a = chain("a", 5)
+    assert table.lookup(a[:3]) is None  # a new conversation
+    table.record(a[:3], "r1")
+    home = table.lookup(a)  # turn 2 extends turn 1's three blocks
+    assert home == Home("r1", 3, a[2])
+    table.record(a, "r2", home)  # turn 2 went elsewhere: the conversation's home moves
+    assert table.lookup(a + chain("x", 2)) == Home("r2", 5, a[4])
+    assert len(table) == 1, "the superseded entry went: one entry per conversation"
+    assert table.lookup(chain("b", 5)) is None, "another chain shares no block"
+
+
+def test_the_deepest_recorded_prefix_wins_and_a_branch_keeps_its_own_home() -> None:
+    table = ConversationAffinity(clock=Clock())
+    system = chain("s", 2)
+    table.record(system, "r0")  # a request that was only the shared system prompt
+    mine = system + chain("m", 3)
+    table.record(mine, "r3")
+    assert table.lookup(mine + chain("n", 1)) == Home("r3", 5, mine[-1])
+    theirs = system + chain("t", 4)
+    assert table.lookup(theirs) == Home("r0", 2, system[-1])
+
+
+def test_an_entry_expires_after_the_ttl_and_the_lookup_removes_it() -> None:
+    clock = Clock()
+    table = ConversationAffinity(ttl_s=60, clock=clock)
+    a = chain("a", 4)
+    table.record(a[:2], "r1")
+    clock.now += 59.9
+    assert table.lookup(a) == Home("r1", 2, a[1])
+    clock.now += 0.1
+    assert table.lookup(a) is None
+    assert len(table) == 0
+
+
+def test_recording_reaps_expired_entries_from_the_front() -> None:
+    clock = Clock()
+    table = ConversationAffinity(ttl_s=10, clock=clock)
+    for i in range(3):
+        table.record(chain(f"c{i}", 2), f"r{i}")
+    clock.now += 10
+    table.record(chain("late", 2), "r9")
+    assert len(table) == 1
+    assert table.lookup(chain("late", 3)) == Home("r9", 2, chain("late", 2)[1])
+
+
+def test_the_capacity_bounds_the_table_least_recently_recorded_first_out() -> None:
+    clock = Clock()
+    table = ConversationAffinity(capacity=2, clock=clock)
+    a, b, c = chain("a", 3), chain("b", 3), chain("c", 3)
+    table.record(a, "r1")
+    clock.now += 1
+    table.record(b, "r2")
+    clock.now += 1
+    table.record(a + chain("a+", 1), "r1", table.lookup(a + chain("a+", 1)))  # a again
+    clock.now += 1
+    table.record(c, "r3")  # b is the oldest: it goes
+    assert len(table) == 2
+    assert table.lookup(b) is None
+    assert table.lookup(a + chain("a+", 1)) is not None
+    assert table.lookup(c) == Home("r3", 3, c[2])
+
+
+def test_an_empty_prompt_records_nothing_and_bad_bounds_are_named() -> None:
+    table = ConversationAffinity(clock=Clock())
+    table.record([], "r1")
+    assert len(table) == 0 and table.lookup([]) is None
+    with pytest.raises(ValueError, match="capacity must be positive"):
+        ConversationAffinity(capacity=0)
+    with pytest.raises(ValueError, match="ttl_s must be positive"):
+        ConversationAffinity(ttl_s=0)
+
+
+def test_the_walk_back_is_bounded() -> None:
+    from cachemap.affinity import MAX_WALK_BLOCKS
+
+    table = ConversationAffinity(clock=Clock())
+    a = chain("a", MAX_WALK_BLOCKS + 2)
+    table.record(a[:3], "r1")
+    assert table.lookup(a) == Home("r1", 3, a[2])  # the 2,048th block from the end
+    longer = a + chain("b", 1)
+    assert table.lookup(longer) is None  # one block further: not walked that far

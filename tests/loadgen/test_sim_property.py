@@ -1,0 +1,81 @@
+"""Precise and approximate never disagree for worse (issue 40, item 3): on every shipped
+workload, at a fleet KV of 5% to 50% of its unique blocks, precise mode's hit ratio is at least
+approximate's minus half a point, for `cache_aware` and `cache_pressure` alike.
+
+A parametrized sweep of small slices (each a few seconds of virtual-time simulation): the
+Mooncake conversation and synthetic traces, the agent-session generator (64-token blocks, 512-
+token blocks with human pauses that get sessions evicted everywhere, vLLM's 16-token blocks)
+and the hot spine. (The sample files of loadgen/traces/samples are format examples of a few
+requests: at these fractions their replicas hold one block each.)
+
+The property breaks at three points (`KNOWN_GAPS`): `cache_pressure` at two, measured before
+and after conversation affinity alike (its displacement cost at 5% KV turns down the synthetic
+trace's few hits; its crowding rule moves a 16-token-block session that approximate mode
+keeps), and `cache_aware` on the paused sessions at 10% against approximate mode without
+affinity (its default). Each is held to its measured gap, so a change that widens one fails.
+Under load the gap is wider (docs/precise.md, "Conversation affinity"): not a property yet."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+import pytest
+
+from loadgen.sim import APPROXIMATE, PRECISE, SimConfig, run_policies
+from loadgen.traces import CONVERSATION_TRACE, SYNTHETIC_TRACE
+from loadgen.traces.readers import Trace, hot_spine_trace, read_trace
+from loadgen.traces.sessions import agent_sessions_trace
+
+TOLERANCE = 0.005
+"""Half a point of hit ratio: a random tie-break may land either way on a small slice."""
+
+WORKLOADS: dict[str, Callable[[], Trace]] = {
+    "mooncake-conversation": lambda: read_trace(CONVERSATION_TRACE, start=2000, limit=250),
+    "mooncake-synthetic": lambda: read_trace(SYNTHETIC_TRACE, limit=250),
+    "agent-sessions": lambda: agent_sessions_trace(
+        "agent-sessions:sessions=10,concurrency=4,steps=12,start=6000,tool=1500"
+    ),
+    "agent-sessions-paused-512": lambda: agent_sessions_trace(
+        "agent-sessions:sessions=12,concurrency=5,steps=15,start=6000,tool=1500,block=512,"
+        "gap_every=5,gap=300"
+    ),
+    "agent-sessions-16": lambda: agent_sessions_trace(
+        "agent-sessions:sessions=6,concurrency=3,steps=8,start=3000,tool=800,block=16"
+    ),
+    "hot-spine": lambda: hot_spine_trace("hot-spine:rate=20,seconds=5"),
+}
+
+KNOWN_GAPS = {
+    ("cache_pressure@precise", "mooncake-synthetic", 0.05): 0.009,
+    ("cache_pressure@precise", "agent-sessions-16", 0.10): 0.008,
+    ("cache_aware@precise", "agent-sessions-paused-512", 0.10): 0.009,
+}
+"""(policy, workload, KV) -> how far below approximate precise mode may read there, measured:
+`cache_pressure` 0.84 and 0.78 points (with affinity on or off); `cache_aware` 0.81 points on
+the paused sessions at 10%, against approximate at its default (no affinity: the rankings it
+had before issue 40, which keep that trace's conversations home by their stale prediction)."""
+
+
+@cache
+def _trace(name: str) -> Trace:
+    return WORKLOADS[name]()
+
+
+@pytest.mark.parametrize("capacity_frac", [0.05, 0.10, 0.25, 0.50])
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_precise_is_never_worse_than_approximate(workload: str, capacity_frac: float) -> None:
+    trace = _trace(workload)
+    config = SimConfig(num_replicas=4, capacity_frac=capacity_frac)
+    # cache_pressure in approximate mode has no frontier: it is cache_aware, not run twice
+    _, (approximate_run,) = run_policies(trace, ["cache_aware"], config, (APPROXIMATE,))
+    _, precise_runs = run_policies(trace, ["cache_aware", "cache_pressure"], config, (PRECISE,))
+    by_label = {r.label: r for r in precise_runs}
+    approximate = approximate_run.hit_ratio
+    for policy in ("cache_aware@precise", "cache_pressure@precise"):
+        precise = by_label[policy].hit_ratio
+        tolerance = KNOWN_GAPS.get((policy, workload, capacity_frac), TOLERANCE)
+        assert precise >= approximate - tolerance, (
+            f"{workload} at {capacity_frac:.0%} KV: {policy} {precise:.2%} against "
+            f"approximate {approximate:.2%}"
+        )
