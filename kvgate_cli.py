@@ -99,6 +99,12 @@ COMMANDS: dict[str, Command] = {
         "add_bench_directory_arguments",
         "run_bench_directory",
     ),
+    "bench-fairness": Command(
+        "fair flow control: the noisy neighbour, flow control off and on (a benchmark)",
+        "loadgen.bench.fairness",
+        "add_bench_fairness_arguments",
+        "run_bench_fairness",
+    ),
     "bench-fanout": Command(
         "fan-out holding and hot-prefix overflow, live (a benchmark)",
         "loadgen.bench.fanout",

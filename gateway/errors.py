@@ -14,7 +14,10 @@
     ├── TenantError           401  missing, unknown or revoked API key
     │   └── Forbidden         403  a known key asking for what its tenant may not use
     ├── QuotaExceeded         429  over a rate limit (carries Retry-After)
+    │   └── QueueFull         429  the scope's own backlog in the flow-control queue is full
     ├── NoReplica             503  no healthy replica for the model
+    ├── Overloaded            503  the fleet has no room for anyone: the gateway's queue is full
+    │                              or a request waited `flow_max_queue_s` (carries Retry-After)
     ├── UpstreamError         502  every attempt at an engine failed
     └── EngineRejected        4xx  an engine refused the request (its 4xx, for front ends that
                                    cannot relay the engine's body unchanged)
@@ -153,6 +156,14 @@ class QuotaExceeded(GatewayError):
         return {"retry-after": str(max(1, round(self.retry_after_s + 0.5)))}
 
 
+class QueueFull(QuotaExceeded):
+    """This scope's own requests fill its flow-control queue (gateway.pipeline.flow)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s)
+        self.code = "queue_full"
+
+
 class TooManyInFlight(QuotaExceeded):
     """429: the tenant has as many requests in flight as it may (`tenant_max_inflight`)."""
 
@@ -164,6 +175,20 @@ class TooManyInFlight(QuotaExceeded):
 class NoReplica(GatewayError):
     status = 503
     type = "service_unavailable_error"
+
+
+class Overloaded(GatewayError):
+    """The fleet has no room for anyone (Anthropic: `overloaded_error`; gRPC: UNAVAILABLE)."""
+
+    status = 503
+    type = "service_unavailable_error"
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, code="overloaded")
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"retry-after": str(max(1, round(self.retry_after_s + 0.5)))}
 
 
 class UpstreamError(GatewayError):

@@ -28,6 +28,7 @@ from cachemap.events import DEFAULT_BLOCK_SIZE, DEFAULT_OFFLOAD_COST, DEFAULT_SP
 from cachemap.keys import DEFAULT_BLOCK_BYTES
 from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE
 from gateway.request.tenant import BILLING_PROFILES, check_tenant_name
+from router.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_FLOOR_SHARE
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
 from router.filters import (
     DEFAULT_ABSOLUTE_SLACK_TOKENS,
@@ -81,6 +82,22 @@ DEFAULT_ENGINE_PREFILL_TOKENS_PER_S = 13_000.0
 """An H100 prefilling an 8B model; set it to your engines' measured prefill throughput."""
 DEFAULT_FANOUT_MAX_HOLD_S = 10.0
 """However long a leader's prefill is expected to take, no sibling waits more than 10 s."""
+# -- fair flow control (issue 43; docs/flow-control.md) ------------------------------------------
+DEFAULT_FLOW_MAX_PENDING_PREFILL_S = 0.25
+"""A replica has room while the prefill queued on it (this gateway's unanswered prefills, less
+the progress of the one running, and other gateways' waiting requests) is under 0.25 s of work:
+the next request is sent while the engine still has a quarter second to go, far more than a
+dispatch takes even on a starved gateway (~1 ms idle, tens of ms loaded), so the engine never
+runs dry; and a request dispatched fairly waits behind at most that plus one prefill queued."""
+DEFAULT_FLOW_MAX_QUEUED_PER_SCOPE = 256
+"""A scope may have 256 requests waiting in the gateway (a flood of closed-loop clients, or an
+agent's fan-out, fits); the next is a 429 with Retry-After: its own backlog is full."""
+DEFAULT_FLOW_MAX_QUEUED = 4096
+"""Requests waiting in one gateway in all: 4,096 of ~1 KB of state each (the body is held by
+its handler anyway); past it the fleet is full for everyone and a request gets a 503."""
+DEFAULT_FLOW_MAX_QUEUE_S = 60.0
+"""No request waits in the gateway longer than 60 s: beyond it a client's own timeout (the
+SDKs' are 60-600 s) would give up anyway, and an explicit 429/503 lets it back off."""
 DEFAULT_REDIS_DEADLINE_S = 0.005
 """A lookup is one script call, ~0.2 ms on a LAN: 5 ms is 25× that, and routing locally beats
 waiting longer (a prefill of the whole prompt costs tens of ms at worst)."""
@@ -347,6 +364,49 @@ class Settings(BaseSettings):
     fanout_hold: bool = True
     fanout_min_tokens: float = DEFAULT_MIN_HOLD_TOKENS
     fanout_max_hold_s: float = DEFAULT_FANOUT_MAX_HOLD_S
+
+    # -- fair flow control (issue 43; docs/flow-control.md) ----------------------------------
+    flow_control: bool = True
+    """At saturation, requests wait in the gateway in per-scope queues, dequeued fairly (VTC
+    within a priority band) when a replica has room; with room, a request dispatches at once."""
+    flow_max_pending_prefill_s: float = DEFAULT_FLOW_MAX_PENDING_PREFILL_S
+    """A replica has room while its queued prefill is under this much work (at
+    `engine_prefill_tokens_per_s`)."""
+    flow_floor_share: float = DEFAULT_FLOOR_SHARE
+    """Dispatches each lower backlogged band earns per dispatch of the best band (0: strict)."""
+    flow_decode_weight: float = DEFAULT_DECODE_WEIGHT
+    """What one output token costs in the fairness counters, in prompt tokens."""
+    flow_max_queued_per_scope: int = DEFAULT_FLOW_MAX_QUEUED_PER_SCOPE
+    flow_max_queued: int = DEFAULT_FLOW_MAX_QUEUED
+    flow_max_queue_s: float = DEFAULT_FLOW_MAX_QUEUE_S
+
+    @field_validator("flow_max_pending_prefill_s", "flow_max_queue_s")
+    @classmethod
+    def _flow_positive_seconds(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("flow_max_queued_per_scope", "flow_max_queued")
+    @classmethod
+    def _flow_positive_count(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("flow_floor_share")
+    @classmethod
+    def _flow_share(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError("must be between 0 and 1")
+        return value
+
+    @field_validator("flow_decode_weight")
+    @classmethod
+    def _flow_weight(cls, value: float) -> float:
+        if not 0.0 <= value < float("inf"):
+            raise ValueError("must be zero or a positive number")
+        return value
 
     # -- tenants, isolation and rate limits (issue 6; docs/tenants.md) ------------------------
     tenants_file: Path | None = None

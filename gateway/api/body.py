@@ -11,6 +11,7 @@ nested at most `MAX_JSON_DEPTH` levels (400).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -25,6 +26,19 @@ from gateway.errors import (
     RequestTimeout,
     UnsupportedMediaType,
 )
+
+
+def client_left(request: Request) -> Callable[[], Awaitable[None]]:
+    """Once the body is read: a wait that returns when the client disconnects (the server's
+    next message is then `http.disconnect`), for the pipeline to race while a request waits
+    for room (`gateway.pipeline.flow`). Called only then: nothing runs on the hot path."""
+    receive = request.receive
+
+    async def left() -> None:
+        while (await receive())["type"] != "http.disconnect":  # bounded: the body was read
+            pass
+
+    return left
 
 
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:

@@ -104,6 +104,9 @@ class FleetLoad:
     num_routed: int = 0
     mean_output_tokens: float = DEFAULT_OUTPUT_TOKENS
     num_answered: int = 0
+    on_freed: Callable[[], None] | None = field(default=None, repr=False)
+    """Called when a lease frees room on a replica (its prefill ended, or it was released):
+    flow control's wake-up (gateway.pipeline.flow)."""
 
     def observe(self, uncached_tokens: float) -> None:
         self.num_routed += 1
@@ -141,6 +144,11 @@ class ReplicaState:
     pending_prefill_tokens: float = 0.0
     num_prefilling: int = 0
     """This gateway's requests on the replica before their first token."""
+    prefill_started_s: float = field(default=0.0, repr=False)
+    """When the replica began its current prefill of ours, as far as this gateway can tell
+    (monotonic): a request sent to it with none of ours pending, or a prefill of ours ending
+    with others pending (engines prefill first come, first served). Flow control subtracts
+    the progress since from the work queued there."""
     num_requests: int = 0
     decode_tokens: float = 0.0
     """Output tokens expected from this gateway's requests on the replica (router.types)."""
@@ -240,6 +248,8 @@ class Lease:
         state.num_inflight += 1
         state.num_requests += 1
         state.pending_prefill_tokens += uncached_tokens
+        if not state.num_prefilling:
+            state.prefill_started_s = time.monotonic()
         state.num_prefilling += 1
         state.fleet.observe(uncached_tokens)
         self._done_prefill = self._released = self._kept = False
@@ -252,6 +262,11 @@ class Lease:
         state = self.state
         state.pending_prefill_tokens = max(state.pending_prefill_tokens - self.uncached_tokens, 0.0)
         state.num_prefilling = max(state.num_prefilling - 1, 0)
+        if state.num_prefilling:
+            state.prefill_started_s = time.monotonic()
+        freed = state.fleet.on_freed
+        if freed is not None:
+            freed()
 
     def release(self) -> None:
         """The request is off the replica."""

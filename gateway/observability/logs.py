@@ -75,6 +75,7 @@ def access_fields(record: ExchangeRecord, now_s: float) -> dict[str, Any]:
         "cached_tokens": usage.cached_tokens if usage else None,
         "completion_tokens": usage.completion_tokens if usage else None,
         "ttft_ms": _ms(record.first_token_s - routed.opened_s) if record.first_token_s else None,
+        "queue_ms": _ms(routed.queued_s),
         "duration_ms": _ms(now_s - routed.opened_s),
         **_route(routed, record.replica),
     }

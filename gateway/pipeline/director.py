@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from cachemap.keys import BlockHash
 from gateway.directory.routing import RoutingDirectory
 from gateway.errors import InvalidRequest, ModelNotFound, NoReplica, TooManyInFlight, UpstreamError
 from gateway.fleet.replicas import Lease, ReplicaSet, ReplicaState
@@ -20,6 +21,7 @@ from gateway.observability.histograms import LOOKUP_BUCKETS_S, LabelledHistogram
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.exchange import Exchange, ExchangeHooks
 from gateway.pipeline.flights import Flight
+from gateway.pipeline.flow import NO_TICKET, FlowControl, Ticket, request_priority
 from gateway.pipeline.forwarder import (
     Complete,
     Forwarder,
@@ -128,11 +130,14 @@ class Director:
         tracer: Tracer | None = None,
         rng: random.Random | None = None,
         frontiers: Frontiers | None = None,
+        flow: FlowControl | None = None,
         drain_timeout_s: float | None = None,
     ) -> None:
         self.drain_timeout_s = drain_timeout_s
         """How long a stream waits for its client to read before it is cut (`Exchange.drain`)."""
         self.keying = keying
+        self.flow = flow
+        """Fair flow control's queue between admission and routing (None: off)."""
         self.frontiers = frontiers
         """Precise mode with `cache_pressure`: each replica's eviction frontier (None: off)."""
         self.keys = keying.keys
@@ -161,13 +166,16 @@ class Director:
         parsed: ParsedRequest,
         tenant: Tenant,
         trace_headers: dict[str, str] | None = None,
+        client_left: Callable[[], Awaitable[object]] | None = None,
     ) -> Exchange | Passthrough:
         """Serve one request up to its commitment: an exchange whose first byte has arrived, or
         an engine's 4xx to pass through. `trace_headers`: the client's W3C trace context.
+        `client_left()`: returns when the client disconnects (watched while it waits for room).
 
         1. Admit: the tenant's scope, model and size; the request hooks (billing's checks) with
            the scoped tenant, and the size again if they expanded the prompt; then the fleet
-           (404, 503), then the rate limit.
+           (404, 503), the priority, then the rate limit; then, when the fleet has no room,
+           wait in flow control's queue for the scope's turn (gateway.pipeline.flow).
         2. Route: hash the canonical rendering in the tenant's scope, look up each replica's
            cached prefix, place it (fan-out holds, hot prefixes, the policy's ranking).
         3. Forward: the routed hooks (billing's start: after any hold), then the ranking in
@@ -181,7 +189,16 @@ class Director:
         try:
             candidates, tenant, parsed, charged, left = await self._admit(parsed, tenant)
             ended = _both(ended, left)
-            routed, flight = await self._route(parsed, tenant, candidates, trace, opened_s, charged)
+            routed, flight = await self._route(
+                parsed,
+                tenant,
+                candidates,
+                trace,
+                opened_s,
+                charged,
+                flow=self.flow,
+                client_left=client_left,
+            )
             if flight is None:
                 opened = await self._forward(routed, trace)
             else:
@@ -306,6 +323,7 @@ class Director:
             served = [m for m in self.replicas.models() if not allowed or m in allowed]
             raise ModelNotFound(parsed.model, served)
         check_output_budget(parsed, candidates)
+        request_priority(parsed, tenant)  # a 400 before any budget is spent
         if only is not None:
             candidates = [c for c in candidates if c.id in only and c.healthy]
             if not candidates:
@@ -332,7 +350,13 @@ class Director:
         opened_s: float,
         charged: int,
         on_hold: Callable[[float], Awaitable[None]] | None = None,
+        flow: FlowControl | None = None,
+        client_left: Callable[[], Awaitable[object]] | None = None,
     ) -> tuple[Routed, Flight | None]:
+        """Key the request, wait for room in the fleet (`flow`: flow control's turn, not for
+        a fan-out sibling whose leader is in flight here: its hold is its wait, and it goes to
+        the leader's replica), then place it. The caller takes the lease before its next
+        await, so the flow ticket's claim hands over to the lease without a gap."""
         keyed = await self.keying.key(parsed, tenant, [c.id for c in candidates], trace)
         lookup, hashes = keyed.lookup, keyed.hashes
         suspects = self.replicas.suspects()
@@ -370,9 +394,17 @@ class Director:
                 return now
             return frontiers.annotate(route, now, hashes, keyed.ranks)
 
-        placed = await self.placement.place(
-            policy, route, snapshot, hashes, lookup, self.rng, on_hold=on_hold
-        )
+        ticket = NO_TICKET
+        if flow is not None:
+            ticket = await self._wait_for_room(
+                flow, parsed, tenant, candidates, route, hashes, client_left
+            )
+        try:
+            placed = await self.placement.place(
+                policy, route, snapshot, hashes, lookup, self.rng, on_hold=on_hold
+            )
+        finally:
+            ticket.routed()
         if placed is None:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
         if placed.new_k is not None and lookup.hot_key is not None:
@@ -398,6 +430,8 @@ class Director:
             lookup.last_use,
             opened_s=opened_s,
             routed_s=time.monotonic(),
+            queued_s=ticket.queued_s,
+            flow_charge=ticket.charge,
             admitted_tokens=charged,
             ranks=keyed.ranks,
             conversation=conversation,
@@ -406,6 +440,31 @@ class Director:
         if placed.flight is not None and self.landed_hooks:
             placed.flight.confirm = lambda: self._landed(routed)
         return routed, placed.flight
+
+    async def _wait_for_room(
+        self,
+        flow: FlowControl,
+        parsed: ParsedRequest,
+        tenant: Tenant,
+        candidates: list[ReplicaState],
+        route: RouteRequest,
+        hashes: Sequence[BlockHash],
+        client_left: Callable[[], Awaitable[object]] | None,
+    ) -> Ticket:
+        """Flow control's turn, counted in the request's least uncached prefill over the
+        candidates: at once (no await) when the fleet has room and no one waits, or when a
+        leader of this gateway is writing its prefix (the hold is its wait)."""
+        band = request_priority(parsed, tenant)
+        uncached = min((route.uncached_tokens(c.id) for c in candidates), default=0.0)
+        output_tokens = self.replicas.fleet.expected_output_tokens(_max_tokens(parsed))
+        flights = self.placement.flights
+        depth = max(route.overlap.values(), default=0)
+        if flights is not None and flights.find(hashes, depth) is not None:
+            return flow.sibling(tenant, band, uncached, output_tokens)
+        ticket = flow.try_enter(tenant, band, uncached, output_tokens, candidates)
+        if ticket is not None:
+            return ticket
+        return await flow.wait(tenant, band, parsed.model, uncached, output_tokens, client_left)
 
     async def _landed(self, routed: Routed) -> None:
         """A leader's prefix is stored at its replica (its KV events): the landed hooks run

@@ -26,6 +26,9 @@ class ParsedRequest:
     prewarm: bool = False
     """`max_tokens: 0`: read and refresh the cache, generate nothing (one token is generated
     upstream, since engines need max_tokens >= 1, and discarded)."""
+    priority: int | None = None
+    """The request's `priority` (vLLM's field; lower is served first), read and stripped by the
+    front end: flow control's band (gateway.pipeline.flow), never forwarded. None: the tenant's."""
     raw: bytes | None = None
     """The client's JSON that `body` was parsed from, when `body` is exactly it (the OpenAI
     front end): the engine's body is then these bytes with the gateway's fields spliced in,

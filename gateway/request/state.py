@@ -55,6 +55,11 @@ class Routed:
     routed_s: float
     """When routing ended (monotonic; after any fan-out hold, so a held sibling's clock starts
     at its release)."""
+    queued_s: float = 0.0
+    """Time it waited in flow control's queue for room in the fleet (part of routed - opened)."""
+    flow_charge: tuple[int, float] | None = None
+    """Flow control's charge to its scope: (band, estimated weighted tokens), settled with the
+    engine's usage (gateway.pipeline.flow); None: not charged."""
     admitted_tokens: int = 0
     """Tokens charged to the tenant's tokens/min budget at admission; usage settles the rest."""
     ranks: Mapping[str, int] = field(default_factory=dict)

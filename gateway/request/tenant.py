@@ -26,6 +26,12 @@ BILLING_PROFILES = (
 """The providers' rules a tenant can be billed by (gateway.billing, docs/billing.md#profiles):
 named here, with the rest of a tenant's vocabulary, so settings and the tenants file can check a
 name without importing billing."""
+MAX_WEIGHT = 1000.0
+"""A scope's weight is at most 1000× the smallest (0, 1000]: beyond it the lighter scope's
+share is below one request in a thousand, i.e. a band, not a weight."""
+MAX_PRIORITY = 1000
+"""`priority` values are integers within ±1000 (vLLM takes any integer; a bound keeps the
+bands an operator configures readable and the number of bands small)."""
 TENANT_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 """Names travel in salts, Redis keys (inside a {hash tag}) and logs: no '/', ':', '{' or space."""
 
@@ -47,6 +53,13 @@ class TenantPolicy:
     """Whether the tenant's `traceparent` decides if its requests are traced. Off (the default),
     a client's sampled flag can only opt a request out: the gateway samples at its configured
     ratio, so no tenant can make it trace (and export) every request."""
+    # -- fair flow control (issue 43; docs/flow-control.md) --
+    weight: float = 1.0
+    """The scope's share of a saturated fleet relative to the others in its band."""
+    priority: int = 0
+    """Its requests' band when they name none (vLLM's convention: lower is served first)."""
+    priority_range: tuple[int, int] | None = None
+    """The `priority` values its requests may ask for (inclusive); None: only `priority`."""
     route_receipts: bool = False
     """Whether its answers carry the `x-kvgate-route` receipt (the replica chosen, its match,
     the runner-up and their scores: the fleet's names and load, so an operator's choice)."""
@@ -54,10 +67,25 @@ class TenantPolicy:
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
             raise ValueError(f"unknown isolation scope {self.scope!r}; choose one of {SCOPES}")
+        if not 0 < self.weight <= MAX_WEIGHT:
+            raise ValueError(f"weight must be a number in (0, {MAX_WEIGHT:g}], got {self.weight}")
+        low, high = self.allowed_priorities
+        if not -MAX_PRIORITY <= low <= high <= MAX_PRIORITY:
+            raise ValueError(
+                f"priority_range must be [low, high] with {-MAX_PRIORITY} <= low <= high <= "
+                f"{MAX_PRIORITY}, got [{low}, {high}]"
+            )
+        if not low <= self.priority <= high:
+            raise ValueError(f"priority {self.priority} is outside priority_range [{low}, {high}]")
         for name in ("requests_per_min", "tokens_per_min", "max_prompt_tokens", "max_inflight"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive (or absent for no limit)")
+
+    @property
+    def allowed_priorities(self) -> tuple[int, int]:
+        """The inclusive range of `priority` a request may name."""
+        return self.priority_range or (self.priority, self.priority)
 
 
 DEFAULT_POLICY = TenantPolicy()

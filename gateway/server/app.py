@@ -63,6 +63,7 @@ from gateway.observability.tracing import Tracing, build_tracing
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.director import Director
 from gateway.pipeline.flights import Flights
+from gateway.pipeline.flow import FlowControl, FlowLimits
 from gateway.pipeline.forwarder import Forwarder
 from gateway.pipeline.frontier import FrontierObserver, Frontiers
 from gateway.pipeline.keying import Keying, RouteKeys
@@ -80,6 +81,7 @@ from gateway.server.workers import share_fleet_view, share_placements
 from gateway.settings import Settings, redact_url
 from gateway.tenancy.registry import TenantRegistry
 from gateway.tenancy.tenant_file import TenantFileWatcher
+from router.fairness import FairQueue
 from router.filters import LoadBoundFilter
 from router.overflow import OverflowConfig
 from router.profile import RoutingProfile
@@ -213,6 +215,23 @@ def _placement(settings: Settings, flights: Flights | None) -> Placement:
         min_hold_tokens=settings.fanout_min_tokens,
         max_hold_s=settings.fanout_max_hold_s,
         bound=LoadBoundFilter(settings.absolute_slack_tokens, settings.relative_slack),
+    )
+
+
+def _flow(settings: Settings, replicas: ReplicaSet) -> FlowControl | None:
+    """Fair flow control (issue 43; docs/flow-control.md), unless `flow_control` is off."""
+    if not settings.flow_control:
+        return None
+    limits = FlowLimits(
+        max_pending_prefill_tokens=settings.flow_max_pending_prefill_s
+        * settings.engine_prefill_tokens_per_s,
+        max_queued_per_scope=settings.flow_max_queued_per_scope,
+        max_queued=settings.flow_max_queued,
+        max_queue_s=settings.flow_max_queue_s,
+        prefill_tokens_per_s=settings.engine_prefill_tokens_per_s,
+    )
+    return FlowControl(
+        replicas, limits, FairQueue(settings.flow_floor_share, settings.flow_decode_weight)
     )
 
 
@@ -359,6 +378,9 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     frontiers = _frontiers(settings, policy, precise, intake, replicas)
     if frontiers is not None:
         observers.append(FrontierObserver(frontiers))
+    flow = _flow(settings, replicas)
+    if flow is not None:
+        observers.append(flow)  # settles each scope's charge with the engine's usage
     forwarder = Forwarder(
         settings.first_byte_timeout_s,
         settings.stream_idle_timeout_s,
@@ -406,6 +428,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         tracer=tracing.tracer,
         rng=random.Random(settings.seed),
         frontiers=frontiers,
+        flow=flow,
         drain_timeout_s=settings.client_drain_timeout_s,
     )
     discovery = _discovery(settings, replicas, directory, layouts)
@@ -419,6 +442,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             discovery=discovery,
             precise=precise,
             check=keying.check,
+            flow=director.flow,
             forwarder=forwarder,
             resets=lambda: keying.num_resets,
         )

@@ -21,6 +21,7 @@ from gateway.fleet.replicas import ReplicaSet
 from gateway.observability import histograms
 from gateway.observability.metrics import RequestMetrics
 from gateway.pipeline.director import DirectorStats
+from gateway.pipeline.flow import REJECT_REASONS, FlowControl
 from gateway.pipeline.forwarder import Forwarder
 from gateway.pipeline.placement import Placement
 
@@ -54,9 +55,11 @@ class GatewayCollector(Collector):
         discovery: Discovery | None = None,
         precise: PreciseKeys | None = None,
         check: TokenizerCheck | None = None,
+        flow: FlowControl | None = None,
         forwarder: Forwarder | None = None,
         resets: Callable[[], int] | None = None,
     ) -> None:
+        self.flow = flow
         self.forwarder = forwarder
         self.resets = resets
         self.precise = precise
@@ -81,6 +84,62 @@ class GatewayCollector(Collector):
                 "Engine prefix-cache resets this process forwarded that the engine took (200).",
                 value=self.resets(),
             )
+        if self.flow is not None:
+            yield from self._flow(self.flow)
+
+    def _flow(self, flow: FlowControl) -> Iterable[Any]:
+        """Fair flow control (docs/flow-control.md): the queue by tenant and band (an end user
+        of a `user`-scoped tenant counts under its tenant: labels stay as few as tenants)."""
+        depth = GaugeMetricFamily(
+            "kvgate_flow_queue_depth",
+            "Requests waiting in the gateway for room in the fleet, by tenant and band.",
+            labels=["tenant", "band"],
+        )
+        depths: dict[tuple[str, str], int] = {}
+        for (scope, band_id), n in flow.queue.depths().items():
+            key = (scope.partition("/")[0], str(band_id))
+            depths[key] = depths.get(key, 0) + n
+        for key, n in sorted(depths.items()):
+            depth.add_metric(list(key), n)
+        yield depth
+        yield histograms.family(
+            "kvgate_flow_queue_seconds",
+            "Time requests dispatched from the queue waited in it, by tenant and band.",
+            ["tenant", "band"],
+            flow.stats.queue_seconds,
+        )
+        dispatched = CounterMetricFamily(
+            "kvgate_flow_dispatched",
+            "Requests let through to the router, by band and how: immediate (the fleet had "
+            "room), queued, or sibling (a fan-out sibling held by its leader instead).",
+            labels=["band", "how"],
+        )
+        for (band, how), n in sorted(flow.stats.dispatched.items()):
+            dispatched.add_metric([band, how], n)
+        yield dispatched
+        rejects = CounterMetricFamily(
+            "kvgate_flow_rejects",
+            "Requests that left the queue undispatched, by reason: scope_full and "
+            "scope_timeout (429), gateway_full and fleet_timeout (503), client_gone.",
+            labels=["reason"],
+        )
+        for reason in REJECT_REASONS:
+            rejects.add_metric([reason], flow.stats.rejects.get(reason, 0))
+        yield rejects
+        room = GaugeMetricFamily(
+            "kvgate_replica_room_tokens",
+            "Prompt tokens a replica can take before it has no room (flow control's bound "
+            "minus the prefill queued on it).",
+            labels=["replica"],
+        )
+        for replica, tokens in sorted(flow.room().items()):
+            room.add_metric([replica], tokens)
+        yield room
+        yield GaugeMetricFamily(
+            "kvgate_flow_transit_tokens",
+            "Prompt tokens of requests dispatched from flow control and not yet placed.",
+            value=flow.transit_tokens,
+        )
 
     def _requests(self) -> Iterable[Any]:
         m = self.metrics

@@ -14,6 +14,9 @@ Format (YAML; a file named *.json is read and written as JSON, same structure)::
         max_prompt_tokens: 100000
         max_inflight: 64           # absent: the gateway's tenant_max_inflight
         trusted_tracing: false     # true: its traceparent's sampled flag decides tracing
+        weight: 2                  # its share of a saturated fleet (docs/flow-control.md)
+        priority: 0                # its band (lower first); a request may ask within
+        priority_range: [0, 2]     #   this range with `priority` (absent: only `priority`)
         route_receipts: false      # true: answers carry x-kvgate-route (why this replica)
         keys:
           - sha256: 9f86d081884c7d65...   # SHA-256 hex of the key; the key itself is never kept
@@ -48,9 +51,23 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from gateway.request.tenant import BILLING_PROFILES, TenantPolicy, check_tenant_name, hash_key
+from gateway.request.tenant import (
+    BILLING_PROFILES,
+    MAX_PRIORITY,
+    MAX_WEIGHT,
+    TenantPolicy,
+    check_tenant_name,
+    hash_key,
+)
 from gateway.tasks import BackgroundTasks
 from gateway.tenancy.registry import TenantRegistry, TenantSpec
 
@@ -103,8 +120,26 @@ class TenantEntry(BaseModel):
     max_prompt_tokens: PositiveInt | None = None
     max_inflight: PositiveInt | None = None
     trusted_tracing: bool = False
+    weight: Annotated[float, Field(gt=0, le=MAX_WEIGHT)] = 1.0
+    priority: Annotated[int, Field(strict=True, ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
+    priority_range: tuple[int, int] | None = None
     route_receipts: bool = False
     keys: list[KeyEntry] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _priority_in_range(self) -> TenantEntry:
+        if self.priority_range is not None:
+            low, high = self.priority_range
+            if not -MAX_PRIORITY <= low <= high <= MAX_PRIORITY:
+                raise ValueError(
+                    f"priority_range must be [low, high] with {-MAX_PRIORITY} <= low <= high "
+                    f"<= {MAX_PRIORITY}, got [{low}, {high}]"
+                )
+            if not low <= self.priority <= high:
+                raise ValueError(
+                    f"priority {self.priority} is outside priority_range [{low}, {high}]"
+                )
+        return self
 
     @field_validator("billing_profile")
     @classmethod
@@ -125,6 +160,9 @@ class TenantEntry(BaseModel):
             max_prompt_tokens=self.max_prompt_tokens,
             max_inflight=self.max_inflight,
             trusted_tracing=self.trusted_tracing,
+            weight=self.weight,
+            priority=self.priority,
+            priority_range=self.priority_range,
             route_receipts=self.route_receipts,
         )
 

@@ -157,6 +157,15 @@ def test_an_id_prefix_must_name_one_key(tmp_path: Path) -> None:
             "belongs to both 'a' and 'b'",
         ),
         ("version: 2\n", "Input should be 1"),
+        # fair flow control's weights and bands (issue 43): the entry is named
+        ("tenants:\n  acme:\n    weight: 0\n", "tenants.acme.weight"),
+        ("tenants:\n  acme:\n    weight: -2\n", "greater than 0"),
+        ("tenants:\n  acme:\n    priority: 1.5\n", "tenants.acme.priority"),
+        (
+            "tenants:\n  acme:\n    priority: 5\n    priority_range: [0, 2]\n",
+            "outside priority_range",
+        ),
+        ("tenants:\n  acme:\n    priority_range: [3, 1]\n", "low <= high"),
     ],
 )
 def test_an_invalid_file_says_where_and_why(tmp_path: Path, text: str, message: str) -> None:
@@ -225,6 +234,11 @@ def test_the_watcher_adds_and_revokes_keys_and_keeps_the_last_good_content(
     path.write_text("tenants:\n  quick: {}\n")
     assert not asyncio.run(reload())
     assert "defined both by --tenant and in the tenants file" in (watcher.last_error or "")
+    # and one with a bad weight (issue 43): refused, naming the entry
+    path.write_text("tenants:\n  acme:\n    weight: 0\n")
+    assert not asyncio.run(reload())
+    assert "tenants.acme.weight" in (watcher.last_error or "")
+    assert registry.authenticate(k2).name == "acme"
     # and a deleted file
     path.unlink()
     assert not asyncio.run(reload()) and "disappeared" in (watcher.last_error or "")

@@ -32,6 +32,7 @@ from starlette.responses import Response
 
 from gateway.api.anthropic.convert import parse_count_tokens, parse_messages
 from gateway.api.anthropic.schemas import openapi_operation
+from gateway.api.body import client_left
 from gateway.api.context import FrontEnd
 from gateway.api.errors import anthropic_error_body, to_anthropic_http
 from gateway.api.responses import ExchangeSSE, JSONBytes, debug_headers
@@ -270,9 +271,10 @@ async def serve(
     parsed: ParsedRequest,
     tenant: Tenant,
     trace_headers: dict[str, str] | None = None,
+    client_left: Callable[[], Awaitable[object]] | None = None,
 ) -> Response:
     """Open an exchange for a converted request and answer in Anthropic's shape."""
-    opened = await front.pipeline.open(parsed, tenant, trace_headers)
+    opened = await front.pipeline.open(parsed, tenant, trace_headers, client_left)
     if isinstance(opened, Passthrough):
         raise EngineRejected(opened.status, opened.body)
     if not opened.parsed.stream:
@@ -293,7 +295,9 @@ def register(router: APIRouter, front: FrontEnd) -> Callable[[Request], Awaitabl
         try:
             tenant = authenticate(tenants, request)
             parsed = parse_messages(await front.read(request), max_prompt_bytes)
-            return await serve(front, parsed, tenant, trace_context(request.headers))
+            return await serve(
+                front, parsed, tenant, trace_context(request.headers), client_left(request)
+            )
         except GatewayError as err:
             return to_anthropic_http(err)
 

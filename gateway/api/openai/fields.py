@@ -2,16 +2,18 @@
 
 An OpenAI-compatible engine (vLLM, SGLang) accepts many fields beyond OpenAI's, and some of them
 steer the engine itself rather than the sampling: `kv_transfer_params` names KV blocks another
-request computed (a way around the salt's isolation), `priority` jumps the engine's queue (past
-the gateway's fairness), `vllm_xargs` / `logits_processors` reach custom extensions, a chosen
-`request_id` may collide with another tenant's. So a body passes only with fields from three
-lists, each field with its reason, and anything else is a 400 that names it (docs/api.md):
+request computed (a way around the salt's isolation), `vllm_xargs` / `logits_processors` reach
+custom extensions, a chosen `request_id` may collide with another tenant's. So a body passes
+only with fields from three lists, each field with its reason, and anything else is a 400
+that names it (docs/api.md):
 
 - what OpenAI's API defines for the route (the SDKs send these, and an engine that does not
   support one answers its own 4xx, relayed as is);
 - the sampling extras vLLM and SGLang accept that only shape this request's decoding (load
   tools such as aiperf and inference-perf send `ignore_eos`, `min_tokens`, `top_k`, ...);
-- kvgate's own billing hints, which the gateway reads and strips (`TOP_LEVEL_KEYS`).
+- kvgate's own billing hints, which the gateway reads and strips (`TOP_LEVEL_KEYS`), and
+  `priority` (vLLM's name), which flow control reads and strips: it orders the gateway's queue,
+  within the tenant's allowed range, and never reaches the engine's.
 
 Fields that change the prompt the engine sees after the gateway has hashed it
 (`chat_template`, `add_generation_prompt`, `truncate_prompt_tokens`, `documents`, ...) are
@@ -95,7 +97,6 @@ request's own tokens are drawn or when it stops."""
 ENGINE_CONTROL = {
     "kv_transfer_params": "names KV blocks computed for another request (disaggregated "
     "serving's hand-off), which would bypass the cache isolation",
-    "priority": "reorders the engine's queue, past the gateway's per-tenant fairness",
     "vllm_xargs": "passes arguments to engine extensions",
     "logits_processors": "loads engine-side code by name",
     "request_id": "sets the engine's own request id, which must be unique across tenants",
@@ -114,8 +115,10 @@ ENGINE_CONTROL = {
 }
 """Engine fields refused with the reason (the message names it)."""
 
-CHAT_FIELDS = OPENAI_CHAT | SAMPLING_EXTRAS | frozenset(TOP_LEVEL_KEYS)
-COMPLETION_FIELDS = OPENAI_COMPLETION | SAMPLING_EXTRAS | frozenset(TOP_LEVEL_KEYS)
+GATEWAY_FIELDS = frozenset(TOP_LEVEL_KEYS) | {"priority"}
+"""Read and stripped by the gateway, never forwarded."""
+CHAT_FIELDS = OPENAI_CHAT | SAMPLING_EXTRAS | GATEWAY_FIELDS
+COMPLETION_FIELDS = OPENAI_COMPLETION | SAMPLING_EXTRAS | GATEWAY_FIELDS
 
 
 def check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:

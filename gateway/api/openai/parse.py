@@ -165,7 +165,17 @@ def parse_chat(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
     except NestingError as exc:
         raise _fail(str(exc), "messages") from None
     _check_size(rendered, max_prompt_bytes)
-    return ParsedRequest(CHAT, model, body, rendered, stream, include_usage, raw=raw)
+    priority = take_priority(body)
+    return ParsedRequest(
+        CHAT,
+        model,
+        body,
+        rendered,
+        stream,
+        include_usage,
+        priority=priority,
+        raw=raw if priority is None else None,
+    )
 
 
 def parse_completion(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
@@ -192,7 +202,30 @@ def parse_completion(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
         )
     rendered = render_completion(prompt).encode()
     _check_size(rendered, max_prompt_bytes)
-    return ParsedRequest(COMPLETION, model, body, rendered, stream, include_usage, raw=raw)
+    priority = take_priority(body)
+    return ParsedRequest(
+        COMPLETION,
+        model,
+        body,
+        rendered,
+        stream,
+        include_usage,
+        priority=priority,
+        raw=raw if priority is None else None,
+    )
+
+
+def take_priority(body: dict[str, Any]) -> int | None:
+    """Pop the request's `priority` (flow control's band; the engine never sees it): an integer,
+    else a 400 naming the field (the tenant's range is checked at admission)."""
+    if "priority" not in body:
+        return None
+    value = body.pop("priority")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _fail("'priority' must be an integer (lower is served first)", "priority")
+    return value
 
 
 def _check_size(rendered: bytes, max_prompt_bytes: int) -> None:

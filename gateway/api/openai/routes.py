@@ -3,6 +3,7 @@ hand to the director, map errors in one place (`gateway.errors.to_http`)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -11,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.api.anthropic import routes as anthropic_api
 from gateway.api.asgi import Handler
+from gateway.api.body import client_left
 from gateway.api.context import FrontEnd
 from gateway.api.errors import to_http
 from gateway.api.openai.parse import parse_chat, parse_completion
@@ -66,10 +68,12 @@ async def handle(
     parsed: ParsedRequest,
     tenant: Tenant,
     trace_headers: dict[str, str] | None = None,
+    client_left: Callable[[], Awaitable[object]] | None = None,
 ) -> Response:
     """Serve one OpenAI-shaped completion: the pipeline opens the exchange (admit, route,
-    forward); its answer goes back as JSON, as the engine's SSE stream, or as the engine's 4xx."""
-    opened = await front.pipeline.open(parsed, tenant, trace_headers)
+    forward); its answer goes back as JSON, as the engine's SSE stream, or as the engine's 4xx.
+    `client_left()`: returns when the client disconnects (watched while the request waits)."""
+    opened = await front.pipeline.open(parsed, tenant, trace_headers, client_left)
     if isinstance(opened, Passthrough):
         return JSONBytes(opened.body, status_code=opened.status)
     if not opened.parsed.stream:
@@ -94,7 +98,9 @@ def build_router(front: FrontEnd) -> tuple[APIRouter, dict[str, Handler]]:
         try:
             tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
             parsed = parse_chat(await front.read(request), max_prompt_bytes)
-            return await handle(front, parsed, tenant, trace_context(request.headers))
+            return await handle(
+                front, parsed, tenant, trace_context(request.headers), client_left(request)
+            )
         except GatewayError as err:
             return to_http(err)
 
@@ -107,7 +113,9 @@ def build_router(front: FrontEnd) -> tuple[APIRouter, dict[str, Handler]]:
         try:
             tenant = tenants.authenticate(bearer_key(request.headers.get("authorization")))
             parsed = parse_completion(await front.read(request), max_prompt_bytes)
-            return await handle(front, parsed, tenant, trace_context(request.headers))
+            return await handle(
+                front, parsed, tenant, trace_context(request.headers), client_left(request)
+            )
         except GatewayError as err:
             return to_http(err)
 

@@ -90,6 +90,12 @@ class _Sampling(_Closed):
     # -- billing hints, read and stripped by the gateway (docs/billing.md) --
     cache_control: dict[str, Any] | None = None
     prompt_cache_options: dict[str, Any] | None = None
+    # -- flow control, read and stripped by the gateway (docs/flow-control.md) --
+    priority: int | None = Field(
+        None,
+        description="The request's band in the gateway's queue when the fleet is saturated "
+        "(vLLM's field; lower is served first), within the range the API key allows.",
+    )
 
 
 class ChatCompletionRequest(_Sampling):

@@ -1,0 +1,399 @@
+"""Fair flow control: at saturation a request waits in the gateway, in its scope's queue, until
+a replica has room; the fair queue (router.fairness) decides who goes next (docs/flow-control.md).
+
+    admit ──▶ key (hash, look up) ──▶ flow control ──▶ place (the router picks) ──▶ forward
+                                        │ room: dispatch at once (no await)
+                                        │ a fan-out sibling of a leader in flight: its hold
+                                        │   is its wait (placement), charged, not queued
+                                        └ no room: wait in the scope's sub-queue
+                                            ── a prefill ends / a tick ──▶ dispatch
+
+A request is counted in the least uncached prefill over its candidates (the lookup is done
+before it waits: the prefix a conversation has cached is already known), for the room it
+takes and for its scope's counter. The replica loads the router compares are read when it
+is placed, after the wait.
+
+Room (`router.fairness.headroom_tokens`): a replica has room while the prefill queued on it —
+this gateway's unanswered prefills (`ReplicaState.pending_prefill_tokens`, less the progress of
+the one in prefill since it began) and other gateways' requests waiting at the engine
+(`vllm:num_requests_waiting`, counted through `Replica.foreign_prefill_tokens`) — is under
+`max_pending_prefill_s` of work. A request
+dispatched but not yet leased (it is still being keyed and placed) holds its prompt tokens in
+`transit_tokens`, so a burst does not overshoot between its dispatch and its lease.
+
+Wake-ups: a lease's prefill ending (`FleetLoad.on_freed`), and, while anything waits, a tick
+every `TICK_S` (prefill progress, engine scrapes, health and the fleet change without a lease).
+
+Bounded, nothing lost: a scope with `max_queued_per_scope` waiting gets a 429 with Retry-After
+(its own backlog); a gateway with `max_queued` waiting, a 503 (the fleet is full for everyone).
+A request that waited `max_queue_s` gets the 429 when it arrived behind requests of its own scope
+(its backlog is why it waited) and the 503 otherwise. A client gone while queued is removed:
+nothing reaches an engine, the gateway logs it, and it counts as a reject (`client_gone`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from asyncio import FIRST_COMPLETED
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
+from gateway.fleet.replicas import ReplicaSet, ReplicaState
+from gateway.observability.histograms import LATENCY_BUCKETS_S, LabelledHistograms
+from gateway.request.parsed import ParsedRequest
+from gateway.request.state import ExchangeRecord
+from gateway.request.tenant import Tenant
+from gateway.request.usage import EngineUsage
+from router.fairness import FairQueue, Queued, has_headroom, headroom_tokens
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.025
+"""While requests wait, room is re-read every 25 ms even without a lease ending (prefill
+progress, a scrape's engine queue, a replica back up or joined): a tenth of the default room
+bound, so the next request reaches an engine well before it runs dry."""
+REJECT_REASONS = ("scope_full", "gateway_full", "scope_timeout", "fleet_timeout", "client_gone")
+
+
+def request_priority(parsed: ParsedRequest, tenant: Tenant) -> int:
+    """The request's band: its `priority` (vLLM's field) within the tenant's allowed range, else
+    the tenant's own; a value outside the range is a 400 naming the field."""
+    priority = parsed.priority
+    if priority is None:
+        return tenant.policy.priority
+    low, high = tenant.policy.allowed_priorities
+    if not low <= priority <= high:
+        allowed = f"{low}" if low == high else f"{low} to {high}"
+        raise InvalidRequest(
+            f"'priority' {priority} is outside what this API key may ask for ({allowed}; "
+            "lower is served first)",
+            param="priority",
+        )
+    return priority
+
+
+@dataclass(frozen=True)
+class FlowLimits:
+    max_pending_prefill_tokens: float
+    """A replica has room while its queued prefill is under this (tokens)."""
+    max_queued_per_scope: int
+    max_queued: int
+    max_queue_s: float
+    prefill_tokens_per_s: float
+    """To turn a backlog into a Retry-After."""
+
+
+@dataclass
+class FlowStats:
+    dispatched: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(band, "immediate" | "queued" | "sibling") -> requests let through."""
+    rejects: dict[str, int] = field(default_factory=dict)
+    queue_seconds: LabelledHistograms = field(
+        default_factory=lambda: LabelledHistograms(LATENCY_BUCKETS_S)
+    )
+    """Time in the queue of requests dispatched from it, by (tenant, band)."""
+
+    def count_dispatch(self, band: int, how: str) -> None:
+        key = (str(band), how)
+        self.dispatched[key] = self.dispatched.get(key, 0) + 1
+
+    def count_reject(self, reason: str) -> None:
+        self.rejects[reason] = self.rejects.get(reason, 0) + 1
+
+
+class Ticket:
+    """A dispatched request's claim on the fleet's headroom until its lease takes over (`routed`,
+    once, however often called), how long it waited, and what its scope was charged."""
+
+    __slots__ = ("_flow", "_tokens", "charge", "queued_s")
+
+    def __init__(
+        self,
+        flow: FlowControl | None,
+        tokens: float,
+        queued_s: float,
+        charge: tuple[int, float] | None = None,
+    ) -> None:
+        self._flow = flow
+        self._tokens = tokens
+        self.queued_s = queued_s
+        self.charge = charge
+        """(band, weighted tokens) charged to the scope, settled by the engine's usage."""
+
+    def routed(self) -> None:
+        """Routing ended (the lease is taken before the next await) or the request failed."""
+        flow, self._flow = self._flow, None
+        if flow is not None:
+            flow.transit_tokens = max(flow.transit_tokens - self._tokens, 0.0)
+
+
+NO_TICKET = Ticket(None, 0.0, 0.0)
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    future: asyncio.Future[float]
+    model: str
+    tokens: float
+    ahead: int
+    """Requests of its own scope queued before it when it arrived."""
+
+
+class FlowControl:
+    """The gateway's queue (module docstring). Invariants: `transit_tokens` is the prompt tokens
+    of requests dispatched and not yet routed; a waiter's future is resolved only by a dispatch
+    (with its queue time) and only while it is queued, so a request is dispatched at most once
+    and a removed one never."""
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        limits: FlowLimits,
+        queue: FairQueue[_Waiter],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.replicas = replicas
+        self.limits = limits
+        self.queue = queue
+        self.clock = clock
+        self.stats = FlowStats()
+        self.transit_tokens = 0.0
+        self._tick: asyncio.TimerHandle | None = None
+        replicas.fleet.on_freed = self.pump
+
+    # -- room --------------------------------------------------------------------------------
+    def headroom(self, candidates: Sequence[ReplicaState]) -> float:
+        """Prompt tokens the replicas can still take before none has room; infinite when none
+        is healthy (nothing to wait for: routing answers its 503 at once, as without flow
+        control)."""
+        now_s = time.monotonic()
+        queued = [self.queued_tokens(c, now_s) for c in candidates if c.healthy]
+        if not queued:
+            return math.inf
+        return headroom_tokens(queued, self.limits.max_pending_prefill_tokens)
+
+    def queued_tokens(self, state: ReplicaState, now_s: float) -> float:
+        """The prefill still queued on a replica: this gateway's unanswered prefills (less the
+        progress of the one in prefill since it began, at most its share) and other gateways'
+        requests waiting at the engine. The progress lets the next request go before the
+        engine runs dry, so the gateway's own latency never idles it."""
+        snapshot = state.snapshot()
+        queued = snapshot.pending_prefill_tokens + snapshot.foreign_prefill_tokens
+        if state.num_prefilling:
+            progress = (now_s - state.prefill_started_s) * self.limits.prefill_tokens_per_s
+            queued -= min(progress, state.pending_prefill_tokens / state.num_prefilling)
+        return max(queued, 0.0)
+
+    def room(self) -> dict[str, float]:
+        """Each routed replica's room in prompt tokens (the metrics' `replica_room_tokens`)."""
+        bound, now_s = self.limits.max_pending_prefill_tokens, time.monotonic()
+        return {
+            s.id: headroom_tokens([self.queued_tokens(s, now_s)], bound) if s.healthy else 0.0
+            for s in self.replicas.states.values()
+        }
+
+    def _has_room(self, candidates: Sequence[ReplicaState]) -> bool:
+        """Whether the fleet has room for one more request (infinite room when none is healthy,
+        as in `headroom`), reading replicas only until it knows."""
+        healthy = [c for c in candidates if c.healthy]
+        if not healthy:
+            return True
+        now_s = time.monotonic()
+        return has_headroom(
+            (self.queued_tokens(c, now_s) for c in healthy),
+            self.limits.max_pending_prefill_tokens,
+            self.transit_tokens,
+        )
+
+    # -- the request's side ----------------------------------------------------------------------
+    def try_enter(
+        self,
+        tenant: Tenant,
+        band: int,
+        prompt_tokens: float,
+        output_tokens: float,
+        candidates: Sequence[ReplicaState],
+    ) -> Ticket | None:
+        """The hot path, synchronous: a ticket at once when the fleet has room and no one is
+        queued (the dispatch is charged to the scope's counter), else None: `wait`."""
+        if self.queue or not self._has_room(candidates):
+            return None
+        cost = self.queue.cost(prompt_tokens, output_tokens)
+        self.queue.charge(tenant.scope, band, tenant.policy.weight, cost)
+        self.stats.count_dispatch(band, "immediate")
+        self.transit_tokens += prompt_tokens
+        return Ticket(self, prompt_tokens, 0.0, (band, cost))
+
+    def sibling(
+        self, tenant: Tenant, band: int, prompt_tokens: float, output_tokens: float
+    ) -> Ticket:
+        """A fan-out sibling whose leader is in flight in this gateway: it is held until the
+        leader's prefix lands and then goes to the leader's replica, so it does not queue here
+        too (one wait, not two); it is charged to its scope like any dispatch."""
+        cost = self.queue.cost(prompt_tokens, output_tokens)
+        self.queue.charge(tenant.scope, band, tenant.policy.weight, cost)
+        self.stats.count_dispatch(band, "sibling")
+        return Ticket(None, 0.0, 0.0, (band, cost))
+
+    async def wait(
+        self,
+        tenant: Tenant,
+        band: int,
+        model: str,
+        prompt_tokens: float,
+        output_tokens: float,
+        client_left: Callable[[], Awaitable[object]] | None = None,
+    ) -> Ticket:
+        """Wait in the scope's queue until the request may go to the router; the ticket must be
+        `routed` when routing ends, whatever happens. Raises `QueueFull` or `Overloaded` past
+        the limits. `client_left()` returns when the client disconnects (an HTTP front end's
+        watch; gRPC cancels the caller's task instead): either way the request leaves the queue
+        and `ClientGone` (or the cancellation) is raised, nothing left behind."""
+        weight = tenant.policy.weight
+        cost = self.queue.cost(prompt_tokens, output_tokens)
+        self._check_limits(tenant, prompt_tokens)
+        now_s = self.clock()
+        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(future, model, prompt_tokens, self.queue.depth(tenant.scope))
+        queued = self.queue.push(
+            waiter, scope=tenant.scope, band=band, weight=weight, cost=cost, now_s=now_s
+        )
+        self.pump()
+        watcher = asyncio.ensure_future(client_left()) if client_left is not None else None
+        try:
+            waits: list[asyncio.Future[Any]] = [future] if watcher is None else [future, watcher]
+            await asyncio.wait(waits, timeout=self.limits.max_queue_s, return_when=FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the caller's task (a gRPC client cancelling)
+            self._left(tenant, queued, now_s)
+            raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                if watcher.done() and not watcher.cancelled():
+                    watcher.exception()  # a receive that failed is a client gone too: retrieved
+        if not future.done():
+            if watcher is not None and watcher.done() and not watcher.cancelled():
+                self._left(tenant, queued, now_s)
+                raise ClientGone("the client disconnected while its request waited for room")
+            self.queue.remove(queued)
+            raise self._timed_out(tenant, queued)
+        queued_s = future.result()
+        self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
+        return Ticket(self, prompt_tokens, queued_s, (band, cost))
+
+    def _left(self, tenant: Tenant, queued: Queued[_Waiter], since_s: float) -> None:
+        """The client left while its request waited: out of the queue (nothing reaches an
+        engine), or, dispatched in the same turn, its claim on the room given back."""
+        if self.queue.remove(queued):
+            self.stats.count_reject("client_gone")
+            log.info(
+                "tenant %s: the client left after %.3f s in the queue; nothing was sent to an "
+                "engine",
+                tenant.name,
+                self.clock() - since_s,
+            )
+        elif queued.item.future.done():
+            self.transit_tokens = max(self.transit_tokens - queued.item.tokens, 0.0)
+
+    def _check_limits(self, tenant: Tenant, prompt_tokens: float) -> None:
+        backlog = self.queue.depth(tenant.scope)
+        if backlog >= self.limits.max_queued_per_scope:
+            self.stats.count_reject("scope_full")
+            raise QueueFull(
+                f"{backlog} of this API key's requests are already waiting for room in the "
+                "fleet; retry later",
+                retry_after_s=self._retry_after_s(backlog, prompt_tokens),
+            )
+        if len(self.queue) >= self.limits.max_queued:
+            self.stats.count_reject("gateway_full")
+            raise Overloaded(
+                "the fleet is overloaded: too many requests are waiting for room; retry later",
+                retry_after_s=self._retry_after_s(1, prompt_tokens),
+            )
+
+    def _timed_out(self, tenant: Tenant, queued: Queued[_Waiter]) -> Exception:
+        """429 when the request arrived behind its own scope's backlog (that backlog is the
+        reason it waited), else 503 (the fleet had no room for it)."""
+        waited_s = self.limits.max_queue_s
+        ahead = queued.item.ahead
+        if ahead:
+            self.stats.count_reject("scope_timeout")
+            return QueueFull(
+                f"the request waited {waited_s:g} s behind {ahead} earlier requests of this API "
+                "key's own; retry later",
+                retry_after_s=self._retry_after_s(ahead, queued.item.tokens),
+            )
+        self.stats.count_reject("fleet_timeout")
+        return Overloaded(
+            f"the fleet had no room for the request within {waited_s:g} s; retry later",
+            retry_after_s=self._retry_after_s(1, queued.item.tokens),
+        )
+
+    def _retry_after_s(self, backlog: int, prompt_tokens: float) -> float:
+        """About when the backlog will have drained at one replica's prefill rate."""
+        return max(backlog * max(prompt_tokens, 1.0) / self.limits.prefill_tokens_per_s, 1.0)
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Dispatch queued requests while the fleet has room for them (synchronous: called
+        when a lease frees room, on a tick, and when a request is queued)."""
+        if not self.queue:
+            return
+        headroom: dict[str, float] = {}
+
+        def eligible(waiter: _Waiter) -> bool:
+            room = headroom.get(waiter.model)
+            if room is None:
+                room = headroom[waiter.model] = self.headroom(self.replicas.serving(waiter.model))
+            return room > self.transit_tokens
+
+        now_s = self.clock()
+        for _ in range(len(self.queue)):
+            queued = self.queue.pop(eligible)
+            if queued is None:
+                break
+            waiter = queued.item
+            if waiter.future.done():  # cancelled in the same turn: it is not dispatched
+                continue
+            self.transit_tokens += waiter.tokens
+            waiter.future.set_result(now_s - queued.enqueued_s)
+            self.stats.count_dispatch(queued.band, "queued")
+        self._maybe_tick()
+
+    def _maybe_tick(self) -> None:
+        if self.queue and self._tick is None:
+            self._tick = asyncio.get_running_loop().call_later(TICK_S, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self.pump()
+
+    # -- the exchange's side (an `ExchangeObserver`) --------------------------------------------
+    async def on_first_token(self, record: ExchangeRecord) -> None:
+        return None
+
+    async def on_usage(self, record: ExchangeRecord, usage: EngineUsage) -> None:
+        """Settle the scope's charge with what the engine did: its uncached prompt and its
+        output (VTC counts served tokens; the dispatch only estimated them)."""
+        routed = record.routed
+        if routed.flow_charge is None or usage.prompt_tokens is None:
+            return
+        band, charged = routed.flow_charge
+        served = self.queue.cost(
+            usage.prompt_tokens - usage.cached_tokens, usage.completion_tokens or 0
+        )
+        self.queue.settle(routed.tenant.scope, band, served - charged)
+
+    async def on_finish(self, record: ExchangeRecord) -> None:
+        return None
+
+    def close(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        self.replicas.fleet.on_freed = None

@@ -1,0 +1,273 @@
+"""Fair flow control, the noisy neighbour, live through the gateway (issue 43).
+
+Two simulated engines; tenant B sends a B-word prompt every `--b-interval-s` (open loop, the
+light tenant); tenant A floods with `--a-clients` closed-loop clients of A-word prompts; every
+prompt distinct (no cache helps). Five runs on fresh processes: B alone, A alone (flow control
+off and on), then B under A's flood with flow control off and on. Printed: B's TTFT p50/p99,
+A's requests completed within B's window, failures and 5xx. Times are in engine time
+(measured × `--time-scale`), so a faster-than-real engine reports what a real one would.
+
+`--scenario weights`: three tenants weighted 1:2:4 in a tenants file, all flooding; the share
+of the queue's dispatches within the window (from the admin port's metrics) and of the prompt
+tokens each was served (completed requests), beside its weight's share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadgen.client import Result, stream_chat
+from loadgen.engine.server import DEFAULT_MODEL
+from loadgen.engine.timing import DEFAULT_PREFILL_TOKENS_PER_S
+from loadgen.harness import processes
+from loadgen.runner import percentile
+from loadgen.text import words
+
+KEY_A = "sk-bench-flood"
+KEY_B = "sk-bench-light"
+
+
+def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=int, default=2, help="simulated engine replicas")
+    parser.add_argument("--seconds", type=float, default=30.0, help="how long B sends")
+    parser.add_argument("--a-clients", type=int, default=48, help="A's closed-loop clients")
+    parser.add_argument("--a-words", type=int, default=8_000, help="words in each A prompt")
+    parser.add_argument("--b-words", type=int, default=2_000, help="words in each B prompt")
+    parser.add_argument("--b-interval-s", type=float, default=0.5, help="B sends one this often")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="engines run this many times faster"
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=("noisy", "weights"),
+        default="noisy",
+        help="noisy: the noisy neighbour, flow control off and on; weights: three tenants "
+        "weighted 1:2:4 (a tenants file), each flooding with --a-clients / 3 clients of "
+        "--a-words words: their served prompt tokens against the weights",
+    )
+
+
+@dataclass
+class Run:
+    b: list[Result]
+    a: list[Result]
+    """A's requests that finished within B's sending window (`--seconds`)."""
+
+    def failures(self) -> int:
+        return sum(1 for r in self.a + self.b if not r.ok)
+
+    def server_errors(self) -> int:
+        return sum(1 for r in self.a + self.b if r.status >= 500)
+
+
+def _body(text: str, max_tokens: int) -> dict[str, object]:
+    return {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+    }
+
+
+async def _traffic(url: str, args: argparse.Namespace, light: bool, flood: bool) -> Run:
+    """B's open loop for `--seconds` (its requests then finish) while A's clients loop; A's
+    requests count when they finish within B's sending window, the same length in every run."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    connector = aiohttp.TCPConnector(limit=0)
+    stop = asyncio.Event()
+    a_done: list[Result] = []
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+
+        async def flooder(i: int) -> None:
+            n = 0
+            while not stop.is_set():  # bounded: the window ends
+                text = f"A{i}.{n} " + words(f"flood{i}.{n}", args.a_words)
+                result = await stream_chat(http, url, KEY_A, _body(text, args.max_tokens))
+                a_done.append(result)
+                n += 1
+
+        async def light_one(k: int, at_s: float) -> Result:
+            await asyncio.sleep(max(0.0, at_s - time.monotonic()))
+            text = f"B{k} " + words(f"light{k}", args.b_words)
+            return await stream_chat(http, url, KEY_B, _body(text, args.max_tokens))
+
+        flooders = [asyncio.create_task(flooder(i)) for i in range(args.a_clients if flood else 0)]
+        if flood:  # let the flood fill the engines' queues before B measures
+            await asyncio.sleep(2.0 * args.a_words / DEFAULT_PREFILL_TOKENS_PER_S / args.time_scale)
+        start = time.monotonic()
+        num_b = int(args.seconds / args.b_interval_s) if light else 0
+        b = await asyncio.gather(
+            *(light_one(k, start + k * args.b_interval_s) for k in range(num_b))
+        )
+        if not light:
+            await asyncio.sleep(args.seconds)
+        stop.set()
+        for task in flooders:
+            task.cancel()
+        await asyncio.gather(*flooders, return_exceptions=True)
+    end = start + args.seconds
+    window = [r for r in a_done if start <= r.start_s + r.latency_s <= end]
+    return Run(list(b), window)
+
+
+def _run(args: argparse.Namespace, light: bool, flood: bool, flow: bool) -> Run:
+    env = {
+        "KVGATE_FLOW_CONTROL": "true" if flow else "false",
+        "KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * args.time_scale),
+    }
+    serve = ["--tenant", f"a:{KEY_A}", "--tenant", f"b:{KEY_B}", "--log-level", "warning"]
+    engine_args = ["--time-scale", str(args.time_scale), "--max-batch", "256"]
+    with (
+        processes.engines(args.engines, engine_args) as engines,
+        processes.gateway([e.url for e in engines], serve, env=env) as gw,
+    ):
+        return asyncio.run(_traffic(gw.url, args, light, flood))
+
+
+WEIGHTS = (1, 2, 4)
+
+
+def _queued_dispatches(metrics_url: str) -> dict[str, float]:
+    """Requests each tenant had dispatched from the queue so far (the gateway's admin port)."""
+    text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvgate_flow_queue_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    tenant = sample.labels["tenant"]
+                    out[tenant] = out.get(tenant, 0.0) + sample.value
+    return out
+
+
+async def _weighted_flood(
+    url: str, metrics_url: str, args: argparse.Namespace, keys: dict[str, str]
+) -> tuple[dict[str, list[Result]], dict[str, float]]:
+    """Every tenant floods with its closed-loop clients; the requests that finished within the
+    window (`--seconds`, after a warm-up as in the noisy run), by tenant, and the requests the
+    fair queue dispatched within it (what the policy decides; completions trail them)."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    stop = asyncio.Event()
+    done: dict[str, list[Result]] = {name: [] for name in keys}
+    per_tenant = max(args.a_clients // len(keys), 1)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+
+        async def flooder(name: str, i: int) -> None:
+            n = 0
+            while not stop.is_set():  # bounded: the window ends
+                text = f"{name}.{i}.{n} " + words(f"{name}{i}.{n}", args.a_words)
+                done[name].append(
+                    await stream_chat(http, url, keys[name], _body(text, args.max_tokens))
+                )
+                n += 1
+
+        tasks = [asyncio.create_task(flooder(n, i)) for n in keys for i in range(per_tenant)]
+        await asyncio.sleep(2.0 * args.a_words / DEFAULT_PREFILL_TOKENS_PER_S / args.time_scale)
+        start = time.monotonic()
+        before = await asyncio.to_thread(_queued_dispatches, metrics_url)
+        await asyncio.sleep(args.seconds)
+        after = await asyncio.to_thread(_queued_dispatches, metrics_url)
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    end = start + args.seconds
+    finished = {
+        name: [r for r in results if start <= r.start_s + r.latency_s <= end]
+        for name, results in done.items()
+    }
+    return finished, {name: after.get(name, 0.0) - before.get(name, 0.0) for name in keys}
+
+
+def run_weights(args: argparse.Namespace) -> int:
+    keys = {f"w{w}": f"sk-bench-weight-{w}" for w in WEIGHTS}
+    lines = ["version: 1", "tenants:"]
+    for w in WEIGHTS:
+        digest = hashlib.sha256(keys[f"w{w}"].encode()).hexdigest()
+        lines += [f"  w{w}:", f"    weight: {w}", "    keys:", f"      - sha256: {digest}"]
+    env = {
+        "KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * args.time_scale)
+    }
+    engine_args = ["--time-scale", str(args.time_scale), "--max-batch", "256"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tenants.yaml"
+        path.write_text("\n".join(lines) + "\n")
+        serve = ["--tenants-file", str(path), "--log-level", "warning"]
+        with (
+            processes.engines(args.engines, engine_args) as engines,
+            processes.gateway([e.url for e in engines], serve, env=env) as gw,
+        ):
+            assert gw.metrics_url is not None
+            results, dispatched = asyncio.run(_weighted_flood(gw.url, gw.metrics_url, args, keys))
+    served = {name: sum(r.prompt_tokens for r in rs if r.ok) for name, rs in results.items()}
+    total = sum(served.values()) or 1
+    total_dispatched = sum(dispatched.values()) or 1
+    print(
+        f"three tenants weighted {':'.join(map(str, WEIGHTS))}, {max(args.a_clients // 3, 1)} "
+        f"closed-loop clients each of {args.a_words:,} words, {args.seconds:g} s window, "
+        f"{args.engines} engines, flow control on"
+    )
+    print(
+        f"\n{'tenant':<8} {'weight share':>12} {'dispatched share':>16} {'served share':>12} "
+        f"{'requests':>8} {'failed':>6}"
+    )
+    errors = 0
+    for w in WEIGHTS:
+        name = f"w{w}"
+        failed = sum(1 for r in results[name] if not r.ok)
+        errors += sum(1 for r in results[name] if r.status >= 500)
+        print(
+            f"{name:<8} {w / sum(WEIGHTS):>12.1%} {dispatched[name] / total_dispatched:>16.1%} "
+            f"{served[name] / total:>12.1%} "
+            f"{len(results[name]):>8} {failed:>6}"
+        )
+    return 1 if errors else 0
+
+
+def run_bench_fairness(args: argparse.Namespace) -> int:
+    if args.scenario == "weights":
+        return run_weights(args)
+    scale = args.time_scale
+    print(
+        f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
+        f"tokens/s, time scale {scale:g}; B: {args.b_words:,} words every "
+        f"{args.b_interval_s:g} s for {args.seconds:g} s; A: {args.a_clients} closed-loop "
+        f"clients of {args.a_words:,} words; all prompts distinct"
+    )
+    runs = {
+        "B alone": _run(args, light=True, flood=False, flow=True),
+        "A alone, flow control off": _run(args, light=False, flood=True, flow=False),
+        "A alone, flow control on": _run(args, light=False, flood=True, flow=True),
+        "flood, flow control off": _run(args, light=True, flood=True, flow=False),
+        "flood, flow control on": _run(args, light=True, flood=True, flow=True),
+    }
+    print(
+        f"\n{'run':<27} {'B TTFT p50 s':>12} {'B TTFT p99 s':>12} {'B done':>7} "
+        f"{'A done':>7} {'failed':>6} {'5xx':>4}"
+    )
+    errors = 0
+    for name, run in runs.items():
+        ttfts = [r.ttft_s * scale for r in run.b if r.ok]
+        b_cells = (
+            f"{percentile(ttfts, 0.5):>12.2f} {percentile(ttfts, 0.99):>12.2f}"
+            if run.b
+            else f"{'-':>12} {'-':>12}"
+        )
+        errors += run.server_errors()
+        print(
+            f"{name:<27} {b_cells} {len(ttfts):>7} {sum(1 for r in run.a if r.ok):>7} "
+            f"{run.failures():>6} {run.server_errors():>4}"
+        )
+    return 1 if errors else 0

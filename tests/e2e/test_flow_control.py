@@ -1,0 +1,226 @@
+"""Fair flow control through a real gateway and real engines (issue 43): the noisy neighbour.
+
+Tenant A (acme) floods two engines with closed-loop clients of distinct long prompts; tenant B
+(globex) sends a short prompt at a time. Without flow control B's request joins the engines'
+FIFO queues behind A's backlog; with it A's backlog waits in the gateway, in A's own sub-queue,
+and B's request overtakes it. The test counts A's requests answered while each of B's waited (a
+count, not a latency: it holds on a loaded machine)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anthropic
+import grpc
+import httpx
+import pytest
+
+from gateway.api.grpc._pb import gateway_pb2 as pb
+from loadgen.engine.timing import TimingModel
+from loadgen.text import words
+from tests.clients import anthropic_client, director, grpc_stub
+from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, metrics_url
+from tests.servers import Served, wait_until
+
+pytestmark = pytest.mark.e2e
+
+PREFILL_TOKENS_PER_S = 40_000
+TIMING = TimingModel(prefill_tokens_per_s=PREFILL_TOKENS_PER_S, decode_s_per_token=0.0005)
+"""A's prompt (~2,000 tokens) prefills in ~50 ms: 32 of them are a backlog of ~0.8 s per engine."""
+A_CLIENTS = 32
+B_REQUESTS = 5
+
+
+async def _noisy_neighbour(gateway: Served) -> tuple[list[int], list[int]]:
+    """(A's answers during each of B's requests, every status seen)."""
+    answered: list[float] = []
+    statuses: list[int] = []
+    stop = asyncio.Event()
+    saturated = asyncio.Event()
+
+    async def post(client: httpx.AsyncClient, key: str, content: str) -> int:
+        r = await client.post(
+            "/v1/chat/completions",
+            headers={"authorization": f"Bearer {key}"},
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": 1,
+            },
+        )
+        statuses.append(r.status_code)
+        return r.status_code
+
+    async def flooder(client: httpx.AsyncClient, i: int) -> None:
+        n = 0
+        while not stop.is_set():  # bounded: the B side sets it
+            await post(client, TENANT_KEY, f"A{i}-{n} " + words(f"flood{i}-{n}", 1_500))
+            answered.append(time.monotonic())
+            if len(answered) >= A_CLIENTS:  # every client has had one answer: the flood is on
+                saturated.set()
+            n += 1
+
+    during: list[int] = []
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30.0, limits=limits) as client:
+        flood = [asyncio.create_task(flooder(client, i)) for i in range(A_CLIENTS)]
+        try:
+            await asyncio.wait_for(saturated.wait(), 30.0)
+            for k in range(B_REQUESTS):
+                started = time.monotonic()
+                assert await post(client, OTHER_KEY, f"B{k} " + words(f"light{k}", 100)) == 200
+                ended = time.monotonic()
+                during.append(sum(1 for t in answered if started < t < ended))
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*flood), 30.0)
+    return during, statuses
+
+
+def test_a_light_tenant_overtakes_a_flooding_tenants_backlog(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    engines = start_engines(2, timing=TIMING)
+    common: dict[str, Any] = {
+        "engine_prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
+        "flow_max_pending_prefill_s": 0.04,
+    }
+    off = start_gateway(engines, flow_control=False, **common)
+    during_off, statuses_off = asyncio.run(_noisy_neighbour(off))
+    off.stop()
+    on = start_gateway(engines, **common)
+    during_on, statuses_on = asyncio.run(_noisy_neighbour(on))
+    assert set(statuses_on) == {200} and set(statuses_off) == {200}
+    # off: B waits behind the engines' FIFO backlog of A's requests (~32 over two engines);
+    # on: behind what is already at the engines (about one prefill each), not A's queue
+    median_off, median_on = (sorted(d)[B_REQUESTS // 2] for d in (during_off, during_on))
+    assert median_off >= 12 and median_on <= median_off / 2, (during_off, during_on)
+    metrics = httpx.get(metrics_url(on) + "/metrics").text
+    assert 'kvgate_flow_dispatched_total{band="0",how="queued"}' in metrics
+    assert "kvgate_flow_queue_seconds_bucket" in metrics and "kvgate_replica_room_tokens" in metrics
+    tenant_port = httpx.get(on.url + "/metrics", headers={"authorization": f"Bearer {TENANT_KEY}"})
+    assert "kvgate_flow" not in tenant_port.text
+
+
+# -- bounded and explicit, in every API's shape -------------------------------------------------
+def _ask(gateway: Served, key: str, content: str, **extra: Any) -> httpx.Response:
+    return httpx.post(
+        gateway.url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {key}"},
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 1,
+            **extra,
+        },
+        timeout=30.0,
+    )
+
+
+def test_a_full_queue_answers_in_each_apis_shape_and_a_client_gone_reaches_no_engine(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    """No room (a lease the test holds on the only replica): acme's two requests wait; a third
+    of acme's is a 429 (its own backlog), globex's first a 503 (the gateway's queue is full), in
+    OpenAI's, Anthropic's and gRPC's shapes; a queued client that leaves is removed and never
+    reaches the engine; once the room is back the others are answered."""
+    (engine,) = start_engines(1)
+    gateway = start_gateway([engine], flow_max_queued_per_scope=2, flow_max_queued=2, grpc_port=0)
+    d = director(gateway)
+    assert d.flow is not None
+    flow = d.flow
+    state = d.replicas.states[engine.url]
+    hold = gateway.on_loop(lambda: state.lease(10**9))
+    seen = len(engine_of(engine).seen_headers)
+
+    async def queued() -> tuple[list[int], None]:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30.0) as client:
+
+            async def one(n: int) -> int:
+                r = await client.post(
+                    "/v1/chat/completions",
+                    headers={"authorization": f"Bearer {TENANT_KEY}"},
+                    json={
+                        "model": MODEL,
+                        "max_tokens": 1,
+                        "messages": [{"role": "user", "content": f"queued {n}"}],
+                    },
+                )
+                return r.status_code
+
+            waiting = [asyncio.create_task(one(n)) for n in range(2)]
+            gone = asyncio.create_task(one(2))  # over the scope's limit: a 429 at once
+            assert await gone == 429
+            await asyncio.to_thread(
+                wait_until, lambda: gateway.on_loop(lambda: len(flow.queue)) == 2, 10.0, "queued"
+            )
+            await asyncio.to_thread(_refusals_in_every_shape, gateway)
+            waiting[1].cancel()  # its client leaves while it waits
+            await asyncio.to_thread(
+                wait_until,
+                lambda: gateway.on_loop(lambda: len(flow.queue)) == 1,
+                10.0,
+                "the client gone removed",
+            )
+            gateway.on_loop(hold.release)  # room again
+            return [await waiting[0]], None
+
+    statuses, _ = asyncio.run(queued())
+    assert statuses == [200]
+    assert len(engine_of(engine).seen_headers) == seen + 1  # the one that left never got there
+    rejects = gateway.on_loop(lambda: dict(flow.stats.rejects))
+    assert rejects["client_gone"] == 1 and rejects["scope_full"] >= 3
+    assert rejects["gateway_full"] >= 3
+
+
+def _refusals_in_every_shape(gateway: Served) -> None:
+    # OpenAI: acme's own backlog is full (429 + Retry-After), globex finds the gateway full (503)
+    own = _ask(gateway, TENANT_KEY, "one too many")
+    assert own.status_code == 429 and own.json()["error"]["code"] == "queue_full"
+    assert int(own.headers["retry-after"]) >= 1
+    full = _ask(gateway, OTHER_KEY, "no room for anyone")
+    assert full.status_code == 503 and full.json()["error"]["code"] == "overloaded"
+    assert "retry-after" in full.headers and "acme" not in full.text
+    # Anthropic: rate_limit_error and overloaded_error
+    with pytest.raises(anthropic.RateLimitError) as limited:
+        anthropic_client(gateway).messages.create(
+            model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "x"}]
+        )
+    assert limited.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    with pytest.raises(anthropic.InternalServerError) as overloaded:
+        anthropic_client(gateway, OTHER_KEY).messages.create(
+            model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "x"}]
+        )
+    assert overloaded.value.status_code == 503
+    assert overloaded.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    # gRPC: RESOURCE_EXHAUSTED and UNAVAILABLE
+    for key, code in (
+        (TENANT_KEY, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (OTHER_KEY, grpc.StatusCode.UNAVAILABLE),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            grpc_stub(gateway).Generate(
+                pb.GenerateRequest(
+                    model=MODEL,
+                    messages=[pb.Message(role=pb.ROLE_USER, content=[pb.ContentPart(text="x")])],
+                    sampling=pb.Sampling(max_tokens=1),
+                ),
+                metadata=(("authorization", f"Bearer {key}"),),
+                timeout=10.0,
+            )
+        error: Any = info.value
+        assert error.code() == code, error.details()
+
+
+def test_priority_outside_the_keys_range_is_a_400_naming_it(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    gateway = start_gateway(start_engines(1))
+    r = _ask(gateway, TENANT_KEY, "hi", priority=3)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    r = _ask(gateway, TENANT_KEY, "hi", priority="high")
+    assert r.status_code == 400 and "'priority' must be an integer" in r.json()["error"]["message"]
+    assert _ask(gateway, TENANT_KEY, "hi", priority=0).status_code == 200  # its own band

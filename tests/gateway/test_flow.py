@@ -1,0 +1,257 @@
+"""Flow control's queue (gateway.pipeline.flow) on a real replica set: room, order, limits,
+clients that leave. The engines are not needed: leases put the load on the replicas."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
+from gateway.fleet.replicas import Lease, ReplicaSet
+from gateway.pipeline.flow import FlowControl, FlowLimits, Ticket, request_priority
+from gateway.request.parsed import CHAT, ParsedRequest
+from gateway.request.tenant import Tenant, TenantPolicy
+from router.fairness import FairQueue
+
+MODEL = "m"
+BOUND = 1_000.0
+
+
+async def _never(_: str) -> None:
+    return None
+
+
+def _replicas(n: int = 1) -> ReplicaSet:
+    replicas = ReplicaSet(
+        [f"http://r{i}" for i in range(n)],
+        interval_s=1.0,
+        timeout_s=1.0,
+        unhealthy_after=1,
+        on_restart=_never,
+    )
+    for state in replicas.states.values():
+        state.healthy = True
+        state.models = frozenset({MODEL})
+    return replicas
+
+
+def _flow(replicas: ReplicaSet, **limits: float) -> FlowControl:
+    values: dict[str, float] = {
+        "max_pending_prefill_tokens": BOUND,
+        "max_queued_per_scope": 8,
+        "max_queued": 16,
+        "max_queue_s": 10.0,
+        "prefill_tokens_per_s": 1_000.0,
+    }
+    values.update(limits)
+    return FlowControl(
+        replicas,
+        FlowLimits(
+            max_pending_prefill_tokens=values["max_pending_prefill_tokens"],
+            max_queued_per_scope=int(values["max_queued_per_scope"]),
+            max_queued=int(values["max_queued"]),
+            max_queue_s=values["max_queue_s"],
+            prefill_tokens_per_s=values["prefill_tokens_per_s"],
+        ),
+        FairQueue(floor_share=0.0),
+    )
+
+
+def _tenant(name: str, **policy: object) -> Tenant:
+    return Tenant(name, name.encode(), policy=TenantPolicy(**policy))  # type: ignore[arg-type]
+
+
+def _fill(replicas: ReplicaSet) -> Lease:
+    """Put a prefill over the bound on the (first) replica: no room until it ends."""
+    return next(iter(replicas.states.values())).lease(BOUND * 2)
+
+
+async def _enter(flow: FlowControl, tenant: Tenant, tokens: float, band: int = 0) -> Ticket:
+    candidates = flow.replicas.serving(MODEL)
+    ticket = flow.try_enter(tenant, band, tokens, 0.0, candidates)
+    if ticket is not None:
+        return ticket
+    return await flow.wait(tenant, band, MODEL, tokens, 0.0)
+
+
+async def _until(predicate: object, what: str) -> None:
+    """Let the loop run until `predicate()` holds (bounded)."""
+    for _ in range(1_000):
+        if predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_with_room_a_request_dispatches_at_once_and_holds_its_tokens() -> None:
+    flow = _flow(_replicas())
+    a = _tenant("a")
+    ticket = flow.try_enter(a, 0, 400.0, 0.0, flow.replicas.serving(MODEL))
+    assert ticket is not None and ticket.queued_s == 0.0
+    assert flow.transit_tokens == 400.0
+    ticket.routed()
+    ticket.routed()  # once, however often
+    assert flow.transit_tokens == 0.0
+    assert flow.stats.dispatched == {("0", "immediate"): 1}
+
+
+async def test_transit_stops_a_burst_overshooting_before_its_leases() -> None:
+    flow = _flow(_replicas())
+    a = _tenant("a")
+    first = flow.try_enter(a, 0, 700.0, 0.0, flow.replicas.serving(MODEL))
+    second = flow.try_enter(a, 0, 700.0, 0.0, flow.replicas.serving(MODEL))
+    # the second goes while the first leaves room (under the bound), the third waits
+    assert first is not None and second is not None
+    assert flow.try_enter(a, 0, 10.0, 0.0, flow.replicas.serving(MODEL)) is None
+
+
+async def test_the_running_prefills_progress_makes_room_before_it_ends() -> None:
+    """2,000 tokens in prefill at 1,000 tokens/s: no room at first; 1.5 s in, 500 are left, under
+    the 1,000-token bound, so the next request goes before the engine runs dry (its progress
+    never counts past its own share of what is pending)."""
+    replicas = _replicas()
+    flow = _flow(replicas)
+    state = replicas.states["http://r0"]
+    _fill(replicas)
+    a = _tenant("a")
+    assert flow.try_enter(a, 0, 10.0, 0.0, [state]) is None
+    state.prefill_started_s -= 1.5
+    assert flow.queued_tokens(state, state.prefill_started_s + 1.5) == pytest.approx(500.0)
+    assert flow.try_enter(a, 0, 10.0, 0.0, [state]) is not None
+    assert flow.queued_tokens(state, state.prefill_started_s + 60.0) == 0.0
+
+
+async def test_a_light_scope_overtakes_a_flooding_ones_backlog() -> None:
+    """A's backlog of ten waits for room; B's request, queued after all of them, goes second
+    (after the A request at the head, which is older at an equal counter)."""
+    replicas = _replicas()
+    flow = _flow(replicas, max_queued_per_scope=10)
+    lease = _fill(replicas)
+    a, b = _tenant("a"), _tenant("b")
+    order: list[str] = []
+
+    async def client(tenant: Tenant, n: int) -> None:
+        ticket = await _enter(flow, tenant, 600.0)
+        order.append(f"{tenant.name}{n}")
+        with replicas.states["http://r0"].lease(600.0):  # its prefill, done at once
+            ticket.routed()
+
+    tasks = [asyncio.create_task(client(a, n)) for n in range(10)]
+    await _until(lambda: len(flow.queue) == 10, "A's backlog")
+    tasks.append(asyncio.create_task(client(b, 0)))
+    await _until(lambda: len(flow.queue) == 11, "B queued")
+    lease.prefilled()  # room: the queue drains in the policy's order
+    await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+    assert order.index("b0") <= 1, order
+    assert flow.stats.dispatched[("0", "queued")] == 11
+    assert flow.transit_tokens == 0.0
+
+
+async def test_a_full_scope_gets_429_and_a_full_gateway_503() -> None:
+    replicas = _replicas()
+    flow = _flow(replicas, max_queued_per_scope=2, max_queued=3)
+    lease = _fill(replicas)
+    a, b = _tenant("a"), _tenant("b")
+    waiting = [asyncio.create_task(_enter(flow, a, 10.0)) for _ in range(2)]
+    await _until(lambda: len(flow.queue) == 2, "A queued")
+    with pytest.raises(QueueFull) as own:
+        await _enter(flow, a, 10.0)
+    assert own.value.status == 429 and int(own.value.headers()["retry-after"]) >= 1
+    waiting.append(asyncio.create_task(_enter(flow, b, 10.0)))
+    await _until(lambda: len(flow.queue) == 3, "B queued")
+    with pytest.raises(Overloaded) as full:
+        await _enter(flow, _tenant("c"), 10.0)
+    assert full.value.status == 503 and "retry-after" in full.value.headers()
+    assert flow.stats.rejects == {"scope_full": 1, "gateway_full": 1}
+    lease.prefilled()
+    for ticket in await asyncio.wait_for(asyncio.gather(*waiting), 5.0):
+        ticket.routed()
+
+
+async def test_waiting_too_long_is_503_unless_behind_its_own_backlog() -> None:
+    """The first request waited for the fleet (503); the second arrived behind the first, its
+    own scope's backlog (429)."""
+    replicas = _replicas()
+    flow = _flow(replicas, max_queue_s=0.1)
+    _fill(replicas)
+    a = _tenant("a")
+    first = asyncio.create_task(_enter(flow, a, 10.0))
+    await _until(lambda: len(flow.queue) == 1, "first queued")
+    second = asyncio.create_task(_enter(flow, a, 10.0))
+    with pytest.raises(Overloaded, match="no room"):
+        await first
+    with pytest.raises(QueueFull, match="behind 1 earlier"):
+        await second
+    assert len(flow.queue) == 0
+    assert flow.stats.rejects == {"fleet_timeout": 1, "scope_timeout": 1}
+
+
+async def test_a_client_gone_while_queued_is_removed_and_never_dispatched() -> None:
+    replicas = _replicas()
+    flow = _flow(replicas)
+    lease = _fill(replicas)
+    gone = asyncio.create_task(_enter(flow, _tenant("a"), 10.0))
+    await _until(lambda: len(flow.queue) == 1, "queued")
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert len(flow.queue) == 0 and flow.stats.rejects == {"client_gone": 1}
+    lease.prefilled()
+    assert flow.transit_tokens == 0.0 and ("0", "queued") not in flow.stats.dispatched
+
+
+async def test_a_client_left_while_queued_is_a_client_gone_and_never_dispatched() -> None:
+    replicas = _replicas()
+    flow = _flow(replicas)
+    lease = _fill(replicas)
+    left = asyncio.Event()
+
+    async def client_left() -> None:
+        await left.wait()
+
+    waiting = asyncio.create_task(flow.wait(_tenant("a"), 0, MODEL, 10.0, 0.0, client_left))
+    await _until(lambda: len(flow.queue) == 1, "queued")
+    left.set()
+    with pytest.raises(ClientGone):
+        await asyncio.wait_for(waiting, 5.0)
+    assert len(flow.queue) == 0 and flow.stats.rejects == {"client_gone": 1}
+    lease.prefilled()
+    assert flow.transit_tokens == 0.0
+
+
+async def test_a_replica_freeing_room_wakes_the_queue_without_a_tick() -> None:
+    replicas = _replicas(2)
+    flow = _flow(replicas)
+    leases = [s.lease(BOUND * 2) for s in replicas.states.values()]
+    waiter = asyncio.create_task(_enter(flow, _tenant("a"), 10.0))
+    await _until(lambda: len(flow.queue) == 1, "queued")
+    leases[1].prefilled()
+    ticket = await asyncio.wait_for(waiter, 1.0)
+    assert ticket.queued_s >= 0.0
+    ticket.routed()
+    flow.close()
+
+
+def _parsed(priority: int | None) -> ParsedRequest:
+    return ParsedRequest(CHAT, MODEL, {}, b"x", False, False, priority=priority)
+
+
+def test_priority_within_the_tenants_range_else_400_naming_the_field() -> None:
+    tiered = _tenant("t", priority=2, priority_range=(1, 5))
+    assert request_priority(_parsed(None), tiered) == 2
+    assert request_priority(_parsed(1), tiered) == 1
+    with pytest.raises(InvalidRequest) as bad:
+        request_priority(_parsed(0), tiered)
+    assert bad.value.param == "priority" and "1 to 5" in bad.value.message
+    with pytest.raises(InvalidRequest):
+        request_priority(_parsed(1), _tenant("plain"))
+
+
+def test_bad_weights_and_bands_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="weight"):
+        TenantPolicy(weight=0.0)
+    with pytest.raises(ValueError, match="priority_range"):
+        TenantPolicy(priority_range=(3, 1))
+    with pytest.raises(ValueError, match="outside priority_range"):
+        TenantPolicy(priority=9, priority_range=(0, 2))
