@@ -208,8 +208,10 @@ class Console:
         tokens: dict[str, dict[str, float]] = {}
         for labels, v in s.get("kvgate_tenant_tokens_total", ()):
             tokens.setdefault(labels.get("tenant", ""), {})[labels.get("kind", "")] = v
+        queued = by(s, "kvgate_flow_queue_depth", "tenant")
         rows = []
-        for tenant, kinds in sorted(tokens.items()):
+        for tenant in sorted(set(tokens) | set(queued)):
+            kinds = tokens.get(tenant, {})
             prompt = kinds.get("prompt", 0.0)
             share = kinds.get("cache_read", 0.0) / prompt if prompt else None
             rows.append(
@@ -218,9 +220,18 @@ class Console:
                     *(_td(_fmt(kinds.get(k))) for k in ("prompt", "cache_read", "cache_written")),
                     _td(_fmt(kinds.get("completion"))),
                     _td(_fmt(share, percent=True)),
+                    _td(_fmt(queued.get(tenant, 0.0))),
                 ]
             )
-        header = ["tenant", "prompt", "read (cached)", "written", "completion", "cached share"]
+        header = [
+            "tenant",
+            "prompt",
+            "read (cached)",
+            "written",
+            "completion",
+            "cached share",
+            "queued now",
+        ]
         window = (
             '<p>Window: <select id="window"><option value="60">1 min</option>'
             '<option value="300" selected>5 min</option><option value="900">15 min</option>'
@@ -231,6 +242,7 @@ class Console:
             window
             + _table("tenants", header, rows)
             + _chart("tenant_tokens", "Prompt tokens/s by tenant")
+            + _chart("queued", "Requests waiting in the gateway (fair flow control), by tenant")
         )
 
     def _requests_body(self, wanted: str) -> str:

@@ -119,6 +119,7 @@ def test_the_console_shows_the_fleet_routing_tenants_and_a_request(
         what="the tenants table",
     )
     assert set(tenants.split(",")) == {"acme", "globex"}
+    assert "queued now" in chromium.source()  # fair flow control's queue, per tenant
 
     # a request by the id its answer carried: the receipt and its candidates
     request_id = first.headers["x-request-id"]

@@ -137,12 +137,16 @@
         if (totals[l.tenant]) totals[l.tenant][l.kind] = (totals[l.tenant][l.kind] || 0) - v;
       }
     }
+    const queued = byLabel(now, "kvgate_flow_queue_depth", "tenant");
+    for (const t of Object.keys(queued)) totals[t] = totals[t] || {};
     fillTable("tenants", Object.keys(totals).sort().map((t) => {
       const k = totals[t];
       const share = k.prompt ? (k.cache_read || 0) / k.prompt : null;
-      return [esc(t), fmt(k.prompt), fmt(k.cache_read), fmt(k.cache_written), fmt(k.completion), fmt(share, true)];
+      return [esc(t), fmt(k.prompt), fmt(k.cache_read), fmt(k.cache_written), fmt(k.completion), fmt(share, true),
+        fmt(queued[t] || 0)];
     }));
     draw("tenant_tokens", ...rates("kvgate_tenant_tokens_total", "tenant", { kind: "prompt" }));
+    draw("queued", ...gauges("kvgate_flow_queue_depth", "tenant"));
   }
 
   function requests(recent) {
