@@ -131,8 +131,9 @@ def test_the_config_names_its_modes() -> None:
 
 
 def test_the_command_runs_both_modes_side_by_side(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # a log's width, whoever runs the suite
     out = tmp_path / "sim.json"
     spec = "agent-sessions:sessions=8,concurrency=2,steps=6,start=3000,tool=500"
     argv = ["sim", spec, "--replicas", "2", "--capacity-frac", "0.2", "--mode", "both"]
