@@ -164,18 +164,7 @@ def parse_chat(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
         rendered = render_chat(messages, tools).encode()  # type: ignore[arg-type]
     except NestingError as exc:
         raise _fail(str(exc), "messages") from None
-    _check_size(rendered, max_prompt_bytes)
-    priority = take_priority(body)
-    return ParsedRequest(
-        CHAT,
-        model,
-        body,
-        rendered,
-        stream,
-        include_usage,
-        priority=priority,
-        raw=raw if priority is None else None,
-    )
+    return _parsed(CHAT, model, body, rendered, stream, include_usage, raw, max_prompt_bytes)
 
 
 def parse_completion(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
@@ -201,10 +190,25 @@ def parse_completion(raw: bytes, max_prompt_bytes: int) -> ParsedRequest:
             "prompt",
         )
     rendered = render_completion(prompt).encode()
+    return _parsed(COMPLETION, model, body, rendered, stream, include_usage, raw, max_prompt_bytes)
+
+
+def _parsed(
+    kind: str,
+    model: str,
+    body: dict[str, Any],
+    rendered: bytes,
+    stream: bool,
+    include_usage: bool,
+    raw: bytes,
+    max_prompt_bytes: int,
+) -> ParsedRequest:
+    """The checked request: its size, its `priority` taken out of the body (the raw bytes are
+    forwarded as they came only when nothing was taken out)."""
     _check_size(rendered, max_prompt_bytes)
     priority = take_priority(body)
     return ParsedRequest(
-        COMPLETION,
+        kind,
         model,
         body,
         rendered,
