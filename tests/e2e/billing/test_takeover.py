@@ -88,7 +88,13 @@ def test_a_survivor_ships_the_wal_of_a_gateway_scaled_down_while_the_store_was_a
         assert sorted(r["id"] for r in records) == sorted(shipped + during)  # each once
         assert {r["status"] for r in records} == {"ok"}  # billed as they were served, none aborted
         takeover = b.app.state.billing.takeover
-        wait_until(lambda: not segment_paths(root / "kvgate-a"), 10, "the directory retired")
+        # the survivor's loop counts the takeover just after it retires the directory, on its
+        # own thread: wait for both rather than read the count the moment the files go
+        wait_until(
+            lambda: takeover.num_taken_over and not segment_paths(root / "kvgate-a"),
+            10,
+            "the directory retired",
+        )
         assert takeover.num_taken_over == 1 and takeover.num_shipped >= len(during)
         assert segment_paths(root / "kvgate-b")  # the survivor's own log is its own
     finally:
