@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.adapters import DEFAULT_ADAPTER_WEIGHT, AdapterFilter, AdapterScorer
 from router.filters import (
     DEFAULT_ABSOLUTE_SLACK_TOKENS,
     DEFAULT_RELATIVE_SLACK,
@@ -84,12 +85,16 @@ class RouterConfig:
     """cache_pressure: the weight of `CrowdingScorer` (0: off, round 2's ranking)."""
     affinity_weight: float = DEFAULT_AFFINITY_WEIGHT
     """cache_aware, cache_pressure: the weight of `ConversationScorer` (0: off)."""
+    adapter_weight: float = DEFAULT_ADAPTER_WEIGHT
+    """The locality policies: the weight of `AdapterScorer`, a resident LoRA adapter (0: off)."""
 
     def __post_init__(self) -> None:
         if self.crowding_weight < 0:
             raise ValueError(f"crowding_weight must be non-negative, got {self.crowding_weight}")
         if self.affinity_weight < 0:
             raise ValueError(f"affinity_weight must be non-negative, got {self.affinity_weight}")
+        if self.adapter_weight < 0:
+            raise ValueError(f"adapter_weight must be non-negative, got {self.adapter_weight}")
         if self.displacement_weight < 0:
             raise ValueError(
                 f"displacement_weight must be non-negative, got {self.displacement_weight}"
@@ -97,14 +102,20 @@ class RouterConfig:
 
 
 def cache_aware(config: RouterConfig) -> RoutingProfile:
-    """The longest cached prefix among the replicas within the load bound."""
+    """The longest cached prefix among the replicas within the load bound (for a LoRA adapter:
+    among those where it is resident, or can be loaded without thrashing: `router.adapters`)."""
     return RoutingProfile(
         "cache_aware",
-        (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
+        (
+            HealthyFilter(),
+            AdapterFilter(),
+            LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack),
+        ),
         (
             (PrefixScorer(), 1.0),
             (EstimatedWorkScorer(), _TIE_BREAK),
             (ConversationScorer(), config.affinity_weight),
+            (AdapterScorer(), config.adapter_weight),
         ),
         locality=True,
     )
@@ -122,7 +133,11 @@ def cache_pressure(config: RouterConfig) -> RoutingProfile:
     measured to be, and the two can run side by side in one `kvgate sim` run."""
     return RoutingProfile(
         "cache_pressure",
-        (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
+        (
+            HealthyFilter(),
+            AdapterFilter(),
+            LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack),
+        ),
         (
             (PrefixScorer(), 1.0),
             # NOTE: a negative weight: the scorer is a cost, and adding −0.0 leaves every sum
@@ -139,6 +154,7 @@ def cache_pressure(config: RouterConfig) -> RoutingProfile:
                 _TIE_BREAK,
             ),
             (ConversationScorer(crowded=True), config.affinity_weight),
+            (AdapterScorer(), config.adapter_weight),
         ),
         locality=True,
     )
@@ -167,8 +183,16 @@ def cache_aware_local(config: RouterConfig) -> RoutingProfile:
     blocks, so every gateway still sends a new prefix to the same replica."""
     return RoutingProfile(
         "cache_aware_local",
-        (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
-        ((PrefixScorer(), 1.0), (RendezvousScorer(), _TIE_BREAK)),
+        (
+            HealthyFilter(),
+            AdapterFilter(),
+            LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack),
+        ),
+        (
+            (PrefixScorer(), 1.0),
+            (RendezvousScorer(), _TIE_BREAK),
+            (AdapterScorer(), config.adapter_weight),
+        ),
         locality=True,
     )
 

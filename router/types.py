@@ -129,6 +129,9 @@ class RouteRequest:
     its KV was evicted everywhere; None: a new conversation, or affinity off."""
     home_blocks: int = 0
     """...and the blocks of that previous request: the context the conversation built there."""
+    adapter_slots: Mapping[str, int] = field(default_factory=dict)
+    """The request's LoRA adapter at each replica: `router.adapters` RESIDENT / LOADABLE /
+    FULL (absent: LOADABLE); empty for the base model."""
 
     def uncached_tokens(self, replica: str) -> float:
         cached = self.overlap.get(replica, 0) * self.tokens_per_block

@@ -43,6 +43,16 @@ class EngineMetrics:
     num_gpu_blocks: int | None = None
     """The engine's KV capacity in blocks (`vllm:cache_config_info`'s `num_gpu_blocks` label;
     per DP rank): what precise mode's eviction frontier counts empty blocks against."""
+    max_lora: int | None = None
+    """`vllm:lora_requests_info`'s labels (the newest sample): the GPU adapter slots..."""
+    running_lora_adapters: str | None = None
+    """...the adapters of running requests, comma-separated..."""
+    waiting_lora_adapters: str | None = None
+    """...and of waiting ones (None: the engine serves no adapters)."""
+
+    def lora_adapters_in_use(self) -> tuple[list[str], list[str]]:
+        """The running and the waiting adapters, as lists."""
+        return _names(self.running_lora_adapters), _names(self.waiting_lora_adapters)
 
     @property
     def start_marker(self) -> str | None:
@@ -84,6 +94,34 @@ def cache_config_blocks(text: str) -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+"""vLLM's info gauge of its LoRA adapters: value the report's wall time, in labels `max_lora`,
+`running_lora_adapters`, `waiting_lora_adapters` (comma-separated names)."""
+
+
+def lora_info(text: str) -> dict[str, str]:
+    """The labels of the newest `vllm:lora_requests_info` sample ({} when absent)."""
+    best: tuple[float, dict[str, str]] | None = None
+    at = text.find(LORA_REQUESTS_INFO + "{")
+    while at >= 0:
+        end = text.find("\n", at)
+        line = text[at : end if end >= 0 else len(text)]
+        close = line.rfind("}")
+        labels: dict[str, str] = {}
+        for part in line[len(LORA_REQUESTS_INFO) + 1 : close].split('",'):
+            key, sep, value = part.partition('="')
+            if sep:
+                labels[key.strip()] = value.rstrip('"')
+        try:
+            stamp = float(line[close + 1 :].split()[0])
+        except (ValueError, IndexError):
+            stamp = 0.0
+        if best is None or stamp >= best[0]:
+            best = (stamp, labels)
+        at = text.find(LORA_REQUESTS_INFO + "{", at + 1)
+    return best[1] if best is not None else {}
+
+
 def parse_engine_metrics(text: str) -> EngineMetrics:
     """The fields kvgate uses, from a Prometheus text exposition (unknown families ignored)."""
     found: dict[str, tuple[int, float]] = {}
@@ -93,15 +131,21 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         if field in found and found[field][0] < rank:
             continue
         found[field] = (rank, total)
+    lora = lora_info(text)
+    max_lora = lora.get("max_lora", "")
     return EngineMetrics(
         **{field: value for field, (_, value) in found.items()},
         num_gpu_blocks=cache_config_blocks(text),
+        max_lora=int(max_lora) if max_lora.isdigit() else None,
+        running_lora_adapters=lora.get("running_lora_adapters") if lora else None,
+        waiting_lora_adapters=lora.get("waiting_lora_adapters") if lora else None,
     )
 
 
 _SAMPLE_NAMES = (
     *(name + suffix for name in _WANTED for suffix in ("", "_total")),
     CACHE_CONFIG_INFO,
+    LORA_REQUESTS_INFO,
 )
 SCRAPE_PATH = "/metrics?" + urlencode([("name[]", name) for name in _SAMPLE_NAMES])
 """/metrics asking for the wanted families only: prometheus_client's exposition (vLLM's,
@@ -139,3 +183,7 @@ def _family_totals(text: str) -> dict[str, float]:
         if not math.isnan(value):
             totals[family] = totals.get(family, 0.0) + value
     return totals
+
+
+def _names(labels: str | None) -> list[str]:
+    return [n.strip() for n in (labels or "").split(",") if n.strip()]

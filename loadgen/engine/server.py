@@ -6,6 +6,9 @@ Endpoints (vLLM's, plus the SGLang probes that sglang-router uses):
   POST /tokenize /detokenize /v1/completions/render /v1/chat/completions/render
        /v1/completions /v1/chat/completions   (SSE when "stream": true)
        /reset_prefix_cache
+       /v1/load_lora_adapter /v1/unload_lora_adapter   (with VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+
+LoRA adapters (`--lora-modules`, `--max-loras`, `--lora-load-s`): `loadgen.engine.lora`.
 
 Prompts are rendered with the model's chat template and tokenized with its BPE
 (`loadgen.engine.prompts`, `loadgen.engine.tokenizer`; once per app, shared by the ranks, as
@@ -35,7 +38,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +55,16 @@ from starlette.routing import Route
 from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE, Placeholder, extras_of
 from loadgen.engine.kv_events import KVEventsConfig, ZmqPublisher, parse_kv_events_config
 from loadgen.engine.kvpool import BlockPool
+from loadgen.engine.lora import (
+    DEFAULT_LORA_LOAD_S,
+    DEFAULT_MAX_LORAS,
+    AdapterError,
+    AdapterRegistry,
+    AdapterSlots,
+    lora_info_labels,
+    parse_lora_module,
+    runtime_updating_from_env,
+)
 from loadgen.engine.prompts import (
     BadRequest,
     RenderedPrompts,
@@ -116,6 +129,16 @@ class EngineConfig:
     """LoRA adapters served beside the base model (vLLM `--lora-modules name=path`): a request
     whose `model` is one is computed with it, so its blocks chain from the adapter's name (and
     its KV events carry `lora_name`); `/v1/models` lists each with the base as its `parent`."""
+    max_loras: int = DEFAULT_MAX_LORAS
+    """Adapters resident in a rank's GPU slots at once (vLLM `--max-loras`; 0: no limit):
+    `loadgen.engine.lora`."""
+    lora_load_s: float = DEFAULT_LORA_LOAD_S
+    """A cold load's cost, in seconds of the simulated GPU (divided by `time_scale`)."""
+    enable_lora: bool = False
+    """vLLM's `--enable-lora` (implied by adapters at start or runtime updating)."""
+    runtime_lora_updating: bool = False
+    """`/v1/load_lora_adapter` and `/v1/unload_lora_adapter` answer (vLLM: the
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING environment variable)."""
     mm_tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE
     """Placeholder tokens each image of a chat expands into (`cachemap.multimodal`)."""
 
@@ -130,6 +153,13 @@ class EngineConfig:
             raise ValueError("mm_tokens_per_image must be at least 1")
         if self.model in self.lora_modules or len(set(self.lora_modules)) < len(self.lora_modules):
             raise ValueError("a LoRA adapter's name must differ from the model's and the others'")
+        if self.max_loras < 0 or self.lora_load_s < 0:
+            raise ValueError("max_loras and lora_load_s must be non-negative")
+
+    @property
+    def lora_enabled(self) -> bool:
+        """vLLM's `--enable-lora`: adapters at start, or loadable at run time."""
+        return self.enable_lora or bool(self.lora_modules) or self.runtime_lora_updating
 
 
 def _error(message: str, status: int) -> JSONResponse:
@@ -160,6 +190,11 @@ class Engine:
             record_events=config.kv_events.enabled,
         )
         self.core = EngineCore(config.timing, pool, stream_tokens=True)
+        self.adapters = AdapterSlots(
+            config.max_loras, config.lora_load_s / config.timing.time_scale
+        )
+        self._holding: set[str] = set()
+        """Jobs holding their adapter's slot (released once: at their end or abort)."""
         self.start_time = time.time()
         self.num_failures_left = config.fail_first_bytes
         self.publisher: ZmqPublisher | None = None
@@ -226,6 +261,7 @@ class Engine:
                     target.set_result(None)
                 if kind == FINISHED:
                     self._waiters.pop(job.id, None)
+                    self.release_adapter(job)
 
     def _flush(self) -> None:
         """Publish the cache events of the steps just run as one batch (vLLM: one per step)."""
@@ -242,7 +278,21 @@ class Engine:
         self._wakeup.set()
         return waiter
 
+    async def hold_adapter(self, job: Job) -> None:
+        """Before the job's prefill: its adapter in a GPU slot (a wait, a cold load)."""
+        if job.lora_name is None:
+            return
+        await self.adapters.acquire(job.lora_name)
+        self._holding.add(job.id)
+
+    def release_adapter(self, job: Job) -> None:
+        if job.id in self._holding:
+            self._holding.discard(job.id)
+            assert job.lora_name is not None
+            self.adapters.release(job.lora_name)
+
     def abort(self, job: Job) -> None:
+        self.release_adapter(job)
         self.core.abort(asyncio.get_running_loop().time(), job)
         self._waiters.pop(job.id, None)
         assert self._wakeup is not None
@@ -336,6 +386,15 @@ class _EngineCollector(Collector):
             1.0,
         )
         yield info
+        if first.lora_enabled:  # vLLM: only with --enable-lora; the value is the report's time
+            labels_now = lora_info_labels(first.max_loras, (e.adapters for e in self.engines))
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=list(labels_now),
+            )
+            lora.add_metric(list(labels_now.values()), time.time())
+            yield lora
         start = GaugeMetricFamily("process_start_time_seconds", "Start time (Unix s).")
         start.add_metric([], self.engines[0].start_time)
         yield start
@@ -346,7 +405,7 @@ def _running(e: Engine) -> float:
 
 
 def _waiting(e: Engine) -> float:
-    return e.core.num_waiting
+    return e.core.num_waiting + e.adapters.num_waiting  # waiting for an adapter's slot too
 
 
 def _usage(e: Engine) -> float:
@@ -392,6 +451,9 @@ class _EngineApp:
             config.mm_tokens_per_image
         )  # the API server's: every rank's requests are here
         self.local_tokenizer = str(MODEL_DIR)  # a Hugging Face tokenizer directory (routers)
+        self.adapters = AdapterRegistry(
+            config.model, ((name, f"/adapters/{name}") for name in config.lora_modules)
+        )
 
     def model_card(self, adapter: str | None = None) -> dict[str, Any]:
         """The base model's card, or an adapter's (vLLM: `root` its path, `parent` the base)."""
@@ -401,7 +463,7 @@ class _EngineApp:
             "object": "model",
             "created": int(self.engine.start_time),
             "owned_by": "vllm",
-            "root": f"/adapters/{adapter}" if adapter else config.model,
+            "root": self.adapters.paths.get(adapter, "") if adapter else config.model,
             "parent": config.model if adapter else None,
             "max_model_len": config.max_model_len,
         }
@@ -429,6 +491,10 @@ class _EngineApp:
             "dp_size": config.data_parallel_size,
             "cpu_offload_blocks": config.cpu_offload_blocks,
             "kv_events_config": orjson.dumps(dataclasses.asdict(config.kv_events)).decode(),
+            "max_loras": config.max_loras,
+            "lora_load_s": config.lora_load_s,
+            "lora_loads": sum(e.adapters.num_loads for e in self.engines),
+            "lora_evictions": sum(e.adapters.num_evictions for e in self.engines),
         }
 
     # -- probes ------------------------------------------------------------------------------
@@ -436,7 +502,7 @@ class _EngineApp:
         return Response(status_code=200)
 
     async def models(self, request: Request) -> Response:
-        cards = [self.model_card(), *(self.model_card(a) for a in self.config.lora_modules)]
+        cards = [self.model_card(), *(self.model_card(a) for a in self.adapters.names())]
         return JSONResponse({"object": "list", "data": cards})
 
     async def version(self, request: Request) -> Response:
@@ -466,6 +532,28 @@ class _EngineApp:
 
     async def load(self, request: Request) -> Response:
         return JSONResponse({"server_load": self.num_requests()})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime load: the adapter is registered (listed, servable); its weights
+        reach a GPU slot with the first request that needs them."""
+        return await self._update_adapters(request, self.adapters.load)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await self._update_adapters(request, self.adapters.unload)
+
+    async def _update_adapters(self, request: Request, change: Callable[[object], str]) -> Response:
+        try:
+            body = await _json_body(request)
+            message = change(body)
+        except BadRequest as exc:
+            return _error(str(exc), exc.status)
+        except AdapterError as exc:
+            return _error(str(exc), exc.status)
+        for e in self.engines:  # an unloaded adapter leaves its slots once idle
+            for name in list(e.adapters.resident):
+                if name not in self.adapters:
+                    e.adapters.forget(name)
+        return Response(message, media_type="text/plain")
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         """vLLM's endpoint: every rank forgets its cache (GPU and CPU), announced as one
@@ -516,7 +604,7 @@ class _EngineApp:
         try:
             body = await _json_body(request)
             rank = _pick_rank(self.engines, request)
-            return await _generate(rank, body, chat, request, self.prompts)
+            return await _generate(rank, body, chat, request, self.prompts, self.adapters)
         except BadRequest as exc:
             return _error(str(exc), exc.status)
 
@@ -533,7 +621,14 @@ class _EngineApp:
                 await e.stop()
 
     def routes(self) -> list[Route]:
+        runtime = []
+        if self.config.runtime_lora_updating:  # vLLM attaches them only when allowed
+            runtime = [
+                Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
+            ]
         return [
+            *runtime,
             Route("/health", self.health),
             Route("/ping", self.health),
             Route("/v1/models", self.models),
@@ -597,10 +692,14 @@ class _Generation:
 
 
 def _parse_generation(
-    config: EngineConfig, body: dict[str, Any], chat: bool, prompts: RenderedPrompts
+    config: EngineConfig,
+    body: dict[str, Any],
+    chat: bool,
+    prompts: RenderedPrompts,
+    adapters: Container[str] = (),
 ) -> _Generation:
     model = body.get("model")
-    if model is not None and model != config.model and model not in config.lora_modules:
+    if model is not None and model != config.model and model not in adapters:
         raise BadRequest(f"The model `{model}` does not exist.", status=404)
     tokens, images = prompts.prompt(body, chat)
     default_max = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
@@ -626,7 +725,7 @@ def _parse_generation(
         salt=salt,
         stream=body.get("stream") is True,
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
-        lora_name=model if model in config.lora_modules else None,
+        lora_name=model if model is not None and model in adapters else None,
         images=images,
     )
 
@@ -712,18 +811,24 @@ class _Reply:
 
 
 async def _generate(
-    engine: Engine, body: dict[str, Any], chat: bool, request: Request, prompts: RenderedPrompts
+    engine: Engine,
+    body: dict[str, Any],
+    chat: bool,
+    request: Request,
+    prompts: RenderedPrompts,
+    adapters: Container[str] = (),
 ) -> Response:
     """Serve one generation on one rank.
 
-    1. Parse: the prompt's tokens, max_tokens, salt, streaming options.
-    2. Submit: the job (its blocks, its output) to the rank's scheduler.
+    1. Parse: the prompt's tokens, max_tokens, salt, streaming options, its adapter.
+    2. Submit: the adapter to a GPU slot (`loadgen.engine.lora`), then the job (its blocks,
+       its output) to the rank's scheduler.
     3. Answer: the whole completion when it finishes, or the SSE stream step by step.
     """
     engine.last_traceparent = request.headers.get("traceparent")
     engine.seen_headers.append(dict(request.headers))
     del engine.seen_headers[:-SEEN_HEADERS_KEPT]
-    gen = _parse_generation(engine.config, body, chat, prompts)
+    gen = _parse_generation(engine.config, body, chat, prompts, adapters)
     failing = engine.num_failures_left > 0
     if failing:
         engine.num_failures_left -= 1
@@ -733,6 +838,7 @@ async def _generate(
             pass
         return Response(status_code=499)
     job, pieces = _make_job(engine, gen, body)
+    await engine.hold_adapter(job)
     waiter = engine.submit(job)
     if failing:  # the engine dies during the prefill: nothing is cached, the client gets a 500
         job.block_hashes, job.final_hashes = (), ()
@@ -856,7 +962,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="NAME=PATH",
-        help="LoRA adapters served as models (vLLM's flag; the path is not read)",
+        help="LoRA adapters served as models: name=path or vLLM's JSON form (the path is not read)",
+    )
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's flag)"
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=DEFAULT_MAX_LORAS,
+        help="adapters resident in a rank's GPU slots at once (vLLM's flag; 0: no limit)",
+    )
+    parser.add_argument(
+        "--lora-load-s",
+        type=float,
+        default=DEFAULT_LORA_LOAD_S,
+        help="seconds a cold adapter load takes on the simulated GPU",
     )
     parser.add_argument(
         "--mm-tokens-per-image",
@@ -889,7 +1010,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         data_parallel_size=args.data_parallel_size,
         kv_events=kv_events,
         cpu_offload_blocks=args.cpu_offload_blocks,
-        lora_modules=tuple(m.split("=", 1)[0] for m in args.lora_modules),
+        lora_modules=tuple(parse_lora_module(m)[0] for m in args.lora_modules),
+        max_loras=args.max_loras,
+        enable_lora=args.enable_lora,
+        lora_load_s=args.lora_load_s,
+        runtime_lora_updating=runtime_updating_from_env(),
         mm_tokens_per_image=args.mm_tokens_per_image,
     )
 

@@ -27,7 +27,7 @@ def test_a_decision_ranks_as_before_at_fleet_size() -> None:
     profile = build_policy("cache_pressure")
     decision = profile.decide(req, replicas, random.Random(3))
     assert decision is not None
-    eligible = profile.filters[1].filter(req, replicas)
+    eligible = profile.filters[-1].filter(req, replicas)  # the load bound
     rng = random.Random(3)
     total = {r.id: 0.0 for r in eligible}
     for scorer, weight in profile.scorers:
