@@ -28,6 +28,7 @@ from cachemap.events import DEFAULT_BLOCK_SIZE, DEFAULT_OFFLOAD_COST, DEFAULT_SP
 from cachemap.keys import DEFAULT_BLOCK_BYTES
 from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE
 from gateway.request.tenant import BILLING_PROFILES, check_tenant_name
+from router.adapters import DEFAULT_ADAPTER_BUSY_S
 from router.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_FLOOR_SHARE
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
 from router.filters import (
@@ -486,10 +487,22 @@ class Settings(BaseSettings):
     """Blocks a domain may hold over all tiers (also capped at the engine's `num_gpu_blocks` on
     the GPU when its metrics give it); past it the domain is wiped."""
     lora_adapters: dict[str, str] = Field(default_factory=dict)
-    """Precise mode: LoRA adapter name -> its base model (vLLM `--lora-modules name=path`; a
-    request names the adapter as its `model`). A request for an adapter is keyed under it, as
-    the engine hashes its blocks (vLLM mixes `lora_name` into every block's extra keys): it
-    matches its adapter's blocks only, never the base model's or another adapter's."""
+    """LoRA adapter name -> its base model (vLLM `--lora-modules name=path`; a request names
+    the adapter as its `model`). Precise mode keys a request for an adapter under it, as the
+    engine hashes its blocks (vLLM mixes `lora_name` into every block's extra keys): it matches
+    its adapter's blocks only, never the base model's or another adapter's (approximate keys
+    root in the model name, the adapter's). Both modes route it by residency
+    (docs/adapters.md); a tenant whose `models` leave it out gets a 404, as for a model that
+    does not exist."""
+    lora_loading: Literal["preloaded", "on_demand"] = "preloaded"
+    """Adapters: `preloaded` routes a request only to replicas whose /v1/models lists its
+    adapter; `on_demand` also to the base model's other replicas, registering the adapter at
+    the one chosen (`/v1/load_lora_adapter`, the engines need VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    lora_adapter_paths: dict[str, str] = Field(default_factory=dict)
+    """`on_demand`: the `lora_path` sent to load each adapter (default: its name)."""
+    adapter_busy_s: float = Field(default=DEFAULT_ADAPTER_BUSY_S, gt=0)
+    """An adapter sent to a replica this recently counts as in use there: routing never evicts
+    it for another at the replica's `max_lora` (gateway.fleet.adapters)."""
     mm_tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE
     """Precise mode: placeholder tokens each image of a chat expands into, as the engines
     expand it (`kvgate engine --mm-tokens-per-image`; docs/precise.md, *Images*)."""

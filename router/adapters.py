@@ -38,6 +38,12 @@ stalls every request of the batch behind it, and a replica holding the adapter a
 prefixes more often than not (its blocks are keyed under the adapter)."""
 
 
+DEFAULT_ADAPTER_BUSY_S = 2.0
+"""An adapter sent to a replica within the last 2 s counts as in use there even when no scrape
+has shown it yet (scrapes run every second or so): evicting it would likely stall its next
+request (`gateway.fleet.adapters`)."""
+
+
 class AdapterFilter:
     """Replicas whose slots can take the adapter without evicting one in use (soft)."""
 

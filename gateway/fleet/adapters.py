@@ -28,14 +28,9 @@ from collections.abc import Iterable
 
 import aiohttp
 
-from router.adapters import FULL, LOADABLE, RESIDENT
+from router.adapters import DEFAULT_ADAPTER_BUSY_S, FULL, LOADABLE, RESIDENT
 
 log = logging.getLogger(__name__)
-
-DEFAULT_ADAPTER_BUSY_S = 2.0
-"""An adapter sent to a replica within the last 2 s counts as in use there even when no scrape
-has shown it yet (scrapes run every second or so): evicting it would likely stall its next
-request."""
 
 
 class AdapterMirror:

@@ -59,6 +59,7 @@ import aiohttp
 import orjson
 
 from cachemap.redis.client import AnyRedis
+from gateway.fleet.adapters import AdapterMirror, load_adapter
 from gateway.fleet.engine_metrics import (
     SCRAPE_HEADERS,
     SCRAPE_PATH,
@@ -186,6 +187,17 @@ class ReplicaState:
     """Times it became suspect."""
     checking: bool = field(default=False, repr=False)
     """An identity check of it is running."""
+    adapters: AdapterMirror = field(default_factory=AdapterMirror, repr=False)
+    adapters_listed: frozenset[str] = frozenset()
+    """The models its /v1/models lists with a `parent`: LoRA adapters (vLLM's cards)."""
+    """Its LoRA adapters' residency as this gateway can tell (gateway.fleet.adapters)."""
+
+    def observe_adapters(self) -> None:
+        """The last scrape's `vllm:lora_requests_info` into the adapter mirror."""
+        metrics = self.metrics
+        if metrics is not None and metrics.running_lora_adapters is not None:
+            running, waiting = metrics.lora_adapters_in_use()
+            self.adapters.observe(metrics.max_lora, running, waiting, time.monotonic())
 
     @property
     def id(self) -> str:
@@ -537,6 +549,7 @@ class ReplicaSet:
             state.scraped_s = entry.scraped_s
             state.heard_s = max(state.heard_s, entry.scraped_s)
             state.known_at_scrape()
+            state.observe_adapters()
         if entry.healthy and not state.healthy and entry.since_s > state.down_s:
             await self._came_up(state)
         elif not entry.healthy and state.healthy and entry.since_s > heard_here:
@@ -713,6 +726,7 @@ class ReplicaSet:
             state.heard_s = state.scraped_s = time.monotonic()
             state.own_waiting_at_scrape = own_waiting
             state.own_running_at_scrape = own_running
+            state.observe_adapters()
         except ValueError as exc:
             log.debug("metrics of %s unreadable: %s", state.url, exc)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -740,9 +754,21 @@ class ReplicaSet:
             body = orjson.loads(await resp.read())
         cards = body.get("data") or []
         state.models = frozenset(str(c["id"]) for c in cards if "id" in c)
+        state.adapters_listed = frozenset(
+            str(c["id"]) for c in cards if "id" in c and c.get("parent") not in (None, c["id"])
+        )
         lens = [c.get("max_model_len") for c in cards if isinstance(c.get("max_model_len"), int)]
         state.max_model_len = min(lens) if lens else None
         return bool(state.models)
+
+    async def load_adapter(self, state: ReplicaState, name: str, path: str) -> bool:
+        """Register a LoRA adapter at the replica (gateway.fleet.adapters); it then serves it."""
+        if self._session is None:
+            return False
+        ok = await load_adapter(self._session, state.url, name, path, self._timeout)
+        if ok:
+            state.models = state.models | {name}
+        return ok
 
     def mark_down(self, replica_id: str, why: str) -> None:
         """Route around the replica until a probe finds it up; it is suspect from now (it may

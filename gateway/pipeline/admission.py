@@ -27,7 +27,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.errors import Forbidden, InvalidRequest, QuotaExceeded, TooManyInFlight
+from gateway.errors import (
+    Forbidden,
+    InvalidRequest,
+    ModelNotFound,
+    QuotaExceeded,
+    TooManyInFlight,
+)
 from gateway.pipeline.ratelimit import Limits, RateLimiter
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import SCOPE_USER, Tenant
@@ -70,7 +76,11 @@ class Admission:
         limiter: RateLimiter | None,
         max_prompt_bytes: int | None = None,
         max_inflight: int | None = None,
+        is_adapter: Callable[[str], bool] | None = None,
     ) -> None:
+        self.is_adapter = is_adapter
+        """A LoRA adapter the tenant may not use is a 404, as one that does not exist: an
+        adapter is often another tenant's fine-tune, and a 403 would confirm it is there."""
         self.registry = registry
         self.limiter = limiter
         self.max_prompt_bytes = max_prompt_bytes
@@ -93,6 +103,8 @@ class Admission:
             assert self.registry is not None, "user scopes need the registry's secret"
             tenant = self.registry.for_end_user(tenant, user)
         if policy.models and parsed.model not in policy.models:
+            if self.is_adapter is not None and self.is_adapter(parsed.model):
+                raise ModelNotFound(parsed.model, sorted(policy.models))
             raise Forbidden(
                 f"tenant '{tenant.name}' may not use model '{parsed.model}'; allowed: "
                 + ", ".join(sorted(policy.models)),

@@ -18,6 +18,7 @@ from gateway.directory.routing import RoutingDirectory
 from gateway.errors import InvalidRequest, ModelNotFound, NoReplica, TooManyInFlight, UpstreamError
 from gateway.fleet.replicas import Lease, ReplicaSet, ReplicaState
 from gateway.observability.histograms import LOOKUP_BUCKETS_S, LabelledHistograms
+from gateway.pipeline.adapters import AdapterRouting
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.exchange import Exchange, ExchangeHooks
 from gateway.pipeline.flights import Flight
@@ -132,7 +133,10 @@ class Director:
         frontiers: Frontiers | None = None,
         flow: FlowControl | None = None,
         drain_timeout_s: float | None = None,
+        adapters: AdapterRouting | None = None,
     ) -> None:
+        self.adapters = adapters
+        """LoRA adapters' candidates, slots and loads (gateway.pipeline.adapters; None: off)."""
         self.drain_timeout_s = drain_timeout_s
         """How long a stream waits for its client to read before it is cut (`Exchange.drain`)."""
         self.keying = keying
@@ -316,6 +320,8 @@ class Director:
             prompt_tokens = self.estimator.prompt_tokens(parsed, tenant=tenant.name)
             self.admission.check_size(parsed, tenant, prompt_tokens)
         candidates = self.replicas.serving(parsed.model)
+        if self.adapters is not None:
+            candidates = self.adapters.candidates(parsed.model, candidates)
         if not candidates:
             if not self.replicas.any_healthy():
                 raise NoReplica("no healthy engine replica is available")
@@ -382,6 +388,9 @@ class Director:
             offload_cost=self.keys.offload_cost,
             home=keyed.home.replica if keyed.home is not None else None,
             home_blocks=keyed.home.depth_blocks if keyed.home is not None else 0,
+            adapter_slots=(
+                self.adapters.slots(parsed.model, candidates) if self.adapters is not None else {}
+            ),
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
 
@@ -413,6 +422,8 @@ class Director:
             self.directory.uncount(lookup.hot_key)
         decision = placed.decision
         self.keying.placed(keyed, decision.replica)
+        if self.adapters is not None and decision.replica in self.replicas.states:
+            await self.adapters.placed(parsed.model, self.replicas.states[decision.replica])
         conversation = None
         if frontiers is not None:
             rank = keyed.ranks.get(decision.replica)

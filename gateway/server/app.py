@@ -60,6 +60,7 @@ from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import RequestMetrics, build_registry, render
 from gateway.observability.recent import RecentRoutes
 from gateway.observability.tracing import Tracing, build_tracing
+from gateway.pipeline.adapters import AdapterRouting
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.director import Director
 from gateway.pipeline.flights import Flights
@@ -404,6 +405,13 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             else None
         ),
     )
+    adapters = AdapterRouting(
+        replicas,
+        settings.lora_adapters,
+        on_demand=settings.lora_loading == "on_demand",
+        paths=settings.lora_adapter_paths,
+        busy_s=settings.adapter_busy_s,
+    )
     director = Director(
         keying=keying,
         admission=Admission(
@@ -411,6 +419,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             limiter,
             settings.max_prompt_bytes,
             settings.effective_tenant_max_inflight(),
+            is_adapter=adapters.is_adapter,
         ),
         directory=directory,
         replicas=replicas,
@@ -430,6 +439,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         frontiers=frontiers,
         flow=flow,
         drain_timeout_s=settings.client_drain_timeout_s,
+        adapters=adapters,
     )
     discovery = _discovery(settings, replicas, directory, layouts)
     registry.register(
