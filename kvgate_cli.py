@@ -99,6 +99,12 @@ COMMANDS: dict[str, Command] = {
         "add_bench_directory_arguments",
         "run_bench_directory",
     ),
+    "bench-adapters": Command(
+        "LoRA adapters: residency routing against round robin and the peers (a benchmark)",
+        "loadgen.bench.adapters",
+        "add_bench_adapters_arguments",
+        "run_bench_adapters",
+    ),
     "bench-fairness": Command(
         "fair flow control: the noisy neighbour, flow control off and on (a benchmark)",
         "loadgen.bench.fairness",
