@@ -55,9 +55,10 @@ class AdapterMirror:
     ) -> None:
         """A scrape's `vllm:lora_requests_info`: the slots, and the adapters in use."""
         self.max_loras = max_loras
-        busy = frozenset(a for a in (*running, *waiting) if a)
-        self.busy = busy
-        for adapter in sorted(busy):
+        running, waiting = sorted(a for a in running if a), sorted(a for a in waiting if a)
+        self.busy = frozenset((*running, *waiting))
+        # waiting ones first: they are about to load, but the running ones hold the slots
+        for adapter in (*waiting, *running):
             self.touch(adapter, now_s)
         self._trim()
 

@@ -181,3 +181,29 @@ def test_a_kv_cache_reported_full_keeps_the_conversation_it_holds(policy_name: s
     )
     moved = policy.decide(req, [r.snapshot() for r in fleet(busy)], random.Random(0))
     assert moved is not None and moved.replica != "r0" and moved.reason == "load_bound"
+
+
+def test_the_newest_lora_requests_info_sample_names_the_adapters_in_use() -> None:
+    """vLLM's info gauge, written by prometheus_client as vLLM writes it: the value is the
+    report's wall time, so of two samples (an engine that kept an old label set) the newest
+    counts; the mirror of a replica learns its slots and its adapters in use from it."""
+    registry = CollectorRegistry()
+    info = Gauge(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        registry=registry,
+    )
+    info.labels("2", "", "old-lora").set(1_000.0)
+    info.labels("2", "chat-lora", "sql-lora,code-lora").set(2_000.0)
+    page = generate_latest(registry).decode() + vllm_page(running=2, waiting=1, queries=0, hits=0)
+    metrics = parse_engine_metrics(page)
+    assert metrics.max_lora == 2 and metrics.num_running == 2
+    assert metrics.lora_adapters_in_use() == (["sql-lora", "code-lora"], ["chat-lora"])
+    state = ReplicaState("http://r")
+    state.metrics = metrics
+    state.observe_adapters()
+    assert state.adapters.max_loras == 2
+    # 3 in use, 2 slots: the running ones hold them (chat-lora waits for one)
+    assert list(state.adapters.recent) == ["code-lora", "sql-lora"]
+    assert parse_engine_metrics(vllm_page(running=0, waiting=0, queries=0, hits=0)).max_lora is None

@@ -62,6 +62,6 @@ def test_the_mirror_keeps_max_lora_adapters_least_recent_first_and_knows_busy_on
     assert mirror.slots("z", 10.0, busy_s=2.0) == LOADABLE  # y idle and not in use
     mirror.observe(2, ["x"], ["y"], 10.0)
     assert mirror.slots("z", 10.0, busy_s=0.1) == FULL  # both in use: loading z would thrash
-    assert list(mirror.recent) == ["x", "y"]  # a scrape's adapters in name order
+    assert list(mirror.recent) == ["y", "x"]  # the waiting one before the running one
     mirror.touch("z", 11.0)  # sent anyway (every replica was full): the least recent goes
-    assert list(mirror.recent) == ["y", "z"]
+    assert list(mirror.recent) == ["x", "z"]
