@@ -62,13 +62,17 @@ class AdapterRouting:
         mirrors = ((c.id, c.adapters) for c in candidates)
         return slots_for(model, mirrors, time.monotonic(), self.busy_s)
 
-    async def placed(self, model: str, state: ReplicaState) -> None:
-        """The request goes to `state`: its adapter is there from now (loaded first if it must)."""
+    async def placed(self, model: str, state: ReplicaState) -> bool:
+        """The request goes to `state`: its adapter is there from now (loaded first if it
+        must); True when this gateway asked the replica to load it."""
         if not self.is_adapter(model):
-            return
+            return False
+        loaded = False
         if self.on_demand and model not in state.models:
+            loaded = True
             self.num_loads_requested += 1
             path = self.paths.get(model, model)
             if not await self.replicas.load_adapter(state, model, path):
                 log.warning("adapter %s could not be loaded at %s", model, state.url)
         state.adapters.touch(model, time.monotonic())
+        return loaded

@@ -65,6 +65,8 @@ def engine_streams(body: dict[str, Any]) -> bool:
 class DirectorStats:
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)
     retries: int = 0
+    adapter_loads: int = 0
+    """LoRA adapters registered at the replica a request was routed to (`on_demand`)."""
     inflight_refused: int = 0
     """Requests refused (429) for their tenant's requests in flight (`Admission.enter`)."""
     clients_cut: int = 0
@@ -422,8 +424,9 @@ class Director:
             self.directory.uncount(lookup.hot_key)
         decision = placed.decision
         self.keying.placed(keyed, decision.replica)
-        if self.adapters is not None and decision.replica in self.replicas.states:
-            await self.adapters.placed(parsed.model, self.replicas.states[decision.replica])
+        chosen = self.replicas.states.get(decision.replica)
+        if self.adapters is not None and chosen is not None:
+            self.stats.adapter_loads += await self.adapters.placed(parsed.model, chosen)
         conversation = None
         if frontiers is not None:
             rank = keyed.ranks.get(decision.replica)

@@ -336,6 +336,11 @@ class GatewayCollector(Collector):
             "kvgate_upstream_retries", "Attempts retried on another replica.", stats.retries
         )
         yield CounterMetricFamily(
+            "kvgate_adapter_loads",
+            "LoRA adapters this gateway asked a replica to load (lora_loading: on_demand).",
+            stats.adapter_loads,
+        )
+        yield CounterMetricFamily(
             "kvgate_inflight_refused",
             "Requests refused for their tenant's requests in flight (tenant_max_inflight).",
             stats.inflight_refused,

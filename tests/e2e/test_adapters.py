@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from gateway.tenancy.tenant_file import add_key
-from tests.conftest import MODEL, TENANT_KEY
+from tests.conftest import MODEL, TENANT_KEY, metrics_url
 from tests.servers import Served, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -87,6 +87,8 @@ def test_on_demand_an_adapter_is_loaded_where_the_router_sends_it_once(
     (home,) = replicas
     assert "fresh-lora" in listing[home]
     assert all("fresh-lora" not in ids for url, ids in listing.items() if url != home)
+    page = httpx.get(metrics_url(gateway) + "/metrics").text
+    assert "kvgate_adapter_loads_total 1.0" in page
 
 
 def test_preloaded_only_routes_an_adapter_to_replicas_that_list_it(
