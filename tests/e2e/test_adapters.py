@@ -53,6 +53,11 @@ def test_an_adapter_stays_where_it_is_resident_and_never_evicts_one_in_use(
     (sql,), (chat,) = homes.values()
     assert sql != chat  # one slot each: two adapters on two replicas, one load each
     assert sum(loads(e) for e in engines) == 2
+    # approximate keys include the adapter: the same prompt matches under its own adapter only
+    again = ask(gateway, ADAPTERS[0], "turn 5 for sql-lora")
+    assert int(again.headers["x-kvgate-matched-blocks"]) > 0
+    for other in (MODEL, ADAPTERS[1]):
+        assert ask(gateway, other, "turn 5 for sql-lora").headers["x-kvgate-matched-blocks"] == "0"
 
 
 def test_round_robin_thrashes_the_same_traffic(
