@@ -293,17 +293,32 @@ class PromptTokens:
             return plan
         pieces = self._cut(plan.text, cache_salt).pieces
         missing = [p for p in dict.fromkeys(pieces) if (cache_salt, p) not in self._cache]
+        whole = missing
         if self.words and sum(len(p) for p in missing) > OFF_LOOP_CHARS:
-            missing = self.word_ids.missing(missing, cache_salt)  # their new words only
-        if sum(len(p) for p in missing) > OFF_LOOP_CHARS:
-            encoded = await asyncio.to_thread(self.tokenizer.encode_many, missing)
-            self.stats.tokens_encoded += sum(map(len, encoded))
-            if self.words:
-                self.word_ids.add(cache_salt, missing, encoded)
-            else:
-                for piece, ids in zip(missing, encoded, strict=True):
-                    self._keep(cache_salt, piece, array.array("I", ids))
+            # their new words only, but a segment mostly of new words whole (one BPE call)
+            # (not when the text is a sampled check's: that one must go through the cuts)
+            whole_when_new = not self._cut_check_due()
+            missing, whole = self.word_ids.missing_or_whole(missing, cache_salt, whole_when_new)
+        elif self.words:
+            missing, whole = [], []  # small: `encode` looks its words up on the loop
+        else:
+            missing = []
+        if sum(len(p) for p in missing) + sum(len(p) for p in whole) > OFF_LOOP_CHARS:
+            encoded, encoded_whole = await asyncio.to_thread(self._encode_off_loop, missing, whole)
+            self.stats.tokens_encoded += sum(map(len, encoded)) + sum(map(len, encoded_whole))
+            self.word_ids.add(cache_salt, missing, encoded)
+            for piece, ids in zip(whole, encoded_whole, strict=True):
+                self._keep(cache_salt, piece, array.array("I", ids))
         return self._assemble(plan, body, chat)
+
+    def _encode_off_loop(
+        self, pieces: list[str], whole: list[str]
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """(new words' ids: one BPE call over them joined, `encode_pieces`; whole segments')."""
+        return (
+            self.tokenizer.encode_pieces(pieces) if pieces else [],
+            self.tokenizer.encode_many(whole) if whole else [],
+        )
 
     def ids(self, body: Mapping[str, Any], chat: bool, cache_salt: str = "") -> Sequence[int]:
         """The prompt's token ids (`ChatTemplateError` for a malformed request): an
@@ -409,9 +424,9 @@ class PromptTokens:
         kept = self._keeps_text(text)
         at: list[int] | None = [] if kept or reuse is not None else None
         if reuse is None:
-            out = self._encode_pieces(cut.pieces, salt, None, at)
+            out = self._encode_pieces(cut.pieces, salt, None, at, not check)
         else:
-            out = self._encode_pieces(cut.pieces, salt, reuse.ids[: reuse.tokens], at)
+            out = self._encode_pieces(cut.pieces, salt, reuse.ids[: reuse.tokens], at, not check)
             self.stats.text_prefix_hits += 1
             self.stats.text_prefix_tokens += reuse.tokens
         if kept and at is not None:
@@ -442,9 +457,11 @@ class PromptTokens:
         salt: str,
         head: array.array[int] | None = None,
         at: list[int] | None = None,
+        whole_when_new: bool = True,
     ) -> array.array[int]:
         """The ids of `pieces` appended to `head` (a new array when None); `at`: each
-        piece's first token's offset appended (a piece is empty only as the text "")."""
+        piece's first token's offset appended (a piece is empty only as the text "").
+        `whole_when_new`: a piece mostly of words the word cache lacks is encoded whole."""
         out: array.array[int] = head if head is not None else array.array("I")
         stats = self.stats
         cache = self._cache
@@ -461,10 +478,15 @@ class PromptTokens:
                 stats.segment_hits += 1
                 out.extend(cached)
                 continue
-            if self.words:
+            before = self.word_ids.stats.tokens_encoded
+            found = (
+                (self.word_ids.ids_or_none if whole_when_new else self.word_ids.ids)(piece, salt)
+                if self.words
+                else None
+            )
+            if found is not None:
                 ids = array.array("I")
-                before = self.word_ids.stats.tokens_encoded
-                ids.frombytes(self.word_ids.ids(piece, salt))
+                ids.frombytes(found)
                 stats.tokens_encoded += self.word_ids.stats.tokens_encoded - before
             else:
                 ids = array.array("I", self.tokenizer.encode(piece))

@@ -5,6 +5,8 @@ ids of encoding it whole; salted, bounded, and sampled against whole encodings."
 from __future__ import annotations
 
 import array
+import random
+import string
 
 import pytest
 from hypothesis import given, settings
@@ -154,3 +156,30 @@ def test_a_text_prefix_is_no_cut_when_less_than_its_margin_is_shared(
     later = first[: cut + 1] + "  x" + first[cut + 1 :]  # parts one character past the space
     assert list(tokens.encode(later, "s")) == TOKENIZER.encode(later)
     assert tokens.stats.text_prefix_tokens <= entry.at[-2]
+
+
+def _novel(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return "".join(" " + "".join(rng.choices(string.ascii_lowercase, k=7)) for _ in range(n))
+
+
+def test_a_segment_mostly_of_new_words_is_encoded_whole_unless_it_is_the_sampled_one() -> None:
+    """Words no request used before cost the BPE plus a Python step each piece by piece: a
+    segment mostly of them is encoded whole (one call, the same ids), and its words are not
+    cached. The sampled check's text still goes through the word cuts it is there to test."""
+    tokens = PromptTokens(TOKENIZER)
+    tokens._cut_count = 1
+    text = "Read:" + _novel(1, 300)
+    assert list(tokens.encode(text, "s")) == TOKENIZER.encode(text)
+    assert tokens.word_ids.stats.misses == 0 and tokens.word_ids.size == 0
+    known = "Read:" + words("texts/known", 300)
+    tokens.encode(known, "s")  # no word of it cached either: whole
+    assert tokens.word_ids.stats.misses == 0
+    tokens._cut_count = 0  # the next cut text is the sampled one
+    sampled = "Read:" + _novel(2, 300)
+    assert list(tokens.encode(sampled, "s")) == TOKENIZER.encode(sampled)
+    assert tokens.word_ids.stats.misses > 250 and tokens.stats.chunk_checks == 1
+    again = "Read:" + " ".join(reversed(_novel(2, 300).split(" ")))  # its words, reordered
+    misses = tokens.word_ids.stats.misses
+    assert list(tokens.encode(again, "s")) == TOKENIZER.encode(again)
+    assert tokens.word_ids.stats.misses - misses <= 2  # word by word, from the cache
