@@ -36,16 +36,24 @@ TEXTS_PER_OPENING = 4
 """Texts kept per opening (and salt): conversations that open alike each find their own."""
 _LINEAR = 64
 """Below this many characters the common prefix is finished a character at a time."""
+_FIRST_STEP = 1_024
+"""The first step of `common_prefix`'s growing compares."""
 
 
 def common_prefix(a: str, b: str) -> int:
     """The length of the longest common prefix of `a` and `b`: a memcmp when one extends the
-    other, else a binary search whose probes compare only the range still in doubt (each
-    copies that range of `b` once: ~2 passes over the shared part in all)."""
+    other; else compared in growing steps from the start (texts that part early cost what
+    they share, not their length), then a binary search of the step that differs. Each probe
+    copies only the range of `b` still in doubt: ~2 passes over the shared part in all."""
     n = min(len(a), len(b))
     if b.startswith(a) if len(a) <= len(b) else a.startswith(b):  # no slice: no copy
         return n
-    low, high = 0, n  # a[:low] == b[:low]; the first difference is in [low, high)
+    low, step = 0, _FIRST_STEP  # a[:low] == b[:low]
+    while True:
+        high = min(low + step, n)
+        if not a.startswith(b[low:high], low):
+            break  # the first difference is in [low, high)
+        low, step = high, 2 * step
     while high - low > _LINEAR:
         mid = (low + high) // 2
         if a.startswith(b[low:mid], low):

@@ -121,6 +121,14 @@ def test_common_prefix_is_the_longest_shared_beginning(a: str, b: str) -> None:
     assert common_prefix(a, a + b) == len(a)
 
 
+@pytest.mark.parametrize("at", [0, 1, 63, 64, 1_023, 1_024, 1_025, 3_000, 9_999])
+def test_common_prefix_finds_a_difference_anywhere_in_a_long_text(at: int) -> None:
+    text = words("texts/long", 2_000)[:10_000]
+    other = text[:at] + "\x00" + text[at + 1 :]
+    assert common_prefix(text, other) == common_prefix(other, text) == at
+    assert common_prefix(text, other[:at]) == at
+
+
 def test_a_wrong_splice_is_caught_by_the_sampled_check(caplog: pytest.LogCaptureFixture) -> None:
     """An entry whose ids are wrong (what a pre-tokenizer the probes missed would give) is
     caught where the continuation was spliced onto it: the check encodes the text around the
