@@ -1,12 +1,12 @@
-"""`kvgate bench-keying` at a tiny size: every workload keyed both ways, one row each, and the
-long message's continuations spliced onto the text-prefix cache."""
+"""`kvgate bench-keying` (`tools.keying_cost`) at a tiny size: every workload keyed both ways,
+one row each, and the long message's continuations spliced onto the text-prefix cache."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 
-from loadgen.bench.keying import add_bench_keying_arguments, bench
+from tools.keying_cost import add_bench_keying_arguments, bench
 
 
 def test_bench_keying_measures_every_workload_both_ways() -> None:
