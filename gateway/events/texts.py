@@ -32,8 +32,9 @@ DEFAULT_TEXT_PREFIX_BYTES = 32 << 20
 """Bytes of texts, ids and cuts kept (~6 MB a 100k-token prompt: ~5 such, or ~50 of 12k)."""
 OPENING_CHARS = 256
 """Characters of a text's start that find its entries."""
-TEXTS_PER_OPENING = 4
-"""Texts kept per opening (and salt): conversations that open alike each find their own."""
+TEXTS_PER_OPENING = 16
+"""Texts kept per opening (and salt): conversations that open alike (one system prompt) each
+find their own; each is compared from the start until it parts (a memcmp of the shared part)."""
 _LINEAR = 64
 """Below this many characters the common prefix is finished a character at a time."""
 _FIRST_STEP = 1_024

@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 from cachemap.tokenizer import ModelTokenizer
 from gateway.events import prompts
 from gateway.events.prompts import PromptTokens
-from gateway.events.texts import OPENING_CHARS, TextIds, TextPrefixes, common_prefix
+from gateway.events.texts import (
+    OPENING_CHARS,
+    TEXTS_PER_OPENING,
+    TextIds,
+    TextPrefixes,
+    common_prefix,
+)
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.text import words
 
@@ -107,9 +113,10 @@ def test_a_text_extending_an_entry_replaces_it_and_openings_keep_a_few() -> None
     cache.keep("s", entry(opening + "a"))
     cache.keep("s", entry(opening + "ab"))
     assert [e.text for e in cache._entries["s", opening]] == [opening + "ab"]
-    for tail in "cdefg":
-        cache.keep("s", entry(opening + tail))
-    assert len(cache._entries["s", opening]) == 4
+    for i in range(TEXTS_PER_OPENING + 3):
+        cache.keep("s", entry(opening + f"-{i}"))
+    kept = [e.text for e in cache._entries["s", opening]]
+    assert kept == [opening + f"-{i}" for i in reversed(range(3, TEXTS_PER_OPENING + 3))]
     assert cache.bytes == sum(e.size for e in cache._entries["s", opening])
 
 
@@ -191,3 +198,22 @@ def test_a_segment_mostly_of_new_words_is_encoded_whole_unless_it_is_the_sampled
     misses = tokens.word_ids.stats.misses
     assert list(tokens.encode(again, "s")) == TOKENIZER.encode(again)
     assert tokens.word_ids.stats.misses - misses <= 2  # word by word, from the cache
+
+
+def test_interleaved_texts_that_open_alike_each_continue_from_their_own() -> None:
+    """Ten long messages behind one shared opening (a system prompt), each then resent with
+    more, turn by turn across them: each continuation reuses its own text, not just the
+    opening (one entry per opening made them evict each other)."""
+    tokens = PromptTokens(TOKENIZER, words=False)
+    opening = words("texts/system", 1_000)
+    texts = [opening + words(f"texts/own{i}", 1_000) for i in range(10)]
+    for text in texts:
+        tokens.encode(text, "s")
+    reused = tokens.stats.text_prefix_tokens
+    for i, text in enumerate(texts):
+        later = text + words(f"texts/more{i}", 50)
+        assert list(tokens.encode(later, "s")) == TOKENIZER.encode(later)
+    own = len(TOKENIZER.encode(texts[0])) - len(TOKENIZER.encode(opening))
+    assert tokens.stats.text_prefix_tokens - reused > 10 * (
+        len(TOKENIZER.encode(opening)) + own // 2
+    )
