@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -78,7 +79,8 @@ class TextIds:
 
     @property
     def size(self) -> int:
-        return len(self.text) + 4 * len(self.ids) + 16 * len(self.cuts) + 200
+        # getsizeof: a text with a non-Latin-1 character takes 2 or 4 bytes a character
+        return sys.getsizeof(self.text) + 4 * len(self.ids) + 16 * len(self.cuts) + 200
 
 
 @dataclass(frozen=True, slots=True)
