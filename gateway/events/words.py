@@ -285,9 +285,11 @@ class WordIds:
                 out[parts[0]] = None
             parted[text] = parts
             rest = parts[1:]
-            if head is None and None not in map(later.get, rest):  # its first piece alone
+            got = list(map(later.get, rest))  # the young generation in C; the old one for gaps
+            if head is None and None not in got:  # its first piece alone
                 continue
-            new = [" " + part for part in rest if self._find(salt, part, True) is None]
+            gaps = [part for part, found in zip(rest, got, strict=True) if found is None]
+            new = [" " + part for part in gaps if self._find(salt, part, True) is None]
             if whole_when_new and len(parts) >= MOSTLY_NEW_PARTS and 2 * len(new) > len(parts):
                 whole_texts.append(text)
                 if head is None:
