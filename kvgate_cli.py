@@ -81,6 +81,12 @@ COMMANDS: dict[str, Command] = {
         "add_bench_cpu_arguments",
         "run_bench_cpu",
     ),
+    "bench-keying": Command(
+        "precise keying's CPU against approximate's, in process: chats, long prompts (a benchmark)",
+        "loadgen.bench.keying",
+        "add_bench_keying_arguments",
+        "run_bench_keying",
+    ),
     "bench-idle": Command(
         "an idle gateway's CPU on probes and scrapes with 4, 16, 64 replicas (a benchmark)",
         "loadgen.bench.idle",

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import bisect
 import itertools
 import logging
 import os
@@ -65,6 +66,7 @@ import orjson
 from cachemap.chat_template import ChatTemplateError
 from cachemap.incremental import IncrementalTemplate
 from cachemap.tokenizer import ModelTokenizer, chat_flag
+from gateway.events.texts import DEFAULT_TEXT_PREFIX_BYTES, Reuse, TextIds, TextPrefixes
 from gateway.events.words import DEFAULT_WORD_CACHE_PIECES, WordIds, rule_holds
 
 log = logging.getLogger(__name__)
@@ -133,15 +135,15 @@ def firsts_of(specials: Sequence[str]) -> str:
     return "".join(dict.fromkeys(t[0] for t in specials if t))
 
 
-def special_starts(text: str, specials: tuple[str, ...], firsts: str) -> set[int]:
-    """0 and where each of `specials` (tokens that never overlap themselves, `firsts_of`)
-    occurs in `text`: a find of each first character and one `startswith` of them all where
-    it is (~4 against ~11 us a continuation's tail with ChatML's 8 added tokens, 8 finds over
-    the whole text). Without `firsts`, or past `FEW_SPECIAL_FIRSTS` such places, every
-    token's occurrences, one find after another."""
-    starts = {0}
+def special_starts(text: str, specials: tuple[str, ...], firsts: str, start: int = 0) -> set[int]:
+    """`start` and where each of `specials` (tokens that never overlap themselves,
+    `firsts_of`) occurs in `text[start:]`: a find of each first character and one
+    `startswith` of them all where it is (~4 against ~11 us a continuation's tail with
+    ChatML's 8 added tokens, 8 finds over the whole text). Without `firsts`, or past
+    `FEW_SPECIAL_FIRSTS` such places, every token's occurrences, one find after another."""
+    starts = {start}
     for first in firsts:
-        i = text.find(first)
+        i = text.find(first, start)
         tested = 0
         while i >= 0 and tested < FEW_SPECIAL_FIRSTS:
             if text.startswith(specials, i):
@@ -154,7 +156,7 @@ def special_starts(text: str, specials: tuple[str, ...], firsts: str) -> set[int
         if firsts:
             return starts
     for token in specials:
-        i = text.find(token)
+        i = text.find(token, start)
         while i >= 0:
             starts.add(i)
             i = text.find(token, i + len(token))
@@ -178,10 +180,27 @@ class TokenizeStats:
     chunk_checks: int = 0
     """Texts cut at word boundaries that were also encoded whole and compared."""
     chunk_mismatches: int = 0
+    text_prefix_hits: int = 0
+    """Long texts encoded from where they part from one encoded before (`texts`)."""
+    text_prefix_tokens: int = 0
+    """Tokens taken from the text-prefix cache."""
     message_keys_reused: int = 0
     """Messages whose keys came from their conversation's last list (not serialized again)."""
     seconds: float = 0.0
     """Time spent rendering, tokenizing and hashing (the precise mode's CPU per request)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """A text to encode: `pieces` of `text[start:]` (cut before added tokens and at word
+    boundaries), and `reuse`: the ids of `text[:start]` from the text-prefix cache (None:
+    `start` is 0)."""
+
+    pieces: list[str]
+    cut: bool
+    """Whether any piece was cut at a word boundary (or the text spliced onto a prefix)."""
+    start: int = 0
+    reuse: Reuse | None = None
 
 
 @dataclass
@@ -213,6 +232,10 @@ class PromptTokens:
         chunking: bool = True,
         words: bool = True,
         max_word_pieces: int = DEFAULT_WORD_CACHE_PIECES,
+        text_prefixes: bool = True,
+        max_text_prefix_bytes: int = DEFAULT_TEXT_PREFIX_BYTES,
+        chunk_chars: int | None = None,
+        text_prefix_min_chars: int | None = None,
     ) -> None:
         os.environ.setdefault(*TOKENIZER_THREADS)
         self.tokenizer = tokenizer
@@ -222,20 +245,31 @@ class PromptTokens:
         added = tokenizer.added_tokens()
         self._specials = tuple(t for t in added if t)
         self._special_firsts = firsts_of(self._specials)
+        self.chunk_chars = CHUNK_CHARS if chunk_chars is None else chunk_chars
+        """Long segments are cut at a word boundary about every this many characters."""
         self.template = IncrementalTemplate(tokenizer.template, added)
         self.incremental = incremental and self.template.enabled
         # a cut inside an added token would split it, and one that strips the spaces beside it
         # eats the space a piece starts with: no cutting with either kind
         cuttable = tokenizer.added_tokens_are_plain()
-        self.chunking = chunking and cuttable and chunks_concatenate(tokenizer, CHUNK_CHARS)
+        self.chunking = chunking and cuttable and chunks_concatenate(tokenizer, self.chunk_chars)
         self.words = words and self.chunking
         """Segments the cache lacks are encoded word by word (`gateway.events.words`)."""
         loose = self.words and rule_holds(tokenizer.encode_many, _CHUNK_PROBES, loose=True)
         self.word_ids = WordIds(tokenizer.encode_pieces, max_word_pieces, loose=loose)
         self._cut_count = 0
         """Texts encoded through a cut (chunks or words): the sampled checks count these."""
-        self._last_cut: tuple[str | None, bool, tuple[list[str], bool]] = (None, False, ([], False))
-        """(text, chunking, its cut): the last text `_cut` answered."""
+        self._last_cut: tuple[str | None, str, bool, _Cut] = (None, "", False, _Cut([], False))
+        """(text, salt, chunking, its cut): the last text `_cut` answered."""
+        self.text_prefixes = text_prefixes
+        """Long texts go through the text-prefix cache (`gateway.events.texts`) while
+        `chunking` is on (its cuts are the chunks' and added tokens')."""
+        self.text_prefix_min_chars = (
+            2 * self.chunk_chars if text_prefix_min_chars is None else text_prefix_min_chars
+        )
+        """Texts shorter than this skip it (a chat turn's tail: its pieces are few)."""
+        margin = max([2, *(len(t) + 1 for t in self._specials)])
+        self.texts = TextPrefixes(margin, max_text_prefix_bytes)
         self._cache: OrderedDict[tuple[str, str], array.array[int]] = OrderedDict()
         self._cached_tokens = 0
         self._prefixes: OrderedDict[bytes, array.array[int]] = OrderedDict()
@@ -257,19 +291,34 @@ class PromptTokens:
         plan = self._plan(body, chat, cache_salt)
         if isinstance(plan, list):
             return plan
-        pieces, _ = self._cut(plan.text)
+        pieces = self._cut(plan.text, cache_salt).pieces
         missing = [p for p in dict.fromkeys(pieces) if (cache_salt, p) not in self._cache]
+        whole = missing
         if self.words and sum(len(p) for p in missing) > OFF_LOOP_CHARS:
-            missing = self.word_ids.missing(missing, cache_salt)  # their new words only
-        if sum(len(p) for p in missing) > OFF_LOOP_CHARS:
-            encoded = await asyncio.to_thread(self.tokenizer.encode_many, missing)
-            self.stats.tokens_encoded += sum(map(len, encoded))
-            if self.words:
-                self.word_ids.add(cache_salt, missing, encoded)
-            else:
-                for piece, ids in zip(missing, encoded, strict=True):
-                    self._keep(cache_salt, piece, array.array("I", ids))
+            # their new words only, but a segment mostly of new words whole (one BPE call)
+            # (not when the text is a sampled check's: that one must go through the cuts)
+            whole_when_new = not self._cut_check_due()
+            missing, whole = self.word_ids.missing_or_whole(missing, cache_salt, whole_when_new)
+        elif self.words:
+            missing, whole = [], []  # small: `encode` looks its words up on the loop
+        else:
+            missing = []
+        if sum(len(p) for p in missing) + sum(len(p) for p in whole) > OFF_LOOP_CHARS:
+            encoded, encoded_whole = await asyncio.to_thread(self._encode_off_loop, missing, whole)
+            self.stats.tokens_encoded += sum(map(len, encoded)) + sum(map(len, encoded_whole))
+            self.word_ids.add(cache_salt, missing, encoded)
+            for piece, ids in zip(whole, encoded_whole, strict=True):
+                self._keep(cache_salt, piece, array.array("I", ids))
         return self._assemble(plan, body, chat)
+
+    def _encode_off_loop(
+        self, pieces: list[str], whole: list[str]
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """(new words' ids: one BPE call over them joined, `encode_pieces`; whole segments')."""
+        return (
+            self.tokenizer.encode_pieces(pieces) if pieces else [],
+            self.tokenizer.encode_many(whole) if whole else [],
+        )
 
     def ids(self, body: Mapping[str, Any], chat: bool, cache_salt: str = "") -> Sequence[int]:
         """The prompt's token ids (`ChatTemplateError` for a malformed request): an
@@ -347,7 +396,7 @@ class PromptTokens:
         self.stats.incremental_checks += 1
         prompt = self.tokenizer.prompt_of(body, chat)
         assert isinstance(prompt, str)
-        whole = self._encode_pieces(self._cut(prompt)[0], plan.salt)  # not a cut check
+        whole = self._encode_pieces(self._cut_anew(prompt)[0], plan.salt)  # not a cut check
         if whole == ids:
             return ids
         self.stats.incremental_mismatches += 1
@@ -363,23 +412,64 @@ class PromptTokens:
         return whole
 
     def encode(self, text: str, salt: str = "") -> array.array[int]:
-        """The ids of `text`, segment by segment through the salted segment cache (a segment
-        it lacks word by word when `words`)."""
-        pieces, cut = self._cut(text)
-        cutting = cut or (self.words and " " in text)
+        """The ids of `text`: a long one from where it parts from a text encoded before
+        (`gateway.events.texts`), the rest segment by segment through the salted segment
+        cache (a segment it lacks word by word when `words`)."""
+        cut = self._cut(text, salt)
+        cutting = cut.cut or (self.words and " " in text)
         check = cutting and self._cut_check_due()
         if cutting:
             self._cut_count += 1
-        out = self._encode_pieces(pieces, salt)
-        return self._check_chunks(text, out, salt) if check else out
+        reuse = cut.reuse
+        kept = self._keeps_text(text)
+        at: list[int] | None = [] if kept or reuse is not None else None
+        if reuse is None:
+            out = self._encode_pieces(cut.pieces, salt, None, at, not check)
+        else:
+            out = self._encode_pieces(cut.pieces, salt, reuse.ids[: reuse.tokens], at, not check)
+            self.stats.text_prefix_hits += 1
+            self.stats.text_prefix_tokens += reuse.tokens
+        if kept and at is not None:
+            self._keep_text(text, salt, cut, out, at)
+        return self._check_chunks(text, out, salt, cut, at or []) if check else out
 
-    def _encode_pieces(self, pieces: list[str], salt: str) -> array.array[int]:
-        out: array.array[int] = array.array("I")
+    def _keeps_text(self, text: str) -> bool:
+        return self.text_prefixes and self.chunking and len(text) >= self.text_prefix_min_chars
+
+    def _keep_text(
+        self, text: str, salt: str, cut: _Cut, ids: array.array[int], at: list[int]
+    ) -> None:
+        """Keep `text`'s ids with its cuts: where each piece began (`at`: its first token)."""
+        if len(at) != len(cut.pieces):  # an empty piece (never cut so): not kept
+            return
+        starts = array.array("q", itertools.accumulate(map(len, cut.pieces), initial=cut.start))
+        del starts[-1]
+        tokens = array.array("q", at)
+        reuse = cut.reuse
+        if reuse is not None:  # the cuts before `start`, then the new pieces' (start again)
+            starts = reuse.cuts[:-1] + starts
+            tokens = reuse.at[:-1] + tokens
+        self.texts.keep(salt, TextIds(text, ids[:], starts, tokens))  # ids: the caller's
+
+    def _encode_pieces(
+        self,
+        pieces: list[str],
+        salt: str,
+        head: array.array[int] | None = None,
+        at: list[int] | None = None,
+        whole_when_new: bool = True,
+    ) -> array.array[int]:
+        """The ids of `pieces` appended to `head` (a new array when None); `at`: each
+        piece's first token's offset appended (a piece is empty only as the text "").
+        `whole_when_new`: a piece mostly of words the word cache lacks is encoded whole."""
+        out: array.array[int] = head if head is not None else array.array("I")
         stats = self.stats
         cache = self._cache
         for piece in pieces:
             if not piece:
                 continue
+            if at is not None:
+                at.append(len(out))
             stats.segments += 1
             slot = (salt, piece)
             cached = cache.get(slot)
@@ -388,10 +478,15 @@ class PromptTokens:
                 stats.segment_hits += 1
                 out.extend(cached)
                 continue
-            if self.words:
+            before = self.word_ids.stats.tokens_encoded
+            found = (
+                (self.word_ids.ids_or_none if whole_when_new else self.word_ids.ids)(piece, salt)
+                if self.words
+                else None
+            )
+            if found is not None:
                 ids = array.array("I")
-                before = self.word_ids.stats.tokens_encoded
-                ids.frombytes(self.word_ids.ids(piece, salt))
+                ids.frombytes(found)
                 stats.tokens_encoded += self.word_ids.stats.tokens_encoded - before
             else:
                 ids = array.array("I", self.tokenizer.encode(piece))
@@ -405,16 +500,22 @@ class PromptTokens:
         the first such text and every `VERIFY_EVERY`-th after it."""
         return self.chunking and self._cut_count % VERIFY_EVERY == 0
 
-    def _check_chunks(self, text: str, ids: array.array[int], salt: str) -> array.array[int]:
+    def _check_chunks(
+        self, text: str, ids: array.array[int], salt: str, cut: _Cut, at: list[int]
+    ) -> array.array[int]:
         """A sampled text's ids through the cuts against the BPE of it whole; a longer text
         than `CHECK_CHARS` is checked on its first `CHECK_CHARS` (the rule is local to each
-        space, and a whole 50 kB prompt was ~13 ms of BPE on the event loop)."""
+        space, and a whole 50 kB prompt was ~13 ms of BPE on the event loop), and one spliced
+        onto a cached prefix also on up to `CHECK_CHARS` around the splice."""
         self.stats.chunk_checks += 1
         sample, ours = text, ids
         if len(text) > CHECK_CHARS:
             sample = text[:CHECK_CHARS]
-            ours = self._encode_pieces(self._cut(sample)[0], salt)
+            ours = self._encode_pieces(self._cut_anew(sample)[0], salt)
         whole = array.array("I", self.tokenizer.encode(sample))
+        if whole == ours and cut.reuse is not None:
+            sample, ours = self._splice_sample(text, ids, cut, at)
+            whole = array.array("I", self.tokenizer.encode(sample))
         if whole == ours:
             return ids
         if sample is not text:
@@ -423,6 +524,7 @@ class PromptTokens:
         self.chunking = self.words = False
         self._cache.clear()  # pieces of cut texts: some may hold the wrong ids
         self._cached_tokens = 0
+        self.texts.clear()
         self._prefixes.clear()
         self._prefix_tokens = 0
         log.warning(
@@ -433,31 +535,60 @@ class PromptTokens:
         )
         return whole
 
+    def _splice_sample(
+        self, text: str, ids: array.array[int], cut: _Cut, at: list[int]
+    ) -> tuple[str, array.array[int]]:
+        """About `CHECK_CHARS` of `text` around where it was spliced onto a cached prefix,
+        from a cut to a cut, and our ids of it (`at`: the new pieces' first tokens)."""
+        reuse = cut.reuse
+        assert reuse is not None
+        half = CHECK_CHARS // 2
+        i = max(bisect.bisect_right(reuse.cuts, cut.start - half) - 1, 0)
+        end, end_at = len(text), len(ids)
+        offset = cut.start
+        for piece, first in zip(cut.pieces, at, strict=False):
+            if offset - cut.start >= half:
+                end, end_at = offset, first
+                break
+            offset += len(piece)
+        return text[reuse.cuts[i] : end], ids[reuse.at[i] : end_at]
+
     def segments(self, text: str) -> list[str]:
         """`text` cut right before every added token (str.find per token: a regex lookahead at
         every position was 1 ms per 80 kB), and a long piece again at word boundaries about
-        every `CHUNK_CHARS` when `chunking` (the module docstring)."""
-        return list(self._cut(text)[0])
+        every `chunk_chars` when `chunking` (the module docstring)."""
+        return list(self._cut_anew(text)[0])
 
-    def _cut(self, text: str) -> tuple[list[str], bool]:
-        """`segments`, and whether any piece was cut at a word boundary. The last text's
-        answer is kept: `ids_off_loop` cuts a text to find its missing pieces and `encode`
-        cuts the same text again (~12 µs of a continuation's tail, py-spy)."""
+    def _cut(self, text: str, salt: str) -> _Cut:
+        """`text` as pieces to encode: a long one from where it parts from a text encoded
+        before under `salt` (the text-prefix cache), the rest cut as `segments` cuts it.
+        The last text's answer is kept: `ids_off_loop` cuts a text to find its missing pieces
+        and `encode` cuts the same text again (~12 µs of a continuation's tail, py-spy)."""
         last = self._last_cut
-        if last[0] is text and last[1] == self.chunking:
-            return last[2]
-        out = self._cut_anew(text)
-        self._last_cut = (text, self.chunking, out)
+        if last[0] is text and last[1] == salt and last[2] == self.chunking:
+            return last[3]
+        reuse = self.texts.find(text, salt) if self._keeps_text(text) else None
+        if reuse is None:
+            pieces, cut = self._cut_anew(text)
+            out = _Cut(pieces, cut)
+        else:
+            pieces, _ = self._cut_anew(text, reuse.start)
+            out = _Cut(pieces, True, reuse.start, reuse)
+        self._last_cut = (text, salt, self.chunking, out)
         return out
 
-    def _cut_anew(self, text: str) -> tuple[list[str], bool]:
-        cuts = sorted(special_starts(text, self._specials, self._special_firsts))
+    def _cut_anew(self, text: str, start: int = 0) -> tuple[list[str], bool]:
+        """`text[start:]` cut before every added token and, when `chunking`, long segments
+        at word boundaries, as the whole text is cut when `start` is one of its cuts: the
+        chunks of a segment are counted from its start or from a chunk's cut alike."""
+        chunk = self.chunk_chars
+        cuts = sorted(special_starts(text, self._specials, self._special_firsts, start))
         ends = [*cuts[1:], len(text)]
         cut = False
-        if self.chunking and len(text) > CHUNK_CHARS:
+        if self.chunking and len(text) - start > chunk:
             for a, b in zip(list(cuts), list(ends), strict=True):
-                if b - a > CHUNK_CHARS:
-                    words = word_cuts(text, a, b, CHUNK_CHARS)
+                if b - a > chunk:
+                    words = word_cuts(text, a, b, chunk)
                     cuts.extend(words)
                     cut = cut or bool(words)
             if cut:

@@ -68,6 +68,9 @@ and spaces that are no cut (not between two good characters). `findall` also mat
 the end."""
 PIECE_LOOSE = re.compile(f" ?(?:[^ ]+| (?![{_GOOD}]))*")
 """A piece under the loose rule: a space is a cut wherever a good character follows it."""
+MOSTLY_NEW_PARTS = 16
+"""`whole_when_new`: a text of at least this many pieces, more than half of them in neither
+generation, is left to the caller to encode whole (`ids_or_none`, `missing_or_whole`)."""
 GLUE_AT_MOST = 8
 """More than one space in this many is no cut: the text is cut by the pattern (one C pass)
 instead of gluing its parts a run at a time."""
@@ -229,6 +232,17 @@ class WordIds:
 
     def ids(self, text: str, salt: str) -> bytes:
         """The ids of `text` as native uint32 bytes (`array("I").frombytes`)."""
+        found = self._ids(text, salt, False)
+        assert found is not None
+        return found
+
+    def ids_or_none(self, text: str, salt: str) -> bytes | None:
+        """`ids`, or None when `text` is mostly new (`MOSTLY_NEW_PARTS`): encoded whole, its
+        words cost the BPE once (~0.5 us a token) where piece by piece they cost the BPE
+        plus a Python step, a slice and two dict entries each (~1.4 us a token, py-spy)."""
+        return self._ids(text, salt, True)
+
+    def _ids(self, text: str, salt: str, whole_when_new: bool) -> bytes | None:
         joined = self._joined.pop((salt, text), None)
         if joined is not None:
             self.stats.pieces += joined[1]
@@ -242,11 +256,21 @@ class WordIds:
             return whole
         rest = parts[1:]
         got = list(map(later.get, rest))
-        return self._fill(salt, parts[0], head, rest, got) + b"".join(got)  # type: ignore[arg-type]
+        first = self._fill(salt, parts[0], head, rest, got, whole_when_new)
+        if first is None:
+            return None
+        return first + b"".join(got)  # type: ignore[arg-type]
 
     def missing(self, texts: Sequence[str], salt: str) -> list[str]:
         """The pieces of `texts` the cache lacks, each once, as texts to encode."""
+        return self.missing_or_whole(texts, salt, False)[0]
+
+    def missing_or_whole(
+        self, texts: Sequence[str], salt: str, whole_when_new: bool = True
+    ) -> tuple[list[str], list[str]]:
+        """(`missing`'s pieces, the texts mostly new: to encode whole, not piece by piece)."""
         out: dict[str, None] = {}
+        whole_texts: list[str] = []
         later = self._young.of(salt)[0]
         self._parted = parted = {}
         self._joined = joined = {}
@@ -261,12 +285,18 @@ class WordIds:
                 out[parts[0]] = None
             parted[text] = parts
             rest = parts[1:]
-            if head is None and None not in map(later.get, rest):  # its first piece alone
+            got = list(map(later.get, rest))  # the young generation in C; the old one for gaps
+            if head is None and None not in got:  # its first piece alone
                 continue
-            for part in rest:
-                if self._find(salt, part, True) is None:
-                    out[" " + part] = None
-        return list(out)
+            gaps = [part for part, found in zip(rest, got, strict=True) if found is None]
+            new = [" " + part for part in gaps if self._find(salt, part, True) is None]
+            if whole_when_new and len(parts) >= MOSTLY_NEW_PARTS and 2 * len(new) > len(parts):
+                whole_texts.append(text)
+                if head is None:
+                    del out[parts[0]]
+                continue
+            out.update(dict.fromkeys(new))
+        return list(out), whole_texts
 
     def add(self, salt: str, texts: Sequence[str], encoded: Sequence[Sequence[int]]) -> None:
         """Keep each piece's ids (`missing`'s pieces, encoded by the caller): a text that
@@ -276,10 +306,19 @@ class WordIds:
             self._keep(salt, piece[1:] if later else piece, later, array.array("I", ids).tobytes())
 
     def _fill(
-        self, salt: str, head: str, first: bytes | None, rest: list[str], got: list[bytes | None]
-    ) -> bytes:
+        self,
+        salt: str,
+        head: str,
+        first: bytes | None,
+        rest: list[str],
+        got: list[bytes | None],
+        whole_when_new: bool = False,
+    ) -> bytes | None:
         """`got`'s gaps and, where `first` is None, the first piece `head`, from the old
-        generation or the BPE (one call)."""
+        generation or the BPE (one call); None when `whole_when_new` and most are new."""
+        parts = len(rest) + 1
+        if whole_when_new and parts >= MOSTLY_NEW_PARTS and self._mostly_new(salt, rest, got):
+            return None
         todo = [] if first is not None else [head]
         for i, found in enumerate(got):
             if found is None:
@@ -292,7 +331,9 @@ class WordIds:
             self.stats.misses += len(unique)
             self.stats.tokens_encoded += sum(map(len, encoded))
             new = {p: array.array("I", e).tobytes() for p, e in zip(unique, encoded, strict=True)}
-            self.add(salt, unique, encoded)
+            for piece, ids in new.items():  # converted once (`add` would again)
+                later = piece[:1] == " "
+                self._keep(salt, piece[1:] if later else piece, later, ids)
             if first is None:
                 first = new[head]
             for i, found in enumerate(got):
@@ -300,6 +341,23 @@ class WordIds:
                     got[i] = new[" " + rest[i]]
         assert first is not None
         return first
+
+    def _mostly_new(self, salt: str, rest: list[str], got: list[bytes | None]) -> bool:
+        """Whether more than half of the later pieces are in neither generation: the young
+        one's gaps counted in C, the old one asked about the first `MOSTLY_NEW_PARTS` of
+        them only (a Python step each: the loop this spares)."""
+        gaps = got.count(None)
+        if 2 * gaps <= len(got):
+            return False
+        maps = self._old.salts.get(salt)
+        if maps is None:
+            return True
+        old = maps[0]
+        probe = itertools.islice(
+            (p for p, g in zip(rest, got, strict=True) if g is None), MOSTLY_NEW_PARTS
+        )
+        known = sum(p in old for p in probe)
+        return 2 * known < min(gaps, MOSTLY_NEW_PARTS)
 
     def _find(self, salt: str, key: str, later: bool) -> bytes | None:
         """A piece's ids from the young generation, else from the old one (promoted)."""
