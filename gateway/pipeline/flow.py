@@ -40,7 +40,7 @@ import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
 from gateway.fleet.replicas import ReplicaSet, ReplicaState
@@ -50,6 +50,9 @@ from gateway.request.state import ExchangeRecord
 from gateway.request.tenant import Tenant
 from gateway.request.usage import EngineUsage
 from router.fairness import FairQueue, Queued, has_headroom, headroom_tokens
+
+if TYPE_CHECKING:
+    from gateway.pipeline.flow_shared import SharedCounters
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +166,8 @@ class FlowControl:
         self.clock = clock
         self.stats = FlowStats()
         self.transit_tokens = 0.0
+        self.shared: SharedCounters | None = None
+        """With Redis: the counters shared with the other gateways (set by the app)."""
         self._tick: asyncio.TimerHandle | None = None
         replicas.fleet.on_freed = self.pump
 

@@ -24,6 +24,7 @@ from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.billing.wal import read_directory
 from gateway.tenancy.tenant_file import add_key
 from loadgen.engine.timing import TimingModel
+from loadgen.harness.redis_servers import RedisServer
 from loadgen.text import words
 from tests.clients import anthropic_client, director, grpc_stub
 from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, metrics_url
@@ -370,3 +371,77 @@ def test_queue_time_is_in_the_billing_record_and_the_access_log(
     wait_until(lambda: access_line() is not None, what="the queued request's access line")
     line = access_line()
     assert line is not None and line["queue_ms"] >= 50
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_two_gateways_on_one_redis_share_their_fairness_counters(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    fresh_redis: RedisServer,
+    share: bool,
+) -> None:
+    """Gateway 1 has acme and globex backlogged (no room: a lease the test holds there), two
+    requests each, acme's first; gateway 2 serves acme three requests. Sharing (the default
+    with a Redis), gateway 1's counter for acme grows by what gateway 2 served it, so globex
+    is ahead there and the fleet's shares even out; without, gateway 1 knows only its own.
+    Either way every request is answered once room is back."""
+    (engine,) = start_engines(1)
+    # (share_load off: gateway 2 must not count the lease gateway 1's test holds)
+    common: dict[str, Any] = {
+        "redis_url": fresh_redis.url,
+        "flow_share_counters": share,
+        "share_load": False,
+    }
+    one = start_gateway([engine], flow_share_interval_s=0.05, **common)
+    two = start_gateway([engine], flow_share_interval_s=0.05, **common)
+    flow = director(one).flow
+    assert flow is not None
+    tenants = one.app.state.tenants
+    acme, globex = (tenants.authenticate(k).scope for k in (TENANT_KEY, OTHER_KEY))
+    state = director(one).replicas.states[engine.url]
+    hold = one.on_loop(lambda: state.lease(10**9))
+
+    def counters() -> tuple[float, float]:
+        def read() -> tuple[float, float]:
+            return flow.queue.counter(acme, 0) or 0.0, flow.queue.counter(globex, 0) or 0.0
+
+        return one.on_loop(read)
+
+    async def run() -> tuple[list[int], float]:
+        asks = [
+            asyncio.create_task(asyncio.to_thread(_ask, one, key, f"{key} {n}"))
+            for key in (TENANT_KEY, OTHER_KEY)
+            for n in range(2)
+        ]
+        await asyncio.to_thread(
+            wait_until, lambda: one.on_loop(lambda: len(flow.queue)) == 4, 10.0, "4 queued"
+        )
+        before = counters()
+        served = [
+            (
+                await asyncio.to_thread(
+                    _ask, two, TENANT_KEY, f"elsewhere {n} " + words(f"e{n}", 300)
+                )
+            )
+            for n in range(3)
+        ]
+        assert [r.status_code for r in served] == [200, 200, 200]
+        prompt = sum(r.json()["usage"]["prompt_tokens"] for r in served)
+        if share:  # gateway 2's service reaches gateway 1's counter for acme (not globex's)
+            await asyncio.to_thread(
+                wait_until,
+                lambda: counters()[0] - before[0] >= 0.9 * prompt,
+                10.0,
+                "gateway 2's service in gateway 1's counter",
+            )
+        gained = counters()[0] - before[0]
+        assert counters()[1] == before[1]
+        one.on_loop(hold.release)
+        return [(await a).status_code for a in asks], gained
+
+    statuses, gained = asyncio.run(run())
+    assert statuses == [200] * 4
+    metrics = httpx.get(metrics_url(one) + "/metrics").text
+    assert ('kvgate_flow_shared_rounds_total{event="ok"}' in metrics) is share
+    if not share:
+        assert gained == 0.0  # nothing dispatched at gateway 1 while it held: its own counters
