@@ -12,6 +12,7 @@ import uuid
 
 from cachemap.redis.client import open_redis
 from gateway.pipeline.flow_shared import SharedCounters, band_key
+from loadgen.harness.redis_servers import RedisServer
 from router.fairness import FairQueue
 
 COST = 1_000.0
@@ -62,3 +63,27 @@ async def test_two_gateways_sharing_counters_converge_to_the_weights(redis_url: 
     assert 0.70 <= alone["a"] <= 0.80  # gateway 1 alternates, gateway 2 serves only A
     shared = await _served(shared=True, redis_url=redis_url)
     assert abs(shared["b"] - 0.5) <= 0.05, shared  # gateway 1 serves B while A is ahead
+
+
+async def test_a_round_without_redis_keeps_its_service_for_the_next(
+    fresh_redis: RedisServer,
+) -> None:
+    """Redis away: the round fails (counted), the service it carried is kept and published by
+    the first round that gets through, once, and nothing raises."""
+    queue: FairQueue[str] = FairQueue()
+    scope = f"s-{uuid.uuid4().hex}"
+    client = await open_redis(fresh_redis.url, timeout_s=0.2)
+    counters = SharedCounters(client, queue, 0.1)
+    try:
+        _keep_backlogged(queue, [scope], 0)
+        assert queue.pop() is not None  # COST served
+        fresh_redis.stop()
+        await counters.round()
+        assert (counters.rounds, counters.failed) == (0, 1)
+        fresh_redis.start()
+        await counters.round()
+        await counters.round()  # nothing new: published once
+        assert counters.rounds == 2
+        assert float(await client.hget(band_key(0), scope)) == COST
+    finally:
+        await client.aclose()
