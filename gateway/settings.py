@@ -380,6 +380,13 @@ class Settings(BaseSettings):
     flow_max_queued_per_scope: int = DEFAULT_FLOW_MAX_QUEUED_PER_SCOPE
     flow_max_queued: int = DEFAULT_FLOW_MAX_QUEUED
     flow_max_queue_s: float = DEFAULT_FLOW_MAX_QUEUE_S
+    flow_share_counters: bool = True
+    """With `redis_url`: every gateway (and worker) publishes the service its fair queue gave
+    each scope and adds the others' to its counters (batched, approximate), so the fleet's
+    shares follow the weights however traffic is spread over gateways
+    (gateway.pipeline.flow_shared); false: shares hold per gateway."""
+    flow_share_interval_s: float = DEFAULT_LOAD_SHARE_INTERVAL_S
+    """How often `flow_share_counters` publishes and reads (one Redis pipeline)."""
 
     @field_validator("flow_max_pending_prefill_s", "flow_max_queue_s")
     @classmethod
@@ -587,6 +594,7 @@ class Settings(BaseSettings):
     @field_validator(
         "metrics_interval_s",
         "load_share_interval_s",
+        "flow_share_interval_s",
         "discovery_retry_s",
         "discovery_watch_timeout_s",
         "speculative_ttl_s",

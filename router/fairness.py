@@ -138,6 +138,8 @@ class FairQueue(Generic[T]):
         self._bands: dict[int, _Band[T]] = {}
         self._seq = itertools.count()
         self._len = 0
+        self._served: dict[tuple[int, str], float] | None = None
+        """With `share()`: the weighted service given here since the last `take_served`."""
 
     def __len__(self) -> int:
         return self._len
@@ -186,6 +188,7 @@ class FairQueue(Generic[T]):
             raise ValueError(f"weight must be a positive number, got {weight}")
         entry = self._scope(scope, band, weight)
         entry.counter += cost / entry.weight
+        self._serve(band, scope, cost / entry.weight)
         band_state = self._bands[band]
         if not band_state.backlogged:
             # NOTE: with no one waiting, nobody was owed this dispatch: the band's virtual time
@@ -202,6 +205,7 @@ class FairQueue(Generic[T]):
         entry = band_state.scopes.get(scope) if band_state is not None else None
         if entry is not None and math.isfinite(delta_cost):
             entry.counter += delta_cost / entry.weight
+            self._serve(band, scope, delta_cost / entry.weight)
 
     def _scope(self, scope: str, band: int, weight: float) -> _Scope[T]:
         band_state = self._bands.get(band)
@@ -287,12 +291,52 @@ class FairQueue(Generic[T]):
         self._len -= 1
         band.virtual_s = max(band.virtual_s, entry.counter)
         entry.counter += queued.cost / entry.weight
+        self._serve(band_id, scope, queued.cost / entry.weight)
         if not entry.queue:
             del band.backlogged[scope]
             if not band.backlogged:
                 band.credit = 0.0
             self._maybe_forget(band, band_id, scope)
         return queued
+
+    # -- counters shared by several queues (gateways) ------------------------------------------
+    def share(self) -> None:
+        """Record the service this queue gives (`take_served`), for peers that share counters:
+        each queue publishes its service and adds theirs (`add_remote`), so every scope's
+        counter counts what the whole fleet of queues served it, and each queue's picks even
+        out the shares the others' skew."""
+        if self._served is None:
+            self._served = {}
+
+    def _serve(self, band: int, scope: str, weighted: float) -> None:
+        if self._served is not None:
+            key = (band, scope)
+            self._served[key] = self._served.get(key, 0.0) + weighted
+
+    def take_served(self) -> dict[tuple[int, str], float]:
+        """(band, scope) -> weighted tokens served here since the last call (counter units:
+        cost / weight); empty unless `share()` was called."""
+        if self._served is None:
+            return {}
+        served, self._served = self._served, {}
+        return served
+
+    def return_served(self, served: dict[tuple[int, str], float]) -> None:
+        """Put back what `take_served` gave (it could not be published): the next one has it."""
+        for (band, scope), weighted in served.items():
+            self._serve(band, scope, weighted)
+
+    def tracked(self) -> list[tuple[int, str]]:
+        """Every (band, scope) with a counter here (backlogged, or idle and not yet passed)."""
+        return [(b, scope) for b, band in self._bands.items() for scope in band.scopes]
+
+    def add_remote(self, scope: str, band: int, weighted: float) -> None:
+        """Service other queues gave a tracked scope (counter units): its counter moves as if
+        served here. An untracked scope is not followed (it is lifted on arrival anyway)."""
+        band_state = self._bands.get(band)
+        entry = band_state.scopes.get(scope) if band_state is not None else None
+        if entry is not None and math.isfinite(weighted):
+            entry.counter += weighted
 
     # -- what operators see ------------------------------------------------------------------
     def depth(self, scope: str) -> int:

@@ -108,3 +108,19 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
     if too_deep(body):
         raise InvalidRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     return body
+
+
+def take_priority(body: dict[str, Any]) -> int | None:
+    """Pop a request's `priority` (flow control's band, vLLM's field name; the engine never
+    sees it): an integer, else a 400 naming the field. The tenant's range is checked at
+    admission (`gateway.pipeline.flow.request_priority`). Every HTTP front end takes it."""
+    if "priority" not in body:
+        return None
+    value = body.pop("priority")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequest(
+            "'priority' must be an integer (lower is served first)", param="priority"
+        )
+    return value

@@ -14,7 +14,7 @@ import grpc
 import orjson
 from starlette.responses import Response
 
-from gateway.errors import GatewayError, InternalError
+from gateway.errors import GatewayError, InternalError, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,14 @@ _ANTHROPIC_TYPES = {
 }
 """Anthropic's error types by HTTP status; other 4xx are `invalid_request_error`, anything else
 an `api_error`."""
+ANTHROPIC_OVERLOADED = 529
+"""Anthropic's status for `overloaded_error`: flow control's "the fleet has no room for anyone"
+(`Overloaded`) is answered with it, as Anthropic's API does (its SDK raises `OverloadedError`
+and retries it); other 503s (no healthy replica) keep 503."""
+
+
+def anthropic_status(err: GatewayError) -> int:
+    return ANTHROPIC_OVERLOADED if isinstance(err, Overloaded) else err.status
 
 
 def anthropic_error_body(err: GatewayError) -> dict[str, Any]:
@@ -72,7 +80,7 @@ def anthropic_error_body(err: GatewayError) -> dict[str, Any]:
 def to_anthropic_http(err: GatewayError) -> Response:
     return Response(
         orjson.dumps(anthropic_error_body(err)),
-        status_code=err.status,
+        status_code=anthropic_status(err),
         media_type="application/json",
         headers=err.headers(),
     )

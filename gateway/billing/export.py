@@ -55,7 +55,7 @@ def from_csv(text: str) -> list[dict[str, Any]]:
     for raw in csv.DictReader(io.StringIO(text)):
         record: dict[str, Any] = {}
         for column in COLUMNS:
-            value = raw[column]
+            value = raw.get(column) or ""  # a column added since the file was written: empty
             if column in JSON_COLUMNS:
                 record[column] = orjson.loads(value) if value else {}
             elif column in INT_COLUMNS:
@@ -123,6 +123,8 @@ def from_parquet(data: bytes) -> list[dict[str, Any]]:
     table = pq.read_table(io.BytesIO(data))
     rows = table.to_pylist()
     for row in rows:
+        for column in COLUMNS:
+            row.setdefault(column, None)  # a column added since the file was written
         for column in MONEY_COLUMNS:
             row[column] = plain(row[column]) if row[column] is not None else None
         for column in JSON_COLUMNS:

@@ -392,6 +392,7 @@ class BillingMeter:
         pending = getattr(routed.parsed, "billing", None)
         if isinstance(pending, Pending):
             pending.start = max(pending.start, self.clock.now())
+            pending.queue_s = routed.queued_s
 
     # -- 2. first token ------------------------------------------------------------------------
     async def on_first_token(self, record: ExchangeRecord) -> None:
@@ -600,6 +601,7 @@ class BillingMeter:
             replica=replica,
             engine_cached_tokens=usage.cached_tokens if usage is not None else None,
             gateway=self.gateway_id,
+            queue_s=pending.queue_s,
         )
 
     # -- 4. finish -----------------------------------------------------------------------------

@@ -52,6 +52,8 @@ class Pending:
     while `tenant` (the name) is who is billed."""
     admitted: bool = False
     """Admitted to the ledger (at its first token, or a fan-out leader at its BlockStored)."""
+    queue_s: float | None = None
+    """How long it waited in flow control's queue before its start (set when it is routed)."""
 
 
 @dataclass(slots=True)

@@ -47,8 +47,12 @@ COLUMNS = (
     "engine_cached_tokens",
     "gateway",
     "usage",
+    "queue_ms",
 )
-"""Every record has exactly these keys; CSV and Parquet columns in this order."""
+"""Every record has exactly these keys; CSV and Parquet columns in this order. `queue_ms` (the
+time the request waited in flow control's queue before it started, whole milliseconds) came
+last: records written before it lack the key, and every reader takes a missing column as empty
+(None), so old WAL segments and stored records stay readable."""
 INT_COLUMNS = frozenset(
     {
         "prompt_tokens",
@@ -57,6 +61,7 @@ INT_COLUMNS = frozenset(
         "written_tokens",
         "output_tokens",
         "engine_cached_tokens",
+        "queue_ms",
     }
 )
 MONEY_COLUMNS = ("input_cost", "output_cost", "rent", "cost")
@@ -80,6 +85,7 @@ def build_record(
     replica: str | None = None,
     engine_cached_tokens: int | None = None,
     gateway: str | None = None,
+    queue_s: float | None = None,
 ) -> dict[str, Any]:
     assert kind in KINDS and status in STATUSES
     record: dict[str, Any] = {
@@ -111,6 +117,7 @@ def build_record(
         "engine_cached_tokens": engine_cached_tokens,
         "gateway": gateway,
         "usage": usage or {},
+        "queue_ms": round(queue_s * 1e3) if queue_s is not None else None,
     }
     assert tuple(record) == COLUMNS
     return record

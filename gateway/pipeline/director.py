@@ -234,7 +234,7 @@ class Director:
         *,
         only: Collection[str] | None = None,
         relay_usage: bool = True,
-        on_hold: Callable[[float], Awaitable[None]] | None = None,
+        on_hold: Callable[[float], Awaitable[float | None]] | None = None,
     ) -> Pick:
         """Steps 1 and 2 for a request someone else forwards (Envoy, `gateway.api.epp`): the
         ranking to send it along, the body the engine must get, and the `Pick` whose response
@@ -242,7 +242,8 @@ class Director:
 
         `only`: the replica ids the data plane allows (its subset hint; none eligible is a 503).
         `relay_usage`: the response comes back through us, so ask a stream for its usage.
-        `on_hold`: awaited with the bound of a fan-out hold before the request waits."""
+        `on_hold`: awaited with the bound of a fan-out hold, or of flow control's queue, before
+        the request waits; it returns how long the caller can wait (None: no bound of its own)."""
         opened_s = time.monotonic()
         trace = self.tracer.begin(parsed, tenant, trace_headers)
         ended = self.activity.begin()
@@ -250,7 +251,7 @@ class Director:
             candidates, tenant, parsed, charged, left = await self._admit(parsed, tenant, only)
             ended = _both(ended, left)
             routed, flight = await self._route(
-                parsed, tenant, candidates, trace, opened_s, charged, on_hold
+                parsed, tenant, candidates, trace, opened_s, charged, on_hold, flow=self.flow
             )
             if flight is not None and self.landed_hooks:
                 # an Envoy-forwarded leader ends through its relayed events, which do not run
@@ -357,7 +358,7 @@ class Director:
         trace: RequestTrace,
         opened_s: float,
         charged: int,
-        on_hold: Callable[[float], Awaitable[None]] | None = None,
+        on_hold: Callable[[float], Awaitable[float | None]] | None = None,
         flow: FlowControl | None = None,
         client_left: Callable[[], Awaitable[object]] | None = None,
     ) -> tuple[Routed, Flight | None]:
@@ -408,7 +409,7 @@ class Director:
         ticket = NO_TICKET
         if flow is not None:
             ticket = await self._wait_for_room(
-                flow, parsed, tenant, candidates, route, hashes, client_left
+                flow, parsed, tenant, candidates, route, hashes, client_left, on_hold
             )
         try:
             placed = await self.placement.place(
@@ -464,10 +465,15 @@ class Director:
         route: RouteRequest,
         hashes: Sequence[BlockHash],
         client_left: Callable[[], Awaitable[object]] | None,
+        on_hold: Callable[[float], Awaitable[float | None]] | None = None,
     ) -> Ticket:
         """Flow control's turn, counted in the request's least uncached prefill over the
         candidates: at once (no await) when the fleet has room and no one waits, or when a
-        leader of this gateway is writing its prefix (the hold is its wait)."""
+        leader of this gateway is writing its prefix (the hold is its wait). `on_hold`: the
+        endpoint picker's, awaited with the queue's bound before the request waits: it restarts
+        Envoy's message timer (once per message, at most Envoy's `max_message_timeout`) and
+        returns how long the stream is held, which bounds the wait (past it, the queue's
+        429 / 503 rather than Envoy's 504)."""
         band = request_priority(parsed, tenant)
         uncached = min((route.uncached_tokens(c.id) for c in candidates), default=0.0)
         output_tokens = self.replicas.fleet.expected_output_tokens(_max_tokens(parsed))
@@ -478,7 +484,12 @@ class Director:
         ticket = flow.try_enter(tenant, band, uncached, output_tokens, candidates)
         if ticket is not None:
             return ticket
-        return await flow.wait(tenant, band, parsed.model, uncached, output_tokens, client_left)
+        max_wait_s = None
+        if on_hold is not None:  # Envoy's timer: one restart per message, at most its maximum
+            max_wait_s = await on_hold(flow.limits.max_queue_s)
+        return await flow.wait(
+            tenant, band, parsed.model, uncached, output_tokens, client_left, max_wait_s
+        )
 
     async def _landed(self, routed: Routed) -> None:
         """A leader's prefix is stored at its replica (its KV events): the landed hooks run

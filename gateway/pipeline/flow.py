@@ -40,7 +40,7 @@ import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
 from gateway.fleet.replicas import ReplicaSet, ReplicaState
@@ -50,6 +50,9 @@ from gateway.request.state import ExchangeRecord
 from gateway.request.tenant import Tenant
 from gateway.request.usage import EngineUsage
 from router.fairness import FairQueue, Queued, has_headroom, headroom_tokens
+
+if TYPE_CHECKING:
+    from gateway.pipeline.flow_shared import SharedCounters
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +166,8 @@ class FlowControl:
         self.clock = clock
         self.stats = FlowStats()
         self.transit_tokens = 0.0
+        self.shared: SharedCounters | None = None
+        """With Redis: the counters shared with the other gateways (set by the app)."""
         self._tick: asyncio.TimerHandle | None = None
         replicas.fleet.on_freed = self.pump
 
@@ -248,12 +253,15 @@ class FlowControl:
         prompt_tokens: float,
         output_tokens: float,
         client_left: Callable[[], Awaitable[object]] | None = None,
+        max_wait_s: float | None = None,
     ) -> Ticket:
         """Wait in the scope's queue until the request may go to the router; the ticket must be
         `routed` when routing ends, whatever happens. Raises `QueueFull` or `Overloaded` past
         the limits. `client_left()` returns when the client disconnects (an HTTP front end's
         watch; gRPC cancels the caller's task instead): either way the request leaves the queue
-        and `ClientGone` (or the cancellation) is raised, nothing left behind."""
+        and `ClientGone` (or the cancellation) is raised, nothing left behind. `max_wait_s`: a
+        shorter bound than `max_queue_s` (the endpoint picker's: how long Envoy holds its
+        stream)."""
         weight = tenant.policy.weight
         cost = self.queue.cost(prompt_tokens, output_tokens)
         self._check_limits(tenant, prompt_tokens)
@@ -267,7 +275,10 @@ class FlowControl:
         watcher = asyncio.ensure_future(client_left()) if client_left is not None else None
         try:
             waits: list[asyncio.Future[Any]] = [future] if watcher is None else [future, watcher]
-            await asyncio.wait(waits, timeout=self.limits.max_queue_s, return_when=FIRST_COMPLETED)
+            timeout = self.limits.max_queue_s
+            if max_wait_s is not None:
+                timeout = max(min(timeout, max_wait_s), 0.0)
+            await asyncio.wait(waits, timeout=timeout, return_when=FIRST_COMPLETED)
         except asyncio.CancelledError:  # the caller's task (a gRPC client cancelling)
             self._left(tenant, queued, now_s)
             raise
@@ -281,7 +292,7 @@ class FlowControl:
                 self._left(tenant, queued, now_s)
                 raise ClientGone("the client disconnected while its request waited for room")
             self.queue.remove(queued)
-            raise self._timed_out(tenant, queued)
+            raise self._timed_out(tenant, queued, self.clock() - now_s)
         queued_s = future.result()
         self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
         return Ticket(self, prompt_tokens, queued_s, (band, cost))
@@ -316,21 +327,20 @@ class FlowControl:
                 retry_after_s=self._retry_after_s(1, prompt_tokens),
             )
 
-    def _timed_out(self, tenant: Tenant, queued: Queued[_Waiter]) -> Exception:
+    def _timed_out(self, tenant: Tenant, queued: Queued[_Waiter], waited_s: float) -> Exception:
         """429 when the request arrived behind its own scope's backlog (that backlog is the
         reason it waited), else 503 (the fleet had no room for it)."""
-        waited_s = self.limits.max_queue_s
         ahead = queued.item.ahead
         if ahead:
             self.stats.count_reject("scope_timeout")
             return QueueFull(
-                f"the request waited {waited_s:g} s behind {ahead} earlier requests of this API "
+                f"the request waited {waited_s:.3g} s behind {ahead} earlier requests of this API "
                 "key's own; retry later",
                 retry_after_s=self._retry_after_s(ahead, queued.item.tokens),
             )
         self.stats.count_reject("fleet_timeout")
         return Overloaded(
-            f"the fleet had no room for the request within {waited_s:g} s; retry later",
+            f"the fleet had no room for the request within {waited_s:.3g} s; retry later",
             retry_after_s=self._retry_after_s(1, queued.item.tokens),
         )
 

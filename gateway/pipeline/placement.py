@@ -80,7 +80,7 @@ class Placement:
         hashes: Sequence[BlockHash],
         lookup: Lookup,
         rng: random.Random,
-        on_hold: Callable[[float], Awaitable[None]] | None = None,
+        on_hold: Callable[[float], Awaitable[object]] | None = None,
     ) -> Placed | None:
         """`snapshot()` is the replicas as they are now: read again after a hold, so a replica
         that left (or came) while the request waited is ranked as it is when the wait ends.
@@ -156,7 +156,7 @@ class Placement:
         hashes: Sequence[BlockHash],
         lookup: Lookup,
         depth: int,
-        on_hold: Callable[[float], Awaitable[None]] | None = None,
+        on_hold: Callable[[float], Awaitable[object]] | None = None,
     ) -> tuple[bool, tuple[str, int] | None, str | None]:
         """Wait for a leader writing this request's uncached prefix, if that is worth it: a
         leader of this gateway first, else one another gateway announced through Redis.

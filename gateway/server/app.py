@@ -65,6 +65,7 @@ from gateway.pipeline.admission import Admission
 from gateway.pipeline.director import Director
 from gateway.pipeline.flights import Flights
 from gateway.pipeline.flow import FlowControl, FlowLimits
+from gateway.pipeline.flow_shared import SharedCounters
 from gateway.pipeline.forwarder import Forwarder
 from gateway.pipeline.frontier import FrontierObserver, Frontiers
 from gateway.pipeline.keying import Keying, RouteKeys
@@ -577,6 +578,14 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
             _share_events(parts, directory.shared.client)
             if settings.share_load:
                 parts.replicas.share_load(directory.shared.client, settings.load_share_interval_s)
+            flow = parts.director.flow
+            if settings.flow_share_counters and flow is not None:
+                counters = SharedCounters(
+                    directory.shared.client, flow.queue, settings.flow_share_interval_s
+                )
+                flow.shared = counters
+                counters.start()
+                stack.push_async_callback(counters.stop)
         share_placements(settings, directory)  # --workers N: every local index sees the pod's
         stack.push_async_callback(directory.close)
         shared = parts.keying.precise.shared if parts.keying and parts.keying.precise else None

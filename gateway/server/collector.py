@@ -140,6 +140,16 @@ class GatewayCollector(Collector):
             "Prompt tokens of requests dispatched from flow control and not yet placed.",
             value=flow.transit_tokens,
         )
+        if flow.shared is not None:
+            rounds = CounterMetricFamily(
+                "kvgate_flow_shared_rounds",
+                "Rounds of the fairness counters shared through Redis: ok, failed (Redis away: "
+                "the service waits for the next round).",
+                labels=["event"],
+            )
+            rounds.add_metric(["ok"], flow.shared.rounds)
+            rounds.add_metric(["failed"], flow.shared.failed)
+            yield rounds
 
     def _requests(self) -> Iterable[Any]:
         m = self.metrics

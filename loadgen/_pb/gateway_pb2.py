@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvgate/v1/gateway.proto\x12\tkvgate.v1\"\xcb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.kvgate.v1.Message\x12\x1e\n\x05tools\x18\x03 \x03(\x0b\x32\x0f.kvgate.v1.Tool\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.kvgate.v1.Sampling\x12.\n\rcache_control\x18\x05 \x01(\x0b\x32\x17.kvgate.v1.CacheControl\x12\x0c\n\x04user\x18\x06 \x01(\t\"\xce\x01\n\x07Message\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.kvgate.v1.Role\x12\'\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x16.kvgate.v1.ContentPart\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvgate.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12.\n\rcache_control\x18\x06 \x01(\x0b\x32\x17.kvgate.v1.CacheControl\"j\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x12.\n\rcache_control\x18\x03 \x01(\x0b\x32\x17.kvgate.v1.CacheControlB\x06\n\x04kind\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"r\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12.\n\rcache_control\x18\x04 \x01(\x0b\x32\x17.kvgate.v1.CacheControl\"\xc2\x01\n\x08Sampling\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"0\n\x0c\x43\x61\x63heControl\x12 \n\x03ttl\x18\x01 \x01(\x0e\x32\x13.kvgate.v1.CacheTTL\"\x9c\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\ntool_calls\x18\x04 \x03(\x0b\x32\x13.kvgate.v1.ToolCall\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvgate.v1.Usage\"\xae\x01\n\x16GenerateStreamResponse\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.kvgate.v1.StreamStartH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttool_call\x18\x03 \x01(\x0b\x32\x18.kvgate.v1.ToolCallDeltaH\x00\x12#\n\x03\x65nd\x18\x04 \x01(\x0b\x32\x14.kvgate.v1.StreamEndH\x00\x42\x07\n\x05\x65vent\"(\n\x0bStreamStart\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"P\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x04 \x01(\t\"C\n\tStreamEnd\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvgate.v1.Usage\"\xb2\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x65ngine_cached_tokens\x18\x03 \x01(\r\x12\x14\n\x0cinput_tokens\x18\x04 \x01(\r\x12\x1f\n\x17\x63\x61\x63he_read_input_tokens\x18\x05 \x01(\r\x12#\n\x1b\x63\x61\x63he_creation_input_tokens\x18\x06 \x01(\r\x12!\n\x19\x65phemeral_5m_input_tokens\x18\x07 \x01(\r\x12!\n\x19\x65phemeral_1h_input_tokens\x18\x08 \x01(\r\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x0c\n\x04\x63ost\x18\n \x01(\t\x12\x12\n\nbilling_id\x18\x0b \x01(\t*s\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04\x12\x12\n\x0eROLE_DEVELOPER\x10\x05*I\n\x08\x43\x61\x63heTTL\x12\x19\n\x15\x43\x41\x43HE_TTL_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x43\x41\x43HE_TTL_5M\x10\x01\x12\x10\n\x0c\x43\x41\x43HE_TTL_1H\x10\x02\x32\xa1\x01\n\x07Gateway\x12\x43\n\x08Generate\x12\x1a.kvgate.v1.GenerateRequest\x1a\x1b.kvgate.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.kvgate.v1.GenerateRequest\x1a!.kvgate.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvgate/v1/gateway.proto\x12\tkvgate.v1\"\xef\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x08messages\x18\x02 \x03(\x0b\x32\x12.kvgate.v1.Message\x12\x1e\n\x05tools\x18\x03 \x03(\x0b\x32\x0f.kvgate.v1.Tool\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.kvgate.v1.Sampling\x12.\n\rcache_control\x18\x05 \x01(\x0b\x32\x17.kvgate.v1.CacheControl\x12\x0c\n\x04user\x18\x06 \x01(\t\x12\x15\n\x08priority\x18\x07 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_priority\"\xce\x01\n\x07Message\x12\x1d\n\x04role\x18\x01 \x01(\x0e\x32\x0f.kvgate.v1.Role\x12\'\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x16.kvgate.v1.ContentPart\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvgate.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12.\n\rcache_control\x18\x06 \x01(\x0b\x32\x17.kvgate.v1.CacheControl\"j\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x13\n\timage_url\x18\x02 \x01(\tH\x00\x12.\n\rcache_control\x18\x03 \x01(\x0b\x32\x17.kvgate.v1.CacheControlB\x06\n\x04kind\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"r\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12.\n\rcache_control\x18\x04 \x01(\x0b\x32\x17.kvgate.v1.CacheControl\"\xc2\x01\n\x08Sampling\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"0\n\x0c\x43\x61\x63heControl\x12 \n\x03ttl\x18\x01 \x01(\x0e\x32\x13.kvgate.v1.CacheTTL\"\x9c\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\ntool_calls\x18\x04 \x03(\x0b\x32\x13.kvgate.v1.ToolCall\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.kvgate.v1.Usage\"\xae\x01\n\x16GenerateStreamResponse\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.kvgate.v1.StreamStartH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttool_call\x18\x03 \x01(\x0b\x32\x18.kvgate.v1.ToolCallDeltaH\x00\x12#\n\x03\x65nd\x18\x04 \x01(\x0b\x32\x14.kvgate.v1.StreamEndH\x00\x42\x07\n\x05\x65vent\"(\n\x0bStreamStart\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"P\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x04 \x01(\t\"C\n\tStreamEnd\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvgate.v1.Usage\"\xb2\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x65ngine_cached_tokens\x18\x03 \x01(\r\x12\x14\n\x0cinput_tokens\x18\x04 \x01(\r\x12\x1f\n\x17\x63\x61\x63he_read_input_tokens\x18\x05 \x01(\r\x12#\n\x1b\x63\x61\x63he_creation_input_tokens\x18\x06 \x01(\r\x12!\n\x19\x65phemeral_5m_input_tokens\x18\x07 \x01(\r\x12!\n\x19\x65phemeral_1h_input_tokens\x18\x08 \x01(\r\x12\x15\n\routput_tokens\x18\t \x01(\r\x12\x0c\n\x04\x63ost\x18\n \x01(\t\x12\x12\n\nbilling_id\x18\x0b \x01(\t*s\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04\x12\x12\n\x0eROLE_DEVELOPER\x10\x05*I\n\x08\x43\x61\x63heTTL\x12\x19\n\x15\x43\x41\x43HE_TTL_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x43\x41\x43HE_TTL_5M\x10\x01\x12\x10\n\x0c\x43\x41\x43HE_TTL_1H\x10\x02\x32\xa1\x01\n\x07Gateway\x12\x43\n\x08Generate\x12\x1a.kvgate.v1.GenerateRequest\x1a\x1b.kvgate.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.kvgate.v1.GenerateRequest\x1a!.kvgate.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvgate.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1824
-  _globals['_ROLE']._serialized_end=1939
-  _globals['_CACHETTL']._serialized_start=1941
-  _globals['_CACHETTL']._serialized_end=2014
+  _globals['_ROLE']._serialized_start=1860
+  _globals['_ROLE']._serialized_end=1975
+  _globals['_CACHETTL']._serialized_start=1977
+  _globals['_CACHETTL']._serialized_end=2050
   _globals['_GENERATEREQUEST']._serialized_start=39
-  _globals['_GENERATEREQUEST']._serialized_end=242
-  _globals['_MESSAGE']._serialized_start=245
-  _globals['_MESSAGE']._serialized_end=451
-  _globals['_CONTENTPART']._serialized_start=453
-  _globals['_CONTENTPART']._serialized_end=559
-  _globals['_TOOLCALL']._serialized_start=561
-  _globals['_TOOLCALL']._serialized_end=621
-  _globals['_TOOL']._serialized_start=623
-  _globals['_TOOL']._serialized_end=737
-  _globals['_SAMPLING']._serialized_start=740
-  _globals['_SAMPLING']._serialized_end=934
-  _globals['_CACHECONTROL']._serialized_start=936
-  _globals['_CACHECONTROL']._serialized_end=984
-  _globals['_GENERATERESPONSE']._serialized_start=987
-  _globals['_GENERATERESPONSE']._serialized_end=1143
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1146
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1320
-  _globals['_STREAMSTART']._serialized_start=1322
-  _globals['_STREAMSTART']._serialized_end=1362
-  _globals['_TOOLCALLDELTA']._serialized_start=1364
-  _globals['_TOOLCALLDELTA']._serialized_end=1444
-  _globals['_STREAMEND']._serialized_start=1446
-  _globals['_STREAMEND']._serialized_end=1513
-  _globals['_USAGE']._serialized_start=1516
-  _globals['_USAGE']._serialized_end=1822
-  _globals['_GATEWAY']._serialized_start=2017
-  _globals['_GATEWAY']._serialized_end=2178
+  _globals['_GENERATEREQUEST']._serialized_end=278
+  _globals['_MESSAGE']._serialized_start=281
+  _globals['_MESSAGE']._serialized_end=487
+  _globals['_CONTENTPART']._serialized_start=489
+  _globals['_CONTENTPART']._serialized_end=595
+  _globals['_TOOLCALL']._serialized_start=597
+  _globals['_TOOLCALL']._serialized_end=657
+  _globals['_TOOL']._serialized_start=659
+  _globals['_TOOL']._serialized_end=773
+  _globals['_SAMPLING']._serialized_start=776
+  _globals['_SAMPLING']._serialized_end=970
+  _globals['_CACHECONTROL']._serialized_start=972
+  _globals['_CACHECONTROL']._serialized_end=1020
+  _globals['_GENERATERESPONSE']._serialized_start=1023
+  _globals['_GENERATERESPONSE']._serialized_end=1179
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1182
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1356
+  _globals['_STREAMSTART']._serialized_start=1358
+  _globals['_STREAMSTART']._serialized_end=1398
+  _globals['_TOOLCALLDELTA']._serialized_start=1400
+  _globals['_TOOLCALLDELTA']._serialized_end=1480
+  _globals['_STREAMEND']._serialized_start=1482
+  _globals['_STREAMEND']._serialized_end=1549
+  _globals['_USAGE']._serialized_start=1552
+  _globals['_USAGE']._serialized_end=1858
+  _globals['_GATEWAY']._serialized_start=2053
+  _globals['_GATEWAY']._serialized_end=2214
 # @@protoc_insertion_point(module_scope)

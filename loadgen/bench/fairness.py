@@ -7,6 +7,11 @@ off and on), then B under A's flood with flow control off and on. Printed: B's T
 A's requests completed within B's window, failures and 5xx. Times are in engine time
 (measured × `--time-scale`), so a faster-than-real engine reports what a real one would.
 
+`--scenario bands`: the noisy neighbour with B in a high band (priority 0) and A in a low one
+(priority 5), same weights: B's TTFT under A's flood; then a high-band tenant floods too, and
+the low band's share of the queue's dispatches is printed beside its floor
+(`floor / (1 + floor)` with two bands backlogged).
+
 `--scenario weights`: three tenants weighted 1:2:4 in a tenants file, all flooding; the share
 of the queue's dispatches within the window (from the admin port's metrics) and of the prompt
 tokens each was served (completed requests), beside its weight's share.
@@ -50,11 +55,12 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scenario",
-        choices=("noisy", "weights"),
+        choices=("noisy", "weights", "bands"),
         default="noisy",
         help="noisy: the noisy neighbour, flow control off and on; weights: three tenants "
         "weighted 1:2:4 (a tenants file), each flooding with --a-clients / 3 clients of "
-        "--a-words words: their served prompt tokens against the weights",
+        "--a-words words: their served prompt tokens against the weights; bands: B in band 0 "
+        "under A's flood in band 5, then both bands flooding (the low band's floor)",
     )
 
 
@@ -236,9 +242,87 @@ def run_weights(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+BANDS_FLOOR = 0.05
+"""The default `flow_floor_share`: the low band's floor with two bands backlogged is
+floor / (1 + floor), 4.8% of the dispatches."""
+
+
+def _tenants_file(path: Path, tenants: dict[str, tuple[str, int]]) -> None:
+    """name -> (key, priority), weight 1 each."""
+    lines = ["version: 1", "tenants:"]
+    for name, (key, priority) in tenants.items():
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        lines += [
+            f"  {name}:",
+            f"    priority: {priority}",
+            "    keys:",
+            f"      - sha256: {digest}",
+        ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def run_bands(args: argparse.Namespace) -> int:
+    """B (band 0, light) under A's flood (band 5), then `hi` (band 0) and `lo` (band 5) both
+    flooding, on one gateway with flow control on."""
+    scale = args.time_scale
+    env = {"KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * scale)}
+    engine_args = ["--time-scale", str(scale), "--max-batch", "256"]
+    flood_keys = {"hi": "sk-bench-band-hi", "lo": "sk-bench-band-lo"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tenants.yaml"
+        _tenants_file(
+            path,
+            {
+                "a": (KEY_A, 5),
+                "b": (KEY_B, 0),
+                "hi": (flood_keys["hi"], 0),
+                "lo": (flood_keys["lo"], 5),
+            },
+        )
+        serve = ["--tenants-file", str(path), "--log-level", "warning"]
+        with (
+            processes.engines(args.engines, engine_args) as engines,
+            processes.gateway([e.url for e in engines], serve, env=env) as gw,
+        ):
+            assert gw.metrics_url is not None
+            alone = asyncio.run(_traffic(gw.url, args, light=True, flood=False))
+            flood = asyncio.run(_traffic(gw.url, args, light=True, flood=True))
+            _, dispatched = asyncio.run(_weighted_flood(gw.url, gw.metrics_url, args, flood_keys))
+    print(
+        f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
+        f"tokens/s, time scale {scale:g}; B (band 0): {args.b_words:,} words every "
+        f"{args.b_interval_s:g} s for {args.seconds:g} s; A (band 5): {args.a_clients} "
+        f"closed-loop clients of {args.a_words:,} words; flow control on"
+    )
+    print(
+        f"\n{'run':<24} {'B TTFT p50 s':>12} {'B TTFT p99 s':>12} {'B done':>7} {'A done':>7} "
+        f"{'failed':>6} {'5xx':>4}"
+    )
+    errors = 0
+    for name, run in (("B alone (band 0)", alone), ("B under A's band-5 flood", flood)):
+        ttfts = [r.ttft_s * scale for r in run.b if r.ok]
+        errors += run.server_errors()
+        print(
+            f"{name:<24} {percentile(ttfts, 0.5):>12.2f} {percentile(ttfts, 0.99):>12.2f} "
+            f"{len(ttfts):>7} {sum(1 for r in run.a if r.ok):>7} {run.failures():>6} "
+            f"{run.server_errors():>4}"
+        )
+    total = sum(dispatched.values()) or 1
+    floor = BANDS_FLOOR / (1 + BANDS_FLOOR)
+    hi, lo = dispatched["hi"], dispatched["lo"]
+    print(
+        f"\nboth bands flooding ({max(args.a_clients // 2, 1)} clients each, {args.seconds:g} s): "
+        f"dispatched from the queue: band 0 {hi:.0f} ({hi / total:.1%}), "
+        f"band 5 {lo:.0f} ({lo / total:.1%}; its floor {floor:.1%})"
+    )
+    return 1 if errors else 0
+
+
 def run_bench_fairness(args: argparse.Namespace) -> int:
     if args.scenario == "weights":
         return run_weights(args)
+    if args.scenario == "bands":
+        return run_bands(args)
     scale = args.time_scale
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "

@@ -6,6 +6,8 @@ starts cold with the same KV capacity:
 
     arm                      router process
     kvgate:<policy>          kvgate serve --policy <policy>   (every registered policy)
+    noflow:<policy>          kvgate serve with fair flow control off (KVGATE_FLOW_CONTROL=false):
+                             beside kvgate:<policy>, flow control's cost when not saturated
     kvgate:<policy>@N        N such gateways sharing the directory in a redis-server of the
                              arm's own (`--gateways N` for every kvgate arm); the replay
                              spreads requests over them round robin, as a Service would; the
@@ -131,7 +133,7 @@ WORKER_KINDS = {"workers1": 1, "workers2": 2}
 baseline with the same Redis directory, so the pair differs by the workers alone."""
 PRECISE_KINDS = ("precise", "precise2")
 """Arms whose engines publish KV events and whose gateways route on them."""
-GATEWAY_KINDS = ("kvgate", *PRECISE_KINDS, *EPP_KINDS, *WORKER_KINDS)
+GATEWAY_KINDS = ("kvgate", "noflow", *PRECISE_KINDS, *EPP_KINDS, *WORKER_KINDS)
 """Arms whose router is `kvgate serve` (routing decisions read from its /metrics)."""
 HOP_PROBES = 40
 """One-token requests after each replay to time the idle hop (their median is stable to ~0.1 ms
@@ -163,7 +165,7 @@ def parse_arms(spec: str, gateways: int = 1) -> list[Arm]:
         names += [*ALL_PEER_ARMS, "client:round_robin"]
     else:
         names = [s.strip() for s in spec.split(",") if s.strip()]
-    kinds = ("kvgate", *PRECISE_KINDS, *WORKER_KINDS)
+    kinds = ("kvgate", "noflow", *PRECISE_KINDS, *WORKER_KINDS)
     valid = {f"{kind}:{p}" for kind in kinds for p in POLICIES}
     valid |= {*ALL_PEER_ARMS, "client:round_robin"}
     valid |= {f"{kind}:{p}" for kind in EPP_KINDS for p in POLICIES}
@@ -360,7 +362,9 @@ def start_router(
                 urls = tuple(gw.url for gw in gws)
                 yield Router(urls, gws[0].pid, BENCH_KEY, gws[0].metrics_url, None, others, more)
             return
-        if arm.kind in ("kvgate", "precise"):
+        if arm.kind == "noflow":
+            env["KVGATE_FLOW_CONTROL"] = "false"
+        if arm.kind in ("kvgate", "noflow", "precise"):
             with processes.gateway(engine_urls, args, env=env) as gw:
                 yield Router((gw.url,), gw.pid, BENCH_KEY, gw.metrics_url)
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from decimal import Decimal
@@ -11,7 +12,7 @@ import orjson
 import pytest
 
 import kvgate_cli
-from gateway.billing.export import from_csv, from_jsonl, from_parquet
+from gateway.billing.export import from_csv, from_jsonl, from_parquet, to_csv, to_parquet
 from gateway.billing.records import build_record
 from gateway.billing.simulate import simulate
 
@@ -121,8 +122,11 @@ def _wal(tmp_path: Path) -> Path:
                     first_token=None,
                     charge=row.charge,
                     usage=row.usage,
+                    queue_s=0.25 * i if i else None,
                 )
             )
+            if i == 0:  # a record written before `queue_ms` was a column: it has no such key
+                del rows[-1]["queue_ms"]
     data = b"".join(orjson.dumps(r) + b"\n" for r in rows + rows[:3])  # with replayed duplicates
     (wal / "wal-00000001.jsonl").write_bytes(data)
     return wal
@@ -157,6 +161,7 @@ def test_export_and_summary_from_local_wals_round_trip(
         assert code == 0
         rows = decode(out.read_bytes())  # type: ignore[operator]
         assert [r["id"] for r in rows] == ["acme-0", "acme-1", "acme-2", "acme-3"]
+        assert [r.get("queue_ms") for r in rows] == [None, 250, 500, 750], fmt
         assert sum(Decimal(str(r["cost"])) for r in rows) == Decimal("0.04025")
     capsys.readouterr()
     assert kvgate_cli.main(["billing", "summary", "--wal-dir", str(wal), "--json"]) == 0
@@ -186,3 +191,25 @@ async def test_inspect_shows_a_wal_as_it_is_duplicates_and_unsettled_entries_inc
     found = orjson.loads(capsys.readouterr().out)
     assert found == {"records": [["req-1", "ok"], ["req-1", "aborted"]], "unsettled": ["req-2"]}
     assert kvgate_cli.main(["billing", "inspect", "--wal-dir", str(tmp_path / "none")]) == 2
+
+
+def test_an_export_written_before_the_queue_column_reads_back(tmp_path: Path) -> None:
+    """A CSV or Parquet export made before `queue_ms` was a column reads as records whose
+    `queue_ms` is empty (a reconciliation may read last month's files)."""
+    records = from_jsonl((_wal(tmp_path) / "wal-00000001.jsonl").read_bytes())[:2]
+    lines = to_csv(records).splitlines()
+    header = lines[0].split(",")
+    cut = header.index("queue_ms")
+    old = "\n".join([",".join(header[:cut]), *(line.rsplit(",", 1)[0] for line in lines[1:])])
+    rows = from_csv(old + "\n")
+    assert [r["queue_ms"] for r in rows] == [None, None]
+    assert [r["id"] for r in rows] == ["acme-0", "globex-0"]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(io.BytesIO(to_parquet(records))).drop_columns(["queue_ms"])
+    sink = io.BytesIO()
+    pq.write_table(pa.table(table), sink)
+    rows = from_parquet(sink.getvalue())
+    assert [r["queue_ms"] for r in rows] == [None, None]
+    assert [r["cost"] for r in rows] == [records[0]["cost"], records[1]["cost"]]

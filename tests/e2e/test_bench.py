@@ -31,6 +31,7 @@ def test_arms_are_parsed_and_unknown_ones_named() -> None:
     pair = parse_arms("workers1:cache_aware,workers2:cache_aware")  # --workers 1 vs 2 on Redis
     assert [a.kind for a in pair] == ["workers1", "workers2"]
     assert parse_arms("precise2:cache_pressure") == [Arm("precise2", "cache_pressure")]
+    assert parse_arms("noflow:cache_aware") == [Arm("noflow", "cache_aware")]  # flow control off
     assert parse_arms("kvgate:cache_aware,kvgate:cache_aware@2") == [
         Arm("kvgate", "cache_aware"),
         Arm("kvgate", "cache_aware", 2),

@@ -494,3 +494,63 @@ def test_a_dp_rank_holding_the_prefix_is_named_to_the_engine_through_envoy(
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
     assert [len(rank.seen_headers) - n for rank, n in zip(ranks, before, strict=True)] == [0, 1]
     assert ranks[1].seen_headers[-1]["x-data-parallel-rank"] == "1"
+
+
+def test_a_request_waits_in_flow_controls_queue_with_the_ext_proc_stream_held(
+    start_engines: Callable[..., list[Served]],
+    start_stack: Callable[..., tuple[list[Served], Served, Envoy]],
+) -> None:
+    """Picker mode: with no room (a lease the test holds on the only replica) a request Envoy
+    forwards waits in the gateway's queue, the ext-proc stream held past Envoy's message
+    timeout (0.2 s) by one restart of its timer (Envoy takes one per message, at most its
+    `max_message_timeout`, 2.5 s here); once room is back it is picked and answered. A request
+    still without room when that restart would run out gets the queue's 503 in OpenAI's shape
+    from the picker, not Envoy's bodiless 504."""
+    (engine,) = start_engines(1)
+    _, gateway, proxy = start_stack(
+        [engine],
+        envoy_options={
+            "message_timeout": "0.2s",
+            "max_message_timeout": "2.5s",
+            "request_body_mode": "BUFFERED",  # the body message Envoy times
+        },
+        epp_max_message_timeout_s=2.5,
+    )
+    d = gateway.app.state.director
+    flow = d.flow
+    assert flow is not None
+    state = d.replicas.states[engine.url]
+    seen = len(engine_of(engine).seen_headers)
+
+    async def queued(held_s: float | None) -> httpx.Response:
+        hold = gateway.on_loop(lambda: state.lease(10**9))
+        async with httpx.AsyncClient(timeout=30) as http:
+            waiting = asyncio.create_task(
+                http.post(
+                    proxy.url + "/v1/chat/completions",
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "wait"}]},
+                    headers={"authorization": f"Bearer {TENANT_KEY}"},
+                )
+            )
+            await asyncio.to_thread(
+                wait_until, lambda: gateway.on_loop(lambda: len(flow.queue)) == 1, 10.0, "queued"
+            )
+            if held_s is None:  # no room until the picker's bound runs out
+                answer = await waiting
+                gateway.on_loop(hold.release)
+                return answer
+            since = time.monotonic()
+            await asyncio.to_thread(
+                wait_until, lambda: time.monotonic() - since >= held_s, 5.0, "held"
+            )
+            assert not waiting.done() and len(engine_of(engine).seen_headers) == seen
+            gateway.on_loop(hold.release)
+            return await waiting
+
+    assert asyncio.run(queued(0.8)).status_code == 200  # four times Envoy's message timeout
+    assert len(engine_of(engine).seen_headers) == seen + 1
+    assert gateway.on_loop(lambda: dict(flow.stats.dispatched))[("0", "queued")] == 1
+    refused = asyncio.run(queued(None))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
+    assert "retry-after" in refused.headers
+    assert len(engine_of(engine).seen_headers) == seen + 1

@@ -9,8 +9,10 @@ count, not a latency: it holds on a loaded machine)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -19,7 +21,10 @@ import httpx
 import pytest
 
 from gateway.api.grpc._pb import gateway_pb2 as pb
+from gateway.billing.wal import read_directory
+from gateway.tenancy.tenant_file import add_key
 from loadgen.engine.timing import TimingModel
+from loadgen.harness.redis_servers import RedisServer
 from loadgen.text import words
 from tests.clients import anthropic_client, director, grpc_stub
 from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, metrics_url
@@ -190,11 +195,12 @@ def _refusals_in_every_shape(gateway: Served) -> None:
             model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "x"}]
         )
     assert limited.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
-    with pytest.raises(anthropic.InternalServerError) as overloaded:
+    with pytest.raises(anthropic.OverloadedError) as overloaded:
         anthropic_client(gateway, OTHER_KEY).messages.create(
             model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "x"}]
         )
-    assert overloaded.value.status_code == 503
+    assert overloaded.value.status_code == 529  # Anthropic's status for overloaded_error
+    assert "retry-after" in overloaded.value.response.headers
     assert overloaded.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     # gRPC: RESOURCE_EXHAUSTED and UNAVAILABLE
     for key, code in (
@@ -224,3 +230,218 @@ def test_priority_outside_the_keys_range_is_a_400_naming_it(
     r = _ask(gateway, TENANT_KEY, "hi", priority="high")
     assert r.status_code == 400 and "'priority' must be an integer" in r.json()["error"]["message"]
     assert _ask(gateway, TENANT_KEY, "hi", priority=0).status_code == 200  # its own band
+
+
+def test_priority_on_anthropic_and_grpc_is_checked_and_orders_their_requests_in_the_queue(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served], tmp_path: Path
+) -> None:
+    """`priority` on the Messages API (the real anthropic SDK, `extra_body`) and on gRPC (the
+    proto's field): outside the key's range a 400 / INVALID_ARGUMENT naming it; within it, the
+    request waits in its band of the gateway's queue (no room: a lease the test holds) beside
+    an OpenAI request of the key's own band, and every one is answered once room is back."""
+    tenants = tmp_path / "tenants.yaml"
+    key, _, _ = add_key(tenants, "mixed", priority=5, priority_range=(0, 5))
+    (engine,) = start_engines(1)
+    gateway = start_gateway([engine], tenants_file=tenants, grpc_port=0)
+    flow = director(gateway).flow
+    assert flow is not None
+    client = anthropic_client(gateway, key)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(
+            model=MODEL,
+            max_tokens=1,
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"priority": 6},
+        )
+    assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "'priority' 6" in bad.value.body["error"]["message"]  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(
+            model=MODEL,
+            max_tokens=1,
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"priority": "urgent"},
+        )
+    assert "'priority' must be an integer" in bad.value.body["error"]["message"]  # type: ignore[index]
+
+    def grpc_request(priority: int) -> Any:
+        return grpc_stub(gateway).Generate(
+            pb.GenerateRequest(
+                model=MODEL,
+                messages=[pb.Message(role=pb.ROLE_USER, content=[pb.ContentPart(text="g")])],
+                sampling=pb.Sampling(max_tokens=1),
+                priority=priority,
+            ),
+            metadata=(("authorization", f"Bearer {key}"),),
+            timeout=30.0,
+        )
+
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_request(-1)
+    error: Any = info.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "'priority' -1" in error.details()
+
+    state = director(gateway).replicas.states[engine.url]
+    hold = gateway.on_loop(lambda: state.lease(10**9))
+
+    async def queued() -> list[object]:
+        def bands() -> dict[int, int]:
+            out: dict[int, int] = {}
+            for (_, band), n in flow.queue.depths().items():
+                out[band] = out.get(band, 0) + n
+            return out
+
+        def openai_default() -> int:
+            return _ask(gateway, key, "openai, the key's band").status_code
+
+        def anthropic_urgent() -> str:
+            answer = client.messages.create(
+                model=MODEL,
+                max_tokens=1,
+                messages=[{"role": "user", "content": "anthropic, urgent"}],
+                extra_body={"priority": 0},
+            )
+            return answer.type
+
+        def grpc_urgent() -> int:
+            return int(grpc_request(0).usage.prompt_tokens > 0)
+
+        tasks = [
+            asyncio.create_task(asyncio.to_thread(f))
+            for f in (openai_default, anthropic_urgent, grpc_urgent)
+        ]
+        await asyncio.to_thread(
+            wait_until,
+            lambda: gateway.on_loop(bands) == {5: 1, 0: 2},
+            10.0,
+            "one request in band 5 and two in band 0",
+        )
+        gateway.on_loop(hold.release)
+        return list(await asyncio.gather(*tasks))
+
+    assert asyncio.run(queued()) == [200, "message", 1]
+    dispatched = gateway.on_loop(lambda: dict(flow.stats.dispatched))
+    assert dispatched[("0", "queued")] == 2 and dispatched[("5", "queued")] == 1
+
+
+def test_queue_time_is_in_the_billing_record_and_the_access_log(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request that waited for room (a lease the test holds, released once the request has
+    waited at least 50 ms) has that wait in its billing record (`queue_ms`) and its access
+    line; one that found room has 0."""
+    (engine,) = start_engines(1)
+    gateway = start_gateway(
+        [engine], billing_wal_dir=tmp_path / "wal", billing_model_map={MODEL: "sonnet-5"}
+    )
+    flow = director(gateway).flow
+    assert flow is not None
+    assert _ask(gateway, TENANT_KEY, "room at once").status_code == 200
+    state = director(gateway).replicas.states[engine.url]
+    hold = gateway.on_loop(lambda: state.lease(10**9))
+
+    async def queued() -> httpx.Response:
+        waiting = asyncio.create_task(asyncio.to_thread(_ask, gateway, TENANT_KEY, "waits"))
+        await asyncio.to_thread(
+            wait_until, lambda: gateway.on_loop(lambda: len(flow.queue)) == 1, 10.0, "queued"
+        )
+        since = time.monotonic()
+        await asyncio.to_thread(wait_until, lambda: time.monotonic() - since >= 0.05, 5.0, "50 ms")
+        gateway.on_loop(hold.release)
+        return await waiting
+
+    caplog.set_level(logging.INFO, logger="kvgate.access")
+    answer = asyncio.run(queued())
+    assert answer.status_code == 200
+    billing_id = answer.json()["usage"]["kvgate_billing"]["id"]
+    records = {r["id"]: r for r in read_directory(tmp_path / "wal")}
+    assert records[billing_id]["queue_ms"] >= 50
+    assert [r["queue_ms"] for i, r in records.items() if i != billing_id] == [0]
+
+    def access_line() -> dict[str, Any] | None:  # logged when the exchange ends: wait for it
+        for r in caplog.records:
+            fields: dict[str, Any] = r.__dict__.get("fields", {})
+            if fields.get("request_id") == answer.headers["x-request-id"]:
+                return fields
+        return None
+
+    wait_until(lambda: access_line() is not None, what="the queued request's access line")
+    line = access_line()
+    assert line is not None and line["queue_ms"] >= 50
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_two_gateways_on_one_redis_share_their_fairness_counters(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    fresh_redis: RedisServer,
+    share: bool,
+) -> None:
+    """Gateway 1 has acme and globex backlogged (no room: a lease the test holds there), two
+    requests each, acme's first; gateway 2 serves acme three requests. Sharing (the default
+    with a Redis), gateway 1's counter for acme grows by what gateway 2 served it, so globex
+    is ahead there and the fleet's shares even out; without, gateway 1 knows only its own.
+    Either way every request is answered once room is back."""
+    (engine,) = start_engines(1)
+    # (share_load off: gateway 2 must not count the lease gateway 1's test holds)
+    common: dict[str, Any] = {
+        "redis_url": fresh_redis.url,
+        "flow_share_counters": share,
+        "share_load": False,
+    }
+    one = start_gateway([engine], flow_share_interval_s=0.05, **common)
+    two = start_gateway([engine], flow_share_interval_s=0.05, **common)
+    flow = director(one).flow
+    assert flow is not None
+    tenants = one.app.state.tenants
+    acme, globex = (tenants.authenticate(k).scope for k in (TENANT_KEY, OTHER_KEY))
+    state = director(one).replicas.states[engine.url]
+    hold = one.on_loop(lambda: state.lease(10**9))
+
+    def counters() -> tuple[float, float]:
+        def read() -> tuple[float, float]:
+            return flow.queue.counter(acme, 0) or 0.0, flow.queue.counter(globex, 0) or 0.0
+
+        return one.on_loop(read)
+
+    async def run() -> tuple[list[int], float]:
+        asks = [
+            asyncio.create_task(asyncio.to_thread(_ask, one, key, f"{key} {n}"))
+            for key in (TENANT_KEY, OTHER_KEY)
+            for n in range(2)
+        ]
+        await asyncio.to_thread(
+            wait_until, lambda: one.on_loop(lambda: len(flow.queue)) == 4, 10.0, "4 queued"
+        )
+        before = counters()
+        served = [
+            (
+                await asyncio.to_thread(
+                    _ask, two, TENANT_KEY, f"elsewhere {n} " + words(f"e{n}", 300)
+                )
+            )
+            for n in range(3)
+        ]
+        assert [r.status_code for r in served] == [200, 200, 200]
+        prompt = sum(r.json()["usage"]["prompt_tokens"] for r in served)
+        if share:  # gateway 2's service reaches gateway 1's counter for acme (not globex's)
+            await asyncio.to_thread(
+                wait_until,
+                lambda: counters()[0] - before[0] >= 0.9 * prompt,
+                10.0,
+                "gateway 2's service in gateway 1's counter",
+            )
+        gained = counters()[0] - before[0]
+        assert counters()[1] == before[1]
+        one.on_loop(hold.release)
+        return [(await a).status_code for a in asks], gained
+
+    statuses, gained = asyncio.run(run())
+    assert statuses == [200] * 4
+    metrics = httpx.get(metrics_url(one) + "/metrics").text
+    assert ('kvgate_flow_shared_rounds_total{event="ok"}' in metrics) is share
+    if not share:
+        assert gained == 0.0  # nothing dispatched at gateway 1 while it held: its own counters

@@ -247,3 +247,47 @@ def test_settling_a_charge_moves_the_counter_by_the_real_cost() -> None:
     assert queue.counter("a", 0) == pytest.approx(4_000.0)
     queue.settle("gone", 0, 1.0)  # a scope no longer tracked: nothing to correct
     assert queue.counter("gone", 0) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    weights=weights,
+    costs=costs,
+    rounds=st.integers(10, 200),
+    settles=st.lists(st.integers(-50, 50), max_size=20),
+)
+def test_shared_service_is_what_the_counters_were_charged(
+    weights: list[float], costs: list[int], rounds: int, settles: list[int]
+) -> None:
+    """With `share()`, what `take_served` hands out (what peers add to their counters) is
+    exactly the service each scope's counter was charged here (pops, charges, settlements),
+    in counter units; and another queue's `add_remote` of it moves a tracked scope's counter
+    by just that."""
+    queue: FairQueue[int] = FairQueue()
+    queue.share()
+    served: dict[str, float] = {}
+    for i, w in enumerate(weights):
+        for c in costs:
+            queue.push(c, scope=str(i), band=0, weight=w, cost=float(c), now_s=0.0)
+    for k in range(rounds):
+        queued = queue.pop()
+        assert queued is not None
+        i = int(queued.scope)
+        served[queued.scope] = served.get(queued.scope, 0.0) + queued.cost / weights[i]
+        queue.push(
+            queued.item, scope=queued.scope, band=0, weight=weights[i], cost=queued.cost, now_s=0.0
+        )
+        if k < len(settles):
+            queue.settle(queued.scope, 0, float(settles[k]))
+            served[queued.scope] += settles[k] / weights[i]
+    shared = queue.take_served()
+    assert shared.keys() == {(0, s) for s in served}
+    for scope, total in served.items():
+        assert abs(shared[(0, scope)] - total) <= 1e-6 * max(1.0, abs(total))
+    assert queue.take_served() == {}  # taken once
+    before = queue.counter("0", 0)
+    assert before is not None
+    queue.add_remote("0", 0, 12.5)
+    assert queue.counter("0", 0) == before + 12.5
+    queue.add_remote("nobody", 0, 12.5)  # untracked: not followed
+    assert queue.counter("nobody", 0) is None

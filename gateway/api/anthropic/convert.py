@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cachemap.rendering import NestingError, canonical_json, render_chat
-from gateway.api.body import load_json_object
+from gateway.api.body import load_json_object, take_priority
 from gateway.errors import InvalidRequest
 from gateway.request.cache_control import (
     Mark,
@@ -58,6 +58,7 @@ _FIELDS = frozenset(
         "cache_control",
         "thinking",
         "service_tier",
+        "priority",
     }
 )
 _USER_BLOCKS = ("text", "image", "tool_result")
@@ -394,6 +395,7 @@ def parse_message_body(body: dict[str, Any], max_prompt_bytes: int) -> ParsedReq
         raise _fail(
             f"unknown fields {sorted(unknown)}; /v1/messages accepts {', '.join(sorted(_FIELDS))}"
         )
+    priority = take_priority(body)
     model, max_tokens, stream = _check_top_level(body)
     prewarm = max_tokens == 0
     messages = body.get("messages")
@@ -446,7 +448,15 @@ def parse_message_body(body: dict[str, Any], max_prompt_bytes: int) -> ParsedReq
         )
     breakpoints = place(marks, out.messages, tools, len(rendered))
     return ParsedRequest(
-        CHAT, model, upstream, rendered, stream, True, breakpoints=breakpoints, prewarm=prewarm
+        CHAT,
+        model,
+        upstream,
+        rendered,
+        stream,
+        True,
+        breakpoints=breakpoints,
+        prewarm=prewarm,
+        priority=priority,
     )
 
 

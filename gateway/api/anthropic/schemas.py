@@ -107,6 +107,11 @@ class MessagesRequest(_Closed):
     cache_control: CacheControl | None = Field(
         None, description="Automatic caching: a breakpoint on the last block."
     )
+    priority: int | None = Field(
+        None,
+        description="kvgate's: the request's band in the gateway's queue when the fleet is "
+        "saturated (vLLM's field; lower is served first), within the range the API key allows.",
+    )
 
 
 class CacheCreation(BaseModel):

@@ -4,7 +4,8 @@ A stream is a conversation whose messages come in the request's order, and the a
 that order (headers → body → trailers, request side then response side):
 
     request_headers ──────────────▶ (held: the pick needs the body)
-    request_body × n, end ────────▶ [override_message_timeout while a fan-out hold waits]
+    request_body × n, end ────────▶ [override_message_timeout while a fan-out hold or flow
+                                     control's queue waits: once, at most max_message_timeout]
                                     HeadersResponse (destination, metadata, key stripped)
                                     + StreamedBodyResponse chunks (cache_salt added)
                                     | ImmediateResponse (4xx / 429 / 503 in the gateway's shape)
@@ -212,9 +213,13 @@ class Conversation:
         allowed = set(self.subset)
         return {url for url, endpoint in self.endpoints.items() if endpoint in allowed}
 
-    async def _on_hold(self, bound_s: float) -> None:
+    async def _on_hold(self, bound_s: float) -> float:
+        """Restart Envoy's message timer for a wait of `bound_s` (a fan-out hold, or flow
+        control's queue); Envoy takes one restart per message, at most its
+        `max_message_timeout`: returns how long the request may wait."""
         timeout = min(bound_s + HOLD_TIMEOUT_MARGIN_S, self.max_message_timeout_s)
         await self.send(m.extend_timeout(timeout))
+        return max(timeout - HOLD_TIMEOUT_MARGIN_S, 0.0)
 
     # -- the response -----------------------------------------------------------------------
     async def _response_headers(self, request: Any) -> None:

@@ -185,6 +185,7 @@ def to_parsed(
         True,
         breakpoints=breakpoints,
         prewarm=prewarm,
+        priority=request.priority if request.HasField("priority") else None,
     )
 
 

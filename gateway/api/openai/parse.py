@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from cachemap.rendering import NestingError, render_chat, render_completion
-from gateway.api.body import load_json_object
+from gateway.api.body import load_json_object, take_priority
 from gateway.api.openai.fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from gateway.errors import InvalidRequest
 from gateway.request.parsed import CHAT, COMPLETION, ParsedRequest
@@ -217,19 +217,6 @@ def _parsed(
         priority=priority,
         raw=raw if priority is None else None,
     )
-
-
-def take_priority(body: dict[str, Any]) -> int | None:
-    """Pop the request's `priority` (flow control's band; the engine never sees it): an integer,
-    else a 400 naming the field (the tenant's range is checked at admission)."""
-    if "priority" not in body:
-        return None
-    value = body.pop("priority")
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _fail("'priority' must be an integer (lower is served first)", "priority")
-    return value
 
 
 def _check_size(rendered: bytes, max_prompt_bytes: int) -> None:

@@ -32,20 +32,22 @@ CACHE_TTL_5M: CacheTTL
 CACHE_TTL_1H: CacheTTL
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "messages", "tools", "sampling", "cache_control", "user")
+    __slots__ = ("model", "messages", "tools", "sampling", "cache_control", "user", "priority")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     sampling: Sampling
     cache_control: CacheControl
     user: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ..., user: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., cache_control: _Optional[_Union[CacheControl, _Mapping]] = ..., user: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class Message(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name", "cache_control")
