@@ -2,17 +2,18 @@
 
     python -m tools.compiled build [DIR]   # a copy of the tree with MODULES compiled in place
     python -m tools.compiled hot           # the hot pure functions, µs of thread CPU each
-    PYTHONPATH=build/compiled python -m tools.compiled hot   # ... the compiled copy's
+    (cd build/compiled && python -m tools.compiled hot)     # ... the compiled copy's
     kvgate bench-cpu --against build/compiled                # end to end, both in one run
 
 Nothing here is part of the product: the gateway ships as pure Python (docs/design/compiled.md
 says why, with the numbers). `build` copies the checkout's tracked files to DIR (default
 `build/compiled`, ignored by git) and runs mypyc (it ships with mypy, a dev dependency) on
 `MODULES` there; the extension modules land beside their sources, so a process whose module
-path starts at DIR (`python -m` run in it, or `PYTHONPATH=DIR`) imports the compiled ones.
-`hot` times the functions the request path runs in those modules, plus the body's JSON decode
-by orjson (the gateway's) and by msgspec, each the median of rounds in this thread's CPU time
-(a loaded machine deschedules the process between calls, which thread time does not count).
+path starts at DIR (`python -m` run in it: the current directory comes first) imports the
+compiled ones. `hot` times the functions the request path runs in those modules, and the
+body's JSON decode by orjson (the gateway's) and by msgspec, each the median of rounds in this
+thread's CPU time (a loaded machine deschedules the process between calls, which thread time
+does not count).
 """
 
 from __future__ import annotations
