@@ -455,8 +455,11 @@ class Exchange:
         try:
             await self.hooks.finish(self)
         finally:
-            if self.on_closed is not None:
-                self.on_closed()
+            # let go of the callbacks first: the director's close over this exchange, and a
+            # cycle through them would leave the request's whole graph to the cyclic GC
+            on_closed, self.on_closed, self._reforward = self.on_closed, None, None
+            if on_closed is not None:
+                on_closed()
 
 
 class ClientTooSlow(Exception):

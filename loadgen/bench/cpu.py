@@ -116,6 +116,12 @@ def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--turns", type=int, default=10, help="turns per conversation")
     parser.add_argument(
+        "--against",
+        metavar="TREE",
+        help="this checkout's gateway and another tree's (a compiled build: `make compile`), "
+        "the same engine, passes interleaved A B B A",
+    )
+    parser.add_argument(
         "--suite",
         action="store_true",
         help="small and agent-sized, streamed and not, the stages and the relay (issue 17)",
@@ -241,6 +247,53 @@ def _measure(
             _timed("direct to engine", engine.url, None, (engine.pid, None), args, args.max_tokens),
             _timed("through kvgate", gw.url, key, (engine.pid, gw.pid), args, args.max_tokens),
         ]
+
+
+def run_against(args: argparse.Namespace, key: str) -> list[Pass]:
+    """This checkout's gateway (A) and `args.against`'s (B) on one engine, both up at once, in
+    four passes of half the requests each, A B B A: a machine that speeds up or slows down
+    during the run moves both arms alike."""
+    serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
+    half = argparse.Namespace(**{**vars(args), "requests": args.requests // 2})
+    with (
+        processes.engines(1, FAST_ENGINE) as engines,
+        processes.gateway([engines[0].url], [*serve, *args.gateway_arg]) as a,
+        processes.gateway([engines[0].url], [*serve, *args.gateway_arg], cwd=args.against) as b,
+    ):
+        engine = engines[0]
+        for gw in (a, b):  # connections, caches, code
+            asyncio.run(_load(gw.url, key, 200, args, args.max_tokens))
+        arms = {"this checkout": a, args.against: b}
+        names = ["this checkout", args.against, args.against, "this checkout"]
+        timed = [
+            _timed(name, arms[name].url, key, (engine.pid, arms[name].pid), half, args.max_tokens)
+            for name in names
+        ]
+    print(
+        f"{args.requests} requests an arm in two passes (A B B A), concurrency "
+        f"{args.concurrency}, stream={args.stream}, system prompt {args.prompt_bytes or 300:,} "
+        "bytes"
+    )
+    print(f"{'gateway':<40} {'errors':>6} {'engine ms/req':>14} {'gateway ms/req':>15}")
+    merged = []
+    for name in dict.fromkeys(names):
+        ps = [p for p in timed if p.name == name]
+        p = Pass(
+            name,
+            sum(p.errors for p in ps),
+            sum(p.wall_s for p in ps),
+            sum(p.engine_cpu_s for p in ps),
+            sum(p.gateway_cpu_s for p in ps),
+            sum(p.events for p in ps),
+        )
+        merged.append(p)
+        per = 2 * half.requests
+        print(
+            f"{name:<40} {p.errors:>6} {p.engine_cpu_s / per * 1e3:>14.3f} "
+            f"{p.gateway_cpu_s / per * 1e3:>15.3f}"
+        )
+    print(f"B / A: {merged[1].gateway_cpu_s / merged[0].gateway_cpu_s:.3f}")
+    return merged
 
 
 def _print_passes(args: argparse.Namespace, rows: list[tuple[str, Pass]]) -> None:
@@ -462,6 +515,8 @@ def run_bench_cpu(args: argparse.Namespace) -> int:
         passes = _suite(args, key)
     elif args.relay:
         passes = run_relay(args, key)
+    elif args.against:
+        passes = run_against(args, key)
     else:
         passes = [p for _, p in _run_passes(args, key)]
     print(f"after: load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")

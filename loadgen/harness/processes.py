@@ -207,9 +207,12 @@ def gateway(
     port: int | None = None,
     env: dict[str, str] | None = None,
     quiet: bool = True,
+    cwd: str | None = None,
 ) -> Iterator[Proc]:
+    """`cwd`: another checkout's code (`start_gateway`)."""
+
     def start() -> Proc:
-        return start_gateway(port or free_port(), engine_urls, gateway_args, env, quiet)
+        return start_gateway(port or free_port(), engine_urls, gateway_args, env, quiet, cwd)
 
     procs = [start()]
     try:
