@@ -413,6 +413,9 @@ class Director:
             self.directory.uncount(lookup.hot_key)
         decision = placed.decision
         self.keying.placed(keyed, decision.replica)
+        if hashes and decision.replica not in keyed.unpredicted:
+            # the other gateways see where it went before its first token
+            self.directory.place(decision.replica, hashes, lookup.overlap.get(decision.replica, 0))
         conversation = None
         if frontiers is not None:
             rank = keyed.ranks.get(decision.replica)
