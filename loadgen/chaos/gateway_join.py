@@ -82,16 +82,24 @@ def run(size: Size) -> Outcome:
     ):
         urls = [e.url for e in engines]
 
-        def start() -> Proc:
+        def launch() -> Proc:
             proc = processes.start_gateway(
                 processes.free_port(), urls, [*serve, "--redis-url", redis.url], env=env
             )
             gateways.append(proc)
+            return proc
+
+        def ready(proc: Proc) -> Proc:
             processes.wait_ready(proc.url, "/readyz", proc.popen, processes.STARTUP_TIMEOUT_S)
             return proc
 
+        def start() -> Proc:
+            return ready(launch())
+
         try:
-            a, b = start(), start()
+            a, b = launch(), launch()  # the first two start side by side
+            for proc in (a, b):
+                ready(proc)
             n = 0
             cold = [
                 t
