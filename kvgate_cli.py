@@ -111,6 +111,13 @@ COMMANDS: dict[str, Command] = {
         "add_bench_adapters_arguments",
         "run_bench_adapters",
     ),
+    "bench-scale": Command(
+        "the shared directory's Redis: CPU per routed request, what one Redis and a cluster "
+        "carry (a benchmark)",
+        "loadgen.bench.scale",
+        "add_bench_scale_arguments",
+        "run_bench_scale",
+    ),
     "bench-fairness": Command(
         "fair flow control: the noisy neighbour, flow control off and on (a benchmark)",
         "loadgen.bench.fairness",

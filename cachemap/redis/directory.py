@@ -64,6 +64,11 @@ of its entries can match by then, with a TTL's margin for clocks that disagree."
 RESTORE_BATCH = 512
 """Blocks per write-back call: ~0.5 ms of server time, so a write-back of a whole index never
 holds Redis for long."""
+PLACEMENT_TTL_S = 10.0
+"""How long a placement in flight (`RedisDirectory.place`) extends its replica's match before its
+first token's record replaces it: a loaded engine's prefill queue (the bench's TTFT p99 is
+~3 s); a request that never reaches its first token (failed, moved, abandoned) misleads other
+gateways' lookups for at most this long, as one prediction reconciliation does not expire."""
 MAX_PIPELINED_LOOKUPS = 8
 """Lookups per pipelined write: a burst is cut into several writes (in a cluster, several
 pipelines on several connections), so the client reads one write's answers while Redis runs the
@@ -90,6 +95,8 @@ class SharedLookup:
     writer: str | None = None
     writer_from: int = 0
     """The index of the writer's flight's first block in the looked-up chain (its marker's key)."""
+    home: tuple[int, str] | None = None
+    """With `homes`: (depth, replica) of the conversation's home (`HomeStore`), None: none."""
 
 
 class RedisDirectory:
@@ -125,6 +132,7 @@ class RedisDirectory:
         )
         self._batch: list[_Queued] = []
         self._record = client.register_script(scripts.RECORD)
+        self._place = client.register_script(scripts.PLACE)
         self._restore = client.register_script(scripts.RESTORE)
         self._drop = client.register_script(scripts.DROP)
         self.hot = RateStore(client)
@@ -171,10 +179,13 @@ class RedisDirectory:
         rate_window_s: float = 0.0,
         writers: bool = False,
         deadline_s: float | None = None,
+        homes: int = 0,
     ) -> SharedLookup:
         """One script call: each replica's depth and last use; with `rate_window_s`, the
         matched prefix's request rate (this request counted) and k; with `writers`, the
-        deepest uncached block an in-flight leader is writing and the leader's marker.
+        deepest uncached block an in-flight leader is writing and the leader's marker; with
+        `homes`, the conversation's home, looked for that many blocks back from the end (what
+        `HomeStore.lookup` answers, in the same round trip).
         With `deadline_s`, a `TimeoutError` when Redis did not answer within it (on one Redis,
         the time to the reply's receipt: `cachemap.redis.lookups`)."""
         if not hashes:
@@ -192,12 +203,13 @@ class RedisDirectory:
             1 if writers else 0,
             self._replica_arg,
             int(MIN_SPAN_S * 1000),
+            homes,
         ]
         keys, head = chain_call(hashes)
-        flat, hot, writer = await self._call_lookup(keys, [*head, *args], deadline_s)
+        flat, hot, writer, home = await self._call_lookup(keys, [*head, *args], deadline_s)
         names = self._names
         detail: dict[str, tuple[int, float]] = {}
-        for i in range(0, len(flat), 3):
+        for i in range(0, len(flat), 3):  # a last use of 0: matched by a placement in flight
             name = names.get(text(flat[i]))
             if name is not None:
                 detail[name] = (int(flat[i + 1]), int(flat[i + 2]) / 1000)
@@ -211,6 +223,8 @@ class RedisDirectory:
         if writer:
             result.writer_depth, result.writer = int(writer[0]), text(writer[1])
             result.writer_from = int(writer[2]) - 1
+        if home:
+            result.home = int(home[0]), text(home[1])
         return result
 
     async def _call_lookup(
@@ -268,6 +282,22 @@ class RedisDirectory:
         await asyncio.gather(
             *(self.meta.count(rid, n, per_generation, now_ms) for rid, n in counts.items())
         )
+
+    async def place(
+        self, replica: str, hashes: Sequence[BlockHash], ttl_s: float = PLACEMENT_TTL_S
+    ) -> None:
+        """A request was placed on `replica` and its engine has not written `hashes` yet: every
+        gateway's lookup matches them there (with no last use: nothing for reconciliation to
+        expire) for `ttl_s` or until the request's first token records them, whichever is
+        first. Issue 39 item 3: the next turn, or a concurrent sibling, that another gateway
+        gets goes where this one went."""
+        if not hashes:
+            return
+        rid = self._rid(replica)
+        keys, head = chain_call(hashes)
+        ttl_ms = int(ttl_s * 1000)
+        expiry_ms = to_ms(self.clock()) + ttl_ms
+        await self._place(keys=keys, args=[*head, rid, self.meta.gen(rid), expiry_ms, ttl_ms])
 
     async def restore(self, replica: str, entries: Sequence[tuple[BlockHash, float]]) -> int:
         """Write back entries (block, last use) a gateway kept while Redis lost them, at the

@@ -17,9 +17,11 @@ for i = 1, #blob / 10 do KEYS[i] = prefix .. string.sub(blob, i * 10 - 9, i * 10
 """
 
 # ARGV (after the chain): now ms, ttl ms, rate window ms (0: do not count), find writers (0/1),
-# the replicas' "rid,oldest live gen,floor ms;" entries in one string, and the young rate's
-# minimum span ms (`cachemap.rates`: the rate is the same formula in process).
-# Returns {{rid, depth, last use}*, {depth, rate, k} | {}, {shared depth, writer} | {}}.
+# the replicas' "rid,oldest live gen,floor ms;" entries in one string, the young rate's
+# minimum span ms (`cachemap.rates`: the rate is the same formula in process), and how many
+# blocks back from the end to look for the conversation's home (`HOME`; 0: not asked).
+# Returns {{rid, depth, last use}*, {depth, rate, k} | {}, {shared depth, writer} | {},
+# {depth, home replica} | {}}.
 LOOKUP = (
     CHAIN
     + """
@@ -34,6 +36,8 @@ for rid, gen, fl in string.gmatch(ARGV[7], '([^,;]+),([^,;]+),([^,;]+);') do
 end
 local depth = {}
 local last = {}
+local placed = {}
+local held, held_last = {}, {}  -- the same, entries alone (no placement in flight)
 local deepest = 0
 -- one record call writes the same "<generation>:<last use>" to every block of its chain, so a
 -- value is parsed once per lookup (Lua interns strings: the memo is a pointer lookup)
@@ -43,7 +47,13 @@ for i = 1, #KEYS do
   local advanced = false
   for j = 1, #fields, 2 do
     local rid = fields[j]
-    if (depth[rid] or 0) == i - 1 then
+    -- "<rid>+": a placement in flight (PLACE), "<generation>:<expiry>": it extends the replica's
+    -- match like an entry; an entry at the same block wins (its last use is what reconciliation
+    -- may expire; a placement's is 0, nothing to expire)
+    local pending = string.byte(rid, -1) == 43
+    if pending then rid = string.sub(rid, 1, -2) end
+    local d = depth[rid] or 0
+    if d == i - 1 or (not pending and d == i and placed[rid] == i) then
       local value = fields[j + 1]
       local gen, used = gens[value], useds[value]
       if not gen then
@@ -52,10 +62,17 @@ for i = 1, #KEYS do
         used = tonumber(string.sub(value, sep + 1))
         gens[value], useds[value] = gen, used
       end
-      if gen >= (mingen[rid] or 0) and now - used < ttl and used > (floor[rid] or -1) then
-        depth[rid] = i
-        last[rid] = used
-        advanced = true
+      if gen >= (mingen[rid] or 0) then
+        if pending then
+          if used > now then
+            depth[rid], last[rid], placed[rid] = i, 0, i
+            advanced = true
+          end
+        elseif now - used < ttl and used > (floor[rid] or -1) then
+          depth[rid], last[rid], placed[rid] = i, used, nil
+          if (held[rid] or 0) == i - 1 then held[rid], held_last[rid] = i, used end
+          advanced = true
+        end
       end
     end
   end
@@ -96,11 +113,14 @@ if ARGV[6] == '1' then
   -- replica holds now (`LEAD`); its one marker key is its first block's, and holds the marker
   -- and the flight's block suffixes. How far this chain shares the flight: blocks are chained
   -- hashes, so agreeing at a block means agreeing at every one before it (a bisection).
+  -- (from the entries alone: a leader's flight is a placement in flight, and when one is found
+  -- its marker decides, so the depths reported are the entries')
   local starts, seen = {0}, {[0] = true}
-  for _, d in pairs(depth) do
+  local best = 0
+  for _, d in pairs(held) do
     if not seen[d] then seen[d] = true; starts[#starts + 1] = d end
+    if d > best then best = d end
   end
-  local best = deepest
   for _, s in ipairs(starts) do
     if s < #KEYS then
       local v = redis.call('GET', KEYS[s + 1] .. ':w')
@@ -123,8 +143,25 @@ if ARGV[6] == '1' then
       end
     end
   end
+  if #writer > 0 then
+    out = {}
+    for rid, d in pairs(held) do
+      out[#out + 1] = rid
+      out[#out + 1] = d
+      out[#out + 1] = held_last[rid]
+    end
+  end
 end
-return {out, hot, writer}
+-- the conversation's home (`HOME`, the same walk) in the same round trip
+local home = {}
+local walk = tonumber(ARGV[9] or '0')
+if walk > 0 then
+  for i = #KEYS, math.max(#KEYS - walk, 0) + 1, -1 do
+    local replica = redis.call('GET', KEYS[i] .. ':h')
+    if replica then home = {i, replica}; break end
+  end
+end
+return {out, hot, writer, home}
 """
 )
 
@@ -177,8 +214,10 @@ RECORD = (
 local gen, used = tonumber(ARGV[4]), tonumber(ARGV[5])
 local value = ARGV[4] .. ':' .. ARGV[5]
 local new = 0
+local placed = ARGV[3] .. '+'
 for i = 1, #KEYS do
-  local old = redis.call('HGET', KEYS[i], ARGV[3])
+  local old, pending = unpack(redis.call('HMGET', KEYS[i], ARGV[3], placed))
+  if pending then redis.call('HDEL', KEYS[i], placed) end  -- the placement landed
   local write = true
   if old then
     local sep = string.find(old, ':', 1, true)
@@ -194,6 +233,23 @@ for i = 1, #KEYS do
   redis.call('PEXPIRE', KEYS[i], ARGV[6])
 end
 return new
+"""
+)
+
+# ARGV (after the chain): rid, generation, the placement's expiry ms, its ttl ms. A request
+# placed on the replica, before its engine wrote the KV (`RedisDirectory.place`): the field
+# "<rid>+" holds "<generation>:<expiry>" (the lookup reads it like an entry until it expires;
+# the record at the request's first token deletes it). A key is never given a shorter life.
+PLACE = (
+    CHAIN
+    + """
+local field, value = ARGV[3] .. '+', ARGV[4] .. ':' .. ARGV[5]
+local ttl = tonumber(ARGV[6])
+for i = 1, #KEYS do
+  redis.call('HSET', KEYS[i], field, value)
+  if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
+end
+return #KEYS
 """
 )
 
@@ -230,7 +286,7 @@ return written
 DROP = (
     CHAIN
     + """
-for i = 1, #KEYS do redis.call('HDEL', KEYS[i], ARGV[3]) end
+for i = 1, #KEYS do redis.call('HDEL', KEYS[i], ARGV[3], ARGV[3] .. '+') end
 return #KEYS
 """
 )

@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cachemap.affinity import Home
+from cachemap.affinity import MAX_WALK_BLOCKS, Home
 from cachemap.directory import on_ms
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
@@ -84,6 +84,10 @@ class Lookup:
     marker as stored (`gateway.pipeline.flights.Marker`)."""
     writer_from: int = 0
     """Where that leader's flight starts in this request's blocks: its marker is read there."""
+    home: Home | None = None
+    home_answered: bool = False
+    """Redis answered for the conversation's home in this lookup's round trip (`lookup_homes`):
+    `home` is its answer (None: Redis has none), and no `home()` call is needed."""
 
 
 @dataclass
@@ -93,15 +97,20 @@ class DirectoryStats:
     fallbacks: int = 0
     local_hints: int = 0
     """Shared lookups the local index deepened (a miss in Redis, or during a write-back)."""
+    home_round_trips: int = 0
+    """Conversation homes asked of Redis in a call of their own (`home`), not in the lookup's
+    round trip (`lookup_homes`): after a lookup Redis did not answer."""
     lookup_seconds: float = 0.0
     lookup_latencies: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 def _lookup(detail: dict[str, tuple[int, float]], *, degraded: bool) -> Lookup:
+    """A match with no last use (0: a placement in flight, `place`) has nothing reconciliation
+    could expire."""
     return Lookup(
         {r: d for r, (d, _) in detail.items()},
         degraded,
-        {r: t for r, (_, t) in detail.items()},
+        {r: t for r, (_, t) in detail.items() if t > 0},
     )
 
 
@@ -117,10 +126,16 @@ class RoutingDirectory:
         write_deadline_s: float = 0.5,
         rates: PrefixRates | None = None,
         track_writers: bool = False,
+        place_in_flight: bool = True,
     ) -> None:
         self.local = local
         self.rates = rates
         self.track_writers = track_writers
+        self.place_in_flight = place_in_flight
+        self.lookup_homes = False
+        """Lookups also read the conversation's home (`Lookup.home`): set where affinity is
+        weighed (`gateway.pipeline.keying`), one round trip for both."""
+        """Placements reach Redis at routing time, not only at their first token (`place`)."""
         self.on_land: Callable[[str], None] | None = None
         """Called with every landing another gateway's (or this one's) leader announces."""
         self.deadline = LookupDeadline(deadline_s, deadline_per_block_s, deadline_cap_s)
@@ -280,6 +295,7 @@ class RoutingDirectory:
                     writers=self.track_writers,
                     # Redis's time, not this loop's lag; a long chain's walk takes longer
                     deadline_s=self.lookup_deadline_s(len(hashes)),
+                    homes=MAX_WALK_BLOCKS if self.lookup_homes else 0,
                 )
             except asyncio.CancelledError:
                 raise
@@ -297,6 +313,12 @@ class RoutingDirectory:
                     lookup.hot = PrefixRate(full.rate_per_min, full.k)
                 lookup.writer_depth, lookup.writer = full.writer_depth, full.writer
                 lookup.writer_from = full.writer_from
+                if self.lookup_homes:
+                    lookup.home_answered = True
+                    if full.home is not None:
+                        depth, replica = full.home
+                        if 0 < depth <= len(hashes):
+                            lookup.home = Home(replica, depth, hashes[depth - 1])
                 if not lookup.overlap or self.write_back.running:
                     self._hint(lookup, await self.local.lookup_detail(hashes))
                 return lookup
@@ -346,6 +368,16 @@ class RoutingDirectory:
             self._write(Record(replica, hashes, at_s))
             if self.siblings is not None:
                 self.siblings.record(replica, hashes, at_s)
+
+    def place(self, replica: str, hashes: Sequence[BlockHash], held: int) -> None:
+        """The request of `hashes` was placed on `replica`, which holds their first `held`:
+        the rest reach Redis now as a placement in flight (`RedisDirectory.place`; write-behind,
+        pushed at routing time), so every gateway's lookup sees where it went before its first
+        token's record lands. Nothing without Redis: one gateway's own requests see their
+        flights (`gateway.pipeline.flights`)."""
+        if self.shared is not None and held < len(hashes) and self.place_in_flight:
+            rest = hashes[held:]
+            self._write(Call(lambda shared: shared.place(replica, rest)))
 
     async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.local.drop(replica, hashes)
@@ -407,6 +439,7 @@ class RoutingDirectory:
         shared = self.shared
         if shared is None or self.degraded or not hashes:
             return False, None
+        self.stats.home_round_trips += 1
         try:
             found = await asyncio.wait_for(
                 shared.homes.lookup(hashes), self.lookup_deadline_s(len(hashes))

@@ -428,6 +428,9 @@ class Director:
         chosen = self.replicas.states.get(decision.replica)
         if self.adapters is not None and chosen is not None:
             self.stats.adapter_loads += await self.adapters.placed(parsed.model, chosen)
+        if hashes and decision.replica not in keyed.unpredicted:
+            # the other gateways see where it went before its first token
+            self.directory.place(decision.replica, hashes, lookup.overlap.get(decision.replica, 0))
         conversation = None
         if frontiers is not None:
             rank = keyed.ranks.get(decision.replica)

@@ -110,6 +110,7 @@ class Keying:
         self.check = check
         self._session = session
         self.affinity = affinity
+        directory.lookup_homes = affinity is not None  # the home in the lookup's round trip
         self._tasks = BackgroundTasks("keying")
         self.last_lookup_s = 0.0
         self.last_on_events = False
@@ -126,14 +127,20 @@ class Keying:
         else:
             keyed = await self._precise(self.precise, parsed, tenant, candidates, trace)
         if self.affinity is not None:
-            keyed.home = await self._home(self.affinity, keyed.hashes)
+            keyed.home = await self._home(self.affinity, keyed.hashes, keyed.lookup)
         return keyed
 
-    async def _home(self, affinity: ConversationAffinity, hashes: list[BlockHash]) -> Home | None:
+    async def _home(
+        self, affinity: ConversationAffinity, hashes: list[BlockHash], lookup: Lookup
+    ) -> Home | None:
         """The conversation's home: Redis's when it answers with one (every gateway's latest
-        placement), else this gateway's own table (Redis away, or it lost the entry)."""
+        placement; read in the lookup's own round trip when that one answered), else this
+        gateway's own table (Redis away, or it lost the entry)."""
         local = affinity.lookup(hashes)
-        answered, shared = await self.directory.home(hashes)
+        if lookup.home_answered:
+            answered, shared = True, lookup.home
+        else:
+            answered, shared = await self.directory.home(hashes)
         return shared if answered and shared is not None else local
 
     async def _lookup(self, hashes: Sequence[BlockHash], trace: RequestTrace) -> Lookup:
@@ -214,6 +221,8 @@ class Keying:
             predicted.writer_depth,
             predicted.writer,
             predicted.writer_from,
+            predicted.home,
+            predicted.home_answered,
         )
         block_bytes = 4 * precise.block_size
         head = self.keys.consistent_hash_blocks * precise.block_size  # all affinity_key reads

@@ -23,6 +23,7 @@ SCENARIOS: dict[str, str] = {
     "engine-killed": "loadgen.chaos.engine_kill",
     "redis-slow": "loadgen.chaos.redis_slow",
     "gateway-killed": "loadgen.chaos.gateway_kill",
+    "gateway-joined": "loadgen.chaos.gateway_join",
     "disk-full": "loadgen.chaos.disk_full",
     "schemathesis": "loadgen.chaos.schema_fuzz",
     "memory": "loadgen.chaos.memory",
