@@ -149,7 +149,8 @@ def run_demo(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     phases = team_day(DEVELOPERS)
     console.print(
-        f"[bold]kvgate demo[/]: {args.engines} simulated engines, a team's day "
+        f"[bold]kvgate demo[/]: {args.engines} simulated engines of {args.capacity_blocks:,} KV "
+        "blocks each, a team's day "
         f"({len(DEVELOPERS)} developers' agent sessions at once, 3 tenants, "
         f"{count_requests(phases)} requests) once per policy (precise: cache_aware on the "
         f"engines' KV events), engines {args.time_scale:g}x faster than real time (TTFT below "
@@ -181,13 +182,16 @@ def run_demo(args: argparse.Namespace) -> int:
         "",
     )
     console.print(table)
-    if "cache_aware" in summaries and "round_robin" in summaries:
-        ca, rr = summaries["cache_aware"], summaries["round_robin"]
-        console.print(
-            f"cache_aware hit ratio {ca.hit_ratio:.1%} vs round_robin {rr.hit_ratio:.1%}: "
-            f"{ca.prompt_tokens - ca.cached_tokens:,} vs {rr.prompt_tokens - rr.cached_tokens:,} "
-            "prompt tokens prefilled"
-        )
+    if "cache_aware" in summaries:
+        ca = summaries["cache_aware"]
+        for other in ("consistent_hash", "round_robin"):
+            if other in summaries:
+                o = summaries[other]
+                console.print(
+                    f"cache_aware hit ratio {ca.hit_ratio:.1%} vs {other} {o.hit_ratio:.1%}: "
+                    f"{ca.prompt_tokens - ca.cached_tokens:,} vs "
+                    f"{o.prompt_tokens - o.cached_tokens:,} prompt tokens prefilled"
+                )
     if any(s.errors for s in summaries.values()):
         console.print("[red]some requests failed[/]")
         return 1
