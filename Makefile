@@ -44,9 +44,12 @@ BROWSER := /usr/bin/chromedriver
 $(BROWSER):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
 
+# two workers (pytest-xdist), each taking whole test files (--dist loadfile: a module's fixtures
+# and servers stay on one worker); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 test: $(DEV_STAMP) $(BROWSER) ## the test suite (starts its own engines and servers on loopback)
 	$(PY) -m compileall -q -j0 kvgate_cli.py cachemap gateway loadgen router tools
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
 
 lint: $(DEV_STAMP) ## ruff format --check and ruff check
 	$(VENV)/bin/ruff format --check .

@@ -163,5 +163,6 @@ class ExplicitContents:
             await self.billing.wal.append(record)
         except WalUnavailable as exc:
             raise BillingUnavailable(str(exc)) from None
+        self.meter.spent(obj.tenant, charge, without_caching=False)
         self.meter.save_contents()
         await self.meter.publish_object(obj)

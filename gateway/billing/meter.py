@@ -71,6 +71,7 @@ from gateway.billing.pricing.model import (
     MeteredRequest,
     Plan,
 )
+from gateway.billing.pricing.money import ZERO
 from gateway.billing.pricing.prices import PriceTable
 from gateway.billing.pricing.rules import (
     SPECS,
@@ -116,6 +117,15 @@ class BillingUnavailable(GatewayError):
 
 def _state(entry: Entry | None) -> tuple[Decimal, Decimal, Decimal] | None:
     return None if entry is None else (entry.visible_at, entry.last_use, entry.ttl_s)
+
+
+@dataclass(slots=True)
+class TenantSpend:
+    """A tenant's billed cost since start and what the same exchanges would have cost with no
+    caching (the console's spend and savings; exported as `kvgate_tenant_cost_dollars`)."""
+
+    cost: Decimal = ZERO
+    without_caching: Decimal = ZERO
 
 
 @dataclass(slots=True)
@@ -184,8 +194,23 @@ class BillingMeter:
         self._confirmed: dict[str, asyncio.Future[OpenBill | None]] = {}
         """Fan-out leaders admitted at their BlockStored (`landed`), until their first token."""
         self._tasks: set[asyncio.Future[None]] = set()
+        self.spend: dict[str, TenantSpend] = {}
+        """By tenant: what its durable records cost, and the same without caching."""
 
     # -- helpers -------------------------------------------------------------------------------
+    def spent(self, tenant: str, charge: Charge | None, without_caching: bool = True) -> None:
+        """A record's charge is durable: add it to the tenant's spend. A cached-content
+        operation (`without_caching=False`) has no counterpart without caching: its creation
+        and rent are what caching costs, the prompts that read it count in full there."""
+        if charge is None:
+            return
+        spend = self.spend.get(tenant)
+        if spend is None:
+            spend = self.spend[tenant] = TenantSpend()
+        spend.cost += charge.cost
+        if without_caching:
+            spend.without_caching += charge.cost_without_caching
+
     def ledger(self, profile: str) -> CacheLedger:
         found = self.ledgers.get(profile)
         if found is None:
@@ -413,7 +438,9 @@ class BillingMeter:
             # what is known now, durable past a crash of this gateway: the record it gets if it
             # never ends (the next start, or `kvgate billing ship`, writes it then)
             try:
-                await self.wal.open_entry(pending.request_id, self._aborted(bill, record.replica))
+                await self.wal.open_entry(
+                    pending.request_id, self._aborted(bill, record.replica)[0]
+                )
             except WalUnavailable as exc:
                 raise BillingUnavailable(str(exc)) from None
             bill.opened = True
@@ -489,7 +516,7 @@ class BillingMeter:
             raise
         try:  # its would-be aborted record, as at a first token (before anyone may settle it)
             await self.wal.open_entry(
-                pending.request_id, self._aborted(bill, routed.decision.replica)
+                pending.request_id, self._aborted(bill, routed.decision.replica)[0]
             )
             bill.opened = True
         except WalUnavailable as exc:  # its first token writes it again, or fails the request
@@ -563,6 +590,7 @@ class BillingMeter:
         except WalUnavailable as exc:  # the response is withheld: nothing unrecorded is served
             raise BillingUnavailable(str(exc)) from None
         self._billed(bill)
+        self.spent(pending.tenant, charge, without_caching=pending.op == "request")
         if pending.op == "request":
             if charge is not None:
                 merge_into_openai_usage(pending.profile, charge, fields)
@@ -621,8 +649,9 @@ class BillingMeter:
     async def _record_aborted(self, bill: OpenBill, replica: str) -> None:
         """Append an exchange's aborted record; a WAL that cannot take it leaves its open entry
         for the next start to record."""
+        record, charge = self._aborted(bill, replica)
         try:
-            await self.wal.append(self._aborted(bill, replica))
+            await self.wal.append(record)
         except WalUnavailable as exc:
             log.error(
                 "billing: %s: the aborted record waits for recovery: %s",
@@ -631,19 +660,21 @@ class BillingMeter:
             )
             return
         self.wal.settle(bill.pending.request_id)
+        self.spent(bill.pending.tenant, charge)
 
     def _billed(self, bill: OpenBill) -> None:
         """The exchange's own record is durable: its open entry is done with."""
         self.wal.settle(bill.pending.request_id)
         bill.billed = True
 
-    def _aborted(self, bill: OpenBill, replica: str) -> dict[str, Any]:
+    def _aborted(self, bill: OpenBill, replica: str) -> tuple[dict[str, Any], Charge | None]:
         """The record of an exchange that ends before its usage: the prompt as estimated at
-        the first token, no output (docs/billing.md#decisions)."""
+        the first token, no output (docs/billing.md#decisions); and its charge."""
         charge = None
         if bill.ledger is not None:
             charge = bill.ledger.bill(bill.request, bill.plan, None, None, 0)
-        return self._record(bill, replica, charge, "aborted" if charge else "unpriced", None)
+        status = "aborted" if charge else "unpriced"
+        return self._record(bill, replica, charge, status, None), charge
 
     # -- explicit cached contents --------------------------------------------------------------
     def _create_content(self, bill: OpenBill, n: int) -> tuple[dict[str, Any], Charge]:

@@ -456,6 +456,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             flow=director.flow,
             forwarder=forwarder,
             resets=lambda: keying.num_resets,
+            spend=billing.meter.spend if billing else None,
         )
     )
     front = FrontEnd(

@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.billing.meter import TenantSpend
 from gateway.directory.routing import RoutingDirectory
 from gateway.events.metrics import precise_families
 from gateway.events.precise import PreciseKeys, TokenizerCheck
@@ -58,7 +59,9 @@ class GatewayCollector(Collector):
         flow: FlowControl | None = None,
         forwarder: Forwarder | None = None,
         resets: Callable[[], int] | None = None,
+        spend: dict[str, TenantSpend] | None = None,
     ) -> None:
+        self.spend = spend
         self.flow = flow
         self.forwarder = forwarder
         self.resets = resets
@@ -199,6 +202,17 @@ class GatewayCollector(Collector):
         for (tenant, kind), n in sorted(m.tenant_tokens.items()):
             tokens.add_metric([tenant, kind], n)
         yield tokens
+        if self.spend is not None:
+            cost = CounterMetricFamily(
+                "kvgate_tenant_cost_dollars",
+                "Billing on: what the tenant's billed exchanges cost (basis=billed) and what the "
+                "same exchanges would have cost with no caching (basis=without_caching).",
+                labels=["tenant", "basis"],
+            )
+            for tenant, spent in sorted(self.spend.items()):
+                cost.add_metric([tenant, "billed"], float(spent.cost))
+                cost.add_metric([tenant, "without_caching"], float(spent.without_caching))
+            yield cost
 
     def _replicas(self) -> Iterable[Any]:
         healthy = GaugeMetricFamily("kvgate_replica_healthy", "1 if healthy.", labels=["replica"])

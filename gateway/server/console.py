@@ -4,7 +4,8 @@
                                   blocks by tier, KV events flowing or predicted
     GET  /console/routing         hit ratio and decisions over time, hot prefixes, fan-out
                                   holds, the shared directory's lookups
-    GET  /console/tenants         tokens per tenant (read, written, cached share) over a window
+    GET  /console/tenants         per tenant over a window: tokens (read, written, cached share),
+                                  spend and savings against no caching (billing on)
     GET  /console/requests[?id=]  one request's route receipt (candidates, matched blocks,
                                   scores, why this one); the latest ones
     GET  /console/state.json      what the pages poll (every 2 s while one is open)
@@ -209,17 +210,29 @@ class Console:
         for labels, v in s.get("kvgate_tenant_tokens_total", ()):
             tokens.setdefault(labels.get("tenant", ""), {})[labels.get("kind", "")] = v
         queued = by(s, "kvgate_flow_queue_depth", "tenant")
+        cost: dict[str, dict[str, float]] = {}
+        for labels, v in s.get("kvgate_tenant_cost_dollars_total", ()):
+            cost.setdefault(labels.get("tenant", ""), {})[labels.get("basis", "")] = v
         rows = []
-        for tenant in sorted(set(tokens) | set(queued)):
+        for tenant in sorted(set(tokens) | set(queued) | set(cost)):
             kinds = tokens.get(tenant, {})
             prompt = kinds.get("prompt", 0.0)
             share = kinds.get("cache_read", 0.0) / prompt if prompt else None
+            billed, without = (
+                cost.get(tenant, {}).get("billed"),
+                cost.get(tenant, {}).get("without_caching"),
+            )
+            saved = without - billed if billed is not None and without is not None else None
             rows.append(
                 [
                     _td(tenant),
                     *(_td(_fmt(kinds.get(k))) for k in ("prompt", "cache_read", "cache_written")),
                     _td(_fmt(kinds.get("completion"))),
                     _td(_fmt(share, percent=True)),
+                    _td(_money(billed)),
+                    _td(_money(without)),
+                    _td(_money(saved)),
+                    _td(_fmt(saved / without if saved is not None and without else None, True)),
                     _td(_fmt(queued.get(tenant, 0.0))),
                 ]
             )
@@ -230,17 +243,24 @@ class Console:
             "written",
             "completion",
             "cached share",
+            "spend",
+            "without caching",
+            "saved",
+            "saved share",
             "queued now",
         ]
         window = (
             '<p>Window: <select id="window"><option value="60">1 min</option>'
             '<option value="300" selected>5 min</option><option value="900">15 min</option>'
             '<option value="0">since start</option></select> (rates over the window are '
-            "counted while this page is open; the table opens with totals since start)</p>"
+            "counted while this page is open; the table opens with totals since start). Spend "
+            "is what billing charged (the tenant's profile and prices); without caching is the "
+            "same exchanges with every prompt token at the input price (billing off: –).</p>"
         )
         return (
             window
             + _table("tenants", header, rows)
+            + _chart("tenant_spend", "Spend, $ per minute by tenant (billing on)")
             + _chart("tenant_tokens", "Prompt tokens/s by tenant")
             + _chart("queued", "Requests waiting in the gateway (fair flow control), by tenant")
         )
@@ -324,6 +344,16 @@ def _fmt(value: float | None, percent: bool = False) -> str:
     if percent:
         return f"{value * 100:.1f}%"
     return f"{value:,.0f}" if float(value).is_integer() or abs(value) >= 100 else f"{value:.3g}"
+
+
+def _money(value: float | None) -> str:
+    """Dollars for a person: cents from $1 up, four significant digits below (a request costs
+    fractions of a cent). Exact figures are billing's (`kvgate billing summary`)."""
+    if value is None:
+        return "–"
+    if abs(value) >= 1:
+        return f"${value:,.2f}"
+    return "$" + f"{float(f'{value:.4g}'):.10f}".rstrip("0").rstrip(".") if value else "$0"
 
 
 def _td(value: str, raw: bool = False) -> str:

@@ -41,6 +41,10 @@ AUDIT_TIMING = TimingModel(time_scale=5.0)
 """A 5,000-token miss takes ~77 ms of prefill on these engines, a hit ~0: a hit is clearly
 faster. Both also pay the engine's real, unscaled tokenization (~10-20 ms for 5,000 letters on
 a loaded machine), which at 10x (~38 ms of prefill) left hits under 3x faster in 1 run in 3."""
+SAVED_MS = 35
+"""What a hit must save of the miss's ~77 ms prefill at the median (about half): a load adds
+about the same to hits and misses, so the difference stands where a ratio did not (hits 64 ms,
+misses 123 ms, under 3x, at a load average of 18 under pytest-xdist)."""
 
 
 def test_prompts_are_uniform_random_letters_one_token_each() -> None:
@@ -117,7 +121,7 @@ def test_kvgate_passes_the_audit_and_a_shared_cache_fails_it(
     assert report.exit_status == 0
     positive, negative = report.positive, report.negative
     assert positive.p_value < 1e-8 and positive.max_cached_tokens > 4900
-    assert positive.hit_median_ms * 3 < positive.miss_median_ms
+    assert positive.miss_median_ms - positive.hit_median_ms > SAVED_MS
     assert negative.p_value >= 0.01 and negative.max_cached_tokens == 0
     assert len(negative.probe_cached_tokens) == 2 * SUITE_SAMPLES
 

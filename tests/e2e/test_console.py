@@ -6,25 +6,33 @@ no tenant's text appears in any page."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import pytest
 
+from gateway.billing.pricing.prices import PriceTable
+from gateway.billing.wal import read_directory
 from loadgen.harness.browser import Browser, browser
 from loadgen.text import words
 from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, metrics_url
-from tests.servers import Served
+from tests.servers import Served, wait_until
 
 pytestmark = pytest.mark.e2e
 ADMIN_KEY = "console-admin-key-0123456789"
 SECRET = "zebraquartz"
 """A word in every prompt: it must never appear in a console page."""
 PAGES = ("/console", "/console/routing", "/console/tenants", "/console/requests")
+PRICED = "gpt-5.6"
+"""The model the engines' is billed as (the default profile, openai: a prompt of 1,024 tokens or
+more is cached, a read costs a tenth)."""
 
 
-def chat(gateway: Served, key: str, turn: int) -> httpx.Response:
-    content = words(f"{SECRET}{turn % 3}", 300)
+def chat(gateway: Served, key: str, turn: int, topic: str = "") -> httpx.Response:
+    """Three prompts by turn per topic (over 1,024 tokens: billing's openai profile caches
+    them)."""
+    content = f"{SECRET} " + words(f"{SECRET}{topic}{turn % 3}", 1_100)
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
     r = httpx.post(
         gateway.url + "/v1/chat/completions",
@@ -53,7 +61,12 @@ def test_the_console_shows_the_fleet_routing_tenants_and_a_request(
     chromium: Browser,
     tmp_path: Path,
 ) -> None:
-    gateway = start_gateway(start_engines(3), admin_keys=[ADMIN_KEY])
+    gateway = start_gateway(
+        start_engines(3),
+        admin_keys=[ADMIN_KEY],
+        billing_wal_dir=tmp_path / "wal",
+        billing_model_map={MODEL: PRICED},
+    )
     admin = metrics_url(gateway)
     first = chat(gateway, TENANT_KEY, 0)
     chat(gateway, OTHER_KEY, 1)
@@ -120,6 +133,42 @@ def test_the_console_shows_the_fleet_routing_tenants_and_a_request(
     )
     assert set(tenants.split(",")) == {"acme", "globex"}
     assert "queued now" in chromium.source()  # fair flow control's queue, per tenant
+
+    # spend and savings over a chosen window: nothing within the last minute of the page's own
+    # polls, then what billing recorded for the new exchanges (a write, then two reads)
+    chromium.script("document.getElementById('window').value = '60';")
+    cells = (
+        "const r = [...document.querySelectorAll('table[data-live=tenants] tbody tr')]"
+        ".find(r => r.cells[0].textContent === 'acme');"
+        "return r ? [6, 7, 8, 9].map(i => r.cells[i].textContent) : null;"
+    )
+    polls(chromium, 1)
+    wait_until(lambda: (chromium.script(cells) or [])[:3] == ["$0"] * 3, what="an empty window")
+    billed = {r["id"] for r in read_directory(tmp_path / "wal")}
+    for _ in range(3):
+        chat(gateway, TENANT_KEY, 0, topic="spend")  # a prompt not sent before
+    new = [r for r in read_directory(tmp_path / "wal") if r["id"] not in billed]
+    spend = sum(Decimal(r["cost"]) for r in new)
+    price = PriceTable.default().lookup("openai", PRICED)
+    without = sum(
+        price.input * r["prompt_tokens"] / 1_000_000 + Decimal(r["output_cost"]) for r in new
+    )
+    assert sorted(r["read_tokens"] > 0 for r in new) == [False, True, True] and spend < without
+    expected = [spend, without, without - spend, (without - spend) / without * 100]
+
+    def shown() -> bool:
+        try:  # a poll between the three exchanges shows part of it; "–" before any
+            values = [float(t.strip("$%").replace(",", "")) for t in chromium.script(cells)]
+        except ValueError:
+            return False
+        money = [
+            v == pytest.approx(float(e), rel=1e-3)
+            for v, e in zip(values[:3], expected[:3], strict=True)
+        ]
+        return all(money) and values[3] == pytest.approx(float(expected[3]), abs=0.06)
+
+    wait_until(shown, 20, "the window's spend, without caching, saved and saved share")
+    (tmp_path / "tenants.png").write_bytes(chromium.png())
 
     # a request by the id its answer carried: the receipt and its candidates
     request_id = first.headers["x-request-id"]

@@ -22,10 +22,19 @@ from tests.servers import Served, wait_until
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
 SHARED = {"redis_deadline_s": 0.5, "server_secret": "fleet", "engine_prefill_tokens_per_s": 6_500}
-SLOW_WRITE = TimingModel(prefill_tokens_per_s=2_000, decode_s_per_token=0.001)
-"""The leader's write of the ~4k shared tokens takes ~2 s: the siblings, sent once its marker is
+SLOW_WRITE = TimingModel(prefill_tokens_per_s=1_000, decode_s_per_token=0.001)
+"""The leader's write of the ~4k shared tokens takes ~4 s: the siblings, sent once its marker is
 in Redis, are routed inside it even on a loaded machine (at 6,500 tokens/s, ~0.6 s, B's
-siblings were routed after the landing under two CPU hogs, and rightly did not hold)."""
+siblings were routed after the landing under two CPU hogs, and rightly did not hold; 2 s was
+still close under pytest-xdist at a load average of 18)."""
+SLOW_WRITE_ESTIMATE = 500
+"""The gateways' prefill estimate beside `SLOW_WRITE`: a hold's bound (twice the estimated
+prefill, ~16 s) stays well past the landing, so only the landing releases the siblings."""
+PACE_S = 0.2
+"""The rate test's gap between one request's start and the next: each gateway alone sees at most
+150 requests/min, the two together ~300 (the threshold is 180; they stay above it while a
+request takes under 0.33 s). Counted from the previous start rather than from a fixed schedule,
+a late request is never followed by a catch-up burst that one gateway alone would see as hot."""
 
 
 @pytest.mark.parametrize("pubsub", ["working", "refused"])
@@ -39,7 +48,7 @@ def test_siblings_at_two_gateways_wait_for_one_leader(
     still releases the siblings at B: their wait polls the leader's marker."""
     engines = start_engines(4, timing=SLOW_WRITE)
     url = fresh_redis.url if pubsub == "working" else without_pubsub(fresh_redis.url)
-    settings = {**SHARED, "engine_prefill_tokens_per_s": 2_000}
+    settings = {**SHARED, "engine_prefill_tokens_per_s": SLOW_WRITE_ESTIMATE}
     a, b = (start_gateway(engines, redis_url=url, **settings) for _ in range(2))
     markers = redis.Redis.from_url(fresh_redis.url)
 
@@ -80,9 +89,10 @@ def test_two_gateways_add_up_one_rate(
     if shared:
         extra |= {"redis_url": fresh_redis.url, "redis_deadline_s": 0.5}
     a, b = (start_gateway(engines, server_secret="fleet", **extra) for _ in range(2))
-    started = time.monotonic()
-    for i in range(16):  # one every 0.25 s: 120/min at each alone, 240/min together; 180
-        wait_until(lambda i=i: time.monotonic() >= started + 0.25 * i, what="its turn")  # pacing
+    sent = -PACE_S
+    for i in range(16):  # alternately at A and B, PACE_S apart at least
+        wait_until(lambda s=sent: time.monotonic() >= s + PACE_S, what="its turn")  # pacing
+        sent = time.monotonic()
         gateway = (a, b)[i % 2]
         asyncio.run(send_all(gateway, [(TENANT_KEY, sibling(i, tag="rate"))]))
         wait_until(lambda g=gateway: director(g).directory.idle, what="record flushed")

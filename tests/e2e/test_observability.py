@@ -33,7 +33,7 @@ from gateway.server.app import create_app
 from gateway.tenancy.tenant_file import add_key
 from loadgen.text import words
 from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, gateway_settings, metrics_url
-from tests.servers import Served, start_app, stop_all
+from tests.servers import Served, start_app, stop_all, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -99,7 +99,19 @@ def test_requests_tokens_and_lookups_in_metrics(
     assert chat(gateway, "other tenant", key=OTHER_KEY).status_code == 200
     assert chat(gateway, "no key", key="sk-wrong").status_code == 401
     assert httpx.get(gateway.url + "/no/such/path").status_code == 404
+    # an HTTP request is counted after its last byte is sent, an exchange when it finishes: a
+    # client can read /metrics in between, so wait for the last ones before reading the counts
     found = samples(gateway)
+
+    def counted() -> bool:
+        nonlocal found
+        found = samples(gateway)
+        return (
+            value(found, "kvgate_http_requests_total", route="other", status="404") >= 1
+            and value(found, "kvgate_exchange_duration_seconds_count", outcome="ok") >= 4
+        )
+
+    wait_until(counted, what="the last requests counted")
 
     requests = "kvgate_http_requests_total"
     chat_route = "/v1/chat/completions"

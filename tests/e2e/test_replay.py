@@ -38,7 +38,7 @@ def conversations(path: Path, num: int = 3, turns: int = 4) -> Path:
     return path
 
 
-SCALE = 20.0
+SCALE = 4.0
 
 
 def test_a_replay_through_kvgate_measures_every_request(
@@ -49,8 +49,10 @@ def test_a_replay_through_kvgate_measures_every_request(
     trace = read_trace(conversations(tmp_path / "conv.jsonl"))
     engines = start_engines(2)
     gateway = start_gateway(engines, policy="cache_aware")
-    # 20x: a conversation's next turn comes 150 ms after the previous one, which has its first
-    # token by then even on a loaded machine. At 100x, with the engine's real tokenizer (its CPU
+    # 4x: a conversation's next turn comes 750 ms after the previous one, which has finished by
+    # then even on a loaded machine (at 20x, 150 ms, only 3 of the 9 later turns came after
+    # their previous one finished at a load average of 18 under pytest-xdist; the replay takes
+    # 3 s instead of 0.6). At 100x, with the engine's real tokenizer (its CPU
     # time is not scaled), turns of one conversation overlapped in flight: a turn held behind
     # its predecessor's write was released together with the next turn, which could reach the
     # engine first, so the earlier turn hit the later one's blocks (cached > its history).

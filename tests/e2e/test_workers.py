@@ -70,7 +70,11 @@ def launched(
         gateway = dataclasses.replace(gateway, metrics_url=f"http://127.0.0.1:{metrics_port}")
     try:
         processes.wait_ready(gateway.url, "/readyz", gateway.popen, processes.STARTUP_TIMEOUT_S)
-        wait_until(lambda: all(answers(gateway, i) for i in range(2)), 30, "both workers up")
+        wait_until(
+            lambda: all(answers(gateway, i) for i in range(2)),
+            processes.STARTUP_TIMEOUT_S,
+            "both workers up",
+        )
         yield gateway
     finally:
         processes.stop([gateway])

@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-from gateway.billing.pricing.money import ZERO
+from gateway.billing.pricing.money import MILLION, ZERO
 
 # -- TTL tiers -----------------------------------------------------------------------------------
 TIER_SECONDS: dict[str, Decimal] = {
@@ -120,6 +120,14 @@ class Charge:
     @property
     def cost(self) -> Decimal:
         return self.input_cost + self.output_cost + self.rent
+
+    @property
+    def cost_without_caching(self) -> Decimal:
+        """What the same request would cost with no caching at all: every prompt token at the
+        input price, the same output, no rent (`p_in·N + p_out·O`, times m(t))."""
+        return self.input_price * self.num_prompt_tokens * self.peak_multiplier / MILLION + (
+            self.output_cost
+        )
 
     @property
     def input_equivalent_tokens(self) -> Decimal:

@@ -30,6 +30,11 @@
     if (percent) return (v * 100).toFixed(1) + "%";
     return Number.isInteger(v) || Math.abs(v) >= 100 ? Math.round(v).toLocaleString("en") : v.toPrecision(3);
   }
+  function money(v) {
+    if (v === undefined || v === null || Number.isNaN(v)) return "–";
+    if (Math.abs(v) >= 1) return "$" + v.toLocaleString("en", { minimumFractionDigits: 2, maximumFractionDigits: 2 });
+    return v ? "$" + Number(v.toPrecision(4)).toString() : "$0";
+  }
   function esc(s) {
     return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
   }
@@ -137,14 +142,30 @@
         if (totals[l.tenant]) totals[l.tenant][l.kind] = (totals[l.tenant][l.kind] || 0) - v;
       }
     }
+    // spend and what the same exchanges cost without caching, over the same window
+    const cost = {};
+    for (const [l, v] of now["kvgate_tenant_cost_dollars_total"] || []) {
+      (cost[l.tenant] = cost[l.tenant] || {})[l.basis] = v;
+    }
+    if (base) {
+      for (const [l, v] of base.samples["kvgate_tenant_cost_dollars_total"] || []) {
+        if (cost[l.tenant]) cost[l.tenant][l.basis] = (cost[l.tenant][l.basis] || 0) - v;
+      }
+    }
     const queued = byLabel(now, "kvgate_flow_queue_depth", "tenant");
-    for (const t of Object.keys(queued)) totals[t] = totals[t] || {};
+    for (const t of [...Object.keys(queued), ...Object.keys(cost)]) totals[t] = totals[t] || {};
     fillTable("tenants", Object.keys(totals).sort().map((t) => {
       const k = totals[t];
       const share = k.prompt ? (k.cache_read || 0) / k.prompt : null;
+      const c = cost[t] || {};
+      const saved = c.billed !== undefined && c.without_caching !== undefined ? c.without_caching - c.billed : null;
       return [esc(t), fmt(k.prompt), fmt(k.cache_read), fmt(k.cache_written), fmt(k.completion), fmt(share, true),
+        money(c.billed), money(c.without_caching), money(saved), fmt(saved !== null && c.without_caching ? saved / c.without_caching : null, true),
         fmt(queued[t] || 0)];
     }));
+    const [sx, spend] = rates("kvgate_tenant_cost_dollars_total", "tenant", { basis: "billed" });
+    for (const k of Object.keys(spend)) spend[k] = spend[k].map((v) => (v === null ? null : v * 60));
+    draw("tenant_spend", sx, spend);
     draw("tenant_tokens", ...rates("kvgate_tenant_tokens_total", "tenant", { kind: "prompt" }));
     draw("queued", ...gauges("kvgate_flow_queue_depth", "tenant"));
   }

@@ -17,6 +17,7 @@ import redis
 
 from gateway.billing.pricing.money import parse_instant
 from gateway.billing.wal import read_directory
+from loadgen.engine.timing import TimingModel
 from loadgen.harness.redis_servers import RedisServer
 from tests.clients import director
 from tests.conftest import MODEL, TENANT_KEY
@@ -35,6 +36,14 @@ pytestmark = pytest.mark.e2e
 
 ANTHROPIC = {"cache_control": {"type": "ephemeral"}}
 """Anthropic's automatic breakpoint (top level): the whole completion prompt is one entry."""
+HELD_LEADER = {
+    **SLOW_FIRST_CHUNK,
+    "timing": TimingModel(prefill_tokens_per_s=2_000, decode_s_per_token=0.02),
+}
+"""Engines for siblings at the leader's own gateway: the leader prefills ~2 s, so the two
+siblings sent once its flight shows reach the lookup and hold before it lands, and its first
+chunk comes ~1 s after its BlockStored (under pytest-xdist on a loaded machine, at 6,500
+tokens/s and 0.5 s, the siblings once came too late to hold)."""
 
 
 def event_engines(
@@ -85,10 +94,15 @@ def test_held_siblings_released_at_the_leaders_block_stored_are_billed_reads(
 ) -> None:
     """One gateway (its speculative entries last 1 ms, so the siblings find the leader in
     flight and hold, as at another gateway): the leader writes, its two identical siblings are
-    released by its BlockStored — before its first token — and read, and the engine's own
+    released by its BlockStored — ~1 s before its first token — and read, and the engine's own
     cached tokens agree. Before, with billing on, the leader landed at its first byte."""
-    engines, ports = event_engines(start_engines)
-    settings = events_billing(ports, tmp_path / "wal", speculative_ttl_s=0.001)
+    engines, ports = event_engines(start_engines, **HELD_LEADER)
+    settings = events_billing(
+        ports,
+        tmp_path / "wal",
+        speculative_ttl_s=0.001,
+        engine_prefill_tokens_per_s=SLOW_LEADER_ESTIMATE,
+    )
     gateway = start_gateway(engines, **settings)
     join([gateway], engines)
     flights = director(gateway).placement.flights
@@ -98,7 +112,7 @@ def test_held_siblings_released_at_the_leaders_block_stored_are_billed_reads(
         wait_until(lambda: len(flights) > 0, what="the leader's flight")
         siblings = [pool.submit(ask, gateway, 2, ANTHROPIC) for _ in range(2)]
         usages = [leader.result(timeout=30)] + [s.result(timeout=30) for s in siblings]
-    assert flights.stats.landed_on_events == 1  # its BlockStored, ~0.5 s before its first chunk
+    assert flights.stats.landed_on_events == 1  # its BlockStored, ~1 s before its first chunk
     assert flights.stats.holds == 2 and flights.stats.released_landed == 2
     assert flights.stats.timeouts == 0
     n = usages[0].prompt_tokens
@@ -177,8 +191,11 @@ def test_a_leader_admitted_at_block_stored_that_never_sends_a_token_is_billed_as
     """Engines that prefill (and publish BlockStored) and never send a token: the leader's
     entry became visible at its BlockStored, so when it fails (its first-byte bound, on both
     replicas) it is billed once, as an aborted exchange, and its open entry is settled."""
-    engines, ports = event_engines(start_engines, stall_after_tokens=0)
-    settings = events_billing(ports, tmp_path / "wal", first_byte_timeout_s=0.8)
+    # a ~0.1-s prefill well inside the 1.5-s first-byte bound: its BlockStored comes first even
+    # on a loaded machine (at 0.6 s against 0.8 s the margin was a fifth of a second)
+    fast_prefill = TimingModel(prefill_tokens_per_s=40_000, decode_s_per_token=0.01)
+    engines, ports = event_engines(start_engines, stall_after_tokens=0, timing=fast_prefill)
+    settings = events_billing(ports, tmp_path / "wal", first_byte_timeout_s=1.5)
     gateway = start_gateway(engines, **settings)
     join([gateway], engines)
     with pytest.raises(openai.APIError):

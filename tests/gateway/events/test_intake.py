@@ -47,7 +47,7 @@ async def joined(url: str, feeds: list[Feed]) -> None:
     seen its AllBlocksCleared."""
 
     async def reset() -> None:
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(timeout=30.0) as client:  # httpx's 5 s ran out at load 18
             assert (await client.post(url + "/reset_prefix_cache")).status_code == 200
 
     loop = asyncio.get_running_loop()
