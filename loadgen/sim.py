@@ -493,9 +493,10 @@ def simulate(
     index_of = {r.id: i for i, r in enumerate(replicas)}
     rates = PrefixRates(clock=clock) if config.overflow and profile.locality else None
     # conversation affinity, as the gateway keeps it: looked up and recorded at each decision
+    # (the homes, and each replica's room: the KV its live conversations come back for)
     homes = (
         ConversationAffinity(clock=clock)
-        if profile.locality and config.router.affinity_weight > 0
+        if profile.locality and (config.router.affinity_weight > 0 or config.router.room_weight)
         else None
     )
     overflow = OverflowConfig(
@@ -556,6 +557,7 @@ def simulate(
         hs = keys[req.index].hashes
         overlap = index.lookup(hs) if hs else {}
         home = homes.lookup(hs) if homes is not None else None
+        committed = homes.committed(home) if homes is not None and config.router.room_weight else {}
         route = RouteRequest(
             num_blocks=len(hs),
             num_prompt_tokens=float(req.input_length),
@@ -566,6 +568,7 @@ def simulate(
             decode_token_weight=config.decode_token_weight,
             home=home.replica if home is not None else None,
             home_blocks=home.depth_blocks if home is not None else 0,
+            committed=committed,
         )
         snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)

@@ -23,6 +23,7 @@ from router.scorers import (
     PrefixScorer,
     RandomScorer,
     RendezvousScorer,
+    RoomScorer,
     RoundRobinScorer,
     WorkAndDisplacementScorer,
 )
@@ -55,6 +56,22 @@ is what approximate mode's memory of its placements did (docs/precise.md, "Conve
 affinity", measures the weights). 0: off, the rankings of before issue 40."""
 
 
+DEFAULT_ROOM_WEIGHT = 0.05
+"""The room scorer (`RoomScorer`) above the load tie-break and at 5% of the prefix scorer's
+range (room outweighs at most 5% of the prompt's blocks cached): it decides where a
+conversation with nothing cached anywhere goes (a new one, or one back from a pause evicted
+everywhere, whose move is free), and a context held somewhere still decides as before.
+docs/precise.md, "Room": 0.001 / 0.05 / 0.3 / 1 gave 92.3 / 93.4 / 93.2 / 92.6% of the shared
+LRU (precise cache_aware, the issue-shaped trace at 10% KV)."""
+
+DEFAULT_STICKINESS = 1.0
+"""A conversation's home stays within the load bound while its load over the bound is less
+than once the tokens it holds there (see `LoadBoundFilter`): leaving costs their re-prefill
+elsewhere now and the KV it displaces there. docs/precise.md, "Room": 1 / 2 / 4 gave 93.9 /
+94.1 / 94.2% of the shared LRU with p99 TTFT 42.8 / 45.7 / 57.7 s and imbalance 1.21 / 1.27 /
+1.38 (0: 93.4%, 45.2 s, 1.19)."""
+
+
 def affinity_weight_for(configured: float | None, precise: bool) -> float:
     """The affinity weight a mode routes with: the one configured, else `DEFAULT_AFFINITY_WEIGHT`
     in precise mode and 0 in approximate mode, whose prediction already remembers where each
@@ -84,10 +101,20 @@ class RouterConfig:
     """cache_pressure: the weight of `CrowdingScorer` (0: off, round 2's ranking)."""
     affinity_weight: float = DEFAULT_AFFINITY_WEIGHT
     """cache_aware, cache_pressure: the weight of `ConversationScorer` (0: off)."""
+    room_weight: float = DEFAULT_ROOM_WEIGHT
+    """cache_aware, cache_pressure: the weight of `RoomScorer` (0: off)."""
+    stickiness: float = DEFAULT_STICKINESS
+    """cache_aware, cache_pressure: the home's extra load slack in tokens it holds (0: off)."""
+    """cache_aware, cache_pressure: the weight of `RoomScorer` (0: off)."""
 
     def __post_init__(self) -> None:
         if self.crowding_weight < 0:
             raise ValueError(f"crowding_weight must be non-negative, got {self.crowding_weight}")
+        if self.room_weight < 0 or self.stickiness < 0:
+            raise ValueError(
+                f"room_weight and stickiness must be non-negative, got {self.room_weight} and "
+                f"{self.stickiness}"
+            )
         if self.affinity_weight < 0:
             raise ValueError(f"affinity_weight must be non-negative, got {self.affinity_weight}")
         if self.displacement_weight < 0:
@@ -100,11 +127,15 @@ def cache_aware(config: RouterConfig) -> RoutingProfile:
     """The longest cached prefix among the replicas within the load bound."""
     return RoutingProfile(
         "cache_aware",
-        (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
+        (
+            HealthyFilter(),
+            LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack, config.stickiness),
+        ),
         (
             (PrefixScorer(), 1.0),
             (EstimatedWorkScorer(), _TIE_BREAK),
             (ConversationScorer(), config.affinity_weight),
+            (RoomScorer(), config.room_weight),
         ),
         locality=True,
     )
@@ -122,7 +153,10 @@ def cache_pressure(config: RouterConfig) -> RoutingProfile:
     measured to be, and the two can run side by side in one `kvgate sim` run."""
     return RoutingProfile(
         "cache_pressure",
-        (HealthyFilter(), LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack)),
+        (
+            HealthyFilter(),
+            LoadBoundFilter(config.absolute_slack_tokens, config.relative_slack, config.stickiness),
+        ),
         (
             (PrefixScorer(), 1.0),
             # NOTE: a negative weight: the scorer is a cost, and adding −0.0 leaves every sum
@@ -139,6 +173,7 @@ def cache_pressure(config: RouterConfig) -> RoutingProfile:
                 _TIE_BREAK,
             ),
             (ConversationScorer(crowded=True), config.affinity_weight),
+            (RoomScorer(), config.room_weight),
         ),
         locality=True,
     )

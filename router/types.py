@@ -129,6 +129,10 @@ class RouteRequest:
     its KV was evicted everywhere; None: a new conversation, or affinity off."""
     home_blocks: int = 0
     """...and the blocks of that previous request: the context the conversation built there."""
+    committed: Mapping[str, int] = field(default_factory=dict)
+    """Per replica, the blocks of the other conversations whose home it is and that are live
+    (routed within the session horizon, paused ones included): the KV they will come back for
+    (`cachemap.affinity.ConversationAffinity.committed`; absent = 0)."""
 
     def uncached_tokens(self, replica: str) -> float:
         cached = self.overlap.get(replica, 0) * self.tokens_per_block

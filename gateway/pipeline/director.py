@@ -382,6 +382,7 @@ class Director:
             offload_cost=self.keys.offload_cost,
             home=keyed.home.replica if keyed.home is not None else None,
             home_blocks=keyed.home.depth_blocks if keyed.home is not None else 0,
+            committed=keyed.committed,
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
 

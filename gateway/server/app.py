@@ -400,7 +400,11 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         lambda: forwarder.session,
         affinity=(
             ConversationAffinity(capacity=settings.affinity_capacity, ttl_s=settings.affinity_ttl_s)
-            if router_config.affinity_weight > 0 and policy.locality
+            if policy.locality
+            and max(
+                router_config.affinity_weight, router_config.room_weight, router_config.stickiness
+            )
+            > 0
             else None
         ),
     )
