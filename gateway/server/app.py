@@ -91,6 +91,7 @@ from router.registry import (
     build_fallback,
     build_policy,
     frontier_reader,
+    stickiness_for,
 )
 
 log = logging.getLogger(__name__)
@@ -339,6 +340,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         affinity_weight=affinity_weight_for(
             settings.affinity_weight, precise=settings.tokenizer_dir is not None
         ),
+        stickiness=stickiness_for(None, precise=settings.tokenizer_dir is not None),
     )
     policy = build_policy(settings.policy, router_config)
     directory = build_directory(settings)
