@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.filters import LoadBoundFilter
 from router.registry import RouterConfig, build_policy
@@ -129,3 +131,39 @@ def test_a_session_leaves_its_home_only_when_the_wait_exceeds_the_bound_by_its_s
     assert [r.id for r in flt.filter(blind, fleet)] == ["r0"]
     with pytest.raises(ValueError, match="non-negative"):
         RouterConfig(stickiness=-1.0)
+
+
+_IDS = ("r0", "r1", "r2", "r3")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0, 400_000), min_size=4, max_size=4),
+    st.dictionaries(st.sampled_from(_IDS), st.integers(0, 60)),
+    st.dictionaries(st.sampled_from(_IDS), st.integers(0, 1_000)),
+    st.one_of(st.none(), st.sampled_from(_IDS)),
+    st.floats(0, 4),
+)
+def test_stickiness_only_keeps_the_home_and_room_only_ranks_by_committed_blocks(
+    pending: list[float],
+    overlap: dict[str, int],
+    committed: dict[str, int],
+    home: str | None,
+    stickiness: float,
+) -> None:
+    """Stickiness never removes a replica the plain bound keeps, and adds at most the home;
+    room scores are in [0, 1], and less committed KV never scores lower."""
+    fleet = _fleet(dict(zip(_IDS, pending, strict=True)))
+    turn = RouteRequest(
+        60, 60 * BLOCK, overlap, tokens_per_block=BLOCK, home=home, committed=committed
+    )
+    plain = {r.id for r in LoadBoundFilter().filter(turn, fleet)}
+    sticky = {r.id for r in LoadBoundFilter(stickiness=stickiness).filter(turn, fleet)}
+    assert plain <= sticky
+    assert sticky - plain <= ({home} if home is not None else set())
+    scores = RoomScorer().score(turn, fleet, random.Random(0))
+    assert all(0.0 <= v <= 1.0 for v in scores.values())
+    for a in _IDS:
+        for b in _IDS:
+            if committed.get(a, 0) < committed.get(b, 0):
+                assert scores[a] >= scores[b]
