@@ -340,7 +340,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         affinity_weight=affinity_weight_for(
             settings.affinity_weight, precise=settings.tokenizer_dir is not None
         ),
-        stickiness=stickiness_for(None, precise=settings.tokenizer_dir is not None),
+        stickiness=stickiness_for(settings.stickiness, precise=settings.tokenizer_dir is not None),
+        room_weight=settings.room_weight,
     )
     policy = build_policy(settings.policy, router_config)
     directory = build_directory(settings)
