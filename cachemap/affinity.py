@@ -46,6 +46,12 @@ DEFAULT_AFFINITY_TTL_S = 3_600.0
 a meeting, a long build) last minutes to an hour; past that, the replica it went to is as good
 as any other (its KV is long gone there too, and the load has moved)."""
 
+DEFAULT_SESSION_HORIZON_S = 1_200.0
+"""A conversation recorded within 20 minutes still counts against its home's room
+(`ConversationAffinity.committed`): an agent's pauses (a review, a build) last minutes, and its
+KV at home is what it comes back for; a conversation silent for longer has likely ended.
+docs/precise.md, "Room": 600 / 1,200 / 3,600 s gave 92.7 / 93.4 / 91.4% of the shared LRU."""
+
 MAX_WALK_BLOCKS = 2_048
 """A lookup walks at most this many blocks back from the end: a turn that added more (32k
 tokens at the engines' 16-token blocks, ~128k at the directory's 256-byte ones) finds no home.
@@ -76,7 +82,8 @@ class ConversationAffinity:
       expired entries they step on);
     - the LRU is in recording order (front: recorded longest ago), so the expired entries are
       at its front and record() reaps them from there;
-    - a record that extends a looked-up home replaces it: one entry per conversation thread.
+    - a record that extends a looked-up home replaces it: one entry per conversation thread,
+      so `committed` counts each conversation's latest prompt once.
     """
 
     def __init__(
@@ -93,7 +100,7 @@ class ConversationAffinity:
         self.capacity = capacity
         self.ttl_s = ttl_s
         self.clock = clock
-        self._entries: OrderedDict[BlockHash, tuple[str, float]] = OrderedDict()
+        self._entries: OrderedDict[BlockHash, tuple[str, float, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -111,12 +118,28 @@ class ConversationAffinity:
             entry = entries.get(key)
             if entry is None:
                 continue
-            replica, at = entry
+            replica, at, _ = entry
             if at <= expired_before:
                 del entries[key]
                 continue
             return Home(replica, depth, key)
         return None
+
+    def committed(
+        self, home: Home | None = None, horizon_s: float = DEFAULT_SESSION_HORIZON_S
+    ) -> dict[str, int]:
+        """Per replica, the blocks of the conversations whose home it is, recorded within the
+        last `horizon_s` (their previous prompts: the KV they come back for), but `home`'s own.
+        A walk from the newest entry back to the horizon: O(conversations within it)."""
+        out: dict[str, int] = {}
+        since = self.clock() - horizon_s
+        skip = home.key if home is not None else None
+        for key, (replica, at, num_blocks) in reversed(self._entries.items()):
+            if at <= since:
+                break
+            if key != skip:
+                out[replica] = out.get(replica, 0) + num_blocks
+        return out
 
     def record(self, hashes: Sequence[BlockHash], replica: str, home: Home | None = None) -> None:
         """The request of `hashes` went to `replica`; `home` is what lookup() returned for it,
@@ -128,7 +151,7 @@ class ConversationAffinity:
         if home is not None and home.key != hashes[-1]:
             entries.pop(home.key, None)
         key = hashes[-1]
-        entries[key] = (replica, now)
+        entries[key] = (replica, now, len(hashes))
         entries.move_to_end(key)
         expired_before = now - self.ttl_s
         for _ in range(_REAP_PER_RECORD):

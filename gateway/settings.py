@@ -37,7 +37,7 @@ from router.filters import (
     DEFAULT_RELATIVE_SLACK,
 )
 from router.overflow import DEFAULT_HOT_SHARE
-from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
+from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, DEFAULT_ROOM_WEIGHT, POLICIES
 from router.scorers import DEFAULT_DISPLACEMENT_HALF_LIFE_S, DEFAULT_DISPLACEMENT_HOT_S
 
 log = logging.getLogger(__name__)
@@ -528,6 +528,14 @@ class Settings(BaseSettings):
     """Conversations whose home this gateway remembers (least recently routed first out)."""
     affinity_ttl_s: float = DEFAULT_AFFINITY_TTL_S
     """A conversation silent this long is new: its home is forgotten."""
+    room_weight: float = DEFAULT_ROOM_WEIGHT
+    """`cache_aware`, `cache_pressure`: the weight of a replica's room (less KV committed to the
+    live conversations homed there scores higher; decides where a turn with nothing cached
+    anywhere goes; 0: off). docs/precise.md, "Room and stickiness"."""
+    stickiness: float | None = None
+    """`cache_aware`, `cache_pressure`: a conversation's home stays within the load bound while
+    over it by less than this many times the tokens cached there (0: off; unset: 1 in precise
+    mode, 0 in approximate mode, whose overlap at the home is predicted)."""
     offload_cost: float = DEFAULT_OFFLOAD_COST
     tokenizer_check_every: int = DEFAULT_CHECK_EVERY
     """Every Nth precise request (and the first) is checked against the engine's /tokenize (0:
@@ -609,7 +617,7 @@ class Settings(BaseSettings):
             raise ValueError("must be a positive number of seconds")
         return value
 
-    @field_validator("affinity_weight")
+    @field_validator("affinity_weight", "room_weight", "stickiness")
     @classmethod
     def _non_negative_weight(cls, value: float | None) -> float | None:
         if value is not None and not value >= 0:

@@ -93,11 +93,14 @@ from router.registry import (
     DEFAULT_AFFINITY_WEIGHT,
     DEFAULT_CROWDING_WEIGHT,
     DEFAULT_DISPLACEMENT_WEIGHT,
+    DEFAULT_ROOM_WEIGHT,
+    DEFAULT_STICKINESS,
     POLICIES,
     RouterConfig,
     affinity_weight_for,
     build_policy,
     frontier_reader,
+    stickiness_for,
 )
 from router.scorers import (
     DEFAULT_DISPLACEMENT_HALF_LIFE_S,
@@ -151,6 +154,9 @@ class SimConfig:
     (`router.registry.affinity_weight_for`), which replaces `router.affinity_weight`."""
     event_delay_s: float = DEFAULT_EVENT_DELAY_S
     """Precise mode: how late an engine's events reach the directory."""
+    stickiness: float | None = None
+    """The load bound's stickiness; None: the mode's default, as the gateway's
+    (`router.registry.stickiness_for`), which replaces `router.stickiness`."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -472,15 +478,18 @@ def simulate(
 ) -> PolicyResult:
     """Replay `trace` through `policy` in virtual time; see the module docstring."""
     wall0 = time.perf_counter()
-    weight = affinity_weight_for(config.affinity_weight, precise=config.mode == PRECISE)
-    config = replace(config, router=replace(config.router, affinity_weight=weight))
+    precise = config.mode == PRECISE
+    weight = affinity_weight_for(config.affinity_weight, precise=precise)
+    sticky = stickiness_for(config.stickiness, precise=precise)
+    config = replace(
+        config, router=replace(config.router, affinity_weight=weight, stickiness=sticky)
+    )
     profile = build_policy(policy, config.router)
     rng = random.Random(config.seed)
     clock = _Clock()
     per_replica = refs.capacity_blocks_per_replica
     directory = _directory(config, per_replica, clock)
     index = directory.index
-    precise = config.mode == PRECISE
     frontiers = frontier_reader(profile) if precise else None
     conversations = _Conversations(frontiers.hot_s if frontiers is not None else 0.0)
     replicas = [
@@ -493,9 +502,10 @@ def simulate(
     index_of = {r.id: i for i, r in enumerate(replicas)}
     rates = PrefixRates(clock=clock) if config.overflow and profile.locality else None
     # conversation affinity, as the gateway keeps it: looked up and recorded at each decision
+    # (the homes, and each replica's room: the KV its live conversations come back for)
     homes = (
         ConversationAffinity(clock=clock)
-        if profile.locality and config.router.affinity_weight > 0
+        if profile.locality and (config.router.affinity_weight > 0 or config.router.room_weight)
         else None
     )
     overflow = OverflowConfig(
@@ -556,6 +566,7 @@ def simulate(
         hs = keys[req.index].hashes
         overlap = index.lookup(hs) if hs else {}
         home = homes.lookup(hs) if homes is not None else None
+        committed = homes.committed(home) if homes is not None and config.router.room_weight else {}
         route = RouteRequest(
             num_blocks=len(hs),
             num_prompt_tokens=float(req.input_length),
@@ -566,6 +577,7 @@ def simulate(
             decode_token_weight=config.decode_token_weight,
             home=home.replica if home is not None else None,
             home_blocks=home.depth_blocks if home is not None else 0,
+            committed=committed,
         )
         snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
@@ -903,6 +915,21 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "gateway)",
     )
     parser.add_argument(
+        "--stickiness",
+        type=float,
+        default=None,
+        help="cache_aware, cache_pressure: the home stays within the load bound while over it "
+        "by less than this many times the tokens it holds (0: off; default: "
+        f"{DEFAULT_STICKINESS:g} in precise mode, 0 in approximate mode, as the gateway)",
+    )
+    parser.add_argument(
+        "--room-weight",
+        type=float,
+        default=DEFAULT_ROOM_WEIGHT,
+        help="cache_aware, cache_pressure: the weight of the room scorer (a turn with nothing "
+        "cached anywhere goes where the live sessions leave room; 0: off)",
+    )
+    parser.add_argument(
         "--utilization",
         type=float,
         default=None,
@@ -999,6 +1026,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         displacement_hot_s=args.displacement_hot_s,
         displacement_weight=args.displacement_weight,
         crowding_weight=args.crowding_weight,
+        room_weight=args.room_weight,
     )
     overrides = {
         k: v
@@ -1020,6 +1048,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         ),
         router=router,
         affinity_weight=args.affinity_weight,
+        stickiness=args.stickiness,
         seed=args.seed,
         max_output_tokens=args.max_output_tokens,
         directory_scale=args.directory_scale,

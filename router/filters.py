@@ -63,6 +63,13 @@ class LoadBoundFilter:
     wait is their prefill and outstanding output, already in the load. Treating usage >= 95%
     as over the bound moved a long agent session off the replica holding it whenever another
     session ran there (docs/design/routing.md, "A KV cache reported full").
+
+    Stickiness (issue 40): the conversation's home (`RouteRequest.home`) stays eligible while
+        load(home) − stickiness × tokens cached there <= the limit,
+    so a session leaves the KV it built only when its wait exceeds the bound by that KV's
+    re-prefill (moving costs it now, and the blocks it displaces where it lands); a session
+    with nothing left at home (back from a pause, evicted) gets no extra slack and moves to
+    where the load is, for free.
     """
 
     name = "load_bound"
@@ -71,11 +78,13 @@ class LoadBoundFilter:
         self,
         absolute_slack_tokens: float = DEFAULT_ABSOLUTE_SLACK_TOKENS,
         relative_slack: float = DEFAULT_RELATIVE_SLACK,
+        stickiness: float = 0.0,
     ) -> None:
-        if absolute_slack_tokens < 0 or relative_slack < 0:
+        if absolute_slack_tokens < 0 or relative_slack < 0 or stickiness < 0:
             raise ValueError("load bound slacks must be non-negative")
         self.absolute_slack_tokens = absolute_slack_tokens
         self.relative_slack = relative_slack
+        self.stickiness = stickiness
 
     def bound(self, req: RouteRequest, replicas: Sequence[Replica]) -> float:
         least = min(req.load(r) for r in replicas)
@@ -89,4 +98,12 @@ class LoadBoundFilter:
         loads = (memo or DecisionMemo(req)).loads(replicas)  # the tie-breaks read them too
         least = min(loads)
         limit = least + self.absolute_slack_tokens + self.relative_slack * least
-        return [r for r, load in zip(replicas, loads, strict=True) if load <= limit]
+        home = req.home if self.stickiness else None
+        if home is None:
+            return [r for r, load in zip(replicas, loads, strict=True) if load <= limit]
+        stake = self.stickiness * req.overlap.get(home, 0) * req.tokens_per_block
+        return [
+            r
+            for r, load in zip(replicas, loads, strict=True)
+            if load <= limit or (r.id == home and load - stake <= limit)
+        ]

@@ -331,6 +331,33 @@ class WorkAndDisplacementScorer:
         )
 
 
+class RoomScorer:
+    """Less KV committed to other live conversations on the replica scores higher: the
+    session-level half of placement (issue 40). `RouteRequest.committed` is each replica's
+    conversations homed there and live (paused ones included: they come back for it).
+
+    At a weight below one block's match it decides only where nothing is cached that tells
+    replicas apart: a new conversation, or one back from a pause with its KV evicted
+    everywhere, whose move is free (its context is prefilled again wherever it goes). It then
+    goes where the other sessions leave room, rather than by the load tie-break (which sent it
+    onto a replica whose paused sessions it then evicted: each came back evicted in turn, the
+    hops docs/precise.md shows) or back home by affinity alone. Sessions spread by the KV they
+    hold, so a replica's live sessions fit its KV more often, and the engines' LRU then evicts
+    only the ended ones. 0 everywhere without homes (affinity off, or no conversation)."""
+
+    name = "room"
+
+    def score(
+        self,
+        req: RouteRequest,
+        replicas: Sequence[Replica],
+        rng: random.Random,
+        memo: DecisionMemo | None = None,
+    ) -> dict[str, float]:
+        committed = req.committed
+        return _lower_is_better({r.id: float(committed.get(r.id, 0)) for r in replicas})
+
+
 class EstimatedWorkScorer:
     """Less load (prefill work ahead of this request's first token, and weighted decode still
     running) scores higher."""

@@ -132,6 +132,10 @@ class RouteRequest:
     adapter_slots: Mapping[str, int] = field(default_factory=dict)
     """The request's LoRA adapter at each replica: `router.adapters` RESIDENT / LOADABLE /
     FULL (absent: LOADABLE); empty for the base model."""
+    committed: Mapping[str, int] = field(default_factory=dict)
+    """Per replica, the blocks of the other conversations whose home it is and that are live
+    (routed within the session horizon, paused ones included): the KV they will come back for
+    (`cachemap.affinity.ConversationAffinity.committed`; absent = 0)."""
 
     def uncached_tokens(self, replica: str) -> float:
         cached = self.overlap.get(replica, 0) * self.tokens_per_block

@@ -394,6 +394,7 @@ class Director:
             adapter_slots=(
                 self.adapters.slots(parsed.model, candidates) if self.adapters is not None else {}
             ),
+            committed=keyed.committed,
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
 

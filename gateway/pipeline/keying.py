@@ -76,6 +76,8 @@ class Keyed:
     """Replicas routed on their KV events whose prediction is never read (`Routed`)."""
     home: Home | None = None
     """Where this request's conversation went last (`cachemap.affinity`; None: new, or off)."""
+    committed: dict[str, int] = field(default_factory=dict)
+    """Per replica, the blocks of the other live conversations homed there (the room scorer's)."""
 
 
 def engine_body(parsed: ParsedRequest) -> dict[str, object]:
@@ -128,6 +130,7 @@ class Keying:
             keyed = await self._precise(self.precise, parsed, tenant, candidates, trace)
         if self.affinity is not None:
             keyed.home = await self._home(self.affinity, keyed.hashes, keyed.lookup)
+            keyed.committed = self.affinity.committed(keyed.home)
         return keyed
 
     async def _home(

@@ -93,6 +93,7 @@ from router.registry import (
     build_fallback,
     build_policy,
     frontier_reader,
+    stickiness_for,
 )
 
 log = logging.getLogger(__name__)
@@ -341,6 +342,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         affinity_weight=affinity_weight_for(
             settings.affinity_weight, precise=settings.tokenizer_dir is not None
         ),
+        stickiness=stickiness_for(settings.stickiness, precise=settings.tokenizer_dir is not None),
+        room_weight=settings.room_weight,
     )
     policy = build_policy(settings.policy, router_config)
     directory = build_directory(settings)
@@ -402,7 +405,11 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         lambda: forwarder.session,
         affinity=(
             ConversationAffinity(capacity=settings.affinity_capacity, ttl_s=settings.affinity_ttl_s)
-            if router_config.affinity_weight > 0 and policy.locality
+            if policy.locality
+            and max(
+                router_config.affinity_weight, router_config.room_weight, router_config.stickiness
+            )
+            > 0
             else None
         ),
     )

@@ -103,3 +103,24 @@ def test_the_walk_back_is_bounded() -> None:
     assert table.lookup(a) == Home("r1", 3, a[2])  # the 2,048th block from the end
     longer = a + chain("b", 1)
     assert table.lookup(longer) is None  # one block further: not walked that far
+
+
+def test_committed_counts_each_live_conversation_once_on_its_home_but_the_asker() -> None:
+    """Room (issue 40): per replica, the latest prompt of every conversation homed there and
+    recorded within the horizon; the asking conversation's own entry is left out."""
+    clock = Clock()
+    table = ConversationAffinity(clock=clock)
+    a, b, c = chain("a", 40), chain("b", 30), chain("c", 20)
+    table.record(a[:10], "r0")
+    table.record(a, "r0", table.lookup(a))  # a's turn 2 supersedes its turn 1
+    clock.now += 100
+    table.record(b, "r0")
+    table.record(c, "r1")
+    assert table.committed(horizon_s=1_000) == {"r0": 70, "r1": 20}
+    asking = table.lookup(a + chain("x", 2))
+    assert asking == Home("r0", 40, a[39])
+    assert table.committed(asking, horizon_s=1_000) == {"r0": 30, "r1": 20}
+    clock.now += 950  # a is 1,050 s old, b and c 950 s
+    assert table.committed(horizon_s=1_000) == {"r0": 30, "r1": 20}
+    clock.now += 50
+    assert table.committed(horizon_s=1_000) == {}

@@ -6,9 +6,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from router.filters import LoadBoundFilter
 from router.registry import RouterConfig, build_policy
-from router.scorers import ConversationScorer
+from router.scorers import ConversationScorer, RoomScorer
 from router.types import Replica, RouteRequest
 
 BLOCK = 512.0
@@ -72,3 +75,95 @@ def test_a_home_that_is_not_a_candidate_scores_nothing() -> None:
     assert scores == {"r0": 0.0, "r1": 0.0}
     with pytest.raises(ValueError, match="affinity_weight must be non-negative"):
         RouterConfig(affinity_weight=-1.0)
+
+
+def test_a_free_move_goes_where_the_live_sessions_leave_room() -> None:
+    """Evicted everywhere and no home (or affinity off): the replica the fewest live
+    conversations' blocks are committed to, not the least loaded one; room weighs at most 5%
+    of the prompt's blocks cached (3 of 60 here): 4 more cached blocks outweigh it."""
+    everywhere = {"r0": SYSTEM, "r1": SYSTEM, "r2": SYSTEM}
+    fleet = _fleet({"r0": 0.0, "r1": 20_000.0, "r2": 40_000.0})
+    committed = {"r0": 400, "r1": 100, "r2": 250}
+    turn = RouteRequest(60, 60 * BLOCK, everywhere, tokens_per_block=BLOCK, committed=committed)
+    assert RoomScorer().score(turn, fleet, random.Random(0)) == {
+        "r0": 0.0,
+        "r1": 1.0,
+        "r2": pytest.approx(0.5),
+    }
+    for policy in ("cache_aware", "cache_pressure"):
+        decision = build_policy(policy).decide(turn, fleet, random.Random(0))
+        assert decision is not None and decision.replica == "r1"
+        off = build_policy(policy, RouterConfig(room_weight=0.0))
+        assert off.decide(turn, fleet, random.Random(0)).replica == "r0"  # type: ignore[union-attr]
+    one_more = RouteRequest(
+        60,
+        60 * BLOCK,
+        {**everywhere, "r0": SYSTEM + 4},
+        tokens_per_block=BLOCK,
+        committed=committed,
+    )
+    assert build_policy("cache_aware").decide(one_more, fleet, random.Random(0)).replica == "r0"  # type: ignore[union-attr]
+    assert RoomScorer().score(_turn(None, everywhere), fleet, random.Random(0)) == dict.fromkeys(
+        ("r0", "r1", "r2"), 1.0
+    )
+
+
+def test_a_session_leaves_its_home_only_when_the_wait_exceeds_the_bound_by_its_stake() -> None:
+    """The load bound is 131,072 tokens over the least loaded (idle) replica. The home holds
+    50 of the turn's 60 blocks (25,600 tokens of stake): over the bound by less than that it
+    stays eligible, by more it is demoted; with nothing cached there it gets no extra slack."""
+    flt = LoadBoundFilter(stickiness=1.0)
+    turn = RouteRequest(
+        60, 60 * BLOCK, {"r0": SYSTEM, "r1": 50}, tokens_per_block=BLOCK, home="r1", home_blocks=55
+    )
+    own = 10 * BLOCK  # the turn's uncached tokens on its home
+    least = 60 * BLOCK - SYSTEM * BLOCK  # ...and on the idle replica
+    limit = least + 131_072 + 0.5 * least
+    for over, kept in ((25_000.0, True), (26_000.0, False)):
+        fleet = _fleet({"r0": 0.0, "r1": limit + over - own})
+        assert [r.id for r in flt.filter(turn, fleet)] == (["r0", "r1"] if kept else ["r0"])
+        plain = LoadBoundFilter(stickiness=0.0)
+        assert [r.id for r in plain.filter(turn, fleet)] == ["r0"]
+    blind = RouteRequest(
+        60, 60 * BLOCK, {"r0": SYSTEM, "r1": SYSTEM}, tokens_per_block=BLOCK, home="r1"
+    )
+    fleet = _fleet({"r0": 0.0, "r1": limit + 1.0})
+    assert [r.id for r in flt.filter(blind, fleet)] == ["r0"]
+    with pytest.raises(ValueError, match="non-negative"):
+        RouterConfig(stickiness=-1.0)
+
+
+_IDS = ("r0", "r1", "r2", "r3")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0, 400_000), min_size=4, max_size=4),
+    st.dictionaries(st.sampled_from(_IDS), st.integers(0, 60)),
+    st.dictionaries(st.sampled_from(_IDS), st.integers(0, 1_000)),
+    st.one_of(st.none(), st.sampled_from(_IDS)),
+    st.floats(0, 4),
+)
+def test_stickiness_only_keeps_the_home_and_room_only_ranks_by_committed_blocks(
+    pending: list[float],
+    overlap: dict[str, int],
+    committed: dict[str, int],
+    home: str | None,
+    stickiness: float,
+) -> None:
+    """Stickiness never removes a replica the plain bound keeps, and adds at most the home;
+    room scores are in [0, 1], and less committed KV never scores lower."""
+    fleet = _fleet(dict(zip(_IDS, pending, strict=True)))
+    turn = RouteRequest(
+        60, 60 * BLOCK, overlap, tokens_per_block=BLOCK, home=home, committed=committed
+    )
+    plain = {r.id for r in LoadBoundFilter().filter(turn, fleet)}
+    sticky = {r.id for r in LoadBoundFilter(stickiness=stickiness).filter(turn, fleet)}
+    assert plain <= sticky
+    assert sticky - plain <= ({home} if home is not None else set())
+    scores = RoomScorer().score(turn, fleet, random.Random(0))
+    assert all(0.0 <= v <= 1.0 for v in scores.values())
+    for a in _IDS:
+        for b in _IDS:
+            if committed.get(a, 0) < committed.get(b, 0):
+                assert scores[a] >= scores[b]
