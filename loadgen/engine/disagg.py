@@ -26,15 +26,23 @@ handled by `kv_load_failure_policy`, as vLLM's: `recompute` (default) prefills l
 `fail` answers 500 before any byte so that a router can retry elsewhere. Malformed params are a
 400. Blocks pulled are stored in the decode instance's cache like computed ones (KV events
 announce them). An engine without a connector ignores `kv_transfer_params`, as vLLM does.
+
+SGLang's protocol (`--disaggregation-mode prefill|decode`; sglang-router `--pd-disaggregation`)
+is also played: the router sends the request to a prefill and a decode instance at once, both
+carrying `bootstrap_host`, `bootstrap_port` (the prefill's) and `bootstrap_room`. The prefill
+instance prefills (one token) and holds the blocks under the room; the decode instance pulls
+them from `bootstrap_host:bootstrap_port` — the same side channel, so the bootstrap port is the
+prefill instance's HTTP port here — waiting (up to BOOTSTRAP_WAIT_S) for the prefill to finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +69,10 @@ DEFAULT_KV_BYTES_PER_TOKEN = 131_072
 DEFAULT_ABORT_TIMEOUT_S = 480.0
 """vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT: a prefill instance frees unread blocks after it."""
 
+BOOTSTRAP_WAIT_S = 60.0
+"""How long a decode instance's pull waits for the prefill of its room (SGLang: they start at
+once); wall seconds, as the router's own timeouts are."""
+
 _CONFIG_KEYS = ("kv_connector", "kv_role", "engine_id", "kv_load_failure_policy")
 
 
@@ -79,6 +91,8 @@ class KVTransferConfig:
     pull_latency_ms: float = DEFAULT_PULL_LATENCY_MS
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S
+    sglang: bool = False
+    """SGLang's bootstrap protocol (`--disaggregation-mode`) instead of vLLM's params."""
 
     def __post_init__(self) -> None:
         if self.kv_connector not in CONNECTORS:
@@ -169,6 +183,24 @@ def parse_transfer_params(body: dict[str, Any]) -> TransferRequest | None:
     )
 
 
+def parse_bootstrap(body: dict[str, Any], prefill: bool) -> TransferRequest | None:
+    """SGLang's `bootstrap_host/port/room` (None: a request served whole)."""
+    room, host, port = (
+        body.get("bootstrap_room"),
+        body.get("bootstrap_host"),
+        body.get("bootstrap_port"),
+    )
+    if room is None:
+        return None
+    if not isinstance(room, int) or isinstance(room, bool):
+        raise BadRequest("'bootstrap_room' must be an integer")
+    if prefill:
+        return TransferRequest(remote_decode=True, request_id=f"room-{room}")
+    if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool):
+        raise BadRequest("a decode request needs 'bootstrap_host' and an integer 'bootstrap_port'")
+    return TransferRequest(remote_prefill=True, request_id=f"room-{room}", host=host, port=port)
+
+
 @dataclass
 class _Held:
     hashes: tuple[bytes, ...]
@@ -205,9 +237,14 @@ class Connector:
         self._held: dict[str, _Held] = {}
         self._block_ids = itertools.count()
         self._client: httpx.AsyncClient | None = None
+        self.on_release: Callable[[], None] | None = None
+        """Called when held blocks are freed (the engine's queue may have waited for them)."""
+        self._arrivals: dict[str, asyncio.Event] = {}
+        """SGLang: rooms a decode instance waits for (its pull came before the prefill ended)."""
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False)
+        timeout = httpx.Timeout(BOOTSTRAP_WAIT_S + 10.0 if self.config.sglang else 10.0)
+        self._client = httpx.AsyncClient(timeout=timeout, trust_env=False)
 
     async def stop(self) -> None:
         for request_id in list(self._held):
@@ -217,7 +254,11 @@ class Connector:
 
     def parse(self, body: dict[str, Any]) -> TransferRequest | None:
         """The request's transfer params, when they ask something of this engine's role."""
-        transfer = parse_transfer_params(body)
+        transfer = (
+            parse_bootstrap(body, self.config.produces)
+            if self.config.sglang
+            else parse_transfer_params(body)
+        )
         if transfer is None:
             return None
         wanted = self.config.produces if transfer.remote_decode else self.config.consumes
@@ -236,6 +277,9 @@ class Connector:
         )
         self._held[request_id] = held
         self.counters.num_held = len(self._held)
+        arrival = self._arrivals.get(request_id)
+        if arrival is not None:
+            arrival.set()
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -258,12 +302,21 @@ class Connector:
             held.expiry.cancel()
         held.pool.release(held.hashes, 0)
         self.counters.num_held = len(self._held)
+        if self.on_release is not None:
+            self.on_release()
         return len(held.hashes)
 
-    def serve_pull(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """The side channel: a decode instance reads a held request's blocks (they are freed)."""
+    async def serve_pull(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The side channel: a decode instance reads a held request's blocks (they are freed);
+        SGLang's waits for its room's prefill first."""
         engine_id, request_id = body.get("engine_id"), body.get("request_id")
-        if engine_id != self.config.engine_id:
+        if self.config.sglang:  # rooms, not engine ids; the prefill may still be running
+            if isinstance(request_id, str) and request_id not in self._held:
+                arrival = self._arrivals.setdefault(request_id, asyncio.Event())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(arrival.wait(), BOOTSTRAP_WAIT_S)
+                self._arrivals.pop(request_id, None)
+        elif engine_id != self.config.engine_id:
             return 404, {"error": f"engine {engine_id!r} is not this engine"}
         if not isinstance(request_id, str) or request_id not in self._held:
             return 404, {"error": f"no blocks held for request {request_id!r} (read or expired)"}
@@ -298,6 +351,8 @@ class Connector:
 def describe(config: KVTransferConfig | None) -> str:
     if config is None:
         return "P/D off"
+    if config.sglang:
+        return f"SGLang disaggregation {'prefill' if config.produces else 'decode'}"
     return f"{config.kv_connector} {config.kv_role} (engine {config.engine_id[:8]})"
 
 

@@ -51,10 +51,12 @@ from starlette.routing import Route
 
 from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE, Placeholder, extras_of
 from loadgen.engine.disagg import (
+    CONSUMER,
     DEFAULT_ABORT_TIMEOUT_S,
     DEFAULT_KV_BYTES_PER_TOKEN,
     DEFAULT_PULL_GB_PER_S,
     DEFAULT_PULL_LATENCY_MS,
+    PRODUCER,
     PULL_PATH,
     Connector,
     KVTransferConfig,
@@ -263,6 +265,12 @@ class Engine:
         assert self._wakeup is not None
         self._wakeup.set()
 
+    def blocks_freed(self) -> None:
+        """A KV connector freed blocks it held: the scheduler looks at its queue again."""
+        self.core.blocks_freed(asyncio.get_running_loop().time())
+        if self._wakeup is not None:
+            self._wakeup.set()
+
     def reset_prefix_cache(self) -> bool:
         done = self.core.reset_prefix_cache()
         if done:
@@ -431,12 +439,17 @@ class _EngineApp:
             self.connector = Connector(
                 config.kv_transfer, config.timing.time_scale, config.block_size
             )
+            self.connector.on_release = self.blocks_freed
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(self.engines, self.connector))
         self.prompts = RenderedPrompts(
             config.mm_tokens_per_image
         )  # the API server's: every rank's requests are here
         self.local_tokenizer = str(MODEL_DIR)  # a Hugging Face tokenizer directory (routers)
+
+    def blocks_freed(self) -> None:
+        for e in self.engines:
+            e.blocks_freed()
 
     def model_card(self, adapter: str | None = None) -> dict[str, Any]:
         """The base model's card, or an adapter's (vLLM: `root` its path, `parent` the base)."""
@@ -573,7 +586,7 @@ class _EngineApp:
             body = await _json_body(request)
         except BadRequest as exc:
             return _error(str(exc), exc.status)
-        status, answer = self.connector.serve_pull(body)
+        status, answer = await self.connector.serve_pull(body)
         return JSONResponse(answer, status_code=status)
 
     @contextlib.asynccontextmanager
@@ -793,6 +806,8 @@ async def _generate(
     del engine.seen_headers[:-SEEN_HEADERS_KEPT]
     gen = _parse_generation(engine.config, body, chat, prompts)
     transfer = connector.parse(body) if connector is not None else None
+    if transfer is not None and transfer.remote_decode and transfer.request_id:
+        gen = dataclasses.replace(gen, max_tokens=1)  # SGLang's prefill: its first token only
     failing = engine.num_failures_left > 0
     if failing:
         engine.num_failures_left -= 1
@@ -822,10 +837,18 @@ async def _generate(
         whole = reply.whole()
         if transfer is not None and transfer.remote_decode:
             assert connector is not None
-            hold = connector.hold(job.id, engine.core.cache, job.block_hashes)
+            held_as = transfer.request_id or job.id
+            hold = connector.hold(held_as, engine.core.cache, job.block_hashes)
             whole["kv_transfer_params"] = hold
         return JSONResponse(whole)
-    return StreamingResponse(_stream(engine, reply, waiter), media_type="text/event-stream")
+    if transfer is not None and transfer.remote_decode and transfer.request_id:
+        assert connector is not None  # SGLang's prefill streams too: hold when it is done
+        hold_after = (connector, transfer.request_id)
+    else:
+        hold_after = None
+    return StreamingResponse(
+        _stream(engine, reply, waiter, hold_after), media_type="text/event-stream"
+    )
 
 
 async def _maybe_pull(
@@ -841,7 +864,12 @@ async def _maybe_pull(
     return True
 
 
-async def _stream(engine: Engine, reply: _Reply, waiter: _Waiter) -> AsyncIterator[bytes]:
+async def _stream(
+    engine: Engine,
+    reply: _Reply,
+    waiter: _Waiter,
+    hold_after: tuple[Connector, str] | None = None,
+) -> AsyncIterator[bytes]:
     """The SSE stream: one event per engine step that produced tokens (see the module
     docstring); the last token's event carries `finish_reason`, as vLLM's does."""
     job, gen = reply.job, reply.gen
@@ -870,6 +898,8 @@ async def _stream(engine: Engine, reply: _Reply, waiter: _Waiter) -> AsyncIterat
                 continue
             waiter.progress.clear()
             await waiter.progress.wait()
+        if hold_after is not None:
+            hold_after[0].hold(hold_after[1], engine.core.cache, job.block_hashes)
         if gen.include_usage:
             yield reply.chunk(choices=[], usage=reply.usage())
         yield b"data: [DONE]\n\n"
@@ -985,6 +1015,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_ABORT_TIMEOUT_S,
         help="prefill role: unread blocks are freed after this (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
     )
+    parser.add_argument(
+        "--disaggregation-mode",
+        choices=["null", "prefill", "decode"],
+        default="null",
+        help="SGLang's P/D role (bootstrap_host/port/room; the bootstrap port is --port)",
+    )
     parser.add_argument("--fail-first", type=int, default=0, help=argparse.SUPPRESS)
 
 
@@ -999,17 +1035,22 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv_events = KVEventsConfig()
     if args.kv_events_config:
         kv_events = parse_kv_events_config(args.kv_events_config)
+    transfer_model: dict[str, Any] = {
+        "side_channel_host": args.host,
+        "side_channel_port": args.port,
+        "pull_gb_per_s": args.kv_pull_gb_per_s,
+        "pull_latency_ms": args.kv_pull_latency_ms,
+        "kv_bytes_per_token": args.kv_bytes_per_token,
+        "abort_timeout_s": args.kv_abort_timeout_s,
+    }
     kv_transfer = None
+    if args.kv_transfer_config and args.disaggregation_mode != "null":
+        raise ValueError("--kv-transfer-config (vLLM) and --disaggregation-mode (SGLang) exclude")
     if args.kv_transfer_config:
-        kv_transfer = parse_kv_transfer_config(
-            args.kv_transfer_config,
-            side_channel_host=args.host,
-            side_channel_port=args.port,
-            pull_gb_per_s=args.kv_pull_gb_per_s,
-            pull_latency_ms=args.kv_pull_latency_ms,
-            kv_bytes_per_token=args.kv_bytes_per_token,
-            abort_timeout_s=args.kv_abort_timeout_s,
-        )
+        kv_transfer = parse_kv_transfer_config(args.kv_transfer_config, **transfer_model)
+    elif args.disaggregation_mode != "null":
+        role = PRODUCER if args.disaggregation_mode == "prefill" else CONSUMER
+        kv_transfer = KVTransferConfig(kv_role=role, sglang=True, **transfer_model)
     return EngineConfig(
         model=args.model,
         capacity_blocks=args.capacity_blocks,

@@ -324,6 +324,11 @@ class EngineCore:
             self._step_end = None
         self._maybe_start(now)
 
+    def blocks_freed(self, now: float) -> None:
+        """Blocks were freed outside any job's life (a KV connector's hold ended): the queue's
+        head, which may have been waiting for them, looks again."""
+        self._maybe_start(now)
+
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset: refused while any request holds blocks."""
         return self.cache.reset()

@@ -3,6 +3,7 @@ the exchange a P/D router drives, the pull of what a decode instance lacks, and 
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +15,7 @@ from loadgen.engine.disagg import CONSUMER, PRODUCER, KVTransferConfig
 from loadgen.engine.server import EngineConfig, create_engine_app
 from loadgen.harness.processes import free_port
 from loadgen.text import words
-from tests.conftest import FAST, MODEL
+from tests.conftest import FAST, MODEL, engine_of
 from tests.servers import Served, start_app, stop_all, wait_until
 
 LONG = "You are a careful agent." + words("disagg-test", 400)
@@ -179,3 +180,51 @@ def test_an_engine_without_a_connector_ignores_transfer_params() -> None:
         assert r.status_code == 200 and "kv_transfer_params" not in r.json()
     finally:
         stop_all([plain])
+
+
+def test_sglang_bootstrap_prefill_and_decode_sent_at_once() -> None:
+    """SGLang's protocol: both instances get the request together, with the prefill's
+    bootstrap address and a room; the decode instance waits for that room's prefill."""
+    prefill = _start(PRODUCER, sglang=True)
+    decode = _start(CONSUMER, sglang=True)
+    try:
+        room: dict[str, Any] = {
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": prefill.port,
+            "bootstrap_room": 7,
+        }
+        body = _body(**room)
+
+        async def both() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(timeout=10) as client:
+                path = "/v1/chat/completions"
+                d = asyncio.create_task(client.post(decode.url + path, json=body))
+                p = asyncio.create_task(client.post(prefill.url + path, json=body))
+                return await d, await p
+
+        decoded, prefilled = asyncio.run(both())
+        assert prefilled.status_code == decoded.status_code == 200, decoded.text
+        assert prefilled.json()["usage"]["completion_tokens"] == 1  # the prefill's first token
+        assert decoded.json()["usage"]["completion_tokens"] == 4
+        prompt_tokens = decoded.json()["usage"]["prompt_tokens"]
+        cached = decoded.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (prompt_tokens - 1) // 16 * 16  # pulled, not computed
+        assert metric(decode.url, "vllm:nixl_blocks_transferred_total") == prompt_tokens // 16
+    finally:
+        stop_all([prefill, decode])
+
+
+def test_a_request_waiting_for_held_blocks_starts_when_the_hold_ends() -> None:
+    """Held blocks fill a small cache: the next request waits for them, and starts when the
+    hold times out (nothing else would wake the scheduler: no request is running)."""
+    prefill = _start(PRODUCER, abort_timeout_s=300.0)  # 0.3 s at 1,000×
+    engine = engine_of(prefill)
+    try:
+        first = _prefill(prefill.url)
+        held = len(first["kv_transfer_params"]["remote_block_ids"])
+        engine.core.cache.capacity_blocks = held + 4  # what is held leaves too little
+        r = _post(prefill.url, _body("Another prompt." + words("after-the-hold", 400)))
+        assert r.status_code == 200, r.text
+        assert metric(prefill.url, "vllm:nixl_num_expired_total") == 1
+    finally:
+        stop_all([prefill])
