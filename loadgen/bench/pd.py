@@ -8,6 +8,10 @@ Each arm gets fresh simulated engines — `--prefill` instances with `kv_role: k
     vllm:cache_aware    vllm-router --vllm-pd-disaggregation --prefill P... --decode D...
                         --policy cache_aware
     vllm:round_robin    the same, --policy round_robin
+    sglang:cache_aware  python -m sglang_router.launch_router --pd-disaggregation
+                        --prefill P BOOTSTRAP_PORT... --decode D... --policy cache_aware
+                        (its engines in SGLang's mode, `--disaggregation-mode prefill|decode`:
+                        the bootstrap port is each prefill engine's HTTP port)
 
 That the peers complete requests against the fleet is itself the check that the engine speaks
 the protocol. Figures per arm: the prefill pool's hit ratio (its engines' own prefix-cache
@@ -15,9 +19,6 @@ counters), TTFT mean and p99, TPOT p99 (each request's mean time between output 
 the first: (e2e - TTFT) / (output - 1), the inter-token latency a client sees, p99 over
 requests), the decode pool's imbalance (the busiest decode instance's output tokens over the
 mean) and the KV bytes pulled per request (the decode instances' `vllm:nixl_bytes_transferred`).
-
-sglang-router's P/D mode is not an arm: it drives SGLang's bootstrap protocol (prefill and
-decode at once, `bootstrap_host/port/room`), which the simulated engine does not speak yet.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import math
 import os
 import statistics
@@ -43,7 +45,7 @@ from loadgen.replay import ReplayOptions, replay
 from loadgen.sim import percentile
 from loadgen.traces.readers import read_trace
 
-ARMS = ("kvgate", "vllm:cache_aware", "vllm:round_robin")
+ARMS = ("kvgate", "vllm:cache_aware", "vllm:round_robin", "sglang:cache_aware")
 DEFAULT_TRACE = "agent-sessions:sessions=24,concurrency=8"
 DEFAULT_REQUESTS = 300
 DEFAULT_TIME_SCALE = 4.0
@@ -82,18 +84,17 @@ def _delta(before: dict[str, float], after: dict[str, float], name: str) -> floa
 
 @contextlib.contextmanager
 def _fleet(
-    num_prefill: int, num_decode: int, engine_args: Sequence[str]
+    num_prefill: int, num_decode: int, engine_args: Sequence[str], sglang: bool
 ) -> Iterator[tuple[list[processes.Proc], list[processes.Proc]]]:
     ports = [processes.free_port() for _ in range(num_prefill + num_decode)]
+
+    def role(prefill: bool) -> list[str]:
+        if sglang:
+            return ["--disaggregation-mode", "prefill" if prefill else "decode"]
+        return ["--kv-transfer-config", PRODUCER_CONFIG if prefill else CONSUMER_CONFIG]
+
     procs = [
-        processes.start_engine(
-            port,
-            [
-                *engine_args,
-                "--kv-transfer-config",
-                PRODUCER_CONFIG if i < num_prefill else CONSUMER_CONFIG,
-            ],
-        )
+        processes.start_engine(port, [*engine_args, *role(i < num_prefill)])
         for i, port in enumerate(ports)
     ]
     try:
@@ -114,12 +115,19 @@ def _router(
         with processes.gateway(prefill, args, env={"KVGATE_SEED": "0"}) as gw:
             yield gw.url, BENCH_KEY
         return
-    binary = _vllm_router_binary()
-    assert binary is not None, "checked before"
     port = processes.free_port()
-    command = [binary, "--log-level", "warning", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--prometheus-port", str(processes.free_port()), "--vllm-pd-disaggregation"]
-    command += [a for p in prefill for a in ("--prefill", p)]
+    if arm.startswith("sglang:"):
+        command = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        # the simulated prefill's bootstrap server is its HTTP port
+        command += [a for p in prefill for a in ("--prefill", p, p.rpartition(":")[2])]
+    else:
+        binary = _vllm_router_binary()
+        assert binary is not None, "checked before"
+        command = [binary, "--vllm-pd-disaggregation"]
+        command += [a for p in prefill for a in ("--prefill", p)]
+    level = "warn" if arm.startswith("sglang:") else "warning"  # each router's own spelling
+    command += ["--log-level", level, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--prometheus-port", str(processes.free_port())]
     command += [a for d in decode for a in ("--decode", d)]
     command += ["--policy", arm.partition(":")[2]]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -141,7 +149,10 @@ def run_arm(arm: str, args: argparse.Namespace) -> PdResult:
         str(args.capacity_blocks),
     ]
     with contextlib.ExitStack() as stack:
-        prefill, decode = stack.enter_context(_fleet(args.prefill, args.decode, engine_args))
+        sglang = arm.startswith("sglang:")
+        prefill, decode = stack.enter_context(
+            _fleet(args.prefill, args.decode, engine_args, sglang)
+        )
         url, key = stack.enter_context(
             _router(arm, [p.url for p in prefill], [d.url for d in decode])
         )
@@ -227,6 +238,9 @@ def run_bench_pd(args: argparse.Namespace) -> int:
     for arm in arms:
         if arm.startswith("vllm:") and _vllm_router_binary() is None:
             print(f"{arm}: vllm-router is not installed (pip install -e '.[bench]')")
+            continue
+        if arm.startswith("sglang:") and importlib.util.find_spec("sglang_router") is None:
+            print(f"{arm}: sglang-router is not installed (pip install -e '.[bench]')")
             continue
         results.append(run_arm(arm, args))
         print(markdown(results[-1:]).splitlines()[-1], flush=True)

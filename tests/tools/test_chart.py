@@ -53,7 +53,13 @@ def test_the_config_schema_is_the_settings() -> None:
 
 @pytest.mark.parametrize(
     "values",
-    [None, chart.EVERYTHING_VALUES, EXTERNAL_VALUES, chart.CHART / "ci" / "epp-values.yaml"],
+    [
+        None,
+        chart.EVERYTHING_VALUES,
+        EXTERNAL_VALUES,
+        chart.CHART / "ci" / "epp-values.yaml",
+        chart.CHART / "ci" / "pd-values.yaml",
+    ],
 )
 def test_lint_strict_and_kubernetes_validate_strict(values: Path | None) -> None:
     linted = chart.lint(values)
