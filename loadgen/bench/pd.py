@@ -251,4 +251,7 @@ def run_bench_pd(args: argparse.Namespace) -> int:
         f"load average {' '.join(loadavg)}"
     )
     print(markdown(results))
+    for r in results:
+        if r.note:
+            print(f"{r.arm}: first error: {r.note}")
     return 0
