@@ -52,6 +52,9 @@ DEFAULT_TIME_SCALE = 4.0
 DEFAULT_CAPACITY_BLOCKS = 4096
 """Per engine: 64k tokens of KV, a few agent sessions' worth, so the prefill pick matters."""
 DEFAULT_MAX_OUTPUT_TOKENS = 64
+DEFAULT_PREFILL_TOKENS_PER_S = 26_000.0
+"""Twice the engine's default: two prefill instances then prefill as fast as `kvgate bench`'s
+four whole engines, so the pool is not saturated by construction on the same slice."""
 PRODUCER_CONFIG = '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'
 CONSUMER_CONFIG = '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}'
 
@@ -147,6 +150,8 @@ def run_arm(arm: str, args: argparse.Namespace) -> PdResult:
         f"{args.time_scale:g}",
         "--capacity-blocks",
         str(args.capacity_blocks),
+        "--prefill-tokens-per-s",
+        f"{args.prefill_tokens_per_s:g}",
     ]
     with contextlib.ExitStack() as stack:
         sglang = arm.startswith("sglang:")
@@ -219,6 +224,12 @@ def add_bench_pd_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE, help="compression")
     parser.add_argument(
         "--capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS, help="KV blocks per engine"
+    )
+    parser.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=DEFAULT_PREFILL_TOKENS_PER_S,
+        help="every engine's simulated prefill speed",
     )
     parser.add_argument(
         "--max-output-tokens", type=int, default=DEFAULT_MAX_OUTPUT_TOKENS, help="output cap"
