@@ -109,13 +109,18 @@ def _fleet(
 
 @contextlib.contextmanager
 def _router(
-    arm: str, prefill: Sequence[str], decode: Sequence[str]
+    arm: str, prefill: Sequence[str], decode: Sequence[str], prefill_tokens_per_s: float
 ) -> Iterator[tuple[str, str | None]]:
-    """The arm's router: (its URL, the API key it wants)."""
+    """The arm's router: (its URL, the API key it wants). kvgate is told the engines' prefill
+    speed in wall seconds (flow control sizes its room by it), as an operator would be."""
     if arm == "kvgate":
         args = ["--tenant", f"bench:{BENCH_KEY}", "--log-level", "warning"]
         args += [a for d in decode for a in ("--decode-engine", d)]
-        with processes.gateway(prefill, args, env={"KVGATE_SEED": "0"}) as gw:
+        env = {
+            "KVGATE_SEED": "0",
+            "KVGATE_ENGINE_PREFILL_TOKENS_PER_S": f"{prefill_tokens_per_s:g}",
+        }
+        with processes.gateway(prefill, args, env=env) as gw:
             yield gw.url, BENCH_KEY
         return
     port = processes.free_port()
@@ -159,7 +164,12 @@ def run_arm(arm: str, args: argparse.Namespace) -> PdResult:
             _fleet(args.prefill, args.decode, engine_args, sglang)
         )
         url, key = stack.enter_context(
-            _router(arm, [p.url for p in prefill], [d.url for d in decode])
+            _router(
+                arm,
+                [p.url for p in prefill],
+                [d.url for d in decode],
+                args.prefill_tokens_per_s * args.time_scale,
+            )
         )
         before = [_counters(e.url) for e in (*prefill, *decode)]
         options = ReplayOptions(
