@@ -20,7 +20,8 @@ attempt at that instance is then two legs, vLLM's protocol (docs/disaggregation.
 The exchange then runs on the decode instance's lease: the recorder records the prompt's blocks
 there at the first token (it pulled them), and `PrefillUsage` puts the prefill's cached tokens
 into the usage the client and the ledger see — the prompt is counted once, as the prefill
-instance computed it, whatever the transfer did.
+instance computed it, whatever the transfer did — and marks the record's `cached_on`, so that
+reconciliation holds the prefill instance's entries (not the decode's) to that count.
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ class PrefillUsage:
 
     async def usage(self, exchange: Exchange, fields: dict[str, Any]) -> EngineUsage:
         if self.leg.cached_tokens is not None:
+            exchange.record.cached_on = self.leg.replica  # reconciliation checks the prefill
             details = fields.get("prompt_tokens_details")
             details = dict(details) if isinstance(details, dict) else {}
             details["cached_tokens"] = self.leg.cached_tokens

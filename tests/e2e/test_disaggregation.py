@@ -130,3 +130,22 @@ def test_a_failing_prefill_and_a_failing_decode_are_retried(fleet: Fleet) -> Non
     usage, text, _ = ask(c, prompt + " and more")
     assert text and usage.prompt_tokens > 0
     assert stats.retries == retries + 1  # the other prefill instance took it
+
+
+def test_an_evicted_prefix_is_reconciled_against_the_prefill_instance() -> None:
+    """The usage's cached tokens are the prefill's: a shortfall there makes the prefill
+    instance suspect (its entries are what misled the pick), never the decode instance."""
+    prefill, decode = _engine(PRODUCER), _engine(CONSUMER)
+    settings = gateway_settings([prefill.url], decode_engines=[decode.url])
+    gateway = start_app(create_app(settings))
+    try:
+        prompt = "Evicted later." + words("pd-reconcile", 500)
+        ask(client(gateway), prompt)
+        assert engine_of(prefill).reset_prefix_cache()  # the prefill forgets it (a wipe)
+        usage, _, _ = ask(client(gateway), prompt)
+        assert usage.prompt_tokens_details.cached_tokens == 0
+        states = director(gateway).replicas.states
+        assert states[prefill.url].suspicions == 1
+        assert states[decode.url].suspicions == 0
+    finally:
+        stop_all([gateway, prefill, decode])
