@@ -124,6 +124,12 @@ COMMANDS: dict[str, Command] = {
         "add_bench_fairness_arguments",
         "run_bench_fairness",
     ),
+    "bench-pd": Command(
+        "a prefill/decode fleet: kvgate against vllm-router's P/D mode (a benchmark)",
+        "loadgen.bench.pd",
+        "add_bench_pd_arguments",
+        "run_bench_pd",
+    ),
     "bench-fanout": Command(
         "fan-out holding and hot-prefix overflow, live (a benchmark)",
         "loadgen.bench.fanout",

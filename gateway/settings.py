@@ -232,6 +232,12 @@ class Settings(BaseSettings):
     """The admin port: /metrics (GET and HEAD), /openapi.json, /docs, /redoc — operators only,
     never on `port` (0: any free port; None: none of them is served)."""
     engines: list[str] = Field(default_factory=list)
+    decode_engines: list[str] = Field(default_factory=list)
+    """Prefill/decode disaggregation (vLLM's NixlConnector, docs/disaggregation.md): these
+    engine URLs are the decode pool, every one of `engines` a prefill instance. Each request is
+    prefilled where its prefix is cached (the policy, within the prefill pool's load bound),
+    then decoded at the least-loaded decode instance (its own cached prefix counted) with the
+    prefill's `kv_transfer_params`. Empty: every engine serves requests whole."""
     policy: str = "cache_aware"
     tenants: list[str] = Field(default_factory=list)
     """`NAME:KEY` pairs for the quick start; keys are hashed on load and never kept in clear."""
@@ -807,6 +813,17 @@ class Settings(BaseSettings):
                 "kv_events_shared needs redis_url (--redis-url: where the index is shared) and "
                 "tokenizer_dir (--tokenizer-dir: precise mode)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _decode_pool_is_standalone(self) -> Settings:
+        if self.decode_engines and self.mode != "standalone":
+            raise ValueError(
+                "decode_engines needs mode: standalone (the gateway drives both legs of a "
+                "disaggregated request; an endpoint picker forwards one)"
+            )
+        if set(self.decode_engines) & set(self.engines):
+            raise ValueError("an engine is in engines (prefill) and decode_engines at once")
         return self
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ from gateway.fleet.replicas import Lease, ReplicaSet, ReplicaState
 from gateway.observability.histograms import LOOKUP_BUCKETS_S, LabelledHistograms
 from gateway.pipeline.adapters import AdapterRouting
 from gateway.pipeline.admission import Admission
+from gateway.pipeline.disagg import Disaggregation, PrefillLeg, PrefillUsage
 from gateway.pipeline.exchange import Exchange, ExchangeHooks
 from gateway.pipeline.flights import Flight
 from gateway.pipeline.flow import NO_TICKET, FlowControl, Ticket, request_priority
@@ -136,9 +137,13 @@ class Director:
         flow: FlowControl | None = None,
         drain_timeout_s: float | None = None,
         adapters: AdapterRouting | None = None,
+        disaggregation: Disaggregation | None = None,
     ) -> None:
         self.adapters = adapters
         """LoRA adapters' candidates, slots and loads (gateway.pipeline.adapters; None: off)."""
+        self.disaggregation = disaggregation
+        """A prefill/decode fleet (`gateway.pipeline.disagg`): routing picks the prefill
+        instance, each attempt adds the decode leg (None: every replica serves whole)."""
         self.drain_timeout_s = drain_timeout_s
         """How long a stream waits for its client to read before it is cut (`Exchange.drain`)."""
         self.keying = keying
@@ -322,7 +327,7 @@ class Director:
         if parsed.rendered is not rendered:  # expanded (an explicit cached content): check again
             prompt_tokens = self.estimator.prompt_tokens(parsed, tenant=tenant.name)
             self.admission.check_size(parsed, tenant, prompt_tokens)
-        candidates = self.replicas.serving(parsed.model)
+        candidates = self._serving(parsed.model)
         if self.adapters is not None:
             candidates = self.adapters.candidates(parsed.model, candidates)
         if not candidates:
@@ -366,7 +371,10 @@ class Director:
         a fan-out sibling whose leader is in flight here: its hold is its wait, and it goes to
         the leader's replica), then place it. The caller takes the lease before its next
         await, so the flow ticket's claim hands over to the lease without a gap."""
-        keyed = await self.keying.key(parsed, tenant, [c.id for c in candidates], trace)
+        looked_up = [c.id for c in candidates]
+        if self.disaggregation is not None:  # the decode pick counts each one's own prefix
+            looked_up += [s.id for s in self.disaggregation.decode_pool(parsed.model)]
+        keyed = await self.keying.key(parsed, tenant, looked_up, trace)
         lookup, hashes = keyed.lookup, keyed.hashes
         suspects = self.replicas.suspects()
         if suspects:  # they may have restarted: their entries count once their identity is known
@@ -567,7 +575,8 @@ class Director:
         payload, stream = self._upstream_payload(routed)
         tried: list[str] = []
         failures: list[str] = []
-        committed = await self._commit(routed, trace, payload, stream, tried, failures)
+        leg = PrefillLeg() if self.disaggregation is not None else None
+        committed = await self._commit(routed, trace, payload, stream, tried, failures, leg)
         if isinstance(committed, Passthrough):
             return committed
         lease, opened, attempt = committed
@@ -577,14 +586,14 @@ class Director:
             async def reforward() -> tuple[Lease, Complete | Streaming]:
                 nonlocal attempt
                 attempt.failed(UpstreamError("the engine's stream failed; moved"))
-                again = await self._commit(routed, trace, payload, stream, tried, failures)
+                again = await self._commit(routed, trace, payload, stream, tried, failures, leg)
                 if isinstance(again, Passthrough):  # an engine refusing what another took
                     raise UpstreamError(f"an engine refused the retried request ({again.status})")
                 lease, opened, attempt = again
                 return lease, opened
 
         return Exchange(
-            self.recorder,
+            self.recorder if leg is None else PrefillUsage(self.recorder, leg),
             routed,
             lease,
             trace,
@@ -602,9 +611,12 @@ class Director:
         stream: bool,
         tried: list[str],
         failures: list[str],
+        leg: PrefillLeg | None = None,
     ) -> tuple[Lease, Complete | Streaming, AttemptTrace] | Passthrough:
         """Walk the replicas (`_order`) until an attempt commits; a retryable failure moves on
-        (a connection failure also marks the replica down). At most `max_attempts` in all."""
+        (a connection failure also marks the replica down). At most `max_attempts` in all.
+        With `leg` (a disaggregated fleet) each attempt is a prefill and a decode leg, and the
+        decode instance's lease is the one kept."""
         path = _PATHS[routed.parsed.kind]
         output_tokens = self.replicas.fleet.expected_output_tokens(_max_tokens(routed.parsed))
         for state in self._order(routed, tried):
@@ -615,10 +627,19 @@ class Director:
             uncached = routed.route.uncached_tokens(replica_id)
             upstream = trace.attempt(replica_id, len(tried), uncached)
             with state.lease(uncached, output_tokens) as lease:
+                headers = _headers(routed, replica_id, upstream)
                 try:
-                    outcome = await self.forwarder.attempt(
-                        state.url + path, payload, stream, _headers(routed, replica_id, upstream)
-                    )
+                    if leg is None or self.disaggregation is None:
+                        outcome = await self.forwarder.attempt(
+                            state.url + path, payload, stream, headers
+                        )
+                    else:
+                        outcome, kept = await self.disaggregation.attempt(
+                            routed, state, path, payload, stream, headers, output_tokens, leg
+                        )
+                        if kept is not None:
+                            assert not isinstance(outcome, Passthrough)
+                            return kept, outcome, upstream  # the prefill's lease ends here
                 except RetryableFailure as exc:
                     upstream.failed(exc)
                     failures.append(f"{replica_id}: {exc}")
@@ -642,6 +663,14 @@ class Director:
             f"every attempt at an engine failed ({len(failures)} attempts); try again"
         )
 
+    def _serving(self, model: str) -> list[ReplicaState]:
+        """The replicas routing picks from: those serving the model (in a disaggregated fleet,
+        its prefill instances: the decode pick is the attempt's second leg)."""
+        serving = self.replicas.serving(model)
+        if self.disaggregation is None:
+            return serving
+        return [s for s in serving if not self.disaggregation.is_decode(s.id)]
+
     def _order(self, routed: Routed, tried: Sequence[str]) -> Iterator[ReplicaState]:
         """The replicas to try, read as each attempt starts (an attempt awaits, and routing may
         have waited seconds behind a fan-out leader): the ranking, skipping replicas tried or
@@ -658,9 +687,7 @@ class Director:
                 continue
             yield state
         joined = [
-            s
-            for s in self.replicas.serving(routed.parsed.model)
-            if s.healthy and s.id not in ranking
+            s for s in self._serving(routed.parsed.model) if s.healthy and s.id not in ranking
         ]
         if joined:
             decision = self.policy.decide(routed.route, [s.snapshot() for s in joined], self.rng)

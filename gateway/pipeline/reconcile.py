@@ -91,7 +91,7 @@ class Reconciler:
         rendered = len(record.parsed.rendered)
         if not prompt_tokens or rendered == 0:
             return
-        replica = record.replica
+        replica = record.cached_on or record.replica  # P/D: the prefill instance's cache
         routed = record.routed
         matched = routed.route.overlap.get(replica, 0)
         if self.block_tokens is not None:

@@ -85,6 +85,9 @@ class ExchangeRecord:
     usage: EngineUsage | None = None
     ok: bool = True
     """False when the stream broke or the client left."""
+    cached_on: str | None = None
+    """The replica whose prefix cache the usage's `cached_tokens` describe when it is not
+    `replica`: in a P/D exchange, the prefill instance's (`gateway.pipeline.disagg`)."""
     request_id: str = field(default_factory=lambda: "req_" + secrets.token_hex(12))
     """The gateway's id of the exchange: the answer's `x-request-id`, the access log's
     `request_id`, what the console looks a request up by."""

@@ -63,6 +63,7 @@ from gateway.observability.tracing import Tracing, build_tracing
 from gateway.pipeline.adapters import AdapterRouting
 from gateway.pipeline.admission import Admission
 from gateway.pipeline.director import Director
+from gateway.pipeline.disagg import Disaggregation
 from gateway.pipeline.flights import Flights
 from gateway.pipeline.flow import FlowControl, FlowLimits
 from gateway.pipeline.flow_shared import SharedCounters
@@ -167,7 +168,7 @@ def _replicas(
         await directory.forget(replica)
 
     return ReplicaSet(
-        settings.engines,
+        [*settings.engines, *settings.decode_engines],
         interval_s=settings.health_interval_s,
         timeout_s=settings.health_timeout_s,
         unhealthy_after=settings.unhealthy_after,
@@ -448,6 +449,17 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         flow=flow,
         drain_timeout_s=settings.client_drain_timeout_s,
         adapters=adapters,
+        disaggregation=(
+            Disaggregation(
+                settings.decode_engines,
+                replicas,
+                forwarder,
+                directory,
+                random.Random(settings.seed),
+            )
+            if settings.decode_engines
+            else None
+        ),
     )
     discovery = _discovery(settings, replicas, directory, layouts)
     registry.register(
@@ -582,7 +594,7 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
                 capacity_blocks=settings.directory_capacity_blocks,
                 ttl_s=settings.directory_ttl_s,
             )
-            directory.register(settings.engines)
+            directory.register([*settings.engines, *settings.decode_engines])
             _share_events(parts, directory.shared.client)
             if settings.share_load:
                 parts.replicas.share_load(directory.shared.client, settings.load_share_interval_s)

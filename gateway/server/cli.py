@@ -27,6 +27,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine", action="append", dest="engines", metavar="URL", help="an engine replica URL"
     )
+    parser.add_argument(
+        "--decode-engine",
+        action="append",
+        dest="decode_engines",
+        metavar="URL",
+        help="a decode instance's URL (P/D: every --engine is then a prefill instance)",
+    )
     parser.add_argument("--policy", choices=sorted(POLICIES), help="routing policy")
     parser.add_argument(
         "--tenant", action="append", dest="tenants", metavar="NAME:KEY", help="a tenant's key"
@@ -131,6 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
             port=args.port,
             metrics_port=args.metrics_port,
             engines=args.engines,
+            decode_engines=args.decode_engines,
             policy=args.policy,
             tenants=args.tenants,
             server_secret_file=args.server_secret_file,

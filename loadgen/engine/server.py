@@ -53,6 +53,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE, Placeholder, extras_of
+from loadgen.engine.disagg import (
+    CONSUMER,
+    DEFAULT_ABORT_TIMEOUT_S,
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_PULL_GB_PER_S,
+    DEFAULT_PULL_LATENCY_MS,
+    PRODUCER,
+    PULL_PATH,
+    Connector,
+    KVTransferConfig,
+    TransferRequest,
+    parse_kv_transfer_config,
+)
+from loadgen.engine.disagg import describe as describe_transfer
 from loadgen.engine.kv_events import KVEventsConfig, ZmqPublisher, parse_kv_events_config
 from loadgen.engine.kvpool import BlockPool
 from loadgen.engine.lora import (
@@ -141,6 +155,9 @@ class EngineConfig:
     VLLM_ALLOW_RUNTIME_LORA_UPDATING environment variable)."""
     mm_tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE
     """Placeholder tokens each image of a chat expands into (`cachemap.multimodal`)."""
+    kv_transfer: KVTransferConfig | None = None
+    """Prefill/decode disaggregation (vLLM `--kv-transfer-config`, `loadgen.engine.disagg`):
+    None serves every request whole and ignores `kv_transfer_params`, as vLLM does."""
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -298,6 +315,12 @@ class Engine:
         assert self._wakeup is not None
         self._wakeup.set()
 
+    def blocks_freed(self) -> None:
+        """A KV connector freed blocks it held: the scheduler looks at its queue again."""
+        self.core.blocks_freed(asyncio.get_running_loop().time())
+        if self._wakeup is not None:
+            self._wakeup.set()
+
     def reset_prefix_cache(self) -> bool:
         done = self.core.reset_prefix_cache()
         if done:
@@ -332,8 +355,9 @@ async def _json_body(request: Request) -> dict[str, Any]:
 class _EngineCollector(Collector):
     """vLLM's metric names, one series per data-parallel rank (label `engine`, as vLLM's)."""
 
-    def __init__(self, engines: Sequence[Engine]) -> None:
+    def __init__(self, engines: Sequence[Engine], connector: Connector | None = None) -> None:
         self.engines = engines
+        self.connector = connector
 
     def collect(self) -> Iterable[Any]:
         labels = ["model_name", "engine"]
@@ -395,9 +419,33 @@ class _EngineCollector(Collector):
             )
             lora.add_metric(list(labels_now.values()), time.time())
             yield lora
+        if self.connector is not None:
+            yield from _transfer_metrics(self.connector)
         start = GaugeMetricFamily("process_start_time_seconds", "Start time (Unix s).")
         start.add_metric([], self.engines[0].start_time)
         yield start
+
+
+def _transfer_metrics(connector: Connector) -> Iterable[Any]:
+    """The KV connector's counters, under vLLM's NIXL metric names."""
+    c = connector.counters
+    for name, doc, value in (
+        ("vllm:nixl_num_transfers", "KV pulls completed.", c.num_transfers),
+        ("vllm:nixl_num_failed_transfers", "KV pulls refused or failed.", c.num_failed_transfers),
+        (
+            "vllm:nixl_bytes_transferred",
+            "KV bytes pulled from prefill instances.",
+            c.bytes_transferred,
+        ),
+        ("vllm:nixl_blocks_transferred", "KV blocks pulled.", c.blocks_transferred),
+        ("vllm:nixl_num_expired", "Held requests freed unread (abort timeout).", c.num_expired),
+    ):
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], value)
+        yield family
+    held = GaugeMetricFamily("vllm:nixl_num_held_requests", "Requests whose blocks are held.")
+    held.add_metric([], c.num_held)
+    yield held
 
 
 def _running(e: Engine) -> float:
@@ -445,8 +493,14 @@ class _EngineApp:
         self.config = config
         self.engines = [Engine(config, rank) for rank in range(config.data_parallel_size)]
         self.engine = self.engines[0]
+        self.connector: Connector | None = None
+        if config.kv_transfer is not None:
+            self.connector = Connector(
+                config.kv_transfer, config.timing.time_scale, config.block_size
+            )
+            self.connector.on_release = self.blocks_freed
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(self.engines))
+        self.registry.register(_EngineCollector(self.engines, self.connector))
         self.prompts = RenderedPrompts(
             config.mm_tokens_per_image
         )  # the API server's: every rank's requests are here
@@ -454,6 +508,10 @@ class _EngineApp:
         self.adapters = AdapterRegistry(
             config.model, ((name, f"/adapters/{name}") for name in config.lora_modules)
         )
+
+    def blocks_freed(self) -> None:
+        for e in self.engines:
+            e.blocks_freed()
 
     def model_card(self, adapter: str | None = None) -> dict[str, Any]:
         """The base model's card, or an adapter's (vLLM: `root` its path, `parent` the base)."""
@@ -604,13 +662,28 @@ class _EngineApp:
         try:
             body = await _json_body(request)
             rank = _pick_rank(self.engines, request)
-            return await _generate(rank, body, chat, request, self.prompts, self.adapters)
+            return await _generate(
+                rank, body, chat, request, self.prompts, self.adapters, self.connector
+            )
         except BadRequest as exc:
             return _error(str(exc), exc.status)
+
+    async def kv_transfer_pull(self, request: Request) -> Response:
+        """The simulated NIXL side channel (`loadgen.engine.disagg`)."""
+        if self.connector is None or not self.connector.config.produces:
+            return _error("this engine holds no KV for decode instances", 404)
+        try:
+            body = await _json_body(request)
+        except BadRequest as exc:
+            return _error(str(exc), exc.status)
+        status, answer = await self.connector.serve_pull(body)
+        return JSONResponse(answer, status_code=status)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         started: list[Engine] = []
+        if self.connector is not None:
+            await self.connector.start()
         try:
             for e in self.engines:
                 await e.start()
@@ -619,6 +692,8 @@ class _EngineApp:
         finally:
             for e in started:
                 await e.stop()
+            if self.connector is not None:
+                await self.connector.stop()
 
     def routes(self) -> list[Route]:
         runtime = []
@@ -647,6 +722,7 @@ class _EngineApp:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+            Route(PULL_PATH, self.kv_transfer_pull, methods=["POST"]),
         ]
 
 
@@ -817,18 +893,25 @@ async def _generate(
     request: Request,
     prompts: RenderedPrompts,
     adapters: Container[str] = (),
+    connector: Connector | None = None,
 ) -> Response:
     """Serve one generation on one rank.
 
-    1. Parse: the prompt's tokens, max_tokens, salt, streaming options, its adapter.
-    2. Submit: the adapter to a GPU slot (`loadgen.engine.lora`), then the job (its blocks,
+    1. Parse: the prompt's tokens, max_tokens, salt, streaming options, its adapter, transfer
+       params.
+    2. Pull: a remote prefill's blocks this rank lacks (decode role, `disagg`).
+    3. Submit: the adapter to a GPU slot (`loadgen.engine.lora`), then the job (its blocks,
        its output) to the rank's scheduler.
-    3. Answer: the whole completion when it finishes, or the SSE stream step by step.
+    4. Answer: the whole completion when it finishes (with transfer params and the blocks held
+       for a decode instance, prefill role), or the SSE stream step by step.
     """
     engine.last_traceparent = request.headers.get("traceparent")
     engine.seen_headers.append(dict(request.headers))
     del engine.seen_headers[:-SEEN_HEADERS_KEPT]
     gen = _parse_generation(engine.config, body, chat, prompts, adapters)
+    transfer = connector.parse(body) if connector is not None else None
+    if transfer is not None and transfer.remote_decode and transfer.request_id:
+        gen = dataclasses.replace(gen, max_tokens=1)  # SGLang's prefill: its first token only
     failing = engine.num_failures_left > 0
     if failing:
         engine.num_failures_left -= 1
@@ -838,6 +921,10 @@ async def _generate(
             pass
         return Response(status_code=499)
     job, pieces = _make_job(engine, gen, body)
+    if transfer is not None and transfer.remote_prefill:
+        assert connector is not None
+        if not await _maybe_pull(engine, connector, transfer, job):
+            return _error("KV transfer failed: the remote prefill's blocks could not be read", 500)
     await engine.hold_adapter(job)
     waiter = engine.submit(job)
     if failing:  # the engine dies during the prefill: nothing is cached, the client gets a 500
@@ -852,11 +939,42 @@ async def _generate(
         except asyncio.CancelledError:
             engine.abort(job)
             raise
-        return JSONResponse(reply.whole())
-    return StreamingResponse(_stream(engine, reply, waiter), media_type="text/event-stream")
+        whole = reply.whole()
+        if transfer is not None and transfer.remote_decode:
+            assert connector is not None
+            held_as = transfer.request_id or job.id
+            hold = connector.hold(held_as, engine.core.cache, job.block_hashes)
+            whole["kv_transfer_params"] = hold
+        return JSONResponse(whole)
+    if transfer is not None and transfer.remote_decode and transfer.request_id:
+        assert connector is not None  # SGLang's prefill streams too: hold when it is done
+        hold_after = (connector, transfer.request_id)
+    else:
+        hold_after = None
+    return StreamingResponse(
+        _stream(engine, reply, waiter, hold_after), media_type="text/event-stream"
+    )
 
 
-async def _stream(engine: Engine, reply: _Reply, waiter: _Waiter) -> AsyncIterator[bytes]:
+async def _maybe_pull(
+    engine: Engine, connector: Connector, transfer: TransferRequest, job: Job
+) -> bool:
+    """Pull what the job's prompt lacks here; False when the pull failed and the policy is
+    `fail` (with `recompute` the job just prefills locally, as vLLM's policy of that name)."""
+    num_local = engine.core.cache.match(job.block_hashes)
+    available = await connector.pull(transfer, num_local)
+    if available is None:
+        return connector.config.kv_load_failure_policy != "fail"
+    job.num_external_blocks = available
+    return True
+
+
+async def _stream(
+    engine: Engine,
+    reply: _Reply,
+    waiter: _Waiter,
+    hold_after: tuple[Connector, str] | None = None,
+) -> AsyncIterator[bytes]:
     """The SSE stream: one event per engine step that produced tokens (see the module
     docstring); the last token's event carries `finish_reason`, as vLLM's does."""
     job, gen = reply.job, reply.gen
@@ -885,6 +1003,8 @@ async def _stream(engine: Engine, reply: _Reply, waiter: _Waiter) -> AsyncIterat
                 continue
             waiter.progress.clear()
             await waiter.progress.wait()
+        if hold_after is not None:
+            hold_after[0].hold(hold_after[1], engine.core.cache, job.block_hashes)
         if gen.include_usage:
             yield reply.chunk(choices=[], usage=reply.usage())
         yield b"data: [DONE]\n\n"
@@ -985,6 +1105,42 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TOKENS_PER_IMAGE,
         help="placeholder tokens each image_url part of a chat expands into",
     )
+    parser.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='vLLM\'s P/D JSON, e.g. \'{"kv_connector": "NixlConnector", "kv_role": '
+        '"kv_producer"}\' (kv_producer | kv_consumer | kv_both; docs/disaggregation.md)',
+    )
+    parser.add_argument(
+        "--kv-pull-gb-per-s",
+        type=float,
+        default=DEFAULT_PULL_GB_PER_S,
+        help="decode role: the simulated KV transfer's bandwidth",
+    )
+    parser.add_argument(
+        "--kv-pull-latency-ms",
+        type=float,
+        default=DEFAULT_PULL_LATENCY_MS,
+        help="decode role: the simulated KV transfer's fixed cost per request",
+    )
+    parser.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=DEFAULT_KV_BYTES_PER_TOKEN,
+        help="KV cache bytes per token (what a pull moves)",
+    )
+    parser.add_argument(
+        "--kv-abort-timeout-s",
+        type=float,
+        default=DEFAULT_ABORT_TIMEOUT_S,
+        help="prefill role: unread blocks are freed after this (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
+    )
+    parser.add_argument(
+        "--disaggregation-mode",
+        choices=["null", "prefill", "decode"],
+        default="null",
+        help="SGLang's P/D role (bootstrap_host/port/room; the bootstrap port is --port)",
+    )
     parser.add_argument("--fail-first", type=int, default=0, help=argparse.SUPPRESS)
 
 
@@ -999,6 +1155,22 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv_events = KVEventsConfig()
     if args.kv_events_config:
         kv_events = parse_kv_events_config(args.kv_events_config)
+    transfer_model: dict[str, Any] = {
+        "side_channel_host": args.host,
+        "side_channel_port": args.port,
+        "pull_gb_per_s": args.kv_pull_gb_per_s,
+        "pull_latency_ms": args.kv_pull_latency_ms,
+        "kv_bytes_per_token": args.kv_bytes_per_token,
+        "abort_timeout_s": args.kv_abort_timeout_s,
+    }
+    kv_transfer = None
+    if args.kv_transfer_config and args.disaggregation_mode != "null":
+        raise ValueError("--kv-transfer-config (vLLM) and --disaggregation-mode (SGLang) exclude")
+    if args.kv_transfer_config:
+        kv_transfer = parse_kv_transfer_config(args.kv_transfer_config, **transfer_model)
+    elif args.disaggregation_mode != "null":
+        role = PRODUCER if args.disaggregation_mode == "prefill" else CONSUMER
+        kv_transfer = KVTransferConfig(kv_role=role, sglang=True, **transfer_model)
     return EngineConfig(
         model=args.model,
         capacity_blocks=args.capacity_blocks,
@@ -1016,6 +1188,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         lora_load_s=args.lora_load_s,
         runtime_lora_updating=runtime_updating_from_env(),
         mm_tokens_per_image=args.mm_tokens_per_image,
+        kv_transfer=kv_transfer,
     )
 
 
@@ -1048,5 +1221,6 @@ def describe(config: EngineConfig) -> str:
         f"KV cache {config.capacity_blocks} blocks of {config.block_size} tokens, "
         f"max_model_len {config.max_model_len}, max batch {config.timing.max_batch}, "
         f"time scale {config.timing.time_scale:g}x, data parallel {config.data_parallel_size}, "
-        f"KV events {events.endpoint if events.enable_kv_cache_events else 'off'}"
+        f"KV events {events.endpoint if events.enable_kv_cache_events else 'off'}, "
+        f"{describe_transfer(config.kv_transfer)}"
     )

@@ -205,6 +205,11 @@ class Job:
     cached_tokens: int = 0
     cpu_cached_tokens: int = 0
     """The part of `cached_tokens` loaded from the CPU tier."""
+    num_external_blocks: int = 0
+    """Leading prompt blocks a KV connector pulled from a remote prefill instance before the
+    job was submitted (`loadgen.engine.disagg`): they cost no prefill, as local hits do."""
+    external_tokens: int = 0
+    """The part of `cached_tokens` the connector supplied (not the engine's own prefix cache)."""
     start_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -237,6 +242,8 @@ class EngineCounters:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cpu_cached_tokens: int = 0
+    external_tokens: int = 0
+    """Prompt tokens a KV connector pulled from a remote prefill instance."""
     generation_tokens: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
@@ -317,6 +324,11 @@ class EngineCore:
             self._step_end = None
         self._maybe_start(now)
 
+    def blocks_freed(self, now: float) -> None:
+        """Blocks were freed outside any job's life (a KV connector's hold ended): the queue's
+        head, which may have been waiting for them, looks again."""
+        self._maybe_start(now)
+
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset: refused while any request holds blocks."""
         return self.cache.reset()
@@ -365,8 +377,11 @@ class EngineCore:
         job.num_matched = gpu
         job.next_block = len(job.block_hashes)
         gpu_tokens = min(gpu * job.block_size, job.max_cached_tokens)
-        job.cached_tokens = min((gpu + cpu) * job.block_size, job.max_cached_tokens)
-        job.cpu_cached_tokens = job.cached_tokens - gpu_tokens
+        local_tokens = min((gpu + cpu) * job.block_size, job.max_cached_tokens)
+        external = max(min(job.num_external_blocks, len(job.block_hashes)) - gpu - cpu, 0)
+        job.cached_tokens = min((gpu + cpu + external) * job.block_size, job.max_cached_tokens)
+        job.cpu_cached_tokens = local_tokens - gpu_tokens
+        job.external_tokens = job.cached_tokens - local_tokens
         job.start_s = now
         prefill = self.model.prefill_s(job.uncached_tokens, job.cpu_cached_tokens)
         job.first_token_s = now + prefill
@@ -374,7 +389,8 @@ class EngineCore:
         self._slots_used += 1
         c = self.counters
         c.prompt_tokens += job.num_prompt_tokens
-        c.cached_tokens += job.cached_tokens
+        c.cached_tokens += job.cached_tokens - job.external_tokens
+        c.external_tokens += job.external_tokens
         c.cpu_cached_tokens += job.cpu_cached_tokens
         c.busy_prefill_s += prefill
 

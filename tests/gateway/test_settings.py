@@ -86,3 +86,12 @@ def test_workers_need_a_shared_directory() -> None:
     with pytest.raises(ValidationError, match="workers: 3 needs redis_url"):
         load_settings(workers=3)
     assert load_settings(workers=3, redis_url="unix:///run/redis.sock").workers == 3
+
+
+def test_a_decode_pool_needs_standalone_mode_and_its_own_engines() -> None:
+    pd = load_settings(engines=["http://p:1"], decode_engines=["http://d:1"])
+    assert pd.decode_engines == ["http://d:1"]
+    with pytest.raises(ValidationError, match="decode_engines needs mode: standalone"):
+        load_settings(engines=["http://p:1"], decode_engines=["http://d:1"], mode="epp")
+    with pytest.raises(ValidationError, match=r"engines \(prefill\) and decode_engines at once"):
+        load_settings(engines=["http://p:1"], decode_engines=["http://p:1"])

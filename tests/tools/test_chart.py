@@ -59,6 +59,7 @@ def test_the_config_schema_is_the_settings() -> None:
         EXTERNAL_VALUES,
         chart.CHART / "ci" / "epp-values.yaml",
         chart.CHART / "ci" / "adapters-values.yaml",
+        chart.CHART / "ci" / "pd-values.yaml",
     ],
 )
 def test_lint_strict_and_kubernetes_validate_strict(values: Path | None) -> None:

@@ -1,0 +1,151 @@
+"""A prefill/decode fleet behind the gateway (vLLM NixlConnector's protocol), over real HTTP
+with the openai SDK: 2 prefill and 2 decode simulated engines."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.server.app import create_app
+from loadgen.engine.disagg import CONSUMER, PRODUCER, KVTransferConfig
+from loadgen.engine.server import Engine, EngineConfig, create_engine_app
+from loadgen.harness.processes import free_port
+from loadgen.text import words
+from tests.clients import director
+from tests.clients import openai_client as client
+from tests.conftest import FAST, MODEL, OTHER_KEY, engine_of, gateway_settings
+from tests.servers import Served, start_app, stop_all
+
+pytestmark = pytest.mark.e2e
+
+
+def _engine(role: str) -> Served:
+    port = free_port()
+    transfer = KVTransferConfig(kv_role=role, side_channel_port=port, abort_timeout_s=1e6)
+    return start_app(create_engine_app(EngineConfig(timing=FAST, kv_transfer=transfer)), port)
+
+
+@dataclass
+class Fleet:
+    prefill: list[Served]
+    decode: list[Served]
+    gateway: Served
+
+    def engine(self, url: str) -> Engine:
+        return engine_of(next(e for e in self.prefill + self.decode if e.url == url))
+
+    def prompt_tokens(self, served: list[Served]) -> list[int]:
+        return [engine_of(e).core.counters.prompt_tokens for e in served]
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    prefill = [_engine(PRODUCER), _engine(PRODUCER)]
+    decode = [_engine(CONSUMER), _engine(CONSUMER)]
+    settings = gateway_settings(
+        [e.url for e in prefill], decode_engines=[e.url for e in decode], max_attempts=3
+    )
+    gateway = start_app(create_app(settings))
+    yield Fleet(prefill, decode, gateway)
+    stop_all([gateway, *prefill, *decode])
+
+
+def ask(c: openai.OpenAI, content: str, **extra: Any) -> tuple[Any, str, str]:
+    """One streamed chat turn: its usage, its text, the replica that answered (a decode one)."""
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        **extra,
+    )
+    usage, text = None, ""
+    for chunk in raw.parse():
+        usage = chunk.usage or usage
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+    return usage, text, raw.headers["x-kvgate-replica"]
+
+
+def test_a_repeat_is_prefilled_where_cached_and_billed_as_the_prefill_read_it(
+    fleet: Fleet,
+) -> None:
+    c = client(fleet.gateway)
+    prompt = "You are a coding agent." + words("pd-repeat", 600)
+    before = fleet.prompt_tokens(fleet.prefill)
+    first, text, decoded_at = ask(c, prompt)
+    assert decoded_at in [e.url for e in fleet.decode]
+    assert len(text.split()) >= 4  # the decode instance generated the answer
+    # the decode instance pulled the prompt (and counts it cached), but the prefill computed it
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert fleet.engine(decoded_at).core.counters.external_tokens > 0
+    second, _, _ = ask(c, prompt)
+    assert second.prompt_tokens_details.cached_tokens == (first.prompt_tokens - 1) // 16 * 16
+    moved = [a - b for a, b in zip(fleet.prompt_tokens(fleet.prefill), before, strict=True)]
+    assert sorted(moved) == [0, 2 * first.prompt_tokens]  # one prefill instance served both
+
+
+def test_the_salt_isolates_tenants_on_both_roles(fleet: Fleet) -> None:
+    prompt = "A shared system prompt." + words("pd-salt", 500)
+    ask(client(fleet.gateway), prompt)
+    hits = [engine_of(e).core.counters.cached_tokens for e in fleet.prefill + fleet.decode]
+    other, _, _ = ask(client(fleet.gateway, OTHER_KEY), prompt)
+    assert other.prompt_tokens_details.cached_tokens == 0
+    after = [engine_of(e).core.counters.cached_tokens for e in fleet.prefill + fleet.decode]
+    assert after == hits  # neither the prefill nor the decode instance hit the other's blocks
+
+
+def test_a_client_never_sends_transfer_params(fleet: Fleet) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(fleet.gateway).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"kv_transfer_params": {"do_remote_prefill": True}},
+        )
+    assert "kv_transfer_params" in str(caught.value)
+
+
+def test_a_failing_prefill_and_a_failing_decode_are_retried(fleet: Fleet) -> None:
+    c = client(fleet.gateway)
+    prompt = "Retry me." + words("pd-retry", 500)
+    before = fleet.prompt_tokens(fleet.prefill)
+    _, _, decoded_at = ask(c, prompt)
+    after = fleet.prompt_tokens(fleet.prefill)
+    prefilled_at = next(e for e, b, a in zip(fleet.prefill, before, after, strict=True) if a > b)
+    # the instances a repeat goes to first (its prefix is cached on both) now fail once each
+    stats = director(fleet.gateway).stats
+    retries = stats.retries
+    disagg = director(fleet.gateway).disaggregation
+    assert disagg is not None
+    decode_failures = disagg.num_decode_failures
+    fleet.engine(decoded_at).num_failures_left = 1
+    usage, text, again = ask(c, prompt)
+    assert text and again != decoded_at  # the other decode instance answered
+    assert disagg.num_decode_failures == decode_failures + 1
+    engine_of(prefilled_at).num_failures_left = 1
+    usage, text, _ = ask(c, prompt + " and more")
+    assert text and usage.prompt_tokens > 0
+    assert stats.retries == retries + 1  # the other prefill instance took it
+
+
+def test_an_evicted_prefix_is_reconciled_against_the_prefill_instance() -> None:
+    """The usage's cached tokens are the prefill's: a shortfall there makes the prefill
+    instance suspect (its entries are what misled the pick), never the decode instance."""
+    prefill, decode = _engine(PRODUCER), _engine(CONSUMER)
+    settings = gateway_settings([prefill.url], decode_engines=[decode.url])
+    gateway = start_app(create_app(settings))
+    try:
+        prompt = "Evicted later." + words("pd-reconcile", 500)
+        ask(client(gateway), prompt)
+        assert engine_of(prefill).reset_prefix_cache()  # the prefill forgets it (a wipe)
+        usage, _, _ = ask(client(gateway), prompt)
+        assert usage.prompt_tokens_details.cached_tokens == 0
+        states = director(gateway).replicas.states
+        assert states[prefill.url].suspicions == 1
+        assert states[decode.url].suspicions == 0
+    finally:
+        stop_all([gateway, prefill, decode])
