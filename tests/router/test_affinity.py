@@ -91,9 +91,10 @@ def test_a_free_move_goes_where_the_live_sessions_leave_room() -> None:
         "r2": pytest.approx(0.5),
     }
     for policy in ("cache_aware", "cache_pressure"):
-        decision = build_policy(policy).decide(turn, fleet, random.Random(0))
+        on = build_policy(policy, RouterConfig(room_weight=0.05))  # off by default
+        decision = on.decide(turn, fleet, random.Random(0))
         assert decision is not None and decision.replica == "r1"
-        off = build_policy(policy, RouterConfig(room_weight=0.0))
+        off = build_policy(policy)
         assert off.decide(turn, fleet, random.Random(0)).replica == "r0"  # type: ignore[union-attr]
     one_more = RouteRequest(
         60,
@@ -102,7 +103,8 @@ def test_a_free_move_goes_where_the_live_sessions_leave_room() -> None:
         tokens_per_block=BLOCK,
         committed=committed,
     )
-    assert build_policy("cache_aware").decide(one_more, fleet, random.Random(0)).replica == "r0"  # type: ignore[union-attr]
+    room_on = build_policy("cache_aware", RouterConfig(room_weight=0.05))
+    assert room_on.decide(one_more, fleet, random.Random(0)).replica == "r0"  # type: ignore[union-attr]
     assert RoomScorer().score(_turn(None, everywhere), fleet, random.Random(0)) == dict.fromkeys(
         ("r0", "r1", "r2"), 1.0
     )
