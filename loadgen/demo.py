@@ -9,11 +9,13 @@ import argparse
 import asyncio
 import contextlib
 import signal
+from collections import Counter
 from collections.abc import Iterator
 
 from rich.console import Console
 from rich.table import Table
 
+from loadgen.client import Result
 from loadgen.console import report_console
 from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.engine.tokenizer import MODEL_DIR
@@ -75,12 +77,14 @@ def _engine_args(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _gateway_args(policy: str) -> list[str]:
+def _gateway_args(policy: str, debug_headers: bool = False) -> list[str]:
+    """`debug_headers`: the replays learn which engine answered each request (the imbalance)."""
     tenants = sorted({f"{tenant}:{key}" for tenant, _, key in DEVELOPERS})
     return [
         "--policy",
         policy,
         *(a for t in tenants for a in ("--tenant", t)),
+        *(["--debug-headers"] if debug_headers else []),
         "--log-level",
         "warning",
     ]
@@ -96,25 +100,35 @@ def _fleet(args: argparse.Namespace, policy: str) -> Iterator[processes.Proc]:
     if policy != PRECISE:
         with (
             processes.engines(args.engines, _engine_args(args)) as engines,
-            processes.gateway([e.url for e in engines], _gateway_args(policy)) as gw,
+            processes.gateway([e.url for e in engines], _gateway_args(policy, True)) as gw,
         ):
             yield gw
         return
     with processes.engines_with_events(args.engines, _engine_args(args)) as (engines, events):
         extra, env = processes.precise_gateway_args(events, str(MODEL_DIR))
-        gateway_args = [*_gateway_args("cache_aware"), *extra]
+        gateway_args = [*_gateway_args("cache_aware", True), *extra]
         with processes.gateway([e.url for e in engines], gateway_args, env=env) as gw:
             yield gw
 
 
-def run_policy(args: argparse.Namespace, policy: str) -> Summary:
+def replay_policy(args: argparse.Namespace, policy: str) -> list[Result]:
     with _fleet(args, policy) as gw:
-        results = asyncio.run(
+        return asyncio.run(
             run_phases(
                 team_day(DEVELOPERS), gw.url, DEMO_KEY, DEFAULT_MODEL, max_tokens=args.max_tokens
             )
         )
-    return summarise(results, time_scale=args.time_scale)
+
+
+def run_policy(args: argparse.Namespace, policy: str) -> Summary:
+    return summarise(replay_policy(args, policy), time_scale=args.time_scale)
+
+
+def imbalance(results: list[Result], engines: int) -> float:
+    """The busiest engine's requests over the mean (1.0: even; `engines`: all on one)."""
+    answered = Counter(r.replica for r in results if r.ok and r.replica)
+    total = sum(answered.values())
+    return max(answered.values()) * engines / total if total else 0.0
 
 
 def run_ideal(args: argparse.Namespace) -> Summary:
@@ -141,6 +155,7 @@ def demo_table() -> Table:
         "requests",
         "errors",
         "hit ratio",
+        "imbalance",
         "TTFT mean s",
         "TTFT p50 s",
         "TTFT p99 s",
@@ -166,12 +181,14 @@ def run_demo(args: argparse.Namespace) -> int:
     summaries: dict[str, Summary] = {}
     for policy in policies:
         with console.status(f"replaying through {policy} ..."):
-            s = summaries[policy] = run_policy(args, policy)
+            results = replay_policy(args, policy)
+        s = summaries[policy] = summarise(results, time_scale=args.time_scale)
         table.add_row(
             policy,
             str(s.requests),
             str(s.errors),
             f"{s.hit_ratio:.1%}",
+            f"{imbalance(results, args.engines):.2f}",
             f"{s.ttft_mean_s:.3f}",
             f"{s.ttft_p50_s:.3f}",
             f"{s.ttft_p99_s:.3f}",
@@ -183,6 +200,7 @@ def run_demo(args: argparse.Namespace) -> int:
         str(ideal.requests),
         str(ideal.errors),
         f"[dim]{ideal.hit_ratio:.1%}[/]",
+        "",
         "",
         "",
         "",

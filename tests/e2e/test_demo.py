@@ -9,7 +9,8 @@ import pytest
 
 from loadgen.bench.billing import add_bench_billing_arguments, run_bench_billing
 from loadgen.bench.cpu import add_bench_cpu_arguments, run_bench_cpu
-from loadgen.demo import DEVELOPERS, add_demo_arguments, run_policy
+from loadgen.demo import DEVELOPERS, add_demo_arguments, imbalance, replay_policy
+from loadgen.runner import summarise
 from loadgen.workloads import agent_day, count_requests, team_day
 
 pytestmark = pytest.mark.e2e
@@ -41,11 +42,14 @@ def test_cache_aware_beats_consistent_hashing_on_the_team_day() -> None:
     bound and keeps them. 11-19 points apart in the demo's runs; the hash's side is fixed by the
     workload (three developers on one 1,024-block cache), not by where the ports hash."""
     args = _args(add_demo_arguments, "--time-scale", "50")
-    cache_aware = run_policy(args, "cache_aware")
-    hashing = run_policy(args, "consistent_hash")
+    cache_aware = summarise(replay_policy(args, "cache_aware"), time_scale=50)
+    hashed = replay_policy(args, "consistent_hash")
+    hashing = summarise(hashed, time_scale=50)
     assert cache_aware.errors == hashing.errors == 0
     assert cache_aware.requests == count_requests(team_day(DEVELOPERS))
     assert cache_aware.hit_ratio > hashing.hit_ratio + 0.05
+    # acme's three developers' requests (of four developers' equal days) all on one engine
+    assert imbalance(hashed, args.engines) >= 3.0
 
 
 def test_the_cpu_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
