@@ -41,8 +41,8 @@ cache_aware on hit ratio (88.9%). With three tenants of four developers it depen
 of the replicas' URLs (free ports): 61-63% when it stacked two tenants on one replica, 84.9%
 against cache_aware's 85.1% when it did not. So acme has three developers on one spine: hashing
 puts all three on one replica whatever the ports, its cache cannot hold their sessions, and
-in seven runs consistent_hash read 65.8-67.7% (imbalance 3.00; 41.8% and 4.00 in the one where
-the hash put globex there too) against cache_aware's 77.3-85.4% (imbalance 1.45-2.03), precise
+in eight runs consistent_hash read 65.8-67.7% (imbalance 3.00; 41.8% and 4.00 in the one where
+the hash put globex there too) against cache_aware's 77.3-85.4% (imbalance 1.55-2.03), precise
 66.9-86.6% (where the hot spine's sessions land varies from run to run; in two runs precise was
 no better than hashing)."""
 

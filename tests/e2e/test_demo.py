@@ -39,7 +39,7 @@ def test_the_team_day_runs_every_developers_day_phase_by_phase() -> None:
 def test_cache_aware_beats_consistent_hashing_on_the_team_day() -> None:
     """`make run`'s point: hashing puts the hot tenant's three developers (one spine) on one
     replica, whose cache cannot hold their sessions; cache_aware spreads them within the load
-    bound and keeps them. 10-44 points apart in seven demo runs; the hash's side is fixed by the
+    bound and keeps them. 10-44 points apart in eight demo runs; the hash's side is fixed by the
     workload (three developers on one 1,024-block cache), not by where the ports hash."""
     args = _args(add_demo_arguments, "--time-scale", "50")
     cache_aware = summarise(replay_policy(args, "cache_aware"), time_scale=50)
