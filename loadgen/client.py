@@ -29,6 +29,8 @@ class Result:
     text: str = ""
     error: str = ""
     start_s: float = 0.0
+    replica: str = ""
+    """The engine that answered, where the gateway says (`x-kvgate-replica`, debug headers)."""
 
 
 async def stream_chat(
@@ -75,6 +77,7 @@ async def _stream_once(
             base_url.rstrip("/") + path, data=orjson.dumps(payload), headers=headers
         ) as resp:
             result.status = resp.status
+            result.replica = resp.headers.get("x-kvgate-replica", "")
             if resp.status != 200:
                 result.error = (await resp.read())[:300].decode(errors="replace")
                 result.latency_s = time.monotonic() - start

@@ -9,7 +9,8 @@ import pytest
 
 from loadgen.bench.billing import add_bench_billing_arguments, run_bench_billing
 from loadgen.bench.cpu import add_bench_cpu_arguments, run_bench_cpu
-from loadgen.demo import DEVELOPERS, add_demo_arguments, run_policy
+from loadgen.demo import DEVELOPERS, add_demo_arguments, imbalance, replay_policy
+from loadgen.runner import summarise
 from loadgen.workloads import agent_day, count_requests, team_day
 
 pytestmark = pytest.mark.e2e
@@ -30,18 +31,25 @@ def test_the_team_day_runs_every_developers_day_phase_by_phase() -> None:
     assert count_requests(phases) == len(DEVELOPERS) * count_requests(agent_day())
     assert len(phases) == len(agent_day())  # phase i of every day runs with the others'
     keys = {s.key for p in phases for s in p.sessions}
-    assert keys == {key for _, _, key in DEVELOPERS} and len(keys) == 3  # three tenants
+    assert keys == {key for _, _, key in DEVELOPERS} and len(keys) == 2  # two tenants
     forks = [s for p in phases for s in p.sessions if s.fork_of is not None]
     assert {s.fork_of for s in forks} == {f"{t}/{r}/main" for t, r, _ in DEVELOPERS}
 
 
-def test_cache_aware_beats_round_robin_on_the_team_day() -> None:
+def test_cache_aware_beats_consistent_hashing_on_the_team_day() -> None:
+    """`make run`'s point: hashing puts the hot tenant's three developers (one spine) on one
+    replica, whose cache cannot hold their sessions; cache_aware spreads them within the load
+    bound and keeps them. 10-44 points apart in eight demo runs; the hash's side is fixed by the
+    workload (three developers on one 1,024-block cache), not by where the ports hash."""
     args = _args(add_demo_arguments, "--time-scale", "50")
-    cache_aware = run_policy(args, "cache_aware")
-    round_robin = run_policy(args, "round_robin")
-    assert cache_aware.errors == round_robin.errors == 0
+    cache_aware = summarise(replay_policy(args, "cache_aware"), time_scale=50)
+    hashed = replay_policy(args, "consistent_hash")
+    hashing = summarise(hashed, time_scale=50)
+    assert cache_aware.errors == hashing.errors == 0
     assert cache_aware.requests == count_requests(team_day(DEVELOPERS))
-    assert cache_aware.hit_ratio > round_robin.hit_ratio + 0.1
+    assert cache_aware.hit_ratio > hashing.hit_ratio + 0.05
+    # acme's three developers' requests (of four developers' equal days) all on one engine
+    assert imbalance(hashed, args.engines) >= 3.0
 
 
 def test_the_cpu_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:

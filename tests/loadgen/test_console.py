@@ -12,7 +12,16 @@ from rich.table import Table
 from loadgen.console import LOG_WIDTH, report_console
 from loadgen.demo import demo_table
 
-HEADERS = ("policy", "requests", "errors", "hit ratio", "TTFT mean s", "TTFT p50 s", "TTFT p99 s")
+HEADERS = (
+    "policy",
+    "requests",
+    "errors",
+    "hit ratio",
+    "imbalance",
+    "TTFT mean s",
+    "TTFT p50 s",
+    "TTFT p99 s",
+)
 
 
 def rendered(console: Console, table: Table) -> str:
@@ -24,8 +33,8 @@ def rendered(console: Console, table: Table) -> str:
 
 def filled() -> Table:
     table = demo_table()
-    table.add_row("consistent_hash", "31", "0", "88.8%", "0.123", "0.456", "0.789")
-    table.add_row("[dim]one unlimited cache[/]", "31", "0", "91.0%", "", "", "")
+    table.add_row("consistent_hash", "31", "0", "88.8%", "3.00", "0.123", "0.456", "0.789")
+    table.add_row("[dim]one unlimited cache[/]", "31", "0", "91.0%", "", "", "", "")
     return table
 
 
