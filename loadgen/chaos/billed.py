@@ -3,7 +3,9 @@
 The client's view is the only truth about what was delivered: a response is `completed` when
 the client read all of it (a streamed one: its usage with the billing record's id, then
 `[DONE]`, no error event); `cut` when it had read part of a body and no more came (a stream cut
-mid-body: the gateway owes it an aborted record); `refused` when nothing arrived.
+mid-body: the gateway owes it a record — its aborted one, or its own when the cut came after
+that record's write; the id is known when the usage arrived before the cut); `refused` when
+none of the answer arrived (an error status, or a stream whose only event is an error).
 """
 
 from __future__ import annotations
@@ -114,8 +116,9 @@ def _streamed(
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: {"):
-                    seen = True
                     chunk = orjson.loads(line[6:])
+                    # part of the body: a chunk of the answer (an error event alone is none)
+                    seen = seen or "choices" in chunk
                     error = error or _code(line[6:].encode())
                     if chunk.get("usage"):
                         record_id = chunk["usage"]["kvgate_billing"]["id"]
@@ -123,7 +126,9 @@ def _streamed(
         pass
     if done and record_id is not None and not error:
         return Billed("completed", record_id, 200)
-    return Billed("cut" if seen else "refused", status=200, error=error)
+    if seen:  # a usage read before the cut names the record it is billed by
+        return Billed("cut", record_id, status=200, error=error)
+    return Billed("refused", status=200, error=error)
 
 
 def _code(body: bytes) -> str:
