@@ -64,8 +64,9 @@ the other sessions leave room even onto a replica another gateway has queued wor
 read precise below approximate past its known gaps with it on; `room_weight` (0.05 measured
 best) turns it on. At 0.05: the room scorer (`RoomScorer`) above the load tie-break and at 5%
 of the prefix scorer's range (room outweighs at most 5% of the prompt's blocks cached): it
-decides where a conversation with nothing cached anywhere goes (a new one, or one back from a pause evicted
-everywhere, whose move is free), and a context held somewhere still decides as before.
+decides where a conversation with nothing cached anywhere goes (a new one, or one back from a
+pause evicted everywhere, whose move is free), and a context held somewhere still decides as
+before.
 docs/precise.md, "Room": 0.001 / 0.05 / 0.3 / 1 gave 92.3 / 93.4 / 93.2 / 92.6% of the shared
 LRU (precise cache_aware, the issue-shaped trace at 10% KV)."""
 
