@@ -36,6 +36,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
 HEADERS = {"authorization": f"Bearer {TENANT_KEY}"}
 CHAT = "/v1/chat/completions"
+STOP_TIMEOUT_S = processes.STARTUP_TIMEOUT_S
+"""How long a pod or a worker may take to stop: a bound, not a wait (like the start's, it is
+what a loaded machine under pytest-xdist needs, not what a stop takes)."""
 
 
 @pytest.fixture
@@ -208,15 +211,15 @@ def test_sigterm_drains_every_worker_and_the_pod_exits_cleanly(pod: processes.Pr
         pod.popen.send_signal(signal.SIGTERM)  # seconds of each stream still to come
         for lines in streams:
             assert [line for line in lines if line][-1] == "data: [DONE]"
-    assert pod.popen.wait(timeout=20) == 0
+    assert pod.popen.wait(timeout=STOP_TIMEOUT_S) == 0
     assert not any(alive(pid) for pid in children)
 
 
 def test_a_worker_that_dies_takes_the_pod_down_non_zero(pod: processes.Proc) -> None:
     victim, other = workers_of(pod)
     os.kill(victim, signal.SIGKILL)
-    assert pod.popen.wait(timeout=20) != 0
-    wait_until(lambda: not alive(other), 5, "the other worker stopped")
+    assert pod.popen.wait(timeout=STOP_TIMEOUT_S) != 0
+    wait_until(lambda: not alive(other), STOP_TIMEOUT_S, "the other worker stopped")
 
 
 def test_a_pod_starts_when_the_ports_beside_its_admin_port_are_taken(
@@ -264,8 +267,10 @@ def test_workers_without_a_shared_directory_is_refused() -> None:
 def test_workers_do_not_outlive_a_supervisor_killed_by_sigkill(pod: processes.Proc) -> None:
     children = workers_of(pod)
     pod.popen.kill()  # no drain forwarded: the kernel's parent-death signal drains them
-    pod.popen.wait(timeout=5)
-    wait_until(lambda: not any(alive(pid) for pid in children), 20, "the orphans stopped")
+    pod.popen.wait(timeout=STOP_TIMEOUT_S)
+    wait_until(
+        lambda: not any(alive(pid) for pid in children), STOP_TIMEOUT_S, "the orphans stopped"
+    )
 
 
 def test_while_redis_is_away_each_worker_falls_back_on_the_whole_pods_placements(

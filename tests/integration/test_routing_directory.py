@@ -392,9 +392,11 @@ async def _lookups_past_a_busy_loop(url: str, rounds: int) -> list[bool]:
         await shared_answers(d, probe, 5.0)  # the connection is open, the script loaded
         lane = d.shared.lane if d.shared is not None else None
         # warm-up lookups past the 5-ms deadline on a loaded machine count too: from here
-        timeouts, graced = (lane.stats.timeouts, lane.stats.late_answers) if lane else (0, 0)
+        timeouts = lane.stats.timeouts if lane else 0
         fell_back: list[bool] = []  # the rounds whose reply was still unread at the hog
+        late = 0  # the late answers of those rounds alone: a redone round may have one too
         for _ in range(20 * rounds):  # bounded: a round whose reply was read early is redone
+            graced = lane.stats.late_answers if lane else 0
             calls = stats()
             task = asyncio.create_task(d.lookup(probe))
             await _until_redis_ran(stats, calls)
@@ -405,13 +407,16 @@ async def _lookups_past_a_busy_loop(url: str, rounds: int) -> list[bool]:
             assert look.degraded or look.overlap == {replica: 8}
             if unread:
                 fell_back.append(look.degraded)
+                late += lane.stats.late_answers - graced if lane else 0
                 if len(fell_back) == rounds:
                     break
         assert len(fell_back) == rounds, f"only {len(fell_back)} replies were still unread"
         if lane is not None:  # none was lost; at least one was read past its deadline
             # (uvloop may poll the socket before it fires the deadline: a round in time then)
             assert lane.stats.timeouts == timeouts
-            assert 1 <= lane.stats.late_answers - graced <= rounds
+            # (a redone round's reply, read in the test's blocking INFO polls on a loaded
+            # machine, may be graced too: it is not counted)
+            assert 1 <= late <= rounds
         return fell_back
     finally:
         stats.close()
@@ -557,10 +562,12 @@ async def test_a_redis_slower_than_the_base_deadline_is_still_used(
     """Issue 39 item 1: the deadline follows Redis's recent p99 within a cap. Lookups that
     take ~10 ms (queued behind writes, a busier Redis) against a 5-ms base all fell back to
     the local index, and the breaker stayed open; with the deadline at twice the recent p99
-    Redis answers them, after the breaker's probes have measured it. The cap is 60 ms here: at
-    25 ms, 4 lookups in 20 missed it at a load average of 18 (the p99 measured the load too)."""
+    Redis answers them, after the breaker's probes have measured it. The cap is 200 ms here: at
+    25 ms, 4 lookups in 20 missed it at a load average of 18, and at 60 ms some missed it under
+    three CPU hogs beside two pytest-xdist workers (the p99 measures the load too); the base
+    stays 5 ms, so a deadline that does not follow Redis still fails every lookup."""
     with StallProxy(fresh_redis.port) as proxy:
-        d = await composed(proxy.url, [replica], redis_deadline_cap_s=0.06)
+        d = await composed(proxy.url, [replica], redis_deadline_cap_s=0.2)
         d.deadline_s = 0.005
         try:
             probe = chain(f"{replica}-busier", 4)
