@@ -588,6 +588,7 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
         pool.on_peer_closed = functools.partial(_peer_closed, parts.replicas)
         stack.push_async_callback(parts.limiter.close)
         directory = parts.directory
+        counters: SharedCounters | None = None
         if settings.redis_url:
             directory.shared = RedisDirectory(
                 await open_redis(settings.redis_url, cluster=settings.redis_cluster),
@@ -605,9 +606,10 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
                 )
                 flow.shared = counters
                 counters.start()
-                stack.push_async_callback(counters.stop)
         share_placements(settings, directory)  # --workers N: every local index sees the pod's
         stack.push_async_callback(directory.close)
+        if counters is not None:  # its last round ends before the client closes (a round on a
+            stack.push_async_callback(counters.stop)  # closed client opened one left unclosed)
         shared = parts.keying.precise.shared if parts.keying and parts.keying.precise else None
         if shared is not None:  # its speculative writes end before the client closes
             stack.push_async_callback(shared.close)
