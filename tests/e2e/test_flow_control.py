@@ -476,6 +476,17 @@ def test_two_gateways_on_one_redis_share_their_fairness_counters(
         await asyncio.to_thread(
             wait_until, lambda: one.on_loop(lambda: len(flow.queue)) == 4, 10.0, "4 queued"
         )
+        if share:  # gateway 1 has read acme's total once (a scope's first read is its
+            # baseline: service published before it would count as history, not as news)
+            shared = flow.shared
+            assert shared is not None
+            start = one.on_loop(lambda: shared.rounds)
+            await asyncio.to_thread(
+                wait_until,
+                lambda: one.on_loop(lambda: shared.rounds) >= start + 2,
+                10.0,
+                "gateway 1's rounds with acme tracked",
+            )
         before = counters()
         served = [
             (
