@@ -104,6 +104,7 @@ class Keying:
         check: TokenizerCheck | None = None,
         session: Callable[[], aiohttp.ClientSession | None] = lambda: None,
         affinity: ConversationAffinity | None = None,
+        room: bool = False,
     ) -> None:
         self.keys = keys
         self.directory = directory
@@ -112,6 +113,9 @@ class Keying:
         self.check = check
         self._session = session
         self.affinity = affinity
+        self.room = room
+        """The room scorer weighs (`room_weight` > 0): each request walks the live homes for
+        `Keyed.committed`, work the request path skips otherwise."""
         directory.lookup_homes = affinity is not None  # the home in the lookup's round trip
         self._tasks = BackgroundTasks("keying")
         self.last_lookup_s = 0.0
@@ -130,7 +134,8 @@ class Keying:
             keyed = await self._precise(self.precise, parsed, tenant, candidates, trace)
         if self.affinity is not None:
             keyed.home = await self._home(self.affinity, keyed.hashes, keyed.lookup)
-            keyed.committed = self.affinity.committed(keyed.home)
+            if self.room:
+                keyed.committed = self.affinity.committed(keyed.home)
         return keyed
 
     async def _home(

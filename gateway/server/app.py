@@ -413,6 +413,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             > 0
             else None
         ),
+        room=router_config.room_weight > 0,
     )
     adapters = AdapterRouting(
         replicas,
