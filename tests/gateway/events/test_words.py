@@ -5,6 +5,7 @@ difference."""
 from __future__ import annotations
 
 import array
+import itertools
 from typing import Any
 
 import pytest
@@ -51,6 +52,27 @@ def test_a_text_is_cut_at_every_cut_of_its_rule_and_loses_nothing(text: str, loo
         assert set(at[1:]) <= set(word_cuts(text, 0, len(text), 1))
     assert all(p[:1] == " " for p in pieces[1:])
     assert parts_of(text, loose)[1:] == [p[1:] for p in pieces[1:]]
+
+
+ASCII_TEXTS = st.lists(
+    st.sampled_from([" ", "  ", "a", "Zz", "1", ".", ",", "'s", "~", "!", " word", "x=1;", "\t"]),
+    max_size=40,
+).map("".join)
+"""Mostly printable ASCII, where `parts_of` answers by C scans (`_every_space_cuts`) without
+its regexes: the same cuts as the definition, under either rule."""
+
+
+@settings(max_examples=400, deadline=None)
+@given(ASCII_TEXTS, st.booleans())
+def test_printable_ascii_is_cut_at_every_cut_of_its_rule(text: str, loose: bool) -> None:
+    pieces = split(text, loose)
+    assert "".join(pieces) == text
+    at = list(itertools.accumulate(map(len, pieces[:-1])))
+    assert at == cuts(text, loose)
+    assert parts_of(text, loose)[1:] == [p[1:] for p in pieces[1:]]
+    assert ids_of(WordIds(TOKENIZER.encode_pieces, loose=loose).ids(text, "s")) == (
+        TOKENIZER.encode(text)
+    )
 
 
 def test_the_loose_rule_cuts_a_message_before_its_first_word_and_code_between_words() -> None:
