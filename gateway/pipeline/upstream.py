@@ -68,6 +68,20 @@ class BodyTooLarge(UpstreamBroke):
         self.limit = limit
 
 
+@functools.lru_cache(maxsize=1024)
+def _request_start(url: str) -> tuple[tuple[str, int, bool], bytes]:
+    """(host, port, tls) of an engine URL and its POST's head up to the content length's
+    value, built once per URL: the host's IDNA encoding is a pure-Python codec (~2% of a
+    small request's forwarding, py-spy native)."""
+    host, port, tls, path = origin(url)
+    named = host.encode("idna") if ":" not in host else b"[%s]" % host.encode("ascii")
+    start = (
+        b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n"
+        b"content-length: " % (path, named, port)
+    )
+    return (host, port, tls), start
+
+
 class _Stray(Exception):
     """A second response began on a request's connection: bytes the request never asked for."""
 
@@ -407,12 +421,8 @@ class UpstreamPool:
         self, url: str, payload: bytes, headers: Mapping[str, str] | None = None
     ) -> UpstreamConnection:
         """POST `payload` as JSON to `url`; returns once the response's headers are in."""
-        host, port, tls, path = origin(url)
-        named = host.encode("idna") if ":" not in host else b"[%s]" % host.encode("ascii")
-        head = [
-            b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n" % (path, named, port, len(payload))
-        ]
+        key, start = _request_start(url)
+        head = [b"%b%d\r\n" % (start, len(payload))]
         for name, value in (headers or {}).items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 raise ValueError(f"a header with a line break: {name!r}")
@@ -424,7 +434,7 @@ class UpstreamPool:
         await self._slots.acquire()
         try:
             for _ in range(2):
-                conn = await self._connection((host, port, tls))
+                conn = await self._connection(key)
                 conn._holding_slot = True
                 try:
                     await conn.send(request, payload)
