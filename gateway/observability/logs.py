@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from gateway.request.receipt import receipt_fields
-from gateway.request.state import ExchangeRecord, Routed
+from gateway.request.state import ExchangeRecord, Routed, idle_hook
 from gateway.request.usage import EngineUsage
 
 PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -109,9 +109,11 @@ def log_refusal(method: str, path: str, status: int, seconds: float) -> None:
 class AccessLog:
     """An exchange observer: one INFO line on `kvgate.access` when an exchange ends."""
 
+    @idle_hook
     async def on_first_token(self, record: ExchangeRecord) -> None:
         return None
 
+    @idle_hook
     async def on_usage(self, record: ExchangeRecord, usage: EngineUsage) -> None:
         return None
 

@@ -11,12 +11,83 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from gateway.request.receipt import receipt_fields
-from gateway.request.state import ExchangeRecord
+from gateway.request.receipt import decision_fields
+from gateway.request.state import ExchangeRecord, idle_hook
 from gateway.request.usage import EngineUsage
 
 DEFAULT_RECENT_REQUESTS = 10_000
 """About 5 MB at ~500 bytes an entry: the last minute or two of a busy gateway."""
+
+
+class _Seen:
+    """What an exchange leaves behind for the map: the few values its entry is made of, the
+    dict built only when someone reads it (`RecentRoutes.get`, `latest`). Building it per
+    exchange (a dict, the candidates' list, the receipt) was ~3% of a small request's CPU,
+    for a console read a few times a minute (py-spy, native). Holds no prompt or answer:
+    the decision and overlap are the routing's own small, immutable values."""
+
+    __slots__ = (
+        "at",
+        "complete",
+        "decision",
+        "first_token_s",
+        "model",
+        "num_blocks",
+        "opened_s",
+        "overlap",
+        "replica",
+        "request_id",
+        "response_id",
+        "stream",
+        "tenant",
+        "usage",
+    )
+
+    def __init__(self, record: ExchangeRecord) -> None:
+        routed = record.routed
+        self.request_id = record.request_id
+        self.at = time.time()
+        self.tenant = routed.tenant.name
+        self.model = routed.parsed.model
+        self.stream = routed.parsed.stream
+        self.complete = record.ok
+        self.usage = record.usage
+        self.first_token_s = record.first_token_s
+        self.opened_s = routed.opened_s
+        self.decision = routed.decision
+        self.overlap = routed.route.overlap
+        self.num_blocks = routed.route.num_blocks
+        self.replica = record.replica
+        self.response_id: str | None = None
+
+    def entry(self) -> dict[str, Any]:
+        usage, decision = self.usage, self.decision
+        scores = decision.scores
+        entry: dict[str, Any] = {
+            "request_id": self.request_id,
+            "at": self.at,
+            "tenant": self.tenant,
+            "model": self.model,
+            "stream": self.stream,
+            "complete": self.complete,
+            "prompt_tokens": usage.prompt_tokens if usage else None,
+            "cached_tokens": usage.cached_tokens if usage else None,
+            "ttft_ms": (
+                round((self.first_token_s - self.opened_s) * 1e3, 1) if self.first_token_s else None
+            ),
+            "candidates": [
+                {
+                    "replica": r,
+                    "matched": self.overlap.get(r, 0),
+                    "score": round(scores[i], 3) if i < len(scores) else None,
+                }
+                for i, r in enumerate(decision.ranking)
+            ],
+            **decision_fields(decision, self.overlap, self.num_blocks, self.replica),
+        }
+        if self.response_id is not None:
+            entry["response_id"] = self.response_id
+        return entry
 
 
 class RecentRoutes:
@@ -25,64 +96,42 @@ class RecentRoutes:
     def __init__(self, capacity: int = DEFAULT_RECENT_REQUESTS) -> None:
         assert capacity > 0
         self.capacity = capacity
-        self._entries: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._entries: OrderedDict[str, _Seen] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, request_id: str) -> dict[str, Any] | None:
-        return self._entries.get(request_id)
+        seen = self._entries.get(request_id)
+        return seen.entry() if seen is not None else None
 
     def latest(self, n: int) -> list[dict[str, Any]]:
         """The last `n` distinct exchanges, newest first."""
-        seen: list[dict[str, Any]] = []
+        seen: list[_Seen] = []
         for entry in reversed(self._entries.values()):
             if not seen or entry is not seen[-1]:
                 seen.append(entry)
             if len(seen) == n:
                 break
-        return seen
+        return [s.entry() for s in seen]
 
+    @idle_hook
     async def on_first_token(self, record: ExchangeRecord) -> None:
         return None
 
+    @idle_hook
     async def on_usage(self, record: ExchangeRecord, usage: EngineUsage) -> None:
         return None
 
     async def on_finish(self, record: ExchangeRecord) -> None:
-        routed, usage = record.routed, record.usage
-        scores = routed.decision.scores
-        entry: dict[str, Any] = {
-            "request_id": record.request_id,
-            "at": time.time(),
-            "tenant": routed.tenant.name,
-            "model": routed.parsed.model,
-            "stream": routed.parsed.stream,
-            "complete": record.ok,
-            "prompt_tokens": usage.prompt_tokens if usage else None,
-            "cached_tokens": usage.cached_tokens if usage else None,
-            "ttft_ms": (
-                round((record.first_token_s - routed.opened_s) * 1e3, 1)
-                if record.first_token_s
-                else None
-            ),
-            "candidates": [
-                {
-                    "replica": r,
-                    "matched": routed.route.overlap.get(r, 0),
-                    "score": round(scores[i], 3) if i < len(scores) else None,
-                }
-                for i, r in enumerate(routed.decision.ranking)
-            ],
-            **receipt_fields(routed, record.replica),
-        }
-        self._put(record.request_id, entry)
+        seen = _Seen(record)
+        self._put(record.request_id, seen)
         body_id = record.body.get("id") if record.body else None
         if isinstance(body_id, str):
-            entry["response_id"] = body_id
-            self._put(body_id, entry)
+            seen.response_id = body_id
+            self._put(body_id, seen)
 
-    def _put(self, key: str, entry: dict[str, Any]) -> None:
+    def _put(self, key: str, entry: _Seen) -> None:
         entries = self._entries
         entries[key] = entry
         entries.move_to_end(key)

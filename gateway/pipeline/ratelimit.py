@@ -35,7 +35,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from cachemap.redis.client import PROTOCOL
-from gateway.request.state import ExchangeRecord
+from gateway.request.state import ExchangeRecord, idle_hook
 from gateway.request.usage import EngineUsage
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,7 @@ class TokenSettlement:
     def __init__(self, limiter: RateLimiter) -> None:
         self.limiter = limiter
 
+    @idle_hook
     async def on_first_token(self, record: ExchangeRecord) -> None:
         return None
 
@@ -286,5 +287,6 @@ class TokenSettlement:
             return
         await self.limiter.adjust(tenant.name, tokens_per_min, used - record.routed.admitted_tokens)
 
+    @idle_hook
     async def on_finish(self, record: ExchangeRecord) -> None:
         return None

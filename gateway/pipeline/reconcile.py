@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.directory.routing import RoutingDirectory
-from gateway.request.state import ExchangeRecord
+from gateway.request.state import ExchangeRecord, idle_hook
 from gateway.request.usage import EngineUsage
 
 SLACK_TOKENS = 64
@@ -79,9 +79,11 @@ class Reconciler:
         self._predicted = self._tokens.labels("predicted")
         self._engine = self._tokens.labels("engine")
 
+    @idle_hook
     async def on_first_token(self, record: ExchangeRecord) -> None:
         return None
 
+    @idle_hook
     async def on_finish(self, record: ExchangeRecord) -> None:
         return None
 

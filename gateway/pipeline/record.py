@@ -20,7 +20,7 @@ from typing import Any
 
 from gateway.directory.routing import RoutingDirectory
 from gateway.pipeline.exchange import Exchange
-from gateway.request.state import ExchangeObserver
+from gateway.request.state import ExchangeObserver, is_idle_hook
 from gateway.request.tokens import TokenEstimator
 from gateway.request.usage import EngineUsage
 
@@ -39,14 +39,20 @@ class Recorder:
         self.directory = directory
         self.estimator = estimator
         self.observers = list(observers)
+        # each event's hooks, bound once, without those marked idle (`idle_hook`)
+        self._on_first_token = [
+            o.on_first_token for o in self.observers if not is_idle_hook(o.on_first_token)
+        ]
+        self._on_usage = [o.on_usage for o in self.observers if not is_idle_hook(o.on_usage)]
+        self._on_finish = [o.on_finish for o in self.observers if not is_idle_hook(o.on_finish)]
 
     async def first_token(self, exchange: Exchange) -> None:
         record = exchange.record
         record.first_token_s = time.monotonic()
         if record.routed.hashes and record.replica not in record.routed.unpredicted:
             await self.directory.record(record.replica, record.routed.hashes)
-        for observer in self.observers:
-            await observer.on_first_token(record)
+        for on_first_token in self._on_first_token:
+            await on_first_token(record)
 
     async def usage(self, exchange: Exchange, fields: dict[str, Any]) -> EngineUsage:
         record = exchange.record
@@ -55,8 +61,8 @@ class Recorder:
             exchange.lease.state.fleet.observe_output(usage.completion_tokens)  # is assumed
         if usage.prompt_tokens:
             self.estimator.learn(record.parsed, usage.prompt_tokens, tenant=record.tenant.name)
-        for observer in self.observers:
-            await observer.on_usage(record, usage)
+        for on_usage in self._on_usage:
+            await on_usage(record, usage)
         return usage
 
     async def moved(self, exchange: Exchange) -> None:
@@ -68,8 +74,8 @@ class Recorder:
 
     async def finish(self, exchange: Exchange) -> None:
         record = exchange.record
-        for observer in self.observers:
-            await observer.on_finish(record)
+        for on_finish in self._on_finish:
+            await on_finish(record)
         exchange.trace.finished(record)
 
     def stream_broke(self, exchange: Exchange, exc: BaseException | str) -> None:

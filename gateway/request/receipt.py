@@ -13,19 +13,27 @@ the short form only where the operator turned it on (`debug_headers`, or the ten
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from gateway.request.state import Routed
+from router.types import Decision
 
 
 def receipt_fields(routed: Routed, answered: str) -> dict[str, Any]:
-    decision = routed.decision
-    ranking, scores, overlap = decision.ranking, decision.scores, routed.route.overlap
+    return decision_fields(routed.decision, routed.route.overlap, routed.route.num_blocks, answered)
+
+
+def decision_fields(
+    decision: Decision, overlap: Mapping[str, int], num_blocks: int, answered: str
+) -> dict[str, Any]:
+    """`receipt_fields` from the values it reads (what `RecentRoutes` keeps of an exchange)."""
+    ranking, scores = decision.ranking, decision.scores
     fields: dict[str, Any] = {
         "policy": decision.policy,
         "reason": decision.reason,
         "replica": ranking[0],
-        "matched": f"{decision.matched_blocks}/{routed.route.num_blocks}",
+        "matched": f"{decision.matched_blocks}/{num_blocks}",
         "score": _score(scores, 0),
     }
     if answered != ranking[0]:
