@@ -14,6 +14,7 @@ from typing import Any
 from gateway.request.receipt import decision_fields
 from gateway.request.state import ExchangeRecord, idle_hook
 from gateway.request.usage import EngineUsage
+from router.types import Decision
 
 DEFAULT_RECENT_REQUESTS = 10_000
 """About 5 MB at ~500 bytes an entry: the last minute or two of a busy gateway."""
@@ -23,46 +24,59 @@ class _Seen:
     """What an exchange leaves behind for the map: the few values its entry is made of, the
     dict built only when someone reads it (`RecentRoutes.get`, `latest`). Building it per
     exchange (a dict, the candidates' list, the receipt) was ~3% of a small request's CPU,
-    for a console read a few times a minute (py-spy, native). Holds no prompt or answer:
-    the decision and overlap are the routing's own small, immutable values."""
+    for a console read a few times a minute (py-spy, native). Plain values only: one object
+    the cyclic GC tracks an entry (the routing's decision, overlap and usage kept as objects
+    were five, which the collector walked at every full pass). Holds no prompt or answer."""
 
     __slots__ = (
         "at",
+        "cached_tokens",
         "complete",
-        "decision",
         "first_token_s",
+        "matched",
+        "matched_blocks",
         "model",
         "num_blocks",
         "opened_s",
-        "overlap",
+        "policy",
+        "prompt_tokens",
+        "ranking",
+        "reason",
         "replica",
         "request_id",
         "response_id",
+        "scores",
         "stream",
         "tenant",
-        "usage",
     )
 
     def __init__(self, record: ExchangeRecord) -> None:
-        routed = record.routed
+        routed, usage = record.routed, record.usage
+        decision, overlap = routed.decision, routed.route.overlap
         self.request_id = record.request_id
         self.at = time.time()
         self.tenant = routed.tenant.name
         self.model = routed.parsed.model
         self.stream = routed.parsed.stream
         self.complete = record.ok
-        self.usage = record.usage
+        self.prompt_tokens = usage.prompt_tokens if usage else None
+        self.cached_tokens = usage.cached_tokens if usage else None
         self.first_token_s = record.first_token_s
         self.opened_s = routed.opened_s
-        self.decision = routed.decision
-        self.overlap = routed.route.overlap
+        self.ranking = decision.ranking
+        self.scores = decision.scores
+        self.reason = decision.reason
+        self.policy = decision.policy
+        self.matched_blocks = decision.matched_blocks
+        self.matched = tuple([overlap.get(r, 0) for r in decision.ranking])
         self.num_blocks = routed.route.num_blocks
         self.replica = record.replica
         self.response_id: str | None = None
 
     def entry(self) -> dict[str, Any]:
-        usage, decision = self.usage, self.decision
-        scores = decision.scores
+        scores = self.scores
+        decision = Decision(self.ranking, self.reason, self.matched_blocks, scores, self.policy)
+        overlap = dict(zip(self.ranking, self.matched, strict=True))
         entry: dict[str, Any] = {
             "request_id": self.request_id,
             "at": self.at,
@@ -70,20 +84,20 @@ class _Seen:
             "model": self.model,
             "stream": self.stream,
             "complete": self.complete,
-            "prompt_tokens": usage.prompt_tokens if usage else None,
-            "cached_tokens": usage.cached_tokens if usage else None,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "ttft_ms": (
                 round((self.first_token_s - self.opened_s) * 1e3, 1) if self.first_token_s else None
             ),
             "candidates": [
                 {
                     "replica": r,
-                    "matched": self.overlap.get(r, 0),
+                    "matched": overlap.get(r, 0),
                     "score": round(scores[i], 3) if i < len(scores) else None,
                 }
-                for i, r in enumerate(decision.ranking)
+                for i, r in enumerate(self.ranking)
             ],
-            **decision_fields(decision, self.overlap, self.num_blocks, self.replica),
+            **decision_fields(decision, overlap, self.num_blocks, self.replica),
         }
         if self.response_id is not None:
             entry["response_id"] = self.response_id
