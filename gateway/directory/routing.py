@@ -365,7 +365,8 @@ class RoutingDirectory:
         at_s = on_ms(self.local.index.clock())
         self.local.index.record(replica, hashes, at_s)
         if hashes:
-            self._write(Record(replica, hashes, at_s))
+            if self.shared is not None:  # a frozen dataclass built for nothing without Redis
+                self._write(Record(replica, hashes, at_s))
             if self.siblings is not None:
                 self.siblings.record(replica, hashes, at_s)
 
