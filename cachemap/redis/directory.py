@@ -136,8 +136,8 @@ class RedisDirectory:
         self._restore = client.register_script(scripts.RESTORE)
         self._drop = client.register_script(scripts.DROP)
         self.hot = RateStore(client)
-        self.markers = MarkerStore(client)
-        self.homes = HomeStore(client)
+        self.markers = MarkerStore(client, self.lane)
+        self.homes = HomeStore(client, self.lane)
         self.meta = ReplicaMeta(client)
         self.meta.on_change = self._meta_changed
         self.meta.on_epoch = self._epoch

@@ -28,7 +28,8 @@ The parts, one job each:
 - `restore.WriteBack`: the local index written back when Redis lost entries (came back empty,
   or missed an outage's writes);
 - this module: the facade the pipeline calls, and the fan-out markers (set on the request path
-  with the lookup's deadline, read back while a sibling waits).
+  with the lookup's deadline, read back while a sibling waits; both down the lookups' lane,
+  so their deadline is Redis's time too).
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ class DirectoryStats:
     home_round_trips: int = 0
     """Conversation homes asked of Redis in a call of their own (`home`), not in the lookup's
     round trip (`lookup_homes`): after a lookup Redis did not answer."""
+    marker_failures: int = 0
+    """Fan-out marker calls (`lead`, `read_marker`) Redis did not answer within the deadline
+    (or failed): the deadline is Redis's time, down the lookups' lane."""
+    home_failures: int = 0
+    """`home` calls Redis did not answer within the deadline (or failed)."""
     lookup_seconds: float = 0.0
     lookup_latencies: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -421,13 +427,14 @@ class RoutingDirectory:
         pending would hold every sibling that finds it until its hold's timeout."""
         if self.shared is None or self.degraded or not blocks:
             return False
-        try:
-            await asyncio.wait_for(
-                self.shared.markers.lead(blocks, marker, ttl_s), self.lookup_deadline_s(len(blocks))
+        try:  # down the lookups' lane: the deadline is Redis's time, not this loop's lag
+            await self.shared.markers.lead(
+                blocks, marker, ttl_s, deadline_s=self.lookup_deadline_s(len(blocks))
             )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self.stats.marker_failures += 1
             log.debug("fan-out marker call failed (it may be set; the leader lands it): %s", exc)
         return True
 
@@ -441,12 +448,11 @@ class RoutingDirectory:
             return False, None
         self.stats.home_round_trips += 1
         try:
-            found = await asyncio.wait_for(
-                shared.homes.lookup(hashes), self.lookup_deadline_s(len(hashes))
-            )
+            found = await shared.homes.lookup(hashes, self.lookup_deadline_s(len(hashes)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self.stats.home_failures += 1
             log.debug("conversation home lookup failed (the local table answers): %s", exc)
             return False, None
         return True, found
@@ -472,10 +478,10 @@ class RoutingDirectory:
         if self.shared is None:
             return None
         try:
-            read = self.shared.markers.read_marker(block)
-            marker = await asyncio.wait_for(read, self.lookup_deadline_s(0))
+            marker = await self.shared.markers.read_marker(block, self.lookup_deadline_s(0))
             return "" if marker is None else marker
         except asyncio.CancelledError:
             raise
         except Exception:
+            self.stats.marker_failures += 1
             return None
