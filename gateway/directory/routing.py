@@ -56,7 +56,7 @@ from gateway.directory.epochs import RestartEpochs
 from gateway.directory.landings import POLL_UNSUBSCRIBED_S, READ_INTERVAL_S, LandingWatcher
 from gateway.directory.restore import WriteBack
 from gateway.directory.siblings import Siblings
-from gateway.directory.writes import Call, Drop, Expire, Record, Write, WriteBehind
+from gateway.directory.writes import Call, Drop, Expire, Place, Record, Write, WriteBehind
 from gateway.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -382,8 +382,7 @@ class RoutingDirectory:
         token's record lands. Nothing without Redis: one gateway's own requests see their
         flights (`gateway.pipeline.flights`)."""
         if self.shared is not None and held < len(hashes) and self.place_in_flight:
-            rest = hashes[held:]
-            self._write(Call(lambda shared: shared.place(replica, rest)))
+            self._write(Place(replica, hashes[held:]))
 
     async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.local.drop(replica, hashes)

@@ -2,9 +2,9 @@
 
 Records, drops and expiries go to the local directory at once (by the caller) and to Redis
 through this bounded queue, flushed in batches by one background task with a write deadline:
-records first (one script call per chain, concurrently), then the rest. When Redis is away (the
-breaker says degraded) or a batch fails, its writes are dropped and counted, never retried
-forever; when the queue is full the oldest write goes first.
+records and placements first (one script call per chain, in one pipeline), then the rest.
+When Redis is away (the breaker says degraded) or a batch fails, its writes are dropped and
+counted, never retried forever; when the queue is full the oldest write goes first.
 """
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ class Record:
 
 
 @dataclass(frozen=True, slots=True)
+class Place:
+    """A placement in flight (`RedisDirectory.place`): written in the records' pipeline."""
+
+    replica: str
+    hashes: Sequence[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
 class Drop:
     replica: str
     hashes: Sequence[BlockHash]
@@ -53,7 +61,7 @@ class Call:
     run: Callable[[RedisDirectory], Awaitable[object]]
 
 
-Write = Record | Drop | Expire | Call
+Write = Record | Place | Drop | Expire | Call
 
 
 class WriteBehind:
@@ -103,10 +111,12 @@ class WriteBehind:
 
 
 async def _write(shared: RedisDirectory, batch: list[Write]) -> None:
-    """Records first (one script call per chain, concurrently), then the rest."""
+    """Records and placements first (one script call per chain, all in one pipeline), then
+    the rest."""
     records = [(w.replica, w.hashes, w.at_s) for w in batch if isinstance(w, Record)]
-    if records:
-        await shared.record_many(records)
+    places = [(w.replica, w.hashes) for w in batch if isinstance(w, Place)]
+    if records or places:
+        await shared.record_many(records, places)
     await asyncio.gather(
         *(shared.drop(w.replica, w.hashes) for w in batch if isinstance(w, Drop)),
         *(shared.expire(w.replica, w.before_s) for w in batch if isinstance(w, Expire)),
