@@ -260,10 +260,13 @@ class RedisDirectory:
         self,
         items: Iterable[tuple[str, Sequence[BlockHash], float | None]],
         places: Iterable[tuple[str, Sequence[BlockHash]]] = (),
+        scripted: Iterable[tuple[tuple[Any, ...], str]] = (),
     ) -> None:
         """Several records at once: one script call per chain, then one count per replica.
         Each item is (replica, chain, when it was used: None for now). `places`: placements
-        in flight (`place`) written after them. All the script calls go down one pipeline (one
+        in flight (`place`) written after them; `scripted`: other script calls, (command,
+        the script's source) — a landing (`MarkerStore.land_command`), a home
+        (`HomeStore.record_command`). All go down one pipeline, in that order (one
         connection, one write, one read: `_pipelined`), not one pooled command each."""
         now_ms = to_ms(self.clock())
         ttl_ms = int(self.ttl_s * 1000)
@@ -287,6 +290,9 @@ class RedisDirectory:
             if hashes:
                 commands.append(self._place_command(replica, hashes, PLACEMENT_TTL_S))
                 sources.append(scripts.PLACE)
+        for command, source in scripted:
+            commands.append(command)
+            sources.append(source)
         if not commands:
             return
         replies = await self._pipelined(commands, sources)

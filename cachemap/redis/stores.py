@@ -74,6 +74,14 @@ class MarkerStore:
         keys, head = chain_call(blocks)
         await self._land(keys=keys, args=[*head, marker, landed, int(ttl_s * 1000), LAND_CHANNEL])
 
+    def land_command(
+        self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float
+    ) -> tuple[Any, ...]:
+        """`land` as a command to pipeline (`RedisDirectory.record_many`; script `LAND`)."""
+        keys, head = chain_call(blocks)
+        args = [*head, marker, landed, int(ttl_s * 1000), LAND_CHANNEL]
+        return ("EVALSHA", self._land.sha, len(keys), *keys, *args)
+
     async def read_marker(self, first: BlockHash, deadline_s: float | None = None) -> str | None:
         """The marker of the flight whose first block is `first` (the lookup's `writer_from`)."""
         key = block_keys([first])[0] + b":w"
@@ -122,3 +130,12 @@ class HomeStore:
         superseded = [home.key] if home is not None and home.key != hashes[-1] else []
         keys = [key + b":h" for key in block_keys([hashes[-1], *superseded])]
         await self._set_home(keys=keys, args=[replica, max(int(ttl_s * 1000), 1)])
+
+    def record_command(
+        self, hashes: Sequence[BlockHash], replica: str, home: Home | None, ttl_s: float
+    ) -> tuple[Any, ...]:
+        """`record` as a command to pipeline (`RedisDirectory.record_many`; script
+        `SET_HOME`)."""
+        superseded = [home.key] if home is not None and home.key != hashes[-1] else []
+        keys = [key + b":h" for key in block_keys([hashes[-1], *superseded])]
+        return ("EVALSHA", self._set_home.sha, len(keys), *keys, replica, max(int(ttl_s * 1000), 1))

@@ -48,6 +48,7 @@ from cachemap.directory import on_ms
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
 from cachemap.rates import PrefixRate, PrefixRates
+from cachemap.redis import scripts
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.meta import DirectoryLayoutError
 from gateway.directory.breaker import PROBE_LOOKUPS, Breaker
@@ -56,7 +57,16 @@ from gateway.directory.epochs import RestartEpochs
 from gateway.directory.landings import POLL_UNSUBSCRIBED_S, READ_INTERVAL_S, LandingWatcher
 from gateway.directory.restore import WriteBack
 from gateway.directory.siblings import Siblings
-from gateway.directory.writes import Call, Drop, Expire, Place, Record, Write, WriteBehind
+from gateway.directory.writes import (
+    Call,
+    Drop,
+    Expire,
+    Place,
+    Record,
+    Scripted,
+    Write,
+    WriteBehind,
+)
 from gateway.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -461,7 +471,14 @@ class RoutingDirectory:
     ) -> None:
         """The conversation of `hashes` went to `replica` (write-behind, off the request path)."""
         if self.shared is not None and hashes:
-            self._write(Call(lambda shared: shared.homes.record(hashes, replica, home, ttl_s)))
+            self._write(
+                Scripted(
+                    lambda shared: (
+                        shared.homes.record_command(hashes, replica, home, ttl_s),
+                        scripts.SET_HOME,
+                    )
+                )
+            )
 
     @property
     def landing_poll_s(self) -> float:
@@ -469,7 +486,14 @@ class RoutingDirectory:
         return self._landings.poll_s if self._landings is not None else POLL_UNSUBSCRIBED_S
 
     def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None:
-        self._write(Call(lambda shared: shared.markers.land(blocks, marker, landed, ttl_s)))
+        self._write(
+            Scripted(
+                lambda shared: (
+                    shared.markers.land_command(blocks, marker, landed, ttl_s),
+                    scripts.LAND,
+                )
+            )
+        )
 
     async def read_marker(self, block: BlockHash) -> str | None:
         """The marker of the flight starting at `block`, "" when Redis has none, None when

@@ -14,6 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cachemap.keys import BlockHash
 from cachemap.redis.directory import RedisDirectory
@@ -43,6 +44,14 @@ class Place:
 
 
 @dataclass(frozen=True, slots=True)
+class Scripted:
+    """A script call built when its batch is written — (command, the script's source) — and
+    pipelined with the records (a fan-out landing, a conversation's home)."""
+
+    build: Callable[[RedisDirectory], tuple[tuple[Any, ...], str]]
+
+
+@dataclass(frozen=True, slots=True)
 class Drop:
     replica: str
     hashes: Sequence[BlockHash]
@@ -61,7 +70,7 @@ class Call:
     run: Callable[[RedisDirectory], Awaitable[object]]
 
 
-Write = Record | Place | Drop | Expire | Call
+Write = Record | Place | Scripted | Drop | Expire | Call
 
 
 class WriteBehind:
@@ -115,8 +124,9 @@ async def _write(shared: RedisDirectory, batch: list[Write]) -> None:
     the rest."""
     records = [(w.replica, w.hashes, w.at_s) for w in batch if isinstance(w, Record)]
     places = [(w.replica, w.hashes) for w in batch if isinstance(w, Place)]
-    if records or places:
-        await shared.record_many(records, places)
+    scripted = [w.build(shared) for w in batch if isinstance(w, Scripted)]
+    if records or places or scripted:
+        await shared.record_many(records, places, scripted)
     await asyncio.gather(
         *(shared.drop(w.replica, w.hashes) for w in batch if isinstance(w, Drop)),
         *(shared.expire(w.replica, w.before_s) for w in batch if isinstance(w, Expire)),
