@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
 from cachemap.directory import (
     DEFAULT_REPLICA_CAPACITY_BLOCKS,
@@ -136,8 +137,8 @@ class RedisDirectory:
         self._restore = client.register_script(scripts.RESTORE)
         self._drop = client.register_script(scripts.DROP)
         self.hot = RateStore(client)
-        self.markers = MarkerStore(client)
-        self.homes = HomeStore(client)
+        self.markers = MarkerStore(client, self.lane)
+        self.homes = HomeStore(client, self.lane)
         self.meta = ReplicaMeta(client)
         self.meta.on_change = self._meta_changed
         self.meta.on_epoch = self._epoch
@@ -256,14 +257,22 @@ class RedisDirectory:
         await self.record_many([(replica, hashes, None)])
 
     async def record_many(
-        self, items: Iterable[tuple[str, Sequence[BlockHash], float | None]]
+        self,
+        items: Iterable[tuple[str, Sequence[BlockHash], float | None]],
+        places: Iterable[tuple[str, Sequence[BlockHash]]] = (),
+        scripted: Iterable[tuple[tuple[Any, ...], str]] = (),
     ) -> None:
         """Several records at once: one script call per chain, then one count per replica.
-        Each item is (replica, chain, when it was used: None for now)."""
+        Each item is (replica, chain, when it was used: None for now). `places`: placements
+        in flight (`place`) written after them; `scripted`: other script calls, (command,
+        the script's source) — a landing (`MarkerStore.land_command`), a home
+        (`HomeStore.record_command`). All go down one pipeline, in that order (one
+        connection, one write, one read: `_pipelined`), not one pooled command each."""
         now_ms = to_ms(self.clock())
         ttl_ms = int(self.ttl_s * 1000)
         counts: dict[str, int] = {}
-        calls = []
+        commands: list[tuple[Any, ...]] = []
+        sources: list[str] = []
         rids = []
         for replica, hashes, at_s in items:
             if not hashes:
@@ -272,16 +281,49 @@ class RedisDirectory:
             gen = self.meta.gen(rid)
             keys, head = chain_call(hashes)
             used_ms = now_ms if at_s is None else to_ms(at_s)
-            calls.append(self._record(keys=keys, args=[*head, rid, gen, used_ms, ttl_ms]))
+            commands.append(
+                ("EVALSHA", self._record.sha, len(keys), *keys, *head, rid, gen, used_ms, ttl_ms)
+            )
+            sources.append(scripts.RECORD)
             rids.append(rid)
-        if not calls:
+        for replica, hashes in places:
+            if hashes:
+                commands.append(self._place_command(replica, hashes, PLACEMENT_TTL_S))
+                sources.append(scripts.PLACE)
+        for command, source in scripted:
+            commands.append(command)
+            sources.append(source)
+        if not commands:
             return
-        for rid, new in zip(rids, await asyncio.gather(*calls), strict=True):
+        replies = await self._pipelined(commands, sources)
+        for rid, new in zip(rids, replies, strict=False):
             counts[rid] = counts.get(rid, 0) + int(new)
         per_generation = max(self.capacity_blocks // 2, 1)
         await asyncio.gather(
             *(self.meta.count(rid, n, per_generation, now_ms) for rid, n in counts.items())
         )
+
+    async def _pipelined(self, commands: list[tuple[Any, ...]], sources: list[str]) -> list[Any]:
+        """Script calls in one pipeline (a cluster's: each master its share), in order; a
+        script Redis lost (a restart, `SCRIPT FLUSH`) is loaded and its calls sent again once.
+        Raises the first error."""
+        pipe = self.client.pipeline() if self.cluster else self.client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        lost = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if lost:
+            for source in dict.fromkeys(sources[i] for i in lost):
+                await self.client.script_load(source)
+            again = self.client.pipeline() if self.cluster else self.client.pipeline(False)
+            for i in lost:
+                again.execute_command(*commands[i])
+            for i, reply in zip(lost, await again.execute(raise_on_error=False), strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
 
     async def place(
         self, replica: str, hashes: Sequence[BlockHash], ttl_s: float = PLACEMENT_TTL_S
@@ -291,13 +333,18 @@ class RedisDirectory:
         expire) for `ttl_s` or until the request's first token records them, whichever is
         first. Issue 39 item 3: the next turn, or a concurrent sibling, that another gateway
         gets goes where this one went."""
-        if not hashes:
-            return
+        if hashes:
+            await self._pipelined([self._place_command(replica, hashes, ttl_s)], [scripts.PLACE])
+
+    def _place_command(
+        self, replica: str, hashes: Sequence[BlockHash], ttl_s: float
+    ) -> tuple[Any, ...]:
         rid = self._rid(replica)
         keys, head = chain_call(hashes)
         ttl_ms = int(ttl_s * 1000)
         expiry_ms = to_ms(self.clock()) + ttl_ms
-        await self._place(keys=keys, args=[*head, rid, self.meta.gen(rid), expiry_ms, ttl_ms])
+        gen = self.meta.gen(rid)
+        return ("EVALSHA", self._place.sha, len(keys), *keys, *head, rid, gen, expiry_ms, ttl_ms)
 
     async def restore(self, replica: str, entries: Sequence[tuple[BlockHash, float]]) -> int:
         """Write back entries (block, last use) a gateway kept while Redis lost them, at the

@@ -108,6 +108,7 @@ from cachemap.redis.event_scripts import (
     write_record,
 )
 from cachemap.redis.lookups import LookupLane
+from cachemap.redis.node_lanes import NodeLanes
 from cachemap.redis.schema import chain_call, replica_id, text
 
 log = logging.getLogger(__name__)
@@ -864,13 +865,14 @@ class EventReader:
         self.speculate_failures = 0
         """Speculative writes that failed, or were not sent (`MAX_SPECULATING` in flight)."""
         self._lookup = client.register_script(LOOKUP)
-        self.lane: LookupLane | None = (
-            None
+        self.lane: LookupLane | NodeLanes = (
+            NodeLanes(client, LOOKUP, self._lookup.sha)
             if isinstance(client, RedisCluster)
             else LookupLane(client, LOOKUP, self._lookup.sha)
         )
-        """One Redis: lookups go down their own connection, one script call each (the epochs
-        read in it), the deadline on Redis's time."""
+        """Lookups go down their own connection (a cluster: one per master), the deadline on
+        Redis's time: on one Redis one script call each (the epochs read in it); in a cluster
+        the script on the chain's master and the epochs on theirs, side by side."""
         self._speculate = client.register_script(SPECULATE)
         self._arg = b""
         self._speculating: set[asyncio.Task[None]] = set()
@@ -908,15 +910,12 @@ class EventReader:
         """domain -> its match of the chain (domains matching nothing are absent). Past
         `deadline_s` it raises a `TimeoutError`: on one Redis that is Redis's time (the lookups'
         own connection, `cachemap.redis.lookups`: a reply that arrived while this process's
-        loop ran other work is not late), in a cluster wall time around the pipeline."""
+        loop ran other work is not late); in a cluster each of its two calls' (`_on_nodes`)."""
         if not hashes:
             return {}
         keys, head = chain_call(hashes)
-        if self.lane is None:
-            pipelined = self._pipelined(keys, head)
-            flat = await (
-                pipelined if deadline_s is None else asyncio.wait_for(pipelined, deadline_s)
-            )
+        if isinstance(self.lane, NodeLanes):
+            flat = await self._on_nodes(self.lane, keys, head, deadline_s)
         else:
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self.lane.send([([keys[0], DOMAINS_KEY], [*head, self._arg], deadline_s, future)])
@@ -930,21 +929,28 @@ class EventReader:
                 out[name] = Match(int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3]))
         return out
 
-    async def _pipelined(self, keys: list[bytes], head: list[bytes]) -> Any:
-        """A cluster's lookup: the domains hash (another slot) read in the same pipeline as the
-        chain's script; looked up again when the epochs moved since this view's."""
+    async def _on_nodes(
+        self, lanes: NodeLanes, keys: list[bytes], head: list[bytes], deadline_s: float | None
+    ) -> Any:
+        """A cluster's lookup: the domains hash (another slot) read beside the chain's script,
+        each down its master's lane with the deadline on Redis's time (a wall-clock `wait_for`
+        around redis-py's pipeline counted this loop's lag against Redis); looked up again when
+        the epochs moved since this view's. A lane loads a script its master lost."""
         for attempt in range(3):
-            pipe = self.client.pipeline()
-            pipe.hgetall(DOMAINS_KEY)
-            pipe.execute_command("EVALSHA", self._lookup.sha, 1, keys[0], *head, self._arg)
-            raw, reply = await pipe.execute(raise_on_error=False)
-            if isinstance(raw, Exception):
-                raise raw
-            if isinstance(reply, NoScriptError) and attempt < 2:
-                await self.client.script_load(LOOKUP)
-                continue
-            if isinstance(reply, Exception):
-                raise reply
+            epochs = lanes.command(DOMAINS_KEY, ("HGETALL", DOMAINS_KEY), "", deadline_s)
+            script = lanes.command(
+                keys[0],
+                ("EVALSHA", self._lookup.sha, 1, keys[0], *head, self._arg),
+                LOOKUP,
+                deadline_s,
+            )
+            answers: tuple[Any, Any] = await asyncio.gather(epochs, script, return_exceptions=True)
+            for answer in answers:
+                if isinstance(answer, BaseException):
+                    raise answer
+            raw, reply = answers
+            if isinstance(raw, list):  # a map as a flat list (RESP2)
+                raw = dict(zip(raw[::2], raw[1::2], strict=True))
             if self._epochs_read(raw) and attempt < 2:  # a wipe or a new domain since
                 self.retries += 1
                 continue
@@ -996,8 +1002,7 @@ class EventReader:
     async def close(self) -> None:
         """Settle, then close the lookups' connection."""
         await self.settle()
-        if self.lane is not None:
-            await self.lane.close()
+        await self.lane.close()
 
 
 class Leases:

@@ -42,11 +42,10 @@ import asyncio
 import contextlib
 import select
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
@@ -57,6 +56,27 @@ loop to read them: far above the loop lag seen under the bench's load (tens of m
 bound if something unforeseen kept bytes arriving without ever answering this lookup."""
 RECHECK_S = 0.001
 """How often a lookup given grace re-checks: a loop iteration or so at the lag that gave it."""
+
+
+class LaneClient(Protocol):
+    """What a lane takes its connection from: a `redis.asyncio.Redis`, or one node of a
+    cluster (`cachemap.redis.node_lanes`)."""
+
+    connection_pool: Any
+
+    def script_load(self, source: str) -> Awaitable[Any]: ...
+
+
+class CommandLane(Protocol):
+    """What the request path's other calls go down (`LookupLane`, or a cluster's `NodeLanes`)."""
+
+    def command(
+        self,
+        key: bytes,
+        command: tuple[Any, ...],
+        source: str = "",
+        deadline_s: float | None = None,
+    ) -> asyncio.Future[Any]: ...
 
 
 class LookupTimeout(TimeoutError):
@@ -77,6 +97,8 @@ class _Call:
     command: tuple[Any, ...]
     future: asyncio.Future[Any]
     deadline_s: float | None
+    source: str = ""
+    """The script the command runs (loaded again if Redis lost it); "" for a plain command."""
     started: float = 0.0
     """`loop.time()` when the call was flushed (its deadline runs from here)."""
     sent: bool = False
@@ -100,7 +122,7 @@ class LookupLane:
     """Pipelined EVALSHA calls of one script on a connection of their own (module docstring)."""
 
     def __init__(
-        self, client: aioredis.Redis, source: str, sha: str, stats: LaneStats | None = None
+        self, client: LaneClient, source: str, sha: str, stats: LaneStats | None = None
     ) -> None:
         self._client = client
         self._source = source
@@ -130,12 +152,34 @@ class LookupLane:
         """Write the calls (keys, args, deadline, the future their caller awaits) in one go.
         The reader answers each future itself: a caller resumes one loop iteration after its
         reply is parsed."""
+        self._send(
+            [
+                _Call(("EVALSHA", self._sha, len(keys), *keys, *args), future, d, self._source)
+                for keys, args, d, future in calls
+            ]
+        )
+
+    def command(
+        self,
+        key: bytes,
+        command: tuple[Any, ...],
+        source: str = "",
+        deadline_s: float | None = None,
+    ) -> asyncio.Future[Any]:
+        """Any other command down this lane, on the same deadline (Redis's time): another
+        script's `EVALSHA` (`source`: its text, loaded again if Redis lost it) or a plain read.
+        `key` is the command's first key (what a cluster's lanes route by; unused here).
+        The request path's other calls — fan-out markers, a conversation's home — so the
+        caller's loop lag is not counted against Redis (issue 39 item 1)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._send([_Call(command, future, deadline_s, source)])
+        return future
+
+    def _send(self, batch: list[_Call]) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        batch = [
-            _Call(("EVALSHA", self._sha, len(keys), *keys, *args), future, d, now)
-            for keys, args, d, future in calls
-        ]
+        for call in batch:
+            call.started = now
         if self._closed:
             _fail(batch, LaneClosed("the lookup lane is closed"))
             return
@@ -181,7 +225,7 @@ class LookupLane:
             await self._drop(old)
         try:
             # taken from the client's pool and never given back: closing the client closes it
-            conn: AbstractConnection = await pool.get_connection()  # type: ignore[no-untyped-call]
+            conn: AbstractConnection = await pool.get_connection()
         except Exception as exc:
             waiting, self._waiting = self._waiting, []
             _fail(waiting, exc)
@@ -208,8 +252,8 @@ class LookupLane:
                 call = self._pending.popleft()
                 if self.on_round_trip is not None:
                     self.on_round_trip(asyncio.get_running_loop().time() - call.started)
-                if isinstance(reply, NoScriptError) and not call.retried:
-                    await self._client.script_load(self._source)  # Redis lost its scripts
+                if isinstance(reply, NoScriptError) and call.source and not call.retried:
+                    await self._client.script_load(call.source)  # Redis lost its scripts
                     call.retried = True
                     if not call.future.done() and conn is self._conn and _open(conn):
                         self._write_again(conn, call)
@@ -237,6 +281,9 @@ class LookupLane:
         writer = conn._writer
         assert writer is not None
         writer.writelines(conn.pack_commands([call.command]))
+        # Redis answered the first write (NOSCRIPT) and loaded the script: the deadline runs
+        # again from this write, so a script's first call after a restart is not a failure
+        call.started = asyncio.get_running_loop().time()
         self._pending.append(call)
 
     def _expire(self, call: _Call) -> None:
@@ -245,6 +292,9 @@ class LookupLane:
             return
         loop = asyncio.get_running_loop()
         assert call.deadline_s is not None
+        if loop.time() < call.started + call.deadline_s:  # written again since (`_write_again`)
+            loop.call_at(call.started + call.deadline_s, self._expire, call)
+            return
         conn = self._conn
         unread = call.sent and conn is not None and _unread(conn)
         if unread and loop.time() < call.started + call.deadline_s + LAG_GRACE_S:

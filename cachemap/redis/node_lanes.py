@@ -6,10 +6,12 @@ this process's loop lag against Redis).
 
 A lookup's keys share one slot (the chain's tag), so it is one script call on one node; the
 lookups of one loop turn for one node share one write, each still its own command and reply.
-A node's lane runs on a client of its own, built from the cluster client's own settings for
-that node (host, port, TLS, password, protocol). A reply that says the slot moved (`MOVED`,
-`ASK`) or a node that went away fails that lookup (the caller falls back) and reloads the slot
-map, at most once per `SLOTS_REFRESH_S`; lanes of nodes that are no longer masters are closed.
+A node's lane runs on one of the cluster client's own connections to that node (its settings:
+host, port, TLS, password, protocol), taken from the node by name when the lane (re)opens:
+closing the cluster client closes it, so a lane its owner never closed leaves nothing open.
+A reply that says the slot moved (`MOVED`, `ASK`) or a node that went away fails that lookup
+(the caller falls back) and reloads the slot map, at most once per `SLOTS_REFRESH_S`; lanes of
+nodes that are no longer masters are closed.
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import ConnectionPool
+from redis.asyncio.connection import Connection
 from redis.exceptions import AskError, MovedError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -46,7 +47,7 @@ class NodeLanes:
         self._client = client
         self._source = source
         self._sha = sha
-        self._lanes: dict[str, tuple[aioredis.Redis, LookupLane]] = {}
+        self._lanes: dict[str, LookupLane] = {}
         self._refreshing: asyncio.Task[None] | None = None
         self._refreshed_at = -SLOTS_REFRESH_S
         self._closed = False
@@ -60,12 +61,12 @@ class NodeLanes:
     @on_round_trip.setter
     def on_round_trip(self, hook: Callable[[float], None] | None) -> None:
         self._on_round_trip = hook
-        for _, lane in self._lanes.values():
+        for lane in self._lanes.values():
             lane.on_round_trip = hook
 
     @property
     def in_flight(self) -> int:
-        return sum(lane.in_flight for _, lane in self._lanes.values())
+        return sum(lane.in_flight for lane in self._lanes.values())
 
     def send(self, calls: Sequence[Call]) -> None:
         """Each call to its slot's master, one write per master."""
@@ -88,15 +89,38 @@ class NodeLanes:
         for name, batch in by_node.items():
             self._lane(nodes[name]).send(batch)
 
+    def command(
+        self,
+        key: bytes,
+        command: tuple[Any, ...],
+        source: str = "",
+        deadline_s: float | None = None,
+    ) -> asyncio.Future[Any]:
+        """Any other command down the lane of `key`'s master (`LookupLane.command`)."""
+        if self._closed:
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            future.set_exception(LaneClosed("the lookup lanes are closed"))
+            return future
+        try:
+            node = self._client.get_node_from_key(key)  # type: ignore[arg-type]  # bytes work
+        except Exception as exc:  # the slot is not covered (a cluster mid-failover)
+            self._stale()
+            future = asyncio.get_running_loop().create_future()
+            future.set_exception(exc)
+            return future
+        assert node is not None
+        future = self._lane(node).command(key, command, source, deadline_s)
+        future.add_done_callback(self._check)
+        return future
+
     def _lane(self, node: ClusterNode) -> LookupLane:
-        held = self._lanes.get(node.name)
-        if held is None:
-            pool = ConnectionPool(connection_class=node.connection_class, **node.connection_kwargs)
-            client = aioredis.Redis(connection_pool=pool)
+        lane = self._lanes.get(node.name)
+        if lane is None:
+            client = _NodeClient(self._client, node.name)
             lane = LookupLane(client, self._source, self._sha, self.stats)
             lane.on_round_trip = self._on_round_trip
-            held = self._lanes[node.name] = (client, lane)
-        return held[1]
+            self._lanes[node.name] = lane
+        return lane
 
     def _check(self, future: asyncio.Future[Any]) -> None:
         """A slot that moved, or a node that went away: reload the slot map."""
@@ -137,19 +161,14 @@ class NodeLanes:
     async def disconnect(self) -> None:
         """Drop every lane's connection and reload the slot map (after an outage: a master may
         have failed over); the next lookups open new ones."""
-        for _, lane in self._lanes.values():
+        for lane in self._lanes.values():
             await lane.disconnect()
         self._refreshed_at = time.monotonic()
         with contextlib.suppress(Exception):
             await self._client.nodes_manager.initialize()
 
     async def _close_lane(self, name: str) -> None:
-        client, lane = self._lanes.pop(name)
-        await lane.close()
-        with contextlib.suppress(Exception):
-            await client.connection_pool.disconnect()
-        with contextlib.suppress(Exception):
-            await client.aclose()
+        await self._lanes.pop(name).close()
 
     async def close(self) -> None:
         self._closed = True
@@ -159,3 +178,48 @@ class NodeLanes:
                 await self._refreshing
         for name in list(self._lanes):
             await self._close_lane(name)
+
+
+class _NodePool:
+    """The cluster client's connections to one node, lent to a lane as a pool would: the node
+    is looked up by name at each take (a reloaded slot map makes new node objects), and a
+    connection goes back to the node that lent it."""
+
+    def __init__(self, cluster: RedisCluster, name: str) -> None:
+        self._cluster = cluster
+        self._name = name
+        self._lent: dict[int, ClusterNode] = {}
+
+    async def get_connection(self) -> Connection:
+        node = self._cluster.get_node(node_name=self._name)
+        if node is None:
+            raise RedisConnectionError(f"{self._name} is no longer a node of the cluster")
+        conn = node.acquire_connection()
+        try:
+            if not conn.is_connected:
+                await conn.connect()  # type: ignore[no-untyped-call]
+        except BaseException:
+            node.release(conn)
+            raise
+        self._lent[id(conn)] = node
+        return conn
+
+    async def release(self, conn: Connection) -> None:
+        node = self._lent.pop(id(conn), None)
+        if node is not None:
+            node.release(conn)
+
+
+class _NodeClient:
+    """What a `LookupLane` needs of a client, on one node of a cluster."""
+
+    def __init__(self, cluster: RedisCluster, name: str) -> None:
+        self._cluster = cluster
+        self._name = name
+        self.connection_pool = _NodePool(cluster, name)
+
+    async def script_load(self, source: str) -> Any:
+        node = self._cluster.get_node(node_name=self._name)
+        if node is None:
+            raise RedisConnectionError(f"{self._name} is no longer a node of the cluster")
+        return await self._cluster.execute_command("SCRIPT LOAD", source, target_nodes=node)

@@ -13,11 +13,13 @@ All sit in their chain's slot, so one script call reads or writes them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from cachemap.affinity import MAX_WALK_BLOCKS, Home
 from cachemap.keys import BlockHash
 from cachemap.redis import scripts
 from cachemap.redis.client import AnyRedis
+from cachemap.redis.lookups import CommandLane
 from cachemap.redis.schema import LAND_CHANNEL, block_keys, chain_call, text
 
 
@@ -35,18 +37,32 @@ class RateStore:
 
 
 class MarkerStore:
-    def __init__(self, client: AnyRedis) -> None:
+    """With a `lane` (the lookups' own: `cachemap.redis.lookups`), a call given a deadline goes
+    down it, the deadline on Redis's time (issue 39 item 1); without one, through the client."""
+
+    def __init__(self, client: AnyRedis, lane: CommandLane | None = None) -> None:
         self.client = client
+        self.lane = lane
         self._lead = client.register_script(scripts.LEAD)
         self._land = client.register_script(scripts.LAND)
 
-    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> int:
+    async def lead(
+        self,
+        blocks: Sequence[BlockHash],
+        marker: str,
+        ttl_s: float,
+        deadline_s: float | None = None,
+    ) -> int:
         """Mark the flight writing `blocks` (set if absent): one key, one SET, whatever the
         flight's length; 1 when this marker now holds it."""
         if not blocks:
             return 0
         keys, head = chain_call(blocks)
-        return int(await self._lead(keys=keys, args=[*head, marker, int(ttl_s * 1000)]))
+        args: list[Any] = [*head, marker, int(ttl_s * 1000)]
+        if deadline_s is not None and self.lane is not None:
+            command = ("EVALSHA", self._lead.sha, len(keys), *keys, *args)
+            return int(await self.lane.command(keys[0], command, scripts.LEAD, deadline_s))
+        return int(await self._lead(keys=keys, args=args))
 
     async def land(
         self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float
@@ -58,9 +74,21 @@ class MarkerStore:
         keys, head = chain_call(blocks)
         await self._land(keys=keys, args=[*head, marker, landed, int(ttl_s * 1000), LAND_CHANNEL])
 
-    async def read_marker(self, first: BlockHash) -> str | None:
+    def land_command(
+        self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float
+    ) -> tuple[Any, ...]:
+        """`land` as a command to pipeline (`RedisDirectory.record_many`; script `LAND`)."""
+        keys, head = chain_call(blocks)
+        args = [*head, marker, landed, int(ttl_s * 1000), LAND_CHANNEL]
+        return ("EVALSHA", self._land.sha, len(keys), *keys, *args)
+
+    async def read_marker(self, first: BlockHash, deadline_s: float | None = None) -> str | None:
         """The marker of the flight whose first block is `first` (the lookup's `writer_from`)."""
-        value = await self.client.get(block_keys([first])[0] + b":w")
+        key = block_keys([first])[0] + b":w"
+        if deadline_s is not None and self.lane is not None:
+            value = await self.lane.command(key, ("GET", key), "", deadline_s)
+        else:
+            value = await self.client.get(key)
         if value is None:
             return None
         raw = value if isinstance(value, bytes) else value.encode()
@@ -71,15 +99,24 @@ class HomeStore:
     """Conversations' homes shared by every gateway (`cachemap.affinity.ConversationAffinity`'s
     lookup and record, one script call each; Redis expires them, so the TTL bounds them)."""
 
-    def __init__(self, client: AnyRedis) -> None:
+    def __init__(self, client: AnyRedis, lane: CommandLane | None = None) -> None:
+        self.lane = lane
+        """As `MarkerStore.lane`."""
         self._home = client.register_script(scripts.HOME)
         self._set_home = client.register_script(scripts.SET_HOME)
 
-    async def lookup(self, hashes: Sequence[BlockHash]) -> Home | None:
+    async def lookup(
+        self, hashes: Sequence[BlockHash], deadline_s: float | None = None
+    ) -> Home | None:
         if not hashes:
             return None
         keys, head = chain_call(hashes)
-        found = await self._home(keys=keys, args=[*head, MAX_WALK_BLOCKS])
+        args: list[Any] = [*head, MAX_WALK_BLOCKS]
+        if deadline_s is not None and self.lane is not None:
+            command = ("EVALSHA", self._home.sha, len(keys), *keys, *args)
+            found = await self.lane.command(keys[0], command, scripts.HOME, deadline_s)
+        else:
+            found = await self._home(keys=keys, args=args)
         if not found:
             return None
         depth, replica = int(found[0]), text(found[1])
@@ -93,3 +130,12 @@ class HomeStore:
         superseded = [home.key] if home is not None and home.key != hashes[-1] else []
         keys = [key + b":h" for key in block_keys([hashes[-1], *superseded])]
         await self._set_home(keys=keys, args=[replica, max(int(ttl_s * 1000), 1)])
+
+    def record_command(
+        self, hashes: Sequence[BlockHash], replica: str, home: Home | None, ttl_s: float
+    ) -> tuple[Any, ...]:
+        """`record` as a command to pipeline (`RedisDirectory.record_many`; script
+        `SET_HOME`)."""
+        superseded = [home.key] if home is not None and home.key != hashes[-1] else []
+        keys = [key + b":h" for key in block_keys([hashes[-1], *superseded])]
+        return ("EVALSHA", self._set_home.sha, len(keys), *keys, replica, max(int(ttl_s * 1000), 1))

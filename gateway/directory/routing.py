@@ -28,7 +28,8 @@ The parts, one job each:
 - `restore.WriteBack`: the local index written back when Redis lost entries (came back empty,
   or missed an outage's writes);
 - this module: the facade the pipeline calls, and the fan-out markers (set on the request path
-  with the lookup's deadline, read back while a sibling waits).
+  with the lookup's deadline, read back while a sibling waits; both down the lookups' lane,
+  so their deadline is Redis's time too).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from cachemap.directory import on_ms
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
 from cachemap.rates import PrefixRate, PrefixRates
+from cachemap.redis import scripts
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.meta import DirectoryLayoutError
 from gateway.directory.breaker import PROBE_LOOKUPS, Breaker
@@ -55,7 +57,16 @@ from gateway.directory.epochs import RestartEpochs
 from gateway.directory.landings import POLL_UNSUBSCRIBED_S, READ_INTERVAL_S, LandingWatcher
 from gateway.directory.restore import WriteBack
 from gateway.directory.siblings import Siblings
-from gateway.directory.writes import Call, Drop, Expire, Record, Write, WriteBehind
+from gateway.directory.writes import (
+    Call,
+    Drop,
+    Expire,
+    Place,
+    Record,
+    Scripted,
+    Write,
+    WriteBehind,
+)
 from gateway.tasks import BackgroundTasks
 
 log = logging.getLogger(__name__)
@@ -100,6 +111,11 @@ class DirectoryStats:
     home_round_trips: int = 0
     """Conversation homes asked of Redis in a call of their own (`home`), not in the lookup's
     round trip (`lookup_homes`): after a lookup Redis did not answer."""
+    marker_failures: int = 0
+    """Fan-out marker calls (`lead`, `read_marker`) Redis did not answer within the deadline
+    (or failed): the deadline is Redis's time, down the lookups' lane."""
+    home_failures: int = 0
+    """`home` calls Redis did not answer within the deadline (or failed)."""
     lookup_seconds: float = 0.0
     lookup_latencies: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -377,8 +393,7 @@ class RoutingDirectory:
         token's record lands. Nothing without Redis: one gateway's own requests see their
         flights (`gateway.pipeline.flights`)."""
         if self.shared is not None and held < len(hashes) and self.place_in_flight:
-            rest = hashes[held:]
-            self._write(Call(lambda shared: shared.place(replica, rest)))
+            self._write(Place(replica, hashes[held:]))
 
     async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         await self.local.drop(replica, hashes)
@@ -422,13 +437,14 @@ class RoutingDirectory:
         pending would hold every sibling that finds it until its hold's timeout."""
         if self.shared is None or self.degraded or not blocks:
             return False
-        try:
-            await asyncio.wait_for(
-                self.shared.markers.lead(blocks, marker, ttl_s), self.lookup_deadline_s(len(blocks))
+        try:  # down the lookups' lane: the deadline is Redis's time, not this loop's lag
+            await self.shared.markers.lead(
+                blocks, marker, ttl_s, deadline_s=self.lookup_deadline_s(len(blocks))
             )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self.stats.marker_failures += 1
             log.debug("fan-out marker call failed (it may be set; the leader lands it): %s", exc)
         return True
 
@@ -442,12 +458,11 @@ class RoutingDirectory:
             return False, None
         self.stats.home_round_trips += 1
         try:
-            found = await asyncio.wait_for(
-                shared.homes.lookup(hashes), self.lookup_deadline_s(len(hashes))
-            )
+            found = await shared.homes.lookup(hashes, self.lookup_deadline_s(len(hashes)))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self.stats.home_failures += 1
             log.debug("conversation home lookup failed (the local table answers): %s", exc)
             return False, None
         return True, found
@@ -457,7 +472,14 @@ class RoutingDirectory:
     ) -> None:
         """The conversation of `hashes` went to `replica` (write-behind, off the request path)."""
         if self.shared is not None and hashes:
-            self._write(Call(lambda shared: shared.homes.record(hashes, replica, home, ttl_s)))
+            self._write(
+                Scripted(
+                    lambda shared: (
+                        shared.homes.record_command(hashes, replica, home, ttl_s),
+                        scripts.SET_HOME,
+                    )
+                )
+            )
 
     @property
     def landing_poll_s(self) -> float:
@@ -465,7 +487,14 @@ class RoutingDirectory:
         return self._landings.poll_s if self._landings is not None else POLL_UNSUBSCRIBED_S
 
     def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None:
-        self._write(Call(lambda shared: shared.markers.land(blocks, marker, landed, ttl_s)))
+        self._write(
+            Scripted(
+                lambda shared: (
+                    shared.markers.land_command(blocks, marker, landed, ttl_s),
+                    scripts.LAND,
+                )
+            )
+        )
 
     async def read_marker(self, block: BlockHash) -> str | None:
         """The marker of the flight starting at `block`, "" when Redis has none, None when
@@ -473,10 +502,10 @@ class RoutingDirectory:
         if self.shared is None:
             return None
         try:
-            read = self.shared.markers.read_marker(block)
-            marker = await asyncio.wait_for(read, self.lookup_deadline_s(0))
+            marker = await self.shared.markers.read_marker(block, self.lookup_deadline_s(0))
             return "" if marker is None else marker
         except asyncio.CancelledError:
             raise
         except Exception:
+            self.stats.marker_failures += 1
             return None

@@ -2,9 +2,9 @@
 
 Records, drops and expiries go to the local directory at once (by the caller) and to Redis
 through this bounded queue, flushed in batches by one background task with a write deadline:
-records first (one script call per chain, concurrently), then the rest. When Redis is away (the
-breaker says degraded) or a batch fails, its writes are dropped and counted, never retried
-forever; when the queue is full the oldest write goes first.
+records and placements first (one script call per chain, in one pipeline), then the rest.
+When Redis is away (the breaker says degraded) or a batch fails, its writes are dropped and
+counted, never retried forever; when the queue is full the oldest write goes first.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cachemap.keys import BlockHash
 from cachemap.redis.directory import RedisDirectory
@@ -35,6 +36,22 @@ class Record:
 
 
 @dataclass(frozen=True, slots=True)
+class Place:
+    """A placement in flight (`RedisDirectory.place`): written in the records' pipeline."""
+
+    replica: str
+    hashes: Sequence[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class Scripted:
+    """A script call built when its batch is written — (command, the script's source) — and
+    pipelined with the records (a fan-out landing, a conversation's home)."""
+
+    build: Callable[[RedisDirectory], tuple[tuple[Any, ...], str]]
+
+
+@dataclass(frozen=True, slots=True)
 class Drop:
     replica: str
     hashes: Sequence[BlockHash]
@@ -53,7 +70,7 @@ class Call:
     run: Callable[[RedisDirectory], Awaitable[object]]
 
 
-Write = Record | Drop | Expire | Call
+Write = Record | Place | Scripted | Drop | Expire | Call
 
 
 class WriteBehind:
@@ -103,10 +120,13 @@ class WriteBehind:
 
 
 async def _write(shared: RedisDirectory, batch: list[Write]) -> None:
-    """Records first (one script call per chain, concurrently), then the rest."""
+    """Records and placements first (one script call per chain, all in one pipeline), then
+    the rest."""
     records = [(w.replica, w.hashes, w.at_s) for w in batch if isinstance(w, Record)]
-    if records:
-        await shared.record_many(records)
+    places = [(w.replica, w.hashes) for w in batch if isinstance(w, Place)]
+    scripted = [w.build(shared) for w in batch if isinstance(w, Scripted)]
+    if records or places or scripted:
+        await shared.record_many(records, places, scripted)
     await asyncio.gather(
         *(shared.drop(w.replica, w.hashes) for w in batch if isinstance(w, Drop)),
         *(shared.expire(w.replica, w.before_s) for w in batch if isinstance(w, Expire)),

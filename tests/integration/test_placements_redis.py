@@ -102,3 +102,25 @@ async def test_a_lookup_with_its_home_is_one_redis_command(fresh_redis: RedisSer
     finally:
         sync.close()
         await d.close()
+
+
+async def test_records_and_placements_share_one_pipeline_and_survive_a_script_flush(
+    directory: RedisDirectory,
+) -> None:
+    """The write-behind's records and placements go down one pipeline (`record_many`'s
+    `places`; issue 39's tier CPU: one pooled command each cost the client ~twice the CPU):
+    written in order, every chain in one call each, on one Redis and on a cluster's masters
+    — and a Redis that lost the scripts (a restart, `SCRIPT FLUSH`) has them loaded again."""
+    chains = [chain(6) for _ in range(6)]
+    for flushed in (False, True):
+        if flushed:
+            await directory.client.script_flush()  # every master forgets every script
+            chains = [chain(6) for _ in range(6)]
+        await directory.record_many(
+            [("r1", c[:3], None) for c in chains],
+            [("r2", c) for c in chains],
+        )
+        for c in chains:
+            found = await directory.lookup_detail(c)
+            assert found["r1"][0] == 3 and found["r1"][1] > 0
+            assert found["r2"] == (6, 0.0)  # in flight: no last use

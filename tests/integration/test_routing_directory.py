@@ -14,6 +14,7 @@ import pytest
 import redis as sync_redis
 import uvloop
 
+from cachemap.affinity import Home
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
@@ -21,7 +22,7 @@ from cachemap.redis.lookups import LAG_GRACE_S
 from cachemap.redis.meta import DirectoryLayoutError
 from cachemap.redis.schema import replica_id
 from gateway.directory.breaker import DEGRADE_AFTER
-from gateway.directory.routing import RoutingDirectory
+from gateway.directory.routing import DirectoryStats, RoutingDirectory
 from gateway.server.app import build
 from loadgen.harness.redis_servers import RedisServer
 from loadgen.harness.stall_proxy import StallProxy
@@ -583,3 +584,60 @@ async def test_a_redis_slower_than_the_base_deadline_is_still_used(
             assert d.lookup_deadline_s(0) > 0.010
         finally:
             await d.close()
+
+
+async def _calls_past_a_busy_loop(url: str, rounds: int) -> DirectoryStats:
+    """The request path's other calls — a fan-out leader's marker (`lead`), the marker read
+    back (`read_marker`), a conversation's home (`home`) — each started, then the loop held
+    10 ms, twice the 5-ms deadline, by other work (this test's own coroutine) before the call
+    is awaited: Redis answers meanwhile. Checks every answer; returns the directory's stats."""
+    replica = f"http://{uuid.uuid4().hex[:8]}:8000"
+    d = await composed(url, [replica])
+    d.deadline_s = 0.005
+    try:
+        blocks = chain(f"{replica}-busy", 8)
+        await d.record(replica, blocks)
+        d.record_home(blocks, replica, None, 60.0)
+        await d.flushed()
+        await shared_answers(d, blocks, 5.0)  # the connection is open, the lookup loaded
+        assert d.shared is not None
+        calls = {
+            "lead": lambda i: d.lead(blocks[4:], f"pending|{i}", 10.0),
+            "read": lambda i: d.read_marker(blocks[4]),
+            "home": lambda i: d.home(blocks),
+        }
+        for call in calls.values():  # each script loaded (the first call finds NOSCRIPT)
+            await call(-1)
+        d.stats.marker_failures = d.stats.home_failures = 0  # warm-up on a loaded machine
+        graced = d.shared.lane.stats.late_answers
+        for name, call in calls.items():
+            for i in range(rounds):
+                task = asyncio.ensure_future(call(i))
+                await asyncio.sleep(0)  # the call's first step: its command is sent
+                hog(0.010)  # the loop is busy past the deadline; Redis answers meanwhile
+                answer = await task
+                if name == "read":
+                    assert answer is not None and answer.startswith("pending|"), answer
+                elif name == "home":
+                    assert answer == (True, Home(replica, 8, blocks[7])), answer
+        # the replies waited in the socket past their deadline, and were taken as answers
+        assert d.shared.lane.stats.late_answers > graced
+        return d.stats
+    finally:
+        await d.close()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("topology", ["redis", "cluster"])
+def test_marker_and_home_calls_answered_while_the_loop_was_busy_are_not_failures(
+    fresh_redis: RedisServer, redis_cluster_url: str, topology: str, loop: str
+) -> None:
+    """Issue 39 item 1: the fan-out markers and the separate home call had a wall-clock
+    `asyncio.wait_for`, so a reply in the socket while the loop ran other requests' CPU counted
+    as Redis not answering (a marker read as "Redis did not answer" releases a sibling early;
+    a home as unanswered routes on the local table). They go down the lookups' lane now, the
+    deadline on Redis's time, on one Redis and on each master of a Cluster."""
+    url = fresh_redis.url if topology == "redis" else redis_cluster_url
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    stats = run(_calls_past_a_busy_loop(url, 3))
+    assert (stats.marker_failures, stats.home_failures) == (0, 0)
