@@ -542,6 +542,9 @@ class ArmResult:
     """kvgate arms on Redis (`@N`): directory lookups by source (`shared`, `local`) and the
     `fallbacks` (Redis did not answer in time), summed over the gateways; precise arms' shared
     event-index lookups (`events_ok`, `events_failed`)."""
+    load_average: tuple[float, float] | None = None
+    """The machine's 1-minute load average before the arm's engines started and after its
+    replay (the machine is shared: what else ran beside it)."""
     restart: dict[str, float] | None = None
     """`--restart-gateway-at`: when the last gateway left and rejoined the rotation (trace s)
     and the hit ratio in the window after it against the run's (`restart_window`)."""
@@ -585,6 +588,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
     `setup.restart_at` and two gateways or more, the last one is restarted mid-replay."""
     trace = trace or setup.trace
     restart: dict[str, float] = {}
+    load_before = os.getloadavg()[0]
     with (
         _engines(arm, setup) as (engines, events),
         start_router(
@@ -626,6 +630,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
                 _replay_with_restart(trace, options, restarting, rotation, in_flight, at_s)
             )
         busy = load.stop()
+        load_after = os.getloadavg()[0]
         n = max(len(rows), 1)
         router_cpu1 = router.cpu_seconds()
         router_cpu = (
@@ -691,6 +696,7 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         imbalance=imbalance(work),
         directory=directory,
         restart=restart or None,
+        load_average=(load_before, load_after),
     )
 
 
@@ -1226,6 +1232,18 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
                 )
                 + "  "
             )
+    loaded = [r for r in results if r.load_average]
+    if loaded:
+        lines.append("")
+        lines.append(
+            "load average (1 min) before → after each arm: "
+            + "; ".join(
+                f"{r.arm} (run {r.run}) {r.load_average[0]:.1f} → {r.load_average[1]:.1f}"
+                for r in loaded
+                if r.load_average
+            )
+            + "  "
+        )
     restarted = [r for r in results if r.restart]
     if restarted:
         lines.append("")

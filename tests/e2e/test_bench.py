@@ -125,6 +125,10 @@ def test_a_many_gateway_arm_runs_on_a_three_master_redis_cluster(tmp_path: Path)
     assert "kvgate:cache_aware@2c (run 1) directory lookups: 30, answered by Redis" in (
         out.read_text()
     )
+    # the machine is shared: the load average around the arm is in the row and the table
+    before, after = row["load_average"]
+    assert before >= 0 and after >= 0
+    assert f"kvgate:cache_aware@2c (run 1) {before:.1f} → {after:.1f}" in out.read_text()
 
 
 @pytest.mark.redis
