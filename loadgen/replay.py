@@ -21,7 +21,7 @@ import asyncio
 import shlex
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,8 @@ class Row:
     tenant: str | None
     error: str = ""
     label: str = ""
+    target: str = ""
+    """The base URL the request was sent to."""
 
 
 @dataclass
@@ -128,6 +130,12 @@ class ReplayOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
     progress: bool = True
     label: str = "replay"
+    rotation: Callable[[], Sequence[str]] | None = None
+    """When given, read as each request is sent: the targets in rotation at that moment (a
+    Service's ready endpoints, as the bench restarts a gateway); else `targets`."""
+    in_flight: dict[str, int] | None = None
+    """When given, kept current: the requests sent to each target and not yet finished (the
+    bench waits for a gateway's to reach 0 once it is out of rotation, before stopping it)."""
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -169,13 +177,22 @@ async def replay(trace: Trace, options: ReplayOptions) -> tuple[list[Row], float
         req = trace.requests[i]
         async with slots:
             sent = loop.time()
-            result = await stream_chat(
-                http,
-                targets[i % len(targets)],
-                _key_for(req.tenant, options.api_keys),
-                body,
-                str(i),
-            )
+            now = options.rotation() if options.rotation is not None else targets
+            target = now[i % len(now)]
+            counts = options.in_flight
+            if counts is not None:
+                counts[target] = counts.get(target, 0) + 1
+            try:
+                result = await stream_chat(
+                    http,
+                    target,
+                    _key_for(req.tenant, options.api_keys),
+                    body,
+                    str(i),
+                )
+            finally:
+                if counts is not None:
+                    counts[target] -= 1
         rows[i] = Row(
             index=i,
             arrival_s=req.arrival_s,
@@ -191,6 +208,7 @@ async def replay(trace: Trace, options: ReplayOptions) -> tuple[list[Row], float
             output_tokens=result.completion_tokens,
             tenant=req.tenant,
             error=result.error,
+            target=target,
         )
         progress.advance(result.ok)
 

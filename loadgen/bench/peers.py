@@ -9,9 +9,14 @@ starts cold with the same KV capacity:
     noflow:<policy>          kvgate serve with fair flow control off (KVGATE_FLOW_CONTROL=false):
                              beside kvgate:<policy>, flow control's cost when not saturated
     kvgate:<policy>@N        N such gateways sharing the directory in a redis-server of the
-                             arm's own (`--gateways N` for every kvgate arm); the replay
-                             spreads requests over them round robin, as a Service would; the
-                             tier's CPU (gateways and redis-server) is the router's
+                             arm's own (`--gateways N` for every kvgate, noflow and precise
+                             arm); the replay spreads requests over them round robin, as a
+                             Service would; the tier's CPU (gateways and redis-server) is the
+                             router's. `--restart-gateway-at F` restarts the last one mid-run
+    kvgate:<policy>@Nc       the same on a 3-master Redis Cluster of the arm's own (the CPU of
+                             its three nodes counted)
+    precise:<policy>@N(c)    N precise gateways sharing the event index (kv_events_shared) and
+                             the directory in the arm's own Redis (or Cluster)
     precise:<policy>         the same in precise mode: --tokenizer-dir (the engines' model
                              directory), the engines publishing KV events, one port each
     precise2:<policy>        two such gateways sharing the event index (kv_events_shared) in
@@ -91,8 +96,8 @@ from loadgen.engine.timing import (
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.harness import processes
 from loadgen.harness.envoy import EnvoySetup, envoy, envoy_binary
-from loadgen.harness.redis_servers import RedisServer, redis_server
-from loadgen.replay import ReplayOptions, ReplaySummary, replay, summarise
+from loadgen.harness.redis_servers import RedisServer, redis_cluster, redis_server
+from loadgen.replay import ReplayOptions, ReplaySummary, Row, replay, summarise
 from loadgen.sim import SimConfig, run_policies
 from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import Trace, read_trace
@@ -135,6 +140,11 @@ PRECISE_KINDS = ("precise", "precise2")
 """Arms whose engines publish KV events and whose gateways route on them."""
 GATEWAY_KINDS = ("kvgate", "noflow", *PRECISE_KINDS, *EPP_KINDS, *WORKER_KINDS)
 """Arms whose router is `kvgate serve` (routing decisions read from its /metrics)."""
+DRAIN_TIMEOUT_S = 120.0
+"""A gateway out of rotation is stopped once its requests have finished, or after this long."""
+DRAIN_POLL_S = 0.02
+DEFAULT_RESTART_WINDOW_S = 60.0
+"""The issue's window after a restart: the following 60 s (trace seconds)."""
 HOP_PROBES = 40
 """One-token requests after each replay to time the idle hop (their median is stable to ~0.1 ms
 at 40, and they cost under a second)."""
@@ -147,16 +157,29 @@ class Arm:
     policy: str
     gateways: int = 1
     """kvgate arms: gateways sharing one redis-server's directory (1: in-process, no Redis)."""
+    cluster: bool = False
+    """`@Nc`: the gateways share a 3-master Redis Cluster of the arm's own, not one server."""
+
+    @property
+    def shared(self) -> bool:
+        """Whether the arm's gateways share their state in a Redis of the arm's own."""
+        return self.gateways > 1 or self.cluster
 
     @property
     def name(self) -> str:
-        many = f"@{self.gateways}" if self.gateways > 1 else ""
-        return f"{self.kind}:{self.policy}{many}"
+        many = f"@{self.gateways}" if self.shared else ""
+        return f"{self.kind}:{self.policy}{many}{'c' if self.cluster else ''}"
+
+
+MANY_KINDS = ("kvgate", "noflow", "precise")
+"""Arms that run as N gateways on one Redis (`@N`, `--gateways N`) or a Cluster (`@Nc`)."""
+CLUSTER_MASTERS = 3
 
 
 def parse_arms(spec: str, gateways: int = 1) -> list[Arm]:
-    """`all` or a comma-separated list of kind:policy names; a kvgate arm may end in `@N` (N
-    gateways on one Redis), else it has `gateways`."""
+    """`all` or a comma-separated list of kind:policy names; a kvgate, noflow or precise arm may
+    end in `@N` (N gateways on one Redis) or `@Nc` (on a 3-master Redis Cluster), else it has
+    `gateways`."""
     if gateways < 1:
         raise ValueError(f"--gateways must be at least 1, got {gateways}")
     epp = [f"{kind}:cache_aware" for kind in EPP_KINDS]
@@ -175,12 +198,18 @@ def parse_arms(spec: str, gateways: int = 1) -> list[Arm]:
         if name not in valid:
             raise ValueError(f"unknown arm {name!r}; choose from {', '.join(sorted(valid))}")
         kind, _, policy = name.partition(":")
-        count = gateways if kind == "kvgate" else 1
+        count = gateways if kind in MANY_KINDS else 1
+        cluster = False
         if many:
-            if kind != "kvgate" or not many.isdigit() or int(many) < 1:
-                raise ValueError(f"{name}@{many}: only kvgate arms take @N, N a whole number >= 1")
-            count = int(many)
-        arms.append(Arm(kind, policy, count))
+            cluster = many.endswith("c")
+            digits = many[:-1] if cluster else many
+            if kind not in MANY_KINDS or not digits.isdigit() or int(digits) < 1:
+                raise ValueError(
+                    f"{name}@{many}: only {', '.join(MANY_KINDS)} arms take @N or @Nc, "
+                    "N a whole number >= 1"
+                )
+            count = int(digits)
+        arms.append(Arm(kind, policy, count, cluster))
     return arms
 
 
@@ -255,6 +284,73 @@ class Router:
     their CPU counts as the router's."""
     other_metrics_urls: tuple[str, ...] = ()
     """The further gateways' /metrics (`@N`): their directory lookups count too."""
+    restartable: RestartableGateway | None = None
+    """`@N`, N >= 2: the last gateway, which `--restart-gateway-at` restarts mid-run (not in
+    `other_pids`: its pid changes)."""
+
+    def cpu_seconds(self) -> float | None:
+        """CPU so far of the router's processes (the tier: gateways, Redis), a restarted
+        gateway's earlier processes included; None without a router process."""
+        if self.pid is None:
+            return None
+        total = sum(map(processes.tree_cpu_seconds, (self.pid, *self.other_pids)))
+        if self.restartable is not None:
+            total += self.restartable.cpu_seconds()
+        return total
+
+
+@dataclass
+class RestartableGateway:
+    """One gateway of a many-gateway arm that the bench restarts mid-run as a rollout would:
+    SIGTERM (it drains what it serves), then the same flags on the same ports."""
+
+    proc: processes.Proc
+    engine_urls: tuple[str, ...]
+    args: tuple[str, ...]
+    env: dict[str, str]
+    retired_cpu_s: float = 0.0
+    """CPU of its earlier processes (read when they exited, before they were reaped)."""
+    retired_counters: dict[str, int] = dataclasses.field(default_factory=dict)
+    """`directory_lookups` of its earlier processes (read as they were told to stop)."""
+
+    def cpu_seconds(self) -> float:
+        live = self.proc.popen.poll() is None
+        return self.retired_cpu_s + (processes.tree_cpu_seconds(self.proc.pid) if live else 0.0)
+
+    def restart(self) -> None:
+        """Stop (SIGTERM: the gateway drains), wait for the exit, start again on the same
+        tenant and admin ports, wait until ready. Blocking: the bench runs it in a thread."""
+        old = self.proc
+        if old.metrics_url:
+            for key, value in directory_lookups(old.metrics_url).items():
+                self.retired_counters[key] = self.retired_counters.get(key, 0) + value
+        old.popen.terminate()
+        os.waitid(os.P_PID, old.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
+        self.retired_cpu_s += processes.cpu_seconds(old.pid)
+        old.popen.wait()
+        port = int(old.url.rsplit(":", 1)[1])
+        env = dict(self.env)
+        if old.metrics_url:
+            env["KVGATE_METRICS_PORT"] = old.metrics_url.rsplit(":", 1)[1]
+        self.proc = processes.start_gateway(port, self.engine_urls, self.args, env)
+        processes.wait_ready(self.proc.url, "/readyz", self.proc.popen, processes.STARTUP_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def shared_redis(cluster: bool, nice: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A many-gateway arm's own Redis: one redis-server on a free port, or a Redis Cluster of
+    `CLUSTER_MASTERS` masters; yields its URL (the gateways ask the server whether it is a
+    cluster) and its processes' pids (their CPU is the tier's)."""
+    if cluster:
+        with redis_cluster(CLUSTER_MASTERS) as nodes:
+            for node in nodes.nodes:
+                prioritise(node, nice)
+            yield nodes.url, tuple(n.proc.pid for n in nodes.nodes if n.proc is not None)
+        return
+    with redis_server(port=0) as redis:
+        prioritise(redis, nice)
+        assert redis.proc is not None
+        yield redis.url, (redis.proc.pid,)
 
 
 def _wait_for_model(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -347,20 +443,32 @@ def start_router(
                 ):
                     yield Router((a.url, b.url), a.pid, BENCH_KEY, a.metrics_url, None, (b.pid,))
             return
-        if arm.kind == "kvgate" and arm.gateways > 1:
+        if arm.kind in MANY_KINDS and arm.shared:
             env["KVGATE_SERVER_SECRET"] = "bench-shared-secret"  # one salt for all
-            with redis_server(port=0) as redis, contextlib.ExitStack() as stack:
-                prioritise(redis, redis_nice)
-                args += ["--redis-url", redis.url]
+            if arm.kind == "precise":
+                env["KVGATE_KV_EVENTS_SHARED"] = "true"
+            if arm.kind == "noflow":
+                env["KVGATE_FLOW_CONTROL"] = "false"
+            with (
+                shared_redis(arm.cluster, redis_nice) as (url, redis_pids),
+                contextlib.ExitStack() as stack,
+            ):
+                args += ["--redis-url", url]
                 gws = [
                     stack.enter_context(processes.gateway(engine_urls, args, env=env))
                     for _ in range(arm.gateways)
                 ]
-                assert redis.proc is not None
-                others = (*(gw.pid for gw in gws[1:]), redis.proc.pid)
+                last = None
+                if len(gws) > 1:  # the one `--restart-gateway-at` restarts: its pid changes
+                    last = RestartableGateway(gws[-1], tuple(engine_urls), tuple(args), env)
+                    stack.callback(lambda: processes.stop([last.proc]) if last else None)
+                middle = gws[1:-1] if last else gws[1:]
+                others = (*(gw.pid for gw in middle), *redis_pids)
                 more = tuple(str(gw.metrics_url) for gw in gws[1:])
                 urls = tuple(gw.url for gw in gws)
-                yield Router(urls, gws[0].pid, BENCH_KEY, gws[0].metrics_url, None, others, more)
+                yield Router(
+                    urls, gws[0].pid, BENCH_KEY, gws[0].metrics_url, None, others, more, last
+                )
             return
         if arm.kind == "noflow":
             env["KVGATE_FLOW_CONTROL"] = "false"
@@ -432,7 +540,14 @@ class ArmResult:
     uncached prefill plus decode, from the engines' own counters), as the simulator reports."""
     directory: dict[str, int] = dataclasses.field(default_factory=dict)
     """kvgate arms on Redis (`@N`): directory lookups by source (`shared`, `local`) and the
-    `fallbacks` (Redis did not answer in time), summed over the gateways."""
+    `fallbacks` (Redis did not answer in time), summed over the gateways; precise arms' shared
+    event-index lookups (`events_ok`, `events_failed`)."""
+    load_average: tuple[float, float] | None = None
+    """The machine's 1-minute load average before the arm's engines started and after its
+    replay (the machine is shared: what else ran beside it)."""
+    restart: dict[str, float] | None = None
+    """`--restart-gateway-at`: when the last gateway left and rejoined the rotation (trace s)
+    and the hit ratio in the window after it against the run's (`restart_window`)."""
 
 
 @dataclass(frozen=True)
@@ -447,6 +562,11 @@ class Setup:
     time_scale: float
     max_output_tokens: int
     redis_nice: int = REDIS_NICE
+    restart_at: float | None = None
+    """`--restart-gateway-at`: the share of the trace's span at which an arm of two gateways
+    or more restarts its last one."""
+    restart_window_s: float = DEFAULT_RESTART_WINDOW_S
+    """Trace seconds after the restart whose hit ratio is compared with the run's."""
 
     def engine_args(self) -> list[str]:
         return [
@@ -464,8 +584,11 @@ class Setup:
 
 
 def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> ArmResult:
-    """Fresh engines, the arm's router, one open-loop replay; CPU from /proc around it."""
+    """Fresh engines, the arm's router, one open-loop replay; CPU from /proc around it. With
+    `setup.restart_at` and two gateways or more, the last one is restarted mid-replay."""
     trace = trace or setup.trace
+    restart: dict[str, float] = {}
+    load_before = os.getloadavg()[0]
     with (
         _engines(arm, setup) as (engines, events),
         start_router(
@@ -477,27 +600,42 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
             setup.redis_nice,
         ) as router,
     ):
+        rotation = [router.targets]
+        """The gateways in rotation (a Service's ready endpoints): replaced whole, not mutated,
+        as the restart's thread changes it while the replay reads it."""
+        in_flight: dict[str, int] = {}
         options = ReplayOptions(
             router.targets if len(router.targets) > 1 else router.targets[0],
             (router.api_key,) if router.api_key else (),
             time_scale=setup.time_scale,
             max_output_tokens=setup.max_output_tokens,
             label=f"{arm.name} (run {run})",
+            rotation=lambda: rotation[0],
+            in_flight=in_flight,
         )
+        restarting = router.restartable if setup.restart_at is not None else None
         work0 = [engine_totals(e.url) for e in engines]
         engine_cpu0 = sum(processes.cpu_seconds(e.pid) for e in engines)
-        router_pids = (router.pid, *router.other_pids) if router.pid else ()
-        router_cpu0 = sum(map(processes.tree_cpu_seconds, router_pids))
+        router_cpu0 = router.cpu_seconds()
         envoy_cpu0 = processes.cpu_seconds(router.envoy_pid) if router.envoy_pid else 0.0
         client_cpu0 = time.process_time()
         load = MachineLoad()
         load.start()
-        rows, wall = asyncio.run(replay(trace, options))
+        if restarting is None:
+            rows, wall = asyncio.run(replay(trace, options))
+        else:
+            assert setup.restart_at is not None
+            at_s = setup.restart_at * trace.span_s / setup.time_scale
+            rows, wall, restart = asyncio.run(
+                _replay_with_restart(trace, options, restarting, rotation, in_flight, at_s)
+            )
         busy = load.stop()
+        load_after = os.getloadavg()[0]
         n = max(len(rows), 1)
+        router_cpu1 = router.cpu_seconds()
         router_cpu = (
-            (sum(map(processes.tree_cpu_seconds, router_pids)) - router_cpu0) / n * 1e3
-            if router_pids
+            (router_cpu1 - router_cpu0) / n * 1e3
+            if router_cpu0 is not None and router_cpu1 is not None
             else None
         )
         engine_cpu = (sum(processes.cpu_seconds(e.pid) for e in engines) - engine_cpu0) / n
@@ -518,14 +656,28 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
             else {}
         )
         directory: dict[str, int] = {}
-        if arm.gateways > 1 and router.metrics_url:
-            for url in (router.metrics_url, *router.other_metrics_urls):
-                for key, value in directory_lookups(url).items():
+        if arm.shared and router.metrics_url:
+            retired = router.restartable.retired_counters if router.restartable else {}
+            for counters in (
+                retired,
+                *map(directory_lookups, (router.metrics_url, *router.other_metrics_urls)),
+            ):
+                for key, value in counters.items():
                     directory[key] = directory.get(key, 0) + value
         hop = None
         if len(router.targets) == 1:
             hop = idle_ttft_ms(router.targets[0], router.api_key) - idle_ttft_ms(
                 engines[0].url, None
+            )
+        if restart and router.restartable is not None:
+            restart.update(
+                restart_window(
+                    rows,
+                    restart,
+                    setup.time_scale,
+                    setup.restart_window_s,
+                    router.restartable.proc.url,
+                )
             )
     summary = summarise(rows, setup.time_scale, wall)
     first_error = next((r.error for r in rows if not r.ok), "")
@@ -543,7 +695,87 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         hop_ms=hop,
         imbalance=imbalance(work),
         directory=directory,
+        restart=restart or None,
+        load_average=(load_before, load_after),
     )
+
+
+async def _replay_with_restart(
+    trace: Trace,
+    options: ReplayOptions,
+    gateway: RestartableGateway,
+    rotation: list[tuple[str, ...]],
+    in_flight: dict[str, int],
+    at_s: float,
+) -> tuple[list[Row], float, dict[str, float]]:
+    """The replay, and `at_s` wall seconds into it the gateway taken out of rotation (a
+    Service's endpoint removed), stopped once the requests sent to it have finished (bounded
+    by `DRAIN_TIMEOUT_S`: the gateway's own drain takes over), restarted
+    (`RestartableGateway.restart`, in a thread) and put back in rotation once ready. The
+    restart's times are in wall seconds from the replay's start."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    replaying = asyncio.create_task(replay(trace, options))
+    await asyncio.sleep(at_s)
+    everyone = rotation[0]
+    url = gateway.proc.url
+    rotation[0] = tuple(u for u in everyone if u != url)
+    down = loop.time() - start
+    drained = asyncio.Event()
+
+    def check() -> None:
+        if in_flight.get(url, 0) == 0:
+            drained.set()
+        else:
+            loop.call_later(DRAIN_POLL_S, check)
+
+    check()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(drained.wait(), DRAIN_TIMEOUT_S)
+    stopped = loop.time() - start
+    try:
+        await asyncio.to_thread(gateway.restart)
+    finally:
+        rotation[0] = everyone
+    up = loop.time() - start
+    rows, wall = await replaying
+    return rows, wall, {"down_s": down, "stopped_s": stopped, "up_s": up}
+
+
+def restart_window(
+    rows: Sequence[Row],
+    restart: dict[str, float],
+    time_scale: float,
+    window_s: float,
+    restarted_url: str,
+) -> dict[str, float]:
+    """The hit ratio of the requests sent in the `window_s` trace seconds after the restarted
+    gateway was back in rotation (all of them, and those it served), against the run's; the
+    restart's times in trace seconds."""
+    up = restart["up_s"] * time_scale
+    inside = [r for r in rows if up <= r.arrival_s < up + window_s]
+    served = [r for r in inside if r.target == restarted_url]
+    run = hit_ratio(rows)
+    window = hit_ratio(inside)
+    return {
+        "down_trace_s": restart["down_s"] * time_scale,
+        "stopped_trace_s": restart["stopped_s"] * time_scale,
+        "up_trace_s": up,
+        "window_trace_s": window_s,
+        "window_requests": len(inside),
+        "window_errors": sum(not r.ok for r in inside),
+        "window_hit_ratio": window,
+        "restarted_requests": len(served),
+        "restarted_hit_ratio": hit_ratio(served),
+        "run_hit_ratio": run,
+        "points": (window - run) * 100,
+    }
+
+
+def hit_ratio(rows: Sequence[Row]) -> float:
+    """Cached over prompt tokens of the successful rows (as `summarise` counts it)."""
+    prompt = sum(r.prompt_tokens for r in rows if r.ok)
+    return sum(r.cached_tokens for r in rows if r.ok) / prompt if prompt else 0.0
 
 
 @contextlib.contextmanager
@@ -608,7 +840,8 @@ DIRECTORY_COUNTERS = {
 
 
 def directory_lookups(metrics_url: str) -> dict[str, int]:
-    """`kvgate_directory_lookups_total` by source, and `DIRECTORY_COUNTERS`."""
+    """`kvgate_directory_lookups_total` by source, `DIRECTORY_COUNTERS`, and a precise
+    gateway's shared event-index lookups by outcome (`events_ok`, `events_failed`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
@@ -617,6 +850,8 @@ def directory_lookups(metrics_url: str) -> dict[str, int]:
         for sample in family.samples:
             if sample.name == "kvgate_directory_lookups_total":
                 out[sample.labels.get("source", "")] = int(sample.value)
+            elif sample.name == "kvgate_events_shared_lookups_total":
+                out[f"events_{sample.labels.get('outcome', '')}"] = int(sample.value)
             elif sample.name in DIRECTORY_COUNTERS:
                 out[DIRECTORY_COUNTERS[sample.name]] = int(sample.value)
     return out
@@ -768,7 +1003,34 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "spreading requests over them round robin (an arm's own @N wins; default 1: one "
         "in-process gateway)",
     )
+    parser.add_argument(
+        "--restart-gateway-at",
+        type=float,
+        default=None,
+        help="in arms of two gateways or more, take the last one out of rotation at this "
+        "share of the replay (0-1), restart it (SIGTERM, same ports) and put it back once "
+        "ready; report the hit ratio in the following --restart-window-s against the run's",
+    )
+    parser.add_argument(
+        "--restart-window-s",
+        type=float,
+        default=DEFAULT_RESTART_WINDOW_S,
+        help="trace seconds after a restart whose hit ratio is reported (default 60)",
+    )
     parser.add_argument("--out", default="bench-results.md", help="markdown table (and .json)")
+
+
+def check_restart(args: argparse.Namespace, arms: Sequence[Arm]) -> None:
+    """`--restart-gateway-at` and `--restart-window-s`, or ValueError."""
+    if args.restart_gateway_at is not None:
+        if not 0 < args.restart_gateway_at < 1:
+            raise ValueError("--restart-gateway-at must be between 0 and 1")
+        if not any(arm.kind in MANY_KINDS and arm.gateways > 1 for arm in arms):
+            raise ValueError(
+                "--restart-gateway-at needs an arm of two gateways or more (@N or --gateways)"
+            )
+    if args.restart_window_s <= 0:
+        raise ValueError("--restart-window-s must be positive")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -786,6 +1048,7 @@ def run_bench(args: argparse.Namespace) -> int:
             raise ValueError("--utilization must be between 0 and 1")
         if args.time_scale != "auto" and float(args.time_scale) <= 0:
             raise ValueError("--time-scale must be positive or 'auto'")
+        check_restart(args, arms)
         rate_options = RateOptions(
             start_rps=args.rate_start,
             factor=args.rate_factor,
@@ -836,6 +1099,8 @@ def run_bench(args: argparse.Namespace) -> int:
         time_scale=1.0 if args.time_scale == "auto" else float(args.time_scale),
         max_output_tokens=args.max_output_tokens,
         redis_nice=args.redis_nice,
+        restart_at=args.restart_gateway_at,
+        restart_window_s=args.restart_window_s,
     )
     background = background_load()
     console.print(
@@ -851,7 +1116,7 @@ def run_bench(args: argparse.Namespace) -> int:
         f"ideal {refs.ideal_hit_ratio:.1%}\nbackground CPU load before the bench: "
         f"{background:.0%} of {os.cpu_count()} cores"
     )
-    if any(arm.kind == "precise2" or arm.kind in WORKER_KINDS or arm.gateways > 1 for arm in arms):
+    if any(arm.kind == "precise2" or arm.kind in WORKER_KINDS or arm.shared for arm in arms):
         console.print(f"the shared arms' redis-server at nice {setup.redis_nice} (--redis-nice)")
     if args.time_scale == "auto":
         scale, probes = pick_time_scale(setup)
@@ -950,6 +1215,7 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
         for r in shared:
             d = r.directory
             looked = d.get("shared", 0) + d.get("local", 0)
+            events = d.get("events_ok", 0) + d.get("events_failed", 0)
             lines.append(
                 f"{r.arm} (run {r.run}) directory lookups: {looked:,}, answered by Redis "
                 f"{d.get('shared', 0) / max(looked, 1):.2%}, fallbacks {d.get('fallbacks', 0):,}"
@@ -958,8 +1224,31 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
                     for key in ("timeouts", "lagged", "late_reads")
                     if key in d
                 )
+                + (
+                    f"; shared event-index lookups {events:,}, answered "
+                    f"{d.get('events_ok', 0) / events:.2%}"
+                    if events
+                    else ""
+                )
                 + "  "
             )
+    loaded = [r for r in results if r.load_average]
+    if loaded:
+        lines.append("")
+        lines.append(
+            "load average (1 min) before → after each arm: "
+            + "; ".join(
+                f"{r.arm} (run {r.run}) {r.load_average[0]:.1f} → {r.load_average[1]:.1f}"
+                for r in loaded
+                if r.load_average
+            )
+            + "  "
+        )
+    restarted = [r for r in results if r.restart]
+    if restarted:
+        lines.append("")
+        for r in restarted:
+            lines.append(restart_text(r) + "  ")
     decided = [r for r in results if r.decisions]
     if decided:
         lines.append("")
@@ -974,6 +1263,20 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
             steps = ", ".join(step_text(s) for s in r.rate.steps)
             lines.append(f"{r.arm} (run {r.run}) rate steps: {steps}  ")
     return "\n".join(lines) + "\n"
+
+
+def restart_text(r: ArmResult) -> str:
+    """One line on a mid-run restart: when, and the hit ratio of the window after it."""
+    x = r.restart or {}
+    return (
+        f"{r.arm} (run {r.run}) restart: the last gateway out of rotation at "
+        f"{x['down_trace_s']:,.0f} trace s, stopped at {x['stopped_trace_s']:,.0f} s (its "
+        f"requests done), back at {x['up_trace_s']:,.0f} s; the following "
+        f"{x['window_trace_s']:g} trace s: {x['window_requests']:,.0f} requests "
+        f"({x['window_errors']:,.0f} errors), hit ratio {x['window_hit_ratio']:.3f} (the "
+        f"restarted gateway's {x['restarted_requests']:,.0f}: {x['restarted_hit_ratio']:.3f}) "
+        f"against the run's {x['run_hit_ratio']:.3f}: {x['points']:+.1f} points"
+    )
 
 
 def rate_header(options: RateOptions, num_engines: int) -> str:

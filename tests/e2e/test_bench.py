@@ -40,8 +40,22 @@ def test_arms_are_parsed_and_unknown_ones_named() -> None:
         "kvgate:cache_aware@3",
         "client:round_robin",
     ]
-    with pytest.raises(ValueError, match="only kvgate arms take @N"):
+    with pytest.raises(ValueError, match="only kvgate, noflow, precise arms take @N"):
         parse_arms("vllm:cache_aware@2")
+    # issue 39: precise gateways on one Redis, and any many-gateway arm on a 3-master Cluster
+    assert parse_arms("precise:cache_aware@2,kvgate:cache_aware@2c,precise:cache_aware@4c") == [
+        Arm("precise", "cache_aware", 2),
+        Arm("kvgate", "cache_aware", 2, cluster=True),
+        Arm("precise", "cache_aware", 4, cluster=True),
+    ]
+    assert [a.name for a in parse_arms("kvgate:cache_aware@2c,kvgate:cache_aware@1c")] == [
+        "kvgate:cache_aware@2c",
+        "kvgate:cache_aware@1c",  # one gateway, but on the Cluster (not in-process)
+    ]
+    assert [a.name for a in parse_arms("precise:cache_aware", 2)] == ["precise:cache_aware@2"]
+    for bad in ("kvgate:cache_aware@c", "kvgate:cache_aware@2x", "kvgate:cache_aware@0c"):
+        with pytest.raises(ValueError, match="take @N or @Nc"):
+            parse_arms(bad)
     with pytest.raises(ValueError, match="--gateways must be at least 1"):
         parse_arms("kvgate:cache_aware", 0)
 
@@ -90,6 +104,84 @@ def test_a_many_gateway_arm_spreads_the_replay_over_gateways_on_one_redis(
     assert directory["shared"] + directory["local"] == 30  # both gateways' lookups
     assert directory["shared"] > 0
     assert 0 < sum(row["decisions"].values()) < 30  # one gateway's decisions: not all of them
+
+
+@pytest.mark.redis
+def test_a_many_gateway_arm_runs_on_a_three_master_redis_cluster(tmp_path: Path) -> None:
+    """Issue 39: `kvgate:<policy>@2c` runs two gateways over a 3-master Redis Cluster of the
+    arm's own: no errors, every lookup counted (the Cluster answered some), the tier's CPU
+    (gateways and the three nodes) counted."""
+    out = tmp_path / "bench.md"
+    argv = ["bench", "--trace", str(CONVERSATION_TRACE), "--start", "4000", "--requests", "30"]
+    argv += ["--engines", "2", "--arms", "kvgate:cache_aware@2c", "--time-scale", "50"]
+    argv += ["--rate-steps", "0", "--out", str(out)]
+    assert main(argv) == 0
+    (row,) = orjson.loads(out.with_suffix(".json").read_bytes())["results"]
+    assert row["arm"] == "kvgate:cache_aware@2c"
+    assert row["summary"]["requests"] == 30 and row["summary"]["errors"] == 0, row["note"]
+    assert row["router_cpu_ms_per_request"] > 0
+    assert row["directory"]["shared"] + row["directory"]["local"] == 30
+    assert row["directory"]["shared"] > 0
+    assert "kvgate:cache_aware@2c (run 1) directory lookups: 30, answered by Redis" in (
+        out.read_text()
+    )
+    # the machine is shared: the load average around the arm is in the row and the table
+    before, after = row["load_average"]
+    assert before >= 0 and after >= 0
+    assert f"kvgate:cache_aware@2c (run 1) {before:.1f} → {after:.1f}" in out.read_text()
+
+
+@pytest.mark.redis
+def test_precise_gateways_on_one_redis_replay_the_agent_sessions(tmp_path: Path) -> None:
+    """Issue 39: `precise:<policy>@2` runs two precise gateways sharing the event index in a
+    redis-server of the arm's own, here on the agent-session workload: no errors, the engines'
+    cache hit, and both gateways' lookups of the shared event index reported."""
+    out = tmp_path / "bench.md"
+    argv = ["bench", "--trace", "agent-sessions:sessions=4,concurrency=4,steps=6,interval=2"]
+    argv += ["--start", "0", "--requests", "24", "--engines", "2", "--time-scale", "10"]
+    argv += ["--arms", "precise:cache_aware@2", "--rate-steps", "0", "--out", str(out)]
+    assert main(argv) == 0
+    (row,) = orjson.loads(out.with_suffix(".json").read_bytes())["results"]
+    assert row["arm"] == "precise:cache_aware@2"
+    assert row["summary"]["requests"] == 24 and row["summary"]["errors"] == 0, row["note"]
+    assert row["summary"]["hit_ratio"] > 0
+    assert row["router_cpu_ms_per_request"] > 0
+    events = row["directory"]["events_ok"] + row["directory"]["events_failed"]
+    assert events == 24  # both gateways' lookups of the shared event index
+    assert "shared event-index lookups 24, answered" in out.read_text()
+
+
+@pytest.mark.redis
+def test_a_gateway_restarted_mid_run_rejoins_and_its_window_is_reported(
+    tmp_path: Path,
+) -> None:
+    """Issue 39: `--restart-gateway-at` takes the last of two gateways out of rotation, stops
+    it once its requests are done, restarts it on the same ports and puts it back: no request
+    fails, the restarted gateway serves again, and the hit ratio of the window after the
+    restart is reported against the run's."""
+    out = tmp_path / "bench.md"
+    argv = ["bench", "--trace", str(CONVERSATION_TRACE), "--start", "4000", "--requests", "40"]
+    argv += ["--engines", "2", "--arms", "kvgate:cache_aware@2", "--time-scale", "0.5"]
+    argv += ["--prefill-tokens-per-s", "400000", "--max-output-tokens", "8"]
+    argv += ["--restart-gateway-at", "0.1", "--restart-window-s", "10"]
+    argv += ["--rate-steps", "0", "--out", str(out)]
+    assert main(argv) == 0
+    (row,) = orjson.loads(out.with_suffix(".json").read_bytes())["results"]
+    assert row["summary"]["requests"] == 40 and row["summary"]["errors"] == 0, row["note"]
+    restart = row["restart"]
+    assert 0 < restart["down_trace_s"] <= restart["stopped_trace_s"] < restart["up_trace_s"]
+    assert restart["window_trace_s"] == 10
+    assert restart["window_requests"] > 0 and restart["window_errors"] == 0, restart
+    assert restart["restarted_requests"] > 0  # back in rotation, serving
+    assert restart["points"] == pytest.approx(
+        (restart["window_hit_ratio"] - restart["run_hit_ratio"]) * 100
+    )
+    assert restart["run_hit_ratio"] == pytest.approx(row["summary"]["hit_ratio"])
+    # the restarted gateway's lookups before and after count: every request looked up once
+    assert row["directory"]["shared"] + row["directory"]["local"] == 40
+    assert "kvgate:cache_aware@2 (run 1) restart: the last gateway out of rotation" in (
+        out.read_text()
+    )
 
 
 def test_a_small_bench_runs_every_arm_and_writes_one_table(
@@ -186,6 +278,13 @@ def test_bad_bench_options_are_refused(capsys: pytest.CaptureFixture[str]) -> No
     assert "unknown arm" in capsys.readouterr().out
     assert main(["bench", "--utilization", "1.5"]) == 2
     assert "--utilization must be between 0 and 1" in capsys.readouterr().out
+    assert main(["bench", "--arms", "kvgate:cache_aware@2", "--restart-gateway-at", "1.5"]) == 2
+    assert "--restart-gateway-at must be between 0 and 1" in capsys.readouterr().out
+    assert main(["bench", "--arms", "kvgate:cache_aware", "--restart-gateway-at", "0.5"]) == 2
+    assert "needs an arm of two gateways or more" in capsys.readouterr().out
+    argv = ["bench", "--arms", "kvgate:cache_aware@2", "--restart-window-s", "0"]
+    assert main(argv) == 2
+    assert "--restart-window-s must be positive" in capsys.readouterr().out
 
 
 def test_the_shared_arms_redis_server_runs_at_the_niceness_asked() -> None:
