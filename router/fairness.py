@@ -99,9 +99,10 @@ def affinity_verdict(
     has room (the same keys); `waited_s`: how long the request has already waited for its
     replica. "go": the router places it as it likes (no replica holds a prefix, a replica
     holding the most has room, or none has room: the fleet's own wait decides). "wait": every
-    replica holding the most is full, the prefill it saves over the best replica with room is
-    worth more than `max_wait_s`, and it has waited less than that. "elsewhere": the same, but
-    not worth the wait or past it: it goes to a replica with room (cold, or less cached)."""
+    replica holding the most is full and it has waited less than both `max_wait_s` and the
+    prefill that cache saves over the best replica with room (at `prefill_tokens_per_s`), so
+    it never waits longer than its cache is worth. "elsewhere": the same, past either bound:
+    it goes to a replica with room (cold, or less cached)."""
     best = max(cached_tokens.values(), default=0.0)
     if best <= 0:
         return "go"
@@ -109,7 +110,7 @@ def affinity_verdict(
     if not roomy or any(has_room.get(r, False) for r, c in cached_tokens.items() if c >= best):
         return "go"
     saved_s = (best - max(roomy)) / prefill_tokens_per_s
-    if saved_s > max_wait_s and waited_s < max_wait_s:
+    if waited_s < min(max_wait_s, saved_s):
         return "wait"
     return "elsewhere"
 

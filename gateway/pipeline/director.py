@@ -738,7 +738,7 @@ def _leaving_out(
     snapshot: Callable[[], list[Replica]], avoid: frozenset[str]
 ) -> Callable[[], list[Replica]]:
     """The replicas to place among: all, or, when flow control's ticket says the request's
-    cached replica was full (past the affinity wait, or not worth it), those with room, unless
+    cached replica was full (past the affinity wait, or with none), those with room, unless
     none of them is healthy any more."""
     if not avoid:
         return snapshot

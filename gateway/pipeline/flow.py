@@ -26,12 +26,12 @@ every `TICK_S` (prefill progress, engine scrapes, health and the fleet change wi
 
 The bounded affinity wait (`router.fairness.affinity_verdict`): when the fleet has room but
 every replica holding the most of a request's prompt has none, the request waits for one of
-them — up to `affinity_wait_s`, and only when the prefill that cache saves over the best
-replica with room is worth more than that — and is let through the moment one has room (a
-lease's prefill ending wakes the queue). Past the bound, or when not worth it, it goes to a
-replica with room (the ticket's `avoid`: the placement leaves the full ones out). Others are
-not held up: a request waiting for its replica is not eligible, so the queue serves the next
-one (work-conserving); requests of its own scope wait behind it, as its sub-queue is in order.
+them — up to `affinity_wait_s`, and never longer than the prefill that cache saves over the
+best replica with room — and is let through the moment one has room (a lease's prefill ending
+wakes the queue). Past the bound, it goes to a replica with room (the ticket's `avoid`: the
+placement leaves the full ones out). Others are not held up: a request waiting for its replica
+is not eligible, so the queue serves the next one (work-conserving); requests of its own scope
+wait behind it, as its sub-queue is in order.
 Released for its replica, a request claims the room it takes there until it is placed
 (`claimed`), so a burst released in one turn does not overfill the replica.
 
@@ -79,10 +79,10 @@ TICK_S = 0.025
 progress, a scrape's engine queue, a replica back up or joined): a tenth of the default room
 bound, so the next request reaches an engine well before it runs dry."""
 REJECT_REASONS = ("scope_full", "gateway_full", "scope_timeout", "fleet_timeout", "client_gone")
-AFFINITY_OUTCOMES = ("waited", "bound", "not_worth")
+AFFINITY_OUTCOMES = ("waited", "bound", "no_wait")
 """A request whose cached replica was full: let through to it after waiting (`waited`), sent
-elsewhere past the wait's bound (`bound`), or at once because its cache was not worth the
-wait (`not_worth`)."""
+elsewhere past the wait's bound (`bound`: `affinity_wait_s` or what its cache saves), or at once
+(`no_wait`: `affinity_wait_s` is 0)."""
 NO_AVOID: frozenset[str] = frozenset()
 
 
@@ -318,7 +318,7 @@ class FlowControl:
             if verdict == "wait":
                 return None
             if verdict == "elsewhere":
-                self.stats.count_affinity("not_worth")
+                self.stats.count_affinity("no_wait")
         cost = self.queue.cost(prompt_tokens, output_tokens)
         self.queue.charge(tenant.scope, band, tenant.policy.weight, cost)
         self.stats.count_dispatch(band, "immediate")
@@ -483,7 +483,7 @@ class FlowControl:
             if waiter.blocked_s is not None:
                 self.stats.count_affinity("bound" if waiter.avoid else "waited")
             elif waiter.avoid:
-                self.stats.count_affinity("not_worth")
+                self.stats.count_affinity("no_wait")
             waiter.future.set_result(now_s - queued.enqueued_s)
             self.stats.count_dispatch(queued.band, "queued")
         self._maybe_tick()

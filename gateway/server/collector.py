@@ -133,8 +133,7 @@ class GatewayCollector(Collector):
             "kvgate_flow_affinity",
             "Requests whose cached replica had no room when the fleet had some: let through "
             "to it after waiting (waited), sent to a replica with room past the affinity "
-            "wait's bound (bound), or at once because the cache was not worth the wait "
-            "(not_worth).",
+            "wait's bound (bound), or at once with no wait configured (no_wait).",
             labels=["outcome"],
         )
         for outcome in AFFINITY_OUTCOMES:

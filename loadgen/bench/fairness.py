@@ -18,6 +18,14 @@ a real one would.
 the low band's share of the queue's dispatches is printed beside its floor
 (`floor / (1 + floor)` with two bands backlogged).
 
+`--scenario affinity`: the bounded affinity wait's trade-off. Tenant B runs `--sessions`
+closed-loop conversations, each turn its history (`--history-words`) plus every earlier turn
+(`--turn-words` each), so a turn's cache is on the replica of its previous turn; tenant A floods
+as in the noisy neighbour, so that replica is often full. One run per `--affinity-waits` value
+(`flow_affinity_wait_ms`, fresh processes each): B's turns after the first (within the window)
+with their hit ratio (the engines' cached tokens over the prompt tokens) and TTFT p50/p99, A's
+completions, failures, and the gateway's affinity outcomes (waited / bound / no_wait).
+
 `--scenario weights`: three tenants weighted 1:2:4 in a tenants file, all flooding; the share
 of the queue's dispatches within the window (from the admin port's metrics) and of the prompt
 tokens each was served (completed requests), beside its weight's share.
@@ -69,13 +77,26 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
         "on), noflow:<policy> (off), sglang:<policy>, vllm:<policy> (the peers, no tenants)",
     )
     parser.add_argument(
+        "--sessions", type=int, default=8, help="affinity: B's closed-loop conversations"
+    )
+    parser.add_argument(
+        "--history-words", type=int, default=8_000, help="affinity: each conversation's history"
+    )
+    parser.add_argument("--turn-words", type=int, default=50, help="affinity: words per turn")
+    parser.add_argument(
+        "--affinity-waits",
+        default="0,150,400",
+        help="affinity: the flow_affinity_wait_ms values to run, comma-separated",
+    )
+    parser.add_argument(
         "--scenario",
-        choices=("noisy", "weights", "bands"),
+        choices=("noisy", "weights", "bands", "affinity"),
         default="noisy",
         help="noisy: the noisy neighbour, flow control off and on; weights: three tenants "
         "weighted 1:2:4 (a tenants file), each flooding with --a-clients / 3 clients of "
         "--a-words words: their served prompt tokens against the weights; bands: B in band 0 "
-        "under A's flood in band 5, then both bands flooding (the low band's floor)",
+        "under A's flood in band 5, then both bands flooding (the low band's floor); affinity: "
+        "conversations beside A's flood at each --affinity-waits value (hit ratio, TTFT)",
     )
 
 
@@ -405,7 +426,116 @@ def run_bands(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+async def _conversations(url: str, args: argparse.Namespace) -> tuple[list[Result], list[Result]]:
+    """B's conversations beside A's flood: B's turns after each conversation's first and A's
+    requests, both finished within the window (after the flood's warm-up)."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    stop = asyncio.Event()
+    a_done: list[Result] = []
+    b_done: list[Result] = []
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+
+        async def flooder(i: int) -> None:
+            n = 0
+            while not stop.is_set():  # bounded: the window ends
+                text = f"A{i}.{n} " + words(f"flood{i}.{n}", args.a_words)
+                a_done.append(await stream_chat(http, url, KEY_A, _body(text, args.max_tokens)))
+                n += 1
+
+        async def conversation(i: int) -> None:
+            text = f"Conversation {i}. " + words(f"history{i}", args.history_words)
+            n = 0
+            while not stop.is_set():  # bounded: the window ends
+                text += f"\nTurn {n}: " + words(f"c{i}.t{n}", args.turn_words)
+                result = await stream_chat(http, url, KEY_B, _body(text, args.max_tokens))
+                if n:  # the first turn is cold wherever it goes
+                    b_done.append(result)
+                n += 1
+
+        tasks = [asyncio.create_task(flooder(i)) for i in range(args.a_clients)]
+        tasks += [asyncio.create_task(conversation(i)) for i in range(args.sessions)]
+        await asyncio.sleep(2.0 * args.a_words / DEFAULT_PREFILL_TOKENS_PER_S / args.time_scale)
+        start = time.monotonic()
+        await asyncio.sleep(args.seconds)
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    end = start + args.seconds
+
+    def window(results: list[Result]) -> list[Result]:
+        return [r for r in results if start <= r.start_s + r.latency_s <= end]
+
+    return window(b_done), window(a_done)
+
+
+def _affinity_outcomes(metrics_url: str) -> dict[str, float]:
+    text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvgate_flow_affinity":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["outcome"]] = sample.value
+    return out
+
+
+def run_affinity(args: argparse.Namespace) -> int:
+    """B's conversations beside A's flood at each affinity wait (fresh processes each)."""
+    try:
+        waits = [float(w) for w in args.affinity_waits.split(",") if w.strip()]
+    except ValueError:
+        print(f"kvgate bench-fairness: --affinity-waits {args.affinity_waits!r}: not numbers")
+        return 2
+    scale = args.time_scale
+    print(
+        f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
+        f"tokens/s, time scale {scale:g}; B: {args.sessions} closed-loop conversations of "
+        f"{args.history_words:,} words of history + {args.turn_words} a turn; A: "
+        f"{args.a_clients} closed-loop clients of {args.a_words:,} distinct words; "
+        f"{args.seconds:g} s window; flow control on"
+    )
+    print(
+        f"\n{'wait ms':>7} {'B turns':>7} {'B hit ratio':>11} {'B TTFT p50 s':>12} "
+        f"{'B TTFT p99 s':>12} {'A done':>6} {'failed':>6} {'5xx':>4}  affinity outcomes"
+    )
+    errors = 0
+    engine_args = ["--time-scale", str(scale), "--max-batch", "256"]
+    serve = ["--tenant", f"a:{KEY_A}", "--tenant", f"b:{KEY_B}", "--log-level", "warning"]
+    for wait in waits:
+        env = {
+            "KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * scale),
+            "KVGATE_FLOW_AFFINITY_WAIT_MS": f"{wait:g}",
+        }
+        with (
+            processes.engines(args.engines, engine_args) as engines,
+            processes.gateway([e.url for e in engines], serve, env=env) as gw,
+        ):
+            assert gw.metrics_url is not None
+            b, a = asyncio.run(_conversations(gw.url, args))
+            outcomes = _affinity_outcomes(gw.metrics_url)
+        ok = [r for r in b if r.ok]
+        prompt = sum(r.prompt_tokens for r in ok) or 1
+        hit = sum(r.engine_cached_tokens for r in ok) / prompt
+        ttfts = [r.ttft_s * scale for r in ok]
+        failed = sum(1 for r in a + b if not r.ok)
+        server = sum(1 for r in a + b if r.status >= 500)
+        errors += server
+        p50 = percentile(ttfts, 0.5) if ttfts else float("nan")
+        p99 = percentile(ttfts, 0.99) if ttfts else float("nan")
+        shown = ", ".join(f"{k} {v:.0f}" for k, v in sorted(outcomes.items()))
+        print(
+            f"{wait:>7g} {len(ok):>7} {hit:>11.3f} {p50:>12.2f} {p99:>12.2f} "
+            f"{sum(1 for r in a if r.ok):>6} {failed:>6} {server:>4}  {shown}"
+        )
+    return 1 if errors else 0
+
+
 def run_bench_fairness(args: argparse.Namespace) -> int:
+    if args.scenario == "affinity":
+        return run_affinity(args)
     if args.scenario == "weights":
         return run_weights(args)
     if args.scenario == "bands":
