@@ -284,6 +284,12 @@ class FlowControl:
         placement leaves out ("elsewhere": the full ones), and the replica it claims ("go" to
         a replica with room that holds the most of it)."""
         states = self.replicas.states
+        best = max(cached.values(), default=0.0)
+        if best <= 0:
+            return "go", NO_AVOID, None
+        for r, tokens in cached.items():  # the usual case, read first: its replica has room
+            if tokens >= best and r in states and self.replica_has_room(states[r], now_s):
+                return "go", NO_AVOID, r
         room = {r: self.replica_has_room(states[r], now_s) for r in cached if r in states}
         kept = {r: cached[r] for r in room}
         verdict = affinity_verdict(
