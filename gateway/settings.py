@@ -96,6 +96,12 @@ agent's fan-out, fits); the next is a 429 with Retry-After: its own backlog is f
 DEFAULT_FLOW_MAX_QUEUED = 4096
 """Requests waiting in one gateway in all: 4,096 of ~1 KB of state each (the body is held by
 its handler anyway); past it the fleet is full for everyone and a request gets a 503."""
+DEFAULT_FLOW_AFFINITY_WAIT_MS = 500.0
+"""A request whose cached replica is full waits up to 0.5 s for it (never longer than its cache
+saves): a full replica gets room back within about its room bound (0.25 s) plus one prefill,
+so the wait usually ends with a hit, and a request whose replica stays busy loses at most half
+a second. `kvgate bench-fairness --scenario affinity` (docs/flow-control.md): B's conversations
+beside a flood hit 0.86 of their prompt at 0, 0.99 at 250-1000 ms, p99 TTFT no worse."""
 DEFAULT_FLOW_MAX_QUEUE_S = 60.0
 """No request waits in the gateway longer than 60 s: beyond it a client's own timeout (the
 SDKs' are 60-600 s) would give up anyway, and an explicit 429/503 lets it back off."""
@@ -386,6 +392,11 @@ class Settings(BaseSettings):
     flow_max_queued_per_scope: int = DEFAULT_FLOW_MAX_QUEUED_PER_SCOPE
     flow_max_queued: int = DEFAULT_FLOW_MAX_QUEUED
     flow_max_queue_s: float = DEFAULT_FLOW_MAX_QUEUE_S
+    flow_affinity_wait_ms: float = DEFAULT_FLOW_AFFINITY_WAIT_MS
+    """When the replica holding a request's cached prefix has no room (and others do), the
+    request waits in the gateway for it up to this long, and never longer than the prefill that
+    cache saves; then (at 0: at once) it goes to a replica with room (docs/flow-control.md,
+    "The bounded affinity wait")."""
     flow_share_counters: bool = True
     """With `redis_url`: every gateway (and worker) publishes the service its fair queue gave
     each scope and adds the others' to its counters (batched, approximate), so the fleet's
@@ -399,6 +410,13 @@ class Settings(BaseSettings):
     def _flow_positive_seconds(cls, value: float) -> float:
         if not value > 0:
             raise ValueError("must be a positive number of seconds")
+        return value
+
+    @field_validator("flow_affinity_wait_ms")
+    @classmethod
+    def _flow_affinity_wait(cls, value: float) -> float:
+        if not 0.0 <= value < float("inf"):
+            raise ValueError("must be zero or a positive number of milliseconds")
         return value
 
     @field_validator("flow_max_queued_per_scope", "flow_max_queued")

@@ -42,9 +42,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 T = TypeVar("T")
 
@@ -80,6 +80,39 @@ def has_headroom(
         if total > claimed_tokens:
             return True
     return False
+
+
+Affinity = Literal["go", "wait", "elsewhere"]
+
+
+def affinity_verdict(
+    cached_tokens: Mapping[str, float],
+    has_room: Mapping[str, bool],
+    prefill_tokens_per_s: float,
+    max_wait_s: float,
+    waited_s: float,
+) -> Affinity:
+    """Where a request the fleet has room for may go, when its cache is on a replica that has
+    none (the bounded affinity wait, docs/flow-control.md).
+
+    `cached_tokens`: the prompt tokens each healthy candidate holds; `has_room`: whether each
+    has room (the same keys); `waited_s`: how long the request has already waited for its
+    replica. "go": the router places it as it likes (no replica holds a prefix, a replica
+    holding the most has room, or none has room: the fleet's own wait decides). "wait": every
+    replica holding the most is full and it has waited less than both `max_wait_s` and the
+    prefill that cache saves over the best replica with room (at `prefill_tokens_per_s`), so
+    it never waits longer than its cache is worth. "elsewhere": the same, past either bound:
+    it goes to a replica with room (cold, or less cached)."""
+    best = max(cached_tokens.values(), default=0.0)
+    if best <= 0:
+        return "go"
+    roomy = [cached_tokens[r] for r, room in has_room.items() if room]
+    if not roomy or any(has_room.get(r, False) for r, c in cached_tokens.items() if c >= best):
+        return "go"
+    saved_s = (best - max(roomy)) / prefill_tokens_per_s
+    if waited_s < min(max_wait_s, saved_s):
+        return "wait"
+    return "elsewhere"
 
 
 @dataclass(slots=True)

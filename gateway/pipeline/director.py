@@ -422,7 +422,13 @@ class Director:
             )
         try:
             placed = await self.placement.place(
-                policy, route, snapshot, hashes, lookup, self.rng, on_hold=on_hold
+                policy,
+                route,
+                _leaving_out(snapshot, ticket.avoid),
+                hashes,
+                lookup,
+                self.rng,
+                on_hold=on_hold,
             )
         finally:
             ticket.routed()
@@ -493,14 +499,22 @@ class Director:
         depth = max(route.overlap.values(), default=0)
         if flights is not None and flights.find(hashes, depth) is not None:
             return flow.sibling(tenant, band, uncached, output_tokens)
-        ticket = flow.try_enter(tenant, band, uncached, output_tokens, candidates)
+        cached = None
+        if depth > 0:
+            per_block, prompt = route.tokens_per_block, route.num_prompt_tokens
+            cached = {
+                c.id: min(route.overlap.get(c.id, 0) * per_block, prompt)
+                for c in candidates
+                if c.healthy
+            }
+        ticket = flow.try_enter(tenant, band, uncached, output_tokens, candidates, cached)
         if ticket is not None:
             return ticket
         max_wait_s = None
         if on_hold is not None:  # Envoy's timer: one restart per message, at most its maximum
             max_wait_s = await on_hold(flow.limits.max_queue_s)
         return await flow.wait(
-            tenant, band, parsed.model, uncached, output_tokens, client_left, max_wait_s
+            tenant, band, parsed.model, uncached, output_tokens, client_left, max_wait_s, cached
         )
 
     async def _landed(self, routed: Routed) -> None:
@@ -718,6 +732,23 @@ def _headers(routed: Routed, replica: str, upstream: AttemptTrace) -> dict[str, 
     if rank is None:
         return headers
     return {**(headers or {}), DP_RANK_HEADER: str(rank)}
+
+
+def _leaving_out(
+    snapshot: Callable[[], list[Replica]], avoid: frozenset[str]
+) -> Callable[[], list[Replica]]:
+    """The replicas to place among: all, or, when flow control's ticket says the request's
+    cached replica was full (past the affinity wait, or with none), those with room, unless
+    none of them is healthy any more."""
+    if not avoid:
+        return snapshot
+
+    def with_room() -> list[Replica]:
+        now = snapshot()
+        kept = [r for r in now if r.id not in avoid]
+        return kept if any(r.healthy for r in kept) else now
+
+    return with_room
 
 
 def _max_tokens(parsed: ParsedRequest) -> int | None:

@@ -24,6 +24,17 @@ dispatched but not yet leased (it is still being keyed and placed) holds its pro
 Wake-ups: a lease's prefill ending (`FleetLoad.on_freed`), and, while anything waits, a tick
 every `TICK_S` (prefill progress, engine scrapes, health and the fleet change without a lease).
 
+The bounded affinity wait (`router.fairness.affinity_verdict`): when the fleet has room but
+every replica holding the most of a request's prompt has none, the request waits for one of
+them — up to `affinity_wait_s`, and never longer than the prefill that cache saves over the
+best replica with room — and is let through the moment one has room (a lease's prefill ending
+wakes the queue). Past the bound, it goes to a replica with room (the ticket's `avoid`: the
+placement leaves the full ones out). Others are not held up: a request waiting for its replica
+is not eligible, so the queue serves the next one (work-conserving); requests of its own scope
+wait behind it, as its sub-queue is in order.
+Released for its replica, a request claims the room it takes there until it is placed
+(`claimed`), so a burst released in one turn does not overfill the replica.
+
 Bounded, nothing lost: a scope with `max_queued_per_scope` waiting gets a 429 with Retry-After
 (its own backlog); a gateway with `max_queued` waiting, a 503 (the fleet is full for everyone).
 A request that waited `max_queue_s` gets the 429 when it arrived behind requests of its own scope
@@ -38,7 +49,7 @@ import logging
 import math
 import time
 from asyncio import FIRST_COMPLETED
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +60,14 @@ from gateway.request.parsed import ParsedRequest
 from gateway.request.state import ExchangeRecord
 from gateway.request.tenant import Tenant
 from gateway.request.usage import EngineUsage
-from router.fairness import FairQueue, Queued, has_headroom, headroom_tokens
+from router.fairness import (
+    Affinity,
+    FairQueue,
+    Queued,
+    affinity_verdict,
+    has_headroom,
+    headroom_tokens,
+)
 
 if TYPE_CHECKING:
     from gateway.pipeline.flow_shared import SharedCounters
@@ -61,6 +79,11 @@ TICK_S = 0.025
 progress, a scrape's engine queue, a replica back up or joined): a tenth of the default room
 bound, so the next request reaches an engine well before it runs dry."""
 REJECT_REASONS = ("scope_full", "gateway_full", "scope_timeout", "fleet_timeout", "client_gone")
+AFFINITY_OUTCOMES = ("waited", "bound", "no_wait")
+"""A request whose cached replica was full: let through to it after waiting (`waited`), sent
+elsewhere past the wait's bound (`bound`: `affinity_wait_s` or what its cache saves), or at once
+(`no_wait`: `affinity_wait_s` is 0)."""
+NO_AVOID: frozenset[str] = frozenset()
 
 
 def request_priority(parsed: ParsedRequest, tenant: Tenant) -> int:
@@ -88,7 +111,9 @@ class FlowLimits:
     max_queued: int
     max_queue_s: float
     prefill_tokens_per_s: float
-    """To turn a backlog into a Retry-After."""
+    """To turn a backlog into a Retry-After, and a cached prefix into the time it saves."""
+    affinity_wait_s: float = 0.0
+    """How long a request may wait for its cached replica when that one is full (0: never)."""
 
 
 @dataclass
@@ -96,6 +121,8 @@ class FlowStats:
     dispatched: dict[tuple[str, str], int] = field(default_factory=dict)
     """(band, "immediate" | "queued" | "sibling") -> requests let through."""
     rejects: dict[str, int] = field(default_factory=dict)
+    affinity: dict[str, int] = field(default_factory=dict)
+    """`AFFINITY_OUTCOMES` -> requests."""
     queue_seconds: LabelledHistograms = field(
         default_factory=lambda: LabelledHistograms(LATENCY_BUCKETS_S)
     )
@@ -108,12 +135,16 @@ class FlowStats:
     def count_reject(self, reason: str) -> None:
         self.rejects[reason] = self.rejects.get(reason, 0) + 1
 
+    def count_affinity(self, outcome: str) -> None:
+        self.affinity[outcome] = self.affinity.get(outcome, 0) + 1
+
 
 class Ticket:
     """A dispatched request's claim on the fleet's headroom until its lease takes over (`routed`,
-    once, however often called), how long it waited, and what its scope was charged."""
+    once, however often called), how long it waited, what its scope was charged, and the
+    replicas its placement leaves out (full ones, when its cached replica was full)."""
 
-    __slots__ = ("_flow", "_tokens", "charge", "queued_s")
+    __slots__ = ("_claimed", "_flow", "_tokens", "avoid", "charge", "queued_s")
 
     def __init__(
         self,
@@ -121,18 +152,24 @@ class Ticket:
         tokens: float,
         queued_s: float,
         charge: tuple[int, float] | None = None,
+        avoid: frozenset[str] = NO_AVOID,
+        claimed: str | None = None,
     ) -> None:
         self._flow = flow
         self._tokens = tokens
+        self._claimed = claimed
         self.queued_s = queued_s
         self.charge = charge
         """(band, weighted tokens) charged to the scope, settled by the engine's usage."""
+        self.avoid = avoid
 
     def routed(self) -> None:
         """Routing ended (the lease is taken before the next await) or the request failed."""
         flow, self._flow = self._flow, None
         if flow is not None:
             flow.transit_tokens = max(flow.transit_tokens - self._tokens, 0.0)
+            if self._claimed is not None:
+                flow.unclaim(self._claimed, self._tokens)
 
 
 NO_TICKET = Ticket(None, 0.0, 0.0)
@@ -145,6 +182,13 @@ class _Waiter:
     tokens: float
     ahead: int
     """Requests of its own scope queued before it when it arrived."""
+    cached: Mapping[str, float] | None = None
+    """Prompt tokens each candidate holds (None: none holds any)."""
+    blocked_s: float | None = None
+    """When it first waited for its cached replica (the affinity wait's start)."""
+    avoid: frozenset[str] = NO_AVOID
+    claimed: str | None = None
+    """Set when it is let through: the replicas its placement leaves out, the one it claims."""
 
 
 class FlowControl:
@@ -166,6 +210,9 @@ class FlowControl:
         self.clock = clock
         self.stats = FlowStats()
         self.transit_tokens = 0.0
+        self.claimed: dict[str, float] = {}
+        """Replica -> prompt tokens of requests let through for it (their cached replica) and
+        not yet placed: its room counts them."""
         self.shared: SharedCounters | None = None
         """With Redis: the counters shared with the other gateways (set by the app)."""
         self._tick: asyncio.TimerHandle | None = None
@@ -215,6 +262,45 @@ class FlowControl:
             self.transit_tokens,
         )
 
+    def replica_has_room(self, state: ReplicaState, now_s: float) -> bool:
+        """Whether one replica has room: healthy, and its queued prefill plus what was let
+        through for it and is not yet placed under the bound (an idle one always has)."""
+        if not state.healthy:
+            return False
+        queued = self.queued_tokens(state, now_s) + self.claimed.get(state.id, 0.0)
+        return queued < self.limits.max_pending_prefill_tokens
+
+    def unclaim(self, replica: str, tokens: float) -> None:
+        left = self.claimed.get(replica, 0.0) - tokens
+        if left > 1e-9:
+            self.claimed[replica] = left
+        else:
+            self.claimed.pop(replica, None)
+
+    def _affinity(
+        self, cached: Mapping[str, float], waited_s: float, now_s: float
+    ) -> tuple[Affinity, frozenset[str], str | None]:
+        """The affinity verdict for a request the fleet has room for, the replicas its
+        placement leaves out ("elsewhere": the full ones), and the replica it claims ("go" to
+        a replica with room that holds the most of it)."""
+        states = self.replicas.states
+        best = max(cached.values(), default=0.0)
+        if best <= 0:
+            return "go", NO_AVOID, None
+        for r, tokens in cached.items():  # the usual case, read first: its replica has room
+            if tokens >= best and r in states and self.replica_has_room(states[r], now_s):
+                return "go", NO_AVOID, r
+        room = {r: self.replica_has_room(states[r], now_s) for r in cached if r in states}
+        kept = {r: cached[r] for r in room}
+        verdict = affinity_verdict(
+            kept, room, self.limits.prefill_tokens_per_s, self.limits.affinity_wait_s, waited_s
+        )
+        if verdict == "elsewhere":
+            return verdict, frozenset(r for r, ok in room.items() if not ok), None
+        best = max(kept.values(), default=0.0)
+        claimed = next((r for r, c in kept.items() if c >= best > 0 and room[r]), None)
+        return verdict, NO_AVOID, claimed
+
     # -- the request's side ----------------------------------------------------------------------
     def try_enter(
         self,
@@ -223,16 +309,27 @@ class FlowControl:
         prompt_tokens: float,
         output_tokens: float,
         candidates: Sequence[ReplicaState],
+        cached: Mapping[str, float] | None = None,
     ) -> Ticket | None:
         """The hot path, synchronous: a ticket at once when the fleet has room and no one is
-        queued (the dispatch is charged to the scope's counter), else None: `wait`."""
+        queued (the dispatch is charged to the scope's counter), else None: `wait`. `cached`:
+        the prompt tokens each candidate holds, when any does (the affinity wait: a request
+        whose cached replica is full waits for it when that is worth it, else it leaves the
+        full replicas out)."""
         if self.queue or not self._has_room(candidates):
             return None
+        avoid = NO_AVOID
+        if cached is not None:
+            verdict, avoid, _ = self._affinity(cached, 0.0, time.monotonic())
+            if verdict == "wait":
+                return None
+            if verdict == "elsewhere":
+                self.stats.count_affinity("no_wait")
         cost = self.queue.cost(prompt_tokens, output_tokens)
         self.queue.charge(tenant.scope, band, tenant.policy.weight, cost)
         self.stats.count_dispatch(band, "immediate")
         self.transit_tokens += prompt_tokens
-        return Ticket(self, prompt_tokens, 0.0, (band, cost))
+        return Ticket(self, prompt_tokens, 0.0, (band, cost), avoid)
 
     def sibling(
         self, tenant: Tenant, band: int, prompt_tokens: float, output_tokens: float
@@ -254,6 +351,7 @@ class FlowControl:
         output_tokens: float,
         client_left: Callable[[], Awaitable[object]] | None = None,
         max_wait_s: float | None = None,
+        cached: Mapping[str, float] | None = None,
     ) -> Ticket:
         """Wait in the scope's queue until the request may go to the router; the ticket must be
         `routed` when routing ends, whatever happens. Raises `QueueFull` or `Overloaded` past
@@ -261,13 +359,13 @@ class FlowControl:
         watch; gRPC cancels the caller's task instead): either way the request leaves the queue
         and `ClientGone` (or the cancellation) is raised, nothing left behind. `max_wait_s`: a
         shorter bound than `max_queue_s` (the endpoint picker's: how long Envoy holds its
-        stream)."""
+        stream). `cached`: as in `try_enter`."""
         weight = tenant.policy.weight
         cost = self.queue.cost(prompt_tokens, output_tokens)
         self._check_limits(tenant, prompt_tokens)
         now_s = self.clock()
         future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(future, model, prompt_tokens, self.queue.depth(tenant.scope))
+        waiter = _Waiter(future, model, prompt_tokens, self.queue.depth(tenant.scope), cached)
         queued = self.queue.push(
             waiter, scope=tenant.scope, band=band, weight=weight, cost=cost, now_s=now_s
         )
@@ -295,7 +393,7 @@ class FlowControl:
             raise self._timed_out(tenant, queued, self.clock() - now_s)
         queued_s = future.result()
         self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
-        return Ticket(self, prompt_tokens, queued_s, (band, cost))
+        return Ticket(self, prompt_tokens, queued_s, (band, cost), waiter.avoid, waiter.claimed)
 
     def _left(self, tenant: Tenant, queued: Queued[_Waiter], since_s: float) -> None:
         """The client left while its request waited: out of the queue (nothing reaches an
@@ -310,6 +408,8 @@ class FlowControl:
             )
         elif queued.item.future.done():
             self.transit_tokens = max(self.transit_tokens - queued.item.tokens, 0.0)
+            if queued.item.claimed is not None:
+                self.unclaim(queued.item.claimed, queued.item.tokens)
 
     def _check_limits(self, tenant: Tenant, prompt_tokens: float) -> None:
         backlog = self.queue.depth(tenant.scope)
@@ -360,7 +460,20 @@ class FlowControl:
             room = headroom.get(waiter.model)
             if room is None:
                 room = headroom[waiter.model] = self.headroom(self.replicas.serving(waiter.model))
-            return room > self.transit_tokens
+            if room <= self.transit_tokens:
+                return False
+            if waiter.cached is None:
+                return True
+            since = waiter.blocked_s
+            waited_s = 0.0 if since is None else now_s - since
+            verdict, waiter.avoid, waiter.claimed = self._affinity(
+                waiter.cached, waited_s, time.monotonic()
+            )
+            if verdict == "wait":
+                if since is None:
+                    waiter.blocked_s = now_s
+                return False
+            return True
 
         now_s = self.clock()
         for _ in range(len(self.queue)):
@@ -371,6 +484,12 @@ class FlowControl:
             if waiter.future.done():  # cancelled in the same turn: it is not dispatched
                 continue
             self.transit_tokens += waiter.tokens
+            if waiter.claimed is not None:
+                self.claimed[waiter.claimed] = self.claimed.get(waiter.claimed, 0.0) + waiter.tokens
+            if waiter.blocked_s is not None:
+                self.stats.count_affinity("bound" if waiter.avoid else "waited")
+            elif waiter.avoid:
+                self.stats.count_affinity("no_wait")
             waiter.future.set_result(now_s - queued.enqueued_s)
             self.stats.count_dispatch(queued.band, "queued")
         self._maybe_tick()

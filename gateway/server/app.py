@@ -232,6 +232,7 @@ def _flow(settings: Settings, replicas: ReplicaSet) -> FlowControl | None:
         max_queued_per_scope=settings.flow_max_queued_per_scope,
         max_queued=settings.flow_max_queued,
         max_queue_s=settings.flow_max_queue_s,
+        affinity_wait_s=settings.flow_affinity_wait_ms / 1000.0,
         prefill_tokens_per_s=settings.engine_prefill_tokens_per_s,
     )
     return FlowControl(

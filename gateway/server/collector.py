@@ -22,7 +22,7 @@ from gateway.fleet.replicas import ReplicaSet
 from gateway.observability import histograms
 from gateway.observability.metrics import RequestMetrics
 from gateway.pipeline.director import DirectorStats
-from gateway.pipeline.flow import REJECT_REASONS, FlowControl
+from gateway.pipeline.flow import AFFINITY_OUTCOMES, REJECT_REASONS, FlowControl
 from gateway.pipeline.forwarder import Forwarder
 from gateway.pipeline.placement import Placement
 
@@ -129,6 +129,16 @@ class GatewayCollector(Collector):
         for reason in REJECT_REASONS:
             rejects.add_metric([reason], flow.stats.rejects.get(reason, 0))
         yield rejects
+        affinity = CounterMetricFamily(
+            "kvgate_flow_affinity",
+            "Requests whose cached replica had no room when the fleet had some: let through "
+            "to it after waiting (waited), sent to a replica with room past the affinity "
+            "wait's bound (bound), or at once with no wait configured (no_wait).",
+            labels=["outcome"],
+        )
+        for outcome in AFFINITY_OUTCOMES:
+            affinity.add_metric([outcome], flow.stats.affinity.get(outcome, 0))
+        yield affinity
         room = GaugeMetricFamily(
             "kvgate_replica_room_tokens",
             "Prompt tokens a replica can take before it has no room (flow control's bound "

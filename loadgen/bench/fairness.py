@@ -2,15 +2,29 @@
 
 Two simulated engines; tenant B sends a B-word prompt every `--b-interval-s` (open loop, the
 light tenant); tenant A floods with `--a-clients` closed-loop clients of A-word prompts; every
-prompt distinct (no cache helps). Five runs on fresh processes: B alone, A alone (flow control
-off and on), then B under A's flood with flow control off and on. Printed: B's TTFT p50/p99,
-A's requests completed within B's window, failures and 5xx. Times are in engine time
-(measured × `--time-scale`), so a faster-than-real engine reports what a real one would.
+prompt distinct (no cache helps). Three runs per arm (`--arms`), each on fresh processes: B
+alone, A alone, then B under A's flood. Arms: `kvgate:<policy>` (flow control on, the
+default), `noflow:<policy>` (off), and the peers `sglang:<policy>` and `vllm:<policy>`
+(sglang-router and vllm-router on the same simulated engines; they have no tenants, so both
+tenants' requests reach them alike: the baseline a user has today). Printed per arm: B's TTFT
+p50/p99 alone and under the flood, A's requests completed within B's window alone and under the
+flood, failures and 5xx, and the issue's goal: B's p99 under the flood at most 1.5 × its solo
+p99 plus one of A's prefills, A at least 90% of its solo completions, nothing failed, no 5xx.
+Times are in engine time (measured × `--time-scale`), so a faster-than-real engine reports what
+a real one would.
 
 `--scenario bands`: the noisy neighbour with B in a high band (priority 0) and A in a low one
 (priority 5), same weights: B's TTFT under A's flood; then a high-band tenant floods too, and
 the low band's share of the queue's dispatches is printed beside its floor
 (`floor / (1 + floor)` with two bands backlogged).
+
+`--scenario affinity`: the bounded affinity wait's trade-off. Tenant B runs `--sessions`
+closed-loop conversations, each turn its history (`--history-words`) plus every earlier turn
+(`--turn-words` each), so a turn's cache is on the replica of its previous turn; tenant A floods
+as in the noisy neighbour, so that replica is often full. One run per `--affinity-waits` value
+(`flow_affinity_wait_ms`, fresh processes each): B's turns after the first (within the window)
+with their hit ratio (the engines' cached tokens over the prompt tokens) and TTFT p50/p99, A's
+completions, failures, and the gateway's affinity outcomes (waited / bound / no_wait).
 
 `--scenario weights`: three tenants weighted 1:2:4 in a tenants file, all flooding; the share
 of the queue's dispatches within the window (from the admin port's metrics) and of the prompt
@@ -21,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +47,7 @@ import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadgen.bench.peers import Arm, parse_arms, peer_missing, start_router
 from loadgen.client import Result, stream_chat
 from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.engine.timing import DEFAULT_PREFILL_TOKENS_PER_S
@@ -54,13 +71,32 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-scale", type=float, default=1.0, help="engines run this many times faster"
     )
     parser.add_argument(
+        "--arms",
+        default="kvgate:cache_aware,noflow:cache_aware",
+        help="the noisy neighbour's routers, comma-separated: kvgate:<policy> (flow control "
+        "on), noflow:<policy> (off), sglang:<policy>, vllm:<policy> (the peers, no tenants)",
+    )
+    parser.add_argument(
+        "--sessions", type=int, default=8, help="affinity: B's closed-loop conversations"
+    )
+    parser.add_argument(
+        "--history-words", type=int, default=8_000, help="affinity: each conversation's history"
+    )
+    parser.add_argument("--turn-words", type=int, default=50, help="affinity: words per turn")
+    parser.add_argument(
+        "--affinity-waits",
+        default="0,150,400",
+        help="affinity: the flow_affinity_wait_ms values to run, comma-separated",
+    )
+    parser.add_argument(
         "--scenario",
-        choices=("noisy", "weights", "bands"),
+        choices=("noisy", "weights", "bands", "affinity"),
         default="noisy",
         help="noisy: the noisy neighbour, flow control off and on; weights: three tenants "
         "weighted 1:2:4 (a tenants file), each flooding with --a-clients / 3 clients of "
         "--a-words words: their served prompt tokens against the weights; bands: B in band 0 "
-        "under A's flood in band 5, then both bands flooding (the low band's floor)",
+        "under A's flood in band 5, then both bands flooding (the low band's floor); affinity: "
+        "conversations beside A's flood at each --affinity-waits value (hit ratio, TTFT)",
     )
 
 
@@ -85,7 +121,13 @@ def _body(text: str, max_tokens: int) -> dict[str, object]:
     }
 
 
-async def _traffic(url: str, args: argparse.Namespace, light: bool, flood: bool) -> Run:
+async def _traffic(
+    url: str,
+    args: argparse.Namespace,
+    light: bool,
+    flood: bool,
+    keys: tuple[str | None, str | None] = (KEY_A, KEY_B),
+) -> Run:
     """B's open loop for `--seconds` (its requests then finish) while A's clients loop; A's
     requests count when they finish within B's sending window, the same length in every run."""
     timeout = aiohttp.ClientTimeout(total=600)
@@ -98,14 +140,14 @@ async def _traffic(url: str, args: argparse.Namespace, light: bool, flood: bool)
             n = 0
             while not stop.is_set():  # bounded: the window ends
                 text = f"A{i}.{n} " + words(f"flood{i}.{n}", args.a_words)
-                result = await stream_chat(http, url, KEY_A, _body(text, args.max_tokens))
+                result = await stream_chat(http, url, keys[0], _body(text, args.max_tokens))
                 a_done.append(result)
                 n += 1
 
         async def light_one(k: int, at_s: float) -> Result:
             await asyncio.sleep(max(0.0, at_s - time.monotonic()))
             text = f"B{k} " + words(f"light{k}", args.b_words)
-            return await stream_chat(http, url, KEY_B, _body(text, args.max_tokens))
+            return await stream_chat(http, url, keys[1], _body(text, args.max_tokens))
 
         flooders = [asyncio.create_task(flooder(i)) for i in range(args.a_clients if flood else 0)]
         if flood:  # let the flood fill the engines' queues before B measures
@@ -126,18 +168,84 @@ async def _traffic(url: str, args: argparse.Namespace, light: bool, flood: bool)
     return Run(list(b), window)
 
 
-def _run(args: argparse.Namespace, light: bool, flood: bool, flow: bool) -> Run:
-    env = {
-        "KVGATE_FLOW_CONTROL": "true" if flow else "false",
-        "KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * args.time_scale),
-    }
-    serve = ["--tenant", f"a:{KEY_A}", "--tenant", f"b:{KEY_B}", "--log-level", "warning"]
+@contextlib.contextmanager
+def _router(
+    arm: Arm, engine_urls: Sequence[str], args: argparse.Namespace
+) -> Iterator[tuple[str, tuple[str | None, str | None]]]:
+    """The arm's router on the engines: its URL and the keys A and B send (kvgate: a tenant
+    each; a peer has no tenants, so none)."""
+    if arm.kind in ("kvgate", "noflow"):
+        env = {
+            "KVGATE_FLOW_CONTROL": "true" if arm.kind == "kvgate" else "false",
+            "KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(
+                DEFAULT_PREFILL_TOKENS_PER_S * args.time_scale
+            ),
+        }
+        serve = ["--tenant", f"a:{KEY_A}", "--tenant", f"b:{KEY_B}", "--log-level", "warning"]
+        serve += ["--policy", arm.policy]
+        with processes.gateway(engine_urls, serve, env=env) as gw:
+            yield gw.url, (KEY_A, KEY_B)
+        return
+    with start_router(arm, engine_urls, directory_capacity_blocks=1) as router:
+        yield router.targets[0], (None, None)
+
+
+def _run(args: argparse.Namespace, arm: Arm, light: bool, flood: bool) -> Run:
     engine_args = ["--time-scale", str(args.time_scale), "--max-batch", "256"]
     with (
         processes.engines(args.engines, engine_args) as engines,
-        processes.gateway([e.url for e in engines], serve, env=env) as gw,
+        _router(arm, [e.url for e in engines], args) as (url, keys),
     ):
-        return asyncio.run(_traffic(gw.url, args, light, flood))
+        return asyncio.run(_traffic(url, args, light, flood, keys))
+
+
+@dataclass
+class Verdict:
+    """One arm's noisy neighbour against the issue's goal."""
+
+    b_solo: list[float]
+    b_flood: list[float]
+    """B's TTFTs (engine time), alone and under A's flood."""
+    a_solo: int
+    a_flood: int
+    failed: int
+    server_errors: int
+    a_prefill_s: float
+    """One of A's prefills (its mean prompt over the engines' prefill rate)."""
+
+    @property
+    def bound_s(self) -> float:
+        return 1.5 * percentile(self.b_solo, 0.99) + self.a_prefill_s
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.b_solo or not self.b_flood:
+            return ["B had no answered request"]
+        p99 = percentile(self.b_flood, 0.99)
+        if p99 > self.bound_s:
+            out.append(f"B's p99 {p99:.2f} s > {self.bound_s:.2f} s")
+        if self.a_flood < 0.9 * self.a_solo:
+            out.append(f"A {self.a_flood} < 90% of {self.a_solo}")
+        if self.failed:
+            out.append(f"{self.failed} failed")
+        if self.server_errors:
+            out.append(f"{self.server_errors} 5xx")
+        return out
+
+
+def _verdict(runs: dict[str, Run], scale: float) -> Verdict:
+    solo, a_alone, flood = runs["B alone"], runs["A alone"], runs["flood"]
+    a_prompts = [r.prompt_tokens for r in a_alone.a + flood.a if r.ok and r.prompt_tokens]
+    a_tokens = sum(a_prompts) / len(a_prompts) if a_prompts else 0.0
+    return Verdict(
+        b_solo=[r.ttft_s * scale for r in solo.b if r.ok],
+        b_flood=[r.ttft_s * scale for r in flood.b if r.ok],
+        a_solo=sum(1 for r in a_alone.a if r.ok),
+        a_flood=sum(1 for r in flood.a if r.ok),
+        failed=sum(run.failures() for run in runs.values()),
+        server_errors=sum(run.server_errors() for run in runs.values()),
+        a_prefill_s=a_tokens / DEFAULT_PREFILL_TOKENS_PER_S,
+    )
 
 
 WEIGHTS = (1, 2, 4)
@@ -318,40 +426,169 @@ def run_bands(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+async def _conversations(url: str, args: argparse.Namespace) -> tuple[list[Result], list[Result]]:
+    """B's conversations beside A's flood: B's turns after each conversation's first and A's
+    requests, both finished within the window (after the flood's warm-up)."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    stop = asyncio.Event()
+    a_done: list[Result] = []
+    b_done: list[Result] = []
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+
+        async def flooder(i: int) -> None:
+            n = 0
+            while not stop.is_set():  # bounded: the window ends
+                text = f"A{i}.{n} " + words(f"flood{i}.{n}", args.a_words)
+                a_done.append(await stream_chat(http, url, KEY_A, _body(text, args.max_tokens)))
+                n += 1
+
+        async def conversation(i: int) -> None:
+            text = f"Conversation {i}. " + words(f"history{i}", args.history_words)
+            n = 0
+            while not stop.is_set():  # bounded: the window ends
+                text += f"\nTurn {n}: " + words(f"c{i}.t{n}", args.turn_words)
+                result = await stream_chat(http, url, KEY_B, _body(text, args.max_tokens))
+                if n:  # the first turn is cold wherever it goes
+                    b_done.append(result)
+                n += 1
+
+        tasks = [asyncio.create_task(flooder(i)) for i in range(args.a_clients)]
+        tasks += [asyncio.create_task(conversation(i)) for i in range(args.sessions)]
+        await asyncio.sleep(2.0 * args.a_words / DEFAULT_PREFILL_TOKENS_PER_S / args.time_scale)
+        start = time.monotonic()
+        await asyncio.sleep(args.seconds)
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    end = start + args.seconds
+
+    def window(results: list[Result]) -> list[Result]:
+        return [r for r in results if start <= r.start_s + r.latency_s <= end]
+
+    return window(b_done), window(a_done)
+
+
+def _affinity_outcomes(metrics_url: str) -> dict[str, float]:
+    text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvgate_flow_affinity":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["outcome"]] = sample.value
+    return out
+
+
+def run_affinity(args: argparse.Namespace) -> int:
+    """B's conversations beside A's flood at each affinity wait (fresh processes each)."""
+    try:
+        waits = [float(w) for w in args.affinity_waits.split(",") if w.strip()]
+    except ValueError:
+        print(f"kvgate bench-fairness: --affinity-waits {args.affinity_waits!r}: not numbers")
+        return 2
+    scale = args.time_scale
+    print(
+        f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
+        f"tokens/s, time scale {scale:g}; B: {args.sessions} closed-loop conversations of "
+        f"{args.history_words:,} words of history + {args.turn_words} a turn; A: "
+        f"{args.a_clients} closed-loop clients of {args.a_words:,} distinct words; "
+        f"{args.seconds:g} s window; flow control on"
+    )
+    print(
+        f"\n{'wait ms':>7} {'B turns':>7} {'B hit ratio':>11} {'B TTFT p50 s':>12} "
+        f"{'B TTFT p99 s':>12} {'A done':>6} {'failed':>6} {'5xx':>4}  affinity outcomes"
+    )
+    errors = 0
+    engine_args = ["--time-scale", str(scale), "--max-batch", "256"]
+    serve = ["--tenant", f"a:{KEY_A}", "--tenant", f"b:{KEY_B}", "--log-level", "warning"]
+    for wait in waits:
+        env = {
+            "KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * scale),
+            "KVGATE_FLOW_AFFINITY_WAIT_MS": f"{wait:g}",
+        }
+        with (
+            processes.engines(args.engines, engine_args) as engines,
+            processes.gateway([e.url for e in engines], serve, env=env) as gw,
+        ):
+            assert gw.metrics_url is not None
+            b, a = asyncio.run(_conversations(gw.url, args))
+            outcomes = _affinity_outcomes(gw.metrics_url)
+        ok = [r for r in b if r.ok]
+        prompt = sum(r.prompt_tokens for r in ok) or 1
+        hit = sum(r.engine_cached_tokens for r in ok) / prompt
+        ttfts = [r.ttft_s * scale for r in ok]
+        failed = sum(1 for r in a + b if not r.ok)
+        server = sum(1 for r in a + b if r.status >= 500)
+        errors += server
+        p50 = percentile(ttfts, 0.5) if ttfts else float("nan")
+        p99 = percentile(ttfts, 0.99) if ttfts else float("nan")
+        shown = ", ".join(f"{k} {v:.0f}" for k, v in sorted(outcomes.items()))
+        print(
+            f"{wait:>7g} {len(ok):>7} {hit:>11.3f} {p50:>12.2f} {p99:>12.2f} "
+            f"{sum(1 for r in a if r.ok):>6} {failed:>6} {server:>4}  {shown}"
+        )
+    return 1 if errors else 0
+
+
 def run_bench_fairness(args: argparse.Namespace) -> int:
+    if args.scenario == "affinity":
+        return run_affinity(args)
     if args.scenario == "weights":
         return run_weights(args)
     if args.scenario == "bands":
         return run_bands(args)
+    return run_noisy(args)
+
+
+def run_noisy(args: argparse.Namespace) -> int:
+    """The noisy neighbour on each arm: B alone, A alone, B under A's flood."""
     scale = args.time_scale
+    try:
+        arms = parse_arms(args.arms)
+    except ValueError as exc:
+        print(f"kvgate bench-fairness: {exc}")
+        return 2
+    for arm in arms:
+        if arm.kind not in ("kvgate", "noflow", "sglang", "vllm") or arm.gateways != 1:
+            print(f"kvgate bench-fairness: arm {arm.name!r}: use kvgate, noflow, sglang or vllm")
+            return 2
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
         f"tokens/s, time scale {scale:g}; B: {args.b_words:,} words every "
         f"{args.b_interval_s:g} s for {args.seconds:g} s; A: {args.a_clients} closed-loop "
         f"clients of {args.a_words:,} words; all prompts distinct"
     )
-    runs = {
-        "B alone": _run(args, light=True, flood=False, flow=True),
-        "A alone, flow control off": _run(args, light=False, flood=True, flow=False),
-        "A alone, flow control on": _run(args, light=False, flood=True, flow=True),
-        "flood, flow control off": _run(args, light=True, flood=True, flow=False),
-        "flood, flow control on": _run(args, light=True, flood=True, flow=True),
-    }
+    verdicts: dict[str, Verdict] = {}
+    for arm in arms:
+        missing = peer_missing(arm)
+        if missing:
+            print(f"{arm.name}: skipped, {missing}")
+            continue
+        runs = {
+            "B alone": _run(args, arm, light=True, flood=False),
+            "A alone": _run(args, arm, light=False, flood=True),
+            "flood": _run(args, arm, light=True, flood=True),
+        }
+        verdicts[arm.name] = _verdict(runs, scale)
     print(
-        f"\n{'run':<27} {'B TTFT p50 s':>12} {'B TTFT p99 s':>12} {'B done':>7} "
-        f"{'A done':>7} {'failed':>6} {'5xx':>4}"
+        f"\n{'arm':<20} {'B solo p50/p99 s':>16} {'B flood p50/p99 s':>17} {'A solo':>6} "
+        f"{'A flood':>7} {'failed':>6} {'5xx':>4}  goal"
     )
     errors = 0
-    for name, run in runs.items():
-        ttfts = [r.ttft_s * scale for r in run.b if r.ok]
-        b_cells = (
-            f"{percentile(ttfts, 0.5):>12.2f} {percentile(ttfts, 0.99):>12.2f}"
-            if run.b
-            else f"{'-':>12} {'-':>12}"
-        )
-        errors += run.server_errors()
+    for name, v in verdicts.items():
+        errors += v.server_errors
+        cells = []
+        for ttfts in (v.b_solo, v.b_flood):
+            cells.append(
+                f"{percentile(ttfts, 0.5):.2f} / {percentile(ttfts, 0.99):.2f}" if ttfts else "-"
+            )
+        problems = v.problems()
+        goal = "met" if not problems else "missed: " + "; ".join(problems)
         print(
-            f"{name:<27} {b_cells} {len(ttfts):>7} {sum(1 for r in run.a if r.ok):>7} "
-            f"{run.failures():>6} {run.server_errors():>4}"
+            f"{name:<20} {cells[0]:>16} {cells[1]:>17} {v.a_solo:>6} {v.a_flood:>7} "
+            f"{v.failed:>6} {v.server_errors:>4}  {goal} (bound {v.bound_s:.2f} s)"
         )
     return 1 if errors else 0

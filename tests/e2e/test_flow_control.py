@@ -516,3 +516,163 @@ def test_two_gateways_on_one_redis_share_their_fairness_counters(
     assert ('kvgate_flow_shared_rounds_total{event="ok"}' in metrics) is share
     if not share:
         assert gained == 0.0  # nothing dispatched at gateway 1 while it held: its own counters
+
+
+# -- the bounded affinity wait ------------------------------------------------------------------
+HISTORY_WORDS = 6_000
+"""A conversation's history of ~8,000 tokens: at the gateway's assumed 250 prefill tokens/s its
+cache saves ~32 s of prefill, more than either wait below (20 s, 0.3 s): the bound is the wait."""
+
+
+def _turn(gateway: Served, history: str, n: int) -> httpx.Response:
+    return httpx.post(
+        gateway.url + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {TENANT_KEY}"},
+        json={
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": history},
+                {"role": "user", "content": f"question {n}"},
+            ],
+            "max_tokens": 1,
+        },
+        timeout=30.0,
+    )
+
+
+@pytest.mark.parametrize("released", [True, False], ids=["room-within-the-bound", "past-it"])
+def test_a_request_waits_a_bounded_time_for_its_full_cached_replica(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    released: bool,
+) -> None:
+    """A conversation's second turn finds the replica holding its history full (a lease the
+    test holds) while the other is idle. It waits in the gateway for its replica, the other
+    replica free for anyone else (a request of another tenant goes there at once): (a) room
+    back within the bound, it lands on its replica as a prefix hit; (b) no room within the
+    bound (0.3 s), it goes to the idle replica, cold, while its own is still full."""
+    engines = start_engines(2)
+    wait_ms = 20_000.0 if released else 300.0
+    gateway = start_gateway(engines, engine_prefill_tokens_per_s=250, flow_affinity_wait_ms=wait_ms)
+    flow = director(gateway).flow
+    assert flow is not None
+    history = "History:" + words(f"affinity/{released}", HISTORY_WORDS)
+    first = _turn(gateway, history, 0)
+    assert first.status_code == 200
+    home = first.headers["x-kvgate-replica"]
+    state = director(gateway).replicas.states[home]
+    hold = gateway.on_loop(lambda: state.lease(10**9))
+
+    async def second() -> tuple[httpx.Response, httpx.Response]:
+        turn = asyncio.create_task(asyncio.to_thread(_turn, gateway, history, 1))
+        if released:
+            await asyncio.to_thread(
+                wait_until,
+                lambda: gateway.on_loop(lambda: len(flow.queue)) == 1,
+                10.0,
+                "the turn waiting for its replica",
+            )
+            # the fleet is not held idle: another tenant's request goes to the free replica
+            other = await asyncio.to_thread(_ask, gateway, OTHER_KEY, "meanwhile")
+            assert gateway.on_loop(lambda: len(flow.queue)) == 1  # the turn still waits
+            gateway.on_loop(hold.release)
+            return await turn, other
+        answer = await turn  # past the bound, its replica still full
+        gateway.on_loop(hold.release)
+        return answer, answer
+
+    answer, other = asyncio.run(second())
+    assert answer.status_code == 200 and other.status_code == 200
+    cached = answer.json()["usage"]["engine_cached_tokens"]
+    outcomes = gateway.on_loop(lambda: dict(flow.stats.affinity))
+    if released:
+        assert other.headers["x-kvgate-replica"] != home
+        assert answer.headers["x-kvgate-replica"] == home
+        assert cached >= 0.9 * first.json()["usage"]["prompt_tokens"]  # a prefix hit
+        assert outcomes == {"waited": 1}
+    else:
+        assert answer.headers["x-kvgate-replica"] != home
+        assert cached == 0  # cold elsewhere
+        assert outcomes == {"bound": 1}
+    metrics = httpx.get(metrics_url(gateway) + "/metrics").text
+    outcome = "waited" if released else "bound"
+    assert f'kvgate_flow_affinity_total{{outcome="{outcome}"}} 1.0' in metrics
+
+
+# -- fan-out holds and the queue compose --------------------------------------------------------
+FANOUT_TIMING = TimingModel(prefill_tokens_per_s=2_000, decode_s_per_token=0.001)
+"""The leader's ~4,000-token write takes ~2 s: its siblings are sent while it writes."""
+SHARED = "Shared context:" + words("flow/fanout", 3_000)
+
+
+async def _subtask(client: httpx.AsyncClient, key: str, i: int) -> httpx.Response:
+    return await client.post(
+        "/v1/chat/completions",
+        headers={"authorization": f"Bearer {key}"},
+        json={
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": SHARED},
+                {"role": "user", "content": f"Subtask {i}:" + words(f"flow/task{i}", 50)},
+            ],
+            "max_tokens": 1,
+        },
+    )
+
+
+def test_held_fan_out_siblings_are_charged_once_not_queued_and_go_to_their_leaders_replica(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    """The fleet has no room (a lease the test holds fills one replica, the fan-out's leader's
+    ~4,000-token prefill the other): siblings sent while the leader writes are held by it, not
+    queued too (one dispatch each, `sibling`, none `queued`: they take no queue share twice),
+    and each goes to the leader's replica as a prefix hit when it lands; another tenant's
+    request meanwhile waits in the queue."""
+    engines = start_engines(2, timing=FANOUT_TIMING)
+    gateway = start_gateway(engines, engine_prefill_tokens_per_s=2_000)
+    d = director(gateway)
+    flow, flights = d.flow, d.placement.flights
+    assert flow is not None and flights is not None
+    full = d.replicas.states[engines[1].url]
+    hold = gateway.on_loop(lambda: full.lease(10**9))
+    siblings = 6
+
+    async def fan_out() -> tuple[httpx.Response, list[httpx.Response], httpx.Response]:
+        def state() -> tuple[dict[tuple[str, str], int], int, int]:
+            return dict(flow.stats.dispatched), len(flow.queue), len(flights)
+
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30.0) as client:
+            leader = asyncio.create_task(_subtask(client, TENANT_KEY, 0))
+            await asyncio.to_thread(
+                wait_until, lambda: gateway.on_loop(lambda: len(flights)) > 0, 10.0, "the leader"
+            )
+            held = [
+                asyncio.create_task(_subtask(client, TENANT_KEY, i)) for i in range(1, siblings + 1)
+            ]
+            other = asyncio.create_task(_subtask(client, OTHER_KEY, 99))
+            await asyncio.to_thread(
+                wait_until,
+                lambda: (
+                    gateway.on_loop(state)[0].get(("0", "sibling")) == siblings
+                    and gateway.on_loop(state)[1] == 1
+                ),
+                10.0,
+                "the siblings held and globex's request queued",
+            )
+            assert gateway.on_loop(state)[2] > 0, "the leader landed before they were held"
+            answers = [await h for h in held]
+            first = await leader
+            gateway.on_loop(hold.release)
+            return first, answers, await other
+
+    first, answers, other = asyncio.run(fan_out())
+    assert first.status_code == other.status_code == 200
+    assert [a.status_code for a in answers] == [200] * siblings
+    leader_replica = first.headers["x-kvgate-replica"]
+    assert leader_replica == engines[0].url
+    assert {a.headers["x-kvgate-replica"] for a in answers} == {leader_replica}
+    shared_tokens = first.json()["usage"]["prompt_tokens"] * 0.8
+    assert all(a.json()["usage"]["engine_cached_tokens"] >= shared_tokens for a in answers)
+    dispatched = gateway.on_loop(lambda: dict(flow.stats.dispatched))
+    # acme: the leader immediate, every sibling once as a sibling; globex's the one queued
+    assert dispatched == {("0", "immediate"): 1, ("0", "sibling"): siblings, ("0", "queued"): 1}

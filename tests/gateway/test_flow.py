@@ -255,3 +255,43 @@ def test_bad_weights_and_bands_name_the_problem() -> None:
         TenantPolicy(priority_range=(3, 1))
     with pytest.raises(ValueError, match="outside priority_range"):
         TenantPolicy(priority=9, priority_range=(0, 2))
+
+
+async def test_waiters_released_for_one_replica_claim_its_room_until_placed() -> None:
+    """Two requests cached on r0 (full) wait for it while r1 is idle (worth it: 5,000 cached
+    tokens save 5 s at 1,000/s, over the 2 s bound). r0's room back, the first is let through
+    for r0 and claims its 1,200 tokens there until it is placed (past the 1,000-token bound), so
+    the second keeps waiting rather than overfill r0; once the first is placed (its
+    lease on r0), the second goes elsewhere past its bound, its ticket leaving r0 out."""
+    replicas = _replicas(2)
+    clock = [0.0]
+    flow = _flow(replicas)
+    flow.clock = lambda: clock[0]
+    flow.limits = FlowLimits(**{**flow.limits.__dict__, "affinity_wait_s": 2.0})
+    lease = _fill(replicas)
+    r0 = replicas.states["http://r0"]
+    cached = {"http://r0": 5_000.0, "http://r1": 0.0}
+    a, b = _tenant("a"), _tenant("b")
+    candidates = replicas.serving(MODEL)
+    assert flow.try_enter(a, 0, 1_200.0, 0.0, candidates, cached) is None  # r0 is full
+    first = asyncio.create_task(flow.wait(a, 0, MODEL, 1_200.0, 0.0, cached=cached))
+    second = asyncio.create_task(flow.wait(b, 0, MODEL, 1_200.0, 0.0, cached=cached))
+    await _until(lambda: len(flow.queue) == 2, "both waiting for r0")
+    other = flow.try_enter(_tenant("c"), 0, 100.0, 0.0, candidates)  # nothing cached: no wait
+    assert other is None  # behind the queue, as always...
+    third = await flow.wait(_tenant("c"), 0, MODEL, 100.0, 0.0)  # ...and let through at once
+    third.routed()
+    lease.release()  # r0 has room: the first goes, the second stays
+    flow.pump()
+    ticket = await first
+    assert ticket.avoid == frozenset() and flow.claimed == {"http://r0": 1_200.0}
+    assert len(flow.queue) == 1
+    with r0.lease(1_200.0):  # placed on r0: its lease takes over from the claim
+        ticket.routed()
+        assert flow.claimed == {}
+        clock[0] = 2.5  # past the second's bound, r0 still full
+        flow.pump()
+        late = await second
+    assert late.avoid == frozenset({"http://r0"})
+    late.routed()
+    assert flow.stats.affinity == {"waited": 1, "bound": 1}

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.fairness import FairQueue, has_headroom, headroom_tokens
+from router.fairness import FairQueue, affinity_verdict, has_headroom, headroom_tokens
 
 
 def _fill(
@@ -291,3 +291,55 @@ def test_shared_service_is_what_the_counters_were_charged(
     assert queue.counter("0", 0) == before + 12.5
     queue.add_remote("nobody", 0, 12.5)  # untracked: not followed
     assert queue.counter("nobody", 0) is None
+
+
+# -- the bounded affinity wait ------------------------------------------------------------------
+def test_a_request_waits_for_its_full_replica_only_while_the_prefix_is_worth_it() -> None:
+    cached = {"a": 10_000.0, "b": 0.0}
+    full_a = {"a": False, "b": True}
+    # 10,000 cached tokens at 10,000/s save 1 s: it waits up to the bound or that, the less
+    assert affinity_verdict(cached, full_a, 10_000, 0.5, 0.0) == "wait"
+    assert affinity_verdict(cached, full_a, 10_000, 0.5, 0.5) == "elsewhere"  # the bound
+    assert affinity_verdict(cached, full_a, 10_000, 2.0, 0.9) == "wait"
+    assert affinity_verdict(cached, full_a, 10_000, 2.0, 1.0) == "elsewhere"  # what it saves
+    assert affinity_verdict(cached, full_a, 10_000, 0.0, 0.0) == "elsewhere"  # off: at once
+    assert affinity_verdict(cached, {"a": True, "b": True}, 10_000, 0.5, 0.0) == "go"
+    assert affinity_verdict({"a": 0.0, "b": 0.0}, full_a, 10_000, 0.5, 0.0) == "go"
+    assert affinity_verdict(cached, {"a": False, "b": False}, 10_000, 0.5, 0.0) == "go"
+    # what it saves is over the best replica with room, not over a cold one
+    assert affinity_verdict({**cached, "b": 8_000.0}, full_a, 10_000, 0.5, 0.2) == "elsewhere"
+    # another replica holding as much, with room: nothing to wait for
+    both = {"a": 10_000.0, "b": 10_000.0, "c": 0.0}
+    assert affinity_verdict(both, {"a": False, "b": True, "c": True}, 10_000, 0.5, 0.0) == "go"
+
+
+_replicas = st.dictionaries(
+    st.sampled_from("abcd"),
+    st.tuples(st.integers(0, 50_000).map(float), st.booleans()),
+    min_size=1,
+)
+
+
+@given(
+    _replicas,
+    st.floats(0.0, 5.0),
+    st.floats(0.0, 10.0),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_affinity_wait_is_bounded_and_only_for_a_full_best_replica_while_worth_it(
+    replicas: dict[str, tuple[float, bool]], max_wait_s: float, waited_s: float
+) -> None:
+    cached = {r: c for r, (c, _) in replicas.items()}
+    room = {r: ok for r, (_, ok) in replicas.items()}
+    verdict = affinity_verdict(cached, room, 10_000.0, max_wait_s, waited_s)
+    best = max(cached.values())
+    roomy = [cached[r] for r in room if room[r]]
+    if verdict == "wait":
+        assert waited_s < max_wait_s  # bounded
+        assert all(not room[r] for r in cached if cached[r] == best)  # its replica is full
+        assert (best - max(roomy)) / 10_000.0 > waited_s  # never longer than the cache's worth
+    if verdict == "elsewhere":
+        assert roomy and best > 0  # somewhere with room to go
+    if best > 0 and any(room[r] for r in cached if cached[r] == best):
+        assert verdict == "go"
+    assert affinity_verdict(cached, room, 10_000.0, 0.0, 0.0) != "wait"  # 0: never waits

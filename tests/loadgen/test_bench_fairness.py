@@ -1,0 +1,43 @@
+"""`kvgate bench-fairness`'s noisy-neighbour verdict per arm (the issue's goal), and its arms."""
+
+from __future__ import annotations
+
+import argparse
+
+from loadgen.bench.fairness import Run, _verdict, add_bench_fairness_arguments, run_noisy
+from loadgen.client import Result
+from loadgen.engine.timing import DEFAULT_PREFILL_TOKENS_PER_S
+
+
+def _b(ttft_s: float) -> Result:
+    return Result("b", True, 200, ttft_s=ttft_s, prompt_tokens=2_600)
+
+
+def _a(n: int, ok: bool = True, status: int = 200) -> list[Result]:
+    return [Result("a", ok, status, prompt_tokens=10_400) for _ in range(n)]
+
+
+def test_the_goal_is_b_p99_within_its_bound_a_at_90_percent_and_nothing_failed() -> None:
+    solo = Run([_b(0.2) for _ in range(10)], [])
+    a_alone = Run([], _a(60))
+    prefill_s = 10_400 / DEFAULT_PREFILL_TOKENS_PER_S  # one of A's prefills: 0.8 s
+    met = _verdict({"B alone": solo, "A alone": a_alone, "flood": Run([_b(1.0)] * 10, _a(55))}, 1)
+    assert abs(met.bound_s - (1.5 * 0.2 + prefill_s)) < 1e-9 and met.problems() == []
+    slow = _verdict(
+        {"B alone": solo, "A alone": a_alone, "flood": Run([_b(1.2)] * 10, _a(53) + _a(1, False))},
+        1,
+    )
+    assert slow.problems() == ["B's p99 1.20 s > 1.10 s", "A 53 < 90% of 60", "1 failed"]
+    errors = _verdict(
+        {"B alone": solo, "A alone": a_alone, "flood": Run([_b(0.5)] * 10, _a(1, False, 503))}, 2
+    )
+    assert errors.b_flood == [1.0] * 10  # engine time: measured × the time scale
+    assert errors.problems()[-2:] == ["1 failed", "1 5xx"]
+
+
+def test_an_arm_it_cannot_run_is_refused_before_anything_starts(capsys: object) -> None:
+    parser = argparse.ArgumentParser()
+    add_bench_fairness_arguments(parser)
+    assert run_noisy(parser.parse_args(["--arms", "kvgate:cache_aware@2"])) == 2
+    assert run_noisy(parser.parse_args(["--arms", "precise:cache_aware"])) == 2
+    assert run_noisy(parser.parse_args(["--arms", "nonsense"])) == 2
