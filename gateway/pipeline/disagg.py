@@ -186,6 +186,8 @@ class PrefillUsage:
         self.leg = leg
 
     async def first_token(self, exchange: Exchange) -> None:
+        if self.leg.replica:  # before the ledger's open entry names the replica
+            exchange.record.cached_on = self.leg.replica
         await self.inner.first_token(exchange)
 
     async def usage(self, exchange: Exchange, fields: dict[str, Any]) -> EngineUsage:
