@@ -40,6 +40,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadgen.bench.peers import BENCH_KEY, READY_TIMEOUT_S, _vllm_router_binary, _wait_for_model
+from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.harness import processes
 from loadgen.replay import ReplayOptions, replay
 from loadgen.sim import percentile
@@ -148,6 +149,25 @@ def _router(
         processes.stop([proc])
 
 
+WARMUP_REQUESTS = 4
+"""Untimed requests through each arm before its replay (and before its counters are read): a
+cold fleet's first requests (connections, the engines' and the router's first-call costs) held
+the replay's first burst back for seconds at load 20, in kvgate's arm alone (its routers
+start the same engines; vllm-router and sglang-router probe their workers before they serve)."""
+
+
+def _warm_up(url: str, key: str | None) -> None:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    for i in range(WARMUP_REQUESTS):
+        body = {
+            "model": DEFAULT_MODEL,
+            "messages": [{"role": "user", "content": f"warm up {i}"}],
+            "max_tokens": 2,
+        }
+        answer = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        answer.raise_for_status()
+
+
 def run_arm(arm: str, args: argparse.Namespace) -> PdResult:
     trace = read_trace(args.trace, start=args.start, limit=args.requests)
     engine_args = [
@@ -171,6 +191,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> PdResult:
                 args.prefill_tokens_per_s * args.time_scale,
             )
         )
+        _warm_up(url, key)
         before = [_counters(e.url) for e in (*prefill, *decode)]
         options = ReplayOptions(
             url,
