@@ -90,7 +90,8 @@ def transfer_params(answer: dict[str, Any]) -> dict[str, Any]:
 
 class Disaggregation:
     """The two legs of one attempt (see the module docstring). `decode_ids`: the replicas in
-    the decode role; every other replica serving the model is a prefill instance."""
+    the decode role (the static `decode_engines`, and those discovery names, `set_discovered`);
+    every other replica serving the model is a prefill instance."""
 
     def __init__(
         self,
@@ -100,13 +101,19 @@ class Disaggregation:
         directory: RoutingDirectory,
         rng: random.Random,
     ) -> None:
-        self.decode_ids = frozenset(decode_ids)
+        self.static_decode_ids = frozenset(decode_ids)
+        self.decode_ids = self.static_decode_ids
         self.replicas = replicas
         self.forwarder = forwarder
         self.directory = directory
         self.rng = rng
         self.num_prefill_failures = 0
         self.num_decode_failures = 0
+
+    def set_discovered(self, decode_ids: frozenset[str]) -> None:
+        """Discovery's decode pool (pods whose role key says `decode`), beside the static one:
+        from the next routing decision on, they are decode instances and the rest prefill."""
+        self.decode_ids = self.static_decode_ids | decode_ids
 
     def is_decode(self, replica_id: str) -> bool:
         return replica_id in self.decode_ids
