@@ -493,7 +493,10 @@ class Director:
         depth = max(route.overlap.values(), default=0)
         if flights is not None and flights.find(hashes, depth) is not None:
             return flow.sibling(tenant, band, uncached, output_tokens)
-        ticket = flow.try_enter(tenant, band, uncached, output_tokens, candidates)
+        decode = (
+            () if self.disaggregation is None else self.disaggregation.decode_pool(parsed.model)
+        )
+        ticket = flow.try_enter(tenant, band, uncached, output_tokens, candidates, decode)
         if ticket is not None:
             return ticket
         max_wait_s = None
@@ -662,6 +665,13 @@ class Director:
         raise UpstreamError(
             f"every attempt at an engine failed ({len(failures)} attempts); try again"
         )
+
+    def pools(self, model: str) -> tuple[list[ReplicaState], ...]:
+        """The pools flow control counts room in for a request of `model`: the replicas routing
+        picks from, and, in a disaggregated fleet, its decode pool."""
+        if self.disaggregation is None:
+            return (self._serving(model),)
+        return self._serving(model), self.disaggregation.decode_pool(model)
 
     def _serving(self, model: str) -> list[ReplicaState]:
         """The replicas routing picks from: those serving the model (in a disaggregated fleet,

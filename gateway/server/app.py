@@ -464,6 +464,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
         ),
     )
     discovery = _discovery(settings, replicas, directory, layouts)
+    if flow is not None and director.disaggregation is not None:
+        flow.pools = director.pools  # the prefill pool's queue, the decode pool's room
     if discovery is not None and director.disaggregation is not None:
         discovery.on_decode = director.disaggregation.set_discovered
     registry.register(
