@@ -238,6 +238,16 @@ class Settings(BaseSettings):
     prefilled where its prefix is cached (the policy, within the prefill pool's load bound),
     then decoded at the least-loaded decode instance (its own cached prefix counted) with the
     prefill's `kv_transfer_params`. Empty: every engine serves requests whole."""
+    pd_protocol: Literal["vllm", "sglang"] = "vllm"
+    """How a disaggregated request is sent (docs/disaggregation.md). `vllm`: vLLM's
+    NixlConnector protocol — the prefill instance first, its `kv_transfer_params` then to the
+    decode instance. `sglang`: SGLang's bootstrap protocol (`--disaggregation-mode`), as
+    sglang-router's P/D mode sends it — the request to the prefill and the decode instance at
+    once, both with `bootstrap_host`, `bootstrap_port` and a random `bootstrap_room`."""
+    pd_bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    """`pd_protocol: sglang`: the prefill instances' bootstrap port (SGLang's
+    `--disaggregation-bootstrap-port`, 8998 by default); None: each prefill URL's own port (the
+    simulated engine's bootstrap server is its HTTP port)."""
     policy: str = "cache_aware"
     tenants: list[str] = Field(default_factory=list)
     """`NAME:KEY` pairs for the quick start; keys are hashed on load and never kept in clear."""

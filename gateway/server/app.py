@@ -458,6 +458,8 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
                 forwarder,
                 directory,
                 random.Random(settings.seed),
+                settings.pd_protocol,
+                settings.pd_bootstrap_port,
             )
             if settings.decode_engines or settings.discovery_role_key is not None
             else None

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -180,3 +181,55 @@ def test_a_continuation_leaves_its_busier_decode_instance_for_an_idle_one() -> N
         stream.close()
     finally:
         stop_all([gateway, prefill, *decode])
+
+
+def _sglang_engine(prefill: bool) -> Served:
+    port = free_port()
+    transfer = KVTransferConfig(
+        kv_role=PRODUCER if prefill else CONSUMER,
+        sglang=True,
+        side_channel_port=port,
+        abort_timeout_s=1e6,
+    )
+    return start_app(create_engine_app(EngineConfig(timing=FAST, kv_transfer=transfer)), port)
+
+
+def test_sglangs_bootstrap_protocol_sends_both_legs_at_once() -> None:
+    """`pd_protocol: sglang` (issue 42): the request goes to a prefill and a decode instance in
+    SGLang's `--disaggregation-mode` at once with bootstrap_host/port/room, the decode instance
+    pulls the prefill's blocks at the room and answers the client (openai SDK, streamed and
+    whole); the usage is the prefill's; a client's own bootstrap fields are refused."""
+    prefill = [_sglang_engine(True), _sglang_engine(True)]
+    decode = [_sglang_engine(False), _sglang_engine(False)]
+    settings = gateway_settings(
+        [e.url for e in prefill],
+        decode_engines=[e.url for e in decode],
+        pd_protocol="sglang",
+        max_attempts=3,
+    )
+    gateway = start_app(create_app(settings))
+    try:
+        c = client(gateway)
+        prompt = "SGLang's rooms." + words("pd-sglang", 600)
+        first, text, decoded_at = ask(c, prompt)
+        assert decoded_at in [e.url for e in decode] and len(text.split()) >= 4
+        pulled = engine_of(next(e for e in decode if e.url == decoded_at)).core.counters
+        assert pulled.external_tokens > 0  # it pulled the prefill's blocks at the room
+        assert first.prompt_tokens_details.cached_tokens == 0
+        second, _, _ = ask(c, prompt)  # prefilled where cached, billed as the prefill read it
+        assert second.prompt_tokens_details.cached_tokens == (first.prompt_tokens - 1) // 16 * 16
+        whole = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt + " again"}], max_tokens=6
+        )
+        assert whole.choices[0].message.content and whole.usage is not None
+        for e in prefill:  # every room's blocks were read: none left held
+            held = httpx.get(e.url + "/metrics").text
+            assert "\nvllm:nixl_num_held_requests 0.0" in held
+        with pytest.raises(openai.BadRequestError, match="bootstrap_room"):
+            c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                extra_body={"bootstrap_room": 7},
+            )
+    finally:
+        stop_all([gateway, *prefill, *decode])
