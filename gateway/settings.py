@@ -244,6 +244,16 @@ class Settings(BaseSettings):
     prefilled where its prefix is cached (the policy, within the prefill pool's load bound),
     then decoded at the least-loaded decode instance (its own cached prefix counted) with the
     prefill's `kv_transfer_params`. Empty: every engine serves requests whole."""
+    pd_protocol: Literal["vllm", "sglang"] = "vllm"
+    """How a disaggregated request is sent (docs/disaggregation.md). `vllm`: vLLM's
+    NixlConnector protocol — the prefill instance first, its `kv_transfer_params` then to the
+    decode instance. `sglang`: SGLang's bootstrap protocol (`--disaggregation-mode`), as
+    sglang-router's P/D mode sends it — the request to the prefill and the decode instance at
+    once, both with `bootstrap_host`, `bootstrap_port` and a random `bootstrap_room`."""
+    pd_bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    """`pd_protocol: sglang`: the prefill instances' bootstrap port (SGLang's
+    `--disaggregation-bootstrap-port`, 8998 by default); None: each prefill URL's own port (the
+    simulated engine's bootstrap server is its HTTP port)."""
     policy: str = "cache_aware"
     tenants: list[str] = Field(default_factory=list)
     """`NAME:KEY` pairs for the quick start; keys are hashed on load and never kept in clear."""
@@ -474,6 +484,13 @@ class Settings(BaseSettings):
     `kvgate.io/kv-events-replay-port` and `kvgate.io/data-parallel-size` annotations, which
     override `kv_events_port`, `kv_events_replay_port` and `engine_dp_size` for that engine
     (docs/precise.md)."""
+    discovery_role_key: str | None = None
+    """Prefill/decode roles from discovery (docs/disaggregation.md): the pod label or annotation
+    (e.g. `kvgate.io/role`, or llm-d's `llm-d.ai/role`) whose value `decode` puts a discovered
+    engine in the decode pool; `prefill`, `both`, any other value or none leave it a prefill
+    instance. Each discovered engine's Pod is read for it (RBAC: `get pods`); a pod replaced by
+    one of another role, or leaving, changes the pools. Needs `discovery: kubernetes`, `mode:
+    standalone` and `workers: 1`."""
     otlp_endpoint: str | None = None
     """Export OpenTelemetry traces over OTLP/HTTP to this URL (e.g.
     http://otel-collector:4318/v1/traces); None: no tracing, and no span is made."""
@@ -842,6 +859,21 @@ class Settings(BaseSettings):
             )
         if set(self.decode_engines) & set(self.engines):
             raise ValueError("an engine is in engines (prefill) and decode_engines at once")
+        if self.discovery_role_key is not None:
+            if not self.discovery_role_key.strip():
+                raise ValueError("discovery_role_key must name a pod label or annotation")
+            if self.discovery != "kubernetes":
+                raise ValueError("discovery_role_key needs discovery: kubernetes")
+            if self.mode != "standalone":
+                raise ValueError(
+                    "discovery_role_key needs mode: standalone (the gateway drives both legs "
+                    "of a disaggregated request; an endpoint picker forwards one)"
+                )
+            if self.workers != 1:
+                raise ValueError(
+                    "discovery_role_key needs workers: 1 (worker 0's endpoint sets carry no "
+                    "roles to the other workers yet)"
+                )
         return self
 
     @model_validator(mode="after")

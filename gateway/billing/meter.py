@@ -439,7 +439,7 @@ class BillingMeter:
             # never ends (the next start, or `kvgate billing ship`, writes it then)
             try:
                 await self.wal.open_entry(
-                    pending.request_id, self._aborted(bill, record.replica)[0]
+                    pending.request_id, self._aborted(bill, _billed_replica(record))[0]
                 )
             except WalUnavailable as exc:
                 raise BillingUnavailable(str(exc)) from None
@@ -579,7 +579,7 @@ class BillingMeter:
             if bill.ledger is not None:
                 charge = bill.ledger.bill(bill.request, bill.plan, ends, n, o)
             entry = self._record(
-                bill, record.replica, charge, "ok" if charge else "unpriced", usage
+                bill, _billed_replica(record), charge, "ok" if charge else "unpriced", usage
             )
         # NOTE: the write is a task of its own and awaited shielded: a cancellation here (the
         # drain's grace) cannot take back a record already on its way to the disk, so the
@@ -644,7 +644,7 @@ class BillingMeter:
                 return
         if bill.pending.op != "request":
             return  # a failed creation creates nothing and costs nothing
-        await self._record_aborted(bill, record.replica)
+        await self._record_aborted(bill, _billed_replica(record))
 
     async def _record_aborted(self, bill: OpenBill, replica: str) -> None:
         """Append an exchange's aborted record; a WAL that cannot take it leaves its open entry
@@ -745,3 +745,10 @@ class BillingMeter:
         for obj in load_snapshot(self.contents_path, self.clock.now()):
             ledger.objects[obj.object_id] = obj
         return len(ledger.objects)
+
+
+def _billed_replica(record: ExchangeRecord) -> str:
+    """The record's `replica`: the instance whose prefix cache its `engine_cached_tokens`
+    describe. In a P/D exchange that is the prefill instance (the decode instance streamed the
+    answer, and counts the blocks it pulled as cached: `gateway.pipeline.disagg`)."""
+    return record.cached_on or record.replica

@@ -82,6 +82,10 @@ ANNOTATIONS = {
     DP_SIZE_ANNOTATION: "dp_size",
 }
 """Pod annotation -> the `EngineLayout` field it sets (docs/precise.md)."""
+DECODE_ROLE = "decode"
+"""The role value (`KubeTarget.role_key`; llm-d's `llm-d.ai/role: decode`) that puts a pod in
+the decode pool; every other value (`prefill`, `both`, `prefill-decode`) and none leave it a
+prefill instance, as a static `engines` entry is."""
 MAX_PODS_REMEMBERED = 10_000
 """Pods whose annotations the watcher keeps (by uid): more than a fleet's engines, bounded."""
 
@@ -206,6 +210,13 @@ class KubeTarget:
     retry_s: float = 2.0
     pod_annotations: bool = False
     """Read each endpoint's Pod for its layout annotations (`ANNOTATIONS`)."""
+    role_key: str | None = None
+    """A pod label or annotation naming the engine's P/D role (`DECODE_ROLE` or another):
+    each endpoint's Pod is read for it (the annotation wins over a label of the same key)."""
+
+    @property
+    def reads_pods(self) -> bool:
+        return self.pod_annotations or self.role_key is not None
 
 
 def _api(target: KubeTarget) -> tuple[Any, str]:
@@ -354,7 +365,7 @@ class SliceWatcher:
     # -- the gateway side (the event loop) ---------------------------------------------------------
     def _read_pods(self, api: Any, namespace: str, slices: list[dict[str, Any]]) -> None:
         """The annotations of the pods these slices name that were not read yet, sent on."""
-        if not self.target.pod_annotations:
+        if not self.target.reads_pods:
             return
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
@@ -377,6 +388,9 @@ class SliceWatcher:
                     )
                     metadata = json.loads(response.data).get("metadata") or {}
                     found[uid] = dict(metadata.get("annotations") or {})
+                    role_key, labels = self.target.role_key, metadata.get("labels") or {}
+                    if role_key is not None and role_key not in found[uid] and role_key in labels:
+                        found[uid][role_key] = str(labels[role_key])
                 except ApiException as exc:
                     log.warning(
                         "cannot read pod %s/%s for its annotations (%s %s): the settings' "
@@ -424,6 +438,12 @@ class Discovery:
         """replica URL -> its pod's layout (written here only; read by the event intake)"""
         self.pods: dict[str, EngineLayout] = {}
         """pod uid -> the layout its annotations give (what the watcher read)"""
+        self.roles: dict[str, str] = {}
+        """pod uid -> its P/D role (`KubeTarget.role_key`'s value; absent: none)"""
+        self.decode: frozenset[str] = frozenset()
+        """The discovered replicas in the decode role, as last reconciled."""
+        self.on_decode: Callable[[frozenset[str]], None] | None = None
+        """Called with `decode` whenever it changes (the P/D pipeline's decode pool)."""
         self.stats = DiscoveryStats()
         self.slices: dict[str, list[Endpoint]] = {}
         """slice name -> its endpoints, as last seen"""
@@ -555,10 +575,15 @@ class Discovery:
             await self._apply_set(payload)
             return
         if kind == "pods":
+            role_key = self.target.role_key
             for uid, annotations in payload.items():
                 self.pods[uid] = layout_of(annotations, uid)
+                if role_key is not None:
+                    self.roles[uid] = str(annotations.get(role_key, "")).strip().lower()
             while len(self.pods) > MAX_PODS_REMEMBERED:  # as the watcher forgets them
                 del self.pods[next(iter(self.pods))]
+            while len(self.roles) > MAX_PODS_REMEMBERED:
+                del self.roles[next(iter(self.roles))]
             return
         if kind == "sync":
             self.slices = {name: endpoints_of(item, port, scheme) for name, item in payload.items()}
@@ -638,3 +663,25 @@ class Discovery:
                         self.layouts.get(url),
                     )
             replicas.hold(url, held)
+        self._update_decode(desired)
+
+    def _update_decode(self, desired: dict[str, Endpoint]) -> None:
+        """The decode pool from the pods' roles: a pod that leaves, or whose address a pod of
+        another role takes (a new uid, read anew), changes it."""
+        if self.target.role_key is None:
+            return
+        decode = frozenset(
+            url
+            for url, endpoint in desired.items()
+            if url not in self.replicas.static
+            and self.roles.get(endpoint.pod_uid or "") == DECODE_ROLE
+        )
+        if decode != self.decode:
+            log.info(
+                "P/D roles from %s: decode pool %s",
+                self.target.role_key,
+                ", ".join(sorted(decode)) or "empty",
+            )
+            self.decode = decode
+            if self.on_decode is not None:
+                self.on_decode(decode)

@@ -507,7 +507,10 @@ class Director:
                 for c in candidates
                 if c.healthy
             }
-        ticket = flow.try_enter(tenant, band, uncached, output_tokens, candidates, cached)
+        decode = (
+            () if self.disaggregation is None else self.disaggregation.decode_pool(parsed.model)
+        )
+        ticket = flow.try_enter(tenant, band, uncached, output_tokens, candidates, cached, decode)
         if ticket is not None:
             return ticket
         max_wait_s = None
@@ -676,6 +679,13 @@ class Director:
         raise UpstreamError(
             f"every attempt at an engine failed ({len(failures)} attempts); try again"
         )
+
+    def pools(self, model: str) -> tuple[list[ReplicaState], ...]:
+        """The pools flow control counts room in for a request of `model`: the replicas routing
+        picks from, and, in a disaggregated fleet, its decode pool."""
+        if self.disaggregation is None:
+            return (self._serving(model),)
+        return self._serving(model), self.disaggregation.decode_pool(model)
 
     def _serving(self, model: str) -> list[ReplicaState]:
         """The replicas routing picks from: those serving the model (in a disaggregated fleet,

@@ -26,11 +26,13 @@ reconciliation holds the prefill instance's entries (not the decode's) to that c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -90,7 +92,8 @@ def transfer_params(answer: dict[str, Any]) -> dict[str, Any]:
 
 class Disaggregation:
     """The two legs of one attempt (see the module docstring). `decode_ids`: the replicas in
-    the decode role; every other replica serving the model is a prefill instance."""
+    the decode role (the static `decode_engines`, and those discovery names, `set_discovered`);
+    every other replica serving the model is a prefill instance."""
 
     def __init__(
         self,
@@ -99,14 +102,26 @@ class Disaggregation:
         forwarder: Forwarder,
         directory: RoutingDirectory,
         rng: random.Random,
+        protocol: str = "vllm",
+        bootstrap_port: int | None = None,
     ) -> None:
-        self.decode_ids = frozenset(decode_ids)
+        self.static_decode_ids = frozenset(decode_ids)
+        self.decode_ids = self.static_decode_ids
         self.replicas = replicas
         self.forwarder = forwarder
         self.directory = directory
         self.rng = rng
+        self.protocol = protocol
+        """`vllm` (NixlConnector: prefill, then decode) or `sglang` (bootstrap: both at once)."""
+        self.bootstrap_port = bootstrap_port
+        """SGLang: the prefill instances' bootstrap port (None: each prefill URL's port)."""
         self.num_prefill_failures = 0
         self.num_decode_failures = 0
+
+    def set_discovered(self, decode_ids: frozenset[str]) -> None:
+        """Discovery's decode pool (pods whose role key says `decode`), beside the static one:
+        from the next routing decision on, they are decode instances and the rest prefill."""
+        self.decode_ids = self.static_decode_ids | decode_ids
 
     def is_decode(self, replica_id: str) -> bool:
         return replica_id in self.decode_ids
@@ -127,6 +142,10 @@ class Disaggregation:
     ) -> tuple[Passthrough | Complete | Streaming, Lease | None]:
         """One attempt: the prefill leg at `prefill`, then the decode leg; returns the decode's
         outcome with its kept lease (None for a passthrough, the client's 4xx)."""
+        if self.protocol == "sglang":
+            return await self._bootstrap_attempt(
+                routed, prefill, path, payload, stream, headers, output_tokens, leg
+            )
         body = orjson.loads(payload)
         first = await self.forwarder.attempt(
             prefill.url + path, prefill_payload(body), False, headers
@@ -175,6 +194,102 @@ class Disaggregation:
             raise RetryableFailure("no healthy decode instance serves the model")
         raise RetryableFailure(f"every decode attempt failed ({len(failures)})")
 
+    async def _bootstrap_attempt(
+        self,
+        routed: Routed,
+        prefill: ReplicaState,
+        path: str,
+        payload: bytes,
+        stream: bool,
+        headers: Mapping[str, str] | None,
+        output_tokens: float,
+        leg: PrefillLeg,
+    ) -> tuple[Passthrough | Complete | Streaming, Lease | None]:
+        """SGLang's protocol, as sglang-router's P/D mode sends it: the request to the prefill
+        instance and to the decode instance at once, both with `bootstrap_host`,
+        `bootstrap_port` (the prefill's bootstrap server) and a random `bootstrap_room` (a
+        63-bit integer) where the two meet; the decode instance's answer is the client's. The
+        prefill leg is read whole (`stream: false`, one token: a prefill instance computes only
+        the first), for its usage. One decode instance per room: a failure of either leg fails
+        the attempt, and the director prefills again, with a new room, at the next prefill
+        instance."""
+        split = urlsplit(prefill.url)
+        body = orjson.loads(payload)
+        body["bootstrap_host"] = split.hostname or ""
+        body["bootstrap_port"] = self.bootstrap_port or split.port or 80
+        body["bootstrap_room"] = self.rng.getrandbits(63)
+        pool = {s.id: s for s in self.decode_pool(routed.parsed.model)}
+        ranking = rank_decode([s.snapshot() for s in pool.values()], routed.route.overlap, self.rng)
+        if not ranking:
+            raise RetryableFailure("no healthy decode instance serves the model")
+        state = pool[ranking[0]]
+        prefill_leg = asyncio.ensure_future(
+            self.forwarder.attempt(
+                prefill.url + path, bootstrap_prefill_payload(body), False, headers
+            )
+        )
+        with state.lease(0.0, output_tokens) as lease:
+            try:
+                outcome = await self.forwarder.attempt(
+                    state.url + path, orjson.dumps(body), stream, headers
+                )
+            except RetryableFailure as exc:
+                self.num_decode_failures += 1
+                if exc.connection:
+                    self.replicas.mark_down(state.id, str(exc))
+                log.warning("decode at %s (room with %s) failed: %s", state.id, prefill.id, exc)
+                await _abandon(prefill_leg)
+                raise
+            except BaseException:  # cancelled (the client left): the prefill leg too
+                await _abandon(prefill_leg)
+                raise
+            try:
+                first = await prefill_leg
+            except RetryableFailure:
+                self.num_prefill_failures += 1
+                _close(outcome)
+                raise
+            if isinstance(first, Passthrough) or isinstance(outcome, Passthrough):
+                _close(outcome)
+                return (first if isinstance(first, Passthrough) else outcome), None
+            if not isinstance(first, Complete):  # it was asked not to stream
+                first.close()
+                _close(outcome)
+                raise RetryableFailure("the prefill instance streamed an answer it was asked whole")
+            usage = EngineUsage.parse(first.body.get("usage") or {})
+            leg.replica = prefill.id
+            leg.cached_tokens = usage.cached_tokens
+            leg.prompt_tokens = usage.prompt_tokens
+            if routed.hashes and prefill.id not in routed.unpredicted:
+                await self.directory.record(prefill.id, routed.hashes)
+            return outcome, lease.keep()
+
+
+def bootstrap_prefill_payload(body: dict[str, Any]) -> bytes:
+    """SGLang's prefill leg: the decode leg's request (bootstrap fields included), read whole,
+    one token."""
+    leg = {k: v for k, v in body.items() if k != "stream_options"}
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg.pop("min_tokens", None)
+    return orjson.dumps(leg)
+
+
+async def _abandon(leg: asyncio.Future[Passthrough | Complete | Streaming]) -> None:
+    """Cancel a prefill leg no decode will pull from (its engine frees the room's blocks at
+    its timeout), closing what it answered if it already had."""
+    leg.cancel()
+    (done,) = await asyncio.gather(leg, return_exceptions=True)
+    if isinstance(done, Streaming):
+        done.close()
+
+
+def _close(outcome: Passthrough | Complete | Streaming) -> None:
+    if isinstance(outcome, Streaming):
+        outcome.close()
+
 
 class PrefillUsage:
     """The recorder's hooks, with the usage's cached tokens taken from the prefill leg: the
@@ -186,6 +301,8 @@ class PrefillUsage:
         self.leg = leg
 
     async def first_token(self, exchange: Exchange) -> None:
+        if self.leg.replica:  # before the ledger's open entry names the replica
+            exchange.record.cached_on = self.leg.replica
         await self.inner.first_token(exchange)
 
     async def usage(self, exchange: Exchange, fields: dict[str, Any]) -> EngineUsage:

@@ -216,6 +216,10 @@ class FlowControl:
         self.shared: SharedCounters | None = None
         """With Redis: the counters shared with the other gateways (set by the app)."""
         self._tick: asyncio.TimerHandle | None = None
+        self.pools: Callable[[str], Sequence[Sequence[ReplicaState]]] | None = None
+        """The replica pools a request of a model needs room in, each one (set by the app for a
+        disaggregated fleet: its prefill pool, whose queue the room is, and its decode pool,
+        whose engines' own queues count too); None: the replicas serving the model, one pool."""
         replicas.fleet.on_freed = self.pump
 
     # -- room --------------------------------------------------------------------------------
@@ -248,6 +252,12 @@ class FlowControl:
             s.id: headroom_tokens([self.queued_tokens(s, now_s)], bound) if s.healthy else 0.0
             for s in self.replicas.states.values()
         }
+
+    def model_headroom(self, model: str) -> float:
+        """What a queued request of `model` may take: the least headroom over its pools."""
+        if self.pools is None:
+            return self.headroom(self.replicas.serving(model))
+        return min((self.headroom(pool) for pool in self.pools(model)), default=math.inf)
 
     def _has_room(self, candidates: Sequence[ReplicaState]) -> bool:
         """Whether the fleet has room for one more request (infinite room when none is healthy,
@@ -310,13 +320,17 @@ class FlowControl:
         output_tokens: float,
         candidates: Sequence[ReplicaState],
         cached: Mapping[str, float] | None = None,
+        decode: Sequence[ReplicaState] = (),
     ) -> Ticket | None:
         """The hot path, synchronous: a ticket at once when the fleet has room and no one is
         queued (the dispatch is charged to the scope's counter), else None: `wait`. `cached`:
         the prompt tokens each candidate holds, when any does (the affinity wait: a request
         whose cached replica is full waits for it when that is worth it, else it leaves the
-        full replicas out)."""
+        full replicas out). `decode`: a disaggregated fleet's decode pool, which must have room too
+        (`candidates` are its prefill instances)."""
         if self.queue or not self._has_room(candidates):
+            return None
+        if decode and not self._has_room(decode):
             return None
         avoid = NO_AVOID
         if cached is not None:
@@ -459,7 +473,7 @@ class FlowControl:
         def eligible(waiter: _Waiter) -> bool:
             room = headroom.get(waiter.model)
             if room is None:
-                room = headroom[waiter.model] = self.headroom(self.replicas.serving(waiter.model))
+                room = headroom[waiter.model] = self.model_headroom(waiter.model)
             if room <= self.transit_tokens:
                 return False
             if waiter.cached is None:

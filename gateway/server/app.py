@@ -200,6 +200,7 @@ def _discovery(
         watch_timeout_s=settings.discovery_watch_timeout_s,
         retry_s=settings.discovery_retry_s,
         pod_annotations=settings.discovery_pod_annotations,
+        role_key=settings.discovery_role_key,
     )
     return Discovery(target, replicas, directory, layouts)
 
@@ -458,12 +459,18 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
                 forwarder,
                 directory,
                 random.Random(settings.seed),
+                settings.pd_protocol,
+                settings.pd_bootstrap_port,
             )
-            if settings.decode_engines
+            if settings.decode_engines or settings.discovery_role_key is not None
             else None
         ),
     )
     discovery = _discovery(settings, replicas, directory, layouts)
+    if flow is not None and director.disaggregation is not None:
+        flow.pools = director.pools  # the prefill pool's queue, the decode pool's room
+    if discovery is not None and director.disaggregation is not None:
+        discovery.on_decode = director.disaggregation.set_discovered
     registry.register(
         GatewayCollector(
             stats=director.stats,

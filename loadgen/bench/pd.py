@@ -5,6 +5,7 @@ Each arm gets fresh simulated engines — `--prefill` instances with `kv_role: k
 `loadgen.engine.disagg`) — its router, and one open-loop replay of the same trace slice:
 
     kvgate              kvgate serve --engine P... --decode-engine D...   (docs/disaggregation.md)
+    kvgate:sglang       the same with KVGATE_PD_PROTOCOL=sglang, its engines in SGLang's mode
     vllm:cache_aware    vllm-router --vllm-pd-disaggregation --prefill P... --decode D...
                         --policy cache_aware
     vllm:round_robin    the same, --policy round_robin
@@ -40,12 +41,16 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadgen.bench.peers import BENCH_KEY, READY_TIMEOUT_S, _vllm_router_binary, _wait_for_model
+from loadgen.engine.server import DEFAULT_MODEL
 from loadgen.harness import processes
 from loadgen.replay import ReplayOptions, replay
 from loadgen.sim import percentile
 from loadgen.traces.readers import read_trace
 
-ARMS = ("kvgate", "vllm:cache_aware", "vllm:round_robin", "sglang:cache_aware")
+ARMS = ("kvgate", "kvgate:sglang", "vllm:cache_aware", "vllm:round_robin", "sglang:cache_aware")
+SGLANG_FLEET_ARMS = ("kvgate:sglang", "sglang:cache_aware")
+"""Arms whose engines run in SGLang's `--disaggregation-mode` (kvgate with `pd_protocol:
+sglang`, and sglang-router), the others in vLLM's NixlConnector roles."""
 DEFAULT_TRACE = "agent-sessions:sessions=24,concurrency=8"
 DEFAULT_REQUESTS = 300
 DEFAULT_TIME_SCALE = 4.0
@@ -113,12 +118,13 @@ def _router(
 ) -> Iterator[tuple[str, str | None]]:
     """The arm's router: (its URL, the API key it wants). kvgate is told the engines' prefill
     speed in wall seconds (flow control sizes its room by it), as an operator would be."""
-    if arm == "kvgate":
+    if arm.startswith("kvgate"):
         args = ["--tenant", f"bench:{BENCH_KEY}", "--log-level", "warning"]
         args += [a for d in decode for a in ("--decode-engine", d)]
         env = {
             "KVGATE_SEED": "0",
             "KVGATE_ENGINE_PREFILL_TOKENS_PER_S": f"{prefill_tokens_per_s:g}",
+            "KVGATE_PD_PROTOCOL": "sglang" if arm == "kvgate:sglang" else "vllm",
         }
         with processes.gateway(prefill, args, env=env) as gw:
             yield gw.url, BENCH_KEY
@@ -148,6 +154,25 @@ def _router(
         processes.stop([proc])
 
 
+WARMUP_REQUESTS = 4
+"""Untimed requests through each arm before its replay (and before its counters are read): a
+cold fleet's first requests (connections, the engines' and the router's first-call costs) held
+the replay's first burst back for seconds at load 20, in kvgate's arm alone (its routers
+start the same engines; vllm-router and sglang-router probe their workers before they serve)."""
+
+
+def _warm_up(url: str, key: str | None) -> None:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    for i in range(WARMUP_REQUESTS):
+        body = {
+            "model": DEFAULT_MODEL,
+            "messages": [{"role": "user", "content": f"warm up {i}"}],
+            "max_tokens": 2,
+        }
+        answer = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        answer.raise_for_status()
+
+
 def run_arm(arm: str, args: argparse.Namespace) -> PdResult:
     trace = read_trace(args.trace, start=args.start, limit=args.requests)
     engine_args = [
@@ -159,7 +184,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> PdResult:
         f"{args.prefill_tokens_per_s:g}",
     ]
     with contextlib.ExitStack() as stack:
-        sglang = arm.startswith("sglang:")
+        sglang = arm in SGLANG_FLEET_ARMS
         prefill, decode = stack.enter_context(
             _fleet(args.prefill, args.decode, engine_args, sglang)
         )
@@ -171,6 +196,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> PdResult:
                 args.prefill_tokens_per_s * args.time_scale,
             )
         )
+        _warm_up(url, key)
         before = [_counters(e.url) for e in (*prefill, *decode)]
         options = ReplayOptions(
             url,

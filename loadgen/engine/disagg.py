@@ -70,6 +70,8 @@ DEFAULT_ABORT_TIMEOUT_S = 480.0
 """vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT: a prefill instance frees unread blocks after it."""
 
 BOOTSTRAP_WAIT_S = 60.0
+MAX_ABANDONED_ROOMS = 10_000
+"""SGLang rooms remembered as given up by their decode instance (bounded: the oldest go)."""
 """How long a decode instance's pull waits for the prefill of its room (SGLang: they start at
 once); wall seconds, as the router's own timeouts are."""
 
@@ -91,6 +93,8 @@ class KVTransferConfig:
     pull_latency_ms: float = DEFAULT_PULL_LATENCY_MS
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S
+    bootstrap_wait_s: float = BOOTSTRAP_WAIT_S
+    """SGLang: how long (wall seconds) a room's pull waits for its prefill to finish."""
     sglang: bool = False
     """SGLang's bootstrap protocol (`--disaggregation-mode`) instead of vLLM's params."""
 
@@ -103,8 +107,8 @@ class KVTransferConfig:
             raise ValueError(f"kv_load_failure_policy must be one of {', '.join(FAILURE_POLICIES)}")
         if self.pull_gb_per_s <= 0 or self.pull_latency_ms < 0 or self.kv_bytes_per_token < 1:
             raise ValueError("the pull's bandwidth and KV bytes per token must be positive")
-        if self.abort_timeout_s <= 0:
-            raise ValueError("abort_timeout_s must be positive")
+        if self.abort_timeout_s <= 0 or self.bootstrap_wait_s <= 0:
+            raise ValueError("abort_timeout_s and bootstrap_wait_s must be positive")
 
     @property
     def produces(self) -> bool:
@@ -241,9 +245,13 @@ class Connector:
         """Called when held blocks are freed (the engine's queue may have waited for them)."""
         self._arrivals: dict[str, asyncio.Event] = {}
         """SGLang: rooms a decode instance waits for (its pull came before the prefill ended)."""
+        self._abandoned: dict[str, None] = {}
+        """SGLang: rooms whose decode instance stopped waiting (its pull timed out): their
+        prefill's blocks are not held when it ends (SGLang's sender fails the room), else they
+        would pin the cache until the abort timeout and stall the queue behind them."""
 
     async def start(self) -> None:
-        timeout = httpx.Timeout(BOOTSTRAP_WAIT_S + 10.0 if self.config.sglang else 10.0)
+        timeout = httpx.Timeout(self.config.bootstrap_wait_s + 10.0 if self.config.sglang else 10.0)
         self._client = httpx.AsyncClient(timeout=timeout, trust_env=False)
 
     async def stop(self) -> None:
@@ -269,6 +277,10 @@ class Connector:
         """After a remote-decode prefill: hold the leading blocks still cached and answer with
         the params a decode instance pulls them by."""
         kept = tuple(hashes[: pool.match(hashes)])
+        if request_id in self._abandoned:  # its decode instance gave up waiting
+            del self._abandoned[request_id]
+            self.counters.num_expired += 1
+            return self._params(request_id, len(kept))
         pool.acquire(kept)
         loop = asyncio.get_running_loop()
         held = _Held(kept, pool)
@@ -280,11 +292,14 @@ class Connector:
         arrival = self._arrivals.get(request_id)
         if arrival is not None:
             arrival.set()
+        return self._params(request_id, len(kept))
+
+    def _params(self, request_id: str, num_blocks: int) -> dict[str, Any]:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
-            "remote_block_ids": [next(self._block_ids) for _ in kept],
+            "remote_block_ids": [next(self._block_ids) for _ in range(num_blocks)],
             "remote_host": self.config.side_channel_host,
             "remote_port": self.config.side_channel_port,
             "remote_request_id": request_id,
@@ -314,8 +329,12 @@ class Connector:
             if isinstance(request_id, str) and request_id not in self._held:
                 arrival = self._arrivals.setdefault(request_id, asyncio.Event())
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(arrival.wait(), BOOTSTRAP_WAIT_S)
+                    await asyncio.wait_for(arrival.wait(), self.config.bootstrap_wait_s)
                 self._arrivals.pop(request_id, None)
+                if request_id not in self._held:  # gave up: its prefill holds nothing for it
+                    self._abandoned[request_id] = None
+                    while len(self._abandoned) > MAX_ABANDONED_ROOMS:
+                        del self._abandoned[next(iter(self._abandoned))]
         elif engine_id != self.config.engine_id:
             return 404, {"error": f"engine {engine_id!r} is not this engine"}
         if not isinstance(request_id, str) or request_id not in self._held:

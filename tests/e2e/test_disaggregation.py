@@ -7,12 +7,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from gateway.server.app import create_app
 from loadgen.engine.disagg import CONSUMER, PRODUCER, KVTransferConfig
 from loadgen.engine.server import Engine, EngineConfig, create_engine_app
+from loadgen.engine.timing import TimingModel
 from loadgen.harness.processes import free_port
 from loadgen.text import words
 from tests.clients import director
@@ -23,10 +25,10 @@ from tests.servers import Served, start_app, stop_all
 pytestmark = pytest.mark.e2e
 
 
-def _engine(role: str) -> Served:
+def _engine(role: str, timing: TimingModel = FAST) -> Served:
     port = free_port()
     transfer = KVTransferConfig(kv_role=role, side_channel_port=port, abort_timeout_s=1e6)
-    return start_app(create_engine_app(EngineConfig(timing=FAST, kv_transfer=transfer)), port)
+    return start_app(create_engine_app(EngineConfig(timing=timing, kv_transfer=transfer)), port)
 
 
 @dataclass
@@ -149,3 +151,85 @@ def test_an_evicted_prefix_is_reconciled_against_the_prefill_instance() -> None:
         assert states[decode.url].suspicions == 0
     finally:
         stop_all([gateway, prefill, decode])
+
+
+def test_a_continuation_leaves_its_busier_decode_instance_for_an_idle_one() -> None:
+    """The decode pick is load-aware first: turn 2 of a conversation decodes where turn 1 did
+    (both decode instances idle: the cached prefix breaks the tie); while turn 2 still streams
+    there, turn 3 goes to the idle instance, though the busy one holds its whole prefix (the
+    old bound, 25% + 256 tokens, kept it there: the imbalance bench-pd measured)."""
+    prefill = _engine(PRODUCER)
+    slow = TimingModel(time_scale=0.25)  # 23 ms a token: turn 2's 128 tokens stream for 3 s
+    decode = [_engine(CONSUMER, slow), _engine(CONSUMER, slow)]
+    settings = gateway_settings([prefill.url], decode_engines=[e.url for e in decode])
+    gateway = start_app(create_app(settings))
+    try:
+        c = client(gateway)
+        prompt = "A long agent session." + words("pd-balance", 500)
+        _, _, first = ask(c, prompt)
+        held = c.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt + " Turn two."}],
+            max_tokens=128,  # its load, 128 + 64 tokens, is within the old bound
+            stream=True,
+        )
+        assert held.headers["x-kvgate-replica"] == first  # level loads: its prefix decides
+        stream = held.parse()
+        next(iter(stream))  # turn 2 is decoding on `first`
+        _, _, third = ask(c, prompt + " Turn two. Turn three.")
+        assert third != first
+        stream.close()
+    finally:
+        stop_all([gateway, prefill, *decode])
+
+
+def _sglang_engine(prefill: bool) -> Served:
+    port = free_port()
+    transfer = KVTransferConfig(
+        kv_role=PRODUCER if prefill else CONSUMER,
+        sglang=True,
+        side_channel_port=port,
+        abort_timeout_s=1e6,
+    )
+    return start_app(create_engine_app(EngineConfig(timing=FAST, kv_transfer=transfer)), port)
+
+
+def test_sglangs_bootstrap_protocol_sends_both_legs_at_once() -> None:
+    """`pd_protocol: sglang` (issue 42): the request goes to a prefill and a decode instance in
+    SGLang's `--disaggregation-mode` at once with bootstrap_host/port/room, the decode instance
+    pulls the prefill's blocks at the room and answers the client (openai SDK, streamed and
+    whole); the usage is the prefill's; a client's own bootstrap fields are refused."""
+    prefill = [_sglang_engine(True), _sglang_engine(True)]
+    decode = [_sglang_engine(False), _sglang_engine(False)]
+    settings = gateway_settings(
+        [e.url for e in prefill],
+        decode_engines=[e.url for e in decode],
+        pd_protocol="sglang",
+        max_attempts=3,
+    )
+    gateway = start_app(create_app(settings))
+    try:
+        c = client(gateway)
+        prompt = "SGLang's rooms." + words("pd-sglang", 600)
+        first, text, decoded_at = ask(c, prompt)
+        assert decoded_at in [e.url for e in decode] and len(text.split()) >= 4
+        pulled = engine_of(next(e for e in decode if e.url == decoded_at)).core.counters
+        assert pulled.external_tokens > 0  # it pulled the prefill's blocks at the room
+        assert first.prompt_tokens_details.cached_tokens == 0
+        second, _, _ = ask(c, prompt)  # prefilled where cached, billed as the prefill read it
+        assert second.prompt_tokens_details.cached_tokens == (first.prompt_tokens - 1) // 16 * 16
+        whole = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt + " again"}], max_tokens=6
+        )
+        assert whole.choices[0].message.content and whole.usage is not None
+        for e in prefill:  # every room's blocks were read: none left held
+            held = httpx.get(e.url + "/metrics").text
+            assert "\nvllm:nixl_num_held_requests 0.0" in held
+        with pytest.raises(openai.BadRequestError, match="bootstrap_room"):
+            c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                extra_body={"bootstrap_room": 7},
+            )
+    finally:
+        stop_all([gateway, *prefill, *decode])

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
+from gateway.fleet.engine_metrics import EngineMetrics
 from gateway.fleet.replicas import Lease, ReplicaSet
 from gateway.pipeline.flow import FlowControl, FlowLimits, Ticket, request_priority
 from gateway.request.parsed import CHAT, ParsedRequest
@@ -295,3 +296,36 @@ async def test_waiters_released_for_one_replica_claim_its_room_until_placed() ->
     assert late.avoid == frozenset({"http://r0"})
     late.routed()
     assert flow.stats.affinity == {"waited": 1, "bound": 1}
+
+
+async def test_a_pd_fleets_queue_waits_for_its_prefill_pool_and_its_decode_pool() -> None:
+    """Issue 42: in a disaggregated fleet the queue is the prefill pool's. r0 (prefill) full,
+    r1 (decode) idle: a queued request waits (it had been dispatched at once, the idle decode
+    instance's room counted as the fleet's). And the decode pool's room counts too: its
+    engine's own queue over the bound holds requests the prefill pool has room for."""
+    replicas = _replicas(2)
+    prefill, decode = replicas.states["http://r0"], replicas.states["http://r1"]
+    flow = _flow(replicas)
+    flow.pools = lambda model: ([prefill], [decode])
+    a = _tenant("a")
+    lease = _fill(replicas)
+    assert flow.try_enter(a, 0, 10.0, 0.0, [prefill], decode=[decode]) is None
+    waiting = asyncio.ensure_future(flow.wait(a, 0, MODEL, 10.0, 0.0))
+    await _until(lambda: len(flow.queue) == 1, "the request to queue")
+    flow.pump()
+    assert not waiting.done() and len(flow.queue) == 1  # the decode pool's room is not the queue's
+    lease.release()
+    (await waiting).routed()
+    # the decode engine reports requests waiting there, each at this gateway's mean request
+    fleet = replicas.fleet
+    fleet.mean_request_tokens = BOUND
+    decode.metrics = EngineMetrics(num_running=0.0, num_waiting=2.0)
+    assert flow.try_enter(a, 0, 10.0, 0.0, [prefill], decode=[decode]) is None
+    held = asyncio.ensure_future(flow.wait(a, 0, MODEL, 10.0, 0.0))
+    await _until(lambda: len(flow.queue) == 1, "the request to queue")
+    flow.pump()
+    assert not held.done()
+    decode.metrics = EngineMetrics(num_running=0.0, num_waiting=0.0)
+    flow.pump()
+    (await held).routed()
+    assert flow.try_enter(a, 0, 10.0, 0.0, [prefill], decode=[decode]) is not None

@@ -228,3 +228,24 @@ def test_a_request_waiting_for_held_blocks_starts_when_the_hold_ends() -> None:
         assert metric(prefill.url, "vllm:nixl_num_expired_total") == 1
     finally:
         stop_all([prefill])
+
+
+def test_an_sglang_room_its_decode_gave_up_on_holds_no_blocks() -> None:
+    """A decode instance whose pull stopped waiting for its room (the prefill queued longer than
+    the bootstrap wait) is gone: when the room's prefill ends, its blocks are not held until
+    the abort timeout (they had pinned the cache and stalled the prefill's queue behind them,
+    the sglang-router arm of `kvgate bench-pd` under load)."""
+    prefill = _start(PRODUCER, sglang=True, bootstrap_wait_s=0.05)
+    try:
+        pull = httpx.post(prefill.url + "/kv_transfer/pull", json={"request_id": "room-9"})
+        assert pull.status_code == 404  # waited 50 ms for a prefill that had not come
+        room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.port, "bootstrap_room": 9}
+        r = _post(prefill.url, _body(max_tokens=1, **room))
+        assert r.status_code == 200, r.text
+        assert metric(prefill.url, "vllm:nixl_num_held_requests") == 0
+        assert metric(prefill.url, "vllm:nixl_num_expired_total") == 1
+        # another room, its decode still waiting, is held as before
+        r = _post(prefill.url, _body(max_tokens=1, **{**room, "bootstrap_room": 10}))
+        assert r.status_code == 200 and metric(prefill.url, "vllm:nixl_num_held_requests") == 1
+    finally:
+        stop_all([prefill])

@@ -60,6 +60,7 @@ def test_the_config_schema_is_the_settings() -> None:
         chart.CHART / "ci" / "epp-values.yaml",
         chart.CHART / "ci" / "adapters-values.yaml",
         chart.CHART / "ci" / "pd-values.yaml",
+        chart.CHART / "ci" / "pd-roles-values.yaml",
     ],
 )
 def test_lint_strict_and_kubernetes_validate_strict(values: Path | None) -> None:
@@ -181,6 +182,8 @@ def test_discovery_rbac_reads_endpointslices_where_the_engines_are() -> None:
     ]
     epp = one(chart.template(chart.CHART / "ci" / "epp-values.yaml"), "Role")
     assert [r["resources"] for r in epp["rules"]] == [["endpointslices"]]  # no annotations read
+    roles = one(chart.template(chart.CHART / "ci" / "pd-roles-values.yaml"), "Role")
+    assert [r["resources"] for r in roles["rules"]] == [["endpointslices"], ["pods"]]  # P/D roles
     binding = one(objects, "RoleBinding")
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]

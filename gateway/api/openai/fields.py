@@ -97,6 +97,10 @@ request's own tokens are drawn or when it stops."""
 ENGINE_CONTROL = {
     "kv_transfer_params": "names KV blocks computed for another request (disaggregated "
     "serving's hand-off), which would bypass the cache isolation",
+    "bootstrap_room": "names another request's KV hand-off (SGLang's disaggregated serving), "
+    "which would bypass the cache isolation",
+    "bootstrap_host": "names a prefill instance for SGLang's KV hand-off; the gateway sets it",
+    "bootstrap_port": "names a prefill instance for SGLang's KV hand-off; the gateway sets it",
     "vllm_xargs": "passes arguments to engine extensions",
     "logits_processors": "loads engine-side code by name",
     "request_id": "sets the engine's own request id, which must be unique across tenants",
