@@ -415,7 +415,8 @@ class RoomScorer:
             return out
         loads = (memo or DecisionMemo(req)).loads(replicas)
         fit = [r.id for r, ok in zip(replicas, self.fit(req, replicas, loads), strict=True) if ok]
-        out.update(_lower_is_better({rid: float(committed.get(rid, 0)) for rid in fit}))
+        if fit:  # none when the least loaded has more foreign work than another: room abstains
+            out.update(_lower_is_better({rid: float(committed.get(rid, 0)) for rid in fit}))
         return out
 
 
