@@ -572,7 +572,8 @@ class Settings(BaseSettings):
     room_weight: float = DEFAULT_ROOM_WEIGHT
     """`cache_aware`, `cache_pressure`: the weight of a replica's room (less KV committed to the
     live conversations homed there scores higher; decides where a turn with nothing cached
-    anywhere goes; 0: off). docs/precise.md, "Room and stickiness"."""
+    anywhere goes, among the replicas equally fit by load only; 0: off; 0.05 measured best).
+    docs/precise.md, "Room and stickiness"."""
     stickiness: float | None = None
     """`cache_aware`, `cache_pressure`: a conversation's home stays within the load bound while
     over it by less than this many times the tokens cached there (0: off; unset: 1 in precise

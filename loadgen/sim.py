@@ -930,6 +930,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "cached anywhere goes where the live sessions leave room; 0: off)",
     )
     parser.add_argument(
+        "--session-level",
+        choices=("on", "off"),
+        default="on",
+        help="cache_pressure: which session leaves a crowded replica is decided per session (a "
+        "session that is not the cheapest there stays home; off: per request)",
+    )
+    parser.add_argument(
         "--utilization",
         type=float,
         default=None,
@@ -1027,6 +1034,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         displacement_weight=args.displacement_weight,
         crowding_weight=args.crowding_weight,
         room_weight=args.room_weight,
+        session_level=args.session_level == "on",
     )
     overrides = {
         k: v

@@ -158,6 +158,7 @@ class DisplacementScorer:
         self,
         half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S,
         hot_s: float = DEFAULT_DISPLACEMENT_HOT_S,
+        session_level: bool = False,
     ) -> None:
         if not half_life_s > 0:
             raise ValueError(f"the displacement half-life must be positive, got {half_life_s}")
@@ -165,6 +166,7 @@ class DisplacementScorer:
             raise ValueError(f"the displacement hot horizon must be non-negative, got {hot_s}")
         self.half_life_s = half_life_s
         self.hot_s = hot_s
+        self.session_level = session_level
 
     @staticmethod
     def need_blocks(req: RouteRequest, replica: str) -> int:
@@ -187,12 +189,15 @@ class DisplacementScorer:
     def displaced_blocks(self, req: RouteRequest, replica: Replica) -> float:
         """What the request's own new blocks evict on `replica`, after the queue ahead took
         its share: displacement_blocks(queue + need) − displacement_blocks(queue); 0 without
-        a frontier.
+        a frontier. With `session_level`, 0 at the home of a conversation that stays there
+        (`stays_home`): which session moves is decided at the session level.
 
         Both sums in one walk of the frontier, each accumulated in `displacement_blocks`'s
         order (so the result is that difference to the bit; a property test holds it)."""
         frontier = replica.kv_frontier
         if frontier is None:
+            return 0.0
+        if self.session_level and stays_home(req, replica):
             return 0.0
         queued = self.queued_blocks(req, replica)
         left = queued + self.need_blocks(req, replica.id) - frontier.empty_blocks
@@ -218,7 +223,7 @@ class DisplacementScorer:
     @property
     def memo_key(self) -> str:
         """The name its displaced blocks go by in a `DecisionMemo` (one per parameter set)."""
-        return f"displaced {self.half_life_s!r} {self.hot_s!r}"
+        return f"displaced {self.half_life_s!r} {self.hot_s!r} {self.session_level!r}"
 
     def score(
         self,
@@ -255,6 +260,28 @@ def crowding(req: RouteRequest, replica: Replica) -> tuple[int, int, float]:
     over = req.num_blocks + sum(frontier.live) - frontier.capacity_blocks
     stake = max(req.overlap.get(replica.id, 0) - _elsewhere(req, replica.id), 0)
     return over, stake, min(frontier.live, default=math.inf)
+
+
+def stays_home(req: RouteRequest, replica: Replica) -> bool:
+    """Which session moves, decided at the session level (issue 40): a conversation on its
+    home replica stays there, and what its new blocks evict there is not counted against it,
+    unless the home is crowded (`crowding`: this request and the other live conversations
+    exceed its KV) and this conversation is the cheapest one there to move (its stake there
+    no more than another's own blocks: the least re-prefill) — then the crowding rule moves
+    it, and only it.
+
+    Counted per request, a session returning to a home that had evicted its context (or part
+    of it) read its re-prefill there as evicting live blocks (4 each) and went to whichever
+    replica's KV was coldest, evicting sessions that were idle between steps, which came back
+    evicted in turn: 12 hops and 1.1 M re-prefilled tokens per session on the issue-shaped
+    trace at 10% KV (docs/precise.md, "Which session moves"). Displacement still counts
+    everywhere else: a session moving onto another replica pays for what it evicts there.
+
+    False off the home and for a conversation without one."""
+    if req.home != replica.id:
+        return False
+    over, stake, cheapest = crowding(req, replica)
+    return not (over > 0 and stake <= cheapest)
 
 
 class CrowdingScorer:
@@ -309,8 +336,9 @@ class WorkAndDisplacementScorer:
         self,
         half_life_s: float = DEFAULT_DISPLACEMENT_HALF_LIFE_S,
         hot_s: float = DEFAULT_DISPLACEMENT_HOT_S,
+        session_level: bool = False,
     ) -> None:
-        self.displacement = DisplacementScorer(half_life_s, hot_s)
+        self.displacement = DisplacementScorer(half_life_s, hot_s, session_level)
 
     def score(
         self,
@@ -343,9 +371,36 @@ class RoomScorer:
     onto a replica whose paused sessions it then evicted: each came back evicted in turn, the
     hops docs/precise.md shows) or back home by affinity alone. Sessions spread by the KV they
     hold, so a replica's live sessions fit its KV more often, and the engines' LRU then evicts
-    only the ended ones. 0 everywhere without homes (affinity off, or no conversation)."""
+    only the ended ones. 0 everywhere without homes (affinity off, or no conversation).
+
+    Room never outranks load: it ranks only the replicas *equally fit by load*, those whose
+    load is within this request's own prompt tokens of the least loaded candidate's,
+
+        fit(r)  ⇔  load(r) ≤ min load + num_prompt_tokens
+                   and foreign_prefill_tokens(r) ≤ min foreign_prefill_tokens
+
+    (a wait shorter than the request's own prefill is no reason to choose, but work another
+    gateway queued there is: this gateway sees it only as a count of waiting requests at a
+    mean size, and room counts only this gateway's conversations); the others score 0, as low
+    as the most committed fit one. A replica with another gateway's queue on it, or with this
+    gateway's own prefills piled up, is then left to the load tie-break, which ranks it last
+    (tests/e2e/test_engine_load.py: new prefixes steer away from a foreign queue with room on;
+    with the load band alone, a queue drained to one waiting request of the new prompts' size
+    was fit and room sent the fourth new prefix there). The simulator has one gateway: no
+    foreign work, the band alone."""
 
     name = "room"
+
+    @staticmethod
+    def fit(req: RouteRequest, replicas: Sequence[Replica], loads: Sequence[float]) -> list[bool]:
+        """Per replica, whether it is equally fit by load (see the class)."""
+        limit = min(loads, default=0.0) + req.num_prompt_tokens
+        foreign = [r.foreign_prefill_tokens for r in replicas]
+        least_foreign = min(foreign, default=0.0)
+        return [
+            load <= limit and queued <= least_foreign
+            for load, queued in zip(loads, foreign, strict=True)
+        ]
 
     def score(
         self,
@@ -355,7 +410,14 @@ class RoomScorer:
         memo: DecisionMemo | None = None,
     ) -> dict[str, float]:
         committed = req.committed
-        return _lower_is_better({r.id: float(committed.get(r.id, 0)) for r in replicas})
+        out = dict.fromkeys((r.id for r in replicas), 0.0)
+        if not replicas:
+            return out
+        loads = (memo or DecisionMemo(req)).loads(replicas)
+        fit = [r.id for r, ok in zip(replicas, self.fit(req, replicas, loads), strict=True) if ok]
+        if fit:  # none when the least loaded has more foreign work than another: room abstains
+            out.update(_lower_is_better({rid: float(committed.get(rid, 0)) for rid in fit}))
+        return out
 
 
 class EstimatedWorkScorer:

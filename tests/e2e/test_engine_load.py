@@ -101,15 +101,21 @@ def _chat(gateway: Served, text: str) -> str:
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("room_weight", [0.0, 0.05])
 def test_another_gateways_queue_on_an_engine_steers_new_prefixes_away(
-    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+    room_weight: float,
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
 ) -> None:
     """Someone else (another gateway, here a client straight at the engine) queues long
     prompts on engine 0. This gateway sent none of them, yet its scrape of engine 0's
-    /metrics shows the queue, and requests with no cached prefix anywhere go to engine 1."""
+    /metrics shows the queue, and requests with no cached prefix anywhere go to engine 1 —
+    with the room scorer on too (issue 40: room ranks only among replicas equally fit by
+    load; ranked above the load tie-break, it sent the new prefixes to engine 0, where this
+    gateway had committed nothing)."""
     slow = TimingModel(time_scale=2.0)  # 5,000 tokens prefill in ~0.2 s: a visible queue
     engines = start_engines(2, timing=slow)
-    gateway = start_gateway(engines, metrics_interval_s=0.02)
+    gateway = start_gateway(engines, metrics_interval_s=0.02, room_weight=room_weight)
     d: Director = gateway.app.state.director
     _chat(gateway, words("warm-up", 50))  # learns the mean request size
     busy = d.replicas.get(engines[0].url)
