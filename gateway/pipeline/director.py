@@ -8,7 +8,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -32,7 +32,7 @@ from gateway.pipeline.forwarder import (
     Streaming,
 )
 from gateway.pipeline.frontier import Frontiers
-from gateway.pipeline.keying import Keying
+from gateway.pipeline.keying import Keyed, Keying
 from gateway.pipeline.payload import splice_fields
 from gateway.pipeline.placement import Placement
 from gateway.pipeline.relayed import LandFlight, Pick
@@ -70,6 +70,9 @@ class DirectorStats:
     """LoRA adapters registered at the replica a request was routed to (`on_demand`)."""
     inflight_refused: int = 0
     """Requests refused (429) for their tenant's requests in flight (`Admission.enter`)."""
+    refreshed_after_wait: int = 0
+    """Precise requests whose events were read again after flow control's queue
+    (`Keying.after_wait`)."""
     clients_cut: int = 0
     """Streams cut because their client did not read within the drain deadline."""
     lookup_seconds: LabelledHistograms = field(
@@ -420,6 +423,7 @@ class Director:
             ticket = await self._wait_for_room(
                 flow, parsed, tenant, candidates, route, hashes, client_left, on_hold
             )
+            route = self._after_wait(ticket, keyed, route, looked_up)
         try:
             placed = await self.placement.place(
                 policy,
@@ -473,6 +477,27 @@ class Director:
         if placed.flight is not None and self.landed_hooks:
             placed.flight.confirm = lambda: self._landed(routed)
         return routed, placed.flight
+
+    def _after_wait(
+        self, ticket: Ticket, keyed: Keyed, route: RouteRequest, looked_up: list[str]
+    ) -> RouteRequest:
+        """`route` as the events are now, for a request that waited in flow control's queue
+        (`Keying.after_wait`; unchanged in approximate mode, or when it did not wait)."""
+        if ticket.queued_s <= 0 or not self.keying.after_wait(keyed, looked_up):
+            return route
+        self.stats.refreshed_after_wait += 1
+        suspects = self.replicas.suspects()
+        if suspects:
+            overlap = keyed.lookup.overlap
+            keyed.lookup.overlap = {r: d for r, d in overlap.items() if r not in suspects}
+        home = keyed.home
+        return replace(
+            route,
+            overlap=keyed.lookup.overlap,
+            offloaded=keyed.offloaded,
+            home=home.replica if home is not None else None,
+            home_blocks=home.depth_blocks if home is not None else 0,
+        )
 
     async def _wait_for_room(
         self,

@@ -11,7 +11,7 @@ a replica has room; the fair queue (router.fairness) decides who goes next (docs
 A request is counted in the least uncached prefill over its candidates (the lookup is done
 before it waits: the prefix a conversation has cached is already known), for the room it
 takes and for its scope's counter. The replica loads the router compares are read when it
-is placed, after the wait.
+is placed, after the wait, and in precise mode the KV events too (`Keying.after_wait`).
 
 Room (`router.fairness.headroom_tokens`): a replica has room while the prefill queued on it —
 this gateway's unanswered prefills (`ReplicaState.pending_prefill_tokens`, less the progress of
