@@ -43,7 +43,7 @@ from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
 from gateway.request.trace import AttemptTrace, NoTracer, RequestTrace, Tracer
 from router.profile import RoutingProfile
-from router.types import Replica, RouteRequest
+from router.types import Decision, Replica, RouteRequest
 
 log = logging.getLogger(__name__)
 
@@ -442,7 +442,7 @@ class Director:
             self.directory.set_k(lookup.hot_key, placed.new_k)
         if placed.uncount and lookup.hot_key is not None:
             self.directory.uncount(lookup.hot_key)
-        decision = placed.decision
+        decision = _left_for_room(placed.decision, placed.route, ticket.avoid)
         self.keying.placed(keyed, decision.replica)
         chosen = self.replicas.states.get(decision.replica)
         if self.adapters is not None and chosen is not None:
@@ -784,6 +784,18 @@ def _leaving_out(
         return kept if any(r.healthy for r in kept) else now
 
     return with_room
+
+
+def _left_for_room(decision: Decision, route: RouteRequest, avoid: frozenset[str]) -> Decision:
+    """`decision`, its reason "load_bound" when flow control left out a full replica holding a
+    longer match than the chosen one (the router never saw that replica: the same reason as
+    its own bound's)."""
+    if not avoid or decision.reason not in ("prefix", "no_match"):
+        return decision
+    matched = route.overlap.get(decision.replica, 0)
+    if max((route.overlap.get(rid, 0) for rid in avoid), default=0) <= matched:
+        return decision
+    return replace(decision, reason="load_bound")
 
 
 def _max_tokens(parsed: ParsedRequest) -> int | None:

@@ -51,13 +51,15 @@ def test_a_peers_queued_prefills_move_the_next_turn_off_their_replica(
 ) -> None:
     engines = start_engines(2, timing=SLOW)
     share = {"share_load": shared, "load_share_interval_s": 0.05}
-    # the peer stacks its prompts on the prefix (a huge slack, no spreading)...
+    # the peer stacks its prompts on the prefix (a huge slack, no spreading, and no flow control,
+    # whose affinity wait holds a request back from a replica without room)...
     peer = start_gateway(
         engines,
         redis_url=redis_url,
         absolute_slack_tokens=10_000_000,
         overflow=False,
         fanout_hold=False,
+        flow_control=False,
         **SHARED,
         **share,
     )
