@@ -9,6 +9,13 @@ import re
 
 import pytest
 
+# the schemathesis scenario's OpenAPI loader, imported here at collection (one thread): imported
+# during the scenario, its modules were parsed (pytest rewrites a plugin's modules) while the
+# scenario's server threads ran, and CPython 3.11's parser is not safe across threads there
+# ("SystemError: AST constructor recursion depth mismatch", seen once in the suite)
+import schemathesis.openapi.loaders
+import schemathesis.specs.openapi.schemas  # noqa: F401
+
 from loadgen.chaos.outcome import Size
 from loadgen.chaos.runner import SCENARIOS, add_chaos_arguments, run_chaos, scenario
 
