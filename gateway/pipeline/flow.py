@@ -237,8 +237,7 @@ class FlowControl:
         progress of the one in prefill since it began, at most its share) and other gateways'
         requests waiting at the engine. The progress lets the next request go before the
         engine runs dry, so the gateway's own latency never idles it."""
-        snapshot = state.snapshot()
-        queued = snapshot.pending_prefill_tokens + snapshot.foreign_prefill_tokens
+        queued = state.queued_prefill_tokens()
         if state.num_prefilling:
             progress = (now_s - state.prefill_started_s) * self.limits.prefill_tokens_per_s
             queued -= min(progress, state.pending_prefill_tokens / state.num_prefilling)
