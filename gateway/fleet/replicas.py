@@ -214,6 +214,18 @@ class ReplicaState:
         self.own_waiting_at_scrape = self.num_prefilling + peer.num_prefilling
         self.own_running_at_scrape = self.num_inflight + peer.num_inflight
 
+    def queued_prefill_tokens(self) -> float:
+        """`snapshot()`'s `pending_prefill_tokens + foreign_prefill_tokens`, without building
+        the snapshot (flow control reads it for every replica on every turn of its queue)."""
+        queued = self.pending_prefill_tokens + (self.peer or NO_PEERS).prefill_tokens
+        metrics = self.metrics
+        waiting = metrics.num_waiting if metrics is not None else None
+        if waiting is not None:
+            foreign = (waiting or 0.0) - self.own_waiting_at_scrape
+            if foreign > 0:
+                queued += foreign * self.fleet.mean_request_tokens
+        return queued
+
     def snapshot(self) -> Replica:
         metrics = self.metrics
         waiting = metrics.num_waiting if metrics is not None else None

@@ -48,10 +48,9 @@ import asyncio
 import logging
 import math
 import time
-from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
 from gateway.fleet.replicas import ReplicaSet, ReplicaState
@@ -238,8 +237,7 @@ class FlowControl:
         progress of the one in prefill since it began, at most its share) and other gateways'
         requests waiting at the engine. The progress lets the next request go before the
         engine runs dry, so the gateway's own latency never idles it."""
-        snapshot = state.snapshot()
-        queued = snapshot.pending_prefill_tokens + snapshot.foreign_prefill_tokens
+        queued = state.queued_prefill_tokens()
         if state.num_prefilling:
             progress = (now_s - state.prefill_started_s) * self.limits.prefill_tokens_per_s
             queued -= min(progress, state.pending_prefill_tokens / state.num_prefilling)
@@ -384,30 +382,58 @@ class FlowControl:
             waiter, scope=tenant.scope, band=band, weight=weight, cost=cost, now_s=now_s
         )
         self.pump()
+        if not future.done():  # not let through in the same turn: wait (below), else go at once
+            await self._await_dispatch(tenant, queued, now_s, client_left, max_wait_s)
+        queued_s = future.result()
+        self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
+        return Ticket(self, prompt_tokens, queued_s, (band, cost), waiter.avoid, waiter.claimed)
+
+    async def _await_dispatch(
+        self,
+        tenant: Tenant,
+        queued: Queued[_Waiter],
+        now_s: float,
+        client_left: Callable[[], Awaitable[object]] | None,
+        max_wait_s: float | None,
+    ) -> None:
+        """Wait until the waiter's future is resolved by a dispatch; raises past the queue's
+        bound or when the client left. One timer and, with a front end's watch, one task per
+        waiter, resolved through `outcome` (no `asyncio.wait`: its set, waiter and callbacks
+        per call were most of a queued request's cost to the gateway)."""
+        loop = asyncio.get_running_loop()
+        future = queued.item.future
+        outcome: asyncio.Future[str] = loop.create_future()
+
+        def resolve(what: str) -> None:
+            if not outcome.done():
+                outcome.set_result(what)
+
+        future.add_done_callback(lambda _: resolve("dispatched"))
+        timeout = self.limits.max_queue_s
+        if max_wait_s is not None:
+            timeout = max(min(timeout, max_wait_s), 0.0)
+        timer = loop.call_later(timeout, resolve, "timeout")
         watcher = asyncio.ensure_future(client_left()) if client_left is not None else None
+        if watcher is not None:
+            watcher.add_done_callback(lambda _: resolve("left"))
         try:
-            waits: list[asyncio.Future[Any]] = [future] if watcher is None else [future, watcher]
-            timeout = self.limits.max_queue_s
-            if max_wait_s is not None:
-                timeout = max(min(timeout, max_wait_s), 0.0)
-            await asyncio.wait(waits, timeout=timeout, return_when=FIRST_COMPLETED)
+            await outcome
         except asyncio.CancelledError:  # the caller's task (a gRPC client cancelling)
             self._left(tenant, queued, now_s)
             raise
         finally:
+            timer.cancel()
             if watcher is not None:
                 watcher.cancel()
                 if watcher.done() and not watcher.cancelled():
                     watcher.exception()  # a receive that failed is a client gone too: retrieved
-        if not future.done():
-            if watcher is not None and watcher.done() and not watcher.cancelled():
-                self._left(tenant, queued, now_s)
-                raise ClientGone("the client disconnected while its request waited for room")
-            self.queue.remove(queued)
-            raise self._timed_out(tenant, queued, self.clock() - now_s)
-        queued_s = future.result()
-        self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
-        return Ticket(self, prompt_tokens, queued_s, (band, cost), waiter.avoid, waiter.claimed)
+        if future.done():
+            return
+        if watcher is not None and watcher.done() and not watcher.cancelled():
+            self._left(tenant, queued, now_s)
+            raise ClientGone("the client disconnected while its request waited for room")
+        self.queue.remove(queued)
+        raise self._timed_out(tenant, queued, self.clock() - now_s)
 
     def _left(self, tenant: Tenant, queued: Queued[_Waiter], since_s: float) -> None:
         """The client left while its request waited: out of the queue (nothing reaches an

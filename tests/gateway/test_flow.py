@@ -329,3 +329,22 @@ async def test_a_pd_fleets_queue_waits_for_its_prefill_pool_and_its_decode_pool(
     flow.pump()
     (await held).routed()
     assert flow.try_enter(a, 0, 10.0, 0.0, [prefill], decode=[decode]) is not None
+
+
+@pytest.mark.parametrize("waiting", [None, 0.0, 1.0, 5.0])
+def test_a_replicas_queued_prefill_is_its_snapshots_without_building_one(
+    waiting: float | None,
+) -> None:
+    """Flow control's read of a replica's queued prefill (`queued_prefill_tokens`, on every
+    turn of the queue) is the snapshot's own prefill plus other gateways' waiting requests."""
+    replicas = _replicas(2)
+    state = next(iter(replicas.states.values()))
+    lease = state.lease(700.0)
+    state.metrics = EngineMetrics(num_waiting=waiting)
+    state.own_waiting_at_scrape = 1
+    snapshot = state.snapshot()
+    expected = snapshot.pending_prefill_tokens + snapshot.foreign_prefill_tokens
+    assert state.queued_prefill_tokens() == pytest.approx(expected)
+    if waiting is not None and waiting > 1:
+        assert snapshot.foreign_prefill_tokens > 0
+    lease.release()
