@@ -118,7 +118,7 @@ wait at ~1.6% of the prompt's own prefill (6,250 × 16 tokens at 13,000 tokens/s
 shared event index's lookup bisects on prefix marks (~1 ms for that chain) and walks only past
 them; the allowance is then a bound it rarely nears."""
 DEFAULT_REDIS_DEADLINE_CAP_S = 0.025
-"""How far a lookup's deadline may follow Redis's recent p99 up (`gateway.directory.deadline`):
+"""How far a lookup's deadline may follow Redis's recent p99 up (`gateway.deadline`):
 5× the base, room for a lookup queued behind other gateways' 2–4 ms write chunks, while a Redis
 that stopped answering costs each of the few requests before the breaker opens at most 25 ms
 (a 10k-token prefill costs ~0.8 s)."""

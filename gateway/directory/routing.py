@@ -51,8 +51,8 @@ from cachemap.rates import PrefixRate, PrefixRates
 from cachemap.redis import scripts
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.meta import DirectoryLayoutError
+from gateway.deadline import LookupDeadline
 from gateway.directory.breaker import PROBE_LOOKUPS, Breaker
-from gateway.directory.deadline import LookupDeadline
 from gateway.directory.epochs import RestartEpochs
 from gateway.directory.landings import POLL_UNSUBSCRIBED_S, READ_INTERVAL_S, LandingWatcher
 from gateway.directory.restore import WriteBack

@@ -45,7 +45,7 @@ from cachemap.keys import BlockHash, chain_hashes, token_bytes
 from cachemap.layouts import EngineLayouts
 from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE, identify
 from cachemap.redis.events import EventReader
-from gateway.directory.deadline import LookupDeadline
+from gateway.deadline import LookupDeadline
 from gateway.events.claims import PlacedChains
 from gateway.events.intake import EventIntake
 from gateway.events.prompts import PromptTokens
@@ -229,7 +229,7 @@ class PreciseKeys:
     shared_deadline: LookupDeadline = field(
         default_factory=lambda: LookupDeadline(0.005, 0.0, DEFAULT_REDIS_DEADLINE_CAP_S)
     )
-    """A shared lookup's deadline (`gateway.directory.deadline`, as the directory's): its base
+    """A shared lookup's deadline (`gateway.deadline`, as the directory's): its base
     raised to twice the event lane's recent p99 round trip, within its cap, plus an allowance
     per key of the chain (the script walks it). A fixed base failed a quarter to nearly all of
     the lookups that queued behind the owners' event writes (`WRITE_CHUNK` calls of a few ms

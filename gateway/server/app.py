@@ -50,7 +50,7 @@ from gateway.api.grpc.service import GrpcServer, start_grpc
 from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
 from gateway.billing.service import Billing, admin_key_hashes
-from gateway.directory.deadline import LookupDeadline
+from gateway.deadline import LookupDeadline
 from gateway.directory.routing import RoutingDirectory
 from gateway.events.intake import EventIntake, FeedLimits
 from gateway.events.layouts import LaidOutEvents

@@ -1,11 +1,11 @@
-"""The shared lookup's deadline (`gateway.directory.deadline.LookupDeadline`): the base until
+"""The shared lookup's deadline (`gateway.deadline.LookupDeadline`): the base until
 enough round trips are in, then twice their p99, never below the base nor above the cap."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.directory.deadline import MIN_SAMPLES, RECOMPUTE_EVERY, WINDOW, LookupDeadline
+from gateway.deadline import MIN_SAMPLES, RECOMPUTE_EVERY, WINDOW, LookupDeadline
 
 
 def test_the_deadline_follows_the_recent_p99_between_the_base_and_the_cap() -> None:

@@ -351,7 +351,7 @@ async def test_a_shared_lookup_queued_behind_writes_within_the_cap_is_answered(
     """Issue 39: shared event-index lookups answered only 25% / 15% / 1% at 2 / 4 gateways /
     Cluster under load: they queue behind the owners' event writes, and a fixed 5-ms deadline
     failed those Redis answered in 6-15 ms. The deadline follows twice the lane's recent p99
-    round trip (Redis's time, written to parsed: `gateway.directory.deadline`), within its cap:
+    round trip (Redis's time, written to parsed: `gateway.deadline`), within its cap:
     while another client holds Redis 12 ms a call, back to back, every lookup after the first
     round trips taught it is answered (with the fixed deadline 28 of 30 failed)."""
     client, busy = await open_redis(fresh_redis.url), await open_redis(fresh_redis.url)
