@@ -668,7 +668,10 @@ class Director:
             tried.append(replica_id)
             uncached = routed.route.uncached_tokens(replica_id)
             upstream = trace.attempt(replica_id, len(tried), uncached)
-            with state.lease(uncached, output_tokens) as lease:
+            # a prefill instance generates one token: the decode instance's lease carries the
+            # output, and the prefill's ends with its leg (`Disaggregation.attempt`)
+            disaggregated = leg is not None and self.disaggregation is not None
+            with state.lease(uncached, 0.0 if disaggregated else output_tokens) as lease:
                 headers = _headers(routed, replica_id, upstream)
                 try:
                     if leg is None or self.disaggregation is None:
@@ -677,7 +680,7 @@ class Director:
                         )
                     else:
                         outcome, kept = await self.disaggregation.attempt(
-                            routed, state, path, payload, stream, headers, output_tokens, leg
+                            routed, state, path, payload, stream, headers, output_tokens, leg, lease
                         )
                         if kept is not None:
                             assert not isinstance(outcome, Passthrough)

@@ -139,17 +139,28 @@ class Disaggregation:
         headers: Mapping[str, str] | None,
         output_tokens: float,
         leg: PrefillLeg,
+        prefill_lease: Lease | None = None,
     ) -> tuple[Passthrough | Complete | Streaming, Lease | None]:
         """One attempt: the prefill leg at `prefill`, then the decode leg; returns the decode's
-        outcome with its kept lease (None for a passthrough, the client's 4xx)."""
+        outcome with its kept lease (None for a passthrough, the client's 4xx).
+
+        `prefill_lease` (the director's lease on `prefill`) is released when the prefill leg
+        ends: the instance's compute is free then (it only holds blocks for the pull), so its
+        pending prefill and in-flight count no longer weigh on the prefill pool's load bound
+        while the decode instance pulls and queues (issue 42: the bound pushed the next
+        request sharing the prefix off the instance that had just cached it)."""
         if self.protocol == "sglang":
             return await self._bootstrap_attempt(
-                routed, prefill, path, payload, stream, headers, output_tokens, leg
+                routed, prefill, path, payload, stream, headers, output_tokens, leg, prefill_lease
             )
         body = orjson.loads(payload)
-        first = await self.forwarder.attempt(
-            prefill.url + path, prefill_payload(body), False, headers
-        )
+        try:
+            first = await self.forwarder.attempt(
+                prefill.url + path, prefill_payload(body), False, headers
+            )
+        finally:
+            if prefill_lease is not None:
+                prefill_lease.release()
         if isinstance(first, Passthrough):
             return first, None
         if not isinstance(first, Complete):  # it was asked not to stream
@@ -204,6 +215,7 @@ class Disaggregation:
         headers: Mapping[str, str] | None,
         output_tokens: float,
         leg: PrefillLeg,
+        prefill_lease: Lease | None = None,
     ) -> tuple[Passthrough | Complete | Streaming, Lease | None]:
         """SGLang's protocol, as sglang-router's P/D mode sends it: the request to the prefill
         instance and to the decode instance at once, both with `bootstrap_host`,
@@ -228,6 +240,9 @@ class Disaggregation:
                 prefill.url + path, bootstrap_prefill_payload(body), False, headers
             )
         )
+        if prefill_lease is not None:  # the prefill instance is free when its leg ends
+            prefill_lease_done = prefill_lease  # (for mypy: narrowed in the callback)
+            prefill_leg.add_done_callback(lambda _: prefill_lease_done.release())
         with state.lease(0.0, output_tokens) as lease:
             try:
                 outcome = await self.forwarder.attempt(

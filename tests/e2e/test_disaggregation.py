@@ -3,6 +3,7 @@ with the openai SDK: 2 prefill and 2 decode simulated engines."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -233,3 +234,52 @@ def test_sglangs_bootstrap_protocol_sends_both_legs_at_once() -> None:
             )
     finally:
         stop_all([gateway, *prefill, *decode])
+
+
+def test_the_prefill_instance_is_free_once_its_leg_ends() -> None:
+    """The prefill instance's lease ends with the prefill leg (issue 42): while the decode
+    instance pulls (slowly here: 1.5 s), the prefill instance counts no request in flight, no
+    pending prefill and no expected output. Before, it counted all three until the decode's
+    first byte, and its load bound pushed the next request sharing the prefix (a continuation,
+    another session on the same system prompt) off the instance that had just cached it:
+    kvgate's prefill hit ratio below round robin's in `kvgate bench-pd`."""
+    prefill = [_engine(PRODUCER), _engine(PRODUCER)]
+    port = free_port()
+    slow_pull = KVTransferConfig(
+        kv_role=CONSUMER, side_channel_port=port, abort_timeout_s=1e6, pull_latency_ms=1.5e6
+    )
+    decode = start_app(create_engine_app(EngineConfig(timing=FAST, kv_transfer=slow_pull)), port)
+    settings = gateway_settings([e.url for e in prefill], decode_engines=[decode.url])
+    gateway = start_app(create_app(settings))
+    try:
+        c = client(gateway)
+        prompt = "A shared agent prompt." + words("pd-free", 600)
+        ask(c, prompt)  # cached on one prefill instance
+        states = director(gateway).replicas.states
+        before = [engine_of(e).core.counters.prompt_tokens for e in prefill]
+        answered = threading.Event()
+
+        def turn_two() -> None:
+            ask(c, prompt + " Turn two.")
+            answered.set()
+
+        thread = threading.Thread(target=turn_two)
+        thread.start()
+        prefilled_at = None
+        while prefilled_at is None and not answered.wait(0.005):
+            after = [engine_of(e).core.counters.prompt_tokens for e in prefill]
+            prefilled_at = next(
+                (e.url for e, b, a in zip(prefill, before, after, strict=True) if a > b), None
+            )
+        assert prefilled_at is not None
+        # the prefill leg ends, the decode instance pulls for 1.5 s: the load moves to it
+        moved = False
+        while not moved and not answered.wait(0.005):
+            state, decoding = states[prefilled_at], states[decode.url]
+            free = (state.num_inflight, state.pending_prefill_tokens, state.decode_tokens)
+            moved = free == (0, 0.0, 0.0) and decoding.num_inflight == 1
+        assert moved, "the prefill instance counted the request until the decode answered"
+        assert states[decode.url].decode_tokens > 0
+        thread.join()
+    finally:
+        stop_all([gateway, *prefill, decode])
