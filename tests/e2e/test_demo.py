@@ -40,11 +40,14 @@ def test_cache_aware_beats_consistent_hashing_on_the_team_day() -> None:
     """`make run`'s point: hashing puts the hot tenant's three developers (one spine) on one
     replica, whose cache cannot hold their sessions; cache_aware spreads them within the load
     bound and keeps them. 10-44 points apart in eight demo runs; the hash's side is fixed by the
-    workload (three developers on one 1,024-block cache), not by where the ports hash."""
-    args = _args(add_demo_arguments, "--time-scale", "50")
-    cache_aware = summarise(replay_policy(args, "cache_aware"), time_scale=50)
+    workload (three developers on one 1,024-block cache), not by where the ports hash. Engines
+    25x faster than real: at 50x the gateway's own time weighed enough that on a loaded CI
+    machine cache_aware read 0.687 against hashing's 0.696 (quiet: 0.76-0.85; at 25x with three
+    CPU hogs beside it: 0.845 against 0.670)."""
+    args = _args(add_demo_arguments, "--time-scale", "25")
+    cache_aware = summarise(replay_policy(args, "cache_aware"), time_scale=25)
     hashed = replay_policy(args, "consistent_hash")
-    hashing = summarise(hashed, time_scale=50)
+    hashing = summarise(hashed, time_scale=25)
     assert cache_aware.errors == hashing.errors == 0
     assert cache_aware.requests == count_requests(team_day(DEVELOPERS))
     assert cache_aware.hit_ratio > hashing.hit_ratio + 0.05
