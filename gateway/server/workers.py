@@ -156,14 +156,44 @@ def refusal(settings: Settings) -> str | None:
 
 def supervise(settings: Settings, argv: Sequence[str]) -> int:
     """Run `argv` (this `kvgate serve` command line) as `settings.workers` workers; returns
-    the pod's exit status."""
-    return asyncio.run(Supervisor(settings, argv).run())
+    the pod's exit status. The pod's admin port is bound first, before any worker starts: a
+    taken port is refused at once (status 2), and no worker's own socket can take it."""
+    admin: socket.socket | None = None
+    if settings.metrics_port is not None:
+        try:
+            admin = listening_socket(settings.host, settings.metrics_port)
+        except OSError as exc:
+            print(
+                f"kvgate serve: the admin port {settings.host}:{settings.metrics_port} is taken "
+                f"({exc.strerror}); set another with --metrics-port or KVGATE_METRICS_PORT"
+            )
+            return 2
+    return asyncio.run(Supervisor(settings, argv, admin).run())
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host:port` (the pod's admin port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, argv: Sequence[str]) -> None:
+    def __init__(
+        self, settings: Settings, argv: Sequence[str], admin: socket.socket | None = None
+    ) -> None:
         self.settings = settings
         self.argv = list(argv)
+        self.admin = admin
+        """The pod's admin port, bound and listening (`supervise`), or None without one."""
         self.workers: list[asyncio.subprocess.Process] = []
         self.draining = False
 
@@ -227,10 +257,10 @@ class Supervisor:
             self.settings.port,
         )
         async with contextlib.AsyncExitStack() as stack:
-            if self.settings.metrics_port is not None:
+            if self.admin is not None:
                 admin = PodAdmin(self.settings, ports, [w.pid for w in self.workers])
                 stack.push_async_callback(admin.stop)
-                await admin.start()
+                await admin.start(self.admin)
             return await self._wait()
 
     def drain(self) -> None:
@@ -297,7 +327,8 @@ class PodAdmin:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
 
-    async def start(self) -> None:
+    async def start(self, sock: socket.socket) -> None:
+        """Serve on `sock`, the admin port the supervisor bound before its workers started."""
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(SCRAPE_TIMEOUT_S))
         guards = []
         if self.settings.admin_port_auth:
@@ -309,8 +340,7 @@ class PodAdmin:
         app.router.add_get("/{path:.*}", self._from_worker_0)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        assert self.settings.metrics_port is not None
-        await web.TCPSite(self._runner, self.settings.host, self.settings.metrics_port).start()
+        await web.SockSite(self._runner, sock).start()
 
     async def stop(self) -> None:
         if self._runner is not None:
