@@ -156,6 +156,8 @@ class ReplicaState:
     peer: PeerLoad | None = None
     """Other gateways' requests here, when they share their load over Redis (None: unknown)."""
     metrics: EngineMetrics | None = None
+    kv_reported: tuple[int | None, int | None] = field(default=(None, None), repr=False)
+    """(`num_gpu_blocks`, `kv_block_size`) last passed to `on_kv_capacity`."""
     own_waiting_at_scrape: int = 0
     """`num_prefilling` (with the peers') when the last scrape answered: the known share of
     the engine's queue then."""
@@ -325,6 +327,7 @@ class ReplicaSet:
         unhealthy_after: int,
         on_restart: Callable[[str], Awaitable[None]],
         on_start_marker: Callable[[str, str], Awaitable[object]] | None = None,
+        on_kv_capacity: Callable[[str, EngineMetrics], None] | None = None,
         scrape_metrics: bool = True,
         metrics_interval_s: float | None = None,
     ) -> None:
@@ -341,6 +344,9 @@ class ReplicaSet:
         self._unhealthy_after = unhealthy_after
         self._on_restart = on_restart
         self._on_start_marker = on_start_marker
+        self._on_kv_capacity = on_kv_capacity
+        """Called with the replica and its metrics when the KV capacity it reports changed
+        (first read included; to None when it stops reporting one): the directory's size."""
         self._scrape_metrics = scrape_metrics
         self._tasks = BackgroundTasks("replicas")
         self._sender: ViewSender | None = None
@@ -750,6 +756,10 @@ class ReplicaSet:
         now = state.metrics
         if now is None:
             return
+        kv = (now.num_gpu_blocks, now.kv_block_size)
+        if kv != state.kv_reported and self._on_kv_capacity is not None:
+            state.kv_reported = kv
+            self._on_kv_capacity(state.url, now)
         marker = now.start_marker
         if marker is not None and self._on_start_marker is not None:
             # every scrape: the directory compares (cheaply) and retries what Redis missed

@@ -51,10 +51,12 @@ from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
 from gateway.billing.service import Billing, admin_key_hashes
 from gateway.directory.routing import RoutingDirectory
+from gateway.directory.sizing import kv_entries
 from gateway.events.intake import EventIntake, FeedLimits
 from gateway.events.layouts import LaidOutEvents
 from gateway.events.precise import PreciseKeys, PromptTokens, TokenizerCheck
 from gateway.fleet.discovery import Discovery, KubeTarget
+from gateway.fleet.engine_metrics import EngineMetrics
 from gateway.fleet.replicas import ReplicaSet
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import RequestMetrics, build_registry, render
@@ -174,8 +176,34 @@ def _replicas(
         unhealthy_after=settings.unhealthy_after,
         on_restart=on_restart,
         on_start_marker=directory.observe_start,
+        on_kv_capacity=functools.partial(_size_directory, settings, directory),
         scrape_metrics=settings.scrape_metrics,
         metrics_interval_s=settings.metrics_interval_s,
+    )
+
+
+def _size_directory(
+    settings: Settings, directory: RoutingDirectory, replica: str, metrics: EngineMetrics
+) -> None:
+    """The replica's engine reported its KV capacity (or stopped reporting one): its directory
+    entries are capped at what that KV holds (`gateway.directory.sizing`)."""
+    block_size = metrics.kv_block_size or settings.engine_block_size
+    entries = kv_entries(
+        metrics.num_gpu_blocks,
+        block_size,
+        dp_size=settings.engine_dp_size,
+        bytes_per_token=settings.bytes_per_token,
+        block_bytes=settings.block_bytes,
+    )
+    directory.set_capacity(replica, entries)
+    log.info(
+        "directory: %s keeps at most %d entries (its engine's KV: %s blocks of %d tokens)",
+        replica,
+        min(entries, settings.directory_capacity_blocks)
+        if entries is not None
+        else settings.directory_capacity_blocks,
+        metrics.num_gpu_blocks,
+        block_size,
     )
 
 
