@@ -7,9 +7,10 @@ per-replica state beside the entries (generations, floors, start markers, the la
 Generations do three jobs with one number per replica:
 - An entry matches only if its generation is the replica's current one or the one before.
 - Capacity: after `capacity_blocks / 2` blocks new to the generation are recorded on a
-  replica its generation advances, so at most `capacity_blocks` entries (two generations'
-  worth) match — an LRU approximation in which a recorded (used) block is rewritten at the
-  current generation, and a block recorded again within it is not counted again.
+  replica (its own capacity: the smaller of the setting and its engine's KV, `set_capacity`)
+  its generation advances, so at most that many entries (two generations' worth) match — an
+  LRU approximation in which a recorded (used) block is rewritten at the current generation,
+  and a block recorded again within it is not counted again.
 - Restart epochs: `forget()` (and a new engine start marker) advances it by 2, so every old
   entry stops matching at once: an epoch bump, never a scan. Stale fields die with their keys'
   TTL.

@@ -176,7 +176,9 @@ def _replicas(
         unhealthy_after=settings.unhealthy_after,
         on_restart=on_restart,
         on_start_marker=directory.observe_start,
-        on_kv_capacity=functools.partial(_size_directory, settings, directory),
+        on_kv_capacity=functools.partial(_size_directory, settings, directory)
+        if settings.directory_size_from_engines
+        else None,
         scrape_metrics=settings.scrape_metrics,
         metrics_interval_s=settings.metrics_interval_s,
     )
