@@ -18,7 +18,7 @@ from starlette.routing import Route
 from gateway.directory.routing import RoutingDirectory
 from loadgen.engine.server import EngineConfig, create_engine_app
 from loadgen.text import words
-from tests.conftest import FAST, MODEL, TENANT_KEY
+from tests.conftest import FAST, MODEL, TENANT_KEY, metrics_url
 from tests.servers import Served, start_app, stop_all, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -58,8 +58,10 @@ def test_a_prefix_the_small_engine_evicted_is_no_longer_predicted_there(
 ) -> None:
     engines = start_engines(2, capacity_blocks=SMALL_KV_BLOCKS)
     gateway = start_gateway(engines)  # directory_capacity_blocks: the default, 65,536
+    page = httpx.get(metrics_url(gateway) + "/metrics").text
     for e in engines:
         assert directory_of(gateway).local.index.capacity_of(e.url) == SMALL_ENTRIES
+        assert f'kvgate_directory_capacity_entries{{replica="{e.url}"}} 16.0' in page
     prompt = words("sizing-p", PROMPT_TOKENS)
     home, _, _ = ask(gateway, prompt)
     assert ask(gateway, prompt)[1:] != (0, 0)  # predicted and cached where it went
@@ -114,6 +116,9 @@ def test_an_engine_larger_than_the_setting_or_silent_keeps_the_setting(
         index = directory_of(gateway).local.index
         assert index.capacity_of(engines[0].url) == 500  # the setting is the smaller
         assert index.capacity_of(silent.url) == 500  # no KV reported: the setting
+        page = httpx.get(metrics_url(gateway) + "/metrics").text
+        for url in (engines[0].url, silent.url):
+            assert f'kvgate_directory_capacity_entries{{replica="{url}"}} 500.0' in page
         assert ask(gateway, "hello " + words("sizing-silent", 50))[0] in {
             engines[0].url,
             silent.url,
