@@ -78,7 +78,7 @@ from gateway.pipeline.reconcile import Reconciler
 from gateway.pipeline.record import Recorder
 from gateway.pipeline.upstream import UpstreamPool, origin
 from gateway.request.state import ExchangeObserver
-from gateway.request.tokens import TokenEstimator
+from gateway.request.tokens import MAX_BYTES_PER_TOKEN, TokenEstimator
 from gateway.server.admin import AdminServer
 from gateway.server.collector import GatewayCollector
 from gateway.server.console import Console
@@ -194,7 +194,7 @@ def _size_directory(
         metrics.num_gpu_blocks,
         block_size,
         dp_size=settings.engine_dp_size,
-        bytes_per_token=settings.bytes_per_token,
+        bytes_per_token=max(settings.bytes_per_token, MAX_BYTES_PER_TOKEN),
         block_bytes=settings.block_bytes,
     )
     directory.set_capacity(replica, entries)
