@@ -156,8 +156,6 @@ class ReplicaState:
     peer: PeerLoad | None = None
     """Other gateways' requests here, when they share their load over Redis (None: unknown)."""
     metrics: EngineMetrics | None = None
-    kv_reported: tuple[int | None, int | None] = field(default=(None, None), repr=False)
-    """(`num_gpu_blocks`, `kv_block_size`) last passed to `on_kv_capacity`."""
     own_waiting_at_scrape: int = 0
     """`num_prefilling` (with the peers') when the last scrape answered: the known share of
     the engine's queue then."""
@@ -345,8 +343,8 @@ class ReplicaSet:
         self._on_restart = on_restart
         self._on_start_marker = on_start_marker
         self._on_kv_capacity = on_kv_capacity
-        """Called with the replica and its metrics when the KV capacity it reports changed
-        (first read included; to None when it stops reporting one): the directory's size."""
+        """Called with the replica and its metrics after every scrape (its own or worker 0's):
+        the directory's size for it, from the KV capacity it reports (or none)."""
         self._scrape_metrics = scrape_metrics
         self._tasks = BackgroundTasks("replicas")
         self._sender: ViewSender | None = None
@@ -756,9 +754,7 @@ class ReplicaSet:
         now = state.metrics
         if now is None:
             return
-        kv = (now.num_gpu_blocks, now.kv_block_size)
-        if kv != state.kv_reported and self._on_kv_capacity is not None:
-            state.kv_reported = kv
+        if self._on_kv_capacity is not None:  # every scrape: the ratio it is sized by moves
             self._on_kv_capacity(state.url, now)
         marker = now.start_marker
         if marker is not None and self._on_start_marker is not None:

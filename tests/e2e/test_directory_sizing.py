@@ -6,6 +6,7 @@ redis-server for the shared directory."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import httpx
@@ -18,18 +19,20 @@ from starlette.routing import Route
 from gateway.directory.routing import RoutingDirectory
 from loadgen.engine.server import EngineConfig, create_engine_app
 from loadgen.text import words
+from tests.clients import director
 from tests.conftest import FAST, MODEL, TENANT_KEY, metrics_url
 from tests.servers import Served, start_app, stop_all, wait_until
 
 pytestmark = pytest.mark.e2e
 
 SMALL_KV_BLOCKS = 64
-"""Engine blocks of 16 tokens: 1,024 tokens of KV, 32 directory entries at 8 bytes a token
-(the most a token stands for: the directory forgets no earlier than the engine)."""
-SMALL_ENTRIES = SMALL_KV_BLOCKS * 16 * 8 // 256
+"""Engine blocks of 16 tokens: 1,024 tokens of KV, 16 directory entries at the configured 4
+bytes a token (before any response taught the gateway the text's ratio)."""
+SMALL_ENTRIES = SMALL_KV_BLOCKS * 16 * 4 // 256
 PROMPT_TOKENS = 400
-"""~10 directory entries of the simulated tokenizer's text (~6.5 bytes a token), 26 KV blocks:
-four more such prompts on one replica pass both its engine's KV and its directory's cap."""
+"""~10 directory entries of the simulated tokenizer's text (~6.5 bytes a token: ~26 entries of
+KV), 26 KV blocks: four more such prompts on one replica pass both its engine's KV and its
+directory's cap."""
 
 
 def ask(gateway: Served, content: str) -> tuple[str, int, int]:
@@ -63,7 +66,7 @@ def test_a_prefix_the_small_engine_evicted_is_no_longer_predicted_there(
     page = httpx.get(metrics_url(gateway) + "/metrics").text
     for e in engines:
         assert directory_of(gateway).local.index.capacity_of(e.url) == SMALL_ENTRIES
-        assert f'kvgate_directory_capacity_entries{{replica="{e.url}"}} 32.0' in page
+        assert f'kvgate_directory_capacity_entries{{replica="{e.url}"}} 16.0' in page
     prompt = words("sizing-p", PROMPT_TOKENS)
     home, _, _ = ask(gateway, prompt)
     assert ask(gateway, prompt)[1:] != (0, 0)  # predicted and cached where it went
@@ -80,6 +83,11 @@ def test_a_prefix_the_small_engine_evicted_is_no_longer_predicted_there(
     # the directory forgot it too (unsized it predicted the whole prompt at `home`: a miss
     # reconciliation would correct only after the request had been sent there)
     assert predicted == 0, f"predicted {predicted} blocks cached at {replica}"
+    # the capacity followed the ratio the responses taught (the simulated tokenizer's words)
+    ratio = director(gateway).estimator.fleet_bytes_per_token
+    assert 5.0 < ratio < 8.0
+    learned = math.ceil(SMALL_KV_BLOCKS * 16 * ratio / 256)
+    wait_until(lambda: directory_of(gateway).local.index.capacity_of(home) == learned)
 
 
 def test_the_capacity_follows_an_engine_restarted_with_another_kv_and_redis_gets_it(
@@ -94,7 +102,7 @@ def test_the_capacity_follows_an_engine_restarted_with_another_kv_and_redis_gets
         assert directory.local.index.capacity_of(engine.url) == SMALL_ENTRIES
         assert directory.shared.capacity_of(engine.url) == SMALL_ENTRIES
         stop_all([engine])
-        # the same port, a KV 8x larger (a new engine version, another GPU): 256 entries
+        # the same port, a KV 8x larger (a new engine version, another GPU): 128 entries
         engine = start_app(
             create_engine_app(EngineConfig(timing=FAST, capacity_blocks=512)), engine.port
         )
@@ -111,7 +119,7 @@ def test_the_capacity_follows_an_engine_restarted_with_another_kv_and_redis_gets
 def test_an_engine_larger_than_the_setting_or_silent_keeps_the_setting(
     start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
 ) -> None:
-    engines = start_engines(1)  # 4,096 blocks: 2,048 entries
+    engines = start_engines(1)  # 4,096 blocks: 1,024 entries at 4 bytes a token
     silent = start_app(_no_metrics_engine())
     try:
         gateway = start_gateway([*engines, silent], directory_capacity_blocks=500)

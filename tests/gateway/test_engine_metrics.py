@@ -169,7 +169,7 @@ def test_an_engines_kv_in_directory_entries() -> None:
         return kv_entries(blocks, block_size, dp_size=dp, bytes_per_token=ratio, block_bytes=256)
 
     assert entries(4096, 16) == 1024  # bench-pd's engines, 65,536 tokens, at 4 bytes a token
-    assert entries(4096, 16, ratio=8.0) == 2048  # at 8, what the gateway converts at
+    assert entries(4096, 16, ratio=6.4) == 1639  # at the ratio of bench-pd's text
     assert entries(4096, 16, dp=2) == 2048
     assert entries(1, 1) == 1
     assert entries(None, 16) is None
