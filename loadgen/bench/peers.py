@@ -129,8 +129,8 @@ DEFAULT_DIRECTORY_SCALE = 8.0
 """kvgate's directory is set to 8x each engine's KV in entries, as its default capacity is sized
 (`cachemap.directory.DEFAULT_REPLICA_CAPACITY_BLOCKS`): an entry the engine has evicted costs
 one wrong guess, an entry forgotten too early sends a conversation away from its cache. The
-gateway caps it at each engine's reported KV converted at 8 bytes a token (issue 42:
-`gateway.directory.sizing`), ~1.2x the KV on this bench's text (~6.5 bytes a token)."""
+gateway caps it at each engine's reported KV, converted at the bytes a token it learned from
+the responses (issue 42: `gateway.directory.sizing`): ~1x the engines' KV."""
 READY_TIMEOUT_S = 60.0
 
 ALL_PEER_ARMS = ("sglang:cache_aware", "vllm:cache_aware", "vllm:round_robin")
