@@ -60,7 +60,9 @@ DEFAULT_REPLICA_CAPACITY_BLOCKS = 65_536
 An H100-80GB serving an 8B model keeps ~500k tokens of KV (≈60 GB free / 128 KiB per token),
 ≈2 MB of prompt at ~4 bytes/token, ≈8,000 blocks of 256 B. The directory remembers up to 8×
 that: an entry the engine has already evicted costs one wrong prediction (reconciliation drops
-it), an entry forgotten too early costs a lost hit.
+it), an entry forgotten too early costs a lost hit. The gateway caps each replica below this at
+its engine's reported KV (`set_capacity`): with 8× an engine's KV the cache-aware pick kept
+sending continuations to an engine that had evicted them (issue 42).
 """
 
 DEFAULT_TTL_S = 3600.0

@@ -36,7 +36,8 @@ class MemoryIndex:
       directory of a million blocks is a few tracked LRUs, not a million tracked containers
       (a reverse index of `{replica: epoch}` dicts was ~225k tracked objects per engine at
       bench point 1, walked by every older-generation pass: 5-7% of the request path's CPU).
-    - len(lru) <= capacity after every record().
+    - len(lru) <= the replica's capacity after every record() and set_capacity(): the
+      setting's `capacity_blocks`, or less where the engine's KV is smaller (`set_capacity`).
     - forget() swaps in a fresh epoch in O(1); the old epoch's entries are released a bounded
       number per record() call (freeing 200k entries at once would stall the event loop).
     """
@@ -57,6 +58,28 @@ class MemoryIndex:
         self.clock = clock
         self._current: dict[str, _Lru] = {}
         self._graveyard: list[_Lru] = []
+        self._capacities: dict[str, int] = {}
+        """Replicas whose engine holds fewer blocks than `capacity_blocks` -> what it holds."""
+
+    def capacity_of(self, replica: str) -> int:
+        """Entries the replica keeps: the smaller of the setting and its engine's KV."""
+        return self._capacities.get(replica, self.capacity_blocks)
+
+    def capacities(self) -> dict[str, int]:
+        """The replicas kept below the setting, with their capacity (a copy)."""
+        return dict(self._capacities)
+
+    def set_capacity(self, replica: str, engine_blocks: int | None) -> None:
+        """The replica's engine holds `engine_blocks` directory entries' worth of KV (None:
+        unknown, the setting applies): it keeps at most the smaller of that and the setting,
+        its least recently used entries past it dropped now."""
+        if engine_blocks is None or engine_blocks >= self.capacity_blocks:
+            self._capacities.pop(replica, None)
+            return
+        capacity = self._capacities[replica] = max(engine_blocks, 1)
+        lru = self._current.get(replica)
+        while lru and len(lru) > capacity:
+            lru.popitem(last=False)
 
     def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         return {r: d for r, (d, _) in self.lookup_detail(hashes).items()}
@@ -95,9 +118,8 @@ class MemoryIndex:
             lru[block] = now
             move(block)
         expired_before = now - self.ttl_s
-        while lru and (
-            len(lru) > self.capacity_blocks or next(iter(lru.values())) <= expired_before
-        ):
+        capacity = self._capacities.get(replica, self.capacity_blocks)
+        while lru and (len(lru) > capacity or next(iter(lru.values())) <= expired_before):
             lru.popitem(last=False)
         self._reap()
 

@@ -261,6 +261,18 @@ class Settings(BaseSettings):
     server_secret_file: Path | None = None
     block_bytes: int = DEFAULT_BLOCK_BYTES
     directory_capacity_blocks: int = DEFAULT_REPLICA_CAPACITY_BLOCKS
+    """Directory entries (`block_bytes` of prompt each) kept per replica at most: the
+    approximate directory's LRU bound, in process and in Redis. A replica whose engine reports
+    a smaller KV (vLLM's `vllm:cache_config_info`: `num_gpu_blocks` × `block_size` tokens, × the
+    DP ranks) keeps what that KV holds instead — tokens × the bytes a token the gateway learned
+    from every response / `block_bytes` entries — from its first scrape, and follows it when the
+    engine's figures or the ratio move, so the directory forgets a prefix about when the engine
+    evicts it (docs/design/directory.md, "Capacity from the engine"). An engine that reports no
+    KV capacity (SGLang) keeps this number."""
+    directory_size_from_engines: bool = True
+    """Cap each replica's directory entries at its engine's reported KV (above). False: every
+    replica keeps `directory_capacity_blocks` — for engines with a KV tier their GPU figure does
+    not count (a CPU offload tier: LMCache, vLLM's KV offloading)."""
     directory_ttl_s: float = DEFAULT_TTL_S
     absolute_slack_tokens: float = DEFAULT_ABSOLUTE_SLACK_TOKENS
     relative_slack: float = DEFAULT_RELATIVE_SLACK

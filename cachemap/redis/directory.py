@@ -7,9 +7,10 @@ per-replica state beside the entries (generations, floors, start markers, the la
 Generations do three jobs with one number per replica:
 - An entry matches only if its generation is the replica's current one or the one before.
 - Capacity: after `capacity_blocks / 2` blocks new to the generation are recorded on a
-  replica its generation advances, so at most `capacity_blocks` entries (two generations'
-  worth) match — an LRU approximation in which a recorded (used) block is rewritten at the
-  current generation, and a block recorded again within it is not counted again.
+  replica (its own capacity: the smaller of the setting and its engine's KV, `set_capacity`)
+  its generation advances, so at most that many entries (two generations' worth) match — an
+  LRU approximation in which a recorded (used) block is rewritten at the current generation,
+  and a block recorded again within it is not counted again.
 - Restart epochs: `forget()` (and a new engine start marker) advances it by 2, so every old
   entry stops matching at once: an epoch bump, never a scan. Stale fields die with their keys'
   TTL.
@@ -151,6 +152,9 @@ class RedisDirectory:
         self.layout_error: DirectoryLayoutError | None = None
         """Set when Redis holds a layout this code does not know: the directory is unusable."""
         self._names: dict[str, str] = {}
+        self._capacities: dict[str, int] = {}
+        """Replica ids whose engine holds fewer blocks than `capacity_blocks` -> what it holds
+        (`set_capacity`)."""
         self._replica_arg: bytes | None = None
         """The lookup's per-replica argument, cached (rebuilt when a generation, a floor or the
         set of replicas changes)."""
@@ -298,9 +302,12 @@ class RedisDirectory:
         replies = await self._pipelined(commands, sources)
         for rid, new in zip(rids, replies, strict=False):
             counts[rid] = counts.get(rid, 0) + int(new)
-        per_generation = max(self.capacity_blocks // 2, 1)
+        capacities, default = self._capacities, self.capacity_blocks
         await asyncio.gather(
-            *(self.meta.count(rid, n, per_generation, now_ms) for rid, n in counts.items())
+            *(
+                self.meta.count(rid, n, max(capacities.get(rid, default) // 2, 1), now_ms)
+                for rid, n in counts.items()
+            )
         )
 
     async def _pipelined(self, commands: list[tuple[Any, ...]], sources: list[str]) -> list[Any]:
@@ -392,6 +399,23 @@ class RedisDirectory:
         await self.client.aclose()
 
     # -- generations -------------------------------------------------------------------------
+    def capacity_of(self, replica: str) -> int:
+        """Entries of the replica that match at most: the smaller of the setting and its
+        engine's KV (`set_capacity`)."""
+        return self._capacities.get(replica_id(replica), self.capacity_blocks)
+
+    def set_capacity(self, replica: str, engine_blocks: int | None) -> None:
+        """The replica's engine holds `engine_blocks` directory entries' worth of KV (None:
+        unknown, the setting applies). Its generation then advances after half the smaller of
+        that and the setting new blocks. Every gateway reads the same engine, so they agree;
+        after a shrink the entries counted before still match until the generation has
+        advanced twice (the replica's next `capacity` new blocks at most)."""
+        rid = replica_id(replica)
+        if engine_blocks is None or engine_blocks >= self.capacity_blocks:
+            self._capacities.pop(rid, None)
+        else:
+            self._capacities[rid] = max(engine_blocks, 2)
+
     def register(self, replicas: Iterable[str]) -> None:
         """The replica names this gateway routes to (lookups report only these)."""
         for name in replicas:
@@ -406,6 +430,7 @@ class RedisDirectory:
         rid = replica_id(replica)
         if self._names.pop(rid, None) is not None:
             self._replica_arg = None
+        self._capacities.pop(rid, None)
         self.meta.forget_replica(rid)
 
     async def refresh_generations(self) -> None:

@@ -186,6 +186,8 @@ class RoutingDirectory:
         self._shared = shared
         self.epochs.shared = shared
         if shared is not None:
+            for replica, capacity in self.local.index.capacities().items():
+                shared.set_capacity(replica, capacity)  # engines scraped before it was attached
             shared.on_reset = self._reset
             shared.on_epoch = self._restarted_elsewhere
             shared.lane.on_round_trip = self.deadline.observe
@@ -416,10 +418,19 @@ class RoutingDirectory:
     async def observe_start(self, replica: str, start_marker: str) -> bool:
         return await self.epochs.observe_start(replica, start_marker)
 
+    def set_capacity(self, replica: str, engine_blocks: int | None) -> None:
+        """The replica's engine holds `engine_blocks` directory entries' worth of KV (from its
+        /metrics; None: it does not say): both stores keep at most the smaller of that and
+        `directory_capacity_blocks` of its entries (`gateway.directory.sizing`)."""
+        self.local.index.set_capacity(replica, engine_blocks)
+        if self.shared is not None:
+            self.shared.set_capacity(replica, engine_blocks)
+
     async def left(self, replica: str) -> None:
         """The replica left the fleet (discovery): its entries stop matching, and nothing this
         gateway kept about it stays."""
         await self.forget(replica)
+        self.local.index.set_capacity(replica, None)
         self.epochs.left(replica)
         if self.shared is not None:
             self.shared.unregister(replica)

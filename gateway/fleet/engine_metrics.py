@@ -42,7 +42,10 @@ class EngineMetrics:
     start_time_s: float | None = None
     num_gpu_blocks: int | None = None
     """The engine's KV capacity in blocks (`vllm:cache_config_info`'s `num_gpu_blocks` label;
-    per DP rank): what precise mode's eviction frontier counts empty blocks against."""
+    per DP rank): what precise mode's eviction frontier counts empty blocks against, and
+    what the approximate directory's capacity for the replica is sized from."""
+    kv_block_size: int | None = None
+    """Tokens per KV block (the same sample's `block_size` label; None: absent)."""
     max_lora: int | None = None
     """`vllm:lora_requests_info`'s labels (the newest sample): the GPU adapter slots..."""
     running_lora_adapters: str | None = None
@@ -79,17 +82,20 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 `num_gpu_blocks`, ...)."""
 
 
-def cache_config_blocks(text: str) -> int | None:
-    """`num_gpu_blocks` from the first `vllm:cache_config_info` sample (None: absent or not a
-    number, as before vLLM profiled its memory: the label is then "None")."""
+def cache_config_blocks(text: str, name: str = "num_gpu_blocks") -> int | None:
+    """`num_gpu_blocks` (or another label, `name`) from the first `vllm:cache_config_info`
+    sample (None: absent or not a positive number, as before vLLM profiled its memory: the
+    label is then "None")."""
     at = text.find(CACHE_CONFIG_INFO + "{")
     if at < 0:
         return None
     line = text[at : text.find("\n", at) if text.find("\n", at) >= 0 else len(text)]
-    label = line.find('num_gpu_blocks="')
+    label = line.find(f'{name}="')
+    while label > 0 and line[label - 1] not in "{, ":  # not the tail of a longer label's name
+        label = line.find(f'{name}="', label + 1)
     if label < 0:
         return None
-    start = label + len('num_gpu_blocks="')
+    start = label + len(name) + 2
     value = line[start : line.find('"', start)]
     return int(value) if value.isdigit() and int(value) > 0 else None
 
@@ -136,6 +142,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     return EngineMetrics(
         **{field: value for field, (_, value) in found.items()},
         num_gpu_blocks=cache_config_blocks(text),
+        kv_block_size=cache_config_blocks(text, "block_size"),
         max_lora=int(max_lora) if max_lora.isdigit() else None,
         running_lora_adapters=lora.get("running_lora_adapters") if lora else None,
         waiting_lora_adapters=lora.get("waiting_lora_adapters") if lora else None,

@@ -325,6 +325,7 @@ class ReplicaSet:
         unhealthy_after: int,
         on_restart: Callable[[str], Awaitable[None]],
         on_start_marker: Callable[[str, str], Awaitable[object]] | None = None,
+        on_kv_capacity: Callable[[str, EngineMetrics], None] | None = None,
         scrape_metrics: bool = True,
         metrics_interval_s: float | None = None,
     ) -> None:
@@ -341,6 +342,9 @@ class ReplicaSet:
         self._unhealthy_after = unhealthy_after
         self._on_restart = on_restart
         self._on_start_marker = on_start_marker
+        self._on_kv_capacity = on_kv_capacity
+        """Called with the replica and its metrics after every scrape (its own or worker 0's):
+        the directory's size for it, from the KV capacity it reports (or none)."""
         self._scrape_metrics = scrape_metrics
         self._tasks = BackgroundTasks("replicas")
         self._sender: ViewSender | None = None
@@ -750,6 +754,8 @@ class ReplicaSet:
         now = state.metrics
         if now is None:
             return
+        if self._on_kv_capacity is not None:  # every scrape: the ratio it is sized by moves
+            self._on_kv_capacity(state.url, now)
         marker = now.start_marker
         if marker is not None and self._on_start_marker is not None:
             # every scrape: the directory compares (cheaply) and retries what Redis missed

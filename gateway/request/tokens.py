@@ -46,6 +46,13 @@ class TokenEstimator:
             raise ValueError("default_bytes_per_token must be positive")
         self.default_bytes_per_token = default_bytes_per_token
         self._ratios: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self.fleet_bytes_per_token = default_bytes_per_token
+        """The same ratio over every tenant's and model's responses (the first one, then an EMA
+        at the same rate; the default until then):
+        what a token of the engines' KV holds of prompt text, whoever sent it — what the
+        directory's capacity is sized by (`gateway.directory.sizing`), never a tenant's
+        estimate."""
+        self.fleet_learned = False
 
     def bytes_per_token(self, model: str, *, tenant: str) -> float:
         return self._ratios.get((tenant, model), self.default_bytes_per_token)
@@ -67,6 +74,9 @@ class TokenEstimator:
         if prompt_tokens <= 0 or num_bytes <= 0 or _token_ids(parsed):
             return
         observed = _clamp(num_bytes / prompt_tokens)
+        fleet = self.fleet_bytes_per_token if self.fleet_learned else observed
+        self.fleet_bytes_per_token = fleet + LEARNING_RATE * (observed - fleet)
+        self.fleet_learned = True
         key = (tenant, parsed.model)
         ratios = self._ratios
         old = ratios.get(key)

@@ -51,10 +51,12 @@ from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
 from gateway.billing.service import Billing, admin_key_hashes
 from gateway.directory.routing import RoutingDirectory
+from gateway.directory.sizing import DirectorySizer
 from gateway.events.intake import EventIntake, FeedLimits
 from gateway.events.layouts import LaidOutEvents
 from gateway.events.precise import PreciseKeys, PromptTokens, TokenizerCheck
 from gateway.fleet.discovery import Discovery, KubeTarget
+from gateway.fleet.engine_metrics import EngineMetrics
 from gateway.fleet.replicas import ReplicaSet
 from gateway.observability.logs import AccessLog
 from gateway.observability.metrics import RequestMetrics, build_registry, render
@@ -159,7 +161,10 @@ def build_directory(settings: Settings) -> RoutingDirectory:
 
 
 def _replicas(
-    settings: Settings, directory: RoutingDirectory, intake: Callable[[], EventIntake | None]
+    settings: Settings,
+    directory: RoutingDirectory,
+    intake: Callable[[], EventIntake | None],
+    estimator: TokenEstimator,
 ) -> ReplicaSet:
     async def on_restart(replica: str) -> None:
         events = intake()
@@ -174,9 +179,32 @@ def _replicas(
         unhealthy_after=settings.unhealthy_after,
         on_restart=on_restart,
         on_start_marker=directory.observe_start,
+        on_kv_capacity=_sizer(settings, directory, estimator),
         scrape_metrics=settings.scrape_metrics,
         metrics_interval_s=settings.metrics_interval_s,
     )
+
+
+def _sizer(
+    settings: Settings, directory: RoutingDirectory, estimator: TokenEstimator
+) -> Callable[[str, EngineMetrics], None] | None:
+    """Each replica's directory capped at its engine's reported KV, converted at the bytes a
+    token the gateway learned from every response (`gateway.directory.sizing`); None: off."""
+    if not settings.directory_size_from_engines:
+        return None
+    sizer = DirectorySizer(
+        directory,
+        lambda: estimator.fleet_bytes_per_token,
+        settings.directory_capacity_blocks,
+        dp_size=settings.engine_dp_size,
+        block_bytes=settings.block_bytes,
+    )
+
+    def size(replica: str, metrics: EngineMetrics) -> None:
+        block_size = metrics.kv_block_size or settings.engine_block_size
+        sizer.engine(replica, metrics.num_gpu_blocks, block_size)
+
+    return size
 
 
 def _peer_closed(replicas: ReplicaSet, key: tuple[str, int, bool]) -> None:
@@ -350,7 +378,7 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     )
     policy = build_policy(settings.policy, router_config)
     directory = build_directory(settings)
-    replicas = _replicas(settings, directory, lambda: intake)
+    replicas = _replicas(settings, directory, lambda: intake, estimator)
     registry = build_registry()
     flights = None
     if settings.fanout_hold:

@@ -264,6 +264,13 @@ class GatewayCollector(Collector):
             "identity is checked.",
             labels=["replica"],
         )
+        capacity = GaugeMetricFamily(
+            "kvgate_directory_capacity_entries",
+            "Directory entries kept for the replica at most: directory_capacity_blocks, or what "
+            "its engine's reported KV holds when that is smaller.",
+            labels=["replica"],
+        )
+        index = self.directory.local.index
         suspicions = CounterMetricFamily(
             "kvgate_replica_suspicions",
             "Times the replica became suspect (a connection it ended or refused, an answer "
@@ -275,6 +282,7 @@ class GatewayCollector(Collector):
             healthy.add_metric(labels, 1.0 if s.healthy else 0.0)
             suspect.add_metric(labels, 1.0 if s.suspect else 0.0)
             suspicions.add_metric(labels, s.suspicions)
+            capacity.add_metric(labels, index.capacity_of(s.url))
             inflight.add_metric(labels, s.num_inflight)
             requests.add_metric(labels, s.num_requests)
             pending.add_metric(labels, s.pending_prefill_tokens)
@@ -289,7 +297,7 @@ class GatewayCollector(Collector):
                 peer = s.peer.prefill_tokens if s.peer is not None else 0.0
                 foreign.add_metric(labels, s.snapshot().foreign_prefill_tokens + peer)
         yield from (healthy, inflight, requests, pending, waiting, running, kv_usage, foreign)
-        yield from (suspect, suspicions)
+        yield from (suspect, suspicions, capacity)
         yield from self._pod_view()
         yield from self._shared_load()
 

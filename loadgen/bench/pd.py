@@ -127,24 +127,26 @@ def _router(
     prefill: Sequence[str],
     decode: Sequence[str],
     prefill_tokens_per_s: float,
-    directory_capacity_blocks: int,
+    directory_capacity_blocks: int | None,
 ) -> Iterator[tuple[str, str | None]]:
     """The arm's router: (its URL, the API key it wants). kvgate is told the engines' prefill
-    speed in wall seconds (flow control sizes its room by it) and its directory is sized to an
-    engine's KV, as an operator would (`kvgate bench` sizes it the same way): with the default
-    (65,536 entries, an H100's KV several times over) against 4,096-block engines the directory
-    never forgot a prefix the prefill instance had evicted, continuations kept matching it, and
-    every request went to one prefill instance (issue 42: hit ratio 27.7% against round robin's
-    40.9%)."""
+    speed in wall seconds (flow control sizes its room by it); its directory keeps the default
+    `directory_capacity_blocks` (65,536 entries, an H100's KV several times over), which the
+    gateway caps at each engine's reported KV (`vllm:cache_config_info`), unless
+    `--directory-scale` sets it by hand. Before the gateway capped it, the default against
+    4,096-block engines never forgot a prefix the prefill instance had evicted, continuations
+    kept matching it, and every request went to one prefill instance (issue 42: hit ratio
+    27.7% against round robin's 40.9%)."""
     if arm.startswith("kvgate"):
         args = ["--tenant", f"bench:{BENCH_KEY}", "--log-level", "warning"]
         args += [a for d in decode for a in ("--decode-engine", d)]
         env = {
             "KVGATE_SEED": "0",
-            "KVGATE_DIRECTORY_CAPACITY_BLOCKS": str(directory_capacity_blocks),
             "KVGATE_ENGINE_PREFILL_TOKENS_PER_S": f"{prefill_tokens_per_s:g}",
             "KVGATE_PD_PROTOCOL": "sglang" if arm == "kvgate:sglang" else "vllm",
         }
+        if directory_capacity_blocks is not None:
+            env["KVGATE_DIRECTORY_CAPACITY_BLOCKS"] = str(directory_capacity_blocks)
         with processes.gateway(prefill, args, env=env) as gw:
             yield gw.url, BENCH_KEY
         return
@@ -254,8 +256,11 @@ def run_arm(arm: str, args: argparse.Namespace) -> PdResult:
     )
 
 
-def directory_capacity_blocks(args: argparse.Namespace) -> int:
-    """kvgate's directory entries per engine: `--directory-scale` times an engine's KV."""
+def directory_capacity_blocks(args: argparse.Namespace) -> int | None:
+    """kvgate's directory entries per engine: `--directory-scale` times an engine's KV (None:
+    the gateway's default, capped at each engine's reported KV)."""
+    if args.directory_scale is None:
+        return None
     tokens = int(args.capacity_blocks) * ENGINE_BLOCK_SIZE
     scale = float(args.directory_scale)
     return max(math.ceil(tokens / DIRECTORY_TOKENS_PER_BLOCK * scale), 1)
@@ -297,8 +302,10 @@ def add_bench_pd_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--directory-scale",
         type=float,
-        default=1.0,
-        help="kvgate's directory capacity as a multiple of each engine's KV (default 1)",
+        default=None,
+        help="kvgate's directory capacity as a multiple of each engine's KV, at "
+        f"{DIRECTORY_TOKENS_PER_BLOCK} tokens an entry (default: the gateway's own, "
+        "directory_capacity_blocks capped at each engine's reported KV)",
     )
     parser.add_argument(
         "--max-output-tokens", type=int, default=DEFAULT_MAX_OUTPUT_TOKENS, help="output cap"

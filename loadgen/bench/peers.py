@@ -126,9 +126,11 @@ BENCH_KEY = "sk-bench"
 BLOCK_BYTES = 256
 """kvgate's default block size in bytes, to size its directory from the engines' KV."""
 DEFAULT_DIRECTORY_SCALE = 8.0
-"""kvgate's directory holds 8x each engine's KV in entries, as its default capacity is sized
+"""kvgate's directory is set to 8x each engine's KV in entries, as its default capacity is sized
 (`cachemap.directory.DEFAULT_REPLICA_CAPACITY_BLOCKS`): an entry the engine has evicted costs
-one wrong guess, an entry forgotten too early sends a conversation away from its cache."""
+one wrong guess, an entry forgotten too early sends a conversation away from its cache. The
+gateway caps it at each engine's reported KV, converted at the bytes a token it learned from
+the responses (issue 42: `gateway.directory.sizing`): ~1x the engines' KV."""
 READY_TIMEOUT_S = 60.0
 
 ALL_PEER_ARMS = ("sglang:cache_aware", "vllm:cache_aware", "vllm:round_robin")

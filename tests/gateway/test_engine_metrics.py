@@ -148,10 +148,31 @@ def test_the_kv_capacity_comes_from_vllms_cache_config_info() -> None:
     Gauge("vllm:num_requests_running", "Running.", registry=registry).set(2)
     names = parse_qs(urlsplit(SCRAPE_PATH).query)["name[]"]
     asked = generate_latest(registry.restricted_registry(names)).decode()
-    assert parse_engine_metrics(asked) == EngineMetrics(num_running=2.0, num_gpu_blocks=27384)
+    assert parse_engine_metrics(asked) == EngineMetrics(
+        num_running=2.0, num_gpu_blocks=27384, kv_block_size=16
+    )
     # before vLLM profiled its memory the label is "None": unknown, not a crash
     unprofiled = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n'
     assert parse_engine_metrics(unprofiled).num_gpu_blocks is None
+    assert parse_engine_metrics(unprofiled).kv_block_size == 16
+    # a label whose name ends in another's is not it
+    other = 'vllm:cache_config_info{cpu_block_size="8",block_size="32",num_gpu_blocks="9"} 1\n'
+    assert parse_engine_metrics(other).kv_block_size == 32
+
+
+def test_an_engines_kv_in_directory_entries() -> None:
+    """Issue 42: tokens of KV x bytes per token / bytes per entry, every DP rank counted;
+    nothing when the engine reports no capacity."""
+    from gateway.directory.sizing import kv_entries
+
+    def entries(blocks: int | None, block_size: int, dp: int = 1, ratio: float = 4.0) -> int | None:
+        return kv_entries(blocks, block_size, dp_size=dp, bytes_per_token=ratio, block_bytes=256)
+
+    assert entries(4096, 16) == 1024  # bench-pd's engines, 65,536 tokens, at 4 bytes a token
+    assert entries(4096, 16, ratio=6.4) == 1639  # at the ratio of bench-pd's text
+    assert entries(4096, 16, dp=2) == 2048
+    assert entries(1, 1) == 1
+    assert entries(None, 16) is None
 
 
 @pytest.mark.parametrize("policy_name", ["cache_aware", "cache_pressure"])

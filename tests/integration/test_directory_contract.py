@@ -160,6 +160,59 @@ async def test_capacity_bounds_what_matches_and_keeps_the_recent(store: Store) -
     assert matched[0] == 0  # the oldest is gone
 
 
+def capped(d: Any, replica: str, engine_blocks: int | None) -> None:
+    """The replica's engine reported a KV worth `engine_blocks` entries (None: none)."""
+    index = d.index if isinstance(d, MemoryDirectory) else d
+    index.set_capacity(replica, engine_blocks)
+
+
+async def test_a_replica_keeps_the_smaller_of_the_setting_and_its_engines_kv(
+    store: Store,
+) -> None:
+    """Issue 42: a directory of 1,000 entries per replica in front of an engine that holds 40
+    keeps 40 of that replica's (a small engine's prefix is forgotten when the engine would have
+    evicted it), while a replica whose engine holds more, or says nothing, keeps the setting."""
+    d = await store.make(capacity_blocks=1000)
+    small, large, silent = (store.replica(n) for n in ("small", "large", "silent"))
+    named(d, store, "small", "large", "silent")
+    capped(d, small, 40)
+    capped(d, large, 5000)
+    for replica in (small, large, silent):
+        chains = [store.chain(f"{replica}{i}", 10) for i in range(12)]  # 120 blocks each
+        for c in chains:
+            await d.record(replica, c)
+        matched = [(await d.lookup(c)).get(replica, 0) for c in chains]
+        assert matched[-1] == 10  # the most recent chain is whole
+        if replica == small:
+            assert sum(matched) <= 40
+            assert matched[0] == 0  # the oldest is gone, as the engine evicted it
+        else:
+            assert matched == [10] * 12  # 120 of 1,000: nothing forgotten
+    capped(d, small, None)  # the engine stopped reporting: the setting again
+    again = [store.chain(f"again{i}", 10) for i in range(12)]
+    for c in again:
+        await d.record(small, c)
+    assert [(await d.lookup(c)).get(small, 0) for c in again] == [10] * 12
+
+
+async def test_a_smaller_engine_capacity_applies_to_what_is_held(store: Store) -> None:
+    """The capacity arrives (or shrinks) after entries were recorded: the in-process store
+    drops the least recent past it at once; Redis, within the replica's next `capacity` new
+    blocks (two generation advances), never more than the old entries plus those."""
+    d = await store.make(capacity_blocks=1000)
+    r1 = store.replica("r1")
+    named(d, store, "r1")
+    old = [store.chain(f"old{i}", 10) for i in range(10)]
+    for c in old:
+        await d.record(r1, c)
+    capped(d, r1, 20)
+    new = [store.chain(f"new{i}", 10) for i in range(3)]  # 30 new blocks: past two advances
+    for c in new:
+        await d.record(r1, c)
+    assert [(await d.lookup(c)).get(r1, 0) for c in old] == [0] * 10
+    assert (await d.lookup(new[-1])) == {r1: 10}
+
+
 async def test_re_recording_a_hot_chain_does_not_age_an_idle_one(store: Store) -> None:
     """Item 17: capacity counts distinct entries, as an LRU does. A chain recorded again (the
     spine every request shares) is one set of entries, not a new one per record; when Redis
