@@ -414,13 +414,15 @@ class EventIndex:
             return 0
         return self._recency(state).touch(keys, now_s)
 
-    def eviction_runs(self, domain: str, depth: int, now_s: float) -> tuple[tuple[int, float], ...]:
+    def eviction_runs(
+        self, domain: str, depth: int, now_s: float, exclude: Sequence[BlockHash] = ()
+    ) -> tuple[tuple[int, float], ...]:
         """The domain's `depth` next evicted GPU blocks as (num_blocks, idle_s) runs, oldest
-        first (`DomainRecency.runs`); () when not tracking or unknown."""
+        first, but for `exclude` (`DomainRecency.runs`); () when not tracking or unknown."""
         state = self._domains.get(domain)
         if state is None or state.recency is None:
             return ()
-        return state.recency.runs(depth, now_s)
+        return state.recency.runs(depth, now_s, exclude)
 
     def _domain(self, domain: str) -> _Domain:
         state = self._domains.get(domain)

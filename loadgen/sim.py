@@ -341,17 +341,30 @@ class _ReplicaState:
             kv_frontier=frontier,
         )
 
-    def frontier(self, need_blocks: int, now: float, live: tuple[int, ...] = ()) -> KvFrontier:
+    def frontier(
+        self,
+        need_blocks: int,
+        now: float,
+        live: tuple[int, ...] = (),
+        own: Sequence[BlockHash] = (),
+    ) -> KvFrontier:
         """The engine's eviction frontier as deep as `need_blocks` new blocks would evict,
         in runs of blocks the router last used at one time, with the engine's capacity and
-        the other live conversations' own blocks there (`live`)."""
+        the other live conversations' own blocks there (`live`). The request's own cached
+        prefix here (`own`: its blocks the directory matched on this replica) is left out:
+        placed here, the request takes them out of the free queue before it allocates, as the
+        gateway's frontier leaves them out (`gateway.pipeline.frontier`)."""
         pool = self.core.cache
         empty = pool.num_empty
         depth = need_blocks - empty
         if depth <= 0:
             return KvFrontier(empty, (), pool.capacity_blocks, live)
         runs: list[tuple[int, float]] = []
-        order = itertools.islice(pool.eviction_order(), depth)
+        blocks = pool.eviction_order()
+        if own:
+            skip = frozenset(own)
+            blocks = (h for h in blocks if h not in skip)
+        order = itertools.islice(blocks, depth)
         for used_s, run in itertools.groupby(order, key=self.routed_s.get):
             idle = now - used_s if used_s is not None else math.inf
             runs.append((sum(1 for _ in run), idle))
@@ -579,7 +592,7 @@ def simulate(
             home_blocks=home.depth_blocks if home is not None else 0,
             committed=committed,
         )
-        snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req)
+        snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req, hs)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         best_blocks[req.index] = max(overlap.values(), default=0)
@@ -647,6 +660,7 @@ def _snapshots(
     scorer: DisplacementScorer | None,
     conversations: _Conversations,
     req: TraceRequest,
+    hs: Sequence[BlockHash] = (),
 ) -> list[Replica]:
     """The router's view of every replica, each with its eviction frontier when the policy
     reads one (as deep as this request's placement there reaches, its queue's blocks first,
@@ -656,7 +670,12 @@ def _snapshots(
     live = conversations.live(_conversation(req), req.hash_ids, now)
     return [
         r.snapshot(
-            r.frontier(scorer.depth_blocks(route, r.snapshot()), now, tuple(live.get(r.id, ())))
+            r.frontier(
+                scorer.depth_blocks(route, r.snapshot()),
+                now,
+                tuple(live.get(r.id, ())),
+                hs[: route.overlap.get(r.id, 0)],
+            )
         )
         for r in replicas
     ]

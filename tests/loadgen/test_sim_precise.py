@@ -10,14 +10,17 @@ from pathlib import Path
 import orjson
 import pytest
 
+from cachemap.keys import BlockHash
 from kvgate_cli import main
-from loadgen.engine.timing import TimingModel
+from loadgen.engine.kvpool import BlockInfo, BlockPool
+from loadgen.engine.timing import EngineCore, TimingModel
 from loadgen.sim import (
     APPROXIMATE,
     PRECISE,
     PolicyResult,
     SimConfig,
     _Conversations,
+    _ReplicaState,
     run_policies,
 )
 from loadgen.traces.readers import Trace, TraceRequest
@@ -223,3 +226,24 @@ def test_a_blind_turn_goes_home_with_affinity_and_hops_at_random_without() -> No
         assert with_home.num_moves == 0 and with_home.session_hops_max == 0
         first, second = sorted(with_home.outcomes, key=lambda o: o.index)
         assert second.replica == first.replica and second.best_blocks == 0
+
+
+def test_a_frontier_leaves_out_the_requests_own_cached_prefix() -> None:
+    """Placed on a replica, a request takes its cached prefix there out of the engine's free
+    queue before it allocates, so its placement never evicts it: the frontier built for it
+    walks past those blocks to the ones it would evict (the gateway's frontier does the same,
+    tests/gateway/test_frontier.py)."""
+    pool = BlockPool(8)
+    mine = [bytes([1, i]) * 4 for i in range(4)]  # this conversation's prefix, used first
+    theirs = [bytes([2, i]) * 4 for i in range(4)]  # another's, used 10 s later
+    for chain in (mine, theirs):
+        pool.allocate(len(chain))
+        held = pool.commit(chain, [BlockInfo(None, (), None)] * len(chain), 16)
+        pool.release(held, 0)
+    state = _ReplicaState("r0", EngineCore(TimingModel(), pool))
+    state.routed_s.update(dict.fromkeys(mine, 0.0))
+    state.routed_s.update(dict.fromkeys(theirs, 10.0))
+    # 3 new blocks on a full replica: without its own prefix listed they evict the other's
+    assert state.frontier(3, 20.0).runs == ((3, 20.0),)  # its own blocks, 20 s idle
+    frontier = state.frontier(3, 20.0, own=[BlockHash(h) for h in mine])
+    assert frontier.runs == ((3, 10.0),) and frontier.empty_blocks == 0
