@@ -4,6 +4,7 @@ Small seeded runs asserting the direction (each a second or two of virtual-time 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,15 +12,18 @@ import orjson
 import pytest
 
 from cachemap.keys import BlockHash
+from cachemap.memory import MemoryIndex
 from kvgate_cli import main
-from loadgen.engine.kvpool import BlockInfo, BlockPool
+from loadgen.engine.kvpool import GPU, BlockInfo, BlockPool, Stored
 from loadgen.engine.timing import EngineCore, TimingModel
 from loadgen.sim import (
     APPROXIMATE,
     PRECISE,
     PolicyResult,
     SimConfig,
+    _Clock,
     _Conversations,
+    _EventDirectory,
     _ReplicaState,
     run_policies,
 )
@@ -247,3 +251,30 @@ def test_a_frontier_leaves_out_the_requests_own_cached_prefix() -> None:
     assert state.frontier(3, 20.0).runs == ((3, 20.0),)  # its own blocks, 20 s idle
     frontier = state.frontier(3, 20.0, own=[BlockHash(h) for h in mine])
     assert frontier.runs == ((3, 10.0),) and frontier.empty_blocks == 0
+
+
+def test_a_placement_counts_as_held_until_its_event_or_its_speculative_ttl() -> None:
+    """As the gateway's speculative entries (`cachemap.events.EventIndex.speculate`): a
+    placement's blocks past what its replica's events hold are claimed there until an event
+    stores them (confirmed) or `speculative_ttl_s` passes."""
+    clock = _Clock()
+    index = MemoryIndex(capacity_blocks=64, ttl_s=math.inf, clock=clock)
+    directory = _EventDirectory(index, 0.05, speculative_ttl_s=2.0)
+    chain = [BlockHash(bytes([i]) * 8) for i in range(6)]
+    index.record("a", chain[:2], 0.0)  # the events hold its first 2 blocks on a
+    assert directory.lookup(chain, 0.0) == {"a": 2}
+    directory.speculate("a", chain[:4], 0.0)  # placed on a: blocks 2 and 3 claimed there
+    assert directory.lookup(chain, 1.9) == {"a": 4}
+    assert directory.lookup(chain, 2.1) == {"a": 2}  # expired
+    directory.lookup(chain, 3.0)
+    directory.speculate("b", chain, 3.0)  # placed on b, which holds none of it
+    directory.engine_events(3.5, "b", [Stored(tuple(chain[:3]), None, (), 16, GPU)])
+    directory.catch_up(3.6)  # the event confirms 3 blocks; the other 3 stay claimed
+    assert directory._claims["b"].keys() == set(chain[3:])
+    assert directory.lookup(chain, 4.9) == {"a": 2, "b": 6}
+    assert directory.lookup(chain, 5.1) == {"a": 2, "b": 3}  # only the event's blocks
+    # off (a ttl of 0): nothing is claimed
+    off = _EventDirectory(MemoryIndex(capacity_blocks=64, ttl_s=math.inf, clock=clock), 0.05, 0.0)
+    off.lookup(chain, 0.0)
+    off.speculate("a", chain, 0.0)
+    assert off.lookup(chain, 0.1) == {}
