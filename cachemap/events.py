@@ -72,8 +72,13 @@ DEFAULT_BLOCK_SIZE = 16
 
 DEFAULT_SPECULATIVE_TTL_S = 2.0
 """How long a placement counts as held before its event: an engine announces a prompt's
-blocks at its first token, so this covers a prefill queue of ~2 s (26k tokens at 13k tokens/s);
-a longer wait makes the next turn wait for the event, which costs nothing but the guess."""
+blocks at its first token, so this covers a prefill queue of ~2 s (26k tokens at 13k tokens/s).
+A longer queue is not free: a conversation's next turn arriving while its previous one still
+waits sees nothing stored anywhere, and the load bound counts its whole context as uncached at
+home, so it may move and prefill it all again elsewhere (issue 40, docs/precise.md "The queued
+turn": 30% of the tokens re-prefilled on the issue-shaped trace at 10% KV). A ttl of 10-20 s
+gains up to 5.4 points there (room on) and a 15-20-s one loses ~1 at 25% KV (`kvgate sim
+--speculative-ttl-s`): kept at 2 s."""
 
 DEFAULT_OFFLOAD_COST = 0.07
 """A CPU-tier hit costs this share of prefilling its tokens (128 KiB per token over PCIe at
@@ -414,13 +419,15 @@ class EventIndex:
             return 0
         return self._recency(state).touch(keys, now_s)
 
-    def eviction_runs(self, domain: str, depth: int, now_s: float) -> tuple[tuple[int, float], ...]:
+    def eviction_runs(
+        self, domain: str, depth: int, now_s: float, exclude: Sequence[BlockHash] = ()
+    ) -> tuple[tuple[int, float], ...]:
         """The domain's `depth` next evicted GPU blocks as (num_blocks, idle_s) runs, oldest
-        first (`DomainRecency.runs`); () when not tracking or unknown."""
+        first, but for `exclude` (`DomainRecency.runs`); () when not tracking or unknown."""
         state = self._domains.get(domain)
         if state is None or state.recency is None:
             return ()
-        return state.recency.runs(depth, now_s)
+        return state.recency.runs(depth, now_s, exclude)
 
     def _domain(self, domain: str) -> _Domain:
         state = self._domains.get(domain)

@@ -134,15 +134,25 @@ class DomainRecency:
         self._by_id[rid].count -= 1
         return True
 
-    def runs(self, depth: int, now_s: float) -> tuple[tuple[int, float], ...]:
+    def runs(
+        self, depth: int, now_s: float, exclude: Sequence[BlockHash] = ()
+    ) -> tuple[tuple[int, float], ...]:
         """The oldest `depth` blocks as (num_blocks, idle_s) runs, next evicted first
-        (`to_depth`)."""
+        (`to_depth`), leaving out the blocks of `exclude` (a request's own cached prefix here:
+        placed here, it takes them out of the engine's free queue before it allocates, so its
+        placement never evicts them). One C-level count of the excluded keys' runs."""
         if depth <= 0:
             return ()
         runs = self._runs
         while runs and runs[0].count == 0:
             del self._by_id[runs.popleft().id]
-        return to_depth(zip(map(_COUNT, runs), map(_USED, runs), strict=True), depth, now_s)
+        counts: Iterable[int] = map(_COUNT, runs)
+        if exclude:
+            skip = Counter(map(self._run_of.get, dict.fromkeys(exclude)))
+            skip.pop(None, None)
+            if skip:
+                counts = [r.count - skip.get(r.id, 0) for r in runs]
+        return to_depth(zip(counts, map(_USED, runs), strict=True), depth, now_s)
 
     def oldest(self, max_runs: int) -> list[tuple[int, float]]:
         """The first `max_runs` live runs, next evicted first, as (num_blocks, last use): what

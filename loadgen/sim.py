@@ -58,6 +58,7 @@ import orjson
 
 from cachemap.affinity import ConversationAffinity
 from cachemap.directory import DEFAULT_TTL_S
+from cachemap.events import DEFAULT_SPECULATIVE_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
 from cachemap.rates import PrefixRates
@@ -154,6 +155,9 @@ class SimConfig:
     (`router.registry.affinity_weight_for`), which replaces `router.affinity_weight`."""
     event_delay_s: float = DEFAULT_EVENT_DELAY_S
     """Precise mode: how late an engine's events reach the directory."""
+    speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
+    """Precise mode: how long a placement's blocks count as held on its replica before their
+    event, as the gateway's setting of the same name (`cachemap.events.EventIndex.speculate`)."""
     stickiness: float | None = None
     """The load bound's stickiness; None: the mode's default, as the gateway's
     (`router.registry.stickiness_for`), which replaces `router.stickiness`."""
@@ -163,6 +167,10 @@ class SimConfig:
             raise ValueError(f"unknown directory mode {self.mode!r}; choose one of {MODES}")
         if self.event_delay_s < 0:
             raise ValueError(f"event_delay_s must be non-negative, got {self.event_delay_s}")
+        if self.speculative_ttl_s < 0:
+            raise ValueError(
+                f"speculative_ttl_s must be non-negative, got {self.speculative_ttl_s}"
+            )
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}")
         if self.directory_scale <= 0:
@@ -341,17 +349,30 @@ class _ReplicaState:
             kv_frontier=frontier,
         )
 
-    def frontier(self, need_blocks: int, now: float, live: tuple[int, ...] = ()) -> KvFrontier:
+    def frontier(
+        self,
+        need_blocks: int,
+        now: float,
+        live: tuple[int, ...] = (),
+        own: Sequence[BlockHash] = (),
+    ) -> KvFrontier:
         """The engine's eviction frontier as deep as `need_blocks` new blocks would evict,
         in runs of blocks the router last used at one time, with the engine's capacity and
-        the other live conversations' own blocks there (`live`)."""
+        the other live conversations' own blocks there (`live`). The request's own cached
+        prefix here (`own`: its blocks the directory matched on this replica) is left out:
+        placed here, the request takes them out of the free queue before it allocates, as the
+        gateway's frontier leaves them out (`gateway.pipeline.frontier`)."""
         pool = self.core.cache
         empty = pool.num_empty
         depth = need_blocks - empty
         if depth <= 0:
             return KvFrontier(empty, (), pool.capacity_blocks, live)
         runs: list[tuple[int, float]] = []
-        order = itertools.islice(pool.eviction_order(), depth)
+        blocks = pool.eviction_order()
+        if own:
+            skip = frozenset(own)
+            blocks = (h for h in blocks if h not in skip)
+        order = itertools.islice(blocks, depth)
         for used_s, run in itertools.groupby(order, key=self.routed_s.get):
             idle = now - used_s if used_s is not None else math.inf
             runs.append((sum(1 for _ in run), idle))
@@ -417,6 +438,12 @@ class _PredictingDirectory:
     def first_token(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         self.index.record(replica, hashes)
 
+    def speculate(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
+        pass
+
+    def lookup(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
+        return self.index.lookup(hashes) if hashes else {}
+
     def engine_events(self, now: float, replica: str, events: list[CacheEvent]) -> None:
         pass
 
@@ -426,15 +453,50 @@ class _PredictingDirectory:
 
 class _EventDirectory:
     """Precise mode: the index holds what the engines' events said, `delay_s` after they
-    said it; a first token records nothing (the event will)."""
+    said it; a first token records nothing (the event will). A placement's blocks count as
+    held on its replica until their event stores them or `speculative_ttl_s` passes (the
+    gateway's speculative entries, `cachemap.events.EventIndex.speculate`): a lookup's depth
+    there is its leading run of blocks held or claimed. (The gateway keeps one entry per
+    window of 4 blocks, so a chain parting inside a window matches up to 3 blocks fewer there;
+    here every block has one.)"""
 
-    def __init__(self, index: MemoryIndex, delay_s: float) -> None:
+    def __init__(self, index: MemoryIndex, delay_s: float, speculative_ttl_s: float) -> None:
         self.index = index
         self.delay_s = delay_s
+        self.speculative_ttl_s = speculative_ttl_s
         self._due: deque[tuple[float, str, list[CacheEvent]]] = deque()
+        self._claims: dict[str, dict[bytes, float]] = {}
+        """Per replica: block -> when its speculative entry expires."""
+        self._held_of: Sequence[BlockHash] | None = None
+        self._held: dict[str, int] = {}
+        """The last lookup's chain and what the events held of it, per replica."""
 
     def first_token(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         pass
+
+    def speculate(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
+        """Claim the placed chain's blocks past those its replica's events hold (as the
+        gateway enters none for a window its engine already holds)."""
+        if self.speculative_ttl_s <= 0 or not hashes:
+            return
+        held = self._held.get(replica, 0) if self._held_of is hashes else 0
+        claims = self._claims.setdefault(replica, {})
+        claims.update(dict.fromkeys(hashes[held:], now + self.speculative_ttl_s))
+        if len(claims) > 4 * self.index.capacity_blocks:  # expired ones go, amortised
+            self._claims[replica] = {h: t for h, t in claims.items() if t > now}
+
+    def lookup(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
+        if not hashes:
+            return {}
+        overlap = self.index.lookup(hashes)
+        self._held_of, self._held = hashes, dict(overlap)
+        for replica, claims in self._claims.items():
+            depth = overlap.get(replica, 0)
+            while depth < len(hashes) and claims.get(hashes[depth], -math.inf) > now:
+                depth += 1
+            if depth:
+                overlap[replica] = depth
+        return overlap
 
     def engine_events(self, now: float, replica: str, events: list[CacheEvent]) -> None:
         if events:  # engine time never goes back, so the queue stays in delivery order
@@ -444,9 +506,13 @@ class _EventDirectory:
         due = self._due
         while due and due[0][0] <= now:
             at, replica, events = due.popleft()
+            claims = self._claims.get(replica)
             for event in events:
                 if isinstance(event, Stored):
                     self.index.record(replica, [BlockHash(h) for h in event.hashes], at)
+                    if claims:  # confirmed: the event holds them now
+                        for h in event.hashes:
+                            claims.pop(h, None)
                 elif isinstance(event, Removed):
                     self.index.drop(replica, [BlockHash(h) for h in event.hashes])
                 elif isinstance(event, Cleared):
@@ -460,7 +526,7 @@ def _directory(
         # NOTE: events arrive in order, so the index never holds more than its engine did:
         # a capacity twice the engine's never evicts, and no TTL (an entry leaves by event)
         index = MemoryIndex(capacity_blocks=2 * per_replica + 1, ttl_s=math.inf, clock=clock)
-        return _EventDirectory(index, config.event_delay_s)
+        return _EventDirectory(index, config.event_delay_s, config.speculative_ttl_s)
     index = MemoryIndex(
         capacity_blocks=max(int(per_replica * config.directory_scale), 1),
         ttl_s=config.directory_ttl_s,
@@ -489,7 +555,6 @@ def simulate(
     clock = _Clock()
     per_replica = refs.capacity_blocks_per_replica
     directory = _directory(config, per_replica, clock)
-    index = directory.index
     frontiers = frontier_reader(profile) if precise else None
     conversations = _Conversations(frontiers.hot_s if frontiers is not None else 0.0)
     replicas = [
@@ -564,7 +629,7 @@ def simulate(
         clock.now = req.arrival_s
         directory.catch_up(req.arrival_s)
         hs = keys[req.index].hashes
-        overlap = index.lookup(hs) if hs else {}
+        overlap = directory.lookup(hs, clock.now)
         home = homes.lookup(hs) if homes is not None else None
         committed = homes.committed(home) if homes is not None and config.router.room_weight else {}
         route = RouteRequest(
@@ -579,13 +644,14 @@ def simulate(
             home_blocks=home.depth_blocks if home is not None else 0,
             committed=committed,
         )
-        snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req)
+        snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req, hs)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         best_blocks[req.index] = max(overlap.values(), default=0)
         rep = by_id[decision.replica]
         if homes is not None:
             homes.record(hs, rep.id, home)
+        directory.speculate(rep.id, hs, clock.now)
         estimate = route.uncached_tokens(rep.id)
         rep.num_inflight += 1
         rep.pending_prefill_tokens += estimate
@@ -647,6 +713,7 @@ def _snapshots(
     scorer: DisplacementScorer | None,
     conversations: _Conversations,
     req: TraceRequest,
+    hs: Sequence[BlockHash] = (),
 ) -> list[Replica]:
     """The router's view of every replica, each with its eviction frontier when the policy
     reads one (as deep as this request's placement there reaches, its queue's blocks first,
@@ -656,7 +723,12 @@ def _snapshots(
     live = conversations.live(_conversation(req), req.hash_ids, now)
     return [
         r.snapshot(
-            r.frontier(scorer.depth_blocks(route, r.snapshot()), now, tuple(live.get(r.id, ())))
+            r.frontier(
+                scorer.depth_blocks(route, r.snapshot()),
+                now,
+                tuple(live.get(r.id, ())),
+                hs[: route.overlap.get(r.id, 0)],
+            )
         )
         for r in replicas
     ]
@@ -878,6 +950,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="precise mode: how late engine events reach the directory (default 50)",
     )
     parser.add_argument(
+        "--speculative-ttl-s",
+        type=float,
+        default=DEFAULT_SPECULATIVE_TTL_S,
+        help="precise mode: a placement's blocks count as held there this long before their "
+        f"event, as the gateway's speculative_ttl_s (default {DEFAULT_SPECULATIVE_TTL_S:g})",
+    )
+    parser.add_argument(
         "--displacement-half-life-s",
         type=float,
         default=DEFAULT_DISPLACEMENT_HALF_LIFE_S,
@@ -1063,6 +1142,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         overflow=args.overflow == "on",
         decode_token_weight=args.decode_token_weight,
         event_delay_s=args.event_delay_ms / 1e3,
+        speculative_ttl_s=args.speculative_ttl_s,
     )
 
 

@@ -532,12 +532,14 @@ class EventWriter:
         state.recency_moved = state.recency_moved or held > 0
         return held
 
-    def eviction_runs(self, domain: str, depth: int, now_s: float) -> tuple[tuple[int, float], ...]:
-        """An owned domain's next evicted GPU blocks (`DomainRecency.runs`)."""
+    def eviction_runs(
+        self, domain: str, depth: int, now_s: float, exclude: Sequence[BlockHash] = ()
+    ) -> tuple[tuple[int, float], ...]:
+        """An owned domain's next evicted GPU blocks, but for `exclude` (`DomainRecency.runs`)."""
         state = self._owned.get(domain)
         if state is None or state.recency is None:
             return ()
-        return state.recency.runs(depth, now_s)
+        return state.recency.runs(depth, now_s, exclude)
 
     def take_moved_frontiers(
         self, max_runs: int, now_s: float, every_s: float

@@ -200,9 +200,14 @@ class SharedFrontiers:
         published = self._current(domain)
         return published.num_blocks if published is not None and tier == GPU else 0
 
-    def eviction_runs(self, domain: str, depth: int, now_s: float) -> tuple[tuple[int, float], ...]:
+    def eviction_runs(
+        self, domain: str, depth: int, now_s: float, exclude: Sequence[BlockHash] = ()
+    ) -> tuple[tuple[int, float], ...]:
+        """The domain's next evicted GPU blocks: its owner's exact order, but for `exclude`,
+        when owned here; else the published runs, which are counts without their keys, so
+        `exclude` (the request's own cached prefix) cannot be left out of them and is not."""
         if (writer := self._owner_here(domain)) is not None:
-            return writer.eviction_runs(domain, depth, now_s)
+            return writer.eviction_runs(domain, depth, now_s, exclude)
         published = self._current(domain)
         return to_depth(published.runs, depth, now_s) if published is not None else ()
 

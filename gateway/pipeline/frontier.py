@@ -47,7 +47,7 @@ class RecencySource(Protocol):
     def num_blocks(self, domain: str, tier: int = GPU) -> int: ...
 
     def eviction_runs(
-        self, domain: str, depth: int, now_s: float
+        self, domain: str, depth: int, now_s: float, exclude: Sequence[BlockHash] = ()
     ) -> tuple[tuple[int, float], ...]: ...
 
     def touch(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int: ...
@@ -179,6 +179,7 @@ class Frontiers:
         now = self.clock()
         live = self.conversations.live(keys, now)
         ranks = ranks or {}
+        overlap = route.overlap
         capacity_of, is_live, index, depth_blocks = (
             self.capacity,
             self.live,
@@ -194,7 +195,10 @@ class Frontiers:
             domain = self._domain(r.id, ranks.get(r.id))
             empty = max(capacity - index.num_blocks(domain, GPU), 0)
             depth = depth_blocks(route, r) - empty
-            runs = index.eviction_runs(domain, depth, now) if depth > 0 else ()
+            # the request's own cached prefix there is no block its placement evicts: the
+            # engine takes it out of its free queue before allocating (issue 40)
+            own = keys[: overlap.get(r.id, 0)]
+            runs = index.eviction_runs(domain, depth, now, own) if depth > 0 else ()
             out.append(
                 r.with_frontier(KvFrontier(empty, runs, capacity, tuple(live.get(r.id, ()))))
             )

@@ -73,9 +73,12 @@ operations = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(operations)
-def test_runs_are_an_lru_of_the_blocks_held(ops: list[tuple[str, list[int]]]) -> None:
-    """Against a model: the blocks in last-use order (ties keep their order of use)."""
+@given(operations, st.lists(st.integers(0, 30), max_size=12))
+def test_runs_are_an_lru_of_the_blocks_held(
+    ops: list[tuple[str, list[int]]], excluded: list[int]
+) -> None:
+    """Against a model: the blocks in last-use order (ties keep their order of use), and the
+    same order without a request's own blocks (`exclude`: held or not, repeated or not)."""
     recency = DomainRecency()
     model: dict[int, float] = {}  # block -> last use, insertion order = eviction order
     now = 0.0
@@ -105,6 +108,19 @@ def test_runs_are_an_lru_of_the_blocks_held(ops: list[tuple[str, list[int]]]) ->
             expected.append((1, now - used))
     assert recency.runs(len(model), now) == tuple(expected)
     assert sum(n for n, _ in recency.runs(len(model) // 2, now)) == len(model) // 2
+    skip = set(excluded)
+    rest: list[tuple[int, float]] = []
+    for b, used in model.items():
+        if b in skip:
+            continue
+        if rest and rest[-1][1] == now - used:
+            rest[-1] = (rest[-1][0] + 1, now - used)
+        else:
+            rest.append((1, now - used))
+    own = [BlockHash(b.to_bytes(8, "big")) for b in excluded]
+    assert recency.runs(len(model), now, own) == tuple(rest)
+    half = (len(model) - len(skip & model.keys())) // 2
+    assert sum(n for n, _ in recency.runs(half, now, own)) == half
 
 
 def test_oldest_lists_live_runs_with_their_last_use() -> None:

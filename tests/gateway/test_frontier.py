@@ -115,3 +115,26 @@ def test_a_placement_touches_only_the_blocks_it_matched_there() -> None:
     assert index.eviction_runs("a", 6, 50.0) == ((6, 50.0),)
     frontiers.placed("a", None, keys, 2)  # the first two are used now, the rest are not
     assert index.eviction_runs("a", 6, 50.0) == ((4, 50.0), (2, 0.0))
+
+
+def test_annotate_leaves_out_the_requests_own_cached_prefix() -> None:
+    """A conversation's next step on the replica holding its (oldest) context: placed there it
+    takes that context out of the engine's free queue before allocating, so the frontier lists
+    the blocks its new ones would really evict — the other conversation's, 5 s old — not its
+    own, 100 s old (which read as cold and so as free to take: issue 40)."""
+    clock = Clock()
+    index = EventIndex(track_recency=True, clock=clock)
+    scorer = frontier_reader(build_policy("cache_pressure"))
+    assert scorer is not None
+    frontiers = Frontiers(index, scorer, lambda r: 16, lambda r: True, clock=clock)
+    mine, theirs = prompt(1, 8), prompt(2, 8)
+    clock.now = 0.0
+    store(index, "a", mine, 1)  # 8 blocks, the 2 system ones among them
+    clock.now = 95.0
+    store(index, "a", theirs[32:], 101)  # the other's own 6 (the system blocks are held)
+    clock.now = 100.0
+    step = mine + [7] * 16 * 4  # the next step: its 8 blocks cached, 4 new
+    keys = precise_keys(step, SALT, 16)
+    (a,) = frontiers.annotate(route_of(step, {"a": 8}), [Replica("a")], keys)
+    # 16 − 14 held = 2 empty; the other 2 new blocks evict the other conversation's
+    assert a.kv_frontier == KvFrontier(2, ((2, 5.0),), 16, ())

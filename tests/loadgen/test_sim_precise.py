@@ -4,20 +4,27 @@ Small seeded runs asserting the direction (each a second or two of virtual-time 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
 import orjson
 import pytest
 
+from cachemap.keys import BlockHash
+from cachemap.memory import MemoryIndex
 from kvgate_cli import main
-from loadgen.engine.timing import TimingModel
+from loadgen.engine.kvpool import GPU, BlockInfo, BlockPool, Stored
+from loadgen.engine.timing import EngineCore, TimingModel
 from loadgen.sim import (
     APPROXIMATE,
     PRECISE,
     PolicyResult,
     SimConfig,
+    _Clock,
     _Conversations,
+    _EventDirectory,
+    _ReplicaState,
     run_policies,
 )
 from loadgen.traces.readers import Trace, TraceRequest
@@ -223,3 +230,51 @@ def test_a_blind_turn_goes_home_with_affinity_and_hops_at_random_without() -> No
         assert with_home.num_moves == 0 and with_home.session_hops_max == 0
         first, second = sorted(with_home.outcomes, key=lambda o: o.index)
         assert second.replica == first.replica and second.best_blocks == 0
+
+
+def test_a_frontier_leaves_out_the_requests_own_cached_prefix() -> None:
+    """Placed on a replica, a request takes its cached prefix there out of the engine's free
+    queue before it allocates, so its placement never evicts it: the frontier built for it
+    walks past those blocks to the ones it would evict (the gateway's frontier does the same,
+    tests/gateway/test_frontier.py)."""
+    pool = BlockPool(8)
+    mine = [bytes([1, i]) * 4 for i in range(4)]  # this conversation's prefix, used first
+    theirs = [bytes([2, i]) * 4 for i in range(4)]  # another's, used 10 s later
+    for chain in (mine, theirs):
+        pool.allocate(len(chain))
+        held = pool.commit(chain, [BlockInfo(None, (), None)] * len(chain), 16)
+        pool.release(held, 0)
+    state = _ReplicaState("r0", EngineCore(TimingModel(), pool))
+    state.routed_s.update(dict.fromkeys(mine, 0.0))
+    state.routed_s.update(dict.fromkeys(theirs, 10.0))
+    # 3 new blocks on a full replica: without its own prefix listed they evict the other's
+    assert state.frontier(3, 20.0).runs == ((3, 20.0),)  # its own blocks, 20 s idle
+    frontier = state.frontier(3, 20.0, own=[BlockHash(h) for h in mine])
+    assert frontier.runs == ((3, 10.0),) and frontier.empty_blocks == 0
+
+
+def test_a_placement_counts_as_held_until_its_event_or_its_speculative_ttl() -> None:
+    """As the gateway's speculative entries (`cachemap.events.EventIndex.speculate`): a
+    placement's blocks past what its replica's events hold are claimed there until an event
+    stores them (confirmed) or `speculative_ttl_s` passes."""
+    clock = _Clock()
+    index = MemoryIndex(capacity_blocks=64, ttl_s=math.inf, clock=clock)
+    directory = _EventDirectory(index, 0.05, speculative_ttl_s=2.0)
+    chain = [BlockHash(bytes([i]) * 8) for i in range(6)]
+    index.record("a", chain[:2], 0.0)  # the events hold its first 2 blocks on a
+    assert directory.lookup(chain, 0.0) == {"a": 2}
+    directory.speculate("a", chain[:4], 0.0)  # placed on a: blocks 2 and 3 claimed there
+    assert directory.lookup(chain, 1.9) == {"a": 4}
+    assert directory.lookup(chain, 2.1) == {"a": 2}  # expired
+    directory.lookup(chain, 3.0)
+    directory.speculate("b", chain, 3.0)  # placed on b, which holds none of it
+    directory.engine_events(3.5, "b", [Stored(tuple(chain[:3]), None, (), 16, GPU)])
+    directory.catch_up(3.6)  # the event confirms 3 blocks; the other 3 stay claimed
+    assert directory._claims["b"].keys() == set(chain[3:])
+    assert directory.lookup(chain, 4.9) == {"a": 2, "b": 6}
+    assert directory.lookup(chain, 5.1) == {"a": 2, "b": 3}  # only the event's blocks
+    # off (a ttl of 0): nothing is claimed
+    off = _EventDirectory(MemoryIndex(capacity_blocks=64, ttl_s=math.inf, clock=clock), 0.05, 0.0)
+    off.lookup(chain, 0.0)
+    off.speculate("a", chain, 0.0)
+    assert off.lookup(chain, 0.1) == {}
