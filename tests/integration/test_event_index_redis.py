@@ -31,7 +31,7 @@ from cachemap.tokenizer import ModelTokenizer
 from gateway.events.precise import PreciseKeys, PreciseStats, PromptTokens
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.harness.redis_servers import RedisServer
-from tests.busy_loop import CommandCalls, hog, until_ran
+from tests.busy_loop import CommandCalls, RedisHolder, hog, until_ran
 
 pytestmark = pytest.mark.redis
 
@@ -333,18 +333,6 @@ async def test_a_lane_whose_connection_the_pool_closed_reconnects_and_gives_it_b
         await client.aclose()
 
 
-BUSY = """
-local t = redis.call('TIME')
-local start = t[1] * 1000000 + t[2]
-repeat
-    t = redis.call('TIME')
-until t[1] * 1000000 + t[2] - start >= tonumber(ARGV[1])
-return 1
-"""
-"""Holds Redis for ARGV[1] µs: another client's write chunk (`WRITE_CHUNK` calls of a few ms
-each; tools.flush_stall measured a lookup's p99 at 5-8 ms behind a flush, ~16 ms at worst)."""
-
-
 async def test_a_shared_lookup_queued_behind_writes_within_the_cap_is_answered(
     fresh_redis: RedisServer, domain: str
 ) -> None:
@@ -361,32 +349,18 @@ async def test_a_shared_lookup_queued_behind_writes_within_the_cap_is_answered(
     precise.share(reader)  # the lane's round trips teach the deadline
     precise.shared_deadline.base_s, precise.shared_deadline.cap_s = 0.005, 0.1
     keys = precise_keys(PROMPT, SALT, 16)
-    held = 0
-    holding = asyncio.Event()
-
-    async def hold() -> None:
-        nonlocal held
-        while True:
-            await busy.eval(BUSY, 0, 12_000)
-            held += 1
-            holding.set()
-
-    holder = asyncio.create_task(hold())
     try:
-        await holding.wait()  # Redis is being held
-        for _ in range(24):  # taught: the failed ones' replies are read and timed too
-            await precise._shared_lookup(reader, keys)
-        assert precise.shared_deadline.p99_s > 0.005  # Redis answered slower than the base
-        failures, started = precise.stats.shared_failures, held
-        for _ in range(30):
-            found = await precise._shared_lookup(reader, keys)
-            assert found.matches is None or found.matches[domain].depth == 6
-        assert held - started >= 10  # the lookups did queue behind the holder's calls
+        async with RedisHolder(busy, 12_000) as holder:  # Redis is being held
+            for _ in range(24):  # taught: the failed ones' replies are read and timed too
+                await precise._shared_lookup(reader, keys)
+            assert precise.shared_deadline.p99_s > 0.005  # Redis answered slower than the base
+            failures, started = precise.stats.shared_failures, holder.calls
+            for _ in range(30):
+                found = await precise._shared_lookup(reader, keys)
+                assert found.matches is None or found.matches[domain].depth == 6
+            assert holder.calls - started >= 10  # the lookups did queue behind its calls
         assert precise.stats.shared_failures - failures == 0
     finally:
-        holder.cancel()
-        with contextlib.suppress(BaseException):
-            await holder
         await reader.close()
         await busy.aclose()
         await client.aclose()
