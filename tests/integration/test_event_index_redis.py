@@ -9,6 +9,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import uvloop
@@ -26,12 +27,13 @@ from cachemap.events import (
 from cachemap.redis.client import AnyRedis, open_redis
 from cachemap.redis.event_scripts import DOMAINS_KEY, feed_key, map_key
 from cachemap.redis.events import EventReader, EventWriter, Leases
+from cachemap.redis.lookups import LaneClosed, LookupLane
 from cachemap.redis.schema import block_keys, replica_id
 from cachemap.tokenizer import ModelTokenizer
 from gateway.events.precise import PreciseKeys, PreciseStats, PromptTokens
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.harness.redis_servers import RedisServer
-from tests.busy_loop import CommandCalls, RedisHolder, hog, until_ran
+from tests.busy_loop import HOLD, CommandCalls, RedisHolder, hog, until_ran
 
 pytestmark = pytest.mark.redis
 
@@ -363,4 +365,58 @@ async def test_a_shared_lookup_queued_behind_writes_within_the_cap_is_answered(
     finally:
         await reader.close()
         await busy.aclose()
+        await client.aclose()
+
+
+@pytest.mark.parametrize("reader", ["not started", "reading"])
+async def test_a_lane_disconnected_mid_call_fails_the_call_and_gives_its_connection_back_once(
+    fresh_redis: RedisServer, reader: str
+) -> None:
+    """The breaker's probe disconnects the lane after an outage, often with given-up lookups
+    still being read. A reader cancelled before its first step never ran its clean-up: the
+    calls in flight were never answered (a call without a deadline waited forever) and the
+    lane kept the dead task as its reader, so no later reply was read. A reader cancelled while
+    reading gave the connection back to the client's pool, and `disconnect` gave it back again:
+    when another task of the gateway took it from the pool in between, the second give-back
+    put it back in the pool while in use, and the pool lent one connection to two users (their
+    replies crossed). Now the call fails at once and the connection goes back once, after its
+    reader stopped; the lane then answers on a new connection."""
+    client = await open_redis(fresh_redis.url)
+    pool = client.connection_pool
+    events = EventReader(client)
+    lane = events.lane
+    assert isinstance(lane, LookupLane)
+    try:
+        held = lane.command(b"", ("EVAL", HOLD, 0, 200_000))  # Redis answers in 200 ms
+        for _ in range(10_000):  # bounded: until it is written (the connection open)
+            await asyncio.sleep(0)
+            if lane.in_flight:
+                break
+        for _ in range(10 if reader == "reading" else 0):
+            await asyncio.sleep(0)  # the reader's first steps: it waits for the reply
+        assert lane.in_flight == 1 and not held.done() and not pool._available_connections
+        taken: list[Any] = []
+
+        async def take_it_when_given_back() -> None:  # another request's Redis call
+            for _ in range(100_000):
+                if pool._available_connections:
+                    taken.append(await pool.get_connection())
+                    return
+                await asyncio.sleep(0)
+
+        taker = asyncio.create_task(take_it_when_given_back())
+        await lane.disconnect()
+        await asyncio.wait_for(taker, 5)
+        with pytest.raises(LaneClosed):
+            await asyncio.wait_for(held, 5)
+        assert len(taken) == 1
+        assert taken[0] not in pool._available_connections  # in use: not to be lent
+        other = await pool.get_connection()
+        assert other is not taken[0]
+        await pool.release(other)
+        await pool.release(taken[0])
+        answer = await asyncio.wait_for(lane.command(b"", ("PING",), deadline_s=1.0), 5)
+        assert answer in (b"PONG", "PONG", True)
+        await events.close()
+    finally:
         await client.aclose()
