@@ -118,7 +118,7 @@ class RedisHolder:
         self._task = asyncio.create_task(self._hold(), name="redis holder")
         first = asyncio.create_task(self._first.wait())
         await asyncio.wait(
-            {self._task, first}, timeout=STOP_WITHIN_S, return_when="FIRST_COMPLETED"
+            {self._task, first}, timeout=STOP_WITHIN_S, return_when=asyncio.FIRST_COMPLETED
         )
         if not self._first.is_set():  # its first call failed (raised below) or never returned
             first.cancel()
