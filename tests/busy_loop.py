@@ -1,10 +1,13 @@
 """A loaded gateway's event loop, for the tests of lookup deadlines on Redis's time: the loop
-held with CPU, and a wait (bounded, no sleeps) until Redis has run a script call."""
+held with CPU, a wait (bounded, no sleeps) until Redis has run a script call, and Redis itself
+held by another client's back-to-back calls."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from types import TracebackType
+from typing import Any
 
 import redis as sync_redis
 
@@ -66,3 +69,79 @@ async def until_ran(calls: CommandCalls, before: int) -> None:
         if calls() > before:
             return
     raise AssertionError(f"the {calls.command} call never reached Redis")
+
+
+HOLD = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat
+    t = redis.call('TIME')
+until t[1] * 1000000 + t[2] - start >= tonumber(ARGV[1])
+return 1
+"""
+"""Holds Redis for ARGV[1] µs: another client's write chunk (`WRITE_CHUNK` calls of a few ms
+each; tools.flush_stall measured a lookup's p99 at 5-8 ms behind a flush, ~16 ms at worst)."""
+
+STOP_WITHIN_S = 5.0
+"""How long a `RedisHolder` may take to stop: its call in flight (a few ms of Redis, bounded by
+the client's socket timeout) and nothing more."""
+
+
+class RedisHolder:
+    """Another client holding Redis with `HOLD` calls of `micros` µs, back to back, from
+    `async with` until its exit (bounded: `STOP_WITHIN_S`). `calls`: the calls Redis answered.
+
+    It stops on a flag it checks between calls, not on a cancellation. On CPython 3.11 a task
+    cancelled while redis-py sends its command does not stop: redis-py sends under
+    `asyncio.wait_for`, whose 3.11 version returns the inner send's result when the cancellation
+    arrives as that send completes (gh-86296, fixed in 3.12) — and the send completes at once
+    when the socket takes the bytes, so a cancellation in the loop iteration after the holder's
+    call returned is always lost. A holder that was only cancelled went on holding Redis, and
+    the test awaiting it hung until the suite's 300-s timeout (test_event_index_redis's
+    `..._queued_behind_writes_...`, CI at fbdc0f5's parent)."""
+
+    def __init__(self, client: Any, micros: int) -> None:
+        self._client = client
+        self._micros = micros
+        self._stop = False
+        self._first = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.calls = 0
+
+    async def _hold(self) -> None:
+        while not self._stop:
+            await self._client.eval(HOLD, 0, self._micros)
+            self.calls += 1
+            self._first.set()
+
+    async def __aenter__(self) -> RedisHolder:
+        self._task = asyncio.create_task(self._hold(), name="redis holder")
+        first = asyncio.create_task(self._first.wait())
+        await asyncio.wait(
+            {self._task, first}, timeout=STOP_WITHIN_S, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not self._first.is_set():  # its first call failed (raised below) or never returned
+            first.cancel()
+            await self.stop()
+            raise AssertionError("the holder's first call was not answered")
+        return self
+
+    async def stop(self) -> None:
+        """Stop after the call in flight; raises its error if it failed."""
+        self._stop = True
+        task = self._task
+        if task is None:
+            return
+        done, _ = await asyncio.wait({task}, timeout=STOP_WITHIN_S)
+        if not done:
+            task.cancel()  # a last resort, which may be lost (above): the assertion says so
+            raise AssertionError(f"the Redis holder did not stop within {STOP_WITHIN_S} s")
+        task.result()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()

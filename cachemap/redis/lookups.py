@@ -27,6 +27,14 @@ error fails every lookup in flight, and the next lookup opens a new connection. 
 read, a given-up lookup's too, reports its round trip (written to parsed) to `on_round_trip`:
 what a deadline that follows Redis's recent latency learns from.
 
+A connection, the calls written on it and its reader are one `_Wire`: a reader answers only
+its own wire's calls, and a wire leaves (a disconnect, a connection the pool closed, an error)
+in one step — its unanswered calls fail at once, its reader is stopped and waited for (at most
+`STOP_READER_S`), and only then is the connection given back to the client's pool, once. A
+reader cancelled before its first step never runs its own clean-up, and redis-py's connections
+are reused objects: a connection given back while a reader may still read it, or given back
+twice, would be read or closed under the pool's next user.
+
 A Redis Cluster gets one lane per master (`cachemap.redis.node_lanes`): a lookup's keys share
 one slot, so each lookup is one script call on one node, and a loop turn's lookups for a node
 go down that node's lane in one write.
@@ -40,15 +48,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import select
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+
+log = logging.getLogger(__name__)
 
 LAG_GRACE_S = 0.25
 """How long past its deadline a lookup whose reply bytes are waiting, unread, may wait for the
@@ -56,6 +67,11 @@ loop to read them: far above the loop lag seen under the bench's load (tens of m
 bound if something unforeseen kept bytes arriving without ever answering this lookup."""
 RECHECK_S = 0.001
 """How often a lookup given grace re-checks: a loop iteration or so at the lag that gave it."""
+STOP_READER_S = 5.0
+"""How long a leaving wire waits for its reader to stop. A cancelled read stops at once; a
+script load after NOSCRIPT may finish its call first (CPython 3.11's `asyncio.wait_for` in
+redis-py's send can drop a cancellation, gh-86296), bounded by the client's socket timeout.
+Past it the connection is not given back (a reader may still use it): logged, never lent."""
 
 
 class LaneClient(Protocol):
@@ -105,6 +121,21 @@ class _Call:
     retried: bool = False
     graced: bool = False
     """Its deadline passed with its reply possibly waiting unread (counted once)."""
+    wire: _Wire | None = None
+    """The connection it was written on."""
+
+
+@dataclass(eq=False)
+class _Wire:
+    """One connection of the lane's, the calls written on it (in the order of their replies)
+    and the reader taking those replies (module docstring)."""
+
+    conn: AbstractConnection
+    pending: deque[_Call] = field(default_factory=deque)
+    reading: asyncio.Task[None] | None = None
+    live: bool = True
+    """False once it left the lane: nothing more is written on it."""
+    given_back: bool = False
 
 
 @dataclass
@@ -127,15 +158,13 @@ class LookupLane:
         self._client = client
         self._source = source
         self._sha = sha
-        self._conn: AbstractConnection | None = None
+        self._wire: _Wire | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._waiting: list[_Call] = []
         """Calls flushed while the connection was opening, written once it is open."""
-        self._pending: deque[_Call] = deque()
-        """Calls written, in the order of their replies."""
-        self._reading: asyncio.Task[None] | None = None
-        self._closed_conns: list[AbstractConnection] = []
-        """Connections found closed at a send (not by the lane), to give back to the pool."""
+        self._leaving: set[asyncio.Task[None]] = set()
+        """Wires leaving in the background (found closed at a send): reader stopped, then the
+        connection given back."""
         self._closed = False
         self.stats = LaneStats() if stats is None else stats
         self.on_round_trip: Callable[[float], None] | None = None
@@ -144,7 +173,7 @@ class LookupLane:
     @property
     def in_flight(self) -> int:
         """Lookups written and not yet answered (or given up and not yet read)."""
-        return len(self._pending)
+        return 0 if self._wire is None else len(self._wire.pending)
 
     def send(
         self, calls: Sequence[tuple[list[bytes], list[Any], float | None, asyncio.Future[Any]]]
@@ -183,13 +212,18 @@ class LookupLane:
         if self._closed:
             _fail(batch, LaneClosed("the lookup lane is closed"))
             return
-        conn = self._conn
-        if conn is not None and _open(conn):
-            self._write(conn, batch)
+        wire = self._wire
+        if wire is not None and _open(wire.conn):
+            self._write(wire, batch)
         else:
-            if conn is not None:  # closed under us (the pool disconnected): given back below
-                self._closed_conns.append(conn)
-            self._conn = None
+            if wire is not None:  # closed under us (the pool disconnected it)
+                self._wire = None
+                task = asyncio.create_task(
+                    self._leave(wire, LaneClosed("the lane's connection was closed")),
+                    name="lookup lane leave",
+                )
+                self._leaving.add(task)
+                task.add_done_callback(self._leaving.discard)
             self._waiting.extend(batch)
             if self._connecting is None:
                 self._connecting = asyncio.create_task(self._open(), name="lookup lane connect")
@@ -200,29 +234,27 @@ class LookupLane:
     async def warm(self) -> None:
         """Open the connection now (at start), so the first lookups do not wait for it. A
         failure is not raised: the next lookup tries again."""
-        if self._conn is None and not self._closed:
+        if self._wire is None and not self._closed:
             if self._connecting is None:
                 self._connecting = asyncio.create_task(self._open(), name="lookup lane connect")
             await asyncio.shield(self._connecting)
 
-    def _write(self, conn: AbstractConnection, calls: list[_Call]) -> None:
+    def _write(self, wire: _Wire, calls: list[_Call]) -> None:
         live = [call for call in calls if not call.future.done()]
         if not live:
             return
-        writer = conn._writer
+        writer = wire.conn._writer
         assert writer is not None
-        writer.writelines(conn.pack_commands([call.command for call in live]))
+        writer.writelines(wire.conn.pack_commands([call.command for call in live]))
         for call in live:
             call.sent = True
-        self._pending.extend(live)
-        if self._reading is None:
-            self._reading = asyncio.create_task(self._read(conn), name="lookup lane reader")
+            call.wire = wire
+        wire.pending.extend(live)
+        if wire.reading is None:
+            wire.reading = asyncio.create_task(self._read(wire), name="lookup lane reader")
 
     async def _open(self) -> None:
         pool = self._client.connection_pool
-        closed, self._closed_conns = self._closed_conns, []
-        for old in closed:
-            await self._drop(old)
         try:
             # taken from the client's pool and never given back: closing the client closes it
             conn: AbstractConnection = await pool.get_connection()
@@ -233,30 +265,34 @@ class LookupLane:
         finally:
             self._connecting = None
         self.stats.connects += 1
+        wire = _Wire(conn)
         if self._closed:
-            await self._drop(conn)
+            await self._give_back(wire)
             return
-        self._conn = conn
+        self._wire = wire
         waiting, self._waiting = self._waiting, []
-        self._write(conn, waiting)
+        self._write(wire, waiting)
 
-    async def _read(self, conn: AbstractConnection) -> None:
-        """Take the replies in order until none is outstanding; a lookup that gave up still
-        has its reply read (and dropped), so the next reply is the next caller's."""
+    async def _read(self, wire: _Wire) -> None:
+        """Take the wire's replies in order until none is outstanding; a lookup that gave up
+        still has its reply read (and dropped), so the next reply is the next caller's."""
+        conn = wire.conn
         try:
-            while self._pending:
+            while wire.pending:
                 try:
                     reply: Any = await conn.read_response()
                 except ResponseError as exc:
                     reply = exc
-                call = self._pending.popleft()
+                if not wire.pending:  # the wire left while this read ran (its calls failed)
+                    return
+                call = wire.pending.popleft()
                 if self.on_round_trip is not None:
                     self.on_round_trip(asyncio.get_running_loop().time() - call.started)
                 if isinstance(reply, NoScriptError) and call.source and not call.retried:
                     await self._client.script_load(call.source)  # Redis lost its scripts
                     call.retried = True
-                    if not call.future.done() and conn is self._conn and _open(conn):
-                        self._write_again(conn, call)
+                    if not call.future.done() and wire.live and _open(conn):
+                        self._write_again(wire, call)
                         continue
                 if call.future.done():
                     continue
@@ -266,25 +302,49 @@ class LookupLane:
                     call.future.set_result(reply)
         except BaseException as exc:
             # the connection is out of step or gone: every call on it hears the error
-            pending, self._pending = list(self._pending), deque()
-            _fail(pending, exc if isinstance(exc, Exception) else LaneClosed(repr(exc)))
-            if self._conn is conn:
-                self._conn = None
-            await self._drop(conn)
+            self._retire(wire, exc if isinstance(exc, Exception) else LaneClosed(repr(exc)))
             if isinstance(exc, asyncio.CancelledError):
-                raise
+                raise  # stopped by `_leave`, which gives the connection back
+            wire.reading = None  # done with it: a `_leave` now need not stop this task
+            await self._give_back(wire)
         finally:
-            if self._reading is asyncio.current_task():
-                self._reading = None
+            if wire.reading is asyncio.current_task():
+                wire.reading = None
 
-    def _write_again(self, conn: AbstractConnection, call: _Call) -> None:
-        writer = conn._writer
+    def _write_again(self, wire: _Wire, call: _Call) -> None:
+        writer = wire.conn._writer
         assert writer is not None
-        writer.writelines(conn.pack_commands([call.command]))
+        writer.writelines(wire.conn.pack_commands([call.command]))
         # Redis answered the first write (NOSCRIPT) and loaded the script: the deadline runs
         # again from this write, so a script's first call after a restart is not a failure
         call.started = asyncio.get_running_loop().time()
-        self._pending.append(call)
+        wire.pending.append(call)
+
+    def _retire(self, wire: _Wire, exc: Exception) -> None:
+        """The wire leaves the lane: nothing more is written on it, and its unanswered calls
+        fail now (their replies, if any come, are not read)."""
+        wire.live = False
+        if self._wire is wire:
+            self._wire = None
+        pending = list(wire.pending)
+        wire.pending.clear()
+        _fail(pending, exc)
+
+    async def _leave(self, wire: _Wire, exc: Exception) -> None:
+        """Retire the wire, stop its reader (bounded), then give its connection back."""
+        self._retire(wire, exc)
+        reading = wire.reading
+        if reading is not None and reading is not asyncio.current_task():
+            reading.cancel()
+            done, _ = await asyncio.wait({reading}, timeout=STOP_READER_S)
+            if not done:
+                log.warning(
+                    "a lookup lane's reader did not stop within %.1f s: its connection is "
+                    "not given back to the pool",
+                    STOP_READER_S,
+                )
+                return
+        await self._give_back(wire)
 
     def _expire(self, call: _Call) -> None:
         """The call's deadline: fail it unless its reply may be waiting on our side."""
@@ -295,8 +355,8 @@ class LookupLane:
         if loop.time() < call.started + call.deadline_s:  # written again since (`_write_again`)
             loop.call_at(call.started + call.deadline_s, self._expire, call)
             return
-        conn = self._conn
-        unread = call.sent and conn is not None and _unread(conn)
+        wire = call.wire
+        unread = call.sent and wire is not None and wire.live and _unread(wire.conn)
         if unread and loop.time() < call.started + call.deadline_s + LAG_GRACE_S:
             loop.call_later(RECHECK_S, self._expire, call)
             if not call.graced:
@@ -315,30 +375,31 @@ class LookupLane:
         )
 
     async def disconnect(self) -> None:
-        """Drop the connection (after an outage: it is dead); the next lookup opens another."""
-        conn, self._conn = self._conn, None
-        reading = self._reading
-        if reading is not None:
-            reading.cancel()
-            with contextlib.suppress(BaseException):
-                await reading
-        if conn is not None:
-            await self._drop(conn)
+        """Drop the connection (after an outage: it is dead); the next lookup opens another.
+        The calls in flight on it fail at once (`LaneClosed`)."""
+        wire = self._wire
+        if wire is not None:
+            await self._leave(wire, LaneClosed("the lookup lane was disconnected"))
+        if self._leaving:  # connections found closed, on their way back to the pool
+            await asyncio.wait(set(self._leaving))
 
-    async def _drop(self, conn: AbstractConnection) -> None:
-        """Close a connection of the lane's and hand it back to the pool (which opens it again
-        when a command of the client's takes it)."""
+    async def _give_back(self, wire: _Wire) -> None:
+        """Close the wire's connection and hand it back to the pool (which opens it again when
+        a command of the client's takes it) — once: the pool may lend it on at once."""
+        if wire.given_back:
+            return
+        wire.given_back = True
         with contextlib.suppress(Exception):
-            await conn.disconnect(nowait=True)
+            await wire.conn.disconnect(nowait=True)
         with contextlib.suppress(Exception):
-            await self._client.connection_pool.release(conn)
+            await self._client.connection_pool.release(wire.conn)
 
     async def close(self) -> None:
         self._closed = True
-        if self._connecting is not None:
-            self._connecting.cancel()
-            with contextlib.suppress(BaseException):
-                await self._connecting
+        connecting = self._connecting
+        if connecting is not None:  # bounded: a connect's send may drop the cancellation
+            connecting.cancel()
+            await asyncio.wait({connecting}, timeout=STOP_READER_S)
         waiting, self._waiting = self._waiting, []
         _fail(waiting, LaneClosed("the lookup lane is closed"))
         await self.disconnect()

@@ -45,10 +45,11 @@ from cachemap.keys import BlockHash, chain_hashes, token_bytes
 from cachemap.layouts import EngineLayouts
 from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE, identify
 from cachemap.redis.events import EventReader
+from gateway.deadline import LookupDeadline
 from gateway.events.claims import PlacedChains
 from gateway.events.intake import EventIntake
 from gateway.events.prompts import PromptTokens
-from gateway.settings import DEFAULT_CHECK_EVERY
+from gateway.settings import DEFAULT_CHECK_EVERY, DEFAULT_REDIS_DEADLINE_CAP_S
 
 __all__ = [
     "ChainCache",
@@ -225,9 +226,14 @@ class PreciseKeys:
     images: ImageIds = field(default_factory=ImageIds)
     shared: EventReader | None = None
     """The event index in Redis (set when the gateway starts with `kv_events_shared`)."""
-    shared_deadline_s: float = 0.005
-    shared_deadline_per_block_s: float = 0.0
-    """Added to a shared lookup's deadline per key of its chain (the script walks it)."""
+    shared_deadline: LookupDeadline = field(
+        default_factory=lambda: LookupDeadline(0.005, 0.0, DEFAULT_REDIS_DEADLINE_CAP_S)
+    )
+    """A shared lookup's deadline (`gateway.deadline`, as the directory's): its base
+    raised to twice the event lane's recent p99 round trip, within its cap, plus an allowance
+    per key of the chain (the script walks it). A fixed base failed a quarter to nearly all of
+    the lookups that queued behind the owners' event writes (`WRITE_CHUNK` calls of a few ms
+    each) at 2-4 gateways (issue 39). Fed by the lane's round trips once `share` wires it."""
     adapters: Mapping[str, str] = field(default_factory=dict)
     """LoRA adapter -> base model (`lora_adapters`): a request for one is keyed under it."""
     mm_tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE
@@ -265,11 +271,17 @@ class PreciseKeys:
             return ids, await self._shared_lookup(self.shared, keys)
         return ids, keys
 
+    def share(self, reader: EventReader) -> None:
+        """Read the event index in Redis through `reader`: its lane's round trips (Redis's
+        time, written to parsed) teach the shared lookups' deadline."""
+        self.shared = reader
+        reader.lane.on_round_trip = self.shared_deadline.observe
+
     async def _shared_lookup(self, shared: EventReader, keys: list[BlockHash]) -> LookedUp:
         out = LookedUp(keys)
         self.stats.shared_lookups += 1
         try:
-            deadline = self.shared_deadline_s + self.shared_deadline_per_block_s * len(keys)
+            deadline = self.shared_deadline.seconds(len(keys))
             out.matches = await shared.lookup(keys, deadline)
         except asyncio.CancelledError:
             raise

@@ -50,6 +50,7 @@ from gateway.api.grpc.service import GrpcServer, start_grpc
 from gateway.api.openai.routes import build_router
 from gateway.api.openapi import install_openapi
 from gateway.billing.service import Billing, admin_key_hashes
+from gateway.deadline import LookupDeadline
 from gateway.directory.routing import RoutingDirectory
 from gateway.directory.sizing import DirectorySizer
 from gateway.events.intake import EventIntake, FeedLimits
@@ -562,12 +563,16 @@ def _share_events(parts: Parts, client: AnyRedis) -> None:
         parts.intake.share(
             writer, Leases(client, owner, settings.kv_events_lease_s), settings.kv_events_lease_s
         )
-    precise.shared = EventReader(client)
-    precise.shared.on_wipe = precise.index.clear  # its speculative entries go with the wipe
-    precise.shared_deadline_s = settings.redis_deadline_s
-    precise.shared_deadline_per_block_s = settings.redis_deadline_per_block_s
+    reader = EventReader(client)
+    reader.on_wipe = precise.index.clear  # its speculative entries go with the wipe
+    precise.shared_deadline = LookupDeadline(
+        settings.redis_deadline_s,
+        settings.redis_deadline_per_block_s,
+        settings.redis_deadline_cap_s,
+    )
+    precise.share(reader)
     if frontiers is not None and parts.intake is not None:  # the owners' order, shared
-        shared = SharedFrontiers(client, precise.shared, writer)
+        shared = SharedFrontiers(client, reader, writer)
         layouts, dp_size = precise.layouts, precise.dp_size
         frontiers.index = shared
         frontiers.live = lambda replica: shared.live(
