@@ -77,6 +77,13 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
         "on), noflow:<policy> (off), sglang:<policy>, vllm:<policy> (the peers, no tenants)",
     )
     parser.add_argument(
+        "--room-bounds",
+        default="",
+        help="noisy: run each kvgate arm once per flow_max_pending_prefill_s value "
+        "(comma-separated seconds; empty: the gateway's default), so candidates are compared "
+        "in one invocation",
+    )
+    parser.add_argument(
         "--sessions", type=int, default=8, help="affinity: B's closed-loop conversations"
     )
     parser.add_argument(
@@ -170,10 +177,10 @@ async def _traffic(
 
 @contextlib.contextmanager
 def _router(
-    arm: Arm, engine_urls: Sequence[str], args: argparse.Namespace
+    arm: Arm, engine_urls: Sequence[str], args: argparse.Namespace, room_s: float | None = None
 ) -> Iterator[tuple[str, tuple[str | None, str | None]]]:
     """The arm's router on the engines: its URL and the keys A and B send (kvgate: a tenant
-    each; a peer has no tenants, so none)."""
+    each; a peer has no tenants, so none). `room_s`: kvgate's flow_max_pending_prefill_s."""
     if arm.kind in ("kvgate", "noflow"):
         env = {
             "KVGATE_FLOW_CONTROL": "true" if arm.kind == "kvgate" else "false",
@@ -181,6 +188,8 @@ def _router(
                 DEFAULT_PREFILL_TOKENS_PER_S * args.time_scale
             ),
         }
+        if room_s is not None:
+            env["KVGATE_FLOW_MAX_PENDING_PREFILL_S"] = f"{room_s:g}"
         serve = ["--tenant", f"a:{KEY_A}", "--tenant", f"b:{KEY_B}", "--log-level", "warning"]
         serve += ["--policy", arm.policy]
         with processes.gateway(engine_urls, serve, env=env) as gw:
@@ -190,11 +199,13 @@ def _router(
         yield router.targets[0], (None, None)
 
 
-def _run(args: argparse.Namespace, arm: Arm, light: bool, flood: bool) -> Run:
+def _run(
+    args: argparse.Namespace, arm: Arm, light: bool, flood: bool, room_s: float | None = None
+) -> Run:
     engine_args = ["--time-scale", str(args.time_scale), "--max-batch", "256"]
     with (
         processes.engines(args.engines, engine_args) as engines,
-        _router(arm, [e.url for e in engines], args) as (url, keys),
+        _router(arm, [e.url for e in engines], args, room_s) as (url, keys),
     ):
         return asyncio.run(_traffic(url, args, light, flood, keys))
 
@@ -212,6 +223,15 @@ class Verdict:
     server_errors: int
     a_prefill_s: float
     """One of A's prefills (its mean prompt over the engines' prefill rate)."""
+    b_share: float = 0.0
+    """B's prefill under the flood as a share of the engines' prefill time in the window: A
+    can complete at most 1 - this of what it completes on engines it keeps busy alone (the
+    engines prefill one request at a time, B's requests are served, every prompt is
+    distinct)."""
+
+    @property
+    def a_ceiling(self) -> float:
+        return 1.0 - self.b_share
 
     @property
     def bound_s(self) -> float:
@@ -225,7 +245,10 @@ class Verdict:
         if p99 > self.bound_s:
             out.append(f"B's p99 {p99:.2f} s > {self.bound_s:.2f} s")
         if self.a_flood < 0.9 * self.a_solo:
-            out.append(f"A {self.a_flood} < 90% of {self.a_solo}")
+            out.append(
+                f"A {self.a_flood} < 90% of {self.a_solo} (its ceiling with B served: "
+                f"{self.a_ceiling:.0%})"
+            )
         if self.failed:
             out.append(f"{self.failed} failed")
         if self.server_errors:
@@ -233,8 +256,11 @@ class Verdict:
         return out
 
 
-def _verdict(runs: dict[str, Run], scale: float) -> Verdict:
+def _verdict(runs: dict[str, Run], args: argparse.Namespace) -> Verdict:
+    scale = args.time_scale
     solo, a_alone, flood = runs["B alone"], runs["A alone"], runs["flood"]
+    b_prefill_s = sum(r.prompt_tokens for r in flood.b if r.ok) / DEFAULT_PREFILL_TOKENS_PER_S
+    engine_s = args.engines * args.seconds * scale
     a_prompts = [r.prompt_tokens for r in a_alone.a + flood.a if r.ok and r.prompt_tokens]
     a_tokens = sum(a_prompts) / len(a_prompts) if a_prompts else 0.0
     return Verdict(
@@ -245,6 +271,7 @@ def _verdict(runs: dict[str, Run], scale: float) -> Verdict:
         failed=sum(run.failures() for run in runs.values()),
         server_errors=sum(run.server_errors() for run in runs.values()),
         a_prefill_s=a_tokens / DEFAULT_PREFILL_TOKENS_PER_S,
+        b_share=b_prefill_s / engine_s if engine_s > 0 else 0.0,
     )
 
 
@@ -555,6 +582,20 @@ def run_noisy(args: argparse.Namespace) -> int:
         if arm.kind not in ("kvgate", "noflow", "sglang", "vllm") or arm.gateways != 1:
             print(f"kvgate bench-fairness: arm {arm.name!r}: use kvgate, noflow, sglang or vllm")
             return 2
+    try:
+        bounds = [float(b) for b in args.room_bounds.split(",") if b.strip()]
+    except ValueError:
+        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: not numbers")
+        return 2
+    if any(b <= 0 for b in bounds):
+        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: must be positive")
+        return 2
+    variants: list[tuple[str, Arm, float | None]] = []
+    for arm in arms:
+        if arm.kind == "kvgate" and bounds:
+            variants += [(f"{arm.name} room {b:g}s", arm, b) for b in bounds]
+        else:
+            variants.append((arm.name, arm, None))
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
         f"tokens/s, time scale {scale:g}; B: {args.b_words:,} words every "
@@ -562,19 +603,20 @@ def run_noisy(args: argparse.Namespace) -> int:
         f"clients of {args.a_words:,} words; all prompts distinct"
     )
     verdicts: dict[str, Verdict] = {}
-    for arm in arms:
+    for name, arm, room_s in variants:
         missing = peer_missing(arm)
         if missing:
-            print(f"{arm.name}: skipped, {missing}")
+            print(f"{name}: skipped, {missing}")
             continue
         runs = {
-            "B alone": _run(args, arm, light=True, flood=False),
-            "A alone": _run(args, arm, light=False, flood=True),
-            "flood": _run(args, arm, light=True, flood=True),
+            "B alone": _run(args, arm, light=True, flood=False, room_s=room_s),
+            "A alone": _run(args, arm, light=False, flood=True, room_s=room_s),
+            "flood": _run(args, arm, light=True, flood=True, room_s=room_s),
         }
-        verdicts[arm.name] = _verdict(runs, scale)
+        verdicts[name] = _verdict(runs, args)
+    width = max((len(n) for n in verdicts), default=3) + 1
     print(
-        f"\n{'arm':<20} {'B solo p50/p99 s':>16} {'B flood p50/p99 s':>17} {'A solo':>6} "
+        f"\n{'arm':<{width}} {'B solo p50/p99 s':>16} {'B flood p50/p99 s':>17} {'A solo':>6} "
         f"{'A flood':>7} {'failed':>6} {'5xx':>4}  goal"
     )
     errors = 0
@@ -588,7 +630,7 @@ def run_noisy(args: argparse.Namespace) -> int:
         problems = v.problems()
         goal = "met" if not problems else "missed: " + "; ".join(problems)
         print(
-            f"{name:<20} {cells[0]:>16} {cells[1]:>17} {v.a_solo:>6} {v.a_flood:>7} "
+            f"{name:<{width}} {cells[0]:>16} {cells[1]:>17} {v.a_solo:>6} {v.a_flood:>7} "
             f"{v.failed:>6} {v.server_errors:>4}  {goal} (bound {v.bound_s:.2f} s)"
         )
     return 1 if errors else 0
