@@ -39,7 +39,7 @@ import contextlib
 import hashlib
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +82,13 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
         help="noisy: run each kvgate arm once per flow_max_pending_prefill_s value "
         "(comma-separated seconds; empty: the gateway's default), so candidates are compared "
         "in one invocation",
+    )
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=30.0,
+        help="weights: also report the shares in each window of this many seconds of the run "
+        "(--seconds 90: three) and the worst window's deviation from the weights",
     )
     parser.add_argument(
         "--sessions", type=int, default=8, help="affinity: B's closed-loop conversations"
@@ -291,12 +298,45 @@ def _queued_dispatches(metrics_url: str) -> dict[str, float]:
     return out
 
 
+@dataclass
+class Window:
+    """One `--window-s` slice of the weights run: its bounds (seconds from the window's start)
+    and what each tenant had dispatched from the queue and served in it."""
+
+    start_s: float
+    end_s: float
+    dispatched: dict[str, float]
+    served_tokens: dict[str, float]
+
+
+def shares(values: Mapping[str, float]) -> dict[str, float]:
+    total = sum(values.values())
+    return {k: (v / total if total > 0 else 0.0) for k, v in values.items()}
+
+
+def worst_deviation(observed: Mapping[str, float], weights: Mapping[str, float]) -> float:
+    """The largest relative deviation of a tenant's share of `observed` from its weight's share
+    (0.1: some tenant got 10% more or less than its weight says); 1.0 when nothing was
+    observed."""
+    got, due = shares(observed), shares(weights)
+    if not sum(observed.values()):
+        return 1.0
+    return max(abs(got.get(k, 0.0) / d - 1.0) for k, d in due.items() if d > 0)
+
+
 async def _weighted_flood(
-    url: str, metrics_url: str, args: argparse.Namespace, keys: dict[str, str]
-) -> tuple[dict[str, list[Result]], dict[str, float]]:
+    url: str,
+    metrics_url: str,
+    args: argparse.Namespace,
+    keys: dict[str, str],
+    window_s: float | None = None,
+) -> tuple[dict[str, list[Result]], dict[str, float], list[tuple[float, dict[str, float], float]]]:
     """Every tenant floods with its closed-loop clients; the requests that finished within the
     window (`--seconds`, after a warm-up as in the noisy run), by tenant, and the requests the
-    fair queue dispatched within it (what the policy decides; completions trail them)."""
+    fair queue dispatched within it (what the policy decides; completions trail them). With
+    `window_s`, the dispatch counters are also read at every multiple of it within the run:
+    (seconds from the start, each tenant's dispatches so far since the start, the start's
+    monotonic time)."""
     timeout = aiohttp.ClientTimeout(total=600)
     stop = asyncio.Event()
     done: dict[str, list[Result]] = {name: [] for name in keys}
@@ -318,8 +358,17 @@ async def _weighted_flood(
         await asyncio.sleep(2.0 * args.a_words / DEFAULT_PREFILL_TOKENS_PER_S / args.time_scale)
         start = time.monotonic()
         before = await asyncio.to_thread(_queued_dispatches, metrics_url)
-        await asyncio.sleep(args.seconds)
+        marks: list[tuple[float, dict[str, float]]] = []
+        step = window_s if window_s is not None and window_s > 0 else args.seconds
+        at = step
+        while at < args.seconds - 1e-9:  # bounded: seconds / window_s marks
+            await asyncio.sleep(max(start + at - time.monotonic(), 0.0))
+            counts = await asyncio.to_thread(_queued_dispatches, metrics_url)
+            marks.append((at, {n: counts.get(n, 0.0) - before.get(n, 0.0) for n in keys}))
+            at += step
+        await asyncio.sleep(max(start + args.seconds - time.monotonic(), 0.0))
         after = await asyncio.to_thread(_queued_dispatches, metrics_url)
+        marks.append((args.seconds, {n: after.get(n, 0.0) - before.get(n, 0.0) for n in keys}))
         stop.set()
         for task in tasks:
             task.cancel()
@@ -329,7 +378,34 @@ async def _weighted_flood(
         name: [r for r in results if start <= r.start_s + r.latency_s <= end]
         for name, results in done.items()
     }
-    return finished, {name: after.get(name, 0.0) - before.get(name, 0.0) for name in keys}
+    dispatched = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in keys}
+    return finished, dispatched, [(at, counts, start) for at, counts in marks]
+
+
+def windows_of(
+    results: Mapping[str, list[Result]],
+    marks: Sequence[tuple[float, dict[str, float], float]],
+) -> list[Window]:
+    """The per-window dispatches (differences of the cumulative marks: seconds from the start,
+    dispatches so far, the start's monotonic time) and prompt tokens served (completions by
+    when they finished)."""
+    out: list[Window] = []
+    prev_s, prev = 0.0, {name: 0.0 for name in results}
+    for at, counts, start in marks:
+        served = {
+            name: float(
+                sum(
+                    r.prompt_tokens
+                    for r in rs
+                    if r.ok and prev_s < r.start_s + r.latency_s - start <= at
+                )
+            )
+            for name, rs in results.items()
+        }
+        dispatched = {name: counts.get(name, 0.0) - prev.get(name, 0.0) for name in results}
+        out.append(Window(prev_s, at, dispatched, served))
+        prev_s, prev = at, counts
+    return out
 
 
 def run_weights(args: argparse.Namespace) -> int:
@@ -351,7 +427,9 @@ def run_weights(args: argparse.Namespace) -> int:
             processes.gateway([e.url for e in engines], serve, env=env) as gw,
         ):
             assert gw.metrics_url is not None
-            results, dispatched = asyncio.run(_weighted_flood(gw.url, gw.metrics_url, args, keys))
+            results, dispatched, marks = asyncio.run(
+                _weighted_flood(gw.url, gw.metrics_url, args, keys, args.window_s)
+            )
     served = {name: sum(r.prompt_tokens for r in rs if r.ok) for name, rs in results.items()}
     total = sum(served.values()) or 1
     total_dispatched = sum(dispatched.values()) or 1
@@ -373,6 +451,31 @@ def run_weights(args: argparse.Namespace) -> int:
             f"{name:<8} {w / sum(WEIGHTS):>12.1%} {dispatched[name] / total_dispatched:>16.1%} "
             f"{served[name] / total:>12.1%} "
             f"{len(results[name]):>8} {failed:>6}"
+        )
+    weights = {f"w{w}": float(w) for w in WEIGHTS}
+    windows = windows_of(results, marks)
+    if len(windows) > 1:
+        names = " / ".join(weights)
+        print(
+            f"\nper {args.window_s:g} s window: shares {names} of the queue's dispatches and of "
+            "the prompt tokens served, and the largest deviation from a weight's share"
+        )
+        worst_d = worst_s = 0.0
+        for win in windows:
+            d = worst_deviation(win.dispatched, weights)
+            sv = worst_deviation(win.served_tokens, weights)
+            worst_d, worst_s = max(worst_d, d), max(worst_s, sv)
+            cells = [
+                " / ".join(f"{v:.1%}" for v in shares(x).values())
+                for x in (win.dispatched, win.served_tokens)
+            ]
+            print(
+                f"  {win.start_s:>4.0f}-{win.end_s:<4.0f} s  dispatched {cells[0]} ({d:.1%} off), "
+                f"served {cells[1]} ({sv:.1%} off)"
+            )
+        print(
+            f"worst window: dispatched {worst_d:.1%}, served {worst_s:.1%} off its weight's "
+            "share (goal: within 10%)"
         )
     return 1 if errors else 0
 
@@ -422,7 +525,9 @@ def run_bands(args: argparse.Namespace) -> int:
             assert gw.metrics_url is not None
             alone = asyncio.run(_traffic(gw.url, args, light=True, flood=False))
             flood = asyncio.run(_traffic(gw.url, args, light=True, flood=True))
-            _, dispatched = asyncio.run(_weighted_flood(gw.url, gw.metrics_url, args, flood_keys))
+            _, dispatched, _ = asyncio.run(
+                _weighted_flood(gw.url, gw.metrics_url, args, flood_keys)
+            )
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
         f"tokens/s, time scale {scale:g}; B (band 0): {args.b_words:,} words every "

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from loadgen.bench.fairness import Run, _verdict, add_bench_fairness_arguments, run_noisy
+from loadgen.bench.fairness import (
+    Run,
+    _verdict,
+    add_bench_fairness_arguments,
+    run_noisy,
+    windows_of,
+    worst_deviation,
+)
 from loadgen.client import Result
 from loadgen.engine.timing import DEFAULT_PREFILL_TOKENS_PER_S
 
@@ -58,3 +65,30 @@ def test_an_arm_it_cannot_run_is_refused_before_anything_starts(capsys: object) 
     assert run_noisy(parser.parse_args(["--arms", "nonsense"])) == 2
     assert run_noisy(parser.parse_args(["--room-bounds", "0.1,x"])) == 2
     assert run_noisy(parser.parse_args(["--room-bounds", "0"])) == 2
+
+
+def test_each_window_has_its_own_shares_and_the_worst_deviation_is_the_goals_measure() -> None:
+    """Cumulative dispatch counts read at 30 s and 60 s become per-window counts; completions
+    fall in the window they finished in; a window 1:2:4 to the request is 0% off, one where
+    the lightest tenant got twice its share is 100% off."""
+    weights = {"w1": 1.0, "w2": 2.0, "w4": 4.0}
+    assert worst_deviation({"w1": 10, "w2": 20, "w4": 40}, weights) == 0.0
+    assert abs(worst_deviation({"w1": 20, "w2": 20, "w4": 30}, weights) - 1.0) < 1e-9
+    assert worst_deviation({"w1": 0, "w2": 0, "w4": 0}, weights) == 1.0
+
+    def done(name: str, finished_s: float) -> Result:
+        return Result(
+            name, True, 200, start_s=100.0 + finished_s - 1.0, latency_s=1.0, prompt_tokens=8
+        )
+
+    results = {"w1": [done("w1", 10.0)], "w2": [done("w2", 40.0), done("w2", 50.0)], "w4": []}
+    marks = [
+        (30.0, {"w1": 1.0, "w2": 2.0, "w4": 4.0}, 100.0),
+        (60.0, {"w1": 3.0, "w2": 4.0, "w4": 8.0}, 100.0),
+    ]
+    first, second = windows_of(results, marks)
+    assert (first.start_s, first.end_s, second.start_s, second.end_s) == (0.0, 30.0, 30.0, 60.0)
+    assert first.dispatched == {"w1": 1.0, "w2": 2.0, "w4": 4.0}
+    assert second.dispatched == {"w1": 2.0, "w2": 2.0, "w4": 4.0}
+    assert first.served_tokens == {"w1": 8.0, "w2": 0.0, "w4": 0.0}
+    assert second.served_tokens == {"w1": 0.0, "w2": 16.0, "w4": 0.0}
