@@ -21,8 +21,12 @@ the one in prefill since it began) and other gateways' requests waiting at the e
 dispatched but not yet leased (it is still being keyed and placed) holds its prompt tokens in
 `transit_tokens`, so a burst does not overshoot between its dispatch and its lease.
 
-Wake-ups: a lease's prefill ending (`FleetLoad.on_freed`), and, while anything waits, a tick
-every `TICK_S` (prefill progress, engine scrapes, health and the fleet change without a lease).
+Wake-ups, while anything waits: a lease's prefill ending (`FleetLoad.on_freed`), a request let
+through being placed (`Ticket.routed`: its lease now counts what its transit did), and a timer
+at the moment the running prefills' progress brings a replica under the bound (`next_room_s`);
+at the latest every `IDLE_TICK_S` (engine scrapes, health and the fleet change without a
+lease), every `TICK_S` while a request waits for its full cached replica. A request let through
+without a cached replica is placed among the replicas with room (its ticket's `avoid`).
 
 The bounded affinity wait (`router.fairness.affinity_verdict`): when the fleet has room but
 every replica holding the most of a request's prompt has none, the request waits for one of
