@@ -84,12 +84,15 @@ DEFAULT_ENGINE_PREFILL_TOKENS_PER_S = 13_000.0
 DEFAULT_FANOUT_MAX_HOLD_S = 10.0
 """However long a leader's prefill is expected to take, no sibling waits more than 10 s."""
 # -- fair flow control (issue 43; docs/flow-control.md) ------------------------------------------
-DEFAULT_FLOW_MAX_PENDING_PREFILL_S = 0.25
+DEFAULT_FLOW_MAX_PENDING_PREFILL_S = 0.1
 """A replica has room while the prefill queued on it (this gateway's unanswered prefills, less
-the progress of the one running, and other gateways' waiting requests) is under 0.25 s of work:
-the next request is sent while the engine still has a quarter second to go, far more than a
-dispatch takes even on a starved gateway (~1 ms idle, tens of ms loaded), so the engine never
-runs dry; and a request dispatched fairly waits behind at most that plus one prefill queued."""
+the progress of the one running, and other gateways' waiting requests) is under 0.1 s of work:
+the next request is sent (at that moment: a timer follows the running prefill's progress) while
+the engine still has a tenth of a second to go, over twice the dispatch latency measured on a
+loaded gateway (10-46 ms at load ~7), so the engine does not run dry; and a request the fair
+queue picks waits at the engine behind at most that. A request arriving just after every
+replica took a long prefill waits for one of them, plus this: the noisy neighbour's B at p99
+0.86-0.87 s against 0.91-1.02 s at 0.25 (docs/flow-control.md)."""
 DEFAULT_FLOW_MAX_QUEUED_PER_SCOPE = 256
 """A scope may have 256 requests waiting in the gateway (a flood of closed-loop clients, or an
 agent's fan-out, fits); the next is a 429 with Retry-After: its own backlog is full."""

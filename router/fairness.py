@@ -12,8 +12,9 @@ of a `user`-scoped tenant). Two rules order them:
        floor_share / (1 + floor_share × (num_backlogged_bands − 1))
 
    of the dispatches, and the best band keeps at least 1 / (1 + floor_share × (n − 1)).
-   Credit is earned only while backlogged, is lost when the band's backlog empties and never
-   exceeds 1 + floor_share: no band banks it.
+   Credit is earned only while backlogged, is lost when the band's backlog empties or when it
+   is served with no better band waiting (it is not starved then: a light high band's next
+   request is not put behind it), and never exceeds 1 + floor_share: no band banks it.
 
 2. **A Virtual Token Counter per scope within a band** (Sheng et al., "Fairness in Serving
    Large Language Models", OSDI 2024). Each dispatch adds its cost to its scope's counter,
@@ -300,6 +301,9 @@ class FairQueue(Generic[T]):
             if band is not None:
                 band.credit = max(band.credit - 1.0, 0.0)
             return
+        best = self._bands.get(served)
+        if best is not None:  # served with nothing better waiting: it is not starved
+            best.credit = 0.0
         for band_id in order[1:]:
             band = self._bands.get(band_id)
             if band is not None:

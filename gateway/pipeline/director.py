@@ -423,7 +423,7 @@ class Director:
             ticket = await self._wait_for_room(
                 flow, parsed, tenant, candidates, route, hashes, client_left, on_hold
             )
-            route = self._after_wait(ticket, keyed, route, looked_up)
+            route = self._after_wait(ticket, keyed, route, looked_up, parsed, tenant)
         try:
             placed = await self.placement.place(
                 policy,
@@ -479,11 +479,26 @@ class Director:
         return routed, placed.flight
 
     def _after_wait(
-        self, ticket: Ticket, keyed: Keyed, route: RouteRequest, looked_up: list[str]
+        self,
+        ticket: Ticket,
+        keyed: Keyed,
+        route: RouteRequest,
+        looked_up: list[str],
+        parsed: ParsedRequest,
+        tenant: Tenant,
     ) -> RouteRequest:
         """`route` as the events are now, for a request that waited in flow control's queue
-        (`Keying.after_wait`; unchanged in approximate mode, or when it did not wait)."""
-        if ticket.queued_s <= 0 or not self.keying.after_wait(keyed, looked_up):
+        (`Keying.after_wait`), and in approximate mode at the token estimate learnt meanwhile
+        (`Keying.resize_after_wait`); unchanged when it did not wait."""
+        if ticket.queued_s <= 0:
+            return route
+        if self.keying.resize_after_wait(keyed, parsed, tenant):
+            route = replace(
+                route,
+                num_prompt_tokens=keyed.num_prompt_tokens,
+                tokens_per_block=keyed.tokens_per_block,
+            )
+        if not self.keying.after_wait(keyed, looked_up):
             return route
         self.stats.refreshed_after_wait += 1
         suspects = self.replicas.suspects()

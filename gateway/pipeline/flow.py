@@ -21,8 +21,12 @@ the one in prefill since it began) and other gateways' requests waiting at the e
 dispatched but not yet leased (it is still being keyed and placed) holds its prompt tokens in
 `transit_tokens`, so a burst does not overshoot between its dispatch and its lease.
 
-Wake-ups: a lease's prefill ending (`FleetLoad.on_freed`), and, while anything waits, a tick
-every `TICK_S` (prefill progress, engine scrapes, health and the fleet change without a lease).
+Wake-ups, while anything waits: a lease's prefill ending (`FleetLoad.on_freed`), a request let
+through being placed (`Ticket.routed`: its lease now counts what its transit did), and a timer
+at the moment the running prefills' progress brings a replica under the bound (`next_room_s`);
+at the latest every `IDLE_TICK_S` (engine scrapes, health and the fleet change without a
+lease), every `TICK_S` while a request waits for its full cached replica. A request let through
+without a cached replica is placed among the replicas with room (its ticket's `avoid`).
 
 The bounded affinity wait (`router.fairness.affinity_verdict`): when the fleet has room but
 every replica holding the most of a request's prompt has none, the request waits for one of
@@ -74,9 +78,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TICK_S = 0.025
-"""While requests wait, room is re-read every 25 ms even without a lease ending (prefill
-progress, a scrape's engine queue, a replica back up or joined): a tenth of the default room
-bound, so the next request reaches an engine well before it runs dry."""
+"""While a request waits for its full cached replica (the affinity wait), room is re-read every
+25 ms: its bound (what its cache saves) moves with which replicas have room."""
+IDLE_TICK_S = 0.1
+"""Otherwise, while requests wait, room is re-read at the latest every 100 ms without an event
+(a scrape's engine queue, once a second by default; a replica back up or joined). The events
+that make room wake the queue themselves: a lease's prefill ending, a request let through
+being placed (its tokens leave `transit_tokens`), and a timer at the moment the running
+prefills' progress brings a replica under the bound (`next_room_s`)."""
+MIN_TICK_S = 0.001
 REJECT_REASONS = ("scope_full", "gateway_full", "scope_timeout", "fleet_timeout", "client_gone")
 AFFINITY_OUTCOMES = ("waited", "bound", "no_wait")
 """A request whose cached replica was full: let through to it after waiting (`waited`), sent
@@ -163,12 +173,17 @@ class Ticket:
         self.avoid = avoid
 
     def routed(self) -> None:
-        """Routing ended (the lease is taken before the next await) or the request failed."""
+        """Routing ended (the lease is taken before the next await) or the request failed:
+        its tokens leave transit, so the queue is pumped once its lease is counted in their
+        place: soon (the lease is taken after routing, before the next await), not now, when
+        the replica would show the room this request is about to take."""
         flow, self._flow = self._flow, None
         if flow is not None:
             flow.transit_tokens = max(flow.transit_tokens - self._tokens, 0.0)
             if self._claimed is not None:
                 flow.unclaim(self._claimed, self._tokens)
+            if flow.queue:
+                flow.pump_soon()
 
 
 NO_TICKET = Ticket(None, 0.0, 0.0)
@@ -188,6 +203,9 @@ class _Waiter:
     avoid: frozenset[str] = NO_AVOID
     claimed: str | None = None
     """Set when it is let through: the replicas its placement leaves out, the one it claims."""
+    full: frozenset[str] = NO_AVOID
+    """Set when it is let through without a cached replica: the replicas without room then,
+    which its placement leaves out too (the room it was let through for is elsewhere)."""
 
 
 class FlowControl:
@@ -215,6 +233,7 @@ class FlowControl:
         self.shared: SharedCounters | None = None
         """With Redis: the counters shared with the other gateways (set by the app)."""
         self._tick: asyncio.TimerHandle | None = None
+        self._soon: asyncio.Handle | None = None
         self.pools: Callable[[str], Sequence[Sequence[ReplicaState]]] | None = None
         """The replica pools a request of a model needs room in, each one (set by the app for a
         disaggregated fleet: its prefill pool, whose queue the room is, and its decode pool,
@@ -250,6 +269,24 @@ class FlowControl:
             s.id: headroom_tokens([self.queued_tokens(s, now_s)], bound) if s.healthy else 0.0
             for s in self.replicas.states.values()
         }
+
+    def next_room_s(self, now_s: float) -> float | None:
+        """When the running prefills' progress (at the configured rate) first brings a replica's
+        queued prefill under the bound, if before one of them ends (monotonic; None: no replica
+        gets room that way, only by an event). A replica with room already is not counted: its
+        room is taken, or an event follows (transit placed, a prefill ended)."""
+        bound, rate = self.limits.max_pending_prefill_tokens, self.limits.prefill_tokens_per_s
+        soonest: float | None = None
+        for state in self.replicas.states.values():
+            if not state.healthy or not state.num_prefilling:
+                continue
+            over = state.queued_prefill_tokens() + self.claimed.get(state.id, 0.0) - bound
+            if over < 0 or over >= state.pending_prefill_tokens / state.num_prefilling:
+                continue  # room already, or none before its prefill ends (the first token)
+            at = state.prefill_started_s + over / rate
+            if at > now_s and (soonest is None or at < soonest):
+                soonest = at
+        return soonest
 
     def model_headroom(self, model: str) -> float:
         """What a queued request of `model` may take: the least headroom over its pools."""
@@ -386,7 +423,8 @@ class FlowControl:
             await self._await_dispatch(tenant, queued, now_s, client_left, max_wait_s)
         queued_s = future.result()
         self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
-        return Ticket(self, prompt_tokens, queued_s, (band, cost), waiter.avoid, waiter.claimed)
+        avoid = waiter.avoid | waiter.full if waiter.full else waiter.avoid
+        return Ticket(self, prompt_tokens, queued_s, (band, cost), avoid, waiter.claimed)
 
     async def _await_dispatch(
         self,
@@ -491,10 +529,12 @@ class FlowControl:
     # -- dispatch ------------------------------------------------------------------------------
     def pump(self) -> None:
         """Dispatch queued requests while the fleet has room for them (synchronous: called
-        when a lease frees room, on a tick, and when a request is queued)."""
+        when a lease frees room, when a request let through is placed, on a timer, and when a
+        request is queued)."""
         if not self.queue:
             return
         headroom: dict[str, float] = {}
+        affinity_waits = False
 
         def eligible(waiter: _Waiter) -> bool:
             room = headroom.get(waiter.model)
@@ -510,6 +550,8 @@ class FlowControl:
                 waiter.cached, waited_s, time.monotonic()
             )
             if verdict == "wait":
+                nonlocal affinity_waits
+                affinity_waits = True
                 if since is None:
                     waiter.blocked_s = now_s
                 return False
@@ -520,23 +562,66 @@ class FlowControl:
             queued = self.queue.pop(eligible)
             if queued is None:
                 break
-            waiter = queued.item
-            if waiter.future.done():  # cancelled in the same turn: it is not dispatched
-                continue
-            self.transit_tokens += waiter.tokens
-            if waiter.claimed is not None:
-                self.claimed[waiter.claimed] = self.claimed.get(waiter.claimed, 0.0) + waiter.tokens
-            if waiter.blocked_s is not None:
-                self.stats.count_affinity("bound" if waiter.avoid else "waited")
-            elif waiter.avoid:
-                self.stats.count_affinity("no_wait")
-            waiter.future.set_result(now_s - queued.enqueued_s)
-            self.stats.count_dispatch(queued.band, "queued")
-        self._maybe_tick()
+            if not queued.item.future.done():  # cancelled in the same turn: not dispatched
+                self._dispatch(queued, now_s)
+        self._maybe_tick(affinity_waits)
 
-    def _maybe_tick(self) -> None:
-        if self.queue and self._tick is None:
-            self._tick = asyncio.get_running_loop().call_later(TICK_S, self._on_tick)
+    def _dispatch(self, queued: Queued[_Waiter], now_s: float) -> None:
+        """Let a waiter through: its tokens in transit (and its claim), its affinity outcome,
+        its queue time to its future."""
+        waiter = queued.item
+        if waiter.claimed is None and not waiter.avoid:
+            # let through for the room some replica has: placed where that room is (the router
+            # ranks those), not on a full one, where it would wait in the engine's queue while
+            # the replica with room idles until a prefill of ours ends
+            waiter.full = self._without_room(waiter.model)
+        self.transit_tokens += waiter.tokens
+        if waiter.claimed is not None:
+            self.claimed[waiter.claimed] = self.claimed.get(waiter.claimed, 0.0) + waiter.tokens
+        if waiter.blocked_s is not None:
+            self.stats.count_affinity("bound" if waiter.avoid else "waited")
+        elif waiter.avoid:
+            self.stats.count_affinity("no_wait")
+        waiter.future.set_result(now_s - queued.enqueued_s)
+        self.stats.count_dispatch(queued.band, "queued")
+
+    def _without_room(self, model: str) -> frozenset[str]:
+        """The replicas serving `model` that have no room now, unless none has (a disaggregated
+        fleet's placement is its pools': left to it)."""
+        if self.pools is not None:
+            return NO_AVOID
+        now_s = time.monotonic()
+        states = self.replicas.serving(model)
+        full = [s.id for s in states if not self.replica_has_room(s, now_s)]
+        return frozenset(full) if full and len(full) < len(states) else NO_AVOID
+
+    def pump_soon(self) -> None:
+        """`pump` once the current task step is over (one call however many ask)."""
+        if self._soon is None:
+            self._soon = asyncio.get_running_loop().call_soon(self._on_soon)
+
+    def _on_soon(self) -> None:
+        self._soon = None
+        self.pump()
+
+    def _maybe_tick(self, affinity_waits: bool) -> None:
+        """While anything waits, the next pump without an event: when the running prefills'
+        progress makes room, at the latest `IDLE_TICK_S` (`TICK_S` during an affinity wait);
+        an earlier one replaces a later one."""
+        if not self.queue:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        at = now + (TICK_S if affinity_waits else IDLE_TICK_S)
+        room_s = self.next_room_s(time.monotonic())
+        if room_s is not None:
+            at = min(at, now + max(room_s - time.monotonic(), MIN_TICK_S))
+        tick = self._tick
+        if tick is not None:
+            if tick.when() <= at:
+                return
+            tick.cancel()
+        self._tick = loop.call_at(at, self._on_tick)
 
     def _on_tick(self) -> None:
         self._tick = None
@@ -565,4 +650,7 @@ class FlowControl:
         if self._tick is not None:
             self._tick.cancel()
             self._tick = None
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
         self.replicas.fleet.on_freed = None

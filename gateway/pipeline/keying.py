@@ -277,6 +277,23 @@ class Keying:
             view.live if self.directory.shared is None else frozenset(),
         )
 
+    def resize_after_wait(self, keyed: Keyed, parsed: ParsedRequest, tenant: Tenant) -> bool:
+        """Approximate mode: the request's size in tokens at the estimator's current ratio of
+        bytes per token, when that moved since it was keyed (True). A request keyed before its
+        tenant's first answer was sized at the default ratio, and a wait of seconds in flow
+        control's queue is when the first answers teach the real one: placed at the stale size,
+        its lease would count a prefill of the wrong length (the room's progress estimate, the
+        load the router sees). Precise mode counts the engine's own tokens: nothing to do."""
+        if self.precise is not None or keyed.tokens_per_block <= 0:
+            return False
+        bytes_per_token = self.estimator.bytes_per_token(parsed.model, tenant=tenant.name)
+        tokens_per_block = self.keys.block_bytes / bytes_per_token
+        if abs(tokens_per_block - keyed.tokens_per_block) <= 1e-9 * tokens_per_block:
+            return False
+        keyed.num_prompt_tokens = len(parsed.rendered) / bytes_per_token
+        keyed.tokens_per_block = tokens_per_block
+        return True
+
     def after_wait(self, keyed: Keyed, candidates: Sequence[str]) -> bool:
         """A request that waited in flow control's queue: precise mode with the in-process
         index reads the events (and this gateway's homes) again, so it is placed on what the

@@ -39,7 +39,7 @@ import contextlib
 import hashlib
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +75,20 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
         default="kvgate:cache_aware,noflow:cache_aware",
         help="the noisy neighbour's routers, comma-separated: kvgate:<policy> (flow control "
         "on), noflow:<policy> (off), sglang:<policy>, vllm:<policy> (the peers, no tenants)",
+    )
+    parser.add_argument(
+        "--room-bounds",
+        default="",
+        help="noisy: run each kvgate arm once per flow_max_pending_prefill_s value "
+        "(comma-separated seconds; empty: the gateway's default), so candidates are compared "
+        "in one invocation",
+    )
+    parser.add_argument(
+        "--window-s",
+        type=float,
+        default=30.0,
+        help="weights: also report the shares in each window of this many seconds of the run "
+        "(--seconds 90: three) and the worst window's deviation from the weights",
     )
     parser.add_argument(
         "--sessions", type=int, default=8, help="affinity: B's closed-loop conversations"
@@ -170,10 +184,10 @@ async def _traffic(
 
 @contextlib.contextmanager
 def _router(
-    arm: Arm, engine_urls: Sequence[str], args: argparse.Namespace
+    arm: Arm, engine_urls: Sequence[str], args: argparse.Namespace, room_s: float | None = None
 ) -> Iterator[tuple[str, tuple[str | None, str | None]]]:
     """The arm's router on the engines: its URL and the keys A and B send (kvgate: a tenant
-    each; a peer has no tenants, so none)."""
+    each; a peer has no tenants, so none). `room_s`: kvgate's flow_max_pending_prefill_s."""
     if arm.kind in ("kvgate", "noflow"):
         env = {
             "KVGATE_FLOW_CONTROL": "true" if arm.kind == "kvgate" else "false",
@@ -181,6 +195,8 @@ def _router(
                 DEFAULT_PREFILL_TOKENS_PER_S * args.time_scale
             ),
         }
+        if room_s is not None:
+            env["KVGATE_FLOW_MAX_PENDING_PREFILL_S"] = f"{room_s:g}"
         serve = ["--tenant", f"a:{KEY_A}", "--tenant", f"b:{KEY_B}", "--log-level", "warning"]
         serve += ["--policy", arm.policy]
         with processes.gateway(engine_urls, serve, env=env) as gw:
@@ -190,11 +206,13 @@ def _router(
         yield router.targets[0], (None, None)
 
 
-def _run(args: argparse.Namespace, arm: Arm, light: bool, flood: bool) -> Run:
+def _run(
+    args: argparse.Namespace, arm: Arm, light: bool, flood: bool, room_s: float | None = None
+) -> Run:
     engine_args = ["--time-scale", str(args.time_scale), "--max-batch", "256"]
     with (
         processes.engines(args.engines, engine_args) as engines,
-        _router(arm, [e.url for e in engines], args) as (url, keys),
+        _router(arm, [e.url for e in engines], args, room_s) as (url, keys),
     ):
         return asyncio.run(_traffic(url, args, light, flood, keys))
 
@@ -212,6 +230,15 @@ class Verdict:
     server_errors: int
     a_prefill_s: float
     """One of A's prefills (its mean prompt over the engines' prefill rate)."""
+    b_share: float = 0.0
+    """B's prefill under the flood as a share of the engines' prefill time in the window: A
+    can complete at most 1 - this of what it completes on engines it keeps busy alone (the
+    engines prefill one request at a time, B's requests are served, every prompt is
+    distinct)."""
+
+    @property
+    def a_ceiling(self) -> float:
+        return 1.0 - self.b_share
 
     @property
     def bound_s(self) -> float:
@@ -225,7 +252,10 @@ class Verdict:
         if p99 > self.bound_s:
             out.append(f"B's p99 {p99:.2f} s > {self.bound_s:.2f} s")
         if self.a_flood < 0.9 * self.a_solo:
-            out.append(f"A {self.a_flood} < 90% of {self.a_solo}")
+            out.append(
+                f"A {self.a_flood} < 90% of {self.a_solo} (its ceiling with B served: "
+                f"{self.a_ceiling:.0%})"
+            )
         if self.failed:
             out.append(f"{self.failed} failed")
         if self.server_errors:
@@ -233,8 +263,11 @@ class Verdict:
         return out
 
 
-def _verdict(runs: dict[str, Run], scale: float) -> Verdict:
+def _verdict(runs: dict[str, Run], args: argparse.Namespace) -> Verdict:
+    scale = args.time_scale
     solo, a_alone, flood = runs["B alone"], runs["A alone"], runs["flood"]
+    b_prefill_s = sum(r.prompt_tokens for r in flood.b if r.ok) / DEFAULT_PREFILL_TOKENS_PER_S
+    engine_s = args.engines * args.seconds * scale
     a_prompts = [r.prompt_tokens for r in a_alone.a + flood.a if r.ok and r.prompt_tokens]
     a_tokens = sum(a_prompts) / len(a_prompts) if a_prompts else 0.0
     return Verdict(
@@ -245,6 +278,7 @@ def _verdict(runs: dict[str, Run], scale: float) -> Verdict:
         failed=sum(run.failures() for run in runs.values()),
         server_errors=sum(run.server_errors() for run in runs.values()),
         a_prefill_s=a_tokens / DEFAULT_PREFILL_TOKENS_PER_S,
+        b_share=b_prefill_s / engine_s if engine_s > 0 else 0.0,
     )
 
 
@@ -264,12 +298,45 @@ def _queued_dispatches(metrics_url: str) -> dict[str, float]:
     return out
 
 
+@dataclass
+class Window:
+    """One `--window-s` slice of the weights run: its bounds (seconds from the window's start)
+    and what each tenant had dispatched from the queue and served in it."""
+
+    start_s: float
+    end_s: float
+    dispatched: dict[str, float]
+    served_tokens: dict[str, float]
+
+
+def shares(values: Mapping[str, float]) -> dict[str, float]:
+    total = sum(values.values())
+    return {k: (v / total if total > 0 else 0.0) for k, v in values.items()}
+
+
+def worst_deviation(observed: Mapping[str, float], weights: Mapping[str, float]) -> float:
+    """The largest relative deviation of a tenant's share of `observed` from its weight's share
+    (0.1: some tenant got 10% more or less than its weight says); 1.0 when nothing was
+    observed."""
+    got, due = shares(observed), shares(weights)
+    if not sum(observed.values()):
+        return 1.0
+    return max(abs(got.get(k, 0.0) / d - 1.0) for k, d in due.items() if d > 0)
+
+
 async def _weighted_flood(
-    url: str, metrics_url: str, args: argparse.Namespace, keys: dict[str, str]
-) -> tuple[dict[str, list[Result]], dict[str, float]]:
+    url: str,
+    metrics_url: str,
+    args: argparse.Namespace,
+    keys: dict[str, str],
+    window_s: float | None = None,
+) -> tuple[dict[str, list[Result]], dict[str, float], list[tuple[float, dict[str, float], float]]]:
     """Every tenant floods with its closed-loop clients; the requests that finished within the
     window (`--seconds`, after a warm-up as in the noisy run), by tenant, and the requests the
-    fair queue dispatched within it (what the policy decides; completions trail them)."""
+    fair queue dispatched within it (what the policy decides; completions trail them). With
+    `window_s`, the dispatch counters are also read at every multiple of it within the run:
+    (seconds from the start, each tenant's dispatches so far since the start, the start's
+    monotonic time)."""
     timeout = aiohttp.ClientTimeout(total=600)
     stop = asyncio.Event()
     done: dict[str, list[Result]] = {name: [] for name in keys}
@@ -291,8 +358,17 @@ async def _weighted_flood(
         await asyncio.sleep(2.0 * args.a_words / DEFAULT_PREFILL_TOKENS_PER_S / args.time_scale)
         start = time.monotonic()
         before = await asyncio.to_thread(_queued_dispatches, metrics_url)
-        await asyncio.sleep(args.seconds)
+        marks: list[tuple[float, dict[str, float]]] = []
+        step = window_s if window_s is not None and window_s > 0 else args.seconds
+        at = step
+        while at < args.seconds - 1e-9:  # bounded: seconds / window_s marks
+            await asyncio.sleep(max(start + at - time.monotonic(), 0.0))
+            counts = await asyncio.to_thread(_queued_dispatches, metrics_url)
+            marks.append((at, {n: counts.get(n, 0.0) - before.get(n, 0.0) for n in keys}))
+            at += step
+        await asyncio.sleep(max(start + args.seconds - time.monotonic(), 0.0))
         after = await asyncio.to_thread(_queued_dispatches, metrics_url)
+        marks.append((args.seconds, {n: after.get(n, 0.0) - before.get(n, 0.0) for n in keys}))
         stop.set()
         for task in tasks:
             task.cancel()
@@ -302,7 +378,34 @@ async def _weighted_flood(
         name: [r for r in results if start <= r.start_s + r.latency_s <= end]
         for name, results in done.items()
     }
-    return finished, {name: after.get(name, 0.0) - before.get(name, 0.0) for name in keys}
+    dispatched = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in keys}
+    return finished, dispatched, [(at, counts, start) for at, counts in marks]
+
+
+def windows_of(
+    results: Mapping[str, list[Result]],
+    marks: Sequence[tuple[float, dict[str, float], float]],
+) -> list[Window]:
+    """The per-window dispatches (differences of the cumulative marks: seconds from the start,
+    dispatches so far, the start's monotonic time) and prompt tokens served (completions by
+    when they finished)."""
+    out: list[Window] = []
+    prev_s, prev = 0.0, {name: 0.0 for name in results}
+    for at, counts, start in marks:
+        served = {
+            name: float(
+                sum(
+                    r.prompt_tokens
+                    for r in rs
+                    if r.ok and prev_s < r.start_s + r.latency_s - start <= at
+                )
+            )
+            for name, rs in results.items()
+        }
+        dispatched = {name: counts.get(name, 0.0) - prev.get(name, 0.0) for name in results}
+        out.append(Window(prev_s, at, dispatched, served))
+        prev_s, prev = at, counts
+    return out
 
 
 def run_weights(args: argparse.Namespace) -> int:
@@ -324,7 +427,9 @@ def run_weights(args: argparse.Namespace) -> int:
             processes.gateway([e.url for e in engines], serve, env=env) as gw,
         ):
             assert gw.metrics_url is not None
-            results, dispatched = asyncio.run(_weighted_flood(gw.url, gw.metrics_url, args, keys))
+            results, dispatched, marks = asyncio.run(
+                _weighted_flood(gw.url, gw.metrics_url, args, keys, args.window_s)
+            )
     served = {name: sum(r.prompt_tokens for r in rs if r.ok) for name, rs in results.items()}
     total = sum(served.values()) or 1
     total_dispatched = sum(dispatched.values()) or 1
@@ -346,6 +451,31 @@ def run_weights(args: argparse.Namespace) -> int:
             f"{name:<8} {w / sum(WEIGHTS):>12.1%} {dispatched[name] / total_dispatched:>16.1%} "
             f"{served[name] / total:>12.1%} "
             f"{len(results[name]):>8} {failed:>6}"
+        )
+    weights = {f"w{w}": float(w) for w in WEIGHTS}
+    windows = windows_of(results, marks)
+    if len(windows) > 1:
+        names = " / ".join(weights)
+        print(
+            f"\nper {args.window_s:g} s window: shares {names} of the queue's dispatches and of "
+            "the prompt tokens served, and the largest deviation from a weight's share"
+        )
+        worst_d = worst_s = 0.0
+        for win in windows:
+            d = worst_deviation(win.dispatched, weights)
+            sv = worst_deviation(win.served_tokens, weights)
+            worst_d, worst_s = max(worst_d, d), max(worst_s, sv)
+            cells = [
+                " / ".join(f"{v:.1%}" for v in shares(x).values())
+                for x in (win.dispatched, win.served_tokens)
+            ]
+            print(
+                f"  {win.start_s:>4.0f}-{win.end_s:<4.0f} s  dispatched {cells[0]} ({d:.1%} off), "
+                f"served {cells[1]} ({sv:.1%} off)"
+            )
+        print(
+            f"worst window: dispatched {worst_d:.1%}, served {worst_s:.1%} off its weight's "
+            "share (goal: within 10%)"
         )
     return 1 if errors else 0
 
@@ -395,7 +525,9 @@ def run_bands(args: argparse.Namespace) -> int:
             assert gw.metrics_url is not None
             alone = asyncio.run(_traffic(gw.url, args, light=True, flood=False))
             flood = asyncio.run(_traffic(gw.url, args, light=True, flood=True))
-            _, dispatched = asyncio.run(_weighted_flood(gw.url, gw.metrics_url, args, flood_keys))
+            _, dispatched, _ = asyncio.run(
+                _weighted_flood(gw.url, gw.metrics_url, args, flood_keys)
+            )
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
         f"tokens/s, time scale {scale:g}; B (band 0): {args.b_words:,} words every "
@@ -555,6 +687,20 @@ def run_noisy(args: argparse.Namespace) -> int:
         if arm.kind not in ("kvgate", "noflow", "sglang", "vllm") or arm.gateways != 1:
             print(f"kvgate bench-fairness: arm {arm.name!r}: use kvgate, noflow, sglang or vllm")
             return 2
+    try:
+        bounds = [float(b) for b in args.room_bounds.split(",") if b.strip()]
+    except ValueError:
+        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: not numbers")
+        return 2
+    if any(b <= 0 for b in bounds):
+        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: must be positive")
+        return 2
+    variants: list[tuple[str, Arm, float | None]] = []
+    for arm in arms:
+        if arm.kind == "kvgate" and bounds:
+            variants += [(f"{arm.name} room {b:g}s", arm, b) for b in bounds]
+        else:
+            variants.append((arm.name, arm, None))
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
         f"tokens/s, time scale {scale:g}; B: {args.b_words:,} words every "
@@ -562,19 +708,20 @@ def run_noisy(args: argparse.Namespace) -> int:
         f"clients of {args.a_words:,} words; all prompts distinct"
     )
     verdicts: dict[str, Verdict] = {}
-    for arm in arms:
+    for name, arm, room_s in variants:
         missing = peer_missing(arm)
         if missing:
-            print(f"{arm.name}: skipped, {missing}")
+            print(f"{name}: skipped, {missing}")
             continue
         runs = {
-            "B alone": _run(args, arm, light=True, flood=False),
-            "A alone": _run(args, arm, light=False, flood=True),
-            "flood": _run(args, arm, light=True, flood=True),
+            "B alone": _run(args, arm, light=True, flood=False, room_s=room_s),
+            "A alone": _run(args, arm, light=False, flood=True, room_s=room_s),
+            "flood": _run(args, arm, light=True, flood=True, room_s=room_s),
         }
-        verdicts[arm.name] = _verdict(runs, scale)
+        verdicts[name] = _verdict(runs, args)
+    width = max((len(n) for n in verdicts), default=3) + 1
     print(
-        f"\n{'arm':<20} {'B solo p50/p99 s':>16} {'B flood p50/p99 s':>17} {'A solo':>6} "
+        f"\n{'arm':<{width}} {'B solo p50/p99 s':>16} {'B flood p50/p99 s':>17} {'A solo':>6} "
         f"{'A flood':>7} {'failed':>6} {'5xx':>4}  goal"
     )
     errors = 0
@@ -588,7 +735,7 @@ def run_noisy(args: argparse.Namespace) -> int:
         problems = v.problems()
         goal = "met" if not problems else "missed: " + "; ".join(problems)
         print(
-            f"{name:<20} {cells[0]:>16} {cells[1]:>17} {v.a_solo:>6} {v.a_flood:>7} "
+            f"{name:<{width}} {cells[0]:>16} {cells[1]:>17} {v.a_solo:>6} {v.a_flood:>7} "
             f"{v.failed:>6} {v.server_errors:>4}  {goal} (bound {v.bound_s:.2f} s)"
         )
     return 1 if errors else 0

@@ -24,6 +24,7 @@ import pytest
 
 from gateway.api.grpc._pb import gateway_pb2 as pb
 from gateway.billing.wal import read_directory
+from gateway.request.parsed import CHAT, ParsedRequest
 from gateway.tenancy.tenant_file import add_key
 from loadgen.engine.timing import TimingModel
 from loadgen.harness.redis_servers import RedisServer
@@ -90,7 +91,7 @@ class _Overtaking:
                 self.entered = {core: len(sent) for core, sent in self.a_dispatched.items()}
             return try_enter(tenant, *args)
 
-        flow.try_enter = entering  # type: ignore[method-assign]
+        flow.try_enter = entering  # type: ignore[method-assign,assignment]
 
     def reset(self) -> list[int]:
         ahead, self.ahead, self.entered = self.ahead, [], None
@@ -433,6 +434,62 @@ def test_queue_time_is_in_the_billing_record_and_the_access_log(
     wait_until(lambda: access_line() is not None, what="the queued request's access line")
     line = access_line()
     assert line is not None and line["queue_ms"] >= 50
+
+
+def test_a_request_queued_before_its_tenant_was_learnt_is_leased_at_the_learnt_size(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    """A request keyed at the default bytes per token waits for room; while it waits, its
+    tenant's first answer teaches the estimator a ratio 1.5 times the default. Let through, it is
+    placed, and its lease counts, at the learnt size: at the stale one, the room's progress
+    estimate would expect its prefill to end after the engine had finished it (in the noisy
+    neighbour every A request queued at the start was 1.6 times its real size, so the next
+    request went only when the first token came back and the engines idled between prefills)."""
+    (engine,) = start_engines(1)
+    gateway = start_gateway([engine])
+    the_director = director(gateway)
+    state = the_director.replicas.states[engine.url]
+    hold = gateway.on_loop(lambda: state.lease(10**9))
+    leased: list[float] = []
+    lease = state.lease
+
+    def recording(uncached_tokens: float, output_tokens: float = 0.0) -> Any:
+        leased.append(uncached_tokens)
+        return lease(uncached_tokens, output_tokens)
+
+    state.lease = recording  # type: ignore[method-assign]
+    flow = the_director.flow
+    assert flow is not None
+    default = the_director.estimator.default_bytes_per_token
+    content = words("queued-before-learning", 400)
+    keyed: list[float] = []
+    wait = flow.wait
+
+    async def waiting(*args: Any, **kwargs: Any) -> Any:
+        keyed.append(args[3])  # its prompt tokens as keyed: at the default ratio
+        return await wait(*args, **kwargs)
+
+    flow.wait = waiting  # type: ignore[method-assign]
+
+    async def queued() -> httpx.Response:
+        waiting = asyncio.create_task(asyncio.to_thread(_ask, gateway, TENANT_KEY, content))
+        await asyncio.to_thread(
+            wait_until, lambda: gateway.on_loop(lambda: len(flow.queue)) == 1, 10.0, "queued"
+        )
+
+        def learn() -> None:  # the tenant's first answer, 1.5 times the default ratio
+            parsed = ParsedRequest(CHAT, MODEL, {}, b"x" * 3_000, False, False)
+            the_director.estimator.learn(parsed, round(3_000 / (1.5 * default)), tenant="acme")
+
+        gateway.on_loop(learn)
+        gateway.on_loop(hold.release)
+        return await waiting
+
+    answer = asyncio.run(queued())
+    assert answer.status_code == 200
+    (tokens,) = leased
+    (at_default,) = keyed
+    assert tokens == pytest.approx(at_default / 1.5, rel=0.01), (tokens, at_default)
 
 
 @pytest.mark.parametrize("share", [True, False])

@@ -234,6 +234,70 @@ async def test_a_replica_freeing_room_wakes_the_queue_without_a_tick() -> None:
     flow.close()
 
 
+async def test_a_request_let_through_from_the_queue_is_placed_where_the_room_is() -> None:
+    """Both replicas full, a request waits; r1's prefill ends: it is let through for r1's room,
+    and its ticket leaves r0 out (placed on full r0, it would wait in r0's engine queue while r1
+    idled until a prefill of ours ended: half the noisy neighbour's dispatches did)."""
+    replicas = _replicas(2)
+    flow = _flow(replicas)
+    leases = [s.lease(BOUND * 2) for s in replicas.states.values()]
+    waiter = asyncio.create_task(_enter(flow, _tenant("a"), 10.0))
+    await _until(lambda: len(flow.queue) == 1, "queued")
+    leases[1].prefilled()
+    ticket = await asyncio.wait_for(waiter, 1.0)
+    assert ticket.avoid == frozenset({"http://r0"})
+    ticket.routed()
+    assert flow.stats.affinity == {}  # not an affinity outcome: nothing was cached
+    flow.close()
+
+
+async def test_the_queue_wakes_when_the_running_prefills_progress_makes_room() -> None:
+    """2,000 tokens in prefill at 20,000 tokens/s against a 1,000-token bound: the replica has
+    room 50 ms after the prefill began (1,000 left). A waiting request's next pump is timed for
+    that moment, not for a periodic tick (one a prefill ending or a placement would not bring),
+    and it is let through then, before the prefill ends."""
+    replicas = _replicas()
+    flow = _flow(replicas, prefill_tokens_per_s=20_000.0)
+    state = replicas.states["http://r0"]
+    lease = _fill(replicas)
+    waiter = asyncio.create_task(_enter(flow, _tenant("a"), 10.0))
+    await _until(lambda: len(flow.queue) == 1, "queued")
+    assert flow._tick is not None
+    assert flow._tick.when() == pytest.approx(state.prefill_started_s + 0.05, abs=0.002)
+    ticket = await asyncio.wait_for(waiter, 5.0)
+    assert state.num_prefilling == 1  # let through before the prefill ended
+    ticket.routed()
+    lease.release()
+    flow.close()
+
+
+async def test_a_placement_wakes_the_queue_it_held_back() -> None:
+    """Two requests of 1,200 tokens wait on a replica; its prefill ends and the first is let
+    through (the idle replica takes any size; 1,200 in transit fill its 1,000-token room).
+    Placed (its tokens leave transit), it wakes the queue itself once its lease (100 uncached)
+    is counted, after its task's step: the second is let through then, not at a later tick."""
+    replicas = _replicas()
+    flow = _flow(replicas)
+    state = replicas.states["http://r0"]
+    lease = _fill(replicas)
+    a = _tenant("a")
+    first = asyncio.create_task(_enter(flow, a, 1_200.0))
+    second = asyncio.create_task(_enter(flow, a, 1_200.0))
+    await _until(lambda: len(flow.queue) == 2, "both queued")
+    lease.release()
+    ticket = await first
+    assert len(flow.queue) == 1
+    ticket.routed()
+    assert len(flow.queue) == 1  # not before its lease is taken (in the same step)
+    with state.lease(100.0):  # placed: a lease of its uncached 100 (cached elsewhere)
+        assert flow._soon is not None and flow._tick is not None
+        tick_at = flow._tick.when()
+        await _until(lambda: len(flow.queue) == 0, "the second let through")
+        assert asyncio.get_running_loop().time() < tick_at  # by the placement, not the tick
+        (await second).routed()
+    flow.close()
+
+
 def _parsed(priority: int | None) -> ParsedRequest:
     return ParsedRequest(CHAT, MODEL, {}, b"x", False, False, priority=priority)
 

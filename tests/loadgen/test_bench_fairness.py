@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from loadgen.bench.fairness import Run, _verdict, add_bench_fairness_arguments, run_noisy
+from loadgen.bench.fairness import (
+    Run,
+    _verdict,
+    add_bench_fairness_arguments,
+    run_noisy,
+    windows_of,
+    worst_deviation,
+)
 from loadgen.client import Result
 from loadgen.engine.timing import DEFAULT_PREFILL_TOKENS_PER_S
 
@@ -17,19 +24,34 @@ def _a(n: int, ok: bool = True, status: int = 200) -> list[Result]:
     return [Result("a", ok, status, prompt_tokens=10_400) for _ in range(n)]
 
 
+def _args(time_scale: float) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_fairness_arguments(parser)
+    return parser.parse_args(["--time-scale", f"{time_scale:g}", "--seconds", "20"])
+
+
 def test_the_goal_is_b_p99_within_its_bound_a_at_90_percent_and_nothing_failed() -> None:
     solo = Run([_b(0.2) for _ in range(10)], [])
     a_alone = Run([], _a(60))
     prefill_s = 10_400 / DEFAULT_PREFILL_TOKENS_PER_S  # one of A's prefills: 0.8 s
-    met = _verdict({"B alone": solo, "A alone": a_alone, "flood": Run([_b(1.0)] * 10, _a(55))}, 1)
+    met = _verdict(
+        {"B alone": solo, "A alone": a_alone, "flood": Run([_b(1.0)] * 10, _a(55))}, _args(1)
+    )
     assert abs(met.bound_s - (1.5 * 0.2 + prefill_s)) < 1e-9 and met.problems() == []
+    # B's ten prefills (2 s) of the two engines' 40 s: A can complete at most 95% of its solo
+    assert abs(met.a_ceiling - (1 - 10 * 2_600 / DEFAULT_PREFILL_TOKENS_PER_S / 40)) < 1e-9
     slow = _verdict(
         {"B alone": solo, "A alone": a_alone, "flood": Run([_b(1.2)] * 10, _a(53) + _a(1, False))},
-        1,
+        _args(1),
     )
-    assert slow.problems() == ["B's p99 1.20 s > 1.10 s", "A 53 < 90% of 60", "1 failed"]
+    assert slow.problems() == [
+        "B's p99 1.20 s > 1.10 s",
+        "A 53 < 90% of 60 (its ceiling with B served: 95%)",
+        "1 failed",
+    ]
     errors = _verdict(
-        {"B alone": solo, "A alone": a_alone, "flood": Run([_b(0.5)] * 10, _a(1, False, 503))}, 2
+        {"B alone": solo, "A alone": a_alone, "flood": Run([_b(0.5)] * 10, _a(1, False, 503))},
+        _args(2),
     )
     assert errors.b_flood == [1.0] * 10  # engine time: measured × the time scale
     assert errors.problems()[-2:] == ["1 failed", "1 5xx"]
@@ -41,3 +63,32 @@ def test_an_arm_it_cannot_run_is_refused_before_anything_starts(capsys: object) 
     assert run_noisy(parser.parse_args(["--arms", "kvgate:cache_aware@2"])) == 2
     assert run_noisy(parser.parse_args(["--arms", "precise:cache_aware"])) == 2
     assert run_noisy(parser.parse_args(["--arms", "nonsense"])) == 2
+    assert run_noisy(parser.parse_args(["--room-bounds", "0.1,x"])) == 2
+    assert run_noisy(parser.parse_args(["--room-bounds", "0"])) == 2
+
+
+def test_each_window_has_its_own_shares_and_the_worst_deviation_is_the_goals_measure() -> None:
+    """Cumulative dispatch counts read at 30 s and 60 s become per-window counts; completions
+    fall in the window they finished in; a window 1:2:4 to the request is 0% off, one where
+    the lightest tenant got twice its share is 100% off."""
+    weights = {"w1": 1.0, "w2": 2.0, "w4": 4.0}
+    assert worst_deviation({"w1": 10, "w2": 20, "w4": 40}, weights) == 0.0
+    assert abs(worst_deviation({"w1": 20, "w2": 20, "w4": 30}, weights) - 1.0) < 1e-9
+    assert worst_deviation({"w1": 0, "w2": 0, "w4": 0}, weights) == 1.0
+
+    def done(name: str, finished_s: float) -> Result:
+        return Result(
+            name, True, 200, start_s=100.0 + finished_s - 1.0, latency_s=1.0, prompt_tokens=8
+        )
+
+    results = {"w1": [done("w1", 10.0)], "w2": [done("w2", 40.0), done("w2", 50.0)], "w4": []}
+    marks = [
+        (30.0, {"w1": 1.0, "w2": 2.0, "w4": 4.0}, 100.0),
+        (60.0, {"w1": 3.0, "w2": 4.0, "w4": 8.0}, 100.0),
+    ]
+    first, second = windows_of(results, marks)
+    assert (first.start_s, first.end_s, second.start_s, second.end_s) == (0.0, 30.0, 30.0, 60.0)
+    assert first.dispatched == {"w1": 1.0, "w2": 2.0, "w4": 4.0}
+    assert second.dispatched == {"w1": 2.0, "w2": 2.0, "w4": 4.0}
+    assert first.served_tokens == {"w1": 8.0, "w2": 0.0, "w4": 0.0}
+    assert second.served_tokens == {"w1": 0.0, "w2": 16.0, "w4": 0.0}
