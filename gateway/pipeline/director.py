@@ -433,6 +433,7 @@ class Director:
                 lookup,
                 self.rng,
                 on_hold=on_hold,
+                pass_over=ticket.full,
             )
         finally:
             ticket.routed()

@@ -95,6 +95,11 @@ elsewhere past the wait's bound (`bound`: `affinity_wait_s` or what its cache sa
 NO_AVOID: frozenset[str] = frozenset()
 
 
+def _holds_any(cached: Mapping[str, float] | None) -> bool:
+    """Whether any replica holds part of the request's prompt."""
+    return cached is not None and any(tokens > 0 for tokens in cached.values())
+
+
 def request_priority(parsed: ParsedRequest, tenant: Tenant) -> int:
     """The request's band: its `priority` (vLLM's field) within the tenant's allowed range, else
     the tenant's own; a value outside the range is a 400 naming the field."""
@@ -151,9 +156,10 @@ class FlowStats:
 class Ticket:
     """A dispatched request's claim on the fleet's headroom until its lease takes over (`routed`,
     once, however often called), how long it waited, what its scope was charged, and the
-    replicas its placement leaves out (full ones, when its cached replica was full)."""
+    replicas its placement leaves out (full ones, when its cached replica was full) or passes
+    over (`full`)."""
 
-    __slots__ = ("_claimed", "_flow", "_tokens", "avoid", "charge", "queued_s")
+    __slots__ = ("_claimed", "_flow", "_tokens", "avoid", "charge", "full", "queued_s")
 
     def __init__(
         self,
@@ -163,6 +169,7 @@ class Ticket:
         charge: tuple[int, float] | None = None,
         avoid: frozenset[str] = NO_AVOID,
         claimed: str | None = None,
+        full: frozenset[str] = NO_AVOID,
     ) -> None:
         self._flow = flow
         self._tokens = tokens
@@ -171,6 +178,10 @@ class Ticket:
         self.charge = charge
         """(band, weighted tokens) charged to the scope, settled by the engine's usage."""
         self.avoid = avoid
+        self.full = full
+        """The replicas without room when it was let through from the queue holding nothing
+        of its prompt: its placement passes over them, but for one it then finds a prefix on
+        (a fan-out sibling's leader landed there meanwhile: `Placement.place`'s `pass_over`)."""
 
     def routed(self) -> None:
         """Routing ended (the lease is taken before the next await) or the request failed:
@@ -423,8 +434,9 @@ class FlowControl:
             await self._await_dispatch(tenant, queued, now_s, client_left, max_wait_s)
         queued_s = future.result()
         self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
-        avoid = waiter.avoid | waiter.full if waiter.full else waiter.avoid
-        return Ticket(self, prompt_tokens, queued_s, (band, cost), avoid, waiter.claimed)
+        return Ticket(
+            self, prompt_tokens, queued_s, (band, cost), waiter.avoid, waiter.claimed, waiter.full
+        )
 
     async def _await_dispatch(
         self,
@@ -570,10 +582,13 @@ class FlowControl:
         """Let a waiter through: its tokens in transit (and its claim), its affinity outcome,
         its queue time to its future."""
         waiter = queued.item
-        if waiter.claimed is None and not waiter.avoid:
-            # let through for the room some replica has: placed where that room is (the router
-            # ranks those), not on a full one, where it would wait in the engine's queue while
-            # the replica with room idles until a prefill of ours ends
+        if waiter.claimed is None and not waiter.avoid and not _holds_any(waiter.cached):
+            # let through for the room some replica has, with no replica holding any of it:
+            # placed where that room is (the router ranks those), not on a full one, where it
+            # would wait in the engine's queue while the replica with room idles until a
+            # prefill of ours ends. A request some replica holds part of is the affinity
+            # verdict's (`_affinity`): its cached replica is not left out here (a fan-out
+            # sibling let through goes to its leader's replica).
             waiter.full = self._without_room(waiter.model)
         self.transit_tokens += waiter.tokens
         if waiter.claimed is not None:

@@ -81,11 +81,15 @@ class Placement:
         lookup: Lookup,
         rng: random.Random,
         on_hold: Callable[[float], Awaitable[object]] | None = None,
+        pass_over: frozenset[str] = frozenset(),
     ) -> Placed | None:
         """`snapshot()` is the replicas as they are now: read again after a hold, so a replica
         that left (or came) while the request waited is ranked as it is when the wait ends.
         `on_hold`: awaited with a hold's bound before the request waits (the endpoint picker
-        extends Envoy's message timeout with it)."""
+        extends Envoy's message timeout with it). `pass_over`: replicas placed on only when
+        they hold part of the prompt once fan-out is done (flow control's full replicas for a
+        request let through holding nothing: a sibling whose leader landed on one goes there),
+        or when no other is healthy."""
         depth = max(route.overlap.values(), default=0)
         replicas = snapshot()
         joined: str | None = None  # the flight this request is a sibling of
@@ -104,6 +108,10 @@ class Placement:
                 replicas = snapshot()  # a wait of up to seconds: the fleet may have moved on
             if joined is None and depth > 0:
                 joined = self._writing(route, hashes, depth)
+        if pass_over:
+            kept = [r for r in replicas if r.id not in pass_over or route.overlap.get(r.id, 0)]
+            if any(r.healthy for r in kept):
+                replicas = kept
         # 2. hot prefixes, 3. the policy (`router.plan`, the simulator's step too)
         hot = lookup.hot
         uncount = False

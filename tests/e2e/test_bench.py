@@ -269,7 +269,9 @@ def test_every_arm_reports_its_max_rate_in_the_same_run(
         assert f"{name} (run 1) rate steps: 8/s ✓" in table
         (line,) = [line for line in table.splitlines() if line.startswith(f"| {name} | 1 | 10 ")]
         assert line.endswith("| ≥ 12 |"), line
-        if name != "client:round_robin":  # CPU is counted in 10-ms ticks: over the steps
+        if name.startswith("kvgate"):  # CPU is counted in 10-ms ticks: over the steps (a
+            # Rust peer's ten requests can fit in less than one: 0 in a quiet run, with the
+            # peers installed by `.[bench]`)
             assert sum(s["router_cpu_ms_per_request"] for s in rate["steps"]) > 0, rate
 
 
