@@ -46,6 +46,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from loadgen.bench.peers import Arm, parse_arms, peer_missing, start_router
 from loadgen.client import Result, stream_chat
@@ -285,16 +286,21 @@ def _verdict(runs: dict[str, Run], args: argparse.Namespace) -> Verdict:
 WEIGHTS = (1, 2, 4)
 
 
-def _queued_dispatches(metrics_url: str) -> dict[str, float]:
-    """Requests each tenant had dispatched from the queue so far (the gateway's admin port)."""
+def _samples(metrics_url: str, family: str, suffix: str) -> Iterator[Sample]:
+    """The samples of one metric family whose name ends in `suffix` (the gateway's admin
+    port)."""
     text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
+    for found in text_string_to_metric_families(text):
+        if found.name == family:
+            yield from (s for s in found.samples if s.name.endswith(suffix))
+
+
+def _queued_dispatches(metrics_url: str) -> dict[str, float]:
+    """Requests each tenant had dispatched from the queue so far."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == "kvgate_flow_queue_seconds":
-            for sample in family.samples:
-                if sample.name.endswith("_count"):
-                    tenant = sample.labels["tenant"]
-                    out[tenant] = out.get(tenant, 0.0) + sample.value
+    for sample in _samples(metrics_url, "kvgate_flow_queue_seconds", "_count"):
+        tenant = sample.labels["tenant"]
+        out[tenant] = out.get(tenant, 0.0) + sample.value
     return out
 
 
@@ -604,14 +610,10 @@ async def _conversations(url: str, args: argparse.Namespace) -> tuple[list[Resul
 
 
 def _affinity_outcomes(metrics_url: str) -> dict[str, float]:
-    text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == "kvgate_flow_affinity":
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    out[sample.labels["outcome"]] = sample.value
-    return out
+    return {
+        s.labels["outcome"]: s.value
+        for s in _samples(metrics_url, "kvgate_flow_affinity", "_total")
+    }
 
 
 def run_affinity(args: argparse.Namespace) -> int:

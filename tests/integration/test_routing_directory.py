@@ -11,7 +11,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-import redis as sync_redis
 import uvloop
 
 from cachemap.affinity import Home
@@ -26,7 +25,7 @@ from gateway.directory.routing import DirectoryStats, RoutingDirectory
 from gateway.server.app import build
 from loadgen.harness.redis_servers import RedisServer
 from loadgen.harness.stall_proxy import StallProxy
-from tests.busy_loop import hog
+from tests.busy_loop import CommandCalls, hog, until_ran
 from tests.conftest import gateway_settings
 
 pytestmark = pytest.mark.redis
@@ -343,41 +342,6 @@ async def test_one_stall_that_fails_every_lookup_in_flight_is_one_failure_not_an
         await d.close()
 
 
-class _ScriptCalls:
-    """The EVALSHA calls every server of a Redis (one, or a cluster's masters) has run."""
-
-    def __init__(self, url: str) -> None:
-        server = sync_redis.Redis.from_url(url)
-        self._servers = [server]
-        if server.info("cluster").get("cluster_enabled"):
-            cluster = sync_redis.RedisCluster.from_url(url)
-            self._servers += [
-                sync_redis.Redis(host=n.host, port=n.port)
-                for n in cluster.get_primaries()  # type: ignore[no-untyped-call]
-                if n.port != server.connection_pool.connection_kwargs["port"]
-            ]
-            cluster.close()
-
-    def __call__(self) -> int:
-        return sum(  # a server that ran none has no line
-            int(server.info("commandstats").get("cmdstat_evalsha", {"calls": 0})["calls"])
-            for server in self._servers
-        )
-
-    def close(self) -> None:
-        for server in self._servers:
-            server.close()
-
-
-async def _until_redis_ran(calls: _ScriptCalls, before: int) -> None:
-    """Yield to the loop until Redis has run more than `before` script calls (bounded)."""
-    for _ in range(10_000):
-        await asyncio.sleep(0)
-        if calls() > before:
-            return
-    raise AssertionError("the lookup never reached Redis")
-
-
 async def _lookups_past_a_busy_loop(url: str, rounds: int) -> list[bool]:
     """Each round: a lookup is sent, Redis answers it (its `INFO commandstats` counts the call),
     then the loop is held for 10 ms, twice the 5-ms deadline, before it reads the reply.
@@ -385,7 +349,7 @@ async def _lookups_past_a_busy_loop(url: str, rounds: int) -> list[bool]:
     replica = f"http://{uuid.uuid4().hex[:8]}:8000"
     d = await composed(url, [replica])
     d.deadline_s = 0.005
-    stats = _ScriptCalls(url)
+    stats = CommandCalls(url)
     try:
         probe = chain(f"{replica}-busy", 8)
         await d.record(replica, probe)
@@ -400,7 +364,7 @@ async def _lookups_past_a_busy_loop(url: str, rounds: int) -> list[bool]:
             graced = lane.stats.late_answers if lane else 0
             calls = stats()
             task = asyncio.create_task(d.lookup(probe))
-            await _until_redis_ran(stats, calls)
+            await until_ran(stats, calls)
             # the reply may have come, and been read, in one of those yields: not this case
             unread = lane is None or lane.in_flight > 0
             hog(0.010)  # the reply is in the socket; the loop is busy past the deadline
@@ -502,7 +466,7 @@ async def test_a_loop_stalled_past_the_grace_is_not_a_redis_failure(
     its local index."""
     d = await composed(fresh_redis.url, [replica])
     d.deadline_s = 0.005
-    stats = _ScriptCalls(fresh_redis.url)
+    stats = CommandCalls(fresh_redis.url)
     try:
         probe = chain(f"{replica}-stalled", 4)
         await d.record(replica, probe)
@@ -511,7 +475,7 @@ async def test_a_loop_stalled_past_the_grace_is_not_a_redis_failure(
         for _ in range(DEGRADE_AFTER):
             calls = stats()
             task = asyncio.create_task(d.lookup(probe))
-            await _until_redis_ran(stats, calls)
+            await until_ran(stats, calls)
             hog(LAG_GRACE_S + 0.05)  # the reply is in the socket; the loop is held past grace
             await task
         assert not d.degraded
