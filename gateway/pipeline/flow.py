@@ -95,11 +95,6 @@ elsewhere past the wait's bound (`bound`: `affinity_wait_s` or what its cache sa
 NO_AVOID: frozenset[str] = frozenset()
 
 
-def _holds_any(cached: Mapping[str, float] | None) -> bool:
-    """Whether any replica holds part of the request's prompt."""
-    return cached is not None and any(tokens > 0 for tokens in cached.values())
-
-
 def request_priority(parsed: ParsedRequest, tenant: Tenant) -> int:
     """The request's band: its `priority` (vLLM's field) within the tenant's allowed range, else
     the tenant's own; a value outside the range is a 400 naming the field."""
@@ -179,9 +174,10 @@ class Ticket:
         """(band, weighted tokens) charged to the scope, settled by the engine's usage."""
         self.avoid = avoid
         self.full = full
-        """The replicas without room when it was let through from the queue holding nothing
-        of its prompt: its placement passes over them, but for one it then finds a prefix on
-        (a fan-out sibling's leader landed there meanwhile: `Placement.place`'s `pass_over`)."""
+        """The replicas without room when it was let through from the queue for another's
+        room: its placement passes over them, but for one holding part of its prompt when it
+        is placed (its cached replica, or a fan-out sibling's leader that landed there
+        meanwhile: `Placement.place`'s `pass_over`)."""
 
     def routed(self) -> None:
         """Routing ended (the lease is taken before the next await) or the request failed:
@@ -582,13 +578,11 @@ class FlowControl:
         """Let a waiter through: its tokens in transit (and its claim), its affinity outcome,
         its queue time to its future."""
         waiter = queued.item
-        if waiter.claimed is None and not waiter.avoid and not _holds_any(waiter.cached):
-            # let through for the room some replica has, with no replica holding any of it:
-            # placed where that room is (the router ranks those), not on a full one, where it
-            # would wait in the engine's queue while the replica with room idles until a
-            # prefill of ours ends. A request some replica holds part of is the affinity
-            # verdict's (`_affinity`): its cached replica is not left out here (a fan-out
-            # sibling let through goes to its leader's replica).
+        if waiter.claimed is None and not waiter.avoid:
+            # let through for the room some replica has: placed where that room is (the router
+            # ranks those), not on a full one, where it would wait in the engine's queue while
+            # the replica with room idles until a prefill of ours ends; passed over, so a full
+            # replica holding part of its prompt stays a candidate (`Ticket.full`)
             waiter.full = self._without_room(waiter.model)
         self.transit_tokens += waiter.tokens
         if waiter.claimed is not None:
