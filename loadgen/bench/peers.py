@@ -1051,7 +1051,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_RESTART_WINDOW_S,
         help="trace seconds after a restart whose hit ratio is reported (default 60)",
     )
-    parser.add_argument("--out", default="bench-results.md", help="markdown table (and .json)")
+    parser.add_argument(
+        "--out", default="results/bench-results.md", help="markdown table (and .json beside it)"
+    )
 
 
 def check_restart(args: argparse.Namespace, arms: Sequence[Arm]) -> None:
@@ -1198,6 +1200,7 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     print(header + table, flush=True)  # plain: a markdown table must not be re-wrapped
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(header + table)
     payload = {
         "command": command,
