@@ -28,7 +28,9 @@ completions, failures, and the gateway's affinity outcomes (waited / bound / no_
 
 `--scenario weights`: three tenants weighted 1:2:4 in a tenants file, all flooding; the share
 of the queue's dispatches within the window (from the admin port's metrics) and of the prompt
-tokens each was served (completed requests), beside its weight's share.
+tokens each was served (completed requests), beside its weight's share; and the same in every
+`--window-s` window sliding by `--window-step-s` (the counters are read that often), the worst
+of them against the goal.
 """
 
 from __future__ import annotations
@@ -88,8 +90,15 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
         "--window-s",
         type=float,
         default=30.0,
-        help="weights: also report the shares in each window of this many seconds of the run "
-        "(--seconds 90: three) and the worst window's deviation from the weights",
+        help="weights: also report the shares in every window of this many seconds of the run "
+        "(sliding by --window-step-s) and the worst window's deviation from the weights",
+    )
+    parser.add_argument(
+        "--window-step-s",
+        type=float,
+        default=1.0,
+        help="weights: the dispatch counters are read this often, and a window starts at each "
+        "reading (the issue's 'any 30 s': the worst of every window this far apart)",
     )
     parser.add_argument(
         "--sessions", type=int, default=8, help="affinity: B's closed-loop conversations"
@@ -335,12 +344,12 @@ async def _weighted_flood(
     metrics_url: str,
     args: argparse.Namespace,
     keys: dict[str, str],
-    window_s: float | None = None,
+    step_s: float | None = None,
 ) -> tuple[dict[str, list[Result]], dict[str, float], list[tuple[float, dict[str, float], float]]]:
     """Every tenant floods with its closed-loop clients; the requests that finished within the
     window (`--seconds`, after a warm-up as in the noisy run), by tenant, and the requests the
     fair queue dispatched within it (what the policy decides; completions trail them). With
-    `window_s`, the dispatch counters are also read at every multiple of it within the run:
+    `step_s`, the dispatch counters are also read at every multiple of it within the run:
     (seconds from the start, each tenant's dispatches so far since the start, the start's
     monotonic time)."""
     timeout = aiohttp.ClientTimeout(total=600)
@@ -365,13 +374,13 @@ async def _weighted_flood(
         start = time.monotonic()
         before = await asyncio.to_thread(_queued_dispatches, metrics_url)
         marks: list[tuple[float, dict[str, float]]] = []
-        step = window_s if window_s is not None and window_s > 0 else args.seconds
-        at = step
-        while at < args.seconds - 1e-9:  # bounded: seconds / window_s marks
-            await asyncio.sleep(max(start + at - time.monotonic(), 0.0))
+        step = step_s if step_s is not None and step_s > 0 else args.seconds
+        k = 1
+        while k * step < args.seconds - 1e-9:  # bounded: seconds / step_s marks
+            await asyncio.sleep(max(start + k * step - time.monotonic(), 0.0))
             counts = await asyncio.to_thread(_queued_dispatches, metrics_url)
-            marks.append((at, {n: counts.get(n, 0.0) - before.get(n, 0.0) for n in keys}))
-            at += step
+            marks.append((k * step, {n: counts.get(n, 0.0) - before.get(n, 0.0) for n in keys}))
+            k += 1
         await asyncio.sleep(max(start + args.seconds - time.monotonic(), 0.0))
         after = await asyncio.to_thread(_queued_dispatches, metrics_url)
         marks.append((args.seconds, {n: after.get(n, 0.0) - before.get(n, 0.0) for n in keys}))
@@ -391,30 +400,80 @@ async def _weighted_flood(
 def windows_of(
     results: Mapping[str, list[Result]],
     marks: Sequence[tuple[float, dict[str, float], float]],
+    window_s: float,
 ) -> list[Window]:
-    """The per-window dispatches (differences of the cumulative marks: seconds from the start,
-    dispatches so far, the start's monotonic time) and prompt tokens served (completions by
-    when they finished)."""
+    """Every window of `window_s` between two readings of the cumulative marks (seconds from
+    the start, dispatches so far, the start's monotonic time; the start itself reads 0): its
+    dispatches (the difference of its ends' marks) and the prompt tokens served in it
+    (completions by when they finished). Readings every step give the windows sliding by that
+    step: the issue's "over any 30 s" is the worst of them."""
+    readings = [(0.0, {name: 0.0 for name in results})] + [(at, c) for at, c, _ in marks]
+    start = marks[0][2] if marks else 0.0
+    ends = {round(at, 6): counts for at, counts in readings}
     out: list[Window] = []
-    prev_s, prev = 0.0, {name: 0.0 for name in results}
-    for at, counts, start in marks:
+    for from_s, before in readings:
+        after = ends.get(round(from_s + window_s, 6))
+        if after is None:
+            continue
+        to_s = from_s + window_s
         served = {
             name: float(
                 sum(
                     r.prompt_tokens
                     for r in rs
-                    if r.ok and prev_s < r.start_s + r.latency_s - start <= at
+                    if r.ok and from_s < r.start_s + r.latency_s - start <= to_s
                 )
             )
             for name, rs in results.items()
         }
-        dispatched = {name: counts.get(name, 0.0) - prev.get(name, 0.0) for name in results}
-        out.append(Window(prev_s, at, dispatched, served))
-        prev_s, prev = at, counts
+        dispatched = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in results}
+        out.append(Window(from_s, to_s, dispatched, served))
     return out
 
 
+def _print_windows(
+    windows: Sequence[Window], weights: Mapping[str, float], window_s: float
+) -> None:
+    """The consecutive windows' shares, then the worst of every window (sliding): the issue's
+    goal is the share within 10% of the weight's over any `window_s`."""
+    names = " / ".join(weights)
+    print(
+        f"\nper {window_s:g} s window: shares {names} of the queue's dispatches and of the "
+        "prompt tokens served, and the largest deviation from a weight's share"
+    )
+
+    def line(win: Window) -> str:
+        d = worst_deviation(win.dispatched, weights)
+        sv = worst_deviation(win.served_tokens, weights)
+        cells = [
+            " / ".join(f"{v:.1%}" for v in shares(x).values())
+            for x in (win.dispatched, win.served_tokens)
+        ]
+        return (
+            f"{win.start_s:>4.0f}-{win.end_s:<4.0f} s  dispatched {cells[0]} ({d:.1%} off), "
+            f"served {cells[1]} ({sv:.1%} off)"
+        )
+
+    for win in windows:
+        if abs(win.start_s / window_s - round(win.start_s / window_s)) < 1e-6:
+            print("  " + line(win))
+    worst_d = max(windows, key=lambda w: worst_deviation(w.dispatched, weights))
+    worst_s = max(windows, key=lambda w: worst_deviation(w.served_tokens, weights))
+    print(
+        f"worst of {len(windows)} windows of {window_s:g} s (sliding), goal within 10%:\n"
+        f"  dispatched {worst_deviation(worst_d.dispatched, weights):.1%} off: {line(worst_d)}\n"
+        f"  served {worst_deviation(worst_s.served_tokens, weights):.1%} off: {line(worst_s)}"
+    )
+
+
 def run_weights(args: argparse.Namespace) -> int:
+    steps = args.window_s / args.window_step_s if args.window_step_s > 0 else 0.0
+    if args.window_s <= 0 or steps < 1 or abs(steps - round(steps)) > 1e-6:
+        print(
+            f"kvgate bench-fairness: --window-s {args.window_s:g} must be a positive multiple "
+            f"of --window-step-s {args.window_step_s:g}"
+        )
+        return 2
     keys = {f"w{w}": f"sk-bench-weight-{w}" for w in WEIGHTS}
     lines = ["version: 1", "tenants:"]
     for w in WEIGHTS:
@@ -434,7 +493,7 @@ def run_weights(args: argparse.Namespace) -> int:
         ):
             assert gw.metrics_url is not None
             results, dispatched, marks = asyncio.run(
-                _weighted_flood(gw.url, gw.metrics_url, args, keys, args.window_s)
+                _weighted_flood(gw.url, gw.metrics_url, args, keys, args.window_step_s)
             )
     served = {name: sum(r.prompt_tokens for r in rs if r.ok) for name, rs in results.items()}
     total = sum(served.values()) or 1
@@ -459,30 +518,9 @@ def run_weights(args: argparse.Namespace) -> int:
             f"{len(results[name]):>8} {failed:>6}"
         )
     weights = {f"w{w}": float(w) for w in WEIGHTS}
-    windows = windows_of(results, marks)
-    if len(windows) > 1:
-        names = " / ".join(weights)
-        print(
-            f"\nper {args.window_s:g} s window: shares {names} of the queue's dispatches and of "
-            "the prompt tokens served, and the largest deviation from a weight's share"
-        )
-        worst_d = worst_s = 0.0
-        for win in windows:
-            d = worst_deviation(win.dispatched, weights)
-            sv = worst_deviation(win.served_tokens, weights)
-            worst_d, worst_s = max(worst_d, d), max(worst_s, sv)
-            cells = [
-                " / ".join(f"{v:.1%}" for v in shares(x).values())
-                for x in (win.dispatched, win.served_tokens)
-            ]
-            print(
-                f"  {win.start_s:>4.0f}-{win.end_s:<4.0f} s  dispatched {cells[0]} ({d:.1%} off), "
-                f"served {cells[1]} ({sv:.1%} off)"
-            )
-        print(
-            f"worst window: dispatched {worst_d:.1%}, served {worst_s:.1%} off its weight's "
-            "share (goal: within 10%)"
-        )
+    windows = windows_of(results, marks, args.window_s)
+    if windows:
+        _print_windows(windows, weights, args.window_s)
     return 1 if errors else 0
 
 

@@ -9,6 +9,7 @@ from loadgen.bench.fairness import (
     _verdict,
     add_bench_fairness_arguments,
     run_noisy,
+    run_weights,
     windows_of,
     worst_deviation,
 )
@@ -76,19 +77,43 @@ def test_each_window_has_its_own_shares_and_the_worst_deviation_is_the_goals_mea
     assert abs(worst_deviation({"w1": 20, "w2": 20, "w4": 30}, weights) - 1.0) < 1e-9
     assert worst_deviation({"w1": 0, "w2": 0, "w4": 0}, weights) == 1.0
 
-    def done(name: str, finished_s: float) -> Result:
-        return Result(
-            name, True, 200, start_s=100.0 + finished_s - 1.0, latency_s=1.0, prompt_tokens=8
-        )
-
-    results = {"w1": [done("w1", 10.0)], "w2": [done("w2", 40.0), done("w2", 50.0)], "w4": []}
+    results = {"w1": [_done("w1", 10.0)], "w2": [_done("w2", 40.0), _done("w2", 50.0)], "w4": []}
     marks = [
         (30.0, {"w1": 1.0, "w2": 2.0, "w4": 4.0}, 100.0),
         (60.0, {"w1": 3.0, "w2": 4.0, "w4": 8.0}, 100.0),
     ]
-    first, second = windows_of(results, marks)
+    first, second = windows_of(results, marks, 30.0)
     assert (first.start_s, first.end_s, second.start_s, second.end_s) == (0.0, 30.0, 30.0, 60.0)
     assert first.dispatched == {"w1": 1.0, "w2": 2.0, "w4": 4.0}
     assert second.dispatched == {"w1": 2.0, "w2": 2.0, "w4": 4.0}
     assert first.served_tokens == {"w1": 8.0, "w2": 0.0, "w4": 0.0}
     assert second.served_tokens == {"w1": 0.0, "w2": 16.0, "w4": 0.0}
+
+
+def _done(name: str, finished_s: float) -> Result:
+    return Result(name, True, 200, start_s=100.0 + finished_s - 1.0, latency_s=1.0, prompt_tokens=8)
+
+
+def test_readings_every_step_give_every_window_sliding_by_that_step() -> None:
+    """Read every 10 s over 40 s, the 20 s windows are 0-20, 10-30 and 20-40: the one
+    straddling the consecutive ones' boundary is a window of its own (the issue's "any 30 s"),
+    with its own dispatches and completions."""
+    results = {"w1": [_done("w1", 15.0)], "w2": [_done("w2", 25.0)], "w4": []}
+    marks = [
+        (10.0, {"w1": 1.0, "w2": 0.0, "w4": 0.0}, 100.0),
+        (20.0, {"w1": 2.0, "w2": 2.0, "w4": 4.0}, 100.0),
+        (30.0, {"w1": 2.0, "w2": 4.0, "w4": 8.0}, 100.0),
+        (40.0, {"w1": 3.0, "w2": 6.0, "w4": 12.0}, 100.0),
+    ]
+    windows = windows_of(results, marks, 20.0)
+    assert [(w.start_s, w.end_s) for w in windows] == [(0.0, 20.0), (10.0, 30.0), (20.0, 40.0)]
+    assert windows[1].dispatched == {"w1": 1.0, "w2": 4.0, "w4": 8.0}
+    assert windows[1].served_tokens == {"w1": 8.0, "w2": 8.0, "w4": 0.0}
+    assert windows[2].served_tokens == {"w1": 0.0, "w2": 8.0, "w4": 0.0}
+
+
+def test_a_window_that_is_not_a_multiple_of_the_step_is_refused() -> None:
+    parser = argparse.ArgumentParser()
+    add_bench_fairness_arguments(parser)
+    args = ["--scenario", "weights", "--window-s", "30", "--window-step-s", "7"]
+    assert run_weights(parser.parse_args(args)) == 2
