@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import math
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -82,9 +83,9 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--room-bounds",
         default="",
-        help="noisy: run each kvgate arm once per flow_max_pending_prefill_s value "
-        "(comma-separated seconds; empty: the gateway's default), so candidates are compared "
-        "in one invocation",
+        help="noisy and bands: run each kvgate arm (bands: the scenario) once per "
+        "flow_max_pending_prefill_s value (comma-separated seconds; empty: the gateway's "
+        "default), so candidates are compared in one invocation",
     )
     parser.add_argument(
         "--window-s",
@@ -543,11 +544,24 @@ def _tenants_file(path: Path, tenants: dict[str, tuple[str, int]]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def run_bands(args: argparse.Namespace) -> int:
-    """B (band 0, light) under A's flood (band 5), then `hi` (band 0) and `lo` (band 5) both
-    flooding, on one gateway with flow control on."""
+@dataclass
+class BandsRun:
+    """One bands run (fresh processes): B alone and under A's low-band flood, then what each
+    band had dispatched from the queue while both flooded."""
+
+    alone: Run
+    flood: Run
+    dispatched: dict[str, float]
+
+
+def _bands_once(args: argparse.Namespace, room_s: float | None) -> BandsRun:
+    """B (band 0, light) alone and under A's flood (band 5), then `hi` (band 0) and `lo` (band
+    5) both flooding, on one gateway with flow control on (`room_s`: its
+    flow_max_pending_prefill_s; None: the default)."""
     scale = args.time_scale
     env = {"KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * scale)}
+    if room_s is not None:
+        env["KVGATE_FLOW_MAX_PENDING_PREFILL_S"] = f"{room_s:g}"
     engine_args = ["--time-scale", str(scale), "--max-batch", "256"]
     flood_keys = {"hi": "sk-bench-band-hi", "lo": "sk-bench-band-lo"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -572,33 +586,68 @@ def run_bands(args: argparse.Namespace) -> int:
             _, dispatched, _ = asyncio.run(
                 _weighted_flood(gw.url, gw.metrics_url, args, flood_keys)
             )
+    return BandsRun(alone, flood, dispatched)
+
+
+def _bound_s(alone: Run, flood: Run, scale: float) -> float:
+    """The noisy neighbour's bound for B (engine time): 1.5 × its solo p99 plus one of A's
+    prefills (A's mean prompt at the engines' rate)."""
+    solo = [r.ttft_s * scale for r in alone.b if r.ok]
+    a_prompts = [r.prompt_tokens for r in flood.a if r.ok and r.prompt_tokens]
+    if not solo or not a_prompts:
+        return math.nan
+    a_prefill_s = sum(a_prompts) / len(a_prompts) / DEFAULT_PREFILL_TOKENS_PER_S
+    return 1.5 * percentile(solo, 0.99) + a_prefill_s
+
+
+def run_bands(args: argparse.Namespace) -> int:
+    """The bands scenario once per `--room-bounds` value (or once at the default): B's TTFT
+    alone and under the low band's flood against the noisy neighbour's bound, and the low
+    band's share of the dispatches against its floor."""
+    bounds = _room_bounds(args)
+    if bounds is None:
+        return 2
+    scale = args.time_scale
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
         f"tokens/s, time scale {scale:g}; B (band 0): {args.b_words:,} words every "
         f"{args.b_interval_s:g} s for {args.seconds:g} s; A (band 5): {args.a_clients} "
         f"closed-loop clients of {args.a_words:,} words; flow control on"
     )
-    print(
-        f"\n{'run':<24} {'B TTFT p50 s':>12} {'B TTFT p99 s':>12} {'B done':>7} {'A done':>7} "
-        f"{'failed':>6} {'5xx':>4}"
-    )
     errors = 0
-    for name, run in (("B alone (band 0)", alone), ("B under A's band-5 flood", flood)):
-        ttfts = [r.ttft_s * scale for r in run.b if r.ok]
-        errors += run.server_errors()
-        print(
-            f"{name:<24} {percentile(ttfts, 0.5):>12.2f} {percentile(ttfts, 0.99):>12.2f} "
-            f"{len(ttfts):>7} {sum(1 for r in run.a if r.ok):>7} {run.failures():>6} "
-            f"{run.server_errors():>4}"
-        )
-    total = sum(dispatched.values()) or 1
     floor = BANDS_FLOOR / (1 + BANDS_FLOOR)
-    hi, lo = dispatched["hi"], dispatched["lo"]
-    print(
-        f"\nboth bands flooding ({max(args.a_clients // 2, 1)} clients each, {args.seconds:g} s): "
-        f"dispatched from the queue: band 0 {hi:.0f} ({hi / total:.1%}), "
-        f"band 5 {lo:.0f} ({lo / total:.1%}; its floor {floor:.1%})"
-    )
+    runs: list[float | None] = [*bounds] if bounds else [None]
+    for room_s in runs:
+        run = _bands_once(args, room_s)
+        room = "the default room bound" if room_s is None else f"room bound {room_s:g} s"
+        print(
+            f"\n{room}:\n{'run':<24} {'B TTFT p50 s':>12} {'B TTFT p99 s':>12} {'B done':>7} "
+            f"{'A done':>7} {'failed':>6} {'5xx':>4}"
+        )
+        for name, part in (
+            ("B alone (band 0)", run.alone),
+            ("B under A's band-5 flood", run.flood),
+        ):
+            ttfts = [r.ttft_s * scale for r in part.b if r.ok]
+            errors += part.server_errors()
+            print(
+                f"{name:<24} {percentile(ttfts, 0.5):>12.2f} {percentile(ttfts, 0.99):>12.2f} "
+                f"{len(ttfts):>7} {sum(1 for r in part.a if r.ok):>7} {part.failures():>6} "
+                f"{part.server_errors():>4}"
+            )
+        b_p99 = percentile([r.ttft_s * scale for r in run.flood.b if r.ok] or [math.inf], 0.99)
+        bound_s = _bound_s(run.alone, run.flood, scale)
+        print(
+            f"B's p99 under the flood {b_p99:.2f} s against its bound (1.5 × its solo p99 + one "
+            f"of A's prefills) {bound_s:.2f} s: {'met' if b_p99 <= bound_s else 'missed'}"
+        )
+        total = sum(run.dispatched.values()) or 1
+        hi, lo = run.dispatched["hi"], run.dispatched["lo"]
+        print(
+            f"both bands flooding ({max(args.a_clients // 2, 1)} clients each, "
+            f"{args.seconds:g} s): dispatched from the queue: band 0 {hi:.0f} "
+            f"({hi / total:.1%}), band 5 {lo:.0f} ({lo / total:.1%}; its floor {floor:.1%})"
+        )
     return 1 if errors else 0
 
 
@@ -715,6 +764,19 @@ def run_bench_fairness(args: argparse.Namespace) -> int:
     return run_noisy(args)
 
 
+def _room_bounds(args: argparse.Namespace) -> list[float] | None:
+    """`--room-bounds` as numbers (empty: the gateway's default); None, said, when not."""
+    try:
+        bounds = [float(b) for b in args.room_bounds.split(",") if b.strip()]
+    except ValueError:
+        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: not numbers")
+        return None
+    if any(b <= 0 for b in bounds):
+        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: must be positive")
+        return None
+    return bounds
+
+
 def run_noisy(args: argparse.Namespace) -> int:
     """The noisy neighbour on each arm: B alone, A alone, B under A's flood."""
     scale = args.time_scale
@@ -727,13 +789,8 @@ def run_noisy(args: argparse.Namespace) -> int:
         if arm.kind not in ("kvgate", "noflow", "sglang", "vllm") or arm.gateways != 1:
             print(f"kvgate bench-fairness: arm {arm.name!r}: use kvgate, noflow, sglang or vllm")
             return 2
-    try:
-        bounds = [float(b) for b in args.room_bounds.split(",") if b.strip()]
-    except ValueError:
-        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: not numbers")
-        return 2
-    if any(b <= 0 for b in bounds):
-        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: must be positive")
+    bounds = _room_bounds(args)
+    if bounds is None:
         return 2
     variants: list[tuple[str, Arm, float | None]] = []
     for arm in arms:

@@ -6,8 +6,10 @@ import argparse
 
 from loadgen.bench.fairness import (
     Run,
+    _bound_s,
     _verdict,
     add_bench_fairness_arguments,
+    run_bands,
     run_noisy,
     run_weights,
     windows_of,
@@ -66,6 +68,15 @@ def test_an_arm_it_cannot_run_is_refused_before_anything_starts(capsys: object) 
     assert run_noisy(parser.parse_args(["--arms", "nonsense"])) == 2
     assert run_noisy(parser.parse_args(["--room-bounds", "0.1,x"])) == 2
     assert run_noisy(parser.parse_args(["--room-bounds", "0"])) == 2
+    assert run_bands(parser.parse_args(["--scenario", "bands", "--room-bounds", "x"])) == 2
+
+
+def test_the_bands_bound_is_the_noisy_neighbours() -> None:
+    """1.5 × B's solo p99 plus one of A's prefills, in engine time."""
+    alone = Run([_b(0.1) for _ in range(10)], [])
+    flood = Run([_b(0.5)], _a(4))
+    expected = 1.5 * 0.2 + 10_400 / DEFAULT_PREFILL_TOKENS_PER_S
+    assert abs(_bound_s(alone, flood, 2.0) - expected) < 1e-9
 
 
 def test_each_window_has_its_own_shares_and_the_worst_deviation_is_the_goals_measure() -> None:
