@@ -1,4 +1,5 @@
-"""`kvgate bench-fairness`'s noisy-neighbour verdict per arm (the issue's goal), and its arms."""
+"""`kvgate bench-fairness`'s noisy-neighbour verdict per arm (the issue's goal), its arms and
+windows, and what `kvgate bench` says of flow control left counting after a replay."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from loadgen.bench.fairness import (
     windows_of,
     worst_deviation,
 )
+from loadgen.bench.peers import flow_not_at_rest
 from loadgen.client import Result
 from loadgen.engine.timing import DEFAULT_PREFILL_TOKENS_PER_S
 
@@ -128,3 +130,24 @@ def test_a_window_that_is_not_a_multiple_of_the_step_is_refused() -> None:
     add_bench_fairness_arguments(parser)
     args = ["--scenario", "weights", "--window-s", "30", "--window-step-s", "7"]
     assert run_weights(parser.parse_args(args)) == 2
+
+
+def test_a_gateway_whose_flow_control_is_not_at_rest_after_the_replay_says_what_it_counts() -> None:
+    """`kvgate bench` prints, before its idle probe, what flow control still counts once the
+    replay ended (a stopped queue's signature: tokens in transit, requests queued, leases);
+    nothing at rest, where a float's rounding may leave ~1e-13."""
+    at_rest = (
+        "kvgate_flow_transit_tokens 4.5e-13\n"
+        'kvgate_replica_pending_prefill_tokens{replica="http://r0"} 5.7e-14\n'
+        'kvgate_replica_room_tokens{replica="http://r0"} 650.0\n'
+    )
+    assert flow_not_at_rest(at_rest) == ""
+    stopped = (
+        "kvgate_flow_transit_tokens 3000.0\n"
+        'kvgate_flow_queue_depth{band="0",tenant="bench"} 2.0\n'
+        'kvgate_replica_pending_prefill_tokens{replica="http://r0"} 0.0\n'
+        'kvgate_replica_room_tokens{replica="http://r0"} 650.0\n'
+    )
+    assert flow_not_at_rest(stopped) == (
+        "3000 tokens in transit, 2 queued, prefill pending {}, room {'http://r0': 650}"
+    )
