@@ -777,6 +777,22 @@ def _room_bounds(args: argparse.Namespace) -> list[float] | None:
     return bounds
 
 
+def _variants(arms: Sequence[Arm], bounds: Sequence[float]) -> list[tuple[str, Arm, float | None]]:
+    """The noisy neighbour's runs: each arm, a kvgate arm once per room bound (a bound given
+    twice runs twice, each its own row: alternated, to see the spread)."""
+    repeated = len(set(bounds)) < len(bounds)
+    variants: list[tuple[str, Arm, float | None]] = []
+    for arm in arms:
+        if arm.kind == "kvgate" and bounds:
+            variants += [
+                (f"{arm.name} room {b:g}s" + (f" #{k + 1}" if repeated else ""), arm, b)
+                for k, b in enumerate(bounds)
+            ]
+        else:
+            variants.append((arm.name, arm, None))
+    return variants
+
+
 def run_noisy(args: argparse.Namespace) -> int:
     """The noisy neighbour on each arm: B alone, A alone, B under A's flood."""
     scale = args.time_scale
@@ -792,12 +808,7 @@ def run_noisy(args: argparse.Namespace) -> int:
     bounds = _room_bounds(args)
     if bounds is None:
         return 2
-    variants: list[tuple[str, Arm, float | None]] = []
-    for arm in arms:
-        if arm.kind == "kvgate" and bounds:
-            variants += [(f"{arm.name} room {b:g}s", arm, b) for b in bounds]
-        else:
-            variants.append((arm.name, arm, None))
+    variants = _variants(arms, bounds)
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
         f"tokens/s, time scale {scale:g}; B: {args.b_words:,} words every "

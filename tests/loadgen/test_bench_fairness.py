@@ -8,6 +8,7 @@ import argparse
 from loadgen.bench.fairness import (
     Run,
     _bound_s,
+    _variants,
     _verdict,
     add_bench_fairness_arguments,
     run_bands,
@@ -16,7 +17,7 @@ from loadgen.bench.fairness import (
     windows_of,
     worst_deviation,
 )
-from loadgen.bench.peers import flow_not_at_rest
+from loadgen.bench.peers import flow_not_at_rest, parse_arms
 from loadgen.client import Result
 from loadgen.engine.timing import DEFAULT_PREFILL_TOKENS_PER_S
 
@@ -151,3 +152,16 @@ def test_a_gateway_whose_flow_control_is_not_at_rest_after_the_replay_says_what_
     assert flow_not_at_rest(stopped) == (
         "3000 tokens in transit, 2 queued, prefill pending {}, room {'http://r0': 650}"
     )
+
+
+def test_a_room_bound_given_twice_runs_twice_each_its_own_row() -> None:
+    arms = parse_arms("kvgate:cache_aware,noflow:cache_aware")
+    names = [name for name, _, _ in _variants(arms, [0.05, 0.1, 0.05, 0.1])]
+    assert names == [
+        "kvgate:cache_aware room 0.05s #1",
+        "kvgate:cache_aware room 0.1s #2",
+        "kvgate:cache_aware room 0.05s #3",
+        "kvgate:cache_aware room 0.1s #4",
+        "noflow:cache_aware",
+    ]
+    assert _variants(arms, [0.05])[0][0] == "kvgate:cache_aware room 0.05s"
