@@ -870,14 +870,16 @@ def routing_decisions(metrics_url: str) -> dict[str, int]:
 
 def flow_not_at_rest(metrics_text: str) -> str:
     """What flow control still counts once every request of the replay has ended, said when
-    anything is: tokens in transit, requests queued, replicas with prefill pending or short of
-    their room (issue 43: a run whose queue stopped, its cause unknown; these are the
-    counters a leak would leave), from the gateway's /metrics text. Empty at rest."""
+    anything is: tokens in transit, requests queued, prefill still counted on a replica (its
+    leases', or other gateways' as its engine reported them), with each replica's room (issue
+    43: a run whose queue stopped, its cause unknown; these are what a leak would leave), from
+    the gateway's /metrics text. Empty at rest."""
     from prometheus_client.parser import text_string_to_metric_families
 
     transit, queued = 0.0, 0.0
-    pending: dict[str, float] = {}
+    work: dict[str, float] = {}
     room: dict[str, float] = {}
+    counted = ("kvgate_replica_pending_prefill_tokens", "kvgate_replica_foreign_prefill_tokens")
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             replica = sample.labels.get("replica", "")
@@ -885,17 +887,16 @@ def flow_not_at_rest(metrics_text: str) -> str:
                 transit = sample.value
             elif sample.name == "kvgate_flow_queue_depth":
                 queued += sample.value
-            elif sample.name == "kvgate_replica_pending_prefill_tokens":
-                pending[replica] = sample.value
+            elif sample.name in counted:
+                work[replica] = work.get(replica, 0.0) + sample.value
             elif sample.name == "kvgate_replica_room_tokens":
                 room[replica] = sample.value
-    busy = {r: p for r, p in pending.items() if p > 1e-6}
+    busy = {r: round(p) for r, p in work.items() if p > 1e-6}
     if transit <= 1e-6 and not queued and not busy:
         return ""
-    shown = {r: round(p) for r, p in busy.items()}
     rooms = {r: round(v) for r, v in room.items()}
     return (
-        f"{transit:.0f} tokens in transit, {queued:.0f} queued, prefill pending {shown}, "
+        f"{transit:.0f} tokens in transit, {queued:.0f} queued, prefill counted {busy}, "
         f"room {rooms}"
     )
 

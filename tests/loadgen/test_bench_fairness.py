@@ -135,8 +135,8 @@ def test_a_window_that_is_not_a_multiple_of_the_step_is_refused() -> None:
 
 def test_a_gateway_whose_flow_control_is_not_at_rest_after_the_replay_says_what_it_counts() -> None:
     """`kvgate bench` prints, before its idle probe, what flow control still counts once the
-    replay ended (a stopped queue's signature: tokens in transit, requests queued, leases);
-    nothing at rest, where a float's rounding may leave ~1e-13."""
+    replay ended (a stopped queue's signature: tokens in transit, requests queued, prefill
+    counted on a replica); nothing at rest, where a float's rounding may leave ~1e-13."""
     at_rest = (
         "kvgate_flow_transit_tokens 4.5e-13\n"
         'kvgate_replica_pending_prefill_tokens{replica="http://r0"} 5.7e-14\n'
@@ -150,7 +150,15 @@ def test_a_gateway_whose_flow_control_is_not_at_rest_after_the_replay_says_what_
         'kvgate_replica_room_tokens{replica="http://r0"} 650.0\n'
     )
     assert flow_not_at_rest(stopped) == (
-        "3000 tokens in transit, 2 queued, prefill pending {}, room {'http://r0': 650}"
+        "3000 tokens in transit, 2 queued, prefill counted {}, room {'http://r0': 650}"
+    )
+    engine_queue = (  # another gateway's requests, as the engine last reported its queue
+        'kvgate_replica_pending_prefill_tokens{replica="http://r0"} 0.0\n'
+        'kvgate_replica_foreign_prefill_tokens{replica="http://r0"} 800.0\n'
+        'kvgate_replica_room_tokens{replica="http://r0"} 0.0\n'
+    )
+    assert flow_not_at_rest(engine_queue) == (
+        "0 tokens in transit, 0 queued, prefill counted {'http://r0': 800}, room {'http://r0': 0}"
     )
 
 
