@@ -423,8 +423,8 @@ class Director:
             ticket = await self._wait_for_room(
                 flow, parsed, tenant, candidates, route, hashes, client_left, on_hold
             )
+        try:  # from the ticket on, whatever happens: its tokens leave transit (`routed`)
             route = self._after_wait(ticket, keyed, route, looked_up, parsed, tenant)
-        try:
             placed = await self.placement.place(
                 policy,
                 route,

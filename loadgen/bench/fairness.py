@@ -28,7 +28,9 @@ completions, failures, and the gateway's affinity outcomes (waited / bound / no_
 
 `--scenario weights`: three tenants weighted 1:2:4 in a tenants file, all flooding; the share
 of the queue's dispatches within the window (from the admin port's metrics) and of the prompt
-tokens each was served (completed requests), beside its weight's share.
+tokens each was served (completed requests), beside its weight's share; and the same in every
+`--window-s` window sliding by `--window-step-s` (the counters are read that often), the worst
+of them against the goal.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import math
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -80,16 +83,23 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--room-bounds",
         default="",
-        help="noisy: run each kvgate arm once per flow_max_pending_prefill_s value "
-        "(comma-separated seconds; empty: the gateway's default), so candidates are compared "
-        "in one invocation",
+        help="noisy and bands: run each kvgate arm (bands: the scenario) once per "
+        "flow_max_pending_prefill_s value (comma-separated seconds; empty: the gateway's "
+        "default), so candidates are compared in one invocation",
     )
     parser.add_argument(
         "--window-s",
         type=float,
         default=30.0,
-        help="weights: also report the shares in each window of this many seconds of the run "
-        "(--seconds 90: three) and the worst window's deviation from the weights",
+        help="weights: also report the shares in every window of this many seconds of the run "
+        "(sliding by --window-step-s) and the worst window's deviation from the weights",
+    )
+    parser.add_argument(
+        "--window-step-s",
+        type=float,
+        default=1.0,
+        help="weights: the dispatch counters are read this often, and a window starts at each "
+        "reading (the issue's 'any 30 s': the worst of every window this far apart)",
     )
     parser.add_argument(
         "--sessions", type=int, default=8, help="affinity: B's closed-loop conversations"
@@ -335,12 +345,12 @@ async def _weighted_flood(
     metrics_url: str,
     args: argparse.Namespace,
     keys: dict[str, str],
-    window_s: float | None = None,
+    step_s: float | None = None,
 ) -> tuple[dict[str, list[Result]], dict[str, float], list[tuple[float, dict[str, float], float]]]:
     """Every tenant floods with its closed-loop clients; the requests that finished within the
     window (`--seconds`, after a warm-up as in the noisy run), by tenant, and the requests the
     fair queue dispatched within it (what the policy decides; completions trail them). With
-    `window_s`, the dispatch counters are also read at every multiple of it within the run:
+    `step_s`, the dispatch counters are also read at every multiple of it within the run:
     (seconds from the start, each tenant's dispatches so far since the start, the start's
     monotonic time)."""
     timeout = aiohttp.ClientTimeout(total=600)
@@ -365,13 +375,13 @@ async def _weighted_flood(
         start = time.monotonic()
         before = await asyncio.to_thread(_queued_dispatches, metrics_url)
         marks: list[tuple[float, dict[str, float]]] = []
-        step = window_s if window_s is not None and window_s > 0 else args.seconds
-        at = step
-        while at < args.seconds - 1e-9:  # bounded: seconds / window_s marks
-            await asyncio.sleep(max(start + at - time.monotonic(), 0.0))
+        step = step_s if step_s is not None and step_s > 0 else args.seconds
+        k = 1
+        while k * step < args.seconds - 1e-9:  # bounded: seconds / step_s marks
+            await asyncio.sleep(max(start + k * step - time.monotonic(), 0.0))
             counts = await asyncio.to_thread(_queued_dispatches, metrics_url)
-            marks.append((at, {n: counts.get(n, 0.0) - before.get(n, 0.0) for n in keys}))
-            at += step
+            marks.append((k * step, {n: counts.get(n, 0.0) - before.get(n, 0.0) for n in keys}))
+            k += 1
         await asyncio.sleep(max(start + args.seconds - time.monotonic(), 0.0))
         after = await asyncio.to_thread(_queued_dispatches, metrics_url)
         marks.append((args.seconds, {n: after.get(n, 0.0) - before.get(n, 0.0) for n in keys}))
@@ -391,30 +401,80 @@ async def _weighted_flood(
 def windows_of(
     results: Mapping[str, list[Result]],
     marks: Sequence[tuple[float, dict[str, float], float]],
+    window_s: float,
 ) -> list[Window]:
-    """The per-window dispatches (differences of the cumulative marks: seconds from the start,
-    dispatches so far, the start's monotonic time) and prompt tokens served (completions by
-    when they finished)."""
+    """Every window of `window_s` between two readings of the cumulative marks (seconds from
+    the start, dispatches so far, the start's monotonic time; the start itself reads 0): its
+    dispatches (the difference of its ends' marks) and the prompt tokens served in it
+    (completions by when they finished). Readings every step give the windows sliding by that
+    step: the issue's "over any 30 s" is the worst of them."""
+    readings = [(0.0, {name: 0.0 for name in results})] + [(at, c) for at, c, _ in marks]
+    start = marks[0][2] if marks else 0.0
+    ends = {round(at, 6): counts for at, counts in readings}
     out: list[Window] = []
-    prev_s, prev = 0.0, {name: 0.0 for name in results}
-    for at, counts, start in marks:
+    for from_s, before in readings:
+        after = ends.get(round(from_s + window_s, 6))
+        if after is None:
+            continue
+        to_s = from_s + window_s
         served = {
             name: float(
                 sum(
                     r.prompt_tokens
                     for r in rs
-                    if r.ok and prev_s < r.start_s + r.latency_s - start <= at
+                    if r.ok and from_s < r.start_s + r.latency_s - start <= to_s
                 )
             )
             for name, rs in results.items()
         }
-        dispatched = {name: counts.get(name, 0.0) - prev.get(name, 0.0) for name in results}
-        out.append(Window(prev_s, at, dispatched, served))
-        prev_s, prev = at, counts
+        dispatched = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in results}
+        out.append(Window(from_s, to_s, dispatched, served))
     return out
 
 
+def _print_windows(
+    windows: Sequence[Window], weights: Mapping[str, float], window_s: float
+) -> None:
+    """The consecutive windows' shares, then the worst of every window (sliding): the issue's
+    goal is the share within 10% of the weight's over any `window_s`."""
+    names = " / ".join(weights)
+    print(
+        f"\nper {window_s:g} s window: shares {names} of the queue's dispatches and of the "
+        "prompt tokens served, and the largest deviation from a weight's share"
+    )
+
+    def line(win: Window) -> str:
+        d = worst_deviation(win.dispatched, weights)
+        sv = worst_deviation(win.served_tokens, weights)
+        cells = [
+            " / ".join(f"{v:.1%}" for v in shares(x).values())
+            for x in (win.dispatched, win.served_tokens)
+        ]
+        return (
+            f"{win.start_s:>4.0f}-{win.end_s:<4.0f} s  dispatched {cells[0]} ({d:.1%} off), "
+            f"served {cells[1]} ({sv:.1%} off)"
+        )
+
+    for win in windows:
+        if abs(win.start_s / window_s - round(win.start_s / window_s)) < 1e-6:
+            print("  " + line(win))
+    worst_d = max(windows, key=lambda w: worst_deviation(w.dispatched, weights))
+    worst_s = max(windows, key=lambda w: worst_deviation(w.served_tokens, weights))
+    print(
+        f"worst of {len(windows)} windows of {window_s:g} s (sliding), goal within 10%:\n"
+        f"  dispatched {worst_deviation(worst_d.dispatched, weights):.1%} off: {line(worst_d)}\n"
+        f"  served {worst_deviation(worst_s.served_tokens, weights):.1%} off: {line(worst_s)}"
+    )
+
+
 def run_weights(args: argparse.Namespace) -> int:
+    steps = args.window_s / args.window_step_s if args.window_step_s > 0 else 0.0
+    if args.window_s <= 0 or steps < 1 or abs(steps - round(steps)) > 1e-6:
+        print(
+            f"kvgate bench-fairness: --window-s {args.window_s:g} must be a positive multiple "
+            f"of --window-step-s {args.window_step_s:g}"
+        )
+        return 2
     keys = {f"w{w}": f"sk-bench-weight-{w}" for w in WEIGHTS}
     lines = ["version: 1", "tenants:"]
     for w in WEIGHTS:
@@ -434,7 +494,7 @@ def run_weights(args: argparse.Namespace) -> int:
         ):
             assert gw.metrics_url is not None
             results, dispatched, marks = asyncio.run(
-                _weighted_flood(gw.url, gw.metrics_url, args, keys, args.window_s)
+                _weighted_flood(gw.url, gw.metrics_url, args, keys, args.window_step_s)
             )
     served = {name: sum(r.prompt_tokens for r in rs if r.ok) for name, rs in results.items()}
     total = sum(served.values()) or 1
@@ -459,30 +519,9 @@ def run_weights(args: argparse.Namespace) -> int:
             f"{len(results[name]):>8} {failed:>6}"
         )
     weights = {f"w{w}": float(w) for w in WEIGHTS}
-    windows = windows_of(results, marks)
-    if len(windows) > 1:
-        names = " / ".join(weights)
-        print(
-            f"\nper {args.window_s:g} s window: shares {names} of the queue's dispatches and of "
-            "the prompt tokens served, and the largest deviation from a weight's share"
-        )
-        worst_d = worst_s = 0.0
-        for win in windows:
-            d = worst_deviation(win.dispatched, weights)
-            sv = worst_deviation(win.served_tokens, weights)
-            worst_d, worst_s = max(worst_d, d), max(worst_s, sv)
-            cells = [
-                " / ".join(f"{v:.1%}" for v in shares(x).values())
-                for x in (win.dispatched, win.served_tokens)
-            ]
-            print(
-                f"  {win.start_s:>4.0f}-{win.end_s:<4.0f} s  dispatched {cells[0]} ({d:.1%} off), "
-                f"served {cells[1]} ({sv:.1%} off)"
-            )
-        print(
-            f"worst window: dispatched {worst_d:.1%}, served {worst_s:.1%} off its weight's "
-            "share (goal: within 10%)"
-        )
+    windows = windows_of(results, marks, args.window_s)
+    if windows:
+        _print_windows(windows, weights, args.window_s)
     return 1 if errors else 0
 
 
@@ -505,11 +544,24 @@ def _tenants_file(path: Path, tenants: dict[str, tuple[str, int]]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def run_bands(args: argparse.Namespace) -> int:
-    """B (band 0, light) under A's flood (band 5), then `hi` (band 0) and `lo` (band 5) both
-    flooding, on one gateway with flow control on."""
+@dataclass
+class BandsRun:
+    """One bands run (fresh processes): B alone and under A's low-band flood, then what each
+    band had dispatched from the queue while both flooded."""
+
+    alone: Run
+    flood: Run
+    dispatched: dict[str, float]
+
+
+def _bands_once(args: argparse.Namespace, room_s: float | None) -> BandsRun:
+    """B (band 0, light) alone and under A's flood (band 5), then `hi` (band 0) and `lo` (band
+    5) both flooding, on one gateway with flow control on (`room_s`: its
+    flow_max_pending_prefill_s; None: the default)."""
     scale = args.time_scale
     env = {"KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * scale)}
+    if room_s is not None:
+        env["KVGATE_FLOW_MAX_PENDING_PREFILL_S"] = f"{room_s:g}"
     engine_args = ["--time-scale", str(scale), "--max-batch", "256"]
     flood_keys = {"hi": "sk-bench-band-hi", "lo": "sk-bench-band-lo"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -534,33 +586,68 @@ def run_bands(args: argparse.Namespace) -> int:
             _, dispatched, _ = asyncio.run(
                 _weighted_flood(gw.url, gw.metrics_url, args, flood_keys)
             )
+    return BandsRun(alone, flood, dispatched)
+
+
+def _bound_s(alone: Run, flood: Run, scale: float) -> float:
+    """The noisy neighbour's bound for B (engine time): 1.5 × its solo p99 plus one of A's
+    prefills (A's mean prompt at the engines' rate)."""
+    solo = [r.ttft_s * scale for r in alone.b if r.ok]
+    a_prompts = [r.prompt_tokens for r in flood.a if r.ok and r.prompt_tokens]
+    if not solo or not a_prompts:
+        return math.nan
+    a_prefill_s = sum(a_prompts) / len(a_prompts) / DEFAULT_PREFILL_TOKENS_PER_S
+    return 1.5 * percentile(solo, 0.99) + a_prefill_s
+
+
+def run_bands(args: argparse.Namespace) -> int:
+    """The bands scenario once per `--room-bounds` value (or once at the default): B's TTFT
+    alone and under the low band's flood against the noisy neighbour's bound, and the low
+    band's share of the dispatches against its floor."""
+    bounds = _room_bounds(args)
+    if bounds is None:
+        return 2
+    scale = args.time_scale
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
         f"tokens/s, time scale {scale:g}; B (band 0): {args.b_words:,} words every "
         f"{args.b_interval_s:g} s for {args.seconds:g} s; A (band 5): {args.a_clients} "
         f"closed-loop clients of {args.a_words:,} words; flow control on"
     )
-    print(
-        f"\n{'run':<24} {'B TTFT p50 s':>12} {'B TTFT p99 s':>12} {'B done':>7} {'A done':>7} "
-        f"{'failed':>6} {'5xx':>4}"
-    )
     errors = 0
-    for name, run in (("B alone (band 0)", alone), ("B under A's band-5 flood", flood)):
-        ttfts = [r.ttft_s * scale for r in run.b if r.ok]
-        errors += run.server_errors()
-        print(
-            f"{name:<24} {percentile(ttfts, 0.5):>12.2f} {percentile(ttfts, 0.99):>12.2f} "
-            f"{len(ttfts):>7} {sum(1 for r in run.a if r.ok):>7} {run.failures():>6} "
-            f"{run.server_errors():>4}"
-        )
-    total = sum(dispatched.values()) or 1
     floor = BANDS_FLOOR / (1 + BANDS_FLOOR)
-    hi, lo = dispatched["hi"], dispatched["lo"]
-    print(
-        f"\nboth bands flooding ({max(args.a_clients // 2, 1)} clients each, {args.seconds:g} s): "
-        f"dispatched from the queue: band 0 {hi:.0f} ({hi / total:.1%}), "
-        f"band 5 {lo:.0f} ({lo / total:.1%}; its floor {floor:.1%})"
-    )
+    runs: list[float | None] = [*bounds] if bounds else [None]
+    for room_s in runs:
+        run = _bands_once(args, room_s)
+        room = "the default room bound" if room_s is None else f"room bound {room_s:g} s"
+        print(
+            f"\n{room}:\n{'run':<24} {'B TTFT p50 s':>12} {'B TTFT p99 s':>12} {'B done':>7} "
+            f"{'A done':>7} {'failed':>6} {'5xx':>4}"
+        )
+        for name, part in (
+            ("B alone (band 0)", run.alone),
+            ("B under A's band-5 flood", run.flood),
+        ):
+            ttfts = [r.ttft_s * scale for r in part.b if r.ok]
+            errors += part.server_errors()
+            print(
+                f"{name:<24} {percentile(ttfts, 0.5):>12.2f} {percentile(ttfts, 0.99):>12.2f} "
+                f"{len(ttfts):>7} {sum(1 for r in part.a if r.ok):>7} {part.failures():>6} "
+                f"{part.server_errors():>4}"
+            )
+        b_p99 = percentile([r.ttft_s * scale for r in run.flood.b if r.ok] or [math.inf], 0.99)
+        bound_s = _bound_s(run.alone, run.flood, scale)
+        print(
+            f"B's p99 under the flood {b_p99:.2f} s against its bound (1.5 × its solo p99 + one "
+            f"of A's prefills) {bound_s:.2f} s: {'met' if b_p99 <= bound_s else 'missed'}"
+        )
+        total = sum(run.dispatched.values()) or 1
+        hi, lo = run.dispatched["hi"], run.dispatched["lo"]
+        print(
+            f"both bands flooding ({max(args.a_clients // 2, 1)} clients each, "
+            f"{args.seconds:g} s): dispatched from the queue: band 0 {hi:.0f} "
+            f"({hi / total:.1%}), band 5 {lo:.0f} ({lo / total:.1%}; its floor {floor:.1%})"
+        )
     return 1 if errors else 0
 
 
@@ -677,6 +764,35 @@ def run_bench_fairness(args: argparse.Namespace) -> int:
     return run_noisy(args)
 
 
+def _room_bounds(args: argparse.Namespace) -> list[float] | None:
+    """`--room-bounds` as numbers (empty: the gateway's default); None, said, when not."""
+    try:
+        bounds = [float(b) for b in args.room_bounds.split(",") if b.strip()]
+    except ValueError:
+        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: not numbers")
+        return None
+    if any(b <= 0 for b in bounds):
+        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: must be positive")
+        return None
+    return bounds
+
+
+def _variants(arms: Sequence[Arm], bounds: Sequence[float]) -> list[tuple[str, Arm, float | None]]:
+    """The noisy neighbour's runs: each arm, a kvgate arm once per room bound (a bound given
+    twice runs twice, each its own row: alternated, to see the spread)."""
+    repeated = len(set(bounds)) < len(bounds)
+    variants: list[tuple[str, Arm, float | None]] = []
+    for arm in arms:
+        if arm.kind == "kvgate" and bounds:
+            variants += [
+                (f"{arm.name} room {b:g}s" + (f" #{k + 1}" if repeated else ""), arm, b)
+                for k, b in enumerate(bounds)
+            ]
+        else:
+            variants.append((arm.name, arm, None))
+    return variants
+
+
 def run_noisy(args: argparse.Namespace) -> int:
     """The noisy neighbour on each arm: B alone, A alone, B under A's flood."""
     scale = args.time_scale
@@ -689,20 +805,10 @@ def run_noisy(args: argparse.Namespace) -> int:
         if arm.kind not in ("kvgate", "noflow", "sglang", "vllm") or arm.gateways != 1:
             print(f"kvgate bench-fairness: arm {arm.name!r}: use kvgate, noflow, sglang or vllm")
             return 2
-    try:
-        bounds = [float(b) for b in args.room_bounds.split(",") if b.strip()]
-    except ValueError:
-        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: not numbers")
+    bounds = _room_bounds(args)
+    if bounds is None:
         return 2
-    if any(b <= 0 for b in bounds):
-        print(f"kvgate bench-fairness: --room-bounds {args.room_bounds!r}: must be positive")
-        return 2
-    variants: list[tuple[str, Arm, float | None]] = []
-    for arm in arms:
-        if arm.kind == "kvgate" and bounds:
-            variants += [(f"{arm.name} room {b:g}s", arm, b) for b in bounds]
-        else:
-            variants.append((arm.name, arm, None))
+    variants = _variants(arms, bounds)
     print(
         f"engines: {args.engines} simulated at {DEFAULT_PREFILL_TOKENS_PER_S:,.0f} prefill "
         f"tokens/s, time scale {scale:g}; B: {args.b_words:,} words every "

@@ -4,6 +4,7 @@ clients that leave. The engines are not needed: leases put the load on the repli
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -402,3 +403,71 @@ def test_a_replicas_queued_prefill_is_its_snapshots_without_building_one(
     if waiting is not None and waiting > 1:
         assert snapshot.foreign_prefill_tokens > 0
     lease.release()
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_whatever_way_requests_end_nothing_stays_in_transit_or_claimed(seed: int) -> None:
+    """Random traffic on three replicas, cached on some (the affinity wait's claims): requests
+    let through at once or from the queue, placed (a lease) or failing before it, clients
+    leaving while queued (the front end's watch, or the task cancelled, some in the very turn
+    a prefill's end lets them through), queue timeouts. Once every request has ended and
+    every lease is released, no token is left in transit or claimed and the queue is empty:
+    a leak there would hold room against the fleet for good (issue 43's stall at 0.05 s)."""
+    rng = random.Random(seed)
+    replicas = _replicas(3)
+    flow = _flow(replicas, max_queue_s=0.02, max_queued_per_scope=64, max_queued=256)
+    flow.limits = FlowLimits(**{**flow.limits.__dict__, "affinity_wait_s": 0.01})
+    states = list(replicas.states.values())
+    leases: list[Lease] = []
+    tasks: list[asyncio.Task[None]] = []
+    leaving: list[asyncio.Event] = []
+
+    async def request(n: int) -> None:
+        tokens = rng.choice([50.0, 400.0, 1_500.0])
+        cached = None
+        if rng.random() < 0.4:
+            cached = {s.id: (tokens / 2 if s is states[n % 3] else 0.0) for s in states}
+        tenant = _tenant(rng.choice("abc"))
+        left = asyncio.Event()
+        leaving.append(left)
+
+        async def client_left() -> None:
+            await left.wait()
+
+        ticket = flow.try_enter(tenant, 0, tokens, 0.0, states, cached)
+        if ticket is None:
+            ticket = await flow.wait(tenant, 0, MODEL, tokens, 0.0, client_left, cached=cached)
+        try:
+            if rng.random() < 0.8:  # placed: its lease takes over (else it fails first)
+                leases.append(rng.choice(states).lease(tokens))
+        finally:
+            ticket.routed()
+
+    for n in range(300):
+        roll = rng.random()
+        if roll < 0.45:
+            tasks.append(asyncio.create_task(request(n)))
+        elif roll < 0.65 and leases:
+            lease = leases.pop(rng.randrange(len(leases)))
+            lease.prefilled()  # may let a waiter through in this very turn...
+            if tasks and rng.random() < 0.5:
+                rng.choice(tasks).cancel()  # ...whose client goes before it resumes
+            lease.release()
+        elif roll < 0.75 and tasks:
+            rng.choice(tasks).cancel()
+        elif roll < 0.85 and leaving:
+            rng.choice(leaving).set()
+        for _ in range(rng.randrange(3)):
+            await asyncio.sleep(0)
+    for lease in leases:
+        lease.release()
+    leases.clear()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10.0)
+    for lease in leases:  # placed after the first release
+        lease.release()
+    errors = (QueueFull, Overloaded, ClientGone, asyncio.CancelledError)
+    assert all(r is None or isinstance(r, errors) for r in results), results
+    assert len(flow.queue) == 0
+    assert flow.transit_tokens == pytest.approx(0.0, abs=1e-6)
+    assert flow.claimed == {}
+    flow.close()
