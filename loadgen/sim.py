@@ -74,7 +74,7 @@ from cachemap.events import DEFAULT_SPECULATIVE_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
 from cachemap.rates import PrefixRates
-from cachemap.redis.directory import PLACEMENT_TTL_S
+from cachemap.redis.directory import PLACEMENT_TTL_S, blocks_per_generation
 from loadgen.engine.kvpool import BlockPool, CacheEvent, Cleared, Removed, Stored
 from loadgen.engine.timing import (
     DEFAULT_DECODE_S_PER_CONTEXT_TOKEN,
@@ -623,13 +623,14 @@ class _EventDirectory:
 class _GenerationIndex:
     """A replica's capacity as the Redis directory keeps it (`cachemap.redis.scripts`: RECORD,
     COUNT, the lookup's live generations): an entry carries the generation it was written at,
-    a record counts the blocks new to the replica's generation, and after `capacity / 2` of
-    them the generation advances; only the current and the previous one match. An LRU
-    approximated by two generations: it holds between half and all of `capacity` of the
-    replica's most recently recorded blocks, where `MemoryIndex` holds exactly `capacity`."""
+    a record counts the blocks new to the replica's generation, and after
+    `blocks_per_generation(capacity)` of them the generation advances; only the current and
+    the previous one match. An LRU approximated by two generations: it holds between one and
+    two generations' worth of the replica's most recently recorded blocks, where `MemoryIndex`
+    holds exactly `capacity`."""
 
     def __init__(self, capacity_blocks: int, ttl_s: float, clock: _Clock) -> None:
-        self.per_generation = max(capacity_blocks // 2, 1)
+        self.per_generation = blocks_per_generation(capacity_blocks)
         self.ttl_s = ttl_s
         self.clock = clock
         self._entries: dict[str, dict[bytes, tuple[int, float]]] = {}

@@ -74,18 +74,22 @@ def test_a_gateway_sees_its_own_requests_at_once_and_its_peers_at_their_rounds()
     assert gateways.seen(1, "r0").pending_prefill_tokens == 500.0  # its own, exact
 
 
-def test_the_redis_capacity_holds_between_half_and_all_of_the_most_recent_blocks() -> None:
+def test_the_redis_capacity_holds_one_to_two_generations_of_the_most_recent_blocks() -> None:
     clock = _Clock()
-    index = _GenerationIndex(capacity_blocks=8, ttl_s=3600.0, clock=clock)
-    blocks = [BlockHash(bytes([i]) * 16) for i in range(12)]
-    for block in blocks:  # one new block a record: the generation advances every 4
+    index = _GenerationIndex(capacity_blocks=8, ttl_s=3600.0, clock=clock)  # 6 a generation
+    blocks = [BlockHash(bytes([i]) * 16) for i in range(18)]
+    for block in blocks[:17]:  # one new block a record: generations 1 and 2 begin at 6 and 12
         index.record("r", [block])
-    held = [b for b in blocks if index.lookup([b]).get("r")]
-    assert held == blocks[8:]  # generation 2 is full and current: only 4 of the 8 match
-    index.record("r", [blocks[8]])  # used again in its generation: not new
-    index.record("r", [BlockHash(bytes([99]) * 16)])
-    assert [b for b in blocks if index.lookup([b]).get("r")] == blocks[8:]
-    assert index.lookup([blocks[8], blocks[9], blocks[0]]) == {"r": 2}
+
+    def held() -> list[BlockHash]:
+        return [b for b in blocks if index.lookup([b]).get("r")]
+
+    assert held() == blocks[6:17]  # generations 1 and 2: 11 entries of a capacity of 8
+    index.record("r", [blocks[16]])  # used again in its generation: not new
+    assert held() == blocks[6:17]
+    index.record("r", [blocks[17]])  # the sixth new block of generation 2: generation 3 begins
+    assert held() == blocks[12:]  # 6 of 8, the fewest it holds
+    assert index.lookup([blocks[12], blocks[13], blocks[0]]) == {"r": 2}
 
 
 def test_the_simulated_load_share_round_is_the_gateways_default() -> None:
