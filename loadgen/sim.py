@@ -34,6 +34,17 @@ Two directories (`SimConfig.mode`):
   sent a request using them (a gateway knows when it routed; the engine's events say what
   is stored and gone). Cache-blind policies read no directory and run in approximate mode only.
 
+Many gateways (`SimConfig.gateways`, issue 39): requests are spread round robin over N routers
+on one shared directory, as a Service spreads them over gateways on one Redis. What Redis shares
+is shared: the entries (kept as the Redis directory keeps them: `_GenerationIndex`), the
+placements in flight (`<rid>+`, `cachemap.redis.directory.PLACEMENT_TTL_S`), the hot-prefix
+rates and k, the conversations' homes, precise mode's event index and speculative entries. What
+a gateway keeps to itself is its own: its requests' load counted exactly (`Lease`), its peers'
+as they published it at their last load-share round (`_Gateways`, gateway.fleet.shared_load).
+`SimConfig.as_one` models a piece as one in-process gateway has it, to find what costs the hit
+ratio. Not modelled (at one gateway either): the engines' /metrics, fan-out holds, flow control,
+the write-behind queue's latency and reconciliation.
+
 Invariants (checked by the tests): for every request cached + uncached = input; the ideal hit
 ratio bounds every policy's; the same seed gives the same result.
 """
@@ -41,6 +52,7 @@ ratio bounds every policy's; the same seed gives the same result.
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import itertools
 import math
@@ -49,7 +61,7 @@ import statistics
 import struct
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -62,6 +74,7 @@ from cachemap.events import DEFAULT_SPECULATIVE_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
 from cachemap.rates import PrefixRates
+from cachemap.redis.directory import PLACEMENT_TTL_S, blocks_per_generation
 from loadgen.engine.kvpool import BlockPool, CacheEvent, Cleared, Removed, Stored
 from loadgen.engine.timing import (
     DEFAULT_DECODE_S_PER_CONTEXT_TOKEN,
@@ -125,6 +138,16 @@ MODES = (APPROXIMATE, PRECISE)
 DEFAULT_EVENT_DELAY_S = 0.05
 """KV events reach the directory 50 ms after the engine changed: vLLM publishes once per
 engine step (10–30 ms), then ZMQ and the gateway's ingest."""
+DEFAULT_GATEWAYS = 1
+DEFAULT_LOAD_SHARE_INTERVAL_S = 0.1
+"""The gateway's `load_share_interval_s` default (`gateway.settings`), in trace seconds."""
+LOAD = "load"
+CAPACITY = "capacity"
+PLACEMENTS = "placements"
+AS_ONE = (LOAD, CAPACITY, PLACEMENTS)
+"""What `SimConfig.as_one` can model as one in-process gateway has it, at N gateways: every
+gateway's load known at once (`load`), the directory an exact LRU per replica (`capacity`), no
+placements in flight (`placements`)."""
 SIM_MODEL = "kvgate-sim-8b"
 _ID_BYTES = 8
 """A hash id is packed as 8 little-endian bytes: one 'block' of cachemap's chain."""
@@ -161,8 +184,24 @@ class SimConfig:
     stickiness: float | None = None
     """The load bound's stickiness; None: the mode's default, as the gateway's
     (`router.registry.stickiness_for`), which replaces `router.stickiness`."""
+    gateways: int = DEFAULT_GATEWAYS
+    """Routers on one shared directory, requests round robin over them (module docstring); 1:
+    one in-process gateway."""
+    load_share_interval_s: float = DEFAULT_LOAD_SHARE_INTERVAL_S
+    """How often each of several gateways publishes its load and reads its peers'."""
+    as_one: frozenset[str] = frozenset()
+    """Of `AS_ONE`: pieces modelled at several gateways as one in-process gateway has them."""
 
     def __post_init__(self) -> None:
+        if self.gateways < 1:
+            raise ValueError(f"gateways must be at least 1, got {self.gateways}")
+        if self.load_share_interval_s <= 0:
+            raise ValueError(
+                f"load_share_interval_s must be positive, got {self.load_share_interval_s}"
+            )
+        unknown = self.as_one - set(AS_ONE)
+        if unknown:
+            raise ValueError(f"unknown as_one {sorted(unknown)}; choose from {AS_ONE}")
         if self.mode not in MODES:
             raise ValueError(f"unknown directory mode {self.mode!r}; choose one of {MODES}")
         if self.event_delay_s < 0:
@@ -329,6 +368,21 @@ class _Clock:
         return self.now
 
 
+@dataclass(slots=True)
+class _Load:
+    """Requests on one replica as a lease counts them (`gateway.fleet.replicas.Lease`): in
+    flight, their uncached prefill until the first token, their output until the end."""
+
+    num_inflight: int = 0
+    pending_prefill_tokens: float = 0.0
+    decode_tokens: float = 0.0
+
+    def add(self, other: _Load) -> None:
+        self.num_inflight += other.num_inflight
+        self.pending_prefill_tokens += other.pending_prefill_tokens
+        self.decode_tokens += other.decode_tokens
+
+
 @dataclass
 class _ReplicaState:
     id: str
@@ -339,13 +393,17 @@ class _ReplicaState:
     routed_s: dict[bytes, float] = field(default_factory=dict)
     """When the router last sent this replica a request using each block (precise mode)."""
 
-    def snapshot(self, frontier: KvFrontier | None = None) -> Replica:
+    def snapshot(self, frontier: KvFrontier | None = None, seen: _Load | None = None) -> Replica:
+        """The replica as a router sees it: every request on it, or what one of several
+        gateways `seen` of them."""
+        if seen is None:
+            seen = _Load(self.num_inflight, self.pending_prefill_tokens, self.decode_tokens)
         return Replica(
             self.id,
             True,
-            self.num_inflight,
-            self.pending_prefill_tokens,
-            decode_tokens=self.decode_tokens,
+            seen.num_inflight,
+            seen.pending_prefill_tokens,
+            decode_tokens=seen.decode_tokens,
             kv_frontier=frontier,
         )
 
@@ -377,6 +435,49 @@ class _ReplicaState:
             idle = now - used_s if used_s is not None else math.inf
             runs.append((sum(1 for _ in run), idle))
         return KvFrontier(empty, tuple(runs), pool.capacity_blocks, live)
+
+
+class _Gateways:
+    """Several gateways' views of the load (`gateway.fleet.shared_load`): each counts its own
+    requests exactly, and its peers' as they were at their last round. A gateway's round, every
+    `round_s` (staggered over the gateways, as they start at different instants), writes its
+    own figures and reads the others' last written ones in one call, so a peer's figure is up
+    to two rounds old when a decision reads it: a prefill that ended since is still counted,
+    one sent since is not."""
+
+    def __init__(self, count: int, round_s: float, replicas: Sequence[str]) -> None:
+        self.round_s = round_s
+        self.replicas = tuple(replicas)
+        self.own = [{r: _Load() for r in replicas} for _ in range(count)]
+        self._published = [{r: _Load() for r in replicas} for _ in range(count)]
+        self._peers = [{r: _Load() for r in replicas} for _ in range(count)]
+        self._next = [g * round_s / count for g in range(count)]
+
+    def rounds_until(self, now: float) -> None:
+        """Every gateway's rounds due by `now`, in time order (one gateway has no peers)."""
+        due = self._next
+        if len(due) == 1:
+            return
+        while True:
+            g = min(range(len(due)), key=due.__getitem__)
+            if due[g] > now:
+                return
+            self._round(g)
+            due[g] += self.round_s
+
+    def _round(self, g: int) -> None:
+        self._published[g] = {r: replace(load) for r, load in self.own[g].items()}
+        peers = self._peers[g] = {r: _Load() for r in self.replicas}
+        for h, published in enumerate(self._published):
+            if h != g:
+                for r, load in published.items():
+                    peers[r].add(load)
+
+    def seen(self, g: int, replica: str) -> _Load:
+        """What gateway `g` counts on `replica`: its own requests and its peers' last figures."""
+        seen = replace(self.own[g][replica])
+        seen.add(self._peers[g][replica])
+        return seen
 
 
 class _Conversations:
@@ -519,19 +620,126 @@ class _EventDirectory:
                     self.index.forget(replica)
 
 
+class _GenerationIndex:
+    """A replica's capacity as the Redis directory keeps it (`cachemap.redis.scripts`: RECORD,
+    COUNT, the lookup's live generations): an entry carries the generation it was written at,
+    a record counts the blocks new to the replica's generation, and after
+    `blocks_per_generation(capacity)` of them the generation advances; only the current and
+    the previous one match. An LRU approximated by two generations: it holds between one and
+    two generations' worth of the replica's most recently recorded blocks, where `MemoryIndex`
+    holds exactly `capacity`."""
+
+    def __init__(self, capacity_blocks: int, ttl_s: float, clock: _Clock) -> None:
+        self.per_generation = blocks_per_generation(capacity_blocks)
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._entries: dict[str, dict[bytes, tuple[int, float]]] = {}
+        self._generation: dict[str, int] = {}
+        self._count: dict[str, int] = {}
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        expired_before = self.clock() - self.ttl_s
+        out: dict[str, int] = {}
+        for replica, entries in self._entries.items():
+            live = self._generation[replica] - 1
+            depth = 0
+            for block in hashes:
+                entry = entries.get(block)
+                if entry is None or entry[0] < live or entry[1] <= expired_before:
+                    break
+                depth += 1
+            if depth:
+                out[replica] = depth
+        return out
+
+    def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        now = self.clock()
+        entries = self._entries.setdefault(replica, {})
+        generation = self._generation.setdefault(replica, 0)
+        new = 0
+        for block in hashes:
+            old = entries.get(block)
+            new += old is None or old[0] != generation
+            entries[block] = (generation, now)
+        count = self._count.get(replica, 0) + new
+        if count >= self.per_generation:
+            generation += 1
+            self._generation[replica], count = generation, 0
+            # an older generation never matches again: its entries go (Redis's go by TTL)
+            self._entries[replica] = {b: e for b, e in entries.items() if e[0] >= generation - 1}
+        self._count[replica] = count
+
+
+class _SharedDirectory:
+    """Approximate mode at several gateways: the Redis directory (`cachemap.redis`), its
+    capacity by generations (`_GenerationIndex`; or a `MemoryIndex`, `as_one` capacity) and the
+    placements in flight: a request's blocks past what its replica was seen to hold count as
+    held there from its routing (`RoutingDirectory.place`) until its first token's record
+    replaces them or `placement_ttl_s` passes. A replica's match walks on through a block its
+    entry or its placement holds, as the lookup script's does."""
+
+    def __init__(self, index: MemoryIndex | _GenerationIndex, placement_ttl_s: float) -> None:
+        self.index = index
+        self.placement_ttl_s = placement_ttl_s
+        self._placed: dict[str, dict[bytes, float]] = {}
+        """Per replica: block -> when its placement expires."""
+        self._seen_of: Sequence[BlockHash] | None = None
+        self._seen: dict[str, int] = {}
+        """The last lookup's chain and its overlap (what the director's `place` reads)."""
+
+    def first_token(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+        self.index.record(replica, hashes)
+        placed = self._placed.get(replica)
+        if placed:  # the record deletes the placement it replaces
+            for h in hashes:
+                placed.pop(h, None)
+
+    def speculate(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
+        if self.placement_ttl_s <= 0 or not hashes:
+            return
+        held = self._seen.get(replica, 0) if self._seen_of is hashes else 0
+        placed = self._placed.setdefault(replica, {})
+        placed.update(dict.fromkeys(hashes[held:], now + self.placement_ttl_s))
+        if len(placed) > 4 * len(hashes) + 4096:  # expired ones go, amortised
+            self._placed[replica] = {h: t for h, t in placed.items() if t > now}
+
+    def lookup(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
+        if not hashes:
+            return {}
+        overlap = self.index.lookup(hashes)
+        for replica, placed in self._placed.items():
+            depth = overlap.get(replica, 0)
+            while depth < len(hashes) and placed.get(hashes[depth], -math.inf) > now:
+                depth += 1
+                if depth < len(hashes):  # an entry past the placement continues the walk
+                    depth += self.index.lookup(hashes[depth:]).get(replica, 0)
+            if depth:
+                overlap[replica] = depth
+        self._seen_of, self._seen = hashes, dict(overlap)
+        return overlap
+
+    def engine_events(self, now: float, replica: str, events: list[CacheEvent]) -> None:
+        pass
+
+    def catch_up(self, now: float) -> None:
+        pass
+
+
 def _directory(
     config: SimConfig, per_replica: int, clock: _Clock
-) -> _PredictingDirectory | _EventDirectory:
+) -> _PredictingDirectory | _EventDirectory | _SharedDirectory:
     if config.mode == PRECISE:
         # NOTE: events arrive in order, so the index never holds more than its engine did:
         # a capacity twice the engine's never evicts, and no TTL (an entry leaves by event)
         index = MemoryIndex(capacity_blocks=2 * per_replica + 1, ttl_s=math.inf, clock=clock)
         return _EventDirectory(index, config.event_delay_s, config.speculative_ttl_s)
-    index = MemoryIndex(
-        capacity_blocks=max(int(per_replica * config.directory_scale), 1),
-        ttl_s=config.directory_ttl_s,
-        clock=clock,
-    )
+    capacity = max(int(per_replica * config.directory_scale), 1)
+    if config.gateways > 1 and CAPACITY not in config.as_one:
+        ttl = 0.0 if PLACEMENTS in config.as_one else PLACEMENT_TTL_S
+        return _SharedDirectory(_GenerationIndex(capacity, config.directory_ttl_s, clock), ttl)
+    index = MemoryIndex(capacity_blocks=capacity, ttl_s=config.directory_ttl_s, clock=clock)
+    if config.gateways > 1 and PLACEMENTS not in config.as_one:
+        return _SharedDirectory(index, PLACEMENT_TTL_S)
     return _PredictingDirectory(index)
 
 
@@ -565,6 +773,7 @@ def simulate(
     ]
     by_id = {r.id: r for r in replicas}
     index_of = {r.id: i for i, r in enumerate(replicas)}
+    gateways = _Gateways(config.gateways, config.load_share_interval_s, list(by_id))
     rates = PrefixRates(clock=clock) if config.overflow and profile.locality else None
     # conversation affinity, as the gateway keeps it: looked up and recorded at each decision
     # (the homes, and each replica's room: the KV its live conversations come back for)
@@ -581,7 +790,9 @@ def simulate(
         keys = [request_keys(r, config.router.consistent_hash_blocks) for r in trace.requests]
     block = trace.block_size
     outcomes: list[RequestOutcome | None] = [None] * len(trace.requests)
-    estimates: dict[str, tuple[_ReplicaState, float, TraceRequest, str]] = {}
+    estimates: dict[str, tuple[_ReplicaState, float, TraceRequest, str, _Load]] = {}
+    """Per job: its replica, estimated uncached tokens, request, reason and the load its
+    gateway counts there."""
     best_blocks: dict[int, int] = {}
     outputs: dict[str, int] = {}
     decisions: dict[str, int] = {}
@@ -606,16 +817,21 @@ def simulate(
             due = state.core.next_event_time()
             if due is None or due != t:
                 continue  # a stale entry: the core's schedule moved
+            gateways.rounds_until(t)
             clock.now = t
             for at, kind, job in state.core.advance(t):
                 clock.now = at
-                rep, estimate, req, reason = estimates[job.id]
+                rep, estimate, req, reason, own = estimates[job.id]
                 if kind == FIRST_TOKEN:
                     directory.first_token(rep.id, keys[req.index].hashes)
                     rep.pending_prefill_tokens = max(rep.pending_prefill_tokens - estimate, 0.0)
+                    own.pending_prefill_tokens = max(own.pending_prefill_tokens - estimate, 0.0)
                 else:
+                    output = outputs.pop(job.id)
                     rep.num_inflight -= 1
-                    rep.decode_tokens = max(rep.decode_tokens - outputs.pop(job.id), 0.0)
+                    rep.decode_tokens = max(rep.decode_tokens - output, 0.0)
+                    own.num_inflight -= 1
+                    own.decode_tokens = max(own.decode_tokens - output, 0.0)
                     conversations.finished(_conversation(req))
                     outcomes[req.index] = _outcome(
                         req, rep.id, job, reason, best_blocks.pop(req.index)
@@ -624,9 +840,12 @@ def simulate(
             publish(state, t)
             push(i)
 
-    for req in trace.requests:
+    for position, req in enumerate(trace.requests):
         drain(req.arrival_s)
         clock.now = req.arrival_s
+        gateway = position % config.gateways
+        gateways.rounds_until(clock.now)
+        seen = None if LOAD in config.as_one else functools.partial(gateways.seen, gateway)
         directory.catch_up(req.arrival_s)
         hs = keys[req.index].hashes
         overlap = directory.lookup(hs, clock.now)
@@ -644,7 +863,7 @@ def simulate(
             home_blocks=home.depth_blocks if home is not None else 0,
             committed=committed,
         )
-        snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req, hs)
+        snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req, hs, seen)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         best_blocks[req.index] = max(overlap.values(), default=0)
@@ -669,7 +888,11 @@ def simulate(
             block_size=block,
             max_cached_tokens=req.input_length,
         )
-        estimates[job.id] = (rep, estimate, req, decision.reason)
+        own = gateways.own[gateway][rep.id]
+        own.num_inflight += 1
+        own.pending_prefill_tokens += estimate
+        own.decode_tokens += job.num_output_tokens
+        estimates[job.id] = (rep, estimate, req, decision.reason, own)
         outputs[job.id] = job.num_output_tokens
         rep.decode_tokens += job.num_output_tokens
         rep.core.submit(req.arrival_s, job)
@@ -714,24 +937,26 @@ def _snapshots(
     conversations: _Conversations,
     req: TraceRequest,
     hs: Sequence[BlockHash] = (),
+    seen: Callable[[str], _Load] | None = None,
 ) -> list[Replica]:
     """The router's view of every replica, each with its eviction frontier when the policy
     reads one (as deep as this request's placement there reaches, its queue's blocks first,
-    with the other live conversations' own blocks there)."""
+    with the other live conversations' own blocks there); with `seen`, the load one of several
+    gateways counts there."""
     if scorer is None:
-        return [r.snapshot() for r in replicas]
+        return [r.snapshot(None, seen(r.id) if seen else None) for r in replicas]
     live = conversations.live(_conversation(req), req.hash_ids, now)
-    return [
-        r.snapshot(
-            r.frontier(
-                scorer.depth_blocks(route, r.snapshot()),
-                now,
-                tuple(live.get(r.id, ())),
-                hs[: route.overlap.get(r.id, 0)],
-            )
+    out = []
+    for r in replicas:
+        load = seen(r.id) if seen else None
+        frontier = r.frontier(
+            scorer.depth_blocks(route, r.snapshot(None, load)),
+            now,
+            tuple(live.get(r.id, ())),
+            hs[: route.overlap.get(r.id, 0)],
         )
-        for r in replicas
-    ]
+        out.append(r.snapshot(frontier, load))
+    return out
 
 
 def _conversation(req: TraceRequest) -> str:
@@ -1069,6 +1294,27 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument(
+        "--gateways",
+        type=int,
+        default=DEFAULT_GATEWAYS,
+        help="routers sharing one directory as gateways share Redis, requests round robin "
+        "over them (default 1: one in-process gateway)",
+    )
+    parser.add_argument(
+        "--load-share-interval-s",
+        type=float,
+        default=DEFAULT_LOAD_SHARE_INTERVAL_S,
+        help="several gateways: how often each publishes its load and reads its peers' (trace "
+        f"seconds; default {DEFAULT_LOAD_SHARE_INTERVAL_S:g}, the gateway's)",
+    )
+    parser.add_argument(
+        "--as-one",
+        default="",
+        help=f"several gateways: a comma-separated subset of {', '.join(AS_ONE)} modelled as "
+        "one in-process gateway has it (every gateway's load known at once; an exact LRU "
+        "directory; no placements in flight)",
+    )
+    parser.add_argument(
         "--overflow",
         choices=("on", "off"),
         default="on",
@@ -1143,6 +1389,19 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         decode_token_weight=args.decode_token_weight,
         event_delay_s=args.event_delay_ms / 1e3,
         speculative_ttl_s=args.speculative_ttl_s,
+        gateways=args.gateways,
+        load_share_interval_s=args.load_share_interval_s,
+        as_one=frozenset(item for item in args.as_one.split(",") if item),
+    )
+
+
+def _describe_gateways(config: SimConfig) -> str:
+    if config.gateways == 1:
+        return ""
+    as_one = f", as one: {', '.join(sorted(config.as_one))}" if config.as_one else ""
+    return (
+        f"\n{config.gateways} gateways on one shared directory, requests round robin, load "
+        f"shared every {config.load_share_interval_s:g} s{as_one}"
     )
 
 
@@ -1188,7 +1447,7 @@ def run_sim(args: argparse.Namespace) -> int:
         f"{config.router.absolute_slack_tokens:,.0f} tokens, relative slack "
         f"{config.router.relative_slack:g}, directory {config.directory_scale:g}x the engines' "
         f"KV (approximate) or their events {config.event_delay_s * 1e3:g} ms late (precise); "
-        f"seed {config.seed}"
+        f"seed {config.seed}{_describe_gateways(config)}"
     )
     ideal, lru = refs.ideal_hit_ratio, refs.lru_reference_hit_ratio
     table = Table(
@@ -1246,6 +1505,9 @@ def run_sim(args: argparse.Namespace) -> int:
                 "directory_scale": config.directory_scale,
                 "decode_token_weight": config.decode_token_weight,
                 "event_delay_s": config.event_delay_s,
+                "gateways": config.gateways,
+                "load_share_interval_s": config.load_share_interval_s,
+                "as_one": sorted(config.as_one),
             },
             "references": asdict(refs),
             "results": {r.label: r.summary() for r in results},

@@ -6,11 +6,12 @@ per-replica state beside the entries (generations, floors, start markers, the la
 
 Generations do three jobs with one number per replica:
 - An entry matches only if its generation is the replica's current one or the one before.
-- Capacity: after `capacity_blocks / 2` blocks new to the generation are recorded on a
-  replica (its own capacity: the smaller of the setting and its engine's KV, `set_capacity`)
-  its generation advances, so at most that many entries (two generations' worth) match — an
-  LRU approximation in which a recorded (used) block is rewritten at the current generation,
-  and a block recorded again within it is not counted again.
+- Capacity: after `blocks_per_generation(capacity)` (3/4 of it) blocks new to the generation
+  are recorded on a replica (its own capacity: the smaller of the setting and its engine's KV,
+  `set_capacity`) its generation advances, so two generations' worth match: between 3/4 and
+  3/2 of the capacity, 9/8 on average — an LRU approximation in which a recorded (used) block
+  is rewritten at the current generation, and a block recorded again within it is not counted
+  again.
 - Restart epochs: `forget()` (and a new engine start marker) advances it by 2, so every old
   entry stops matching at once: an epoch bump, never a scan. Stale fields die with their keys'
   TTL.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +68,23 @@ of its entries can match by then, with a TTL's margin for clocks that disagree."
 RESTORE_BATCH = 512
 """Blocks per write-back call: ~0.5 ms of server time, so a write-back of a whole index never
 holds Redis for long."""
+GENERATION_SHARE = 0.75
+"""A replica's generation advances after this share of its capacity in new blocks. The two
+live generations then hold between 0.75 and 1.5 times the capacity of the replica's most
+recently recorded blocks, where the in-process store (an exact LRU) holds exactly the capacity,
+sized from the engine's KV. At half (the share before), they held 0.5-1x: 0.75x on average,
+so the shared directory forgot prefixes the engines still held, which the sizing measured
+costly (0.6x of the engines' KV: 14.8% hit ratio against 18.4% at 1x on bench point 1). `kvgate
+sim --gateways 4` (virtual time), bench point 1's slice at an engine-sized directory, seeds
+0-2: hit ratio 0.164 at 1/2 against one in-process gateway's 0.187, 0.185 at 3/4, 0.185 at 1
+(docs/design/directory.md, "Four gateways' hit ratio")."""
+
+
+def blocks_per_generation(capacity_blocks: int) -> int:
+    """New blocks after which a replica of `capacity_blocks` advances its generation."""
+    return max(math.ceil(capacity_blocks * GENERATION_SHARE), 1)
+
+
 PLACEMENT_TTL_S = 10.0
 """How long a placement in flight (`RedisDirectory.place`) extends its replica's match before its
 first token's record replaces it: a loaded engine's prefill queue (the bench's TTFT p99 is
@@ -305,7 +324,7 @@ class RedisDirectory:
         capacities, default = self._capacities, self.capacity_blocks
         await asyncio.gather(
             *(
-                self.meta.count(rid, n, max(capacities.get(rid, default) // 2, 1), now_ms)
+                self.meta.count(rid, n, blocks_per_generation(capacities.get(rid, default)), now_ms)
                 for rid, n in counts.items()
             )
         )
@@ -400,16 +419,16 @@ class RedisDirectory:
 
     # -- generations -------------------------------------------------------------------------
     def capacity_of(self, replica: str) -> int:
-        """Entries of the replica that match at most: the smaller of the setting and its
-        engine's KV (`set_capacity`)."""
+        """The replica's capacity in entries: the smaller of the setting and its engine's KV
+        (`set_capacity`); between 3/4 and 3/2 of it match (`GENERATION_SHARE`)."""
         return self._capacities.get(replica_id(replica), self.capacity_blocks)
 
     def set_capacity(self, replica: str, engine_blocks: int | None) -> None:
         """The replica's engine holds `engine_blocks` directory entries' worth of KV (None:
-        unknown, the setting applies). Its generation then advances after half the smaller of
+        unknown, the setting applies). Its generation then advances after 3/4 of the smaller of
         that and the setting new blocks. Every gateway reads the same engine, so they agree;
         after a shrink the entries counted before still match until the generation has
-        advanced twice (the replica's next `capacity` new blocks at most)."""
+        advanced twice (the replica's next 3/2 `capacity` new blocks at most)."""
         rid = replica_id(replica)
         if engine_blocks is None or engine_blocks >= self.capacity_blocks:
             self._capacities.pop(rid, None)

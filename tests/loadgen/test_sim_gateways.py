@@ -1,0 +1,108 @@
+"""The simulator's many gateways (issue 39): N routers on one shared directory, each with its
+own view of the load, and the Redis directory's capacity by generations."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from cachemap.keys import BlockHash
+from gateway.settings import DEFAULT_LOAD_SHARE_INTERVAL_S
+from kvgate_cli import main
+from loadgen.sim import (
+    AS_ONE,
+    SimConfig,
+    _Clock,
+    _Gateways,
+    _GenerationIndex,
+    run_policies,
+)
+from loadgen.sim import (
+    DEFAULT_LOAD_SHARE_INTERVAL_S as SIM_LOAD_SHARE_INTERVAL_S,
+)
+from loadgen.traces import CONVERSATION_TRACE
+from loadgen.traces.readers import Trace, read_trace
+
+CONFIG = SimConfig(num_replicas=4, capacity_frac=0.25, max_output_tokens=64, directory_scale=1.0)
+
+
+@pytest.fixture(scope="module")
+def slice_() -> Trace:
+    return read_trace(CONVERSATION_TRACE, start=4000, limit=300)
+
+
+@pytest.mark.parametrize("mode", ["approximate", "precise"])
+def test_gateways_with_every_piece_as_one_route_exactly_as_one_gateway(
+    slice_: Trace, mode: str
+) -> None:
+    one = replace(CONFIG, mode=mode)
+    _, (alone,) = run_policies(slice_, ["cache_aware"], one)
+    many = replace(one, gateways=4, as_one=frozenset(AS_ONE))
+    _, (together,) = run_policies(slice_, ["cache_aware"], many)
+    assert [(o.replica, o.cached_tokens, o.ttft_s) for o in together.outcomes] == [
+        (o.replica, o.cached_tokens, o.ttft_s) for o in alone.outcomes
+    ]
+
+
+def test_four_gateways_run_and_each_piece_of_their_own_state_changes_the_routing(
+    slice_: Trace,
+) -> None:
+    _, (alone,) = run_policies(slice_, ["cache_aware"], CONFIG)
+    placements = [o.replica for o in alone.outcomes]
+    for as_one in ((), ("load",), ("capacity",), ("placements",)):
+        config = replace(CONFIG, gateways=4, as_one=frozenset(as_one))
+        _, (many,) = run_policies(slice_, ["cache_aware"], config)
+        assert many.requests == alone.requests
+        for o in many.outcomes:
+            assert o.cached_tokens + o.uncached_tokens == o.input_tokens
+        assert [o.replica for o in many.outcomes] != placements, as_one
+
+
+def test_a_gateway_sees_its_own_requests_at_once_and_its_peers_at_their_rounds() -> None:
+    gateways = _Gateways(2, 0.1, ["r0"])
+    gateways.rounds_until(0.0)  # gateway 0's first round
+    gateways.own[1]["r0"].pending_prefill_tokens += 500.0  # gateway 1 routes at 0.01
+    gateways.own[0]["r0"].num_inflight += 1
+    assert gateways.seen(0, "r0").pending_prefill_tokens == 0.0
+    assert gateways.seen(0, "r0").num_inflight == 1
+    gateways.rounds_until(0.06)  # gateway 1 publishes at 0.05; gateway 0 has not read since
+    assert gateways.seen(0, "r0").pending_prefill_tokens == 0.0
+    assert gateways.seen(1, "r0").num_inflight == 0  # gateway 0 published before its request
+    gateways.rounds_until(0.1)
+    assert gateways.seen(0, "r0").pending_prefill_tokens == 500.0
+    assert gateways.seen(1, "r0").pending_prefill_tokens == 500.0  # its own, exact
+
+
+def test_the_redis_capacity_holds_one_to_two_generations_of_the_most_recent_blocks() -> None:
+    clock = _Clock()
+    index = _GenerationIndex(capacity_blocks=8, ttl_s=3600.0, clock=clock)  # 6 a generation
+    blocks = [BlockHash(bytes([i]) * 16) for i in range(18)]
+    for block in blocks[:17]:  # one new block a record: generations 1 and 2 begin at 6 and 12
+        index.record("r", [block])
+
+    def held() -> list[BlockHash]:
+        return [b for b in blocks if index.lookup([b]).get("r")]
+
+    assert held() == blocks[6:17]  # generations 1 and 2: 11 entries of a capacity of 8
+    index.record("r", [blocks[16]])  # used again in its generation: not new
+    assert held() == blocks[6:17]
+    index.record("r", [blocks[17]])  # the sixth new block of generation 2: generation 3 begins
+    assert held() == blocks[12:]  # 6 of 8, the fewest it holds
+    assert index.lookup([blocks[12], blocks[13], blocks[0]]) == {"r": 2}
+
+
+def test_the_simulated_load_share_round_is_the_gateways_default() -> None:
+    assert SIM_LOAD_SHARE_INTERVAL_S == DEFAULT_LOAD_SHARE_INTERVAL_S
+
+
+def test_the_command_takes_gateways_and_what_to_model_as_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["sim", str(CONVERSATION_TRACE), "--limit", "200", "--replicas", "4"]
+    assert main([*argv, "--policy", "cache_aware", "--gateways", "4", "--as-one", "load"]) == 0
+    assert "4 gateways on one shared directory" in capsys.readouterr().out
+    assert main([*argv, "--gateways", "2", "--as-one", "clocks"]) == 2
+    assert "unknown as_one" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="gateways must be at least 1"):
+        SimConfig(gateways=0)
