@@ -1,0 +1,80 @@
+"""When a turn stops waiting behind its previous turn queued at home (issue 40).
+
+Precise mode counts a placement's blocks as held on its replica from the placement on (a
+speculative entry, `RouteRequest.claimed`), until the engine's event stores them. A
+conversation's next turn often arrives while its previous one is still queued: its context is
+then held nowhere yet, and only the claim keeps it home. Kept for as long as the prefill might
+take, though, a claim keeps turns waiting behind a long queue where moving would have been
+faster (and, at a KV with room to spare, cheap); dropped after a fixed 2 s it sends every turn
+whose previous one waits longer elsewhere, to prefill the whole context a second time and evict
+other sessions there (docs/precise.md, "The queued turn"). So the home's claim counts by the
+queue, not by its age:
+
+    claim(home) counts  ⇔  queue(home) ≤ ½ × reprefill(home)
+    queue(home)      = prefill tokens queued on the home ahead of this request (this gateway's
+                       pending prefills, the queued turn's own among them, and other gateways')
+    reprefill(home)  = the request's prompt tokens past the most blocks any other replica
+                       holds (by events, not claimed): what it prefills if it goes elsewhere
+
+A claim on another replica (a fan-out sibling's leader, another conversation sharing the
+prefix, placed a moment ago) counts whatever the queue's length (judged by the half rule too,
+such claims cost precise `cache_pressure` 1.25 points of the property sweep's synthetic slice
+at 5% KV, where they had closed its gap). And no claim counts on a replica with nothing queued:
+its placement has had its first token, so what its events stored is held and the rest (a
+prompt larger than the engine's KV, a failed request) never will be.
+
+Waiting for the claimed blocks is then well below prefilling them again on an idle replica
+(`QUEUE_SHARE`); where it is not, the replica keeps only the blocks its events hold and the
+load bound and the scorers decide on those, as they did once a claim expired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from router.types import Replica, RouteRequest
+
+QUEUE_SHARE = 0.5
+"""A claim counts while its replica's queue is at most half the request's re-prefill elsewhere.
+The queue counts the queued turn's own prefill too: at ½, a turn whose previous turn is
+re-prefilling its whole context at home (the home had evicted it) does not keep the claim, as
+that prefill alone is about its own re-prefill, while a turn whose previous turn hit keeps it
+while the queue is short. `kvgate sim` on the issue-shaped trace at 10% KV, seeds 0-2, precise
+`cache_pressure`: 1 gave 97.5 / 97.7 / 97.3% of the shared LRU at imbalance 1.39 / 1.20 /
+1.33, ½ 97.5 / 97.6 / 97.5% at 1.26 / 1.16 / 1.26 (docs/precise.md, "The queued turn")."""
+
+
+def claim_counts(req: RouteRequest, replica: Replica, held: dict[str, int]) -> bool:
+    """Whether `replica`'s claimed blocks count for `req` (the module's rule); `held` is each
+    replica's overlap less its claimed blocks."""
+    queue = replica.pending_prefill_tokens + replica.foreign_prefill_tokens
+    if queue <= 0:
+        return False
+    if replica.id != req.home:
+        return True
+    elsewhere = max((n for r, n in held.items() if r != replica.id), default=0)
+    reprefill = max(req.num_prompt_tokens - elsewhere * req.tokens_per_block, 0.0)
+    return queue <= QUEUE_SHARE * reprefill
+
+
+def counted_claims(req: RouteRequest, replicas: Sequence[Replica]) -> RouteRequest:
+    """`req` with the claims that do not count taken out of its overlap (and of `claimed`):
+    the same request when every claim counts or none was made."""
+    if not req.claimed:
+        return req
+    held = {r: n - req.claimed.get(r, 0) for r, n in req.overlap.items()}
+    dropped = [
+        r.id for r in replicas if req.claimed.get(r.id, 0) > 0 and not claim_counts(req, r, held)
+    ]
+    if not dropped:
+        return req
+    overlap = dict(req.overlap)
+    claimed = dict(req.claimed)
+    for rid in dropped:
+        del claimed[rid]
+        if held.get(rid, 0) > 0:
+            overlap[rid] = held[rid]
+        else:
+            overlap.pop(rid, None)
+    return replace(req, overlap=overlap, claimed=claimed)
