@@ -86,8 +86,8 @@ from loadgen.traces.readers import (
     read_trace,
 )
 from loadgen.traces.sessions import SESSIONS_PREFIX, agent_sessions_trace
-from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT
 from router.claims import counted_claims
+from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT
 from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
 from router.profile import RoutingProfile

@@ -17,11 +17,11 @@ queue, not by its age:
                        holds (by events, not claimed): what it prefills if it goes elsewhere
 
 A claim on another replica (a fan-out sibling's leader, another conversation sharing the
-prefix, placed a moment ago) counts whatever the queue's length (judged by the half rule too,
-such claims cost precise `cache_pressure` 1.25 points of the property sweep's synthetic slice
-at 5% KV, where they had closed its gap). And no claim counts on a replica with nothing queued:
-its placement has had its first token, so what its events stored is held and the rest (a
-prompt larger than the engine's KV, a failed request) never will be.
+prefix, placed a moment ago) counts until its event or its ttl, as every claim did: judged by
+the half rule too, such claims cost precise `cache_pressure` 1.25 points of the property sweep's
+synthetic slice at 5% KV, where they had closed its gap. (Dropping every claim on a replica with
+nothing queued, its placement past its first token, opened gaps of 0.58 and 0.78 points on the
+16-token sessions at 5% and 10%: its events are still on their way then.)
 
 Waiting for the claimed blocks is then well below prefilling them again on an idle replica
 (`QUEUE_SHARE`); where it is not, the replica keeps only the blocks its events hold and the
@@ -41,40 +41,37 @@ The queue counts the queued turn's own prefill too: at ½, a turn whose previous
 re-prefilling its whole context at home (the home had evicted it) does not keep the claim, as
 that prefill alone is about its own re-prefill, while a turn whose previous turn hit keeps it
 while the queue is short. `kvgate sim` on the issue-shaped trace at 10% KV, seeds 0-2, precise
-`cache_pressure`: 1 gave 97.5 / 97.7 / 97.3% of the shared LRU at imbalance 1.39 / 1.20 /
-1.33, ½ 97.5 / 97.6 / 97.5% at 1.26 / 1.16 / 1.26 (docs/precise.md, "The queued turn")."""
+`cache_pressure`, measured with the rule on every claim (before it was narrowed to the home's):
+1 gave 97.5 / 97.7 / 97.3% of the shared LRU at imbalance 1.39 / 1.20 / 1.33, ½ 97.5 / 97.6 /
+97.5% at 1.26 / 1.16 / 1.26 (docs/precise.md, "The queued turn: a claim by the queue")."""
 
 
 def claim_counts(req: RouteRequest, replica: Replica, held: dict[str, int]) -> bool:
-    """Whether `replica`'s claimed blocks count for `req` (the module's rule); `held` is each
-    replica's overlap less its claimed blocks."""
-    queue = replica.pending_prefill_tokens + replica.foreign_prefill_tokens
-    if queue <= 0:
-        return False
-    if replica.id != req.home:
-        return True
+    """Whether `replica`'s claimed blocks count for `req` (the module's rule, the home's);
+    `held` is each replica's overlap less its claimed blocks."""
     elsewhere = max((n for r, n in held.items() if r != replica.id), default=0)
     reprefill = max(req.num_prompt_tokens - elsewhere * req.tokens_per_block, 0.0)
+    queue = replica.pending_prefill_tokens + replica.foreign_prefill_tokens
     return queue <= QUEUE_SHARE * reprefill
 
 
 def counted_claims(req: RouteRequest, replicas: Sequence[Replica]) -> RouteRequest:
-    """`req` with the claims that do not count taken out of its overlap (and of `claimed`):
-    the same request when every claim counts or none was made."""
-    if not req.claimed:
+    """`req` with its home's claim taken out of its overlap (and of `claimed`) when it does not
+    count: the same request when it counts, or when the home claims nothing (a claim on any
+    other replica counts until its event or its ttl)."""
+    if not req.claimed or req.home is None:
+        return req
+    home = next((r for r in replicas if r.id == req.home), None)
+    if home is None or not req.claimed.get(home.id):
         return req
     held = {r: n - req.claimed.get(r, 0) for r, n in req.overlap.items()}
-    dropped = [
-        r.id for r in replicas if req.claimed.get(r.id, 0) > 0 and not claim_counts(req, r, held)
-    ]
-    if not dropped:
+    if claim_counts(req, home, held):
         return req
     overlap = dict(req.overlap)
     claimed = dict(req.claimed)
-    for rid in dropped:
-        del claimed[rid]
-        if held.get(rid, 0) > 0:
-            overlap[rid] = held[rid]
-        else:
-            overlap.pop(rid, None)
+    del claimed[home.id]
+    if held.get(home.id, 0) > 0:
+        overlap[home.id] = held[home.id]
+    else:
+        del overlap[home.id]
     return replace(req, overlap=overlap, claimed=claimed)

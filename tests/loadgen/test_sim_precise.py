@@ -116,6 +116,7 @@ def _two_turns(delay_s: float) -> PolicyResult:
         timing=TimingModel(prefill_tokens_per_s=1000.0, decode_s_per_token=0.0),
         mode=PRECISE,
         event_delay_s=delay_s,
+        speculative_ttl_s=2.0,  # the late event's window: no placement claims it any more
     )
     _, (result,) = run_policies(Trace("two turns", 100, reqs), ["cache_aware"], config)
     return result
@@ -215,6 +216,7 @@ def _blind_second_turn(seed: int, affinity_weight: float) -> PolicyResult:
         affinity_weight=affinity_weight,
         mode=PRECISE,
         event_delay_s=10.0,
+        speculative_ttl_s=2.0,  # turn 1's claim gone too: only the home says where it went
         seed=seed,
     )
     _, (result,) = run_policies(Trace("blind turn", 100, reqs), ["cache_aware"], config)

@@ -52,9 +52,10 @@ KNOWN_GAPS = {
 (no affinity: the rankings it had before issue 40, which keep that trace's conversations home
 by their stale prediction); the same with round 5's defaults (the home's claim by the queue,
 a 30-s speculative ttl, room on in precise mode). Closed in issue 40's round 4: the 16-token
-sessions at 10% (`cache_pressure` 0.78 points when measured, 0.39 since round 3) and the synthetic slice at
-5% (`cache_pressure` 0.84 points, the whole of approximate's few hits: with the simulator
-modelling the gateway's speculative entries, precise reads 0.35 points above approximate)."""
+sessions at 10% (`cache_pressure` 0.78 points when measured, 0.39 since round 3) and the
+synthetic slice at 5% (`cache_pressure` 0.84 points, the whole of approximate's few hits:
+with the simulator modelling the gateway's speculative entries, precise reads 0.35 points above
+approximate; 0.41 with round 5's defaults)."""
 
 
 @cache

@@ -1,8 +1,8 @@
 """When a turn stops waiting behind its previous turn queued at home (`router.claims`, issue 40):
 the claim on the turn's home counts while the home's queue is at most half the turn's
-re-prefill elsewhere; any claim only while its replica has a queue. A narrative of one
-conversation's turn, then the properties that bound the rule: it only ever takes claimed
-blocks away, whole, never held ones, and never touches a request without claims."""
+re-prefill elsewhere. A narrative of one conversation's turn, then the properties that bound
+the rule: it only ever takes the home's claimed blocks away, whole, never held ones nor another
+replica's claim, and never touches a request without claims."""
 
 from __future__ import annotations
 
@@ -62,12 +62,10 @@ def test_a_claim_past_what_the_home_holds_is_dropped_whole() -> None:
     assert out.overlap == {} and out.claimed == {}
 
 
-def test_a_claim_off_the_home_counts_while_its_replica_has_a_queue() -> None:
+def test_a_claim_off_the_home_counts_as_placed() -> None:
     """A fan-out sibling's leader, or another conversation sharing the prefix, placed a moment
-    ago: its claim counts whatever the queue's length (the half rule is the home's), as does
-    every claim of a request without a home; but not on a replica with nothing queued, where
-    the placement has had its first token: what its events stored is held, the rest never
-    will be."""
+    ago: its claim counts until its event or its ttl whatever the queue (the rule is the
+    home's), as does every claim of a request without a home."""
     sibling = RouteRequest(
         50, 50 * BLOCK, {"a": 50}, tokens_per_block=BLOCK, claimed={"a": 50}, home="b"
     )
@@ -75,19 +73,16 @@ def test_a_claim_off_the_home_counts_while_its_replica_has_a_queue() -> None:
     assert counted_claims(sibling, queued) is sibling
     homeless = replace(sibling, home=None)
     assert counted_claims(homeless, queued) is homeless
-    idle = [Replica("a"), Replica("b")]
-    for turn in (sibling, homeless, replace(sibling, home="a")):
-        assert counted_claims(turn, idle).overlap == {}
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     held=st.dictionaries(st.sampled_from("abc"), st.integers(0, 50), max_size=3),
     claims=st.dictionaries(st.sampled_from("abc"), st.integers(1, 50), max_size=3),
-    queues=st.lists(st.sampled_from([0.0, 100.0, 1_000.0, 5_000.0]), min_size=3, max_size=3),
+    queues=st.lists(st.floats(0, 5_000), min_size=3, max_size=3),
     home=st.sampled_from(["a", "b", "c", None]),
 )
-def test_only_claimed_blocks_are_ever_taken_away(
+def test_only_the_homes_claimed_blocks_are_ever_taken_away(
     held: dict[str, int], claims: dict[str, int], queues: list[float], home: str | None
 ) -> None:
     overlap = {r: held.get(r, 0) + claims.get(r, 0) for r in {*held, *claims}}
@@ -97,11 +92,12 @@ def test_only_claimed_blocks_are_ever_taken_away(
     )
     replicas = [Replica(r, pending_prefill_tokens=q) for r, q in zip("abc", queues, strict=True)]
     out = counted_claims(turn, replicas)
-    for r, queue in zip("abc", queues, strict=True):
+    for r in "abc":
         kept = out.overlap.get(r, 0)
+        if r != home:
+            assert kept == overlap.get(r, 0) and out.claimed.get(r, 0) == claims.get(r, 0)
+            continue
         assert kept in (held.get(r, 0), overlap.get(r, 0))  # a claim counts whole or not at all
         assert out.claimed.get(r, 0) == kept - held.get(r, 0)
-        if r != home and claims.get(r):
-            assert (kept == overlap[r]) == (queue > 0)  # off the home: while a queue is there
     plain = RouteRequest(100, 100 * BLOCK, {r: n for r, n in held.items() if n}, BLOCK, home=home)
     assert counted_claims(plain, replicas) is plain
