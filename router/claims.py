@@ -72,6 +72,6 @@ def counted_claims(req: RouteRequest, replicas: Sequence[Replica]) -> RouteReque
     del claimed[home.id]
     if held.get(home.id, 0) > 0:
         overlap[home.id] = held[home.id]
-    else:
-        del overlap[home.id]
+    else:  # (absent already when the caller dropped the replica's overlap, a suspect's)
+        overlap.pop(home.id, None)
     return replace(req, overlap=overlap, claimed=claimed)

@@ -60,6 +60,9 @@ def test_a_claim_past_what_the_home_holds_is_dropped_whole() -> None:
     )
     out = counted_claims(turn, [Replica("a", pending_prefill_tokens=1e6), Replica("b")])
     assert out.overlap == {} and out.claimed == {}
+    # a caller that dropped the home's overlap (a suspect replica) but not its claim
+    dropped = replace(turn, overlap={})
+    assert counted_claims(dropped, [Replica("a", pending_prefill_tokens=1e6)]).claimed == {}
 
 
 def test_a_claim_off_the_home_counts_as_placed() -> None:
