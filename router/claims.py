@@ -43,7 +43,9 @@ that prefill alone is about its own re-prefill, while a turn whose previous turn
 while the queue is short. `kvgate sim` on the issue-shaped trace at 10% KV, seeds 0-2, precise
 `cache_pressure`, measured with the rule on every claim (before it was narrowed to the home's):
 1 gave 97.5 / 97.7 / 97.3% of the shared LRU at imbalance 1.39 / 1.20 / 1.33, ½ 97.5 / 97.6 /
-97.5% at 1.26 / 1.16 / 1.26 (docs/precise.md, "The queued turn: a claim by the queue")."""
+97.5% at 1.26 / 1.16 / 1.26; on the home only, ¼, ½ and ¾ read alike (97.9%, imbalance 1.33,
+seed 0), and no rule at all 98.8% at 10% but 95.2% at 25% (docs/precise.md, "The queued turn:
+a claim by the queue")."""
 
 
 def claim_counts(req: RouteRequest, replica: Replica, held: dict[str, int]) -> bool:
