@@ -70,15 +70,18 @@ TIERS = {"gpu": GPU, "cpu": CPU, "storage": STORAGE}
 DEFAULT_BLOCK_SIZE = 16
 """vLLM's and SGLang's default KV block size in tokens; set it to the engines' `--block-size`."""
 
-DEFAULT_SPECULATIVE_TTL_S = 2.0
-"""How long a placement counts as held before its event: an engine announces a prompt's
-blocks at its first token, so this covers a prefill queue of ~2 s (26k tokens at 13k tokens/s).
-A longer queue is not free: a conversation's next turn arriving while its previous one still
-waits sees nothing stored anywhere, and the load bound counts its whole context as uncached at
-home, so it may move and prefill it all again elsewhere (issue 40, docs/precise.md "The queued
-turn": 30% of the tokens re-prefilled on the issue-shaped trace at 10% KV). A ttl of 10-20 s
-gains up to 5.4 points there (room on) and a 15-20-s one loses ~1 at 25% KV (`kvgate sim
---speculative-ttl-s`): kept at 2 s."""
+DEFAULT_SPECULATIVE_TTL_S = 30.0
+"""How long a placement may count as held before its event: an engine announces a prompt's
+blocks at its first token, so this bounds the prefill queue a claim covers. Whether a claim
+counts on a conversation's home is not its age but the router's queue rule (`router.claims`:
+while the home's queue is at most half the request's re-prefill elsewhere), so the ttl only has
+to outlast a queued prefill: a conversation's next turn arriving while its previous one still
+waits at home (~40 s of queue and re-prefill on the issue-shaped trace at 10% KV) finds its
+context claimed there rather than nowhere (docs/precise.md, "The queued turn"). `kvgate sim`
+with the rule (then on every claim, at a share of 1): 20 / 30 / 60 s gave 97.3 / 97.5 / 97.5%
+of the shared LRU for precise `cache_pressure` at 10% KV (30 and 60 alike). The cost: an
+unconfirmed entry (a failed request's) lives this long, and in the shared index a confirmed
+entry's field stays in Redis until it."""
 
 DEFAULT_OFFLOAD_COST = 0.07
 """A CPU-tier hit costs this share of prefilling its tokens (128 KiB per token over PCIe at

@@ -37,7 +37,7 @@ from router.filters import (
     DEFAULT_RELATIVE_SLACK,
 )
 from router.overflow import DEFAULT_HOT_SHARE
-from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, DEFAULT_ROOM_WEIGHT, POLICIES
+from router.registry import DEFAULT_CONSISTENT_HASH_BLOCKS, POLICIES
 from router.scorers import DEFAULT_DISPLACEMENT_HALF_LIFE_S, DEFAULT_DISPLACEMENT_HOT_S
 
 log = logging.getLogger(__name__)
@@ -584,11 +584,11 @@ class Settings(BaseSettings):
     """Conversations whose home this gateway remembers (least recently routed first out)."""
     affinity_ttl_s: float = DEFAULT_AFFINITY_TTL_S
     """A conversation silent this long is new: its home is forgotten."""
-    room_weight: float = DEFAULT_ROOM_WEIGHT
+    room_weight: float | None = None
     """`cache_aware`, `cache_pressure`: the weight of a replica's room (less KV committed to the
     live conversations homed there scores higher; decides where a turn with nothing cached
-    anywhere goes, among the replicas equally fit by load only; 0: off; 0.05 measured best).
-    docs/precise.md, "Room and stickiness"."""
+    anywhere goes, among the replicas equally fit by load only; 0: off; unset: 0.05 in precise
+    mode, 0 in approximate mode). docs/precise.md, "Room and stickiness"."""
     stickiness: float | None = None
     """`cache_aware`, `cache_pressure`: a conversation's home stays within the load bound while
     over it by less than this many times the tokens cached there (0: off; unset: 1 in precise

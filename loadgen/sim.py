@@ -99,6 +99,7 @@ from loadgen.traces.readers import (
     read_trace,
 )
 from loadgen.traces.sessions import SESSIONS_PREFIX, agent_sessions_trace
+from router.claims import counted_claims
 from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT
 from router.overflow import OverflowConfig
 from router.plan import HotPrefix, plan
@@ -114,6 +115,7 @@ from router.registry import (
     affinity_weight_for,
     build_policy,
     frontier_reader,
+    room_weight_for,
     stickiness_for,
 )
 from router.scorers import (
@@ -191,6 +193,9 @@ class SimConfig:
     """How often each of several gateways publishes its load and reads its peers'."""
     as_one: frozenset[str] = frozenset()
     """Of `AS_ONE`: pieces modelled at several gateways as one in-process gateway has them."""
+    room_weight: float | None = None
+    """The room scorer's weight; None: the mode's default, as the gateway's
+    (`router.registry.room_weight_for`), which replaces `router.room_weight`."""
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -542,8 +547,11 @@ class _PredictingDirectory:
     def speculate(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
         pass
 
-    def lookup(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
-        return self.index.lookup(hashes) if hashes else {}
+    def lookup(
+        self, hashes: Sequence[BlockHash], now: float
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Per replica, the predicted overlap, and none of it claimed."""
+        return (self.index.lookup(hashes) if hashes else {}), {}
 
     def engine_events(self, now: float, replica: str, events: list[CacheEvent]) -> None:
         pass
@@ -586,18 +594,23 @@ class _EventDirectory:
         if len(claims) > 4 * self.index.capacity_blocks:  # expired ones go, amortised
             self._claims[replica] = {h: t for h, t in claims.items() if t > now}
 
-    def lookup(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
+    def lookup(
+        self, hashes: Sequence[BlockHash], now: float
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Per replica, the leading run held or claimed, and how much of it only claimed."""
         if not hashes:
-            return {}
+            return {}, {}
         overlap = self.index.lookup(hashes)
         self._held_of, self._held = hashes, dict(overlap)
+        claimed: dict[str, int] = {}
         for replica, claims in self._claims.items():
-            depth = overlap.get(replica, 0)
+            held = depth = overlap.get(replica, 0)
             while depth < len(hashes) and claims.get(hashes[depth], -math.inf) > now:
                 depth += 1
-            if depth:
+            if depth > held:
                 overlap[replica] = depth
-        return overlap
+                claimed[replica] = depth - held
+        return overlap, claimed
 
     def engine_events(self, now: float, replica: str, events: list[CacheEvent]) -> None:
         if events:  # engine time never goes back, so the queue stays in delivery order
@@ -703,9 +716,13 @@ class _SharedDirectory:
         if len(placed) > 4 * len(hashes) + 4096:  # expired ones go, amortised
             self._placed[replica] = {h: t for h, t in placed.items() if t > now}
 
-    def lookup(self, hashes: Sequence[BlockHash], now: float) -> dict[str, int]:
+    def lookup(
+        self, hashes: Sequence[BlockHash], now: float
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Per replica, the overlap with placements in flight walked through, and none of it
+        claimed (the gateway judges only precise mode's speculative claims, `router.claims`)."""
         if not hashes:
-            return {}
+            return {}, {}
         overlap = self.index.lookup(hashes)
         for replica, placed in self._placed.items():
             depth = overlap.get(replica, 0)
@@ -716,7 +733,7 @@ class _SharedDirectory:
             if depth:
                 overlap[replica] = depth
         self._seen_of, self._seen = hashes, dict(overlap)
-        return overlap
+        return overlap, {}
 
     def engine_events(self, now: float, replica: str, events: list[CacheEvent]) -> None:
         pass
@@ -755,8 +772,10 @@ def simulate(
     precise = config.mode == PRECISE
     weight = affinity_weight_for(config.affinity_weight, precise=precise)
     sticky = stickiness_for(config.stickiness, precise=precise)
+    room = room_weight_for(config.room_weight, precise=precise)
     config = replace(
-        config, router=replace(config.router, affinity_weight=weight, stickiness=sticky)
+        config,
+        router=replace(config.router, affinity_weight=weight, stickiness=sticky, room_weight=room),
     )
     profile = build_policy(policy, config.router)
     rng = random.Random(config.seed)
@@ -848,13 +867,14 @@ def simulate(
         seen = None if LOAD in config.as_one else functools.partial(gateways.seen, gateway)
         directory.catch_up(req.arrival_s)
         hs = keys[req.index].hashes
-        overlap = directory.lookup(hs, clock.now)
+        overlap, claimed = directory.lookup(hs, clock.now)
         home = homes.lookup(hs) if homes is not None else None
         committed = homes.committed(home) if homes is not None and config.router.room_weight else {}
         route = RouteRequest(
             num_blocks=len(hs),
             num_prompt_tokens=float(req.input_length),
             overlap=overlap,
+            claimed=claimed,
             tokens_per_block=float(block),
             affinity_key=keys[req.index].affinity,
             sequence=req.index,
@@ -866,7 +886,9 @@ def simulate(
         snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req, hs, seen)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
-        best_blocks[req.index] = max(overlap.values(), default=0)
+        # what the router counted held anywhere (a claim it did not count is not: `router.claims`)
+        counted = counted_claims(route, snapshot).overlap
+        best_blocks[req.index] = max(counted.values(), default=0)
         rep = by_id[decision.replica]
         if homes is not None:
             homes.record(hs, rep.id, home)
@@ -1229,9 +1251,10 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--room-weight",
         type=float,
-        default=DEFAULT_ROOM_WEIGHT,
+        default=None,
         help="cache_aware, cache_pressure: the weight of the room scorer (a turn with nothing "
-        "cached anywhere goes where the live sessions leave room; 0: off)",
+        "cached anywhere goes where the live sessions leave room; 0: off; default: "
+        f"{DEFAULT_ROOM_WEIGHT:g} in precise mode, 0 in approximate mode, as the gateway)",
     )
     parser.add_argument(
         "--session-level",
@@ -1358,7 +1381,6 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         displacement_hot_s=args.displacement_hot_s,
         displacement_weight=args.displacement_weight,
         crowding_weight=args.crowding_weight,
-        room_weight=args.room_weight,
         session_level=args.session_level == "on",
     )
     overrides = {
@@ -1382,6 +1404,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         router=router,
         affinity_weight=args.affinity_weight,
         stickiness=args.stickiness,
+        room_weight=args.room_weight,
         seed=args.seed,
         max_output_tokens=args.max_output_tokens,
         directory_scale=args.directory_scale,

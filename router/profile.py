@@ -12,6 +12,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.claims import counted_claims
 from router.filters import Filter, HealthyFilter
 from router.pickers import max_score_ranking
 from router.scorers import Scorer
@@ -30,6 +31,8 @@ class RoutingProfile:
         self, req: RouteRequest, replicas: Sequence[Replica], rng: random.Random
     ) -> Decision | None:
         """Rank the replicas for `req`; None when no replica survives the hard filters."""
+        if req.claimed:  # which speculative claims count, by the queue (router.claims)
+            req = counted_claims(req, replicas)
         candidates = list(replicas)
         demoted: list[Replica] = []
         memo = DecisionMemo(req)

@@ -57,18 +57,16 @@ is what approximate mode's memory of its placements did (docs/precise.md, "Conve
 affinity", measures the weights). 0: off, the rankings of before issue 40."""
 
 
-DEFAULT_ROOM_WEIGHT = 0.0
-"""Off by default. `room_weight` 0.05 turns the room scorer (`RoomScorer`) on at 5% of the
-prefix scorer's range (room outweighs at most 5% of the prompt's blocks cached): it decides
-where a conversation with nothing cached anywhere goes (a new one, or one back from a pause
-evicted everywhere, whose move is free). It ranks only among the replicas equally fit by load
-(within the request's own prompt tokens of the least loaded, no more foreign queued work), so
-it no longer outranks the load (tests/e2e/test_engine_load.py passes with it on). Still off:
-on, it widens the simulator's property sweep (tests/loadgen/test_sim_property.py) at 5% KV,
-where approximate mode gains more from it than precise `cache_pressure` (1.25 / 0.58 / 0.59
-points below approximate on the synthetic, 16-token and paused slices, against 0.84 / 0.39 /
-0.06 off), though on the issue-shaped trace at 10% KV it gains 4.3 points in both modes
-(docs/precise.md, "Which session moves"). Sweep of the weight: docs/precise.md, "Room": 0.001
+DEFAULT_ROOM_WEIGHT = 0.05
+"""The room scorer (`RoomScorer`) at 5% of the prefix scorer's range (room outweighs at most 5%
+of the prompt's blocks cached), in precise mode (`room_weight_for`): it decides where a
+conversation with nothing cached anywhere goes (a new one, or one back from a pause evicted
+everywhere, whose move is free), among the replicas equally fit by load only (within the
+request's own prompt tokens of the least loaded, no more foreign queued work), so it never
+outranks the load (tests/e2e/test_engine_load.py). With the queue rule for claims
+(`router.claims`) it is what keeps sessions spread: on the issue-shaped trace, precise
+`cache_pressure` without it reads 95.4% of the shared LRU at 25% KV (imbalance 2.29), with it
+98.9% (docs/precise.md, "The queued turn"). Sweep of the weight: docs/precise.md, "Room": 0.001
 / 0.05 / 0.3 / 1 gave 92.3 / 93.4 / 93.2 / 92.6% of the shared LRU."""
 
 DEFAULT_STICKINESS = 1.0
@@ -87,6 +85,16 @@ def stickiness_for(configured: float | None, precise: bool) -> float:
     if configured is not None:
         return configured
     return DEFAULT_STICKINESS if precise else 0.0
+
+
+def room_weight_for(configured: float | None, precise: bool) -> float:
+    """The room weight a mode routes with: the one configured, else `DEFAULT_ROOM_WEIGHT` in
+    precise mode and 0 in approximate mode, where it kept sessions home past their wait (p99
+    TTFT 268 s against 254 s at 10% KV on the issue-shaped trace) and widened the simulator's
+    property sweep at 5% KV (approximate gains more from it there than precise does)."""
+    if configured is not None:
+        return configured
+    return DEFAULT_ROOM_WEIGHT if precise else 0.0
 
 
 def affinity_weight_for(configured: float | None, precise: bool) -> float:
@@ -120,8 +128,9 @@ class RouterConfig:
     """cache_aware, cache_pressure: the weight of `ConversationScorer` (0: off)."""
     adapter_weight: float = DEFAULT_ADAPTER_WEIGHT
     """The locality policies: the weight of `AdapterScorer`, a resident LoRA adapter (0: off)."""
-    room_weight: float = DEFAULT_ROOM_WEIGHT
-    """cache_aware, cache_pressure: the weight of `RoomScorer` (0: off)."""
+    room_weight: float = 0.0
+    """cache_aware, cache_pressure: the weight of `RoomScorer` (0: off; the gateway and `kvgate
+    sim` set the mode's, `room_weight_for`)."""
     stickiness: float = DEFAULT_STICKINESS
     """cache_aware, cache_pressure: the home's extra load slack in tokens it holds (0: off)."""
     session_level: bool = True

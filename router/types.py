@@ -132,6 +132,10 @@ class RouteRequest:
     adapter_slots: Mapping[str, int] = field(default_factory=dict)
     """The request's LoRA adapter at each replica: `router.adapters` RESIDENT / LOADABLE /
     FULL (absent: LOADABLE); empty for the base model."""
+    claimed: Mapping[str, int] = field(default_factory=dict)
+    """Of `overlap[replica]`, blocks only a placement's speculative entry claims there (a
+    prompt placed on the replica whose prefill has not stored it yet: precise mode); absent =
+    0. Whether they count is `router.claims.counted_claims`'s rule."""
     committed: Mapping[str, int] = field(default_factory=dict)
     """Per replica, the blocks of the other conversations whose home it is and that are live
     (routed within the session horizon, paused ones included): the KV they will come back for

@@ -178,6 +178,8 @@ class EventsView:
     ranks: dict[str, int]
     """replica -> the DP rank holding the longest match (replicas with ranks only)."""
     live: frozenset[str]
+    claimed: dict[str, int] = field(default_factory=dict)
+    """Of `overlap`, blocks only a speculative entry claims (`RouteRequest.claimed`)."""
 
 
 @dataclass
@@ -355,13 +357,16 @@ class PreciseKeys:
         overlap: dict[str, int] = {}
         offloaded: dict[str, int] = {}
         ranks: dict[str, int] = {}
+        claimed: dict[str, int] = {}
         for replica in sorted(best):
             rank, match = best[replica]
             overlap[replica] = match.depth
             offloaded[replica] = match.offloaded
             if rank is not None:
                 ranks[replica] = rank
-        return EventsView(overlap, offloaded, ranks, frozenset(live))
+            if match.speculative:
+                claimed[replica] = match.speculative
+        return EventsView(overlap, offloaded, ranks, frozenset(live), claimed)
 
     def _replica_rank(self, domain: str, live: set[str]) -> tuple[str, int | None] | None:
         """The live replica a domain is, and its rank (None: the replica has no DP ranks);

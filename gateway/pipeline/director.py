@@ -400,6 +400,7 @@ class Director:
             decode_token_weight=self.keys.decode_token_weight,
             offloaded=keyed.offloaded,
             offload_cost=self.keys.offload_cost,
+            claimed=keyed.claimed,
             home=keyed.home.replica if keyed.home is not None else None,
             home_blocks=keyed.home.depth_blocks if keyed.home is not None else 0,
             adapter_slots=(
@@ -511,6 +512,7 @@ class Director:
             route,
             overlap=keyed.lookup.overlap,
             offloaded=keyed.offloaded,
+            claimed=keyed.claimed,
             home=home.replica if home is not None else None,
             home_blocks=home.depth_blocks if home is not None else 0,
         )

@@ -79,6 +79,8 @@ class Keyed:
     """Where this request's conversation went last (`cachemap.affinity`; None: new, or off)."""
     committed: dict[str, int] = field(default_factory=dict)
     """Per replica, the blocks of the other live conversations homed there (the room scorer's)."""
+    claimed: dict[str, int] = field(default_factory=dict)
+    """Of the events' overlap, blocks only a speculative entry claims (`RouteRequest.claimed`)."""
 
 
 def engine_body(parsed: ParsedRequest) -> dict[str, object]:
@@ -275,6 +277,7 @@ class Keying:
             # in process, a replica whose events flow is routed on them for as long as its
             # feed lives (it never goes back to not live): its prediction would never be read
             view.live if self.directory.shared is None else frozenset(),
+            claimed=view.claimed,
         )
 
     def resize_after_wait(self, keyed: Keyed, parsed: ParsedRequest, tenant: Tenant) -> bool:
@@ -314,6 +317,7 @@ class Keying:
         keyed.lookup.overlap = overlap
         keyed.offloaded = view.offloaded
         keyed.ranks = view.ranks
+        keyed.claimed = view.claimed
         if self.affinity is not None and not keyed.lookup.home_answered:
             keyed.home = self.affinity.lookup(keyed.hashes) or keyed.home
         return True
@@ -324,7 +328,9 @@ class Keying:
         view = precise.view(hashes, candidates)
         if self.wiping:
             view = replace(
-                view, overlap={r: d for r, d in view.overlap.items() if not self.wiping[r]}
+                view,
+                overlap={r: d for r, d in view.overlap.items() if not self.wiping[r]},
+                claimed={r: d for r, d in view.claimed.items() if not self.wiping[r]},
             )
         return view
 

@@ -97,6 +97,7 @@ from router.registry import (
     build_fallback,
     build_policy,
     frontier_reader,
+    room_weight_for,
     stickiness_for,
 )
 
@@ -375,7 +376,9 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
             settings.affinity_weight, precise=settings.tokenizer_dir is not None
         ),
         stickiness=stickiness_for(settings.stickiness, precise=settings.tokenizer_dir is not None),
-        room_weight=settings.room_weight,
+        room_weight=room_weight_for(
+            settings.room_weight, precise=settings.tokenizer_dir is not None
+        ),
     )
     policy = build_policy(settings.policy, router_config)
     directory = build_directory(settings)

@@ -50,10 +50,12 @@ KNOWN_GAPS = {
 """(policy, workload, KV) -> how far below approximate precise mode may read there, measured:
 `cache_aware` 0.81 points on the paused sessions at 10%, against approximate at its default
 (no affinity: the rankings it had before issue 40, which keep that trace's conversations home
-by their stale prediction). Closed in issue 40's round 4: the 16-token sessions at 10%
-(`cache_pressure` 0.78 points when measured, 0.39 since round 3) and the synthetic slice at
-5% (`cache_pressure` 0.84 points, the whole of approximate's few hits: with the simulator
-modelling the gateway's speculative entries, precise reads 0.35 points above approximate)."""
+by their stale prediction); the same with round 5's defaults (the home's claim by the queue,
+a 30-s speculative ttl, room on in precise mode). Closed in issue 40's round 4: the 16-token
+sessions at 10% (`cache_pressure` 0.78 points when measured, 0.39 since round 3) and the
+synthetic slice at 5% (`cache_pressure` 0.84 points, the whole of approximate's few hits:
+with the simulator modelling the gateway's speculative entries, precise reads 0.35 points above
+approximate; 0.41 with round 5's defaults)."""
 
 
 @cache

@@ -3,9 +3,11 @@ data-parallel rank, from a real two-rank engine's events over real ZMQ sockets."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import httpx
+import msgspec
 
 from cachemap.events import EventIndex, precise_keys
 from cachemap.tokenizer import ModelTokenizer
@@ -19,6 +21,21 @@ from tests.servers import Served
 
 OTHER = "http://127.0.0.1:9"
 """A candidate without events (nothing publishes for it)."""
+
+
+def _stored(ids: list[int], num_blocks: int, first_hash: int) -> bytes:
+    """One batch announcing the first `num_blocks` 16-token blocks of `ids` under "salt"."""
+    event = {
+        "type": "BlockStored",
+        "block_hashes": list(range(first_hash, first_hash + num_blocks)),
+        "parent_block_hash": None,
+        "token_ids": ids[: 16 * num_blocks],
+        "block_size": 16,
+        "medium": "GPU",
+        "extra_keys": [["salt"]],
+    }
+    payload: bytes = msgspec.msgpack.encode([time.time(), [event]])
+    return payload
 
 
 def on_rank(url: str, prompt: list[int], rank: int) -> None:
@@ -60,5 +77,33 @@ async def test_the_view_is_each_live_candidates_deepest_rank_ties_to_the_lowest(
         await until(lambda: index.num_blocks(x.url + "#0") == 2, "rank 0's second block")
         view = precise.view(keys, [OTHER, x.url])
         assert view.overlap == {x.url: 2} and view.ranks == {x.url: 0}
+    finally:
+        await intake.close()
+
+
+async def test_the_view_says_which_blocks_only_a_speculative_entry_claims() -> None:
+    """A placement's blocks past what its engine's events hold are claimed there
+    (`EventsView.claimed`, `RouteRequest.claimed`): the router counts them only while the
+    replica's queue is shorter than the turn's re-prefill elsewhere (`router.claims`)."""
+    index = EventIndex()
+    engine = "http://engine:8000"
+    config = EventsConfig(endpoints={engine: "inproc://engine"})
+    intake = EventIntake(config, index, lambda: [engine])
+    precise = PreciseKeys(PromptTokens(ModelTokenizer(MODEL_DIR)), index, intake)
+    intake.refresh()
+    try:
+        prompt = list(range(2000, 2000 + 16 * 12))
+        keys = precise_keys(prompt, "salt", 16)
+        [feed] = intake.feeds(engine)
+        await feed.receive(0, _stored(list(range(16)), 1, 1))  # its events flow
+        precise.speculate(engine, None, keys)  # placed: its 12 blocks claimed, none held
+        view = precise.view(keys, [engine])
+        assert view.overlap == {engine: 12} and view.claimed == {engine: 12}
+        await feed.receive(1, _stored(prompt, 8, 11))  # the engine stored 8 of them
+        view = precise.view(keys, [engine])
+        assert view.overlap == {engine: 12} and view.claimed == {engine: 4}
+        await feed.receive(2, _stored(prompt, 12, 101))
+        view = precise.view(keys, [engine])
+        assert view.overlap == {engine: 12} and view.claimed == {}  # all held
     finally:
         await intake.close()

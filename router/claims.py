@@ -1,0 +1,79 @@
+"""When a turn stops waiting behind its previous turn queued at home (issue 40).
+
+Precise mode counts a placement's blocks as held on its replica from the placement on (a
+speculative entry, `RouteRequest.claimed`), until the engine's event stores them. A
+conversation's next turn often arrives while its previous one is still queued: its context is
+then held nowhere yet, and only the claim keeps it home. Kept for as long as the prefill might
+take, though, a claim keeps turns waiting behind a long queue where moving would have been
+faster (and, at a KV with room to spare, cheap); dropped after a fixed 2 s it sends every turn
+whose previous one waits longer elsewhere, to prefill the whole context a second time and evict
+other sessions there (docs/precise.md, "The queued turn"). So the home's claim counts by the
+queue, not by its age:
+
+    claim(home) counts  ⇔  queue(home) ≤ ½ × reprefill(home)
+    queue(home)      = prefill tokens queued on the home ahead of this request (this gateway's
+                       pending prefills, the queued turn's own among them, and other gateways')
+    reprefill(home)  = the request's prompt tokens past the most blocks any other replica
+                       holds (by events, not claimed): what it prefills if it goes elsewhere
+
+A claim on another replica (a fan-out sibling's leader, another conversation sharing the
+prefix, placed a moment ago) counts until its event or its ttl, as every claim did: judged by
+the half rule too, such claims cost precise `cache_pressure` 1.25 points of the property sweep's
+synthetic slice at 5% KV, where they had closed its gap. (Dropping every claim on a replica with
+nothing queued, its placement past its first token, opened gaps of 0.58 and 0.78 points on the
+16-token sessions at 5% and 10%: its events are still on their way then.)
+
+Waiting for the claimed blocks is then well below prefilling them again on an idle replica
+(`QUEUE_SHARE`); where it is not, the replica keeps only the blocks its events hold and the
+load bound and the scorers decide on those, as they did once a claim expired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from router.types import Replica, RouteRequest
+
+QUEUE_SHARE = 0.5
+"""A claim counts while its replica's queue is at most half the request's re-prefill elsewhere.
+The queue counts the queued turn's own prefill too: at ½, a turn whose previous turn is
+re-prefilling its whole context at home (the home had evicted it) does not keep the claim, as
+that prefill alone is about its own re-prefill, while a turn whose previous turn hit keeps it
+while the queue is short. `kvgate sim` on the issue-shaped trace at 10% KV, seeds 0-2, precise
+`cache_pressure`, measured with the rule on every claim (before it was narrowed to the home's):
+1 gave 97.5 / 97.7 / 97.3% of the shared LRU at imbalance 1.39 / 1.20 / 1.33, ½ 97.5 / 97.6 /
+97.5% at 1.26 / 1.16 / 1.26; on the home only, ¼, ½ and ¾ read alike (97.9%, imbalance 1.33,
+seed 0), and no rule at all 98.8% at 10% but 95.2% at 25% (docs/precise.md, "The queued turn:
+a claim by the queue")."""
+
+
+def claim_counts(req: RouteRequest, replica: Replica, held: dict[str, int]) -> bool:
+    """Whether `replica`'s claimed blocks count for `req` (the module's rule, the home's);
+    `held` is each replica's overlap less its claimed blocks."""
+    elsewhere = max((n for r, n in held.items() if r != replica.id), default=0)
+    reprefill = max(req.num_prompt_tokens - elsewhere * req.tokens_per_block, 0.0)
+    queue = replica.pending_prefill_tokens + replica.foreign_prefill_tokens
+    return queue <= QUEUE_SHARE * reprefill
+
+
+def counted_claims(req: RouteRequest, replicas: Sequence[Replica]) -> RouteRequest:
+    """`req` with its home's claim taken out of its overlap (and of `claimed`) when it does not
+    count: the same request when it counts, or when the home claims nothing (a claim on any
+    other replica counts until its event or its ttl)."""
+    if not req.claimed or req.home is None:
+        return req
+    home = next((r for r in replicas if r.id == req.home), None)
+    if home is None or not req.claimed.get(home.id):
+        return req
+    held = {r: n - req.claimed.get(r, 0) for r, n in req.overlap.items()}
+    if claim_counts(req, home, held):
+        return req
+    overlap = dict(req.overlap)
+    claimed = dict(req.claimed)
+    del claimed[home.id]
+    if held.get(home.id, 0) > 0:
+        overlap[home.id] = held[home.id]
+    else:  # (absent already when the caller dropped the replica's overlap, a suspect's)
+        overlap.pop(home.id, None)
+    return replace(req, overlap=overlap, claimed=claimed)
