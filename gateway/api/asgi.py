@@ -151,14 +151,16 @@ class ChunkedOut:
     write one HTTP chunk (`%x\\r\\n` body `\\r\\n`, what uvicorn's own `send` writes), with
     uvicorn's flow control (`paused`, `drain`) and its view of a disconnect (nothing is written
     after one). The response's start and its end still go through `send`, so uvicorn's state
-    of the response stays its own."""
+    of the response stays its own. `head`: the start's bytes, held back by `start_chunked`, go
+    out with the first chunk in one write (or alone at `flush`)."""
 
-    __slots__ = ("_cycle", "_flow", "_transport")
+    __slots__ = ("_cycle", "_flow", "_head", "_transport")
 
-    def __init__(self, cycle: RequestResponseCycle) -> None:
+    def __init__(self, cycle: RequestResponseCycle, head: bytes = b"") -> None:
         self._cycle = cycle
         self._flow = cycle.flow
         self._transport = cycle.transport
+        self._head = head
 
     @property
     def paused(self) -> bool:
@@ -166,7 +168,14 @@ class ChunkedOut:
 
     def write(self, data: bytes) -> None:
         if not self._cycle.disconnected:
-            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            head, self._head = self._head, b""
+            self._transport.write(b"%b%x\r\n%b\r\n" % (head, len(data), data))
+
+    def flush(self) -> None:
+        """The held start, written if no chunk took it (before anything else is sent)."""
+        head, self._head = self._head, b""
+        if head and not self._cycle.disconnected:
+            self._transport.write(head)
 
     async def drain(self) -> None:
         await self._flow.drain()
@@ -177,17 +186,50 @@ class ChunkedOut:
         self._transport.abort()
 
 
-def chunked_out(send: Send) -> ChunkedOut | None:
+def chunked_out(send: Send, head: bytes = b"") -> ChunkedOut | None:
     """A direct writer for a started, chunked response served by uvicorn's httptools protocol
-    (None otherwise, e.g. under h11: the caller then sends body messages through `send`)."""
+    (None otherwise, e.g. under h11: the caller then sends body messages through `send`);
+    `head`: the start's bytes it writes first (`start_chunked`)."""
     cycle = getattr(raw_send(send), "__self__", None)
     if (
         isinstance(cycle, RequestResponseCycle)
         and cycle.chunked_encoding
         and (cycle.response_started and not cycle.response_complete)
     ):
-        return ChunkedOut(cycle)
+        return ChunkedOut(cycle, head)
     return None
+
+
+async def start_chunked(send: Send, start: Message) -> ChunkedOut | None:
+    """Send a chunked response's `start` through `send` and return its direct writer
+    (`chunked_out`), the start's bytes held for the writer's first chunk: the head and the
+    first events in one write to the client instead of two (uvicorn writes the head at once).
+    The caller `flush`es the writer before it sends anything else through `send`. Where
+    `chunked_out` gives no writer (another server, a paused or gone client, a body not
+    chunked), the start is sent as it is."""
+    cycle = getattr(raw_send(send), "__self__", None)
+    if (
+        not isinstance(cycle, RequestResponseCycle)
+        or cycle.response_started
+        or cycle.disconnected
+        or cycle.flow.write_paused  # uvicorn would wait here: nothing to gather meanwhile
+    ):
+        await send(start)
+        return chunked_out(send)
+    transport = cycle.transport
+    gathered = _Gathered()
+    cycle.transport = gathered  # type: ignore[assignment]
+    try:
+        await send(start)  # does not wait: the connection is not paused, nothing is written
+    finally:
+        cycle.transport = transport
+    head = b"".join(gathered.parts)
+    out = None if gathered.closing else chunked_out(send, head)
+    if out is None:  # no writer to hold it for
+        transport.write(head)
+        if gathered.closing:
+            transport.close()
+    return out
 
 
 def client_paused(send: Send) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from gateway.api.asgi import ChunkedOut, chunked_out, client_paused, cut_client, raw_send
+from gateway.api.asgi import ChunkedOut, client_paused, cut_client, raw_send, start_chunked
 from gateway.api.errors import openai_error_body
 from gateway.errors import GatewayError
 from gateway.pipeline.exchange import ClientTooSlow, Exchange
@@ -123,9 +123,13 @@ class ExchangeSSE(Response):
             exchange.abort()
 
         watcher = asyncio.create_task(watch())
+        start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+        out: ChunkedOut | None = None
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            out = chunked_out(body) if self.splices else None
+            if self.splices:  # the start goes out with the first events, in one write
+                out = await start_chunked(send, start)
+            else:
+                await send(start)
             if out is not None:
                 await self.relay(out)
             else:
@@ -138,12 +142,16 @@ class ExchangeSSE(Response):
                         break
         except asyncio.CancelledError:  # the drain's grace ran out: say so, then end
             exchange.abort()
+            if out is not None:
+                out.flush()
             with contextlib.suppress(Exception):
                 cut = self.error_event(ShuttingDown("the gateway is shutting down; retry"))
                 await body({"type": "http.response.body", "body": cut, "more_body": True})
             raise
         finally:
             watcher.cancel()
+            if out is not None:
+                out.flush()  # a stream that wrote nothing: its start, before its end
             with contextlib.suppress(Exception):  # the client may be gone already
                 await body({"type": "http.response.body", "body": b"", "more_body": False})
             await exchange.finish()

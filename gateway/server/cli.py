@@ -125,6 +125,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from gateway.server.app import create_app
+    from gateway.server.cyclic_gc import tune_collector
+    from gateway.server.keepalive import LazyKeepAlive
     from gateway.server.malloc import pin_mmap_threshold
 
     pin_mmap_threshold()  # before the stores grow: freed dict tables leave RSS (malloc.py)
@@ -192,7 +194,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log_config=None,  # uvicorn's loggers go through ours: one format
         access_log=False,
         loop="uvloop",
-        http="httptools",
+        http=LazyKeepAlive,  # uvicorn's httptools protocol, one keep-alive timer an idle spell
         proxy_headers=False,
         server_header=False,
         date_header=False,
@@ -201,6 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sockets = None
     if settings.worker_index is not None:
         sockets = [shared_port_socket(settings.host, settings.port)]
+    tune_collector()  # the young generation above the requests in flight (cyclic_gc.py)
     DrainingServer(config, app.state.begin_drain).run(sockets)
     return 0
 

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway.api.asgi import ChunkedOut, chunked_out
+from gateway.api.asgi import ChunkedOut, chunked_out, start_chunked
 from gateway.pipeline.upstream import MAX_BUFFERED_BYTES
 from tests.clients import director
 from tests.conftest import MODEL, TENANT_KEY
@@ -58,6 +58,58 @@ def test_uvicorn_gives_the_relay_its_transport_and_the_chunks_frame_right() -> N
     finally:
         served.stop()
     assert len(seen) == 2 and all(isinstance(out, ChunkedOut) for out in seen)
+
+
+class CountedWrites:
+    """The client's transport, each write kept (the relay's writer takes it from the cycle)."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+def test_a_streams_start_goes_out_with_its_first_events_in_one_write() -> None:
+    """`start_chunked` holds the head for the writer's first chunk (a write less a stream); a
+    stream that writes nothing sends its head at `flush`, before its end."""
+    writes: list[list[bytes]] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await serve_lifespan(receive, send)
+            return
+        cycle = send.__self__  # type: ignore[attr-defined]
+        cycle.transport = counted = CountedWrites(cycle.transport)
+        writes.append(counted.writes)
+        out = await start_chunked(send, {"type": "http.response.start", "status": 200})
+        assert out is not None
+        if scope["path"] == "/events":
+            out.write(b"data: 1\n\n")
+            out.write(b"data: 2\n\n")
+        out.flush()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    served = start_app(app)
+    try:
+        with httpx.Client() as http:
+            r = http.get(served.url + "/events")
+            assert r.content == b"data: 1\n\ndata: 2\n\n"
+            assert r.headers["transfer-encoding"] == "chunked"
+            assert http.get(served.url + "/nothing").content == b""  # the same connection
+    finally:
+        served.stop()
+    events, nothing = writes
+    assert len(events) == 3 and events[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert events[0].endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
+    assert events[1:] == [b"9\r\ndata: 2\n\n\r\n", b"0\r\n\r\n"]
+    assert len(nothing) == 2 and nothing[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert nothing[1] == b"0\r\n\r\n"
 
 
 class Flood:
