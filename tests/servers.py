@@ -64,12 +64,12 @@ class Served:
         return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout_s)
 
 
-def start_app(app: Any, port: int | None = None, host: str = "127.0.0.1", **options: Any) -> Served:
+def start_app(app: Any, port: int | None = None, host: str = "127.0.0.1") -> Served:
     """Serve `app` on loopback (any 127.x address: a test may give each replica its own, the
     way pods have their own IPs behind one port). Without a port, the socket is bound here to
     one the kernel picks and handed to uvicorn: a port chosen first and bound later could be
     taken in between (an outgoing connection drew it once, in a suite run: "address already
-    in use"). `options`: more of uvicorn's `Config` (its protocol, its keep-alive)."""
+    in use")."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -79,7 +79,7 @@ def start_app(app: Any, port: int | None = None, host: str = "127.0.0.1", **opti
         raise RuntimeError(f"server on port {port} failed to start: {exc}") from None
     port = sock.getsockname()[1]
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", lifespan="on", access_log=False, **options
+        app, host=host, port=port, log_level="warning", lifespan="on", access_log=False
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

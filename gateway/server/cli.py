@@ -126,7 +126,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from gateway.server.app import create_app
     from gateway.server.cyclic_gc import tune_collector
-    from gateway.server.keepalive import LazyKeepAlive
     from gateway.server.malloc import pin_mmap_threshold
 
     pin_mmap_threshold()  # before the stores grow: freed dict tables leave RSS (malloc.py)
@@ -194,7 +193,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log_config=None,  # uvicorn's loggers go through ours: one format
         access_log=False,
         loop="uvloop",
-        http=LazyKeepAlive,  # uvicorn's httptools protocol, one keep-alive timer an idle spell
+        http="httptools",
         proxy_headers=False,
         server_header=False,
         date_header=False,
