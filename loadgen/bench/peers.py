@@ -72,6 +72,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from cachemap.events import DEFAULT_SPECULATIVE_TTL_S
 from loadgen.bench.engine_work import busy_seconds, engine_totals, imbalance
 from loadgen.bench.fast_engine import fast_engines
 from loadgen.bench.rate import (
@@ -419,9 +420,14 @@ def scaled_gateway_env(time_scale: float) -> dict[str, str]:
     ±6%), TTFT mean 0.66 against 0.73 s (lower in 4 of 5, one equal), the tier's CPU per
     request +20% (four times the rounds per wall second: per trace second, a real fleet's).
     A period set in the bench's own environment is left as it is (the gateways inherit it):
-    how those runs compared the two."""
+    how those runs compared the two. A precise placement's speculative ttl is scaled the same
+    way: it covers a queued turn's prefill, which the engines run in trace seconds."""
     round_s = max(LOAD_SHARE_INTERVAL_S / time_scale, MIN_SCALED_ROUND_S)
-    scaled = {"KVGATE_LOAD_SHARE_INTERVAL_S": f"{round_s:g}"}
+    scaled = {
+        "KVGATE_LOAD_SHARE_INTERVAL_S": f"{round_s:g}",
+        # a precise placement's claim covers its queued prefill (`router.claims`): trace seconds
+        "KVGATE_SPECULATIVE_TTL_S": f"{DEFAULT_SPECULATIVE_TTL_S / time_scale:g}",
+    }
     return {name: value for name, value in scaled.items() if name not in os.environ}
 
 
