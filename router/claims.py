@@ -17,9 +17,20 @@ queue, not by its age:
                        holds (by events, not claimed): what it prefills if it goes elsewhere
 
 A claim on another replica (a fan-out sibling's leader, another conversation sharing the
-prefix, placed a moment ago) counts until its event or its ttl, as every claim did: judged by
-the half rule too, such claims cost precise `cache_pressure` 1.25 points of the property sweep's
-synthetic slice at 5% KV, where they had closed its gap. (Dropping every claim on a replica with
+prefix, or this conversation's own turn placed there before it moved) counts by the same rule,
+less the claim's own prefill: what is queued there beyond the claimed tokens,
+
+    claim(r ≠ home) counts  ⇔  queue(r) − claimed(r) tokens ≤ ½ × reprefill(r)
+
+A leader's claim behind nothing but its own prefill counts (judged by the whole queue, such
+claims cost precise `cache_pressure` 1.25 points of the property sweep's synthetic slice at 5%
+KV), while a claim behind other sessions' prefills does not: those prefills run first and, on
+a KV holding about one long session, evict the claimed blocks before this request reads them.
+Counted whole for its ttl (round 5), such a claim drew a conversation's later turns back to a
+replica it had left, behind a queue its router read as a few thousand tokens (the claimed
+turns' estimates) that was hundreds of thousands (the re-prefills they became): precise
+`cache_aware`'s p99 TTFT of 83 s on the issue-shaped trace at 10% KV, 71 s with this
+(docs/precise.md, "The claim off the home", round 6). (Dropping every claim on a replica with
 nothing queued, its placement past its first token, opened gaps of 0.58 and 0.78 points on the
 16-token sessions at 5% and 10%: its events are still on their way then.)
 
@@ -49,31 +60,31 @@ a claim by the queue")."""
 
 
 def claim_counts(req: RouteRequest, replica: Replica, held: dict[str, int]) -> bool:
-    """Whether `replica`'s claimed blocks count for `req` (the module's rule, the home's);
-    `held` is each replica's overlap less its claimed blocks."""
+    """Whether `replica`'s claimed blocks count for `req` (the module's rule); `held` is each
+    replica's overlap less its claimed blocks."""
     elsewhere = max((n for r, n in held.items() if r != replica.id), default=0)
     reprefill = max(req.num_prompt_tokens - elsewhere * req.tokens_per_block, 0.0)
     queue = replica.pending_prefill_tokens + replica.foreign_prefill_tokens
+    if replica.id != req.home:
+        queue -= req.claimed.get(replica.id, 0) * req.tokens_per_block
     return queue <= QUEUE_SHARE * reprefill
 
 
 def counted_claims(req: RouteRequest, replicas: Sequence[Replica]) -> RouteRequest:
-    """`req` with its home's claim taken out of its overlap (and of `claimed`) when it does not
-    count: the same request when it counts, or when the home claims nothing (a claim on any
-    other replica counts until its event or its ttl)."""
-    if not req.claimed or req.home is None:
-        return req
-    home = next((r for r in replicas if r.id == req.home), None)
-    if home is None or not req.claimed.get(home.id):
+    """`req` with the claims that do not count taken out of its overlap (and of `claimed`):
+    the same request when every claim counts."""
+    if not req.claimed:
         return req
     held = {r: n - req.claimed.get(r, 0) for r, n in req.overlap.items()}
-    if claim_counts(req, home, held):
+    dropped = [r.id for r in replicas if req.claimed.get(r.id) and not claim_counts(req, r, held)]
+    if not dropped:
         return req
     overlap = dict(req.overlap)
     claimed = dict(req.claimed)
-    del claimed[home.id]
-    if held.get(home.id, 0) > 0:
-        overlap[home.id] = held[home.id]
-    else:  # (absent already when the caller dropped the replica's overlap, a suspect's)
-        overlap.pop(home.id, None)
+    for rid in dropped:
+        del claimed[rid]
+        if held.get(rid, 0) > 0:
+            overlap[rid] = held[rid]
+        else:  # (absent already when the caller dropped the replica's overlap, a suspect's)
+            overlap.pop(rid, None)
     return replace(req, overlap=overlap, claimed=claimed)
