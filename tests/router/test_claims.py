@@ -68,18 +68,18 @@ def test_a_claim_past_what_the_home_holds_is_dropped_whole() -> None:
 def test_a_claim_off_the_home_counts_by_the_queue_beyond_its_own_prefill() -> None:
     """A fan-out sibling's leader, another conversation sharing the prefix, or this
     conversation's turn placed there before it moved: its claim counts while what is queued
-    there beyond the claimed prefill is at most half the re-prefill elsewhere (1,600 / 2 here),
+    there beyond the claimed prefill is at most ¾ of the re-prefill elsewhere (1,600 tokens here),
     as does every claim of a request without a home. Behind other sessions' prefills it does
     not: they run first and may evict the claimed blocks (issue 40, round 6)."""
     sibling = RouteRequest(
         100, 100 * BLOCK, {"a": 50}, tokens_per_block=BLOCK, claimed={"a": 50}, home="b"
     )
     own = 50 * BLOCK  # the leader's prefill, queued on a
-    leading = [Replica("a", pending_prefill_tokens=own + 800.0), Replica("b")]
+    leading = [Replica("a", pending_prefill_tokens=own + 1_200.0), Replica("b")]
     assert counted_claims(sibling, leading) is sibling
     homeless = replace(sibling, home=None)
     assert counted_claims(homeless, leading) is homeless
-    behind = [Replica("a", pending_prefill_tokens=own + 801.0), Replica("b")]
+    behind = [Replica("a", pending_prefill_tokens=own + 1_201.0), Replica("b")]
     for req in (sibling, homeless):
         out = counted_claims(req, behind)
         assert out.overlap == {} and out.claimed == {}
