@@ -106,3 +106,19 @@ def serve(app: Any, port: int | None = None) -> Iterator[Served]:
         yield served
     finally:
         served.stop()
+
+
+class CountedWrites:
+    """A server's transport for one connection, keeping each write that reaches it (a test swaps it
+    into uvicorn's cycle to count what a response costs in writes)."""
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)

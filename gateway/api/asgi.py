@@ -111,19 +111,29 @@ class _Gathered:
         self.closing = True
 
 
+def _gatherable(send: Send) -> RequestResponseCycle | None:
+    """uvicorn's httptools cycle behind `send` when a response's start can be gathered into
+    the writes after it (`send_whole`, `start_chunked`): nothing sent yet and the client
+    neither gone nor paused (uvicorn would wait there: nothing to gather meanwhile)."""
+    cycle = getattr(send, "__self__", None)
+    if (
+        not isinstance(cycle, RequestResponseCycle)
+        or cycle.response_started
+        or cycle.disconnected
+        or cycle.flow.write_paused
+    ):
+        return None
+    return cycle
+
+
 async def send_whole(send: Send, start: Message, body: Message) -> None:
     """A response's start and its only body message through uvicorn's httptools `send`, its
     bytes in one write to the client's transport. uvicorn's `send` still does everything else
     it does (headers checked, keep-alive, content-length, the next pipelined request), so its
     state of the response stays its own. Under any other server, or when the connection is
     paused or gone, the two messages simply go through `send`."""
-    cycle = getattr(send, "__self__", None)
-    if (
-        not isinstance(cycle, RequestResponseCycle)
-        or cycle.response_started
-        or cycle.disconnected
-        or cycle.flow.write_paused  # uvicorn would wait here: nothing to gather meanwhile
-    ):
+    cycle = _gatherable(send)
+    if cycle is None:
         await send(start)
         await send(body)
         return
@@ -207,13 +217,8 @@ async def start_chunked(send: Send, start: Message) -> ChunkedOut | None:
     The caller `flush`es the writer before it sends anything else through `send`. Where
     `chunked_out` gives no writer (another server, a paused or gone client, a body not
     chunked), the start is sent as it is."""
-    cycle = getattr(raw_send(send), "__self__", None)
-    if (
-        not isinstance(cycle, RequestResponseCycle)
-        or cycle.response_started
-        or cycle.disconnected
-        or cycle.flow.write_paused  # uvicorn would wait here: nothing to gather meanwhile
-    ):
+    cycle = _gatherable(raw_send(send))
+    if cycle is None:
         await send(start)
         return chunked_out(send)
     transport = cycle.transport

@@ -23,7 +23,7 @@ from gateway.api.asgi import ChunkedOut, chunked_out, start_chunked
 from gateway.pipeline.upstream import MAX_BUFFERED_BYTES
 from tests.clients import director
 from tests.conftest import MODEL, TENANT_KEY
-from tests.servers import Served, serve_lifespan, start_app, stop_all, wait_until
+from tests.servers import CountedWrites, Served, serve_lifespan, start_app, stop_all, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -58,21 +58,6 @@ def test_uvicorn_gives_the_relay_its_transport_and_the_chunks_frame_right() -> N
     finally:
         served.stop()
     assert len(seen) == 2 and all(isinstance(out, ChunkedOut) for out in seen)
-
-
-class CountedWrites:
-    """The client's transport, each write kept (the relay's writer takes it from the cycle)."""
-
-    def __init__(self, transport: Any) -> None:
-        self.transport = transport
-        self.writes: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-        self.transport.write(data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.transport, name)
 
 
 def test_a_streams_start_goes_out_with_its_first_events_in_one_write() -> None:

@@ -15,24 +15,9 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.api.asgi import StatusSend, body_arrived
 from gateway.api.responses import JSONBytes
-from tests.servers import Served, start_app, wait_until
+from tests.servers import CountedWrites, Served, start_app, wait_until
 
 pytestmark = pytest.mark.e2e
-
-
-class CountedWrites:
-    """The server's transport for one connection, counting the writes that reach it."""
-
-    def __init__(self, transport: Any) -> None:
-        self._transport = transport
-        self.writes: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-        self._transport.write(data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
