@@ -29,7 +29,11 @@ from cachemap.keys import DEFAULT_BLOCK_BYTES
 from cachemap.multimodal import DEFAULT_TOKENS_PER_IMAGE
 from gateway.request.tenant import BILLING_PROFILES, check_tenant_name
 from router.adapters import DEFAULT_ADAPTER_BUSY_S
-from router.fairness import DEFAULT_DECODE_WEIGHT, DEFAULT_FLOOR_SHARE
+from router.fairness import (
+    DEFAULT_DECODE_WEIGHT,
+    DEFAULT_FLOOR_SHARE,
+    DEFAULT_LOWER_BAND_ROOM_SHARE,
+)
 from router.fanout import DEFAULT_MIN_HOLD_TOKENS
 from router.filters import (
     DEFAULT_ABSOLUTE_SLACK_TOKENS,
@@ -412,6 +416,11 @@ class Settings(BaseSettings):
     `engine_prefill_tokens_per_s`)."""
     flow_floor_share: float = DEFAULT_FLOOR_SHARE
     """Dispatches each lower backlogged band earns per dispatch of the best band (0: strict)."""
+    flow_lower_band_room_share: float = DEFAULT_LOWER_BAND_ROOM_SHARE
+    """While a better band is active (requests queued, or one seen in the last 5 s), a lower
+    band's request gets room only under this share of `flow_max_pending_prefill_s`, so the
+    better band's next request finds at most that much of it queued at the engine (1: the whole
+    bound for every band)."""
     flow_decode_weight: float = DEFAULT_DECODE_WEIGHT
     """What one output token costs in the fairness counters, in prompt tokens."""
     flow_max_queued_per_scope: int = DEFAULT_FLOW_MAX_QUEUED_PER_SCOPE
@@ -456,6 +465,16 @@ class Settings(BaseSettings):
     def _flow_share(cls, value: float) -> float:
         if not 0.0 <= value <= 1.0:
             raise ValueError("must be between 0 and 1")
+        return value
+
+    @field_validator("flow_lower_band_room_share")
+    @classmethod
+    def _flow_room_share(cls, value: float) -> float:
+        if not 0.0 < value <= 1.0:
+            raise ValueError(
+                "must be above 0 and at most 1 (a share of flow_max_pending_prefill_s; 1: "
+                "every band gets the whole bound)"
+            )
         return value
 
     @field_validator("flow_decode_weight")

@@ -33,9 +33,18 @@ of a `user`-scoped tenant). Two rules order them:
    it was away. Over any period where scopes stay backlogged their served cost is proportional
    to their weights, within one request's cost per scope.
 
+3. **Room held back from lower bands while a higher one is active** (`BandActivity`). A
+   replica has room while its queued prefill is under a bound; a request of a band below an
+   *active* one (a band with requests queued, or seen within `BAND_ACTIVE_S`) gets room only
+   under `lower_band_room_share` of that bound, so a higher-band request arriving finds at most
+   that share of lower-band work queued at the engine (behind the prefill running there),
+   rather than the whole bound. A band owed a floor dispatch (`FairQueue.owed`) gets the whole
+   bound: else a higher band's backlog, dispatched whenever the queue is under the bound, would
+   never leave it under the share, and the floor would starve.
+
 Work-conserving: `pop` returns a request whenever one is queued and `eligible`; a lone scope
-gets every dispatch. Pure and synchronous, like everything in `router/`: no clock (the caller
-passes `now_s`), no I/O.
+gets every dispatch, and a band with no active band above it gets the whole bound. Pure and
+synchronous, like everything in `router/`: no clock (the caller passes `now_s`), no I/O.
 """
 
 from __future__ import annotations
@@ -56,6 +65,17 @@ tier more than one request in twenty."""
 DEFAULT_DECODE_WEIGHT = 2.0
 """A generated token counts as two prompt tokens (the VTC paper's w_q = 2 w_p: decode holds a
 batch slot for a step per token, prefill processes many tokens per step)."""
+
+DEFAULT_LOWER_BAND_ROOM_SHARE = 0.5
+"""While a higher band is active, a lower band's request is let into a replica's room only
+under half the room bound: a higher-band request arriving waits behind at most half a bound of
+lower-band work at the engine (docs/flow-control.md, "When a replica has room")."""
+BAND_ACTIVE_S = 5.0
+"""A band is active for this long after its last request arrived (and while it has requests
+queued): long enough to span an interactive tenant's gaps between requests, so its next one
+finds the lower bands held back; the lower bands' cost is only that the engine runs with less
+queued ahead of it, which idles it only when the gateway's dispatch takes longer than the
+share of the bound (docs/flow-control.md)."""
 
 SWEEP_SLACK = 64
 """Idle scopes kept beyond twice the backlogged ones before a sweep drops those the band's
@@ -81,6 +101,52 @@ def has_headroom(
         if total > claimed_tokens:
             return True
     return False
+
+
+def band_room_bound(
+    band: int, best_active: int | None, max_pending_prefill_tokens: float, lower_share: float
+) -> float:
+    """The room bound a request of `band` may be dispatched into: the whole bound unless a
+    better band (a lower number) is active (`best_active`, None: none is), then
+    `lower_share` of it (an idle replica still takes a request of any size: room is
+    `headroom_tokens`'s, so the bound only limits what may already be queued)."""
+    if best_active is not None and best_active < band:
+        return max_pending_prefill_tokens * lower_share
+    return max_pending_prefill_tokens
+
+
+class BandActivity:
+    """Which bands are active: when each last had a request arrive (`seen`), kept for
+    `active_s`; the caller adds the bands with requests queued (`best`). Pure: the caller
+    passes `now_s`. Memory: one entry per band seen within `active_s` (older ones are dropped
+    as they are read)."""
+
+    __slots__ = ("_seen", "active_s")
+
+    def __init__(self, active_s: float = BAND_ACTIVE_S) -> None:
+        if not 0.0 <= active_s < math.inf:
+            raise ValueError(f"active_s must be a finite number >= 0, got {active_s}")
+        self.active_s = active_s
+        self._seen: dict[int, float] = {}
+
+    def seen(self, band: int, now_s: float) -> None:
+        """A request of `band` arrived."""
+        if self._seen.get(band, -math.inf) < now_s:
+            self._seen[band] = now_s
+
+    def best(self, now_s: float, backlogged: Iterable[int] = ()) -> int | None:
+        """The best (lowest-numbered) active band: seen within `active_s` of `now_s`, or in
+        `backlogged`; None when none is."""
+        best = min(backlogged, default=None)
+        stale = None
+        for band, at in self._seen.items():
+            if now_s - at > self.active_s:
+                stale = [*(stale or ()), band]
+            elif best is None or band < best:
+                best = band
+        for band in stale or ():
+            del self._seen[band]
+        return best
 
 
 Affinity = Literal["go", "wait", "elsewhere"]
@@ -269,6 +335,16 @@ class FairQueue(Generic[T]):
                     del band.scopes[name]
         if not band.scopes:
             del self._bands[band_id]
+
+    def bands(self) -> list[int]:
+        """The bands with requests queued."""
+        return [b for b, state in self._bands.items() if state.backlogged]
+
+    def owed(self, band: int) -> bool:
+        """Whether `band` has earned a whole floor dispatch (it takes the next one it is
+        eligible for): it is let into the whole room bound, whatever is active above it."""
+        state = self._bands.get(band)
+        return state is not None and self.floor_share > 0 and state.credit >= 1.0
 
     # -- dispatch --------------------------------------------------------------------------
     def pop(self, eligible: Callable[[T], bool] | None = None) -> Queued[T] | None:

@@ -17,7 +17,9 @@ Room (`router.fairness.headroom_tokens`): a replica has room while the prefill q
 this gateway's unanswered prefills (`ReplicaState.pending_prefill_tokens`, less the progress of
 the one in prefill since it began) and other gateways' requests waiting at the engine
 (`vllm:num_requests_waiting`, counted through `Replica.foreign_prefill_tokens`) — is under
-`max_pending_prefill_s` of work. A request
+`max_pending_prefill_s` of work — for a request of a band below an active one, under
+`lower_band_room_share` of it (`router.fairness.band_room_bound`), so a higher band's next request
+finds at most that share queued at the engine. A request
 dispatched but not yet leased (it is still being keyed and placed) holds its prompt tokens in
 `transit_tokens`, so a burst does not overshoot between its dispatch and its lease.
 
@@ -64,10 +66,13 @@ from gateway.request.state import ExchangeRecord
 from gateway.request.tenant import Tenant
 from gateway.request.usage import EngineUsage
 from router.fairness import (
+    DEFAULT_LOWER_BAND_ROOM_SHARE,
     Affinity,
+    BandActivity,
     FairQueue,
     Queued,
     affinity_verdict,
+    band_room_bound,
     has_headroom,
     headroom_tokens,
 )
@@ -123,6 +128,8 @@ class FlowLimits:
     """To turn a backlog into a Retry-After, and a cached prefix into the time it saves."""
     affinity_wait_s: float = 0.0
     """How long a request may wait for its cached replica when that one is full (0: never)."""
+    lower_band_room_share: float = DEFAULT_LOWER_BAND_ROOM_SHARE
+    """The share of `max_pending_prefill_tokens` a band below an active one may fill (1: all)."""
 
 
 @dataclass
@@ -200,6 +207,7 @@ NO_TICKET = Ticket(None, 0.0, 0.0)
 class _Waiter:
     future: asyncio.Future[float]
     model: str
+    band: int
     tokens: float
     ahead: int
     """Requests of its own scope queued before it when it arrived."""
@@ -213,6 +221,8 @@ class _Waiter:
     full: frozenset[str] = NO_AVOID
     """Set when it is let through without a cached replica: the replicas without room then,
     which its placement leaves out too (the room it was let through for is elsewhere)."""
+    bound: float = math.inf
+    """The room bound it was last found eligible under (its band's, `FlowControl.band_bound`)."""
 
 
 class FlowControl:
@@ -239,6 +249,8 @@ class FlowControl:
         not yet placed: its room counts them."""
         self.shared: SharedCounters | None = None
         """With Redis: the counters shared with the other gateways (set by the app)."""
+        self.activity = BandActivity()
+        """When each band's requests last arrived: a band below an active one gets less room."""
         self._tick: asyncio.TimerHandle | None = None
         self._soon: asyncio.Handle | None = None
         self.pools: Callable[[str], Sequence[Sequence[ReplicaState]]] | None = None
@@ -248,15 +260,27 @@ class FlowControl:
         replicas.fleet.on_freed = self.pump
 
     # -- room --------------------------------------------------------------------------------
-    def headroom(self, candidates: Sequence[ReplicaState]) -> float:
-        """Prompt tokens the replicas can still take before none has room; infinite when none
-        is healthy (nothing to wait for: routing answers its 503 at once, as without flow
-        control)."""
+    def headroom(self, candidates: Sequence[ReplicaState], bound: float | None = None) -> float:
+        """Prompt tokens the replicas can still take before none has room (under `bound`,
+        default the whole room bound); infinite when none is healthy (nothing to wait for:
+        routing answers its 503 at once, as without flow control)."""
         now_s = time.monotonic()
         queued = [self.queued_tokens(c, now_s) for c in candidates if c.healthy]
         if not queued:
             return math.inf
-        return headroom_tokens(queued, self.limits.max_pending_prefill_tokens)
+        return headroom_tokens(
+            queued, self.limits.max_pending_prefill_tokens if bound is None else bound
+        )
+
+    def band_bound(self, band: int) -> float:
+        """The room bound a request of `band` may be dispatched into: the whole bound, or
+        `lower_band_room_share` of it while a better band is active (queued, or seen within
+        `BAND_ACTIVE_S`) and this band is not owed a floor dispatch."""
+        bound, share = self.limits.max_pending_prefill_tokens, self.limits.lower_band_room_share
+        if share >= 1.0 or self.queue.owed(band):
+            return bound
+        best = self.activity.best(self.clock(), self.queue.bands())
+        return band_room_bound(band, best, bound, share)
 
     def queued_tokens(self, state: ReplicaState, now_s: float) -> float:
         """The prefill still queued on a replica: this gateway's unanswered prefills (less the
@@ -277,12 +301,15 @@ class FlowControl:
             for s in self.replicas.states.values()
         }
 
-    def next_room_s(self, now_s: float) -> float | None:
+    def next_room_s(self, now_s: float, bound: float | None = None) -> float | None:
         """When the running prefills' progress (at the configured rate) first brings a replica's
-        queued prefill under the bound, if before one of them ends (monotonic; None: no replica
-        gets room that way, only by an event). A replica with room already is not counted: its
-        room is taken, or an event follows (transit placed, a prefill ended)."""
-        bound, rate = self.limits.max_pending_prefill_tokens, self.limits.prefill_tokens_per_s
+        queued prefill under `bound` (default the whole room bound), if before one of them ends
+        (monotonic; None: no replica gets room that way, only by an event). A replica with room
+        already is not counted: its room is taken, or an event follows (transit placed, a
+        prefill ended)."""
+        if bound is None:
+            bound = self.limits.max_pending_prefill_tokens
+        rate = self.limits.prefill_tokens_per_s
         soonest: float | None = None
         for state in self.replicas.states.values():
             if not state.healthy or not state.num_prefilling:
@@ -295,32 +322,34 @@ class FlowControl:
                 soonest = at
         return soonest
 
-    def model_headroom(self, model: str) -> float:
-        """What a queued request of `model` may take: the least headroom over its pools."""
+    def model_headroom(self, model: str, bound: float | None = None) -> float:
+        """What a queued request of `model` may take (under `bound`, default the whole room
+        bound): the least headroom over its pools."""
         if self.pools is None:
-            return self.headroom(self.replicas.serving(model))
-        return min((self.headroom(pool) for pool in self.pools(model)), default=math.inf)
+            return self.headroom(self.replicas.serving(model), bound)
+        return min((self.headroom(pool, bound) for pool in self.pools(model)), default=math.inf)
 
-    def _has_room(self, candidates: Sequence[ReplicaState]) -> bool:
-        """Whether the fleet has room for one more request (infinite room when none is healthy,
-        as in `headroom`), reading replicas only until it knows."""
+    def _has_room(self, candidates: Sequence[ReplicaState], bound: float) -> bool:
+        """Whether the fleet has room for one more request under `bound` (infinite room when
+        none is healthy, as in `headroom`), reading replicas only until it knows."""
         healthy = [c for c in candidates if c.healthy]
         if not healthy:
             return True
         now_s = time.monotonic()
         return has_headroom(
-            (self.queued_tokens(c, now_s) for c in healthy),
-            self.limits.max_pending_prefill_tokens,
-            self.transit_tokens,
+            (self.queued_tokens(c, now_s) for c in healthy), bound, self.transit_tokens
         )
 
-    def replica_has_room(self, state: ReplicaState, now_s: float) -> bool:
+    def replica_has_room(
+        self, state: ReplicaState, now_s: float, bound: float | None = None
+    ) -> bool:
         """Whether one replica has room: healthy, and its queued prefill plus what was let
-        through for it and is not yet placed under the bound (an idle one always has)."""
+        through for it and is not yet placed under `bound` (default the whole room bound; an
+        idle one always has)."""
         if not state.healthy:
             return False
         queued = self.queued_tokens(state, now_s) + self.claimed.get(state.id, 0.0)
-        return queued < self.limits.max_pending_prefill_tokens
+        return queued < (self.limits.max_pending_prefill_tokens if bound is None else bound)
 
     def unclaim(self, replica: str, tokens: float) -> None:
         left = self.claimed.get(replica, 0.0) - tokens
@@ -330,19 +359,19 @@ class FlowControl:
             self.claimed.pop(replica, None)
 
     def _affinity(
-        self, cached: Mapping[str, float], waited_s: float, now_s: float
+        self, cached: Mapping[str, float], waited_s: float, now_s: float, bound: float
     ) -> tuple[Affinity, frozenset[str], str | None]:
-        """The affinity verdict for a request the fleet has room for, the replicas its
-        placement leaves out ("elsewhere": the full ones), and the replica it claims ("go" to
-        a replica with room that holds the most of it)."""
+        """The affinity verdict for a request the fleet has room for (under `bound`, its
+        band's), the replicas its placement leaves out ("elsewhere": the full ones), and the
+        replica it claims ("go" to a replica with room that holds the most of it)."""
         states = self.replicas.states
         best = max(cached.values(), default=0.0)
         if best <= 0:
             return "go", NO_AVOID, None
         for r, tokens in cached.items():  # the usual case, read first: its replica has room
-            if tokens >= best and r in states and self.replica_has_room(states[r], now_s):
+            if tokens >= best and r in states and self.replica_has_room(states[r], now_s, bound):
                 return "go", NO_AVOID, r
-        room = {r: self.replica_has_room(states[r], now_s) for r in cached if r in states}
+        room = {r: self.replica_has_room(states[r], now_s, bound) for r in cached if r in states}
         kept = {r: cached[r] for r in room}
         verdict = affinity_verdict(
             kept, room, self.limits.prefill_tokens_per_s, self.limits.affinity_wait_s, waited_s
@@ -370,13 +399,17 @@ class FlowControl:
         whose cached replica is full waits for it when that is worth it, else it leaves the
         full replicas out). `decode`: a disaggregated fleet's decode pool, which must have room too
         (`candidates` are its prefill instances)."""
-        if self.queue or not self._has_room(candidates):
+        self.activity.seen(band, self.clock())
+        if self.queue:
             return None
-        if decode and not self._has_room(decode):
+        bound = self.band_bound(band)
+        if not self._has_room(candidates, bound):
+            return None
+        if decode and not self._has_room(decode, bound):
             return None
         avoid = NO_AVOID
         if cached is not None:
-            verdict, avoid, _ = self._affinity(cached, 0.0, time.monotonic())
+            verdict, avoid, _ = self._affinity(cached, 0.0, time.monotonic(), bound)
             if verdict == "wait":
                 return None
             if verdict == "elsewhere":
@@ -393,6 +426,7 @@ class FlowControl:
         """A fan-out sibling whose leader is in flight in this gateway: it is held until the
         leader's prefix lands and then goes to the leader's replica, so it does not queue here
         too (one wait, not two); it is charged to its scope like any dispatch."""
+        self.activity.seen(band, self.clock())
         cost = self.queue.cost(prompt_tokens, output_tokens)
         self.queue.charge(tenant.scope, band, tenant.policy.weight, cost)
         self.stats.count_dispatch(band, "sibling")
@@ -420,8 +454,10 @@ class FlowControl:
         cost = self.queue.cost(prompt_tokens, output_tokens)
         self._check_limits(tenant, prompt_tokens)
         now_s = self.clock()
+        self.activity.seen(band, now_s)
         future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(future, model, prompt_tokens, self.queue.depth(tenant.scope), cached)
+        depth = self.queue.depth(tenant.scope)
+        waiter = _Waiter(future, model, band, prompt_tokens, depth, cached)
         queued = self.queue.push(
             waiter, scope=tenant.scope, band=band, weight=weight, cost=cost, now_s=now_s
         )
@@ -541,13 +577,14 @@ class FlowControl:
         request is queued)."""
         if not self.queue:
             return
-        headroom: dict[str, float] = {}
+        headroom: dict[tuple[str, float], float] = {}
         affinity_waits = False
 
         def eligible(waiter: _Waiter) -> bool:
-            room = headroom.get(waiter.model)
+            bound = waiter.bound = self.band_bound(waiter.band)
+            room = headroom.get((waiter.model, bound))
             if room is None:
-                room = headroom[waiter.model] = self.model_headroom(waiter.model)
+                room = headroom[waiter.model, bound] = self.model_headroom(waiter.model, bound)
             if room <= self.transit_tokens:
                 return False
             if waiter.cached is None:
@@ -555,7 +592,7 @@ class FlowControl:
             since = waiter.blocked_s
             waited_s = 0.0 if since is None else now_s - since
             verdict, waiter.avoid, waiter.claimed = self._affinity(
-                waiter.cached, waited_s, time.monotonic()
+                waiter.cached, waited_s, time.monotonic(), bound
             )
             if verdict == "wait":
                 nonlocal affinity_waits
@@ -583,7 +620,7 @@ class FlowControl:
             # ranks those), not on a full one, where it would wait in the engine's queue while
             # the replica with room idles until a prefill of ours ends; passed over, so a full
             # replica holding part of its prompt stays a candidate (`Ticket.full`)
-            waiter.full = self._without_room(waiter.model)
+            waiter.full = self._without_room(waiter.model, waiter.bound)
         self.transit_tokens += waiter.tokens
         if waiter.claimed is not None:
             self.claimed[waiter.claimed] = self.claimed.get(waiter.claimed, 0.0) + waiter.tokens
@@ -594,14 +631,14 @@ class FlowControl:
         waiter.future.set_result(now_s - queued.enqueued_s)
         self.stats.count_dispatch(queued.band, "queued")
 
-    def _without_room(self, model: str) -> frozenset[str]:
-        """The replicas serving `model` that have no room now, unless none has (a disaggregated
-        fleet's placement is its pools': left to it)."""
+    def _without_room(self, model: str, bound: float) -> frozenset[str]:
+        """The replicas serving `model` that have no room under `bound` now, unless none has (a
+        disaggregated fleet's placement is its pools': left to it)."""
         if self.pools is not None:
             return NO_AVOID
         now_s = time.monotonic()
         states = self.replicas.serving(model)
-        full = [s.id for s in states if not self.replica_has_room(s, now_s)]
+        full = [s.id for s in states if not self.replica_has_room(s, now_s, bound)]
         return frozenset(full) if full and len(full) < len(states) else NO_AVOID
 
     def pump_soon(self) -> None:
@@ -622,9 +659,11 @@ class FlowControl:
         loop = asyncio.get_running_loop()
         now = loop.time()
         at = now + (TICK_S if affinity_waits else IDLE_TICK_S)
-        room_s = self.next_room_s(time.monotonic())
-        if room_s is not None:
-            at = min(at, now + max(room_s - time.monotonic(), MIN_TICK_S))
+        mono = time.monotonic()
+        for bound in {self.band_bound(band) for band in self.queue.bands()}:
+            room_s = self.next_room_s(mono, bound)
+            if room_s is not None:
+                at = min(at, now + max(room_s - mono, MIN_TICK_S))
         tick = self._tick
         if tick is not None:
             if tick.when() <= at:

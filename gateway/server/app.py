@@ -265,6 +265,7 @@ def _flow(settings: Settings, replicas: ReplicaSet) -> FlowControl | None:
         max_queue_s=settings.flow_max_queue_s,
         affinity_wait_s=settings.flow_affinity_wait_ms / 1000.0,
         prefill_tokens_per_s=settings.engine_prefill_tokens_per_s,
+        lower_band_room_share=settings.flow_lower_band_room_share,
     )
     return FlowControl(
         replicas, limits, FairQueue(settings.flow_floor_share, settings.flow_decode_weight)

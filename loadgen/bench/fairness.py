@@ -88,6 +88,13 @@ def add_bench_fairness_arguments(parser: argparse.ArgumentParser) -> None:
         "default), so candidates are compared in one invocation",
     )
     parser.add_argument(
+        "--lower-band-room-shares",
+        default="",
+        help="bands: run the scenario once per flow_lower_band_room_share value (comma-separated "
+        "shares above 0 and at most 1, 1: every band gets the whole room bound; a value given "
+        "twice runs twice; empty: the gateway's default), for each --room-bounds value",
+    )
+    parser.add_argument(
         "--window-s",
         type=float,
         default=30.0,
@@ -554,14 +561,18 @@ class BandsRun:
     dispatched: dict[str, float]
 
 
-def _bands_once(args: argparse.Namespace, room_s: float | None) -> BandsRun:
+def _bands_once(
+    args: argparse.Namespace, room_s: float | None, share: float | None = None
+) -> BandsRun:
     """B (band 0, light) alone and under A's flood (band 5), then `hi` (band 0) and `lo` (band
     5) both flooding, on one gateway with flow control on (`room_s`: its
-    flow_max_pending_prefill_s; None: the default)."""
+    flow_max_pending_prefill_s, `share`: its flow_lower_band_room_share; None: the default)."""
     scale = args.time_scale
     env = {"KVGATE_ENGINE_PREFILL_TOKENS_PER_S": str(DEFAULT_PREFILL_TOKENS_PER_S * scale)}
     if room_s is not None:
         env["KVGATE_FLOW_MAX_PENDING_PREFILL_S"] = f"{room_s:g}"
+    if share is not None:
+        env["KVGATE_FLOW_LOWER_BAND_ROOM_SHARE"] = f"{share:g}"
     engine_args = ["--time-scale", str(scale), "--max-batch", "256"]
     flood_keys = {"hi": "sk-bench-band-hi", "lo": "sk-bench-band-lo"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -601,11 +612,22 @@ def _bound_s(alone: Run, flood: Run, scale: float) -> float:
 
 
 def run_bands(args: argparse.Namespace) -> int:
-    """The bands scenario once per `--room-bounds` value (or once at the default): B's TTFT
-    alone and under the low band's flood against the noisy neighbour's bound, and the low
-    band's share of the dispatches against its floor."""
+    """The bands scenario once per `--room-bounds` value and `--lower-band-room-shares` value
+    (or once at the defaults): B's TTFT alone and under the low band's flood against the noisy
+    neighbour's bound, A's completions, and the low band's share of the dispatches against its
+    floor."""
     bounds = _room_bounds(args)
     if bounds is None:
+        return 2
+    try:
+        room_shares = [float(v) for v in args.lower_band_room_shares.split(",") if v.strip()]
+    except ValueError:
+        room_shares = [math.nan]
+    if not all(0 < v <= 1 for v in room_shares):
+        print(
+            f"kvgate bench-fairness: --lower-band-room-shares {args.lower_band_room_shares!r}: "
+            "shares above 0 and at most 1, comma-separated"
+        )
         return 2
     scale = args.time_scale
     print(
@@ -616,10 +638,19 @@ def run_bands(args: argparse.Namespace) -> int:
     )
     errors = 0
     floor = BANDS_FLOOR / (1 + BANDS_FLOOR)
-    runs: list[float | None] = [*bounds] if bounds else [None]
-    for room_s in runs:
-        run = _bands_once(args, room_s)
+    runs = [
+        (room_s, share)
+        for room_s in ([*bounds] if bounds else [None])
+        for share in ([*room_shares] if room_shares else [None])
+    ]
+    for room_s, share in runs:
+        run = _bands_once(args, room_s, share)
         room = "the default room bound" if room_s is None else f"room bound {room_s:g} s"
+        room += (
+            ", the default lower band's room share"
+            if share is None
+            else f", lower band's room share {share:g}"
+        )
         print(
             f"\n{room}:\n{'run':<24} {'B TTFT p50 s':>12} {'B TTFT p99 s':>12} {'B done':>7} "
             f"{'A done':>7} {'failed':>6} {'5xx':>4}"

@@ -14,7 +14,7 @@ from gateway.fleet.replicas import Lease, ReplicaSet
 from gateway.pipeline.flow import FlowControl, FlowLimits, Ticket, request_priority
 from gateway.request.parsed import CHAT, ParsedRequest
 from gateway.request.tenant import Tenant, TenantPolicy
-from router.fairness import FairQueue
+from router.fairness import BAND_ACTIVE_S, FairQueue
 
 MODEL = "m"
 BOUND = 1_000.0
@@ -38,13 +38,14 @@ def _replicas(n: int = 1) -> ReplicaSet:
     return replicas
 
 
-def _flow(replicas: ReplicaSet, **limits: float) -> FlowControl:
+def _flow(replicas: ReplicaSet, floor_share: float = 0.0, **limits: float) -> FlowControl:
     values: dict[str, float] = {
         "max_pending_prefill_tokens": BOUND,
         "max_queued_per_scope": 8,
         "max_queued": 16,
         "max_queue_s": 10.0,
         "prefill_tokens_per_s": 1_000.0,
+        "lower_band_room_share": 0.5,
     }
     values.update(limits)
     return FlowControl(
@@ -55,8 +56,9 @@ def _flow(replicas: ReplicaSet, **limits: float) -> FlowControl:
             max_queued=int(values["max_queued"]),
             max_queue_s=values["max_queue_s"],
             prefill_tokens_per_s=values["prefill_tokens_per_s"],
+            lower_band_room_share=values["lower_band_room_share"],
         ),
-        FairQueue(floor_share=0.0),
+        FairQueue(floor_share=floor_share),
     )
 
 
@@ -286,6 +288,70 @@ async def test_a_placement_wakes_the_queue_it_held_back() -> None:
         await _until(lambda: len(flow.queue) == 0, "the second let through")
         assert asyncio.get_running_loop().time() < tick_at  # by the placement, not the tick
         (await second).routed()
+    flow.close()
+
+
+async def test_a_lower_band_gets_half_the_room_while_a_higher_band_is_active() -> None:
+    """700 tokens queued on the replica against a 1,000-token bound (a prefill rate slow enough
+    that its progress does not count here). Band 5 alone gets the whole bound; once band 0 has
+    been seen, band 5 gets room only under half of it (500), so band 0's next request would
+    wait behind at most that much of band 5's work; band 0 keeps the whole bound. Band 5 waits
+    until the replica is under 500, and has the whole bound again once band 0 has been quiet
+    for `BAND_ACTIVE_S`."""
+    replicas = _replicas()
+    flow = _flow(replicas, prefill_tokens_per_s=1.0)
+    now = [100.0]
+    flow.clock = lambda: now[0]
+    state = replicas.states["http://r0"]
+    low, high = _tenant("low", priority=5), _tenant("high")
+    lease = state.lease(700.0)
+    ticket = flow.try_enter(low, 5, 10.0, 0.0, [state])
+    assert ticket is not None  # no better band active: the whole bound
+    ticket.routed()
+    ticket = flow.try_enter(high, 0, 10.0, 0.0, [state])
+    assert ticket is not None
+    ticket.routed()
+    assert flow.band_bound(5) == BOUND / 2 and flow.band_bound(0) == BOUND
+    assert flow.try_enter(low, 5, 10.0, 0.0, [state]) is None
+    waiting = asyncio.create_task(flow.wait(low, 5, MODEL, 10.0, 0.0))
+    await _until(lambda: len(flow.queue) == 1, "band 5 queued")
+    (await _enter(flow, high, 10.0)).routed()  # band 0 overtakes it, into the whole bound
+    assert len(flow.queue) == 1
+    lease.release()
+    with state.lease(450.0):  # under half the bound: band 5 goes
+        (await asyncio.wait_for(waiting, 5.0)).routed()
+    now[0] += BAND_ACTIVE_S + 0.1
+    assert flow.band_bound(5) == BOUND
+    with state.lease(700.0):
+        assert flow.try_enter(low, 5, 10.0, 0.0, [state]) is not None
+    flow.close()
+
+
+async def test_a_lower_band_owed_its_floor_gets_the_whole_room() -> None:
+    """Both bands wait; 700 tokens queued leaves room under the whole bound, not under band 5's
+    half. At floor 0.5 band 5 has earned a whole dispatch after two of band 0's, and takes the
+    next one into the whole bound: held to the share, it would never find the queue under 500
+    while band 0's backlog refills it, and its floor would starve."""
+    replicas = _replicas()
+    flow = _flow(replicas, floor_share=0.5, prefill_tokens_per_s=1.0)
+    state = replicas.states["http://r0"]
+    low, high = _tenant("low", priority=5), _tenant("high")
+    lease = _fill(replicas)
+    order: list[str] = []
+
+    async def client(tenant: Tenant, band: int, name: str) -> None:
+        ticket = await flow.wait(tenant, band, MODEL, 1.0, 0.0)
+        order.append(name)
+        ticket.routed()
+
+    tasks = [asyncio.create_task(client(high, 0, f"high{i}")) for i in range(3)]
+    tasks.append(asyncio.create_task(client(low, 5, "low")))
+    await _until(lambda: len(flow.queue) == 4, "all queued")
+    with state.lease(700.0):
+        lease.release()  # 700 left queued: the queue is pumped
+        await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+    assert order == ["high0", "high1", "low", "high2"]
+    assert len(flow.queue) == 0 and flow.transit_tokens == 0.0
     flow.close()
 
 

@@ -95,3 +95,17 @@ def test_a_decode_pool_needs_standalone_mode_and_its_own_engines() -> None:
         load_settings(engines=["http://p:1"], decode_engines=["http://d:1"], mode="epp")
     with pytest.raises(ValidationError, match=r"engines \(prefill\) and decode_engines at once"):
         load_settings(engines=["http://p:1"], decode_engines=["http://p:1"])
+
+
+def test_flow_lower_band_room_share_is_a_share_of_the_room_bound() -> None:
+    from gateway.settings import describe_errors
+
+    assert load_settings().flow_lower_band_room_share == 0.5
+    assert load_settings(flow_lower_band_room_share=1).flow_lower_band_room_share == 1.0
+    for bad in (0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValidationError) as caught:
+            load_settings(flow_lower_band_room_share=bad)
+        assert (
+            "flow_lower_band_room_share: Value error, must be above 0 and at most 1"
+            in describe_errors(caught.value)
+        )

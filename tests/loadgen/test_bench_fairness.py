@@ -72,6 +72,9 @@ def test_an_arm_it_cannot_run_is_refused_before_anything_starts(capsys: object) 
     assert run_noisy(parser.parse_args(["--room-bounds", "0.1,x"])) == 2
     assert run_noisy(parser.parse_args(["--room-bounds", "0"])) == 2
     assert run_bands(parser.parse_args(["--scenario", "bands", "--room-bounds", "x"])) == 2
+    for shares in ("0", "1.5", "0.5,x"):
+        args = parser.parse_args(["--scenario", "bands", "--lower-band-room-shares", shares])
+        assert run_bands(args) == 2
 
 
 def test_the_bands_bound_is_the_noisy_neighbours() -> None:

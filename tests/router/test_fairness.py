@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.fairness import FairQueue, affinity_verdict, has_headroom, headroom_tokens
+from router.fairness import (
+    BandActivity,
+    FairQueue,
+    affinity_verdict,
+    band_room_bound,
+    has_headroom,
+    headroom_tokens,
+)
 
 
 def _fill(
@@ -356,3 +365,108 @@ def test_the_affinity_wait_is_bounded_and_only_for_a_full_best_replica_while_wor
     if best > 0 and any(room[r] for r in cached if cached[r] == best):
         assert verdict == "go"
     assert affinity_verdict(cached, room, 10_000.0, 0.0, 0.0) != "wait"  # 0: never waits
+
+
+# -- room held back from lower bands while a higher one is active -------------------------------
+
+
+def test_a_band_is_active_while_queued_or_seen_within_the_window() -> None:
+    activity = BandActivity(active_s=5.0)
+    assert activity.best(0.0) is None
+    activity.seen(5, 0.0)
+    activity.seen(0, 1.0)
+    assert activity.best(2.0) == 0
+    assert activity.best(6.0) == 0  # band 0 seen 5 s ago: still active
+    assert activity.best(6.5) is None  # both past the window (and forgotten)
+    assert activity.best(6.5, backlogged=[3, 7]) == 3
+    assert band_room_bound(5, 0, 1_000.0, 0.5) == 500.0
+    assert band_room_bound(0, 0, 1_000.0, 0.5) == 1_000.0  # its own band is not above it
+    assert band_room_bound(5, None, 1_000.0, 0.5) == 1_000.0
+    with pytest.raises(ValueError, match="active_s"):
+        BandActivity(active_s=-1.0)
+
+
+def test_a_band_that_earned_a_whole_floor_dispatch_is_owed_it() -> None:
+    queue: FairQueue[str] = FairQueue(floor_share=0.5)
+    _fill(queue, "hi", 3, band=0)
+    _fill(queue, "lo", 3, band=5)
+    assert queue.bands() == [0, 5] and not queue.owed(5)
+    _drain(queue, 1)
+    assert not queue.owed(5)  # half a dispatch earned
+    assert queue.pop(lambda item: item.startswith("hi")) is not None  # lo not eligible: hi goes
+    assert queue.owed(5) and not queue.owed(0)
+    assert not FairQueue(floor_share=0.0).owed(5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    seen=st.lists(st.tuples(st.integers(0, 6), st.floats(0, 20)), max_size=12),
+    backlogged=st.lists(st.integers(0, 6), max_size=3),
+    band=st.integers(0, 6),
+    now_s=st.floats(0, 30),
+    share=st.floats(0.01, 1.0),
+)
+def test_with_no_higher_band_active_a_lower_band_gets_the_whole_bound(
+    seen: list[tuple[int, float]], backlogged: list[int], band: int, now_s: float, share: float
+) -> None:
+    """The bound is the whole one unless a better band was seen within the window before
+    `now_s` or is queued; then (only then) the share."""
+    activity = BandActivity(active_s=5.0)
+    for seen_band, at in sorted(seen, key=lambda pair: pair[1]):
+        if at <= now_s:
+            activity.seen(seen_band, at)
+    active = {b for b, at in seen if at <= now_s and now_s - at <= 5.0} | set(backlogged)
+    bound = band_room_bound(band, activity.best(now_s, backlogged), 1_000.0, share)
+    if any(b < band for b in active):
+        assert bound == pytest.approx(1_000.0 * share)
+    else:
+        assert bound == 1_000.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    low_sizes=st.lists(st.integers(1, 60), min_size=1, max_size=8),
+    high_at=st.lists(st.integers(0, 300), max_size=12),
+    bound=st.integers(1, 40),
+    share=st.sampled_from([0.25, 0.5, 0.75, 1.0]),
+)
+def test_with_a_higher_band_active_the_lower_bands_queued_work_stays_under_the_share(
+    low_sizes: list[int], high_at: list[int], bound: int, share: float
+) -> None:
+    """One replica prefilling first come, first served, one unit of work per step; a lower band
+    flooding it (its prompts cycling through `low_sizes`); a higher band's requests (5 units)
+    arriving at `high_at`. Each step the higher band's waiting requests go while the replica's
+    queue is under the bound, then the lower band's while it is under its band's bound. While
+    the higher band is active, a lower request only ever goes into a queue under the share of
+    the bound, so a higher-band request arriving once what was queued when the band became
+    active has drained finds less than one lower prefill plus that share of lower-band work
+    queued ahead of it (the first after a gap finds up to the whole bound's)."""
+    activity = BandActivity(active_s=50.0)
+    fifo: deque[list[float]] = deque()  # [band, work left]
+    waiting = sent = 0
+    since = 0
+    for step in range(320):
+        if fifo:
+            fifo[0][1] -= 1.0
+            if fifo[0][1] <= 0:
+                fifo.popleft()
+        for _ in range(high_at.count(step)):
+            if activity.best(float(step)) != 0:
+                since = step  # active from now: what is queued drains by since + its work
+            elif step - since >= bound + max(low_sizes):
+                lower = sum(work for band, work in fifo if band == 5)
+                assert lower < share * bound + max(low_sizes)
+            activity.seen(0, float(step))
+            waiting += 1
+        while waiting and sum(work for _, work in fifo) < bound:  # the whole bound
+            fifo.append([0, 5.0])
+            waiting -= 1
+        while True:
+            queued = sum(work for _, work in fifo)
+            best = activity.best(float(step), [0] if waiting else [])
+            if not has_headroom([queued], band_room_bound(5, best, float(bound), share), 0.0):
+                break
+            if best == 0:
+                assert queued < share * bound
+            fifo.append([5, float(low_sizes[sent % len(low_sizes)])])
+            sent += 1
