@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,13 +14,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.tenancy.tenant_file import add_key
 from loadgen.harness import processes
 from loadgen.harness.envoy import Envoy, EnvoySetup, envoy
 from loadgen.text import words
 from tests.clients import openai_client
-from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of
+from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, metrics_url
 from tests.e2e.test_fanout import REAL_TIME, computed_tokens, sibling
 from tests.e2e.test_fanout_shared import SLOW_WRITE, SLOW_WRITE_ESTIMATE
 from tests.e2e.test_precise import (
@@ -555,3 +557,88 @@ def test_a_request_waits_in_flow_controls_queue_with_the_ext_proc_stream_held(
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
     assert "retry-after" in refused.headers
     assert len(engine_of(engine).seen_headers) == seen + 1
+
+
+def test_flow_controls_exits_through_envoy_leave_nothing_counted(
+    start_engines: Callable[..., list[Served]],
+    start_stack: Callable[..., tuple[list[Served], Served, Envoy]],
+) -> None:
+    """Picker mode's flow-control exits, as `test_flow_control.py` checks the HTTP gateway's: a
+    request queued whose client leaves (Envoy resets its ext-proc stream: the picker's task is
+    cancelled in the queue, and nothing reaches the engine); one let through from the queue
+    whose client leaves while the engine hangs; one let through from the queue whose engine
+    then fails (a 500 before any byte, on Envoy's two retries too). After them nothing
+    is counted — no transit, no claim, no lease, an empty queue, the admin port's gauges at
+    rest — and the next request is let through at once."""
+    # the hung request counts as the first of the four failures: three are left for the last
+    (engine,) = start_engines(1, fail_first_bytes=4, hang_first_bytes=1)
+    _, gateway, proxy = start_stack([engine])
+    d = gateway.app.state.director
+    flow = d.flow
+    assert flow is not None
+    state = d.replicas.states[engine.url]
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "exit"}]}
+    auth = {"authorization": f"Bearer {TENANT_KEY}"}
+
+    def queue_len() -> int:
+        return gateway.on_loop(lambda: len(flow.queue))
+
+    async def exits() -> int:
+        async with httpx.AsyncClient(timeout=30) as http:
+            post = functools.partial(http.post, proxy.url + "/v1/chat/completions", headers=auth)
+            hold = gateway.on_loop(lambda: state.lease(10**9))  # no room: requests queue
+            gone = asyncio.create_task(post(json=body))
+            await asyncio.to_thread(wait_until, lambda: queue_len() == 1, 10.0, "queued")
+            gone.cancel()  # the client leaves while queued
+            await asyncio.to_thread(wait_until, lambda: queue_len() == 0, 10.0, "removed")
+            assert len(engine_of(engine).seen_headers) == 0
+            hung = asyncio.create_task(post(json=body))
+            await asyncio.to_thread(wait_until, lambda: queue_len() == 1, 10.0, "queued")
+            gateway.on_loop(hold.release)  # let through, to an engine that never answers
+            await asyncio.to_thread(
+                wait_until, lambda: len(engine_of(engine).seen_headers) == 1, 10.0, "hung"
+            )
+            hung.cancel()  # the client leaves while the engine hangs
+            await asyncio.to_thread(
+                wait_until, lambda: gateway.on_loop(lambda: state.num_inflight) == 0, 10.0, "off"
+            )
+            hold = gateway.on_loop(lambda: state.lease(10**9))
+            failing = asyncio.create_task(post(json=body))
+            await asyncio.to_thread(wait_until, lambda: queue_len() == 1, 10.0, "queued")
+            gateway.on_loop(hold.release)  # let through, to an engine failing it (3 tries)
+            return (await failing).status_code
+
+    assert asyncio.run(exits()) >= 500
+    assert gateway.on_loop(lambda: dict(flow.stats.rejects)) == {"client_gone": 1}
+
+    def at_rest() -> bool:
+        return not flow.queue and state.num_inflight == 0
+
+    wait_until(lambda: gateway.on_loop(at_rest), 10.0, "every request off the engine")
+    transit, claimed, pending, prefilling = gateway.on_loop(
+        lambda: (
+            flow.transit_tokens,
+            dict(flow.claimed),
+            state.pending_prefill_tokens,
+            state.num_prefilling,
+        )
+    )
+    assert transit < 1e-6 and claimed == {} and pending < 1e-6 and prefilling == 0
+    gauges = {
+        s.name: s.value
+        for family in text_string_to_metric_families(
+            httpx.get(metrics_url(gateway) + "/metrics").text
+        )
+        for s in family.samples
+        if s.name in ("kvgate_replica_room_tokens", "kvgate_flow_transit_tokens")
+    }
+    assert gauges["kvgate_flow_transit_tokens"] < 1e-6
+    assert gauges["kvgate_replica_room_tokens"] == flow.limits.max_pending_prefill_tokens
+
+    def immediate() -> int:
+        return flow.stats.dispatched.get(("0", "immediate"), 0)
+
+    before = gateway.on_loop(immediate)
+    answer = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=auth, timeout=30)
+    assert answer.status_code == 200
+    assert gateway.on_loop(immediate) == before + 1  # room at once: it did not queue
