@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
 
 from cachemap.directory import DIRECTORY_CLOCK, Clock
 from cachemap.keys import BlockHash
@@ -113,16 +114,19 @@ class ConversationAffinity:
         if not entries:
             return None
         expired_before = self.clock() - self.ttl_s
-        for depth in range(len(hashes), max(len(hashes) - MAX_WALK_BLOCKS, 0), -1):
-            key = hashes[depth - 1]
-            entry = entries.get(key)
-            if entry is None:
-                continue
-            replica, at, _ = entry
+        low = max(len(hashes) - MAX_WALK_BLOCKS, 0)
+        tail = hashes[low:]
+        # the recorded blocks from the end, found by C loops: a new conversation's walk found
+        # nothing in a Python step a block (~730 at bench point 2's 16-token blocks: 2.5% of a
+        # precise gateway's py-spy samples)
+        recorded = compress(range(len(tail) - 1, -1, -1), map(entries.__contains__, reversed(tail)))
+        for i in recorded:
+            key = tail[i]
+            replica, at, _ = entries[key]
             if at <= expired_before:
                 del entries[key]
                 continue
-            return Home(replica, depth, key)
+            return Home(replica, low + i + 1, key)
         return None
 
     def committed(
