@@ -61,7 +61,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import and_, sub
+from operator import and_, gt, not_, sub
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash, token_bytes
 from cachemap.multimodal import MMKey, Placeholder, extras_of, mm_key_bytes
@@ -403,17 +403,15 @@ class EventIndex:
         lost = Counter(filter(None, map(state.parent.pop, gone, repeat(None))))
         if lost:
             left = list(map(sub, map(children.get, lost, repeat(0)), lost.values()))
-            if any(left):
-                for parent, count in zip(lost, left, strict=True):
-                    if count > 0:
-                        children[parent] = count
-                    else:
-                        children.pop(parent, None)
-                        broken.discard(parent)
+            some = list(map(gt, left, repeat(0)))
+            if any(some):  # a parent with children left (a branch point: a shared prefix)
+                children.update(compress(zip(lost, left, strict=True), some))
+                none = list(compress(lost, map(not_, some)))
             else:
-                deque(map(children.pop, lost, repeat(None)), maxlen=0)
-                if broken:
-                    broken.difference_update(lost)
+                none = list(lost)
+            deque(map(children.pop, none, repeat(None)), maxlen=0)
+            if broken:
+                broken.difference_update(none)
         broken.update(filter(children.__contains__, gone))  # left with held children: broken
         if state.recency is not None:
             deque(map(state.recency.remove, gone), maxlen=0)
@@ -482,11 +480,12 @@ class EventIndex:
             keys = keys[:n]
         held = state.held
         children = state.children
+        # none held: none has held children but a broken one (module docstring). A chain's
+        # keys are distinct (a repeat would be a cycle of the chain's hash), so not checked
         if (
             n > 1
             and held.keys().isdisjoint(keys)
-            and children.keys().isdisjoint(keys)
-            and len(set(keys)) == n
+            and (not state.broken or state.broken.isdisjoint(keys))
         ):
             held.update(zip(keys, repeat(tier)))
             if parent is None:

@@ -225,6 +225,30 @@ def test_a_key_that_leaves_before_its_child_is_broken_until_it_is_whole_again() 
     assert index.domains() == [] and index.lookup(keys, 0.0) == {}
 
 
+def test_a_batch_removal_at_a_branch_point_and_a_store_over_a_broken_key() -> None:
+    """The batch paths' bookkeeping (`_remove_whole`, `_hold_all`'s new blocks): a branch's own
+    blocks removed in one GPU batch leave their shared parent with its other child; a store of
+    new blocks, one of them broken (not held, its child held), makes it whole again."""
+    index = EventIndex()
+    trunk = [*IDS, *range(500, 532)]  # 6 blocks
+    branch = [*IDS[:48], *range(900, 948)]  # its first 3 blocks, then 3 of its own
+    index.store("a", stored([1, 2, 3, 4, 5, 6], trunk))
+    index.store("a", stored([13, 14, 15], branch[48:], parent=3))
+    state = index._domains["a"]
+    keys, own = precise_keys(trunk, SALT, 16), precise_keys(branch, SALT, 16)
+    assert state.children[keys[2]] == 2
+    index.remove("a", BlockRemoved([15, 14, 13], GPU))  # the branch, tail first
+    assert state.children[keys[2]] == 1 and not state.broken
+    assert index.lookup(own, 0.0) == {"a": Match(3, 0)}
+    _check_bookkeeping(index)
+    index.remove("a", BlockRemoved([4], GPU))  # out of order: block 3 broken (4 is held)
+    index.remove("a", BlockRemoved([3], GPU))  # block 2 not broken (its child 3 is gone)
+    assert state.broken == {keys[3]}
+    index.store("a", stored([3, 4], trunk[32:64], parent=2))  # new blocks, one broken
+    assert not state.broken and index.lookup(keys, 0.0) == {"a": Match(6, 0)}
+    _check_bookkeeping(index)
+
+
 BRANCH_SPLITS = (8, 3, 5, 0)
 """Branch b shares its first BRANCH_SPLITS[b] blocks with branch 0 (branch 3 nothing)."""
 
