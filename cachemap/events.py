@@ -17,8 +17,8 @@ a domain holds carries a tier mask (GPU, CPU, STORAGE: vLLM's `medium`, SGLang's
 leaves the index when its last tier is removed.
 
 Invariants:
-- `_holders[key][domain]` is a non-zero tier mask iff some engine hash of `domain` maps to
-  `key` in `_domains[domain].engine`; `num_blocks(domain, tier)` counts those masks' bits.
+- `_domains[domain].held[key]` is a non-zero tier mask iff some engine hash of `domain` maps
+  to `key` in `_domains[domain].engine`; `num_blocks(domain, tier)` counts those masks' bits.
 - `clear(domain)` (a wipe, or a restart seen as seq 0) removes every block of the domain
   before it returns: a lookup after it sees none of them.
 - A speculative entry (`speculate`) matches like a GPU block until it expires
@@ -38,23 +38,30 @@ Invariants:
   when its parent is held there (else the parent cannot be resolved), so along any chain the
   blocks a domain holds are a leading run, unless an ancestor left while a descendant stayed
   (an engine evicting out of order, a lost event, a tier move's removal before its store).
-  Each domain counts its held children per key (`_Domain.children`, with the global
-  `_parent` of every held key); a key that leaves while it has held children is broken until
+  Each domain counts its held children per key (`_Domain.children`, with the `parent` of
+  every key it holds); a key that leaves while it has held children is broken until
   it is held again or its last held child leaves. A lookup of a chain with no broken key on a
   domain without offloaded tiers finds the domain's run by bisection (~log2(n) probes, not n:
   a continuation's ~700-block chain was ~0.3 ms of a precise gateway's CPU per request); any
   other reads the chain key by key, as before.
+
+Every map is per domain (held masks, parents, children, engine hashes): a block stored or
+removed is a few dict operations of its domain, in C loops over the event's blocks when they
+are all new (a store) or all on GPUs (a removal), and a wipe drops the domain's maps whole. A
+thrashing engine stores and removes ~730 blocks a request at bench point 2, where a dict of
+holders per key, made and freed per block, and a Python step per block were ~17% of a precise
+gateway's CPU (py-spy).
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import and_, contains
+from itertools import compress, repeat
+from operator import and_, gt, not_, sub
 
 from cachemap.keys import BlockHash, chain_hashes, root_hash, token_bytes
 from cachemap.multimodal import MMKey, Placeholder, extras_of, mm_key_bytes
@@ -99,8 +106,6 @@ bench point 2 (mostly new ~730-block prompts; py-spy), a quarter of it now; the 
 match up to 3 blocks (48 tokens) short for a request ending or parting inside a window."""
 
 
-_EMPTY: dict[str, int] = {}
-"""The holders of a key no domain holds (never written: shared by every lookup)."""
 _EMPTY_SPEC: dict[str, float] = {}
 
 
@@ -253,6 +258,10 @@ class IndexStats:
 
 @dataclass
 class _Domain:
+    held: dict[BlockHash, int] = field(default_factory=dict)
+    """The tier mask of every key the domain holds."""
+    parent: dict[BlockHash, BlockHash] = field(default_factory=dict)
+    """The parent's own key of every held key but a chain's first."""
     engine: dict[EngineHash, BlockHash] = field(default_factory=dict)
     tier_counts: dict[int, int] = field(
         default_factory=lambda: dict.fromkeys((GPU, CPU, STORAGE), 0)
@@ -288,17 +297,8 @@ class EventIndex:
         self.clock = clock
         """When a store is applied (`track_recency`): the time its blocks were last used."""
         self.stats = IndexStats()
-        self._holders: dict[BlockHash, dict[str, int]] = {}
         self._speculative: dict[BlockHash, dict[str, float]] = {}
         self._domains: dict[str, _Domain] = {}
-        self._parent: dict[BlockHash, BlockHash] = {}
-        """The parent's own key of every held key but a chain's first (a chain key names its
-        prefix, so it is the same in every domain)."""
-        self._changes = 0
-        """Bumped by every store, removal and clear: what `_last_held` was read under."""
-        self._last_held: tuple[Sequence[BlockHash], int, list[dict[str, int]]] | None = None
-        """The last lookup's chain, `_changes` then and its keys' holders, for the speculation
-        of the same chain that follows it (`speculate`)."""
         self.on_stored: Callable[[str, list[BlockHash]], None] | None = None
         """Told (domain, own keys) of every applied BlockStored (fan-out holds release on it)."""
 
@@ -331,7 +331,6 @@ class EventIndex:
                 self.stats.unresolved_parents += 1
                 return []
         keys = stored_keys(event, parent_key, self.block_size)
-        self._changes += 1
         self._hold_all(domain, state, event.block_hashes, keys, event.tier, parent_key)
         if self.track_recency and event.tier == GPU:
             self._recency(state).use(keys[: len(event.block_hashes)], self.clock())
@@ -339,7 +338,6 @@ class EventIndex:
         return keys
 
     def remove(self, domain: str, event: BlockRemoved) -> None:
-        self._changes += 1
         state = self._domains.get(domain)
         if state is None:
             self.stats.unknown_removals += len(event.block_hashes)
@@ -347,36 +345,36 @@ class EventIndex:
         if event.group_idx is not None and event.group_idx in state.sliding_groups:
             self.stats.skipped_groups += 1
             return
+        if event.tier == GPU and not (state.tier_counts[CPU] or state.tier_counts[STORAGE]):
+            self._remove_whole(state, event.block_hashes)
+            return
         # one loop with its lookups bound to locals (a removal per block of a thrashing engine)
         tier = event.tier
         engine = state.engine
-        holders_of = self._holders
-        parent_of = self._parent
+        held = state.held
+        parent_of = state.parent
         children = state.children
         broken = state.broken
         recency = state.recency if tier == GPU else None
         removed = unknown = 0
         for engine_hash in event.block_hashes:
             key = engine.get(engine_hash)
-            holders = holders_of.get(key) if key is not None else None
-            mask = holders.get(domain, 0) if holders is not None else 0
+            mask = held.get(key, 0) if key is not None else 0
             if not mask & tier:
                 unknown += 1
                 continue
-            assert key is not None and holders is not None
+            assert key is not None
             removed += 1
             if recency is not None:
                 recency.remove(key)
             mask &= ~tier
             if mask:
-                holders[domain] = mask
+                held[key] = mask
                 continue
             # the domain no longer holds the key: its parent has a held child fewer (and is
             # no longer broken at none); the key is broken while it has held children
-            del holders[domain]
-            parent = parent_of.get(key) if holders else parent_of.pop(key, None)
-            if not holders:
-                del holders_of[key]
+            del held[key]
+            parent = parent_of.pop(key, None)
             if parent is not None:
                 count = children.get(parent, 0) - 1
                 if count > 0:
@@ -391,18 +389,42 @@ class EventIndex:
         self.stats.removed_blocks += removed
         self.stats.unknown_removals += unknown
 
+    def _remove_whole(self, state: _Domain, engine_hashes: Sequence[EngineHash]) -> None:
+        """`remove` of GPU blocks from a domain holding nothing offloaded, so each block it
+        holds leaves it: the loop's steps, each one C loop over the batch."""
+        children = state.children
+        broken = state.broken
+        keys = list(
+            map(state.engine.pop, engine_hashes, repeat(None))
+        )  # unknown, or a repeat: None
+        masks = list(map(state.held.pop, keys, repeat(0)))  # type: ignore[arg-type]
+        gone: list[BlockHash] = list(compress(keys, masks))  # type: ignore[arg-type]
+        # each parent has as many held children fewer as it lost here (none left: not broken)
+        lost = Counter(filter(None, map(state.parent.pop, gone, repeat(None))))
+        if lost:
+            left = list(map(sub, map(children.get, lost, repeat(0)), lost.values()))
+            some = list(map(gt, left, repeat(0)))
+            if any(some):  # a parent with children left (a branch point: a shared prefix)
+                children.update(compress(zip(lost, left, strict=True), some))
+                none = list(compress(lost, map(not_, some)))
+            else:
+                none = list(lost)
+            deque(map(children.pop, none, repeat(None)), maxlen=0)
+            if broken:
+                broken.difference_update(none)
+        broken.update(filter(children.__contains__, gone))  # left with held children: broken
+        if state.recency is not None:
+            deque(map(state.recency.remove, gone), maxlen=0)
+        state.tier_counts[GPU] -= len(gone)
+        self.stats.removed_blocks += len(gone)
+        self.stats.unknown_removals += len(keys) - len(gone)
+
     def clear(self, domain: str) -> None:
         """The domain's engine was wiped or restarted: every block of it goes, now."""
         state = self._domains.pop(domain, None)
         self.stats.clears += 1
-        self._changes += 1
         if state is None:
             return
-        for key in state.engine.values():
-            holders = self._holders.get(key)
-            if holders is not None and holders.pop(domain, None) is not None and not holders:
-                del self._holders[key]
-                self._parent.pop(key, None)
         for _, key in state.speculative:
             spec = self._speculative.get(key)
             if spec is not None and spec.pop(domain, None) is not None and not spec:
@@ -450,27 +472,64 @@ class EventIndex:
         """Hold each (engine hash, own key) pair on `tier`, confirming speculative entries;
         a key newly held counts as a held child of its parent (the first key's is `parent`).
 
-        One loop with its lookups bound to locals, a new key's holders made in one step:
-        applying a thrashing engine's stores (~730 blocks a request at bench point 2) was
-        ~16% of a precise gateway's CPU through a method call per block (py-spy)."""
-        holders_of = self._holders
+        When every key is new to the domain (the usual store) and none has held children
+        there, each step is one C loop over the chain (`dict.update` of `zip`s); otherwise one
+        Python loop with its lookups bound to locals."""
+        n = min(len(engine_hashes), len(keys))
+        if n < len(keys):
+            keys = keys[:n]
+        held = state.held
+        children = state.children
+        # none held: none has held children but a broken one (module docstring). A chain's
+        # keys are distinct (a repeat would be a cycle of the chain's hash), so not checked
+        if (
+            n > 1
+            and held.keys().isdisjoint(keys)
+            and (not state.broken or state.broken.isdisjoint(keys))
+        ):
+            held.update(zip(keys, repeat(tier)))
+            if parent is None:
+                state.parent.update(zip(keys[1:], keys, strict=False))
+            else:
+                state.parent.update(zip(keys, [parent, *keys], strict=False))
+                children[parent] = children.get(parent, 0) + 1
+            children.update(zip(keys[:-1], repeat(1)))
+            state.engine.update(zip(engine_hashes, keys, strict=False))
+            new = n
+        else:
+            new = self._hold_each(state, engine_hashes, keys, tier, parent)
+        state.tier_counts[tier] += new
         speculative = self._speculative
+        if speculative:
+            confirmed = 0
+            for key in filter(speculative.__contains__, keys):
+                spec = speculative[key]
+                if spec.pop(domain, None) is not None:
+                    confirmed += 1
+                    if not spec:
+                        del speculative[key]
+            self.stats.speculative_confirmed += confirmed
+
+    @staticmethod
+    def _hold_each(
+        state: _Domain,
+        engine_hashes: Sequence[EngineHash],
+        keys: list[BlockHash],
+        tier: int,
+        parent: BlockHash | None,
+    ) -> int:
+        """`_hold_all` key by key; returns how many keys are new on `tier`."""
+        held = state.held
         engine = state.engine
-        parent_of = self._parent
+        parent_of = state.parent
         children = state.children
         broken = state.broken
-        new = confirmed = 0
+        new = 0
         for engine_hash, key in zip(engine_hashes, keys, strict=False):
-            holders = holders_of.get(key)
-            if holders is None:
-                holders_of[key] = {domain: tier}
+            mask = held.get(key, 0)
+            if not mask & tier:
                 new += 1
-                mask = 0
-            else:
-                mask = holders.get(domain, 0)
-                if not mask & tier:
-                    new += 1
-                holders[domain] = mask | tier
+            held[key] = mask | tier
             if not mask:  # newly held by the domain
                 if parent is not None:
                     parent_of[key] = parent
@@ -479,14 +538,7 @@ class EventIndex:
                     broken.discard(key)
             parent = key
             engine[engine_hash] = key
-            if speculative:
-                spec = speculative.get(key)
-                if spec is not None and spec.pop(domain, None) is not None:
-                    confirmed += 1
-                    if not spec:
-                        del speculative[key]
-        state.tier_counts[tier] += new
-        self.stats.speculative_confirmed += confirmed
+        return new
 
     # -- speculation -----------------------------------------------------------------------
     def speculate(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
@@ -497,9 +549,7 @@ class EventIndex:
 
         The leading run the domain holds on its GPU is found without a Python step per key
         (`_gpu_masks`): a continuation's blocks are all held but its last turn's, and stepping
-        through them was ~6% of a precise gateway's CPU on conversations (py-spy). When no
-        event changed the index since `lookup` read the same chain (the routing decision in
-        between), its holders are reused rather than found again."""
+        through them was ~6% of a precise gateway's CPU on conversations (py-spy)."""
         state = self._domain(domain)
         self.sweep(domain, now_s)
         expires = now_s + self.speculative_ttl_s
@@ -508,14 +558,13 @@ class EventIndex:
         stride = SPECULATIVE_STRIDE
         run = self._held_run(domain, state, keys)  # without offloaded tiers: the GPU's run
         if run is None:
-            gpu = self._gpu_masks(domain, keys)
+            gpu = self._gpu_masks(state, keys)
             start = _first(gpu, 0, 0, n)
             base = start - start % stride
             gpu = gpu[base:]
         else:
             base = run - run % stride
-            tail = map(self._holders.get, keys[base:], repeat(_EMPTY))
-            gpu = list(map(and_, map(dict.get, tail, repeat(domain), repeat(0)), repeat(GPU)))
+            gpu = self._gpu_masks(state, keys[base:])
         speculative = self._speculative
         append = state.speculative.append
         for low in range(base, n, stride):
@@ -534,15 +583,10 @@ class EventIndex:
             self._expire_one(domain, state, float("inf"))
         return added
 
-    def _gpu_masks(self, domain: str, keys: Sequence[BlockHash]) -> list[int]:
-        """Per key, its GPU bit on `domain` (0 when not held there on a GPU), in C loops."""
-        last = self._last_held
-        held: Iterable[dict[str, int]]
-        if last is not None and last[0] is keys and last[1] == self._changes:
-            held = last[2]
-        else:
-            held = map(self._holders.get, keys, repeat(_EMPTY))
-        return list(map(and_, map(dict.get, held, repeat(domain), repeat(0)), repeat(GPU)))
+    @staticmethod
+    def _gpu_masks(state: _Domain, keys: Sequence[BlockHash]) -> list[int]:
+        """Per key, its GPU bit on the domain (0 when not held there on a GPU), in C loops."""
+        return list(map(and_, map(state.held.get, keys, repeat(0)), repeat(GPU)))
 
     def sweep(self, domain: str, now_s: float) -> None:
         """Expire the domain's speculative entries whose time has passed (counted)."""
@@ -572,25 +616,23 @@ class EventIndex:
         per 16-token block)."""
         if not keys:
             return {}
-        first = self._holders.get(keys[0], _EMPTY)
-        domains = [*first]
+        first = keys[0]
+        domains = [d for d, state in self._domains.items() if first in state.held]
         for key in keys[:SPECULATIVE_STRIDE]:
             for d, expires in self._speculative.get(key, _EMPTY_SPEC).items():
                 if expires > now_s and d not in domains:
                     domains.append(d)
         if not domains:
             return {}
-        held: list[dict[str, int]] | None = None
         matches = {}
         for d in domains:
-            run = self._held_run(d, self._domains.get(d), keys)
+            state = self._domains.get(d)
+            run = self._held_run(d, state, keys)
             if run is None:  # key by key (offloaded tiers, or a broken key in the chain)
-                if held is None:
-                    held = list(map(self._holders.get, keys, repeat(_EMPTY)))
-                    self._last_held = (keys, self._changes, held)
-                match = self._match(d, keys, held, now_s)
+                assert state is not None
+                match = self._match(d, state, keys, now_s)
             else:
-                match = self._match_from(d, keys, run, now_s)
+                match = self._match_from(d, state, keys, run, now_s)
             if match.depth:
                 matches[d] = match
         return matches
@@ -606,24 +648,26 @@ class EventIndex:
             return None
         if state.broken and not state.broken.isdisjoint(keys):
             return None
-        holders = self._holders
+        held = state.held
         low, high = 0, len(keys)  # keys[:low] held, keys[high:] not
         while low < high:
             mid = (low + high) // 2
-            if domain in holders.get(keys[mid], _EMPTY):
+            if keys[mid] in held:
                 low = mid + 1
             else:
                 high = mid
         return low
 
-    def _match_from(self, domain: str, keys: Sequence[BlockHash], run: int, now_s: float) -> Match:
+    def _match_from(
+        self, domain: str, state: _Domain | None, keys: Sequence[BlockHash], run: int, now_s: float
+    ) -> Match:
         """One domain's match (`lookup`) given the leading run it holds, no tier offloaded:
         past the run only a speculative claim can go on, and only then is the rest read."""
         n = len(keys)
         if run == n or self._claim(domain, keys, run, now_s) < 0:
             return Match(run, 0, 0)
-        tail = map(self._holders.get, keys[run:], repeat(_EMPTY))
-        member = [True] * run + list(map(contains, tail, repeat(domain)))
+        held = state.held if state is not None else {}
+        member = [True] * run + list(map(held.__contains__, keys[run:]))
         return self._walk(domain, keys, member, None, run, now_s)
 
     def _claim(self, domain: str, keys: Sequence[BlockHash], i: int, now_s: float) -> int:
@@ -638,32 +682,30 @@ class EventIndex:
                 return p
         return -1
 
-    def _match(
-        self, domain: str, keys: Sequence[BlockHash], held: list[dict[str, int]], now_s: float
-    ) -> Match:
+    def _match(self, domain: str, state: _Domain, keys: Sequence[BlockHash], now_s: float) -> Match:
         """One domain's match (`lookup`): held runs by C loops, claimed windows stepped."""
-        member = list(map(contains, held, repeat(domain)))
-        state = self._domains.get(domain)
-        off_tiers = state is not None and bool(state.tier_counts[CPU] or state.tier_counts[STORAGE])
-        return self._walk(domain, keys, member, held if off_tiers else None, 0, now_s)
+        masks = list(map(state.held.get, keys, repeat(0)))
+        member = list(map(bool, masks))
+        off_tiers = bool(state.tier_counts[CPU] or state.tier_counts[STORAGE])
+        return self._walk(domain, keys, member, masks if off_tiers else None, 0, now_s)
 
     def _walk(
         self,
         domain: str,
         keys: Sequence[BlockHash],
         member: list[bool],
-        held: list[dict[str, int]] | None,
+        masks: list[int] | None,
         i: int,
         now_s: float,
     ) -> Match:
-        """Runs of held keys (`member`) and claimed windows from key `i`; `held`: every key's
-        holders when the domain has offloaded tiers to count (else None)."""
+        """Runs of held keys (`member`) and claimed windows from key `i`; `masks`: every key's
+        tier mask on the domain when it has offloaded tiers to count (else None)."""
         n = len(keys)
         offloaded = speculative = 0
         while i < n:
             j = _first(member, False, i, n)
-            if held is not None:
-                offloaded += self._offloaded(domain, keys, held, i, j, now_s)
+            if masks is not None:
+                offloaded += self._offloaded(domain, keys, masks, i, j, now_s)
             i = j
             if i == n:
                 break
@@ -678,7 +720,7 @@ class EventIndex:
         self,
         domain: str,
         keys: Sequence[BlockHash],
-        held: list[dict[str, int]],
+        masks: list[int],
         start: int,
         stop: int,
         now_s: float,
@@ -686,7 +728,7 @@ class EventIndex:
         """Held keys in [start, stop) on no GPU of `domain` and not claimed speculatively."""
         count = 0
         for i in range(start, stop):
-            if not held[i][domain] & GPU and self._claim(domain, keys, i, now_s) < 0:
+            if not masks[i] & GPU and self._claim(domain, keys, i, now_s) < 0:
                 count += 1
         return count
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachemap.affinity import ConversationAffinity, Home
 from cachemap.keys import BlockHash
@@ -124,3 +126,66 @@ def test_committed_counts_each_live_conversation_once_on_its_home_but_the_asker(
     assert table.committed(horizon_s=1_000) == {"r0": 30, "r1": 20}
     clock.now += 50
     assert table.committed(horizon_s=1_000) == {}
+
+
+def _walked(table: ConversationAffinity, home: Home | None, horizon_s: float) -> dict[str, int]:
+    """`committed` as a walk of the table from its newest entry back to the horizon."""
+    out: dict[str, int] = {}
+    since = table.clock() - horizon_s
+    for key, (replica, at, num_blocks) in reversed(table._entries.items()):
+        if at <= since:
+            break
+        if home is None or key != home.key:
+            out[replica] = out.get(replica, 0) + num_blocks
+    return out
+
+
+_STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(["record", "extend", "ask", "wait", "ask-other"]),
+        st.integers(0, 5),  # the conversation
+        st.integers(1, 6),  # its length in blocks, or the wait's size
+        st.sampled_from(["r0", "r1", "r2"]),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_STEPS)
+def test_committed_kept_as_entries_come_and_go_equals_walking_the_table(
+    steps: list[tuple[str, int, int, str]],
+) -> None:
+    """Records (new, extending their home, replacing an entry of the same key), expiries by
+    lookups and reaps, the capacity's evictions, clocks standing still and moving, asks with
+    the default horizon and now and then another: every ask equals the walk."""
+    clock = Clock()
+    table = ConversationAffinity(capacity=4, ttl_s=2_000, clock=clock)
+    waits = [0.0, 0.0, 1.0, 300.0, 700.0, 1_500.0, 2_500.0]
+    for kind, conversation, size, replica in steps:
+        hashes = chain(f"c{conversation}-", size)
+        if kind == "record":
+            table.record(hashes, replica)
+        elif kind == "extend":
+            table.record(hashes, replica, table.lookup(hashes))
+        elif kind == "wait":
+            clock.now += waits[size]
+        else:
+            horizon = 1_000.0 if kind == "ask" else 400.0
+            home = table.lookup(hashes)
+            assert table.committed(home, horizon) == _walked(table, home, horizon)
+
+
+def test_an_entry_a_lookup_expires_between_two_asks_no_longer_counts() -> None:
+    """Counted at the first ask; past the TTL before the second, the lookup that deletes it
+    uncounts it (the second ask must not find its blocks left over)."""
+    clock = Clock()
+    table = ConversationAffinity(ttl_s=2_000, clock=clock)
+    a, b = chain("a", 8), chain("b", 3)
+    table.record(a, "r0")
+    assert table.committed(horizon_s=1_000) == {"r0": 8}
+    clock.now += 1_500
+    table.record(b, "r1")
+    clock.now += 600  # a is past the TTL (no record since to reap it), b within the horizon
+    assert table.lookup(a) is None  # expired: deleted
+    assert table.committed(horizon_s=1_000) == {"r1": 3}

@@ -10,6 +10,7 @@ from cachemap.events import (
     CPU,
     GPU,
     SPECULATIVE_STRIDE,
+    STORAGE,
     BlockRemoved,
     BlockStored,
     EventIndex,
@@ -101,6 +102,12 @@ def test_a_speculative_entry_expires_without_its_event() -> None:
     assert index.stats.speculative_expired == 1 and index.num_speculative("b") == 0
 
 
+def _mask(index: EventIndex, key: bytes, domain: str) -> int:
+    """The tier mask of `key` on `domain` (0: not held there)."""
+    state = index._domains.get(domain)
+    return state.held.get(key, 0) if state is not None else 0
+
+
 def _stepped_lookup(index: EventIndex, keys: list[bytes], now_s: float) -> dict[str, Match]:
     """The lookup stepped key by key: a domain advances over a key it holds or claims (an
     unexpired speculative entry of the key or of a later key of its window of
@@ -116,14 +123,12 @@ def _stepped_lookup(index: EventIndex, keys: list[bytes], now_s: float) -> dict[
     offloaded: dict[str, int] = {}
     speculative: dict[str, int] = {}
     domains = (
-        {d for d in index.domains() if index._holders.get(keys[0], {}).get(d) or claimed(d, 0)}
-        if keys
-        else set()
+        {d for d in index.domains() if _mask(index, keys[0], d) or claimed(d, 0)} if keys else set()
     )
     for domain in domains:
         i = 0
         while i < len(keys):
-            mask = index._holders.get(keys[i], {}).get(domain, 0)
+            mask = _mask(index, keys[i], domain)
             if mask:
                 if not mask & GPU and not claimed(domain, i):
                     offloaded[domain] = offloaded.get(domain, 0) + 1
@@ -161,7 +166,7 @@ def test_the_lookup_equals_stepping_key_by_key_on_random_indexes() -> None:
             for _ in range(rng.randrange(0, 3)):  # placements of prompts of this chain
                 n = rng.randrange(1, 41)
                 at = rng.choice([8.0, 10.0])
-                on_gpu = [bool(index._holders.get(k, {}).get(domain, 0) & GPU) for k in keys[:n]]
+                on_gpu = [bool(_mask(index, k, domain) & GPU) for k in keys[:n]]
                 windows = range(0, n, SPECULATIVE_STRIDE)
                 lacking = sum(not all(on_gpu[w : w + SPECULATIVE_STRIDE]) for w in windows)
                 assert index.speculate(domain, keys[:n], at) == lacking
@@ -171,13 +176,12 @@ def test_the_lookup_equals_stepping_key_by_key_on_random_indexes() -> None:
 
 
 def test_a_speculation_after_the_lookup_of_its_chain_sees_the_events_between() -> None:
-    """The speculation of a placement reuses the holders its lookup read (the routing decision
-    in between), unless an event changed the index since: a store, a removal or a wipe between
-    the two is what the speculation goes by."""
+    """The speculation of a placement goes by the index as it is then: a store, a removal or a
+    wipe between its chain's lookup and it (the routing decision in between) counts."""
     keys = precise_keys(IDS, SALT, 16)
     for between, entries in (
         (lambda index: None, 1),  # held block 0: one entry, for blocks 1-3's window
-        # the rest stored since: nothing to claim (1 if the lookup's holders were reused)
+        # the rest stored since: nothing to claim
         (lambda index: index.store("a", stored([2, 3, 4], IDS[16:], parent=1)), 0),
         (lambda index: index.remove("a", BlockRemoved([1], GPU)), 1),
         (lambda index: index.clear("a"), 1),
@@ -203,11 +207,13 @@ def test_a_key_that_leaves_before_its_child_is_broken_until_it_is_whole_again() 
     keys = precise_keys(IDS, SALT, 16)
     index.store("a", stored([1, 2, 3, 4], IDS))
     state = index._domains["a"]
-    assert index.lookup(keys, 0.0) == {"a": Match(4, 0)} and index._last_held is None
+    assert index.lookup(keys, 0.0) == {"a": Match(4, 0)} and index._held_run("a", state, keys) == 4
     assert state.children == {keys[0]: 1, keys[1]: 1, keys[2]: 1} and not state.broken
     index.remove("a", BlockRemoved([2], GPU))
     assert state.broken == {keys[1]}
-    assert index.lookup(keys, 0.0) == {"a": Match(1, 0)} and index._last_held is not None
+    assert (
+        index.lookup(keys, 0.0) == {"a": Match(1, 0)} and index._held_run("a", state, keys) is None
+    )
     assert index.lookup(keys[:1], 0.0) == {"a": Match(1, 0)}
     index.store("a", stored([2], IDS[16:32], parent=1))
     assert not state.broken and index.lookup(keys, 0.0) == {"a": Match(4, 0)}
@@ -216,7 +222,31 @@ def test_a_key_that_leaves_before_its_child_is_broken_until_it_is_whole_again() 
     assert not state.broken and state.children == {}
     assert index.lookup(keys, 0.0) == {"a": Match(1, 0)}
     index.clear("a")
-    assert index._parent == {}
+    assert index.domains() == [] and index.lookup(keys, 0.0) == {}
+
+
+def test_a_batch_removal_at_a_branch_point_and_a_store_over_a_broken_key() -> None:
+    """The batch paths' bookkeeping (`_remove_whole`, `_hold_all`'s new blocks): a branch's own
+    blocks removed in one GPU batch leave their shared parent with its other child; a store of
+    new blocks, one of them broken (not held, its child held), makes it whole again."""
+    index = EventIndex()
+    trunk = [*IDS, *range(500, 532)]  # 6 blocks
+    branch = [*IDS[:48], *range(900, 948)]  # its first 3 blocks, then 3 of its own
+    index.store("a", stored([1, 2, 3, 4, 5, 6], trunk))
+    index.store("a", stored([13, 14, 15], branch[48:], parent=3))
+    state = index._domains["a"]
+    keys, own = precise_keys(trunk, SALT, 16), precise_keys(branch, SALT, 16)
+    assert state.children[keys[2]] == 2
+    index.remove("a", BlockRemoved([15, 14, 13], GPU))  # the branch, tail first
+    assert state.children[keys[2]] == 1 and not state.broken
+    assert index.lookup(own, 0.0) == {"a": Match(3, 0)}
+    _check_bookkeeping(index)
+    index.remove("a", BlockRemoved([4], GPU))  # out of order: block 3 broken (4 is held)
+    index.remove("a", BlockRemoved([3], GPU))  # block 2 not broken (its child 3 is gone)
+    assert state.broken == {keys[3]}
+    index.store("a", stored([3, 4], trunk[32:64], parent=2))  # new blocks, one broken
+    assert not state.broken and index.lookup(keys, 0.0) == {"a": Match(6, 0)}
+    _check_bookkeeping(index)
 
 
 BRANCH_SPLITS = (8, 3, 5, 0)
@@ -250,7 +280,7 @@ _OPS = st.lists(
             st.sampled_from("ab"),
             st.integers(0, 3),
             st.integers(0, 7),
-            st.integers(1, 3),
+            st.integers(1, 5),
             st.sampled_from([GPU, GPU, CPU]),
         ),
         st.tuples(
@@ -267,6 +297,25 @@ _OPS = st.lists(
     ),
     max_size=40,
 )
+
+
+def _check_bookkeeping(index: EventIndex) -> None:
+    """The module docstring's invariants, from their definitions: a domain holds a key iff one
+    of its engine hashes maps to it, its tier counts are its masks' bits, its parent map
+    names only keys it holds, `children` counts each key's held children there and `broken`
+    is the keys it does not hold with a held child."""
+    for state in index._domains.values():
+        held = state.held
+        assert all(held.values())
+        assert set(state.engine.values()) == set(held)
+        assert set(state.parent) <= set(held)
+        for tier in (GPU, CPU, STORAGE):
+            assert state.tier_counts[tier] == sum(1 for m in held.values() if m & tier)
+        counts: dict[bytes, int] = {}
+        for parent in state.parent.values():
+            counts[parent] = counts.get(parent, 0) + 1
+        assert state.children == counts
+        assert state.broken == {k for k in counts if k not in held}
 
 
 @settings(max_examples=400, deadline=None)
@@ -296,10 +345,11 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
             index.clear(domain)
         else:
             keys = chains[branch][:at]
-            on_gpu = [bool(index._holders.get(k, {}).get(domain, 0) & GPU) for k in keys]
+            on_gpu = [bool(_mask(index, k, domain) & GPU) for k in keys]
             windows = range(0, len(keys), SPECULATIVE_STRIDE)
             lacking = sum(not all(on_gpu[w : w + SPECULATIVE_STRIDE]) for w in windows)
             assert index.speculate(domain, keys, 10.0) == lacking
+        _check_bookkeeping(index)
         for keys in chains:
             for n in (1, 4, 8):
                 assert index.lookup(keys[:n], 10.5) == _stepped_lookup(index, keys[:n], 10.5)
