@@ -92,12 +92,20 @@ class ConversationScorer:
     before; and like every scorer it ranks only within the load bound. With `crowded`
     (cache_pressure) the home earns nothing where the crowding rule picks this conversation as
     the one to leave (`CrowdingScorer`): when one session must move, that rule chooses which.
+    With `balanced` it earns nothing where the home is outweighed (`outweighed_home`): a
+    conversation back from a pause, its context evicted everywhere, leaves a home that its
+    conversations' returns keep loaded for one the live sessions leave room on. Homed by
+    affinity alone, the sessions a shared system prompt's first holder took in while the
+    fleet filled stayed there, each return re-prefilling its context on it (the issue-shaped
+    trace at 10% KV: 13 of the first 14 sessions, one replica 1.31× the mean prefill,
+    imbalance 1.34; docs/precise.md, "Outweighed homes").
     """
 
     name = "conversation"
 
-    def __init__(self, crowded: bool = False) -> None:
+    def __init__(self, crowded: bool = False, balanced: bool = False) -> None:
         self.crowded = crowded
+        self.balanced = balanced
 
     def score(
         self,
@@ -118,8 +126,39 @@ class ConversationScorer:
             replica = next(r for r in replicas if r.id == home)
             if CrowdingScorer.cost_blocks(req, replica) > 0:
                 return out
+        if self.balanced and req.committed:
+            loads = (memo or DecisionMemo(req)).loads(replicas)
+            fit = RoomScorer.fit(req, replicas, loads)
+            if outweighed_home(req, [r.id for r, ok in zip(replicas, fit, strict=True) if ok]):
+                return out
         out[home] = min(credit / req.num_blocks, 1.0)
         return out
+
+
+def outweighed_home(req: RouteRequest, fit: Sequence[str]) -> bool:
+    """Whether the conversation's home is outweighed (issue 40, round 7): the other live
+    conversations homed there (`RouteRequest.committed`) exceed those of the least committed
+    replica equally fit by load (`fit`: `RoomScorer.fit`'s, where room would send a free move)
+    by more than this conversation's own context (`home_blocks`),
+
+        committed(home) − min over fit of committed(r) > home_blocks,
+
+    so that moving it there evens the two homes without turning the difference round. Where
+    the affinity credit applies no replica holds the conversation's context any more: the move
+    is free (the context is prefilled again wherever the turn goes), and an outweighed home
+    earns nothing for it.
+
+    False without `committed` (room off: approximate mode's default), without a fit replica,
+    and while the home has a claim the queue rule did not count (`RouteRequest.unclaimed`):
+    the conversation's previous turn is queued there, and its prefill will store the context
+    at home (moved then, the turn prefilled the context on a second replica and the next one
+    came back: a session ping-ponged between two)."""
+    home = req.home
+    if home is None or not req.committed or not fit or home in req.unclaimed:
+        return False
+    committed = req.committed
+    least = min(committed.get(rid, 0) for rid in fit)
+    return committed.get(home, 0) - least > req.home_blocks
 
 
 def displacement_blocks(
