@@ -1272,6 +1272,14 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "context (off: affinity credits every home)",
     )
     parser.add_argument(
+        "--spread-sessions",
+        choices=("on", "off"),
+        default="on",
+        help="cache_aware, cache_pressure: a new conversation matching only a short shared prefix "
+        "may go to a replica whose live conversations are fewer than the prefix holders' by more "
+        "than 4x its prompt (off: it follows the prefix)",
+    )
+    parser.add_argument(
         "--utilization",
         type=float,
         default=None,
@@ -1391,6 +1399,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         crowding_weight=args.crowding_weight,
         session_level=args.session_level == "on",
         balance_homes=args.balance_homes == "on",
+        spread_sessions=args.spread_sessions == "on",
     )
     overrides = {
         k: v

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from router.claims import counted_claims
 from router.filters import LoadBoundFilter
 from router.registry import RouterConfig, build_policy
-from router.scorers import ConversationScorer, RoomScorer
+from router.scorers import SPREAD_MARGIN, ConversationScorer, RoomScorer
 from router.types import Replica, RouteRequest
 
 BLOCK = 512.0
@@ -109,8 +109,12 @@ def test_a_free_move_goes_where_the_live_sessions_leave_room() -> None:
         tokens_per_block=BLOCK,
         committed=committed,
     )
-    room_on = build_policy("cache_aware", ROOM_ON)
+    room_on = build_policy("cache_aware", replace(ROOM_ON, spread_sessions=False))
     assert room_on.decide(one_more, fleet, random.Random(0)).replica == "r0"  # type: ignore[union-attr]
+    # ...unless the match is a short shared prefix and r0 commits more than r1 by over the
+    # turn's 60 blocks (400 against 100): then the spread sends the new session to r1
+    spread = build_policy("cache_aware", ROOM_ON)
+    assert spread.decide(one_more, fleet, random.Random(0)).replica == "r1"  # type: ignore[union-attr]
     assert RoomScorer().score(_turn(None, everywhere), fleet, random.Random(0)) == {
         "r0": 1.0,
         "r1": 1.0,
@@ -363,3 +367,85 @@ def test_the_balance_only_moves_a_free_turn_off_an_outweighed_home_and_never_tur
     assert moved is not None and kept is not None
     if moved.replica != kept.replica:
         assert committed.get(moved.replica, 0) + home_blocks < committed.get(home, 0)
+
+
+def _new_session(overlap: dict[str, int], committed: dict[str, int]) -> RouteRequest:
+    """A new conversation's first turn: 23 blocks, its match the shared system prompt."""
+    return RouteRequest(23, 23 * BLOCK, overlap, tokens_per_block=BLOCK, committed=committed)
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "cache_pressure"])
+def test_a_new_session_leaves_the_shared_prefix_for_a_replica_markedly_less_committed(
+    policy: str,
+) -> None:
+    """Issue 40, round 8. r0 and r1 hold the 5-block system prompt, r2 nothing; r0 and r1 are
+    home to 100 and 120 blocks of live conversations, r2 to none: 100 more than
+    `SPREAD_MARGIN` (4) times the new session's own 23 blocks (92). The credit ties r2 with the
+    holders and room sends the session there (the prompt's 5 blocks prefilled once). With the
+    rule off the match wins, and r2 would take a session only once the holders were over the
+    load bound (the 25% KV run: a replica got no request at all). At 80 blocks on r0 (not
+    markedly more), with a match over half the prompt (a fork, not a shared prefix), or with
+    r2 not equally fit by load, the session follows its match."""
+    fleet = _fleet({"r0": 0.0, "r1": 0.0, "r2": 0.0})
+    on = build_policy(policy, ROOM_ON)
+    off = build_policy(policy, replace(ROOM_ON, spread_sessions=False))
+    system = {"r0": SYSTEM, "r1": SYSTEM}
+    heavy = _new_session(system, {"r0": 100, "r1": 120})
+    assert ConversationScorer(spread=True).score(heavy, fleet, random.Random(0)) == {
+        "r0": 0.0,
+        "r1": 0.0,
+        "r2": SYSTEM / 23,
+    }
+    assert on.decide(heavy, fleet, random.Random(0)).replica == "r2"  # type: ignore[union-attr]
+    assert off.decide(heavy, fleet, random.Random(0)).replica == "r0"  # type: ignore[union-attr]
+    light = _new_session(system, {"r0": 80, "r1": 100})
+    assert on.decide(light, fleet, random.Random(0)).replica == "r0"  # type: ignore[union-attr]
+    fork = _new_session({"r0": 12, "r1": 12}, {"r0": 100, "r1": 120})
+    assert on.decide(fork, fleet, random.Random(0)).replica == "r0"  # type: ignore[union-attr]
+    busy = _fleet({"r0": 0.0, "r1": 0.0, "r2": 40_000.0})  # over the 11,776 prompt tokens
+    assert on.decide(heavy, busy, random.Random(0)).replica == "r0"  # type: ignore[union-attr]
+    returning = replace(heavy, home="r0", home_blocks=18)  # not new: the home rules apply
+    assert ConversationScorer(spread=True).score(returning, fleet, random.Random(0))["r2"] == 0.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.floats(0, 200_000), min_size=4, max_size=4),
+    st.dictionaries(st.sampled_from(_IDS), st.integers(0, 30)),
+    st.dictionaries(st.sampled_from(_IDS), st.integers(0, 600)),
+    st.integers(1, 60),
+    st.sampled_from(["cache_aware", "cache_pressure"]),
+)
+def test_the_spread_moves_only_a_new_session_off_a_short_match_and_never_turns_it_round(
+    pending: list[float],
+    overlap: dict[str, int],
+    committed: dict[str, int],
+    num_blocks: int,
+    policy: str,
+) -> None:
+    """With the rule on, a new conversation goes elsewhere than with it off only where its
+    match is at most half its prompt, and the replica it goes to then commits less than every
+    replica holding that match by more than its own prompt: the difference shrinks and is
+    never turned round. A conversation with a home, or a request without `committed` (room
+    off), ranks as with the rule off."""
+    fleet = _fleet(dict(zip(_IDS, pending, strict=True)))
+    overlap = {rid: min(blocks, num_blocks) for rid, blocks in overlap.items()}
+    turn = RouteRequest(
+        num_blocks, num_blocks * BLOCK, overlap, tokens_per_block=BLOCK, committed=committed
+    )
+    on_profile = build_policy(policy, ROOM_ON)
+    off_profile = build_policy(policy, replace(ROOM_ON, spread_sessions=False))
+    on = on_profile.decide(turn, fleet, random.Random(0))
+    off = off_profile.decide(turn, fleet, random.Random(0))
+    assert on is not None and off is not None
+    if on.replica != off.replica:
+        held = max(overlap.values(), default=0)
+        assert 0 < 2 * held <= num_blocks
+        holders = [rid for rid in _IDS if overlap.get(rid, 0) == held]
+        least = min(committed.get(rid, 0) for rid in holders)
+        assert committed.get(on.replica, 0) + SPREAD_MARGIN * num_blocks < least
+    for same in (replace(turn, home="r0", home_blocks=num_blocks), replace(turn, committed={})):
+        assert (
+            on_profile.decide(same, fleet, random.Random(0)).ranking  # type: ignore[union-attr]
+            == off_profile.decide(same, fleet, random.Random(0)).ranking  # type: ignore[union-attr]
+        )
