@@ -1264,6 +1264,22 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "session that is not the cheapest there stays home; off: per request)",
     )
     parser.add_argument(
+        "--balance-homes",
+        choices=("on", "off"),
+        default="on",
+        help="cache_aware, cache_pressure: a conversation evicted everywhere leaves a home "
+        "whose live conversations outweigh the least committed replica's by more than its own "
+        "context (off: affinity credits every home)",
+    )
+    parser.add_argument(
+        "--spread-sessions",
+        choices=("on", "off"),
+        default="on",
+        help="cache_aware, cache_pressure: a new conversation matching only a short shared prefix "
+        "may go to a replica whose live conversations are fewer than the prefix holders' by more "
+        "than 4x its prompt (off: it follows the prefix)",
+    )
+    parser.add_argument(
         "--utilization",
         type=float,
         default=None,
@@ -1382,6 +1398,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         displacement_weight=args.displacement_weight,
         crowding_weight=args.crowding_weight,
         session_level=args.session_level == "on",
+        balance_homes=args.balance_homes == "on",
+        spread_sessions=args.spread_sessions == "on",
     )
     overrides = {
         k: v

@@ -97,4 +97,5 @@ def counted_claims(req: RouteRequest, replicas: Sequence[Replica]) -> RouteReque
             overlap[rid] = held[rid]
         else:  # (absent already when the caller dropped the replica's overlap, a suspect's)
             overlap.pop(rid, None)
-    return replace(req, overlap=overlap, claimed=claimed)
+    unclaimed = {rid: req.claimed[rid] for rid in dropped}
+    return replace(req, overlap=overlap, claimed=claimed, unclaimed=unclaimed)

@@ -136,6 +136,16 @@ class RouterConfig:
     session_level: bool = True
     """cache_pressure: which session leaves a crowded replica is decided per session
     (`router.scorers.stays_home`); False: per request, as before issue 40's round 3."""
+    balance_homes: bool = True
+    """cache_aware, cache_pressure: the affinity credit skips an outweighed home
+    (`router.scorers.outweighed_home`: its live conversations exceed the least committed
+    candidate's by more than this one's context), so a free move evens the homes; False: the
+    credit as before issue 40's round 7. Acts only with room on (it reads `committed`)."""
+    spread_sessions: bool = True
+    """cache_aware, cache_pressure: a new conversation whose match is a short shared prefix may
+    go to a replica whose live conversations are fewer than the prefix holders' by more than
+    `router.scorers.SPREAD_MARGIN` times its prompt (`router.scorers.shared_prefix_credit`);
+    False: as before issue 40's round 8. Acts only with room and affinity on."""
 
     def __post_init__(self) -> None:
         if self.crowding_weight < 0:
@@ -168,7 +178,10 @@ def cache_aware(config: RouterConfig) -> RoutingProfile:
         (
             (PrefixScorer(), 1.0),
             (EstimatedWorkScorer(), _TIE_BREAK),
-            (ConversationScorer(), config.affinity_weight),
+            (
+                ConversationScorer(balanced=config.balance_homes, spread=config.spread_sessions),
+                config.affinity_weight,
+            ),
             (AdapterScorer(), config.adapter_weight),
             (RoomScorer(), config.room_weight),
         ),
@@ -214,7 +227,14 @@ def cache_pressure(config: RouterConfig) -> RoutingProfile:
                 ),
                 _TIE_BREAK,
             ),
-            (ConversationScorer(crowded=True), config.affinity_weight),
+            (
+                ConversationScorer(
+                    crowded=True,
+                    balanced=config.balance_homes,
+                    spread=config.spread_sessions,
+                ),
+                config.affinity_weight,
+            ),
             (AdapterScorer(), config.adapter_weight),
             (RoomScorer(), config.room_weight),
         ),

@@ -25,6 +25,16 @@ longer than its steps take has likely ended, so losing it costs little. With no 
 LRU on the half-size run (weight 8): a live block must not decay within its steps."""
 
 
+SPREAD_MARGIN = 4
+"""A new conversation leaves the holders of its short shared prefix for a replica committed
+less than the least committed holder by more than this many times its own prompt
+(`shared_prefix_credit`): markedly, so sessions still share the prefix while the fleet is even.
+On the issue-shaped trace at 10% KV, seed 1, precise `cache_aware`'s p99 TTFT read 74.5 / 73.0 /
+41.1 s at 1 / 2 / 4 (99.2 / 99.2 / 99.6% of the shared LRU): a smaller margin moved sessions
+whose returns from their pauses then coincided on one replica (docs/precise.md, "New sessions
+and the shared prefix")."""
+
+
 def liveness(idle_s: float, hot_s: float, half_life_s: float) -> float:
     """How likely a block idle for `idle_s` is to be asked for again, as a weight in [0, 1]:
     1 within the hot horizon, then halving every `half_life_s`.
@@ -92,12 +102,23 @@ class ConversationScorer:
     before; and like every scorer it ranks only within the load bound. With `crowded`
     (cache_pressure) the home earns nothing where the crowding rule picks this conversation as
     the one to leave (`CrowdingScorer`): when one session must move, that rule chooses which.
+    With `balanced` it earns nothing where the home is outweighed (`outweighed_home`): a
+    conversation back from a pause, its context evicted everywhere, leaves a home that its
+    conversations' returns keep loaded for one the live sessions leave room on. Homed by
+    affinity alone, the sessions a shared system prompt's first holder took in while the
+    fleet filled stayed there, each return re-prefilling its context on it (the issue-shaped
+    trace at 10% KV: 13 of the first 14 sessions, one replica 1.31× the mean prefill,
+    imbalance 1.34; docs/precise.md, "Outweighed homes"). With `spread` a new conversation
+    (no home) whose match is a short shared prefix credits the replicas markedly less
+    committed than its holders with the prefix they lack (`shared_prefix_credit`).
     """
 
     name = "conversation"
 
-    def __init__(self, crowded: bool = False) -> None:
+    def __init__(self, crowded: bool = False, balanced: bool = False, spread: bool = False) -> None:
         self.crowded = crowded
+        self.balanced = balanced
+        self.spread = spread
 
     def score(
         self,
@@ -108,6 +129,11 @@ class ConversationScorer:
     ) -> dict[str, float]:
         out = dict.fromkeys((r.id for r in replicas), 0.0)
         home = req.home
+        if home is None and self.spread and req.committed and req.num_blocks:
+            loads = (memo or DecisionMemo(req)).loads(replicas)
+            fit = RoomScorer.fit(req, replicas, loads)
+            out.update(shared_prefix_credit(req, replicas, fit))
+            return out
         if home is None or home not in out or req.num_blocks == 0:
             return out
         held = max(req.overlap.values(), default=0)
@@ -118,8 +144,74 @@ class ConversationScorer:
             replica = next(r for r in replicas if r.id == home)
             if CrowdingScorer.cost_blocks(req, replica) > 0:
                 return out
+        if self.balanced and req.committed:
+            loads = (memo or DecisionMemo(req)).loads(replicas)
+            fit = RoomScorer.fit(req, replicas, loads)
+            if outweighed_home(req, [r.id for r, ok in zip(replicas, fit, strict=True) if ok]):
+                return out
         out[home] = min(credit / req.num_blocks, 1.0)
         return out
+
+
+def outweighed_home(req: RouteRequest, fit: Sequence[str]) -> bool:
+    """Whether the conversation's home is outweighed (issue 40, round 7): the other live
+    conversations homed there (`RouteRequest.committed`) exceed those of the least committed
+    replica equally fit by load (`fit`: `RoomScorer.fit`'s, where room would send a free move)
+    by more than this conversation's own context (`home_blocks`),
+
+        committed(home) − min over fit of committed(r) > home_blocks,
+
+    so that moving it there evens the two homes without turning the difference round. Where
+    the affinity credit applies no replica holds the conversation's context any more: the move
+    is free (the context is prefilled again wherever the turn goes), and an outweighed home
+    earns nothing for it.
+
+    False without `committed` (room off: approximate mode's default), without a fit replica,
+    and while the home has a claim the queue rule did not count (`RouteRequest.unclaimed`):
+    the conversation's previous turn is queued there, and its prefill will store the context
+    at home (moved then, the turn prefilled the context on a second replica and the next one
+    came back: a session ping-ponged between two)."""
+    home = req.home
+    if home is None or not req.committed or not fit or home in req.unclaimed:
+        return False
+    committed = req.committed
+    least = min(committed.get(rid, 0) for rid in fit)
+    return committed.get(home, 0) - least > req.home_blocks
+
+
+def shared_prefix_credit(
+    req: RouteRequest, replicas: Sequence[Replica], fit: Sequence[bool]
+) -> dict[str, float]:
+    """A new conversation's credit (issue 40, round 8): the prefix match the best holders have
+    and a fit replica lacks, where that replica is outweighed the other way,
+
+        credit(r) = (held − overlap[r]) / num_blocks
+                    where min over the holders of committed − committed(r)
+                              > SPREAD_MARGIN × num_blocks
+                    and 2 × held ≤ num_blocks,
+
+    `held` the longest match among the candidates (its holders: the replicas with it), `fit`
+    `RoomScorer.fit`'s. The request is mostly new context (its match at most half its
+    prompt, e.g. a shared system prompt), so the credit buys only that short prefix's
+    re-prefill, once for the conversation's whole life; it ties such a replica with the
+    holders, and room sends the session to the least committed one. The difference shrinks
+    and is never turned round (the session's own blocks are fewer than it, by
+    `SPREAD_MARGIN`). Without it every new session matches the system prompt on its holders
+    only, room (at 5% of the prompt) cannot outweigh that, and a replica that never held the
+    prompt takes a session only when the holders are over the load bound
+    (the issue-shaped trace at 25% KV: one replica got no request in the whole run)."""
+    out: dict[str, float] = {}
+    ids = [r.id for r in replicas]
+    held = max((req.overlap.get(rid, 0) for rid in ids), default=0)
+    if held == 0 or 2 * held > req.num_blocks:
+        return out
+    committed = req.committed
+    holders = [rid for rid in ids if req.overlap.get(rid, 0) == held]
+    bar = min(committed.get(rid, 0) for rid in holders) - SPREAD_MARGIN * req.num_blocks
+    for rid, ok in zip(ids, fit, strict=True):
+        if ok and committed.get(rid, 0) < bar:
+            out[rid] = (held - req.overlap.get(rid, 0)) / req.num_blocks
+    return out
 
 
 def displacement_blocks(

@@ -140,6 +140,10 @@ class RouteRequest:
     """Per replica, the blocks of the other conversations whose home it is and that are live
     (routed within the session horizon, paused ones included): the KV they will come back for
     (`cachemap.affinity.ConversationAffinity.committed`; absent = 0)."""
+    unclaimed: Mapping[str, int] = field(default_factory=dict)
+    """Per replica, the claimed blocks `router.claims` did not count (taken out of `overlap`
+    and `claimed`: the placement they speak for is queued behind more than its re-prefill
+    elsewhere); empty until that rule ran, and where every claim counts."""
 
     def uncached_tokens(self, replica: str) -> float:
         cached = self.overlap.get(replica, 0) * self.tokens_per_block

@@ -8,10 +8,9 @@ token blocks with human pauses that get sessions evicted everywhere, vLLM's 16-t
 and the hot spine. (The sample files of loadgen/traces/samples are format examples of a few
 requests: at these fractions their replicas hold one block each.)
 
-The property breaks at one point (`KNOWN_GAPS`): `cache_aware` on the paused sessions at 10%
-against approximate mode without affinity (its default). Each is held to its
-measured gap, so a change that widens one fails. Under load the gap is wider (docs/precise.md,
-"Conversation affinity"): not a property yet."""
+The property holds everywhere since issue 40's round 7 (`KNOWN_GAPS` is empty: a gap found
+again is held to its measured size there, so a change that widens it fails). Under load the
+simulator's issue-shaped trace measures it (docs/precise.md): not a property of this sweep."""
 
 from __future__ import annotations
 
@@ -44,18 +43,16 @@ WORKLOADS: dict[str, Callable[[], Trace]] = {
     "hot-spine": lambda: hot_spine_trace("hot-spine:rate=20,seconds=5"),
 }
 
-KNOWN_GAPS = {
-    ("cache_aware@precise", "agent-sessions-paused-512", 0.10): 0.009,
-}
-"""(policy, workload, KV) -> how far below approximate precise mode may read there, measured:
-`cache_aware` 0.81 points on the paused sessions at 10%, against approximate at its default
-(no affinity: the rankings it had before issue 40, which keep that trace's conversations home
-by their stale prediction); the same with round 5's defaults (the home's claim by the queue,
-a 30-s speculative ttl, room on in precise mode). Closed in issue 40's round 4: the 16-token
-sessions at 10% (`cache_pressure` 0.78 points when measured, 0.39 since round 3) and the
-synthetic slice at 5% (`cache_pressure` 0.84 points, the whole of approximate's few hits:
-with the simulator modelling the gateway's speculative entries, precise reads 0.35 points above
-approximate; 0.41 with round 5's defaults)."""
+KNOWN_GAPS: dict[tuple[str, str, float], float] = {}
+"""(policy, workload, KV) -> how far below approximate precise mode may read there, measured.
+Closed in issue 40's round 7: `cache_aware` on the paused sessions at 10%, 0.81 points below
+approximate at its default (no affinity: its stale prediction keeps that trace's conversations
+home), +2.49 points once a return evicted everywhere leaves an outweighed home
+(`router.scorers.outweighed_home`). Closed in round 4: the 16-token sessions at 10%
+(`cache_pressure` 0.78 points when measured, 0.39 since round 3) and the synthetic slice at 5%
+(`cache_pressure` 0.84 points, the whole of approximate's few hits: with the simulator modelling
+the gateway's speculative entries, precise reads 0.35 points above approximate; 0.41 with round
+5's defaults)."""
 
 
 @cache
