@@ -14,7 +14,7 @@ from router.claims import counted_claims
 from router.filters import LoadBoundFilter
 from router.registry import RouterConfig, build_policy
 from router.scorers import SPREAD_MARGIN, ConversationScorer, RoomScorer
-from router.types import Replica, RouteRequest
+from router.types import DecisionMemo, Replica, RouteRequest
 
 BLOCK = 512.0
 SYSTEM = 5
@@ -426,8 +426,10 @@ def test_the_spread_moves_only_a_new_session_off_a_short_match_and_never_turns_i
     """With the rule on, a new conversation goes elsewhere than with it off only where its
     match is at most half its prompt, and the replica it goes to then commits less than every
     replica holding that match by more than its own prompt: the difference shrinks and is
-    never turned round. A conversation with a home, or a request without `committed` (room
-    off), ranks as with the rule off."""
+    never turned round. The match is the longest among the replicas the filters keep (within
+    the load bound; all of them when none is): a holder over the bound is not one to share
+    with (CI's 2026-12-06 run drew one holding the whole prompt). A conversation with a home,
+    or a request without `committed` (room off), ranks as with the rule off."""
     fleet = _fleet(dict(zip(_IDS, pending, strict=True)))
     overlap = {rid: min(blocks, num_blocks) for rid, blocks in overlap.items()}
     turn = RouteRequest(
@@ -439,9 +441,13 @@ def test_the_spread_moves_only_a_new_session_off_a_short_match_and_never_turns_i
     off = off_profile.decide(turn, fleet, random.Random(0))
     assert on is not None and off is not None
     if on.replica != off.replica:
-        held = max(overlap.values(), default=0)
+        kept = list(fleet)
+        for f in on_profile.filters:
+            kept = f.filter(turn, kept, DecisionMemo(turn))
+        group = [r.id for r in kept] or list(_IDS)
+        held = max((overlap.get(rid, 0) for rid in group), default=0)
         assert 0 < 2 * held <= num_blocks
-        holders = [rid for rid in _IDS if overlap.get(rid, 0) == held]
+        holders = [rid for rid in group if overlap.get(rid, 0) == held]
         least = min(committed.get(rid, 0) for rid in holders)
         assert committed.get(on.replica, 0) + SPREAD_MARGIN * num_blocks < least
     for same in (replace(turn, home="r0", home_blocks=num_blocks), replace(turn, committed={})):
