@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,6 +14,12 @@ from loadgen.engine.server import Engine, EngineConfig, create_engine_app
 from loadgen.engine.timing import TimingModel
 from loadgen.harness.redis_servers import RedisServer
 from tests.servers import Served, start_app, stop_all
+
+# The tests speak plain HTTP over loopback only, so no test needs a trust store; but every
+# `httpx.get(...)` builds a client whose TLS context loads certifi's bundle (~27 ms of CPU a
+# call on this machine, thousands of calls a suite, in the processes the tests start as well).
+# An empty certificate directory makes that context free; a developer's own setting is kept.
+os.environ.setdefault("SSL_CERT_DIR", tempfile.mkdtemp(prefix="kvgate-no-ca-"))
 
 FAST = TimingModel(time_scale=1000.0)
 """Engines 1000x faster than real time: a 10k-token prefill takes under a millisecond."""

@@ -360,18 +360,19 @@ def _wait_for_model(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: f
     """Until the router lists the model (its workers are registered), bounded."""
     deadline = time.monotonic() + timeout_s
     last = ""
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"router at {url} exited with status {proc.returncode}")
-        try:
-            resp = httpx.get(url + "/v1/models", timeout=2.0)
-            if resp.status_code == 200 and DEFAULT_MODEL in resp.text:
-                return
-            last = f"{resp.status_code} {resp.text[:200]}"
-        except httpx.HTTPError as exc:
-            last = str(exc)
-        time.sleep(0.2)
-    raise TimeoutError(f"router at {url} not ready after {timeout_s:.0f} s: {last}")
+    with httpx.Client() as http:  # one TLS context a wait, not a poll (~27 ms of CPU)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"router at {url} exited with status {proc.returncode}")
+            try:
+                resp = http.get(url + "/v1/models", timeout=2.0)
+                if resp.status_code == 200 and DEFAULT_MODEL in resp.text:
+                    return
+                last = f"{resp.status_code} {resp.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = str(exc)
+            time.sleep(0.2)
+        raise TimeoutError(f"router at {url} not ready after {timeout_s:.0f} s: {last}")
 
 
 REDIS_NICE = 0

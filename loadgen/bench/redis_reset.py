@@ -187,12 +187,13 @@ BACK_TIMEOUT_S = 20.0
 def wait_back(url: str) -> None:
     """Until the gateway's directory is no longer degraded (bounded)."""
     deadline = time.monotonic() + BACK_TIMEOUT_S
-    while time.monotonic() < deadline:
-        text = httpx.get(url + "/metrics", timeout=5).text
-        if any(line.strip() == "kvgate_directory_degraded 0.0" for line in text.splitlines()):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"the gateway at {url} did not come back to Redis in {BACK_TIMEOUT_S} s")
+    with httpx.Client() as http:  # one TLS context a wait, not a poll (~27 ms of CPU)
+        while time.monotonic() < deadline:
+            text = http.get(url + "/metrics", timeout=5).text
+            if any(line.strip() == "kvgate_directory_degraded 0.0" for line in text.splitlines()):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"the gateway at {url} did not come back to Redis in {BACK_TIMEOUT_S} s")
 
 
 def hit_ratio(turns: list[Turn]) -> float | None:

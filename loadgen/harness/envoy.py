@@ -197,15 +197,16 @@ def envoy(
 
 def _wait_ready(proxy: Envoy, log: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proxy.popen.poll() is not None:
-            raise RuntimeError(
-                f"envoy exited with {proxy.popen.returncode}: {log.read_text()[-2000:]}"
-            )
-        try:
-            if httpx.get(proxy.admin_url + "/ready", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"envoy not ready after {READY_TIMEOUT_S:.0f} s")
+    with httpx.Client() as http:  # one TLS context a wait, not a poll (~27 ms of CPU)
+        while time.monotonic() < deadline:
+            if proxy.popen.poll() is not None:
+                raise RuntimeError(
+                    f"envoy exited with {proxy.popen.returncode}: {log.read_text()[-2000:]}"
+                )
+            try:
+                if http.get(proxy.admin_url + "/ready", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"envoy not ready after {READY_TIMEOUT_S:.0f} s")

@@ -71,16 +71,17 @@ class ExitedBeforeReady(RuntimeError):
 
 def wait_ready(url: str, path: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ExitedBeforeReady(f"{url}: process exited with status {proc.returncode}")
-        try:
-            if httpx.get(url + path, timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url}{path} not ready after {timeout_s:.0f} s")
+    with httpx.Client() as http:  # one TLS context a wait, not a poll (~27 ms of CPU)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ExitedBeforeReady(f"{url}: process exited with status {proc.returncode}")
+            try:
+                if http.get(url + path, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"{url}{path} not ready after {timeout_s:.0f} s")
 
 
 START_ATTEMPTS = 3
