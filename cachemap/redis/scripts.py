@@ -109,7 +109,7 @@ while next_start <= #starts do
         local gen = tonumber(string.sub(v, 1, colon - 1))
         local expiry = tonumber(string.sub(v, colon + 1, sep - 1))
         if gen >= mingen[rid] and expiry > now then
-          local lo, hi = 0, math.min((#v - sep) / 10, #KEYS - s)
+          local lo, hi = 0, math.min(math.floor((#v - sep) / 10), #KEYS - s)
           while lo < hi do
             local mid = math.floor((lo + hi + 1) / 2)
             local at, o = sep + mid * 10, (s + mid) * 10
