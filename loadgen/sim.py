@@ -37,10 +37,11 @@ Two directories (`SimConfig.mode`):
 Many gateways (`SimConfig.gateways`, issue 39): requests are spread round robin over N routers
 on one shared directory, as a Service spreads them over gateways on one Redis. What Redis shares
 is shared: the entries (kept as the Redis directory keeps them: `_GenerationIndex`), the
-placements in flight (`<rid>+`, `cachemap.redis.directory.PLACEMENT_TTL_S`), the hot-prefix
-rates and k, the conversations' homes, precise mode's event index and speculative entries. What
-a gateway keeps to itself is its own: its requests' load counted exactly (`Lease`), its peers'
-as they published it at their last load-share round (`_Gateways`, gateway.fleet.shared_load).
+placements in flight (a flight each, `:p`, `cachemap.redis.directory.PLACEMENT_TTL_S`), the
+hot-prefix rates and k, the conversations' homes, precise mode's event index and speculative
+entries. What a gateway keeps to itself is its own: its requests' load counted exactly
+(`Lease`), its peers' as they published it at their last load-share round (`_Gateways`,
+gateway.fleet.shared_load).
 `SimConfig.as_one` models a piece as one in-process gateway has it, to find what costs the hit
 ratio. Not modelled (at one gateway either): the engines' /metrics, fan-out holds, flow control,
 the write-behind queue's latency and reconciliation.
@@ -686,35 +687,35 @@ class _GenerationIndex:
 class _SharedDirectory:
     """Approximate mode at several gateways: the Redis directory (`cachemap.redis`), its
     capacity by generations (`_GenerationIndex`; or a `MemoryIndex`, `as_one` capacity) and the
-    placements in flight: a request's blocks past what its replica was seen to hold count as
-    held there from its routing (`RoutingDirectory.place`) until its first token's record
-    replaces them or `placement_ttl_s` passes. A replica's match walks on through a block its
-    entry or its placement holds, as the lookup script's does."""
+    placements in flight: a request's blocks past what its replica was seen to hold are a
+    flight on that replica from its routing (`RoutingDirectory.place`) until `placement_ttl_s`
+    passes. As the lookup script reads them (`scripts.PLACE`): after the entries, a replica's
+    match goes on through its live flight that starts where the match ends, as far as the
+    flight's blocks are the chain's, and on through a flight starting there in turn; a flight
+    the first token's record covered starts inside the entries and is not read again."""
 
     def __init__(self, index: MemoryIndex | _GenerationIndex, placement_ttl_s: float) -> None:
         self.index = index
         self.placement_ttl_s = placement_ttl_s
-        self._placed: dict[str, dict[bytes, float]] = {}
-        """Per replica: block -> when its placement expires."""
+        self._flights: dict[str, dict[bytes, tuple[float, Sequence[BlockHash]]]] = {}
+        """Per replica: a flight's first block -> (when it expires, its blocks)."""
         self._seen_of: Sequence[BlockHash] | None = None
         self._seen: dict[str, int] = {}
         """The last lookup's chain and its overlap (what the director's `place` reads)."""
 
     def first_token(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         self.index.record(replica, hashes)
-        placed = self._placed.get(replica)
-        if placed:  # the record deletes the placement it replaces
-            for h in hashes:
-                placed.pop(h, None)
 
     def speculate(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
         if self.placement_ttl_s <= 0 or not hashes:
             return
         held = self._seen.get(replica, 0) if self._seen_of is hashes else 0
-        placed = self._placed.setdefault(replica, {})
-        placed.update(dict.fromkeys(hashes[held:], now + self.placement_ttl_s))
-        if len(placed) > 4 * len(hashes) + 4096:  # expired ones go, amortised
-            self._placed[replica] = {h: t for h, t in placed.items() if t > now}
+        if held >= len(hashes):
+            return
+        flights = self._flights.setdefault(replica, {})
+        flights[hashes[held]] = (now + self.placement_ttl_s, hashes[held:])
+        if len(flights) > 4096:  # expired ones go, amortised
+            self._flights[replica] = {b: f for b, f in flights.items() if f[0] > now}
 
     def lookup(
         self, hashes: Sequence[BlockHash], now: float
@@ -724,12 +725,13 @@ class _SharedDirectory:
         if not hashes:
             return {}, {}
         overlap = self.index.lookup(hashes)
-        for replica, placed in self._placed.items():
+        for replica, flights in self._flights.items():
             depth = overlap.get(replica, 0)
-            while depth < len(hashes) and placed.get(hashes[depth], -math.inf) > now:
-                depth += 1
-                if depth < len(hashes):  # an entry past the placement continues the walk
-                    depth += self.index.lookup(hashes[depth:]).get(replica, 0)
+            while depth < len(hashes):
+                flight = flights.get(hashes[depth])
+                if flight is None or flight[0] <= now:
+                    break
+                depth += _agreed(flight[1], hashes[depth:])
             if depth:
                 overlap[replica] = depth
         self._seen_of, self._seen = hashes, dict(overlap)
@@ -740,6 +742,16 @@ class _SharedDirectory:
 
     def catch_up(self, now: float) -> None:
         pass
+
+
+def _agreed(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
+    """How many leading blocks two chains share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _directory(

@@ -3,7 +3,9 @@
 Key schema (all binary-safe; `{...}` is the Redis Cluster hash tag):
 
     kvg:{TAG}:<16-byte block hash>   HASH  replica id -> "<generation>:<last use, ms>"
-                                     PEXPIRE = ttl, refreshed on every record
+                                     PEXPIRE = ttl, set with every write of a field
+    kvg:{TAG}:<block>:p              HASH  replica id -> a placement in flight from this
+                                     block: "<generation>:<expiry ms>\n<block suffixes>"
     kvg:{kvg-meta}:gen               HASH  replica id -> current generation
     kvg:{kvg-meta}:count             HASH  replica id -> blocks recorded in this generation
     kvg:{kvg-meta}:start             HASH  replica id -> the engine's last seen start marker

@@ -77,7 +77,59 @@ for i = 1, #KEYS do
     end
   end
   if not advanced then break end
-  deepest = i
+end
+-- placements in flight (PLACE): one hash per flight's first block, its key + ":p", rid ->
+-- "<generation>:<expiry>", a newline, the flight's block suffixes. A replica's match goes on
+-- through a live flight of its own that starts where its match ends, as far as the flight's
+-- blocks are this chain's (blocks are chained hashes: agreeing at a block means agreeing at
+-- every one before it, a bisection), and on through a flight starting there in turn. A flight
+-- the record has covered starts inside the replica's entries: it is never read again.
+-- (the replicas this gateway routes to: only theirs are reported; where each one's match ends)
+local flights = {}
+local starts, starting = {}, {}
+for rid in pairs(mingen) do
+  local d = depth[rid] or 0
+  if not starting[d] then starting[d] = true; starts[#starts + 1] = d end
+end
+local next_start = 1
+while next_start <= #starts do
+  local s = starts[next_start]
+  next_start = next_start + 1
+  if s < #KEYS then
+    local fields = flights[s]
+    if not fields then
+      fields = redis.call('HGETALL', KEYS[s + 1] .. ':p')
+      flights[s] = fields
+    end
+    for j = 1, #fields, 2 do
+      local rid, v = fields[j], fields[j + 1]
+      local sep = string.find(v, '\\n', 1, true)
+      if sep and mingen[rid] and (depth[rid] or 0) == s then
+        local colon = string.find(v, ':', 1, true)
+        local gen = tonumber(string.sub(v, 1, colon - 1))
+        local expiry = tonumber(string.sub(v, colon + 1, sep - 1))
+        if gen >= mingen[rid] and expiry > now then
+          local lo, hi = 0, math.min(math.floor((#v - sep) / 10), #KEYS - s)
+          while lo < hi do
+            local mid = math.floor((lo + hi + 1) / 2)
+            local at, o = sep + mid * 10, (s + mid) * 10
+            if string.sub(v, at - 9, at) == string.sub(blob, o - 9, o) then
+              lo = mid
+            else
+              hi = mid - 1
+            end
+          end
+          if lo > 0 then
+            depth[rid], last[rid], placed[rid] = s + lo, 0, s + lo
+            starts[#starts + 1] = s + lo
+          end
+        end
+      end
+    end
+  end
+end
+for _, d in pairs(depth) do
+  if d > deepest then deepest = d end
 end
 local out = {}
 for rid, d in pairs(depth) do
@@ -208,6 +260,10 @@ return 1
 # generation keeps the later of the two uses (write-behind batches may arrive out of order).
 # Returns how many blocks are new to the generation: capacity counts distinct entries (an LRU
 # that is touched again does not grow), so a chain recorded by every request counts once.
+# A key's expiry is set with each write of a field: a field left as it is already has its key
+# living a TTL past its last use (which is later than this record's), so a PEXPIRE there would
+# only cost a command. A placement of the commit before (a field "<rid>+" on each block) is
+# deleted where present; this code's are one field per flight (`PLACE`), never deleted here.
 RECORD = (
     CHAIN
     + """
@@ -229,29 +285,33 @@ for i = 1, #KEYS do
   else
     new = new + 1
   end
-  if write then redis.call('HSET', KEYS[i], ARGV[3], value) end
-  redis.call('PEXPIRE', KEYS[i], ARGV[6])
+  if write then
+    redis.call('HSET', KEYS[i], ARGV[3], value)
+    redis.call('PEXPIRE', KEYS[i], ARGV[6])
+  end
 end
 return new
 """
 )
 
-# ARGV (after the chain): rid, generation, the placement's expiry ms, its ttl ms. A request
-# placed on the replica, before its engine wrote the KV (`RedisDirectory.place`): the field
-# "<rid>+" holds "<generation>:<expiry>" (the lookup reads it like an entry until it expires;
-# the record at the request's first token deletes it). A key is never given a shorter life.
-PLACE = (
-    CHAIN
-    + """
-local field, value = ARGV[3] .. '+', ARGV[4] .. ':' .. ARGV[5]
+# ARGV (after the chain, not expanded): rid, generation, the placement's expiry ms, its ttl ms.
+# A request placed on the replica, before its engine wrote the KV (`RedisDirectory.place`): ONE
+# hash field per flight, on its first block's key + ":p", rid -> "<generation>:<expiry>\n" and
+# the flight's block suffixes (the lookup walks a replica's match on through it, as far as the
+# looked-up chain agrees with it, until it expires; a record at the request's first token
+# covers its blocks, and the lookup never reads a flight that starts inside the replica's
+# entries). It was a field "<rid>+" on every block (HSET, PTTL, PEXPIRE each, and an HDEL by
+# the record): the tier's largest per-block cost at a low hit ratio. The hash holds a field
+# per replica whose flight starts at that block (a later flight of the same replica from the
+# same block replaces it). A key is never given a shorter life.
+PLACE = """
+local key = KEYS[1] .. ':p'
 local ttl = tonumber(ARGV[6])
-for i = 1, #KEYS do
-  redis.call('HSET', KEYS[i], field, value)
-  if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
-end
-return #KEYS
+redis.call('HSET', key, ARGV[3], ARGV[4] .. ':' .. ARGV[5] .. '\\n' .. ARGV[2])
+if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
+return #ARGV[2] / 10
 """
-)
+
 
 # ARGV (after the chain): rid, generation, now ms, ttl ms, the blocks' last uses (ms, each
 # followed by ','). Writes back entries a gateway kept while Redis lost them: a field is written
@@ -282,11 +342,15 @@ return written
 """
 )
 
-# ARGV (after the chain): rid.
+# ARGV (after the chain): rid. (A flight placed from a block before the dropped ones still
+# matches through them until it expires: drops are not on the request path.)
 DROP = (
     CHAIN
     + """
-for i = 1, #KEYS do redis.call('HDEL', KEYS[i], ARGV[3], ARGV[3] .. '+') end
+for i = 1, #KEYS do
+  redis.call('HDEL', KEYS[i], ARGV[3], ARGV[3] .. '+')
+  redis.call('HDEL', KEYS[i] .. ':p', ARGV[3])  -- a flight starting here (PLACE)
+end
 return #KEYS
 """
 )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from dataclasses import dataclass
 
 import redis
 
@@ -44,11 +45,56 @@ def add_bench_scale_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=64, help="conversations replayed")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     parser.add_argument("--skip-cluster", action="store_true", help="skip the Redis Cluster arm")
+    parser.add_argument(
+        "--new-blocks",
+        type=int,
+        default=0,
+        help="blocks new to each request (its conversation's other blocks held since its first "
+        "turn; 0: each turn a block longer than the one before)",
+    )
 
 
 def _conversation(i: int, blocks: int) -> list[BlockHash]:
     data = f"conversation {i} of the scale bench ".encode() * (256 * blocks // 30 + 20)
     return chain_hashes(data, root_hash(b"tenant", "model"), 256)[:blocks]
+
+
+@dataclass
+class _Run:
+    redis_cpu_us: float
+    """Every server's CPU time per request, the idle burn taken out."""
+    client_rps: float
+    calls: dict[str, float]
+    """Commands per request by name (a script's own calls counted by Redis too)."""
+
+
+def _turn(i: int, turn: int, blocks: int, new: int) -> list[BlockHash]:
+    """Conversation `i`'s request at `turn` with `new` blocks of its own: its first
+    `blocks - new` blocks are the conversation's (what every turn shares), the rest this turn's
+    alone (a low hit ratio's mix: most of a request's blocks placed and recorded for the first
+    time)."""
+    held = _conversation(i, blocks)[: blocks - new]
+    own = f" turn {turn} ".encode() * (256 * new // 6 + 20)
+    data = f"conversation {i} of the scale bench ".encode() * (256 * blocks // 30 + 20)
+    data = data[: 256 * len(held)] + own
+    chain = chain_hashes(data, root_hash(b"tenant", "model"), 256)[:blocks]
+    assert chain[: len(held)] == held
+    return chain
+
+
+def _calls(urls: list[str]) -> dict[str, int]:
+    """Every server's commands run so far (`INFO commandstats`, a script's own calls included),
+    by name, summed."""
+    total: dict[str, int] = {}
+    for url in urls:
+        client = redis.Redis.from_url(url)
+        try:
+            for name, stat in client.info("commandstats").items():
+                command = name.removeprefix("cmdstat_")
+                total[command] = total.get(command, 0) + int(stat["calls"])
+        finally:
+            client.close()
+    return total
 
 
 def _cpu_s(urls: list[str]) -> float:
@@ -63,9 +109,7 @@ def _cpu_s(urls: list[str]) -> float:
     return total
 
 
-async def _replay(
-    url: str, servers: list[str], blocks: int, args: argparse.Namespace
-) -> dict[str, float]:
+async def _replay(url: str, servers: list[str], blocks: int, args: argparse.Namespace) -> _Run:
     """Each request: a turn of a conversation, its chain growing by a block a turn (the last
     turn's blocks recorded, one new), as a gateway routes it: lookup with home, placement,
     record (with its count), home."""
@@ -73,17 +117,25 @@ async def _replay(
     d = RedisDirectory(client)
     await d.start()
     d.register(REPLICAS)
+    new = min(args.new_blocks, blocks)
     chains = [_conversation(i, blocks + 64) for i in range(args.conversations)]
     turn = [0] * len(chains)
     for i, chain in enumerate(chains):  # warm: every conversation's first turn held
         await d.record(REPLICAS[i % len(REPLICAS)], chain[:blocks])
     n = min(args.requests, MAX_REQUESTS)
     limit = asyncio.Semaphore(args.concurrency)
+    requests = []
+    for k in range(n):
+        c = k % len(chains)
+        turn[c] = min(turn[c] + 1, 63)
+        if new:
+            requests.append(_turn(c, k, blocks, new))
+        else:
+            requests.append(chains[c][: blocks + turn[c]])  # a block longer than the turn before
 
     async def one(k: int) -> None:
         c = k % len(chains)
-        turn[c] = min(turn[c] + 1, 63)
-        hashes = chains[c][: blocks + turn[c]]  # a block longer than at its turn before
+        hashes = requests[k]
         replica = REPLICAS[c % len(REPLICAS)]
         async with limit:
             full = await d.lookup_full(hashes, rate_window_s=60.0, homes=MAX_WALK_BLOCKS)
@@ -95,12 +147,17 @@ async def _replay(
     idle_before, idle_started = _cpu_s(servers), time.perf_counter()
     await asyncio.sleep(IDLE_SAMPLE_S)  # what the servers burn with nothing to do (cron, bus)
     idle_per_s = (_cpu_s(servers) - idle_before) / (time.perf_counter() - idle_started)
+    calls_before = _calls(servers)
     before, started = _cpu_s(servers), time.perf_counter()
     await asyncio.gather(*(one(k) for k in range(n)))
     wall_s = time.perf_counter() - started
     cpu_s = max(_cpu_s(servers) - before - idle_per_s * wall_s, 0.0)
+    calls = {c: k - calls_before.get(c, 0) for c, k in _calls(servers).items()}
     await d.close()
-    return {"requests": n, "redis_cpu_us": cpu_s / n * 1e6, "client_rps": n / wall_s}
+    per_request = {
+        c: k / n for c, k in calls.items() if k and c not in ("info", "config|resetstat")
+    }
+    return _Run(cpu_s / n * 1e6, n / wall_s, per_request)
 
 
 def _rows(url: str, servers: list[str], name: str, args: argparse.Namespace) -> list[str]:
@@ -108,12 +165,20 @@ def _rows(url: str, servers: list[str], name: str, args: argparse.Namespace) -> 
     out = []
     for blocks in (int(b) for b in str(args.blocks).split(",")):
         m = asyncio.run(_replay(url, servers, blocks, args))
+        calls = m.calls
         # slots spread the chains' tags evenly: each master bears 1/masters of the work
-        per_master_us = m["redis_cpu_us"] / masters
+        per_master_us = m.redis_cpu_us / masters
         ceiling = 1e6 / per_master_us if per_master_us else float("inf")
         out.append(
-            f"{name:<26} {blocks:>6} {m['redis_cpu_us']:>14.0f} {ceiling:>14.0f} "
-            f"{ceiling * KNEE:>14.0f} {m['client_rps']:>12.0f}"
+            f"{name:<26} {blocks:>6} {m.redis_cpu_us:>14.0f} {ceiling:>14.0f} "
+            f"{ceiling * KNEE:>14.0f} {m.client_rps:>12.0f}"
+        )
+        scripted = sum(k for c, k in calls.items() if c not in ("evalsha", "hello", "script|load"))
+        ranked = sorted(calls.items(), key=lambda item: -item[1])
+        out.append(
+            f"  commands per request: {scripted:.0f} inside the scripts ("
+            + ", ".join(f"{c.upper()} {k:.1f}" for c, k in ranked)
+            + ")"
         )
     return out
 
@@ -121,9 +186,15 @@ def _rows(url: str, servers: list[str], name: str, args: argparse.Namespace) -> 
 def run_bench_scale(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.conversations < 1 or args.concurrency < 1:
         raise SystemExit("--requests, --conversations and --concurrency must be at least 1")
+    if args.new_blocks < 0:
+        raise SystemExit("--new-blocks must be at least 0")
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    print(f"kvgate bench-scale: {args.requests} requests per row, load average {' '.join(load)}")
+    mix = f"{args.new_blocks} new blocks a request" if args.new_blocks else "a new block a turn"
+    print(
+        f"kvgate bench-scale: {args.requests} requests per row ({mix}), "
+        f"load average {' '.join(load)}"
+    )
     rows = []
     with redis_server(port=0) as server:
         rows += _rows(server.url, [server.url], "one redis-server", args)

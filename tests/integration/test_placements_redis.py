@@ -14,6 +14,7 @@ from cachemap.affinity import MAX_WALK_BLOCKS, Home
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
+from cachemap.redis.schema import block_keys, replica_id
 from loadgen.harness.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -124,3 +125,111 @@ async def test_records_and_placements_share_one_pipeline_and_survive_a_script_fl
             found = await directory.lookup_detail(c)
             assert found["r1"][0] == 3 and found["r1"][1] > 0
             assert found["r2"] == (6, 0.0)  # in flight: no last use
+
+
+def _script_calls(sync: redis.Redis) -> dict[str, int]:
+    """Commands Redis ran since the last reset (a script's own calls counted), by name."""
+    return {
+        name.removeprefix("cmdstat_"): int(stat["calls"])
+        for name, stat in sync.info("commandstats").items()
+        if not name.startswith("cmdstat_config")
+    }
+
+
+async def test_a_placement_is_one_write_and_its_record_writes_each_block_once(
+    fresh_redis: RedisServer,
+) -> None:
+    """Issue 39's tier CPU: a placement wrote a field on every block (HSET, PTTL, PEXPIRE each)
+    and its record then read and deleted each one (HDEL): seven commands per new block, the
+    largest per-request cost of Redis at a low hit ratio. Now a flight is one field on its
+    first block's `:p` key, and the record of its blocks runs HMGET, HSET and PEXPIRE once
+    each per block, nothing more; the lookup walks the flight as before."""
+    client = await open_redis(fresh_redis.url)
+    d = RedisDirectory(client)
+    await d.refresh_generations()
+    d.register(["r1", "r2"])
+    blocks = chain(64)
+    await d.record("r1", blocks[:8])
+    await d.lookup(blocks)  # the lookup script is loaded
+    sync = redis.Redis.from_url(fresh_redis.url)
+    try:
+        await d.place("r1", blocks[8:])  # the script is loaded, then measured
+        await d.place("r2", blocks[:4])
+        sync.config_resetstat()
+        await d.place("r1", blocks[8:])
+        calls = _script_calls(sync)
+        assert calls.pop("evalsha") == 1
+        assert sum(calls.values()) <= 3, calls  # HSET, PTTL, PEXPIRE: not one per block
+        found = await d.lookup_detail(blocks)
+        assert found["r1"] == (64, 0.0) and found["r2"] == (4, 0.0)
+        sync.config_resetstat()
+        await d.record("r1", blocks)  # the first token: 56 blocks new to the replica
+        calls = _script_calls(sync)
+        assert calls.get("hdel", 0) == 0 and calls.get("pttl", 0) == 0, calls
+        assert calls["hset"] <= 64 + 2 and calls["pexpire"] <= 64, calls  # + the count's
+        depth, used = (await d.lookup_detail(blocks))["r1"]
+        assert depth == 64 and used > 0  # the entries now, with their last use
+    finally:
+        sync.close()
+        await d.close()
+
+
+async def test_a_record_that_writes_nothing_refreshes_no_ttl(fresh_redis: RedisServer) -> None:
+    """A block's key lives at least a TTL past the last use it holds (every write sets its
+    expiry), so a record that keeps a later use already there need not touch the key."""
+    client = await open_redis(fresh_redis.url)
+    d = RedisDirectory(client)
+    await d.refresh_generations()
+    d.register(["r1"])
+    blocks = chain(16)
+    await d.record("r1", blocks)
+    sync = redis.Redis.from_url(fresh_redis.url)
+    try:
+        sync.config_resetstat()
+        await d.record_many([("r1", blocks, d.clock() - 5.0)])  # older than what is there
+        calls = _script_calls(sync)
+        assert calls.get("pexpire", 0) == 0 and calls["hmget"] == 16, calls
+        key = b"kvg:{" + blocks[3][:6].hex().encode() + b"}:" + blocks[3][6:]
+        assert sync.pttl(key) > (d.ttl_s - 60) * 1000
+    finally:
+        sync.close()
+        await d.close()
+
+
+async def test_flights_chain_and_stop_where_the_looked_up_chain_leaves_them(
+    directory: RedisDirectory,
+) -> None:
+    """A flight placed past another (the second request saw the first's flight as held) goes
+    on from it; a chain that shares only a flight's first blocks matches those; a flight's
+    replica restarted (an epoch) or its time passed: no match."""
+    blocks, other = chain(12), chain(12)
+    await directory.place("r1", blocks[:5])
+    await directory.place("r1", blocks[5:9])
+    assert (await directory.lookup_detail(blocks))["r1"] == (9, 0.0)
+    await directory.place("r2", blocks)
+    # the same first three blocks, then another text: the flight agrees as far as the chain does
+    fork = chain_hashes(b"x" * 768 + b"y" * 2560, root_hash(b"salt", "fork"), 256)[:10]
+    base = chain_hashes(b"x" * 768 + b"z" * 2560, root_hash(b"salt", "fork"), 256)[:10]
+    assert fork[:3] == base[:3] and fork[3] != base[3]
+    await directory.place("r2", base)
+    assert (await directory.lookup_detail(fork))["r2"] == (3, 0.0)
+    assert await directory.lookup_detail(other) == {}
+    await directory.forget("r1")
+    assert "r1" not in await directory.lookup_detail(blocks)
+
+
+async def test_a_layout_2_gateways_per_block_placements_still_match(
+    directory: RedisDirectory,
+) -> None:
+    """A rolling upgrade: a gateway of the commit before writes a placement as a field
+    "<rid>+" on every block; this code's lookup still walks it, and its record still deletes
+    the field it replaces."""
+    blocks = chain(6)
+    rid = replica_id("r1")
+    value = f"{directory.meta.gen(rid)}:{int((directory.clock() + 10) * 1000)}"
+    for key in block_keys(blocks):
+        await directory.client.hset(key, rid + "+", value)
+    assert (await directory.lookup_detail(blocks))["r1"] == (6, 0.0)
+    await directory.record("r1", blocks)
+    for key in block_keys(blocks):
+        assert await directory.client.hget(key, rid + "+") is None

@@ -27,3 +27,27 @@ def test_the_scale_bench_prints_redis_cpu_per_request(capsys: pytest.CaptureFixt
     assert cpu_us > 0 and knee < ceiling
     with pytest.raises(SystemExit, match="at least 1"):
         run_bench_scale(parser.parse_args(["--requests", "0"]))
+
+
+def test_the_scale_bench_counts_redis_commands_per_request_of_a_mostly_new_mix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--new-blocks`: each request's last blocks are its own (placed and recorded for the first
+    time), and the row says what Redis ran per request, the scripts' own commands counted."""
+    parser = argparse.ArgumentParser()
+    add_bench_scale_arguments(parser)
+    args = parser.parse_args(
+        [
+            *("--requests", "20", "--blocks", "8", "--conversations", "4"),
+            "--new-blocks",
+            "6",
+            "--skip-cluster",
+        ]
+    )
+    assert run_bench_scale(args) == 0
+    out = capsys.readouterr().out
+    line = re.search(r"^  commands per request: (\d+) inside the scripts \((.*)\)$", out, re.M)
+    assert line is not None, out
+    calls = dict(item.rsplit(" ", 1) for item in line.group(2).split(", "))
+    assert float(calls["EVALSHA"]) >= 3  # lookup, record, placement (the home's may be one)
+    assert float(calls["HSET"]) >= 6  # at least the 6 new blocks' entries
