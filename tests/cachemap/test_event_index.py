@@ -365,3 +365,37 @@ def test_a_domain_name_gives_back_its_replica_and_rank() -> None:
             domain = domain_of(replica, rank, 4)
             assert (replica_of(domain), rank_of(domain)) == (replica, rank)
     assert rank_of("http://a:8000#x") is None
+
+
+def test_a_speculation_past_the_held_run_leaves_the_entries_stepping_window_by_window_leaves() -> (
+    None
+):
+    """A domain holding a leading run of the chain (or none), other domains' entries and its
+    own earlier ones on some of the keys: the C loops past the run (`_speculate_past`) count,
+    order and time the entries as stepping window by window (`_speculate_each`) does."""
+    import random
+
+    rng = random.Random(41)
+    ids = list(range(1000, 1000 + 16 * 40))
+    keys = precise_keys(ids, SALT, 16)
+    past = 0
+    for _ in range(200):
+        cut, n = rng.randrange(0, 41), rng.randrange(0, 41)
+        earlier = [(d, rng.randrange(1, 41)) for d in "ab" if rng.random() < 0.5]
+        indexes = [EventIndex(speculative_ttl_s=2.0) for _ in range(2)]
+        for index in indexes:
+            if cut:
+                index.store("a", stored(list(range(cut)), ids[: 16 * cut]))
+            for domain, m in earlier:
+                index.speculate(domain, keys[:m], 5.0)
+        fast, slow = indexes
+        state = slow._domain("a")
+        run = slow._held_run("a", state, keys[:n])
+        past += run is not None and run < n
+        slow.sweep("a", 6.0)
+        assert fast.speculate("a", keys[:n], 6.0) == slow._speculate_each(
+            "a", state, keys[:n], run, 8.0
+        )
+        assert list(fast._domains["a"].speculative) == list(state.speculative)
+        assert fast._speculative == slow._speculative
+    assert past > 50  # half the trials or so took the C loops
