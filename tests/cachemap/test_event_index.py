@@ -317,6 +317,12 @@ def _check_bookkeeping(index: EventIndex) -> None:
             counts[parent] = counts.get(parent, 0) + 1
         assert state.children == counts
         assert state.broken == {k for k in counts if k not in held}
+    # every speculative entry names a domain (an emptied one is deleted: `_confirm` relies on
+    # it) and is in that domain's queue with its expiry
+    queued = {(d, k, t) for d, state in index._domains.items() for t, k in state.speculative}
+    for key, spec in index._speculative.items():
+        assert spec
+        assert all((d, key, t) in queued for d, t in spec.items())
 
 
 @settings(max_examples=400, deadline=None)
