@@ -285,11 +285,13 @@ class _Domain:
     """Per key (held or broken), how many of its children the domain holds."""
     broken: set[BlockHash] = field(default_factory=set)
     """Keys the domain does not hold but holds a child of (module docstring)."""
-    expected: dict[BlockHash, tuple[bytes, Sequence[BlockHash], int]] = field(default_factory=dict)
-    """The key before a placed chain's first block the domain lacked -> (the chain's token
-    bytes, its keys, that block's index): where the engine's store of it will start
-    (`speculate`, `_expected_keys`)."""
-    expected_roots: dict[BlockHash, tuple[bytes, Sequence[BlockHash], int]] = field(
+    expected: dict[bytes, tuple[bytes, Sequence[BlockHash], int]] = field(default_factory=dict)
+    """The key before a placed chain's first block the domain lacked, and that block's token
+    bytes -> (the chain's token bytes, its keys, that block's index): where the engine's store
+    of it will start (`speculate`, `_expected_keys`). The block's bytes keep apart the chains
+    of requests in flight that part right after a prefix the domain holds (one system prompt
+    ahead of many conversations)."""
+    expected_roots: dict[bytes, tuple[bytes, Sequence[BlockHash], int]] = field(
         default_factory=dict
     )
     """The same for chains the domain lacked from block 0, by the key of block 0 (index 0)."""
@@ -379,7 +381,7 @@ class EventIndex:
         if count == 0:
             return None
         if parent_key is not None:
-            found = table.pop(parent_key, None)
+            found = table.pop(parent_key + data[:width], None)
         else:
             root = precise_root(event.cache_salt, event.lora_name)
             found = table.pop(chain_hashes(data[:width], root, width)[0], None)
@@ -389,15 +391,21 @@ class EventIndex:
         if start + count > len(chain) or not known.startswith(data, start * width):
             return None
         if start + count < len(chain):
-            self._expect(state, known, chain, start + count)
+            self._expect(state, known, chain, start + count, width)
         self.stats.expected_blocks += count
         return list(chain[start : start + count])
 
     @staticmethod
-    def _expect(state: _Domain, data: bytes, keys: Sequence[BlockHash], start: int) -> None:
-        """Expect the domain's engine to store `keys[start:]` (tokens `data`) next."""
+    def _expect(
+        state: _Domain, data: bytes, keys: Sequence[BlockHash], start: int, width: int
+    ) -> None:
+        """Expect the domain's engine to store `keys[start:]` (tokens `data`, `width` bytes a
+        block) next."""
+        table: dict[bytes, tuple[bytes, Sequence[BlockHash], int]]
+        key: bytes
         if start:
-            table, key = state.expected, keys[start - 1]
+            table = state.expected
+            key = keys[start - 1] + data[start * width : (start + 1) * width]
         else:
             table, key = state.expected_roots, keys[0]
         table.pop(key, None)  # the newest last: the oldest go first
@@ -636,7 +644,7 @@ class EventIndex:
         else:
             added = self._speculate_each(domain, state, keys, run, expires)
         if data is not None and run is not None and run < n:
-            self._expect(state, data, keys, run)
+            self._expect(state, data, keys, run, 4 * self.block_size)
         while len(state.speculative) > MAX_SPECULATIVE_PER_DOMAIN:
             self._expire_one(domain, state, float("inf"))
         return added

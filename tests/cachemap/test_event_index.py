@@ -441,6 +441,16 @@ def test_a_placed_chain_gives_its_keys_to_the_stores_of_its_engine() -> None:
     index.speculate("a", keys, 10.0, data)
     assert index.store("a", stored([4, 5, 6], ids[64:112], parent=3)) == keys[4:7]
     assert index.stats.expected_blocks == 3
+    # two chains parting right after the held prefix, both placed before either store: each
+    # store takes its own chain's keys
+    index = EventIndex()
+    index.store("a", stored([0, 1, 2, 3], ids[:64]))
+    index.speculate("a", keys, 10.0, data)
+    other_keys = precise_keys(other, SALT, 16)
+    index.speculate("a", other_keys, 10.0, token_bytes(other))
+    assert index.store("a", stored([4, 5], ids[64:96], parent=3)) == keys[4:6]
+    assert index.store("a", stored([40, 41], other[64:96], parent=3)) == other_keys[4:6]
+    assert index.stats.expected_blocks == 4
     # a store from block 0 under another salt: not the placed chain's root
     index = EventIndex()
     index.speculate("a", keys, 10.0, data)
