@@ -32,6 +32,10 @@ Invariants:
   last use (`cachemap.recency`): a BlockStored's blocks and a placement's `touch` become the
   newest, a GPU removal or a wipe takes them out, so `eviction_runs` is the engine's frontier
   as far as this gateway can know it. Off (the default), nothing of it is kept or paid for.
+- A placement with its chain's token bytes (`speculate`'s `data`) expects its domain to store
+  the blocks it lacks: the store that starts after the same key with the same tokens takes
+  their keys from the chain (`_expected_keys`), which are the keys hashing would give (a key
+  names its whole prefix); any other store is hashed. At most `MAX_EXPECTED_PER_DOMAIN` kept.
 - Only full-attention groups are indexed: a store of a sliding-window group is ignored, and so
   are removals of groups a store said were sliding-window.
 - Held chains are prefix-closed but where a key is *broken*: a domain's block is only stored
@@ -105,6 +109,11 @@ approximate mode's 256-byte block. An entry per block was ~18% of a precise gate
 bench point 2 (mostly new ~730-block prompts; py-spy), a quarter of it now; the price is a
 match up to 3 blocks (48 tokens) short for a request ending or parting inside a window."""
 
+
+MAX_EXPECTED_PER_DOMAIN = 64
+"""Placed chains kept per domain for the stores their engine will announce (`speculate`'s
+`data`), the oldest dropped first: a domain's prefills in flight, a few times over. Each holds
+its prompt's token bytes (4 a token) until its store comes or it is dropped."""
 
 _EMPTY_SPEC: dict[str, float] = {}
 
@@ -254,6 +263,9 @@ class IndexStats:
     clears: int = 0
     speculative_confirmed: int = 0
     speculative_expired: int = 0
+    expected_blocks: int = 0
+    """Stored blocks whose own keys came from the chain of a placement (`speculate`'s `data`),
+    not hashed from their tokens again."""
 
 
 @dataclass
@@ -273,6 +285,16 @@ class _Domain:
     """Per key (held or broken), how many of its children the domain holds."""
     broken: set[BlockHash] = field(default_factory=set)
     """Keys the domain does not hold but holds a child of (module docstring)."""
+    expected: dict[bytes, tuple[bytes, Sequence[BlockHash], int]] = field(default_factory=dict)
+    """The key before a placed chain's first block the domain lacked, and that block's token
+    bytes -> (the chain's token bytes, its keys, that block's index): where the engine's store
+    of it will start (`speculate`, `_expected_keys`). The block's bytes keep apart the chains
+    of requests in flight that part right after a prefix the domain holds (one system prompt
+    ahead of many conversations)."""
+    expected_roots: dict[bytes, tuple[bytes, Sequence[BlockHash], int]] = field(
+        default_factory=dict
+    )
+    """The same for chains the domain lacked from block 0, by the key of block 0 (index 0)."""
 
 
 class EventIndex:
@@ -330,12 +352,66 @@ class EventIndex:
             if parent_key is None:
                 self.stats.unresolved_parents += 1
                 return []
-        keys = stored_keys(event, parent_key, self.block_size)
+        keys = self._expected_keys(state, event, parent_key)
+        if keys is None:
+            keys = stored_keys(event, parent_key, self.block_size)
         self._hold_all(domain, state, event.block_hashes, keys, event.tier, parent_key)
         if self.track_recency and event.tier == GPU:
             self._recency(state).use(keys[: len(event.block_hashes)], self.clock())
         self.stats.stored_blocks += len(keys)
         return keys
+
+    def _expected_keys(
+        self, state: _Domain, event: BlockStored, parent_key: BlockHash | None
+    ) -> list[BlockHash] | None:
+        """The own keys of a store the domain expected (`speculate`'s `data`): the placed
+        chain's keys from where the store starts, when its tokens are the chain's there (one
+        compare); else None, and the caller hashes them. A store that ends before the chain
+        does leaves the rest expected (a prefill announced in chunks).
+
+        A key names its whole prefix, so the keys of the same tokens after the same key are
+        the same: what `stored_keys` would hash again (a ~730-block prompt's 730 hashes at
+        bench point 2, ~2% of a precise gateway's py-spy samples)."""
+        table = state.expected if parent_key is not None else state.expected_roots
+        if not table or event.mm_keys:
+            return None
+        data = token_bytes(event.token_ids)
+        width = 4 * self.block_size
+        count = len(data) // width
+        if count == 0:
+            return None
+        if parent_key is not None:
+            found = table.pop(parent_key + data[:width], None)
+        else:
+            root = precise_root(event.cache_salt, event.lora_name)
+            found = table.pop(chain_hashes(data[:width], root, width)[0], None)
+        if found is None:
+            return None
+        known, chain, start = found
+        if start + count > len(chain) or not known.startswith(data, start * width):
+            return None
+        if start + count < len(chain):
+            self._expect(state, known, chain, start + count, width)
+        self.stats.expected_blocks += count
+        return list(chain[start : start + count])
+
+    @staticmethod
+    def _expect(
+        state: _Domain, data: bytes, keys: Sequence[BlockHash], start: int, width: int
+    ) -> None:
+        """Expect the domain's engine to store `keys[start:]` (tokens `data`, `width` bytes a
+        block) next."""
+        table: dict[bytes, tuple[bytes, Sequence[BlockHash], int]]
+        key: bytes
+        if start:
+            table = state.expected
+            key = keys[start - 1] + data[start * width : (start + 1) * width]
+        else:
+            table, key = state.expected_roots, keys[0]
+        table.pop(key, None)  # the newest last: the oldest go first
+        table[key] = (data, keys, start)
+        if len(table) > MAX_EXPECTED_PER_DOMAIN:
+            del table[next(iter(table))]
 
     def remove(self, domain: str, event: BlockRemoved) -> None:
         state = self._domains.get(domain)
@@ -541,22 +617,77 @@ class EventIndex:
         return new
 
     # -- speculation -----------------------------------------------------------------------
-    def speculate(self, domain: str, keys: Sequence[BlockHash], now_s: float) -> int:
+    def speculate(
+        self, domain: str, keys: Sequence[BlockHash], now_s: float, data: bytes | None = None
+    ) -> int:
         """Count the chain `keys` as held by `domain` until the event comes or
         `speculative_ttl_s` passes: an entry for the last key of each window of
         `SPECULATIVE_STRIDE` (and the last key) where the domain's GPU lacks any block of the
-        window; returns how many entries were added.
+        window; returns how many entries were added. `data`: the token bytes `keys` chain
+        (`token_bytes`, no images): the store of the blocks the domain lacks takes its keys
+        from them (`_expected_keys`).
 
         The leading run the domain holds on its GPU is found without a Python step per key
         (`_gpu_masks`): a continuation's blocks are all held but its last turn's, and stepping
-        through them was ~6% of a precise gateway's CPU on conversations (py-spy)."""
+        through them was ~6% of a precise gateway's CPU on conversations (py-spy). When the
+        domain holds none of the keys past that run (a new prompt's, a continuation's new
+        turn), every window from the run's on lacks a block, and the entries are made in C
+        loops (`_speculate_past`): a Python step a window of a new ~730-block prompt was ~3%
+        of a precise gateway's samples at bench point 2 (py-spy)."""
         state = self._domain(domain)
         self.sweep(domain, now_s)
         expires = now_s + self.speculative_ttl_s
-        added = 0
+        n = len(keys)
+        run = self._held_run(domain, state, keys)  # without offloaded tiers: the GPU's run
+        if run is not None and run < n and state.held.keys().isdisjoint(keys[run:]):
+            added = self._speculate_past(domain, state, keys, run, expires)
+        else:
+            added = self._speculate_each(domain, state, keys, run, expires)
+        if data is not None and run is not None and run < n:
+            self._expect(state, data, keys, run, 4 * self.block_size)
+        while len(state.speculative) > MAX_SPECULATIVE_PER_DOMAIN:
+            self._expire_one(domain, state, float("inf"))
+        return added
+
+    def _speculate_past(
+        self, domain: str, state: _Domain, keys: Sequence[BlockHash], run: int, expires: float
+    ) -> int:
+        """`speculate` where the domain holds `keys[:run]` and none after: an entry for the
+        last key of every window from `run`'s, each window's in C loops."""
         n = len(keys)
         stride = SPECULATIVE_STRIDE
-        run = self._held_run(domain, state, keys)  # without offloaded tiers: the GPU's run
+        base = run - run % stride
+        ends = list(keys[base + stride - 1 : n : stride])
+        if (n - base) % stride:  # the last window is partial: its last key
+            ends.append(keys[n - 1])
+        speculative = self._speculative
+        if speculative.keys().isdisjoint(ends):  # no other domain's entry, none renewed
+            entries = map(
+                dict.fromkeys, repeat((domain,), len(ends)), repeat(expires)
+            )  # {domain: expires}
+            speculative.update(zip(ends, entries, strict=True))
+        else:
+            for key in ends:
+                spec = speculative.get(key)
+                if spec is None:
+                    speculative[key] = {domain: expires}
+                else:
+                    spec[domain] = expires
+        state.speculative.extend(zip(repeat(expires), ends))
+        return len(ends)
+
+    def _speculate_each(
+        self,
+        domain: str,
+        state: _Domain,
+        keys: Sequence[BlockHash],
+        run: int | None,
+        expires: float,
+    ) -> int:
+        """`speculate` window by window: held keys past the run, or offloaded tiers (`run`
+        None)."""
+        n = len(keys)
+        stride = SPECULATIVE_STRIDE
         if run is None:
             gpu = self._gpu_masks(state, keys)
             start = _first(gpu, 0, 0, n)
@@ -567,6 +698,7 @@ class EventIndex:
             gpu = self._gpu_masks(state, keys[base:])
         speculative = self._speculative
         append = state.speculative.append
+        added = 0
         for low in range(base, n, stride):
             end = min(low + stride, n)
             if 0 not in gpu[low - base : end - base]:
@@ -579,8 +711,6 @@ class EventIndex:
                 spec[domain] = expires
             append((expires, key))
             added += 1
-        while len(state.speculative) > MAX_SPECULATIVE_PER_DOMAIN:
-            self._expire_one(domain, state, float("inf"))
         return added
 
     @staticmethod

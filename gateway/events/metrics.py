@@ -67,6 +67,16 @@ def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iter
     speculative.add_metric(["confirmed"], stats.speculative_confirmed)
     speculative.add_metric(["expired"], stats.speculative_expired)
     yield speculative
+    yield _by(
+        "kvgate_events_stored_blocks",
+        "Event blocks stored in the index, by how their own keys were had: hashed from their "
+        "tokens, or taken from the chain of the placement that sent them (no second hash).",
+        "keys",
+        {
+            "hashed": indexed.stats.stored_blocks - indexed.stats.expected_blocks,
+            "placed": indexed.stats.expected_blocks,
+        },
+    )
     skipped = CounterMetricFamily(
         "kvgate_events_blocks_not_indexed",
         "Event blocks the index could not apply, by why.",

@@ -52,6 +52,7 @@ from gateway.events.prompts import PromptTokens
 from gateway.settings import DEFAULT_CHECK_EVERY, DEFAULT_REDIS_DEADLINE_CAP_S
 
 __all__ = [
+    "Chain",
     "ChainCache",
     "EventsView",
     "ImageIds",
@@ -124,6 +125,8 @@ class ChainCache:
     def keys(
         self, token_ids: Sequence[int], cache_salt: str, lora_name: str | None = None
     ) -> list[BlockHash]:
+        """The prompt's keys, as a `Chain` carrying its token bytes (for the index to take
+        the keys of the blocks its engine then stores, `EventIndex.speculate`)."""
         data = token_bytes(token_ids)
         width = self.width
         if len(data) < width:
@@ -134,12 +137,14 @@ class ChainCache:
         if known is not None:
             self._bytes -= len(known[0])
             shared = _shared_blocks(known[0], data, width, len(known[1]))
+        keys = Chain()
+        keys.data = data
         if shared:
             assert known is not None
-            keys = known[1][:shared]
+            keys += known[1][:shared]
             keys += chain_hashes(data[shared * width :], keys[-1], width, parent=keys[-1])
         else:
-            keys = chain_hashes(data, precise_root(cache_salt, lora_name), width)
+            keys += chain_hashes(data, precise_root(cache_salt, lora_name), width)
         self.reused_blocks += shared
         self.hashed_blocks += len(keys) - shared
         self._entries[slot] = (data, keys)
@@ -195,7 +200,16 @@ class PreciseStats:
     """Requests keyed with images (their blocks' keys carry the images' identities)."""
 
 
-class LookedUp(list[BlockHash]):
+class Chain(list[BlockHash]):
+    """A request's keys with the token bytes they chain (`data`; None: keys that hash more
+    than the tokens, a prompt with images): placed, the pair goes to the index, which takes
+    the keys of the blocks the engine then stores from it instead of hashing their tokens
+    again (`EventIndex.speculate`)."""
+
+    data: bytes | None = None
+
+
+class LookedUp(Chain):
     """A request's keys with what the shared event index matched of them (None: the lookup
     failed), looked up as soon as the keys were known."""
 
@@ -281,6 +295,7 @@ class PreciseKeys:
 
     async def _shared_lookup(self, shared: EventReader, keys: list[BlockHash]) -> LookedUp:
         out = LookedUp(keys)
+        out.data = keys.data if isinstance(keys, Chain) else None
         self.stats.shared_lookups += 1
         try:
             deadline = self.shared_deadline.seconds(len(keys))
@@ -391,7 +406,8 @@ class PreciseKeys:
             return
         domain = domain_of(replica, rank or 0, self.layouts.dp_size(replica, self.dp_size))
         self.placed.place(domain, keys)
-        self.stats.speculated += self.index.speculate(domain, keys, self.clock())
+        data = keys.data if isinstance(keys, Chain) else None
+        self.stats.speculated += self.index.speculate(domain, keys, self.clock(), data)
         found = keys.matches if isinstance(keys, LookedUp) else None
         if self.shared is not None and found is not None:  # for the other gateways' lookups
             held = found.get(domain)

@@ -20,6 +20,7 @@ from cachemap.events import (
     rank_of,
     replica_of,
 )
+from cachemap.keys import token_bytes
 
 IDS = list(range(100, 164))  # 4 blocks of 16
 SALT = "tenant-a"
@@ -291,7 +292,7 @@ _OPS = st.lists(
             st.sampled_from("ab"),
             st.integers(0, 3),
             st.integers(1, 8),
-            st.just(0),
+            st.integers(0, 1),  # 1: with its token bytes (the stores take its keys)
             st.just(0),
         ),
     ),
@@ -316,6 +317,12 @@ def _check_bookkeeping(index: EventIndex) -> None:
             counts[parent] = counts.get(parent, 0) + 1
         assert state.children == counts
         assert state.broken == {k for k in counts if k not in held}
+    # every speculative entry names a domain (an emptied one is deleted: `_confirm` relies on
+    # it) and is in that domain's queue with its expiry
+    queued = {(d, k, t) for d, state in index._domains.items() for t, k in state.speculative}
+    for key, spec in index._speculative.items():
+        assert spec
+        assert all((d, key, t) in queued for d, t in spec.items())
 
 
 @settings(max_examples=400, deadline=None)
@@ -348,7 +355,8 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
             on_gpu = [bool(_mask(index, k, domain) & GPU) for k in keys]
             windows = range(0, len(keys), SPECULATIVE_STRIDE)
             lacking = sum(not all(on_gpu[w : w + SPECULATIVE_STRIDE]) for w in windows)
-            assert index.speculate(domain, keys, 10.0) == lacking
+            data = token_bytes(_branch_ids(branch, at)) if count else None
+            assert index.speculate(domain, keys, 10.0, data) == lacking
         _check_bookkeeping(index)
         for keys in chains:
             for n in (1, 4, 8):
@@ -365,3 +373,87 @@ def test_a_domain_name_gives_back_its_replica_and_rank() -> None:
             domain = domain_of(replica, rank, 4)
             assert (replica_of(domain), rank_of(domain)) == (replica, rank)
     assert rank_of("http://a:8000#x") is None
+
+
+def test_a_speculation_past_the_held_run_leaves_the_entries_stepping_window_by_window_leaves() -> (
+    None
+):
+    """A domain holding a leading run of the chain (or none), other domains' entries and its
+    own earlier ones on some of the keys: the C loops past the run (`_speculate_past`) count,
+    order and time the entries as stepping window by window (`_speculate_each`) does."""
+    import random
+
+    rng = random.Random(41)
+    ids = list(range(1000, 1000 + 16 * 40))
+    keys = precise_keys(ids, SALT, 16)
+    past = 0
+    for _ in range(200):
+        cut, n = rng.randrange(0, 41), rng.randrange(0, 41)
+        earlier = [(d, rng.randrange(1, 41)) for d in "ab" if rng.random() < 0.5]
+        indexes = [EventIndex(speculative_ttl_s=2.0) for _ in range(2)]
+        for index in indexes:
+            if cut:
+                index.store("a", stored(list(range(cut)), ids[: 16 * cut]))
+            for domain, m in earlier:
+                index.speculate(domain, keys[:m], 5.0)
+        fast, slow = indexes
+        state = slow._domain("a")
+        run = slow._held_run("a", state, keys[:n])
+        past += run is not None and run < n
+        slow.sweep("a", 6.0)
+        assert fast.speculate("a", keys[:n], 6.0) == slow._speculate_each(
+            "a", state, keys[:n], run, 8.0
+        )
+        assert list(fast._domains["a"].speculative) == list(state.speculative)
+        assert fast._speculative == slow._speculative
+    assert past > 50  # half the trials or so took the C loops
+
+
+def test_a_placed_chain_gives_its_keys_to_the_stores_of_its_engine() -> None:
+    """Placed with its token bytes, a chain's blocks the domain lacks are expected: the store
+    that starts there takes their keys from the chain (not hashed again), in chunks too; a
+    store of other tokens after the same parent, or under another salt, is hashed as before.
+    Either way the keys are the ones hashing gives."""
+    ids = list(range(1000, 1000 + 16 * 12))
+    keys = precise_keys(ids, SALT, 16)
+    data = token_bytes(ids)
+    for chunks in ([12], [5, 7], [5, 3, 4]):  # from block 0 (no parent), in one store or more
+        index = EventIndex()
+        index.speculate("a", keys, 10.0, data)
+        at = 0
+        for count in chunks:
+            hashes = list(range(at, at + count))
+            event = stored(hashes, ids[16 * at : 16 * (at + count)], parent=at - 1 if at else None)
+            assert index.store("a", event) == keys[at : at + count]
+            at += count
+        assert index.stats.expected_blocks == 12
+        assert index.lookup(keys, 10.0) == {"a": Match(12, 0)}
+    # block 0-3 held: the placement expects blocks 4.. after key 3
+    index = EventIndex()
+    index.store("a", stored([0, 1, 2, 3], ids[:64]))
+    index.speculate("a", keys, 10.0, data)
+    other = [*ids[:64], *range(5000, 5000 + 16 * 8)]  # other tokens after the same parent
+    assert (
+        index.store("a", stored([40, 41], other[64:96], parent=3))
+        == precise_keys(other, SALT, 16)[4:6]
+    )
+    assert index.stats.expected_blocks == 0
+    index.speculate("a", keys, 10.0, data)
+    assert index.store("a", stored([4, 5, 6], ids[64:112], parent=3)) == keys[4:7]
+    assert index.stats.expected_blocks == 3
+    # two chains parting right after the held prefix, both placed before either store: each
+    # store takes its own chain's keys
+    index = EventIndex()
+    index.store("a", stored([0, 1, 2, 3], ids[:64]))
+    index.speculate("a", keys, 10.0, data)
+    other_keys = precise_keys(other, SALT, 16)
+    index.speculate("a", other_keys, 10.0, token_bytes(other))
+    assert index.store("a", stored([4, 5], ids[64:96], parent=3)) == keys[4:6]
+    assert index.store("a", stored([40, 41], other[64:96], parent=3)) == other_keys[4:6]
+    assert index.stats.expected_blocks == 4
+    # a store from block 0 under another salt: not the placed chain's root
+    index = EventIndex()
+    index.speculate("a", keys, 10.0, data)
+    event = BlockStored([0, 1], None, ids[:32], 16, cache_salt="tenant-b")
+    assert index.store("a", event) == precise_keys(ids[:32], "tenant-b", 16)
+    assert index.stats.expected_blocks == 0

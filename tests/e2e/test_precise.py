@@ -16,7 +16,7 @@ from gateway.server.app import Parts
 from loadgen.engine.server import EngineConfig, create_engine_app
 from loadgen.engine.tokenizer import MODEL_DIR
 from loadgen.text import words
-from tests.conftest import FAST, MODEL, TENANT_KEY
+from tests.conftest import FAST, MODEL, TENANT_KEY, metrics_url
 from tests.loadgen.test_kv_events import events_config, free_ports
 from tests.servers import Served, start_app, wait_until
 
@@ -134,6 +134,26 @@ def test_an_event_moves_the_next_request_and_two_gateways_agree(
     assert [a.headers["x-kvgate-replica"] for a in answers] == [y.url, y.url]
     assert all(int(a.headers["x-kvgate-matched-blocks"]) >= 8 for a in answers)
     assert answers[0].json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
+
+
+def test_the_blocks_a_gateway_placed_come_back_keyed_from_its_chain(
+    precise_fleet: Callable[..., tuple[list[Served], list[Served]]],
+) -> None:
+    """A conversation routed through the gateway: its engine's store of the prompt's blocks
+    takes their own keys from the chain the gateway keyed (not hashed again: counted as
+    `placed`), and they are the keys the next request of the conversation matches there."""
+    _, [gateway] = precise_fleet(2)
+    body = chat(CONVERSATION)
+    replica = via(gateway, body).headers["x-kvgate-replica"]
+    wait_until(indexed(gateway, replica, 8), what="the placed blocks indexed")
+    keying = parts_of(gateway).keying
+    assert keying is not None and keying.precise is not None
+    assert keying.precise.index.stats.expected_blocks >= 8
+    page = httpx.get(metrics_url(gateway) + "/metrics").text
+    assert 'kvgate_events_stored_blocks_total{keys="placed"}' in page
+    again = via(gateway, body)
+    assert again.headers["x-kvgate-replica"] == replica
+    assert int(again.headers["x-kvgate-matched-blocks"]) >= 8
 
 
 def test_a_wipe_stops_routing_on_its_entries_before_the_next_request(
