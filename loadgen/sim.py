@@ -100,6 +100,7 @@ from loadgen.traces.readers import (
     read_trace,
 )
 from loadgen.traces.sessions import SESSIONS_PREFIX, agent_sessions_trace
+from router.capacity import within_capacity
 from router.claims import counted_claims
 from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT
 from router.overflow import OverflowConfig
@@ -793,6 +794,11 @@ def simulate(
     rng = random.Random(config.seed)
     clock = _Clock()
     per_replica = refs.capacity_blocks_per_replica
+    kv_tokens = (
+        {f"r{i}": float(per_replica * trace.block_size) for i in range(config.num_replicas)}
+        if precise
+        else {}
+    )
     directory = _directory(config, per_replica, clock)
     frontiers = frontier_reader(profile) if precise else None
     conversations = _Conversations(frontiers.hot_s if frontiers is not None else 0.0)
@@ -905,7 +911,8 @@ def simulate(
         if homes is not None:
             homes.record(hs, rep.id, home)
         directory.speculate(rep.id, hs, clock.now)
-        estimate = route.uncached_tokens(rep.id)
+        # the load it adds there: no replica saves more than its KV (`router.capacity`)
+        estimate = within_capacity(route, kv_tokens).uncached_tokens(rep.id)
         rep.num_inflight += 1
         rep.pending_prefill_tokens += estimate
         if frontiers is not None:

@@ -226,6 +226,15 @@ class ReplicaState:
                 queued += foreign * self.fleet.mean_request_tokens
         return queued
 
+    def kv_capacity_tokens(self) -> float:
+        """The tokens one of the engine's ranks holds in its KV, as its metrics said
+        (`num_gpu_blocks` × `block_size`); 0: unknown. A request is served by one rank, so no
+        replica saves it more than this (`router.capacity`)."""
+        metrics = self.metrics
+        if metrics is None or not metrics.num_gpu_blocks or not metrics.kv_block_size:
+            return 0.0
+        return float(metrics.num_gpu_blocks * metrics.kv_block_size)
+
     def snapshot(self) -> Replica:
         metrics = self.metrics
         waiting = metrics.num_waiting if metrics is not None else None

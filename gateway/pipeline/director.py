@@ -42,6 +42,7 @@ from gateway.request.state import AbandonedHook, LandedHook, RequestHook, Routed
 from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
 from gateway.request.trace import AttemptTrace, NoTracer, RequestTrace, Tracer
+from router.capacity import within_capacity
 from router.profile import RoutingProfile
 from router.types import Decision, Replica, RouteRequest
 
@@ -280,7 +281,7 @@ class Director:
         for hook in self.routed_hooks:
             hook(routed)
         state = self.replicas.states[ranking[0]]
-        uncached = routed.route.uncached_tokens(ranking[0])
+        uncached = self._capped(routed.route).uncached_tokens(ranking[0])
         attempt = trace.attempt(ranking[0], 1, uncached)
         payload, _ = self._upstream_payload(routed, relayed=True, ask_usage=relay_usage)
         land = None if flight is None else self._lander(flight)
@@ -422,7 +423,7 @@ class Director:
         ticket = NO_TICKET
         if flow is not None:
             ticket = await self._wait_for_room(
-                flow, parsed, tenant, candidates, route, hashes, client_left, on_hold
+                flow, parsed, tenant, candidates, self._capped(route), hashes, client_left, on_hold
             )
         try:  # from the ticket on, whatever happens: its tokens leave transit (`routed`)
             route = self._after_wait(ticket, keyed, route, looked_up, parsed, tenant)
@@ -479,6 +480,21 @@ class Director:
         if placed.flight is not None and self.landed_hooks:
             placed.flight.confirm = lambda: self._landed(routed)
         return routed, placed.flight
+
+    def _capped(self, route: RouteRequest) -> RouteRequest:
+        """`route` as the load it puts on a replica is counted (a lease's pending prefill, flow
+        control's room and affinity wait): in precise mode no replica saves more than its KV
+        (`router.capacity`), which claims and landed leaders' prefixes do not know. The
+        ranking reads `route` as it is: capped there too, the simulator's 16-token sessions
+        read precise `cache_pressure` 0.6-0.8 points under approximate at 5-10% KV
+        (docs/precise.md, "The live TTFT gap")."""
+        if self.keying.precise is None:
+            return route
+        states = self.replicas.states
+        return within_capacity(
+            route,
+            {rid: states[rid].kv_capacity_tokens() for rid in route.overlap if rid in states},
+        )
 
     def _after_wait(
         self,
@@ -684,7 +700,7 @@ class Director:
                 break
             replica_id = state.id
             tried.append(replica_id)
-            uncached = routed.route.uncached_tokens(replica_id)
+            uncached = self._capped(routed.route).uncached_tokens(replica_id)
             upstream = trace.attempt(replica_id, len(tried), uncached)
             # a prefill instance generates one token: the decode instance's lease carries the
             # output, and the prefill's ends with its leg (`Disaggregation.attempt`)
