@@ -289,11 +289,18 @@ class LookupLane:
                 if self.on_round_trip is not None:
                     self.on_round_trip(asyncio.get_running_loop().time() - call.started)
                 if isinstance(reply, NoScriptError) and call.source and not call.retried:
-                    await self._client.script_load(call.source)  # Redis lost its scripts
                     call.retried = True
-                    if not call.future.done() and wire.live and _open(conn):
-                        self._write_again(wire, call)
-                        continue
+                    try:
+                        await self._client.script_load(call.source)  # Redis lost its scripts
+                    except ResponseError as exc:  # it will not load it: the caller hears why
+                        reply = exc
+                    except BaseException as exc:  # off the wire's queue: `_retire` misses it
+                        _fail([call], exc if isinstance(exc, Exception) else LaneClosed(repr(exc)))
+                        raise
+                    else:
+                        if not call.future.done() and wire.live and _open(conn):
+                            self._write_again(wire, call)
+                            continue
                 if call.future.done():
                     continue
                 if isinstance(reply, Exception):

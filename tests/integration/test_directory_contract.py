@@ -14,6 +14,7 @@ import redis
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
+from cachemap.redis import scripts
 from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.schema import (
@@ -508,5 +509,30 @@ async def test_concurrent_cluster_lookups_are_pipelined_per_node_and_survive_a_s
         await client.script_flush()  # every master forgets the lookup script
         results = await asyncio.gather(*(d.lookup(c) for c in chains))
         assert results == [{("r1" if i % 2 else "r2"): 4 + i % 12} for i in range(20)]
+    finally:
+        await d.close()
+
+
+@pytest.mark.parametrize("topology", ["redis", "cluster"])
+async def test_a_lookup_whose_script_redis_cannot_load_fails_with_redis_s_error(
+    fresh_redis: RedisServer,
+    redis_cluster_url: str,
+    topology: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lookup whose script Redis refuses to load (NOSCRIPT, then a compile error: a script
+    edited wrong, or a Redis whose Lua lacks what it uses) fails with Redis's own error. The
+    lane's reader had taken the call off its queue before loading the script, so the error
+    failed every other call on the wire but that one: a lookup without a deadline waited
+    forever (seen when a helper tried a broken script: the tests blocked for 300 s)."""
+    monkeypatch.setattr(scripts, "LOOKUP", scripts.LOOKUP + "\nthis is not Lua (")
+    url = fresh_redis.url if topology == "redis" else redis_cluster_url
+    d = RedisDirectory(await open_redis(url))
+    await d.refresh_generations()  # a cluster client learns its slots
+    d.register(["r1"])
+    chain = chain_hashes(uuid.uuid4().hex.encode() * 100, root_hash(b"s", "m"), 256)[:4]
+    try:
+        with pytest.raises(redis.ResponseError, match="compiling script"):
+            await asyncio.wait_for(d.lookup(chain), 20)  # a bound on the test, not the path
     finally:
         await d.close()
