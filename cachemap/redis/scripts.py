@@ -25,6 +25,22 @@ for i = 1, #blob / 10 do KEYS[i] = prefix .. string.sub(blob, i * 10 - 9, i * 10
 LOOKUP = (
     CHAIN
     + """
+-- How many of a flight's blocks, listed in `v` after its newline at `sep` (10-byte suffixes),
+-- this chain shares from block s + 1 on: blocks are chained hashes, so agreeing at a block means
+-- agreeing at every one before it (a bisection, bounded to the flight's whole blocks).
+local function shared(v, sep, s)
+  local lo, hi = 0, math.min(math.floor((#v - sep) / 10), #KEYS - s)
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    local at, o = sep + mid * 10, (s + mid) * 10
+    if string.sub(v, at - 9, at) == string.sub(blob, o - 9, o) then
+      lo = mid
+    else
+      hi = mid - 1
+    end
+  end
+  return lo
+end
 local now = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
 local window_ms = tonumber(ARGV[5])
@@ -109,16 +125,7 @@ while next_start <= #starts do
         local gen = tonumber(string.sub(v, 1, colon - 1))
         local expiry = tonumber(string.sub(v, colon + 1, sep - 1))
         if gen >= mingen[rid] and expiry > now then
-          local lo, hi = 0, math.min(math.floor((#v - sep) / 10), #KEYS - s)
-          while lo < hi do
-            local mid = math.floor((lo + hi + 1) / 2)
-            local at, o = sep + mid * 10, (s + mid) * 10
-            if string.sub(v, at - 9, at) == string.sub(blob, o - 9, o) then
-              lo = mid
-            else
-              hi = mid - 1
-            end
-          end
+          local lo = shared(v, sep, s)
           if lo > 0 then
             depth[rid], last[rid], placed[rid] = s + lo, 0, s + lo
             starts[#starts + 1] = s + lo
@@ -163,8 +170,7 @@ local writer = {}
 if ARGV[6] == '1' then
   -- a leader's flight starts where its replica's cache ended: at no block, or at a depth some
   -- replica holds now (`LEAD`); its one marker key is its first block's, and holds the marker
-  -- and the flight's block suffixes. How far this chain shares the flight: blocks are chained
-  -- hashes, so agreeing at a block means agreeing at every one before it (a bisection).
+  -- and the flight's block suffixes; how far this chain shares the flight: `shared`.
   -- (from the entries alone: a leader's flight is a placement in flight, and when one is found
   -- its marker decides, so the depths reported are the entries')
   local starts, seen = {0}, {[0] = true}
@@ -178,16 +184,7 @@ if ARGV[6] == '1' then
       local v = redis.call('GET', KEYS[s + 1] .. ':w')
       local sep = v and string.find(v, '\\n', 1, true)
       if sep then
-        local lo, hi = 0, math.min((#v - sep) / 10, #KEYS - s)
-        while lo < hi do
-          local mid = math.floor((lo + hi + 1) / 2)
-          local at, o = sep + mid * 10, (s + mid) * 10
-          if string.sub(v, at - 9, at) == string.sub(blob, o - 9, o) then
-            lo = mid
-          else
-            hi = mid - 1
-          end
-        end
+        local lo = shared(v, sep, s)
         if s + lo > best then
           best = s + lo
           writer = {best, string.sub(v, 1, sep - 1), s + 1}
