@@ -287,14 +287,11 @@ class _Domain:
     """Keys the domain does not hold but holds a child of (module docstring)."""
     expected: dict[bytes, tuple[bytes, Sequence[BlockHash], int]] = field(default_factory=dict)
     """The key before a placed chain's first block the domain lacked, and that block's token
-    bytes -> (the chain's token bytes, its keys, that block's index): where the engine's store
-    of it will start (`speculate`, `_expected_keys`). The block's bytes keep apart the chains
-    of requests in flight that part right after a prefix the domain holds (one system prompt
-    ahead of many conversations)."""
-    expected_roots: dict[bytes, tuple[bytes, Sequence[BlockHash], int]] = field(
-        default_factory=dict
-    )
-    """The same for chains the domain lacked from block 0, by the key of block 0 (index 0)."""
+    bytes (or, for a chain the domain lacked from block 0, that block's key alone: 16 bytes,
+    never the length of the others) -> (the chain's token bytes, its keys, that block's
+    index): where the engine's store of it will start (`speculate`, `_expected_keys`). The
+    block's bytes keep apart the chains of requests in flight that part right after a prefix
+    the domain holds (one system prompt ahead of many conversations)."""
 
 
 class EventIndex:
@@ -372,7 +369,7 @@ class EventIndex:
         A key names its whole prefix, so the keys of the same tokens after the same key are
         the same: what `stored_keys` would hash again (a ~730-block prompt's 730 hashes at
         bench point 2, ~2% of a precise gateway's py-spy samples)."""
-        table = state.expected if parent_key is not None else state.expected_roots
+        table = state.expected
         if not table or event.mm_keys:
             return None
         data = token_bytes(event.token_ids)
@@ -401,13 +398,8 @@ class EventIndex:
     ) -> None:
         """Expect the domain's engine to store `keys[start:]` (tokens `data`, `width` bytes a
         block) next."""
-        table: dict[bytes, tuple[bytes, Sequence[BlockHash], int]]
-        key: bytes
-        if start:
-            table = state.expected
-            key = keys[start - 1] + data[start * width : (start + 1) * width]
-        else:
-            table, key = state.expected_roots, keys[0]
+        table = state.expected
+        key = keys[start - 1] + data[start * width : (start + 1) * width] if start else keys[0]
         table.pop(key, None)  # the newest last: the oldest go first
         table[key] = (data, keys, start)
         if len(table) > MAX_EXPECTED_PER_DOMAIN:
