@@ -251,7 +251,9 @@ class FlowControl:
         """With Redis: the counters shared with the other gateways (set by the app)."""
         self.activity = BandActivity()
         """When each band's requests last arrived: a band below an active one gets less room."""
-        self._tick: asyncio.TimerHandle | None = None
+        self._tick: asyncio.Handle | None = None
+        self._tick_at = 0.0
+        """When `_tick` runs (the loop's time)."""
         self._soon: asyncio.Handle | None = None
         self.pools: Callable[[str], Sequence[Sequence[ReplicaState]]] | None = None
         """The replica pools a request of a model needs room in, each one (set by the app for a
@@ -666,10 +668,12 @@ class FlowControl:
                 at = min(at, now + max(room_s - mono, MIN_TICK_S))
         tick = self._tick
         if tick is not None:
-            if tick.when() <= at:
+            if self._tick_at <= at:
                 return
             tick.cancel()
-        self._tick = loop.call_at(at, self._on_tick)
+        # uvloop answers a time under a millisecond away with a plain `Handle` (no `when()`):
+        # the time is kept here
+        self._tick, self._tick_at = loop.call_at(at, self._on_tick), at
 
     def _on_tick(self) -> None:
         self._tick = None

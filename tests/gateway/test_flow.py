@@ -7,6 +7,7 @@ import asyncio
 import random
 
 import pytest
+import uvloop
 
 from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
 from gateway.fleet.engine_metrics import EngineMetrics
@@ -537,3 +538,33 @@ async def test_whatever_way_requests_end_nothing_stays_in_transit_or_claimed(see
     assert flow.transit_tokens == pytest.approx(0.0, abs=1e-6)
     assert flow.claimed == {}
     flow.close()
+
+
+def test_a_tick_due_at_once_under_uvloop_is_kept_and_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvloop answers `call_at` for a time under a millisecond away with a plain `Handle`,
+    which has no `when()`: the next pump that compared its tick with a new one raised in the
+    loop's callback and left the queue unpumped (CI: a 500 in the team-day demo, the gateway's
+    log `AttributeError: 'uvloop.loop.Handle' object has no attribute 'when'`). A tick due now
+    (room at once by the running prefill's progress) is kept, and a pump after it neither
+    raises nor loses it."""
+    import gateway.pipeline.flow as flow_module
+
+    monkeypatch.setattr(flow_module, "MIN_TICK_S", 0.0)
+    errors: list[dict[str, object]] = []
+
+    async def go() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+        replicas = _replicas()
+        flow = _flow(replicas)
+        lease = _fill(replicas)
+        waiting = asyncio.create_task(_enter(flow, _tenant("a"), 600.0))
+        await _until(lambda: len(flow.queue) == 1, "the request queued")
+        monkeypatch.setattr(flow, "next_room_s", lambda now_s, bound=None: now_s)  # room now
+        flow.pump()  # a tick due at once: uvloop's plain Handle
+        flow.pump()  # compared with the tick it holds
+        assert flow._tick is not None
+        lease.prefilled()
+        (await asyncio.wait_for(waiting, 5.0)).routed()
+
+    uvloop.run(go())
+    assert errors == []
