@@ -100,7 +100,9 @@ class StallWatch:
     `asyncio.timeout` and then the idle timer was ~12% of a small request's routing and
     forwarding). It may fire early, never late: when it fires it either acts or sleeps again
     until the deadline then due (the first byte's, or `idle_s` after the last read, which is
-    never before `idle_s` after the attempt's start). A read only stores the time (`touch`)."""
+    never before `idle_s` after the attempt's start); before the commit it sleeps at most
+    `idle_s`, so a commit while it sleeps is watched from then. A read only stores the time
+    (`touch`)."""
 
     __slots__ = (
         "_cancelling",
@@ -170,8 +172,10 @@ class StallWatch:
                 self._handle = None
                 assert self._task is not None
                 self._task.cancel()
-            else:
-                self._handle = self._loop.call_at(self._first_byte_due_s, self._check)
+            else:  # no later than `idle_s` from now: a commit meanwhile is watched in time
+                self._handle = self._loop.call_at(
+                    min(self._first_byte_due_s, now + self.idle_s), self._check
+                )
             return
         due = self.last_s + self.idle_s
         if now >= due:

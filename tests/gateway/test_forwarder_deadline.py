@@ -153,3 +153,35 @@ async def test_a_stall_after_the_commit_closes_the_stream_after_the_idle_timeout
         opened.release()
         assert forwarder.pool is not None
         forwarder.pool.close()
+
+
+async def test_a_head_slower_than_the_idle_timeout_still_gets_the_idle_watch() -> None:
+    """Idle 0.3 s, first byte 30 s, the head after 0.5 s: the timer armed at 0.3 s fires before
+    the commit. It must not then sleep until the first-byte deadline (30 s), which would leave
+    the committed stream unwatched that long: the stall after the first event is cut within
+    about the idle timeout, not when the engine ends it 5 s later."""
+    forwarder = Forwarder(30.0, 0.3)
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        await asyncio.sleep(0.5)  # the engine's prefill: longer than the idle timeout
+        writer.write(HEAD + _chunk(FIRST))
+        await writer.drain()
+        try:
+            await asyncio.wait_for(reader.read(), 5.0)  # b"" early: the gateway closed it
+        except TimeoutError:
+            writer.write(_chunk(LAST) + b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    async with _serve(engine) as url:
+        opened = await _attempt(forwarder, url)
+        started = time.monotonic()
+        with pytest.raises(Exception, match="mid-response"):
+            await opened.reader.block()
+        assert time.monotonic() - started < 2
+        assert opened.watch is not None and opened.watch.stalled
+        opened.release()
+        assert forwarder.pool is not None
+        forwarder.pool.close()
