@@ -332,3 +332,45 @@ def test_a_request_that_waited_for_room_is_placed_on_the_events_of_its_dispatch(
     assert answer.headers["x-kvgate-replica"] == y.url
     assert int(answer.headers["x-kvgate-matched-blocks"]) >= 8
     assert director.stats.refreshed_after_wait == 1
+
+
+def test_a_second_turn_on_a_claim_longer_than_the_engines_kv_is_counted_as_the_engine_runs_it(
+    precise_fleet: Callable[..., tuple[list[Served], list[Served]]],
+) -> None:
+    """The Director's leases count a placement's prefill capped at the engine's KV
+    (`router.capacity`, wired in `Director._capped`): a request placed while an identical one is
+    in flight on a replica whose engine holds 16 blocks (256 tokens) matches the first one's
+    speculative claim over its whole prompt, but the engine can keep at most 256 of its tokens,
+    so its lease counts the rest as prefill. Uncapped it counted ~0, and a loaded home looked
+    idle to the load bound and to flow control (issue 40's live TTFT gap)."""
+    (engine,), (gateway,) = precise_fleet(
+        1, capacity_blocks=16, hang_first_bytes=2, gateway_overrides={"first_byte_timeout_s": 3}
+    )
+    director = parts_of(gateway).director
+    state = director.replicas.states[engine.url]
+    wait_until(
+        lambda: gateway.on_loop(state.kv_capacity_tokens) == 256, what="the engine's KV scraped"
+    )
+    body = chat([{"role": "user", "content": words("capped-claim", 600)}])
+
+    def asked() -> None:  # the engine never answers: the gateway gives up after 3 s
+        r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=10)
+        assert r.status_code >= 500
+
+    def counted() -> tuple[int, float]:
+        return gateway.on_loop(lambda: (state.num_prefilling, state.pending_prefill_tokens))
+
+    async def both() -> tuple[float, float]:
+        first = asyncio.create_task(asyncio.to_thread(asked))
+        await asyncio.to_thread(wait_until, lambda: counted()[0] == 1, 5.0, "the first leased")
+        alone = counted()[1]
+        second = asyncio.create_task(asyncio.to_thread(asked))
+        await asyncio.to_thread(wait_until, lambda: counted()[0] == 2, 5.0, "the second leased")
+        together = counted()[1]
+        await asyncio.gather(first, second)
+        return alone, together
+
+    alone, together = asyncio.run(both())
+    prompt_tokens = alone  # the first found nothing cached: its whole prompt is its prefill
+    assert prompt_tokens > 600
+    assert together - alone == pytest.approx(prompt_tokens - 256, abs=16)
