@@ -11,6 +11,10 @@ the miss proves is that the engine evicted an entry last used at time t — and 
 evicts everything older first. So every entry of that replica last used at or before t (the
 deepest matched block's last use, which the lookup returned) is expired, in one O(1) step.
 
+An answer without `prompt_tokens_details.cached_tokens` (vLLM without
+`--enable-prompt-tokens-details`) is not compared: it says nothing about the cache, and read as
+0 it made every predicted hit an expiry of the replica's entries and a suspicion.
+
 An answer that read nothing at all where a match was predicted may also be an engine restarted
 since (issue 45, item 17): the replica becomes suspect at once (`on_contradicted`): routing
 ignores its entries until its start marker is checked, so the requests routed after this answer
@@ -91,8 +95,8 @@ class Reconciler:
         prompt_tokens = usage.prompt_tokens
         engine_cached = usage.cached_tokens
         rendered = len(record.parsed.rendered)
-        if not prompt_tokens or rendered == 0:
-            return
+        if not prompt_tokens or rendered == 0 or not usage.cached_reported:
+            return  # no count of the engine's hit to check the prediction against
         replica = record.cached_on or record.replica  # P/D: the prefill instance's cache
         routed = record.routed
         matched = routed.route.overlap.get(replica, 0)

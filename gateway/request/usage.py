@@ -30,6 +30,9 @@ class EngineUsage:
     total_tokens: int | None
     cached_tokens: int
     """The engine's physical prefix-cache hit (0 when it did not say)."""
+    cached_reported: bool = True
+    """Whether the engine said (`prompt_tokens_details.cached_tokens`: vLLM only with
+    `--enable-prompt-tokens-details`): an answer without it says nothing about the cache."""
 
     @classmethod
     def parse(cls, fields: dict[str, Any]) -> EngineUsage:
@@ -43,6 +46,7 @@ class EngineUsage:
             completion_tokens=_count(fields.get("completion_tokens")),
             total_tokens=_count(fields.get("total_tokens")),
             cached_tokens=cached or 0,
+            cached_reported=cached is not None,
         )
 
     @property

@@ -12,8 +12,12 @@ write each, as vLLM streams per engine step, so a router relays a stream, not on
 usage event when `stream_options.include_usage` asks, then `[DONE]`. No tokenizer: the prompt
 token count is the body's length / `BYTES_PER_TOKEN`, and the token ids the render endpoints
 return are bytes of the prompt text (cheap, and a continuation's ids extend its prefix's, as
-real ones do). Unknown paths are 404 and counted (`GET /stand-in/unknown`), so a peer asking
-for something new is visible.
+real ones do). Each replica keeps a prefix cache without eviction (`PrefixCache`) and reports
+the prompt's cached part in `prompt_tokens_details.cached_tokens`, as vLLM does: a gateway that
+checks its predictions against the engines' usage (kvgate's reconciler) reads an answer it
+predicted a cached prefix for as an engine that remembers, not as one that restarted. Unknown
+paths are 404 and counted (`GET /stand-in/unknown`), so a peer asking for something new is
+visible.
 """
 
 from __future__ import annotations
@@ -44,6 +48,40 @@ MAX_MODEL_LEN = 131072
 TOKEN_TEXT = " tok"
 VERSION = "0.0.0-stand-in"
 _PAGE = metrics_page()
+CACHE_CHUNK_BYTES = 256
+"""The stand-ins' cache block: the prompt text in whole chunks of this many bytes (kvgate's
+directory blocks are 256 bytes of its rendering: a shared prefix reads within a chunk of the
+gateway's prediction, inside its reconciler's slack)."""
+CACHE_MAX_ENTRIES = 1 << 20
+"""Chunks a replica's cache holds before it starts again (~100 MB over four replicas)."""
+
+
+class PrefixCache:
+    """Each replica's prompt prefixes, as chained hashes of whole `chunk_bytes` chunks of the
+    prompt text; `cached_bytes` answers how much of a prompt was there and adds it. No
+    eviction but a clear past `max_entries` (the stand-ins are an ideal engine)."""
+
+    def __init__(
+        self, chunk_bytes: int = CACHE_CHUNK_BYTES, max_entries: int = CACHE_MAX_ENTRIES
+    ) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.max_entries = max_entries
+        self._seen: dict[str, set[int]] = {}
+
+    def cached_bytes(self, replica: str, data: bytes) -> int:
+        seen = self._seen.setdefault(replica, set())
+        n = self.chunk_bytes
+        chained, cached, hit = 0, 0, True
+        for start in range(0, len(data) - n + 1, n):
+            chained = hash((chained, data[start : start + n]))
+            if hit and chained in seen:
+                cached = start + n
+                continue
+            hit = False
+            if len(seen) >= self.max_entries:
+                seen.clear()
+            seen.add(chained)
+        return cached
 
 
 def _prompt_text(body: dict[str, Any]) -> str:
@@ -103,11 +141,14 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     chat = request.path.startswith("/v1/chat")
     num_tokens = max(int(body.get("max_tokens") or body.get("max_completion_tokens") or 1), 1)
     prompt_tokens = len(raw) // BYTES_PER_TOKEN
+    prompt = _prompt_text(body).encode()
+    cached = request.app[CACHE_KEY].cached_bytes(request.host, prompt)
+    cached = cached * prompt_tokens // max(len(prompt), 1)
     usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": num_tokens,
         "total_tokens": prompt_tokens + num_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": min(cached, prompt_tokens)},
     }
     head: dict[str, Any] = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -140,6 +181,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     return response
 
 
+CACHE_KEY = web.AppKey("prefix_cache", PrefixCache)
+
+
 def fast_engine_app(unknown: Counter[str]) -> web.Application:
     """Every replica's routes; `unknown` counts the requests for paths it does not serve."""
     card = {
@@ -168,6 +212,7 @@ def fast_engine_app(unknown: Counter[str]) -> web.Application:
         return _json(dict(unknown))
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[CACHE_KEY] = PrefixCache()
     for path in ("/health", "/ping"):
         app.router.add_get(path, _ok)
     app.router.add_get("/v1/models", _fixed({"object": "list", "data": [card]}))

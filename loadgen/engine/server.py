@@ -15,8 +15,8 @@ Prompts are rendered with the model's chat template and tokenized with its BPE
 vLLM's API server tokenizes for all of them); the prefix cache hashes those token ids.
 Generation is deterministic: exactly `max_tokens` tokens (as with vLLM's `ignore_eos`) of the
 vocabulary's single-token words, seeded by the prompt, `finish_reason: "length"`.
-`usage.prompt_tokens_details.cached_tokens` is always present. `cache_salt` is mixed into block
-0 of the prefix cache, as in vLLM.
+`usage.prompt_tokens_details.cached_tokens` is present unless `report_cached_tokens` is off.
+`cache_salt` is mixed into block 0 of the prefix cache, as in vLLM.
 
 Streaming is vLLM's: one SSE event per engine step that gave the request tokens: one token
 while the client keeps up, everything generated since the last event when it lags (nothing is
@@ -155,6 +155,9 @@ class EngineConfig:
     VLLM_ALLOW_RUNTIME_LORA_UPDATING environment variable)."""
     mm_tokens_per_image: int = DEFAULT_TOKENS_PER_IMAGE
     """Placeholder tokens each image of a chat expands into (`cachemap.multimodal`)."""
+    report_cached_tokens: bool = True
+    """`usage.prompt_tokens_details.cached_tokens` in every answer (vLLM reports it only with
+    `--enable-prompt-tokens-details`; False: the usage has no `prompt_tokens_details`)."""
     kv_transfer: KVTransferConfig | None = None
     """Prefill/decode disaggregation (vLLM `--kv-transfer-config`, `loadgen.engine.disagg`):
     None serves every request whole and ignores `kv_transfer_params`, as vLLM does."""
@@ -843,15 +846,18 @@ class _Reply:
     pieces: list[str]
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    report_cached_tokens: bool = True
 
     def usage(self) -> dict[str, Any]:
         job = self.job
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": job.num_prompt_tokens,
             "completion_tokens": self.gen.max_tokens,
             "total_tokens": job.num_prompt_tokens + self.gen.max_tokens,
-            "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
         }
+        if self.report_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}
+        return usage
 
     def choice(self, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
         if not self.gen.chat:
@@ -932,7 +938,8 @@ async def _generate(
         await waiter.first
         engine.abort(job)
         return _error("simulated failure before the first byte", 500)
-    reply = _Reply(job, gen, pieces, engine.config.model)
+    config = engine.config
+    reply = _Reply(job, gen, pieces, config.model, report_cached_tokens=config.report_cached_tokens)
     if not gen.stream:
         try:
             await waiter.done

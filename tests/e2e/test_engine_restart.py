@@ -213,6 +213,27 @@ def test_an_answer_contradicting_its_prediction_makes_its_replica_suspect_at_onc
     assert misled(again, victim_url) == [], again
 
 
+def test_an_engine_that_does_not_report_cached_tokens_contradicts_nothing(
+    start_engines: Callable[..., list[Served]], start_gateway: Callable[..., Served]
+) -> None:
+    """vLLM reports `prompt_tokens_details` only with `--enable-prompt-tokens-details`: an answer
+    without it says nothing about the cache, so a predicted hit is neither an eviction (no
+    expiry) nor a restart (no suspicion). Before the fix it read as 0 cached tokens: every
+    predicted hit expired the replica's entries and made it suspect (a probe and a scrape)."""
+    engines = start_engines(2, report_cached_tokens=False)
+    gateway = start_gateway(engines, tenants=[f"acme:{KEY}"])
+    convs = list(range(4))
+    asyncio.run(send_turns([gateway.url], convs, 0))
+    again = asyncio.run(send_turns([gateway.url], convs, 1))
+    assert all(t.matched > 0 and t.cached == 0 for t in again.values()), again
+    d = director(gateway)
+    recorder = d.recorder
+    assert isinstance(recorder, Recorder)
+    reconciler = next(o for o in recorder.observers if isinstance(o, Reconciler))
+    assert reconciler.stats.contradictions == 0 and reconciler.stats.expiries == 0
+    assert d.replicas.suspicions == 0
+
+
 # -- a gateway that saw nothing of the kill ------------------------------------------------------
 def served_connections(port: int) -> int:
     """Established TCP connections the process listening on `port` holds (/proc/net/tcp*)."""

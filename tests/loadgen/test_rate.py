@@ -8,7 +8,7 @@ import httpx
 import orjson
 import pytest
 
-from loadgen.bench.fast_engine import fast_engines
+from loadgen.bench.fast_engine import PrefixCache, fast_engines
 from loadgen.bench.rate import RateOptions, Step, next_rate, ramp, sustained
 from loadgen.harness import processes
 
@@ -60,6 +60,20 @@ def test_a_target_that_refuses_every_connection_sustains_nothing() -> None:
     assert only.first_error.startswith("ClientConnectorError")
 
 
+def test_a_stand_in_reports_the_prefix_it_has_seen_as_cached_as_an_engine_would() -> None:
+    # without it, a gateway predicting a shared prefix reads "no cached token" on every answer
+    # and suspects the replica of a restart each time: a probe, a scrape and an expiry a request
+    cache = PrefixCache(chunk_bytes=4, max_entries=100)
+    assert cache.cached_bytes("a", b"abcdefgh1234") == 0  # never seen
+    assert cache.cached_bytes("a", b"abcdefgh5678xy") == 8  # the whole chunks in common
+    assert cache.cached_bytes("a", b"abcdefgh5678xy") == 12  # a partial chunk is never cached
+    assert cache.cached_bytes("b", b"abcdefgh5678xy") == 0  # another replica's cache
+    assert cache.cached_bytes("a", b"bcdefgh5678") == 0
+    full = PrefixCache(chunk_bytes=4, max_entries=8)
+    full.cached_bytes("a", b"x" * 40)  # more chunks than it keeps: it starts again
+    assert full.cached_bytes("a", b"x" * 8) == 0 and full.cached_bytes("a", b"x" * 8) == 8
+
+
 @pytest.mark.e2e
 def test_the_stand_in_engines_stream_at_once_and_the_ramp_holds_at_low_rates() -> None:
     body = {
@@ -76,6 +90,10 @@ def test_the_stand_in_engines_stream_at_once_and_the_ramp_holds_at_low_rates() -
         chunks = [orjson.loads(e.removeprefix("data: ")) for e in events[:-1]]
         assert [c["choices"][0]["delta"]["content"] for c in chunks[:3]] == [" tok"] * 3
         assert chunks[3]["usage"]["completion_tokens"] == 3 and chunks[3]["choices"] == []
+        assert chunks[3]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        again = httpx.post(stand_ins.urls[1] + "/v1/chat/completions", json=body, timeout=5.0)
+        usage = orjson.loads(again.text.split("\n\n")[-3].removeprefix("data: "))["usage"]
+        assert 0.8 * usage["prompt_tokens"] <= usage["prompt_tokens_details"]["cached_tokens"]
         assert httpx.get(stand_ins.urls[0] + "/v1/models").json()["data"][0]["owned_by"] == "vllm"
         result = ramp(
             stand_ins.urls,
