@@ -195,10 +195,12 @@ class SharedLoad:
             if isinstance(client, RedisCluster)
             else LookupLane(client, SHARE, self._sha)
         )
-        """The rounds' own connection (`cachemap.redis.lookups`): a round is one EVALSHA
-        written and its reply read there, without the client's per-call machinery (a pooled
-        connection taken and given back, the retry wrapper, the send's `wait_for`): about half
-        the client's CPU per round (docs/design/directory.md, "The tier's CPU per request")."""
+        """The rounds' own connection (`cachemap.redis.lookups`): a round's command is written
+        and its reply read there, without the client's per-call machinery (a pooled connection
+        taken and given back, the retry wrapper, the send's `wait_for`): ~45% of a call's CPU
+        in a tight loop, less in a gateway, where the loop's wake-up and the socket's write
+        and read are most of a round (docs/design/directory.md, "The tier's CPU per
+        request")."""
         self._tasks = BackgroundTasks("shared load")
         self._answered_s = 0.0
         self._called_s = -math.inf
