@@ -6,11 +6,14 @@ Replica URLs are unique per test, so the tests share the servers."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from typing import Any
 
 import pytest
 
 from cachemap.redis.client import AnyRedis, open_redis
+from cachemap.redis.lookups import LookupLane
 from gateway.fleet.replicas import FleetLoad, ReplicaState
 from gateway.fleet.shared_load import LOAD_KEY, SharedLoad, decode, encode
 from loadgen.harness.redis_servers import RedisServer
@@ -255,4 +258,26 @@ async def test_a_read_only_round_leaves_out_a_peer_past_the_stale_bound(client: 
         assert mine[x].peer is None
     finally:
         await client.hdel(LOAD_KEY, dead)
+        await g.stop()
+
+
+async def test_an_answered_round_leaves_no_deadline_timer_to_wake_the_loop(
+    client: AnyRedis,
+) -> None:
+    """A round's 1-s deadline is cancelled with its reply: left armed, each of a busy
+    gateway's 10-40 rounds a second woke the loop once more, a second later, for nothing."""
+    g = gateway(client, fleet(*urls(1)))
+    try:
+        await g.round()
+        assert g.rounds == 1
+        loop: Any = asyncio.get_running_loop()
+        scheduled = loop._scheduled  # the loop's timers (asyncio's own loop in the tests)
+        armed = [
+            handle
+            for handle in scheduled
+            if not handle.cancelled()
+            and getattr(handle._callback, "__func__", None) is LookupLane._expire
+        ]
+        assert not armed
+    finally:
         await g.stop()
