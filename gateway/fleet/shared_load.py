@@ -212,6 +212,10 @@ class SharedLoad:
         clock)."""
         self._busy = False
         """This gateway published requests in flight, or saw a peer's, at its last call."""
+        self._waker: asyncio.Future[None] | None = None
+        """Set while the loop sleeps idle (`_idle`): resolved by a lease (`wake`)."""
+        self.ticks = 0
+        """The loop's wake-ups (each a round, due or not)."""
         self.rounds = 0
         self.writes = 0
         """Rounds that ran the script (the others only read)."""
@@ -308,10 +312,42 @@ class SharedLoad:
         for state in states:
             state.peer = peers.get(state.url)
 
+    def wake(self) -> None:
+        """A lease started: an idle loop's next round comes at its place (`_idle`)."""
+        waker = self._waker
+        if waker is not None and not waker.done():
+            waker.set_result(None)
+
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        delay = self.round_s
         while True:
-            await asyncio.sleep(self.round_s)
-            await self.tick()
+            await asyncio.sleep(delay)
+            delay = self.round_s
+            self.ticks += 1
+            if not await self.tick() and not self._busy:
+                delay = await self._idle(loop)
+
+    async def _idle(self, loop: asyncio.AbstractEventLoop) -> float:
+        """Nothing was due: rather than waking every round to find nothing due again (40 times
+        a second at the bench's round: half an idle gateway's CPU), sleep until the round at
+        which the heartbeat falls due, or until a lease starts (`wake`). Returns the delay to
+        the next round, on the rounds' grid from this one: the rounds run where the plain loop's
+        would have, and the peers see the same figures at the same rounds."""
+        start = loop.time()
+        left_s = self._called_s + HEARTBEAT_S - self.clock()
+        heartbeat = start + max(math.ceil(left_s / self.round_s), 1) * self.round_s
+        waker = self._waker = loop.create_future()
+        timer = loop.call_at(heartbeat, _resolve, waker)
+        try:
+            await waker
+        finally:
+            timer.cancel()
+            self._waker = None
+        now = loop.time()
+        if now >= heartbeat:
+            return 0.0
+        return start + max(math.ceil((now - start) / self.round_s), 1) * self.round_s - now
 
     async def start(self) -> None:
         await self.round()
@@ -325,3 +361,8 @@ class SharedLoad:
         except Exception as exc:
             log.debug("shared load not withdrawn: %r", exc)
         await self._lane.close()
+
+
+def _resolve(waker: asyncio.Future[None]) -> None:
+    if not waker.done():
+        waker.set_result(None)

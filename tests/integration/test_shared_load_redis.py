@@ -281,3 +281,36 @@ async def test_an_answered_round_leaves_no_deadline_timer_to_wake_the_loop(
         assert not armed
     finally:
         await g.stop()
+
+
+async def test_an_idle_loop_sleeps_until_its_heartbeat_and_a_lease_wakes_it(
+    client: AnyRedis,
+) -> None:
+    """An idle gateway's loop does not wake every round to find nothing due (at 0.01-s rounds,
+    20 wake-ups in the 0.2 s watched here): it sleeps until its heartbeat, and a lease wakes
+    it for its next round (here long before the heartbeat, a second after the start's)."""
+    (x,) = urls(1)
+    mine = fleet(x)
+    g = SharedLoad(client, lambda: list(mine.values()), round_s=0.01)
+    mine[x].fleet.on_leased = g.wake
+    called = asyncio.Event()
+    plain = g.round
+
+    async def round(states: list[ReplicaState] | None = None) -> None:
+        await plain(states)
+        called.set()
+
+    g.round = round  # type: ignore[method-assign]
+    await g.start()  # its first round, then the loop (idle: nothing in flight)
+    try:
+        ticks = g.ticks
+        await asyncio.sleep(0.2)  # a window of 20 rounds, not a synchronisation
+        assert g.ticks - ticks <= 2
+        called.clear()
+        mine[x].lease(1_000.0).keep()
+        await asyncio.wait_for(called.wait(), 0.5)  # the heartbeat is ~0.8 s away
+        assert g.writes == 2  # the start's empty list, then this request
+        entry = await client.hget(LOAD_KEY, g.gateway_id)
+        assert entry is not None and x.encode() in entry  # its figures, for the peers
+    finally:
+        await g.stop()
