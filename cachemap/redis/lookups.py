@@ -123,6 +123,9 @@ class _Call:
     """Its deadline passed with its reply possibly waiting unread (counted once)."""
     wire: _Wire | None = None
     """The connection it was written on."""
+    timer: asyncio.TimerHandle | None = None
+    """Its deadline's timer, cancelled when its reply is read (else it would wake the loop
+    once for nothing: a 1-s deadline fires long after the reply)."""
 
 
 @dataclass(eq=False)
@@ -229,7 +232,7 @@ class LookupLane:
                 self._connecting = asyncio.create_task(self._open(), name="lookup lane connect")
         for call in batch:
             if call.deadline_s is not None:
-                loop.call_at(now + call.deadline_s, self._expire, call)
+                call.timer = loop.call_at(now + call.deadline_s, self._expire, call)
 
     async def warm(self) -> None:
         """Open the connection now (at start), so the first lookups do not wait for it. A
@@ -301,12 +304,7 @@ class LookupLane:
                         if not call.future.done() and wire.live and _open(conn):
                             self._write_again(wire, call)
                             continue
-                if call.future.done():
-                    continue
-                if isinstance(reply, Exception):
-                    call.future.set_exception(reply)
-                else:
-                    call.future.set_result(reply)
+                _answer(call, reply)
         except BaseException as exc:
             # the connection is out of step or gone: every call on it hears the error
             self._retire(wire, exc if isinstance(exc, Exception) else LaneClosed(repr(exc)))
@@ -360,12 +358,12 @@ class LookupLane:
         loop = asyncio.get_running_loop()
         assert call.deadline_s is not None
         if loop.time() < call.started + call.deadline_s:  # written again since (`_write_again`)
-            loop.call_at(call.started + call.deadline_s, self._expire, call)
+            call.timer = loop.call_at(call.started + call.deadline_s, self._expire, call)
             return
         wire = call.wire
         unread = call.sent and wire is not None and wire.live and _unread(wire.conn)
         if unread and loop.time() < call.started + call.deadline_s + LAG_GRACE_S:
-            loop.call_later(RECHECK_S, self._expire, call)
+            call.timer = loop.call_later(RECHECK_S, self._expire, call)
             if not call.graced:
                 call.graced = True
                 self.stats.late_answers += 1
@@ -431,6 +429,18 @@ def _unread(conn: AbstractConnection) -> bool:
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     return bool(poller.poll(0))
+
+
+def _answer(call: _Call, reply: Any) -> None:
+    """The call's reply to its caller (unless it gave up), its deadline's timer cancelled."""
+    if call.future.done():
+        return
+    if call.timer is not None:
+        call.timer.cancel()
+    if isinstance(reply, Exception):
+        call.future.set_exception(reply)
+    else:
+        call.future.set_result(reply)
 
 
 def _fail(calls: Sequence[_Call], exc: Exception) -> None:

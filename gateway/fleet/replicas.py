@@ -108,6 +108,9 @@ class FleetLoad:
     on_freed: Callable[[], None] | None = field(default=None, repr=False)
     """Called when a lease frees room on a replica (its prefill ended, or it was released):
     flow control's wake-up (gateway.pipeline.flow)."""
+    on_leased: Callable[[], None] | None = field(default=None, repr=False)
+    """Called when a lease starts: the shared load's idle loop wakes for its next round
+    (gateway.fleet.shared_load)."""
 
     def observe(self, uncached_tokens: float) -> None:
         self.num_routed += 1
@@ -285,6 +288,9 @@ class Lease:
             state.prefill_started_s = time.monotonic()
         state.num_prefilling += 1
         state.fleet.observe(uncached_tokens)
+        leased = state.fleet.on_leased
+        if leased is not None:
+            leased()
         self._done_prefill = self._released = self._kept = False
 
     def prefilled(self) -> None:
@@ -370,6 +376,7 @@ class ReplicaSet:
         """Publish this gateway's load to its peers on `client` and count theirs (from
         `start` to `stop`; gateway.fleet.shared_load)."""
         self.shared_load = SharedLoad(client, self.states.values, round_s)
+        self.fleet.on_leased = self.shared_load.wake
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""

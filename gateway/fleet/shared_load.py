@@ -8,15 +8,21 @@ spreading requests over N gateways (or `--workers N`), that leaves each gateway 
 1/N of the fleet's prefill exactly and the rest coarsely and late, so two gateways pile long
 prefills onto the same replica between scrapes.
 
-Here every gateway publishes its own per-replica figures and reads everyone else's, one Lua
-script call per round (`round_s`, 0.1 s by default):
+Here every gateway publishes its own per-replica figures and reads everyone else's, one call
+per round (`round_s`, 0.1 s by default) on a connection of the rounds' own:
 
     kvg:{kvg-load}:gateways   hash   gateway id -> "<Redis ms>|<its figures>"
 
-The script stamps this gateway's entry with Redis's clock, drops every entry older than
+A Lua script stamps this gateway's entry with Redis's clock, drops every entry older than
 `stale_s` (a gateway that died or lost Redis stops counting within it), and returns the
-others'. Their sums land on each `ReplicaState` as `peer` (`ReplicaState.snapshot` adds them
-to its own), and a scrape counts them as known (`own_*_at_scrape`), so the engine's queue is
+others'. It runs when this gateway's figures changed since its last write, and once a
+heartbeat; a round between (most rounds of a busy gateway: its figures move a few times a
+request, its rounds run 10 to 40 times a second) only reads the hash and leaves out the stale
+entries and its own itself, by Redis's clock as its last write read it. The peers see the same
+figures either way.
+
+The peers' sums land on each `ReplicaState` as `peer` (`ReplicaState.snapshot` adds them to
+its own), and a scrape counts them as known (`own_*_at_scrape`), so the engine's queue is
 not counted twice: the engine-derived estimate is left for requests no gateway on this Redis
 sent. A round is one round trip; an idle gateway (nothing in flight here, nothing seen of its
 peers) goes to Redis once a second only, with an empty list (a heartbeat), and at its next
@@ -37,11 +43,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
+from redis.asyncio.cluster import RedisCluster
 
 from cachemap.redis.client import AnyRedis
+from cachemap.redis.lookups import LookupLane
+from cachemap.redis.node_lanes import NodeLanes
 from gateway.tasks import BackgroundTasks
 
 if TYPE_CHECKING:  # the replica set holds this module's SharedLoad
@@ -52,8 +61,8 @@ log = logging.getLogger(__name__)
 LOAD_KEY = b"kvg:{kvg-load}:gateways"
 
 # KEYS: the load hash. ARGV: this gateway's id, its figures ("" on leaving), the stale bound ms.
-# Stamps this gateway's entry with Redis's clock, drops the entries past the bound, returns the
-# other gateways' figures.
+# Stamps this gateway's entry with Redis's clock, drops the entries past the bound, returns
+# Redis's clock (ms) and the other gateways' figures.
 SHARE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -76,7 +85,7 @@ for j = 1, #all, 2 do
   end
 end
 redis.call('PEXPIRE', KEYS[1], stale * 4)
-return out
+return {now, out}
 """
 
 
@@ -94,6 +103,9 @@ NO_PEERS = PeerLoad()
 """A replica no peer has a request on (or no shared load)."""
 
 WITHDRAW_DEADLINE_S = 0.5
+ROUND_DEADLINE_S = 1.0
+"""A round that Redis has not answered within this fails (the client's socket timeout, which
+bounded it when it went through the client's pool)."""
 HEARTBEAT_S = 1.0
 """An idle round — nothing in flight here, none published last time, no peer's load seen —
 goes to Redis at most this often: an idle gateway's rounds were 0.4–0.6% of a core with 64
@@ -172,17 +184,41 @@ class SharedLoad:
         self.states = states
         self.round_s = round_s
         self.stale_s = max(MIN_STALE_S, DEFAULT_STALE_ROUNDS * round_s)
+        self._stale_ms = int(self.stale_s * 1000)
         self.gateway_id = gateway_id or (
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         )
         self.clock = clock
-        self._share = client.register_script(SHARE)
+        self._sha = client.register_script(SHARE).sha
+        self._lane: LookupLane | NodeLanes = (
+            NodeLanes(client, SHARE, self._sha)
+            if isinstance(client, RedisCluster)
+            else LookupLane(client, SHARE, self._sha)
+        )
+        """The rounds' own connection (`cachemap.redis.lookups`): a round's command is written
+        and its reply read there, without the client's per-call machinery (a pooled connection
+        taken and given back, the retry wrapper, the send's `wait_for`): ~45% of a call's CPU
+        in a tight loop, less in a gateway, where the loop's wake-up and the socket's write
+        and read are most of a round (docs/design/directory.md, "The tier's CPU per
+        request")."""
         self._tasks = BackgroundTasks("shared load")
         self._answered_s = 0.0
         self._called_s = -math.inf
+        self._written: bytes | None = None
+        """The figures of this gateway's last write (None: none since it started)."""
+        self._written_s = -math.inf
+        self._offset_ms = 0.0
+        """Redis's clock minus `clock`, in ms, at the last write (the script returns its
+        clock)."""
         self._busy = False
         """This gateway published requests in flight, or saw a peer's, at its last call."""
+        self._waker: asyncio.Future[None] | None = None
+        """Set while the loop sleeps idle (`_idle`): resolved by a lease (`wake`)."""
+        self.ticks = 0
+        """The loop's wake-ups (each a round, due or not)."""
         self.rounds = 0
+        self.writes = 0
+        """Rounds that ran the script (the others only read)."""
         self.failed = 0
         self.malformed = 0
         self.num_peers = 0
@@ -203,14 +239,19 @@ class SharedLoad:
         return True
 
     async def round(self, states: list[ReplicaState] | None = None) -> None:
-        """Publish, read, apply: one script call."""
+        """Publish, read, apply: one call. The script when this gateway's figures changed
+        since its last write (or that write is a heartbeat old); else only a read of the
+        hash (`_read`): the peers see the same figures either way, at a fraction of Redis's
+        time (the script's Lua, its clock, its write and expiry were ~95% of a round's)."""
         states = list(self.states()) if states is None else states
-        self._called_s = self.clock()
+        now_s = self._called_s = self.clock()
         figures = encode(states)
+        write = figures != self._written or now_s - self._written_s >= HEARTBEAT_S
         try:
-            blobs = await self._share(
-                keys=[LOAD_KEY], args=[self.gateway_id, figures, int(self.stale_s * 1000)]
-            )
+            if write:
+                redis_ms, blobs = await self._call(figures, ROUND_DEADLINE_S)
+            else:
+                blobs = await self._read(now_s)
         except Exception as exc:  # Redis away or slow: the last answer stands until stale
             self.failed += 1
             log.debug("shared load round failed: %r", exc)
@@ -218,23 +259,95 @@ class SharedLoad:
                 self._apply(states, {})
                 self.num_peers = 0
             return
+        if write:
+            self._written, self._written_s = figures, now_s
+            self._offset_ms = int(redis_ms) - now_s * 1000
         self._answered_s = self.clock()
         self.rounds += 1
+        self.writes += write
         peers, malformed = decode(blobs)
         self.malformed += malformed
         self.num_peers = len(blobs)
         self._apply(states, peers)
         self._busy = figures != EMPTY or any(s.peer is not None for s in states)
 
+    async def _read(self, now_s: float) -> list[bytes]:
+        """The peers' figures as the script would return them, from one HGETALL: entries past
+        the stale bound by Redis's clock (estimated from this gateway's last write: off by at
+        most that call's round trip, against a bound of seconds) and this gateway's own are
+        left out. Removing stale entries is left to the next write; an own entry Redis no
+        longer holds (it lost its data) is written again at the next round."""
+        if isinstance(self.client, RedisCluster):
+            await self.client.initialize()
+        reply = await self._lane.command(LOAD_KEY, ("HGETALL", LOAD_KEY), "", ROUND_DEADLINE_S)
+        pairs = (
+            reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+        )
+        redis_ms = now_s * 1000 + self._offset_ms
+        own = self.gateway_id.encode()
+        out = []
+        held = False
+        for name, value in pairs:
+            stamp, bar, figures = value.partition(b"|")
+            if name == own:
+                held = True
+                continue
+            if not bar or not stamp.isdigit():
+                continue
+            if redis_ms - int(stamp) <= self._stale_ms:
+                out.append(figures)
+        if not held:
+            self._written = None
+        return out
+
+    async def _call(self, figures: bytes | str, deadline_s: float) -> Any:
+        """The script down the rounds' lane: this gateway's figures ("" withdraws them)."""
+        if isinstance(self.client, RedisCluster):
+            await self.client.initialize()  # the slot map, once (the lane routes by it)
+        command = ("EVALSHA", self._sha, 1, LOAD_KEY, self.gateway_id, figures, self._stale_ms)
+        return await self._lane.command(LOAD_KEY, command, SHARE, deadline_s)
+
     @staticmethod
     def _apply(states: list[ReplicaState], peers: dict[str, PeerLoad]) -> None:
         for state in states:
             state.peer = peers.get(state.url)
 
+    def wake(self) -> None:
+        """A lease started: an idle loop's next round comes at its place (`_idle`)."""
+        waker = self._waker
+        if waker is not None and not waker.done():
+            waker.set_result(None)
+
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        delay = self.round_s
         while True:
-            await asyncio.sleep(self.round_s)
-            await self.tick()
+            await asyncio.sleep(delay)
+            delay = self.round_s
+            self.ticks += 1
+            if not await self.tick() and not self._busy:
+                delay = await self._idle(loop)
+
+    async def _idle(self, loop: asyncio.AbstractEventLoop) -> float:
+        """Nothing was due: rather than waking every round to find nothing due again (40 times
+        a second at the bench's round: half an idle gateway's CPU), sleep until the round at
+        which the heartbeat falls due, or until a lease starts (`wake`). Returns the delay to
+        the next round, on the rounds' grid from this one: the rounds run where the plain loop's
+        would have, and the peers see the same figures at the same rounds."""
+        start = loop.time()
+        left_s = self._called_s + HEARTBEAT_S - self.clock()
+        heartbeat = start + max(math.ceil(left_s / self.round_s), 1) * self.round_s
+        waker = self._waker = loop.create_future()
+        timer = loop.call_at(heartbeat, _resolve, waker)
+        try:
+            await waker
+        finally:
+            timer.cancel()
+            self._waker = None
+        now = loop.time()
+        if now >= heartbeat:
+            return 0.0
+        return start + max(math.ceil((now - start) / self.round_s), 1) * self.round_s - now
 
     async def start(self) -> None:
         await self.round()
@@ -243,9 +356,13 @@ class SharedLoad:
     async def stop(self) -> None:
         """Stop the rounds; the peers stop counting this gateway at once (not after the bound)."""
         await self._tasks.close()
-        stale_ms = int(self.stale_s * 1000)
-        withdraw = self._share(keys=[LOAD_KEY], args=[self.gateway_id, "", stale_ms])
         try:  # bounded: a Redis gone at shutdown must not hold the stop (the entry goes stale)
-            await asyncio.wait_for(withdraw, WITHDRAW_DEADLINE_S)
+            await self._call("", WITHDRAW_DEADLINE_S)
         except Exception as exc:
             log.debug("shared load not withdrawn: %r", exc)
+        await self._lane.close()
+
+
+def _resolve(waker: asyncio.Future[None]) -> None:
+    if not waker.done():
+        waker.set_result(None)

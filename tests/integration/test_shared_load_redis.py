@@ -6,11 +6,14 @@ Replica URLs are unique per test, so the tests share the servers."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from typing import Any
 
 import pytest
 
 from cachemap.redis.client import AnyRedis, open_redis
+from cachemap.redis.lookups import LookupLane
 from gateway.fleet.replicas import FleetLoad, ReplicaState
 from gateway.fleet.shared_load import LOAD_KEY, SharedLoad, decode, encode
 from loadgen.harness.redis_servers import RedisServer
@@ -194,3 +197,120 @@ async def test_an_idle_gateway_calls_redis_once_a_heartbeat_and_at_once_when_bus
         assert mine[x].peer is not None and mine[x].peer.num_inflight == 1
     finally:
         await peer.stop()
+
+
+async def test_a_round_writes_only_when_its_figures_change_or_a_heartbeat_passed(
+    client: AnyRedis,
+) -> None:
+    """A round whose figures are those of the last write only reads the hash (no script):
+    the peers' figures still count every round and its own entry stays; a change is written
+    at once, unchanged figures once a heartbeat (well within the stale bound), and an entry
+    Redis no longer holds is written again at the next round."""
+    (x,) = urls(1)
+    mine, theirs = fleet(x), fleet(x)
+    now = [100.0]
+    g = SharedLoad(client, lambda: list(mine.values()), round_s=0.125, clock=lambda: now[0])
+    peer = gateway(client, theirs)
+
+    async def rounds(n: int) -> int:
+        for _ in range(n):
+            now[0] += 0.125
+            await g.round()
+        return g.writes
+
+    try:
+        mine[x].lease(1_000.0).keep()
+        await g.round()
+        assert g.writes == 1
+        theirs[x].lease(500.0).keep()
+        await peer.round()
+        assert await rounds(1) == 1 and g.rounds == 2  # read only, and the peer counts
+        assert mine[x].peer is not None and mine[x].peer.prefill_tokens == 500.0
+        await peer.round()  # and this gateway's entry still counts for the peer
+        assert theirs[x].peer is not None and theirs[x].peer.prefill_tokens == 1_000.0
+        mine[x].lease(2_000.0).keep()
+        assert await rounds(1) == 2  # changed: written at once
+        assert await rounds(6) == 2  # unchanged: read only...
+        assert await rounds(2) == 3  # ...until a heartbeat after the last write
+        await client.hdel(LOAD_KEY, g.gateway_id)  # Redis lost it
+        assert await rounds(1) == 3  # the read finds it gone...
+        assert await rounds(1) == 4  # ...and the next round writes it again
+        assert await client.hexists(LOAD_KEY, g.gateway_id)
+    finally:
+        await peer.stop()
+        await g.stop()
+
+
+async def test_a_read_only_round_leaves_out_a_peer_past_the_stale_bound(client: AnyRedis) -> None:
+    """Between writes the stale bound is applied by Redis's clock as the last write read it."""
+    (x,) = urls(1)
+    mine = fleet(x)
+    g = gateway(client, mine)
+    mine[x].lease(1_000.0).keep()
+    await g.round()
+    dead = f"dead-{uuid.uuid4().hex[:8]}"
+    seconds, micros = await client.time()
+    old_ms = int(seconds) * 1000 + int(micros) // 1000 - 10_000
+    await client.hset(LOAD_KEY, dead, f"{old_ms}|".encode() + orjson_row(x, 5, 5, 9e4, 0))
+    try:
+        await g.round()
+        assert g.writes == 1 and g.rounds == 2  # read only
+        assert mine[x].peer is None
+    finally:
+        await client.hdel(LOAD_KEY, dead)
+        await g.stop()
+
+
+async def test_an_answered_round_leaves_no_deadline_timer_to_wake_the_loop(
+    client: AnyRedis,
+) -> None:
+    """A round's 1-s deadline is cancelled with its reply: left armed, each of a busy
+    gateway's 10-40 rounds a second woke the loop once more, a second later, for nothing."""
+    g = gateway(client, fleet(*urls(1)))
+    try:
+        await g.round()
+        assert g.rounds == 1
+        loop: Any = asyncio.get_running_loop()
+        scheduled = loop._scheduled  # the loop's timers (asyncio's own loop in the tests)
+        armed = [
+            handle
+            for handle in scheduled
+            if not handle.cancelled()
+            and getattr(handle._callback, "__func__", None) is LookupLane._expire
+        ]
+        assert not armed
+    finally:
+        await g.stop()
+
+
+async def test_an_idle_loop_sleeps_until_its_heartbeat_and_a_lease_wakes_it(
+    client: AnyRedis,
+) -> None:
+    """An idle gateway's loop does not wake every round to find nothing due (at 0.01-s rounds,
+    20 wake-ups in the 0.2 s watched here): it sleeps until its heartbeat, and a lease wakes
+    it for its next round (here long before the heartbeat, a second after the start's)."""
+    (x,) = urls(1)
+    mine = fleet(x)
+    g = SharedLoad(client, lambda: list(mine.values()), round_s=0.01)
+    mine[x].fleet.on_leased = g.wake
+    called = asyncio.Event()
+    plain = g.round
+
+    async def round(states: list[ReplicaState] | None = None) -> None:
+        await plain(states)
+        called.set()
+
+    g.round = round  # type: ignore[method-assign]
+    await g.start()  # its first round, then the loop (idle: nothing in flight)
+    try:
+        ticks = g.ticks
+        await asyncio.sleep(0.2)  # a window of 20 rounds, not a synchronisation
+        assert g.ticks - ticks <= 2
+        called.clear()
+        mine[x].lease(1_000.0).keep()
+        await asyncio.wait_for(called.wait(), 0.5)  # the heartbeat is ~0.8 s away
+        assert g.writes == 2  # the start's empty list, then this request
+        entry = await client.hget(LOAD_KEY, g.gateway_id)
+        assert entry is not None and x.encode() in entry  # its figures, for the peers
+    finally:
+        await g.stop()
