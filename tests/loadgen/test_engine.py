@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -272,3 +275,38 @@ def test_a_request_larger_than_the_whole_kv_cache_holds_all_of_it_and_is_served(
     engine = start_engines(1, capacity_blocks=8)[0]
     r = httpx.post(engine.url + "/v1/completions", json={"prompt": "x", "max_tokens": 200})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(engine: Served) -> None:
+    """vLLM's API server tokenizes in a worker thread, so /health answers in milliseconds
+    while a long prompt is being tokenized. An engine that tokenized on its event loop held
+    every probe for the whole encode (~0.3 s for 100k tokens on a quiet machine, seconds at a
+    load of 10 on two cores): a gateway's 1-s health probes failed twice in a row and it
+    marked the whole fleet down (the agent-session bench's 503s, docs/benchmarks.md)."""
+    long_prompt = words("tokenize-off-the-loop", 100_000)
+    encode_s = math.inf
+    for _ in range(2):  # what one (warm) encode of it takes here, now
+        started = time.perf_counter()
+        count_tokens(long_prompt)
+        encode_s = min(encode_s, time.perf_counter() - started)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]}
+    answered = threading.Event()
+
+    def generate() -> None:
+        r = httpx.post(
+            engine.url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+        answered.set()
+
+    worst = 0.0
+    with httpx.Client(timeout=30) as probes:
+        probes.get(engine.url + "/health")  # the connection is open before the prompt is sent
+        sender = threading.Thread(target=generate)
+        sender.start()
+        while not answered.is_set():  # bounded: the request's own timeout ends it
+            sent = time.perf_counter()
+            assert probes.get(engine.url + "/health").status_code == 200
+            worst = max(worst, time.perf_counter() - sent)
+        sender.join(timeout=30)
+    assert worst < encode_s / 2, f"a probe waited {worst:.3f} s; one encode takes {encode_s:.3f} s"
