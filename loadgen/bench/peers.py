@@ -432,7 +432,12 @@ def scaled_gateway_env(time_scale: float) -> dict[str, str]:
     0.3), two gateways on one Redis routed worse: hit ratio 0.099 / 0.095 against 0.114 /
     0.133, TTFT mean 3.69 / 5.13 against 3.17 / 3.01 trace s (A B B A, 400 requests, load
     4.0-6.8; docs/benchmarks.json, row 43's note): more queued at the engines is placed
-    earlier, on older knowledge of where each conversation's KV is."""
+    earlier, on older knowledge of where each conversation's KV is. One gateway, on a quiet
+    machine (load 0.7-2.6), traded: hit ratio 0.097 / 0.098 against 0.119 / 0.120, TTFT mean
+    2.29 / 2.42 against 3.59 / 4.31 trace s. Unscaled, a gateway holds requests longer than
+    one in real time would (room: 1,300 tokens, ~0.01 s of the engines' wall work; its
+    affinity wait, 0.5 wall s, is 2 trace s at time scale 4), which the many-gateway goal
+    rows all share."""
     round_s = max(LOAD_SHARE_INTERVAL_S / time_scale, MIN_SCALED_ROUND_S)
     scaled = {
         "KVGATE_LOAD_SHARE_INTERVAL_S": f"{round_s:g}",
