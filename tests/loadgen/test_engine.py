@@ -277,36 +277,54 @@ def test_a_request_larger_than_the_whole_kv_cache_holds_all_of_it_and_is_served(
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
 
 
+def _worst_probe_while_generating(url: str, body: dict[str, Any]) -> float:
+    """The longest a /health probe waited while `body` was being served (probes back to back
+    on an open connection from before the request is sent until its answer)."""
+    status: list[int] = []
+    done = threading.Event()
+
+    def generate() -> None:
+        try:
+            status.append(
+                httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code
+            )
+        finally:
+            done.set()
+
+    worst = 0.0
+    with httpx.Client(timeout=30) as probes:
+        probes.get(url + "/health")
+        sender = threading.Thread(target=generate)
+        sender.start()
+        while not done.is_set():  # bounded: the request's own timeout ends it
+            sent = time.perf_counter()
+            assert probes.get(url + "/health").status_code == 200
+            worst = max(worst, time.perf_counter() - sent)
+        sender.join(timeout=30)
+    assert status == [200]
+    return worst
+
+
 def test_health_answers_while_a_long_prompt_is_tokenized(engine: Served) -> None:
     """vLLM's API server tokenizes in a worker thread, so /health answers in milliseconds
     while a long prompt is being tokenized. An engine that tokenized on its event loop held
     every probe for the whole encode (~0.3 s for 100k tokens on a quiet machine, seconds at a
     load of 10 on two cores): a gateway's 1-s health probes failed twice in a row and it
-    marked the whole fleet down (the agent-session bench's 503s, docs/benchmarks.md)."""
+    marked the whole fleet down (the agent-session bench's 503s, docs/benchmarks.md).
+    On the loop, no attempt gets a probe through in under the encode's time; off it, on a
+    machine another test is loading, one attempt in three may still see a probe wait that
+    long (0.143 s against 0.133 once), so the best of three attempts is judged."""
     long_prompt = words("tokenize-off-the-loop", 100_000)
-    encode_s = math.inf
-    for _ in range(2):  # what one (warm) encode of it takes here, now
-        started = time.perf_counter()
-        count_tokens(long_prompt)
-        encode_s = min(encode_s, time.perf_counter() - started)
     body = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]}
-    answered = threading.Event()
-
-    def generate() -> None:
-        r = httpx.post(
-            engine.url + "/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=30
-        )
-        assert r.status_code == 200, r.text
-        answered.set()
-
-    worst = 0.0
-    with httpx.Client(timeout=30) as probes:
-        probes.get(engine.url + "/health")  # the connection is open before the prompt is sent
-        sender = threading.Thread(target=generate)
-        sender.start()
-        while not answered.is_set():  # bounded: the request's own timeout ends it
-            sent = time.perf_counter()
-            assert probes.get(engine.url + "/health").status_code == 200
-            worst = max(worst, time.perf_counter() - sent)
-        sender.join(timeout=30)
-    assert worst < encode_s / 2, f"a probe waited {worst:.3f} s; one encode takes {encode_s:.3f} s"
+    tried: list[tuple[float, float]] = []
+    for _ in range(3):
+        encode_s = math.inf
+        for _ in range(2):  # what one (warm) encode of it takes here, now
+            started = time.perf_counter()
+            count_tokens(long_prompt)
+            encode_s = min(encode_s, time.perf_counter() - started)
+        worst = _worst_probe_while_generating(engine.url, {**body, "max_tokens": 1})
+        tried.append((round(worst, 3), round(encode_s, 3)))
+        if worst < encode_s / 2:
+            return
+    raise AssertionError(f"(worst probe s, one encode s) in each attempt: {tried}")
