@@ -422,7 +422,22 @@ def scaled_gateway_env(time_scale: float) -> dict[str, str]:
     request +20% (four times the rounds per wall second: per trace second, a real fleet's).
     A period set in the bench's own environment is left as it is (the gateways inherit it):
     how those runs compared the two. A precise placement's speculative ttl is scaled the same
-    way: it covers a queued turn's prefill, which the engines run in trace seconds."""
+    way: it covers a queued turn's prefill, which the engines run in trace seconds.
+
+    Not scaled, by measurement: the gateway's `engine_prefill_tokens_per_s` (default 13,000),
+    though the engines run `--prefill-tokens-per-s` (or what `--utilization` sets) times the
+    time scale a wall second, so the gateway takes their prefills for slower than they are and
+    its flow control keeps about one prefill a replica (the next goes at the first token).
+    Told the engines' wall rate (28,779 x 4 a second on the agent sessions at --utilization
+    0.3), two gateways on one Redis routed worse: hit ratio 0.099 / 0.095 against 0.114 /
+    0.133, TTFT mean 3.69 / 5.13 against 3.17 / 3.01 trace s (A B B A, 400 requests, load
+    4.0-6.8; docs/benchmarks.json, row 43's note): more queued at the engines is placed
+    earlier, on older knowledge of where each conversation's KV is. One gateway, on a quiet
+    machine (load 0.7-2.6), traded: hit ratio 0.097 / 0.098 against 0.119 / 0.120, TTFT mean
+    2.29 / 2.42 against 3.59 / 4.31 trace s. Unscaled, a gateway holds requests longer than
+    one in real time would (room: 1,300 tokens, ~0.01 s of the engines' wall work; its
+    affinity wait, 0.5 wall s, is 2 trace s at time scale 4), which the many-gateway goal
+    rows all share."""
     round_s = max(LOAD_SHARE_INTERVAL_S / time_scale, MIN_SCALED_ROUND_S)
     scaled = {
         "KVGATE_LOAD_SHARE_INTERVAL_S": f"{round_s:g}",
@@ -796,10 +811,18 @@ def restart_window(
 ) -> dict[str, float]:
     """The hit ratio of the requests sent in the `window_s` trace seconds after the restarted
     gateway was back in rotation (all of them, and those it served), against the run's; the
-    restart's times in trace seconds."""
+    restart's times in trace seconds.
+
+    The baseline of the same window: the other gateways' requests in it (`others_*`), which
+    met the same stretch of the trace, round robin, with no restart of their own. A window's
+    hit ratio moves with the trace (bench point 1's window after 160 trace s: 0.086 against
+    the run's 0.099 while the restarted gateway's own requests in it hit 0.115), so
+    `restarted_points` (the restarted gateway's against the others', in the window) is what
+    the restart cost; `points` (the window's against the run's) is kept as the goal states it."""
     up = restart["up_s"] * time_scale
     inside = [r for r in rows if up <= r.arrival_s < up + window_s]
     served = [r for r in inside if r.target == restarted_url]
+    others = [r for r in inside if r.target != restarted_url]
     run = hit_ratio(rows)
     window = hit_ratio(inside)
     return {
@@ -812,6 +835,9 @@ def restart_window(
         "window_hit_ratio": window,
         "restarted_requests": len(served),
         "restarted_hit_ratio": hit_ratio(served),
+        "others_requests": len(others),
+        "others_hit_ratio": hit_ratio(others),
+        "restarted_points": (hit_ratio(served) - hit_ratio(others)) * 100,
         "run_hit_ratio": run,
         "points": (window - run) * 100,
     }
@@ -1351,9 +1377,11 @@ def restart_text(r: ArmResult) -> str:
         f"{x['down_trace_s']:,.0f} trace s, stopped at {x['stopped_trace_s']:,.0f} s (its "
         f"requests done), back at {x['up_trace_s']:,.0f} s; the following "
         f"{x['window_trace_s']:g} trace s: {x['window_requests']:,.0f} requests "
-        f"({x['window_errors']:,.0f} errors), hit ratio {x['window_hit_ratio']:.3f} (the "
-        f"restarted gateway's {x['restarted_requests']:,.0f}: {x['restarted_hit_ratio']:.3f}) "
-        f"against the run's {x['run_hit_ratio']:.3f}: {x['points']:+.1f} points"
+        f"({x['window_errors']:,.0f} errors), hit ratio {x['window_hit_ratio']:.3f} against "
+        f"the run's {x['run_hit_ratio']:.3f}: {x['points']:+.1f} points; in the window, the "
+        f"restarted gateway's {x['restarted_requests']:,.0f}: {x['restarted_hit_ratio']:.3f} "
+        f"against the other gateways' {x['others_requests']:,.0f} (the same stretch of the "
+        f"trace, no restart): {x['others_hit_ratio']:.3f}, {x['restarted_points']:+.1f} points"
     )
 
 

@@ -38,9 +38,10 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Container, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import mmh3
 import orjson
@@ -103,6 +104,7 @@ from loadgen.engine.timing import (
 from loadgen.engine.tokenizer import MODEL_DIR, block_hashes, default_tokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_MODEL = "kvgate-sim-8b"
 DEFAULT_MAX_MODEL_LEN = 131_072
@@ -511,6 +513,16 @@ class _EngineApp:
         self.adapters = AdapterRegistry(
             config.model, ((name, f"/adapters/{name}") for name in config.lora_modules)
         )
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-tokenizer")
+        """Prompts are rendered and tokenized here, one at a time in arrival order, never on
+        the event loop: vLLM's API server tokenizes in a worker thread too, so its /health and
+        /metrics answer in milliseconds while a 100k-token prompt is encoded (~0.3 s here on a
+        quiet machine, seconds at a load of 10 on two cores: gateways' 1-s probes failed and
+        marked the whole fleet down). The BPE releases the GIL while it encodes."""
+
+    async def off_loop(self, call: Callable[[], T]) -> T:
+        """`call()` in the tokenizer thread (its exceptions raise here)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, call)
 
     def blocks_freed(self) -> None:
         for e in self.engines:
@@ -631,7 +643,10 @@ class _EngineApp:
     async def tokenize(self, request: Request) -> Response:
         try:
             body = await _json_body(request)
-            return JSONResponse(tokenize_response(body, self.config.max_model_len, self.prompts))
+            limit = self.config.max_model_len
+            return JSONResponse(
+                await self.off_loop(lambda: tokenize_response(body, limit, self.prompts))
+            )
         except BadRequest as exc:
             return _error(str(exc), exc.status)
 
@@ -650,7 +665,10 @@ class _EngineApp:
     async def render(self, request: Request, chat: bool) -> Response:
         try:
             body = await _json_body(request)
-            return JSONResponse(render_response(body, chat, self.config.model, self.prompts))
+            model = self.config.model
+            return JSONResponse(
+                await self.off_loop(lambda: render_response(body, chat, model, self.prompts))
+            )
         except BadRequest as exc:
             return _error(str(exc), exc.status)
 
@@ -665,8 +683,15 @@ class _EngineApp:
         try:
             body = await _json_body(request)
             rank = _pick_rank(self.engines, request)
+            config, prompts, adapters = rank.config, self.prompts, self.adapters
             return await _generate(
-                rank, body, chat, request, self.prompts, self.adapters, self.connector
+                rank,
+                body,
+                lambda: self.off_loop(
+                    lambda: _parse_generation(config, body, chat, prompts, adapters)
+                ),
+                request,
+                self.connector,
             )
         except BadRequest as exc:
             return _error(str(exc), exc.status)
@@ -697,6 +722,7 @@ class _EngineApp:
                 await e.stop()
             if self.connector is not None:
                 await self.connector.stop()
+            self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def routes(self) -> list[Route]:
         runtime = []
@@ -895,10 +921,8 @@ class _Reply:
 async def _generate(
     engine: Engine,
     body: dict[str, Any],
-    chat: bool,
+    parse: Callable[[], Awaitable[_Generation]],
     request: Request,
-    prompts: RenderedPrompts,
-    adapters: Container[str] = (),
     connector: Connector | None = None,
 ) -> Response:
     """Serve one generation on one rank.
@@ -914,7 +938,7 @@ async def _generate(
     engine.last_traceparent = request.headers.get("traceparent")
     engine.seen_headers.append(dict(request.headers))
     del engine.seen_headers[:-SEEN_HEADERS_KEPT]
-    gen = _parse_generation(engine.config, body, chat, prompts, adapters)
+    gen = await parse()  # `_parse_generation`, off the event loop
     transfer = connector.parse(body) if connector is not None else None
     if transfer is not None and transfer.remote_decode and transfer.request_id:
         gen = dataclasses.replace(gen, max_tokens=1)  # SGLang's prefill: its first token only

@@ -158,7 +158,8 @@ def test_a_gateway_restarted_mid_run_rejoins_and_its_window_is_reported(
     """Issue 39: `--restart-gateway-at` takes the last of two gateways out of rotation, stops
     it once its requests are done, restarts it on the same ports and puts it back: no request
     fails, the restarted gateway serves again, and the hit ratio of the window after the
-    restart is reported against the run's."""
+    restart is reported against the run's and, the same window's baseline, the restarted
+    gateway's against the other's."""
     out = tmp_path / "bench.md"
     argv = ["bench", "--trace", str(CONVERSATION_TRACE), "--start", "4000", "--requests", "40"]
     argv += ["--engines", "2", "--arms", "kvgate:cache_aware@2", "--time-scale", "0.5"]
@@ -177,6 +178,11 @@ def test_a_gateway_restarted_mid_run_rejoins_and_its_window_is_reported(
         (restart["window_hit_ratio"] - restart["run_hit_ratio"]) * 100
     )
     assert restart["run_hit_ratio"] == pytest.approx(row["summary"]["hit_ratio"])
+    # the same window's baseline: the other gateway's requests in it, which had no restart
+    assert restart["others_requests"] + restart["restarted_requests"] == restart["window_requests"]
+    assert restart["restarted_points"] == pytest.approx(
+        (restart["restarted_hit_ratio"] - restart["others_hit_ratio"]) * 100
+    )
     # the restarted gateway's lookups before and after count: every request looked up once
     assert row["directory"]["shared"] + row["directory"]["local"] == 40
     assert "kvgate:cache_aware@2 (run 1) restart: the last gateway out of rotation" in (
