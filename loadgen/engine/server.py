@@ -490,6 +490,10 @@ def _zero(e: Engine) -> float:
 
 
 # -- the app ------------------------------------------------------------------------------
+def _tokenizer_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="engine-tokenizer")
+
+
 class _EngineApp:
     """The HTTP surface of the simulated replica: vLLM's endpoints (and SGLang's probes) over
     one `Engine` per data-parallel rank, a method each."""
@@ -513,12 +517,14 @@ class _EngineApp:
         self.adapters = AdapterRegistry(
             config.model, ((name, f"/adapters/{name}") for name in config.lora_modules)
         )
-        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-tokenizer")
+        self.tokenizer_thread = _tokenizer_thread()
         """Prompts are rendered and tokenized here, one at a time in arrival order, never on
         the event loop: vLLM's API server tokenizes in a worker thread too, so its /health and
         /metrics answer in milliseconds while a 100k-token prompt is encoded (~0.3 s here on a
         quiet machine, seconds at a load of 10 on two cores: gateways' 1-s probes failed and
-        marked the whole fleet down). The BPE releases the GIL while it encodes."""
+        marked the whole fleet down). The BPE releases the GIL while it encodes. A stop shuts
+        it down and leaves a fresh one (its thread starts with its first call): the app may be
+        served again (a restarted engine)."""
 
     async def off_loop(self, call: Callable[[], T]) -> T:
         """`call()` in the tokenizer thread (its exceptions raise here)."""
@@ -723,6 +729,7 @@ class _EngineApp:
             if self.connector is not None:
                 await self.connector.stop()
             self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            self.tokenizer_thread = _tokenizer_thread()  # for a next serving (no thread yet)
 
     def routes(self) -> list[Route]:
         runtime = []

@@ -19,7 +19,7 @@ from loadgen.engine.timing import TimingModel
 from loadgen.engine.tokenizer import MODEL_DIR, count_tokens
 from loadgen.text import words
 from tests.conftest import MODEL, engine_of
-from tests.servers import Served, wait_until
+from tests.servers import Served, serve, wait_until
 
 LONG = "You are a careful agent." + words("engine-test", 800)
 
@@ -328,3 +328,20 @@ def test_health_answers_while_a_long_prompt_is_tokenized(engine: Served) -> None
         if worst < encode_s / 2:
             return
     raise AssertionError(f"(worst probe s, one encode s) in each attempt: {tried}")
+
+
+def test_an_engine_served_again_after_a_stop_answers(
+    start_engines: Callable[..., list[Served]],
+) -> None:
+    """The same engine app, stopped and served again on its port (a restart the gateway's
+    tests use): its tokenizer thread is its serving's own, so the second serving tokenizes.
+    Before, the first stop shut the app's one thread down and every request after the
+    restart answered 500 ("cannot schedule new futures after shutdown")."""
+    engine = start_engines(1)[0]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "again"}], "max_tokens": 1}
+    assert httpx.post(engine.url + "/v1/chat/completions", json=body).status_code == 200
+    app, port = engine.app, engine.port
+    engine.stop()
+    with serve(app, port) as again:
+        r = httpx.post(again.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
