@@ -95,10 +95,13 @@ def test_kill_9_under_load_keeps_exactly_one_record_per_completed_response(
     with ThreadPoolExecutor(NUM_CLIENTS) as pool:
         for worker in range(NUM_CLIENTS):
             pool.submit(client, worker)
-        wait_until(lambda: len(completed) >= KILL_AFTER_COMPLETED, 60, "completed responses")
-        gateway.popen.kill()  # SIGKILL, mid-load
-        gateway.popen.wait(timeout=10)
-        stop.set()
+        try:
+            wait_until(lambda: len(completed) >= KILL_AFTER_COMPLETED, 60, "completed responses")
+            gateway.popen.kill()  # SIGKILL, mid-load
+            gateway.popen.wait(timeout=10)
+        finally:  # a failure above ends the clients too (else they ran until the suite's timeout)
+            stop.set()
+            gateway.popen.kill()
     assert attempts > len(completed)  # requests were in flight, or refused, when it died
     assert len(set(completed)) == len(completed)
     # every response a client received complete has its record in the WAL, once
