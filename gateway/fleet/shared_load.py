@@ -277,8 +277,7 @@ class SharedLoad:
         most that call's round trip, against a bound of seconds) and this gateway's own are
         left out. Removing stale entries is left to the next write; an own entry Redis no
         longer holds (it lost its data) is written again at the next round."""
-        if isinstance(self.client, RedisCluster):
-            await self.client.initialize()
+        await self._slot_map()
         reply = await self._lane.command(LOAD_KEY, ("HGETALL", LOAD_KEY), "", ROUND_DEADLINE_S)
         pairs = (
             reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
@@ -302,10 +301,14 @@ class SharedLoad:
 
     async def _call(self, figures: bytes | str, deadline_s: float) -> Any:
         """The script down the rounds' lane: this gateway's figures ("" withdraws them)."""
-        if isinstance(self.client, RedisCluster):
-            await self.client.initialize()  # the slot map, once (the lane routes by it)
+        await self._slot_map()
         command = ("EVALSHA", self._sha, 1, LOAD_KEY, self.gateway_id, figures, self._stale_ms)
         return await self._lane.command(LOAD_KEY, command, SHARE, deadline_s)
+
+    async def _slot_map(self) -> None:
+        """A cluster's slot map, read once (the lane routes by it)."""
+        if isinstance(self.client, RedisCluster):
+            await self.client.initialize()
 
     @staticmethod
     def _apply(states: list[ReplicaState], peers: dict[str, PeerLoad]) -> None:
@@ -314,9 +317,8 @@ class SharedLoad:
 
     def wake(self) -> None:
         """A lease started: an idle loop's next round comes at its place (`_idle`)."""
-        waker = self._waker
-        if waker is not None and not waker.done():
-            waker.set_result(None)
+        if self._waker is not None:
+            _resolve(self._waker)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

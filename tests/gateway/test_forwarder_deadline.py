@@ -59,10 +59,16 @@ async def _hung(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 async def _first_then(
-    pause_s: float, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    pause_s: float,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    head_after_s: float = 0.0,
 ) -> None:
-    """The first event at once, then `pause_s` of silence, then the end (bounded)."""
+    """The head and first event after `head_after_s` (the engine's prefill), then `pause_s` of
+    silence, then the end (bounded)."""
     await _request(reader)
+    if head_after_s:
+        await asyncio.sleep(head_after_s)
     writer.write(HEAD + _chunk(FIRST))
     await writer.drain()
     try:
@@ -163,17 +169,7 @@ async def test_a_head_slower_than_the_idle_timeout_still_gets_the_idle_watch() -
     forwarder = Forwarder(30.0, 0.3)
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _request(reader)
-        await asyncio.sleep(0.5)  # the engine's prefill: longer than the idle timeout
-        writer.write(HEAD + _chunk(FIRST))
-        await writer.drain()
-        try:
-            await asyncio.wait_for(reader.read(), 5.0)  # b"" early: the gateway closed it
-        except TimeoutError:
-            writer.write(_chunk(LAST) + b"0\r\n\r\n")
-            await writer.drain()
-        writer.close()
-        await writer.wait_closed()
+        await _first_then(5.0, reader, writer, head_after_s=0.5)  # a prefill past idle_s
 
     async with _serve(engine) as url:
         opened = await _attempt(forwarder, url)
