@@ -41,6 +41,63 @@ def client_left(request: Request) -> Callable[[], Awaitable[None]]:
     return left
 
 
+WATCH_AFTER_S = 0.1
+"""How long an answer is awaited before the client's connection is watched (`ClientWatch`):
+most answers commit sooner, and they pay one timer, not a task."""
+
+
+class ClientWatch:
+    """While the answer is awaited (the route, the engine's first byte, a whole non-streamed
+    answer): a client that disconnects cancels the work, so its engine request is aborted
+    (the upstream connection closes, as vLLM's own front end aborts on a disconnect) and its
+    replica's lease ends, instead of the engine computing an answer nobody reads. The block
+    then raises `ClientGone` (499, counted, never sent).
+
+    The connection is watched only once the answer has taken `WATCH_AFTER_S` (a timer, then a
+    task on `left`): a client that left sooner is seen at once then, so the engine computes at
+    most that long for nobody. A streamed answer is watched by its relay once it commits."""
+
+    __slots__ = ("_left", "_task", "_timer", "_watcher", "left")
+
+    def __init__(
+        self, left: Callable[[], Awaitable[object]] | None, after_s: float = WATCH_AFTER_S
+    ) -> None:
+        self._left = left
+        self._task: asyncio.Task[Any] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._watcher: asyncio.Future[None] | None = None
+        self.left = False
+        """The client disconnected and the work was cancelled for it."""
+        if left is not None:
+            self._task = asyncio.current_task()
+            self._timer = asyncio.get_running_loop().call_later(after_s, self._watch)
+
+    def _watch(self) -> None:
+        self._timer = None
+        self._watcher = asyncio.ensure_future(self._until_left())
+
+    async def _until_left(self) -> None:
+        assert self._left is not None and self._task is not None
+        await self._left()
+        # the task is suspended inside the block (this runs only while it is): the
+        # cancellation is delivered there, at its current await
+        self.left = True
+        self._task.cancel("the client disconnected")
+
+    def __enter__(self) -> ClientWatch:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.left:
+            assert self._task is not None
+            self._task.uncancel()
+            raise ClientGone("the client disconnected before its answer") from None
+
+
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
     """The whole body, within the limits in the module docstring."""
     declared = request.headers.get("content-length")

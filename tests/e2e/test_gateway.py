@@ -263,3 +263,45 @@ def test_a_client_that_leaves_mid_stream_aborts_the_engine_request(
     wait_until(lambda: core.counters.requests_aborted == 1, what="engine abort")
     wait_until(lambda: director(gateway).replicas.get(engines[0].url).num_inflight == 0)
     assert core.num_running == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "stream", "before_first_token"),
+    [
+        ("/v1/chat/completions", True, True),
+        ("/v1/chat/completions", False, True),
+        ("/v1/chat/completions", False, False),
+        ("/v1/messages", False, True),
+    ],
+)
+def test_a_client_that_leaves_before_its_answer_aborts_the_engine_request(
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+    path: str,
+    stream: bool,
+    before_first_token: bool,
+) -> None:
+    # a prefill of ~3,000 tokens at 100 tokens/s takes 30 s; or 1,000 tokens at 20 ms each 20 s:
+    # the client gives up after 0.5 s, and the engine must not go on computing for nobody
+    slow = (
+        TimingModel(prefill_tokens_per_s=100.0)
+        if before_first_token
+        else TimingModel(decode_s_per_token=0.02)
+    )
+    engines = start_engines(1, timing=slow)
+    gateway = start_gateway(engines)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": words("leaving", 2000)}],
+        "max_tokens": 1000,
+        "stream": stream,
+    }
+    headers = {"authorization": f"Bearer {TENANT_KEY}", "x-api-key": TENANT_KEY}
+    core = engine_of(engines[0]).core
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.url + path, json=body, headers=headers, timeout=0.5)
+    wait_until(lambda: core.counters.requests_aborted == 1, what="engine abort")
+    assert core.counters.requests_finished == 0
+    wait_until(lambda: director(gateway).replicas.get(engines[0].url).num_inflight == 0)
+    if not before_first_token:  # a prefill in progress ends its step (the KV is written)
+        assert core.num_running == 0

@@ -32,7 +32,7 @@ from starlette.responses import Response
 
 from gateway.api.anthropic.convert import parse_count_tokens, parse_messages
 from gateway.api.anthropic.schemas import openapi_operation
-from gateway.api.body import client_left
+from gateway.api.body import ClientWatch, client_left
 from gateway.api.context import FrontEnd
 from gateway.api.errors import anthropic_error_body, to_anthropic_http
 from gateway.api.responses import ExchangeSSE, JSONBytes, debug_headers
@@ -274,16 +274,17 @@ async def serve(
     client_left: Callable[[], Awaitable[object]] | None = None,
 ) -> Response:
     """Open an exchange for a converted request and answer in Anthropic's shape."""
-    opened = await front.pipeline.open(parsed, tenant, trace_headers, client_left)
-    if isinstance(opened, Passthrough):
-        raise EngineRejected(opened.status, opened.body)
-    if not opened.parsed.stream:
+    with ClientWatch(client_left):
+        opened = await front.pipeline.open(parsed, tenant, trace_headers, client_left)
+        if isinstance(opened, Passthrough):
+            raise EngineRejected(opened.status, opened.body)
+        if opened.parsed.stream:
+            return _AnthropicSSE(opened, debug_headers(opened, front.debug_headers))
         body = await opened.complete()
-        return JSONBytes(
-            orjson.dumps(message_body(parsed, body)),
-            debug_headers(opened, front.debug_headers),  # the replica that answered
-        )
-    return _AnthropicSSE(opened, debug_headers(opened, front.debug_headers))
+    return JSONBytes(
+        orjson.dumps(message_body(parsed, body)),
+        debug_headers(opened, front.debug_headers),  # the replica that answered
+    )
 
 
 def register(router: APIRouter, front: FrontEnd) -> Callable[[Request], Awaitable[Response]]:

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.api.anthropic import routes as anthropic_api
 from gateway.api.asgi import Handler
-from gateway.api.body import client_left
+from gateway.api.body import ClientWatch, client_left
 from gateway.api.context import FrontEnd
 from gateway.api.errors import to_http
 from gateway.api.openai.parse import parse_chat, parse_completion
@@ -73,14 +73,15 @@ async def handle(
     """Serve one OpenAI-shaped completion: the pipeline opens the exchange (admit, route,
     forward); its answer goes back as JSON, as the engine's SSE stream, or as the engine's 4xx.
     `client_left()`: returns when the client disconnects (watched while the request waits)."""
-    opened = await front.pipeline.open(parsed, tenant, trace_headers, client_left)
-    if isinstance(opened, Passthrough):
-        return JSONBytes(opened.body, status_code=opened.status)
-    if not opened.parsed.stream:
+    with ClientWatch(client_left):
+        opened = await front.pipeline.open(parsed, tenant, trace_headers, client_left)
+        if isinstance(opened, Passthrough):
+            return JSONBytes(opened.body, status_code=opened.status)
+        if opened.parsed.stream:
+            return OpenAISSE(opened, debug_headers(opened, front.debug_headers))
         body = await opened.complete()
-        headers = debug_headers(opened, front.debug_headers)  # the replica that answered
-        return JSONBytes(orjson.dumps(body), headers)
-    return OpenAISSE(opened, debug_headers(opened, front.debug_headers))
+    headers = debug_headers(opened, front.debug_headers)  # the replica that answered
+    return JSONBytes(orjson.dumps(body), headers)
 
 
 def build_router(front: FrontEnd) -> tuple[APIRouter, dict[str, Handler]]:
