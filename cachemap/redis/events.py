@@ -577,6 +577,7 @@ class EventWriter:
                     return
                 except NoScriptError:
                     if attempt:
+                        self.flush_errors += 1
                         raise
                     for script in (WRITE, CLEAN, MAP, FEED, DOMAIN):  # every primary
                         await self.client.script_load(script)
@@ -616,8 +617,11 @@ class EventWriter:
                 errors = [r for r in results if isinstance(r, Exception)]
                 if errors:
                     raise next((e for e in errors if isinstance(e, NoScriptError)), errors[0])
-            except Exception:
-                self.flush_errors += 1
+            except Exception as exc:
+                # a Redis that lost its scripts (a restart, a fresh server) is not a failure:
+                # `flush` loads them and sends the pipeline again (counted if that fails too)
+                if not isinstance(exc, NoScriptError):
+                    self.flush_errors += 1
                 for _, state, pending in undo:  # put back what was taken, newer writes win
                     pending.restore(state)
                 raise
