@@ -40,6 +40,15 @@ class MemoryIndex:
       setting's `capacity_blocks`, or less where the engine's KV is smaller (`set_capacity`).
     - forget() swaps in a fresh epoch in O(1); the old epoch's entries are released a bounded
       number per record() call (freeing 200k entries at once would stall the event loop).
+    - With `whole_chains` (every `record` is a prompt's chain from its first block: the
+      gateway's own index), a replica's epoch is *prefix-closed* while it has seen no `drop`
+      and no record older than an earlier one: a block held means every block before it in its
+      chain is held, and used at least as recently. Each record moves a chain's blocks to the
+      newest end tail first, so a block always sits nearer that end than any block after it in
+      a chain, and eviction and expiry take the oldest end first. A lookup then finds the
+      replica's depth by bisection (~9 probes for a 325-block prompt) instead of a probe a
+      block: the same depth and last use as the walk. A `drop` or an out-of-order record
+      time puts the epoch back on the walk until the replica is forgotten.
     """
 
     def __init__(
@@ -48,6 +57,7 @@ class MemoryIndex:
         capacity_blocks: int = DEFAULT_REPLICA_CAPACITY_BLOCKS,
         ttl_s: float = DEFAULT_TTL_S,
         clock: Clock = DIRECTORY_CLOCK,
+        whole_chains: bool = False,
     ) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
@@ -60,6 +70,11 @@ class MemoryIndex:
         self._graveyard: list[_Lru] = []
         self._capacities: dict[str, int] = {}
         """Replicas whose engine holds fewer blocks than `capacity_blocks` -> what it holds."""
+        self.whole_chains = whole_chains
+        self._newest: dict[str, float] = {}
+        """Each replica's latest record time in its current epoch (`whole_chains`)."""
+        self._walked: set[str] = set()
+        """Replicas whose current epoch may not be prefix-closed: looked up a block at a time."""
 
     def capacity_of(self, replica: str) -> int:
         """Entries the replica keeps: the smaller of the setting and its engine's KV."""
@@ -92,9 +107,13 @@ class MemoryIndex:
         expired_before = self.clock() - self.ttl_s
         first = hashes[0]
         out: dict[str, tuple[int, float]] = {}
+        walked = self._walked if self.whole_chains else None
         for replica, lru in self._current.items():
             used = lru.get(first)
             if used is None or used <= expired_before:
+                continue
+            if walked is not None and replica not in walked:
+                out[replica] = _bisect(lru, hashes, expired_before, used)
                 continue
             # the walk over `map` (its `get` calls in C, no slice of `hashes` copied per
             # replica): 40 -> 25 us for the ramp's 325-block prompts
@@ -114,6 +133,11 @@ class MemoryIndex:
         lru = self._current.get(replica)
         if lru is None:
             lru = self._current[replica] = OrderedDict()
+        if self.whole_chains and hashes:
+            if now < self._newest.get(replica, now):  # older than what it holds: walk it
+                self._walked.add(replica)
+            else:
+                self._newest[replica] = now
         move = lru.move_to_end
         for block in reversed(hashes):
             lru[block] = now
@@ -128,6 +152,8 @@ class MemoryIndex:
         lru = self._current.get(replica)
         if lru is None:
             return
+        if hashes:
+            self._walked.add(replica)  # any block, not only a chain's tail: walk it from now on
         for block in hashes:
             lru.pop(block, None)
 
@@ -141,6 +167,8 @@ class MemoryIndex:
             lru.popitem(last=False)
 
     def forget(self, replica: str) -> None:
+        self._walked.discard(replica)  # a fresh epoch: prefix-closed again
+        self._newest.pop(replica, None)
         lru = self._current.pop(replica, None)
         if lru:
             self._graveyard.append(lru)
@@ -176,6 +204,28 @@ class MemoryIndex:
                 budget -= 1
             if not lru:
                 self._graveyard.pop()
+
+
+def _bisect(
+    lru: _Lru, hashes: Sequence[BlockHash], expired_before: float, first_used: float
+) -> tuple[int, float]:
+    """The leading depth of `hashes` in a prefix-closed `lru` whose entry for the first block
+    (`first_used`) is live, and the last use of the deepest block matched."""
+    get = lru.get
+    end = len(hashes)
+    used = get(hashes[end - 1])
+    if used is not None and used > expired_before:  # the whole prompt: the common case
+        return end, used
+    # hashes[:held] are held (the deepest used at `last`), hashes[missing] is not
+    held, last, missing = 1, first_used, end - 1
+    while held < missing:
+        mid = (held + missing) // 2
+        used = get(hashes[mid])
+        if used is not None and used > expired_before:
+            held, last = mid + 1, used
+        else:
+            missing = mid
+    return held, last
 
 
 class MemoryDirectory:

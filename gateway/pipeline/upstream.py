@@ -288,9 +288,10 @@ class UpstreamConnection(asyncio.Protocol):
         self.in_flight = True
         self._parser = httptools.HttpResponseParser(self)
         self._headers_done = self._loop.create_future()
-        self.transport.write(head + payload if len(payload) < 16384 else head)
-        if len(payload) >= 16384:
-            self.transport.write(payload)
+        if len(payload) < 16384:
+            self.transport.write(head + payload)
+        else:  # one write(v) with no copy of the payload: a syscall and a wake-up fewer
+            self.transport.writelines((head, payload))
         if self.lost:
             raise ConnectionError("the engine closed the connection")
         await self._headers_done

@@ -148,7 +148,9 @@ def build_directory(settings: Settings) -> RoutingDirectory:
     shared one is attached at start), also what `kvgate footprint` measures."""
     local = MemoryDirectory(
         MemoryIndex(
-            capacity_blocks=settings.directory_capacity_blocks, ttl_s=settings.directory_ttl_s
+            capacity_blocks=settings.directory_capacity_blocks,
+            ttl_s=settings.directory_ttl_s,
+            whole_chains=True,  # a prompt's keys from its first block: lookups bisect
         )
     )
     return RoutingDirectory(

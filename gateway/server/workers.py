@@ -131,6 +131,9 @@ def share_placements(settings: Settings, directory: RoutingDirectory) -> None:
         return
     socks = [socket.socket(fileno=fd) for fd in settings.worker_placement_fds]
     directory.siblings = Siblings(socks[0], socks[1:])
+    # the others' records arrive as runs of a chain (a long one in several datagrams, any of
+    # which a full queue may drop), not always from its first block: the index walks
+    directory.local.index.whole_chains = False
 
 
 def share_fleet_view(settings: Settings, replicas: ReplicaSet) -> None:

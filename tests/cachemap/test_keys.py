@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import mmh3
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachemap.keys import affinity_key, chain_hashes, hash_prompt, root_hash
+from cachemap.keys import TAG_BYTES, affinity_key, chain_hashes, hash_prompt, root_hash
 
 BLOCK = 16
 salts = st.binary(min_size=1, max_size=32)
@@ -79,3 +80,48 @@ def test_affinity_key_names_the_first_k_blocks() -> None:
     assert affinity_key(moved, root, chain_hashes(moved, root, BLOCK), 4, BLOCK) != hashes[3]
     short = b"short"
     assert affinity_key(short, root, [], 4, BLOCK) != affinity_key(b"shorT", root, [], 4, BLOCK)
+
+
+def _by_definition(data: bytes, root: bytes, block: int, parent: bytes | None) -> list[bytes]:
+    """The module docstring's chain, a block at a time (what `chain_hashes` must equal however
+    it cuts the blocks)."""
+    out: list[bytes] = []
+    last, tag = parent, parent[:TAG_BYTES] if parent is not None else b""
+    for start in range(0, len(data) - block + 1, block):
+        piece = data[start : start + block]
+        if last is None:
+            last = mmh3.mmh3_x64_128_digest(root + piece)
+            tag = last[:TAG_BYTES]
+        else:
+            last = tag + mmh3.mmh3_x64_128_digest(last + piece)[TAG_BYTES:]
+        out.append(last)
+    return out
+
+
+@given(
+    st.binary(max_size=3000),
+    st.sampled_from([1, 3, 16, 64, 256, 1024]),
+    st.none() | st.binary(min_size=16, max_size=16),
+)
+def test_the_chain_is_its_definition(prompt: bytes, block: int, parent: bytes | None) -> None:
+    root = root_hash(b"salt", "model")
+    assert chain_hashes(prompt, root, block, parent=parent) == _by_definition(
+        prompt, root, block, parent
+    )
+
+
+def test_the_keys_do_not_change() -> None:
+    """Known answers: other gateways (and Redis) hold these keys, so a faster chain must give
+    the same bytes (computed before the chain was cut by `struct.iter_unpack`)."""
+    root = root_hash(b"tenant-salt", "kvgate-sim-8b")
+    assert root.hex() == "6d1364852834efa6b17523641f6df473"
+    chain = chain_hashes(bytes(range(256)) * 5, root, 256)
+    assert [h.hex() for h in chain] == [
+        "7b0e621ab6a5c763166192c215d872eb",
+        "7b0e621ab6a5906281a8add8a3c8ca2e",
+        "7b0e621ab6a5f7dfc86e435be15cdf06",
+        "7b0e621ab6a5c48f7c0ace1b7f486aeb",
+        "7b0e621ab6a5a1d43bf6cb1a52987f6b",
+    ]
+    tail = chain_hashes(bytes(range(256)) * 2 + b"x", root, 256, parent=chain[2])
+    assert tail == chain[3:]

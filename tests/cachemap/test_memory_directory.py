@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachemap.keys import BlockHash
+from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryDirectory, MemoryIndex
 
 
@@ -183,3 +183,95 @@ def test_lookups_and_records_match_a_block_at_a_time_model(
     for replica, lru in model.items():
         newest_first = [(k, t) for k, t in reversed(lru.items()) if t > expired_before]
         assert [e for e in index.entries(replica) if e[1] > expired_before] == newest_first
+
+
+def _prompt_chains() -> list[list[BlockHash]]:
+    """Real chains (each key names its whole prefix) of prompts that share prefixes: three
+    stems, each continued three ways, each prefix of each a chain of its own."""
+    root = root_hash(b"salt", "model")
+    stems = [bytes([65 + s]) * 40 for s in range(3)]
+    prompts = [stem + bytes([97 + t]) * (8 * t + 20) for stem in stems for t in range(3)]
+    return [chain_hashes(p, root, 4) for p in prompts]
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["record", "record", "record", "older", "drop", "expire", "cap", "forget"]),
+        st.integers(0, 2),  # replica
+        st.integers(0, 8),  # prompt
+        st.integers(1, 30),  # length (blocks), or a capacity
+        st.integers(0, 40),  # seconds forward (or back, for "older")
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS)
+def test_a_whole_chains_index_answers_every_lookup_as_the_walk_does(
+    ops: list[tuple[str, int, int, int, int]],
+) -> None:
+    """`whole_chains` looks each replica's depth up by bisection while its epoch is
+    prefix-closed: under any mix of records (in and out of time order), drops, expiries,
+    capacities and forgets, each lookup's depths and last uses are the block-at-a-time
+    walk's (an index without it, given the same calls)."""
+    chains = _prompt_chains()
+    clock = Clock()
+    bisected = MemoryIndex(ttl_s=60, capacity_blocks=60, clock=clock, whole_chains=True)
+    walked = MemoryIndex(ttl_s=60, capacity_blocks=60, clock=clock)
+    for op, r, p, n, seconds in ops:
+        replica, keys = f"r{r}", chains[p][:n]
+        for index in (bisected, walked):
+            if op == "record":
+                index.record(replica, keys, clock.now + seconds)
+            elif op == "older":
+                index.record(replica, keys, clock.now - seconds)
+            elif op == "drop":
+                index.drop(replica, keys[n // 2 :: 2])
+            elif op == "expire":
+                index.expire(replica, clock.now + seconds - 60)
+            elif op == "cap":
+                index.set_capacity(replica, n if seconds % 2 else None)
+            else:
+                index.forget(replica)
+        if op == "record":
+            clock.now += seconds
+        for looked_up in chains:
+            for length in (1, len(looked_up) // 2, len(looked_up)):
+                want = walked.lookup_detail(looked_up[:length])
+                assert bisected.lookup_detail(looked_up[:length]) == want
+
+
+def test_a_whole_chains_index_probes_a_few_blocks_of_a_long_prompt() -> None:
+    """A 325-block prompt held whole is one probe past the first block; held in part, a
+    bisection (~9); the walk probes every block held."""
+    chain_ = chain_hashes(bytes(range(256)) * 325, root_hash(b"s", "m"), 256)
+    index = MemoryIndex(clock=Clock(), whole_chains=True)
+    index.record("r1", chain_)
+    index.record("r2", chain_[:100])
+    probes: list[BlockHash] = []
+    for lru in index._current.values():
+        get = lru.get
+        lru.get = lambda key, *default, get=get: probes.append(key) or get(key, *default)  # type: ignore[method-assign]
+    assert index.lookup_detail(chain_) == {
+        "r1": (325, pytest.approx(1000.0)),
+        "r2": (100, pytest.approx(1000.0)),
+    }
+    assert len(probes) <= 2 + 2 + 10
+
+
+def test_a_record_older_than_the_replicas_newest_puts_it_back_on_the_walk() -> None:
+    """Another worker's record of a shorter prefix, at an older time, leaves a deeper block
+    fresher than the blocks before it: bisection would read the deeper block as the depth, the
+    walk stops at the first stale block. The index walks that replica from then on."""
+    chain_ = _prompt_chains()[0]
+    clock = Clock()
+    index = MemoryIndex(ttl_s=60, clock=clock, whole_chains=True)
+    index.record("r1", chain_[:4], 1000.0)
+    index.record("r1", chain_[:3], 990.0)  # older: a sibling's, delayed
+    index.record("r1", chain_[:1], 1100.0)
+    clock.now = 1055.0  # expired at or before 995: the blocks at 990, not the one at 1000
+    assert index.lookup_detail(chain_[:4]) == {"r1": (1, 1100.0)}
+    index.forget("r1")  # a fresh epoch is prefix-closed again
+    index.record("r1", chain_[:4], 1050.0)
+    assert index.lookup_detail(chain_[:4]) == {"r1": (4, 1050.0)}

@@ -4,12 +4,15 @@ sockets, as the supervisor makes them (`gateway.server.workers.placement_sockets
 from __future__ import annotations
 
 import asyncio
+import os
 
 from cachemap.keys import chain_hashes, root_hash
 from cachemap.memory import MemoryDirectory
 from gateway.directory.routing import RoutingDirectory
 from gateway.directory.siblings import HASHES_PER_DATAGRAM, Siblings, decode, encode
-from gateway.server.workers import placement_sockets
+from gateway.server.app import build_directory
+from gateway.server.workers import placement_sockets, share_placements
+from gateway.settings import Settings
 
 
 async def until(predicate: object, what: str) -> None:
@@ -53,3 +56,24 @@ async def test_what_one_worker_places_every_other_workers_local_index_holds() ->
     finally:
         for directory in workers:
             await directory.close()
+
+
+def test_a_pods_worker_looks_up_block_by_block_and_a_lone_gateway_bisects() -> None:
+    """The other workers' records arrive as runs of a chain (a long one in several datagrams,
+    any of which a full queue may drop), so a worker's local index walks each lookup; a lone
+    gateway's records are whole chains, and its index bisects (`MemoryIndex.whole_chains`)."""
+    alone = build_directory(Settings())
+    assert isinstance(alone.local, MemoryDirectory) and alone.local.index.whole_chains
+    ends = placement_sockets(2)
+    worker = build_directory(Settings())
+    share_placements(
+        Settings(worker_placement_fds=tuple(os.dup(s.fileno()) for s in ends[0])), worker
+    )
+    try:
+        assert isinstance(worker.local, MemoryDirectory) and not worker.local.index.whole_chains
+    finally:
+        assert worker.siblings is not None
+        worker.siblings.close()
+        for socks in ends:
+            for sock in socks:
+                sock.close()

@@ -403,3 +403,34 @@ async def test_an_engine_ending_a_kept_alive_connection_is_reported(
     pool.close()  # ours: not reported
     await eventually(lambda: not pool.connections)
     assert len(reported) == 1
+
+
+async def test_a_request_of_any_size_reaches_the_engine_byte_for_byte(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    """Small payloads go out in one write with their head, large ones (16 KiB and more) with
+    the head in one gathered write: either way the engine reads exactly the head and the body,
+    and the connection serves the next request."""
+    received: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            received.append(await read_request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+            writer.write(b"content-length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    server = await serve(answer)
+    pool = UpstreamPool(8, 2.0)
+    sizes = (7, 16383, 16384, 65536, 300_000)
+    for size in sizes:
+        payload = b'{"p":"' + bytes(48 + i % 64 for i in range(size)) + b'"}'
+        conn = await pool.post(server.url, payload, {"x-kvgate-attempt": "1"})
+        assert await conn.read() == b"{}"
+        conn.release()
+        head, _, body = received[-1].partition(b"\r\n\r\n")
+        assert body == payload
+        assert b"content-length: %d" % len(payload) in head
+        assert b"x-kvgate-attempt: 1" in head
+    assert server.num_connections == 1
+    pool.close()
