@@ -429,8 +429,8 @@ class Settings(BaseSettings):
     flow_affinity_wait_ms: float = DEFAULT_FLOW_AFFINITY_WAIT_MS
     """When the replica holding a request's cached prefix has no room (and others do), the
     request waits in the gateway for it up to this long, and never longer than the prefill that
-    cache saves; then (at 0: at once) it goes to a replica with room (docs/flow-control.md,
-    "The bounded affinity wait")."""
+    cache saves; then (at 0: at once) the router places it as any request, its cached replica
+    included, by cache and load (docs/flow-control.md, "The bounded affinity wait")."""
     flow_share_counters: bool = True
     """With `redis_url`: every gateway (and worker) publishes the service its fair queue gave
     each scope and adds the others' to its counters (batched, approximate), so the fleet's
