@@ -103,12 +103,16 @@ agent's fan-out, fits); the next is a 429 with Retry-After: its own backlog is f
 DEFAULT_FLOW_MAX_QUEUED = 4096
 """Requests waiting in one gateway in all: 4,096 of ~1 KB of state each (the body is held by
 its handler anyway); past it the fleet is full for everyone and a request gets a 503."""
-DEFAULT_FLOW_AFFINITY_WAIT_MS = 500.0
-"""A request whose cached replica is full waits up to 0.5 s for it (never longer than its cache
-saves): a full replica gets room back within about its room bound (0.25 s) plus one prefill,
-so the wait usually ends with a hit, and a request whose replica stays busy loses at most half
-a second. `kvgate bench-fairness --scenario affinity` (docs/flow-control.md): B's conversations
-beside a flood hit 0.86 of their prompt at 0, 0.99 at 250-1000 ms, p99 TTFT no worse."""
+DEFAULT_FLOW_AFFINITY_WAIT_MS = 0.0
+"""Off: a request whose cached replica is full is placed by the router at once, by cache and
+load, as any request (issue 39). The wait (0.5 s until then) paid when past its bound a request
+went cold to a replica with room (B's conversations beside a flood hit 0.86-0.89 at 0 against
+0.99 at 250-1000 ms); with the router placing it instead, `kvgate bench-fairness --scenario
+affinity` reads B's hit ratio 0.992 at 0 and at 500 ms, TTFT p50 0.23 / 0.32 against 0.39 /
+0.39 s, p99 3.16-3.18 s in all four runs, B's turns 220 / 197 against 182 / 163; and bench
+point 1's first 1,000 requests (one gateway, time scale 4, A B B A) TTFT mean 0.95 / 0.85 s
+against 2.54 / 1.42 s, hit ratio 0.097 / 0.100 against 0.095 / 0.097 (docs/flow-control.md).
+The wait held its scope's later requests behind it (a scope's sub-queue is in order)."""
 DEFAULT_FLOW_MAX_QUEUE_S = 60.0
 """No request waits in the gateway longer than 60 s: beyond it a client's own timeout (the
 SDKs' are 60-600 s) would give up anyway, and an explicit 429/503 lets it back off."""
@@ -429,8 +433,8 @@ class Settings(BaseSettings):
     flow_affinity_wait_ms: float = DEFAULT_FLOW_AFFINITY_WAIT_MS
     """When the replica holding a request's cached prefix has no room (and others do), the
     request waits in the gateway for it up to this long, and never longer than the prefill that
-    cache saves; then (at 0: at once) it goes to a replica with room (docs/flow-control.md,
-    "The bounded affinity wait")."""
+    cache saves; then (at 0: at once) the router places it as any request, its cached replica
+    included, by cache and load (docs/flow-control.md, "The bounded affinity wait")."""
     flow_share_counters: bool = True
     """With `redis_url`: every gateway (and worker) publishes the service its fair queue gave
     each scope and adds the others' to its counters (batched, approximate), so the fleet's

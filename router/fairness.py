@@ -169,7 +169,8 @@ def affinity_verdict(
     replica holding the most is full and it has waited less than both `max_wait_s` and the
     prefill that cache saves over the best replica with room (at `prefill_tokens_per_s`), so
     it never waits longer than its cache is worth. "elsewhere": the same, past either bound:
-    it goes to a replica with room (cold, or less cached)."""
+    it waits no more, and the router places it by cache and load, its full cached replica still
+    a candidate (issue 39: left out, bench point 1's turns re-prefilled cold elsewhere)."""
     best = max(cached_tokens.values(), default=0.0)
     if best <= 0:
         return "go"

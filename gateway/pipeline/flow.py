@@ -34,8 +34,11 @@ The bounded affinity wait (`router.fairness.affinity_verdict`): when the fleet h
 every replica holding the most of a request's prompt has none, the request waits for one of
 them — up to `affinity_wait_s`, and never longer than the prefill that cache saves over the
 best replica with room — and is let through the moment one has room (a lease's prefill ending
-wakes the queue). Past the bound, it goes to a replica with room (the ticket's `avoid`: the
-placement leaves the full ones out). Others are not held up: a request waiting for its replica
+wakes the queue). Past the bound, it is let through and the router places it as any request,
+its full cached replica still a candidate (passed over only by a request holding none of its
+prompt there: `Ticket.full`), so the router's load bound weighs the cache against the load; it
+was sent to a replica with room, cold, and bench point 1 lost hits and TTFT (issue 39). Others
+are not held up: a request waiting for its replica
 is not eligible, so the queue serves the next one (work-conserving); requests of its own scope
 wait behind it, as its sub-queue is in order.
 Released for its replica, a request claims the room it takes there until it is placed
@@ -94,9 +97,11 @@ prefills' progress brings a replica under the bound (`next_room_s`)."""
 MIN_TICK_S = 0.001
 REJECT_REASONS = ("scope_full", "gateway_full", "scope_timeout", "fleet_timeout", "client_gone")
 AFFINITY_OUTCOMES = ("waited", "bound", "no_wait")
-"""A request whose cached replica was full: let through to it after waiting (`waited`), sent
-elsewhere past the wait's bound (`bound`: `affinity_wait_s` or what its cache saves), or at once
-(`no_wait`: `affinity_wait_s` is 0)."""
+"""A request whose cached replica was full: let through to it after waiting (`waited`), let
+through past the wait's bound (`bound`: `affinity_wait_s` or what its cache saves), or at once
+(`no_wait`: `affinity_wait_s` is 0). Past the bound the router places it as it places any
+request, its full cached replica included (the router weighs the cache against the load), not
+away from it: sent cold to a replica with room, bench point 1 lost hits and TTFT (issue 39)."""
 NO_AVOID: frozenset[str] = frozenset()
 
 
@@ -215,6 +220,8 @@ class _Waiter:
     """Prompt tokens each candidate holds (None: none holds any)."""
     blocked_s: float | None = None
     """When it first waited for its cached replica (the affinity wait's start)."""
+    past_bound: bool = False
+    """Let through past the affinity wait's bound (or at once, the wait off)."""
     avoid: frozenset[str] = NO_AVOID
     claimed: str | None = None
     """Set when it is let through: the replicas its placement leaves out, the one it claims."""
@@ -364,8 +371,9 @@ class FlowControl:
         self, cached: Mapping[str, float], waited_s: float, now_s: float, bound: float
     ) -> tuple[Affinity, frozenset[str], str | None]:
         """The affinity verdict for a request the fleet has room for (under `bound`, its
-        band's), the replicas its placement leaves out ("elsewhere": the full ones), and the
-        replica it claims ("go" to a replica with room that holds the most of it)."""
+        band's), the replicas its placement leaves out (none: past the bound, "elsewhere", the
+        router places it with its full cached replica a candidate), and the replica it claims
+        ("go" to a replica with room that holds the most of it)."""
         states = self.replicas.states
         best = max(cached.values(), default=0.0)
         if best <= 0:
@@ -379,7 +387,12 @@ class FlowControl:
             kept, room, self.limits.prefill_tokens_per_s, self.limits.affinity_wait_s, waited_s
         )
         if verdict == "elsewhere":
-            return verdict, frozenset(r for r, ok in room.items() if not ok), None
+            # past the bound: placed by the router, the full cached replica still a candidate
+            # (passed over only when it holds none of the prompt: `Ticket.full`); left out, the
+            # request re-prefilled its prefix cold elsewhere: bench point 1's first 1,000
+            # requests read hit ratio 0.092 / TTFT mean 1.14-1.27 s against 0.097 / 0.81-0.87 s
+            # (issue 39, docs/flow-control.md)
+            return verdict, NO_AVOID, None
         best = max(kept.values(), default=0.0)
         claimed = next((r for r, c in kept.items() if c >= best > 0 and room[r]), None)
         return verdict, NO_AVOID, claimed
@@ -398,8 +411,8 @@ class FlowControl:
         """The hot path, synchronous: a ticket at once when the fleet has room and no one is
         queued (the dispatch is charged to the scope's counter), else None: `wait`. `cached`:
         the prompt tokens each candidate holds, when any does (the affinity wait: a request
-        whose cached replica is full waits for it when that is worth it, else it leaves the
-        full replicas out). `decode`: a disaggregated fleet's decode pool, which must have room too
+        whose cached replica is full waits for it when that is worth it, else the router places
+        it as it likes). `decode`: a disaggregated fleet's decode pool, which must have room too
         (`candidates` are its prefill instances)."""
         self.activity.seen(band, self.clock())
         if self.queue:
@@ -596,6 +609,7 @@ class FlowControl:
             verdict, waiter.avoid, waiter.claimed = self._affinity(
                 waiter.cached, waited_s, time.monotonic(), bound
             )
+            waiter.past_bound = verdict == "elsewhere"
             if verdict == "wait":
                 nonlocal affinity_waits
                 affinity_waits = True
@@ -627,8 +641,8 @@ class FlowControl:
         if waiter.claimed is not None:
             self.claimed[waiter.claimed] = self.claimed.get(waiter.claimed, 0.0) + waiter.tokens
         if waiter.blocked_s is not None:
-            self.stats.count_affinity("bound" if waiter.avoid else "waited")
-        elif waiter.avoid:
+            self.stats.count_affinity("bound" if waiter.past_bound else "waited")
+        elif waiter.past_bound:
             self.stats.count_affinity("no_wait")
         waiter.future.set_result(now_s - queued.enqueued_s)
         self.stats.count_dispatch(queued.band, "queued")

@@ -132,7 +132,7 @@ class GatewayCollector(Collector):
         affinity = CounterMetricFamily(
             "kvgate_flow_affinity",
             "Requests whose cached replica had no room when the fleet had some: let through "
-            "to it after waiting (waited), sent to a replica with room past the affinity "
+            "to it after waiting (waited), let through to the router past the affinity "
             "wait's bound (bound), or at once with no wait configured (no_wait).",
             labels=["outcome"],
         )

@@ -888,7 +888,9 @@ def idle_ttft_ms(url: str, api_key: str | None) -> float:
 
 def routing_decisions(metrics_url: str) -> dict[str, int]:
     """`kvgate_routing_decisions_total` by reason, from the gateway's /metrics (its admin
-    port)."""
+    port), and flow control's affinity outcomes (`kvgate_flow_affinity_total`, as
+    `affinity <outcome>`, those that happened): the requests whose cached replica had no room,
+    let through to it after waiting or sent elsewhere."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
@@ -898,6 +900,9 @@ def routing_decisions(metrics_url: str) -> dict[str, int]:
             if sample.name == "kvgate_routing_decisions_total":
                 reason = sample.labels.get("reason", "")
                 out[reason] = out.get(reason, 0) + int(sample.value)
+            elif sample.name == "kvgate_flow_affinity_total" and sample.value:
+                outcome = "affinity " + sample.labels.get("outcome", "")
+                out[outcome] = out.get(outcome, 0) + int(sample.value)
     return out
 
 
