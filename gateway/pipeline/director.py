@@ -44,7 +44,7 @@ from gateway.request.tokens import TokenEstimator
 from gateway.request.trace import AttemptTrace, NoTracer, RequestTrace, Tracer
 from router.capacity import within_capacity
 from router.profile import RoutingProfile
-from router.types import Decision, Replica, RouteRequest
+from router.types import Replica, RouteRequest
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +430,7 @@ class Director:
             placed = await self.placement.place(
                 policy,
                 route,
-                _leaving_out(snapshot, ticket.avoid),
+                snapshot,
                 hashes,
                 lookup,
                 self.rng,
@@ -445,7 +445,7 @@ class Director:
             self.directory.set_k(lookup.hot_key, placed.new_k)
         if placed.uncount and lookup.hot_key is not None:
             self.directory.uncount(lookup.hot_key)
-        decision = _left_for_room(placed.decision, placed.route, ticket.avoid)
+        decision = placed.decision
         self.keying.placed(keyed, decision.replica)
         chosen = self.replicas.states.get(decision.replica)
         if self.adapters is not None and chosen is not None:
@@ -804,35 +804,6 @@ def _headers(routed: Routed, replica: str, upstream: AttemptTrace) -> dict[str, 
     if rank is None:
         return headers
     return {**(headers or {}), DP_RANK_HEADER: str(rank)}
-
-
-def _leaving_out(
-    snapshot: Callable[[], list[Replica]], avoid: frozenset[str]
-) -> Callable[[], list[Replica]]:
-    """The replicas to place among: all, or, when flow control's ticket says the request's
-    cached replica was full (past the affinity wait, or with none), those with room, unless
-    none of them is healthy any more."""
-    if not avoid:
-        return snapshot
-
-    def with_room() -> list[Replica]:
-        now = snapshot()
-        kept = [r for r in now if r.id not in avoid]
-        return kept if any(r.healthy for r in kept) else now
-
-    return with_room
-
-
-def _left_for_room(decision: Decision, route: RouteRequest, avoid: frozenset[str]) -> Decision:
-    """`decision`, its reason "load_bound" when flow control left out a full replica holding a
-    longer match than the chosen one (the router never saw that replica: the same reason as
-    its own bound's)."""
-    if not avoid or decision.reason not in ("prefix", "no_match"):
-        return decision
-    matched = route.overlap.get(decision.replica, 0)
-    if max((route.overlap.get(rid, 0) for rid in avoid), default=0) <= matched:
-        return decision
-    return replace(decision, reason="load_bound")
 
 
 def _max_tokens(parsed: ParsedRequest) -> int | None:

@@ -28,7 +28,7 @@ through being placed (`Ticket.routed`: its lease now counts what its transit did
 at the moment the running prefills' progress brings a replica under the bound (`next_room_s`);
 at the latest every `IDLE_TICK_S` (engine scrapes, health and the fleet change without a
 lease), every `TICK_S` while a request waits for its full cached replica. A request let through
-without a cached replica is placed among the replicas with room (its ticket's `avoid`).
+without a cached replica is placed among the replicas with room (its ticket's `full`).
 
 The bounded affinity wait (`router.fairness.affinity_verdict`): when the fleet has room but
 every replica holding the most of a request's prompt has none, the request waits for one of
@@ -102,7 +102,7 @@ through past the wait's bound (`bound`: `affinity_wait_s` or what its cache save
 (`no_wait`: `affinity_wait_s` is 0). Past the bound the router places it as it places any
 request, its full cached replica included (the router weighs the cache against the load), not
 away from it: sent cold to a replica with room, bench point 1 lost hits and TTFT (issue 39)."""
-NO_AVOID: frozenset[str] = frozenset()
+NO_REPLICAS: frozenset[str] = frozenset()
 
 
 def request_priority(parsed: ParsedRequest, tenant: Tenant) -> int:
@@ -163,10 +163,9 @@ class FlowStats:
 class Ticket:
     """A dispatched request's claim on the fleet's headroom until its lease takes over (`routed`,
     once, however often called), how long it waited, what its scope was charged, and the
-    replicas its placement leaves out (full ones, when its cached replica was full) or passes
-    over (`full`)."""
+    replicas its placement passes over (`full`)."""
 
-    __slots__ = ("_claimed", "_flow", "_tokens", "avoid", "charge", "full", "queued_s")
+    __slots__ = ("_claimed", "_flow", "_tokens", "charge", "full", "queued_s")
 
     def __init__(
         self,
@@ -174,9 +173,8 @@ class Ticket:
         tokens: float,
         queued_s: float,
         charge: tuple[int, float] | None = None,
-        avoid: frozenset[str] = NO_AVOID,
         claimed: str | None = None,
-        full: frozenset[str] = NO_AVOID,
+        full: frozenset[str] = NO_REPLICAS,
     ) -> None:
         self._flow = flow
         self._tokens = tokens
@@ -184,7 +182,6 @@ class Ticket:
         self.queued_s = queued_s
         self.charge = charge
         """(band, weighted tokens) charged to the scope, settled by the engine's usage."""
-        self.avoid = avoid
         self.full = full
         """The replicas without room when it was let through from the queue for another's
         room: its placement passes over them, but for one holding part of its prompt when it
@@ -222,10 +219,9 @@ class _Waiter:
     """When it first waited for its cached replica (the affinity wait's start)."""
     past_bound: bool = False
     """Let through past the affinity wait's bound (or at once, the wait off)."""
-    avoid: frozenset[str] = NO_AVOID
     claimed: str | None = None
-    """Set when it is let through: the replicas its placement leaves out, the one it claims."""
-    full: frozenset[str] = NO_AVOID
+    """Set when it is let through: the replica it claims."""
+    full: frozenset[str] = NO_REPLICAS
     """Set when it is let through without a cached replica: the replicas without room then,
     which its placement leaves out too (the room it was let through for is elsewhere)."""
     bound: float = math.inf
@@ -369,18 +365,18 @@ class FlowControl:
 
     def _affinity(
         self, cached: Mapping[str, float], waited_s: float, now_s: float, bound: float
-    ) -> tuple[Affinity, frozenset[str], str | None]:
+    ) -> tuple[Affinity, str | None]:
         """The affinity verdict for a request the fleet has room for (under `bound`, its
-        band's), the replicas its placement leaves out (none: past the bound, "elsewhere", the
-        router places it with its full cached replica a candidate), and the replica it claims
-        ("go" to a replica with room that holds the most of it)."""
+        band's), and the replica it claims ("go" to a replica with room that holds the most of
+        it). Past the bound ("elsewhere") the router places it with its full cached replica a
+        candidate."""
         states = self.replicas.states
         best = max(cached.values(), default=0.0)
         if best <= 0:
-            return "go", NO_AVOID, None
+            return "go", None
         for r, tokens in cached.items():  # the usual case, read first: its replica has room
             if tokens >= best and r in states and self.replica_has_room(states[r], now_s, bound):
-                return "go", NO_AVOID, r
+                return "go", r
         room = {r: self.replica_has_room(states[r], now_s, bound) for r in cached if r in states}
         kept = {r: cached[r] for r in room}
         verdict = affinity_verdict(
@@ -392,10 +388,10 @@ class FlowControl:
             # request re-prefilled its prefix cold elsewhere: bench point 1's first 1,000
             # requests read hit ratio 0.092 / TTFT mean 1.14-1.27 s against 0.097 / 0.81-0.87 s
             # (issue 39, docs/flow-control.md)
-            return verdict, NO_AVOID, None
+            return verdict, None
         best = max(kept.values(), default=0.0)
         claimed = next((r for r, c in kept.items() if c >= best > 0 and room[r]), None)
-        return verdict, NO_AVOID, claimed
+        return verdict, claimed
 
     # -- the request's side ----------------------------------------------------------------------
     def try_enter(
@@ -422,9 +418,8 @@ class FlowControl:
             return None
         if decode and not self._has_room(decode, bound):
             return None
-        avoid = NO_AVOID
         if cached is not None:
-            verdict, avoid, _ = self._affinity(cached, 0.0, time.monotonic(), bound)
+            verdict, _ = self._affinity(cached, 0.0, time.monotonic(), bound)
             if verdict == "wait":
                 return None
             if verdict == "elsewhere":
@@ -433,7 +428,7 @@ class FlowControl:
         self.queue.charge(tenant.scope, band, tenant.policy.weight, cost)
         self.stats.count_dispatch(band, "immediate")
         self.transit_tokens += prompt_tokens
-        return Ticket(self, prompt_tokens, 0.0, (band, cost), avoid)
+        return Ticket(self, prompt_tokens, 0.0, (band, cost))
 
     def sibling(
         self, tenant: Tenant, band: int, prompt_tokens: float, output_tokens: float
@@ -481,9 +476,7 @@ class FlowControl:
             await self._await_dispatch(tenant, queued, now_s, client_left, max_wait_s)
         queued_s = future.result()
         self.stats.queue_seconds.labels(tenant.name, str(band)).observe(queued_s)
-        return Ticket(
-            self, prompt_tokens, queued_s, (band, cost), waiter.avoid, waiter.claimed, waiter.full
-        )
+        return Ticket(self, prompt_tokens, queued_s, (band, cost), waiter.claimed, waiter.full)
 
     async def _await_dispatch(
         self,
@@ -606,7 +599,7 @@ class FlowControl:
                 return True
             since = waiter.blocked_s
             waited_s = 0.0 if since is None else now_s - since
-            verdict, waiter.avoid, waiter.claimed = self._affinity(
+            verdict, waiter.claimed = self._affinity(
                 waiter.cached, waited_s, time.monotonic(), bound
             )
             waiter.past_bound = verdict == "elsewhere"
@@ -631,7 +624,7 @@ class FlowControl:
         """Let a waiter through: its tokens in transit (and its claim), its affinity outcome,
         its queue time to its future."""
         waiter = queued.item
-        if waiter.claimed is None and not waiter.avoid:
+        if waiter.claimed is None:
             # let through for the room some replica has: placed where that room is (the router
             # ranks those), not on a full one, where it would wait in the engine's queue while
             # the replica with room idles until a prefill of ours ends; passed over, so a full
@@ -651,11 +644,11 @@ class FlowControl:
         """The replicas serving `model` that have no room under `bound` now, unless none has (a
         disaggregated fleet's placement is its pools': left to it)."""
         if self.pools is not None:
-            return NO_AVOID
+            return NO_REPLICAS
         now_s = time.monotonic()
         states = self.replicas.serving(model)
         full = [s.id for s in states if not self.replica_has_room(s, now_s, bound)]
-        return frozenset(full) if full and len(full) < len(states) else NO_AVOID
+        return frozenset(full) if full and len(full) < len(states) else NO_REPLICAS
 
     def pump_soon(self) -> None:
         """`pump` once the current task step is over (one call however many ask)."""
