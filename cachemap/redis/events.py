@@ -121,6 +121,14 @@ WRITE_CHUNK = 128
 calls Redis serves the lookups. One call a flush held a lookup ~25 ms behind a 20,000-block
 batch, up to ~0.3 s live at 10% KV; calls of 128 hold it ~2-4 ms, for a flush 0-20% longer
 (`tools.flush_stall`; 512 held it ~3.5-5.5 ms, against the lookups' 5-ms deadline)."""
+SPECULATE_CHUNK = 128
+"""Blocks per `SPECULATE` call, the calls sent one after another. A placement's entry covers
+the chain past what the domain holds, thousands of blocks for an agent's 50k-115k-token prompt
+(16-token blocks) at ~6 µs of Redis a block: one call held Redis 11 ms at 1,800 blocks and
+41 ms at 6,000 (quiet), 24 ms median and up to 0.3 s live at two gateways on a loaded machine,
+and every lookup queued behind it past its 25-ms cap. Pipelined calls did not help (a lookup
+on another connection still waited 45-100 ms behind 47 calls of 128 sent in one write); one
+call at a time holds it ~1 ms (issue 39, docs/design/directory.md, "When Redis is slow")."""
 MAP_CHUNK = 256
 """Map fields set or deleted per `MAP` call (~10 kB; a field costs Redis less than a block)."""
 MAX_PENDING_BLOCKS = 4096
@@ -980,22 +988,25 @@ class EventReader:
     async def _write_speculative(
         self, rid: str, epoch: int, hashes: Sequence[BlockHash], ttl_ms: int
     ) -> None:
-        keys, head = chain_call(hashes)
+        """`SPECULATE_CHUNK` blocks a call, one call after another (each awaited): a lookup
+        waits behind one call at most, not behind the whole chain."""
+        written = 0
         try:
-            try:
-                await self.client.evalsha(
-                    self._speculate.sha, 1, keys[0], *head, rid, epoch, ttl_ms
-                )
-            except NoScriptError:
-                await self.client.script_load(SPECULATE)
-                await self.client.evalsha(
-                    self._speculate.sha, 1, keys[0], *head, rid, epoch, ttl_ms
-                )
+            for at in range(0, len(hashes), SPECULATE_CHUNK):
+                keys, head = chain_call(hashes[at : at + SPECULATE_CHUNK])
+                sha = self._speculate.sha
+                try:
+                    await self.client.evalsha(sha, 1, keys[0], *head, rid, epoch, ttl_ms)
+                except NoScriptError:
+                    await self.client.script_load(SPECULATE)
+                    await self.client.evalsha(sha, 1, keys[0], *head, rid, epoch, ttl_ms)
+                written += min(SPECULATE_CHUNK, len(hashes) - at)
         except Exception as exc:  # Redis away or slow: this placement is known here only
             self.speculate_failures += 1
+            self.speculated += written
             log.debug("shared speculative entry not written: %r", exc)
             return
-        self.speculated += len(hashes)
+        self.speculated += written
 
     async def settle(self) -> None:
         """Wait for the speculative writes in flight (each is bounded by the client's timeout)."""
