@@ -91,12 +91,15 @@ first token's record replaces it: a loaded engine's prefill queue (the bench's T
 ~3 s); a request that never reaches its first token (failed, moved, abandoned) misleads other
 gateways' lookups for at most this long, as one prediction reconciliation does not expire."""
 RECORD_CHUNK = 128
-"""Blocks per `RECORD` call; a longer chain's record is several calls, sent one pipeline after
-another. In precise mode the chain is the engine's 16-token blocks: an agent's 50k-115k-token
-prompt is 3,000-7,000 of them, every turn rewrites them all (their last use), at ~4 µs of Redis
-a block (HMGET, HSET, PEXPIRE): one call held Redis 20 ms median and up to 0.38 s at two
-gateways on a loaded machine, and the lookups queued behind it timed out (issue 39). Calls
-pipelined in one write did not let a lookup in between; one pipeline at a time does."""
+"""Blocks per `RECORD` call; a longer chain's record is several calls. In precise mode the
+chain is the engine's 16-token blocks: an agent's 50k-115k-token prompt is 3,000-7,000 of them,
+every turn rewrites them all (their last use), at ~4 µs of Redis a block (HMGET, HSET,
+PEXPIRE): one call held Redis 20 ms median and up to 0.38 s at two gateways on a loaded
+machine, and the lookups queued behind it timed out (issue 39)."""
+RECORD_ROUND_BLOCKS = 512
+"""Blocks' records per pipeline, the pipelines one after another (`events.SPECULATE_ROUND`:
+Redis runs a pipeline that arrived whole before it reads another client, and single calls
+cost a round trip each)."""
 MAX_PIPELINED_LOOKUPS = 8
 """Lookups per pipelined write: a burst is cut into several writes (in a cluster, several
 pipelines on several connections), so the client reads one write's answers while Redis runs the
@@ -302,8 +305,8 @@ class RedisDirectory:
         ttl_ms = int(self.ttl_s * 1000)
         counts: dict[str, int] = {}
         rounds: list[tuple[list[tuple[Any, ...]], list[str]]] = [([], [])]
-        """Pipelines sent one after another, each of at most RECORD_CHUNK blocks' records
-        (a record of a longer chain is cut into calls of RECORD_CHUNK blocks)."""
+        """Pipelines sent one after another, each of at most RECORD_ROUND_BLOCKS blocks'
+        records (a record of a longer chain is cut into calls of RECORD_CHUNK blocks)."""
         in_round = 0
         rids = []
         for replica, hashes, at_s in items:
@@ -314,7 +317,7 @@ class RedisDirectory:
             used_ms = now_ms if at_s is None else to_ms(at_s)
             for at in range(0, len(hashes), RECORD_CHUNK):
                 chunk = hashes[at : at + RECORD_CHUNK]
-                if rounds[-1][0] and in_round + len(chunk) > RECORD_CHUNK:
+                if rounds[-1][0] and in_round + len(chunk) > RECORD_ROUND_BLOCKS:
                     rounds.append(([], []))
                     in_round = 0
                 keys, head = chain_call(chunk)

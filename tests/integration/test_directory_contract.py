@@ -437,7 +437,7 @@ async def test_a_lookup_is_exactly_one_redis_command(
         await d.close()
 
 
-async def test_a_long_chain_is_recorded_in_bounded_calls_one_pipeline_after_another(
+async def test_a_long_chain_is_recorded_in_bounded_calls_a_few_a_pipeline(
     fresh_redis: RedisServer,
 ) -> None:
     """Precise mode records an agent's prompt in the engine's 16-token blocks, 3,000-7,000 of
