@@ -90,6 +90,16 @@ PLACEMENT_TTL_S = 10.0
 first token's record replaces it: a loaded engine's prefill queue (the bench's TTFT p99 is
 ~3 s); a request that never reaches its first token (failed, moved, abandoned) misleads other
 gateways' lookups for at most this long, as one prediction reconciliation does not expire."""
+RECORD_CHUNK = 128
+"""Blocks per `RECORD` call; a longer chain's record is several calls. In precise mode the
+chain is the engine's 16-token blocks: an agent's 50k-115k-token prompt is 3,000-7,000 of them,
+every turn rewrites them all (their last use), at ~4 µs of Redis a block (HMGET, HSET,
+PEXPIRE): one call held Redis 20 ms median and up to 0.38 s at two gateways on a loaded
+machine, and the lookups queued behind it timed out (issue 39)."""
+RECORD_ROUND_BLOCKS = 512
+"""Blocks' records per pipeline, the pipelines one after another (`events.SPECULATE_ROUND`:
+Redis runs a pipeline that arrived whole before it reads another client, and single calls
+cost a round trip each)."""
 MAX_PIPELINED_LOOKUPS = 8
 """Lookups per pipelined write: a burst is cut into several writes (in a cluster, several
 pipelines on several connections), so the client reads one write's answers while Redis runs the
@@ -294,21 +304,30 @@ class RedisDirectory:
         now_ms = to_ms(self.clock())
         ttl_ms = int(self.ttl_s * 1000)
         counts: dict[str, int] = {}
-        commands: list[tuple[Any, ...]] = []
-        sources: list[str] = []
+        rounds: list[tuple[list[tuple[Any, ...]], list[str]]] = [([], [])]
+        """Pipelines sent one after another, each of at most RECORD_ROUND_BLOCKS blocks'
+        records (a record of a longer chain is cut into calls of RECORD_CHUNK blocks)."""
+        in_round = 0
         rids = []
         for replica, hashes, at_s in items:
             if not hashes:
                 continue
             rid = self._rid(replica)
             gen = self.meta.gen(rid)
-            keys, head = chain_call(hashes)
             used_ms = now_ms if at_s is None else to_ms(at_s)
-            commands.append(
-                ("EVALSHA", self._record.sha, len(keys), *keys, *head, rid, gen, used_ms, ttl_ms)
-            )
-            sources.append(scripts.RECORD)
-            rids.append(rid)
+            for at in range(0, len(hashes), RECORD_CHUNK):
+                chunk = hashes[at : at + RECORD_CHUNK]
+                if rounds[-1][0] and in_round + len(chunk) > RECORD_ROUND_BLOCKS:
+                    rounds.append(([], []))
+                    in_round = 0
+                keys, head = chain_call(chunk)
+                rounds[-1][0].append(
+                    ("EVALSHA", self._record.sha, 1, *keys, *head, rid, gen, used_ms, ttl_ms)
+                )
+                rounds[-1][1].append(scripts.RECORD)
+                in_round += len(chunk)
+                rids.append(rid)
+        commands, sources = rounds[-1]  # placements and the other scripts: with the last
         for replica, hashes in places:
             if hashes:
                 commands.append(self._place_command(replica, hashes, PLACEMENT_TTL_S))
@@ -316,9 +335,10 @@ class RedisDirectory:
         for command, source in scripted:
             commands.append(command)
             sources.append(source)
-        if not commands:
-            return
-        replies = await self._pipelined(commands, sources)
+        replies: list[Any] = []
+        for round_commands, round_sources in rounds:
+            if round_commands:
+                replies += await self._pipelined(round_commands, round_sources)
         for rid, new in zip(rids, replies, strict=False):
             counts[rid] = counts.get(rid, 0) + int(new)
         capacities, default = self._capacities, self.capacity_blocks

@@ -121,6 +121,18 @@ WRITE_CHUNK = 128
 calls Redis serves the lookups. One call a flush held a lookup ~25 ms behind a 20,000-block
 batch, up to ~0.3 s live at 10% KV; calls of 128 hold it ~2-4 ms, for a flush 0-20% longer
 (`tools.flush_stall`; 512 held it ~3.5-5.5 ms, against the lookups' 5-ms deadline)."""
+SPECULATE_CHUNK = 128
+"""Blocks per `SPECULATE` call. A placement's entry covers the chain past what the domain
+holds, thousands of blocks for an agent's 50k-115k-token prompt (16-token blocks) at ~6 µs of
+Redis a block: one call held Redis 11 ms at 1,800 blocks and 41 ms at 6,000 (quiet), 24 ms
+median and up to 0.3 s live at two gateways on a loaded machine, and the lookups queued behind
+it passed their 25-ms cap (issue 39; docs/design/directory.md, "A long chain's writes")."""
+SPECULATE_ROUND = 4
+"""`SPECULATE` calls per pipeline, the pipelines one after another. Redis runs a pipeline that
+arrived whole before it reads another client: a `GET` on another connection waited 45-100 ms
+behind 47 calls sent in one pipeline, 8-30 ms behind pipelines of 8 and 2-13 ms behind single
+calls (load ~3.5-5). Single calls cost a round trip each: +9% of the tier's CPU per request
+at two gateways, +30% at four. Four a pipeline: 512 blocks, ~3 ms of Redis quiet."""
 MAP_CHUNK = 256
 """Map fields set or deleted per `MAP` call (~10 kB; a field costs Redis less than a block)."""
 MAX_PENDING_BLOCKS = 4096
@@ -984,22 +996,34 @@ class EventReader:
     async def _write_speculative(
         self, rid: str, epoch: int, hashes: Sequence[BlockHash], ttl_ms: int
     ) -> None:
-        keys, head = chain_call(hashes)
+        """Calls of `SPECULATE_CHUNK` blocks, `SPECULATE_ROUND` of them a pipeline, each
+        pipeline awaited before the next: a lookup waits behind one pipeline at most, not
+        behind the whole chain."""
+        written = 0
+        sha = self._speculate.sha
+        step = SPECULATE_CHUNK * SPECULATE_ROUND
         try:
-            try:
-                await self.client.evalsha(
-                    self._speculate.sha, 1, keys[0], *head, rid, epoch, ttl_ms
-                )
-            except NoScriptError:
-                await self.client.script_load(SPECULATE)
-                await self.client.evalsha(
-                    self._speculate.sha, 1, keys[0], *head, rid, epoch, ttl_ms
-                )
+            for start in range(0, len(hashes), step):
+                part = hashes[start : start + step]
+                for attempt in range(2):
+                    pipe = self.client.pipeline() if self.cluster else self.client.pipeline(False)
+                    for at in range(0, len(part), SPECULATE_CHUNK):
+                        keys, head = chain_call(part[at : at + SPECULATE_CHUNK])
+                        pipe.execute_command("EVALSHA", sha, 1, keys[0], *head, rid, epoch, ttl_ms)
+                    replies = await pipe.execute(raise_on_error=False)
+                    errors = [r for r in replies if isinstance(r, Exception)]
+                    if not errors:
+                        break
+                    if attempt or not all(isinstance(e, NoScriptError) for e in errors):
+                        raise errors[0]
+                    await self.client.script_load(SPECULATE)  # (each call sets what it sets)
+                written += len(part)
         except Exception as exc:  # Redis away or slow: this placement is known here only
             self.speculate_failures += 1
+            self.speculated += written
             log.debug("shared speculative entry not written: %r", exc)
             return
-        self.speculated += len(hashes)
+        self.speculated += written
 
     async def settle(self) -> None:
         """Wait for the speculative writes in flight (each is bounded by the client's timeout)."""

@@ -16,7 +16,7 @@ from cachemap.memory import MemoryDirectory, MemoryIndex
 from cachemap.rates import PrefixRates
 from cachemap.redis import scripts
 from cachemap.redis.client import open_redis
-from cachemap.redis.directory import RedisDirectory
+from cachemap.redis.directory import RECORD_CHUNK, RedisDirectory
 from cachemap.redis.schema import (
     COUNT_KEY,
     FLOOR_KEY,
@@ -432,6 +432,35 @@ async def test_a_lookup_is_exactly_one_redis_command(
         }
         assert top_level == set()
         assert stats["cmdstat_hgetall"]["calls"] == num_blocks
+    finally:
+        sync.close()
+        await d.close()
+
+
+async def test_a_long_chain_is_recorded_in_bounded_calls_a_few_a_pipeline(
+    fresh_redis: RedisServer,
+) -> None:
+    """Precise mode records an agent's prompt in the engine's 16-token blocks, 3,000-7,000 of
+    them a turn: one RECORD call held Redis 20 ms median (up to 0.38 s on a loaded machine) and
+    the lookups queued behind it timed out (issue 39). Calls of RECORD_CHUNK blocks now, the
+    same entries and the same count of new blocks."""
+    client = await open_redis(fresh_redis.url)
+    d = RedisDirectory(client, capacity_blocks=1_000_000)
+    await d.refresh_generations()
+    hashes = chain_hashes(uuid.uuid4().bytes * (16 * 6_000), root_hash(b"s", "m"), 256)
+    d.register(["r1"])
+    sync = redis.Redis.from_url(fresh_redis.url)
+    try:
+        await d.record("r1", hashes[:1])  # the scripts are loaded
+        sync.config_resetstat()
+        await d.record("r1", hashes[:6_000])
+        stats = sync.info("commandstats")
+        # the record's calls, then the count of new blocks (one script)
+        assert stats["cmdstat_evalsha"]["calls"] == -(-6_000 // RECORD_CHUNK) + 1
+        assert stats["cmdstat_hmget"]["calls"] == 6_000  # each block read once
+        assert await d.lookup(hashes[:6_000]) == {"r1": 6_000}
+        rid = replica_id("r1")
+        assert int(sync.hget(COUNT_KEY, rid) or 0) == 6_000
     finally:
         sync.close()
         await d.close()

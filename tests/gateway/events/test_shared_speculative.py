@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from cachemap.events import Match, precise_keys
 from cachemap.redis.client import AnyRedis, open_redis
-from cachemap.redis.events import EventReader, EventWriter
+from cachemap.redis.events import SPECULATE_CHUNK, EventReader, EventWriter
 from tests.gateway.events.test_intake_shared import PROMPT, SALT, batch, feed_of, stored
 
 pytestmark = pytest.mark.redis
@@ -134,3 +134,57 @@ async def test_a_placement_written_after_its_confirmation_claims_nothing_past_an
     feed.close()
     await writer.close()
     ctx.term()
+
+
+async def test_a_long_placement_is_written_in_bounded_calls_a_few_a_pipeline(
+    client: AnyRedis,
+) -> None:
+    """An agent's 100k-token prompt is ~6,000 blocks past what the domain holds: one SPECULATE
+    call of them held Redis ~41 ms (quiet) and every lookup queued behind it timed out (issue
+    39). Now calls of SPECULATE_CHUNK blocks, a few a pipeline, the pipelines one after another:
+    the same entries."""
+    domain = f"http://{uuid.uuid4().hex[:8]}:8000"
+    ctx = zmq.asyncio.Context()
+    writer = EventWriter(client, block_size=16)
+    feed = feed_of(writer, domain, ctx, await writer.adopt(domain))
+    await feed.receive(0, batch())  # the domain's events flow: it has an epoch
+    await writer.flush()
+    reader = EventReader(client)
+    await reader.refresh()
+    keys = precise_keys(list(range(6_000 * 16)), SALT, 16)
+    await client.config_resetstat()
+    assert reader.speculate(domain, keys, ttl_s=60.0)
+    await reader.settle()
+    evalsha = (await client.info("commandstats"))["cmdstat_evalsha"]
+    assert evalsha["calls"] - evalsha.get("failed_calls", 0) == -(-6_000 // SPECULATE_CHUNK)
+    assert reader.speculated == 6_000 and reader.speculate_failures == 0
+    assert (await reader.lookup(keys))[domain] == Match(6_000, 0, 6_000)
+    feed.close()
+    await writer.close()
+    ctx.term()
+
+
+async def test_a_long_placement_on_a_cluster_is_matched_whole(redis_cluster_url: str) -> None:
+    """The pipelines of `SPECULATE` calls on a cluster (each routed by its first key, the
+    chain's slot): another reader matches every block."""
+    client = await open_redis(redis_cluster_url, cluster=True)
+    try:
+        domain = f"http://{uuid.uuid4().hex[:8]}:8000"
+        ctx = zmq.asyncio.Context()
+        writer = EventWriter(client, block_size=16)
+        feed = feed_of(writer, domain, ctx, await writer.adopt(domain))
+        await feed.receive(0, batch())
+        await writer.flush()
+        here, there = EventReader(client), EventReader(client)
+        await here.refresh()
+        await there.refresh()
+        keys = precise_keys(list(range(1_000 * 16)), SALT, 16)
+        assert here.speculate(domain, keys, ttl_s=60.0)
+        await here.settle()
+        assert here.speculated == 1_000 and here.speculate_failures == 0
+        assert (await there.lookup(keys))[domain] == Match(1_000, 0, 1_000)
+        feed.close()
+        await writer.close()
+        ctx.term()
+    finally:
+        await client.aclose()
