@@ -28,6 +28,14 @@ OTHER_KEY = "sk-test-globex"
 MODEL = "kvgate-sim-8b"
 
 
+def slow_timing(before_first_token: bool) -> TimingModel:
+    """An engine whose answer a client gives up on: a prefill of ~3,000 tokens at 100 tokens/s
+    takes 30 s (the wait before the first token), or 1,000 tokens at 20 ms each take 20 s."""
+    if before_first_token:
+        return TimingModel(prefill_tokens_per_s=100.0)
+    return TimingModel(decode_s_per_token=0.02)
+
+
 def metrics_url(gateway: Served) -> str:
     """An in-process gateway's admin port (/metrics, the API documents)."""
     return f"http://127.0.0.1:{gateway.app.state.metrics_port}"

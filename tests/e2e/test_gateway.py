@@ -13,7 +13,7 @@ from loadgen.engine.timing import TimingModel
 from loadgen.text import words
 from tests.clients import director
 from tests.clients import openai_client as client
-from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, metrics_url
+from tests.conftest import MODEL, OTHER_KEY, TENANT_KEY, engine_of, metrics_url, slow_timing
 from tests.loadgen.test_engine import metric
 from tests.servers import Served, serve, wait_until
 
@@ -281,14 +281,8 @@ def test_a_client_that_leaves_before_its_answer_aborts_the_engine_request(
     stream: bool,
     before_first_token: bool,
 ) -> None:
-    # a prefill of ~3,000 tokens at 100 tokens/s takes 30 s; or 1,000 tokens at 20 ms each 20 s:
     # the client gives up after 0.5 s, and the engine must not go on computing for nobody
-    slow = (
-        TimingModel(prefill_tokens_per_s=100.0)
-        if before_first_token
-        else TimingModel(decode_s_per_token=0.02)
-    )
-    engines = start_engines(1, timing=slow)
+    engines = start_engines(1, timing=slow_timing(before_first_token))
     gateway = start_gateway(engines)
     body = {
         "model": MODEL,

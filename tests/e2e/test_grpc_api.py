@@ -32,7 +32,14 @@ from tests.clients import (
     grpc_channels,  # noqa: F401 (autouse)
 )
 from tests.clients import grpc_stub as stub
-from tests.conftest import MODEL, TENANT_KEY, engine_of, gateway_settings, metrics_url
+from tests.conftest import (
+    MODEL,
+    TENANT_KEY,
+    engine_of,
+    gateway_settings,
+    metrics_url,
+    slow_timing,
+)
 from tests.gateway.test_anthropic_convert import OPENAI
 from tests.servers import Served, wait_until
 
@@ -254,13 +261,7 @@ def test_a_client_deadline_cancels_the_upstream_request(
     start_gateway: Callable[..., Served],
     before_first_token: bool,
 ) -> None:
-    # a 1,000-token answer takes 20 s; or a prefill of ~3,000 tokens takes 30 s
-    slow = (
-        TimingModel(prefill_tokens_per_s=100.0)
-        if before_first_token
-        else TimingModel(decode_s_per_token=0.02)
-    )
-    engines = start_engines(1, timing=slow)
+    engines = start_engines(1, timing=slow_timing(before_first_token))
     gateway = start_gateway(engines, grpc_port=0)
     s = stub(gateway)
     message = request([text(pb.ROLE_USER, words("deadline", 2000))], 1000)
