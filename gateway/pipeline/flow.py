@@ -36,9 +36,8 @@ them — up to `affinity_wait_s`, and never longer than the prefill that cache s
 best replica with room — and is let through the moment one has room (a lease's prefill ending
 wakes the queue). Past the bound, it is let through and the router places it as any request,
 its full cached replica still a candidate (passed over only by a request holding none of its
-prompt there: `Ticket.full`), so the router's load bound weighs the cache against the load; it
-was sent to a replica with room, cold, and bench point 1 lost hits and TTFT (issue 39). Others
-are not held up: a request waiting for its replica
+prompt there: `Ticket.full`), so the router's load bound weighs the cache against the load.
+Others are not held up: a request waiting for its replica
 is not eligible, so the queue serves the next one (work-conserving); requests of its own scope
 wait behind it, as its sub-queue is in order.
 Released for its replica, a request claims the room it takes there until it is placed
@@ -100,8 +99,7 @@ AFFINITY_OUTCOMES = ("waited", "bound", "no_wait")
 """A request whose cached replica was full: let through to it after waiting (`waited`), let
 through past the wait's bound (`bound`: `affinity_wait_s` or what its cache saves), or at once
 (`no_wait`: `affinity_wait_s` is 0). Past the bound the router places it as it places any
-request, its full cached replica included (the router weighs the cache against the load), not
-away from it: sent cold to a replica with room, bench point 1 lost hits and TTFT (issue 39)."""
+request, its full cached replica included (the router weighs the cache against the load)."""
 NO_REPLICAS: frozenset[str] = frozenset()
 
 
@@ -384,10 +382,7 @@ class FlowControl:
         )
         if verdict == "elsewhere":
             # past the bound: placed by the router, the full cached replica still a candidate
-            # (passed over only when it holds none of the prompt: `Ticket.full`); left out, the
-            # request re-prefilled its prefix cold elsewhere: bench point 1's first 1,000
-            # requests read hit ratio 0.092 / TTFT mean 1.14-1.27 s against 0.097 / 0.81-0.87 s
-            # (issue 39, docs/flow-control.md)
+            # (left out, the request re-prefilled its prefix cold elsewhere: docs/flow-control.md)
             return verdict, None
         best = max(kept.values(), default=0.0)
         claimed = next((r for r, c in kept.items() if c >= best > 0 and room[r]), None)
