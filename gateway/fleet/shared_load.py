@@ -28,6 +28,20 @@ sent. A round is one round trip; an idle gateway (nothing in flight here, nothin
 peers) goes to Redis once a second only, with an empty list (a heartbeat), and at its next
 0.1-s round once it has a request in flight.
 
+A round's period does not reach inside a burst (the Mooncake trace's requests come ten to an
+arrival millisecond): between two rounds, every gateway would place its share of a burst on
+the same view. So a placement is published at once too (`wake`, `publish`: one HSET of this
+gateway's figures, stamped with Redis's clock as the last write read it, down the rounds'
+lane, at most one a loop turn, off the request path), and the peers' figures are read in the
+lookup's own round trip: the hash's HGETALL rides ahead of each pipelined batch of lookups on
+their lane (`ride`, `cachemap.redis.lookups.Rider`; one in flight at a time), so a decision
+counts every peer's placement that reached Redis before its lookup did. On a Cluster the hash
+is in another slot: the read goes down that master's lane beside the lookups
+(`NodeLanes.ride`), and a lookup answered before it routes on the previous read's figures.
+Releases (a first token, an end) reach the peers at the next round. `kvgate sim --gateways 4
+--placement-delay-ms 1.5 --routing-ms 1` models it (docs/design/directory.md, "Four
+gateways' hit ratio").
+
 When Redis is unreachable the peers' figures from the last answer stand until `stale_s` past it,
 then go to zero: the gateway routes on its own figures and the engines', as it did before.
 """
@@ -222,6 +236,16 @@ class SharedLoad:
         self.failed = 0
         self.malformed = 0
         self.num_peers = 0
+        self.key = LOAD_KEY
+        self.deadline_s = ROUND_DEADLINE_S
+        """The rider's read (`ride`): its key and deadline."""
+        self.rides = 0
+        """Reads of the peers' figures answered in a lookup's round trip (`ride`)."""
+        self.published = 0
+        """Placements published as they were made (`wake`)."""
+        self._riding = False
+        self._publishing = False
+        self._stopped = False
 
     def due(self, states: list[ReplicaState]) -> bool:
         """Whether this round goes to Redis: while anyone's load is in the view or this
@@ -272,13 +296,17 @@ class SharedLoad:
         self._busy = figures != EMPTY or any(s.peer is not None for s in states)
 
     async def _read(self, now_s: float) -> list[bytes]:
-        """The peers' figures as the script would return them, from one HGETALL: entries past
-        the stale bound by Redis's clock (estimated from this gateway's last write: off by at
-        most that call's round trip, against a bound of seconds) and this gateway's own are
-        left out. Removing stale entries is left to the next write; an own entry Redis no
-        longer holds (it lost its data) is written again at the next round."""
+        """The peers' figures as the script would return them, from one HGETALL (`_others`).
+        Removing stale entries is left to the next write."""
         await self._slot_map()
         reply = await self._lane.command(LOAD_KEY, ("HGETALL", LOAD_KEY), "", ROUND_DEADLINE_S)
+        return self._others(reply, now_s)
+
+    def _others(self, reply: Any, now_s: float) -> list[bytes]:
+        """An HGETALL of the hash without the entries past the stale bound by Redis's clock
+        (estimated from this gateway's last write: off by at most that call's round trip,
+        against a bound of seconds) and without this gateway's own. An own entry Redis no
+        longer holds (it lost its data) is written again at the next round."""
         pairs = (
             reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
         )
@@ -299,6 +327,33 @@ class SharedLoad:
             self._written = None
         return out
 
+    def ride(self) -> tuple[tuple[Any, ...], Callable[[asyncio.Future[Any]], None]] | None:
+        """The peers' figures read with the next batch of lookups (`cachemap.redis.lookups.
+        Rider`): one read in flight at a time, none before the first round or after `stop`."""
+        if self._riding or self._stopped or self._written_s == -math.inf:
+            return None
+        self._riding = True
+        return ("HGETALL", LOAD_KEY), self._ridden
+
+    def _ridden(self, future: asyncio.Future[Any]) -> None:
+        """The read's answer applied, before the lookups behind it resume (their callers'
+        wake-ups are scheduled after this callback). A failure changes nothing: the round
+        handles Redis being away."""
+        self._riding = False
+        if future.cancelled() or future.exception() is not None:
+            return
+        now_s = self.clock()
+        try:
+            blobs = self._others(future.result(), now_s)
+        except (AttributeError, TypeError, ValueError):  # not a hash's reply: skipped
+            self.malformed += 1
+            return
+        peers, malformed = decode(blobs)
+        self.malformed += malformed
+        self.rides += 1
+        self._answered_s = now_s
+        self._apply(list(self.states()), peers)
+
     async def _call(self, figures: bytes | str, deadline_s: float) -> Any:
         """The script down the rounds' lane: this gateway's figures ("" withdraws them)."""
         await self._slot_map()
@@ -316,9 +371,44 @@ class SharedLoad:
             state.peer = peers.get(state.url)
 
     def wake(self) -> None:
-        """A lease started: an idle loop's next round comes at its place (`_idle`)."""
+        """A lease started: an idle loop's next round comes at its place (`_idle`), and this
+        gateway's figures are published at the end of this loop turn (`publish`)."""
         if self._waker is not None:
             _resolve(self._waker)
+        if not self._publishing and not self._stopped:
+            self._publishing = True
+            asyncio.get_running_loop().call_soon(self._publish_soon)
+
+    def _publish_soon(self) -> None:
+        self._publishing = False
+        self.publish()
+
+    def publish(self) -> asyncio.Future[Any] | None:
+        """This gateway's figures to its entry, one HSET down the rounds' lane (the placements
+        of one loop turn in one write): stamped with Redis's clock as the last script call
+        read it, so the peers' stale bound reads it as the script's own. Not before the first
+        round (no clock read yet), nor when the figures are the last written. The script's
+        heartbeat still runs (it drops stale entries and renews the hash's expiry). Returns
+        the write's answer (None: nothing written)."""
+        if self._stopped or self._written_s == -math.inf:
+            return None
+        figures = encode(self.states())
+        if figures == self._written:
+            return None
+        stamp = int(self.clock() * 1000 + self._offset_ms)
+        value = b"%d|%s" % (stamp, figures)
+        command = ("HSET", LOAD_KEY, self.gateway_id, value)
+        self._written = figures
+        future = self._lane.command(LOAD_KEY, command, "", ROUND_DEADLINE_S)
+        future.add_done_callback(self._published)
+        return future
+
+    def _published(self, future: asyncio.Future[Any]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self.failed += 1
+            self._written = None  # the next round writes them
+            return
+        self.published += 1
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -357,6 +447,7 @@ class SharedLoad:
 
     async def stop(self) -> None:
         """Stop the rounds; the peers stop counting this gateway at once (not after the bound)."""
+        self._stopped = True
         await self._tasks.close()
         try:  # bounded: a Redis gone at shutdown must not hold the stop (the entry goes stale)
             await self._call("", WITHDRAW_DEADLINE_S)
