@@ -29,18 +29,18 @@ peers) goes to Redis once a second only, with an empty list (a heartbeat), and a
 0.1-s round once it has a request in flight.
 
 A round's period does not reach inside a burst (the Mooncake trace's requests come ten to an
-arrival millisecond): between two rounds, every gateway would place its share of a burst on
-the same view. So a placement is published at once too (`wake`, `publish`: one HSET of this
-gateway's figures, stamped with Redis's clock as the last write read it, down the rounds'
-lane, at most one a loop turn, off the request path), and the peers' figures are read in the
-lookup's own round trip: the hash's HGETALL rides ahead of each pipelined batch of lookups on
-their lane (`ride`, `cachemap.redis.lookups.Rider`; one in flight at a time), so a decision
-counts every peer's placement that reached Redis before its lookup did. On a Cluster the hash
-is in another slot: the read goes down that master's lane beside the lookups
-(`NodeLanes.ride`), and a lookup answered before it routes on the previous read's figures.
-Releases (a first token, an end) reach the peers at the next round. `kvgate sim --gateways 4
---placement-delay-ms 1.5 --routing-ms 1` models it (docs/design/directory.md, "Four
-gateways' hit ratio").
+arrival millisecond): between two rounds, every gateway would place its share of a burst on the
+same view. So a placement is published at once too (`wake`, `publish`: one HSET of this
+gateway's figures, stamped with Redis's clock as the last write read it, down the rounds' lane,
+at most one a loop turn, off the request path), and the peers' figures are read in the lookup's
+own round trip: the hash's HGETALL rides ahead of each pipelined batch of lookups on their lane
+(`ride`, `cachemap.redis.lookups.Rider`; one in flight at a time, and only while the last
+answer showed a peer), so a decision counts every peer's placement that reached Redis before
+its lookup did. On a Cluster the hash is in another slot: the read goes down that master's lane
+beside the lookups (`NodeLanes.ride`), and a lookup answered before it routes on the previous
+read's figures. Releases (a first token, an end) reach the peers at the next round. `kvgate sim
+--gateways 4 --placement-delay-ms 1.5 --routing-ms 1` models it (docs/design/directory.md,
+"Four gateways' hit ratio").
 
 When Redis is unreachable the peers' figures from the last answer stand until `stale_s` past it,
 then go to zero: the gateway routes on its own figures and the engines', as it did before.
@@ -329,8 +329,10 @@ class SharedLoad:
 
     def ride(self) -> tuple[tuple[Any, ...], Callable[[asyncio.Future[Any]], None]] | None:
         """The peers' figures read with the next batch of lookups (`cachemap.redis.lookups.
-        Rider`): one read in flight at a time, none before the first round or after `stop`."""
-        if self._riding or self._stopped or self._written_s == -math.inf:
+        Rider`): one read in flight at a time, none before the first round or after `stop`,
+        and none while the last answer showed no peer (a lone gateway reads nothing more; a
+        peer that joins is seen at the next round)."""
+        if self._riding or self._stopped or self._written_s == -math.inf or not self.num_peers:
             return None
         self._riding = True
         return ("HGETALL", LOAD_KEY), self._ridden
@@ -350,6 +352,7 @@ class SharedLoad:
             return
         peers, malformed = decode(blobs)
         self.malformed += malformed
+        self.num_peers = len(blobs)
         self.rides += 1
         self._answered_s = now_s
         self._apply(list(self.states()), peers)
