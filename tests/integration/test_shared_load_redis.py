@@ -17,7 +17,7 @@ from cachemap.redis.client import AnyRedis, open_redis
 from cachemap.redis.lookups import LookupLane
 from cachemap.redis.node_lanes import NodeLanes
 from gateway.fleet.replicas import FleetLoad, ReplicaState
-from gateway.fleet.shared_load import LOAD_KEY, SharedLoad, decode, encode
+from gateway.fleet.shared_load import LOAD_KEY, PeerSums, SharedLoad, decode, encode
 from loadgen.harness.redis_servers import RedisServer
 from tests.integration.test_event_index_redis import client
 
@@ -134,6 +134,28 @@ def test_decoding_sums_the_peers_and_skips_what_it_cannot_read() -> None:
     assert malformed == 2
     assert peers[x].num_inflight == 3 and peers[x].prefill_tokens == 4_500.0
     assert encode(fleet(x).values()) == b"[]"  # an idle gateway publishes only its heartbeat
+
+
+def test_the_sums_kept_between_reads_are_what_decoding_every_entry_gives() -> None:
+    """`PeerSums`: an entry read again unchanged is not added twice, a changed one replaces
+    its old figures, a gone one is taken out, a malformed one skipped (and counted at each
+    read)."""
+    x, y = "http://x:8000", "http://y:8000"
+    a1, a2 = orjson_row(x, 2, 1, 4_000.0, 10.0), orjson_row(y, 1, 0, 0.0, 64.0)
+    b1 = orjson_row(x, 1, 1, 500.0, 0.0)
+    sums = PeerSums()
+    reads = [
+        {b"a": a1, b"b": b1},
+        {b"a": a1, b"b": b1},  # unchanged
+        {b"a": a2, b"b": b1},  # a's request on x ended, one on y started
+        {b"a": a2, b"c": b"{not json"},  # b left, c unreadable
+        {},
+    ]
+    for entries in reads:
+        malformed = sums.fold(entries)
+        expected, bad = decode(entries.values())
+        assert sums.view() == expected and malformed == bad
+    assert sums.view() == {}
 
 
 async def test_redis_gone_leaves_the_last_view_for_the_bound_then_none(
