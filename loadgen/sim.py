@@ -195,6 +195,13 @@ class SimConfig:
     """How often each of several gateways publishes its load and reads its peers'."""
     as_one: frozenset[str] = frozenset()
     """Of `AS_ONE`: pieces modelled at several gateways as one in-process gateway has them."""
+    placement_delay_s: float | None = None
+    """Several gateways: each publishes its figures at each placement too, seen by its peers
+    this long after (trace seconds), and each decision reads its peers' latest (`_Gateways`);
+    None: the peers' figures come by the periodic round only."""
+    routing_s: float = 0.0
+    """Several gateways: each decides its requests one after another, this long each (trace
+    seconds; it orders who sees whose placement, the engines still get each at its arrival)."""
     room_weight: float | None = None
     """The room scorer's weight; None: the mode's default, as the gateway's
     (`router.registry.room_weight_for`), which replaces `router.room_weight`."""
@@ -206,6 +213,12 @@ class SimConfig:
             raise ValueError(
                 f"load_share_interval_s must be positive, got {self.load_share_interval_s}"
             )
+        if self.placement_delay_s is not None and self.placement_delay_s < 0:
+            raise ValueError(
+                f"placement_delay_s must be non-negative, got {self.placement_delay_s}"
+            )
+        if self.routing_s < 0:
+            raise ValueError(f"routing_s must be non-negative, got {self.routing_s}")
         unknown = self.as_one - set(AS_ONE)
         if unknown:
             raise ValueError(f"unknown as_one {sorted(unknown)}; choose from {AS_ONE}")
@@ -450,30 +463,77 @@ class _Gateways:
     `round_s` (staggered over the gateways, as they start at different instants), writes its
     own figures and reads the others' last written ones in one call, so a peer's figure is up
     to two rounds old when a decision reads it: a prefill that ended since is still counted,
-    one sent since is not."""
+    one sent since is not.
 
-    def __init__(self, count: int, round_s: float, replicas: Sequence[str]) -> None:
+    With `placement_delay_s` (the placements shared, `SimConfig.placement_delay_s`) a gateway
+    also publishes its figures at each placement, which its peers see `placement_delay_s`
+    after it (a Redis round trip and the placing gateway's own routing), and every decision
+    reads its peers' latest published figures (the lookup's round trip reads them), not its
+    last round's. A gateway decides its requests one after another, `routing_s` each
+    (`decide_at`): a burst of one arrival instant spreads over its gateways' routing, so a
+    peer's placement made early in the burst reaches a decision late in it."""
+
+    def __init__(
+        self,
+        count: int,
+        round_s: float,
+        replicas: Sequence[str],
+        placement_delay_s: float | None = None,
+        routing_s: float = 0.0,
+    ) -> None:
         self.round_s = round_s
         self.replicas = tuple(replicas)
+        self.placement_delay_s = placement_delay_s
+        self.routing_s = routing_s
         self.own = [{r: _Load() for r in replicas} for _ in range(count)]
         self._published = [{r: _Load() for r in replicas} for _ in range(count)]
+        self._published_at = [-math.inf] * count
+        """When each gateway's published figures were taken."""
         self._peers = [{r: _Load() for r in replicas} for _ in range(count)]
         self._next = [g * round_s / count for g in range(count)]
+        self._free = [-math.inf] * count
+        """When each gateway finishes routing its last request."""
+        self._pending: list[tuple[float, int, int, float, dict[str, _Load]]] = []
+        """Placements' figures on their way to the peers: (visible at, order, gateway, taken
+        at, figures), a heap."""
+        self._order = itertools.count()
+
+    def decide_at(self, g: int, arrival_s: float) -> float:
+        """When gateway `g` decides a request arriving at `arrival_s`: after the ones it
+        has before it, `routing_s` each."""
+        at = self._free[g] = max(arrival_s, self._free[g]) + self.routing_s
+        return at
+
+    def placed(self, g: int, at: float) -> None:
+        """Gateway `g` placed a request at `at`: its figures reach its peers later."""
+        if self.placement_delay_s is None or len(self.own) == 1:
+            return
+        figures = {r: replace(load) for r, load in self.own[g].items()}
+        item = (at + self.placement_delay_s, next(self._order), g, at, figures)
+        heapq.heappush(self._pending, item)
 
     def rounds_until(self, now: float) -> None:
-        """Every gateway's rounds due by `now`, in time order (one gateway has no peers)."""
+        """Every gateway's rounds due by `now`, and every placement visible by then, in time
+        order (one gateway has no peers)."""
         due = self._next
         if len(due) == 1:
             return
         while True:
             g = min(range(len(due)), key=due.__getitem__)
-            if due[g] > now:
+            pending = self._pending[0][0] if self._pending else math.inf
+            if min(due[g], pending) > now:
                 return
-            self._round(g)
+            if pending < due[g]:
+                _, _, h, taken, figures = heapq.heappop(self._pending)
+                if taken >= self._published_at[h]:
+                    self._published[h], self._published_at[h] = figures, taken
+                continue
+            self._round(g, due[g])
             due[g] += self.round_s
 
-    def _round(self, g: int) -> None:
+    def _round(self, g: int, now: float) -> None:
         self._published[g] = {r: replace(load) for r, load in self.own[g].items()}
+        self._published_at[g] = now
         peers = self._peers[g] = {r: _Load() for r in self.replicas}
         for h, published in enumerate(self._published):
             if h != g:
@@ -481,9 +541,15 @@ class _Gateways:
                     peers[r].add(load)
 
     def seen(self, g: int, replica: str) -> _Load:
-        """What gateway `g` counts on `replica`: its own requests and its peers' last figures."""
+        """What gateway `g` counts on `replica`: its own requests and its peers' figures (as
+        its last round read them, or as published now when placements are shared)."""
         seen = replace(self.own[g][replica])
-        seen.add(self._peers[g][replica])
+        if self.placement_delay_s is None:
+            seen.add(self._peers[g][replica])
+            return seen
+        for h, published in enumerate(self._published):
+            if h != g:
+                seen.add(published[replica])
         return seen
 
 
@@ -810,7 +876,13 @@ def simulate(
     ]
     by_id = {r.id: r for r in replicas}
     index_of = {r.id: i for i, r in enumerate(replicas)}
-    gateways = _Gateways(config.gateways, config.load_share_interval_s, list(by_id))
+    gateways = _Gateways(
+        config.gateways,
+        config.load_share_interval_s,
+        list(by_id),
+        config.placement_delay_s,
+        config.routing_s,
+    )
     rates = PrefixRates(clock=clock) if config.overflow and profile.locality else None
     # conversation affinity, as the gateway keeps it: looked up and recorded at each decision
     # (the homes, and each replica's room: the KV its live conversations come back for)
@@ -881,7 +953,8 @@ def simulate(
         drain(req.arrival_s)
         clock.now = req.arrival_s
         gateway = position % config.gateways
-        gateways.rounds_until(clock.now)
+        decided_s = gateways.decide_at(gateway, req.arrival_s)
+        gateways.rounds_until(decided_s)
         seen = None if LOAD in config.as_one else functools.partial(gateways.seen, gateway)
         directory.catch_up(req.arrival_s)
         hs = keys[req.index].hashes
@@ -933,6 +1006,7 @@ def simulate(
         own.num_inflight += 1
         own.pending_prefill_tokens += estimate
         own.decode_tokens += job.num_output_tokens
+        gateways.placed(gateway, decided_s)
         estimates[job.id] = (rep, estimate, req, decision.reason, own)
         outputs[job.id] = job.num_output_tokens
         rep.decode_tokens += job.num_output_tokens
@@ -1366,6 +1440,20 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         f"seconds; default {DEFAULT_LOAD_SHARE_INTERVAL_S:g}, the gateway's)",
     )
     parser.add_argument(
+        "--placement-delay-ms",
+        type=float,
+        default=None,
+        help="several gateways: each placement reaches the peers' load view this long after "
+        "it (published at placement, read in each lookup; default: by the round only)",
+    )
+    parser.add_argument(
+        "--routing-ms",
+        type=float,
+        default=0.0,
+        help="several gateways: each decides its requests one after another, this long each "
+        "(default 0)",
+    )
+    parser.add_argument(
         "--as-one",
         default="",
         help=f"several gateways: a comma-separated subset of {', '.join(AS_ONE)} modelled as "
@@ -1452,6 +1540,10 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         gateways=args.gateways,
         load_share_interval_s=args.load_share_interval_s,
         as_one=frozenset(item for item in args.as_one.split(",") if item),
+        placement_delay_s=(
+            args.placement_delay_ms / 1e3 if args.placement_delay_ms is not None else None
+        ),
+        routing_s=args.routing_ms / 1e3,
     )
 
 
@@ -1459,9 +1551,15 @@ def _describe_gateways(config: SimConfig) -> str:
     if config.gateways == 1:
         return ""
     as_one = f", as one: {', '.join(sorted(config.as_one))}" if config.as_one else ""
+    placements = (
+        f", placements seen by the peers {config.placement_delay_s * 1e3:g} ms after"
+        if config.placement_delay_s is not None
+        else ""
+    )
+    routing = f", routing {config.routing_s * 1e3:g} ms a request" if config.routing_s else ""
     return (
         f"\n{config.gateways} gateways on one shared directory, requests round robin, load "
-        f"shared every {config.load_share_interval_s:g} s{as_one}"
+        f"shared every {config.load_share_interval_s:g} s{placements}{routing}{as_one}"
     )
 
 
@@ -1568,6 +1666,8 @@ def run_sim(args: argparse.Namespace) -> int:
                 "gateways": config.gateways,
                 "load_share_interval_s": config.load_share_interval_s,
                 "as_one": sorted(config.as_one),
+                "placement_delay_s": config.placement_delay_s,
+                "routing_s": config.routing_s,
             },
             "references": asdict(refs),
             "results": {r.label: r.summary() for r in results},

@@ -933,6 +933,7 @@ class EventReader:
             return {}
         keys, head = chain_call(hashes)
         if isinstance(self.lane, NodeLanes):
+            self.lane.ride()  # the lane's rider, beside the lookup (`NodeLanes.ride`)
             flat = await self._on_nodes(self.lane, keys, head, deadline_s)
         else:
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

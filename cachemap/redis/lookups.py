@@ -35,6 +35,12 @@ reader cancelled before its first step never runs its own clean-up, and redis-py
 are reused objects: a connection given back while a reader may still read it, or given back
 twice, would be read or closed under the pool's next user.
 
+A `Rider` (`LookupLane.rider`) is a read that goes down the lane with the lookups: each
+pipelined batch of lookups is written behind one command of the rider's (when it wants one),
+in the same write, so its reply is read, and its callback run, before the lookups' callers
+resume — the gateways' load figures read in the lookup's own round trip
+(`gateway.fleet.shared_load`).
+
 A Redis Cluster gets one lane per master (`cachemap.redis.node_lanes`): a lookup's keys share
 one slot, so each lookup is one script call on one node, and a loop turn's lookups for a node
 go down that node's lane in one write.
@@ -93,6 +99,19 @@ class CommandLane(Protocol):
         source: str = "",
         deadline_s: float | None = None,
     ) -> asyncio.Future[Any]: ...
+
+
+class Rider(Protocol):
+    """A read sent with the lookups (module docstring)."""
+
+    key: bytes
+    """Its key (what a cluster's lanes route it by)."""
+    deadline_s: float
+
+    def ride(self) -> tuple[tuple[Any, ...], Callable[[asyncio.Future[Any]], None]] | None:
+        """The command to send with the next batch of lookups and the callback its answer
+        (or failure) goes to; None when no read is wanted now."""
+        ...
 
 
 class LookupTimeout(TimeoutError):
@@ -172,6 +191,8 @@ class LookupLane:
         self.stats = LaneStats() if stats is None else stats
         self.on_round_trip: Callable[[float], None] | None = None
         """Called with each reply's round trip in seconds (written to parsed)."""
+        self.rider: Rider | None = None
+        """A read written ahead of each batch of lookups (`send`), when it wants one."""
 
     @property
     def in_flight(self) -> int:
@@ -184,12 +205,24 @@ class LookupLane:
         """Write the calls (keys, args, deadline, the future their caller awaits) in one go.
         The reader answers each future itself: a caller resumes one loop iteration after its
         reply is parsed."""
-        self._send(
-            [
-                _Call(("EVALSHA", self._sha, len(keys), *keys, *args), future, d, self._source)
-                for keys, args, d, future in calls
-            ]
-        )
+        batch = [
+            _Call(("EVALSHA", self._sha, len(keys), *keys, *args), future, d, self._source)
+            for keys, args, d, future in calls
+        ]
+        ride = self._ride()
+        if ride is not None:  # ahead of the lookups: answered before their callers resume
+            batch.insert(0, ride)
+        self._send(batch)
+
+    def _ride(self) -> _Call | None:
+        rider = self.rider
+        wanted = rider.ride() if rider is not None else None
+        if rider is None or wanted is None:
+            return None
+        command, done = wanted
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(done)
+        return _Call(command, future, rider.deadline_s)
 
     def command(
         self,

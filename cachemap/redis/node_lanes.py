@@ -12,6 +12,10 @@ closing the cluster client closes it, so a lane its owner never closed leaves no
 A reply that says the slot moved (`MOVED`, `ASK`) or a node that went away fails that lookup
 (the caller falls back) and reloads the slot map, at most once per `SLOTS_REFRESH_S`; lanes of
 nodes that are no longer masters are closed.
+
+A rider (`LookupLane.rider`) goes down its own key's master's lane, beside the lookups it
+rides with (`ride`): on a cluster its key is in another slot, so its reply may come after a
+lookup's, and that lookup's decision uses the rider's previous answer.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import AskError, MovedError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from cachemap.redis.lookups import LaneClosed, LaneStats, LookupLane
+from cachemap.redis.lookups import LaneClosed, LaneStats, LookupLane, Rider
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ class NodeLanes:
         self._closed = False
         self.stats = LaneStats()
         self._on_round_trip: Callable[[float], None] | None = None
+        self.rider: Rider | None = None
+        """A read sent with each batch of lookups, on its key's master (`ride`)."""
 
     @property
     def on_round_trip(self) -> Callable[[float], None] | None:
@@ -88,6 +94,21 @@ class NodeLanes:
             call[3].add_done_callback(self._check)
         for name, batch in by_node.items():
             self._lane(nodes[name]).send(batch)
+        if by_node:
+            self.ride()
+
+    def ride(self) -> asyncio.Future[Any] | None:
+        """The rider's read, when it wants one, down its key's master's lane (in parallel
+        with the lookups on theirs: no round trip added to theirs). Returns its answer
+        (None: no read sent)."""
+        rider = self.rider
+        wanted = rider.ride() if rider is not None and not self._closed else None
+        if rider is None or wanted is None:
+            return None
+        command, done = wanted
+        future = self.command(rider.key, command, "", rider.deadline_s)
+        future.add_done_callback(done)
+        return future
 
     def command(
         self,

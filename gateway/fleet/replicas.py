@@ -372,11 +372,12 @@ class ReplicaSet:
         """Times a replica became suspect (each starts an identity check)."""
         self._suspects: set[str] = set()
 
-    def share_load(self, client: AnyRedis, round_s: float) -> None:
+    def share_load(self, client: AnyRedis, round_s: float) -> SharedLoad:
         """Publish this gateway's load to its peers on `client` and count theirs (from
         `start` to `stop`; gateway.fleet.shared_load)."""
         self.shared_load = SharedLoad(client, self.states.values, round_s)
         self.fleet.on_leased = self.shared_load.wake
+        return self.shared_load
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""

@@ -28,6 +28,20 @@ sent. A round is one round trip; an idle gateway (nothing in flight here, nothin
 peers) goes to Redis once a second only, with an empty list (a heartbeat), and at its next
 0.1-s round once it has a request in flight.
 
+A round's period does not reach inside a burst (the Mooncake trace's requests come ten to an
+arrival millisecond): between two rounds, every gateway would place its share of a burst on the
+same view. So a placement is published at once too (`wake`, `publish`: one HSET of this
+gateway's figures, stamped with Redis's clock as the last write read it, down the rounds' lane,
+at most one a loop turn, off the request path), and the peers' figures are read in the lookup's
+own round trip: the hash's HGETALL rides ahead of each pipelined batch of lookups on their lane
+(`ride`, `cachemap.redis.lookups.Rider`; one in flight at a time, and only while the last
+answer showed a peer), so a decision counts every peer's placement that reached Redis before
+its lookup did. On a Cluster the hash is in another slot: the read goes down that master's lane
+beside the lookups (`NodeLanes.ride`), and a lookup answered before it routes on the previous
+read's figures. Releases (a first token, an end) reach the peers at the next round. `kvgate sim
+--gateways 4 --placement-delay-ms 1.5 --routing-ms 1` models it (docs/design/directory.md,
+"Four gateways' hit ratio").
+
 When Redis is unreachable the peers' figures from the last answer stand until `stale_s` past it,
 then go to zero: the gateway routes on its own figures and the engines', as it did before.
 """
@@ -42,7 +56,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -141,30 +155,88 @@ def encode(states: Iterable[ReplicaState]) -> bytes:
     )
 
 
+Row = tuple[str, int, int, float, float]
+"""One replica's figures in a gateway's entry (`encode`), negative figures read as zero."""
+
+
+def parse(blob: bytes) -> list[Row] | None:
+    """A gateway's figures, or None when they cannot be read (a gateway of another version, a
+    corrupted value — never a crash)."""
+    try:
+        return [
+            (
+                str(url),
+                max(int(inflight), 0),
+                max(int(prefilling), 0),
+                max(float(prefill), 0.0),
+                max(float(output), 0.0),
+            )
+            for url, inflight, prefilling, prefill, output in orjson.loads(blob)
+        ]
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        return None
+
+
+def _add(out: dict[str, PeerLoad], rows: list[Row], sign: int = 1) -> None:
+    for url, inflight, prefilling, prefill, output in rows:
+        peer = out.get(url)
+        if peer is None:
+            peer = out[url] = PeerLoad()
+        peer.num_inflight += sign * inflight
+        peer.num_prefilling += sign * prefilling
+        peer.prefill_tokens += sign * prefill
+        peer.decode_tokens += sign * output
+        if sign < 0 and peer == NO_PEERS:
+            del out[url]
+
+
 def decode(blobs: Iterable[bytes]) -> tuple[dict[str, PeerLoad], int]:
-    """The peers' figures summed per replica, and how many entries were malformed (skipped:
-    a gateway of another version, a corrupted value — never a crash)."""
+    """The peers' figures summed per replica, and how many entries were malformed (skipped)."""
     out: dict[str, PeerLoad] = {}
     malformed = 0
     for blob in blobs:
-        try:
-            rows = orjson.loads(blob)
-            parsed = [
-                (str(url), int(inflight), int(prefilling), float(prefill), float(output))
-                for url, inflight, prefilling, prefill, output in rows
-            ]
-        except (orjson.JSONDecodeError, TypeError, ValueError):
+        rows = parse(blob)
+        if rows is None:
             malformed += 1
-            continue
-        for url, inflight, prefilling, prefill, output in parsed:
-            peer = out.get(url)
-            if peer is None:
-                peer = out[url] = PeerLoad()
-            peer.num_inflight += max(inflight, 0)
-            peer.num_prefilling += max(prefilling, 0)
-            peer.prefill_tokens += max(prefill, 0.0)
-            peer.decode_tokens += max(output, 0.0)
+        else:
+            _add(out, rows)
     return out, malformed
+
+
+class PeerSums:
+    """The peers' figures summed per replica, kept from one read to the next: an entry whose
+    value is the one read last time is neither parsed nor added again. A read in every
+    lookup's round trip would otherwise parse and sum every peer's every row (`decode`: ~3 ms
+    at 15 peers with requests on 64 replicas each, on a busy 2-core machine); between two
+    reads a few peers' entries change."""
+
+    def __init__(self) -> None:
+        self._rows: dict[bytes, tuple[bytes, list[Row]]] = {}
+        self._sums: dict[str, PeerLoad] = {}
+
+    def fold(self, entries: dict[bytes, bytes]) -> int:
+        """The peers' entries now (name -> figures): what changed is taken out and added
+        again, what is gone taken out. Returns how many entries were malformed (skipped)."""
+        for name in [name for name in self._rows if name not in entries]:
+            _add(self._sums, self._rows.pop(name)[1], -1)
+        malformed = 0
+        for name, blob in entries.items():
+            held = self._rows.get(name)
+            if held is not None:
+                if held[0] == blob:
+                    continue
+                _add(self._sums, self._rows.pop(name)[1], -1)
+            rows = parse(blob)
+            if rows is None:
+                malformed += 1
+                continue
+            self._rows[name] = (blob, rows)
+            _add(self._sums, rows)
+        return malformed
+
+    def view(self) -> dict[str, PeerLoad]:
+        """The sums, copied (the next fold changes its own)."""
+        return {url: replace(peer) for url, peer in self._sums.items()}
 
 
 class SharedLoad:
@@ -222,6 +294,18 @@ class SharedLoad:
         self.failed = 0
         self.malformed = 0
         self.num_peers = 0
+        self.key = LOAD_KEY
+        self.deadline_s = ROUND_DEADLINE_S
+        """The rider's read (`ride`): its key and deadline."""
+        self.rides = 0
+        """Reads of the peers' figures answered in a lookup's round trip (`ride`)."""
+        self.published = 0
+        """Placements published as they were made (`wake`)."""
+        self._riding = False
+        self._publishing = False
+        self._stopped = False
+        self._sums = PeerSums()
+        """The peers' sums as the reads in the lookups' round trips keep them (`ride`)."""
 
     def due(self, states: list[ReplicaState]) -> bool:
         """Whether this round goes to Redis: while anyone's load is in the view or this
@@ -272,13 +356,17 @@ class SharedLoad:
         self._busy = figures != EMPTY or any(s.peer is not None for s in states)
 
     async def _read(self, now_s: float) -> list[bytes]:
-        """The peers' figures as the script would return them, from one HGETALL: entries past
-        the stale bound by Redis's clock (estimated from this gateway's last write: off by at
-        most that call's round trip, against a bound of seconds) and this gateway's own are
-        left out. Removing stale entries is left to the next write; an own entry Redis no
-        longer holds (it lost its data) is written again at the next round."""
+        """The peers' figures as the script would return them, from one HGETALL (`_others`).
+        Removing stale entries is left to the next write."""
         await self._slot_map()
         reply = await self._lane.command(LOAD_KEY, ("HGETALL", LOAD_KEY), "", ROUND_DEADLINE_S)
+        return [figures for _, figures in self._others(reply, now_s)]
+
+    def _others(self, reply: Any, now_s: float) -> list[tuple[bytes, bytes]]:
+        """An HGETALL of the hash without the entries past the stale bound by Redis's clock
+        (estimated from this gateway's last write: off by at most that call's round trip,
+        against a bound of seconds) and without this gateway's own, as (name, figures). An own
+        entry Redis no longer holds (it lost its data) is written again at the next round."""
         pairs = (
             reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
         )
@@ -294,10 +382,39 @@ class SharedLoad:
             if not bar or not stamp.isdigit():
                 continue
             if redis_ms - int(stamp) <= self._stale_ms:
-                out.append(figures)
+                out.append((name, figures))
         if not held:
             self._written = None
         return out
+
+    def ride(self) -> tuple[tuple[Any, ...], Callable[[asyncio.Future[Any]], None]] | None:
+        """The peers' figures read with the next batch of lookups (`cachemap.redis.lookups.
+        Rider`): one read in flight at a time, none before the first round or after `stop`,
+        and none while the last answer showed no peer (a lone gateway reads nothing more; a
+        peer that joins is seen at the next round)."""
+        if self._riding or self._stopped or self._written_s == -math.inf or not self.num_peers:
+            return None
+        self._riding = True
+        return ("HGETALL", LOAD_KEY), self._ridden
+
+    def _ridden(self, future: asyncio.Future[Any]) -> None:
+        """The read's answer applied, before the lookups behind it resume (their callers'
+        wake-ups are scheduled after this callback). A failure changes nothing: the round
+        handles Redis being away."""
+        self._riding = False
+        if future.cancelled() or future.exception() is not None:
+            return
+        now_s = self.clock()
+        try:
+            entries = dict(self._others(future.result(), now_s))
+        except (AttributeError, TypeError, ValueError):  # not a hash's reply: skipped
+            self.malformed += 1
+            return
+        self.malformed += self._sums.fold(entries)
+        self.num_peers = len(entries)
+        self.rides += 1
+        self._answered_s = now_s
+        self._apply(list(self.states()), self._sums.view())
 
     async def _call(self, figures: bytes | str, deadline_s: float) -> Any:
         """The script down the rounds' lane: this gateway's figures ("" withdraws them)."""
@@ -316,9 +433,44 @@ class SharedLoad:
             state.peer = peers.get(state.url)
 
     def wake(self) -> None:
-        """A lease started: an idle loop's next round comes at its place (`_idle`)."""
+        """A lease started: an idle loop's next round comes at its place (`_idle`), and this
+        gateway's figures are published at the end of this loop turn (`publish`)."""
         if self._waker is not None:
             _resolve(self._waker)
+        if not self._publishing and not self._stopped:
+            self._publishing = True
+            asyncio.get_running_loop().call_soon(self._publish_soon)
+
+    def _publish_soon(self) -> None:
+        self._publishing = False
+        self.publish()
+
+    def publish(self) -> asyncio.Future[Any] | None:
+        """This gateway's figures to its entry, one HSET down the rounds' lane (the placements
+        of one loop turn in one write): stamped with Redis's clock as the last script call
+        read it, so the peers' stale bound reads it as the script's own. Not before the first
+        round (no clock read yet), nor when the figures are the last written. The script's
+        heartbeat still runs (it drops stale entries and renews the hash's expiry). Returns
+        the write's answer (None: nothing written)."""
+        if self._stopped or self._written_s == -math.inf:
+            return None
+        figures = encode(self.states())
+        if figures == self._written:
+            return None
+        stamp = int(self.clock() * 1000 + self._offset_ms)
+        value = b"%d|%s" % (stamp, figures)
+        command = ("HSET", LOAD_KEY, self.gateway_id, value)
+        self._written = figures
+        future = self._lane.command(LOAD_KEY, command, "", ROUND_DEADLINE_S)
+        future.add_done_callback(self._published)
+        return future
+
+    def _published(self, future: asyncio.Future[Any]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self.failed += 1
+            self._written = None  # the next round writes them
+            return
+        self.published += 1
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -357,6 +509,7 @@ class SharedLoad:
 
     async def stop(self) -> None:
         """Stop the rounds; the peers stop counting this gateway at once (not after the bound)."""
+        self._stopped = True
         await self._tasks.close()
         try:  # bounded: a Redis gone at shutdown must not hold the stop (the entry goes stale)
             await self._call("", WITHDRAW_DEADLINE_S)

@@ -552,13 +552,13 @@ def build(settings: Settings, span_exporter: SpanExporter | None = None) -> Part
     )
 
 
-def _share_events(parts: Parts, client: AnyRedis) -> None:
+def _share_events(parts: Parts, client: AnyRedis) -> EventReader | None:
     """`kv_events_shared`: the intake owns domains by lease and writes the event index in
-    Redis; precise lookups read it (docs/precise.md, "Who ingests")."""
+    Redis; precise lookups read it (docs/precise.md, "Who ingests"). Returns the reader."""
     settings = parts.settings
     precise = parts.keying.precise if parts.keying is not None else None
     if not settings.kv_events_shared or precise is None:
-        return
+        return None
     frontiers = parts.director.frontiers
     writer = None
     if parts.intake is not None:
@@ -585,6 +585,17 @@ def _share_events(parts: Parts, client: AnyRedis) -> None:
             domain_of(replica, 0, layouts.dp_size(replica, dp_size))
         )
         parts.intake.frontiers = shared
+    return reader
+
+
+def _share_load(parts: Parts, directory: RedisDirectory, events: EventReader | None) -> None:
+    """The gateways' load shared on the directory's Redis, the peers' figures read in the
+    lookups' round trip too: a rider on every lane a lookup goes down
+    (`gateway.fleet.shared_load`)."""
+    shared_load = parts.replicas.share_load(directory.client, parts.settings.load_share_interval_s)
+    directory.lane.rider = shared_load
+    if events is not None:
+        events.lane.rider = shared_load
 
 
 SETTLE_S = 5.0
@@ -644,9 +655,9 @@ async def run(parts: Parts, app: FastAPI) -> AsyncIterator[None]:
                 ttl_s=settings.directory_ttl_s,
             )
             directory.register([*settings.engines, *settings.decode_engines])
-            _share_events(parts, directory.shared.client)
+            events = _share_events(parts, directory.shared.client)
             if settings.share_load:
-                parts.replicas.share_load(directory.shared.client, settings.load_share_interval_s)
+                _share_load(parts, directory.shared, events)
             flow = parts.director.flow
             if settings.flow_share_counters and flow is not None:
                 counters = SharedCounters(

@@ -316,6 +316,15 @@ class GatewayCollector(Collector):
         rounds.add_metric(["failed"], shared.failed)
         rounds.add_metric(["malformed"], shared.malformed)
         yield rounds
+        between = CounterMetricFamily(
+            "kvgate_load_shared_calls",
+            "Shared load between rounds: published (this gateway's figures written as it "
+            "placed a request), read (the peers' read in a lookup's round trip).",
+            labels=["call"],
+        )
+        between.add_metric(["published"], shared.published)
+        between.add_metric(["read"], shared.rides)
+        yield between
         yield GaugeMetricFamily(
             "kvgate_load_shared_peers",
             "Other gateways whose load the last shared load round counted.",

@@ -102,6 +102,7 @@ def test_a_peers_queued_prefills_move_the_next_turn_off_their_replica(
     if shared:
         assert where != holder and reason == "load_bound"
         assert 'kvgate_load_shared_rounds_total{event="ok"}' in page
+        assert 'kvgate_load_shared_calls_total{call="published"}' in page
         shared_load = director(here).replicas.shared_load
         assert shared_load is not None and shared_load.failed == 0
     else:

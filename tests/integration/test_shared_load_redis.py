@@ -11,11 +11,13 @@ import uuid
 from typing import Any
 
 import pytest
+from redis.asyncio.cluster import RedisCluster
 
 from cachemap.redis.client import AnyRedis, open_redis
 from cachemap.redis.lookups import LookupLane
+from cachemap.redis.node_lanes import NodeLanes
 from gateway.fleet.replicas import FleetLoad, ReplicaState
-from gateway.fleet.shared_load import LOAD_KEY, SharedLoad, decode, encode
+from gateway.fleet.shared_load import LOAD_KEY, PeerSums, SharedLoad, decode, encode
 from loadgen.harness.redis_servers import RedisServer
 from tests.integration.test_event_index_redis import client
 
@@ -132,6 +134,28 @@ def test_decoding_sums_the_peers_and_skips_what_it_cannot_read() -> None:
     assert malformed == 2
     assert peers[x].num_inflight == 3 and peers[x].prefill_tokens == 4_500.0
     assert encode(fleet(x).values()) == b"[]"  # an idle gateway publishes only its heartbeat
+
+
+def test_the_sums_kept_between_reads_are_what_decoding_every_entry_gives() -> None:
+    """`PeerSums`: an entry read again unchanged is not added twice, a changed one replaces
+    its old figures, a gone one is taken out, a malformed one skipped (and counted at each
+    read)."""
+    x, y = "http://x:8000", "http://y:8000"
+    a1, a2 = orjson_row(x, 2, 1, 4_000.0, 10.0), orjson_row(y, 1, 0, 0.0, 64.0)
+    b1 = orjson_row(x, 1, 1, 500.0, 0.0)
+    sums = PeerSums()
+    reads = [
+        {b"a": a1, b"b": b1},
+        {b"a": a1, b"b": b1},  # unchanged
+        {b"a": a2, b"b": b1},  # a's request on x ended, one on y started
+        {b"a": a2, b"c": b"{not json"},  # b left, c unreadable
+        {},
+    ]
+    for entries in reads:
+        malformed = sums.fold(entries)
+        expected, bad = decode(entries.values())
+        assert sums.view() == expected and malformed == bad
+    assert sums.view() == {}
 
 
 async def test_redis_gone_leaves_the_last_view_for_the_bound_then_none(
@@ -309,8 +333,76 @@ async def test_an_idle_loop_sleeps_until_its_heartbeat_and_a_lease_wakes_it(
         called.clear()
         mine[x].lease(1_000.0).keep()
         await asyncio.wait_for(called.wait(), 0.5)  # the heartbeat is ~0.8 s away
-        assert g.writes == 2  # the start's empty list, then this request
+        # the start's empty list (the script), then this request's figures, published as it
+        # was placed (the round after only read)
+        assert (g.writes, g.published) == (1, 1)
         entry = await client.hget(LOAD_KEY, g.gateway_id)
         assert entry is not None and x.encode() in entry  # its figures, for the peers
     finally:
         await g.stop()
+
+
+class Watched:
+    """A rider (`cachemap.redis.lookups.Rider`) that is the gateway's own, and says when its
+    read was answered."""
+
+    def __init__(self, load: SharedLoad) -> None:
+        self.load = load
+        self.key = load.key
+        self.deadline_s = load.deadline_s
+        self.answered = asyncio.Event()
+        self.sent = 0
+
+    def ride(self) -> Any:
+        wanted = self.load.ride()
+        if wanted is None:
+            return None
+        self.sent += 1
+        command, done = wanted
+
+        def answered(future: asyncio.Future[Any]) -> None:
+            done(future)
+            self.answered.set()
+
+        return command, answered
+
+
+async def test_a_placement_counts_in_a_peers_next_lookup_before_any_round(
+    client: AnyRedis,
+) -> None:
+    """A placement is published as it is made (`publish`), and a peer's lookup reads it in
+    its own round trip (the rider ahead of the lookups on their lane): on one Redis it counts
+    when the lookup's caller resumes; on a cluster, once the read beside it is answered. No
+    round runs after the first."""
+    x, y = urls(2)
+    mine, theirs = fleet(x, y), fleet(x, y)
+    a, b = gateway(client, theirs), gateway(client, mine)
+    await a.round()  # the first rounds (a gateway's start): nothing in flight
+    await b.round()
+    theirs[x].lease(40_000.0, output_tokens=200.0).keep()
+    published = a.publish()
+    assert published is not None
+    await published
+    assert a.publish() is None  # the same figures: not written again
+    source = "return 1"
+    sha = client.register_script(source).sha
+    cluster = isinstance(client, RedisCluster)
+    lane = NodeLanes(client, source, sha) if cluster else LookupLane(client, source, sha)
+    rider = lane.rider = Watched(b)
+    try:
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        lane.send([([b"kvg:{lane-test}:k"], [], 1.0, answer)])
+        assert b.ride() is None  # one read in flight at a time
+        assert await answer == 1
+        if cluster:  # beside the lookup, on the load key's master
+            await asyncio.wait_for(rider.answered.wait(), 5.0)
+        assert rider.answered.is_set() and rider.sent == 1
+        peer = mine[x].peer
+        assert peer is not None and peer.num_prefilling == 1 and peer.prefill_tokens == 40_000.0
+        assert mine[x].snapshot().pending_prefill_tokens == 40_000.0
+        assert mine[y].peer is None
+        assert (a.rounds, b.rounds, a.published, b.rides) == (1, 1, 1, 1)
+    finally:
+        await lane.close()
+        await a.stop()
+        await b.stop()

@@ -74,6 +74,45 @@ def test_a_gateway_sees_its_own_requests_at_once_and_its_peers_at_their_rounds()
     assert gateways.seen(1, "r0").pending_prefill_tokens == 500.0  # its own, exact
 
 
+def test_a_placement_reaches_the_peers_after_its_delay_and_a_burst_spreads_over_routing() -> None:
+    """Placements shared (`placement_delay_s`): a peer's placement counts at a decision
+    `placement_delay_s` after it, without waiting for a round; a gateway decides the requests
+    of one arrival instant one after another, `routing_s` each."""
+    gateways = _Gateways(2, 10.0, ["r0"], placement_delay_s=0.0015, routing_s=0.001)
+    gateways.rounds_until(0.0)  # the first rounds: nothing in flight
+    assert [gateways.decide_at(1, 1.0) for _ in range(3)] == pytest.approx([1.001, 1.002, 1.003])
+    assert gateways.decide_at(0, 1.0) == pytest.approx(1.001)  # its own routing, in parallel
+    gateways.own[1]["r0"].pending_prefill_tokens += 500.0
+    gateways.placed(1, 1.001)
+    gateways.own[1]["r0"].pending_prefill_tokens += 300.0  # a later placement, not seen yet
+    gateways.placed(1, 1.003)
+    gateways.rounds_until(1.002)
+    assert gateways.seen(0, "r0").pending_prefill_tokens == 0.0  # 1.5 ms: not yet
+    gateways.rounds_until(1.0025)
+    assert gateways.seen(0, "r0").pending_prefill_tokens == 500.0  # no round ran
+    gateways.rounds_until(1.0045)
+    assert gateways.seen(0, "r0").pending_prefill_tokens == 800.0
+
+
+def test_shared_placements_bring_four_gateways_ttft_toward_one_gateways(slice_: Trace) -> None:
+    """On the bench's slice, four gateways seeing each other's placements at once route as
+    one gateway's load view would (`as_one` load) to within a few percent of TTFT; seen a
+    round trip and a routing later, part of the way: the bursts' first requests are placed on
+    the same view."""
+
+    def ttft(config: SimConfig) -> float:
+        _, (result,) = run_policies(slice_, ["cache_aware"], config)
+        return result.summary()["ttft_mean_s"]
+
+    four = replace(CONFIG, gateways=4)
+    apart = ttft(four)
+    instant = ttft(replace(four, placement_delay_s=0.0))
+    late = ttft(replace(four, placement_delay_s=0.0015, routing_s=0.001))
+    as_one = ttft(replace(four, as_one=frozenset({"load"})))
+    assert instant == pytest.approx(as_one, rel=0.05)
+    assert instant < late < apart
+
+
 def test_the_redis_capacity_holds_one_to_two_generations_of_the_most_recent_blocks() -> None:
     clock = _Clock()
     index = _GenerationIndex(capacity_blocks=8, ttl_s=3600.0, clock=clock)  # 6 a generation
@@ -106,3 +145,8 @@ def test_the_command_takes_gateways_and_what_to_model_as_one(
     assert "unknown as_one" in capsys.readouterr().out
     with pytest.raises(ValueError, match="gateways must be at least 1"):
         SimConfig(gateways=0)
+    placements = ["--placement-delay-ms", "1.5", "--routing-ms", "1"]
+    assert main([*argv, "--policy", "cache_aware", "--gateways", "2", *placements]) == 0
+    assert "placements seen by the peers 1.5 ms after, routing 1 ms" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="placement_delay_s must be non-negative"):
+        SimConfig(placement_delay_s=-1.0)
