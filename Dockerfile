@@ -4,7 +4,7 @@
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 WORKDIR /src
-COPY pyproject.toml README.md kvgate_cli.py ./
+COPY pyproject.toml setup.py README.md kvgate_cli.py ./
 COPY gateway gateway
 COPY router router
 COPY cachemap cachemap

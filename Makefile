@@ -24,7 +24,8 @@ define install
 endef
 
 # `make run` needs only what running needs; test, lint and the tools add the dev set on top
-$(RUN_STAMP): pyproject.toml
+# setup.py builds cachemap/_native (Cython) where it can: a change to its source installs again
+$(RUN_STAMP): pyproject.toml setup.py cachemap/_native.pyx cachemap/_murmur3.h
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(call install,.)
 	@rm -f $(VENV)/.installed-run-* && touch $@
@@ -50,6 +51,8 @@ TEST_WORKERS ?= 2
 test: $(DEV_STAMP) $(BROWSER) ## the test suite (starts its own engines and servers on loopback)
 	$(PY) -m compileall -q -j0 kvgate_cli.py cachemap gateway loadgen router tools
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
+	@# cachemap's tests again on the pure-Python forms, where the compiled module is built (~10 s)
+	$(if $(wildcard cachemap/_native*.so),KVGATE_PURE=1 $(PY) -m pytest -q tests/cachemap)
 
 lint: $(DEV_STAMP) ## ruff format --check and ruff check
 	$(VENV)/bin/ruff format --check .

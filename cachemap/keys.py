@@ -27,6 +27,8 @@ from typing import NewType, cast
 
 import mmh3
 
+from cachemap.native import NATIVE
+
 BlockHash = NewType("BlockHash", bytes)
 """16 bytes naming a prefix: every byte from the start of the prompt to the end of a block."""
 
@@ -69,6 +71,23 @@ def chain_hashes(
         return []
     if extras:
         return _chain_with_extras(data, root, block_bytes, parent, extras)
+    if _NATIVE_CHAIN is not None and (parent is None or len(parent) == _HASH_BYTES):
+        return cast(list[BlockHash], _NATIVE_CHAIN(data, root, block_bytes, parent))
+    return _chain(data, root, block_bytes, parent)
+
+
+_NATIVE_CHAIN = NATIVE.chain if NATIVE is not None else None
+"""`cachemap._native.chain`, where it is built: `_chain` in one C loop (~2.5x faster on the
+ramp's 325-block prompts)."""
+
+_HASH_BYTES = 16
+
+
+def _chain(
+    data: bytes, root: BlockHash, block_bytes: int, parent: BlockHash | None
+) -> list[BlockHash]:
+    """`chain_hashes` of at least one full block, without extras: the definition the compiled
+    `chain` is held to."""
     digest = mmh3.mmh3_x64_128_digest
     out: list[bytes] = []
     append = out.append

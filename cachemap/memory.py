@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from cachemap.directory import (
     DEFAULT_REPLICA_CAPACITY_BLOCKS,
@@ -12,15 +15,109 @@ from cachemap.directory import (
     Clock,
 )
 from cachemap.keys import BlockHash
+from cachemap.native import NATIVE
 
 _REAP_PER_CALL = 1024
 """Entries of forgotten epochs cleaned up per record() call: bounded work on the hot path."""
 
-_Lru = OrderedDict[BlockHash, float]
-"""One replica's entries in one epoch: block hash -> last use time, least recent at the front.
 
-A chain is touched tail first, so block 0 is the most recent of its chain and, on ties, the
-longer chain's tail is evicted first (as vLLM frees blocks)."""
+class Lru(Protocol):
+    """One replica's entries in one epoch: block hash -> last use time, least recent first.
+
+    A chain is touched tail first, so block 0 is the most recent of its chain and, on ties, the
+    longer chain's tail is evicted first (as vLLM frees blocks). `OrderedLru` is the
+    definition; `cachemap._native.Lru` the same in C, where it is built."""
+
+    def __len__(self) -> int: ...
+    def get(self, key: BlockHash, default: None = None, /) -> float | None: ...
+    def touch_chain(self, hashes: Sequence[BlockHash], now: float) -> None: ...
+    def walk(
+        self, hashes: Sequence[BlockHash], expired_before: float, first_used: float
+    ) -> tuple[int, float]: ...
+    def bisect(
+        self, hashes: Sequence[BlockHash], expired_before: float, first_used: float
+    ) -> tuple[int, float]: ...
+    def trim(self, capacity: int, expired_before: float) -> None: ...
+    def discard_all(self, hashes: Sequence[BlockHash]) -> None: ...
+    def release(self, budget: int) -> int: ...
+    def newest_first(self, since_s: float | None = None) -> list[tuple[BlockHash, float]]: ...
+
+
+class OrderedLru(OrderedDict[BlockHash, float]):
+    """`Lru` over an OrderedDict, least recent at the front: the definition."""
+
+    def touch_chain(self, hashes: Sequence[BlockHash], now: float) -> None:
+        """Every block used `now`, moved to the newest end tail first."""
+        move = self.move_to_end
+        for block in reversed(hashes):
+            self[block] = now
+            move(block)
+
+    def walk(
+        self, hashes: Sequence[BlockHash], expired_before: float, first_used: float
+    ) -> tuple[int, float]:
+        """The leading depth of `hashes` held and used after `expired_before`, and the last use
+        of the deepest block matched (`first_used`: the first block's, live)."""
+        # the walk over `map` (its `get` calls in C, no slice of `hashes` copied per
+        # replica): 40 -> 25 us for the ramp's 325-block prompts
+        depth, last = 0, first_used
+        for used in map(self.get, hashes):
+            if used is None or used <= expired_before:
+                break
+            depth += 1
+            last = used
+        return depth, last
+
+    def bisect(
+        self, hashes: Sequence[BlockHash], expired_before: float, first_used: float
+    ) -> tuple[int, float]:
+        """`walk` where the entries are prefix-closed (`MemoryIndex`'s `whole_chains`)."""
+        get = self.get
+        end = len(hashes)
+        used = get(hashes[end - 1])
+        if used is not None and used > expired_before:  # the whole prompt: the common case
+            return end, used
+        # hashes[:held] are held (the deepest used at `last`), hashes[missing] is not
+        held, last, missing = 1, first_used, end - 1
+        while held < missing:
+            mid = (held + missing) // 2
+            used = get(hashes[mid])
+            if used is not None and used > expired_before:
+                held, last = mid + 1, used
+            else:
+                missing = mid
+        return held, last
+
+    def trim(self, capacity: int, expired_before: float) -> None:
+        """Drop the least recent entries while more than `capacity` are held or the least
+        recent was used at or before `expired_before`."""
+        while self and (len(self) > capacity or next(iter(self.values())) <= expired_before):
+            self.popitem(last=False)
+
+    def discard_all(self, hashes: Sequence[BlockHash]) -> None:
+        for block in hashes:
+            self.pop(block, None)
+
+    def release(self, budget: int) -> int:
+        """Drop up to `budget` entries; how many were dropped."""
+        done = 0
+        while self and done < budget:
+            self.popitem()
+            done += 1
+        return done
+
+    def newest_first(self, since_s: float | None = None) -> list[tuple[BlockHash, float]]:
+        """(block, last use) most recent first; with `since_s`, those used at or after it."""
+        out = []
+        for block, used in reversed(self.items()):
+            if since_s is not None and used < since_s:
+                break
+            out.append((block, used))
+        return out
+
+
+_NEW_LRU: type[Lru] = NATIVE.Lru if NATIVE is not None else OrderedLru
+"""The `Lru` a new epoch is: the compiled one where it is built."""
 
 
 class MemoryIndex:
@@ -58,6 +155,7 @@ class MemoryIndex:
         ttl_s: float = DEFAULT_TTL_S,
         clock: Clock = DIRECTORY_CLOCK,
         whole_chains: bool = False,
+        lru: type[Lru] | None = None,
     ) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
@@ -66,8 +164,10 @@ class MemoryIndex:
         self.capacity_blocks = capacity_blocks
         self.ttl_s = ttl_s
         self.clock = clock
-        self._current: dict[str, _Lru] = {}
-        self._graveyard: list[_Lru] = []
+        self._new_lru = lru if lru is not None else _NEW_LRU
+        """What a replica's epoch is kept in (`OrderedLru`, or the compiled `Lru`)."""
+        self._current: dict[str, Lru] = {}
+        self._graveyard: list[Lru] = []
         self._capacities: dict[str, int] = {}
         """Replicas whose engine holds fewer blocks than `capacity_blocks` -> what it holds."""
         self.whole_chains = whole_chains
@@ -93,8 +193,8 @@ class MemoryIndex:
             return
         capacity = self._capacities[replica] = max(engine_blocks, 1)
         lru = self._current.get(replica)
-        while lru and len(lru) > capacity:
-            lru.popitem(last=False)
+        if lru is not None:
+            lru.trim(capacity, -math.inf)
 
     def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         return {r: d for r, (d, _) in self.lookup_detail(hashes).items()}
@@ -113,17 +213,9 @@ class MemoryIndex:
             if used is None or used <= expired_before:
                 continue
             if walked is not None and replica not in walked:
-                out[replica] = _bisect(lru, hashes, expired_before, used)
-                continue
-            # the walk over `map` (its `get` calls in C, no slice of `hashes` copied per
-            # replica): 40 -> 25 us for the ramp's 325-block prompts
-            depth, last = 0, used
-            for used in map(lru.get, hashes):
-                if used is None or used <= expired_before:
-                    break
-                depth += 1
-                last = used
-            out[replica] = (depth, last)
+                out[replica] = lru.bisect(hashes, expired_before, used)
+            else:
+                out[replica] = lru.walk(hashes, expired_before, used)
         return out
 
     def record(self, replica: str, hashes: Sequence[BlockHash], now_s: float | None = None) -> None:
@@ -132,20 +224,14 @@ class MemoryIndex:
         now = self.clock() if now_s is None else now_s
         lru = self._current.get(replica)
         if lru is None:
-            lru = self._current[replica] = OrderedDict()
+            lru = self._current[replica] = self._new_lru()
         if self.whole_chains and hashes:
             if now < self._newest.get(replica, now):  # older than what it holds: walk it
                 self._walked.add(replica)
             else:
                 self._newest[replica] = now
-        move = lru.move_to_end
-        for block in reversed(hashes):
-            lru[block] = now
-            move(block)
-        expired_before = now - self.ttl_s
-        capacity = self._capacities.get(replica, self.capacity_blocks)
-        while lru and (len(lru) > capacity or next(iter(lru.values())) <= expired_before):
-            lru.popitem(last=False)
+        lru.touch_chain(hashes, now)
+        lru.trim(self._capacities.get(replica, self.capacity_blocks), now - self.ttl_s)
         self._reap()
 
     def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
@@ -154,17 +240,14 @@ class MemoryIndex:
             return
         if hashes:
             self._walked.add(replica)  # any block, not only a chain's tail: walk it from now on
-        for block in hashes:
-            lru.pop(block, None)
+        lru.discard_all(hashes)
 
     def expire(self, replica: str, before_s: float) -> None:
         """Drop the replica's entries last used at or before `before_s`: the LRU's front, since
         entries are kept in order of last use."""
         lru = self._current.get(replica)
-        if lru is None:
-            return
-        while lru and next(iter(lru.values())) <= before_s:
-            lru.popitem(last=False)
+        if lru is not None:
+            lru.trim(sys.maxsize, before_s)
 
     def forget(self, replica: str) -> None:
         self._walked.discard(replica)  # a fresh epoch: prefix-closed again
@@ -177,14 +260,7 @@ class MemoryIndex:
         """The replica's live entries (block, last use), most recent first; with `since_s`,
         only those used at or after it. A copy: the caller may await while using it."""
         lru = self._current.get(replica)
-        if lru is None:
-            return []
-        out = []
-        for block, used in reversed(lru.items()):
-            if since_s is not None and used < since_s:
-                break
-            out.append((block, used))
-        return out
+        return [] if lru is None else lru.newest_first(since_s)
 
     def num_entries(self, replica: str | None = None) -> int:
         if replica is not None:
@@ -199,33 +275,9 @@ class MemoryIndex:
         budget = _REAP_PER_CALL
         while self._graveyard and budget > 0:
             lru = self._graveyard[-1]
-            while lru and budget > 0:
-                lru.popitem()
-                budget -= 1
+            budget -= lru.release(budget)
             if not lru:
                 self._graveyard.pop()
-
-
-def _bisect(
-    lru: _Lru, hashes: Sequence[BlockHash], expired_before: float, first_used: float
-) -> tuple[int, float]:
-    """The leading depth of `hashes` in a prefix-closed `lru` whose entry for the first block
-    (`first_used`) is live, and the last use of the deepest block matched."""
-    get = lru.get
-    end = len(hashes)
-    used = get(hashes[end - 1])
-    if used is not None and used > expired_before:  # the whole prompt: the common case
-        return end, used
-    # hashes[:held] are held (the deepest used at `last`), hashes[missing] is not
-    held, last, missing = 1, first_used, end - 1
-    while held < missing:
-        mid = (held + missing) // 2
-        used = get(hashes[mid])
-        if used is not None and used > expired_before:
-            held, last = mid + 1, used
-        else:
-            missing = mid
-    return held, last
 
 
 class MemoryDirectory:

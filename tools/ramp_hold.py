@@ -3,6 +3,7 @@
     python -m tools.ramp_hold hold RATE SECONDS TREE[,TREE...] [NAME=DIR ...] [--profile=PATH]
         [--pin] [--small]
     python -m tools.ramp_hold ramp TREE[,TREE...] [NAME=DIR ...]
+    python -m tools.ramp_hold callgrind RATE COUNT TREE[,TREE...] [NAME=DIR ...] [--cache-sim]
 
     python -m tools.ramp_hold hold 300 10 base,here,here,base base=/tmp/base --pin
     python -m tools.ramp_hold ramp base,here,here,base base=/tmp/base
@@ -24,6 +25,11 @@ of its samples land in the `write` calls that wake a peer). `--small`: the same 
 ~300-byte prompt each (what of a request's CPU is its body's size). A profile path holding
 `.perf` records with `perf` (CPU cycles, native frames only), `.strace` counts the syscalls.
 
+`callgrind`: the gateway under valgrind's callgrind, sent COUNT bodies at RATE to warm, then its
+counters zeroed and COUNT more at RATE: the instructions a request (Ir; with `--cache-sim`, also
+an estimate of cycles, Ir + 10 a first-level miss + 100 a last-level one, kcachegrind's), a
+count that the machine's load does not move. Under valgrind a request costs ~50x: 2/s is safe.
+
 `ramp`: the bench's own ramp (`loadgen.bench.rate.ramp`, its default steps) per arm: the max
 sustainable rate, and per step the achieved rate and the gateway's CPU per request.
 """
@@ -35,6 +41,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import orjson
@@ -82,7 +89,9 @@ def _pin_gateway() -> None:
     os.sched_setaffinity(0, {0})
 
 
-def _gateway(tree: str, urls: list[str], blocks: int) -> processes.Proc:
+def _gateway(
+    tree: str, urls: list[str], blocks: int, wrapper: list[str] | None = None
+) -> processes.Proc:
     env = {
         "KVGATE_DIRECTORY_CAPACITY_BLOCKS": str(blocks),
         "KVGATE_SEED": "0",
@@ -91,9 +100,65 @@ def _gateway(tree: str, urls: list[str], blocks: int) -> processes.Proc:
     args = ["--policy", "cache_aware", "--tenant", f"bench:{peers.BENCH_KEY}"]
     args += ["--log-level", "warning"]
     pin = _pin_gateway if PIN else None
-    gw = processes.start_gateway(processes.free_port(), urls, args, env, cwd=tree, preexec_fn=pin)
-    processes.wait_ready(gw.url, "/readyz", gw.popen, processes.STARTUP_TIMEOUT_S)
+    gw = processes.start_gateway(
+        processes.free_port(), urls, args, env, cwd=tree, preexec_fn=pin, wrapper=wrapper or ()
+    )
+    timeout = processes.STARTUP_TIMEOUT_S if wrapper is None else CALLGRIND_STARTUP_S
+    processes.wait_ready(gw.url, "/readyz", gw.popen, timeout)
     return gw
+
+
+CALLGRIND_STARTUP_S = 1200.0
+"""A gateway's start under callgrind: ~50x its imports, on a busy machine."""
+
+
+def callgrind_arm(
+    tree: str, rate: float, count: int, bodies: list[bytes], blocks: int, cache_sim: bool
+) -> str:
+    with tempfile.TemporaryDirectory() as out:
+        wrapper = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p"]
+        wrapper += ["--cache-sim=yes"] if cache_sim else []
+        with fast_engines(4) as stand_ins:
+            gw = _gateway(tree, list(stand_ins.urls), blocks, wrapper)
+            try:
+                step = RateOptions(step_s=count / rate)
+                _run(run_step([gw.url], peers.BENCH_KEY, bodies, rate, step, 0))
+                load0 = _load()
+                _callgrind_control("-z", gw.pid)
+                sent, errors, _, _, first_error = _run(
+                    run_step([gw.url], peers.BENCH_KEY, bodies, rate, step, count)
+                )
+                _callgrind_control("-d", gw.pid)
+            finally:
+                processes.stop([gw])
+        totals = _callgrind_totals(next(Path(out).glob("cg.*.1")))
+    ok = max(sent - errors, 1)
+    ir = totals["Ir"] / ok
+    misses = sum(totals.get(e, 0) for e in ("I1mr", "D1mr", "D1mw"))
+    last = sum(totals.get(e, 0) for e in ("ILmr", "DLmr", "DLmw"))
+    cycles = f"{(totals['Ir'] + 10 * misses + 100 * last) / ok / 1e6:.3f}" if cache_sim else "-"
+    return (
+        f"| {ir / 1e6:.3f} | {cycles} | {errors} of {sent} | {load0} → {_load()} "
+        f"| {first_error[:60]} |"
+    )
+
+
+def _callgrind_control(command: str, pid: int) -> None:
+    """`callgrind_control -z` (zero the counters) or `-d` (dump them) for the gateway."""
+    subprocess.run(
+        ["callgrind_control", command, str(pid)], check=True, capture_output=True, timeout=60
+    )
+
+
+def _callgrind_totals(path: Path) -> dict[str, int]:
+    """A callgrind dump's `summary:` line by its `events:` names."""
+    events: list[str] = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("events:"):
+            events = line.split()[1:]
+        elif line.startswith("summary:"):
+            return dict(zip(events, map(int, line.split()[1:]), strict=True))
+    raise ValueError(f"{path}: no summary line")
 
 
 def _profiler(path: str, pid: int) -> list[str]:
@@ -198,7 +263,9 @@ def _small(body: bytes, k: int) -> bytes:
 def main(argv: list[str]) -> int:
     profile = next((a.split("=", 1)[1] for a in argv if a.startswith("--profile=")), None)
     argv = [a for a in argv if not a.startswith("--profile=")]
-    if not argv or argv[0] not in ("hold", "ramp"):
+    cache_sim = "--cache-sim" in argv
+    argv = [a for a in argv if a != "--cache-sim"]
+    if not argv or argv[0] not in ("hold", "ramp", "callgrind"):
         print(__doc__)
         return 2
     trace = read_trace(str(peers.DEFAULT_TRACE), start=peers.DEFAULT_START, limit=REQUESTS)
@@ -216,6 +283,14 @@ def main(argv: list[str]) -> int:
         names, rest = argv[1], argv[2:]
         print("| tree | max sustained req/s | steps: offered (✗ not sustained) | load |")
         print("| --- | ---: | --- | --- |")
+    elif argv[0] == "callgrind":
+        rate, count = float(argv[1]), int(argv[2])
+        names, rest = argv[3], argv[4:]
+        print(
+            f"| tree ({count} at {rate:g}/s) | M instructions / req | M est. cycles / req "
+            "| errors | load | first error |"
+        )
+        print("| --- | ---: | ---: | ---: | --- | --- |")
     else:
         rate, seconds = float(argv[1]), float(argv[2])
         names, rest = argv[3], argv[4:]
@@ -228,6 +303,8 @@ def main(argv: list[str]) -> int:
     for number, name in enumerate(names.split(",")):
         if argv[0] == "ramp":
             row = ramp_arm(trees[name], bodies, blocks)
+        elif argv[0] == "callgrind":
+            row = callgrind_arm(trees[name], rate, count, bodies, blocks, cache_sim)
         else:
             out = None if profile is None else f"{profile}.{number}"
             row = hold_arm(trees[name], rate, seconds, bodies, blocks, out)

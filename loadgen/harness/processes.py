@@ -123,9 +123,11 @@ def start_gateway(
     quiet: bool = True,
     cwd: str | None = None,
     preexec_fn: Callable[[], None] | None = None,
+    wrapper: Sequence[str] = (),
 ) -> Proc:
     """`kvgate serve` on `port`; `cwd` runs another checkout's code (it comes first on the
-    module path of `python -m`); `preexec_fn` runs in the child before exec (a resource limit)."""
+    module path of `python -m`); `preexec_fn` runs in the child before exec (a resource limit);
+    `wrapper` is a command the gateway runs under (valgrind)."""
     url = f"http://127.0.0.1:{port}"
     metrics_port = free_port()  # never the default 9090: several gateways run side by side
     args = ["serve", "--port", str(port)]
@@ -133,7 +135,7 @@ def start_gateway(
     # the admin port by environment, not by flag: an older checkout (`cwd`) that has no such
     # setting ignores the variable instead of refusing the flag
     popen = subprocess.Popen(
-        _kvgate(*args, *gateway_args),
+        [*wrapper, *_kvgate(*args, *gateway_args)],
         stdout=subprocess.DEVNULL if quiet else None,
         stderr=subprocess.DEVNULL if quiet else None,
         env={**os.environ, "KVGATE_METRICS_PORT": str(metrics_port), **(env or {})},

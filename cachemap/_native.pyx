@@ -1,0 +1,395 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Compiled forms of two per-block loops of the request path (optional; see cachemap.native).
+
+- `chain`: `cachemap.keys.chain_hashes` without extras, in one call a prompt.
+- `Lru`: one replica's epoch of `cachemap.memory.MemoryIndex` (`cachemap.memory.OrderedLru`'s
+  methods), an open-addressing table of 16-byte key prefixes inline with a log of touches for
+  its order, instead of an OrderedDict (three dict probes and a linked node a move).
+
+The pure-Python forms are the definitions; tests hold these to them.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.object cimport PyObject, PyObject_Hash
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from libc.stdint cimport uint8_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcmp, memcpy, memset
+
+cdef extern from "_murmur3.h":
+    void kvg_murmur3_128(const uint8_t *data, size_t len, uint8_t *out) nogil
+    uint64_t kvg_fmix64(uint64_t k) nogil
+    uint64_t kvg_rotl64(uint64_t x, int r) nogil
+
+cdef enum:
+    TAG = 6
+
+
+def chain(data, bytes root, Py_ssize_t block_bytes, object parent):
+    """`chain_hashes(data, root, block_bytes, parent=parent)`: `parent` None or 16 bytes,
+    `block_bytes` positive."""
+    cdef bytes src = data if type(data) is bytes else bytes(data)
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(src)
+    cdef Py_ssize_t nblocks = n // block_bytes
+    cdef const uint8_t *p = <const uint8_t *>PyBytes_AS_STRING(src)
+    cdef list out = []
+    cdef Py_ssize_t i = 0
+    cdef Py_ssize_t rlen = PyBytes_GET_SIZE(root)
+    cdef uint8_t digest[16]
+    cdef uint8_t key[16]
+    cdef uint8_t *buf
+    if nblocks == 0:
+        return out
+    buf = <uint8_t *>malloc((rlen if rlen > 16 else 16) + block_bytes)
+    if buf == NULL:
+        raise MemoryError()
+    try:
+        if parent is None:
+            memcpy(buf, PyBytes_AS_STRING(root), rlen)
+            memcpy(buf + rlen, p, block_bytes)
+            kvg_murmur3_128(buf, rlen + block_bytes, key)
+            out.append(PyBytes_FromStringAndSize(<char *>key, 16))
+            i = 1
+        else:
+            if not PyBytes_Check(parent) or PyBytes_GET_SIZE(parent) != 16:
+                raise ValueError("parent must be 16 bytes")
+            memcpy(key, PyBytes_AS_STRING(parent), 16)
+        while i < nblocks:
+            memcpy(buf, key, 16)
+            memcpy(buf + 16, p + i * block_bytes, block_bytes)
+            kvg_murmur3_128(buf, 16 + block_bytes, digest)
+            memcpy(key + TAG, digest + TAG, 16 - TAG)
+            out.append(PyBytes_FromStringAndSize(<char *>key, 16))
+            i += 1
+    finally:
+        free(buf)
+    return out
+
+
+cdef struct Slot:
+    uint64_t k0  # the key's first 16 bytes, zero padded
+    uint64_t k1
+    double used
+    PyObject *key  # NULL: never used; &GONE: emptied; else a reference held
+    uint64_t meta  # stamp << 5 | the key's length (17: longer than 16)
+
+
+cdef char GONE_MARK = 0
+cdef PyObject *GONE = <PyObject *>&GONE_MARK
+
+
+cdef struct Touch:
+    Py_ssize_t slot
+    uint64_t stamp
+
+
+cdef enum:
+    SIZE_BITS = 5
+    SIZE_MASK = 31
+    LONG = 17
+
+
+cdef inline uint64_t _hash(uint64_t k0, uint64_t k1, uint64_t size, object key) except? 0:
+    if size == LONG:
+        return kvg_fmix64(k0 ^ kvg_rotl64(k1, 32) ^ <uint64_t>PyObject_Hash(key))
+    return kvg_fmix64(k0 ^ kvg_rotl64(k1, 32) ^ (size * 0x9E3779B97F4A7C15ULL))
+
+
+cdef inline bint live(Slot *s):
+    return s.key != NULL and s.key != GONE
+
+
+cdef inline uint64_t stamp_of(Slot *s):
+    return s.meta >> SIZE_BITS
+
+
+cdef class Lru:
+    """Keys (bytes) -> last use (float), oldest first: the subset of an OrderedDict that
+    `cachemap.memory.OrderedLru` uses, with its methods.
+
+    A table of 40-byte slots, linear probing, at most 3/4 full counting the emptied slots
+    (rebuilt without them to at most half full): a key of up to 16 bytes is compared in its
+    slot, without reading the key object. The order is a log of touches (`Touch`: a slot and
+    the stamp it was given); a slot's place is the entry whose stamp it holds, the others are
+    skipped where the log is read and dropped when it is compacted."""
+
+    cdef Slot *slots
+    cdef Py_ssize_t mask  # len(slots) - 1, a power of two minus one
+    cdef Py_ssize_t live
+    cdef Py_ssize_t filled  # slots live or emptied
+    cdef Touch *log
+    cdef Py_ssize_t log_cap
+    cdef Py_ssize_t head  # the oldest entry of the log that may be current
+    cdef Py_ssize_t tail  # one past the newest
+    cdef uint64_t next_stamp
+
+    def __cinit__(self):
+        self.slots = <Slot *>malloc(8 * sizeof(Slot))
+        self.log = <Touch *>malloc(16 * sizeof(Touch))
+        if self.slots == NULL or self.log == NULL:
+            raise MemoryError()
+        memset(self.slots, 0, 8 * sizeof(Slot))
+        self.mask = 7
+        self.log_cap = 16
+        self.next_stamp = 1
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.slots != NULL:
+            for i in range(self.mask + 1):
+                if live(&self.slots[i]):
+                    Py_DECREF(<object>self.slots[i].key)
+            free(self.slots)
+        free(self.log)
+
+    def __len__(self):
+        return self.live
+
+    # -- the table -------------------------------------------------------------------------
+
+    cdef inline int _parse(self, object key, uint64_t *k0, uint64_t *k1, uint64_t *size,
+                           uint64_t *h) except -1:
+        cdef uint8_t pad[16]
+        cdef Py_ssize_t n
+        if not PyBytes_Check(key):
+            raise TypeError(f"keys are bytes, got {type(key).__name__}")
+        n = PyBytes_GET_SIZE(key)
+        if n >= 16:
+            memcpy(pad, PyBytes_AS_STRING(key), 16)
+        else:
+            memset(pad, 0, 16)
+            memcpy(pad, PyBytes_AS_STRING(key), n)
+        memcpy(k0, pad, 8)
+        memcpy(k1, pad + 8, 8)
+        size[0] = <uint64_t>n if n <= 16 else LONG
+        h[0] = _hash(k0[0], k1[0], size[0], key)
+        return 0
+
+    cdef inline bint _same(self, Slot *s, uint64_t k0, uint64_t k1, uint64_t size, object key):
+        return (s.k0 == k0 and s.k1 == k1 and (s.meta & SIZE_MASK) == size
+                and (size != LONG or (
+                    PyBytes_GET_SIZE(<object>s.key) == PyBytes_GET_SIZE(key)
+                    and memcmp(PyBytes_AS_STRING(<object>s.key), PyBytes_AS_STRING(key),
+                               PyBytes_GET_SIZE(key)) == 0)))
+
+    cdef inline Py_ssize_t _find(self, object key) except -2:
+        """The slot holding `key`, or -1."""
+        cdef uint64_t k0, k1, size, h
+        cdef Py_ssize_t i
+        cdef Slot *s
+        self._parse(key, &k0, &k1, &size, &h)
+        i = <Py_ssize_t>(h & <uint64_t>self.mask)
+        while True:
+            s = &self.slots[i]
+            if s.key == NULL:
+                return -1
+            if s.key != GONE and self._same(s, k0, k1, size, key):
+                return i
+            i = (i + 1) & self.mask
+
+    cdef int _touch(self, object key, double used) except -1:
+        """`key` used at `used`, at the newest end."""
+        cdef uint64_t k0, k1, size, h
+        cdef Py_ssize_t i, spot = -1
+        cdef Slot *s
+        self._parse(key, &k0, &k1, &size, &h)
+        i = <Py_ssize_t>(h & <uint64_t>self.mask)
+        while True:
+            s = &self.slots[i]
+            if s.key == NULL:
+                break
+            if s.key == GONE:
+                if spot < 0:
+                    spot = i
+            elif self._same(s, k0, k1, size, key):
+                s.used = used
+                self._append(i)
+                return 0
+            i = (i + 1) & self.mask
+        if spot < 0:
+            if (self.filled + 1) * 4 > (self.mask + 1) * 3:
+                self._rebuild(self.live + 1)
+                return self._touch(key, used)
+            spot = i
+            self.filled += 1
+        s = &self.slots[spot]
+        Py_INCREF(key)
+        s.key = <PyObject *>key
+        s.k0 = k0
+        s.k1 = k1
+        s.used = used
+        s.meta = size
+        self.live += 1
+        self._append(spot)
+        return 0
+
+    cdef inline void _remove(self, Py_ssize_t i):
+        cdef Slot *s = &self.slots[i]
+        cdef PyObject *key = s.key
+        s.key = GONE
+        self.live -= 1
+        Py_DECREF(<object>key)
+
+    # -- the order -------------------------------------------------------------------------
+
+    cdef inline bint _current(self, Py_ssize_t at):
+        cdef Touch *t = &self.log[at]
+        cdef Slot *s = &self.slots[t.slot]
+        return live(s) and stamp_of(s) == t.stamp
+
+    cdef int _append(self, Py_ssize_t slot) except -1:
+        cdef Slot *s = &self.slots[slot]
+        if self.tail == self.log_cap:
+            self._compact()
+        s.meta = (self.next_stamp << SIZE_BITS) | (s.meta & SIZE_MASK)
+        self.log[self.tail].slot = slot
+        self.log[self.tail].stamp = self.next_stamp
+        self.next_stamp += 1
+        self.tail += 1
+        return 0
+
+    cdef int _compact(self) except -1:
+        """The log's current entries to its start, in order; doubled when still half full."""
+        cdef Py_ssize_t at, kept = 0
+        cdef Touch *grown
+        for at in range(self.head, self.tail):
+            if self._current(at):
+                self.log[kept] = self.log[at]
+                kept += 1
+        self.head = 0
+        self.tail = kept
+        if kept * 2 > self.log_cap:
+            grown = <Touch *>realloc(self.log, 2 * self.log_cap * sizeof(Touch))
+            if grown == NULL:
+                raise MemoryError()
+            self.log = grown
+            self.log_cap *= 2
+        return 0
+
+    cdef int _rebuild(self, Py_ssize_t need) except -1:
+        """A table for `need` keys at most half full, without the emptied slots: the live
+        keys placed again in order of the log (their stamps kept), the log compacted to them."""
+        cdef Py_ssize_t size = 8, at, i, kept = 0
+        cdef Slot *old = self.slots
+        cdef Slot *fresh
+        cdef Slot *s
+        while size < need * 2:
+            size *= 2
+        fresh = <Slot *>malloc(size * sizeof(Slot))
+        if fresh == NULL:
+            raise MemoryError()
+        memset(fresh, 0, size * sizeof(Slot))
+        for at in range(self.head, self.tail):
+            if not self._current(at):
+                continue
+            s = &old[self.log[at].slot]
+            i = <Py_ssize_t>(_hash(s.k0, s.k1, s.meta & SIZE_MASK, <object>s.key)
+                             & <uint64_t>(size - 1))
+            while fresh[i].key != NULL:
+                i = (i + 1) & (size - 1)
+            fresh[i] = s[0]
+            self.log[kept].slot = i
+            self.log[kept].stamp = stamp_of(s)
+            kept += 1
+        self.slots = fresh
+        self.mask = size - 1
+        self.filled = kept
+        self.head = 0
+        self.tail = kept
+        free(old)
+        return 0
+
+    cdef inline Py_ssize_t _oldest(self):
+        """The log position of the least recent key (self.live > 0), stale entries passed."""
+        while not self._current(self.head):
+            self.head += 1
+        return self.head
+
+    # -- OrderedLru's methods --------------------------------------------------------------
+
+    def get(self, key, default=None):
+        cdef Py_ssize_t i = self._find(key)
+        return default if i < 0 else self.slots[i].used
+
+    def touch_chain(self, hashes, double now):
+        """Every block used `now`, moved to the newest end tail first."""
+        cdef Py_ssize_t i
+        cdef list blocks = hashes if type(hashes) is list else list(hashes)
+        for i in range(len(blocks) - 1, -1, -1):
+            self._touch(blocks[i], now)
+
+    def walk(self, hashes, double expired_before, double first_used):
+        """The leading depth of `hashes` held and live, and the last use of the deepest."""
+        cdef Py_ssize_t i, n, depth = 0, at
+        cdef double last = first_used
+        cdef list blocks = hashes if type(hashes) is list else list(hashes)
+        n = len(blocks)
+        for i in range(n):
+            at = self._find(blocks[i])
+            if at < 0 or self.slots[at].used <= expired_before:
+                break
+            depth += 1
+            last = self.slots[at].used
+        return depth, last
+
+    def bisect(self, hashes, double expired_before, double first_used):
+        """`cachemap.memory.OrderedLru.bisect`."""
+        cdef list blocks = hashes if type(hashes) is list else list(hashes)
+        cdef Py_ssize_t end = len(blocks), held = 1, missing, mid, at
+        cdef double last = first_used
+        at = self._find(blocks[end - 1])
+        if at >= 0 and self.slots[at].used > expired_before:
+            return end, self.slots[at].used
+        missing = end - 1
+        while held < missing:
+            mid = (held + missing) // 2
+            at = self._find(blocks[mid])
+            if at >= 0 and self.slots[at].used > expired_before:
+                held = mid + 1
+                last = self.slots[at].used
+            else:
+                missing = mid
+        return held, last
+
+    def trim(self, Py_ssize_t capacity, double expired_before):
+        """Drop the least recent entries while more than `capacity` are held or the least
+        recent was used at or before `expired_before`."""
+        cdef Py_ssize_t at
+        while self.live:
+            at = self._oldest()
+            if self.live <= capacity and self.slots[self.log[at].slot].used > expired_before:
+                break
+            self._remove(self.log[at].slot)
+            self.head += 1
+
+    def discard_all(self, hashes):
+        cdef Py_ssize_t at
+        for key in hashes:
+            at = self._find(key)
+            if at >= 0:
+                self._remove(at)
+
+    def release(self, Py_ssize_t budget):
+        """Drop up to `budget` entries, newest first; how many were dropped."""
+        cdef Py_ssize_t done = 0
+        while self.live and done < budget:
+            self.tail -= 1
+            if self._current(self.tail):
+                self._remove(self.log[self.tail].slot)
+                done += 1
+        return done
+
+    def newest_first(self, since_s=None):
+        """(key, last use) newest first; with `since_s`, those used at or after it."""
+        cdef Py_ssize_t at
+        cdef Slot *s
+        cdef double since = float("-inf") if since_s is None else since_s
+        cdef list out = []
+        for at in range(self.tail - 1, self.head - 1, -1):
+            if not self._current(at):
+                continue
+            s = &self.slots[self.log[at].slot]
+            if s.used < since:
+                break
+            out.append((<object>s.key, s.used))
+        return out

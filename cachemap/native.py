@@ -1,0 +1,27 @@
+"""The compiled forms of cachemap's per-block loops, where they are built.
+
+`cachemap/_native.pyx` (Cython) holds `chain` (`cachemap.keys.chain_hashes` without extras) and
+`Lru` (`cachemap.memory.OrderedLru`). The install builds it when Cython and a C compiler are at
+hand (`setup.py`; a failed build leaves the pure install); the pure-Python forms are the
+definitions, and `KVGATE_PURE=1` in the environment makes every import choose them.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+
+def load() -> ModuleType | None:
+    """The compiled module, or None where it is not built or `KVGATE_PURE` is set."""
+    if os.environ.get("KVGATE_PURE", "") not in ("", "0"):
+        return None
+    try:
+        from cachemap import _native
+    except ImportError:
+        return None
+    return _native
+
+
+NATIVE = load()
+"""What the imports of this process chose: the compiled module or None (pure)."""

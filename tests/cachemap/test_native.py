@@ -1,0 +1,225 @@
+"""The compiled loops (`cachemap/_native.pyx`, where built) against their pure definitions.
+
+Each test runs on every implementation at hand: the pure one always, the compiled one when it
+is built (whatever `KVGATE_PURE` says: this file compares them). The rest of tests/cachemap
+runs on what the process chose (`make test` runs it a second time with `KVGATE_PURE=1`)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import mmh3
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachemap import keys, native
+from cachemap.keys import BlockHash, chain_hashes, root_hash
+from cachemap.memory import MemoryIndex, OrderedLru
+
+
+def _compiled() -> Any:
+    try:
+        return importlib.import_module("cachemap._native")
+    except ImportError:
+        return None
+
+
+COMPILED = _compiled()
+LRUS: list[Callable[[], Any]] = [OrderedLru] + ([COMPILED.Lru] if COMPILED is not None else [])
+CHAINS: list[Callable[[bytes, bytes, int, bytes | None], list[bytes]]] = [keys._chain] + (
+    [COMPILED.chain] if COMPILED is not None else []
+)
+
+
+def test_kvgate_pure_chooses_the_pure_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGATE_PURE", "1")
+    assert native.load() is None
+    monkeypatch.setenv("KVGATE_PURE", "0")
+    assert native.load() is COMPILED
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_the_first_key_is_murmurhash3_of_any_length(chain: Any) -> None:
+    """Every tail length of MurmurHash3's last 16-byte block, and roots of any length."""
+    data = bytes(range(256)) * 2
+    for size in range(1, 300):
+        for root in (b"", b"r" * 7, root_hash(b"s", "m")):
+            assert chain(data, root, size, None)[0] == mmh3.mmh3_x64_128_digest(root + data[:size])
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+@given(
+    st.binary(min_size=1, max_size=3000),
+    st.binary(max_size=40),
+    st.sampled_from([1, 3, 15, 16, 17, 64, 256, 1024]),
+    st.none() | st.binary(min_size=16, max_size=16),
+)
+def test_the_chain_is_the_pure_chain(
+    chain: Any, prompt: bytes, root: bytes, block: int, parent: bytes | None
+) -> None:
+    if len(prompt) < block:
+        return
+    assert chain(prompt, root, block, parent) == keys._chain(
+        prompt, BlockHash(root), block, None if parent is None else BlockHash(parent)
+    )
+
+
+def test_chain_hashes_takes_a_view_as_bytes() -> None:
+    data = bytes(range(256)) * 4
+    root = root_hash(b"s", "m")
+    assert chain_hashes(memoryview(data), root, 256) == keys._chain(data, root, 256, None)  # type: ignore[arg-type]
+
+
+class Model:
+    """An LRU as a list, least recent first: what an `Lru`'s every method must answer."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[bytes, float]] = []
+
+    def get(self, key: bytes) -> float | None:
+        return next((used for k, used in self.items if k == key), None)
+
+    def touch_chain(self, hashes: list[bytes], now: float) -> None:
+        for block in reversed(hashes):
+            self.items = [(k, u) for k, u in self.items if k != block] + [(block, now)]
+
+    def walk(self, hashes: list[bytes], expired_before: float, first: float) -> tuple[int, float]:
+        depth, last = 0, first
+        for block in hashes:
+            used = self.get(block)
+            if used is None or used <= expired_before:
+                break
+            depth, last = depth + 1, used
+        return depth, last
+
+    def trim(self, capacity: int, expired_before: float) -> None:
+        while self.items and (len(self.items) > capacity or self.items[0][1] <= expired_before):
+            self.items.pop(0)
+
+    def discard_all(self, hashes: list[bytes]) -> None:
+        self.items = [(k, u) for k, u in self.items if k not in hashes]
+
+    def release(self, budget: int) -> int:
+        done = min(budget, len(self.items))
+        self.items = self.items[: len(self.items) - done]
+        return done
+
+    def newest_first(self, since: float | None) -> list[tuple[bytes, float]]:
+        out = []
+        for k, u in reversed(self.items):
+            if since is not None and u < since:
+                break
+            out.append((k, u))
+        return out
+
+
+# keys of every length around the compiled table's 16 inline bytes, some sharing 16-byte prefixes
+_KEYS = [b"", b"a", b"b" * 15, b"c" * 16, b"d" * 17, b"p" * 16 + b"1", b"p" * 16 + b"2"] + [
+    f"k{i}".encode() * (1 + i % 9) for i in range(40)
+]
+_chains = st.lists(st.sampled_from(_KEYS), max_size=12, unique=True)
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("touch"), _chains, st.integers(0, 50)),
+        st.tuples(st.just("trim"), st.integers(0, 40), st.integers(-1, 50)),
+        st.tuples(st.just("discard"), _chains),
+        st.tuples(st.just("release"), st.integers(0, 6)),
+        st.tuples(st.just("walk"), _chains, st.integers(-1, 50)),
+    ),
+    max_size=60,
+)
+
+
+@pytest.mark.parametrize("make", LRUS)
+@settings(max_examples=300)
+@given(_OPS)
+def test_an_lru_answers_as_the_list_model(make: Any, ops: list[tuple[Any, ...]]) -> None:
+    lru, model = make(), Model()
+    now = 0.0
+    for op, *args in ops:
+        if op == "touch":
+            now += args[1]
+            lru.touch_chain(args[0], now)
+            model.touch_chain(args[0], now)
+        elif op == "trim":
+            lru.trim(args[0], float(args[1]))
+            model.trim(args[0], float(args[1]))
+        elif op == "discard":
+            lru.discard_all(args[0])
+            model.discard_all(args[0])
+        elif op == "release":
+            assert lru.release(args[0]) == model.release(args[0])
+        elif args[0]:
+            expired = float(args[1])
+            assert lru.walk(args[0], expired, -5.0) == model.walk(args[0], expired, -5.0)
+        assert len(lru) == len(model.items)
+        assert lru.newest_first() == model.newest_first(None)
+        assert lru.newest_first(now - 10) == model.newest_first(now - 10)
+        assert all(lru.get(k) == model.get(k) for k in _KEYS)
+
+
+@pytest.mark.parametrize("make", LRUS)
+def test_an_lru_grows_and_compacts_its_order_in_order(make: Any) -> None:
+    """Thousands of touches through one LRU (its table rebuilt, its log compacted many times):
+    the order is still the model's."""
+    lru, model = make(), Model()
+    blocks = [f"b{i}".encode() for i in range(300)]
+    for step in range(200):
+        chain_ = blocks[step % 37 : step % 37 + 1 + step % 50]
+        lru.touch_chain(chain_, float(step))
+        model.touch_chain(chain_, float(step))
+        lru.trim(120, float(step - 40))
+        model.trim(120, float(step - 40))
+    assert lru.newest_first() == model.newest_first(None)
+    held = [k for k, _ in model.items]
+    assert lru.bisect(held[::-1][:5], -1.0, 0.0) == model.walk(held[::-1][:5], -1.0, 0.0)
+
+
+_INDEX_OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("record"), st.sampled_from("abcd"), st.integers(0, 40), st.integers(0, 9)
+        ),
+        st.tuples(st.just("drop"), st.sampled_from("abcd"), st.integers(0, 40), st.integers(0, 9)),
+        st.tuples(st.just("forget"), st.sampled_from("abcd")),
+        st.tuples(st.just("expire"), st.sampled_from("abcd"), st.integers(0, 30)),
+        st.tuples(st.just("capacity"), st.sampled_from("abcd"), st.none() | st.integers(1, 80)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200)
+@given(_INDEX_OPS, st.booleans())
+def test_an_index_on_the_compiled_lru_answers_as_on_the_pure_one(
+    ops: list[tuple[Any, ...]], whole_chains: bool
+) -> None:
+    clock = [1000.0]
+    prompts = [chain_hashes(bytes([p]) * 16 * 45, root_hash(b"s", "m"), 16) for p in range(3)]
+    pair = [
+        MemoryIndex(
+            ttl_s=60, capacity_blocks=90, clock=lambda: clock[0], whole_chains=whole_chains, lru=lru
+        )
+        for lru in LRUS
+    ]
+    for op, replica, *args in ops:
+        clock[0] += 1
+        for index in pair:
+            if op == "record":
+                index.record(replica, prompts[args[1] % 3][: args[0]])
+            elif op == "drop":
+                index.drop(replica, prompts[args[1] % 3][args[0] : args[0] + 3])
+            elif op == "forget":
+                index.forget(replica)
+            elif op == "expire":
+                index.expire(replica, clock[0] - args[0])
+            else:
+                index.set_capacity(replica, args[0])
+        answers = [
+            ([index.lookup_detail(p) for p in prompts], [index.entries(r) for r in "abcd"])
+            for index in pair
+        ]
+        assert answers[0] == answers[-1]
