@@ -681,7 +681,8 @@ class _GenerationIndex:
         entries = self._entries.setdefault(replica, {})
         generation = self._generation.setdefault(replica, 0)
         now_ms = round(now * 1000)
-        refresh_ms = record_refresh_ms(round(self.ttl_s * 1000), now_ms + 1)  # no floor
+        ttl_ms = round(self.ttl_s * 1000)
+        refresh_ms = record_refresh_ms(ttl_ms, ttl_ms)  # no floor: as one a TTL old
         if held is not None and held.gen == generation and now_ms - held.used_ms < refresh_ms:
             hashes = hashes[held.depth :]
         new = 0
