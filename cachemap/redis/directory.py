@@ -213,6 +213,10 @@ class RedisDirectory:
         self.subscribed = False
         """The channel's subscription is up (else the poll alone keeps generations fresh)."""
         self._subscription_failed = False
+        self.blocks_written = 0
+        """Blocks the records sent to Redis (`record_many`)..."""
+        self.blocks_kept = 0
+        """...and the blocks they left as Redis held them (fresh: `_kept`)."""
 
     @property
     def lookup_sha(self) -> str:
@@ -358,10 +362,12 @@ class RedisDirectory:
             gen = self.meta.gen(rid)
             used_ms = now_ms if at_s is None else to_ms(at_s)
             if held is not None:  # the replica's fresh held entries stay as they are
-                refresh_ms = self.refresh_ms(replica, used_ms)
-                hashes = hashes[self._kept(rid, gen, used_ms, held, refresh_ms) :]
+                kept = self._kept(rid, gen, used_ms, held, self.refresh_ms(replica, used_ms))
+                self.blocks_kept += min(kept, len(hashes))
+                hashes = hashes[kept:]
                 if not hashes:
                     continue
+            self.blocks_written += len(hashes)
             for at in range(0, len(hashes), RECORD_CHUNK):
                 chunk = hashes[at : at + RECORD_CHUNK]
                 if rounds[-1][0] and in_round + len(chunk) > RECORD_ROUND_BLOCKS:

@@ -235,5 +235,13 @@ def test_a_turns_record_writes_only_what_its_replica_did_not_hold(
             ]
         assert reads[0] > 15, reads  # the first turn: its whole chain
         assert reads[1] < reads[0] / 2 and reads[2] < reads[0] / 2, reads
+        page = httpx.get(metrics_url(gateway) + "/metrics", timeout=10).text
+        counted = {
+            part: float(line.rsplit(" ", 1)[1])
+            for line in page.splitlines()
+            for part in ("written", "kept")
+            if line.startswith(f'kvgate_directory_record_blocks_total{{part="{part}"}}')
+        }
+        assert counted["kept"] >= reads[0] - 1 and counted["written"] >= reads[0] - 1, counted
     finally:
         sync.close()
