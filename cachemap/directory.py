@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from cachemap.keys import BlockHash
@@ -52,6 +53,17 @@ def on_ms(t_s: float) -> float:
     """`t_s` at the shared store's resolution: what both stores record for one event, so an
     expiry at a time the shared store returned removes that event in the local index too."""
     return to_ms(t_s) / 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A replica's entries in the shared store from a chain's first block on, as a lookup read
+    them (no placement in flight): how many, and the oldest generation and last use (ms) among
+    them (`cachemap.redis.directory.RedisDirectory.record_many`)."""
+
+    depth: int
+    gen: int
+    used_ms: int
 
 
 DEFAULT_REPLICA_CAPACITY_BLOCKS = 65_536

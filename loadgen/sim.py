@@ -70,12 +70,12 @@ from typing import Any
 import orjson
 
 from cachemap.affinity import ConversationAffinity
-from cachemap.directory import DEFAULT_TTL_S
+from cachemap.directory import DEFAULT_TTL_S, Held
 from cachemap.events import DEFAULT_SPECULATIVE_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
 from cachemap.rates import PrefixRates
-from cachemap.redis.directory import PLACEMENT_TTL_S, blocks_per_generation
+from cachemap.redis.directory import PLACEMENT_TTL_S, blocks_per_generation, record_refresh_ms
 from loadgen.engine.kvpool import BlockPool, CacheEvent, Cleared, Removed, Stored
 from loadgen.engine.timing import (
     DEFAULT_DECODE_S_PER_CONTEXT_TOKEN,
@@ -708,7 +708,9 @@ class _GenerationIndex:
     `blocks_per_generation(capacity)` of them the generation advances; only the current and
     the previous one match. An LRU approximated by two generations: it holds between one and
     two generations' worth of the replica's most recently recorded blocks, where `MemoryIndex`
-    holds exactly `capacity`."""
+    holds exactly `capacity`. A record leaves a held prefix its lookup read at the current
+    generation and used within `record_refresh_ms` as it is (`RedisDirectory.record_many`; no
+    floors here: reconciliation is not modelled)."""
 
     def __init__(self, capacity_blocks: int, ttl_s: float, clock: _Clock) -> None:
         self.per_generation = blocks_per_generation(capacity_blocks)
@@ -719,24 +721,36 @@ class _GenerationIndex:
         self._count: dict[str, int] = {}
 
     def lookup(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        return {replica: held.depth for replica, held in self.lookup_held(hashes).items()}
+
+    def lookup_held(self, hashes: Sequence[BlockHash]) -> dict[str, Held]:
+        """Per replica, its match and the oldest generation and last use (ms) in it (the lookup
+        script's held entries)."""
         expired_before = self.clock() - self.ttl_s
-        out: dict[str, int] = {}
+        out: dict[str, Held] = {}
         for replica, entries in self._entries.items():
             live = self._generation[replica] - 1
-            depth = 0
+            depth, gen, used = 0, 0, math.inf
             for block in hashes:
                 entry = entries.get(block)
                 if entry is None or entry[0] < live or entry[1] <= expired_before:
                     break
                 depth += 1
+                gen = entry[0] if depth == 1 else min(gen, entry[0])
+                used = min(used, entry[1])
             if depth:
-                out[replica] = depth
+                out[replica] = Held(depth, gen, round(used * 1000))
         return out
 
-    def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+    def record(self, replica: str, hashes: Sequence[BlockHash], held: Held | None = None) -> None:
         now = self.clock()
         entries = self._entries.setdefault(replica, {})
         generation = self._generation.setdefault(replica, 0)
+        now_ms = round(now * 1000)
+        ttl_ms = round(self.ttl_s * 1000)
+        refresh_ms = record_refresh_ms(ttl_ms, ttl_ms)  # no floor: as one a TTL old
+        if held is not None and held.gen == generation and now_ms - held.used_ms < refresh_ms:
+            hashes = hashes[held.depth :]
         new = 0
         for block in hashes:
             old = entries.get(block)
@@ -769,9 +783,16 @@ class _SharedDirectory:
         self._seen_of: Sequence[BlockHash] | None = None
         self._seen: dict[str, int] = {}
         """The last lookup's chain and its overlap (what the director's `place` reads)."""
+        self._held: dict[int, tuple[Sequence[BlockHash], dict[str, Held]]] = {}
+        """A looked-up chain's id -> (the chain, what its lookup read each replica to hold):
+        what its first token's record leaves as it is."""
 
     def first_token(self, replica: str, hashes: Sequence[BlockHash]) -> None:
-        self.index.record(replica, hashes)
+        if isinstance(self.index, _GenerationIndex):
+            of, held = self._held.pop(id(hashes), (None, {}))
+            self.index.record(replica, hashes, held.get(replica) if of is hashes else None)
+        else:
+            self.index.record(replica, hashes)
 
     def speculate(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
         if self.placement_ttl_s <= 0 or not hashes:
@@ -791,7 +812,12 @@ class _SharedDirectory:
         claimed (the gateway judges only precise mode's speculative claims, `router.claims`)."""
         if not hashes:
             return {}, {}
-        overlap = self.index.lookup(hashes)
+        if isinstance(self.index, _GenerationIndex):
+            held = self.index.lookup_held(hashes)
+            self._held[id(hashes)] = (hashes, held)
+            overlap = {replica: h.depth for replica, h in held.items()}
+        else:
+            overlap = self.index.lookup(hashes)
         for replica, flights in self._flights.items():
             depth = overlap.get(replica, 0)
             while depth < len(hashes):

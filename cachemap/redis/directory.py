@@ -31,7 +31,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
@@ -42,6 +42,7 @@ from cachemap.directory import (
     DEFAULT_TTL_S,
     DIRECTORY_CLOCK,
     Clock,
+    Held,
     to_ms,
 )
 from cachemap.keys import TAG_BYTES, BlockHash
@@ -96,6 +97,22 @@ chain is the engine's 16-token blocks: an agent's 50k-115k-token prompt is 3,000
 every turn rewrites them all (their last use), at ~4 µs of Redis a block (HMGET, HSET,
 PEXPIRE): one call held Redis 20 ms median and up to 0.38 s at two gateways on a loaded
 machine, and the lookups queued behind it timed out (issue 39)."""
+RECORD_REFRESH_S = 4.0
+"""A record leaves a chain's leading blocks as Redis holds them (`Held`, from the request's
+lookup) when every one of them is at the replica's current generation and was used less than
+this long before the record — and less than 1/8 of the TTL and of the time since the replica's
+floor (`refresh_ms`): a block's last use in Redis is then at most this much older than the
+engine's, which neither the TTL nor a floor set by reconciliation resolves at that scale (see
+docs/design/directory.md, "Records write what changed")."""
+
+
+def record_refresh_ms(ttl_ms: int, since_floor_ms: int) -> int:
+    """How recent (ms) a held block's last use must be for a record to leave it as it is:
+    `RECORD_REFRESH_S`, at most 1/8 of the TTL and of the time since the replica's floor (a
+    replica whose engine evicts within seconds has its every record written whole)."""
+    return max(min(int(RECORD_REFRESH_S * 1000), ttl_ms // 8, since_floor_ms // 8), 0)
+
+
 RECORD_ROUND_BLOCKS = 512
 """Blocks' records per pipeline, the pipelines one after another (`events.SPECULATE_ROUND`:
 Redis runs a pipeline that arrived whole before it reads another client, and single calls
@@ -128,6 +145,9 @@ class SharedLookup:
     """The index of the writer's flight's first block in the looked-up chain (its marker's key)."""
     home: tuple[int, str] | None = None
     """With `homes`: (depth, replica) of the conversation's home (`HomeStore`), None: none."""
+    held: dict[str, Held] = field(default_factory=dict)
+    """replica -> its entries alone from the first block (what its record may leave as it is:
+    `RedisDirectory.record_many`)."""
 
 
 class RedisDirectory:
@@ -193,6 +213,10 @@ class RedisDirectory:
         self.subscribed = False
         """The channel's subscription is up (else the poll alone keeps generations fresh)."""
         self._subscription_failed = False
+        self.blocks_written = 0
+        """Blocks the records sent to Redis (`record_many`)..."""
+        self.blocks_kept = 0
+        """...and the blocks they left as Redis held them (fresh: `_kept`)."""
 
     @property
     def lookup_sha(self) -> str:
@@ -240,7 +264,7 @@ class RedisDirectory:
             homes,
         ]
         keys, head = chain_call(hashes)
-        flat, hot, writer, home = await self._call_lookup(keys, [*head, *args], deadline_s)
+        flat, hot, writer, home, kept = await self._call_lookup(keys, [*head, *args], deadline_s)
         names = self._names
         detail: dict[str, tuple[int, float]] = {}
         for i in range(0, len(flat), 3):  # a last use of 0: matched by a placement in flight
@@ -248,6 +272,10 @@ class RedisDirectory:
             if name is not None:
                 detail[name] = (int(flat[i + 1]), int(flat[i + 2]) / 1000)
         result = SharedLookup(detail)
+        for i in range(0, len(kept), 4):
+            name = names.get(text(kept[i]))
+            if name is not None:
+                result.held[name] = Held(int(kept[i + 1]), int(kept[i + 2]), int(kept[i + 3]))
         if hot:
             result.hot_depth, result.rate_per_min, result.k = (
                 int(hot[0]),
@@ -286,21 +314,39 @@ class RedisDirectory:
         if live:
             self.lane.send([(item.keys, item.args, item.deadline_s, item.future) for item in live])
 
-    async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
-        await self.record_many([(replica, hashes, None)])
+    async def record(
+        self, replica: str, hashes: Sequence[BlockHash], held: Held | None = None
+    ) -> None:
+        await self.record_many([(replica, hashes, None, held)])
+
+    def refresh_ms(self, replica: str, used_ms: int) -> int:
+        """`record_refresh_ms` for a record of `replica` at `used_ms`."""
+        since_floor = used_ms - self.meta.floor(self._rid(replica))
+        return record_refresh_ms(int(self.ttl_s * 1000), since_floor)
+
+    def _kept(self, rid: str, gen: int, used_ms: int, held: Held | None, refresh_ms: int) -> int:
+        """How many leading blocks of a record at `used_ms` stay as Redis holds them: the
+        replica's entries its lookup read from the first block, when the oldest is at `gen` and
+        used less than `refresh_ms` before (else the whole chain is written)."""
+        if held is None or held.gen != gen or used_ms - held.used_ms >= refresh_ms:
+            return 0
+        return held.depth
 
     async def record_many(
         self,
-        items: Iterable[tuple[str, Sequence[BlockHash], float | None]],
+        items: Iterable[tuple[str, Sequence[BlockHash], float | None, Held | None]],
         places: Iterable[tuple[str, Sequence[BlockHash]]] = (),
         scripted: Iterable[tuple[tuple[Any, ...], str]] = (),
     ) -> None:
         """Several records at once: one script call per chain, then one count per replica.
-        Each item is (replica, chain, when it was used: None for now). `places`: placements
-        in flight (`place`) written after them; `scripted`: other script calls, (command,
-        the script's source) — a landing (`MarkerStore.land_command`), a home
-        (`HomeStore.record_command`). All go down one pipeline, in that order (one
-        connection, one write, one read: `_pipelined`), not one pooled command each."""
+        Each item is (replica, chain, when it was used: None for now, what the request's
+        lookup read the replica to hold: None if not known). A record writes from where the
+        replica's held entries end when they are fresh (`_kept`: at the current generation,
+        used within `refresh_ms`), else the whole chain. `places`: placements in flight
+        (`place`) written after them; `scripted`: other script calls, (command, the script's
+        source) — a landing (`MarkerStore.land_command`), a home (`HomeStore.record_command`).
+        All go down one pipeline, in that order (one connection, one write, one read:
+        `_pipelined`), not one pooled command each."""
         now_ms = to_ms(self.clock())
         ttl_ms = int(self.ttl_s * 1000)
         counts: dict[str, int] = {}
@@ -309,12 +355,19 @@ class RedisDirectory:
         records (a record of a longer chain is cut into calls of RECORD_CHUNK blocks)."""
         in_round = 0
         rids = []
-        for replica, hashes, at_s in items:
+        for replica, hashes, at_s, held in items:
             if not hashes:
                 continue
             rid = self._rid(replica)
             gen = self.meta.gen(rid)
             used_ms = now_ms if at_s is None else to_ms(at_s)
+            if held is not None:  # the replica's fresh held entries stay as they are
+                kept = self._kept(rid, gen, used_ms, held, self.refresh_ms(replica, used_ms))
+                self.blocks_kept += min(kept, len(hashes))
+                hashes = hashes[kept:]
+                if not hashes:
+                    continue
+            self.blocks_written += len(hashes)
             for at in range(0, len(hashes), RECORD_CHUNK):
                 chunk = hashes[at : at + RECORD_CHUNK]
                 if rounds[-1][0] and in_round + len(chunk) > RECORD_ROUND_BLOCKS:

@@ -21,7 +21,9 @@ for i = 1, #blob / 10 do KEYS[i] = prefix .. string.sub(blob, i * 10 - 9, i * 10
 # minimum span ms (`cachemap.rates`: the rate is the same formula in process), and how many
 # blocks back from the end to look for the conversation's home (`HOME`; 0: not asked).
 # Returns {{rid, depth, last use}*, {depth, rate, k} | {}, {shared depth, writer} | {},
-# {depth, home replica} | {}}.
+# {depth, home replica} | {}, {rid, held depth, its oldest generation, its oldest use}*}: the
+# last, each replica's entries alone from the first block (no flight) and the oldest value
+# among them (what a record may leave as it is: `RedisDirectory.record_many`).
 LOOKUP = (
     CHAIN
     + """
@@ -54,6 +56,7 @@ local depth = {}
 local last = {}
 local placed = {}
 local held, held_last = {}, {}  -- the same, entries alone (no placement in flight)
+local held_gen, held_used = {}, {}  -- the oldest generation and use among a replica's held
 local deepest = 0
 -- one record call writes the same "<generation>:<last use>" to every block of its chain, so a
 -- value is parsed once per lookup (Lua interns strings: the memo is a pointer lookup)
@@ -86,7 +89,11 @@ for i = 1, #KEYS do
           end
         elseif now - used < ttl and used > (floor[rid] or -1) then
           depth[rid], last[rid], placed[rid] = i, used, nil
-          if (held[rid] or 0) == i - 1 then held[rid], held_last[rid] = i, used end
+          if (held[rid] or 0) == i - 1 then
+            held[rid], held_last[rid] = i, used
+            if i == 1 or gen < held_gen[rid] then held_gen[rid] = gen end
+            if i == 1 or used < held_used[rid] then held_used[rid] = used end
+          end
           advanced = true
         end
       end
@@ -210,7 +217,16 @@ if walk > 0 then
     if replica then home = {i, replica}; break end
   end
 end
-return {out, hot, writer, home}
+local kept = {}
+for rid, d in pairs(held) do
+  if mingen[rid] then
+    kept[#kept + 1] = rid
+    kept[#kept + 1] = d
+    kept[#kept + 1] = held_gen[rid]
+    kept[#kept + 1] = held_used[rid]
+  end
+end
+return {out, hot, writer, home, kept}
 """
 )
 

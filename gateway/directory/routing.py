@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cachemap.affinity import MAX_WALK_BLOCKS, Home
-from cachemap.directory import on_ms
+from cachemap.directory import Held, on_ms
 from cachemap.keys import BlockHash
 from cachemap.memory import MemoryDirectory
 from cachemap.rates import PrefixRate, PrefixRates
@@ -99,6 +99,9 @@ class Lookup:
     home_answered: bool = False
     """Redis answered for the conversation's home in this lookup's round trip (`lookup_homes`):
     `home` is its answer (None: Redis has none), and no `home()` call is needed."""
+    held: dict[str, Held] = field(default_factory=dict)
+    """replica -> what Redis holds of it from the first block (`SharedLookup.held`): its
+    record leaves the fresh part as it is. Empty when Redis did not answer."""
 
 
 @dataclass
@@ -326,6 +329,7 @@ class RoutingDirectory:
                 self.stats.shared_lookups += 1
                 self.breaker.succeeded()
                 lookup = _lookup(full.detail, degraded=False)
+                lookup.held = full.held
                 if full.hot_depth:
                     lookup.hot_key = hashes[full.hot_depth - 1]
                     lookup.hot = PrefixRate(full.rate_per_min, full.k)
@@ -377,14 +381,18 @@ class RoutingDirectory:
         self._write(Call(lambda shared: shared.hot.set_k(prefix, k)))
 
     # -- what the engines hold ---------------------------------------------------------------
-    async def record(self, replica: str, hashes: Sequence[BlockHash]) -> None:
+    async def record(
+        self, replica: str, hashes: Sequence[BlockHash], held: Held | None = None
+    ) -> None:
         """Both stores record the same instant (at the shared store's resolution), so an
-        expiry at a last use either store returns means the same entries in both."""
+        expiry at a last use either store returns means the same entries in both. `held`:
+        what the request's lookup read Redis to hold of `replica` (`Lookup.held`): Redis's
+        record leaves its fresh part as it is (`RedisDirectory.record_many`)."""
         at_s = on_ms(self.local.index.clock())
         self.local.index.record(replica, hashes, at_s)
         if hashes:
             if self.shared is not None:  # a frozen dataclass built for nothing without Redis
-                self._write(Record(replica, hashes, at_s))
+                self._write(Record(replica, hashes, at_s, held))
             if self.siblings is not None:
                 self.siblings.record(replica, hashes, at_s)
 
@@ -404,9 +412,17 @@ class RoutingDirectory:
             if self.siblings is not None:
                 self.siblings.drop(replica, hashes)
 
-    async def expire(self, replica: str, before_s: float) -> None:
+    async def expire(
+        self, replica: str, before_s: float, rewrite: Sequence[BlockHash] = ()
+    ) -> None:
+        """Entries of `replica` used at or before `before_s` stop matching (its floor).
+        `rewrite`: a chain the engine holds now (the reconciled request's own), written whole
+        to Redis after the floor at this instant: its record may have left its held blocks
+        at the last use the floor is (`record`'s `held`)."""
         await self.local.expire(replica, before_s)
         self._write(Expire(replica, before_s))
+        if rewrite:
+            self._write(Record(replica, rewrite, on_ms(self.local.index.clock())))
 
     def _write(self, write: Write) -> None:
         if self.shared is not None:

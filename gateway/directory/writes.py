@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cachemap.directory import Held
 from cachemap.keys import BlockHash
 from cachemap.redis.directory import RedisDirectory
 
@@ -33,6 +34,9 @@ class Record:
     at_s: float | None = None
     """When the chain was used (the local index's time for the same record), or None: when
     the write reaches Redis."""
+    held: Held | None = None
+    """What the request's lookup read the replica to hold in Redis (its fresh part is not
+    written again: `RedisDirectory.record_many`), or None: the whole chain is written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +126,7 @@ class WriteBehind:
 async def _write(shared: RedisDirectory, batch: list[Write]) -> None:
     """Records and placements first (one script call per chain, all in one pipeline), then
     the rest."""
-    records = [(w.replica, w.hashes, w.at_s) for w in batch if isinstance(w, Record)]
+    records = [(w.replica, w.hashes, w.at_s, w.held) for w in batch if isinstance(w, Record)]
     places = [(w.replica, w.hashes) for w in batch if isinstance(w, Place)]
     scripted = [w.build(shared) for w in batch if isinstance(w, Scripted)]
     if records or places or scripted:

@@ -384,6 +384,7 @@ class Director:
         if suspects:  # they may have restarted: their entries count once their identity is known
             lookup.overlap = {r: d for r, d in lookup.overlap.items() if r not in suspects}
             lookup.last_use = {r: t for r, t in lookup.last_use.items() if r not in suspects}
+            lookup.held = {r: h for r, h in lookup.held.items() if r not in suspects}
         if self.keying.last_on_events:
             source = "events"
         elif self.directory.shared is not None and not lookup.degraded:
@@ -476,6 +477,7 @@ class Director:
             ranks=keyed.ranks,
             conversation=conversation,
             unpredicted=keyed.unpredicted,
+            held=lookup.held,
         )
         if placed.flight is not None and self.landed_hooks:
             placed.flight.confirm = lambda: self._landed(routed)

@@ -194,6 +194,7 @@ class Keying:
                 lookup,
                 overlap={r: d for r, d in lookup.overlap.items() if not self.wiping[r]},
                 last_use={r: t for r, t in lookup.last_use.items() if not self.wiping[r]},
+                held={r: h for r, h in lookup.held.items() if not self.wiping[r]},
             )
         return lookup
 
@@ -256,6 +257,7 @@ class Keying:
             predicted.writer_from,
             predicted.home,
             predicted.home_answered,
+            predicted.held,  # what Redis holds: every replica's prediction is recorded
         )
         block_bytes = 4 * precise.block_size
         head = self.keys.consistent_hash_blocks * precise.block_size  # all affinity_key reads

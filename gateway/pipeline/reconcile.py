@@ -120,6 +120,9 @@ class Reconciler:
             last_use = routed.last_use.get(replica)
             if last_use is not None:
                 stats.expiries += 1
-                await self.directory.expire(replica, last_use)
+                # the floor is the lookup's last use, which the request's own record may have
+                # left on its held blocks (`Routed.held`): they are written again, whole
+                rewrite = routed.hashes if replica in routed.held else ()
+                await self.directory.expire(replica, last_use, rewrite)
         elif engine_cached > predicted + SLACK_TOKENS:
             stats.underestimates += 1

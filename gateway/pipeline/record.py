@@ -49,8 +49,11 @@ class Recorder:
     async def first_token(self, exchange: Exchange) -> None:
         record = exchange.record
         record.first_token_s = time.monotonic()
-        if record.routed.hashes and record.replica not in record.routed.unpredicted:
-            await self.directory.record(record.replica, record.routed.hashes)
+        routed = record.routed
+        if routed.hashes and record.replica not in routed.unpredicted:
+            await self.directory.record(
+                record.replica, routed.hashes, routed.held.get(record.replica)
+            )
         for on_first_token in self._on_first_token:
             await on_first_token(record)
 
@@ -69,8 +72,11 @@ class Recorder:
         """A non-streamed exchange moved to another replica before its answer was whole: the
         prompt's blocks are on the new replica too (observers saw the first token already)."""
         record = exchange.record
-        if record.routed.hashes and record.replica not in record.routed.unpredicted:
-            await self.directory.record(record.replica, record.routed.hashes)
+        routed = record.routed
+        if routed.hashes and record.replica not in routed.unpredicted:
+            await self.directory.record(
+                record.replica, routed.hashes, routed.held.get(record.replica)
+            )
 
     async def finish(self, exchange: Exchange) -> None:
         record = exchange.record

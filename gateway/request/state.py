@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from cachemap.directory import Held
 from cachemap.keys import BlockHash
 from gateway.request.parsed import ParsedRequest
 from gateway.request.tenant import Tenant
@@ -91,6 +92,9 @@ class Routed:
     unpredicted: frozenset[str] = frozenset()
     """Replicas whose prediction is neither read nor written: their KV events route them
     (precise mode, in-process index; `gateway.pipeline.keying`)."""
+    held: Mapping[str, Held] = field(default_factory=dict)
+    """replica -> what the shared directory held of it from the first block at the lookup
+    (`gateway.directory.routing.Lookup.held`): its record leaves the fresh part as it is."""
 
 
 @dataclass(slots=True, eq=False)

@@ -432,6 +432,15 @@ class GatewayCollector(Collector):
             self.directory.writes.num_dropped,
         )
         shared = self.directory.shared
+        blocks = CounterMetricFamily(
+            "kvgate_directory_record_blocks",
+            "Blocks of the records this gateway sent to the shared directory (written), and the "
+            "blocks they left as it held them: the replica's fresh held prefix (kept).",
+            labels=["part"],
+        )
+        blocks.add_metric(["written"], shared.blocks_written if shared is not None else 0)
+        blocks.add_metric(["kept"], shared.blocks_kept if shared is not None else 0)
+        yield blocks
         lane = shared.lane if shared is not None else None
         yield CounterMetricFamily(
             "kvgate_directory_late_reads",

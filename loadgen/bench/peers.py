@@ -949,8 +949,9 @@ DIRECTORY_COUNTERS = {
 
 
 def directory_lookups(metrics_url: str) -> dict[str, int]:
-    """`kvgate_directory_lookups_total` by source, `DIRECTORY_COUNTERS`, and a precise
-    gateway's shared event-index lookups by outcome (`events_ok`, `events_failed`)."""
+    """`kvgate_directory_lookups_total` by source, `DIRECTORY_COUNTERS`, the records' blocks
+    (`record_written`, `record_kept`), and a precise gateway's shared event-index lookups by
+    outcome (`events_ok`, `events_failed`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
@@ -959,6 +960,8 @@ def directory_lookups(metrics_url: str) -> dict[str, int]:
         for sample in family.samples:
             if sample.name == "kvgate_directory_lookups_total":
                 out[sample.labels.get("source", "")] = int(sample.value)
+            elif sample.name == "kvgate_directory_record_blocks_total":
+                out[f"record_{sample.labels.get('part', '')}"] = int(sample.value)
             elif sample.name == "kvgate_events_shared_lookups_total":
                 out[f"events_{sample.labels.get('outcome', '')}"] = int(sample.value)
             elif sample.name in DIRECTORY_COUNTERS:
@@ -1325,6 +1328,7 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
             d = r.directory
             looked = d.get("shared", 0) + d.get("local", 0)
             events = d.get("events_ok", 0) + d.get("events_failed", 0)
+            recorded = d.get("record_written", 0) + d.get("record_kept", 0)
             lines.append(
                 f"{r.arm} (run {r.run}) directory lookups: {looked:,}, answered by Redis "
                 f"{d.get('shared', 0) / max(looked, 1):.2%}, fallbacks {d.get('fallbacks', 0):,}"
@@ -1332,6 +1336,12 @@ def markdown_table(results: Sequence[ArmResult], lru: float, setup: Setup) -> st
                     f", {key.replace('_', ' ')} {d[key]:,}"
                     for key in ("timeouts", "lagged", "late_reads")
                     if key in d
+                )
+                + (
+                    f"; record blocks {recorded:,}, written "
+                    f"{d.get('record_written', 0) / recorded:.1%}"
+                    if recorded
+                    else ""
                 )
                 + (
                     f"; shared event-index lookups {events:,}, answered "

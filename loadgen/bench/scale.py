@@ -141,7 +141,7 @@ async def _replay(url: str, servers: list[str], blocks: int, args: argparse.Name
             full = await d.lookup_full(hashes, rate_window_s=60.0, homes=MAX_WALK_BLOCKS)
             held = full.detail.get(replica, (0, 0.0))[0]
             await d.place(replica, hashes[held:])
-            await d.record_many([(replica, hashes, None)])
+            await d.record_many([(replica, hashes, None, full.held.get(replica))])
             await d.homes.record(hashes, replica, None, 3600.0)
 
     idle_before, idle_started = _cpu_s(servers), time.perf_counter()

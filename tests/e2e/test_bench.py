@@ -93,11 +93,12 @@ def test_a_many_gateway_arm_spreads_the_replay_over_gateways_on_one_redis(
     argv += ["--engines", "2", "--arms", "kvgate:cache_aware", "--gateways", "2"]
     argv += ["--time-scale", "50", "--rate-steps", "0", "--out", str(out)]
     assert main(argv) == 0
-    assert "kvgate:cache_aware@2 (run 1) directory lookups: 30, answered by Redis" in (
-        capsys.readouterr().out
-    )
+    printed = capsys.readouterr().out
+    assert "kvgate:cache_aware@2 (run 1) directory lookups: 30, answered by Redis" in printed
     (row,) = orjson.loads(out.with_suffix(".json").read_bytes())["results"]
     assert row["arm"] == "kvgate:cache_aware@2"
+    recorded = row["directory"]["record_written"] + row["directory"].get("record_kept", 0)
+    assert recorded > 0 and f"record blocks {recorded:,}, written" in printed
     assert row["summary"]["requests"] == 30 and row["summary"]["errors"] == 0, row["note"]
     assert row["router_cpu_ms_per_request"] > 0
     directory = row["directory"]

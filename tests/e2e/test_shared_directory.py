@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 
 from gateway.pipeline.reconcile import Reconciler
 from gateway.pipeline.record import Recorder
@@ -203,3 +204,44 @@ def test_redis_back_empty_costs_a_real_gateway_its_conversations_nothing() -> No
     assert sum(figures[p]["failed"] for p in ("cold", "before", "outage", "after")) == 0
     assert figures["conversations"] == 8 and figures["moved"] == 0
     assert figures["window"]["hit_ratio"] > 0.8
+
+
+def test_a_turns_record_writes_only_what_its_replica_did_not_hold(
+    fresh_redis: RedisServer,
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+) -> None:
+    """Issue 39's tier CPU: the next turn's record, at its first token, leaves the prefix its
+    lookup found fresh in Redis (the turn before's, seconds ago) and writes its new blocks:
+    Redis's HMGETs (one per block a record writes) fall to a few, where the whole chain was
+    read and written again every turn."""
+    engines = start_engines(2)
+    gateway = start_gateway(engines, redis_url=fresh_redis.url, **SHARED)
+    sync = redis.Redis.from_url(fresh_redis.url)
+    try:
+        messages = conversation("delta-record")
+        reads = []
+        for turn in range(3):
+            wait_until(lambda: director(gateway).directory.idle, what="writes reached Redis")
+            sync.config_resetstat()
+            reply, _, matched = ask(gateway, messages)
+            assert matched > 0 or turn == 0
+            wait_until(lambda: director(gateway).directory.idle, what="record reached Redis")
+            reads.append(int(sync.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0)))
+            messages = [
+                *messages,
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": words(f"delta turn {turn}", 40)},
+            ]
+        assert reads[0] > 15, reads  # the first turn: its whole chain
+        assert reads[1] < reads[0] / 2 and reads[2] < reads[0] / 2, reads
+        page = httpx.get(metrics_url(gateway) + "/metrics", timeout=10).text
+        counted = {
+            part: float(line.rsplit(" ", 1)[1])
+            for line in page.splitlines()
+            for part in ("written", "kept")
+            if line.startswith(f'kvgate_directory_record_blocks_total{{part="{part}"}}')
+        }
+        assert counted["kept"] >= reads[0] - 1 and counted["written"] >= reads[0] - 1, counted
+    finally:
+        sync.close()

@@ -118,7 +118,7 @@ async def test_records_and_placements_share_one_pipeline_and_survive_a_script_fl
             await directory.client.script_flush()  # every master forgets every script
             chains = [chain(6) for _ in range(6)]
         await directory.record_many(
-            [("r1", c[:3], None) for c in chains],
+            [("r1", c[:3], None, None) for c in chains],
             [("r2", c) for c in chains],
         )
         for c in chains:
@@ -186,7 +186,7 @@ async def test_a_record_that_writes_nothing_refreshes_no_ttl(fresh_redis: RedisS
     sync = redis.Redis.from_url(fresh_redis.url)
     try:
         sync.config_resetstat()
-        await d.record_many([("r1", blocks, d.clock() - 5.0)])  # older than what is there
+        await d.record_many([("r1", blocks, d.clock() - 5.0, None)])  # older than what is there
         calls = _script_calls(sync)
         assert calls.get("pexpire", 0) == 0 and calls["hmget"] == 16, calls
         key = b"kvg:{" + blocks[3][:6].hex().encode() + b"}:" + blocks[3][6:]

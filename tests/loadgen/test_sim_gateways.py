@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import pytest
 
+from cachemap.directory import Held
 from cachemap.keys import BlockHash
+from cachemap.redis.directory import RECORD_REFRESH_S
 from gateway.settings import DEFAULT_LOAD_SHARE_INTERVAL_S
 from kvgate_cli import main
 from loadgen.sim import (
@@ -129,6 +131,35 @@ def test_the_redis_capacity_holds_one_to_two_generations_of_the_most_recent_bloc
     index.record("r", [blocks[17]])  # the sixth new block of generation 2: generation 3 begins
     assert held() == blocks[12:]  # 6 of 8, the fewest it holds
     assert index.lookup([blocks[12], blocks[13], blocks[0]]) == {"r": 2}
+
+
+def test_a_record_leaves_a_fresh_held_prefix_of_the_current_generation(
+    slice_: Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As `RedisDirectory.record_many`: a prefix the lookup read at the current generation and
+    used within the refresh interval keeps its last use; a stale one, or one of the generation
+    before, is written again. Without floors (not modelled) and with R far below the TTL, the
+    routing is the whole records' to the request."""
+    clock = _Clock()
+    index = _GenerationIndex(capacity_blocks=64, ttl_s=3600.0, clock=clock)
+    blocks = [BlockHash(bytes([i]) * 16) for i in range(8)]
+    index.record("r", blocks[:4])
+    clock.now = 1.0
+    held = index.lookup_held(blocks)["r"]
+    assert held == Held(4, 0, 0)
+    index.record("r", blocks, held)
+    assert index.lookup_held(blocks)["r"] == Held(8, 0, 0)  # the 4 held kept their use
+    clock.now = 1.0 + RECORD_REFRESH_S
+    index.record("r", blocks, index.lookup_held(blocks)["r"])  # used R ago: stale
+    assert index.lookup_held(blocks)["r"].used_ms == round(clock.now * 1000)
+
+    config = replace(CONFIG, gateways=2)
+    _, (delta,) = run_policies(slice_, ["cache_aware"], config)
+    monkeypatch.setattr("cachemap.redis.directory.RECORD_REFRESH_S", 0.0)  # every record whole
+    _, (whole,) = run_policies(slice_, ["cache_aware"], config)
+    assert [(o.replica, o.cached_tokens) for o in delta.outcomes] == [
+        (o.replica, o.cached_tokens) for o in whole.outcomes
+    ]
 
 
 def test_the_simulated_load_share_round_is_the_gateways_default() -> None:
