@@ -42,17 +42,18 @@ def _flood(gateway: Served, messages: list[dict[str, Any]], n: int) -> None:
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("shared", [True, False])
-def test_a_peers_queued_prefills_move_the_next_turn_off_their_replica(
-    shared: bool,
-    redis_url: str,
-    start_engines: Callable[..., list[Served]],
+def stacked_peer_and_bounded_gateway(
     start_gateway: Callable[..., Served],
-) -> None:
-    engines = start_engines(2, timing=SLOW)
-    share = {"share_load": shared, "load_share_interval_s": 0.05}
-    # the peer stacks its prompts on the prefix (a huge slack, no spreading, and no flow control,
-    # whose affinity wait holds a request back from a replica without room)...
+    engines: list[Served],
+    redis_url: str,
+    share: dict[str, Any],
+    name: str,
+) -> tuple[Served, Served, str, list[dict[str, Any]]]:
+    """Two gateways on one Redis: a peer that stacks its prompts on a prefix (a huge slack, no
+    spreading, no flow control, whose affinity wait holds a request back from a replica without
+    room) and one that bounds load tightly and scrapes no engine (only shared figures can tell
+    it the peer's load). The conversation `name`'s first turn is asked at the second and
+    recorded in Redis: returns (peer, here, the replica holding it, its next turn)."""
     peer = start_gateway(
         engines,
         redis_url=redis_url,
@@ -63,8 +64,6 @@ def test_a_peers_queued_prefills_move_the_next_turn_off_their_replica(
         **SHARED,
         **share,
     )
-    # ...this gateway bounds load tightly, scrapes no engine, and does not spread a hot prefix
-    # (the peer's prompts make it hot in the shared rates)
     here = start_gateway(
         engines,
         redis_url=redis_url,
@@ -74,14 +73,33 @@ def test_a_peers_queued_prefills_move_the_next_turn_off_their_replica(
         **SHARED,
         **share,
     )
-    messages = conversation(f"shared-load-{shared}")
+    messages = conversation(name)
     reply, holder, _ = ask(here, messages)
     wait_until(lambda: director(here).directory.idle, what="the first turn's record in Redis")
-    messages = [
-        *messages,
-        {"role": "assistant", "content": reply.choices[0].message.content},
-        {"role": "user", "content": words("next turn", 50)},
-    ]
+    return (
+        peer,
+        here,
+        holder,
+        [
+            *messages,
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": words("next turn", 50)},
+        ],
+    )
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_peers_queued_prefills_move_the_next_turn_off_their_replica(
+    shared: bool,
+    redis_url: str,
+    start_engines: Callable[..., list[Served]],
+    start_gateway: Callable[..., Served],
+) -> None:
+    engines = start_engines(2, timing=SLOW)
+    share = {"share_load": shared, "load_share_interval_s": 0.05}
+    peer, here, holder, messages = stacked_peer_and_bounded_gateway(
+        start_gateway, engines, redis_url, share, f"shared-load-{shared}"
+    )
     queued = director(peer).replicas.get(holder)
     seen = director(here).replicas.get(holder)
     with ThreadPoolExecutor(4) as pool:

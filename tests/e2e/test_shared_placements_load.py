@@ -17,12 +17,11 @@ import redis
 from redis.cluster import RedisCluster
 
 from gateway.fleet.shared_load import LOAD_KEY
-from loadgen.text import words
 from tests.clients import director
 from tests.clients import openai_client as client
 from tests.conftest import MODEL
-from tests.e2e.test_shared_directory import SHARED, ask, conversation
-from tests.e2e.test_shared_load import SLOW, _flood
+from tests.e2e.test_shared_directory import ask, conversation
+from tests.e2e.test_shared_load import SLOW, _flood, stacked_peer_and_bounded_gateway
 from tests.servers import Served, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -51,35 +50,9 @@ def test_a_peers_placements_count_at_this_gateways_next_decision(
     url = redis_url if backend == "redis" else redis_cluster_url
     engines = start_engines(2, timing=SLOW)
     share = {"share_load": True, "load_share_interval_s": ROUND_S}
-    # the peer stacks its prompts on the prefix (as tests.e2e.test_shared_load)...
-    peer = start_gateway(
-        engines,
-        redis_url=url,
-        absolute_slack_tokens=10_000_000,
-        overflow=False,
-        fanout_hold=False,
-        flow_control=False,
-        **SHARED,
-        **share,
+    peer, here, holder, messages = stacked_peer_and_bounded_gateway(
+        start_gateway, engines, url, share, f"placements-load-{backend}"
     )
-    # ...this gateway bounds load tightly and scrapes no engine: only the peer's figures tell
-    here = start_gateway(
-        engines,
-        redis_url=url,
-        absolute_slack_tokens=2_000,
-        scrape_metrics=False,
-        overflow=False,
-        **SHARED,
-        **share,
-    )
-    messages = conversation(f"placements-load-{backend}")
-    reply, holder, _ = ask(here, messages)
-    wait_until(lambda: director(here).directory.idle, what="the first turn's record in Redis")
-    messages = [
-        *messages,
-        {"role": "assistant", "content": reply.choices[0].message.content},
-        {"role": "user", "content": words("next turn", 50)},
-    ]
     peer_load = director(peer).replicas.shared_load
     here_load = director(here).replicas.shared_load
     assert peer_load is not None and here_load is not None
