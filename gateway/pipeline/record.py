@@ -20,7 +20,7 @@ from typing import Any
 
 from gateway.directory.routing import RoutingDirectory
 from gateway.pipeline.exchange import Exchange
-from gateway.request.state import ExchangeObserver, is_idle_hook
+from gateway.request.state import ExchangeObserver, ExchangeRecord, is_idle_hook
 from gateway.request.tokens import TokenEstimator
 from gateway.request.usage import EngineUsage
 
@@ -49,11 +49,7 @@ class Recorder:
     async def first_token(self, exchange: Exchange) -> None:
         record = exchange.record
         record.first_token_s = time.monotonic()
-        routed = record.routed
-        if routed.hashes and record.replica not in routed.unpredicted:
-            await self.directory.record(
-                record.replica, routed.hashes, routed.held.get(record.replica)
-            )
+        await self._record_blocks(record)
         for on_first_token in self._on_first_token:
             await on_first_token(record)
 
@@ -71,7 +67,12 @@ class Recorder:
     async def moved(self, exchange: Exchange) -> None:
         """A non-streamed exchange moved to another replica before its answer was whole: the
         prompt's blocks are on the new replica too (observers saw the first token already)."""
-        record = exchange.record
+        await self._record_blocks(exchange.record)
+
+    async def _record_blocks(self, record: ExchangeRecord) -> None:
+        """The prompt's blocks in the directory for the replica that holds them now, unless its
+        KV events route it (`Routed.unpredicted`); what the lookup read it to hold goes along
+        (`Routed.held`)."""
         routed = record.routed
         if routed.hashes and record.replica not in routed.unpredicted:
             await self.directory.record(
