@@ -16,3 +16,22 @@ class Lru:
     def discard_all(self, hashes: Sequence[bytes]) -> None: ...
     def release(self, budget: int) -> int: ...
     def newest_first(self, since_s: float | None = None) -> list[tuple[bytes, float]]: ...
+
+def hold_new(
+    held: dict[bytes, int],
+    parent_of: dict[bytes, bytes],
+    children: dict[bytes, int],
+    engine: dict[int | bytes, bytes],
+    engine_hashes: Sequence[int | bytes],
+    keys: list[bytes],
+    tier: int,
+    parent: bytes | None,
+) -> None: ...
+def remove_held(
+    engine: dict[int | bytes, bytes],
+    held: dict[bytes, int],
+    parent_of: dict[bytes, bytes],
+    children: dict[bytes, int],
+    broken: set[bytes],
+    engine_hashes: Sequence[int | bytes],
+) -> tuple[list[bytes], int]: ...

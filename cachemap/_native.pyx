@@ -1,10 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Compiled forms of two per-block loops of the request path (optional; see cachemap.native).
+"""Compiled forms of per-block loops of the request path and the event ingest (optional; see
+cachemap.native).
 
 - `chain`: `cachemap.keys.chain_hashes` without extras, in one call a prompt.
 - `Lru`: one replica's epoch of `cachemap.memory.MemoryIndex` (`cachemap.memory.OrderedLru`'s
   methods), an open-addressing table of 16-byte key prefixes inline with a log of touches for
   its order, instead of an OrderedDict (three dict probes and a linked node a move).
+- `hold_new`, `remove_held`: `cachemap.events`'s writes of a stored chain into a domain's maps
+  and its removal of a batch of blocks, each one loop over the blocks writing every map (the
+  pure forms make a pass a map: zips, lists, a Counter).
 
 The pure-Python forms are the definitions; tests hold these to them.
 """
@@ -393,3 +397,54 @@ cdef class Lru:
                 break
             out.append((<object>s.key, s.used))
         return out
+
+
+def hold_new(dict held, dict parent_of, dict children, dict engine, engine_hashes, list keys,
+             object tier, object parent):
+    """`cachemap.events.hold_new`: every map written in one loop over the chain."""
+    cdef Py_ssize_t n = len(keys)
+    cdef list hashes = engine_hashes if type(engine_hashes) is list else list(engine_hashes)
+    cdef Py_ssize_t m = len(hashes) if len(hashes) < n else n
+    cdef Py_ssize_t i
+    cdef object key
+    cdef object prev = parent
+    cdef object one = 1
+    if parent is not None:
+        children[parent] = children.get(parent, 0) + 1
+    for i in range(n):
+        key = keys[i]
+        held[key] = tier
+        if prev is not None:
+            parent_of[key] = prev
+        if i < n - 1:
+            children[key] = one
+        if i < m:
+            engine[hashes[i]] = key
+        prev = key
+
+
+def remove_held(dict engine, dict held, dict parent_of, dict children, set broken,
+                engine_hashes):
+    """`cachemap.events.remove_held`: each block's pops and its parent's count in one loop
+    over the batch, then the keys left with held children marked broken."""
+    cdef list gone = []
+    cdef Py_ssize_t unknown = 0
+    cdef object engine_hash, key, parent, count
+    for engine_hash in engine_hashes:
+        key = engine.pop(engine_hash, None)
+        if key is None or not held.pop(key, 0):
+            unknown += 1
+            continue
+        gone.append(key)
+        parent = parent_of.pop(key, None)
+        if parent:
+            count = children.get(parent, 0) - 1
+            if count > 0:
+                children[parent] = count
+            else:
+                children.pop(parent, None)
+                broken.discard(parent)
+    for key in gone:
+        if key in children:
+            broken.add(key)
+    return gone, unknown

@@ -15,7 +15,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachemap import keys, native
+from cachemap import events, keys, native
+from cachemap.events import (
+    CPU,
+    GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheEvent,
+    EngineHash,
+    EventIndex,
+    precise_keys,
+)
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex, OrderedLru
 
@@ -223,3 +234,177 @@ def test_an_index_on_the_compiled_lru_answers_as_on_the_pure_one(
             for index in pair
         ]
         assert answers[0] == answers[-1]
+
+
+HOLDS: list[Callable[..., None]] = [events.hold_new] + (
+    [COMPILED.hold_new] if COMPILED is not None else []
+)
+REMOVES: list[Callable[..., tuple[list[bytes], int]]] = [events.remove_held] + (
+    [COMPILED.remove_held] if COMPILED is not None else []
+)
+_BLOCKS = [bytes([i]) * 16 for i in range(12)]
+_HASHES = [*range(1, 9), b"h1", b"h2", 2**64 - 1, -5]
+"""Engine hashes: vLLM's unsigned ints, SGLang's signed ones, bytes."""
+_maps = st.tuples(
+    st.dictionaries(st.sampled_from(_BLOCKS), st.integers(0, 7), max_size=8),  # held
+    st.dictionaries(st.sampled_from(_BLOCKS), st.sampled_from(_BLOCKS), max_size=8),  # parent
+    st.dictionaries(st.sampled_from(_BLOCKS), st.integers(-1, 3), max_size=8),  # children
+    st.dictionaries(st.sampled_from(_HASHES), st.sampled_from(_BLOCKS), max_size=8),  # engine
+    st.sets(st.sampled_from(_BLOCKS), max_size=4),  # broken
+)
+"""A domain's maps in any state, the invariants kept or not: the compiled loops must do to
+each what the definitions do, entry for entry and in the same order."""
+
+
+def _copied(maps: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(m.copy() for m in maps)
+
+
+def _state(maps: tuple[Any, ...]) -> list[Any]:
+    """Every map's entries in order (a dict's order is part of what must be equal)."""
+    return [sorted(m) if isinstance(m, set) else list(m.items()) for m in maps]
+
+
+@pytest.mark.parametrize("hold", HOLDS)
+@settings(max_examples=300)
+@given(
+    _maps,
+    st.lists(st.sampled_from(_HASHES), max_size=10),
+    st.lists(st.sampled_from(_BLOCKS), max_size=10),
+    st.sampled_from([1, 2, 4]),
+    st.none() | st.sampled_from(_BLOCKS),
+    st.booleans(),
+)
+def test_holding_a_new_chain_is_its_definition(
+    hold: Any,
+    maps: tuple[Any, ...],
+    hashes: list[Any],
+    chain_: list[bytes],
+    tier: int,
+    parent: bytes | None,
+    as_tuple: bool,
+) -> None:
+    """Chains longer or shorter than their hashes, repeated keys, a parent among the keys."""
+    held, parent_of, children, engine, _ = mine = _copied(maps)
+    hold(
+        held,
+        parent_of,
+        children,
+        engine,
+        tuple(hashes) if as_tuple else hashes,
+        chain_,
+        tier,
+        parent,
+    )
+    held, parent_of, children, engine, _ = ref = _copied(maps)
+    events.hold_new(held, parent_of, children, engine, hashes, chain_, tier, parent)
+    assert _state(mine) == _state(ref)
+
+
+@pytest.mark.parametrize("remove", REMOVES)
+@settings(max_examples=300)
+@given(_maps, st.lists(st.sampled_from([*_HASHES, 99, b"unknown"]), max_size=12), st.booleans())
+def test_removing_held_blocks_is_its_definition(
+    remove: Any, maps: tuple[Any, ...], hashes: list[Any], as_tuple: bool
+) -> None:
+    """Unknown hashes, repeats, two hashes of one key, parents that leave with their children,
+    counts that were already wrong."""
+    engine_hashes = tuple(hashes) if as_tuple else hashes
+    held, parent_of, children, engine, broken = mine = _copied(maps)
+    answer = remove(engine, held, parent_of, children, broken, engine_hashes)
+    held, parent_of, children, engine, broken = ref = _copied(maps)
+    assert answer == events.remove_held(engine, held, parent_of, children, broken, hashes)
+    assert _state(mine) == _state(ref)
+
+
+class _Forms:
+    """The event index's two loops set to one form while applying (`events._HOLD_NEW`,
+    `events._REMOVE_HELD`), the module's choice restored after."""
+
+    def __init__(self, hold: Callable[..., None], remove: Callable[..., Any]) -> None:
+        self.forms = (hold, remove)
+
+    def __enter__(self) -> None:
+        self.kept = (events._HOLD_NEW, events._REMOVE_HELD)
+        events._HOLD_NEW, events._REMOVE_HELD = self.forms
+
+    def __exit__(self, *_: object) -> None:
+        events._HOLD_NEW, events._REMOVE_HELD = self.kept
+
+
+_SPLITS = (8, 3, 5, 0)
+"""Branch b shares its first _SPLITS[b] blocks with branch 0 (branch 3 nothing): removals at a
+branch point leave parents with held children."""
+
+
+def _ids(branch: int, n: int) -> list[int]:
+    return [
+        (0 if i < _SPLITS[branch] else branch) * 10_000 + i * 16 + t
+        for i in range(n)
+        for t in range(16)
+    ]
+
+
+def _hash(domain: str, branch: int, i: int) -> EngineHash:
+    """Engine hashes as ints on two domains, as bytes on the third."""
+    value = 1 + (0 if i < _SPLITS[branch] else branch) * 100 + i
+    return value if domain != "c" else value.to_bytes(8, "big")
+
+
+_EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "store", "remove", "remove", "clear"]),
+        st.sampled_from("abc"),
+        st.integers(0, 3),  # branch
+        st.integers(0, 7),  # first block
+        st.integers(1, 8),  # blocks
+        st.sampled_from([GPU, GPU, GPU, CPU]),
+        st.booleans(),  # a removal: with an unknown hash and a repeat
+    ),
+    max_size=50,
+)
+
+
+@pytest.mark.parametrize("forms", list(zip(HOLDS, REMOVES, strict=True)))
+@settings(max_examples=300, deadline=None)
+@given(_EVENTS)
+def test_an_event_index_on_the_compiled_loops_is_the_pure_one(
+    forms: tuple[Any, Any], stream: list[tuple[str, str, int, int, int, int, bool]]
+) -> None:
+    """Random event streams on three domains: stores of any run (a repeat takes the stepped
+    path), removals of any run with unknown hashes and repeats, wipes, CPU tiers (a domain
+    with offloaded blocks removes key by key). After every event both indexes hold the same
+    maps in the same order, count the same and answer every lookup alike."""
+    pure, other = EventIndex(), EventIndex()
+    chains = [precise_keys(_ids(b, 8), "s", 16) for b in range(4)]
+    for kind, domain, branch, at, count, tier, odd in stream:
+        stop = min(8, at + count)
+        event: CacheEvent
+        if kind == "store":
+            parent = _hash(domain, branch, at - 1) if at else None
+            hashes = [_hash(domain, branch, i) for i in range(at, stop)]
+            ids = _ids(branch, stop)[16 * at :]
+            event = BlockStored(
+                hashes, parent, ids, 16, tier=tier, cache_salt="s" if not at else None
+            )
+        elif kind == "remove":
+            hashes = [_hash(domain, branch, i) for i in range(at, stop)]
+            if odd:
+                hashes += [hashes[0], 12_345]
+            event = BlockRemoved(hashes, tier)
+        else:
+            event = AllBlocksCleared()
+        with _Forms(events.hold_new, events.remove_held):
+            pure.apply(domain, event)
+        with _Forms(*forms):
+            other.apply(domain, event)
+        assert other.stats == pure.stats
+        assert other._domains.keys() == pure._domains.keys()
+        for name, state in pure._domains.items():
+            got = other._domains[name]
+            assert [list(m.items()) for m in (got.held, got.parent, got.children, got.engine)] == [
+                list(m.items()) for m in (state.held, state.parent, state.children, state.engine)
+            ]
+            assert (got.broken, got.tier_counts) == (state.broken, state.tier_counts)
+        for keys_ in chains:
+            assert other.lookup(keys_, 1.0) == pure.lookup(keys_, 1.0)
