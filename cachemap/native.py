@@ -1,9 +1,10 @@
 """The compiled forms of cachemap's per-block loops, where they are built.
 
 `cachemap/_native.pyx` (Cython) holds `chain` (`cachemap.keys.chain_hashes` without extras),
-`Lru` (`cachemap.memory.OrderedLru`), and `hold_new` and `remove_held` (`cachemap.events`'s: the
-event index's store and removal of a batch's blocks). The install builds it when Cython and a
-C compiler are at hand (`setup.py`; a failed build leaves the pure install); the pure-Python
+`Lru` (`cachemap.memory.OrderedLru`), `hold_new` and `remove_held` (`cachemap.events`'s: the
+event index's store and removal of a batch's blocks), and `WordTable` (the precise word cache's
+lookups, `gateway.events.words`). The install builds it when Cython and a C compiler are at
+hand (`setup.py`; a failed build leaves the pure install); the pure-Python
 forms are the definitions, and `KVGATE_PURE=1` in the environment makes every import choose
 them.
 """

@@ -6,8 +6,10 @@ runs on what the process chose (`make test` runs it a second time with `KVGATE_P
 
 from __future__ import annotations
 
+import array
 import importlib
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mmh3
@@ -29,6 +31,8 @@ from cachemap.events import (
 )
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex, OrderedLru
+from gateway.events import words
+from gateway.events.words import WordIds
 
 
 def _compiled() -> Any:
@@ -408,3 +412,125 @@ def test_an_event_index_on_the_compiled_loops_is_the_pure_one(
             assert (got.broken, got.tier_counts) == (state.broken, state.tier_counts)
         for keys_ in chains:
             assert other.lookup(keys_, 1.0) == pure.lookup(keys_, 1.0)
+
+
+class DictTable:
+    """A `WordTable` by its definition: a dict of every piece, `words._tail` over it."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[str, bytes] = {}
+
+    def put(self, key: str, ids: bytes) -> None:
+        self.pieces[key] = ids
+
+    def get(self, key: str) -> bytes | None:
+        return self.pieces.get(key)
+
+    def tail(self, text: str) -> tuple[int, bytes, int] | None:
+        return words._tail(self.pieces, text)
+
+
+TABLES: list[Callable[[], Any]] = [DictTable] + (
+    [COMPILED.WordTable] if COMPILED is not None else []
+)
+_WORDS = ["a", "bb", "ccc", "Hello,", "x" * 22, "y" * 23, "é", "日本", "", "\x7f", "\t", "\n"]
+"""Pieces a table keeps (ASCII, up to 22 bytes) and does not (longer, not ASCII), and
+characters that keep a space from being a cut."""
+_TEXTS = st.lists(st.sampled_from([*_WORDS, " ", "  "]), max_size=14).map(" ".join)
+
+
+def _fits(key: str, ids: bytes) -> bool:
+    return key.isascii() and len(key) <= 22 and len(ids) <= 32
+
+
+@pytest.mark.parametrize("make", TABLES)
+@settings(max_examples=300)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(_WORDS), st.lists(st.integers(0, 2**32 - 1), max_size=10)),
+        max_size=20,
+    ),
+    st.lists(_TEXTS, max_size=6),
+)
+def test_a_word_table_answers_as_its_dict_where_its_pieces_fit(
+    make: Any, puts: list[tuple[str, list[int]]], texts: list[str]
+) -> None:
+    """Pieces of every size put (and put again: what no longer fits is no longer kept), then
+    texts of every shape (spaces opening, closing, doubled; unprintable and non-ASCII
+    characters): a piece is kept iff it fits, and a text's tail is its definition's wherever
+    every piece fits, and None or its definition's elsewhere."""
+    table, model = make(), DictTable()
+    for key, ids in puts:
+        table.put(key, array.array("I", ids).tobytes())
+        model.put(key, array.array("I", ids).tobytes())
+    for key, ids_ in model.pieces.items():
+        assert table.get(key) == (ids_ if _fits(key, ids_) or make is DictTable else None)
+    for text in [*texts, *(" ".join(w for w, _ in puts[:k]) for k in range(len(puts)))]:
+        answer, expected = table.tail(text), model.tail(text)
+        if answer != expected:  # only a miss, and only for a piece the table cannot keep
+            assert answer is None and expected is not None
+            later = words.parts_of(text)[1:]
+            assert not all(_fits(p, model.pieces[p]) for p in later)
+
+
+def test_a_word_table_grows_and_keeps_every_piece() -> None:
+    """Thousands of pieces (the table rebuilt many times), then one text of all of them."""
+    for make in TABLES:
+        table = make()
+        pieces = [f"w{i}" for i in range(5000)]
+        for i, piece in enumerate(pieces):
+            table.put(piece, array.array("I", [i] * (1 + i % 8)).tobytes())
+        text = "first " + " ".join(pieces)
+        assert table.tail(text) == (
+            5,
+            b"".join(array.array("I", [i] * (1 + i % 8)).tobytes() for i in range(5000)),
+            5001,
+        )
+
+
+def _encode(pieces: Sequence[str]) -> list[list[int]]:
+    """Ids that tell pieces apart, 1 to 10 of them (more than a `WordTable` slot keeps)."""
+    return [
+        [zlib.crc32(p.encode()) + j for j in range(1 + zlib.crc32(p.encode()) % 10)] for p in pieces
+    ]
+
+
+_WORD_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["ids", "ids_or_none", "missing"]),
+        st.sampled_from(["s", "t"]),
+        st.lists(
+            st.lists(st.sampled_from([*_WORDS, "a", "bb", " ", "ccc", "dd"]), max_size=30).map(
+                " ".join
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+    ),
+    max_size=12,
+)
+
+
+@pytest.mark.parametrize("make", TABLES)
+@settings(max_examples=300, deadline=None)
+@given(_WORD_OPS, st.sampled_from([4, 16, 1000]), st.booleans())
+def test_the_word_cache_on_a_word_table_answers_as_without_one(
+    make: Any, ops: list[tuple[str, str, list[str]]], max_pieces: int, loose: bool
+) -> None:
+    """Texts through `ids`, `ids_or_none` and `missing_or_whole` then `add` (the gateway's
+    big texts), two salts, bounds that turn the young generation old every few pieces: the
+    cache with each table gives the ids, the missing pieces, the whole texts and the counts
+    of the cache without one."""
+    with_table = WordIds(_encode, max_pieces, loose, table=make)
+    without = WordIds(_encode, max_pieces, loose, table=None)
+    for op, salt, texts in ops:
+        answers = []
+        for cache in (with_table, without):
+            if op == "missing":
+                missing, whole = cache.missing_or_whole(texts, salt, len(texts) > 1)
+                cache.add(salt, missing, _encode(missing))
+                answer: Any = (missing, whole, [cache.ids_or_none(t, salt) for t in texts])
+            else:
+                answer = [getattr(cache, op)(t, salt) for t in texts]
+            answers.append((answer, cache.stats, cache.size))
+        assert answers[0] == answers[1]
