@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import array
 import importlib
+import sys
+import types
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cachemap
 from cachemap import events, keys, native
 from cachemap.events import (
     CPU,
@@ -54,6 +57,22 @@ def test_kvgate_pure_chooses_the_pure_forms(monkeypatch: pytest.MonkeyPatch) -> 
     assert native.load() is None
     monkeypatch.setenv("KVGATE_PURE", "0")
     assert native.load() is COMPILED
+
+
+def test_a_build_older_than_one_of_the_compiled_forms_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checkout's `.so` from before a form was added (`native.NAMES`): pure, not an import
+    that fails on the missing name."""
+    stale = types.ModuleType("cachemap._native")
+    stale.chain = keys._chain  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cachemap._native", stale)
+    monkeypatch.setattr(cachemap, "_native", stale, raising=False)
+    monkeypatch.delenv("KVGATE_PURE", raising=False)
+    assert native.load() is None
+    for name in native.NAMES:
+        setattr(stale, name, object())
+    assert native.load() is stale
 
 
 @pytest.mark.parametrize("chain", CHAINS)
