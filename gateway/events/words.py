@@ -217,7 +217,7 @@ _WORD_TABLE: Any = NATIVE.WordTable if NATIVE is not None else None
 young generation that looks a text's pieces up from its characters (`_tail`)."""
 
 
-def _tail(table: Any, text: str) -> tuple[int, bytes, int] | None:
+def _tail(table: dict[str, bytes], text: str) -> tuple[int, bytes, int] | None:
     """`WordTable.tail`'s definition, on a young generation's later pieces `table` (a dict):
     for a text every space of which is a cut (`_every_space_cuts`) of two pieces or more, each
     later piece in `table`: (where its first piece ends, the later pieces' ids joined, its
@@ -229,7 +229,7 @@ def _tail(table: Any, text: str) -> tuple[int, bytes, int] | None:
     if len(parts) < 2:
         return None
     try:
-        return len(parts[0]), b"".join(map(table.get, parts[1:])), len(parts)
+        return len(parts[0]), b"".join(map(table.get, parts[1:])), len(parts)  # type: ignore[arg-type]
     except TypeError:  # a None: a piece the table lacks
         return None
 
