@@ -497,11 +497,12 @@ cdef class WordTable:
     cdef Py_ssize_t used
 
     def __cinit__(self):
-        self.slots = <WordSlot *>malloc(64 * sizeof(WordSlot))
+        # 512 bytes to start: a table a salt, and a tenant may send few words
+        self.slots = <WordSlot *>malloc(8 * sizeof(WordSlot))
         if self.slots == NULL:
             raise MemoryError()
-        memset(self.slots, 0, 64 * sizeof(WordSlot))
-        self.mask = 63
+        memset(self.slots, 0, 8 * sizeof(WordSlot))
+        self.mask = 7
 
     def __dealloc__(self):
         free(self.slots)
