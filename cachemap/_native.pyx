@@ -1,10 +1,16 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Compiled forms of two per-block loops of the request path (optional; see cachemap.native).
+"""Compiled forms of per-block loops of the request path and the event ingest (optional; see
+cachemap.native).
 
 - `chain`: `cachemap.keys.chain_hashes` without extras, in one call a prompt.
 - `Lru`: one replica's epoch of `cachemap.memory.MemoryIndex` (`cachemap.memory.OrderedLru`'s
   methods), an open-addressing table of 16-byte key prefixes inline with a log of touches for
   its order, instead of an OrderedDict (three dict probes and a linked node a move).
+- `hold_new`, `remove_held`: `cachemap.events`'s writes of a stored chain into a domain's maps
+  and its removal of a batch of blocks, each one loop over the blocks writing every map (the
+  pure forms make a pass a map: zips, lists, a Counter).
+- `WordTable`: a mirror of the precise word cache's young pieces (`gateway.events.words`) that
+  looks a text's words up from its characters, no `str` made a word (`words._tail`'s form).
 
 The pure-Python forms are the definitions; tests hold these to them.
 """
@@ -12,7 +18,7 @@ The pure-Python forms are the definitions; tests hold these to them.
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.object cimport PyObject, PyObject_Hash
 from cpython.ref cimport Py_DECREF, Py_INCREF
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 
@@ -393,3 +399,251 @@ cdef class Lru:
                 break
             out.append((<object>s.key, s.used))
         return out
+
+
+def hold_new(dict held, dict parent_of, dict children, dict engine, engine_hashes, list keys,
+             object tier, object parent):
+    """`cachemap.events.hold_new`: every map written in one loop over the chain."""
+    cdef Py_ssize_t n = len(keys)
+    cdef list hashes = engine_hashes if type(engine_hashes) is list else list(engine_hashes)
+    cdef Py_ssize_t m = len(hashes) if len(hashes) < n else n
+    cdef Py_ssize_t i
+    cdef object key
+    cdef object prev = parent
+    cdef object one = 1
+    if parent is not None:
+        children[parent] = children.get(parent, 0) + 1
+    for i in range(n):
+        key = keys[i]
+        held[key] = tier
+        if prev is not None:
+            parent_of[key] = prev
+        if i < n - 1:
+            children[key] = one
+        if i < m:
+            engine[hashes[i]] = key
+        prev = key
+
+
+def remove_held(dict engine, dict held, dict parent_of, dict children, set broken,
+                engine_hashes):
+    """`cachemap.events.remove_held`: each block's pops and its parent's count in one loop
+    over the batch, then the keys left with held children marked broken."""
+    cdef list gone = []
+    cdef Py_ssize_t unknown = 0
+    cdef object engine_hash, key, parent, count
+    for engine_hash in engine_hashes:
+        key = engine.pop(engine_hash, None)
+        if key is None or not held.pop(key, 0):
+            unknown += 1
+            continue
+        gone.append(key)
+        parent = parent_of.pop(key, None)
+        if parent:
+            count = children.get(parent, 0) - 1
+            if count > 0:
+                children[parent] = count
+            else:
+                children.pop(parent, None)
+                broken.discard(parent)
+    for key in gone:
+        if key in children:
+            broken.add(key)
+    return gone, unknown
+
+
+cdef extern from "Python.h":
+    bint PyUnicode_IS_ASCII(object o)
+    void *PyUnicode_DATA(object o)
+    Py_ssize_t PyUnicode_GET_LENGTH(object o)
+
+
+cdef struct WordSlot:
+    uint64_t hash  # 0: empty (a key's hash has its low bit set)
+    uint32_t ids[8]
+    uint8_t klen
+    uint8_t nids  # NOT_KEPT: its ids are not kept here (a lookup misses)
+    char key[22]
+
+
+cdef enum:
+    WORD_KEY_BYTES = 22
+    WORD_IDS = 8
+    NOT_KEPT = 255
+
+
+cdef inline uint64_t _word_hash(const char *s, Py_ssize_t n) nogil:
+    cdef uint64_t h = <uint64_t>n * 0x9E3779B97F4A7C15ULL
+    cdef uint64_t k
+    while n >= 8:
+        memcpy(&k, s, 8)
+        h = kvg_fmix64(h ^ k)
+        s += 8
+        n -= 8
+    k = 0
+    memcpy(&k, s, n)
+    return kvg_fmix64(h ^ k ^ 0x5bd1e995ULL) | 1
+
+
+cdef class WordTable:
+    """One salt's later pieces of the word cache's young generation (`gateway.events.words`):
+    an ASCII piece of up to 22 bytes -> its ids (up to 8 native uint32s), inline in a 64-byte
+    slot, so a text's pieces are looked up straight from its characters (`tail`), no `str`
+    made, hashed and compared a word. A mirror of a dict, never the only copy: a piece it
+    does not keep is a miss, and the caller reads the dict then."""
+
+    cdef WordSlot *slots
+    cdef Py_ssize_t mask
+    cdef Py_ssize_t used
+
+    def __cinit__(self):
+        # 512 bytes to start: a table a salt, and a tenant may send few words
+        self.slots = <WordSlot *>malloc(8 * sizeof(WordSlot))
+        if self.slots == NULL:
+            raise MemoryError()
+        memset(self.slots, 0, 8 * sizeof(WordSlot))
+        self.mask = 7
+
+    def __dealloc__(self):
+        free(self.slots)
+
+    def __len__(self):
+        return self.used
+
+    cdef WordSlot *_find(self, const char *key, Py_ssize_t n, uint64_t h) nogil:
+        """The slot of `key`, or the empty slot where it would go."""
+        cdef Py_ssize_t i = <Py_ssize_t>(h >> 7) & self.mask
+        cdef WordSlot *s
+        while True:
+            s = &self.slots[i]
+            if s.hash == 0 or (s.hash == h and s.klen == n and memcmp(s.key, key, n) == 0):
+                return s
+            i = (i + 1) & self.mask
+
+    cdef int _grow(self) except -1:
+        cdef Py_ssize_t old_size = self.mask + 1
+        cdef WordSlot *old = self.slots
+        cdef WordSlot *s
+        cdef Py_ssize_t i
+        self.slots = <WordSlot *>malloc(2 * old_size * sizeof(WordSlot))
+        if self.slots == NULL:
+            self.slots = old
+            raise MemoryError()
+        memset(self.slots, 0, 2 * old_size * sizeof(WordSlot))
+        self.mask = 2 * old_size - 1
+        for i in range(old_size):
+            if old[i].hash != 0:
+                s = self._find(old[i].key, old[i].klen, old[i].hash)
+                s[0] = old[i]
+        free(old)
+        return 0
+
+    def put(self, str key, bytes ids):
+        """Keep `key`'s ids (native uint32 bytes) where they fit; a key kept before with ids
+        that do not fit is kept as a miss."""
+        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(key)
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(ids)
+        cdef bint fits = size % 4 == 0 and size // 4 <= WORD_IDS
+        cdef const char *k
+        cdef uint64_t h
+        cdef WordSlot *s
+        if not PyUnicode_IS_ASCII(key) or n > WORD_KEY_BYTES:
+            return
+        k = <const char *>PyUnicode_DATA(key)
+        h = _word_hash(k, n)
+        s = self._find(k, n, h)
+        if s.hash == 0:
+            if not fits:
+                return
+            if (self.used + 1) * 4 > (self.mask + 1) * 3:
+                self._grow()
+                s = self._find(k, n, h)
+            self.used += 1
+            s.hash = h
+            s.klen = <uint8_t>n
+            memcpy(s.key, k, n)
+        if fits:
+            s.nids = <uint8_t>(size // 4)
+            memcpy(s.ids, PyBytes_AS_STRING(ids), size)
+        else:
+            s.nids = NOT_KEPT
+
+    def get(self, str key):
+        """`key`'s ids as kept here (None: not kept)."""
+        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(key)
+        cdef const char *k
+        cdef WordSlot *s
+        if not PyUnicode_IS_ASCII(key) or n > WORD_KEY_BYTES:
+            return None
+        k = <const char *>PyUnicode_DATA(key)
+        s = self._find(k, n, _word_hash(k, n))
+        if s.hash == 0 or s.nids == NOT_KEPT:
+            return None
+        return PyBytes_FromStringAndSize(<char *>s.ids, 4 * s.nids)
+
+    def tail(self, str text):
+        """For a text every space of which is a cut (`gateway.events.words._every_space_cuts`:
+        printable ASCII, no two spaces in a row, none at its end) of two pieces or more, each
+        later one kept here: (where its first piece ends, the later pieces' ids joined, its
+        pieces); else None."""
+        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+        cdef const char *p
+        cdef Py_ssize_t i, start, end, first_end, pieces
+        cdef uint8_t c
+        cdef WordSlot *s
+        cdef uint32_t *out
+        cdef Py_ssize_t count = 0
+        cdef Py_ssize_t cap
+        cdef object result
+        if n == 0 or not PyUnicode_IS_ASCII(text):
+            return None
+        p = <const char *>PyUnicode_DATA(text)
+        if p[n - 1] == b' ':
+            return None
+        for i in range(n):
+            c = <uint8_t>p[i]
+            if c < 0x20 or c > 0x7E or (c == 0x20 and p[i + 1] == b' '):
+                return None
+        # the first piece: up to the first space, or the second when the text opens with one
+        first_end = 1 if p[0] == b' ' else 0
+        while first_end < n and p[first_end] != b' ':
+            first_end += 1
+        if first_end == n:
+            return None
+        cap = n // 2 + 8
+        out = <uint32_t *>malloc(cap * sizeof(uint32_t))
+        if out == NULL:
+            raise MemoryError()
+        try:
+            pieces = 1
+            start = first_end + 1
+            while start <= n:
+                end = start
+                while end < n and p[end] != b' ':
+                    end += 1
+                if end - start > WORD_KEY_BYTES:
+                    return None
+                s = self._find(p + start, end - start, _word_hash(p + start, end - start))
+                if s.hash == 0 or s.nids == NOT_KEPT:
+                    return None
+                if count + s.nids > cap:
+                    cap = 2 * cap + WORD_IDS
+                    out = <uint32_t *>realloc_or_free(out, cap * sizeof(uint32_t))
+                    if out == NULL:
+                        raise MemoryError()
+                memcpy(out + count, s.ids, 4 * s.nids)
+                count += s.nids
+                pieces += 1
+                start = end + 1
+            result = PyBytes_FromStringAndSize(<char *>out, 4 * count)
+        finally:
+            free(out)
+        return first_end, result, pieces
+
+
+cdef inline void *realloc_or_free(void *p, size_t size) nogil:
+    """`realloc`, freeing `p` when it fails (NULL then)."""
+    cdef void *q = realloc(p, size)
+    if q == NULL:
+        free(p)
+    return q

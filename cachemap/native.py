@@ -1,7 +1,9 @@
 """The compiled forms of cachemap's per-block loops, where they are built.
 
-`cachemap/_native.pyx` (Cython) holds `chain` (`cachemap.keys.chain_hashes` without extras) and
-`Lru` (`cachemap.memory.OrderedLru`). The install builds it when Cython and a C compiler are at
+`cachemap/_native.pyx` (Cython) holds `chain` (`cachemap.keys.chain_hashes` without extras),
+`Lru` (`cachemap.memory.OrderedLru`), `hold_new` and `remove_held` (`cachemap.events`'s: the
+event index's store and removal of a batch's blocks), and `WordTable` (the precise word cache's
+lookups, `gateway.events.words`). The install builds it when Cython and a C compiler are at
 hand (`setup.py`; a failed build leaves the pure install); the pure-Python forms are the
 definitions, and `KVGATE_PURE=1` in the environment makes every import choose them.
 """
@@ -11,14 +13,22 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+NAMES = ("chain", "Lru", "hold_new", "remove_held", "WordTable")
+"""What the compiled module holds. A build older than one of them (a checkout's `.so` not
+rebuilt since, or copied from another) is not used at all: its users read these names at
+import, and a missing one would fail it."""
+
 
 def load() -> ModuleType | None:
-    """The compiled module, or None where it is not built or `KVGATE_PURE` is set."""
+    """The compiled module, or None where it is not built (or built before one of `NAMES`)
+    or `KVGATE_PURE` is set."""
     if os.environ.get("KVGATE_PURE", "") not in ("", "0"):
         return None
     try:
         from cachemap import _native
     except ImportError:
+        return None
+    if not all(hasattr(_native, name) for name in NAMES):
         return None
     return _native
 

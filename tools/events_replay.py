@@ -3,6 +3,7 @@ events, then replay them through a checkout's decoder and event index (thread CP
 
     python -m tools.events_replay capture OUT BENCH_PID
     python -m tools.events_replay replay FILE REQUESTS [ROUNDS]
+    python -m tools.events_replay ab FILE REQUESTS [PAIRS]
 
 `capture` subscribes to every engine the `kvgate bench` process BENCH_PID starts (its
 `--kv-events-config` endpoint; a PUB sends to the gateway and to this SUB alike) and keeps
@@ -10,7 +11,10 @@ every batch (engine, seq, payload) until the bench exits, into OUT (msgpack). `r
 and applies FILE's batches in order (`decode_batch`, `EventIndex.apply`, one domain an engine,
 the collector tuned as `kvgate serve` tunes it) ROUNDS times (default 3) and prints the best
 round's decode + apply per request (REQUESTS: the bench's --requests), the decode alone, and
-the blocks stored and removed per request.
+the blocks stored and removed per request. `ab` decodes FILE once, then applies it with the
+index's store and removal loops compiled and pure in turn (`cachemap._native.hold_new` and
+`remove_held` against `cachemap.events.hold_new` and `remove_held`; the chain compiled in both),
+A B B A PAIRS times (default 2), and prints each round's apply per request (thread CPU).
 
 Bench point 2's stream (`kvgate bench --start 4000 --requests 1000 --engines 4 --capacity-frac
 0.10 --utilization 0.85 --time-scale 4 --arms precise:cache_aware --rate-steps 0`): ~3,400
@@ -32,7 +36,9 @@ import time
 import msgspec
 import zmq
 
+from cachemap import events
 from cachemap.events import EventIndex
+from cachemap.native import NATIVE
 from gateway.events.decode import decode_batch
 from gateway.server.cyclic_gc import tune_collector
 
@@ -117,12 +123,43 @@ def replay(path: str, requests: int, rounds: int) -> None:
     )
 
 
+def ab(path: str, requests: int, pairs: int) -> None:
+    if NATIVE is None:
+        sys.exit("cachemap._native is not built here (or KVGATE_PURE is set): nothing to compare")
+    with open(path, "rb") as f:
+        batches: list[tuple[int, int, bytes]] = msgspec.msgpack.decode(f.read())
+    decoded = [(engine, decode_batch(payload).events) for engine, _, payload in batches]
+    domains = [f"http://engine-{i}" for i in range(1 + max(b[0] for b in batches))]
+    tune_collector()
+    forms = {
+        "compiled": (NATIVE.hold_new, NATIVE.remove_held),
+        "pure": (events.hold_new, events.remove_held),
+    }
+    spent: dict[str, list[float]] = {name: [] for name in forms}
+    for name in ["compiled", "pure", "pure", "compiled"] * pairs:
+        events._HOLD_NEW, events._REMOVE_HELD = forms[name]
+        index = EventIndex()
+        start = time.thread_time()
+        for engine, batch in decoded:
+            domain = domains[engine]
+            for event in batch:
+                index.apply(domain, event)
+        spent[name].append((time.thread_time() - start) / requests * 1e3)
+    events._HOLD_NEW, events._REMOVE_HELD = forms["compiled"]
+    for name, times in spent.items():
+        print(f"{name}: apply {' / '.join(f'{t:.3f}' for t in times)} ms a request")
+    saved = 1 - sum(spent["compiled"]) / sum(spent["pure"])
+    print(f"compiled against pure: {saved:.1%} of the apply off (A B B A x {pairs}, thread CPU)")
+
+
 def main() -> None:
     args = sys.argv[1:]
     if len(args) == 3 and args[0] == "capture":
         capture(args[1], int(args[2]))
     elif len(args) in (3, 4) and args[0] == "replay":
         replay(args[1], int(args[2]), int(args[3]) if len(args) == 4 else 3)
+    elif len(args) in (3, 4) and args[0] == "ab":
+        ab(args[1], int(args[2]), int(args[3]) if len(args) == 4 else 2)
     else:
         sys.exit(__doc__)
 

@@ -33,7 +33,11 @@ The cache is keyed under the request's cache salt like the other tokenization ca
 tenant neither reads nor times another's words. It is bounded in pieces and generational:
 when the young generation holds half the bound it becomes the old one and the previous old
 one is dropped, so a hit costs one dict lookup in a C loop and nothing else (no LRU
-bookkeeping).
+bookkeeping). Where the compiled module is built, each salt's later pieces in the young
+generation are mirrored in a `cachemap._native.WordTable` as they are kept: a text every space
+of which is a cut is looked up from its characters in one call (`_whole`), no `str` made,
+hashed and compared a word (bench point 2's prompts: 1.3 -> 0.5 ms a request); any piece it
+lacks sends the text the pure way, which is the definition.
 """
 
 from __future__ import annotations
@@ -44,10 +48,15 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Any
+
+from cachemap.native import NATIVE
 
 DEFAULT_WORD_CACHE_PIECES = 262_144
 """Pieces kept (both generations, every salt): ~34 MB at ~130 bytes an entry (the key, a
-`bytes` of 1-3 ids, the dict slot); English prose uses ~20k distinct words, a code base more."""
+`bytes` of 1-3 ids, the dict slot), and up to ~17 MB more for the compiled mirror of the young
+generation (64-byte slots, at most 3/4 full); English prose uses ~20k distinct words, a code
+base more."""
 
 _GOOD = (
     "!-~\u00a1-\u167f\u1681-\u1fff\u2010-\u2027\u2030-\u205e\u2065-\u2fff"
@@ -203,18 +212,45 @@ def _all_young(later: dict[str, bytes], head: bytes | None, parts: list[str]) ->
         return None
 
 
+_WORD_TABLE: Any = NATIVE.WordTable if NATIVE is not None else None
+"""`cachemap._native.WordTable`, where it is built: a mirror of a salt's later pieces in the
+young generation that looks a text's pieces up from its characters (`_tail`)."""
+
+
+def _tail(table: dict[str, bytes], text: str) -> tuple[int, bytes, int] | None:
+    """`WordTable.tail`'s definition, on a young generation's later pieces `table` (a dict):
+    for a text every space of which is a cut (`_every_space_cuts`) of two pieces or more, each
+    later piece in `table`: (where its first piece ends, the later pieces' ids joined, its
+    pieces); else None. What `parts_of` and `_all_young` give such a text but the first
+    piece's ids."""
+    if not text or not _every_space_cuts(text):
+        return None
+    parts = parts_of(text)
+    if len(parts) < 2:
+        return None
+    try:
+        return len(parts[0]), b"".join(map(table.get, parts[1:])), len(parts)  # type: ignore[arg-type]
+    except TypeError:  # a None: a piece the table lacks
+        return None
+
+
 class _Generation:
     """One generation of the cache: per salt, (later pieces by their text after the space,
-    first pieces by their text)."""
+    first pieces by their text), and, where the compiled module is built, the later pieces'
+    `WordTable` (`tables`: written with them while the generation is the young one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, table: Callable[[], Any] | None) -> None:
         self.salts: dict[str, tuple[dict[str, bytes], dict[str, bytes]]] = {}
+        self.table = table
+        self.tables: dict[str, Any] = {}
         self.size = 0
 
     def of(self, salt: str) -> tuple[dict[str, bytes], dict[str, bytes]]:
         maps = self.salts.get(salt)
         if maps is None:
             maps = self.salts[salt] = ({}, {})
+            if self.table is not None:
+                self.tables[salt] = self.table()
         return maps
 
 
@@ -224,7 +260,11 @@ class WordIds:
     big text's new pieces off the event loop first."""
 
     def __init__(
-        self, encode: Encoder, max_pieces: int = DEFAULT_WORD_CACHE_PIECES, loose: bool = False
+        self,
+        encode: Encoder,
+        max_pieces: int = DEFAULT_WORD_CACHE_PIECES,
+        loose: bool = False,
+        table: Callable[[], Any] | None = _WORD_TABLE,
     ) -> None:
         if max_pieces < 2:
             raise ValueError(f"max_pieces must be at least 2, got {max_pieces}")
@@ -233,8 +273,11 @@ class WordIds:
         """The loose rule (module docstring), else the strict one."""
         self.max_pieces = max_pieces
         self.stats = WordStats()
-        self._young = _Generation()
-        self._old = _Generation()
+        self.table = table
+        """What mirrors each salt's later pieces in the young generation (`WordTable`), or
+        None: the compiled module's where it is built; the tests set both."""
+        self._young = _Generation(table)
+        self._old = _Generation(None)
         self._parted: dict[str, list[str]] = {}
         """The last `missing` call's texts cut into parts, for `ids` of the same texts next."""
         self._joined: dict[tuple[str, str], tuple[bytes, int]] = {}
@@ -264,9 +307,15 @@ class WordIds:
         if joined is not None:
             self.stats.pieces += joined[1]
             return joined[0]
-        parts = self._parted.pop(text, None) or parts_of(text, self.loose)
-        self.stats.pieces += len(parts)
+        parts = self._parted.pop(text, None)
         later = self._young.of(salt)[0]
+        if parts is None:
+            found = self._whole(self._young.tables.get(salt), salt, text)
+            if found is not None:
+                self.stats.pieces += found[1]
+                return found[0]
+            parts = parts_of(text, self.loose)
+        self.stats.pieces += len(parts)
         head = self._find(salt, parts[0], False)
         whole = _all_young(later, head, parts)
         if whole is not None:
@@ -277,6 +326,17 @@ class WordIds:
         if first is None:
             return None
         return first + b"".join(got)  # type: ignore[arg-type]
+
+    def _whole(self, table: Any, salt: str, text: str) -> tuple[bytes, int] | None:
+        """(`text`'s ids, its pieces) by `table` (a `WordTable`, or None: not compiled) when
+        every space of it is a cut and every piece is cached (its later ones in `table`);
+        else None, and the caller cuts it (`parts_of`). A text of bench point 2's prompts
+        (~12k words a request) was a `str` made, hashed and looked up a word, ~0.1 us each."""
+        tail = table.tail(text) if table is not None else None
+        if tail is None:
+            return None
+        head = self._find(salt, text[: tail[0]], False)
+        return (head + tail[1], tail[2]) if head is not None else None
 
     def missing(self, texts: Sequence[str], salt: str) -> list[str]:
         """The pieces of `texts` the cache lacks, each once, as texts to encode."""
@@ -289,9 +349,14 @@ class WordIds:
         out: dict[str, None] = {}
         whole_texts: list[str] = []
         later = self._young.of(salt)[0]
+        table = self._young.tables.get(salt)  # `later`'s mirror, where compiled
         self._parted = parted = {}
         self._joined = joined = {}
         for text in texts:
+            found = self._whole(table, salt, text)
+            if found is not None:
+                joined[salt, text] = found
+                continue
             parts = parts_of(text, self.loose)
             head = self._find(salt, parts[0], False)
             whole = _all_young(later, head, parts)
@@ -398,8 +463,12 @@ class WordIds:
         if key not in table:
             young.size += 1
         table[key] = ids
-        if young.size >= self.max_pieces // 2:
-            self._old, self._young = young, _Generation()
+        if later and young.table is not None:
+            young.tables[salt].put(key, ids)
+        if young.size >= self.max_pieces // 2:  # the old one's tables go: never read
+            young.tables = {}
+            young.table = None
+            self._old, self._young = young, _Generation(self.table)
 
 
 __all__ = [

@@ -6,8 +6,12 @@ runs on what the process chose (`make test` runs it a second time with `KVGATE_P
 
 from __future__ import annotations
 
+import array
 import importlib
-from collections.abc import Callable
+import sys
+import types
+import zlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mmh3
@@ -15,9 +19,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachemap import keys, native
+import cachemap
+from cachemap import events, keys, native
+from cachemap.events import (
+    CPU,
+    GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheEvent,
+    EngineHash,
+    EventIndex,
+    precise_keys,
+)
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex, OrderedLru
+from gateway.events import words
+from gateway.events.words import WordIds
 
 
 def _compiled() -> Any:
@@ -39,6 +57,22 @@ def test_kvgate_pure_chooses_the_pure_forms(monkeypatch: pytest.MonkeyPatch) -> 
     assert native.load() is None
     monkeypatch.setenv("KVGATE_PURE", "0")
     assert native.load() is COMPILED
+
+
+def test_a_build_older_than_one_of_the_compiled_forms_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checkout's `.so` from before a form was added (`native.NAMES`): pure, not an import
+    that fails on the missing name."""
+    stale = types.ModuleType("cachemap._native")
+    stale.chain = keys._chain  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cachemap._native", stale)
+    monkeypatch.setattr(cachemap, "_native", stale, raising=False)
+    monkeypatch.delenv("KVGATE_PURE", raising=False)
+    assert native.load() is None
+    for name in native.NAMES:
+        setattr(stale, name, object())
+    assert native.load() is stale
 
 
 @pytest.mark.parametrize("chain", CHAINS)
@@ -223,3 +257,299 @@ def test_an_index_on_the_compiled_lru_answers_as_on_the_pure_one(
             for index in pair
         ]
         assert answers[0] == answers[-1]
+
+
+HOLDS: list[Callable[..., None]] = [events.hold_new] + (
+    [COMPILED.hold_new] if COMPILED is not None else []
+)
+REMOVES: list[Callable[..., tuple[list[bytes], int]]] = [events.remove_held] + (
+    [COMPILED.remove_held] if COMPILED is not None else []
+)
+_BLOCKS = [bytes([i]) * 16 for i in range(12)]
+_HASHES = [*range(1, 9), b"h1", b"h2", 2**64 - 1, -5]
+"""Engine hashes: vLLM's unsigned ints, SGLang's signed ones, bytes."""
+_maps = st.tuples(
+    st.dictionaries(st.sampled_from(_BLOCKS), st.integers(0, 7), max_size=8),  # held
+    st.dictionaries(st.sampled_from(_BLOCKS), st.sampled_from(_BLOCKS), max_size=8),  # parent
+    st.dictionaries(st.sampled_from(_BLOCKS), st.integers(-1, 3), max_size=8),  # children
+    st.dictionaries(st.sampled_from(_HASHES), st.sampled_from(_BLOCKS), max_size=8),  # engine
+    st.sets(st.sampled_from(_BLOCKS), max_size=4),  # broken
+)
+"""A domain's maps in any state, the invariants kept or not: the compiled loops must do to
+each what the definitions do, entry for entry and in the same order."""
+
+
+def _copied(maps: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(m.copy() for m in maps)
+
+
+def _state(maps: tuple[Any, ...]) -> list[Any]:
+    """Every map's entries in order (a dict's order is part of what must be equal)."""
+    return [sorted(m) if isinstance(m, set) else list(m.items()) for m in maps]
+
+
+@pytest.mark.parametrize("hold", HOLDS)
+@settings(max_examples=300)
+@given(
+    _maps,
+    st.lists(st.sampled_from(_HASHES), max_size=10),
+    st.lists(st.sampled_from(_BLOCKS), max_size=10),
+    st.sampled_from([1, 2, 4]),
+    st.none() | st.sampled_from(_BLOCKS),
+    st.booleans(),
+)
+def test_holding_a_new_chain_is_its_definition(
+    hold: Any,
+    maps: tuple[Any, ...],
+    hashes: list[Any],
+    chain_: list[bytes],
+    tier: int,
+    parent: bytes | None,
+    as_tuple: bool,
+) -> None:
+    """Chains longer or shorter than their hashes, repeated keys, a parent among the keys."""
+    held, parent_of, children, engine, _ = mine = _copied(maps)
+    hold(
+        held,
+        parent_of,
+        children,
+        engine,
+        tuple(hashes) if as_tuple else hashes,
+        chain_,
+        tier,
+        parent,
+    )
+    held, parent_of, children, engine, _ = ref = _copied(maps)
+    events.hold_new(held, parent_of, children, engine, hashes, chain_, tier, parent)
+    assert _state(mine) == _state(ref)
+
+
+@pytest.mark.parametrize("remove", REMOVES)
+@settings(max_examples=300)
+@given(_maps, st.lists(st.sampled_from([*_HASHES, 99, b"unknown"]), max_size=12), st.booleans())
+def test_removing_held_blocks_is_its_definition(
+    remove: Any, maps: tuple[Any, ...], hashes: list[Any], as_tuple: bool
+) -> None:
+    """Unknown hashes, repeats, two hashes of one key, parents that leave with their children,
+    counts that were already wrong."""
+    engine_hashes = tuple(hashes) if as_tuple else hashes
+    held, parent_of, children, engine, broken = mine = _copied(maps)
+    answer = remove(engine, held, parent_of, children, broken, engine_hashes)
+    held, parent_of, children, engine, broken = ref = _copied(maps)
+    assert answer == events.remove_held(engine, held, parent_of, children, broken, hashes)
+    assert _state(mine) == _state(ref)
+
+
+class _Forms:
+    """The event index's two loops set to one form while applying (`events._HOLD_NEW`,
+    `events._REMOVE_HELD`), the module's choice restored after."""
+
+    def __init__(self, hold: Callable[..., None], remove: Callable[..., Any]) -> None:
+        self.forms = (hold, remove)
+
+    def __enter__(self) -> None:
+        self.kept = (events._HOLD_NEW, events._REMOVE_HELD)
+        events._HOLD_NEW, events._REMOVE_HELD = self.forms
+
+    def __exit__(self, *_: object) -> None:
+        events._HOLD_NEW, events._REMOVE_HELD = self.kept
+
+
+_SPLITS = (8, 3, 5, 0)
+"""Branch b shares its first _SPLITS[b] blocks with branch 0 (branch 3 nothing): removals at a
+branch point leave parents with held children."""
+
+
+def _ids(branch: int, n: int) -> list[int]:
+    return [
+        (0 if i < _SPLITS[branch] else branch) * 10_000 + i * 16 + t
+        for i in range(n)
+        for t in range(16)
+    ]
+
+
+def _hash(domain: str, branch: int, i: int) -> EngineHash:
+    """Engine hashes as ints on two domains, as bytes on the third."""
+    value = 1 + (0 if i < _SPLITS[branch] else branch) * 100 + i
+    return value if domain != "c" else value.to_bytes(8, "big")
+
+
+_EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "store", "remove", "remove", "clear"]),
+        st.sampled_from("abc"),
+        st.integers(0, 3),  # branch
+        st.integers(0, 7),  # first block
+        st.integers(1, 8),  # blocks
+        st.sampled_from([GPU, GPU, GPU, CPU]),
+        st.booleans(),  # a removal: with an unknown hash and a repeat
+    ),
+    max_size=50,
+)
+
+
+@pytest.mark.parametrize("forms", list(zip(HOLDS, REMOVES, strict=True)))
+@settings(max_examples=300, deadline=None)
+@given(_EVENTS)
+def test_an_event_index_on_the_compiled_loops_is_the_pure_one(
+    forms: tuple[Any, Any], stream: list[tuple[str, str, int, int, int, int, bool]]
+) -> None:
+    """Random event streams on three domains: stores of any run (a repeat takes the stepped
+    path), removals of any run with unknown hashes and repeats, wipes, CPU tiers (a domain
+    with offloaded blocks removes key by key). After every event both indexes hold the same
+    maps in the same order, count the same and answer every lookup alike."""
+    pure, other = EventIndex(), EventIndex()
+    chains = [precise_keys(_ids(b, 8), "s", 16) for b in range(4)]
+    for kind, domain, branch, at, count, tier, odd in stream:
+        stop = min(8, at + count)
+        event: CacheEvent
+        if kind == "store":
+            parent = _hash(domain, branch, at - 1) if at else None
+            hashes = [_hash(domain, branch, i) for i in range(at, stop)]
+            ids = _ids(branch, stop)[16 * at :]
+            event = BlockStored(
+                hashes, parent, ids, 16, tier=tier, cache_salt="s" if not at else None
+            )
+        elif kind == "remove":
+            hashes = [_hash(domain, branch, i) for i in range(at, stop)]
+            if odd:
+                hashes += [hashes[0], 12_345]
+            event = BlockRemoved(hashes, tier)
+        else:
+            event = AllBlocksCleared()
+        with _Forms(events.hold_new, events.remove_held):
+            pure.apply(domain, event)
+        with _Forms(*forms):
+            other.apply(domain, event)
+        assert other.stats == pure.stats
+        assert other._domains.keys() == pure._domains.keys()
+        for name, state in pure._domains.items():
+            got = other._domains[name]
+            assert [list(m.items()) for m in (got.held, got.parent, got.children, got.engine)] == [
+                list(m.items()) for m in (state.held, state.parent, state.children, state.engine)
+            ]
+            assert (got.broken, got.tier_counts) == (state.broken, state.tier_counts)
+        for keys_ in chains:
+            assert other.lookup(keys_, 1.0) == pure.lookup(keys_, 1.0)
+
+
+class DictTable:
+    """A `WordTable` by its definition: a dict of every piece, `words._tail` over it."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[str, bytes] = {}
+
+    def put(self, key: str, ids: bytes) -> None:
+        self.pieces[key] = ids
+
+    def get(self, key: str) -> bytes | None:
+        return self.pieces.get(key)
+
+    def tail(self, text: str) -> tuple[int, bytes, int] | None:
+        return words._tail(self.pieces, text)
+
+
+TABLES: list[Callable[[], Any]] = [DictTable] + (
+    [COMPILED.WordTable] if COMPILED is not None else []
+)
+_WORDS = ["a", "bb", "ccc", "Hello,", "x" * 22, "y" * 23, "é", "日本", "", "\x7f", "\t", "\n"]
+"""Pieces a table keeps (ASCII, up to 22 bytes) and does not (longer, not ASCII), and
+characters that keep a space from being a cut."""
+_TEXTS = st.lists(st.sampled_from([*_WORDS, " ", "  "]), max_size=14).map(" ".join)
+
+
+def _fits(key: str, ids: bytes) -> bool:
+    return key.isascii() and len(key) <= 22 and len(ids) <= 32
+
+
+@pytest.mark.parametrize("make", TABLES)
+@settings(max_examples=300)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(_WORDS), st.lists(st.integers(0, 2**32 - 1), max_size=10)),
+        max_size=20,
+    ),
+    st.lists(_TEXTS, max_size=6),
+)
+def test_a_word_table_answers_as_its_dict_where_its_pieces_fit(
+    make: Any, puts: list[tuple[str, list[int]]], texts: list[str]
+) -> None:
+    """Pieces of every size put (and put again: what no longer fits is no longer kept), then
+    texts of every shape (spaces opening, closing, doubled; unprintable and non-ASCII
+    characters): a piece is kept iff it fits, and a text's tail is its definition's wherever
+    every piece fits, and None or its definition's elsewhere."""
+    table, model = make(), DictTable()
+    for key, ids in puts:
+        table.put(key, array.array("I", ids).tobytes())
+        model.put(key, array.array("I", ids).tobytes())
+    for key, ids_ in model.pieces.items():
+        assert table.get(key) == (ids_ if _fits(key, ids_) or make is DictTable else None)
+    for text in [*texts, *(" ".join(w for w, _ in puts[:k]) for k in range(len(puts)))]:
+        answer, expected = table.tail(text), model.tail(text)
+        if answer != expected:  # only a miss, and only for a piece the table cannot keep
+            assert answer is None and expected is not None
+            later = words.parts_of(text)[1:]
+            assert not all(_fits(p, model.pieces[p]) for p in later)
+
+
+def test_a_word_table_grows_and_keeps_every_piece() -> None:
+    """Thousands of pieces (the table rebuilt many times), then one text of all of them."""
+    for make in TABLES:
+        table = make()
+        pieces = [f"w{i}" for i in range(5000)]
+        for i, piece in enumerate(pieces):
+            table.put(piece, array.array("I", [i] * (1 + i % 8)).tobytes())
+        text = "first " + " ".join(pieces)
+        assert table.tail(text) == (
+            5,
+            b"".join(array.array("I", [i] * (1 + i % 8)).tobytes() for i in range(5000)),
+            5001,
+        )
+
+
+def _encode(pieces: Sequence[str]) -> list[list[int]]:
+    """Ids that tell pieces apart, 1 to 10 of them (more than a `WordTable` slot keeps)."""
+    return [
+        [zlib.crc32(p.encode()) + j for j in range(1 + zlib.crc32(p.encode()) % 10)] for p in pieces
+    ]
+
+
+_WORD_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["ids", "ids_or_none", "missing"]),
+        st.sampled_from(["s", "t"]),
+        st.lists(
+            st.lists(st.sampled_from([*_WORDS, "a", "bb", " ", "ccc", "dd"]), max_size=30).map(
+                " ".join
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+    ),
+    max_size=12,
+)
+
+
+@pytest.mark.parametrize("make", TABLES)
+@settings(max_examples=300, deadline=None)
+@given(_WORD_OPS, st.sampled_from([4, 16, 1000]), st.booleans())
+def test_the_word_cache_on_a_word_table_answers_as_without_one(
+    make: Any, ops: list[tuple[str, str, list[str]]], max_pieces: int, loose: bool
+) -> None:
+    """Texts through `ids`, `ids_or_none` and `missing_or_whole` then `add` (the gateway's
+    big texts), two salts, bounds that turn the young generation old every few pieces: the
+    cache with each table gives the ids, the missing pieces, the whole texts and the counts
+    of the cache without one."""
+    with_table = WordIds(_encode, max_pieces, loose, table=make)
+    without = WordIds(_encode, max_pieces, loose, table=None)
+    for op, salt, texts in ops:
+        answers = []
+        for cache in (with_table, without):
+            if op == "missing":
+                missing, whole = cache.missing_or_whole(texts, salt, len(texts) > 1)
+                cache.add(salt, missing, _encode(missing))
+                answer: Any = (missing, whole, [cache.ids_or_none(t, salt) for t in texts])
+            else:
+                answer = [getattr(cache, op)(t, salt) for t in texts]
+            answers.append((answer, cache.stats, cache.size))
+        assert answers[0] == answers[1]
