@@ -400,29 +400,36 @@ def prioritise(redis: RedisServer, nice: int) -> None:
 LOAD_SHARE_INTERVAL_S = 0.1
 """The gateway's load-share round in wall seconds (`gateway.settings.DEFAULT_LOAD_SHARE_INTERVAL_S`;
 loadgen meets the gateway over the wire only: tests/loadgen/test_bench_scaling.py keeps the two
-equal)."""
-MIN_SCALED_ROUND_S = 0.01
-"""No shorter round, whatever the time scale: past 10x (the tests' smoke runs at 50x) the
-rounds themselves, one Redis call each per gateway, would load a small machine more than the
-staleness they remove costs."""
+equal). Not scaled by the bench (`scaled_gateway_env`)."""
 
 
 def scaled_gateway_env(time_scale: float) -> dict[str, str]:
     """The gateway's wall-clock periods that shape routing between gateways, divided by the
-    replay's compression so they mean trace seconds, as in a fleet running in real time.
+    replay's compression so they mean trace seconds, as in a fleet running in real time: a
+    precise placement's speculative ttl (it covers a queued turn's prefill, which the engines
+    run in trace seconds). A period set in the bench's own environment is left as it is (the
+    gateways inherit it).
 
-    The load-share round (gateways sharing one Redis publish and read each other's requests in
-    flight): at time scale 4 the default 0.1-s round spans 0.4 s of trace, against ~0.9 s for
-    the mean prefill of bench point 1's slice (12k tokens at 13,000 tokens/s), so each of N
-    gateways counted its peers' finished prefills and missed their new ones for that long,
-    which a fleet in real time does not. Measured (1,000 requests of the slice, 4 gateways on
-    one Redis, five runs each alternating, load 1.1-4.6; docs/benchmarks.md): hit ratio mean
-    0.089 against 0.084 at the unscaled round (higher in 3 of 5 pairs, the runs' own spread
-    ±6%), TTFT mean 0.66 against 0.73 s (lower in 4 of 5, one equal), the tier's CPU per
-    request +20% (four times the rounds per wall second: per trace second, a real fleet's).
-    A period set in the bench's own environment is left as it is (the gateways inherit it):
-    how those runs compared the two. A precise placement's speculative ttl is scaled the same
-    way: it covers a queued turn's prefill, which the engines run in trace seconds.
+    Not scaled, by measurement: the load-share round (`LOAD_SHARE_INTERVAL_S`, 0.1 wall s).
+    It was divided by the time scale (0.025 s at 4) while it was how a gateway learnt its
+    peers' new requests: at 0.1 wall s = 0.4 trace s against ~0.9 s for the mean prefill of
+    bench point 1's slice, each of N gateways missed its peers' new prefills for that long
+    (1,000 requests, 4 gateways, five pairs: hit ratio 0.089 scaled against 0.084, TTFT mean
+    0.66 against 0.73 s). Placements now reach the peers as they are made, read in each lookup
+    batch's round trip (`gateway.fleet.shared_load`); the round carries releases and the
+    heartbeat. Measured (2026-12-07; bench point 1's first 1,000 requests, time scale 4, the
+    three arms; scaled 4 runs, unscaled 5, alternated in one session, load 2.8-8.5): hit ratio
+    0.1002 / 0.0996 scaled against 0.0992 / 0.0999 unscaled at 2 / 4 gateways; TTFT mean / p99
+    against the same run's one gateway x1.01 / x1.15 and x0.95 / x1.25 against x1.05 / x1.17
+    and x1.07 / x1.25 (one run's ratio spreads +-20%: four gateways' mean leans worse, not
+    resolved). The simulator, which the load does not enter (`kvgate sim`, 2,000 requests,
+    seeds 0-4, a placement seen 6 ms after it, routing 4 ms a request: the gateway's 1.5 and 1
+    at time scale 4), round 0.1 against 0.4 trace s: hit ratio 0.1830 / 0.1855 and 0.1833 /
+    0.1807 at 2 / 4 gateways, TTFT mean 1.84 / 1.87 and 2.40 / 2.40 s, p99 8.63 / 8.54 and
+    10.81 / 10.79 s. The tier's CPU per request, 10.45 -> 9.10 ms at 2 gateways and 14.20 ->
+    11.63 at 4, is rounds the bench no longer runs, not a saving a fleet gets: at the trace's
+    own rate a fleet in real time runs the scaled round's rounds per request; the bench's
+    figure now prices a fleet four times as busy, whose rounds more requests share.
 
     Not scaled, by measurement: the gateway's `engine_prefill_tokens_per_s` (default 13,000),
     though the engines run `--prefill-tokens-per-s` (or what `--utilization` sets) times the
@@ -438,9 +445,7 @@ def scaled_gateway_env(time_scale: float) -> dict[str, str]:
     one in real time would (room: 1,300 tokens, ~0.01 s of the engines' wall work; its
     affinity wait, 0.5 wall s, is 2 trace s at time scale 4), which the many-gateway goal
     rows all share."""
-    round_s = max(LOAD_SHARE_INTERVAL_S / time_scale, MIN_SCALED_ROUND_S)
     scaled = {
-        "KVGATE_LOAD_SHARE_INTERVAL_S": f"{round_s:g}",
         # a precise placement's claim covers its queued prefill (`router.claims`): trace seconds
         "KVGATE_SPECULATIVE_TTL_S": f"{DEFAULT_SPECULATIVE_TTL_S / time_scale:g}",
     }
@@ -457,8 +462,8 @@ def start_router(
     redis_nice: int = REDIS_NICE,
 ) -> Iterator[Router]:
     """`events`: engine URL -> its KV events endpoint (the precise arms). `time_scale`: the
-    replay's compression; a precise arm's displacement horizons (`cache_pressure`) and the
-    load-share round (`scaled_gateway_env`), which the gateway reads in wall seconds, are
+    replay's compression; a precise arm's displacement horizons (`cache_pressure`) and its
+    speculative ttl (`scaled_gateway_env`), which the gateway reads in wall seconds, are
     divided by it so they mean trace seconds."""
     if arm.kind == "client":
         yield Router(tuple(engine_urls), None, None)
