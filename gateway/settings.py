@@ -399,6 +399,12 @@ class Settings(BaseSettings):
     false: other gateways' requests are seen only through the engines' /metrics."""
     load_share_interval_s: float = DEFAULT_LOAD_SHARE_INTERVAL_S
     """How often `share_load` publishes and reads (one Redis round trip)."""
+    spread_herd: bool = True
+    """With `share_load` and other gateways live: a tie between equally good replicas (the
+    load tie-break's) is ranked as the gateways' requests of one instant would be placed in
+    the order of their ids, this gateway's at its place (router.herd), so gateways deciding a
+    burst at once spread its new prompts rather than all sending them to the same least-loaded
+    replica; a gateway alone routes as before either way."""
 
     # -- hot prefixes and fan-out (issue #5) ----------------------------------------------------
     engine_prefill_tokens_per_s: float = DEFAULT_ENGINE_PREFILL_TOKENS_PER_S

@@ -372,12 +372,17 @@ class ReplicaSet:
         """Times a replica became suspect (each starts an identity check)."""
         self._suspects: set[str] = set()
 
-    def share_load(self, client: AnyRedis, round_s: float) -> SharedLoad:
+    def share_load(self, client: AnyRedis, round_s: float, spread_herd: bool = True) -> SharedLoad:
         """Publish this gateway's load to its peers on `client` and count theirs (from
         `start` to `stop`; gateway.fleet.shared_load)."""
-        self.shared_load = SharedLoad(client, self.states.values, round_s)
+        self.shared_load = SharedLoad(client, self.states.values, round_s, spread_herd=spread_herd)
         self.fleet.on_leased = self.shared_load.wake
         return self.shared_load
+
+    def herd(self) -> tuple[int, int]:
+        """The live peers on the shared load and this gateway's place among them, for the
+        router's load ties (`SharedLoad.herd`); (0, 0) without a shared load."""
+        return self.shared_load.herd() if self.shared_load is not None else (0, 0)
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""

@@ -42,6 +42,14 @@ read's figures. Releases (a first token, an end) reach the peers at the next rou
 --gateways 4 --placement-delay-ms 1.5 --routing-ms 1` models it (docs/design/directory.md,
 "Four gateways' hit ratio").
 
+Even read in the lookup's round trip, a peer's placement reaches this gateway's view a round
+trip and a loop turn after it was made: the gateways deciding their shares of one burst at the
+same instant each see none of the others' and send their new prompts to the same least-loaded
+replica (a herd). So each gateway also knows its place among its live peers (`herd`: how many
+there are, and how many of their ids sort before its own, from the names the hash's reads
+return), and the router ranks a load tie as the gateways' requests of one instant would be
+placed in that order (`router.herd`; the `spread_herd` setting).
+
 When Redis is unreachable the peers' figures from the last answer stand until `stale_s` past it,
 then go to zero: the gateway routes on its own figures and the engines', as it did before.
 """
@@ -251,6 +259,7 @@ class SharedLoad:
         round_s: float,
         gateway_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        spread_herd: bool = True,
     ) -> None:
         self.client = client
         self.states = states
@@ -294,6 +303,12 @@ class SharedLoad:
         self.failed = 0
         self.malformed = 0
         self.num_peers = 0
+        self.rank = 0
+        """How many of the live peers' ids sort before this gateway's, as the last read of the
+        hash's names said (the script's answer carries figures only: a round that ran it
+        keeps the last read's rank; every read in a lookup's round trip renews it)."""
+        self.spread_herd = spread_herd
+        """Rank load ties by this gateway's place among its peers (`herd`, `router.herd`)."""
         self.key = LOAD_KEY
         self.deadline_s = ROUND_DEADLINE_S
         """The rider's read (`ride`): its key and deadline."""
@@ -352,6 +367,8 @@ class SharedLoad:
         peers, malformed = decode(blobs)
         self.malformed += malformed
         self.num_peers = len(blobs)
+        if not self.num_peers:
+            self.rank = 0
         self._apply(states, peers)
         self._busy = figures != EMPTY or any(s.peer is not None for s in states)
 
@@ -385,7 +402,15 @@ class SharedLoad:
                 out.append((name, figures))
         if not held:
             self._written = None
+        self.rank = sum(1 for name, _ in out if name < own)
         return out
+
+    def herd(self) -> tuple[int, int]:
+        """This gateway's live peers and its place among them (`RouteRequest.peers`,
+        `peer_rank`): (0, 0) alone, or with `spread_herd` off, when routing is as before."""
+        if not self.spread_herd or not self.num_peers:
+            return 0, 0
+        return self.num_peers, min(self.rank, self.num_peers)
 
     def ride(self) -> tuple[tuple[Any, ...], Callable[[asyncio.Future[Any]], None]] | None:
         """The peers' figures read with the next batch of lookups (`cachemap.redis.lookups.

@@ -406,3 +406,33 @@ async def test_a_placement_counts_in_a_peers_next_lookup_before_any_round(
         await lane.close()
         await a.stop()
         await b.stop()
+
+
+async def test_each_gateway_knows_its_place_among_its_live_peers(client: AnyRedis) -> None:
+    """The router's load ties rank by it (`router.herd`): the gateways agree on one order, that
+    of their ids, from the names the hash's reads return. Other tests' entries may still be
+    live in the shared hash: these three ids sort next to each other, whatever is there."""
+    run = uuid.uuid4().hex[:8]
+    states = fleet(*urls(1))
+    gateways = [
+        SharedLoad(client, lambda: list(states.values()), 0.1, gateway_id=f"herd-{run}-{i}")
+        for i in (2, 0, 1)
+    ]
+    off = SharedLoad(client, list, 0.1, gateway_id=f"herd-{run}-3", spread_herd=False)
+    try:
+        assert gateways[0].herd() == (0, 0)  # before any answer: alone
+        for g in (*gateways, off):
+            await g.round()  # writes its entry
+        for g in (*gateways, off):
+            await g.round()  # unchanged figures: reads the hash, names and all
+            assert g.writes == 1 and g.rounds == 2
+        third, first, second = (g.herd() for g in gateways)
+        peers, rank = first
+        assert peers >= 3 and second == (peers, rank + 1) and third == (peers, rank + 2)
+        assert off.herd() == (0, 0) and off.num_peers == peers
+        await off.stop()  # a peer leaves: one fewer at the next read, the order kept
+        await gateways[0].round()
+        assert gateways[0].herd() == (peers - 1, rank + 2)
+    finally:
+        for g in gateways:
+            await g.stop()
