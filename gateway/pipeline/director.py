@@ -431,6 +431,7 @@ class Director:
             )
         try:  # from the ticket on, whatever happens: its tokens leave transit (`routed`)
             route = self._after_wait(ticket, keyed, route, looked_up, parsed, tenant)
+            await self.replicas.pace()  # with peers: after theirs of this instant (router.herd)
             placed = await self.placement.place(
                 policy,
                 route,

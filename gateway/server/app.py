@@ -594,7 +594,10 @@ def _share_load(parts: Parts, directory: RedisDirectory, events: EventReader | N
     (`gateway.fleet.shared_load`)."""
     settings = parts.settings
     shared_load = parts.replicas.share_load(
-        directory.client, settings.load_share_interval_s, settings.spread_herd
+        directory.client,
+        settings.load_share_interval_s,
+        settings.spread_herd,
+        settings.herd_pace_ms / 1e3,
     )
     directory.lane.rider = shared_load
     if events is not None:

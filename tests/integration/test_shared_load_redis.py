@@ -436,3 +436,40 @@ async def test_each_gateway_knows_its_place_among_its_live_peers(client: AnyRedi
     finally:
         for g in gateways:
             await g.stop()
+
+
+async def test_a_paced_decision_waits_its_turn_and_reads_the_peers_placements(
+    client: AnyRedis,
+) -> None:
+    """`herd_pace_ms`: a decision within `pace_s` of the last waits for the rest of it, then
+    reads the peers' figures, so it counts a placement a peer made meanwhile (no round, no
+    lookup carried it). A decision with none before it, or a gateway without peers, goes at
+    once."""
+    x, y = urls(2)
+    mine, theirs = fleet(x, y), fleet(x, y)
+    a = gateway(client, theirs)
+    b = SharedLoad(client, lambda: list(mine.values()), 0.1, pace_s=0.05)
+    alone = SharedLoad(client, list, 0.1, pace_s=0.05)
+    try:
+        await alone.pace()
+        await alone.pace()  # no peers known: no turn to wait for
+        assert alone.paced == 0
+        await a.round()
+        await b.round()
+        assert b.num_peers >= 1
+        first = b.clock()
+        await b.pace()  # nothing decided in the last 50 ms: at once, no read
+        assert b.paced == 0
+        theirs[x].lease(40_000.0).keep()
+        published = a.publish()
+        assert published is not None
+        await published
+        assert mine[x].peer is None
+        await b.pace()
+        assert b.clock() - first >= 0.05 and b.paced == 1
+        peer = mine[x].peer
+        assert peer is not None and peer.prefill_tokens == 40_000.0
+        assert mine[y].peer is None and b.rounds == 1
+    finally:
+        await a.stop()
+        await b.stop()
