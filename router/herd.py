@@ -24,7 +24,9 @@ the ones one gateway would have given the first N requests of a burst like this 
 replica is far less loaded than the others (by more than the copies), all still go there, as
 one gateway would. Ties between equal loads go by id, not at random, so that gateways agree on
 the order without talking. A gateway alone (`peers` 0) skips the rule: it routes exactly as it
-always did.
+always did. The decision's scores stay each replica's own (a route receipt's): within a tie
+group they differ by less than the tie-break's weight, so the first may read a hair below the
+second.
 """
 
 from __future__ import annotations
