@@ -399,6 +399,18 @@ class Settings(BaseSettings):
     false: other gateways' requests are seen only through the engines' /metrics."""
     load_share_interval_s: float = DEFAULT_LOAD_SHARE_INTERVAL_S
     """How often `share_load` publishes and reads (one Redis round trip)."""
+    spread_herd: bool = True
+    """With `share_load` and other gateways live: a tie between equally good replicas (the
+    load tie-break's) is ranked as the gateways' requests of one instant would be placed in
+    the order of their ids, this gateway's at its place (router.herd), so gateways deciding a
+    burst at once spread its new prompts rather than all sending them to the same least-loaded
+    replica; a gateway alone routes as before either way."""
+    herd_pace_ms: float = Field(default=0.0, ge=0)
+    """With `share_load` and other gateways live: this gateway's decisions at least this far
+    apart, each after the wait on a fresh read of the peers' figures, so a burst's next request
+    sees the peers' placements of the last one's instant (docs/design/directory.md, "The
+    herd": `kvgate sim --pace`). About the time a peer's placement takes to reach Redis (a
+    loop turn and a round trip: 1-2 ms); 0: off (not measured live yet)."""
 
     # -- hot prefixes and fan-out (issue #5) ----------------------------------------------------
     engine_prefill_tokens_per_s: float = DEFAULT_ENGINE_PREFILL_TOKENS_PER_S

@@ -41,7 +41,8 @@ placements in flight (a flight each, `:p`, `cachemap.redis.directory.PLACEMENT_T
 hot-prefix rates and k, the conversations' homes, precise mode's event index and speculative
 entries. What a gateway keeps to itself is its own: its requests' load counted exactly
 (`Lease`), its peers' as they published it at their last load-share round (`_Gateways`,
-gateway.fleet.shared_load).
+gateway.fleet.shared_load); and each ranks a load tie by its place among the gateways, as a
+gateway with peers does (`router.herd`, `SimConfig.herd`).
 `SimConfig.as_one` models a piece as one in-process gateway has it, to find what costs the hit
 ratio. Not modelled (at one gateway either): the engines' /metrics, fan-out holds, flow control,
 the write-behind queue's latency and reconciliation.
@@ -205,6 +206,17 @@ class SimConfig:
     room_weight: float | None = None
     """The room scorer's weight; None: the mode's default, as the gateway's
     (`router.registry.room_weight_for`), which replaces `router.room_weight`."""
+    pace: bool = False
+    """Several gateways, placements shared (`placement_delay_s`): a gateway decides its next
+    request no sooner than `placement_delay_s` after its last decision, when the peers'
+    placements of that instant have reached its view (a model only: what is left of the herd
+    once each instant's ties are ranked, docs/design/directory.md)."""
+    herd: bool = True
+    """Several gateways: each ranks a load tie by its place among the gateways (gateway `g`
+    of N: `RouteRequest.peers` N - 1, `peer_rank` g; `router.herd`), as the gateway's
+    `spread_herd` setting; False: each breaks it by its own view alone, as before issue 39's
+    herd rule. One gateway has no peers either way, nor do gateways that know each other's
+    load at once (`as_one` load: there is no herd to spread)."""
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -480,7 +492,12 @@ class _Gateways:
         replicas: Sequence[str],
         placement_delay_s: float | None = None,
         routing_s: float = 0.0,
+        pace: bool = False,
     ) -> None:
+        self.pace_s = placement_delay_s if pace and placement_delay_s is not None else None
+        """`SimConfig.pace`: the least time between a gateway's two decisions (None: any)."""
+        if count == 1:
+            self.pace_s = None
         self.round_s = round_s
         self.replicas = tuple(replicas)
         self.placement_delay_s = placement_delay_s
@@ -493,6 +510,8 @@ class _Gateways:
         self._next = [g * round_s / count for g in range(count)]
         self._free = [-math.inf] * count
         """When each gateway finishes routing its last request."""
+        self._decided = [-math.inf] * count
+        """When each gateway decided its last request."""
         self._pending: list[tuple[float, int, int, float, dict[str, _Load]]] = []
         """Placements' figures on their way to the peers: (visible at, order, gateway, taken
         at, figures), a heap."""
@@ -500,8 +519,11 @@ class _Gateways:
 
     def decide_at(self, g: int, arrival_s: float) -> float:
         """When gateway `g` decides a request arriving at `arrival_s`: after the ones it
-        has before it, `routing_s` each."""
+        has before it, `routing_s` each (paced: and no sooner than `pace_s` after its last)."""
         at = self._free[g] = max(arrival_s, self._free[g]) + self.routing_s
+        if self.pace_s is not None:  # when its peers' placements of its last instant arrive
+            at = self._free[g] = max(at, self._decided[g] + self.pace_s)
+            self._decided[g] = at
         return at
 
     def placed(self, g: int, at: float) -> None:
@@ -908,6 +930,7 @@ def simulate(
         list(by_id),
         config.placement_delay_s,
         config.routing_s,
+        config.pace,
     )
     rates = PrefixRates(clock=clock) if config.overflow and profile.locality else None
     # conversation affinity, as the gateway keeps it: looked up and recorded at each decision
@@ -999,6 +1022,8 @@ def simulate(
             home=home.replica if home is not None else None,
             home_blocks=home.depth_blocks if home is not None else 0,
             committed=committed,
+            peers=config.gateways - 1 if config.herd and LOAD not in config.as_one else 0,
+            peer_rank=gateway,
         )
         snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req, hs, seen)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
@@ -1487,6 +1512,19 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "directory; no placements in flight)",
     )
     parser.add_argument(
+        "--pace",
+        action="store_true",
+        help="several gateways, with --placement-delay-ms: each decides its next request no "
+        "sooner than that delay after its last (a model: what is left of the herd)",
+    )
+    parser.add_argument(
+        "--herd",
+        choices=("on", "off"),
+        default="on",
+        help="several gateways: each ranks a load tie by its place among the gateways, as the "
+        "gateway's spread_herd (router.herd; default on)",
+    )
+    parser.add_argument(
         "--overflow",
         choices=("on", "off"),
         default="on",
@@ -1570,6 +1608,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             args.placement_delay_ms / 1e3 if args.placement_delay_ms is not None else None
         ),
         routing_s=args.routing_ms / 1e3,
+        herd=args.herd == "on",
+        pace=args.pace,
     )
 
 
@@ -1583,9 +1623,12 @@ def _describe_gateways(config: SimConfig) -> str:
         else ""
     )
     routing = f", routing {config.routing_s * 1e3:g} ms a request" if config.routing_s else ""
+    herd = "" if config.herd else ", herd rule off"
+    if config.pace and config.placement_delay_s is not None:
+        herd += ", paced"
     return (
         f"\n{config.gateways} gateways on one shared directory, requests round robin, load "
-        f"shared every {config.load_share_interval_s:g} s{placements}{routing}{as_one}"
+        f"shared every {config.load_share_interval_s:g} s{placements}{routing}{herd}{as_one}"
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from router.claims import counted_claims
 from router.filters import Filter, HealthyFilter
+from router.herd import spread_ties
 from router.pickers import max_score_ranking
 from router.scorers import Scorer
 from router.types import Decision, DecisionMemo, Replica, RouteRequest
@@ -48,6 +49,8 @@ class RoutingProfile:
             return None
         eligible = self._scores(req, candidates, rng, memo)
         ranking = max_score_ranking(eligible, rng) if eligible else []
+        if req.peers and self.locality:  # peers place a burst on this view at once (router.herd)
+            ranking = spread_ties(req, ranking, eligible, candidates, memo)
         scored = eligible
         if demoted:
             below = self._scores(req, demoted, rng, memo)

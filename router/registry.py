@@ -12,6 +12,7 @@ from router.filters import (
     HealthyFilter,
     LoadBoundFilter,
 )
+from router.herd import TIE_BREAK
 from router.profile import RoutingProfile
 from router.scorers import (
     DEFAULT_DISPLACEMENT_HALF_LIFE_S,
@@ -107,9 +108,9 @@ def affinity_weight_for(configured: float | None, precise: bool) -> float:
     return DEFAULT_AFFINITY_WEIGHT if precise else 0.0
 
 
-_TIE_BREAK = 1e-6
+_TIE_BREAK = TIE_BREAK
 """Weight of the load scorer in `cache_aware`: below 1/num_blocks for any real prompt, so it
-only breaks ties between equal matches."""
+only breaks ties between equal matches (`router.herd` reads the ties it decides)."""
 
 
 @dataclass(frozen=True)

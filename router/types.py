@@ -144,6 +144,14 @@ class RouteRequest:
     """Per replica, the claimed blocks `router.claims` did not count (taken out of `overlap`
     and `claimed`: the placement they speak for is queued behind more than its re-prefill
     elsewhere); empty until that rule ran, and where every claim counts."""
+    peers: int = 0
+    """Other gateways routing on the same Redis (their load entries live): 0 for a gateway
+    alone, which routes as it always did. With peers, a tie between equally good replicas is
+    ranked as the gateways' requests of one instant would be placed in the order of their
+    ids (`router.herd`)."""
+    peer_rank: int = 0
+    """This gateway's place in that order: how many of the live gateways' ids sort before its
+    own (0 to `peers`)."""
 
     def uncached_tokens(self, replica: str) -> float:
         cached = self.overlap.get(replica, 0) * self.tokens_per_block

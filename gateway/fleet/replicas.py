@@ -372,12 +372,26 @@ class ReplicaSet:
         """Times a replica became suspect (each starts an identity check)."""
         self._suspects: set[str] = set()
 
-    def share_load(self, client: AnyRedis, round_s: float) -> SharedLoad:
+    def share_load(
+        self, client: AnyRedis, round_s: float, spread_herd: bool = True, pace_s: float = 0.0
+    ) -> SharedLoad:
         """Publish this gateway's load to its peers on `client` and count theirs (from
         `start` to `stop`; gateway.fleet.shared_load)."""
-        self.shared_load = SharedLoad(client, self.states.values, round_s)
+        self.shared_load = SharedLoad(
+            client, self.states.values, round_s, spread_herd=spread_herd, pace_s=pace_s
+        )
         self.fleet.on_leased = self.shared_load.wake
         return self.shared_load
+
+    def herd(self) -> tuple[int, int]:
+        """The live peers on the shared load and this gateway's place among them, for the
+        router's load ties (`SharedLoad.herd`); (0, 0) without a shared load."""
+        return self.shared_load.herd() if self.shared_load is not None else (0, 0)
+
+    async def pace(self) -> None:
+        """This gateway's turn to decide, with peers (`SharedLoad.pace`; at once without)."""
+        if self.shared_load is not None:
+            await self.shared_load.pace()
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""

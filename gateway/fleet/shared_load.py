@@ -42,6 +42,16 @@ read's figures. Releases (a first token, an end) reach the peers at the next rou
 --gateways 4 --placement-delay-ms 1.5 --routing-ms 1` models it (docs/design/directory.md,
 "Four gateways' hit ratio").
 
+Even read in the lookup's round trip, a peer's placement reaches this gateway's view a round
+trip and a loop turn after it was made: the gateways deciding their shares of one burst at the
+same instant each see none of the others' and send their new prompts to the same least-loaded
+replica (a herd). So each gateway also knows its place among its live peers (`herd`: how many
+there are, and how many of their ids sort before its own, from the names the hash's reads
+return), and the router ranks a load tie as the gateways' requests of one instant would be
+placed in that order (`router.herd`; the `spread_herd` setting). With `pace_s` (the
+`herd_pace_ms` setting, off by default) a burst's next decision also waits until the peers'
+placements of the last one's instant can have reached Redis, and reads them (`pace`).
+
 When Redis is unreachable the peers' figures from the last answer stand until `stale_s` past it,
 then go to zero: the gateway routes on its own figures and the engines', as it did before.
 """
@@ -251,6 +261,8 @@ class SharedLoad:
         round_s: float,
         gateway_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        spread_herd: bool = True,
+        pace_s: float = 0.0,
     ) -> None:
         self.client = client
         self.states = states
@@ -294,6 +306,18 @@ class SharedLoad:
         self.failed = 0
         self.malformed = 0
         self.num_peers = 0
+        self.rank = 0
+        """How many of the live peers' ids sort before this gateway's, as the last read of the
+        hash's names said (the script's answer carries figures only: a round that ran it
+        keeps the last read's rank; every read in a lookup's round trip renews it)."""
+        self.spread_herd = spread_herd
+        """Rank load ties by this gateway's place among its peers (`herd`, `router.herd`)."""
+        self.pace_s = pace_s
+        """With peers: the least time between two of this gateway's decisions (`pace`; 0:
+        off)."""
+        self._next_decision_s = -math.inf
+        self.paced = 0
+        """Decisions that waited their turn (`pace`), each on a read of the peers' figures."""
         self.key = LOAD_KEY
         self.deadline_s = ROUND_DEADLINE_S
         """The rider's read (`ride`): its key and deadline."""
@@ -352,6 +376,8 @@ class SharedLoad:
         peers, malformed = decode(blobs)
         self.malformed += malformed
         self.num_peers = len(blobs)
+        if not self.num_peers:
+            self.rank = 0
         self._apply(states, peers)
         self._busy = figures != EMPTY or any(s.peer is not None for s in states)
 
@@ -385,7 +411,15 @@ class SharedLoad:
                 out.append((name, figures))
         if not held:
             self._written = None
+        self.rank = sum(1 for name, _ in out if name < own)
         return out
+
+    def herd(self) -> tuple[int, int]:
+        """This gateway's live peers and its place among them (`RouteRequest.peers`,
+        `peer_rank`): (0, 0) alone, or with `spread_herd` off, when routing is as before."""
+        if not self.spread_herd or not self.num_peers:
+            return 0, 0
+        return self.num_peers, min(self.rank, self.num_peers)
 
     def ride(self) -> tuple[tuple[Any, ...], Callable[[asyncio.Future[Any]], None]] | None:
         """The peers' figures read with the next batch of lookups (`cachemap.redis.lookups.
@@ -397,6 +431,32 @@ class SharedLoad:
         self._riding = True
         return ("HGETALL", LOAD_KEY), self._ridden
 
+    async def pace(self) -> None:
+        """This gateway's turn to decide (`pace_s`, the `herd_pace_ms` setting): with peers,
+        no sooner than `pace_s` after its last decision, and then on a read of the peers'
+        figures taken after the wait. A burst's requests decided back to back see none of the
+        peers' placements of the same instant; spaced by the time those take to reach Redis,
+        each sees the ones before it, as one gateway's burst does (`kvgate sim --pace`,
+        docs/design/directory.md, "The herd"). Turns are taken in call order; a decision
+        with no other in the last `pace_s` waits for nothing and reads nothing more (its
+        lookup's own read is fresh). A read that fails leaves the view as it was."""
+        if self.pace_s <= 0 or not self.num_peers or self._stopped:
+            return
+        now_s = self.clock()
+        turn = max(now_s, self._next_decision_s)
+        self._next_decision_s = turn + self.pace_s
+        if turn <= now_s:
+            return
+        await asyncio.sleep(turn - now_s)
+        self.paced += 1
+        try:
+            await self._slot_map()
+            reply = await self._lane.command(LOAD_KEY, ("HGETALL", LOAD_KEY), "", ROUND_DEADLINE_S)
+        except Exception as exc:  # Redis away or slow: the round handles it
+            log.debug("shared load read before a paced decision failed: %r", exc)
+            return
+        self._fold(reply)
+
     def _ridden(self, future: asyncio.Future[Any]) -> None:
         """The read's answer applied, before the lookups behind it resume (their callers'
         wake-ups are scheduled after this callback). A failure changes nothing: the round
@@ -404,17 +464,22 @@ class SharedLoad:
         self._riding = False
         if future.cancelled() or future.exception() is not None:
             return
+        if self._fold(future.result()):
+            self.rides += 1
+
+    def _fold(self, reply: Any) -> bool:
+        """An HGETALL of the hash applied to the view (False: not a hash's reply, skipped)."""
         now_s = self.clock()
         try:
-            entries = dict(self._others(future.result(), now_s))
+            entries = dict(self._others(reply, now_s))
         except (AttributeError, TypeError, ValueError):  # not a hash's reply: skipped
             self.malformed += 1
-            return
+            return False
         self.malformed += self._sums.fold(entries)
         self.num_peers = len(entries)
-        self.rides += 1
         self._answered_s = now_s
         self._apply(list(self.states()), self._sums.view())
+        return True
 
     async def _call(self, figures: bytes | str, deadline_s: float) -> Any:
         """The script down the rounds' lane: this gateway's figures ("" withdraws them)."""

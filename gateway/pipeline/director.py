@@ -392,6 +392,7 @@ class Director:
         else:
             source = "local"
         self.stats.lookup_seconds.labels(source).observe(self.keying.last_lookup_s)
+        peers, peer_rank = self.replicas.herd()  # a load tie as the peers' burst (router.herd)
         route = RouteRequest(
             num_blocks=len(hashes),
             num_prompt_tokens=keyed.num_prompt_tokens,
@@ -409,6 +410,8 @@ class Director:
                 self.adapters.slots(parsed.model, candidates) if self.adapters is not None else {}
             ),
             committed=keyed.committed,
+            peers=peers,
+            peer_rank=peer_rank,
         )
         policy = self.fallback_policy if lookup.degraded else self.policy
 
@@ -428,6 +431,7 @@ class Director:
             )
         try:  # from the ticket on, whatever happens: its tokens leave transit (`routed`)
             route = self._after_wait(ticket, keyed, route, looked_up, parsed, tenant)
+            await self.replicas.pace()  # with peers: after theirs of this instant (router.herd)
             placed = await self.placement.place(
                 policy,
                 route,

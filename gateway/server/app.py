@@ -592,7 +592,13 @@ def _share_load(parts: Parts, directory: RedisDirectory, events: EventReader | N
     """The gateways' load shared on the directory's Redis, the peers' figures read in the
     lookups' round trip too: a rider on every lane a lookup goes down
     (`gateway.fleet.shared_load`)."""
-    shared_load = parts.replicas.share_load(directory.client, parts.settings.load_share_interval_s)
+    settings = parts.settings
+    shared_load = parts.replicas.share_load(
+        directory.client,
+        settings.load_share_interval_s,
+        settings.spread_herd,
+        settings.herd_pace_ms / 1e3,
+    )
     directory.lane.rider = shared_load
     if events is not None:
         events.lane.rider = shared_load

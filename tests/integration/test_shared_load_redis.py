@@ -406,3 +406,70 @@ async def test_a_placement_counts_in_a_peers_next_lookup_before_any_round(
         await lane.close()
         await a.stop()
         await b.stop()
+
+
+async def test_each_gateway_knows_its_place_among_its_live_peers(client: AnyRedis) -> None:
+    """The router's load ties rank by it (`router.herd`): the gateways agree on one order, that
+    of their ids, from the names the hash's reads return. Other tests' entries may still be
+    live in the shared hash: these three ids sort next to each other, whatever is there."""
+    run = uuid.uuid4().hex[:8]
+    states = fleet(*urls(1))
+    gateways = [
+        SharedLoad(client, lambda: list(states.values()), 0.1, gateway_id=f"herd-{run}-{i}")
+        for i in (2, 0, 1)
+    ]
+    off = SharedLoad(client, list, 0.1, gateway_id=f"herd-{run}-3", spread_herd=False)
+    try:
+        assert gateways[0].herd() == (0, 0)  # before any answer: alone
+        for g in (*gateways, off):
+            await g.round()  # writes its entry
+        for g in (*gateways, off):
+            await g.round()  # unchanged figures: reads the hash, names and all
+            assert g.writes == 1 and g.rounds == 2
+        third, first, second = (g.herd() for g in gateways)
+        peers, rank = first
+        assert peers >= 3 and second == (peers, rank + 1) and third == (peers, rank + 2)
+        assert off.herd() == (0, 0) and off.num_peers == peers
+        await off.stop()  # a peer leaves: one fewer at the next read, the order kept
+        await gateways[0].round()
+        assert gateways[0].herd() == (peers - 1, rank + 2)
+    finally:
+        for g in gateways:
+            await g.stop()
+
+
+async def test_a_paced_decision_waits_its_turn_and_reads_the_peers_placements(
+    client: AnyRedis,
+) -> None:
+    """`herd_pace_ms`: a decision within `pace_s` of the last waits for the rest of it, then
+    reads the peers' figures, so it counts a placement a peer made meanwhile (no round, no
+    lookup carried it). A decision with none before it, or a gateway without peers, goes at
+    once."""
+    x, y = urls(2)
+    mine, theirs = fleet(x, y), fleet(x, y)
+    a = gateway(client, theirs)
+    b = SharedLoad(client, lambda: list(mine.values()), 0.1, pace_s=0.05)
+    alone = SharedLoad(client, list, 0.1, pace_s=0.05)
+    try:
+        await alone.pace()
+        await alone.pace()  # no peers known: no turn to wait for
+        assert alone.paced == 0
+        await a.round()
+        await b.round()
+        assert b.num_peers >= 1
+        first = b.clock()
+        await b.pace()  # nothing decided in the last 50 ms: at once, no read
+        assert b.paced == 0
+        theirs[x].lease(40_000.0).keep()
+        published = a.publish()
+        assert published is not None
+        await published
+        assert mine[x].peer is None
+        await b.pace()
+        assert b.clock() - first >= 0.05 and b.paced == 1
+        peer = mine[x].peer
+        assert peer is not None and peer.prefill_tokens == 40_000.0
+        assert mine[y].peer is None and b.rounds == 1
+    finally:
+        await a.stop()
+        await b.stop()
