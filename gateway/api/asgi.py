@@ -317,6 +317,6 @@ class MeteredASGI(GatewayASGI):
             # 500: what the client sees if the app fails before answering
             status = 500 if tracked.status is None else tracked.status
             seconds = time.perf_counter() - started
-            self.metrics.observe_http(scope["path"], status, seconds)
-            if status >= 400:
+            if status >= 400:  # logged before counted: a reader of the count sees the line out
                 log_refusal(scope["method"], scope["path"], status, seconds)
+            self.metrics.observe_http(scope["path"], status, seconds)

@@ -300,6 +300,15 @@ def test_a_stalled_upload_gets_a_408_at_the_deadline(
         elapsed = time.monotonic() - started
         assert answer.startswith(b"HTTP/1.1 408"), (path, answer[:200])
         assert 0.4 < elapsed < 5, elapsed
+    # the refusals are logged by the server's thread after the answer: the test ends once both
+    # are counted (logged first), not while a line is still on its way to a closed capture
+    counts = gateway.app.state.request_metrics.http
+    wait_until(
+        lambda: all(
+            counts.get((p, "408"), 0) == 1 for p in ("/v1/chat/completions", "/v1/messages")
+        ),
+        what="both refusals counted",
+    )
 
 
 def test_a_client_that_leaves_before_the_answer_is_counted_as_a_disconnect(
