@@ -39,7 +39,12 @@ the same code as the tolerant path; anything else (an unknown event type, a batc
 layouts mixed, a payload that is not one) goes the tolerant way: msgspec's untyped decode,
 each event's fields picked by name or place (`_tolerant`). The typed way skips a dict per
 event and the lookups of its fields: ~4.5 against ~10 us an event (py-spy of `kvgate
-bench-cpu`: decoding was ~45 of the ~110 samples a precise gateway spent on its feed).
+bench-cpu`: decoding was ~45 of the ~110 samples a precise gateway spent on its feed). It
+also keeps a stored event's token ids as their msgpack bytes (`msgspec.Raw`), read into the
+`array("I")` by `unpack_u32` (compiled in `cachemap._native`): no int object made a token,
+0.36 -> 0.16 ms of decoding a request at bench point 2 (`tools.events_replay`). Ids it does
+not take (any other type, a value out of range) make the typed way fail over to the tolerant
+one, which says what is wrong.
 """
 
 from __future__ import annotations
@@ -62,14 +67,19 @@ from cachemap.events import (
     CacheEvent,
     EngineHash,
 )
+from cachemap.native import NATIVE
+
+_NIL = msgspec.Raw(b"\xc0")
 
 
 class _StoredFields(msgspec.Struct, gc=False):
-    """A BlockStored's fields in their array order (any value: `_stored` checks them)."""
+    """A BlockStored's fields in their array order (any value: `_stored` checks them). The
+    token ids are kept as their msgpack bytes, read straight into an `array("I")` by
+    `unpack_u32` (an int object a token was ~80% of decoding bench point 2's batches)."""
 
     block_hashes: Any = None
     parent_block_hash: Any = None
-    token_ids: Any = None
+    token_ids: msgspec.Raw = _NIL
     block_size: Any = None
     lora_id: Any = None
     medium: Any = None
@@ -279,12 +289,17 @@ def _stored(
     if lora_name is None and lora_id is not None:  # an adapter known only by its id
         lora_name = f"{UNNAMED_ADAPTER}{lora_id}"
     hashes = _hashes(block_hashes)
-    if not isinstance(token_ids, list):
+    if type(token_ids) is msgspec.Raw:  # the fast layouts'
+        ids = _UNPACK_U32(token_ids)
+        if ids is None:  # the tolerant path says what is wrong
+            raise MalformedBatch("BlockStored.token_ids must be a list of integers")
+    elif not isinstance(token_ids, list):
         raise MalformedBatch("BlockStored.token_ids must be a list of integers")
-    try:  # checked in C (a Python step per token was ~4% of a precise gateway at point 2)
-        ids = array.array("I", token_ids)
-    except (TypeError, OverflowError):  # not an int, or outside 0..2**32-1
-        raise MalformedBatch("BlockStored.token_ids must be a list of integers") from None
+    else:
+        try:  # checked in C (a Python step per token was ~4% of a precise gateway at point 2)
+            ids = array.array("I", token_ids)
+        except (TypeError, OverflowError):  # not an int, or outside 0..2**32-1
+            raise MalformedBatch("BlockStored.token_ids must be a list of integers") from None
     if type(block_size) is not int or block_size <= 0:
         raise MalformedBatch("BlockStored.block_size must be a positive integer")
     if parent is not None:
@@ -303,6 +318,26 @@ def _stored(
         full,
         None if metadata is not None or extra_keys is None else _mm_keys(extra_keys, len(hashes)),
     )
+
+
+def unpack_u32(raw: msgspec.Raw | bytes) -> array.array[int] | None:
+    """The msgpack array of integers in 0..2**32-1 (true and false as 1 and 0, as
+    `array("I", ...)` takes them) in `raw` as an `array("I")`; None for anything else. The
+    definition of `cachemap._native.unpack_u32`, which reads the bytes with no int object
+    made a token."""
+    try:
+        value = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(value, list):
+        return None
+    try:
+        return array.array("I", value)
+    except (TypeError, OverflowError):
+        return None
+
+
+_UNPACK_U32 = NATIVE.unpack_u32 if NATIVE is not None else unpack_u32
 
 
 def _mm_keys(extra_keys: Any, num_blocks: int) -> list[tuple[tuple[str, int], ...]] | None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mmh3
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,7 +35,7 @@ from cachemap.events import (
 )
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex, OrderedLru
-from gateway.events import words
+from gateway.events import decode, words
 from gateway.events.words import WordIds
 
 
@@ -49,6 +50,9 @@ COMPILED = _compiled()
 LRUS: list[Callable[[], Any]] = [OrderedLru] + ([COMPILED.Lru] if COMPILED is not None else [])
 CHAINS: list[Callable[[bytes, bytes, int, bytes | None], list[bytes]]] = [keys._chain] + (
     [COMPILED.chain] if COMPILED is not None else []
+)
+UNPACKS: list[Callable[[Any], Any]] = [decode.unpack_u32] + (
+    [COMPILED.unpack_u32] if COMPILED is not None else []
 )
 
 
@@ -553,3 +557,66 @@ def test_the_word_cache_on_a_word_table_answers_as_without_one(
                 answer = [getattr(cache, op)(t, salt) for t in texts]
             answers.append((answer, cache.stats, cache.size))
         assert answers[0] == answers[1]
+
+
+def _msgpack_int(value: int, form: int) -> bytes:
+    """`value` in one of msgpack's integer forms (0: the shortest, as msgspec writes it; 1-4:
+    uint 8-64; 5-8: int 8-64), or the shortest when `value` does not fit the one asked."""
+    forms = [(0xCC + i, 1 << i, False) for i in range(4)] + [
+        (0xD0 + i, 1 << i, True) for i in range(4)
+    ]
+    if form:
+        tag, size, signed = forms[form - 1]
+        try:
+            return bytes([tag]) + value.to_bytes(size, "big", signed=signed)
+        except OverflowError:
+            pass
+    return msgspec.msgpack.encode(value)
+
+
+def _msgpack_array_header(n: int, form: int) -> bytes:
+    """An array of `n` in one of its header forms (fixarray where it fits, array 16, 32)."""
+    if form == 0 and n < 16:
+        return bytes([0x90 | n])
+    if form <= 1 and n < 2**16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+_ELEMENTS = (
+    st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 8)).map(lambda t: _msgpack_int(*t))
+    | st.tuples(st.integers(-(2**63), 2**64 - 1), st.integers(0, 8)).map(lambda t: _msgpack_int(*t))
+    | st.sampled_from([b"\xc2", b"\xc3", b"\xc0", b"\xcb" + bytes(8), b"\xa1x", b"\x90", b"\xff"])
+)
+
+
+@pytest.mark.parametrize("unpack", UNPACKS)
+@settings(max_examples=500)
+@given(
+    st.lists(_ELEMENTS, max_size=40), st.integers(0, 2), st.integers(-3, 2), st.binary(max_size=8)
+)
+def test_unpacking_token_ids_is_its_definition(
+    unpack: Any, elements: list[bytes], header: int, count: int, junk: bytes
+) -> None:
+    """Arrays of every integer form, true and false, values out of 0..2**32-1 (negative, too
+    large), other types; the count in each header form, off by a few (the bytes run out, or
+    are left over), bytes that are no array: as `array("I", msgspec.msgpack.decode(raw))`."""
+    n = max(len(elements) + count, 0)
+    for raw in (
+        _msgpack_array_header(n, header) + b"".join(elements),
+        junk,
+        junk + _msgpack_array_header(n, header) + b"".join(elements),
+    ):
+        assert unpack(raw) == decode.unpack_u32(raw)
+        assert unpack(raw) is None or unpack(raw).typecode == "I"
+    exact = _msgpack_array_header(len(elements), header) + b"".join(elements)
+    valid = msgspec.msgpack.decode(exact)
+    expected = decode.unpack_u32(exact)
+    if all(type(v) in (int, bool) and 0 <= v < 2**32 for v in valid):
+        assert expected == array.array("I", valid)
+    else:
+        assert expected is None
+    raw = msgspec.msgpack.decode(
+        msgspec.msgpack.encode([msgspec.Raw(exact)]), type=list[msgspec.Raw]
+    )[0]
+    assert unpack(raw) == expected  # a msgspec.Raw as the fast layouts keep the ids
