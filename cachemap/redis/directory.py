@@ -52,7 +52,16 @@ from cachemap.redis.client import AnyRedis, close_pubsub, stop_task
 from cachemap.redis.lookups import LookupLane
 from cachemap.redis.meta import DirectoryLayoutError, ReplicaMeta
 from cachemap.redis.node_lanes import NodeLanes
-from cachemap.redis.schema import CHANNEL, chain_call, replica_id, text
+from cachemap.redis.schema import (
+    BASE_KEY,
+    CHANNEL,
+    COUNT_KEY,
+    GEN_KEY,
+    SEEN_KEY,
+    chain_call,
+    replica_id,
+    text,
+)
 from cachemap.redis.stores import HomeStore, MarkerStore, RateStore
 
 log = logging.getLogger(__name__)
@@ -123,6 +132,10 @@ pipelines on several connections), so the client reads one write's answers while
 next one's scripts."""
 
 
+_META = (GEN_KEY, COUNT_KEY, SEEN_KEY, BASE_KEY)
+"""The meta keys a record counts its new blocks in, on a single Redis (`RECORD_COUNTED`)."""
+
+
 @dataclass
 class _Queued:
     """A lookup waiting for its tick's batch to be written."""
@@ -183,6 +196,8 @@ class RedisDirectory:
         )
         self._batch: list[_Queued] = []
         self._record = client.register_script(scripts.RECORD)
+        self._record_counted = client.register_script(scripts.RECORD_COUNTED)
+        self._counted_head = ("EVALSHA", self._record_counted.sha, 1 + len(_META))
         self._place = client.register_script(scripts.PLACE)
         self._restore = client.register_script(scripts.RESTORE)
         self._drop = client.register_script(scripts.DROP)
@@ -338,23 +353,26 @@ class RedisDirectory:
         places: Iterable[tuple[str, Sequence[BlockHash]]] = (),
         scripted: Iterable[tuple[tuple[Any, ...], str]] = (),
     ) -> None:
-        """Several records at once: one script call per chain, then one count per replica.
-        Each item is (replica, chain, when it was used: None for now, what the request's
-        lookup read the replica to hold: None if not known). A record writes from where the
-        replica's held entries end when they are fresh (`_kept`: at the current generation,
-        used within `refresh_ms`), else the whole chain. `places`: placements in flight
-        (`place`) written after them; `scripted`: other script calls, (command, the script's
-        source) — a landing (`MarkerStore.land_command`), a home (`HomeStore.record_command`).
-        All go down one pipeline, in that order (one connection, one write, one read:
-        `_pipelined`), not one pooled command each."""
+        """Several records at once: one script call per chain (of at most `RECORD_CHUNK`
+        blocks), which on a single Redis also counts its new blocks against the replica's
+        generation (`RECORD_COUNTED`; a Cluster keeps the meta slot apart, so one count per
+        replica follows there). Each item is (replica, chain, when it was used: None for now,
+        what the request's lookup read the replica to hold: None if not known). A record
+        writes from where the replica's held entries end when they are fresh (`_kept`: at
+        the current generation, used within `refresh_ms`), else the whole chain. `places`:
+        placements in flight (`place`) written after them; `scripted`: other script calls,
+        (command, the script's source) — a landing (`MarkerStore.land_command`), a home
+        (`HomeStore.record_command`). All go down one pipeline, in that order (one
+        connection, one write, one read: `_pipelined`), not one pooled command each."""
         now_ms = to_ms(self.clock())
         ttl_ms = int(self.ttl_s * 1000)
-        counts: dict[str, int] = {}
         rounds: list[tuple[list[tuple[Any, ...]], list[str]]] = [([], [])]
         """Pipelines sent one after another, each of at most RECORD_ROUND_BLOCKS blocks'
         records (a record of a longer chain is cut into calls of RECORD_CHUNK blocks)."""
         in_round = 0
         rids = []
+        counted = not self.cluster  # the count in the record's own call (`RECORD_COUNTED`)
+        source = scripts.RECORD_COUNTED if counted else scripts.RECORD
         for replica, hashes, at_s, held in items:
             if not hashes:
                 continue
@@ -368,16 +386,20 @@ class RedisDirectory:
                 if not hashes:
                     continue
             self.blocks_written += len(hashes)
+            per_generation = blocks_per_generation(self._capacities.get(rid, self.capacity_blocks))
             for at in range(0, len(hashes), RECORD_CHUNK):
                 chunk = hashes[at : at + RECORD_CHUNK]
                 if rounds[-1][0] and in_round + len(chunk) > RECORD_ROUND_BLOCKS:
                     rounds.append(([], []))
                     in_round = 0
                 keys, head = chain_call(chunk)
-                rounds[-1][0].append(
-                    ("EVALSHA", self._record.sha, 1, *keys, *head, rid, gen, used_ms, ttl_ms)
-                )
-                rounds[-1][1].append(scripts.RECORD)
+                args = (*head, rid, gen, used_ms, ttl_ms)
+                if counted:
+                    count = (per_generation, CHANNEL, now_ms)
+                    rounds[-1][0].append((*self._counted_head, *keys, *_META, *args, *count))
+                else:
+                    rounds[-1][0].append(("EVALSHA", self._record.sha, 1, *keys, *args))
+                rounds[-1][1].append(source)
                 in_round += len(chunk)
                 rids.append(rid)
         commands, sources = rounds[-1]  # placements and the other scripts: with the last
@@ -392,6 +414,16 @@ class RedisDirectory:
         for round_commands, round_sources in rounds:
             if round_commands:
                 replies += await self._pipelined(round_commands, round_sources)
+        if counted:
+            for rid, (_, gen) in zip(rids, replies, strict=False):
+                self.meta.set_gen(rid, int(gen))
+        else:
+            await self._count(rids, replies, now_ms)
+
+    async def _count(self, rids: list[str], replies: list[Any], now_ms: int) -> None:
+        """A Cluster's records' new blocks (`RECORD`'s replies, one per rid), one `COUNT` per
+        replica (its meta slot is another master's)."""
+        counts: dict[str, int] = {}
         for rid, new in zip(rids, replies, strict=False):
             counts[rid] = counts.get(rid, 0) + int(new)
         capacities, default = self._capacities, self.capacity_blocks
