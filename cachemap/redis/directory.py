@@ -365,43 +365,24 @@ class RedisDirectory:
         (`HomeStore.record_command`). All go down one pipeline, in that order (one
         connection, one write, one read: `_pipelined`), not one pooled command each."""
         now_ms = to_ms(self.clock())
-        ttl_ms = int(self.ttl_s * 1000)
-        rounds: list[tuple[list[tuple[Any, ...]], list[str]]] = [([], [])]
-        """Pipelines sent one after another, each of at most RECORD_ROUND_BLOCKS blocks'
-        records (a record of a longer chain is cut into calls of RECORD_CHUNK blocks)."""
-        in_round = 0
-        rids = []
+        calls, per_generation = self._record_calls(items, now_ms)
         counted = not self.cluster  # the count in the record's own call (`RECORD_COUNTED`)
         source = scripts.RECORD_COUNTED if counted else scripts.RECORD
-        for replica, hashes, at_s, held in items:
-            if not hashes:
-                continue
-            rid = self._rid(replica)
-            gen = self.meta.gen(rid)
-            used_ms = now_ms if at_s is None else to_ms(at_s)
-            if held is not None:  # the replica's fresh held entries stay as they are
-                kept = self._kept(rid, gen, used_ms, held, self.refresh_ms(replica, used_ms))
-                self.blocks_kept += min(kept, len(hashes))
-                hashes = hashes[kept:]
-                if not hashes:
-                    continue
-            self.blocks_written += len(hashes)
-            per_generation = blocks_per_generation(self._capacities.get(rid, self.capacity_blocks))
-            for at in range(0, len(hashes), RECORD_CHUNK):
-                chunk = hashes[at : at + RECORD_CHUNK]
-                if rounds[-1][0] and in_round + len(chunk) > RECORD_ROUND_BLOCKS:
-                    rounds.append(([], []))
-                    in_round = 0
-                keys, head = chain_call(chunk)
-                args = (*head, rid, gen, used_ms, ttl_ms)
-                if counted:
-                    count = (per_generation, CHANNEL, now_ms)
-                    rounds[-1][0].append((*self._counted_head, *keys, *_META, *args, *count))
-                else:
-                    rounds[-1][0].append(("EVALSHA", self._record.sha, 1, *keys, *args))
-                rounds[-1][1].append(source)
-                in_round += len(chunk)
-                rids.append(rid)
+        rounds: list[tuple[list[tuple[Any, ...]], list[str]]] = [
+            ([], []) for _ in range(calls[-1][0] + 1 if calls else 1)
+        ]
+        last = {rid: i for i, (_, rid, _) in enumerate(calls)}
+        rids = []
+        for i, (at, rid, call) in enumerate(calls):
+            if counted:  # every call adds its new blocks to the count; a replica's last call
+                # in the batch advances its generation, as one COUNT of the batch's sum did
+                count = (per_generation[rid] if last[rid] == i else 0, CHANNEL, now_ms)
+                command = (*self._counted_head, call[0], *_META, *call[1:], *count)
+            else:
+                command = ("EVALSHA", self._record.sha, 1, *call)
+            rounds[at][0].append(command)
+            rounds[at][1].append(source)
+            rids.append(rid)
         commands, sources = rounds[-1]  # placements and the other scripts: with the last
         for replica, hashes in places:
             if hashes:
@@ -419,6 +400,44 @@ class RedisDirectory:
                 self.meta.set_gen(rid, int(gen))
         else:
             await self._count(rids, replies, now_ms)
+
+    def _record_calls(
+        self,
+        items: Iterable[tuple[str, Sequence[BlockHash], float | None, Held | None]],
+        now_ms: int,
+    ) -> tuple[list[tuple[int, str, tuple[Any, ...]]], dict[str, int]]:
+        """`record_many`'s script calls, without the script: (the pipeline it goes in, the
+        replica id, the chain's key and the arguments) for each chunk of at most
+        `RECORD_CHUNK` blocks, the pipelines sent one after another, each of at most
+        `RECORD_ROUND_BLOCKS` blocks' records; and each replica's blocks per generation."""
+        ttl_ms = int(self.ttl_s * 1000)
+        calls: list[tuple[int, str, tuple[Any, ...]]] = []
+        per_generation: dict[str, int] = {}
+        at, in_round = 0, 0
+        for replica, hashes, at_s, held in items:
+            if not hashes:
+                continue
+            rid = self._rid(replica)
+            gen = self.meta.gen(rid)
+            used_ms = now_ms if at_s is None else to_ms(at_s)
+            if held is not None:  # the replica's fresh held entries stay as they are
+                kept = self._kept(rid, gen, used_ms, held, self.refresh_ms(replica, used_ms))
+                self.blocks_kept += min(kept, len(hashes))
+                hashes = hashes[kept:]
+                if not hashes:
+                    continue
+            self.blocks_written += len(hashes)
+            per_generation[rid] = blocks_per_generation(
+                self._capacities.get(rid, self.capacity_blocks)
+            )
+            for start in range(0, len(hashes), RECORD_CHUNK):
+                chunk = hashes[start : start + RECORD_CHUNK]
+                if in_round and in_round + len(chunk) > RECORD_ROUND_BLOCKS:
+                    at, in_round = at + 1, 0
+                keys, head = chain_call(chunk)
+                calls.append((at, rid, (*keys, *head, rid, gen, used_ms, ttl_ms)))
+                in_round += len(chunk)
+        return calls, per_generation
 
     async def _count(self, rids: list[str], replies: list[Any], now_ms: int) -> None:
         """A Cluster's records' new blocks (`RECORD`'s replies, one per rid), one `COUNT` per

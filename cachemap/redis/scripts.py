@@ -404,9 +404,13 @@ return gen
 # A record and its count in one call, on a single Redis (a Cluster keeps the meta slot apart:
 # `RECORD`, then `COUNT` per replica). KEYS: the chain's first key, then gen, count, seen, base.
 # ARGV: `RECORD`'s (after the chain: rid, generation, last use ms, ttl ms), then blocks per
-# generation, channel, now ms. The blocks are written at the caller's generation, as `RECORD`
-# writes them (a restart epoch the caller has not seen keeps its record from matching), and
-# counted as `COUNT` counts them. Returns {new blocks, the replica's generation now}. The count
+# generation (0: add the new blocks to the count only), channel, now ms. The blocks are written
+# at the caller's generation, as `RECORD` writes them (a restart epoch the caller has not seen
+# keeps its record from matching), and counted as `COUNT` counts them: a batch's calls of one
+# replica all add to the count, its last one (blocks per generation > 0) advances the
+# generation past the threshold, once, as one COUNT of the batch's sum did (a long chain's
+# record is many calls: advancing in each would leave its first blocks two generations back).
+# Returns {new blocks, the replica's generation now (0 from a call that only adds)}. The count
 # was a call of its own after every record batch: a round trip of the gateway's and a script
 # call of Redis's per request (docs/design/directory.md, "The tier's CPU per request").
 RECORD_COUNTED = (
@@ -415,6 +419,10 @@ RECORD_COUNTED = (
     + _GEN
     + _RECORD_BODY
     + """
+if tonumber(ARGV[7]) == 0 then
+  if new > 0 then redis.call('HINCRBY', META[2], ARGV[3], new) end
+  return {new, 0}
+end
 local current = current_gen(META[1], META[4], ARGV[3], ARGV[4])
 redis.call('HSET', META[3], ARGV[3], ARGV[9])
 if new > 0 then

@@ -506,6 +506,35 @@ async def test_a_record_counts_its_new_blocks_in_its_own_call(fresh_redis: Redis
         await behind.close()
 
 
+async def test_a_record_of_many_calls_advances_the_generation_once(
+    fresh_redis: RedisServer,
+) -> None:
+    """A chain longer than `RECORD_CHUNK` is recorded in several calls, which all count: only
+    the replica's last call of the batch advances the generation, once, as one count of the
+    batch's sum did. Each call advancing on its own would take a 600-block record of a
+    replica that advances every 150 blocks four generations on, and its own first blocks,
+    written at the first, would no longer match."""
+    client = await open_redis(fresh_redis.url)
+    d = RedisDirectory(client, capacity_blocks=200)  # 150 new blocks a generation
+    await d.refresh_generations()
+    d.register(["r1", "r2"])
+    rid = replica_id("r1")
+    blocks = chain_hashes(uuid.uuid4().bytes * 10_000, root_hash(b"s", "many"), 256)[:600]
+    other = chain_hashes(uuid.uuid4().bytes * 2_000, root_hash(b"s", "other"), 256)[:100]
+    sync = redis.Redis.from_url(fresh_redis.url)
+    try:
+        gen = d.meta.gen(rid)
+        await d.record_many([("r1", blocks, None, None), ("r2", other, None, None)])
+        assert d.meta.gen(rid) == gen + 1 == int(sync.hget(GEN_KEY, rid) or 0)
+        assert int(sync.hget(COUNT_KEY, rid) or 0) == 0
+        assert d.meta.gen(replica_id("r2")) == gen  # 100 of 150: its own count
+        assert int(sync.hget(COUNT_KEY, replica_id("r2")) or 0) == 100
+        assert await d.lookup(blocks) == {"r1": 600}
+    finally:
+        sync.close()
+        await d.close()
+
+
 def test_every_key_of_a_chain_is_in_one_slot() -> None:
     from redis.crc import key_slot
 
