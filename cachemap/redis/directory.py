@@ -52,7 +52,16 @@ from cachemap.redis.client import AnyRedis, close_pubsub, stop_task
 from cachemap.redis.lookups import LookupLane
 from cachemap.redis.meta import DirectoryLayoutError, ReplicaMeta
 from cachemap.redis.node_lanes import NodeLanes
-from cachemap.redis.schema import CHANNEL, chain_call, replica_id, text
+from cachemap.redis.schema import (
+    BASE_KEY,
+    CHANNEL,
+    COUNT_KEY,
+    GEN_KEY,
+    SEEN_KEY,
+    chain_call,
+    replica_id,
+    text,
+)
 from cachemap.redis.stores import HomeStore, MarkerStore, RateStore
 
 log = logging.getLogger(__name__)
@@ -123,6 +132,10 @@ pipelines on several connections), so the client reads one write's answers while
 next one's scripts."""
 
 
+_META = (GEN_KEY, COUNT_KEY, SEEN_KEY, BASE_KEY)
+"""The meta keys a record counts its new blocks in, on a single Redis (`RECORD_COUNTED`)."""
+
+
 @dataclass
 class _Queued:
     """A lookup waiting for its tick's batch to be written."""
@@ -183,6 +196,8 @@ class RedisDirectory:
         )
         self._batch: list[_Queued] = []
         self._record = client.register_script(scripts.RECORD)
+        self._record_counted = client.register_script(scripts.RECORD_COUNTED)
+        self._counted_head = ("EVALSHA", self._record_counted.sha, 1 + len(_META))
         self._place = client.register_script(scripts.PLACE)
         self._restore = client.register_script(scripts.RESTORE)
         self._drop = client.register_script(scripts.DROP)
@@ -338,23 +353,67 @@ class RedisDirectory:
         places: Iterable[tuple[str, Sequence[BlockHash]]] = (),
         scripted: Iterable[tuple[tuple[Any, ...], str]] = (),
     ) -> None:
-        """Several records at once: one script call per chain, then one count per replica.
-        Each item is (replica, chain, when it was used: None for now, what the request's
-        lookup read the replica to hold: None if not known). A record writes from where the
-        replica's held entries end when they are fresh (`_kept`: at the current generation,
-        used within `refresh_ms`), else the whole chain. `places`: placements in flight
-        (`place`) written after them; `scripted`: other script calls, (command, the script's
-        source) — a landing (`MarkerStore.land_command`), a home (`HomeStore.record_command`).
-        All go down one pipeline, in that order (one connection, one write, one read:
-        `_pipelined`), not one pooled command each."""
+        """Several records at once: one script call per chain (of at most `RECORD_CHUNK`
+        blocks), which on a single Redis also counts its new blocks against the replica's
+        generation (`RECORD_COUNTED`; a Cluster keeps the meta slot apart, so one count per
+        replica follows there). Each item is (replica, chain, when it was used: None for now,
+        what the request's lookup read the replica to hold: None if not known). A record
+        writes from where the replica's held entries end when they are fresh (`_kept`: at
+        the current generation, used within `refresh_ms`), else the whole chain. `places`:
+        placements in flight (`place`) written after them; `scripted`: other script calls,
+        (command, the script's source) — a landing (`MarkerStore.land_command`), a home
+        (`HomeStore.record_command`). All go down one pipeline, in that order (one
+        connection, one write, one read: `_pipelined`), not one pooled command each."""
         now_ms = to_ms(self.clock())
-        ttl_ms = int(self.ttl_s * 1000)
-        counts: dict[str, int] = {}
-        rounds: list[tuple[list[tuple[Any, ...]], list[str]]] = [([], [])]
-        """Pipelines sent one after another, each of at most RECORD_ROUND_BLOCKS blocks'
-        records (a record of a longer chain is cut into calls of RECORD_CHUNK blocks)."""
-        in_round = 0
+        calls, per_generation = self._record_calls(items, now_ms)
+        counted = not self.cluster  # the count in the record's own call (`RECORD_COUNTED`)
+        source = scripts.RECORD_COUNTED if counted else scripts.RECORD
+        rounds: list[tuple[list[tuple[Any, ...]], list[str]]] = [
+            ([], []) for _ in range(calls[-1][0] + 1 if calls else 1)
+        ]
+        last = {rid: i for i, (_, rid, _) in enumerate(calls)}
         rids = []
+        for i, (at, rid, call) in enumerate(calls):
+            if counted:  # every call adds its new blocks to the count; a replica's last call
+                # in the batch advances its generation, as one COUNT of the batch's sum did
+                count = (per_generation[rid] if last[rid] == i else 0, CHANNEL, now_ms)
+                command = (*self._counted_head, call[0], *_META, *call[1:], *count)
+            else:
+                command = ("EVALSHA", self._record.sha, 1, *call)
+            rounds[at][0].append(command)
+            rounds[at][1].append(source)
+            rids.append(rid)
+        commands, sources = rounds[-1]  # placements and the other scripts: with the last
+        for replica, hashes in places:
+            if hashes:
+                commands.append(self._place_command(replica, hashes, PLACEMENT_TTL_S))
+                sources.append(scripts.PLACE)
+        for command, source in scripted:
+            commands.append(command)
+            sources.append(source)
+        replies: list[Any] = []
+        for round_commands, round_sources in rounds:
+            if round_commands:
+                replies += await self._pipelined(round_commands, round_sources)
+        if counted:
+            for rid, (_, gen) in zip(rids, replies, strict=False):
+                self.meta.set_gen(rid, int(gen))
+        else:
+            await self._count(rids, replies, now_ms)
+
+    def _record_calls(
+        self,
+        items: Iterable[tuple[str, Sequence[BlockHash], float | None, Held | None]],
+        now_ms: int,
+    ) -> tuple[list[tuple[int, str, tuple[Any, ...]]], dict[str, int]]:
+        """`record_many`'s script calls, without the script: (the pipeline it goes in, the
+        replica id, the chain's key and the arguments) for each chunk of at most
+        `RECORD_CHUNK` blocks, the pipelines sent one after another, each of at most
+        `RECORD_ROUND_BLOCKS` blocks' records; and each replica's blocks per generation."""
+        ttl_ms = int(self.ttl_s * 1000)
+        calls: list[tuple[int, str, tuple[Any, ...]]] = []
+        per_generation: dict[str, int] = {}
+        at, in_round = 0, 0
         for replica, hashes, at_s, held in items:
             if not hashes:
                 continue
@@ -368,30 +427,22 @@ class RedisDirectory:
                 if not hashes:
                     continue
             self.blocks_written += len(hashes)
-            for at in range(0, len(hashes), RECORD_CHUNK):
-                chunk = hashes[at : at + RECORD_CHUNK]
-                if rounds[-1][0] and in_round + len(chunk) > RECORD_ROUND_BLOCKS:
-                    rounds.append(([], []))
-                    in_round = 0
+            per_generation[rid] = blocks_per_generation(
+                self._capacities.get(rid, self.capacity_blocks)
+            )
+            for start in range(0, len(hashes), RECORD_CHUNK):
+                chunk = hashes[start : start + RECORD_CHUNK]
+                if in_round and in_round + len(chunk) > RECORD_ROUND_BLOCKS:
+                    at, in_round = at + 1, 0
                 keys, head = chain_call(chunk)
-                rounds[-1][0].append(
-                    ("EVALSHA", self._record.sha, 1, *keys, *head, rid, gen, used_ms, ttl_ms)
-                )
-                rounds[-1][1].append(scripts.RECORD)
+                calls.append((at, rid, (*keys, *head, rid, gen, used_ms, ttl_ms)))
                 in_round += len(chunk)
-                rids.append(rid)
-        commands, sources = rounds[-1]  # placements and the other scripts: with the last
-        for replica, hashes in places:
-            if hashes:
-                commands.append(self._place_command(replica, hashes, PLACEMENT_TTL_S))
-                sources.append(scripts.PLACE)
-        for command, source in scripted:
-            commands.append(command)
-            sources.append(source)
-        replies: list[Any] = []
-        for round_commands, round_sources in rounds:
-            if round_commands:
-                replies += await self._pipelined(round_commands, round_sources)
+        return calls, per_generation
+
+    async def _count(self, rids: list[str], replies: list[Any], now_ms: int) -> None:
+        """A Cluster's records' new blocks (`RECORD`'s replies, one per rid), one `COUNT` per
+        replica (its meta slot is another master's)."""
+        counts: dict[str, int] = {}
         for rid, new in zip(rids, replies, strict=False):
             counts[rid] = counts.get(rid, 0) + int(new)
         capacities, default = self._capacities, self.capacity_blocks

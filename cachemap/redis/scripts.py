@@ -277,9 +277,7 @@ return 1
 # living a TTL past its last use (which is later than this record's), so a PEXPIRE there would
 # only cost a command. A placement of the commit before (a field "<rid>+" on each block) is
 # deleted where present; this code's are one field per flight (`PLACE`), never deleted here.
-RECORD = (
-    CHAIN
-    + """
+_RECORD_BODY = """
 local gen, used = tonumber(ARGV[4]), tonumber(ARGV[5])
 local value = ARGV[4] .. ':' .. ARGV[5]
 local new = 0
@@ -303,9 +301,9 @@ for i = 1, #KEYS do
     redis.call('PEXPIRE', KEYS[i], ARGV[6])
   end
 end
-return new
 """
-)
+
+RECORD = CHAIN + _RECORD_BODY + "return new\n"
 
 # ARGV (after the chain, not expanded): rid, generation, the placement's expiry ms, its ttl ms.
 # A request placed on the replica, before its engine wrote the KV (`RedisDirectory.place`): ONE
@@ -400,6 +398,43 @@ if tonumber(ARGV[2]) > 0 then
   end
 end
 return gen
+"""
+)
+
+# A record and its count in one call, on a single Redis (a Cluster keeps the meta slot apart:
+# `RECORD`, then `COUNT` per replica). KEYS: the chain's first key, then gen, count, seen, base.
+# ARGV: `RECORD`'s (after the chain: rid, generation, last use ms, ttl ms), then blocks per
+# generation (0: add the new blocks to the count only), channel, now ms. The blocks are written
+# at the caller's generation, as `RECORD` writes them (a restart epoch the caller has not seen
+# keeps its record from matching), and counted as `COUNT` counts them: a batch's calls of one
+# replica all add to the count, its last one (blocks per generation > 0) advances the
+# generation past the threshold, once, as one COUNT of the batch's sum did (a long chain's
+# record is many calls: advancing in each would leave its first blocks two generations back).
+# Returns {new blocks, the replica's generation now (0 from a call that only adds)}. The count
+# was a call of its own after every record batch: a round trip of the gateway's and a script
+# call of Redis's per request (docs/design/directory.md, "The tier's CPU per request").
+RECORD_COUNTED = (
+    "local META = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}\n"
+    + CHAIN
+    + _GEN
+    + _RECORD_BODY
+    + """
+if tonumber(ARGV[7]) == 0 then
+  if new > 0 then redis.call('HINCRBY', META[2], ARGV[3], new) end
+  return {new, 0}
+end
+local current = current_gen(META[1], META[4], ARGV[3], ARGV[4])
+redis.call('HSET', META[3], ARGV[3], ARGV[9])
+if new > 0 then
+  local n = redis.call('HINCRBY', META[2], ARGV[3], new)
+  if n >= tonumber(ARGV[7]) then
+    current = current + 1
+    redis.call('HSET', META[1], ARGV[3], current)
+    redis.call('HSET', META[2], ARGV[3], 0)
+    redis.call('PUBLISH', ARGV[8], ARGV[3] .. ':' .. current)
+  end
+end
+return {new, current}
 """
 )
 

@@ -455,12 +455,81 @@ async def test_a_long_chain_is_recorded_in_bounded_calls_a_few_a_pipeline(
         sync.config_resetstat()
         await d.record("r1", hashes[:6_000])
         stats = sync.info("commandstats")
-        # the record's calls, then the count of new blocks (one script)
-        assert stats["cmdstat_evalsha"]["calls"] == -(-6_000 // RECORD_CHUNK) + 1
+        # the record's calls, each counting its own new blocks (no count call after them)
+        assert stats["cmdstat_evalsha"]["calls"] == -(-6_000 // RECORD_CHUNK)
         assert stats["cmdstat_hmget"]["calls"] == 6_000  # each block read once
         assert await d.lookup(hashes[:6_000]) == {"r1": 6_000}
         rid = replica_id("r1")
         assert int(sync.hget(COUNT_KEY, rid) or 0) == 6_000
+    finally:
+        sync.close()
+        await d.close()
+
+
+async def test_a_record_counts_its_new_blocks_in_its_own_call(fresh_redis: RedisServer) -> None:
+    """Issue 39's tier CPU: every record batch was followed by a `COUNT` call of its own (a
+    round trip of the gateway's, a script of Redis's, per request). On a single Redis the
+    record's call counts now: one EVALSHA, the generation advanced and announced in it, the
+    gateway's view moved by its reply. A gateway whose view is behind still writes at its own
+    generation (a restart it has not heard of keeps its record from matching) and never moves
+    Redis's back."""
+    client = await open_redis(fresh_redis.url)
+    d = RedisDirectory(client, capacity_blocks=8)  # 6 new blocks a generation
+    behind = RedisDirectory(await open_redis(fresh_redis.url), capacity_blocks=8)
+    await d.refresh_generations()
+    await behind.refresh_generations()
+    d.register(["r1"])
+    behind.register(["r1"])
+    rid = replica_id("r1")
+    blocks = chain_hashes(uuid.uuid4().bytes * 200, root_hash(b"s", "count"), 256)[:12]
+    sync = redis.Redis.from_url(fresh_redis.url)
+    try:
+        await d.record("r1", blocks[:1])  # the script is loaded
+        gen = d.meta.gen(rid)
+        sync.config_resetstat()
+        await d.record("r1", blocks[1:6])  # 1 + 5 new blocks: the generation advances
+        calls = {k.split("_", 1)[1]: v["calls"] for k, v in sync.info("commandstats").items()}
+        assert calls["evalsha"] == 1 and calls["publish"] == 1, calls
+        assert d.meta.gen(rid) == gen + 1 == int(sync.hget(GEN_KEY, rid) or 0)
+        assert int(sync.hget(COUNT_KEY, rid) or 0) == 0
+        assert await d.lookup(blocks[:6]) == {"r1": 6}  # the generation before still matches
+        assert behind.meta.gen(rid) == gen  # has not heard: not subscribed, not polled
+        await behind.record("r1", blocks[6:8])
+        assert behind.meta.gen(rid) == gen + 1  # the reply moved its view
+        assert int(sync.hget(GEN_KEY, rid) or 0) == gen + 1
+        assert int(sync.hget(COUNT_KEY, rid) or 0) == 2
+        value = sync.hget(block_keys(blocks[6:7])[0], rid)
+        assert value is not None and value.split(b":")[0] == str(gen).encode()  # its own view's
+    finally:
+        sync.close()
+        await d.close()
+        await behind.close()
+
+
+async def test_a_record_of_many_calls_advances_the_generation_once(
+    fresh_redis: RedisServer,
+) -> None:
+    """A chain longer than `RECORD_CHUNK` is recorded in several calls, which all count: only
+    the replica's last call of the batch advances the generation, once, as one count of the
+    batch's sum did. Each call advancing on its own would take a 600-block record of a
+    replica that advances every 150 blocks four generations on, and its own first blocks,
+    written at the first, would no longer match."""
+    client = await open_redis(fresh_redis.url)
+    d = RedisDirectory(client, capacity_blocks=200)  # 150 new blocks a generation
+    await d.refresh_generations()
+    d.register(["r1", "r2"])
+    rid = replica_id("r1")
+    blocks = chain_hashes(uuid.uuid4().bytes * 10_000, root_hash(b"s", "many"), 256)[:600]
+    other = chain_hashes(uuid.uuid4().bytes * 2_000, root_hash(b"s", "other"), 256)[:100]
+    sync = redis.Redis.from_url(fresh_redis.url)
+    try:
+        gen = d.meta.gen(rid)
+        await d.record_many([("r1", blocks, None, None), ("r2", other, None, None)])
+        assert d.meta.gen(rid) == gen + 1 == int(sync.hget(GEN_KEY, rid) or 0)
+        assert int(sync.hget(COUNT_KEY, rid) or 0) == 0
+        assert d.meta.gen(replica_id("r2")) == gen  # 100 of 150: its own count
+        assert int(sync.hget(COUNT_KEY, replica_id("r2")) or 0) == 100
+        assert await d.lookup(blocks) == {"r1": 600}
     finally:
         sync.close()
         await d.close()
