@@ -601,12 +601,10 @@ class _Gateways:
             if (at, position) < looked_up
         ]
 
-    def deciding_by(
-        self, req: RouteRequest, seen: Callable[[str], _Load] | None
-    ) -> tuple[RouteRequest, Callable[[str], _Load] | None]:
-        """The request and the load a decision reads: with the requests ahead, the published
-        load and ties by id (`router.ahead`); else as given."""
-        return (ties_by_id(req), self.published) if self.ahead_on else (req, seen)
+    def deciding_on(self, seen: Callable[[str], _Load] | None) -> Callable[[str], _Load] | None:
+        """The load a decision reads: with the requests ahead, the published load (the same
+        for every gateway, `router.ahead`); else as given."""
+        return self.published if self.ahead_on else seen
 
     def with_ahead(
         self,
@@ -614,12 +612,17 @@ class _Gateways:
         g: int,
         looked_up: tuple[float, int],
         snapshot: list[Replica],
-    ) -> list[Replica]:
+        req: RouteRequest,
+    ) -> tuple[list[Replica], RouteRequest]:
         """`snapshot` with the requests looked up before `looked_up` and not yet published
-        placed on it first (`router.ahead`); unchanged without."""
+        placed on it first, and `req` as it is then decided: ties by id when any is ahead
+        (`router.ahead`); both unchanged without."""
         if not self.ahead_on:
-            return snapshot
-        return place_ahead(profile, self.ahead(g, looked_up), snapshot)[0]
+            return snapshot, req
+        ahead = self.ahead(g, looked_up)
+        if not ahead:
+            return snapshot, req
+        return place_ahead(profile, ahead, snapshot)[0], ties_by_id(req)
 
     def looked_up(
         self, g: int, looked_up: tuple[float, int], req: RouteRequest, at: float, replica: str
@@ -1097,9 +1100,9 @@ def simulate(
             peer_rank=gateway,
         )
         looked_up = (decided_s - config.routing_s, position)
-        route, seen = gateways.deciding_by(route, seen)
+        seen = gateways.deciding_on(seen)
         snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req, hs, seen)
-        snapshot = gateways.with_ahead(profile, gateway, looked_up, snapshot)
+        snapshot, route = gateways.with_ahead(profile, gateway, looked_up, snapshot, route)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
         gateways.looked_up(gateway, looked_up, route, decided_s, decision.replica)
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1

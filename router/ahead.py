@@ -27,10 +27,14 @@ yet in the published load (`Ahead`). A gateway then decides on
     decision    this request on the view with all of them
 
 so every gateway computes the same placements for the same requests, and N gateways place a
-burst as one gateway placing it in Redis's order would (`tests/router/test_ahead.py`). Ties go
-by id, not at random (the herd rule's tie group with no copies, `peer_rank` 0): a peer's
-prediction and its own decision must agree. A gateway alone has nothing ahead: it routes as it
-always did.
+burst as one gateway placing it in Redis's order would (`tests/router/test_ahead.py`). With a
+request ahead, ties go by id, not at random (the herd rule's tie group with no copies,
+`peer_rank` 0: the requests ahead stand for the peers' of the instant); with none, the herd
+rule as it was, copies for the peers deciding at once with it. Each request is registered as
+it is decided, and replayed so (`Ahead.req`): a peer's prediction and its own decision agree.
+(With copies dropped as well, the agent sessions' p99 read 26.1 s against 19.1 s with them:
+there no request is ever ahead, and the copies spread their tail's load.) A gateway alone has
+nothing ahead and no peers: it routes as it always did.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class Ahead:
     """A request looked up before this one whose placement is not yet in the published load."""
 
     req: RouteRequest
+    """As its gateway decided it: ties by id (`ties_by_id`) when a request was ahead of it,
+    the herd rule's copies for its place (`router.herd`) when none was."""
     replica: str | None = None
     """Where it went, when this gateway placed it; None: a peer's, placed as the policy places
     it on the view so far."""
@@ -65,7 +71,7 @@ def place_ahead(
     for item in ahead:
         rid = item.replica
         if rid is None:
-            decision = profile.decide(ties_by_id(item.req), view, random.Random(0))
+            decision = profile.decide(item.req, view, random.Random(0))
             rid = decision.replica if decision is not None else None
         where.append(rid)
         i = index.get(rid) if rid is not None else None

@@ -59,16 +59,20 @@ def one_gateway(burst: list[RouteRequest], view: list[Replica]) -> list[str]:
 def many_gateways(burst: list[RouteRequest], view: list[Replica], gateways: int) -> list[str]:
     """`burst` spread round robin over `gateways`, looked up in its order, every one of them
     placed before any is published: each gateway decides on `view` with the requests looked
-    up before its own placed first, its own where it sent them, its peers' unknown."""
+    up before its own placed first (its own where it sent them, its peers' unknown), ties by
+    id, or by the herd rule's copies when none is ahead; each registered as decided."""
     out: list[str] = []
+    decided: list[RouteRequest] = []
     for i, req in enumerate(burst):
         g = i % gateways
         ahead = [
             Ahead(earlier, out[j] if j % gateways == g else None)
-            for j, earlier in enumerate(burst[:i])
+            for j, earlier in enumerate(decided)
         ]
         seen, _ = place_ahead(POLICY, ahead, view)
-        out.append(decide(ties_by_id(req), seen))
+        by = ties_by_id(req) if ahead else replace(req, peers=gateways - 1, peer_rank=g)
+        decided.append(by)
+        out.append(decide(by, seen))
     return out
 
 
@@ -112,7 +116,8 @@ def test_a_peers_long_prompt_ahead_keeps_this_gateways_second_request_off_its_re
 
 def test_this_gateways_own_requests_ahead_count_where_it_sent_them() -> None:
     view = fleet(0.0, 0.0, 0.0, 0.0)
-    seen, where = place_ahead(POLICY, [Ahead(request(100), "r3"), Ahead(request(100))], view)
+    req = ties_by_id(request(100))
+    seen, where = place_ahead(POLICY, [Ahead(req, "r3"), Ahead(req)], view)
     assert where == ["r3", "r0"]
     assert [r.pending_prefill_tokens for r in seen] == [6_336.0, 0.0, 0.0, 6_336.0]
     assert [r.num_inflight for r in seen] == [1, 0, 0, 1]
@@ -128,5 +133,15 @@ def test_nothing_ahead_leaves_the_view_and_the_decision_as_they_were() -> None:
 
 def test_a_request_ahead_that_no_replica_can_take_adds_nothing() -> None:
     view = [replace(r, healthy=False) for r in fleet(0.0, 0.0, 0.0, 0.0)]
-    seen, where = place_ahead(POLICY, [Ahead(request(100))], view)
+    seen, where = place_ahead(POLICY, [Ahead(ties_by_id(request(100)))], view)
     assert where == [None] and seen == view
+
+
+def test_a_request_ahead_is_replayed_as_its_gateway_decided_it() -> None:
+    """The first of a burst had nothing ahead: its gateway (rank 1 of 2) ranked the tie with a
+    copy for its peer, and took r1. Its peer, replaying it, must place it there too."""
+    view = fleet(0.0, 0.0, 0.0, 0.0)
+    first = request(20, peers=1, rank=1)
+    assert decide(first, view) == "r1"
+    _, where = place_ahead(POLICY, [Ahead(first)], view)
+    assert where == ["r1"]
