@@ -42,7 +42,9 @@ hot-prefix rates and k, the conversations' homes, precise mode's event index and
 entries. What a gateway keeps to itself is its own: its requests' load counted exactly
 (`Lease`), its peers' as they published it at their last load-share round (`_Gateways`,
 gateway.fleet.shared_load); and each ranks a load tie by its place among the gateways, as a
-gateway with peers does (`router.herd`, `SimConfig.herd`).
+gateway with peers does (`router.herd`, `SimConfig.herd`). `SimConfig.ahead` (a model: the
+gateway does not register its lookups yet) has each decide on the published load with the
+requests looked up before it and not yet published placed first (`router.ahead`).
 `SimConfig.as_one` models a piece as one in-process gateway has it, to find what costs the hit
 ratio. Not modelled (at one gateway either): the engines' /metrics, fan-out holds, flow control,
 the write-behind queue's latency and reconciliation.
@@ -54,6 +56,7 @@ ratio bounds every policy's; the same seed gives the same result.
 from __future__ import annotations
 
 import argparse
+import bisect
 import functools
 import heapq
 import itertools
@@ -101,6 +104,7 @@ from loadgen.traces.readers import (
     read_trace,
 )
 from loadgen.traces.sessions import SESSIONS_PREFIX, agent_sessions_trace
+from router.ahead import Ahead, place_ahead, ties_by_id
 from router.capacity import within_capacity
 from router.claims import counted_claims
 from router.filters import DEFAULT_DECODE_TOKEN_WEIGHT
@@ -217,6 +221,13 @@ class SimConfig:
     `spread_herd` setting; False: each breaks it by its own view alone, as before issue 39's
     herd rule. One gateway has no peers either way, nor do gateways that know each other's
     load at once (`as_one` load: there is no herd to spread)."""
+    ahead: bool = False
+    """Several gateways, placements shared (`placement_delay_s`): each decides on the load
+    every gateway has published, with the requests looked up before its own (a request is
+    looked up `routing_s` before its decision) and not yet published placed first, a peer's
+    where the policy places it (`router.ahead`; a model only: it needs the lookups registered
+    in Redis, which the gateway does not do yet). False: each on its own view, the herd rule
+    standing for its peers' requests."""
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -231,6 +242,8 @@ class SimConfig:
             )
         if self.routing_s < 0:
             raise ValueError(f"routing_s must be non-negative, got {self.routing_s}")
+        if self.ahead and self.placement_delay_s is None:
+            raise ValueError("ahead needs placements shared (placement_delay_s)")
         unknown = self.as_one - set(AS_ONE)
         if unknown:
             raise ValueError(f"unknown as_one {sorted(unknown)}; choose from {AS_ONE}")
@@ -493,6 +506,7 @@ class _Gateways:
         placement_delay_s: float | None = None,
         routing_s: float = 0.0,
         pace: bool = False,
+        ahead: bool = False,
     ) -> None:
         self.pace_s = placement_delay_s if pace and placement_delay_s is not None else None
         """`SimConfig.pace`: the least time between a gateway's two decisions (None: any)."""
@@ -516,6 +530,11 @@ class _Gateways:
         """Placements' figures on their way to the peers: (visible at, order, gateway, taken
         at, figures), a heap."""
         self._order = itertools.count()
+        self.ahead_on = ahead and count > 1
+        """`SimConfig.ahead`: decisions on the published load, the requests ahead first."""
+        self._looked_up: list[tuple[float, int, int, RouteRequest, float, str]] = []
+        """Requests whose placements may be unpublished, in lookup order: (looked up at,
+        position, gateway, request, decided at, replica)."""
 
     def decide_at(self, g: int, arrival_s: float) -> float:
         """When gateway `g` decides a request arriving at `arrival_s`: after the ones it
@@ -561,6 +580,58 @@ class _Gateways:
             if h != g:
                 for r, load in published.items():
                     peers[r].add(load)
+
+    def published(self, replica: str) -> _Load:
+        """What every gateway's published figures count on `replica` (the same for all)."""
+        seen = _Load()
+        for figures in self._published:
+            seen.add(figures[replica])
+        return seen
+
+    def ahead(self, g: int, looked_up: tuple[float, int]) -> list[Ahead]:
+        """The requests looked up before `looked_up` (time, position) whose placements are not
+        in their gateway's published figures: `g`'s own where it sent them, its peers' to be
+        placed by the policy (`router.ahead`)."""
+        pending = self._looked_up = [
+            item for item in self._looked_up if item[4] > self._published_at[item[2]]
+        ]
+        return [
+            Ahead(req, rid if h == g else None)
+            for at, position, h, req, _, rid in pending
+            if (at, position) < looked_up
+        ]
+
+    def deciding_on(self, seen: Callable[[str], _Load] | None) -> Callable[[str], _Load] | None:
+        """The load a decision reads: with the requests ahead, the published load (the same
+        for every gateway, `router.ahead`); else as given."""
+        return self.published if self.ahead_on else seen
+
+    def with_ahead(
+        self,
+        profile: RoutingProfile,
+        g: int,
+        looked_up: tuple[float, int],
+        snapshot: list[Replica],
+        req: RouteRequest,
+    ) -> tuple[list[Replica], RouteRequest]:
+        """`snapshot` with the requests looked up before `looked_up` and not yet published
+        placed on it first, and `req` as it is then decided: ties by id when any is ahead
+        (`router.ahead`); both unchanged without."""
+        if not self.ahead_on:
+            return snapshot, req
+        ahead = self.ahead(g, looked_up)
+        if not ahead:
+            return snapshot, req
+        return place_ahead(profile, ahead, snapshot)[0], ties_by_id(req)
+
+    def looked_up(
+        self, g: int, looked_up: tuple[float, int], req: RouteRequest, at: float, replica: str
+    ) -> None:
+        """Gateway `g` looked `req` up at `looked_up` and placed it on `replica` at `at` (kept
+        while its placement may be unpublished, with the requests ahead only)."""
+        if not self.ahead_on:
+            return
+        bisect.insort(self._looked_up, (*looked_up, g, req, at, replica), key=lambda i: i[:2])
 
     def seen(self, g: int, replica: str) -> _Load:
         """What gateway `g` counts on `replica`: its own requests and its peers' figures (as
@@ -931,6 +1002,7 @@ def simulate(
         config.placement_delay_s,
         config.routing_s,
         config.pace,
+        ahead=config.ahead and LOAD not in config.as_one,
     )
     rates = PrefixRates(clock=clock) if config.overflow and profile.locality else None
     # conversation affinity, as the gateway keeps it: looked up and recorded at each decision
@@ -1004,7 +1076,9 @@ def simulate(
         gateway = position % config.gateways
         decided_s = gateways.decide_at(gateway, req.arrival_s)
         gateways.rounds_until(decided_s)
-        seen = None if LOAD in config.as_one else functools.partial(gateways.seen, gateway)
+        seen: Callable[[str], _Load] | None = (
+            None if LOAD in config.as_one else functools.partial(gateways.seen, gateway)
+        )
         directory.catch_up(req.arrival_s)
         hs = keys[req.index].hashes
         overlap, claimed = directory.lookup(hs, clock.now)
@@ -1025,8 +1099,12 @@ def simulate(
             peers=config.gateways - 1 if config.herd and LOAD not in config.as_one else 0,
             peer_rank=gateway,
         )
+        looked_up = (decided_s - config.routing_s, position)
+        seen = gateways.deciding_on(seen)
         snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req, hs, seen)
+        snapshot, route = gateways.with_ahead(profile, gateway, looked_up, snapshot, route)
         decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
+        gateways.looked_up(gateway, looked_up, route, decided_s, decision.replica)
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         # what the router counted held anywhere (a claim it did not count is not: `router.claims`)
         counted = counted_claims(route, snapshot).overlap
@@ -1525,6 +1603,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "gateway's spread_herd (router.herd; default on)",
     )
     parser.add_argument(
+        "--ahead",
+        action="store_true",
+        help="several gateways, with --placement-delay-ms: each decides on the published load "
+        "with the requests looked up before its own placed first (router.ahead; a model: the "
+        "gateway does not register its lookups yet)",
+    )
+    parser.add_argument(
         "--overflow",
         choices=("on", "off"),
         default="on",
@@ -1610,6 +1695,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         routing_s=args.routing_ms / 1e3,
         herd=args.herd == "on",
         pace=args.pace,
+        ahead=args.ahead,
     )
 
 
@@ -1626,6 +1712,8 @@ def _describe_gateways(config: SimConfig) -> str:
     herd = "" if config.herd else ", herd rule off"
     if config.pace and config.placement_delay_s is not None:
         herd += ", paced"
+    if config.ahead:
+        herd += ", the requests looked up ahead placed first"
     return (
         f"\n{config.gateways} gateways on one shared directory, requests round robin, load "
         f"shared every {config.load_share_interval_s:g} s{placements}{routing}{herd}{as_one}"

@@ -27,6 +27,10 @@ the order without talking. A gateway alone (`peers` 0) skips the rule: it routes
 always did. The decision's scores stay each replica's own (a route receipt's): within a tie
 group they differ by less than the tie-break's weight, so the first may read a hair below the
 second.
+
+The rule reaches each gateway's first request of a burst only: its next ones are blind to the
+peers' placements of the burst, whatever their sizes. `router.ahead` places the peers' requests
+themselves, when the lookups report them.
 """
 
 from __future__ import annotations

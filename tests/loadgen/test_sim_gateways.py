@@ -25,6 +25,8 @@ from loadgen.sim import (
 )
 from loadgen.traces import CONVERSATION_TRACE
 from loadgen.traces.readers import Trace, read_trace
+from router.ahead import Ahead
+from router.types import RouteRequest
 
 CONFIG = SimConfig(num_replicas=4, capacity_frac=0.25, max_output_tokens=64, directory_scale=1.0)
 
@@ -80,7 +82,7 @@ def test_a_placement_reaches_the_peers_after_its_delay_and_a_burst_spreads_over_
     """Placements shared (`placement_delay_s`): a peer's placement counts at a decision
     `placement_delay_s` after it, without waiting for a round; a gateway decides the requests
     of one arrival instant one after another, `routing_s` each."""
-    gateways = _Gateways(2, 10.0, ["r0"], placement_delay_s=0.0015, routing_s=0.001)
+    gateways = _Gateways(2, 10.0, ["r0"], placement_delay_s=0.0015, routing_s=0.001, ahead=True)
     gateways.rounds_until(0.0)  # the first rounds: nothing in flight
     assert [gateways.decide_at(1, 1.0) for _ in range(3)] == pytest.approx([1.001, 1.002, 1.003])
     assert gateways.decide_at(0, 1.0) == pytest.approx(1.001)  # its own routing, in parallel
@@ -221,3 +223,47 @@ def test_the_command_takes_gateways_and_what_to_model_as_one(
     assert "placements seen by the peers 1.5 ms after, routing 1 ms" in capsys.readouterr().out
     with pytest.raises(ValueError, match="placement_delay_s must be non-negative"):
         SimConfig(placement_delay_s=-1.0)
+
+
+def test_one_gateway_routes_exactly_as_before_with_the_requests_ahead(slice_: Trace) -> None:
+    """A gateway alone has no peers and nothing looked up ahead (`router.ahead`)."""
+    one = replace(CONFIG, placement_delay_s=0.0015, routing_s=0.001)
+    _, (before,) = run_policies(slice_, ["cache_aware"], one)
+    _, (ahead,) = run_policies(slice_, ["cache_aware"], replace(one, ahead=True))
+    assert [(o.replica, o.cached_tokens, o.ttft_s) for o in ahead.outcomes] == [
+        (o.replica, o.cached_tokens, o.ttft_s) for o in before.outcomes
+    ]
+
+
+def test_the_requests_ahead_bring_four_gateways_ttft_to_one_gateways(slice_: Trace) -> None:
+    """Placements seen a round trip and a routing later: with the herd rule alone a gateway's
+    second request of a burst is blind to its peers' first ones; deciding on the published
+    load with the requests looked up before it placed first, four gateways read as one."""
+
+    def ttft(config: SimConfig) -> float:
+        _, (result,) = run_policies(slice_, ["cache_aware"], config)
+        return result.summary()["ttft_mean_s"]
+
+    four = replace(CONFIG, gateways=4, placement_delay_s=0.0015, routing_s=0.001)
+    ranked = ttft(four)
+    ahead = ttft(replace(four, ahead=True))
+    assert ahead < ranked
+    assert ahead < ttft(CONFIG) * 1.05
+
+
+def test_the_requests_ahead_are_those_not_yet_published() -> None:
+    gateways = _Gateways(2, 10.0, ["r0"], placement_delay_s=0.0015, routing_s=0.001, ahead=True)
+    first, second = (RouteRequest(num_blocks=n, num_prompt_tokens=64.0 * n) for n in (1, 2))
+    gateways.looked_up(1, (1.000, 0), first, 1.001, "r0")
+    gateways.placed(1, 1.001)
+    gateways.looked_up(0, (1.000, 1), second, 1.001, "r0")
+    gateways.placed(0, 1.001)
+    assert gateways.ahead(0, (1.001, 2)) == [Ahead(first), Ahead(second, "r0")]
+    assert gateways.ahead(1, (1.000, 1)) == [Ahead(first, "r0")]  # looked up before it only
+    gateways.rounds_until(1.0025)  # both published
+    assert gateways.ahead(0, (1.003, 3)) == []
+
+
+def test_ahead_needs_the_placements_shared() -> None:
+    with pytest.raises(ValueError, match="placement_delay_s"):
+        SimConfig(gateways=2, ahead=True)
