@@ -9,7 +9,6 @@ logged, and the connection ends.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -262,67 +261,6 @@ def body_arrived(receive: Receive) -> bool:
         and not cycle.more_body
         and not (cycle.disconnected or cycle.response_complete)
     )
-
-
-class _DisconnectEvent(asyncio.Event):
-    """uvicorn's event for a request's next message (its protocol sets it on a body, at the
-    response's end, and on a disconnect, after marking the cycle `disconnected`), which also
-    calls `on_disconnect` once when it is set for a disconnect (`watch_disconnect`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.on_disconnect: Callable[[], None] | None = None
-
-    def set(self) -> None:
-        super().set()
-        on_disconnect = self.on_disconnect
-        if on_disconnect is not None:
-            on_disconnect()
-
-
-def watch_disconnect(
-    receive: Receive, on_disconnect: Callable[[], None]
-) -> Callable[[], None] | None:
-    """Call `on_disconnect` (once) when the client's connection is lost, from uvicorn's httptools
-    protocol's own `connection_lost`: no task waiting on `receive` per request, no timer. Returns
-    the function that stops the watch (always call it: the watch holds `on_disconnect`), or None
-    where it cannot watch this way (another server, or someone already waiting on `receive`):
-    the caller then waits on `receive` itself.
-
-    Reading the client's socket is resumed, as a `receive` would (uvicorn pauses it while a
-    large body waits to be read), so that its end is seen while the answer is awaited."""
-    cycle = getattr(receive, "__self__", None)
-    if not isinstance(cycle, RequestResponseCycle):
-        return None
-    event = cycle.message_event
-    if not isinstance(event, _DisconnectEvent):
-        if getattr(event, "_waiters", True):  # a waiter would not be woken by a new event
-            return None
-        swapped = _DisconnectEvent()
-        if event.is_set():
-            swapped.set()
-        cycle.message_event = event = swapped
-    if cycle.disconnected:
-        on_disconnect()
-        return _nothing
-    cycle.flow.resume_reading()
-
-    def fired() -> None:
-        if cycle.disconnected:
-            event.on_disconnect = None
-            on_disconnect()
-
-    event.on_disconnect = fired
-
-    def unwatch() -> None:
-        if event.on_disconnect is fired:
-            event.on_disconnect = None
-
-    return unwatch
-
-
-def _nothing() -> None:
-    pass
 
 
 class GatewayASGI:

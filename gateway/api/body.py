@@ -16,10 +16,9 @@ from typing import Any
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
-from starlette.types import Receive
 
 from cachemap.rendering import MAX_JSON_DEPTH, too_deep
-from gateway.api.asgi import body_arrived, watch_disconnect
+from gateway.api.asgi import body_arrived
 from gateway.errors import (
     ClientGone,
     InvalidRequest,
@@ -29,31 +28,22 @@ from gateway.errors import (
 )
 
 
-class ClientLeft:
+def client_left(request: Request) -> Callable[[], Awaitable[None]]:
     """Once the body is read: a wait that returns when the client disconnects (the server's
     next message is then `http.disconnect`), for the pipeline to race while a request waits
-    for room (`gateway.pipeline.flow`). Called only then: nothing runs on the hot path.
-    `receive` is the server's, for `ClientWatch` to watch without a task."""
+    for room (`gateway.pipeline.flow`). Called only then: nothing runs on the hot path."""
+    receive = request.receive
 
-    __slots__ = ("receive",)
-
-    def __init__(self, receive: Receive) -> None:
-        self.receive = receive
-
-    async def __call__(self) -> None:
-        while (await self.receive())["type"] != "http.disconnect":  # bounded: the body was read
+    async def left() -> None:
+        while (await receive())["type"] != "http.disconnect":  # bounded: the body was read
             pass
 
-
-def client_left(request: Request) -> ClientLeft:
-    """The request's `ClientLeft`."""
-    return ClientLeft(request.receive)
+    return left
 
 
 WATCH_AFTER_S = 0.1
-"""Where the connection cannot be watched from the server's own disconnect (`ClientWatch`):
-how long an answer is awaited before a task watches it; most answers commit sooner, and they
-pay one timer, not a task."""
+"""How long an answer is awaited before the client's connection is watched (`ClientWatch`):
+most answers commit sooner, and they pay one timer, not a task."""
 
 
 class ClientWatch:
@@ -63,13 +53,11 @@ class ClientWatch:
     replica's lease ends, instead of the engine computing an answer nobody reads. The block
     then raises `ClientGone` (499, counted, never sent).
 
-    Under uvicorn's httptools protocol the server's own disconnect cancels the work at once
-    (`watch_disconnect`: no task, no timer a request). Elsewhere the connection is watched once
-    the answer has taken `WATCH_AFTER_S` (a timer, then a task on `left`): a client that left
-    sooner is seen at once then, so the engine computes at most that long for nobody. A
-    streamed answer is watched by its relay once it commits."""
+    The connection is watched only once the answer has taken `WATCH_AFTER_S` (a timer, then a
+    task on `left`): a client that left sooner is seen at once then, so the engine computes at
+    most that long for nobody. A streamed answer is watched by its relay once it commits."""
 
-    __slots__ = ("_left", "_task", "_timer", "_unwatch", "_watcher", "left")
+    __slots__ = ("_left", "_task", "_timer", "_watcher", "left")
 
     def __init__(
         self, left: Callable[[], Awaitable[object]] | None, after_s: float = WATCH_AFTER_S
@@ -78,29 +66,21 @@ class ClientWatch:
         self._task: asyncio.Task[Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._watcher: asyncio.Future[None] | None = None
-        self._unwatch: Callable[[], None] | None = None
         self.left = False
         """The client disconnected and the work was cancelled for it."""
         if left is not None:
             self._task = asyncio.current_task()
-            if isinstance(left, ClientLeft):
-                self._unwatch = watch_disconnect(left.receive, self._gone)
-            if self._unwatch is None:
-                self._timer = asyncio.get_running_loop().call_later(after_s, self._watch)
+            self._timer = asyncio.get_running_loop().call_later(after_s, self._watch)
 
     def _watch(self) -> None:
         self._timer = None
         self._watcher = asyncio.ensure_future(self._until_left())
 
     async def _until_left(self) -> None:
-        assert self._left is not None
+        assert self._left is not None and self._task is not None
         await self._left()
-        self._gone()
-
-    def _gone(self) -> None:
         # the task is suspended inside the block (this runs only while it is): the
         # cancellation is delivered there, at its current await
-        assert self._task is not None
         self.left = True
         self._task.cancel("the client disconnected")
 
@@ -108,9 +88,6 @@ class ClientWatch:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
-        if self._unwatch is not None:
-            self._unwatch()
-            self._unwatch = None
         if self._timer is not None:
             self._timer.cancel()
         if self._watcher is not None:
