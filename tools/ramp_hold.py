@@ -1,7 +1,7 @@
 """The ramp's request at a fixed rate, on this tree and other checkouts, in one run.
 
     python -m tools.ramp_hold hold RATE SECONDS TREE[,TREE...] [NAME=DIR ...] [--profile=PATH]
-        [--pin] [--small]
+        [--pin] [--small] [--whole]
     python -m tools.ramp_hold ramp TREE[,TREE...] [NAME=DIR ...]
     python -m tools.ramp_hold callgrind RATE COUNT TREE[,TREE...] [NAME=DIR ...] [--cache-sim]
 
@@ -22,7 +22,8 @@ step with py-spy (`--native --format raw -r 100`, to PATH.<arm number>).
 `--pin`: the gateway on core 0, this client and the stand-ins on core 1, so that the gateway is
 not preempted by the peers it wakes (py-spy counts a runnable thread as busy: unpinned, a third
 of its samples land in the `write` calls that wake a peer). `--small`: the same requests with a
-~300-byte prompt each (what of a request's CPU is its body's size). A profile path holding
+~300-byte prompt each (what of a request's CPU is its body's size); `--whole`: answered as one JSON
+body, not streamed (`bench-cpu`'s default shape). A profile path holding
 `.perf` records with `perf` (CPU cycles, native frames only), `.strace` counts the syscalls.
 
 `callgrind`: the gateway under valgrind's callgrind, sent COUNT bodies at RATE to warm, then its
@@ -260,6 +261,13 @@ def _small(body: bytes, k: int) -> bytes:
     return orjson.dumps(parsed)
 
 
+def _whole(body: bytes) -> bytes:
+    parsed = orjson.loads(body)
+    parsed["stream"] = False
+    parsed.pop("stream_options", None)
+    return orjson.dumps(parsed)
+
+
 def main(argv: list[str]) -> int:
     profile = next((a.split("=", 1)[1] for a in argv if a.startswith("--profile=")), None)
     argv = [a for a in argv if not a.startswith("--profile=")]
@@ -278,6 +286,9 @@ def main(argv: list[str]) -> int:
     if "--small" in argv:  # the same requests with a ~300-byte prompt each (distinct)
         argv = [a for a in argv if a != "--small"]
         bodies = [_small(body, k) for k, body in enumerate(bodies)]
+    if "--whole" in argv:  # the same requests answered whole (JSON), not streamed
+        argv = [a for a in argv if a != "--whole"]
+        bodies = [_whole(body) for body in bodies]
     blocks = directory_blocks()
     if argv[0] == "ramp":
         names, rest = argv[1], argv[2:]

@@ -11,7 +11,15 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from gateway.api.asgi import ChunkedOut, client_paused, cut_client, raw_send, start_chunked
+from gateway.api.asgi import (
+    ChunkedOut,
+    StatusSend,
+    client_paused,
+    cut_client,
+    raw_send,
+    send_whole,
+    start_chunked,
+)
 from gateway.api.errors import openai_error_body
 from gateway.errors import GatewayError
 from gateway.pipeline.exchange import ClientTooSlow, Exchange
@@ -67,6 +75,21 @@ class JSONBytes(Response):
         raw.append((b"content-length", b"%d" % len(body)))
         raw.append((b"content-type", b"application/json"))
         self.raw_headers = raw
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """The start and the body in one write to the client (`send_whole`) from here: past
+        Starlette's `Response.__call__` and the app's hold of a start (`StatusSend`), which
+        would only scan the headers for the length this answer knows it has."""
+        start = {
+            "type": "http.response.start",
+            "status": self.status_code,
+            "headers": self.raw_headers,
+        }
+        body = {"type": "http.response.body", "body": self.body}
+        if isinstance(send, StatusSend):
+            send.status = self.status_code
+            send = send.raw
+        await send_whole(send, start, body)
 
 
 class ExchangeSSE(Response):

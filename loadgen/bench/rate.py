@@ -165,7 +165,7 @@ async def _one(
                 tail = (tail + chunk)[-32:]
     except (aiohttp.ClientError, TimeoutError) as exc:
         return f"{type(exc).__name__}: {exc}"[:160]
-    if ttft is None or b"[DONE]" not in tail:
+    if ttft is None or not (b"[DONE]" in tail or tail.endswith(b"}")):  # or a whole JSON answer
         return "the stream ended without [DONE]"
     return ttft
 

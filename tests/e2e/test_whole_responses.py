@@ -26,8 +26,9 @@ async def _lifespan(receive: Receive, send: Send) -> None:
     await send({"type": "lifespan.shutdown.complete"})
 
 
-def counting_app(seen: list[CountedWrites]) -> Any:
-    """Answers every request with a JSON body through the gateway's `StatusSend`."""
+def counting_app(seen: list[CountedWrites], statuses: list[int | None] | None = None) -> Any:
+    """Answers every request with a JSON body through the gateway's `StatusSend` (the status it
+    noted appended to `statuses`: what the app counts the request by)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -38,14 +39,18 @@ def counting_app(seen: list[CountedWrites]) -> Any:
         cycle.transport = counted
         seen.append(counted)
         response = JSONBytes(b'{"ok":true}', {"x-kvgate-replica": "r1"})
-        await response(scope, receive, StatusSend(send))
+        tracked = StatusSend(send)
+        await response(scope, receive, tracked)
+        if statuses is not None:
+            statuses.append(tracked.status)
 
     return app
 
 
 def test_an_answer_of_known_length_goes_out_in_one_write_on_a_kept_connection() -> None:
     seen: list[CountedWrites] = []
-    served = start_app(counting_app(seen))
+    statuses: list[int | None] = []
+    served = start_app(counting_app(seen, statuses))
     try:
         with httpx.Client() as http:
             for _ in range(3):  # the same connection serves the next request
@@ -55,6 +60,7 @@ def test_an_answer_of_known_length_goes_out_in_one_write_on_a_kept_connection() 
                 assert r.headers["content-type"] == "application/json"
                 assert r.headers["x-kvgate-replica"] == "r1"
         assert len(seen) == 3
+        assert statuses == [200, 200, 200]
         for counted in seen:
             assert len(counted.writes) == 1, counted.writes
             head, _, body = counted.writes[0].partition(b"\r\n\r\n")
