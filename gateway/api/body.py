@@ -92,6 +92,9 @@ class ClientWatch:
             self._timer.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
+            # let go of it: its CancelledError's traceback holds `_until_left`'s frame, which
+            # holds this watch; kept, the pair was a cycle (~17 objects) for the collector
+            self._watcher = None
         if self.left:
             assert self._task is not None
             self._task.uncancel()
