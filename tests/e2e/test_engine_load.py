@@ -128,8 +128,10 @@ def test_another_gateways_queue_on_an_engine_steers_new_prefixes_away(
                 json={"model": MODEL, "prompt": prompt, "max_tokens": 1},
             )
 
-    with ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(flood, n) for n in range(12)]
+    # 24 prompts, ~5 s of queue: the five requests below are placed while it is still there
+    # on a loaded machine (12, ~2.4 s, drained before the fifth under a CI run beside benches)
+    with ThreadPoolExecutor(24) as pool:
+        futures = [pool.submit(flood, n) for n in range(24)]
         wait_until(
             lambda: busy.metrics is not None and (busy.metrics.num_waiting or 0) >= 5,
             what="the foreign queue seen through /metrics",
