@@ -39,7 +39,7 @@ import orjson
 from gateway.errors import TOO_LARGE, GatewayError, UpstreamError, too_large
 from gateway.fleet.replicas import Lease
 from gateway.pipeline.assemble import Assembler
-from gateway.pipeline.forwarder import ClientOut, Complete, Streaming
+from gateway.pipeline.forwarder import USAGE, ClientOut, Complete, Streaming
 from gateway.pipeline.upstream import UpstreamBroke
 from gateway.request.parsed import ParsedRequest
 from gateway.request.state import ExchangeRecord, Routed
@@ -242,7 +242,7 @@ class Exchange:
                 yield first
             async with contextlib.aclosing(stream.reader.blocks()) as blocks:
                 async for block in blocks:
-                    if b'"usage"' in block:
+                    if block.find(USAGE) >= 0:
                         block = await self._usage_block(block, include_usage)
                         if not block:
                             continue
@@ -275,7 +275,7 @@ class Exchange:
                 block = await reader.block()
                 if not block:
                     break
-                if b'"usage"' in block:
+                if block.find(USAGE) >= 0:
                     block = await self._usage_block(block, include_usage)
                     if not block:
                         continue
@@ -333,7 +333,7 @@ class Exchange:
         """Events with their separators, the usage event through the hooks."""
         out = []
         for event in events:
-            if b'"usage"' in event and event.startswith(b"data: {"):
+            if event.find(USAGE) >= 0 and event.startswith(b"data: {"):
                 rewritten = await self._usage_event(event, include_usage)
                 if rewritten:
                     out.append(rewritten)

@@ -68,6 +68,16 @@ class Complete:
     body: dict[str, Any]
 
 
+CR = 0x0D
+"""A carriage return, asked of a read as an int (`CR in data`): CPython 3.11's `bytes in bytes`
+first tries its argument as an integer, and for a bytes argument builds and clears a formatted
+TypeError before it searches, ~0.4 µs of a relayed chunk's ~2 µs of Python (perf of the relay's
+path alone). An int is a plain memchr."""
+USAGE = b'"usage"'
+"""The text only an engine's usage events hold, looked for with `data.find(USAGE) >= 0` (no
+TypeError built, as `CR`'s note says)."""
+
+
 class Closable(Protocol):
     def close(self) -> None: ...
 
@@ -239,7 +249,7 @@ class EventReader:
         """A read as the events see it: the idle watch touched, CRLF folded, the tail first."""
         if self.watch is not None:
             self.watch.touch()
-        if b"\r" in data:
+        if CR in data:
             data = data.replace(b"\r\n", b"\n")
         if self.tail:
             data, self.tail = self.tail + data, b""
@@ -306,7 +316,7 @@ class EventReader:
         out = self.out
         assert out is not None
         data = self._arrived(data)
-        if b'"usage"' in data or out.paused or len(data) > self.max_event_bytes:
+        if data.find(USAGE) >= 0 or out.paused or len(data) > self.max_event_bytes:
             self.held = data  # the slow path: it may await, or raise (`_whole`)
             self.content.end_splice()
             return

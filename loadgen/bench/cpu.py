@@ -8,7 +8,10 @@ so the engine's share is visible and the machine's noise hits both alike.
 `--relay` measures the relay alone: an engine paced so every token is its own SSE event and its
 own network read (time scale `RELAY_TIME_SCALE`), the same requests with few and with many
 output tokens; the gateway's extra CPU divided by the extra events is its cost per relayed
-chunk, with everything a request costs once (parse, route, record) cancelled out.
+chunk, with everything a request costs once (parse, route, record) cancelled out. With
+`--against TREE` both trees' gateways relay from one paced engine in passes A B B A, each
+arm's figure beside the engine's own CPU per chunk (the same code in both arms: the machine's
+yardstick), since two separate runs on this shared machine differ by more than a regression.
 
 `--conversations N` measures precise mode's keying against approximate mode's (issue 16): N
 agent conversations (each its own ~2,000-token system prompt, ~300-token user turns, the
@@ -119,7 +122,7 @@ def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         "--against",
         metavar="TREE",
         help="this checkout's gateway and another tree's (a compiled build: `make compile`), "
-        "the same engine, passes interleaved A B B A",
+        "the same engine, passes interleaved A B B A (with --relay: the relay's µs per chunk)",
     )
     parser.add_argument(
         "--suite",
@@ -346,6 +349,79 @@ def run_relay(args: argparse.Namespace, key: str) -> list[Pass]:
     return [short, long]
 
 
+def _per_chunk(short: Pass, long: Pass) -> tuple[float, float, float]:
+    """(gateway, its system part, engine) CPU µs per chunk: the long pass less the short one
+    over the chunks between them. The engine's is the machine's yardstick: it runs the same code
+    in every arm, so an arm's gateway over engine is the figure a loaded machine moves least."""
+    chunks = max(long.events - short.events, 1)
+    return (
+        (long.gateway_cpu_s - short.gateway_cpu_s) / chunks * 1e6,
+        (long.gateway_system_s - short.gateway_system_s) / chunks * 1e6,
+        (long.engine_cpu_s - short.engine_cpu_s) / chunks * 1e6,
+    )
+
+
+def _summed(name: str, passes: list[Pass]) -> Pass:
+    return Pass(
+        name,
+        sum(p.errors for p in passes),
+        sum(p.wall_s for p in passes),
+        sum(p.engine_cpu_s for p in passes),
+        sum(p.gateway_cpu_s for p in passes),
+        sum(p.events for p in passes),
+        sum(p.gateway_system_s for p in passes),
+    )
+
+
+def run_relay_against(args: argparse.Namespace, key: str) -> list[Pass]:
+    """The relay's cost per chunk of this checkout's gateway (A) and `args.against`'s (B) on
+    one paced engine, both up at once, in passes A B B A of half the requests each (a short and
+    a long pass every time, in turn short-long and long-short): a machine that speeds up or
+    slows down during the run moves both arms alike (issue 41: a regression read apart on a
+    busy machine was ~3x, within the drift of two separate runs)."""
+    relay = argparse.Namespace(**{**vars(args), "stream": True, "requests": args.requests // 2})
+    serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
+    engine_args = ["--time-scale", str(RELAY_TIME_SCALE), "--max-batch", "1024"]
+    with (
+        processes.engines(1, engine_args) as engines,
+        processes.gateway([engines[0].url], [*serve, *args.gateway_arg]) as a,
+        processes.gateway([engines[0].url], [*serve, *args.gateway_arg], cwd=args.against) as b,
+    ):
+        engine = engines[0]
+        for gw in (a, b):  # connections, caches, code
+            asyncio.run(_load(gw.url, key, 200, relay, args.max_tokens))
+        arms = {"this checkout": a, args.against: b}
+        names = ["this checkout", args.against, args.against, "this checkout"]
+        timed: dict[str, dict[int, list[Pass]]] = {n: {t: [] for t in RELAY_TOKENS} for n in arms}
+        for i, name in enumerate(names):
+            gw = arms[name]
+            for n in RELAY_TOKENS if i % 2 == 0 else RELAY_TOKENS[::-1]:
+                p = _timed(f"{name}, {n} tokens", gw.url, key, (engine.pid, gw.pid), relay, n)
+                timed[name][n].append(p)
+    print(
+        f"relay: {2 * relay.requests} streamed requests an arm in two passes of each length "
+        f"(A B B A), concurrency {args.concurrency}, paced engine"
+    )
+    print(
+        f"{'gateway':<40} {'errors':>6} {'µs/chunk':>9} {'system':>7} {'engine':>7} {'gw/eng':>7}"
+    )
+    merged, ratios = [], []
+    for name in arms:
+        short, long = (_summed(f"{name}, {n} tokens", timed[name][n]) for n in RELAY_TOKENS)
+        gateway, system, engine_us = _per_chunk(short, long)
+        ratios.append((gateway, gateway / max(engine_us, 1e-9)))
+        print(
+            f"{name:<40} {short.errors + long.errors:>6} {gateway:>9.1f} {system:>7.1f} "
+            f"{engine_us:>7.1f} {ratios[-1][1]:>7.3f}"
+        )
+        merged += [short, long]
+    print(
+        f"B / A: {ratios[1][0] / ratios[0][0]:.3f} per chunk, "
+        f"{ratios[1][1] / ratios[0][1]:.3f} over the engine's"
+    )
+    return merged
+
+
 def _suite(args: argparse.Namespace, key: str) -> list[Pass]:
     passes: list[Pass] = []
     for prompt_bytes in (0, AGENT_PROMPT_BYTES):
@@ -514,7 +590,7 @@ def run_bench_cpu(args: argparse.Namespace) -> int:
     elif args.suite:
         passes = _suite(args, key)
     elif args.relay:
-        passes = run_relay(args, key)
+        passes = run_relay_against(args, key) if args.against else run_relay(args, key)
     elif args.against:
         passes = run_against(args, key)
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import re
 
 import pytest
@@ -144,3 +145,19 @@ def test_the_fanout_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench_fanout(args) == 0
     out = capsys.readouterr().out
     assert "hot spine" in out and "imbalance" in out
+
+
+def test_the_relay_benchmark_prices_two_trees_in_one_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--relay --against TREE`: each arm's µs per chunk, its engine's, and B over A both ways
+    (here the tree against itself: the test checks the run and its report, not a ratio)."""
+    tree = str(pathlib.Path(__file__).resolve().parents[2])
+    argv = ("--relay", "--requests", "32", "--against", tree)
+    assert run_bench_cpu(_args(add_bench_cpu_arguments, *argv)) == 0
+    out = capsys.readouterr().out
+    for arm in ("this checkout", tree):
+        row = re.search(rf"^{re.escape(arm)} +0 +(-?[\d.]+) +-?[\d.]+ +([\d.]+) ", out, re.M)
+        assert row is not None, out
+        assert float(row[2]) > 0, out  # the engine's CPU per chunk: the yardstick was read
+    assert re.search(r"^B / A: [\d.]+ per chunk, [\d.]+ over the engine's$", out, re.M), out

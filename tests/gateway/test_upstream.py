@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from gateway.pipeline.forwarder import EventReader
 from gateway.pipeline.upstream import (
     MAX_BUFFERED_BYTES,
     BodyTooLarge,
@@ -151,6 +152,69 @@ async def test_the_chunks_of_one_read_are_one_block_for_a_splice(
     await conn.splice(blocks.append)
     assert blocks == [b"data: 2\n\ndata: 3\n\ndata: 4\n\n"]
     assert await conn.readany() == b""  # the end, whole
+    conn.release()
+    pool.close()
+
+
+class _Out:
+    """A client's side of a splice that keeps what it was given (never paused)."""
+
+    paused = False
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    async def drain(self) -> None:
+        pass
+
+    def cut(self) -> None:
+        pass
+
+
+async def test_a_splice_writes_whole_events_folds_crlf_and_holds_the_usage_read(
+    serve: Callable[[Handler], Awaitable[Server]],
+) -> None:
+    """`EventReader.splice`'s read tests (`CR in data`, `data.find(USAGE)`): a CRLF stream is
+    folded, an event split across reads goes out whole, and the read with `"usage"` is held
+    for `block()`, not written."""
+    steps = [asyncio.Event() for _ in range(3)]
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        await writer.drain()
+        for step, data in zip(
+            steps,
+            (b"data: 1\r\n\r\ndata: 2\r\n\r\n", b'data: {"a":', b' 3}\n\ndata: {"usage": {}}\n\n'),
+            strict=True,
+        ):
+            await step.wait()
+            writer.write(chunk(data))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    server = await serve(answer)
+    pool = UpstreamPool(8, 2.0)
+    conn = await pool.post(server.url, b"{}")
+    reader = EventReader(conn)
+    out = _Out()
+    splicing = asyncio.create_task(reader.splice(out))
+    steps[0].set()
+    await eventually(lambda: len(out.written) == 1)
+    assert out.written == [b"data: 1\n\ndata: 2\n\n"]  # folded, written in the callback
+    steps[1].set()
+    await eventually(lambda: reader.tail != b"")
+    assert len(out.written) == 1  # half an event: held back, nothing written
+    steps[2].set()
+    await splicing  # the usage read ended the splice
+    assert out.written == [b"data: 1\n\ndata: 2\n\n"]
+    assert await reader.block() == b'data: {"a": 3}\n\ndata: {"usage": {}}\n\n'
+    assert await reader.block() == b""
     conn.release()
     pool.close()
 
