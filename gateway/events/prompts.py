@@ -270,7 +270,9 @@ class PromptTokens:
         """Texts shorter than this skip it (a chat turn's tail: its pieces are few)."""
         margin = max([2, *(len(t) + 1 for t in self._specials)])
         self.texts = TextPrefixes(margin, max_text_prefix_bytes)
-        self._cache: OrderedDict[tuple[str, str], array.array[int]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        """(salt, segment) -> its ids as native uint32 bytes (what the word cache answers:
+        kept as given, no array made and filled a piece)."""
         self._cached_tokens = 0
         self._prefixes: OrderedDict[bytes, array.array[int]] = OrderedDict()
         self._prefix_tokens = 0
@@ -308,7 +310,7 @@ class PromptTokens:
             self.stats.tokens_encoded += sum(map(len, encoded)) + sum(map(len, encoded_whole))
             self.word_ids.add(cache_salt, missing, encoded)
             for piece, ids in zip(whole, encoded_whole, strict=True):
-                self._keep(cache_salt, piece, array.array("I", ids))
+                self._keep(cache_salt, piece, array.array("I", ids).tobytes())
         return self._assemble(plan, body, chat)
 
     def _encode_off_loop(
@@ -471,7 +473,7 @@ class PromptTokens:
         cache = self._cache
         word_ids = self.word_ids
         lookup = (word_ids.ids_or_none if whole_when_new else word_ids.ids) if self.words else None
-        chunks: list[bytes | array.array[int]] = []
+        chunks: list[bytes] = []
         length = len(out)
         for piece in pieces:
             if not piece:
@@ -485,21 +487,18 @@ class PromptTokens:
                 cache.move_to_end(slot)
                 stats.segment_hits += 1
                 chunks.append(cached)
-                length += len(cached)
+                length += len(cached) >> 2
                 continue
             before = word_ids.stats.tokens_encoded
             found = lookup(piece, salt) if lookup is not None else None
             if found is not None:
-                ids = array.array("I")
-                ids.frombytes(found)
                 stats.tokens_encoded += word_ids.stats.tokens_encoded - before
-                chunks.append(found)
             else:
-                ids = array.array("I", self.tokenizer.encode(piece))
-                stats.tokens_encoded += len(ids)
-                chunks.append(ids)
-            length += len(ids)
-            self._keep(salt, piece, ids)
+                found = array.array("I", self.tokenizer.encode(piece)).tobytes()
+                stats.tokens_encoded += len(found) >> 2
+            chunks.append(found)
+            length += len(found) >> 2
+            self._keep(salt, piece, found)
         if chunks:
             out.frombytes(b"".join(chunks))
         return out
@@ -657,14 +656,16 @@ class PromptTokens:
             _, dropped = self._chats.popitem(last=False)
             self._chat_bytes -= sum(len(chat) for chat, _ in dropped)
 
-    def _keep(self, salt: str, piece: str, ids: array.array[int]) -> None:
-        if len(ids) > self.max_cached_tokens:
+    def _keep(self, salt: str, piece: str, ids: bytes) -> None:
+        """Keep a segment's ids (native uint32 bytes)."""
+        tokens = len(ids) >> 2
+        if tokens > self.max_cached_tokens:
             return
         self._cache[(salt, piece)] = ids
-        self._cached_tokens += len(ids)
+        self._cached_tokens += tokens
         while self._cached_tokens > self.max_cached_tokens:
             _, dropped = self._cache.popitem(last=False)
-            self._cached_tokens -= len(dropped)
+            self._cached_tokens -= len(dropped) >> 2
 
     def _keep_prefix(self, key: bytes, ids: array.array[int]) -> None:
         if len(ids) > self.max_prefix_tokens:
