@@ -463,9 +463,11 @@ cdef extern from *:
     #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && defined(__GNUC__)
     #define KVG_SWAR 1
     #define KVG_CTZ64(x) __builtin_ctzll(x)
+    #define KVG_PREFETCH(p) __builtin_prefetch(p)
     #else
     #define KVG_SWAR 0
     #define KVG_CTZ64(x) 0
+    #define KVG_PREFETCH(p) ((void)(p))
     #endif
     /* 64-byte-aligned memory of `size` bytes (a multiple of 64), or NULL */
     static void *kvg_alloc64(size_t size) {
@@ -475,6 +477,7 @@ cdef extern from *:
     """
     bint KVG_SWAR
     int KVG_CTZ64(uint64_t x) nogil
+    void KVG_PREFETCH(const void *p) nogil
     void *kvg_alloc64(size_t size) nogil
 
 
@@ -657,6 +660,21 @@ cdef class WordTable:
             return None
         return PyBytes_FromStringAndSize(<char *>s.ids, 4 * s.nids)
 
+    cdef Py_ssize_t _take(self, const char *key, Py_ssize_t n, uint64_t h, uint32_t **out,
+                          Py_ssize_t *cap, Py_ssize_t count) except -2:
+        """`key`'s ids appended at `out[0][count]` (grown as needed): the new count, or -1
+        when it is not kept here."""
+        cdef WordSlot *s = self._find(key, n, h)
+        if s.hash == 0 or s.nids == NOT_KEPT:
+            return -1
+        if count + WORD_IDS > cap[0]:
+            cap[0] = 2 * cap[0] + WORD_IDS
+            out[0] = <uint32_t *>realloc_or_free(out[0], cap[0] * sizeof(uint32_t))
+            if out[0] == NULL:
+                raise MemoryError()
+        memcpy(out[0] + count, s.ids, 4 * WORD_IDS)  # a constant size: no libc call
+        return count + s.nids
+
     def tail(self, str text):
         """For a text every space of which is a cut (`gateway.events.words._every_space_cuts`:
         printable ASCII, no two spaces in a row, none at its end) of two pieces or more, each
@@ -672,11 +690,12 @@ cdef class WordTable:
         cdef uint8_t c
         cdef uint64_t h, k, w, special
         cdef int shift, at
-        cdef WordSlot *s
         cdef uint32_t *out
         cdef Py_ssize_t count = 0
         cdef Py_ssize_t pieces = 1
         cdef Py_ssize_t cap
+        cdef Py_ssize_t last = 0
+        cdef uint64_t last_h = 0
         cdef object result
         if n == 0 or not PyUnicode_IS_ASCII(text):
             return None
@@ -742,17 +761,19 @@ cdef class WordTable:
                     i += 1
                 if i == start or i - start > WORD_KEY_BYTES:
                     return None  # two spaces in a row; a piece no slot keeps
-                s = self._find(p + start, i - start, _word_end(h, k, i - start))
-                if s.hash == 0 or s.nids == NOT_KEPT:
-                    return None
-                if count + WORD_IDS > cap:
-                    cap = 2 * cap + WORD_IDS
-                    out = <uint32_t *>realloc_or_free(out, cap * sizeof(uint32_t))
-                    if out == NULL:
-                        raise MemoryError()
-                memcpy(out + count, s.ids, 4 * WORD_IDS)  # a constant size: no libc call
-                count += s.nids
+                # the probe a word late: its slot fetched while the next word is scanned
+                h = _word_end(h, k, i - start)
+                KVG_PREFETCH(&self.slots[<Py_ssize_t>(h >> 7) & self.mask])
+                if pieces > 1:
+                    count = self._take(p + last, start - 1 - last, last_h, &out, &cap, count)
+                    if count < 0:
+                        return None
+                last, last_h = start, h
                 pieces += 1
+            if pieces > 1:
+                count = self._take(p + last, n - last, last_h, &out, &cap, count)
+                if count < 0:
+                    return None
             result = PyBytes_FromStringAndSize(<char *>out, 4 * count)
         finally:
             free(out)
