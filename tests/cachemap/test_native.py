@@ -456,9 +456,13 @@ class DictTable:
 TABLES: list[Callable[[], Any]] = [DictTable] + (
     [COMPILED.WordTable] if COMPILED is not None else []
 )
-_WORDS = ["a", "bb", "ccc", "Hello,", "x" * 22, "y" * 23, "é", "日本", "", "\x7f", "\t", "\n"]
-"""Pieces a table keeps (ASCII, up to 22 bytes) and does not (longer, not ASCII), and
-characters that keep a space from being a cut."""
+_WORDS = [
+    *("a", "bb", "ccc", "Hello,", "eight_ch", "sixteen_chars_ok", "x" * 22, "y" * 23, "é", "日本"),
+    *("", "\x7f", "\t", "\n", "seven\x7fby", "tab\there01"),
+]
+"""Pieces a table keeps (ASCII, up to 22 bytes: one, two and three of the 8 bytes `tail` reads
+at a time) and does not (longer, not ASCII), and characters that keep a space from being a
+cut, alone and inside a word."""
 _TEXTS = st.lists(st.sampled_from([*_WORDS, " ", "  "]), max_size=14).map(" ".join)
 
 
