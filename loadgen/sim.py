@@ -228,6 +228,11 @@ class SimConfig:
     where the policy places it (`router.ahead`; a model only: it needs the lookups registered
     in Redis, which the gateway does not do yet). False: each on its own view, the herd rule
     standing for its peers' requests."""
+    distinct_generations: int = 0
+    """Several gateways, the directory by generations: 0 models the Redis directory as built
+    (`_GenerationIndex`: two generations of 3/4 the capacity); K > 0 a candidate not built
+    (`_DistinctGenerationIndex`: K generations of 1/K, the oldest dropped by the entries it
+    still holds), to measure before building it in the lookup and record scripts."""
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -244,6 +249,10 @@ class SimConfig:
             raise ValueError(f"routing_s must be non-negative, got {self.routing_s}")
         if self.ahead and self.placement_delay_s is None:
             raise ValueError("ahead needs placements shared (placement_delay_s)")
+        if self.distinct_generations < 0:
+            raise ValueError(
+                f"distinct_generations must be non-negative, got {self.distinct_generations}"
+            )
         unknown = self.as_one - set(AS_ONE)
         if unknown:
             raise ValueError(f"unknown as_one {sorted(unknown)}; choose from {AS_ONE}")
@@ -822,7 +831,7 @@ class _GenerationIndex:
         expired_before = self.clock() - self.ttl_s
         out: dict[str, Held] = {}
         for replica, entries in self._entries.items():
-            live = self._generation[replica] - 1
+            live = self.oldest_live(replica)
             depth, gen, used = 0, 0, math.inf
             for block in hashes:
                 entry = entries.get(block)
@@ -834,6 +843,10 @@ class _GenerationIndex:
             if depth:
                 out[replica] = Held(depth, gen, round(used * 1000))
         return out
+
+    def oldest_live(self, replica: str) -> int:
+        """The oldest generation whose entries match (the lookup script's argument)."""
+        return self._generation[replica] - 1
 
     def record(self, replica: str, hashes: Sequence[BlockHash], held: Held | None = None) -> None:
         now = self.clock()
@@ -856,6 +869,61 @@ class _GenerationIndex:
             # an older generation never matches again: its entries go (Redis's go by TTL)
             self._entries[replica] = {b: e for b, e in entries.items() if e[0] >= generation - 1}
         self._count[replica] = count
+
+
+class _DistinctGenerationIndex(_GenerationIndex):
+    """A candidate for the Redis directory's capacity, not built (`SimConfig.
+    distinct_generations`). Two generations hold between 3/4 and 3/2 of the capacity in
+    distinct blocks, and where a replica's blocks are used again across generations (every
+    conversation's prefix at its next turn) the count of blocks new to the generation runs
+    ahead of the blocks held: the directory forgets prefixes its engine still holds, or lists
+    ones it evicted, where an exact LRU of the capacity does neither. Here each replica keeps
+    how many of its live entries are at each generation (a block used again moves from its
+    generation to the current one: one less there, one more here); the current generation
+    advances after `capacity / K` entries are at it, and the oldest live generation is dropped
+    while the entries left without it are nearer the capacity than with it — so the live
+    entries stay within half a generation (capacity / 2K) of the capacity, as an LRU's. The
+    lookup is unchanged: it already takes each replica's oldest live generation. A TTL-expired
+    entry is still counted until its generation is dropped (the TTL is far past these traces)."""
+
+    def __init__(self, capacity_blocks: int, ttl_s: float, clock: _Clock, generations: int) -> None:
+        super().__init__(capacity_blocks, ttl_s, clock)
+        self.capacity = capacity_blocks
+        self.per_generation = max(math.ceil(capacity_blocks / generations), 1)
+        self._at: dict[str, dict[int, int]] = {}
+        """Per replica: a live generation -> how many of its entries are at it."""
+        self._oldest: dict[str, int] = {}
+
+    def oldest_live(self, replica: str) -> int:
+        return self._oldest.get(replica, 0)
+
+    def record(self, replica: str, hashes: Sequence[BlockHash], held: Held | None = None) -> None:
+        now = self.clock()
+        entries = self._entries.setdefault(replica, {})
+        generation = self._generation.setdefault(replica, 0)
+        oldest = self._oldest.get(replica, 0)
+        at = self._at.setdefault(replica, {})
+        now_ms = round(now * 1000)
+        ttl_ms = round(self.ttl_s * 1000)
+        refresh_ms = record_refresh_ms(ttl_ms, ttl_ms)
+        if held is not None and held.gen == generation and now_ms - held.used_ms < refresh_ms:
+            hashes = hashes[held.depth :]
+        for block in hashes:
+            old = entries.get(block)
+            if old is not None and old[0] >= oldest:
+                at[old[0]] -= 1
+            at[generation] = at.get(generation, 0) + 1
+            entries[block] = (generation, now)
+        if at.get(generation, 0) >= self.per_generation:
+            generation += 1
+            self._generation[replica] = generation
+        live = sum(at.values())
+        while oldest < generation and live - at.get(oldest, 0) / 2 > self.capacity:
+            live -= at.pop(oldest, 0)
+            oldest += 1
+        if oldest != self._oldest.get(replica, 0):
+            self._oldest[replica] = oldest
+            self._entries[replica] = {b: e for b, e in entries.items() if e[0] >= oldest}
 
 
 class _SharedDirectory:
@@ -951,7 +1019,14 @@ def _directory(
     capacity = max(int(per_replica * config.directory_scale), 1)
     if config.gateways > 1 and CAPACITY not in config.as_one:
         ttl = 0.0 if PLACEMENTS in config.as_one else PLACEMENT_TTL_S
-        return _SharedDirectory(_GenerationIndex(capacity, config.directory_ttl_s, clock), ttl)
+        generations = (
+            _DistinctGenerationIndex(
+                capacity, config.directory_ttl_s, clock, config.distinct_generations
+            )
+            if config.distinct_generations
+            else _GenerationIndex(capacity, config.directory_ttl_s, clock)
+        )
+        return _SharedDirectory(generations, ttl)
     index = MemoryIndex(capacity_blocks=capacity, ttl_s=config.directory_ttl_s, clock=clock)
     if config.gateways > 1 and PLACEMENTS not in config.as_one:
         return _SharedDirectory(index, PLACEMENT_TTL_S)
@@ -1590,6 +1665,15 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "directory; no placements in flight)",
     )
     parser.add_argument(
+        "--distinct-generations",
+        type=int,
+        default=0,
+        metavar="K",
+        help="several gateways: model the Redis directory's capacity as a candidate not built, "
+        "K generations of 1/K of it, the oldest dropped by the entries it still holds "
+        "(default 0: the two generations of 3/4 built)",
+    )
+    parser.add_argument(
         "--pace",
         action="store_true",
         help="several gateways, with --placement-delay-ms: each decides its next request no "
@@ -1696,6 +1780,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         herd=args.herd == "on",
         pace=args.pace,
         ahead=args.ahead,
+        distinct_generations=args.distinct_generations,
     )
 
 
@@ -1714,6 +1799,8 @@ def _describe_gateways(config: SimConfig) -> str:
         herd += ", paced"
     if config.ahead:
         herd += ", the requests looked up ahead placed first"
+    if config.distinct_generations:
+        herd += f", the directory {config.distinct_generations} distinct generations (a candidate)"
     return (
         f"\n{config.gateways} gateways on one shared directory, requests round robin, load "
         f"shared every {config.load_share_interval_s:g} s{placements}{routing}{herd}{as_one}"
@@ -1825,6 +1912,7 @@ def run_sim(args: argparse.Namespace) -> int:
                 "as_one": sorted(config.as_one),
                 "placement_delay_s": config.placement_delay_s,
                 "routing_s": config.routing_s,
+                "distinct_generations": config.distinct_generations,
             },
             "references": asdict(refs),
             "results": {r.label: r.summary() for r in results},

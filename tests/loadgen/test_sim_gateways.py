@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachemap.directory import Held
 from cachemap.keys import BlockHash
@@ -16,6 +18,7 @@ from loadgen.sim import (
     AS_ONE,
     SimConfig,
     _Clock,
+    _DistinctGenerationIndex,
     _Gateways,
     _GenerationIndex,
     run_policies,
@@ -173,6 +176,53 @@ def test_the_redis_capacity_holds_one_to_two_generations_of_the_most_recent_bloc
     index.record("r", [blocks[17]])  # the sixth new block of generation 2: generation 3 begins
     assert held() == blocks[12:]  # 6 of 8, the fewest it holds
     assert index.lookup([blocks[12], blocks[13], blocks[0]]) == {"r": 2}
+
+
+def test_two_generations_forget_blocks_an_lru_holds_when_used_again() -> None:
+    """The cause of issue 39's lost hit ratio at N gateways: a block used again in the next
+    generation counts there once more, so the live entries fall below the capacity."""
+    clock = _Clock()
+    two = _GenerationIndex(capacity_blocks=8, ttl_s=3600.0, clock=clock)  # 6 a generation
+    distinct = _DistinctGenerationIndex(8, 3600.0, clock, generations=4)  # 2 a generation
+    spine = [BlockHash(bytes([100 + i]) * 16) for i in range(4)]
+    blocks = [BlockHash(bytes([i]) * 16) for i in range(8)]
+    for index in (two, distinct):
+        for block in blocks:  # a spine recorded again with each new block, as every turn does
+            index.record("r", [*spine, block])
+    # the 8 most recently used distinct blocks: the spine and the last four
+    lru = [*spine, *blocks[4:]]
+    held = {b for b in [*spine, *blocks] if two.lookup([b]).get("r")}
+    assert held == {*spine, *blocks[6:]}  # 6 of them: the generation before is gone
+    assert {b for b in [*spine, *blocks] if distinct.lookup([b]).get("r")} == set(lru)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.integers(4, 40),
+    generations=st.integers(1, 16),
+    records=st.lists(st.lists(st.integers(0, 60), min_size=1, max_size=3), max_size=200),
+)
+def test_distinct_generations_hold_the_most_recent_blocks_within_half_a_generation_of_capacity(
+    capacity: int, generations: int, records: list[list[int]]
+) -> None:
+    """As an LRU: what matches is always the most recently recorded distinct blocks, and once
+    a generation was dropped, as many as the capacity to within half a generation (and the
+    record that overfilled it)."""
+    clock = _Clock()
+    index = _DistinctGenerationIndex(capacity, 3600.0, clock, generations)
+    slack = (index.per_generation + 3) / 2
+    recency: list[int] = []
+    for record in records:
+        index.record("r", [BlockHash(bytes([b]) * 16) for b in record])
+        for b in record:
+            if b in recency:
+                recency.remove(b)
+            recency.append(b)
+        held = [b for b in recency if index.lookup([BlockHash(bytes([b]) * 16)]).get("r")]
+        assert held == recency[len(recency) - len(held) :]  # a suffix of the recency order
+        assert len(held) <= max(capacity + slack, index.per_generation + 3)
+        if index.oldest_live("r") > 0:
+            assert len(held) > capacity - slack
 
 
 def test_a_record_leaves_a_fresh_held_prefix_of_the_current_generation(
