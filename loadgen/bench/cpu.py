@@ -252,22 +252,39 @@ def _measure(
         ]
 
 
+@contextlib.contextmanager
+def _two_trees(
+    args: argparse.Namespace, key: str, engine_args: list[str], warm: argparse.Namespace
+) -> Iterator[tuple[processes.Proc, dict[str, processes.Proc], list[str]]]:
+    """One engine, and this checkout's gateway (A) and `args.against`'s (B) on it, both up and
+    warmed (connections, caches, code) with `warm`'s requests: (the engine, the arms by name,
+    the names in the order A B B A)."""
+    serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
+    with (
+        processes.engines(1, engine_args) as engines,
+        processes.gateway([engines[0].url], [*serve, *args.gateway_arg]) as a,
+        processes.gateway([engines[0].url], [*serve, *args.gateway_arg], cwd=args.against) as b,
+    ):
+        for gw in (a, b):
+            asyncio.run(_load(gw.url, key, 200, warm, args.max_tokens))
+        yield (
+            engines[0],
+            {"this checkout": a, args.against: b},
+            [
+                "this checkout",
+                args.against,
+                args.against,
+                "this checkout",
+            ],
+        )
+
+
 def run_against(args: argparse.Namespace, key: str) -> list[Pass]:
     """This checkout's gateway (A) and `args.against`'s (B) on one engine, both up at once, in
     four passes of half the requests each, A B B A: a machine that speeds up or slows down
     during the run moves both arms alike."""
-    serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
     half = argparse.Namespace(**{**vars(args), "requests": args.requests // 2})
-    with (
-        processes.engines(1, FAST_ENGINE) as engines,
-        processes.gateway([engines[0].url], [*serve, *args.gateway_arg]) as a,
-        processes.gateway([engines[0].url], [*serve, *args.gateway_arg], cwd=args.against) as b,
-    ):
-        engine = engines[0]
-        for gw in (a, b):  # connections, caches, code
-            asyncio.run(_load(gw.url, key, 200, args, args.max_tokens))
-        arms = {"this checkout": a, args.against: b}
-        names = ["this checkout", args.against, args.against, "this checkout"]
+    with _two_trees(args, key, FAST_ENGINE, args) as (engine, arms, names):
         timed = [
             _timed(name, arms[name].url, key, (engine.pid, arms[name].pid), half, args.max_tokens)
             for name in names
@@ -380,18 +397,8 @@ def run_relay_against(args: argparse.Namespace, key: str) -> list[Pass]:
     slows down during the run moves both arms alike (issue 41: a regression read apart on a
     busy machine was ~3x, within the drift of two separate runs)."""
     relay = argparse.Namespace(**{**vars(args), "stream": True, "requests": args.requests // 2})
-    serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
     engine_args = ["--time-scale", str(RELAY_TIME_SCALE), "--max-batch", "1024"]
-    with (
-        processes.engines(1, engine_args) as engines,
-        processes.gateway([engines[0].url], [*serve, *args.gateway_arg]) as a,
-        processes.gateway([engines[0].url], [*serve, *args.gateway_arg], cwd=args.against) as b,
-    ):
-        engine = engines[0]
-        for gw in (a, b):  # connections, caches, code
-            asyncio.run(_load(gw.url, key, 200, relay, args.max_tokens))
-        arms = {"this checkout": a, args.against: b}
-        names = ["this checkout", args.against, args.against, "this checkout"]
+    with _two_trees(args, key, engine_args, relay) as (engine, arms, names):
         timed: dict[str, dict[int, list[Pass]]] = {n: {t: [] for t in RELAY_TOKENS} for n in arms}
         for i, name in enumerate(names):
             gw = arms[name]
