@@ -381,23 +381,29 @@ local function current_gen(gen_key, base_key, rid, known)
 end
 """
 
+# `n` new blocks added to a replica's count; past `per_gen` the generation advances, once, and
+# is announced: the count's one rule, for `COUNT` and `RECORD_COUNTED` alike.
+_COUNTED = """
+local function counted(gen_key, count_key, rid, gen, n, per_gen, channel)
+  if n > 0 and redis.call('HINCRBY', count_key, rid, n) >= tonumber(per_gen) then
+    gen = gen + 1
+    redis.call('HSET', gen_key, rid, gen)
+    redis.call('HSET', count_key, rid, 0)
+    redis.call('PUBLISH', channel, rid .. ':' .. gen)
+  end
+  return gen
+end
+"""
+
 # KEYS: gen, count, seen, base. ARGV: rid, new blocks recorded, blocks per generation, channel,
 # known generation, now ms.
 COUNT = (
     _GEN
+    + _COUNTED
     + """
 local gen = current_gen(KEYS[1], KEYS[4], ARGV[1], ARGV[5])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[6])
-if tonumber(ARGV[2]) > 0 then
-  local n = redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[2])
-  if n >= tonumber(ARGV[3]) then
-    gen = gen + 1
-    redis.call('HSET', KEYS[1], ARGV[1], gen)
-    redis.call('HSET', KEYS[2], ARGV[1], 0)
-    redis.call('PUBLISH', ARGV[4], ARGV[1] .. ':' .. gen)
-  end
-end
-return gen
+return counted(KEYS[1], KEYS[2], ARGV[1], gen, tonumber(ARGV[2]), ARGV[3], ARGV[4])
 """
 )
 
@@ -417,6 +423,7 @@ RECORD_COUNTED = (
     "local META = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}\n"
     + CHAIN
     + _GEN
+    + _COUNTED
     + _RECORD_BODY
     + """
 if tonumber(ARGV[7]) == 0 then
@@ -425,16 +432,7 @@ if tonumber(ARGV[7]) == 0 then
 end
 local current = current_gen(META[1], META[4], ARGV[3], ARGV[4])
 redis.call('HSET', META[3], ARGV[3], ARGV[9])
-if new > 0 then
-  local n = redis.call('HINCRBY', META[2], ARGV[3], new)
-  if n >= tonumber(ARGV[7]) then
-    current = current + 1
-    redis.call('HSET', META[1], ARGV[3], current)
-    redis.call('HSET', META[2], ARGV[3], 0)
-    redis.call('PUBLISH', ARGV[8], ARGV[3] .. ':' .. current)
-  end
-end
-return {new, current}
+return {new, counted(META[1], META[2], ARGV[3], current, new, ARGV[7], ARGV[8])}
 """
 )
 

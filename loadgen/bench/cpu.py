@@ -297,15 +297,7 @@ def run_against(args: argparse.Namespace, key: str) -> list[Pass]:
     print(f"{'gateway':<40} {'errors':>6} {'engine ms/req':>14} {'gateway ms/req':>15}")
     merged = []
     for name in dict.fromkeys(names):
-        ps = [p for p in timed if p.name == name]
-        p = Pass(
-            name,
-            sum(p.errors for p in ps),
-            sum(p.wall_s for p in ps),
-            sum(p.engine_cpu_s for p in ps),
-            sum(p.gateway_cpu_s for p in ps),
-            sum(p.events for p in ps),
-        )
+        p = _summed(name, [p for p in timed if p.name == name])
         merged.append(p)
         per = 2 * half.requests
         print(
