@@ -150,6 +150,12 @@ engine step (10–30 ms), then ZMQ and the gateway's ingest."""
 DEFAULT_GATEWAYS = 1
 DEFAULT_LOAD_SHARE_INTERVAL_S = 0.1
 """The gateway's `load_share_interval_s` default (`gateway.settings`), in trace seconds."""
+SGLANG_MODEL = "sglang_model"
+"""A model of sglang-router's `cache_aware` (sim only, not a kvgate policy): see `SglangModel`."""
+SGLANG_CACHE_THRESHOLD = 0.3
+SGLANG_BALANCE_ABS = 64
+SGLANG_BALANCE_REL = 1.5
+
 LOAD = "load"
 CAPACITY = "capacity"
 PLACEMENTS = "placements"
@@ -1050,7 +1056,8 @@ def simulate(
         config,
         router=replace(config.router, affinity_weight=weight, stickiness=sticky, room_weight=room),
     )
-    profile = build_policy(policy, config.router)
+    peer = policy == SGLANG_MODEL
+    profile = build_policy("least_load" if peer else policy, config.router)
     rng = random.Random(config.seed)
     clock = _Clock()
     per_replica = refs.capacity_blocks_per_replica
@@ -1101,6 +1108,7 @@ def simulate(
     best_blocks: dict[int, int] = {}
     outputs: dict[str, int] = {}
     decisions: dict[str, int] = {}
+    sglang = SglangModel(list(by_id)) if peer else None
 
     # engine events come out of a heap keyed by each core's next event time
     heap: list[tuple[float, int]] = []
@@ -1178,7 +1186,13 @@ def simulate(
         seen = gateways.deciding_on(seen)
         snapshot = _snapshots(replicas, route, clock.now, frontiers, conversations, req, hs, seen)
         snapshot, route = gateways.with_ahead(profile, gateway, looked_up, snapshot, route)
-        decision = _decide(profile, route, snapshot, rng, hs, rates, overflow)
+        decision = (
+            _decide(profile, route, snapshot, rng, hs, rates, overflow)
+            if sglang is None
+            else sglang.decide(
+                hs, {r.id: r.num_inflight for r in replicas}, req.input_length, block
+            )
+        )
         gateways.looked_up(gateway, looked_up, route, decided_s, decision.replica)
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         # what the router counted held anywhere (a claim it did not count is not: `router.claims`)
@@ -1223,6 +1237,51 @@ def simulate(
     return _result(
         policy, config.mode, done, replicas, refs, trace, decisions, time.perf_counter() - wall0
     )
+
+
+class SglangModel:
+    """sglang-router's `cache_aware` policy (sglang_router 0.3.2's defaults), as its source
+    comment states it, on the simulator's blocks rather than its text:
+
+    - the fleet is imbalanced when the most and least requests in flight differ by more than
+      64 and the most exceeds 1.5x the least: then the fewest in flight;
+    - else, when the longest prefix match in the router's own tree (every prompt it sent a
+      worker, never evicted here: its 2^26-character cap is not reached on 1,000 prompts)
+      covers more than 30% of the prompt: that worker;
+    - else the worker whose tree is smallest (the fewest distinct blocks sent to it).
+
+    The last branch, taken by most requests on a trace with few hits, balances the cumulative
+    distinct prefill sent to each worker, whatever is queued there now."""
+
+    def __init__(self, replicas: Sequence[str]) -> None:
+        self.trees: dict[str, set[BlockHash]] = {rid: set() for rid in replicas}
+
+    def decide(
+        self, hs: Sequence[BlockHash], inflight: dict[str, int], prompt_tokens: int, block: int
+    ) -> Decision:
+        ids = sorted(self.trees)
+        most, least = max(inflight.values()), min(inflight.values())
+        if most - least > SGLANG_BALANCE_ABS and most > SGLANG_BALANCE_REL * least:
+            pick, reason = min(ids, key=lambda rid: (inflight[rid], rid)), "shortest_queue"
+        else:
+            match = {rid: self._match(rid, hs) for rid in ids}
+            best = max(ids, key=lambda rid: (match[rid], -ids.index(rid)))
+            if prompt_tokens > 0 and match[best] * block / prompt_tokens > SGLANG_CACHE_THRESHOLD:
+                pick, reason = best, "prefix"
+            else:
+                pick, reason = min(ids, key=lambda rid: (len(self.trees[rid]), rid)), "no_match"
+        self.trees[pick].update(hs)
+        ranking = (pick, *(rid for rid in ids if rid != pick))
+        return Decision(ranking, reason, policy=SGLANG_MODEL)
+
+    def _match(self, rid: str, hs: Sequence[BlockHash]) -> int:
+        tree = self.trees[rid]
+        n = 0
+        for h in hs:
+            if h not in tree:
+                break
+            n += 1
+        return n
 
 
 def _decide(
@@ -1414,7 +1473,7 @@ def run_policies(
     """Every policy in every directory mode (default: the config's), over the same requests.
     A cache-blind policy reads no directory: it runs once, in approximate mode."""
     for name in policies:
-        if name not in POLICIES:
+        if name not in POLICIES and name != SGLANG_MODEL:
             raise ValueError(
                 f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}"
             )
@@ -1426,7 +1485,7 @@ def run_policies(
     arms: list[tuple[str, str]] = []
     for mode in modes or (config.mode,):
         for name in policies:
-            reads = build_policy(name, config.router).locality
+            reads = name != SGLANG_MODEL and build_policy(name, config.router).locality
             arm = (name, mode if reads else APPROXIMATE)
             if arm not in arms:
                 arms.append(arm)
@@ -1478,7 +1537,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         default="all",
-        help=f"one of {', '.join(POLICIES)}, a comma-separated list, or 'all' (default)",
+        help=f"one of {', '.join(POLICIES)}, a comma-separated list, or 'all' (default); "
+        f"also {SGLANG_MODEL} (a model of sglang-router's cache_aware, not in 'all')",
     )
     parser.add_argument(
         "--mode",
