@@ -9,8 +9,11 @@ cachemap.native).
 - `hold_new`, `remove_held`: `cachemap.events`'s writes of a stored chain into a domain's maps
   and its removal of a batch of blocks, each one loop over the blocks writing every map (the
   pure forms make a pass a map: zips, lists, a Counter).
-- `WordTable`: a mirror of the precise word cache's young pieces (`gateway.events.words`) that
-  looks a text's words up from its characters, no `str` made a word (`words._tail`'s form).
+- `WordTable`: a mirror of the precise word cache's young pieces, first and later
+  (`gateway.events.words`), that looks a text's words up from its characters, no `str` made a
+  word (`words._tail`'s form).
+- `common_prefix`: the longest common prefix of two texts (`gateway.events.texts`), compared 8
+  bytes a step, no slice made.
 - `unpack_u32`: a KV event's token ids from their msgpack bytes into an `array("I")`, no int
   object made a token (`gateway.events.decode.unpack_u32`).
 
@@ -485,12 +488,14 @@ cdef extern from "Python.h":
     bint PyUnicode_IS_ASCII(object o)
     void *PyUnicode_DATA(object o)
     Py_ssize_t PyUnicode_GET_LENGTH(object o)
+    int PyUnicode_KIND(object o)
+    Py_UCS4 PyUnicode_READ(int kind, const void *data, Py_ssize_t index) nogil
 
 
 cdef struct WordSlot:
     uint64_t hash  # 0: empty (a key's hash has its low bit set)
     uint32_t ids[8]
-    uint8_t klen
+    uint8_t klen  # the key's length, | FIRST for a first piece
     uint8_t nids  # NOT_KEPT: its ids are not kept here (a lookup misses)
     char key[22]
 
@@ -499,6 +504,8 @@ cdef enum:
     WORD_KEY_BYTES = 22
     WORD_IDS = 8
     NOT_KEPT = 255
+    FIRST = 0x80  # a slot's `klen` bit: a first piece, not a later one of the same characters
+    KLEN_MASK = 0x7F
 
 
 cdef enum:
@@ -564,8 +571,8 @@ cdef inline bint _same(const char *a, const char *b, Py_ssize_t n) nogil:
 
 
 cdef class WordTable:
-    """One salt's later pieces of the word cache's young generation (`gateway.events.words`):
-    an ASCII piece of up to 22 bytes -> its ids (up to 8 native uint32s), inline in a 64-byte
+    """One salt's pieces of the word cache's young generation (`gateway.events.words`), its
+    later pieces and its first ones apart: an ASCII piece of up to 22 bytes -> its ids (up to 8 native uint32s), inline in a 64-byte
     slot, so a text's pieces are looked up straight from its characters (`tail`), no `str`
     made, hashed and compared a word. A mirror of a dict, never the only copy: a piece it
     does not keep is a miss, and the caller reads the dict then."""
@@ -590,12 +597,13 @@ cdef class WordTable:
         return self.used
 
     cdef WordSlot *_find(self, const char *key, Py_ssize_t n, uint64_t h) nogil:
-        """The slot of `key`, or the empty slot where it would go."""
+        """The slot of `key` (`n`: its length, | FIRST for a first piece), or the empty slot
+        where it would go."""
         cdef Py_ssize_t i = <Py_ssize_t>(h >> 7) & self.mask
         cdef WordSlot *s
         while True:
             s = &self.slots[i]
-            if s.hash == 0 or (s.hash == h and s.klen == n and _same(s.key, key, n)):
+            if s.hash == 0 or (s.hash == h and s.klen == n and _same(s.key, key, n & KLEN_MASK)):
                 return s
             i = (i + 1) & self.mask
 
@@ -617,9 +625,10 @@ cdef class WordTable:
         free(old)
         return 0
 
-    def put(self, str key, bytes ids):
-        """Keep `key`'s ids (native uint32 bytes) where they fit; a key kept before with ids
-        that do not fit is kept as a miss."""
+    def put(self, str key, bytes ids, bint first=False):
+        """Keep `key`'s ids (native uint32 bytes) where they fit, as a first piece or a later
+        one (apart: the same characters may be both); a key kept before with ids that do not
+        fit is kept as a miss."""
         cdef Py_ssize_t n = PyUnicode_GET_LENGTH(key)
         cdef Py_ssize_t size = PyBytes_GET_SIZE(ids)
         cdef bint fits = size % 4 == 0 and size // 4 <= WORD_IDS
@@ -630,16 +639,16 @@ cdef class WordTable:
             return
         k = <const char *>PyUnicode_DATA(key)
         h = _word_hash(k, n)
-        s = self._find(k, n, h)
+        s = self._find(k, n | (FIRST if first else 0), h)
         if s.hash == 0:
             if not fits:
                 return
             if (self.used + 1) * 4 > (self.mask + 1) * 3:
                 self._grow()
-                s = self._find(k, n, h)
+                s = self._find(k, n | (FIRST if first else 0), h)
             self.used += 1
             s.hash = h
-            s.klen = <uint8_t>n
+            s.klen = <uint8_t>(n | (FIRST if first else 0))
             memcpy(s.key, k, n)
         if fits:
             s.nids = <uint8_t>(size // 4)
@@ -647,23 +656,23 @@ cdef class WordTable:
         else:
             s.nids = NOT_KEPT
 
-    def get(self, str key):
-        """`key`'s ids as kept here (None: not kept)."""
+    def get(self, str key, bint first=False):
+        """`key`'s ids as kept here, as a first piece or a later one (None: not kept)."""
         cdef Py_ssize_t n = PyUnicode_GET_LENGTH(key)
         cdef const char *k
         cdef WordSlot *s
         if not PyUnicode_IS_ASCII(key) or n > WORD_KEY_BYTES:
             return None
         k = <const char *>PyUnicode_DATA(key)
-        s = self._find(k, n, _word_hash(k, n))
+        s = self._find(k, n | (FIRST if first else 0), _word_hash(k, n))
         if s.hash == 0 or s.nids == NOT_KEPT:
             return None
         return PyBytes_FromStringAndSize(<char *>s.ids, 4 * s.nids)
 
     cdef Py_ssize_t _take(self, const char *key, Py_ssize_t n, uint64_t h, uint32_t **out,
                           Py_ssize_t *cap, Py_ssize_t count) except -2:
-        """`key`'s ids appended at `out[0][count]` (grown as needed): the new count, or -1
-        when it is not kept here."""
+        """`key`'s ids (`n`: its length, | FIRST for a first piece) appended at
+        `out[0][count]` (grown as needed): the new count, or -1 when it is not kept here."""
         cdef WordSlot *s = self._find(key, n, h)
         if s.hash == 0 or s.nids == NOT_KEPT:
             return -1
@@ -679,7 +688,9 @@ cdef class WordTable:
         """For a text every space of which is a cut (`gateway.events.words._every_space_cuts`:
         printable ASCII, no two spaces in a row, none at its end) of two pieces or more, each
         later one kept here: (where its first piece ends, the later pieces' ids joined, its
-        pieces); else None.
+        pieces), or (0, every piece's ids joined, its pieces) when its first piece is kept
+        here too (as a first piece; as the later piece after its space when it opens with
+        one); else None.
 
         One pass over the characters: each later piece's bytes are checked and hashed as its
         end is sought (a check of the whole text first, then a scan a word and a hash a word,
@@ -696,6 +707,7 @@ cdef class WordTable:
         cdef Py_ssize_t cap
         cdef Py_ssize_t last = 0
         cdef uint64_t last_h = 0
+        cdef Py_ssize_t head_at, head_n
         cdef object result
         if n == 0 or not PyUnicode_IS_ASCII(text):
             return None
@@ -723,6 +735,16 @@ cdef class WordTable:
         if out == NULL:
             raise MemoryError()
         try:
+            # the first piece's ids first, where kept: " x" is the later piece "x"
+            head_at = 1 if p[0] == b' ' else 0
+            head_n = first_end - head_at
+            if head_n <= WORD_KEY_BYTES:
+                count = self._take(p + head_at, head_n | (0 if head_at else FIRST),
+                                   _word_hash(p + head_at, head_n), &out, &cap, 0)
+                if count < 0:
+                    count = 0
+                else:
+                    first_end = 0
             while i < n:  # p[i] is a space, and a character follows it
                 start = i + 1
                 i = start
@@ -786,6 +808,33 @@ cdef inline void *realloc_or_free(void *p, size_t size) nogil:
     if q == NULL:
         free(p)
     return q
+
+
+def common_prefix(str a, str b):
+    """`gateway.events.texts.common_prefix`: the length of the longest common prefix of `a`
+    and `b`. Two texts of one kind (bytes a character: CPython stores a text in the fewest that
+    hold its widest character) are compared 8 bytes a step, the first differing byte found by
+    its lowest set bit; texts of two kinds character by character."""
+    cdef Py_ssize_t n = min(PyUnicode_GET_LENGTH(a), PyUnicode_GET_LENGTH(b))
+    cdef int kind = PyUnicode_KIND(a)
+    cdef const uint8_t *pa = <const uint8_t *>PyUnicode_DATA(a)
+    cdef const uint8_t *pb = <const uint8_t *>PyUnicode_DATA(b)
+    cdef Py_ssize_t i = 0, size
+    cdef uint64_t x, y
+    if kind != PyUnicode_KIND(b):
+        while i < n and PyUnicode_READ(kind, pa, i) == PyUnicode_READ(PyUnicode_KIND(b), pb, i):
+            i += 1
+        return i
+    size = n * kind
+    while KVG_SWAR and i + 8 <= size:
+        memcpy(&x, pa + i, 8)
+        memcpy(&y, pb + i, 8)
+        if x != y:
+            return (i + (KVG_CTZ64(x ^ y) >> 3)) // kind
+        i += 8
+    while i < size and pa[i] == pb[i]:
+        i += 1
+    return i // kind
 
 
 cdef array.array U32_TEMPLATE = array.array("I")

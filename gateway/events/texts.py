@@ -29,6 +29,8 @@ import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from cachemap.native import NATIVE
+
 DEFAULT_TEXT_PREFIX_BYTES = 32 << 20
 """Bytes of texts, ids and cuts kept (~6 MB a 100k-token prompt: ~5 such, or ~50 of 12k)."""
 OPENING_CHARS = 256
@@ -67,6 +69,11 @@ def common_prefix(a: str, b: str) -> int:
     while low < high and a[low] == b[low]:
         low += 1
     return low
+
+
+_COMMON_PREFIX = NATIVE.common_prefix if NATIVE is not None else common_prefix
+"""`common_prefix`, compiled where built (`cachemap._native.common_prefix`: 8 bytes a step,
+no slice made; the pure form's growing steps were ~14 slices and `startswith`s a compare)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +127,7 @@ class TextPrefixes:
         best: TextIds | None = None
         shared = 0
         for entry in entries:
-            length = common_prefix(entry.text, text)
+            length = _COMMON_PREFIX(entry.text, text)
             if length > shared:
                 best, shared = entry, length
         if best is None:

@@ -33,11 +33,11 @@ The cache is keyed under the request's cache salt like the other tokenization ca
 tenant neither reads nor times another's words. It is bounded in pieces and generational:
 when the young generation holds half the bound it becomes the old one and the previous old
 one is dropped, so a hit costs one dict lookup in a C loop and nothing else (no LRU
-bookkeeping). Where the compiled module is built, each salt's later pieces in the young
-generation are mirrored in a `cachemap._native.WordTable` as they are kept: a text every space
-of which is a cut is looked up from its characters in one call (`_whole`), no `str` made,
-hashed and compared a word (bench point 2's prompts: 1.3 -> 0.5 ms a request); any piece it
-lacks sends the text the pure way, which is the definition.
+bookkeeping). Where the compiled module is built, each salt's pieces in the young generation
+(later and first) are mirrored in a `cachemap._native.WordTable` as they are kept: a text
+every space of which is a cut is looked up from its characters in one call (`_whole`), no
+`str` made, hashed and compared a word (bench point 2's prompts: 1.3 -> 0.5 ms a request);
+any piece it lacks sends the text the pure way, which is the definition.
 """
 
 from __future__ import annotations
@@ -213,30 +213,36 @@ def _all_young(later: dict[str, bytes], head: bytes | None, parts: list[str]) ->
 
 
 _WORD_TABLE: Any = NATIVE.WordTable if NATIVE is not None else None
-"""`cachemap._native.WordTable`, where it is built: a mirror of a salt's later pieces in the
+"""`cachemap._native.WordTable`, where it is built: a mirror of a salt's pieces in the
 young generation that looks a text's pieces up from its characters (`_tail`)."""
 
 
-def _tail(table: dict[str, bytes], text: str) -> tuple[int, bytes, int] | None:
-    """`WordTable.tail`'s definition, on a young generation's later pieces `table` (a dict):
-    for a text every space of which is a cut (`_every_space_cuts`) of two pieces or more, each
-    later piece in `table`: (where its first piece ends, the later pieces' ids joined, its
-    pieces); else None. What `parts_of` and `_all_young` give such a text but the first
-    piece's ids."""
+def _tail(
+    table: dict[str, bytes], text: str, first: dict[str, bytes] | None = None
+) -> tuple[int, bytes, int] | None:
+    """`WordTable.tail`'s definition, on a young generation's later pieces `table` and first
+    pieces `first` (dicts): for a text every space of which is a cut (`_every_space_cuts`) of
+    two pieces or more, each later piece in `table`: (where its first piece ends, the later
+    pieces' ids joined, its pieces), or (0, every piece's ids joined, its pieces) when its
+    first piece is kept too (in `first`; in `table` after its space when it opens with one);
+    else None. What `parts_of` and `_all_young` give such a text."""
     if not text or not _every_space_cuts(text):
         return None
     parts = parts_of(text)
     if len(parts) < 2:
         return None
     try:
-        return len(parts[0]), b"".join(map(table.get, parts[1:])), len(parts)  # type: ignore[arg-type]
+        rest = b"".join(map(table.get, parts[1:]))  # type: ignore[arg-type]
     except TypeError:  # a None: a piece the table lacks
         return None
+    head = parts[0]
+    found = table.get(head[1:]) if head[:1] == " " else (first or {}).get(head)
+    return (len(head), rest, len(parts)) if found is None else (0, found + rest, len(parts))
 
 
 class _Generation:
     """One generation of the cache: per salt, (later pieces by their text after the space,
-    first pieces by their text), and, where the compiled module is built, the later pieces'
+    first pieces by their text), and, where the compiled module is built, both kinds'
     `WordTable` (`tables`: written with them while the generation is the young one)."""
 
     def __init__(self, table: Callable[[], Any] | None) -> None:
@@ -274,7 +280,7 @@ class WordIds:
         self.max_pieces = max_pieces
         self.stats = WordStats()
         self.table = table
-        """What mirrors each salt's later pieces in the young generation (`WordTable`), or
+        """What mirrors each salt's pieces in the young generation (`WordTable`), or
         None: the compiled module's where it is built; the tests set both."""
         self._young = _Generation(table)
         self._old = _Generation(None)
@@ -329,12 +335,15 @@ class WordIds:
 
     def _whole(self, table: Any, salt: str, text: str) -> tuple[bytes, int] | None:
         """(`text`'s ids, its pieces) by `table` (a `WordTable`, or None: not compiled) when
-        every space of it is a cut and every piece is cached (its later ones in `table`);
-        else None, and the caller cuts it (`parts_of`). A text of bench point 2's prompts
-        (~12k words a request) was a `str` made, hashed and looked up a word, ~0.1 us each."""
+        every space of it is a cut and every piece is cached (its later ones in `table`; its
+        first one there too, else read here); else None, and the caller cuts it (`parts_of`).
+        A text of bench point 2's prompts (~12k words a request) was a `str` made, hashed and
+        looked up a word, ~0.1 us each."""
         tail = table.tail(text) if table is not None else None
         if tail is None:
             return None
+        if not tail[0]:  # its first piece's ids too
+            return tail[1], tail[2]
         head = self._find(salt, text[: tail[0]], False)
         return (head + tail[1], tail[2]) if head is not None else None
 
@@ -463,8 +472,8 @@ class WordIds:
         if key not in table:
             young.size += 1
         table[key] = ids
-        if later and young.table is not None:
-            young.tables[salt].put(key, ids)
+        if young.table is not None:
+            young.tables[salt].put(key, ids, not later)
         if young.size >= self.max_pieces // 2:  # the old one's tables go: never read
             young.tables = {}
             young.table = None

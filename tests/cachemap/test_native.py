@@ -36,6 +36,7 @@ from cachemap.events import (
 from cachemap.keys import BlockHash, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex, OrderedLru
 from gateway.events import decode, words
+from gateway.events.texts import common_prefix
 from gateway.events.words import WordIds
 
 
@@ -53,6 +54,9 @@ CHAINS: list[Callable[[bytes, bytes, int, bytes | None], list[bytes]]] = [keys._
 )
 UNPACKS: list[Callable[[Any], Any]] = [decode.unpack_u32] + (
     [COMPILED.unpack_u32] if COMPILED is not None else []
+)
+PREFIXES: list[Callable[[str, str], int]] = [common_prefix] + (
+    [COMPILED.common_prefix] if COMPILED is not None else []
 )
 
 
@@ -438,19 +442,21 @@ def test_an_event_index_on_the_compiled_loops_is_the_pure_one(
 
 
 class DictTable:
-    """A `WordTable` by its definition: a dict of every piece, `words._tail` over it."""
+    """A `WordTable` by its definition: a dict of every piece of each kind, `words._tail` over
+    them."""
 
     def __init__(self) -> None:
         self.pieces: dict[str, bytes] = {}
+        self.first: dict[str, bytes] = {}
 
-    def put(self, key: str, ids: bytes) -> None:
-        self.pieces[key] = ids
+    def put(self, key: str, ids: bytes, first: bool = False) -> None:
+        (self.first if first else self.pieces)[key] = ids
 
-    def get(self, key: str) -> bytes | None:
-        return self.pieces.get(key)
+    def get(self, key: str, first: bool = False) -> bytes | None:
+        return (self.first if first else self.pieces).get(key)
 
     def tail(self, text: str) -> tuple[int, bytes, int] | None:
-        return words._tail(self.pieces, text)
+        return words._tail(self.pieces, text, self.first)
 
 
 TABLES: list[Callable[[], Any]] = [DictTable] + (
@@ -474,30 +480,49 @@ def _fits(key: str, ids: bytes) -> bool:
 @settings(max_examples=300)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(_WORDS), st.lists(st.integers(0, 2**32 - 1), max_size=10)),
+        st.tuples(
+            st.sampled_from(_WORDS),
+            st.lists(st.integers(0, 2**32 - 1), max_size=10),
+            st.booleans(),
+        ),
         max_size=20,
     ),
     st.lists(_TEXTS, max_size=6),
 )
 def test_a_word_table_answers_as_its_dict_where_its_pieces_fit(
-    make: Any, puts: list[tuple[str, list[int]]], texts: list[str]
+    make: Any, puts: list[tuple[str, list[int], bool]], texts: list[str]
 ) -> None:
-    """Pieces of every size put (and put again: what no longer fits is no longer kept), then
-    texts of every shape (spaces opening, closing, doubled; unprintable and non-ASCII
-    characters): a piece is kept iff it fits, and a text's tail is its definition's wherever
-    every piece fits, and None or its definition's elsewhere."""
+    """Pieces of every size put as first or later pieces (and put again: what no longer fits
+    is no longer kept), then texts of every shape (spaces opening, closing, doubled;
+    unprintable and non-ASCII characters): a piece is kept iff it fits, under its kind only,
+    and a text's tail is its definition's wherever every piece fits, and None or its
+    definition's without the first piece's ids elsewhere."""
     table, model = make(), DictTable()
-    for key, ids in puts:
-        table.put(key, array.array("I", ids).tobytes())
-        model.put(key, array.array("I", ids).tobytes())
-    for key, ids_ in model.pieces.items():
-        assert table.get(key) == (ids_ if _fits(key, ids_) or make is DictTable else None)
-    for text in [*texts, *(" ".join(w for w, _ in puts[:k]) for k in range(len(puts)))]:
+    for key, ids, first in puts:
+        table.put(key, array.array("I", ids).tobytes(), first)
+        model.put(key, array.array("I", ids).tobytes(), first)
+    for first, kept in ((False, model.pieces), (True, model.first)):
+        for key, ids_ in kept.items():
+            assert table.get(key, first) == (
+                ids_ if _fits(key, ids_) or make is DictTable else None
+            )
+            if key not in (model.first if not first else model.pieces):
+                assert table.get(key, not first) is None
+    pieces = [w for w, _, _ in puts]
+    for text in [*texts, *(" ".join(pieces[:k]) for k in range(len(puts))), " " + " ".join(pieces)]:
         answer, expected = table.tail(text), model.tail(text)
-        if answer != expected:  # only a miss, and only for a piece the table cannot keep
-            assert answer is None and expected is not None
-            later = words.parts_of(text)[1:]
+        if answer == expected:
+            continue
+        # a miss only for a piece the table cannot keep: a later one (None), the first (its
+        # ids left to the caller)
+        assert expected is not None
+        head, *later = words.parts_of(text)
+        if answer is None:
             assert not all(_fits(p, model.pieces[p]) for p in later)
+            continue
+        ids_ = model.pieces[head[1:]] if head[:1] == " " else model.first[head]
+        assert expected == (0, ids_ + answer[1], answer[2])
+        assert answer[0] == len(head) and not _fits(head.lstrip(" "), ids_)
 
 
 def test_a_word_table_grows_and_keeps_every_piece() -> None:
@@ -508,11 +533,10 @@ def test_a_word_table_grows_and_keeps_every_piece() -> None:
         for i, piece in enumerate(pieces):
             table.put(piece, array.array("I", [i] * (1 + i % 8)).tobytes())
         text = "first " + " ".join(pieces)
-        assert table.tail(text) == (
-            5,
-            b"".join(array.array("I", [i] * (1 + i % 8)).tobytes() for i in range(5000)),
-            5001,
-        )
+        later = b"".join(array.array("I", [i] * (1 + i % 8)).tobytes() for i in range(5000))
+        assert table.tail(text) == (5, later, 5001)
+        table.put("first", array.array("I", [7, 7]).tobytes(), True)  # its first piece too
+        assert table.tail(text) == (0, array.array("I", [7, 7]).tobytes() + later, 5001)
 
 
 def _encode(pieces: Sequence[str]) -> list[list[int]]:
@@ -624,3 +648,27 @@ def test_unpacking_token_ids_is_its_definition(
         msgspec.msgpack.encode([msgspec.Raw(exact)]), type=list[msgspec.Raw]
     )[0]
     assert unpack(raw) == expected  # a msgspec.Raw as the fast layouts keep the ids
+
+
+_CHARS = st.sampled_from(["a", "b", "é", "ÿ", "Ā", "日", "\U0001f600", "\x00"])
+"""Characters of every width CPython stores a text in (1, 2 and 4 bytes), so two texts may
+share a prefix in two kinds."""
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+@settings(max_examples=300)
+@given(
+    st.lists(_CHARS, max_size=40).map("".join),
+    st.lists(_CHARS, max_size=40).map("".join),
+    st.integers(0, 40),
+)
+def test_common_prefix_is_the_longest_shared_beginning_in_any_kind(
+    prefix: Callable[[str, str], int], a: str, b: str, cut: int
+) -> None:
+    """Texts of every kind and length (a shared start, then anything; one the other's prefix;
+    a difference in any byte of an 8-byte step): the length of their longest common prefix."""
+    b = a[:cut] + b
+    shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    expected = min(len(a), len(b)) if shared is None else shared
+    assert prefix(a, b) == prefix(b, a) == expected
+    assert prefix(a, a + b) == len(a)
