@@ -79,7 +79,7 @@ from cachemap.events import DEFAULT_SPECULATIVE_TTL_S
 from cachemap.keys import BlockHash, affinity_key, chain_hashes, root_hash
 from cachemap.memory import MemoryIndex
 from cachemap.rates import PrefixRates
-from cachemap.redis.directory import PLACEMENT_TTL_S, blocks_per_generation, record_refresh_ms
+from cachemap.redis.directory import DISTINCT_GENERATIONS, PLACEMENT_TTL_S, record_refresh_ms
 from loadgen.engine.kvpool import BlockPool, CacheEvent, Cleared, Removed, Stored
 from loadgen.engine.timing import (
     DEFAULT_DECODE_S_PER_CONTEXT_TOKEN,
@@ -234,11 +234,11 @@ class SimConfig:
     where the policy places it (`router.ahead`; a model only: it needs the lookups registered
     in Redis, which the gateway does not do yet). False: each on its own view, the herd rule
     standing for its peers' requests."""
-    distinct_generations: int = 0
-    """Several gateways, the directory by generations: 0 models the Redis directory as built
-    (`_GenerationIndex`: two generations of 3/4 the capacity); K > 0 a candidate not built
-    (`_DistinctGenerationIndex`: K generations of 1/K, the oldest dropped by the entries it
-    still holds), to measure before building it in the lookup and record scripts."""
+    distinct_generations: int = DISTINCT_GENERATIONS
+    """Several gateways, the directory by generations: K > 0 as Redis keeps it (`_Distinct
+    GenerationIndex`: K generations of 1/K of the capacity, the oldest dropped by the entries
+    it still holds; built with K = `DISTINCT_GENERATIONS`, 16); 0 the rule before
+    (`_GenerationIndex`: two generations of 3/4 the capacity)."""
 
     def __post_init__(self) -> None:
         if self.gateways < 1:
@@ -809,11 +809,16 @@ class _EventDirectory:
                     self.index.forget(replica)
 
 
+TWO_GENERATIONS_SHARE = 0.75
+"""The Redis directory's rule before its distinct generations (`--distinct-generations 0`): a
+generation advances after 3/4 of the capacity in blocks new to it, two generations match."""
+
+
 class _GenerationIndex:
-    """A replica's capacity as the Redis directory keeps it (`cachemap.redis.scripts`: RECORD,
-    COUNT, the lookup's live generations): an entry carries the generation it was written at,
-    a record counts the blocks new to the replica's generation, and after
-    `blocks_per_generation(capacity)` of them the generation advances; only the current and
+    """A replica's capacity as the Redis directory kept it before its distinct generations
+    (`--distinct-generations 0`; the lookup's live generations): an entry carries the
+    generation it was written at, a record counts the blocks new to the replica's generation,
+    and after 3/4 of the capacity of them the generation advances; only the current and
     the previous one match. An LRU approximated by two generations: it holds between one and
     two generations' worth of the replica's most recently recorded blocks, where `MemoryIndex`
     holds exactly `capacity`. A record leaves a held prefix its lookup read at the current
@@ -821,7 +826,7 @@ class _GenerationIndex:
     floors here: reconciliation is not modelled)."""
 
     def __init__(self, capacity_blocks: int, ttl_s: float, clock: _Clock) -> None:
-        self.per_generation = blocks_per_generation(capacity_blocks)
+        self.per_generation = max(math.ceil(capacity_blocks * TWO_GENERATIONS_SHARE), 1)
         self.ttl_s = ttl_s
         self.clock = clock
         self._entries: dict[str, dict[bytes, tuple[int, float]]] = {}
@@ -878,8 +883,8 @@ class _GenerationIndex:
 
 
 class _DistinctGenerationIndex(_GenerationIndex):
-    """A candidate for the Redis directory's capacity, not built (`SimConfig.
-    distinct_generations`). Two generations hold between 3/4 and 3/2 of the capacity in
+    """The Redis directory's capacity as built (`SimConfig.distinct_generations`, `scripts.
+    _COUNTED`). Two generations hold between 3/4 and 3/2 of the capacity in
     distinct blocks, and where a replica's blocks are used again across generations (every
     conversation's prefix at its next turn) the count of blocks new to the generation runs
     ahead of the blocks held: the directory forgets prefixes its engine still holds, or lists
@@ -1727,11 +1732,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--distinct-generations",
         type=int,
-        default=0,
+        default=DISTINCT_GENERATIONS,
         metavar="K",
-        help="several gateways: model the Redis directory's capacity as a candidate not built, "
-        "K generations of 1/K of it, the oldest dropped by the entries it still holds "
-        "(default 0: the two generations of 3/4 built)",
+        help="several gateways: the Redis directory's capacity in K generations of 1/K of it, "
+        f"the oldest dropped by the entries it still holds (default {DISTINCT_GENERATIONS}, "
+        "as built; 0: the two generations of 3/4 before)",
     )
     parser.add_argument(
         "--pace",
@@ -1859,8 +1864,9 @@ def _describe_gateways(config: SimConfig) -> str:
         herd += ", paced"
     if config.ahead:
         herd += ", the requests looked up ahead placed first"
-    if config.distinct_generations:
-        herd += f", the directory {config.distinct_generations} distinct generations (a candidate)"
+    if config.distinct_generations != DISTINCT_GENERATIONS:
+        herd += f", the directory {config.distinct_generations} distinct generations"
+        herd += " (0: two of 3/4, the rule before)" if not config.distinct_generations else ""
     return (
         f"\n{config.gateways} gateways on one shared directory, requests round robin, load "
         f"shared every {config.load_share_interval_s:g} s{placements}{routing}{herd}{as_one}"

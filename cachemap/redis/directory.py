@@ -5,13 +5,13 @@ per-replica state beside the entries (generations, floors, start markers, the la
 `cachemap.redis.meta`.
 
 Generations do three jobs with one number per replica:
-- An entry matches only if its generation is the replica's current one or the one before.
-- Capacity: after `blocks_per_generation(capacity)` (3/4 of it) blocks new to the generation
-  are recorded on a replica (its own capacity: the smaller of the setting and its engine's KV,
-  `set_capacity`) its generation advances, so two generations' worth match: between 3/4 and
-  3/2 of the capacity, 9/8 on average — an LRU approximation in which a recorded (used) block
-  is rewritten at the current generation, and a block recorded again within it is not counted
-  again.
+- An entry matches only if its generation is at least the replica's oldest live one.
+- Capacity (its own: the smaller of the setting and its engine's KV, `set_capacity`): Redis
+  counts a replica's entries at each live generation (a recorded, used, block is rewritten at
+  the current generation: one more there, one less where it was); the generation advances after
+  `blocks_per_generation(capacity)` (1/16 of it) are at it, and the oldest live generation is
+  dropped while the entries left are nearer the capacity than with it: an LRU approximation
+  within half a generation of the capacity (`DISTINCT_GENERATIONS`).
 - Restart epochs: `forget()` (and a new engine start marker) advances it by 2, so every old
   entry stops matching at once: an epoch bump, never a scan. Stale fields die with their keys'
   TTL.
@@ -57,6 +57,7 @@ from cachemap.redis.schema import (
     CHANNEL,
     COUNT_KEY,
     GEN_KEY,
+    LIVE_KEY,
     SEEN_KEY,
     chain_call,
     replica_id,
@@ -78,21 +79,21 @@ of its entries can match by then, with a TTL's margin for clocks that disagree."
 RESTORE_BATCH = 512
 """Blocks per write-back call: ~0.5 ms of server time, so a write-back of a whole index never
 holds Redis for long."""
-GENERATION_SHARE = 0.75
-"""A replica's generation advances after this share of its capacity in new blocks. The two
-live generations then hold between 0.75 and 1.5 times the capacity of the replica's most
-recently recorded blocks, where the in-process store (an exact LRU) holds exactly the capacity,
-sized from the engine's KV. At half (the share before), they held 0.5-1x: 0.75x on average,
-so the shared directory forgot prefixes the engines still held, which the sizing measured
-costly (0.6x of the engines' KV: 14.8% hit ratio against 18.4% at 1x on bench point 1). `kvgate
-sim --gateways 4` (virtual time), bench point 1's slice at an engine-sized directory, seeds
-0-2: hit ratio 0.164 at 1/2 against one in-process gateway's 0.187, 0.185 at 3/4, 0.185 at 1
-(docs/design/directory.md, "Four gateways' hit ratio")."""
+DISTINCT_GENERATIONS = 16
+"""A replica's capacity is counted in this many generations of distinct entries: its current
+generation advances once capacity / 16 entries are at it (a block recorded again moves from its
+generation to the current one), and its oldest live generation is dropped while the entries
+left are nearer the capacity than with it (`scripts._COUNTED`), so what matches is the most
+recently recorded distinct blocks, within half a generation of the capacity, as in the
+in-process store (an exact LRU). Two generations of 3/4 (the rule before) held 0.75-1.5x of it:
+`kvgate sim` read 96.2% / 97.8% of one gateway's hit ratio at two / four gateways, 98.95% /
+99.01% with 16 distinct generations (docs/design/directory.md, "The generations' capacity in
+distinct blocks")."""
 
 
 def blocks_per_generation(capacity_blocks: int) -> int:
-    """New blocks after which a replica of `capacity_blocks` advances its generation."""
-    return max(math.ceil(capacity_blocks * GENERATION_SHARE), 1)
+    """Entries at its current generation after which a replica of `capacity_blocks` advances."""
+    return max(math.ceil(capacity_blocks / DISTINCT_GENERATIONS), 1)
 
 
 PLACEMENT_TTL_S = 10.0
@@ -132,7 +133,7 @@ pipelines on several connections), so the client reads one write's answers while
 next one's scripts."""
 
 
-_META = (GEN_KEY, COUNT_KEY, SEEN_KEY, BASE_KEY)
+_META = (GEN_KEY, COUNT_KEY, SEEN_KEY, BASE_KEY, LIVE_KEY)
 """The meta keys a record counts its new blocks in, on a single Redis (`RECORD_COUNTED`)."""
 
 
@@ -267,7 +268,7 @@ class RedisDirectory:
             # only the replicas this gateway routes to (lookups report no other): bounded
             meta = self.meta
             self._replica_arg = "".join(
-                f"{rid},{meta.gen(rid) - 1},{meta.floor(rid)};" for rid in self._names
+                f"{rid},{meta.oldest(rid)},{meta.floor(rid)};" for rid in self._names
             ).encode()
         args: list[Any] = [
             to_ms(self.clock()),
@@ -365,7 +366,7 @@ class RedisDirectory:
         (`HomeStore.record_command`). All go down one pipeline, in that order (one
         connection, one write, one read: `_pipelined`), not one pooled command each."""
         now_ms = to_ms(self.clock())
-        calls, per_generation = self._record_calls(items, now_ms)
+        calls, sizes = self._record_calls(items, now_ms)
         counted = not self.cluster  # the count in the record's own call (`RECORD_COUNTED`)
         source = scripts.RECORD_COUNTED if counted else scripts.RECORD
         rounds: list[tuple[list[tuple[Any, ...]], list[str]]] = [
@@ -376,7 +377,8 @@ class RedisDirectory:
         for i, (at, rid, call) in enumerate(calls):
             if counted:  # every call adds its new blocks to the count; a replica's last call
                 # in the batch advances its generation, as one COUNT of the batch's sum did
-                count = (per_generation[rid] if last[rid] == i else 0, CHANNEL, now_ms)
+                per_gen, capacity = sizes[rid]
+                count = (per_gen if last[rid] == i else 0, CHANNEL, now_ms, capacity)
                 command = (*self._counted_head, call[0], *_META, *call[1:], *count)
             else:
                 command = ("EVALSHA", self._record.sha, 1, *call)
@@ -396,23 +398,25 @@ class RedisDirectory:
             if round_commands:
                 replies += await self._pipelined(round_commands, round_sources)
         if counted:
-            for rid, (_, gen) in zip(rids, replies, strict=False):
+            for rid, (_, gen, oldest) in zip(rids, replies, strict=False):
                 self.meta.set_gen(rid, int(gen))
+                self.meta.set_live(rid, int(gen), int(oldest))
         else:
-            await self._count(rids, replies, now_ms)
+            await self._count(rids, calls, replies, sizes, now_ms)
 
     def _record_calls(
         self,
         items: Iterable[tuple[str, Sequence[BlockHash], float | None, Held | None]],
         now_ms: int,
-    ) -> tuple[list[tuple[int, str, tuple[Any, ...]]], dict[str, int]]:
+    ) -> tuple[list[tuple[int, str, tuple[Any, ...]]], dict[str, tuple[int, int]]]:
         """`record_many`'s script calls, without the script: (the pipeline it goes in, the
         replica id, the chain's key and the arguments) for each chunk of at most
         `RECORD_CHUNK` blocks, the pipelines sent one after another, each of at most
-        `RECORD_ROUND_BLOCKS` blocks' records; and each replica's blocks per generation."""
+        `RECORD_ROUND_BLOCKS` blocks' records; and each replica's (blocks per generation,
+        capacity): `_sizes`."""
         ttl_ms = int(self.ttl_s * 1000)
         calls: list[tuple[int, str, tuple[Any, ...]]] = []
-        per_generation: dict[str, int] = {}
+        sizes: dict[str, tuple[int, int]] = {}
         at, in_round = 0, 0
         for replica, hashes, at_s, held in items:
             if not hashes:
@@ -427,9 +431,7 @@ class RedisDirectory:
                 if not hashes:
                     continue
             self.blocks_written += len(hashes)
-            per_generation[rid] = blocks_per_generation(
-                self._capacities.get(rid, self.capacity_blocks)
-            )
+            sizes[rid] = self._sizes(rid)
             for start in range(0, len(hashes), RECORD_CHUNK):
                 chunk = hashes[start : start + RECORD_CHUNK]
                 if in_round and in_round + len(chunk) > RECORD_ROUND_BLOCKS:
@@ -437,19 +439,36 @@ class RedisDirectory:
                 keys, head = chain_call(chunk)
                 calls.append((at, rid, (*keys, *head, rid, gen, used_ms, ttl_ms)))
                 in_round += len(chunk)
-        return calls, per_generation
+        return calls, sizes
 
-    async def _count(self, rids: list[str], replies: list[Any], now_ms: int) -> None:
-        """A Cluster's records' new blocks (`RECORD`'s replies, one per rid), one `COUNT` per
-        replica (its meta slot is another master's)."""
-        counts: dict[str, int] = {}
-        for rid, new in zip(rids, replies, strict=False):
-            counts[rid] = counts.get(rid, 0) + int(new)
-        capacities, default = self._capacities, self.capacity_blocks
+    def _sizes(self, rid: str) -> tuple[int, int]:
+        """A replica's (blocks per generation, capacity)."""
+        capacity = self._capacities.get(rid, self.capacity_blocks)
+        return blocks_per_generation(capacity), capacity
+
+    async def _count(
+        self,
+        rids: list[str],
+        calls: list[tuple[int, str, tuple[Any, ...]]],
+        replies: list[Any],
+        sizes: dict[str, tuple[int, int]],
+        now_ms: int,
+    ) -> None:
+        """A Cluster's records' new blocks and the generations they moved from (`RECORD`'s
+        replies, one per call), one `COUNT` per replica (its meta slot is another master's)."""
+        counts: dict[str, tuple[int, int, dict[int, int]]] = {}
+        for rid, (_, _, call), reply in zip(rids, calls, replies, strict=False):
+            new, flat = reply
+            written = int(call[4])  # (key, prefix, blob, rid, generation, ...)
+            n, _, moved = counts.get(rid, (0, written, {}))
+            for i in range(0, len(flat), 2):
+                g = int(flat[i])
+                moved[g] = moved.get(g, 0) + int(flat[i + 1])
+            counts[rid] = (n + int(new), written, moved)
         await asyncio.gather(
             *(
-                self.meta.count(rid, n, blocks_per_generation(capacities.get(rid, default)), now_ms)
-                for rid, n in counts.items()
+                self.meta.count(rid, n, moved, written, sizes[rid], now_ms)
+                for rid, (n, written, moved) in counts.items()
             )
         )
 
@@ -514,12 +533,19 @@ class RedisDirectory:
                 args: list[Any] = [*head, rid, self.meta.gen(rid), now_ms, int(self.ttl_s * 1000)]
                 args.append(uses)
                 written += int(await self._restore(keys=keys, args=args))
+        if written:  # what it restored is live at the generation: counted as new
+            gen = self.meta.gen(rid)
+            await self.meta.count(rid, written, {}, gen, self._sizes(rid), now_ms)
         return written
 
     async def drop(self, replica: str, hashes: Sequence[BlockHash]) -> None:
         if hashes:
             keys, head = chain_call(hashes)
             await self._drop(keys=keys, args=[*head, self._rid(replica)])
+
+    def oldest_live(self, replica: str) -> int:
+        """The oldest generation of `replica` whose entries its lookups match."""
+        return self.meta.oldest(self._rid(replica))
 
     async def forget(self, replica: str) -> None:
         await self.meta.bump(self._rid(replica), "", "", to_ms(self.clock()))

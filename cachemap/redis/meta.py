@@ -30,6 +30,7 @@ from cachemap.redis.schema import (
     KNOWN_LAYOUTS,
     LAYOUT,
     LAYOUT_KEY,
+    LIVE_KEY,
     SEEN_KEY,
     START_KEY,
     text,
@@ -49,6 +50,8 @@ class ReplicaMeta:
         self.gens: dict[str, int] = {}
         self.floors: dict[str, int] = {}
         self.base = 0
+        self.live: dict[str, tuple[int, int]] = {}
+        """rid -> (generation, the oldest live generation at it): `oldest`."""
         self.starts: dict[str, str] = {}
         """rid -> the start marker this gateway last reported (written back after a reset)."""
         self.incarnation: str | None = None
@@ -72,21 +75,55 @@ class ReplicaMeta:
     def floor(self, rid: str) -> int:
         return self.floors.get(rid, -1)
 
+    def oldest(self, rid: str) -> int:
+        """The oldest generation whose entries match: the live generations' (the counts in
+        `kvg:{kvg-meta}:live`) when they are of the replica's current generation, else the
+        generation before (two generations: what a gateway of the commit before matches)."""
+        gen = self.gen(rid)
+        live = self.live.get(rid)
+        if live is not None and live[0] == gen:
+            return live[1]
+        return gen - 1
+
     # -- the scripts -----------------------------------------------------------------------------
-    async def count(self, rid: str, num_new: int, per_generation: int, now_ms: int) -> None:
-        gen = await self._count(
-            keys=[GEN_KEY, COUNT_KEY, SEEN_KEY, BASE_KEY],
-            args=[rid, num_new, per_generation, CHANNEL, self.gen(rid), now_ms],
+    async def count(
+        self,
+        rid: str,
+        num_new: int,
+        moved: dict[int, int],
+        written: int,
+        sizes: tuple[int, int],
+        now_ms: int,
+    ) -> None:
+        """`num_new` blocks written at generation `written`, `moved` from other generations
+        (generation -> blocks); `sizes`: (blocks per generation, the replica's capacity)."""
+        per_generation, capacity = sizes
+        gen, oldest = await self._count(
+            keys=[GEN_KEY, COUNT_KEY, SEEN_KEY, BASE_KEY, LIVE_KEY],
+            args=[
+                rid,
+                num_new,
+                per_generation,
+                CHANNEL,
+                self.gen(rid),
+                now_ms,
+                written,
+                "".join(f"{g},{n};" for g, n in moved.items()),
+                capacity,
+            ],
         )
         self.set_gen(rid, int(gen))
+        self.set_live(rid, int(gen), int(oldest))
 
     async def bump(self, rid: str, marker: str, previous: str, now_ms: int) -> bool:
         """Report a start marker ('' = bump unconditionally); True when that is a restart."""
         gen, bumped = await self._bump(
-            keys=[GEN_KEY, COUNT_KEY, START_KEY, SEEN_KEY, BASE_KEY],
+            keys=[GEN_KEY, COUNT_KEY, START_KEY, SEEN_KEY, BASE_KEY, LIVE_KEY],
             args=[rid, marker, CHANNEL, self.gen(rid), previous, now_ms],
         )
         self.set_gen(rid, int(gen))
+        if bumped:  # nothing older than the new generation is live (`scripts.BUMP`)
+            self.set_live(rid, int(gen), int(gen))
         if marker:
             self.starts[rid] = marker
         return bool(bumped)
@@ -98,7 +135,7 @@ class ReplicaMeta:
     async def prune(self, now_ms: int, horizon_ms: int) -> int:
         """Drop replicas quiet for `horizon_ms` from every meta hash; how many went."""
         pruned, base = await self._prune(
-            keys=[GEN_KEY, COUNT_KEY, START_KEY, FLOOR_KEY, SEEN_KEY, BASE_KEY],
+            keys=[GEN_KEY, COUNT_KEY, START_KEY, FLOOR_KEY, SEEN_KEY, BASE_KEY, LIVE_KEY],
             args=[now_ms, horizon_ms],
         )
         self._set_base(int(base))
@@ -108,11 +145,14 @@ class ReplicaMeta:
         """Reload every replica's generation and floor; True when Redis lost its state since
         this gateway last looked (or this is the first look), after writing back what this
         gateway knows."""
-        layout, gens, floors, base = await self._meta(
-            keys=[LAYOUT_KEY, GEN_KEY, FLOOR_KEY, BASE_KEY], args=[]
+        layout, gens, floors, base, live = await self._meta(
+            keys=[LAYOUT_KEY, GEN_KEY, FLOOR_KEY, BASE_KEY, LIVE_KEY], args=[]
         )
         stored_gens, stored_floors = _pairs(gens), _pairs(floors)
         self._set_base(int(base))
+        for i in range(0, len(live), 2):
+            gen, oldest = text(live[i + 1]).split(",")
+            self.set_live(text(live[i]), int(gen), int(oldest))
         version, incarnation = _layout(layout)
         _check(version)  # before writing anything into a layout we do not know
         if incarnation is None or incarnation != self.incarnation:
@@ -149,10 +189,13 @@ class ReplicaMeta:
 
     # -- memory ----------------------------------------------------------------------------------
     def apply(self, message: str) -> None:
-        """A channel message: "rid:gen" or "rid:floor:ms"; values only ever rise."""
+        """A channel message: "rid:gen", "rid:live:oldest:gen" or "rid:floor:ms"; values only
+        ever rise."""
         parts = message.split(":")
         if len(parts) == 2:
             self.set_gen(parts[0], int(parts[1]))
+        elif len(parts) == 4 and parts[1] == "live":
+            self.set_live(parts[0], int(parts[3]), int(parts[2]))
         elif len(parts) == 3 and parts[1] == "floor":
             self.set_floor(parts[0], int(parts[2]))
 
@@ -162,6 +205,12 @@ class ReplicaMeta:
             self.gens[rid] = gen
             self._changed()
             self._epoch(rid, before, gen)
+
+    def set_live(self, rid: str, gen: int, oldest: int) -> None:
+        """The replica's oldest live generation at generation `gen` (both only rise)."""
+        if (gen, oldest) > self.live.get(rid, (-1, -1)):
+            self.live[rid] = (gen, oldest)
+            self._changed()
 
     def _epoch(self, rid: str, before: int, gen: int) -> None:
         if gen - before >= RESTART_EPOCH and self.on_epoch is not None:
@@ -195,6 +244,8 @@ class ReplicaMeta:
                 mine.clear()
                 mine.update(merged)
                 self._changed()
+        for rid in [rid for rid in self.live if rid not in self.gens]:
+            del self.live[rid]  # pruned: its live generations went with it
 
     def _changed(self) -> None:
         self.version += 1

@@ -8,6 +8,9 @@ Key schema (all binary-safe; `{...}` is the Redis Cluster hash tag):
                                      block: "<generation>:<expiry ms>\n<block suffixes>"
     kvg:{kvg-meta}:gen               HASH  replica id -> current generation
     kvg:{kvg-meta}:count             HASH  replica id -> blocks recorded in this generation
+    kvg:{kvg-meta}:live              HASH  replica id -> "<generation>,<oldest live generation>;"
+                                           and "<generation>:<entries at it>;" for each live
+                                           one (valid only at that generation: `scripts._LIVE`)
     kvg:{kvg-meta}:start             HASH  replica id -> the engine's last seen start marker
     kvg:{kvg-meta}:floor             HASH  replica id -> entries last used at or before this
                                            (ms) no longer match (reconciliation's `expire`)
@@ -18,7 +21,9 @@ Key schema (all binary-safe; `{...}` is the Redis Cluster hash tag):
     kvg:{kvg-meta}:layout            HASH  version (`LAYOUT`), incarnation (random, made when
                                            the layout is written: a new one means this Redis
                                            lost its state since a gateway last looked)
-    channel kvg:gen                  "<replica id>:<generation>" on every generation change
+    channel kvg:gen                  "<replica id>:<generation>" on every generation change,
+                                     "<replica id>:live:<oldest>:<generation>" on every change
+                                     of the oldest live generation
 
 TAG is the hex of the 6-byte tag every block hash of a chain starts with (`cachemap.keys`: the
 salted block 0's first bytes), so every key of one chain sits in one cluster slot — a lookup is
@@ -47,6 +52,7 @@ KNOWN_LAYOUTS = (1, 2)
 
 GEN_KEY = b"kvg:{kvg-meta}:gen"
 COUNT_KEY = b"kvg:{kvg-meta}:count"
+LIVE_KEY = b"kvg:{kvg-meta}:live"
 START_KEY = b"kvg:{kvg-meta}:start"
 FLOOR_KEY = b"kvg:{kvg-meta}:floor"
 SEEN_KEY = b"kvg:{kvg-meta}:seen"

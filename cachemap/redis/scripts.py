@@ -271,8 +271,10 @@ return 1
 
 # ARGV (after the chain): rid, generation, last use ms, ttl ms. A field already at this
 # generation keeps the later of the two uses (write-behind batches may arrive out of order).
-# Returns how many blocks are new to the generation: capacity counts distinct entries (an LRU
-# that is touched again does not grow), so a chain recorded by every request counts once.
+# Counts how many blocks are new to the generation (`new`: capacity counts distinct entries, an
+# LRU that is touched again does not grow, so a chain recorded by every request counts once) and,
+# of those, how many it moved from each other generation (`moved`: generation -> blocks), which
+# the replica's live-generation counts take off there (`_LIVE`).
 # A key's expiry is set with each write of a field: a field left as it is already has its key
 # living a TTL past its last use (which is later than this record's), so a PEXPIRE there would
 # only cost a command. A placement of the commit before (a field "<rid>+" on each block) is
@@ -280,7 +282,7 @@ return 1
 _RECORD_BODY = """
 local gen, used = tonumber(ARGV[4]), tonumber(ARGV[5])
 local value = ARGV[4] .. ':' .. ARGV[5]
-local new = 0
+local new, moved = 0, {}
 local placed = ARGV[3] .. '+'
 for i = 1, #KEYS do
   local old, pending = unpack(redis.call('HMGET', KEYS[i], ARGV[3], placed))
@@ -288,10 +290,12 @@ for i = 1, #KEYS do
   local write = true
   if old then
     local sep = string.find(old, ':', 1, true)
-    if tonumber(string.sub(old, 1, sep - 1)) == gen then
+    local was = tonumber(string.sub(old, 1, sep - 1))
+    if was == gen then
       write = tonumber(string.sub(old, sep + 1)) < used
     else
       new = new + 1
+      moved[was] = (moved[was] or 0) + 1
     end
   else
     new = new + 1
@@ -303,7 +307,17 @@ for i = 1, #KEYS do
 end
 """
 
-RECORD = CHAIN + _RECORD_BODY + "return new\n"
+# Returns {new blocks, {generation, blocks moved from it}*} (a Cluster counts them in the meta
+# slot afterwards: `COUNT`).
+RECORD = (
+    CHAIN
+    + _RECORD_BODY
+    + """
+local flat = {}
+for g, n in pairs(moved) do flat[#flat + 1] = g; flat[#flat + 1] = n end
+return {new, flat}
+"""
+)
 
 # ARGV (after the chain, not expanded): rid, generation, the placement's expiry ms, its ttl ms.
 # A request placed on the replica, before its engine wrote the KV (`RedisDirectory.place`): ONE
@@ -381,58 +395,121 @@ local function current_gen(gen_key, base_key, rid, known)
 end
 """
 
-# `n` new blocks added to a replica's count; past `per_gen` the generation advances, once, and
-# is announced: the count's one rule, for `COUNT` and `RECORD_COUNTED` alike.
-_COUNTED = """
-local function counted(gen_key, count_key, rid, gen, n, per_gen, channel)
-  if n > 0 and redis.call('HINCRBY', count_key, rid, n) >= tonumber(per_gen) then
-    gen = gen + 1
-    redis.call('HSET', gen_key, rid, gen)
-    redis.call('HSET', count_key, rid, 0)
-    redis.call('PUBLISH', channel, rid .. ':' .. gen)
+# A replica's live generations (`live`, field rid -> "<generation>,<oldest live>;" and
+# "<generation>:<entries at it>;" per live generation): the lookup matches entries from the
+# oldest live generation on. The state is trusted only at the generation it was written at: a
+# generation another script moved (a gateway of the commit before counting, or restarting, by
+# its own rules) leaves the two generations' rule, the oldest live one the generation before,
+# with the counts known from there on.
+_LIVE = """
+local function live_load(live_key, rid, gen)
+  local v = redis.call('HGET', live_key, rid)
+  local cur, oldest, at = nil, gen - 1, {}
+  if v then
+    local c, o, rest = string.match(v, '^(%-?%d+),(%-?%d+);(.*)$')
+    cur, oldest = tonumber(c), tonumber(o)
+    for g, n in string.gmatch(rest, '(%-?%d+):(%d+);') do at[tonumber(g)] = tonumber(n) end
   end
-  return gen
+  if cur ~= gen then
+    oldest = gen - 1
+    at = {[gen - 1] = at[gen - 1], [gen] = at[gen]}
+  end
+  return oldest, at
+end
+local function live_save(live_key, rid, gen, oldest, at)
+  local parts = {gen .. ',' .. oldest .. ';'}
+  for g, n in pairs(at) do
+    if g >= oldest and n > 0 then parts[#parts + 1] = g .. ':' .. n .. ';' end
+  end
+  redis.call('HSET', live_key, rid, table.concat(parts))
 end
 """
 
-# KEYS: gen, count, seen, base. ARGV: rid, new blocks recorded, blocks per generation, channel,
-# known generation, now ms.
+# The count's one rule, for `COUNT` and `RECORD_COUNTED` alike: a record's `new` blocks, written
+# at generation `written`, join the entries at it and leave the generations they were `moved`
+# from (generation -> blocks). With `per_gen` > 0: once `per_gen` entries are at the current
+# generation it advances (once, announced "rid:gen"), and the oldest live generation is dropped
+# while the entries left without it are nearer `capacity` than with it, so the live entries
+# stay within half a generation of the capacity (an LRU's). A change of either is announced
+# "rid:live:<oldest>:<generation>" (a gateway of the commit before ignores that message).
+# M: the meta keys {gen, count, live}.
+_COUNTED = (
+    _LIVE
+    + """
+local function counted(M, rid, gen, written, new, moved, per_gen, capacity, channel)
+  local oldest, at = live_load(M[3], rid, gen)
+  local was_oldest, was_gen = oldest, gen
+  for g, n in pairs(moved) do
+    if g >= oldest and at[g] then at[g] = math.max(at[g] - n, 0) end
+  end
+  if new > 0 and written >= oldest then at[written] = (at[written] or 0) + new end
+  if per_gen > 0 then
+    if (at[gen] or 0) >= per_gen then
+      gen = gen + 1
+      redis.call('HSET', M[1], rid, gen)
+      redis.call('HSET', M[2], rid, 0)
+      redis.call('PUBLISH', channel, rid .. ':' .. gen)
+    end
+    local live = 0
+    for _, n in pairs(at) do live = live + n end
+    while oldest < gen and live - (at[oldest] or 0) / 2 > capacity do
+      live = live - (at[oldest] or 0)
+      at[oldest] = nil
+      oldest = oldest + 1
+    end
+  end
+  live_save(M[3], rid, gen, oldest, at)
+  if oldest ~= was_oldest or gen ~= was_gen then
+    redis.call('PUBLISH', channel, rid .. ':live:' .. oldest .. ':' .. gen)
+  end
+  return {gen, oldest}
+end
+"""
+)
+
+# KEYS: gen, count, seen, base, live. ARGV: rid, new blocks recorded, blocks per generation,
+# channel, known generation, now ms, the generation they were written at, the blocks moved
+# ("<generation>,<blocks>;"*), the replica's capacity. Returns the replica's {generation, oldest
+# live generation} now.
 COUNT = (
     _GEN
     + _COUNTED
     + """
 local gen = current_gen(KEYS[1], KEYS[4], ARGV[1], ARGV[5])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[6])
-return counted(KEYS[1], KEYS[2], ARGV[1], gen, tonumber(ARGV[2]), ARGV[3], ARGV[4])
+local moved = {}
+for g, n in string.gmatch(ARGV[8], '([^,;]+),([^,;]+);') do moved[tonumber(g)] = tonumber(n) end
+return counted({KEYS[1], KEYS[2], KEYS[5]}, ARGV[1], gen, tonumber(ARGV[7]),
+  tonumber(ARGV[2]), moved, tonumber(ARGV[3]), tonumber(ARGV[9]), ARGV[4])
 """
 )
 
 # A record and its count in one call, on a single Redis (a Cluster keeps the meta slot apart:
-# `RECORD`, then `COUNT` per replica). KEYS: the chain's first key, then gen, count, seen, base.
-# ARGV: `RECORD`'s (after the chain: rid, generation, last use ms, ttl ms), then blocks per
-# generation (0: add the new blocks to the count only), channel, now ms. The blocks are written
-# at the caller's generation, as `RECORD` writes them (a restart epoch the caller has not seen
-# keeps its record from matching), and counted as `COUNT` counts them: a batch's calls of one
-# replica all add to the count, its last one (blocks per generation > 0) advances the
-# generation past the threshold, once, as one COUNT of the batch's sum did (a long chain's
-# record is many calls: advancing in each would leave its first blocks two generations back).
-# Returns {new blocks, the replica's generation now (0 from a call that only adds)}. The count
-# was a call of its own after every record batch: a round trip of the gateway's and a script
-# call of Redis's per request (docs/design/directory.md, "The tier's CPU per request").
+# `RECORD`, then `COUNT` per replica). KEYS: the chain's first key, then gen, count, seen, base,
+# live. ARGV: `RECORD`'s (after the chain: rid, generation, last use ms, ttl ms), then blocks
+# per generation (0: add the new blocks to the counts only), channel, now ms, the replica's
+# capacity. The blocks are written at the caller's generation, as `RECORD` writes them (a
+# restart epoch the caller has not seen keeps its record from matching), and counted as `COUNT`
+# counts them: a batch's calls of one replica all add to the counts, its last one (blocks per
+# generation > 0) advances the generation past the threshold, once, as one COUNT of the
+# batch's sum did (a long chain's record is many calls: advancing in each would leave its first
+# blocks generations back). Returns {new blocks, the replica's generation, its oldest live
+# one}. The count was a call of its own after every record batch: a round trip of the
+# gateway's and a script call of Redis's per request (docs/design/directory.md, "The tier's
+# CPU per request").
 RECORD_COUNTED = (
-    "local META = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}\n"
+    "local META = {KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]}\n"
     + CHAIN
     + _GEN
     + _COUNTED
     + _RECORD_BODY
     + """
-if tonumber(ARGV[7]) == 0 then
-  if new > 0 then redis.call('HINCRBY', META[2], ARGV[3], new) end
-  return {new, 0}
-end
 local current = current_gen(META[1], META[4], ARGV[3], ARGV[4])
-redis.call('HSET', META[3], ARGV[3], ARGV[9])
-return {new, counted(META[1], META[2], ARGV[3], current, new, ARGV[7], ARGV[8])}
+local per_gen = tonumber(ARGV[7])
+if per_gen > 0 then redis.call('HSET', META[3], ARGV[3], ARGV[9]) end
+local M = {META[1], META[2], META[5]}
+local now = counted(M, ARGV[3], current, gen, new, moved, per_gen, tonumber(ARGV[10]), ARGV[8])
+return {new, now[1], now[2]}
 """
 )
 
@@ -447,7 +524,7 @@ end
 return old
 """
 
-# KEYS: gen, count, start, seen, base. ARGV: rid, start marker ('' = unconditional), channel,
+# KEYS: gen, count, start, seen, base, live. ARGV: rid, start marker ('' = unconditional), channel,
 # known generation, the marker the caller saw before ('' = none), now ms.
 # A restart is a stored marker that differs — or, when Redis has no marker (it lost its
 # state), a marker that differs from the one the caller saw before: a replica's identity
@@ -466,18 +543,28 @@ end
 gen = gen + 2
 redis.call('HSET', KEYS[1], ARGV[1], gen)
 redis.call('HSET', KEYS[2], ARGV[1], 0)
+redis.call('HSET', KEYS[6], ARGV[1], gen .. ',' .. gen .. ';')  -- nothing older is live
 redis.call('PUBLISH', ARGV[3], ARGV[1] .. ':' .. gen)
+redis.call('PUBLISH', ARGV[3], ARGV[1] .. ':live:' .. gen .. ':' .. gen)
 return {gen, 1}
 """
 )
 
-# KEYS: layout, gen, floor, base. Everything a gateway keeps in memory, in one call.
+# KEYS: layout, gen, floor, base, live. Everything a gateway keeps in memory, in one call (the
+# live generations: each replica's "<generation>,<oldest live>").
 META = """
+local live = {}
+local fields = redis.call('HGETALL', KEYS[5])
+for i = 1, #fields, 2 do
+  live[#live + 1] = fields[i]
+  live[#live + 1] = string.match(fields[i + 1], '^([^;]*);')
+end
 return {
   redis.call('HMGET', KEYS[1], 'version', 'incarnation'),
   redis.call('HGETALL', KEYS[2]),
   redis.call('HGETALL', KEYS[3]),
   redis.call('GET', KEYS[4]) or '0',
+  live,
 }
 """
 
@@ -505,7 +592,7 @@ end
 return redis.call('HMGET', KEYS[1], 'version', 'incarnation')
 """
 
-# KEYS: gen, count, start, floor, seen, base. ARGV: now ms, horizon ms. A replica neither
+# KEYS: gen, count, start, floor, seen, base, live. ARGV: now ms, horizon ms. A replica neither
 # recorded nor restarted for the horizon (longer than the TTL: none of its entries can match)
 # leaves every meta hash; the base keeps its generation, so a return continues above it.
 # Replicas without a `seen` field (written by a gateway before layout 2) start their clock now.
@@ -524,6 +611,7 @@ for i = 1, #seen, 2 do
     local g = tonumber(redis.call('HGET', KEYS[1], rid) or '0')
     if g > base then base = g end
     for k = 1, 5 do redis.call('HDEL', KEYS[k], rid) end
+    redis.call('HDEL', KEYS[7], rid)
     pruned = pruned + 1
   end
 end

@@ -115,28 +115,7 @@ def test_old_and_new_gateways_side_by_side_lose_nothing(
     wal_old, wal_new = tmp_path / "wal-a", tmp_path / "wal-b"
     try:
         old, new = fleet.start(1, wal_old), fleet.start(2, wal_new)
-        # one conversation, its turns alternating between the layouts: one placement
-        messages: list[dict[str, Any]] = [
-            {"role": "system", "content": words(f"upgrade/{uuid.uuid4().hex}", 500)},
-            {"role": "user", "content": words("upgrade/task", 100)},
-        ]
-        places = []
-        for turn in range(6):
-            gateway = (old, new)[turn % 2]
-            before = _entries(fresh_redis)
-            replica, matched, content = fleet.ask(gateway, messages)
-            places.append(replica)
-            assert turn == 0 or matched > 0, f"turn {turn} at layout {turn % 2 + 1}: no match"
-            messages += [
-                {"role": "assistant", "content": content},
-                {"role": "user", "content": words(f"upgrade/turn{turn}", 60)},
-            ]
-            wait_until(  # the turn's record reached Redis before the other layout looks
-                lambda before=before: _entries(fresh_redis) > before,
-                timeout_s=10,
-                what="the turn's entries in Redis",
-            )
-        assert len(set(places)) == 1
+        assert len(set(_alternating(fleet, fresh_redis, old, new))) == 1
         # the old gateway's pod is replaced: the new code takes over its WAL directory ...
         fleet.stop(old)
         upgraded = fleet.start(2, wal_old)
@@ -153,6 +132,72 @@ def test_old_and_new_gateways_side_by_side_lose_nothing(
         assert len(ids) == len(set(ids)) == fleet.answered
         assert fresh_redis.cli("hget", "kvg:{kvg-meta}:layout", "version").strip() == "2"
         assert fresh_redis.cli("hget", "{kvgate-billing}:layout", "version").strip() == "2"
+    finally:
+        processes.stop(fleet.procs)
+
+
+def _alternating(
+    fleet: Fleet, redis: RedisServer, old: processes.Proc, new: processes.Proc
+) -> list[str]:
+    """One conversation, its turns alternating between the two gateways: the replica of each
+    turn (one placement: every turn after the first matches the turns before)."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": words(f"upgrade/{uuid.uuid4().hex}", 500)},
+        {"role": "user", "content": words("upgrade/task", 100)},
+    ]
+    places = []
+    for turn in range(6):
+        gateway = (old, new)[turn % 2]
+        before = _entries(redis)
+        replica, matched, content = fleet.ask(gateway, messages)
+        places.append(replica)
+        assert turn == 0 or matched > 0, f"turn {turn} at {('old', 'new')[turn % 2]}: no match"
+        messages += [
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": words(f"upgrade/turn{turn}", 60)},
+        ]
+        wait_until(  # the turn's record reached Redis before the other gateway looks
+            lambda before=before: _entries(redis) > before,
+            timeout_s=10,
+            what="the turn's entries in Redis",
+        )
+    return places
+
+
+BEFORE_DISTINCT_COMMIT = "fca0b33403c25751b96a1d5f5b0b9f9c45096af9"
+"""main before the directory's distinct generations: two generations of 3/4 of the capacity,
+no `live` hash (still layout 2)."""
+
+
+@pytest.fixture(scope="module")
+def before_distinct_tree() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="kvgate-before-distinct-") as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", "--format=tar", BEFORE_DISTINCT_COMMIT],
+            capture_output=True,
+            check=False,
+        )
+        assert archive.returncode == 0, archive.stderr.decode().strip()
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        tree = Path(tmp)
+        assert "LIVE_KEY" not in (tree / "cachemap" / "redis" / "schema.py").read_text()
+        yield tree
+
+
+def test_a_gateway_of_the_commit_before_distinct_generations_shares_a_conversation(
+    before_distinct_tree: Path,
+    fresh_redis: RedisServer,
+    start_engines: Callable[..., list[Served]],
+    tmp_path: Path,
+) -> None:
+    """A rolling upgrade to the distinct generations: a gateway of the commit before (two
+    generations, its own count) and one of this code route one conversation's turns to one
+    replica, each matching what the other recorded; the new gateway kept its live counts."""
+    fleet = Fleet(start_engines(3), fresh_redis, before_distinct_tree)
+    try:
+        old, new = fleet.start(1, tmp_path / "wal-a"), fleet.start(2, tmp_path / "wal-b")
+        assert len(set(_alternating(fleet, fresh_redis, old, new))) == 1
+        assert int(fresh_redis.cli("hlen", "kvg:{kvg-meta}:live").strip()) >= 1
     finally:
         processes.stop(fleet.procs)
 

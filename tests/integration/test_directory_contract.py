@@ -21,10 +21,12 @@ from cachemap.redis.schema import (
     COUNT_KEY,
     FLOOR_KEY,
     GEN_KEY,
+    LIVE_KEY,
     SEEN_KEY,
     START_KEY,
     block_keys,
     replica_id,
+    text,
 )
 from loadgen.harness.redis_servers import RedisServer, without_pubsub
 
@@ -175,6 +177,14 @@ async def test_the_most_recent_three_quarters_of_the_capacity_always_match(store
         await d.record(r1, c)
         recent = chains[max(i - 2, 0) : i + 1]  # the last 30 blocks recorded
         assert [(await d.lookup(r)).get(r1, 0) for r in recent] == [10] * len(recent), i
+
+
+def live_entries(sync: redis.Redis, rid: str) -> dict[int, int]:
+    """A replica's live generations in Redis: generation -> entries at it."""
+    value = sync.hget(LIVE_KEY, rid)
+    assert value is not None
+    _, counts = text(value).split(";", 1)
+    return {int(g): int(n) for g, n in (p.split(":") for p in counts.split(";") if p)}
 
 
 def capped(d: Any, replica: str, engine_blocks: int | None) -> None:
@@ -460,7 +470,7 @@ async def test_a_long_chain_is_recorded_in_bounded_calls_a_few_a_pipeline(
         assert stats["cmdstat_hmget"]["calls"] == 6_000  # each block read once
         assert await d.lookup(hashes[:6_000]) == {"r1": 6_000}
         rid = replica_id("r1")
-        assert int(sync.hget(COUNT_KEY, rid) or 0) == 6_000
+        assert live_entries(sync, rid) == {0: 6_000}
     finally:
         sync.close()
         await d.close()
@@ -474,8 +484,8 @@ async def test_a_record_counts_its_new_blocks_in_its_own_call(fresh_redis: Redis
     generation (a restart it has not heard of keeps its record from matching) and never moves
     Redis's back."""
     client = await open_redis(fresh_redis.url)
-    d = RedisDirectory(client, capacity_blocks=8)  # 6 new blocks a generation
-    behind = RedisDirectory(await open_redis(fresh_redis.url), capacity_blocks=8)
+    d = RedisDirectory(client, capacity_blocks=96)  # 6 entries a generation
+    behind = RedisDirectory(await open_redis(fresh_redis.url), capacity_blocks=96)
     await d.refresh_generations()
     await behind.refresh_generations()
     d.register(["r1"])
@@ -489,7 +499,8 @@ async def test_a_record_counts_its_new_blocks_in_its_own_call(fresh_redis: Redis
         sync.config_resetstat()
         await d.record("r1", blocks[1:6])  # 1 + 5 new blocks: the generation advances
         calls = {k.split("_", 1)[1]: v["calls"] for k, v in sync.info("commandstats").items()}
-        assert calls["evalsha"] == 1 and calls["publish"] == 1, calls
+        # one announcement of the generation, one of the live generations
+        assert calls["evalsha"] == 1 and calls["publish"] == 2, calls
         assert d.meta.gen(rid) == gen + 1 == int(sync.hget(GEN_KEY, rid) or 0)
         assert int(sync.hget(COUNT_KEY, rid) or 0) == 0
         assert await d.lookup(blocks[:6]) == {"r1": 6}  # the generation before still matches
@@ -497,7 +508,7 @@ async def test_a_record_counts_its_new_blocks_in_its_own_call(fresh_redis: Redis
         await behind.record("r1", blocks[6:8])
         assert behind.meta.gen(rid) == gen + 1  # the reply moved its view
         assert int(sync.hget(GEN_KEY, rid) or 0) == gen + 1
-        assert int(sync.hget(COUNT_KEY, rid) or 0) == 2
+        assert live_entries(sync, rid) == {gen: 8}  # counted where they were written
         value = sync.hget(block_keys(blocks[6:7])[0], rid)
         assert value is not None and value.split(b":")[0] == str(gen).encode()  # its own view's
     finally:
@@ -512,10 +523,10 @@ async def test_a_record_of_many_calls_advances_the_generation_once(
     """A chain longer than `RECORD_CHUNK` is recorded in several calls, which all count: only
     the replica's last call of the batch advances the generation, once, as one count of the
     batch's sum did. Each call advancing on its own would take a 600-block record of a
-    replica that advances every 150 blocks four generations on, and its own first blocks,
+    replica that advances every 125 blocks four generations on, and its own first blocks,
     written at the first, would no longer match."""
     client = await open_redis(fresh_redis.url)
-    d = RedisDirectory(client, capacity_blocks=200)  # 150 new blocks a generation
+    d = RedisDirectory(client, capacity_blocks=2000)  # 125 entries a generation
     await d.refresh_generations()
     d.register(["r1", "r2"])
     rid = replica_id("r1")
@@ -527,8 +538,8 @@ async def test_a_record_of_many_calls_advances_the_generation_once(
         await d.record_many([("r1", blocks, None, None), ("r2", other, None, None)])
         assert d.meta.gen(rid) == gen + 1 == int(sync.hget(GEN_KEY, rid) or 0)
         assert int(sync.hget(COUNT_KEY, rid) or 0) == 0
-        assert d.meta.gen(replica_id("r2")) == gen  # 100 of 150: its own count
-        assert int(sync.hget(COUNT_KEY, replica_id("r2")) or 0) == 100
+        assert d.meta.gen(replica_id("r2")) == gen  # 100 of 125: its own count
+        assert live_entries(sync, replica_id("r2")) == {gen: 100}
         assert await d.lookup(blocks) == {"r1": 600}
     finally:
         sync.close()
