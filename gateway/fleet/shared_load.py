@@ -52,6 +52,12 @@ placed in that order (`router.herd`; the `spread_herd` setting). With `pace_s` (
 `herd_pace_ms` setting, off by default) a burst's next decision also waits until the peers'
 placements of the last one's instant can have reached Redis, and reads them (`pace`).
 
+The herd rule reaches a gateway's first request of a burst only. With `ahead` (the
+`place_ahead` setting) each request also registers its routing inputs and is decided on the
+published load with the requests registered before it and not yet published placed first
+(`register`, `decided`; `gateway.fleet.ahead`, `router.ahead`); a write of this gateway's
+figures takes its decided requests out of that list in the same call.
+
 When Redis is unreachable the peers' figures from the last answer stand until `stale_s` past it,
 then go to zero: the gateway routes on its own figures and the engines', as it did before.
 """
