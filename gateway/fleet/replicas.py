@@ -404,11 +404,13 @@ class ReplicaSet:
         if self.shared_load is not None:
             await self.shared_load.pace()
 
-    async def register_ahead(self, route: RouteRequest) -> tuple[str, bool, list[Ahead]] | None:
+    async def register_ahead(
+        self, route: RouteRequest, deadline_s: float
+    ) -> tuple[str, bool, list[Ahead]] | None:
         """`SharedLoad.register`: None without a shared load."""
         if self.shared_load is None:
             return None
-        return await self.shared_load.register(route)
+        return await self.shared_load.register(route, deadline_s)
 
     def decided_ahead(self, rid: str, replica: str | None) -> None:
         """The request registered as `rid` was placed on `replica` (None: nowhere):

@@ -601,13 +601,16 @@ class SharedLoad:
         self.own = {row[0]: row for row in rows or ()}
 
     # -- the requests looked up ahead (`gateway.fleet.ahead`) --------------------------------
-    async def register(self, route: RouteRequest) -> tuple[str, bool, list[Ahead]] | None:
+    async def register(
+        self, route: RouteRequest, deadline_s: float = ROUND_DEADLINE_S
+    ) -> tuple[str, bool, list[Ahead]] | None:
         """Register `route` (as this gateway decides it, the herd rule's peers and rank in
         it) and read the published load with it: this request's id and the requests ahead, in
         Redis's order, each as its gateway decided it and this gateway's own where it sent
         them, and whether any was (the request is then decided with ties by id). None when
         off, alone, before the first round, or when Redis did not answer
-        (decide as before); the caller reports the id's decision (`decided`) either way."""
+        (decide as before) within `deadline_s` (Redis's time: the request path's, the caller
+        gives its lookup's); the caller reports the id's decision (`decided`) either way."""
         if not self.ahead or not self.num_peers or self._stopped or self._written_s == -math.inf:
             return None
         self._requests += 1
@@ -628,7 +631,7 @@ class SharedLoad:
         )
         try:
             await self._slot_map()
-            reply = await self._lane.command(LOAD_KEY, command, REGISTER, ROUND_DEADLINE_S)
+            reply = await self._lane.command(LOAD_KEY, command, REGISTER, deadline_s)
             flat, load = reply[2], reply[3]
             listed, malformed = parse_entries(list(flat))
         except Exception as exc:  # it may be registered: the next publish removes it

@@ -506,7 +506,11 @@ class Director:
         it is decided on (the published load, with the requests ahead placed first in Redis's
         order). Without peers, off, on the local directory's lookup (`degraded`), or when Redis
         did not answer: no id and `route` and `snapshot` as they were."""
-        registered = None if degraded else await self.replicas.register_ahead(route)
+        if degraded:
+            return None, route, snapshot
+        # on the request path: the lookup's deadline (Redis's time), not the rounds' second
+        deadline_s = self.directory.lookup_deadline_s(0)
+        registered = await self.replicas.register_ahead(route, deadline_s)
         if registered is None:
             return None, route, snapshot
         rid, had, items = registered

@@ -191,13 +191,16 @@ async def test_a_dead_gateways_requests_stop_counting_after_the_bound(client: An
     a.load.ahead_ttl_ms = b.load.ahead_ttl_ms = 1
     await a.route(request(urls, 400, {}))  # a dies: never publishes
     a.load._stopped = True
-    time_ms = int((await client.time())[0]) * 1000
-    while int((t := await client.time())[0]) * 1000 + int(t[1]) // 1000 <= time_ms + 2:
+
+    async def redis_ms() -> int:
+        seconds, micros = await client.time()
+        return int(seconds) * 1000 + int(micros) // 1000
+
+    registered_by = await redis_ms()
+    while await redis_ms() <= registered_by + 2:
         pass  # bounded by Redis's clock moving on, which it does
     registered = await b.load.register(request(urls, 8, {}))
-    assert registered is not None and registered[2] == []
-    order = await client.zcard(a.load.ahead_key)
-    assert order == 1  # b's own, just registered
+    assert registered is not None and registered[2] == []  # a's dropped: past the bound
     await b.load.stop()
     await a.load._call("", 1.0)  # its load entry too (the stale bound would, in seconds)
 
