@@ -76,6 +76,11 @@ DEFAULT_MAX_PROMPT_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 """8 MiB of request body: twice the default prompt limit, room for JSON's escapes and structure
 around a prompt of `max_prompt_bytes` (code full of quotes and newlines grows by about a third)."""
+DEFAULT_CLIENT_KEEP_ALIVE_S = 75.0
+"""An idle client connection is kept 75 s: longer than the clients' and load balancers' own idle
+limits (httpx and the openai SDK 5 s, aiohttp 15 s, AWS ALB and nginx 60 s), so the client, not
+the gateway, ends an idle connection, and never while its next request is on the wire (uvicorn's
+5 s equals httpx's: the two raced)."""
 DEFAULT_BODY_READ_TIMEOUT_S = 60.0
 """A whole body within 60 s: 8 MiB arrives in that time at 1.2 Mbit/s, so only a stalled (or
 hostile) upload waits this long, holding its connection for nothing."""
@@ -326,6 +331,8 @@ class Settings(BaseSettings):
     client_drain_timeout_s: float = DEFAULT_CLIENT_DRAIN_TIMEOUT_S
     """How long a stream waits for its client to read before it is cut (engine connection
     closed, billed as aborted)."""
+    client_keep_alive_s: float = DEFAULT_CLIENT_KEEP_ALIVE_S
+    """How long an idle client connection is kept open (uvicorn's `timeout_keep_alive`)."""
 
     @field_validator("tenant_max_inflight")
     @classmethod
@@ -876,6 +883,7 @@ class Settings(BaseSettings):
         "connect_timeout_s",
         "shutdown_grace_s",
         "client_drain_timeout_s",
+        "client_keep_alive_s",
     )
     @classmethod
     def _positive_seconds(cls, value: float) -> float:

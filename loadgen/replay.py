@@ -40,6 +40,8 @@ DEFAULT_MODEL = "kvgate-sim-8b"
 DEFAULT_MAX_CONCURRENCY = 512
 """In-flight requests at most: far above what the trace needs at moderate load (Little's law:
 ~3.4 req/s × ~10 s ≈ 35 for the conversation trace at real time), so the loop stays open."""
+DEFAULT_OVERLOAD_RETRIES = 2
+"""The openai and anthropic SDKs' `max_retries`: a client told "retry later" does."""
 DEFAULT_TIMEOUT_S = 900.0
 """Per request: a long prompt behind a long queue on a slow engine can take minutes."""
 
@@ -65,6 +67,8 @@ class Row:
     label: str = ""
     target: str = ""
     """The base URL the request was sent to."""
+    retries: int = 0
+    """Answers of "retry later" (429, 503, 529) retried, as the SDKs do (`overload_retries`)."""
 
 
 @dataclass
@@ -136,6 +140,9 @@ class ReplayOptions:
     in_flight: dict[str, int] | None = None
     """When given, kept current: the requests sent to each target and not yet finished (the
     bench waits for a gateway's to reach 0 once it is out of rotation, before stopping it)."""
+    overload_retries: int = DEFAULT_OVERLOAD_RETRIES
+    """A 429 / 503 / 529 is retried this many times after its Retry-After, as the openai and
+    anthropic SDKs do (`loadgen.client.stream_chat`); 0: a refusal is an error at once."""
 
     def __post_init__(self) -> None:
         if self.time_scale <= 0:
@@ -189,6 +196,7 @@ async def replay(trace: Trace, options: ReplayOptions) -> tuple[list[Row], float
                     _key_for(req.tenant, options.api_keys),
                     body,
                     str(i),
+                    overload_retries=options.overload_retries,
                 )
             finally:
                 if counts is not None:
@@ -209,6 +217,7 @@ async def replay(trace: Trace, options: ReplayOptions) -> tuple[list[Row], float
             tenant=req.tenant,
             error=result.error,
             target=target,
+            retries=result.retries,
         )
         progress.advance(result.ok)
 

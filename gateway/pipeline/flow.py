@@ -570,8 +570,12 @@ class FlowControl:
         )
 
     def _retry_after_s(self, backlog: int, prompt_tokens: float) -> float:
-        """About when the backlog will have drained at one replica's prefill rate."""
-        return max(backlog * max(prompt_tokens, 1.0) / self.limits.prefill_tokens_per_s, 1.0)
+        """About when the backlog will have drained at one replica's prefill rate, and never
+        past `max_queue_s`: no request waits longer, so by then the backlog ahead has turned
+        over. (A long one, 256 prompts of 10k tokens at 13k tokens/s is ~200 s, also passed
+        the 2 minutes the openai SDK waits out: it gave up at once.)"""
+        drained_s = backlog * max(prompt_tokens, 1.0) / self.limits.prefill_tokens_per_s
+        return max(min(drained_s, self.limits.max_queue_s), 1.0)
 
     # -- dispatch ------------------------------------------------------------------------------
     def pump(self) -> None:

@@ -7,6 +7,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import uvicorn
 
@@ -185,7 +186,22 @@ def run_serve(args: argparse.Namespace) -> int:
     except TenantFileError as exc:
         print(f"kvgate serve: {exc}")
         return 2
-    config = uvicorn.Config(
+    config = server_config(app, settings)
+    sockets = None
+    if settings.worker_index is not None:
+        sockets = [shared_port_socket(settings.host, settings.port)]
+    tune_collector()  # the young generation above the requests in flight (cyclic_gc.py)
+    DrainingServer(config, app.state.begin_drain).run(sockets)
+    return 0
+
+
+def server_config(app: Any, settings: Settings) -> uvicorn.Config:
+    """uvicorn's configuration for the gateway's HTTP front end. The keep-alive is
+    `client_keep_alive_s`, longer than the clients' own pool idle limits: a server that ends an
+    idle connection first races the client's next request on it (the client, starved of CPU,
+    has not yet read the server's FIN: "Server disconnected", the request lost;
+    docs/reliability.md, "Nothing lost under CPU starvation")."""
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -198,13 +214,9 @@ def run_serve(args: argparse.Namespace) -> int:
         server_header=False,
         date_header=False,
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
+        # typed int by uvicorn, used as a `call_later` delay: a fraction of a second is kept
+        timeout_keep_alive=cast(int, settings.client_keep_alive_s),
     )
-    sockets = None
-    if settings.worker_index is not None:
-        sockets = [shared_port_socket(settings.host, settings.port)]
-    tune_collector()  # the young generation above the requests in flight (cyclic_gc.py)
-    DrainingServer(config, app.state.begin_drain).run(sockets)
-    return 0
 
 
 class DrainingServer(uvicorn.Server):

@@ -746,6 +746,9 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
             )
     summary = summarise(rows, setup.time_scale, wall)
     first_error = next((r.error for r in rows if not r.ok), "")
+    retried = sum(1 for r in rows if r.retries)
+    if retried:  # told "retry later" and retried, as the SDKs do (loadgen.client.stream_chat)
+        first_error = f"{retried} retried after a 429/503; {first_error}"
     return ArmResult(
         arm.name,
         run,

@@ -174,6 +174,24 @@ async def test_a_full_scope_gets_429_and_a_full_gateway_503() -> None:
         ticket.routed()
 
 
+async def test_a_429s_retry_after_is_within_the_queues_own_wait_bound() -> None:
+    """A backlog of long prompts would take minutes at one replica's rate, but no request waits
+    longer than `max_queue_s`: the Retry-After says no more (and stays under the 2 minutes the
+    openai SDK waits out; past them it gives up at once)."""
+    replicas = _replicas()
+    flow = _flow(replicas, max_queued_per_scope=2, max_queue_s=10.0, prefill_tokens_per_s=1.0)
+    lease = _fill(replicas)
+    a = _tenant("a")
+    waiting = [asyncio.create_task(_enter(flow, a, 10.0)) for _ in range(2)]
+    await _until(lambda: len(flow.queue) == 2, "A queued")
+    with pytest.raises(QueueFull) as own:
+        await _enter(flow, a, 10.0)  # 2 x 10 s of prefill ahead at 1 token/s
+    assert own.value.headers()["retry-after"] == "10"
+    lease.prefilled()
+    for ticket in await asyncio.wait_for(asyncio.gather(*waiting), 5.0):
+        ticket.routed()
+
+
 async def test_waiting_too_long_is_503_unless_behind_its_own_backlog() -> None:
     """The first request waited for the fleet (503); the second arrived behind the first, its
     own scope's backlog (429)."""
