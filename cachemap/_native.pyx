@@ -446,6 +446,13 @@ cdef inline bint _rec_is(Rec *r, uint64_t k0, uint64_t k1, uint64_t size, object
                            PyBytes_GET_SIZE(key)) == 0)))
 
 
+cdef struct Parsed:
+    uint64_t k0
+    uint64_t k1
+    uint64_t size
+    uint64_t h
+
+
 cdef inline bint _broken(Rec *r):
     return r.mask == 0 and r.children > 0
 
@@ -513,9 +520,14 @@ cdef class DomainTable:
         """The record of `key`, made (no tier, no children) when it has none; room for it
         must have been reserved (`_reserve`)."""
         cdef uint64_t k0, k1, size, h
+        _parse_key(key, &k0, &k1, &size, &h)
+        return self._get_parsed(key, k0, k1, size, h)
+
+    cdef Rec *_get_parsed(self, object key, uint64_t k0, uint64_t k1, uint64_t size,
+                          uint64_t h) except NULL:
+        """`_get` of a key `_parse_key` has read."""
         cdef Py_ssize_t i, spot = -1
         cdef Rec *r
-        _parse_key(key, &k0, &k1, &size, &h)
         i = <Py_ssize_t>(h & <uint64_t>self.mask)
         while True:
             r = &self.recs[i]
@@ -663,33 +675,46 @@ cdef class DomainTable:
         cdef object prev_key = parent
         cdef uint32_t m
         cdef dict engine = self.engine
+        cdef Parsed *parsed
         self._reserve(n + 1)
         if parent is not None and n:
             prev = self._find(parent)  # made only when a key is newly held under it
-        for i in range(n):
-            key = keys[i]
-            r = self._get(key)
-            m = r.mask
-            if not m & tier:
-                new += 1
-            if m == 0:  # newly held by the domain
-                if r.children > 0:
-                    self.nbroken -= 1
-                self.nheld += 1
-                if prev_key is not None:
-                    if prev == NULL:
-                        prev = self._get(prev_key)
-                    Py_INCREF(prev_key)
-                    r.parent = <PyObject *>prev_key
-                    if _broken(prev):
+        # every key read and its slot fetched first: the chain's slots are scattered over a
+        # table bigger than the caches, so their misses overlap instead of coming one a block
+        parsed = <Parsed *>malloc((n if n else 1) * sizeof(Parsed))
+        if parsed == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                _parse_key(keys[i], &parsed[i].k0, &parsed[i].k1, &parsed[i].size, &parsed[i].h)
+                KVG_PREFETCH(&self.recs[<Py_ssize_t>(parsed[i].h & <uint64_t>self.mask)])
+            for i in range(n):
+                key = keys[i]
+                r = self._get_parsed(key, parsed[i].k0, parsed[i].k1, parsed[i].size,
+                                     parsed[i].h)
+                m = r.mask
+                if not m & tier:
+                    new += 1
+                if m == 0:  # newly held by the domain
+                    if r.children > 0:
                         self.nbroken -= 1
-                    prev.children += 1
-                    if _broken(prev):
-                        self.nbroken += 1
-            r.mask = m | tier
-            prev = r
-            prev_key = key
-            engine[hashes[i]] = key
+                    self.nheld += 1
+                    if prev_key is not None:
+                        if prev == NULL:
+                            prev = self._get(prev_key)
+                        Py_INCREF(prev_key)
+                        r.parent = <PyObject *>prev_key
+                        if _broken(prev):
+                            self.nbroken -= 1
+                        prev.children += 1
+                        if _broken(prev):
+                            self.nbroken += 1
+                r.mask = m | tier
+                prev = r
+                prev_key = key
+                engine[hashes[i]] = key
+        finally:
+            free(parsed)
         return new
 
     def remove_whole(self, engine_hashes):
