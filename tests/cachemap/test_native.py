@@ -297,7 +297,7 @@ _MAP_OPS = st.lists(
 
 
 @pytest.mark.parametrize("make", MAPS)
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(_MAP_OPS, st.lists(st.sampled_from(_BLOCKS), max_size=8))
 def test_a_domains_maps_answer_as_their_definition(
     make: Any, ops: list[tuple[Any, ...]], probe: list[bytes]
