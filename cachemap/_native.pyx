@@ -6,9 +6,9 @@ cachemap.native).
 - `Lru`: one replica's epoch of `cachemap.memory.MemoryIndex` (`cachemap.memory.OrderedLru`'s
   methods), an open-addressing table of 16-byte key prefixes inline with a log of touches for
   its order, instead of an OrderedDict (three dict probes and a linked node a move).
-- `hold_new`, `remove_held`: `cachemap.events`'s writes of a stored chain into a domain's maps
-  and its removal of a batch of blocks, each one loop over the blocks writing every map (the
-  pure forms make a pass a map: zips, lists, a Counter).
+- `DomainTable`: `cachemap.events.DomainMaps`, a domain's held masks, parents and held-children
+  counts in one record a key of an open-addressing table (broken: a record with children and
+  no tier), its stores and removals one loop over the event's blocks.
 - `WordTable`: a mirror of the precise word cache's young pieces, first and later
   (`gateway.events.words`), that looks a text's words up from its characters, no `str` made a
   word (`words._tail`'s form).
@@ -409,55 +409,375 @@ cdef class Lru:
         return out
 
 
-def hold_new(dict held, dict parent_of, dict children, dict engine, engine_hashes, list keys,
-             object tier, object parent):
-    """`cachemap.events.hold_new`: every map written in one loop over the chain."""
-    cdef Py_ssize_t n = len(keys)
-    cdef list hashes = engine_hashes if type(engine_hashes) is list else list(engine_hashes)
-    cdef Py_ssize_t m = len(hashes) if len(hashes) < n else n
-    cdef Py_ssize_t i
-    cdef object key
-    cdef object prev = parent
-    cdef object one = 1
-    if parent is not None:
-        children[parent] = children.get(parent, 0) + 1
-    for i in range(n):
-        key = keys[i]
-        held[key] = tier
-        if prev is not None:
-            parent_of[key] = prev
-        if i < n - 1:
-            children[key] = one
-        if i < m:
-            engine[hashes[i]] = key
-        prev = key
+cdef struct Rec:
+    uint64_t k0  # the key's first 16 bytes, zero padded
+    uint64_t k1
+    PyObject *key  # NULL: never used; GONE: emptied; else a reference held
+    PyObject *parent  # NULL: none (a chain's first, or not held); else a reference held
+    uint32_t mask  # the tiers holding the key; 0: not held (broken when it has children)
+    uint32_t size  # the key's length (LONG: longer than 16)
+    Py_ssize_t children  # held children of the key on the domain
 
 
-def remove_held(dict engine, dict held, dict parent_of, dict children, set broken,
-                engine_hashes):
-    """`cachemap.events.remove_held`: each block's pops and its parent's count in one loop
-    over the batch, then the keys left with held children marked broken."""
-    cdef list gone = []
-    cdef Py_ssize_t unknown = 0
-    cdef object engine_hash, key, parent, count
-    for engine_hash in engine_hashes:
-        key = engine.pop(engine_hash, None)
-        if key is None or not held.pop(key, 0):
-            unknown += 1
-            continue
-        gone.append(key)
-        parent = parent_of.pop(key, None)
-        if parent:
-            count = children.get(parent, 0) - 1
-            if count > 0:
-                children[parent] = count
+cdef inline int _parse_key(object key, uint64_t *k0, uint64_t *k1, uint64_t *size,
+                           uint64_t *h) except -1:
+    cdef uint8_t pad[16]
+    cdef Py_ssize_t n
+    if not PyBytes_Check(key):
+        raise TypeError(f"keys are bytes, got {type(key).__name__}")
+    n = PyBytes_GET_SIZE(key)
+    if n >= 16:
+        memcpy(pad, PyBytes_AS_STRING(key), 16)
+    else:
+        memset(pad, 0, 16)
+        memcpy(pad, PyBytes_AS_STRING(key), n)
+    memcpy(k0, pad, 8)
+    memcpy(k1, pad + 8, 8)
+    size[0] = <uint64_t>n if n <= 16 else LONG
+    h[0] = _hash(k0[0], k1[0], size[0], key)
+    return 0
+
+
+cdef inline bint _rec_is(Rec *r, uint64_t k0, uint64_t k1, uint64_t size, object key):
+    return (r.k0 == k0 and r.k1 == k1 and r.size == size
+            and (size != LONG or (
+                PyBytes_GET_SIZE(<object>r.key) == PyBytes_GET_SIZE(key)
+                and memcmp(PyBytes_AS_STRING(<object>r.key), PyBytes_AS_STRING(key),
+                           PyBytes_GET_SIZE(key)) == 0)))
+
+
+cdef struct Parsed:
+    uint64_t k0
+    uint64_t k1
+    uint64_t size
+    uint64_t h
+
+
+cdef inline bint _broken(Rec *r):
+    return r.mask == 0 and r.children > 0
+
+
+cdef class DomainTable:
+    """`cachemap.events.DomainMaps`: a domain's held masks, parents and held-children counts in
+    one record a key (an open-addressing table, linear probing, at most 3/4 full counting the
+    emptied records), beside the engine hash -> own key dict. A key is broken when its record
+    has held children and no tier, so no set is kept for it. A store or a removal is one loop
+    over the event's blocks: a dict operation and a probe or two of the table a block, against
+    a dict operation a map a block (~5) on the pure form's four maps."""
+
+    cdef Rec *recs
+    cdef Py_ssize_t mask  # len(recs) - 1, a power of two minus one
+    cdef Py_ssize_t live  # records in use (held, or broken)
+    cdef Py_ssize_t filled  # records in use or emptied
+    cdef Py_ssize_t nheld
+    cdef Py_ssize_t nbroken
+    cdef dict engine
+
+    def __cinit__(self):
+        self.recs = <Rec *>malloc(8 * sizeof(Rec))
+        if self.recs == NULL:
+            raise MemoryError()
+        memset(self.recs, 0, 8 * sizeof(Rec))
+        self.mask = 7
+        self.engine = {}
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.recs != NULL:
+            for i in range(self.mask + 1):
+                self._release(&self.recs[i])
+            free(self.recs)
+
+    cdef inline void _release(self, Rec *r):
+        """Let go of the record's references (it is being freed or emptied)."""
+        if r.key != NULL and r.key != GONE:
+            Py_DECREF(<object>r.key)
+            if r.parent != NULL:
+                Py_DECREF(<object>r.parent)
+            r.parent = NULL
+
+    def __len__(self):
+        return self.nheld
+
+    # -- the table -------------------------------------------------------------------------
+
+    cdef Rec *_find(self, object key) except? NULL:
+        """The record of `key`, or NULL."""
+        cdef uint64_t k0, k1, size, h
+        cdef Py_ssize_t i
+        cdef Rec *r
+        _parse_key(key, &k0, &k1, &size, &h)
+        i = <Py_ssize_t>(h & <uint64_t>self.mask)
+        while True:
+            r = &self.recs[i]
+            if r.key == NULL:
+                return NULL
+            if r.key != GONE and _rec_is(r, k0, k1, size, key):
+                return r
+            i = (i + 1) & self.mask
+
+    cdef Rec *_get(self, object key) except NULL:
+        """The record of `key`, made (no tier, no children) when it has none; room for it
+        must have been reserved (`_reserve`)."""
+        cdef uint64_t k0, k1, size, h
+        _parse_key(key, &k0, &k1, &size, &h)
+        return self._get_parsed(key, k0, k1, size, h)
+
+    cdef Rec *_get_parsed(self, object key, uint64_t k0, uint64_t k1, uint64_t size,
+                          uint64_t h) except NULL:
+        """`_get` of a key `_parse_key` has read."""
+        cdef Py_ssize_t i, spot = -1
+        cdef Rec *r
+        i = <Py_ssize_t>(h & <uint64_t>self.mask)
+        while True:
+            r = &self.recs[i]
+            if r.key == NULL:
+                break
+            if r.key == GONE:
+                if spot < 0:
+                    spot = i
+            elif _rec_is(r, k0, k1, size, key):
+                return r
+            i = (i + 1) & self.mask
+        if spot < 0:
+            spot = i
+            self.filled += 1
+        r = &self.recs[spot]
+        Py_INCREF(key)
+        r.key = <PyObject *>key
+        r.parent = NULL
+        r.k0 = k0
+        r.k1 = k1
+        r.size = <uint32_t>size
+        r.mask = 0
+        r.children = 0
+        self.live += 1
+        return r
+
+    cdef inline void _drop(self, Rec *r):
+        """Empty a record (no tier, no children left)."""
+        self._release(r)
+        r.key = GONE
+        self.live -= 1
+
+    cdef int _reserve(self, Py_ssize_t extra) except -1:
+        """Room for `extra` more records without growing: rebuilt without the emptied records
+        to at most half full when they would pass 3/4."""
+        cdef Py_ssize_t size = 8, i, j
+        cdef Rec *old = self.recs
+        cdef Rec *fresh
+        cdef Rec *r
+        if (self.filled + extra) * 4 <= (self.mask + 1) * 3:
+            return 0
+        while size < (self.live + extra) * 2:
+            size *= 2
+        fresh = <Rec *>malloc(size * sizeof(Rec))
+        if fresh == NULL:
+            raise MemoryError()
+        memset(fresh, 0, size * sizeof(Rec))
+        for i in range(self.mask + 1):
+            r = &old[i]
+            if r.key == NULL or r.key == GONE:
+                continue
+            j = <Py_ssize_t>(_hash(r.k0, r.k1, r.size, <object>r.key) & <uint64_t>(size - 1))
+            while fresh[j].key != NULL:
+                j = (j + 1) & (size - 1)
+            fresh[j] = r[0]
+        free(old)
+        self.recs = fresh
+        self.mask = size - 1
+        self.filled = self.live
+        return 0
+
+    cdef int _leave(self, Rec *r) except -1:
+        """The domain no longer holds `r`'s key: its parent has a held child fewer (emptied
+        when that leaves it neither held nor broken), and the key stays as broken while it has
+        held children."""
+        cdef PyObject *parent = r.parent
+        cdef Rec *p
+        r.mask = 0
+        r.parent = NULL
+        self.nheld -= 1
+        if parent != NULL:
+            p = self._find(<object>parent)
+            Py_DECREF(<object>parent)
+            if p != NULL:
+                if _broken(p):
+                    self.nbroken -= 1
+                p.children -= 1
+                if p.children <= 0:
+                    p.children = 0
+                    if p.mask == 0:
+                        self._drop(p)
+                elif _broken(p):
+                    self.nbroken += 1
+        if r.children > 0:
+            self.nbroken += 1
+        else:
+            self._drop(r)
+        return 0
+
+    # -- DomainMaps's methods --------------------------------------------------------------
+
+    def mask_of(self, key):
+        cdef Rec *r = self._find(key)
+        return r.mask if r != NULL else 0
+
+    def masks(self, keys):
+        cdef list out = []
+        cdef Rec *r
+        for key in keys:
+            r = self._find(key)
+            out.append(r.mask if r != NULL else 0)
+        return out
+
+    def holds(self, key):
+        cdef Rec *r = self._find(key)
+        return r != NULL and r.mask != 0
+
+    def holds_any(self, keys):
+        cdef Rec *r
+        for key in keys:
+            r = self._find(key)
+            if r != NULL and r.mask != 0:
+                return True
+        return False
+
+    def held_run(self, keys):
+        cdef Py_ssize_t low = 0, high = len(keys), mid
+        cdef Rec *r
+        if self.nbroken:
+            for key in keys:
+                r = self._find(key)
+                if r != NULL and _broken(r):
+                    return None
+        while low < high:
+            mid = (low + high) // 2
+            r = self._find(keys[mid])
+            if r != NULL and r.mask != 0:
+                low = mid + 1
             else:
-                children.pop(parent, None)
-                broken.discard(parent)
-    for key in gone:
-        if key in children:
-            broken.add(key)
-    return gone, unknown
+                high = mid
+        return low
+
+    def own_key(self, engine_hash):
+        return self.engine.get(engine_hash)
+
+    def hold(self, engine_hashes, list keys, uint32_t tier, object parent):
+        """Each key i held on `tier` under engine hash i; a key newly held is a held child
+        more of its parent (the first key's is `parent`). How many keys are new on `tier`."""
+        cdef list hashes = engine_hashes if type(engine_hashes) is list else list(engine_hashes)
+        cdef Py_ssize_t n = len(keys) if len(keys) < len(hashes) else len(hashes)
+        cdef Py_ssize_t i, new = 0
+        cdef Rec *r
+        cdef Rec *prev = NULL
+        cdef object key
+        cdef object prev_key = parent
+        cdef uint32_t m
+        cdef dict engine = self.engine
+        cdef Parsed *parsed
+        self._reserve(n + 1)
+        if parent is not None and n:
+            prev = self._find(parent)  # made only when a key is newly held under it
+        # every key read and its slot fetched first: the chain's slots are scattered over a
+        # table bigger than the caches, so their misses overlap instead of coming one a block
+        parsed = <Parsed *>malloc((n if n else 1) * sizeof(Parsed))
+        if parsed == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                _parse_key(keys[i], &parsed[i].k0, &parsed[i].k1, &parsed[i].size, &parsed[i].h)
+                KVG_PREFETCH(&self.recs[<Py_ssize_t>(parsed[i].h & <uint64_t>self.mask)])
+            for i in range(n):
+                key = keys[i]
+                r = self._get_parsed(key, parsed[i].k0, parsed[i].k1, parsed[i].size,
+                                     parsed[i].h)
+                m = r.mask
+                if not m & tier:
+                    new += 1
+                if m == 0:  # newly held by the domain
+                    if r.children > 0:
+                        self.nbroken -= 1
+                    self.nheld += 1
+                    if prev_key is not None:
+                        if prev == NULL:
+                            prev = self._get(prev_key)
+                        Py_INCREF(prev_key)
+                        r.parent = <PyObject *>prev_key
+                        if _broken(prev):
+                            self.nbroken -= 1
+                        prev.children += 1
+                        if _broken(prev):
+                            self.nbroken += 1
+                r.mask = m | tier
+                prev = r
+                prev_key = key
+                engine[hashes[i]] = key
+        finally:
+            free(parsed)
+        return new
+
+    def remove_whole(self, engine_hashes):
+        """Every block of `engine_hashes` leaves whatever its tiers: (the keys that left, in
+        order; how many hashes were unknown or repeats)."""
+        cdef list gone = []
+        cdef Py_ssize_t unknown = 0
+        cdef Rec *r
+        cdef dict engine = self.engine
+        for engine_hash in engine_hashes:
+            key = engine.pop(engine_hash, None)
+            r = self._find(key) if key is not None else NULL
+            if r == NULL or r.mask == 0:
+                unknown += 1
+                continue
+            gone.append(key)
+            self._leave(r)
+        return gone, unknown
+
+    def remove_tier(self, engine_hashes, uint32_t tier):
+        """Each block of `engine_hashes` held on `tier` leaves it (and the domain when that
+        was its last tier): (the keys that left `tier`, in order; how many hashes were
+        unknown there)."""
+        cdef list removed = []
+        cdef Py_ssize_t unknown = 0
+        cdef Rec *r
+        cdef dict engine = self.engine
+        for engine_hash in engine_hashes:
+            key = engine.get(engine_hash)
+            r = self._find(key) if key is not None else NULL
+            if r == NULL or not r.mask & tier:
+                unknown += 1
+                continue
+            removed.append(key)
+            if r.mask & ~tier:
+                r.mask &= ~tier
+                continue
+            self._leave(r)
+            del engine[engine_hash]
+        return removed, unknown
+
+    # -- the maps, for the invariants' tests -----------------------------------------------
+
+    def maps(self):
+        """(held masks, parents, held-children counts, engine hashes, broken keys): the pure
+        form's maps (`DomainMaps.maps`), as dicts and a set."""
+        cdef Py_ssize_t i
+        cdef Rec *r
+        cdef dict held = {}, parents = {}, children = {}
+        cdef set broken = set()
+        for i in range(self.mask + 1):
+            r = &self.recs[i]
+            if r.key == NULL or r.key == GONE:
+                continue
+            if r.mask:
+                held[<object>r.key] = r.mask
+            if r.parent != NULL:
+                parents[<object>r.key] = <object>r.parent
+            if r.children > 0:
+                children[<object>r.key] = r.children
+            if _broken(r):
+                broken.add(<object>r.key)
+        return held, parents, children, dict(self.engine), broken
 
 
 cdef extern from *:

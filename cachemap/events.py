@@ -17,8 +17,8 @@ a domain holds carries a tier mask (GPU, CPU, STORAGE: vLLM's `medium`, SGLang's
 leaves the index when its last tier is removed.
 
 Invariants:
-- `_domains[domain].held[key]` is a non-zero tier mask iff some engine hash of `domain` maps
-  to `key` in `_domains[domain].engine`; `num_blocks(domain, tier)` counts those masks' bits.
+- A domain holds `key` (a non-zero tier mask in its `DomainMaps`) iff some engine hash of the
+  domain maps to `key` there; `num_blocks(domain, tier)` counts those masks' bits.
 - `clear(domain)` (a wipe, or a restart seen as seq 0) removes every block of the domain
   before it returns: a lookup after it sees none of them.
 - A speculative entry (`speculate`) matches like a GPU block until it expires
@@ -42,16 +42,17 @@ Invariants:
   when its parent is held there (else the parent cannot be resolved), so along any chain the
   blocks a domain holds are a leading run, unless an ancestor left while a descendant stayed
   (an engine evicting out of order, a lost event, a tier move's removal before its store).
-  Each domain counts its held children per key (`_Domain.children`, with the `parent` of
+  Each domain counts its held children per key (`DomainMaps.children`, with the `parent` of
   every key it holds); a key that leaves while it has held children is broken until
   it is held again or its last held child leaves. A lookup of a chain with no broken key on a
   domain without offloaded tiers finds the domain's run by bisection (~log2(n) probes, not n:
   a continuation's ~700-block chain was ~0.3 ms of a precise gateway's CPU per request); any
   other reads the chain key by key, as before.
 
-Every map is per domain (held masks, parents, children, engine hashes): a block stored or
-removed is a few dict operations of its domain, in C loops over the event's blocks when they
-are all new (a store) or all on GPUs (a removal), and a wipe drops the domain's maps whole. A
+Every map is per domain (`DomainMaps`: held masks, parents, children, engine hashes): a block
+stored or removed is a probe or two of its domain's table and a dict operation (compiled:
+`cachemap._native.DomainTable`, one record a key), in one loop over the event's blocks, and a
+wipe drops the domain's maps whole. A
 thrashing engine stores and removes ~730 blocks a request at bench point 2, where a dict of
 holders per key, made and freed per block, and a Python step per block were ~17% of a precise
 gateway's CPU (py-spy).
@@ -183,13 +184,196 @@ def remove_held(
     return gone, len(keys) - len(gone)
 
 
-_HOLD_NEW = NATIVE.hold_new if NATIVE is not None else hold_new
-"""`hold_new`, compiled where built: at bench point 2 (~720 blocks stored a request) 0.22
-against 0.32 ms a request, the pure form's `dict.update`s of `zip`s a pass a map
-(docs/design/compiled.md)."""
-_REMOVE_HELD = NATIVE.remove_held if NATIVE is not None else remove_held
-"""`remove_held`, compiled where built: at bench point 2 (~655 blocks removed a request) 0.20
-against 0.37 ms a request, the pure form's `map`s, lists and `Counter` a pass a map."""
+class DomainMaps:
+    """A domain's blocks (`_Domain.maps`): the tier mask of every key it holds (`held`), the
+    parent's own key of every held key but a chain's first (`parent`), per key (held or
+    broken) how many of its children it holds (`children`), the keys it does not hold but
+    holds a child of (`broken`, module docstring), and engine hash -> own key (`engine`).
+
+    The definition of `cachemap._native.DomainTable`, which keeps the first four in one record
+    a key of one C table (broken: a record with held children and no tier) beside the engine
+    dict: a dict operation a map a block on ~16k-entry maps was the index's store and removal
+    at bench point 2, memory-bound (docs/design/compiled.md)."""
+
+    __slots__ = ("broken", "children", "engine", "held", "parent")
+
+    def __init__(self) -> None:
+        self.held: dict[BlockHash, int] = {}
+        self.parent: dict[BlockHash, BlockHash] = {}
+        self.children: dict[BlockHash, int] = {}
+        self.broken: set[BlockHash] = set()
+        self.engine: dict[EngineHash, BlockHash] = {}
+
+    def __len__(self) -> int:
+        """How many keys the domain holds."""
+        return len(self.held)
+
+    def mask_of(self, key: BlockHash) -> int:
+        """The key's tier mask on the domain (0: not held)."""
+        return self.held.get(key, 0)
+
+    def masks(self, keys: Sequence[BlockHash]) -> list[int]:
+        """Per key, its tier mask (0: not held), in C loops."""
+        return list(map(self.held.get, keys, repeat(0)))
+
+    def holds(self, key: BlockHash) -> bool:
+        return key in self.held
+
+    def holds_any(self, keys: Sequence[BlockHash]) -> bool:
+        return not self.held.keys().isdisjoint(keys)
+
+    def held_run(self, keys: Sequence[BlockHash]) -> int | None:
+        """The leading run of `keys` held, by bisection (~log2(n) probes), when no key of
+        `keys` is broken (the held ones along the chain are then a leading run); else None."""
+        if self.broken and not self.broken.isdisjoint(keys):
+            return None
+        held = self.held
+        low, high = 0, len(keys)  # keys[:low] held, keys[high:] not
+        while low < high:
+            mid = (low + high) // 2
+            if keys[mid] in held:
+                low = mid + 1
+            else:
+                high = mid
+        return low
+
+    def own_key(self, engine_hash: EngineHash) -> BlockHash | None:
+        return self.engine.get(engine_hash)
+
+    def hold(
+        self,
+        engine_hashes: Sequence[EngineHash],
+        keys: list[BlockHash],
+        tier: int,
+        parent: BlockHash | None,
+    ) -> int:
+        """Hold each (engine hash, own key) pair on `tier` (`keys` no longer than
+        `engine_hashes`, its keys distinct: a chain's); a key newly held counts as a held child
+        of its parent (the first key's is `parent`). Returns how many keys are new on `tier`.
+
+        When every key is new to the domain (the usual store) and none has held children
+        there, a C loop a map (`hold_new`); otherwise one Python loop (`hold_each`)."""
+        n = len(keys)
+        if (
+            n > 1
+            and self.held.keys().isdisjoint(keys)
+            and (not self.broken or self.broken.isdisjoint(keys))
+        ):
+            hold_new(
+                self.held,
+                self.parent,
+                self.children,
+                self.engine,
+                engine_hashes,
+                keys,
+                tier,
+                parent,
+            )
+            return n
+        return self.hold_each(engine_hashes, keys, tier, parent)
+
+    def hold_each(
+        self,
+        engine_hashes: Sequence[EngineHash],
+        keys: list[BlockHash],
+        tier: int,
+        parent: BlockHash | None,
+    ) -> int:
+        """`hold` key by key."""
+        held = self.held
+        engine = self.engine
+        parent_of = self.parent
+        children = self.children
+        broken = self.broken
+        new = 0
+        for engine_hash, key in zip(engine_hashes, keys, strict=False):
+            mask = held.get(key, 0)
+            if not mask & tier:
+                new += 1
+            held[key] = mask | tier
+            if not mask:  # newly held by the domain
+                if parent is not None:
+                    parent_of[key] = parent
+                    children[parent] = children.get(parent, 0) + 1
+                if broken:
+                    broken.discard(key)
+            parent = key
+            engine[engine_hash] = key
+        return new
+
+    def remove_whole(self, engine_hashes: Sequence[EngineHash]) -> tuple[list[BlockHash], int]:
+        """Every block of `engine_hashes` leaves whatever its tiers (a GPU removal where
+        nothing is offloaded): (the keys that left, in order; how many hashes were unknown or
+        repeats). `remove_held`."""
+        return remove_held(
+            self.engine, self.held, self.parent, self.children, self.broken, engine_hashes
+        )
+
+    def remove_tier(
+        self, engine_hashes: Sequence[EngineHash], tier: int
+    ) -> tuple[list[BlockHash], int]:
+        """Each block of `engine_hashes` held on `tier` leaves it, and the domain when that
+        was its last tier: (the keys that left `tier`, in order; how many hashes were unknown
+        there)."""
+        engine = self.engine
+        held = self.held
+        parent_of = self.parent
+        children = self.children
+        broken = self.broken
+        removed: list[BlockHash] = []
+        unknown = 0
+        for engine_hash in engine_hashes:
+            key = engine.get(engine_hash)
+            mask = held.get(key, 0) if key is not None else 0
+            if not mask & tier:
+                unknown += 1
+                continue
+            assert key is not None
+            removed.append(key)
+            mask &= ~tier
+            if mask:
+                held[key] = mask
+                continue
+            # the domain no longer holds the key: its parent has a held child fewer (and is
+            # no longer broken at none); the key is broken while it has held children
+            del held[key]
+            parent = parent_of.pop(key, None)
+            if parent is not None:
+                count = children.get(parent, 0) - 1
+                if count > 0:
+                    children[parent] = count
+                else:
+                    children.pop(parent, None)
+                    broken.discard(parent)
+            if key in children:
+                broken.add(key)
+            del engine[engine_hash]
+        return removed, unknown
+
+    def maps(
+        self,
+    ) -> tuple[
+        dict[BlockHash, int],
+        dict[BlockHash, BlockHash],
+        dict[BlockHash, int],
+        dict[EngineHash, BlockHash],
+        set[BlockHash],
+    ]:
+        """(held masks, parents, held-children counts, engine hashes, broken keys), copied:
+        what the invariants' tests read, whichever form holds them."""
+        return (
+            dict(self.held),
+            dict(self.parent),
+            dict(self.children),
+            dict(self.engine),
+            set(self.broken),
+        )
+
+
+_MAPS: Callable[[], DomainMaps] = NATIVE.DomainTable if NATIVE is not None else DomainMaps
+"""A domain's maps, the compiled table where built: bench point 2's captured stream replayed
+(`tools.events_replay replay`, decode aside) applied in 0.44-0.47 against 0.82-1.11 ms a request
+on the four dicts (docs/design/compiled.md)."""
 
 
 @dataclass(slots=True)
@@ -336,21 +520,14 @@ class IndexStats:
 
 @dataclass
 class _Domain:
-    held: dict[BlockHash, int] = field(default_factory=dict)
-    """The tier mask of every key the domain holds."""
-    parent: dict[BlockHash, BlockHash] = field(default_factory=dict)
-    """The parent's own key of every held key but a chain's first."""
-    engine: dict[EngineHash, BlockHash] = field(default_factory=dict)
+    maps: DomainMaps = field(default_factory=lambda: _MAPS())
+    """Held masks, parents, held children, broken keys and engine hashes (`DomainMaps`)."""
     tier_counts: dict[int, int] = field(
         default_factory=lambda: dict.fromkeys((GPU, CPU, STORAGE), 0)
     )
     sliding_groups: set[int] = field(default_factory=set)
     speculative: deque[tuple[float, BlockHash]] = field(default_factory=deque)
     recency: DomainRecency | None = None
-    children: dict[BlockHash, int] = field(default_factory=dict)
-    """Per key (held or broken), how many of its children the domain holds."""
-    broken: set[BlockHash] = field(default_factory=set)
-    """Keys the domain does not hold but holds a child of (module docstring)."""
     expected: dict[bytes, tuple[bytes, Sequence[BlockHash], int]] = field(default_factory=dict)
     """The key before a placed chain's first block the domain lacked, and that block's token
     bytes (or, for a chain the domain lacked from block 0, that block's key alone: 16 bytes,
@@ -411,7 +588,7 @@ class EventIndex:
             return []
         parent_key: BlockHash | None = None
         if event.parent is not None:
-            parent_key = state.engine.get(event.parent)
+            parent_key = state.maps.own_key(event.parent)
             if parent_key is None:
                 self.stats.unresolved_parents += 1
                 return []
@@ -482,53 +659,18 @@ class EventIndex:
         if event.tier == GPU and not (state.tier_counts[CPU] or state.tier_counts[STORAGE]):
             self._remove_whole(state, event.block_hashes)
             return
-        # one loop with its lookups bound to locals (a removal per block of a thrashing engine)
-        tier = event.tier
-        engine = state.engine
-        held = state.held
-        parent_of = state.parent
-        children = state.children
-        broken = state.broken
-        recency = state.recency if tier == GPU else None
-        removed = unknown = 0
-        for engine_hash in event.block_hashes:
-            key = engine.get(engine_hash)
-            mask = held.get(key, 0) if key is not None else 0
-            if not mask & tier:
-                unknown += 1
-                continue
-            assert key is not None
-            removed += 1
-            if recency is not None:
-                recency.remove(key)
-            mask &= ~tier
-            if mask:
-                held[key] = mask
-                continue
-            # the domain no longer holds the key: its parent has a held child fewer (and is
-            # no longer broken at none); the key is broken while it has held children
-            del held[key]
-            parent = parent_of.pop(key, None)
-            if parent is not None:
-                count = children.get(parent, 0) - 1
-                if count > 0:
-                    children[parent] = count
-                else:
-                    children.pop(parent, None)
-                    broken.discard(parent)
-            if key in children:
-                broken.add(key)
-            del engine[engine_hash]
-        state.tier_counts[tier] -= removed
-        self.stats.removed_blocks += removed
+        removed, unknown = state.maps.remove_tier(event.block_hashes, event.tier)
+        if event.tier == GPU and state.recency is not None:
+            deque(map(state.recency.remove, removed), maxlen=0)
+        state.tier_counts[event.tier] -= len(removed)
+        self.stats.removed_blocks += len(removed)
         self.stats.unknown_removals += unknown
 
     def _remove_whole(self, state: _Domain, engine_hashes: Sequence[EngineHash]) -> None:
         """`remove` of GPU blocks from a domain holding nothing offloaded, so each block it
-        holds leaves it (`remove_held`: one loop over the batch, compiled where built)."""
-        gone, unknown = _REMOVE_HELD(
-            state.engine, state.held, state.parent, state.children, state.broken, engine_hashes
-        )
+        holds leaves it (`DomainMaps.remove_whole`: one loop over the batch, compiled where
+        built)."""
+        gone, unknown = state.maps.remove_whole(engine_hashes)
         if state.recency is not None:
             deque(map(state.recency.remove, gone), maxlen=0)
         state.tier_counts[GPU] -= len(gone)
@@ -588,25 +730,12 @@ class EventIndex:
         """Hold each (engine hash, own key) pair on `tier`, confirming speculative entries;
         a key newly held counts as a held child of its parent (the first key's is `parent`).
 
-        When every key is new to the domain (the usual store) and none has held children
-        there, one loop over the chain writes every map (`hold_new`, compiled where built);
-        otherwise one Python loop with its lookups bound to locals."""
+        The domain's maps take the chain in one call (`DomainMaps.hold`: one C loop over it
+        where the table is built)."""
         n = min(len(engine_hashes), len(keys))
         if n < len(keys):
             keys = keys[:n]
-        held = state.held
-        children = state.children
-        # none held: none has held children but a broken one (module docstring). A chain's
-        # keys are distinct (a repeat would be a cycle of the chain's hash), so not checked
-        if (
-            n > 1
-            and held.keys().isdisjoint(keys)
-            and (not state.broken or state.broken.isdisjoint(keys))
-        ):
-            _HOLD_NEW(held, state.parent, children, state.engine, engine_hashes, keys, tier, parent)
-            new = n
-        else:
-            new = self._hold_each(state, engine_hashes, keys, tier, parent)
+        new = state.maps.hold(engine_hashes, keys, tier, parent)
         state.tier_counts[tier] += new
         speculative = self._speculative
         if speculative:
@@ -618,36 +747,6 @@ class EventIndex:
                     if not spec:
                         del speculative[key]
             self.stats.speculative_confirmed += confirmed
-
-    @staticmethod
-    def _hold_each(
-        state: _Domain,
-        engine_hashes: Sequence[EngineHash],
-        keys: list[BlockHash],
-        tier: int,
-        parent: BlockHash | None,
-    ) -> int:
-        """`_hold_all` key by key; returns how many keys are new on `tier`."""
-        held = state.held
-        engine = state.engine
-        parent_of = state.parent
-        children = state.children
-        broken = state.broken
-        new = 0
-        for engine_hash, key in zip(engine_hashes, keys, strict=False):
-            mask = held.get(key, 0)
-            if not mask & tier:
-                new += 1
-            held[key] = mask | tier
-            if not mask:  # newly held by the domain
-                if parent is not None:
-                    parent_of[key] = parent
-                    children[parent] = children.get(parent, 0) + 1
-                if broken:
-                    broken.discard(key)
-            parent = key
-            engine[engine_hash] = key
-        return new
 
     # -- speculation -----------------------------------------------------------------------
     def speculate(
@@ -672,7 +771,7 @@ class EventIndex:
         expires = now_s + self.speculative_ttl_s
         n = len(keys)
         run = self._held_run(domain, state, keys)  # without offloaded tiers: the GPU's run
-        if run is not None and run < n and state.held.keys().isdisjoint(keys[run:]):
+        if run is not None and run < n and not state.maps.holds_any(keys[run:]):
             added = self._speculate_past(domain, state, keys, run, expires)
         else:
             added = self._speculate_each(domain, state, keys, run, expires)
@@ -749,7 +848,7 @@ class EventIndex:
     @staticmethod
     def _gpu_masks(state: _Domain, keys: Sequence[BlockHash]) -> list[int]:
         """Per key, its GPU bit on the domain (0 when not held there on a GPU), in C loops."""
-        return list(map(and_, map(state.held.get, keys, repeat(0)), repeat(GPU)))
+        return list(map(and_, state.maps.masks(keys), repeat(GPU)))
 
     def sweep(self, domain: str, now_s: float) -> None:
         """Expire the domain's speculative entries whose time has passed (counted)."""
@@ -780,7 +879,7 @@ class EventIndex:
         if not keys:
             return {}
         first = keys[0]
-        domains = [d for d, state in self._domains.items() if first in state.held]
+        domains = [d for d, state in self._domains.items() if state.maps.holds(first)]
         for key in keys[:SPECULATIVE_STRIDE]:
             for d, expires in self._speculative.get(key, _EMPTY_SPEC).items():
                 if expires > now_s and d not in domains:
@@ -809,17 +908,7 @@ class EventIndex:
             return 0
         if state.tier_counts[CPU] or state.tier_counts[STORAGE]:
             return None
-        if state.broken and not state.broken.isdisjoint(keys):
-            return None
-        held = state.held
-        low, high = 0, len(keys)  # keys[:low] held, keys[high:] not
-        while low < high:
-            mid = (low + high) // 2
-            if keys[mid] in held:
-                low = mid + 1
-            else:
-                high = mid
-        return low
+        return state.maps.held_run(keys)
 
     def _match_from(
         self, domain: str, state: _Domain | None, keys: Sequence[BlockHash], run: int, now_s: float
@@ -829,8 +918,8 @@ class EventIndex:
         n = len(keys)
         if run == n or self._claim(domain, keys, run, now_s) < 0:
             return Match(run, 0, 0)
-        held = state.held if state is not None else {}
-        member = [True] * run + list(map(held.__contains__, keys[run:]))
+        masks = state.maps.masks(keys[run:]) if state is not None else [0] * (n - run)
+        member = [True] * run + list(map(bool, masks))
         return self._walk(domain, keys, member, None, run, now_s)
 
     def _claim(self, domain: str, keys: Sequence[BlockHash], i: int, now_s: float) -> int:
@@ -847,7 +936,7 @@ class EventIndex:
 
     def _match(self, domain: str, state: _Domain, keys: Sequence[BlockHash], now_s: float) -> Match:
         """One domain's match (`lookup`): held runs by C loops, claimed windows stepped."""
-        masks = list(map(state.held.get, keys, repeat(0)))
+        masks = state.maps.masks(keys)
         member = list(map(bool, masks))
         off_tiers = bool(state.tier_counts[CPU] or state.tier_counts[STORAGE])
         return self._walk(domain, keys, member, masks if off_tiers else None, 0, now_s)
@@ -898,7 +987,7 @@ class EventIndex:
     def own_key(self, domain: str, engine_hash: EngineHash) -> BlockHash | None:
         """The own key the domain's block `engine_hash` was indexed under (None: unknown)."""
         state = self._domains.get(domain)
-        return state.engine.get(engine_hash) if state is not None else None
+        return state.maps.own_key(engine_hash) if state is not None else None
 
     def num_blocks(self, domain: str, tier: int = GPU) -> int:
         state = self._domains.get(domain)

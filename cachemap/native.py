@@ -1,8 +1,8 @@
 """The compiled forms of cachemap's per-block loops, where they are built.
 
 `cachemap/_native.pyx` (Cython) holds `chain` (`cachemap.keys.chain_hashes` without extras),
-`Lru` (`cachemap.memory.OrderedLru`), `hold_new` and `remove_held` (`cachemap.events`'s: the
-event index's store and removal of a batch's blocks), `WordTable` (the precise word cache's
+`Lru` (`cachemap.memory.OrderedLru`), `DomainTable` (`cachemap.events.DomainMaps`: a domain's
+blocks in the event index, one C record a key), `WordTable` (the precise word cache's
 lookups, `gateway.events.words`), `unpack_u32` (a KV event's token ids read from their msgpack
 bytes, `gateway.events.decode`) and `common_prefix` (`gateway.events.texts`'s). The install
 builds it when Cython and a C compiler are at hand (`setup.py`; a failed build leaves the pure
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-NAMES = ("chain", "Lru", "hold_new", "remove_held", "WordTable", "unpack_u32", "common_prefix")
+NAMES = ("chain", "Lru", "DomainTable", "WordTable", "unpack_u32", "common_prefix")
 """What the compiled module holds. A build older than one of them (a checkout's `.so` not
 rebuilt since, or copied from another) is not used at all: its users read these names at
 import, and a missing one would fail it."""

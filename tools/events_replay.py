@@ -12,9 +12,9 @@ and applies FILE's batches in order (`decode_batch`, `EventIndex.apply`, one dom
 the collector tuned as `kvgate serve` tunes it) ROUNDS times (default 3) and prints the best
 round's decode + apply per request (REQUESTS: the bench's --requests), the decode alone, and
 the blocks stored and removed per request. `ab` decodes FILE once, then applies it with the
-index's store and removal loops compiled and pure in turn (`cachemap._native.hold_new` and
-`remove_held` against `cachemap.events.hold_new` and `remove_held`; the chain compiled in both),
-A B B A PAIRS times (default 2), and prints each round's apply per request (thread CPU).
+index's domain maps compiled and pure in turn (`cachemap._native.DomainTable` against
+`cachemap.events.DomainMaps`; the chain compiled in both), A B B A PAIRS times (default 2),
+and prints each round's apply per request (thread CPU).
 
 Bench point 2's stream (`kvgate bench --start 4000 --requests 1000 --engines 4 --capacity-frac
 0.10 --utilization 0.85 --time-scale 4 --arms precise:cache_aware --rate-steps 0`): ~3,400
@@ -131,13 +131,10 @@ def ab(path: str, requests: int, pairs: int) -> None:
     decoded = [(engine, decode_batch(payload).events) for engine, _, payload in batches]
     domains = [f"http://engine-{i}" for i in range(1 + max(b[0] for b in batches))]
     tune_collector()
-    forms = {
-        "compiled": (NATIVE.hold_new, NATIVE.remove_held),
-        "pure": (events.hold_new, events.remove_held),
-    }
+    forms = {"compiled": NATIVE.DomainTable, "pure": events.DomainMaps}
     spent: dict[str, list[float]] = {name: [] for name in forms}
     for name in ["compiled", "pure", "pure", "compiled"] * pairs:
-        events._HOLD_NEW, events._REMOVE_HELD = forms[name]
+        events._MAPS = forms[name]
         index = EventIndex()
         start = time.thread_time()
         for engine, batch in decoded:
@@ -145,7 +142,7 @@ def ab(path: str, requests: int, pairs: int) -> None:
             for event in batch:
                 index.apply(domain, event)
         spent[name].append((time.thread_time() - start) / requests * 1e3)
-    events._HOLD_NEW, events._REMOVE_HELD = forms["compiled"]
+    events._MAPS = forms["compiled"]
     for name, times in spent.items():
         print(f"{name}: apply {' / '.join(f'{t:.3f}' for t in times)} ms a request")
     saved = 1 - sum(spent["compiled"]) / sum(spent["pure"])

@@ -3,6 +3,8 @@ for the same prompt; tiers, removals, wipes, continuations and speculative entri
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,7 +108,19 @@ def test_a_speculative_entry_expires_without_its_event() -> None:
 def _mask(index: EventIndex, key: bytes, domain: str) -> int:
     """The tier mask of `key` on `domain` (0: not held there)."""
     state = index._domains.get(domain)
-    return state.held.get(key, 0) if state is not None else 0
+    return state.maps.mask_of(key) if state is not None else 0
+
+
+def _children(state: Any) -> dict[bytes, int]:
+    """Per key (held or broken), how many of its children the domain holds."""
+    children: dict[bytes, int] = state.maps.maps()[2]
+    return children
+
+
+def _broken(state: Any) -> set[bytes]:
+    """The keys the domain does not hold but holds a child of."""
+    broken: set[bytes] = state.maps.maps()[4]
+    return broken
 
 
 def _stepped_lookup(index: EventIndex, keys: list[bytes], now_s: float) -> dict[str, Match]:
@@ -209,18 +223,18 @@ def test_a_key_that_leaves_before_its_child_is_broken_until_it_is_whole_again() 
     index.store("a", stored([1, 2, 3, 4], IDS))
     state = index._domains["a"]
     assert index.lookup(keys, 0.0) == {"a": Match(4, 0)} and index._held_run("a", state, keys) == 4
-    assert state.children == {keys[0]: 1, keys[1]: 1, keys[2]: 1} and not state.broken
+    assert _children(state) == {keys[0]: 1, keys[1]: 1, keys[2]: 1} and not _broken(state)
     index.remove("a", BlockRemoved([2], GPU))
-    assert state.broken == {keys[1]}
+    assert _broken(state) == {keys[1]}
     assert (
         index.lookup(keys, 0.0) == {"a": Match(1, 0)} and index._held_run("a", state, keys) is None
     )
     assert index.lookup(keys[:1], 0.0) == {"a": Match(1, 0)}
     index.store("a", stored([2], IDS[16:32], parent=1))
-    assert not state.broken and index.lookup(keys, 0.0) == {"a": Match(4, 0)}
+    assert not _broken(state) and index.lookup(keys, 0.0) == {"a": Match(4, 0)}
     index.remove("a", BlockRemoved([2], GPU))
     index.remove("a", BlockRemoved([3, 4], GPU))
-    assert not state.broken and state.children == {}
+    assert not _broken(state) and _children(state) == {}
     assert index.lookup(keys, 0.0) == {"a": Match(1, 0)}
     index.clear("a")
     assert index.domains() == [] and index.lookup(keys, 0.0) == {}
@@ -237,16 +251,16 @@ def test_a_batch_removal_at_a_branch_point_and_a_store_over_a_broken_key() -> No
     index.store("a", stored([13, 14, 15], branch[48:], parent=3))
     state = index._domains["a"]
     keys, own = precise_keys(trunk, SALT, 16), precise_keys(branch, SALT, 16)
-    assert state.children[keys[2]] == 2
+    assert _children(state)[keys[2]] == 2
     index.remove("a", BlockRemoved([15, 14, 13], GPU))  # the branch, tail first
-    assert state.children[keys[2]] == 1 and not state.broken
+    assert _children(state)[keys[2]] == 1 and not _broken(state)
     assert index.lookup(own, 0.0) == {"a": Match(3, 0)}
     _check_bookkeeping(index)
     index.remove("a", BlockRemoved([4], GPU))  # out of order: block 3 broken (4 is held)
     index.remove("a", BlockRemoved([3], GPU))  # block 2 not broken (its child 3 is gone)
-    assert state.broken == {keys[3]}
+    assert _broken(state) == {keys[3]}
     index.store("a", stored([3, 4], trunk[32:64], parent=2))  # new blocks, one broken
-    assert not state.broken and index.lookup(keys, 0.0) == {"a": Match(6, 0)}
+    assert not _broken(state) and index.lookup(keys, 0.0) == {"a": Match(6, 0)}
     _check_bookkeeping(index)
 
 
@@ -306,17 +320,17 @@ def _check_bookkeeping(index: EventIndex) -> None:
     names only keys it holds, `children` counts each key's held children there and `broken`
     is the keys it does not hold with a held child."""
     for state in index._domains.values():
-        held = state.held
-        assert all(held.values())
-        assert set(state.engine.values()) == set(held)
-        assert set(state.parent) <= set(held)
+        held, parents, children, engine, broken = state.maps.maps()
+        assert all(held.values()) and len(state.maps) == len(held)
+        assert set(engine.values()) == set(held)
+        assert set(parents) <= set(held)
         for tier in (GPU, CPU, STORAGE):
             assert state.tier_counts[tier] == sum(1 for m in held.values() if m & tier)
         counts: dict[bytes, int] = {}
-        for parent in state.parent.values():
+        for parent in parents.values():
             counts[parent] = counts.get(parent, 0) + 1
-        assert state.children == counts
-        assert state.broken == {k for k in counts if k not in held}
+        assert children == counts
+        assert broken == {k for k in counts if k not in held}
     # every speculative entry names a domain (an emptied one is deleted: `_confirm` relies on
     # it) and is in that domain's queue with its expiry
     queued = {(d, k, t) for d, state in index._domains.items() for t, k in state.speculative}

@@ -267,100 +267,101 @@ def test_an_index_on_the_compiled_lru_answers_as_on_the_pure_one(
         assert answers[0] == answers[-1]
 
 
-HOLDS: list[Callable[..., None]] = [events.hold_new] + (
-    [COMPILED.hold_new] if COMPILED is not None else []
+MAPS: list[Callable[[], Any]] = [events.DomainMaps] + (
+    [COMPILED.DomainTable] if COMPILED is not None else []
 )
-REMOVES: list[Callable[..., tuple[list[bytes], int]]] = [events.remove_held] + (
-    [COMPILED.remove_held] if COMPILED is not None else []
-)
-_BLOCKS = [bytes([i]) * 16 for i in range(12)]
+_BLOCKS = [bytes([i]) * 16 for i in range(10)] + [b"short", b"seventeen bytes!!"]
+"""Own keys: a chain's 16 bytes, and shorter and longer ones (the table compares those apart)."""
 _HASHES = [*range(1, 9), b"h1", b"h2", 2**64 - 1, -5]
 """Engine hashes: vLLM's unsigned ints, SGLang's signed ones, bytes."""
-_maps = st.tuples(
-    st.dictionaries(st.sampled_from(_BLOCKS), st.integers(0, 7), max_size=8),  # held
-    st.dictionaries(st.sampled_from(_BLOCKS), st.sampled_from(_BLOCKS), max_size=8),  # parent
-    st.dictionaries(st.sampled_from(_BLOCKS), st.integers(-1, 3), max_size=8),  # children
-    st.dictionaries(st.sampled_from(_HASHES), st.sampled_from(_BLOCKS), max_size=8),  # engine
-    st.sets(st.sampled_from(_BLOCKS), max_size=4),  # broken
+_MAP_OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("hold"),
+            st.lists(st.sampled_from(_HASHES), max_size=8),
+            st.lists(st.sampled_from(_BLOCKS), max_size=8, unique=True),  # a chain: distinct
+            st.sampled_from([1, 2, 4]),
+            st.none() | st.sampled_from(_BLOCKS),
+        ).filter(lambda op: op[4] not in op[2]),  # a parent outside its chain, as a hash's
+        st.tuples(
+            st.just("whole"), st.lists(st.sampled_from([*_HASHES, 99, b"unknown"]), max_size=8)
+        ),
+        st.tuples(
+            st.just("tier"),
+            st.lists(st.sampled_from([*_HASHES, 99]), max_size=8),
+            st.sampled_from([1, 2, 4]),
+        ),
+    ),
+    max_size=30,
 )
-"""A domain's maps in any state, the invariants kept or not: the compiled loops must do to
-each what the definitions do, entry for entry and in the same order."""
 
 
-def _copied(maps: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(m.copy() for m in maps)
-
-
-def _state(maps: tuple[Any, ...]) -> list[Any]:
-    """Every map's entries in order (a dict's order is part of what must be equal)."""
-    return [sorted(m) if isinstance(m, set) else list(m.items()) for m in maps]
-
-
-@pytest.mark.parametrize("hold", HOLDS)
-@settings(max_examples=300)
-@given(
-    _maps,
-    st.lists(st.sampled_from(_HASHES), max_size=10),
-    st.lists(st.sampled_from(_BLOCKS), max_size=10),
-    st.sampled_from([1, 2, 4]),
-    st.none() | st.sampled_from(_BLOCKS),
-    st.booleans(),
-)
-def test_holding_a_new_chain_is_its_definition(
-    hold: Any,
-    maps: tuple[Any, ...],
-    hashes: list[Any],
-    chain_: list[bytes],
-    tier: int,
-    parent: bytes | None,
-    as_tuple: bool,
+@pytest.mark.parametrize("make", MAPS)
+@settings(max_examples=250, deadline=None)
+@given(_MAP_OPS, st.lists(st.sampled_from(_BLOCKS), max_size=8))
+def test_a_domains_maps_answer_as_their_definition(
+    make: Any, ops: list[tuple[Any, ...]], probe: list[bytes]
 ) -> None:
-    """Chains longer or shorter than their hashes, repeated keys, a parent among the keys."""
-    held, parent_of, children, engine, _ = mine = _copied(maps)
-    hold(
-        held,
-        parent_of,
-        children,
-        engine,
-        tuple(hashes) if as_tuple else hashes,
-        chain_,
-        tier,
-        parent,
-    )
-    held, parent_of, children, engine, _ = ref = _copied(maps)
-    events.hold_new(held, parent_of, children, engine, hashes, chain_, tier, parent)
-    assert _state(mine) == _state(ref)
+    """Stores (chains longer or shorter than their hashes, keys held on another tier already,
+    under a held parent or none), whole and tiered removals (unknown hashes, repeats, two hashes of
+    one key, parents that leave before their children): after every operation the same answers
+    and the same maps as `DomainMaps` (dicts compared as dicts: the table keeps no order)."""
+    mine, ref = make(), events.DomainMaps()
+    for op in ops:
+        if op[0] == "hold":
+            _, hashes, chain_, tier, parent = op
+            chain_ = chain_[: len(hashes)]
+            if parent is not None and not ref.holds(parent):
+                parent = None  # a store's parent comes from its engine hash: a key held
+            assert mine.hold(tuple(hashes), chain_, tier, parent) == ref.hold(
+                hashes, chain_, tier, parent
+            )
+        elif op[0] == "whole":
+            assert mine.remove_whole(tuple(op[1])) == ref.remove_whole(op[1])
+        else:
+            assert mine.remove_tier(op[1], op[2]) == ref.remove_tier(op[1], op[2])
+        assert mine.maps() == ref.maps()
+        assert len(mine) == len(ref)
+        assert mine.masks(probe) == ref.masks(probe)
+        assert mine.holds_any(probe) == ref.holds_any(probe)
+        assert mine.held_run(probe) == ref.held_run(probe)
+        assert [mine.mask_of(k) for k in probe] == [ref.mask_of(k) for k in probe]
+        assert [mine.holds(k) for k in probe] == [ref.holds(k) for k in probe]
+        assert [mine.own_key(h) for h in _HASHES] == [ref.own_key(h) for h in _HASHES]
 
 
-@pytest.mark.parametrize("remove", REMOVES)
-@settings(max_examples=300)
-@given(_maps, st.lists(st.sampled_from([*_HASHES, 99, b"unknown"]), max_size=12), st.booleans())
-def test_removing_held_blocks_is_its_definition(
-    remove: Any, maps: tuple[Any, ...], hashes: list[Any], as_tuple: bool
-) -> None:
-    """Unknown hashes, repeats, two hashes of one key, parents that leave with their children,
-    counts that were already wrong."""
-    engine_hashes = tuple(hashes) if as_tuple else hashes
-    held, parent_of, children, engine, broken = mine = _copied(maps)
-    answer = remove(engine, held, parent_of, children, broken, engine_hashes)
-    held, parent_of, children, engine, broken = ref = _copied(maps)
-    assert answer == events.remove_held(engine, held, parent_of, children, broken, hashes)
-    assert _state(mine) == _state(ref)
+@pytest.mark.parametrize("make", MAPS)
+def test_a_domain_table_grows_and_empties_its_records(make: Any) -> None:
+    """Chains of 5,000 blocks stored and removed in turns: the table grows past its first
+    size, reuses its emptied records, and answers as the dicts all along."""
+    mine, ref = make(), events.DomainMaps()
+    for turn in range(3):
+        chain_ = [(turn * 10_000 + i).to_bytes(16, "big") for i in range(5_000)]
+        hashes = [turn * 10_000 + i for i in range(5_000)]
+        assert mine.hold(hashes, chain_, 1, None) == ref.hold(hashes, chain_, 1, None)
+        assert mine.held_run(chain_) == ref.held_run(chain_) == 5_000
+        odd = hashes[1::2]
+        assert mine.remove_whole(odd) == ref.remove_whole(odd)
+        assert mine.held_run(chain_) is None and ref.held_run(chain_) is None  # broken keys
+        assert mine.maps() == ref.maps()
+    everything = list(range(30_000))
+    assert mine.remove_whole(everything) == ref.remove_whole(everything)
+    assert mine.maps() == ref.maps() == ({}, {}, {}, {}, set()) and len(mine) == 0
 
 
 class _Forms:
-    """The event index's two loops set to one form while applying (`events._HOLD_NEW`,
-    `events._REMOVE_HELD`), the module's choice restored after."""
+    """The event index's domain maps set to one form while applying (`events._MAPS`), the
+    module's choice restored after."""
 
-    def __init__(self, hold: Callable[..., None], remove: Callable[..., Any]) -> None:
-        self.forms = (hold, remove)
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
 
     def __enter__(self) -> None:
-        self.kept = (events._HOLD_NEW, events._REMOVE_HELD)
-        events._HOLD_NEW, events._REMOVE_HELD = self.forms
+        self.kept = events._MAPS
+        events._MAPS = self.make
 
     def __exit__(self, *_: object) -> None:
-        events._HOLD_NEW, events._REMOVE_HELD = self.kept
+        events._MAPS = self.kept
 
 
 _SPLITS = (8, 3, 5, 0)
@@ -396,16 +397,16 @@ _EVENTS = st.lists(
 )
 
 
-@pytest.mark.parametrize("forms", list(zip(HOLDS, REMOVES, strict=True)))
+@pytest.mark.parametrize("make", MAPS)
 @settings(max_examples=300, deadline=None)
 @given(_EVENTS)
 def test_an_event_index_on_the_compiled_loops_is_the_pure_one(
-    forms: tuple[Any, Any], stream: list[tuple[str, str, int, int, int, int, bool]]
+    make: Any, stream: list[tuple[str, str, int, int, int, int, bool]]
 ) -> None:
     """Random event streams on three domains: stores of any run (a repeat takes the stepped
     path), removals of any run with unknown hashes and repeats, wipes, CPU tiers (a domain
     with offloaded blocks removes key by key). After every event both indexes hold the same
-    maps in the same order, count the same and answer every lookup alike."""
+    maps, count the same and answer every lookup alike."""
     pure, other = EventIndex(), EventIndex()
     chains = [precise_keys(_ids(b, 8), "s", 16) for b in range(4)]
     for kind, domain, branch, at, count, tier, odd in stream:
@@ -425,18 +426,16 @@ def test_an_event_index_on_the_compiled_loops_is_the_pure_one(
             event = BlockRemoved(hashes, tier)
         else:
             event = AllBlocksCleared()
-        with _Forms(events.hold_new, events.remove_held):
+        with _Forms(events.DomainMaps):
             pure.apply(domain, event)
-        with _Forms(*forms):
+        with _Forms(make):
             other.apply(domain, event)
         assert other.stats == pure.stats
         assert other._domains.keys() == pure._domains.keys()
         for name, state in pure._domains.items():
             got = other._domains[name]
-            assert [list(m.items()) for m in (got.held, got.parent, got.children, got.engine)] == [
-                list(m.items()) for m in (state.held, state.parent, state.children, state.engine)
-            ]
-            assert (got.broken, got.tier_counts) == (state.broken, state.tier_counts)
+            assert got.maps.maps() == state.maps.maps()
+            assert got.tier_counts == state.tier_counts
         for keys_ in chains:
             assert other.lookup(keys_, 1.0) == pure.lookup(keys_, 1.0)
 
