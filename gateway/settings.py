@@ -405,6 +405,13 @@ class Settings(BaseSettings):
     the order of their ids, this gateway's at its place (router.herd), so gateways deciding a
     burst at once spread its new prompts rather than all sending them to the same least-loaded
     replica; a gateway alone routes as before either way."""
+    place_ahead: bool = False
+    """With `share_load` and other gateways live: each request registers its routing inputs
+    in Redis and is decided on the published load with the requests registered before it and
+    not yet published placed first (gateway.fleet.ahead, router.ahead): N gateways place a
+    burst as one gateway would, for one more round trip a decision; a gateway alone routes as
+    before either way. Off by default: the model wins (docs/design/directory.md, "The requests
+    looked up ahead"), the live runs so far were on an overloaded machine and do not resolve it."""
     herd_pace_ms: float = Field(default=0.0, ge=0)
     """With `share_load` and other gateways live: this gateway's decisions at least this far
     apart, each after the wait on a fresh read of the peers' figures, so a burst's next request

@@ -42,8 +42,8 @@ hot-prefix rates and k, the conversations' homes, precise mode's event index and
 entries. What a gateway keeps to itself is its own: its requests' load counted exactly
 (`Lease`), its peers' as they published it at their last load-share round (`_Gateways`,
 gateway.fleet.shared_load); and each ranks a load tie by its place among the gateways, as a
-gateway with peers does (`router.herd`, `SimConfig.herd`). `SimConfig.ahead` (a model: the
-gateway does not register its lookups yet) has each decide on the published load with the
+gateway with peers does (`router.herd`, `SimConfig.herd`). `SimConfig.ahead` (live as the
+`place_ahead` setting, `gateway.fleet.ahead`) has each decide on the published load with the
 requests looked up before it and not yet published placed first (`router.ahead`).
 `SimConfig.as_one` models a piece as one in-process gateway has it, to find what costs the hit
 ratio. Not modelled (at one gateway either): the engines' /metrics, fan-out holds, flow control,
@@ -231,9 +231,9 @@ class SimConfig:
     """Several gateways, placements shared (`placement_delay_s`): each decides on the load
     every gateway has published, with the requests looked up before its own (a request is
     looked up `routing_s` before its decision) and not yet published placed first, a peer's
-    where the policy places it (`router.ahead`; a model only: it needs the lookups registered
-    in Redis, which the gateway does not do yet). False: each on its own view, the herd rule
-    standing for its peers' requests."""
+    where the policy places it (`router.ahead`; the gateway's is `gateway.fleet.ahead`, whose
+    registration is a round trip after the lookup, not modelled). False: each on its own view,
+    the herd rule standing for its peers' requests."""
     distinct_generations: int = DISTINCT_GENERATIONS
     """Several gateways, the directory by generations: K > 0 as Redis keeps it (`_Distinct
     GenerationIndex`: K generations of 1/K of the capacity, the oldest dropped by the entries
@@ -1755,8 +1755,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--ahead",
         action="store_true",
         help="several gateways, with --placement-delay-ms: each decides on the published load "
-        "with the requests looked up before its own placed first (router.ahead; a model: the "
-        "gateway does not register its lookups yet)",
+        "with the requests looked up before its own placed first (router.ahead; live: the "
+        "gateway's place_ahead setting)",
     )
     parser.add_argument(
         "--overflow",

@@ -53,7 +53,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 import orjson
@@ -69,7 +69,8 @@ from gateway.fleet.engine_metrics import (
 from gateway.fleet.podview import ViewEntry, ViewReceiver, ViewSender
 from gateway.fleet.shared_load import NO_PEERS, PeerLoad, SharedLoad
 from gateway.tasks import BackgroundTasks
-from router.types import Replica
+from router.ahead import Ahead
+from router.types import Replica, RouteRequest
 
 log = logging.getLogger(__name__)
 
@@ -373,12 +374,22 @@ class ReplicaSet:
         self._suspects: set[str] = set()
 
     def share_load(
-        self, client: AnyRedis, round_s: float, spread_herd: bool = True, pace_s: float = 0.0
+        self,
+        client: AnyRedis,
+        round_s: float,
+        spread_herd: bool = True,
+        pace_s: float = 0.0,
+        ahead: bool = False,
     ) -> SharedLoad:
         """Publish this gateway's load to its peers on `client` and count theirs (from
         `start` to `stop`; gateway.fleet.shared_load)."""
         self.shared_load = SharedLoad(
-            client, self.states.values, round_s, spread_herd=spread_herd, pace_s=pace_s
+            client,
+            self.states.values,
+            round_s,
+            spread_herd=spread_herd,
+            pace_s=pace_s,
+            ahead=ahead,
         )
         self.fleet.on_leased = self.shared_load.wake
         return self.shared_load
@@ -392,6 +403,35 @@ class ReplicaSet:
         """This gateway's turn to decide, with peers (`SharedLoad.pace`; at once without)."""
         if self.shared_load is not None:
             await self.shared_load.pace()
+
+    async def register_ahead(
+        self, route: RouteRequest, deadline_s: float
+    ) -> tuple[str, bool, list[Ahead]] | None:
+        """`SharedLoad.register`: None without a shared load."""
+        if self.shared_load is None:
+            return None
+        return await self.shared_load.register(route, deadline_s)
+
+    def decided_ahead(self, rid: str, replica: str | None) -> None:
+        """The request registered as `rid` was placed on `replica` (None: nowhere):
+        `SharedLoad.decided`."""
+        if self.shared_load is not None:
+            self.shared_load.decided(rid, replica)
+
+    def published(self, state: ReplicaState, seen: Replica | None = None) -> Replica:
+        """`state`'s snapshot (`seen`, when taken already) with this gateway's own figures as
+        its last write published them (what its peers read), not its exact leases: the view
+        every gateway deciding with the requests ahead shares (`router.ahead`)."""
+        seen = state.snapshot() if seen is None else seen
+        own = self.shared_load.own.get(state.url) if self.shared_load is not None else None
+        inflight, prefill, decode = (own[1], own[3], own[4]) if own is not None else (0, 0.0, 0.0)
+        peer = state.peer or NO_PEERS
+        return replace(
+            seen,
+            num_inflight=inflight + peer.num_inflight,
+            pending_prefill_tokens=prefill + peer.prefill_tokens,
+            decode_tokens=decode + peer.decode_tokens,
+        )
 
     def get(self, replica_id: str) -> ReplicaState:
         """A routed replica's state, or a removed one's while its requests finish."""

@@ -52,6 +52,12 @@ placed in that order (`router.herd`; the `spread_herd` setting). With `pace_s` (
 `herd_pace_ms` setting, off by default) a burst's next decision also waits until the peers'
 placements of the last one's instant can have reached Redis, and reads them (`pace`).
 
+The herd rule reaches a gateway's first request of a burst only. With `ahead` (the
+`place_ahead` setting) each request also registers its routing inputs and is decided on the
+published load with the requests registered before it and not yet published placed first
+(`register`, `decided`; `gateway.fleet.ahead`, `router.ahead`); a write of this gateway's
+figures takes its decided requests out of that list in the same call.
+
 When Redis is unreachable the peers' figures from the last answer stand until `stale_s` past it,
 then go to zero: the gateway routes on its own figures and the engines', as it did before.
 """
@@ -75,7 +81,18 @@ from redis.asyncio.cluster import RedisCluster
 from cachemap.redis.client import AnyRedis
 from cachemap.redis.lookups import LookupLane
 from cachemap.redis.node_lanes import NodeLanes
+from gateway.fleet.ahead import (
+    AHEAD_KEY,
+    AHEAD_TTL_MS,
+    PUBLISH,
+    REGISTER,
+    ahead_keys,
+    encode_route,
+    parse_entries,
+)
 from gateway.tasks import BackgroundTasks
+from router.ahead import Ahead, ties_by_id
+from router.types import RouteRequest
 
 if TYPE_CHECKING:  # the replica set holds this module's SharedLoad
     from gateway.fleet.replicas import ReplicaState
@@ -263,6 +280,7 @@ class SharedLoad:
         clock: Callable[[], float] = time.monotonic,
         spread_herd: bool = True,
         pace_s: float = 0.0,
+        ahead: bool = False,
     ) -> None:
         self.client = client
         self.states = states
@@ -330,6 +348,26 @@ class SharedLoad:
         self._stopped = False
         self._sums = PeerSums()
         """The peers' sums as the reads in the lookups' round trips keep them (`ride`)."""
+        self.ahead = ahead
+        """With peers: register each request and decide with the requests ahead placed first
+        (`register`, `gateway.fleet.ahead`, `router.ahead`)."""
+        self.ahead_key = AHEAD_KEY
+        self.ahead_ttl_ms = AHEAD_TTL_MS
+        self._ahead_sha = client.register_script(REGISTER).sha
+        self._publish_sha = client.register_script(PUBLISH).sha
+        self._requests = 0
+        self._decided: list[str] = []
+        """This gateway's registered requests decided since its last write (`PUBLISH`
+        removes them from the list)."""
+        self._placed: dict[str, str] = {}
+        """This gateway's registered requests -> where it sent them, until published."""
+        self.own: dict[str, Row] = {}
+        """This gateway's figures as its last write gave them to its peers (the published
+        view's own part, `published`)."""
+        self.registered = 0
+        self.register_failed = 0
+        self.ahead_seen = 0
+        """Requests ahead of this gateway's registrations, summed."""
 
     def due(self, states: list[ReplicaState]) -> bool:
         """Whether this round goes to Redis: while anyone's load is in the view or this
@@ -369,6 +407,7 @@ class SharedLoad:
             return
         if write:
             self._written, self._written_s = figures, now_s
+            self._own(figures)
             self._offset_ms = int(redis_ms) - now_s * 1000
         self._answered_s = self.clock()
         self.rounds += 1
@@ -520,22 +559,109 @@ class SharedLoad:
         if self._stopped or self._written_s == -math.inf:
             return None
         figures = encode(self.states())
-        if figures == self._written:
+        if figures == self._written and not self._decided:
             return None
         stamp = int(self.clock() * 1000 + self._offset_ms)
         value = b"%d|%s" % (stamp, figures)
-        command = ("HSET", LOAD_KEY, self.gateway_id, value)
+        decided, self._decided = self._decided, []
+        if decided:  # the figures and the requests they place leave the list in one call
+            order, entries, _ = ahead_keys(self.ahead_key)
+            command: tuple[Any, ...] = (
+                "EVALSHA",
+                self._publish_sha,
+                3,
+                LOAD_KEY,
+                order,
+                entries,
+                self.gateway_id,
+                value,
+                *decided,
+            )
+            future = self._lane.command(LOAD_KEY, command, PUBLISH, ROUND_DEADLINE_S)
+        else:
+            command = ("HSET", LOAD_KEY, self.gateway_id, value)
+            future = self._lane.command(LOAD_KEY, command, "", ROUND_DEADLINE_S)
         self._written = figures
-        future = self._lane.command(LOAD_KEY, command, "", ROUND_DEADLINE_S)
-        future.add_done_callback(self._published)
+        self._own(figures)
+        future.add_done_callback(lambda done: self._published(done, decided))
         return future
 
-    def _published(self, future: asyncio.Future[Any]) -> None:
+    def _published(self, future: asyncio.Future[Any], decided: list[str]) -> None:
         if future.cancelled() or future.exception() is not None:
             self.failed += 1
             self._written = None  # the next round writes them
+            self._decided.extend(decided)  # and the next publish removes them
             return
         self.published += 1
+        for rid in decided:
+            self._placed.pop(rid, None)
+
+    def _own(self, figures: bytes) -> None:
+        rows = parse(figures)
+        self.own = {row[0]: row for row in rows or ()}
+
+    # -- the requests looked up ahead (`gateway.fleet.ahead`) --------------------------------
+    async def register(
+        self, route: RouteRequest, deadline_s: float = ROUND_DEADLINE_S
+    ) -> tuple[str, bool, list[Ahead]] | None:
+        """Register `route` (as this gateway decides it, the herd rule's peers and rank in
+        it) and read the published load with it: this request's id and the requests ahead, in
+        Redis's order, each as its gateway decided it and this gateway's own where it sent
+        them, and whether any was (the request is then decided with ties by id). None when
+        off, alone, before the first round, or when Redis did not answer
+        (decide as before) within `deadline_s` (Redis's time: the request path's, the caller
+        gives its lookup's); the caller reports the id's decision (`decided`) either way."""
+        if not self.ahead or not self.num_peers or self._stopped or self._written_s == -math.inf:
+            return None
+        self._requests += 1
+        rid = f"{self.gateway_id}#{self._requests}"
+        order, entries, counter = ahead_keys(self.ahead_key)
+        command = (
+            "EVALSHA",
+            self._ahead_sha,
+            4,
+            LOAD_KEY,
+            order,
+            entries,
+            counter,
+            self.gateway_id,
+            rid,
+            encode_route(route),
+            self.ahead_ttl_ms,
+        )
+        try:
+            await self._slot_map()
+            reply = await self._lane.command(LOAD_KEY, command, REGISTER, deadline_s)
+            flat, load = reply[2], reply[3]
+            listed, malformed = parse_entries(list(flat))
+        except Exception as exc:  # it may be registered: the next publish removes it
+            self.register_failed += 1
+            self._decided.append(rid)
+            log.debug("registering a request ahead failed: %r", exc)
+            return None
+        self.registered += 1
+        self.malformed += malformed
+        self._fold(load)
+        ahead = [
+            Ahead(
+                ties_by_id(item.req) if item.had else item.req,
+                self._placed.get(item.id) if item.gateway == self.gateway_id else None,
+            )
+            for item in listed
+        ]
+        self.ahead_seen += len(ahead)
+        return rid, bool(int(reply[1])), ahead
+
+    def decided(self, rid: str, replica: str | None) -> None:
+        """The registered request `rid` was placed on `replica` (None: nowhere): its entry
+        leaves the list with this gateway's next write of its figures (at the end of this loop
+        turn)."""
+        self._decided.append(rid)
+        if replica is not None:
+            self._placed[rid] = replica
+        if not self._publishing and not self._stopped:
+            self._publishing = True
+            asyncio.get_running_loop().call_soon(self._publish_soon)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

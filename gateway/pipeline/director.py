@@ -34,7 +34,7 @@ from gateway.pipeline.forwarder import (
 from gateway.pipeline.frontier import Frontiers
 from gateway.pipeline.keying import Keyed, Keying
 from gateway.pipeline.payload import splice_fields
-from gateway.pipeline.placement import Placement
+from gateway.pipeline.placement import Placed, Placement
 from gateway.pipeline.relayed import LandFlight, Pick
 from gateway.request.cache_control import strip_marks
 from gateway.request.parsed import CHAT, COMPLETION, ParsedRequest
@@ -42,6 +42,7 @@ from gateway.request.state import AbandonedHook, LandedHook, RequestHook, Routed
 from gateway.request.tenant import Tenant
 from gateway.request.tokens import TokenEstimator
 from gateway.request.trace import AttemptTrace, NoTracer, RequestTrace, Tracer
+from router.ahead import place_ahead, ties_by_id
 from router.capacity import within_capacity
 from router.profile import RoutingProfile
 from router.types import Replica, RouteRequest
@@ -429,13 +430,18 @@ class Director:
             ticket = await self._wait_for_room(
                 flow, parsed, tenant, candidates, self._capped(route), hashes, client_left, on_hold
             )
+        registered: str | None = None
+        placed = None
+        view: Callable[[], Sequence[Replica]] = snapshot
         try:  # from the ticket on, whatever happens: its tokens leave transit (`routed`)
             route = self._after_wait(ticket, keyed, route, looked_up, parsed, tenant)
             await self.replicas.pace()  # with peers: after theirs of this instant (router.herd)
+            # with peers: the requests looked up ahead placed first (router.ahead)
+            registered, route, view = await self._ahead(route, policy, view, lookup.degraded)
             placed = await self.placement.place(
                 policy,
                 route,
-                snapshot,
+                view,
                 hashes,
                 lookup,
                 self.rng,
@@ -445,6 +451,7 @@ class Director:
             )
         finally:
             ticket.routed()
+            self._decided(registered, placed)  # out of the list at this gateway's next write
         if placed is None:
             raise NoReplica(f"no healthy replica serves model '{parsed.model}'")
         if placed.new_k is not None and lookup.hot_key is not None:
@@ -488,6 +495,40 @@ class Director:
         if placed.flight is not None and self.landed_hooks:
             placed.flight.confirm = lambda: self._landed(routed)
         return routed, placed.flight
+
+    async def _ahead(
+        self,
+        route: RouteRequest,
+        policy: RoutingProfile,
+        snapshot: Callable[[], Sequence[Replica]],
+        degraded: bool,
+    ) -> tuple[str | None, RouteRequest, Callable[[], Sequence[Replica]]]:
+        """`route` registered with the shared load (`SharedLoad.register`, `router.ahead`):
+        its id, the request as it is decided (ties by id with any request ahead) and the view
+        it is decided on (the published load, with the requests ahead placed first in Redis's
+        order). Without peers, off, on the local directory's lookup (`degraded`), or when Redis
+        did not answer: no id and `route` and `snapshot` as they were."""
+        if degraded:
+            return None, route, snapshot
+        # on the request path: the lookup's deadline (Redis's time), not the rounds' second
+        deadline_s = self.directory.lookup_deadline_s(0)
+        registered = await self.replicas.register_ahead(route, deadline_s)
+        if registered is None:
+            return None, route, snapshot
+        rid, had, items = registered
+
+        def published() -> list[Replica]:
+            seen = snapshot()  # its filter and annotations; the load replaced by the published
+            states = self.replicas.states
+            view = [self.replicas.published(states[r.id], r) if r.id in states else r for r in seen]
+            return place_ahead(policy, items, view)[0]
+
+        return rid, ties_by_id(route) if had else route, published
+
+    def _decided(self, registered: str | None, placed: Placed | None) -> None:
+        if registered is not None:
+            where = placed.decision.replica if placed is not None else None
+            self.replicas.decided_ahead(registered, where)
 
     def _capped(self, route: RouteRequest) -> RouteRequest:
         """`route` as the load it puts on a replica is counted (a lease's pending prefill, flow

@@ -598,6 +598,7 @@ def _share_load(parts: Parts, directory: RedisDirectory, events: EventReader | N
         settings.load_share_interval_s,
         settings.spread_herd,
         settings.herd_pace_ms / 1e3,
+        settings.place_ahead,
     )
     directory.lane.rider = shared_load
     if events is not None:

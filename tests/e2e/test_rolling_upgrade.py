@@ -6,8 +6,6 @@ and each takes over the other's WAL directory, as a pod replaced on its volume d
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,29 +22,18 @@ from loadgen.harness.redis_servers import RedisServer
 from loadgen.text import words
 from tests.conftest import MODEL, TENANT_KEY
 from tests.servers import Served, wait_until
+from tests.trees import REPO, unpacked
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
 LAYOUT_1_COMMIT = "05df12f987d70e568f516184d8b983536be43e01"
 """main before this round: the directory, the WAL and the store without layout versions."""
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def layout_1_tree() -> Iterator[Path]:
     """The layout-1 code, unpacked once under /tmp (a checkout's history must hold it)."""
-    with tempfile.TemporaryDirectory(prefix="kvgate-layout1-") as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", "--format=tar", LAYOUT_1_COMMIT],
-            capture_output=True,
-            check=False,
-        )
-        assert archive.returncode == 0, (
-            f"the rolling-upgrade test runs commit {LAYOUT_1_COMMIT} from this checkout's "
-            f"history: {archive.stderr.decode().strip()}"
-        )
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        tree = Path(tmp)
+    with unpacked(LAYOUT_1_COMMIT) as tree:
         assert not (tree / "cachemap" / "redis" / "meta.py").exists()  # really the old code
         yield tree
 
@@ -171,15 +158,7 @@ no `live` hash (still layout 2)."""
 
 @pytest.fixture(scope="module")
 def before_distinct_tree() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvgate-before-distinct-") as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", "--format=tar", BEFORE_DISTINCT_COMMIT],
-            capture_output=True,
-            check=False,
-        )
-        assert archive.returncode == 0, archive.stderr.decode().strip()
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        tree = Path(tmp)
+    with unpacked(BEFORE_DISTINCT_COMMIT) as tree:
         assert "LIVE_KEY" not in (tree / "cachemap" / "redis" / "schema.py").read_text()
         yield tree
 

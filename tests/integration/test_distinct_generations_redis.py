@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from cachemap.redis.client import AnyRedis, open_redis
 from cachemap.redis.directory import RedisDirectory, blocks_per_generation
 from cachemap.redis.schema import LIVE_KEY, block_keys, replica_id, text
 from loadgen.harness.redis_servers import RedisServer
+from tests.trees import unpacked
 
 pytestmark = [pytest.mark.redis]
 
@@ -33,7 +33,6 @@ CAPACITY = 320
 """Entries per replica: 20 a generation."""
 BEFORE_COMMIT = "fca0b33403c25751b96a1d5f5b0b9f9c45096af9"
 """main before the distinct generations: two generations of 3/4 of the capacity."""
-REPO = Path(__file__).resolve().parents[2]
 
 
 def conversations(seed: int, count: int = 24, turns: int = 8) -> list[list[BlockHash]]:
@@ -160,17 +159,8 @@ async def test_a_restart_epoch_leaves_nothing_older_live(fresh_redis: RedisServe
 @pytest.fixture(scope="module")
 def before_tree() -> Iterator[Path]:
     """The commit before, unpacked once under /tmp, with this checkout's native module."""
-    with tempfile.TemporaryDirectory(prefix="kvgate-before-") as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", "--format=tar", BEFORE_COMMIT],
-            capture_output=True,
-            check=False,
-        )
-        assert archive.returncode == 0, archive.stderr.decode()
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        for native in (REPO / "cachemap").glob("_native*.so"):
-            (Path(tmp) / "cachemap" / native.name).write_bytes(native.read_bytes())
-        yield Path(tmp)
+    with unpacked(BEFORE_COMMIT, native=True) as tree:
+        yield tree
 
 
 OLD_GATEWAY = """
