@@ -508,12 +508,17 @@ class RedisDirectory:
     def _place_command(
         self, replica: str, hashes: Sequence[BlockHash], ttl_s: float
     ) -> tuple[Any, ...]:
-        rid = self._rid(replica)
         keys, head = chain_call(hashes)
+        args = self.place_args(replica, ttl_s)
+        return ("EVALSHA", self._place.sha, len(keys), *keys, *head, *args)
+
+    def place_args(self, replica: str, ttl_s: float = PLACEMENT_TTL_S) -> tuple[Any, ...]:
+        """`PLACE`'s arguments after the chain (rid, generation, expiry ms, ttl ms): a
+        placement in flight on `replica` from now, also sent with a fan-out leader's marker
+        (`MarkerStore.lead`'s `place`)."""
+        rid = self._rid(replica)
         ttl_ms = int(ttl_s * 1000)
-        expiry_ms = to_ms(self.clock()) + ttl_ms
-        gen = self.meta.gen(rid)
-        return ("EVALSHA", self._place.sha, len(keys), *keys, *head, rid, gen, expiry_ms, ttl_ms)
+        return (rid, self.meta.gen(rid), to_ms(self.clock()) + ttl_ms, ttl_ms)
 
     async def restore(self, replica: str, entries: Sequence[tuple[BlockHash, float]]) -> int:
         """Write back entries (block, last use) a gateway kept while Redis lost them, at the

@@ -254,6 +254,21 @@ end
 return 0
 """
 
+# ARGV (after the chain, not expanded): the leader's marker, ttl ms, then `PLACE`'s rid,
+# generation, expiry ms, ttl ms. `LEAD` and the same flight's placement in flight in one call
+# (`MarkerStore.lead`'s `place`): at routing time a leader's marker and its placement start at
+# the same block, and the placement no longer waits for the write-behind's own round trip.
+LEAD_PLACE = """
+local placed = KEYS[1] .. ':p'
+local ttl = tonumber(ARGV[8])
+redis.call('HSET', placed, ARGV[5], ARGV[6] .. ':' .. ARGV[7] .. '\\n' .. ARGV[2])
+if redis.call('PTTL', placed) < ttl then redis.call('PEXPIRE', placed, ttl) end
+if redis.call('SET', KEYS[1] .. ':w', ARGV[3] .. '\\n' .. ARGV[2], 'NX', 'PX', ARGV[4]) then
+  return 1
+end
+return 0
+"""
+
 # ARGV (after the chain, not expanded): the leader's pending marker, its landed marker, ttl ms,
 # channel. A flight with no marker gets the landed one too: the leader's own marker call may
 # still be on its way (it missed its deadline, Redis runs it later) and must then find the key

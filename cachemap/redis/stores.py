@@ -44,6 +44,7 @@ class MarkerStore:
         self.client = client
         self.lane = lane
         self._lead = client.register_script(scripts.LEAD)
+        self._lead_place = client.register_script(scripts.LEAD_PLACE)
         self._land = client.register_script(scripts.LAND)
 
     async def lead(
@@ -52,17 +53,23 @@ class MarkerStore:
         marker: str,
         ttl_s: float,
         deadline_s: float | None = None,
+        place: Sequence[Any] = (),
     ) -> int:
         """Mark the flight writing `blocks` (set if absent): one key, one SET, whatever the
-        flight's length; 1 when this marker now holds it."""
+        flight's length; 1 when this marker now holds it. `place`: the same blocks' placement
+        in flight, `PLACE`'s arguments after the chain (`RedisDirectory.place_args`), written
+        in the same call (`LEAD_PLACE`)."""
         if not blocks:
             return 0
         keys, head = chain_call(blocks)
-        args: list[Any] = [*head, marker, int(ttl_s * 1000)]
+        args: list[Any] = [*head, marker, int(ttl_s * 1000), *place]
+        script, source = (
+            (self._lead_place, scripts.LEAD_PLACE) if place else (self._lead, scripts.LEAD)
+        )
         if deadline_s is not None and self.lane is not None:
-            command = ("EVALSHA", self._lead.sha, len(keys), *keys, *args)
-            return int(await self.lane.command(keys[0], command, scripts.LEAD, deadline_s))
-        return int(await self._lead(keys=keys, args=args))
+            command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+            return int(await self.lane.command(keys[0], command, source, deadline_s))
+        return int(await script(keys=keys, args=args))
 
     async def land(
         self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float

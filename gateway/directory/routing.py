@@ -456,23 +456,33 @@ class RoutingDirectory:
             self.shared.register(replicas)
 
     # -- fan-out leaders across gateways (`gateway.pipeline.flights.SharedMarkers`) ----------------
-    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool:
+    async def lead(
+        self, blocks: Sequence[BlockHash], marker: str, ttl_s: float, place_on: str | None = None
+    ) -> bool:
         """Mark blocks as being written (on the request path, with the lookup's deadline).
         False only when no marker was sent. A call that failed or missed its deadline may have
         reached Redis all the same (the script was on the socket: Redis runs it when it gets
         to it), so it answers True and the leader lands what may be there — a marker left
-        pending would hold every sibling that finds it until its hold's timeout."""
-        if self.shared is None or self.degraded or not blocks:
+        pending would hold every sibling that finds it until its hold's timeout.
+        `place_on`: the request was placed there and `blocks` are what it does not hold —
+        the placement in flight (`place`) goes in the marker's own call, not in a write-behind
+        round trip of its own; a call that failed queues it the write-behind way too (the
+        same field written twice). True then means the placement is dealt with."""
+        shared = self.shared
+        if shared is None or self.degraded or not blocks:
             return False
+        place = shared.place_args(place_on) if place_on is not None and self.place_in_flight else ()
         try:  # down the lookups' lane: the deadline is Redis's time, not this loop's lag
-            await self.shared.markers.lead(
-                blocks, marker, ttl_s, deadline_s=self.lookup_deadline_s(len(blocks))
+            await shared.markers.lead(
+                blocks, marker, ttl_s, deadline_s=self.lookup_deadline_s(len(blocks)), place=place
             )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self.stats.marker_failures += 1
             log.debug("fan-out marker call failed (it may be set; the leader lands it): %s", exc)
+            if place_on is not None:
+                self.place(place_on, blocks, 0)
         return True
 
     # -- conversations' homes across gateways (`cachemap.affinity`, `Keying`) ----------------------

@@ -447,6 +447,7 @@ class Director:
                 self.rng,
                 on_hold=on_hold,
                 pass_over=ticket.full,
+                unpredicted=keyed.unpredicted,
             )
         finally:
             ticket.routed()
@@ -462,7 +463,8 @@ class Director:
         chosen = self.replicas.states.get(decision.replica)
         if self.adapters is not None and chosen is not None:
             self.stats.adapter_loads += await self.adapters.placed(parsed.model, chosen)
-        if hashes and decision.replica not in keyed.unpredicted:
+        placed_with_marker = placed.flight is not None and placed.flight.placed
+        if hashes and decision.replica not in keyed.unpredicted and not placed_with_marker:
             # the other gateways see where it went before its first token
             self.directory.place(decision.replica, hashes, lookup.overlap.get(decision.replica, 0))
         conversation = None

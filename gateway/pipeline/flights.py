@@ -102,6 +102,9 @@ class Flight:
     """False: the flight lands at its first byte only (a leader whose landed hooks cannot run
     there: one Envoy forwards, with billing on)."""
     confirming: bool = False
+    placed: bool = False
+    """Its placement in flight went to the shared store with its marker (`Flights.lead`'s
+    `place`): the director does not write it again."""
     whole: bool = False
     """The flight writes every one of its blocks (no other live flight wrote one when it led):
     it ends by popping them all, none checked (`Flights.end`)."""
@@ -132,9 +135,12 @@ class SharedMarkers(Protocol):
         """How often a waiter re-reads its leader's marker (the channel may miss a landing)."""
         ...
 
-    async def lead(self, blocks: Sequence[BlockHash], marker: str, ttl_s: float) -> bool:
+    async def lead(
+        self, blocks: Sequence[BlockHash], marker: str, ttl_s: float, place_on: str | None = None
+    ) -> bool:
         """Set `marker` on the flight writing `blocks` (if absent); False only when it was
-        certainly not set."""
+        certainly not set. `place_on`: also the placement in flight of `blocks` on that
+        replica, in the same call (True: it is dealt with)."""
         ...
 
     def land(self, blocks: Sequence[BlockHash], marker: str, landed: str, ttl_s: float) -> None: ...
@@ -197,10 +203,17 @@ class Flights:
         return True
 
     async def lead(
-        self, replica: str, blocks: Sequence[BlockHash], expected_s: float, ttl_s: float
+        self,
+        replica: str,
+        blocks: Sequence[BlockHash],
+        expected_s: float,
+        ttl_s: float,
+        place: bool = False,
     ) -> Flight:
         """Register a leader; blocks another live flight already writes stay with it. With a
-        shared store the leader is announced to other gateways too (markers live `ttl_s`)."""
+        shared store the leader is announced to other gateways too (markers live `ttl_s`).
+        `place`: `blocks` are all the request's replica does not hold, and the store writes
+        their placement in flight with the marker (`Flight.placed` when it did)."""
         flight = Flight(replica, blocks, expected_s)
         before = len(self._writing)
         # one C loop, not a Python step a block (a precise request at bench point 2 has ~730)
@@ -215,8 +228,11 @@ class Flights:
             # marker all the same, and only the leader's landing clears it before its ttl
             flight.marker = Marker(PENDING, self.key(flight), replica, expected_s)
             try:
-                if not await self.shared.lead(blocks, flight.marker.format(), ttl_s):
+                place_on = replica if place else None
+                if not await self.shared.lead(blocks, flight.marker.format(), ttl_s, place_on):
                     flight.marker = None  # not sent: nothing to land
+                else:
+                    flight.placed = place
             except BaseException:  # cancelled while announcing: nobody will end it but us
                 self.end(flight, ok=False)
                 raise

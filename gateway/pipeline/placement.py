@@ -82,6 +82,7 @@ class Placement:
         rng: random.Random,
         on_hold: Callable[[float], Awaitable[object]] | None = None,
         pass_over: frozenset[str] = frozenset(),
+        unpredicted: frozenset[str] = frozenset(),
     ) -> Placed | None:
         """`snapshot()` is the replicas as they are now: read again after a hold, so a replica
         that left (or came) while the request waited is ranked as it is when the wait ends.
@@ -89,7 +90,9 @@ class Placement:
         extends Envoy's message timeout with it). `pass_over`: replicas placed on only when
         they hold part of the prompt once fan-out is done (flow control's full replicas for a
         request let through holding nothing: a sibling whose leader landed on one goes there),
-        or when no other is healthy."""
+        or when no other is healthy. `unpredicted`: replicas whose placement in flight is not
+        written (`Keyed.unpredicted`); a leader's on any other goes with its marker when the
+        flight is all the lookup read the replica not to hold (`Flight.placed`)."""
         depth = max(route.overlap.values(), default=0)
         replicas = snapshot()
         joined: str | None = None  # the flight this request is a sibling of
@@ -152,8 +155,13 @@ class Placement:
                 # its queue (this gateway's and, from the engine's metrics, others') + its own
                 expected_s = route.estimated_work(target) / self.prefill_tokens_per_s
                 ttl = max(self.max_hold_s, DEFAULT_HOLD_FACTOR * expected_s)
+                # the director's placement in flight is of what the lookup read the replica
+                # not to hold: the same blocks unless a leader landed there since
+                place = decision.replica not in unpredicted and matched == lookup.overlap.get(
+                    decision.replica, 0
+                )
                 flight = await self.flights.lead(
-                    decision.replica, hashes[matched:], expected_s, ttl
+                    decision.replica, hashes[matched:], expected_s, ttl, place
                 )
         return Placed(decision, route, flight, new_k, uncount)
 

@@ -197,3 +197,71 @@ def _calls(redis: RedisServer, command: str) -> int:
         if line.startswith(f"cmdstat_{command}:"):
             return int(line.split("calls=", 1)[1].split(",", 1)[0])
     return 0
+
+
+async def test_a_leaders_placement_goes_in_its_markers_call(fresh_redis: RedisServer) -> None:
+    """Issue 39's tier CPU: a leader placed on r1 announces its flight and its placement in
+    flight in ONE script call down the lookups' lane (`LEAD_PLACE`), not the marker there and
+    the placement in a write-behind round trip of its own; another gateway's lookup matches
+    the flight on r1 as far as a placement's (no last use) and finds the marker. A leader that
+    does not place (another replica's keying, a landed leader's depth) writes the marker alone."""
+    directory = await _directory(fresh_redis, 5.0)
+    peer = await _directory(fresh_redis, 5.0)
+    await directory.start()
+    await peer.start()
+    assert directory.shared is not None and peer.shared is not None
+    directory.shared.register(["r1"])
+    peer.shared.register(["r1"])
+    flights = Flights(shared=directory)
+    salt = root_hash(b"salt", "m")
+    await flights.lead("r1", chain_hashes(b"warm-up " * 100, salt, 256), 1.0, 10.0, place=True)
+    blocks = chain_hashes(b"a shared prefix " * 400, salt, 256)
+    await directory.shared.record("r1", blocks[:4])  # r1 holds the first four
+    fresh_redis.cli("CONFIG", "RESETSTAT")
+    flight = await flights.lead("r1", blocks[4:], 1.0, 10.0, place=True)
+    assert flight.placed and flight.marker is not None
+    assert _calls(fresh_redis, "evalsha") == 1  # before: the marker's, then PLACE's pipeline
+    assert _calls(fresh_redis, "set") == 1 and _calls(fresh_redis, "hset") == 1
+    assert directory.writes.idle  # nothing queued for the write-behind
+    # the placement extends r1's four (a lookup that finds the leader reports the entries)
+    assert (await peer.shared.lookup_detail(blocks))["r1"] == (len(blocks), 0.0)
+    found = await peer.shared.lookup_full(blocks, writers=True)
+    assert found.writer == flight.marker.format() and found.writer_from == 4
+    flights.end(flight, ok=True)
+    await directory.writes.flushed()  # its landing
+
+    other = chain_hashes(b"another prefix " * 400, salt, 256)
+    fresh_redis.cli("CONFIG", "RESETSTAT")
+    alone = await flights.lead("r1", other, 1.0, 10.0)
+    assert not alone.placed and alone.marker is not None
+    assert _calls(fresh_redis, "hset") == 0 and _calls(fresh_redis, "set") == 1
+    assert "r1" not in await peer.shared.lookup_detail(other)
+    await directory.close()
+    await peer.close()
+
+
+async def test_a_leaders_placement_whose_call_failed_is_written_behind(
+    fresh_redis: RedisServer,
+) -> None:
+    """The marker's call missed its deadline (Redis stopped): the placement it carried may
+    not have run, so it is queued for the write-behind too, and reaches Redis either way."""
+    directory = await _directory(fresh_redis, 0.05)
+    await directory.start()
+    assert directory.shared is not None
+    directory.shared.register(["r1"])
+    flights = Flights(shared=directory)
+    salt = root_hash(b"salt", "m")
+    await flights.lead("r1", chain_hashes(b"warm-up " * 100, salt, 256), 1.0, 10.0, place=True)
+    blocks = chain_hashes(b"a shared prefix " * 400, salt, 256)
+    assert fresh_redis.proc is not None
+    os.kill(fresh_redis.proc.pid, signal.SIGSTOP)
+    try:
+        flight = await flights.lead("r1", blocks, 1.0, 10.0, place=True)  # the call times out
+    finally:
+        os.kill(fresh_redis.proc.pid, signal.SIGCONT)
+    assert flight.placed and directory.stats.marker_failures == 1
+    await directory.writes.flushed()
+    found = await directory.shared.lookup_detail(blocks)
+    assert found["r1"] == (len(blocks), 0.0)
+    flights.end(flight, ok=True)
+    await directory.close()

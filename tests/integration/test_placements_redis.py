@@ -55,6 +55,27 @@ async def test_a_placement_extends_its_replicas_match_until_its_record_lands(
     assert "r2" not in await directory.lookup_detail(blocks)
 
 
+async def test_a_placement_with_its_leaders_marker_matches_as_one_alone(
+    directory: RedisDirectory,
+) -> None:
+    """`LEAD_PLACE` (a fan-out leader's marker and its placement in one call) writes what
+    `LEAD` and `PLACE` write: on one Redis and on a cluster (both keys in the chain's slot)."""
+    blocks, alone = chain(12), chain(12)
+    for c in (blocks, alone):
+        await directory.record("r1", c[:4])
+    place = directory.place_args("r1")
+    await directory.markers.lead(blocks[4:], "pending|gw:1|r1|1.0", 10.0, place=place)
+    await directory.markers.lead(alone[4:], "pending|gw:2|r1|1.0", 10.0)
+    await directory.place("r1", alone[4:])
+    for c in (blocks, alone):
+        assert (await directory.lookup_detail(c))["r1"] == (12, 0.0)
+        found = await directory.lookup_full(c, writers=True)
+        assert (found.writer_depth, found.writer_from) == (12, 4)
+    await directory.markers.lead(blocks[4:], "pending|gw:3|r1|1.0", 10.0, place=place)
+    found = await directory.lookup_full(blocks, writers=True)
+    assert found.writer == "pending|gw:1|r1|1.0"  # the first leader's marker stays
+
+
 async def test_a_placement_expires(directory: RedisDirectory) -> None:
     blocks = chain(3)
     await directory.place("r1", blocks, ttl_s=0.001)
