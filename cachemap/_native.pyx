@@ -109,6 +109,27 @@ cdef inline uint64_t _hash(uint64_t k0, uint64_t k1, uint64_t size, object key) 
     return kvg_fmix64(k0 ^ kvg_rotl64(k1, 32) ^ (size * 0x9E3779B97F4A7C15ULL))
 
 
+# a key's first 16 bytes (zero padded), its size (LONG past 16) and its hash: the LRU's and the
+# domain table's slots both match a key by these
+cdef inline int _parse_key(object key, uint64_t *k0, uint64_t *k1, uint64_t *size,
+                           uint64_t *h) except -1:
+    cdef uint8_t pad[16]
+    cdef Py_ssize_t n
+    if not PyBytes_Check(key):
+        raise TypeError(f"keys are bytes, got {type(key).__name__}")
+    n = PyBytes_GET_SIZE(key)
+    if n >= 16:
+        memcpy(pad, PyBytes_AS_STRING(key), 16)
+    else:
+        memset(pad, 0, 16)
+        memcpy(pad, PyBytes_AS_STRING(key), n)
+    memcpy(k0, pad, 8)
+    memcpy(k1, pad + 8, 8)
+    size[0] = <uint64_t>n if n <= 16 else LONG
+    h[0] = _hash(k0[0], k1[0], size[0], key)
+    return 0
+
+
 cdef inline bint live(Slot *s):
     return s.key != NULL and s.key != GONE
 
@@ -161,24 +182,6 @@ cdef class Lru:
 
     # -- the table -------------------------------------------------------------------------
 
-    cdef inline int _parse(self, object key, uint64_t *k0, uint64_t *k1, uint64_t *size,
-                           uint64_t *h) except -1:
-        cdef uint8_t pad[16]
-        cdef Py_ssize_t n
-        if not PyBytes_Check(key):
-            raise TypeError(f"keys are bytes, got {type(key).__name__}")
-        n = PyBytes_GET_SIZE(key)
-        if n >= 16:
-            memcpy(pad, PyBytes_AS_STRING(key), 16)
-        else:
-            memset(pad, 0, 16)
-            memcpy(pad, PyBytes_AS_STRING(key), n)
-        memcpy(k0, pad, 8)
-        memcpy(k1, pad + 8, 8)
-        size[0] = <uint64_t>n if n <= 16 else LONG
-        h[0] = _hash(k0[0], k1[0], size[0], key)
-        return 0
-
     cdef inline bint _same(self, Slot *s, uint64_t k0, uint64_t k1, uint64_t size, object key):
         return (s.k0 == k0 and s.k1 == k1 and (s.meta & SIZE_MASK) == size
                 and (size != LONG or (
@@ -191,7 +194,7 @@ cdef class Lru:
         cdef uint64_t k0, k1, size, h
         cdef Py_ssize_t i
         cdef Slot *s
-        self._parse(key, &k0, &k1, &size, &h)
+        _parse_key(key, &k0, &k1, &size, &h)
         i = <Py_ssize_t>(h & <uint64_t>self.mask)
         while True:
             s = &self.slots[i]
@@ -206,7 +209,7 @@ cdef class Lru:
         cdef uint64_t k0, k1, size, h
         cdef Py_ssize_t i, spot = -1
         cdef Slot *s
-        self._parse(key, &k0, &k1, &size, &h)
+        _parse_key(key, &k0, &k1, &size, &h)
         i = <Py_ssize_t>(h & <uint64_t>self.mask)
         while True:
             s = &self.slots[i]
@@ -417,25 +420,6 @@ cdef struct Rec:
     uint32_t mask  # the tiers holding the key; 0: not held (broken when it has children)
     uint32_t size  # the key's length (LONG: longer than 16)
     Py_ssize_t children  # held children of the key on the domain
-
-
-cdef inline int _parse_key(object key, uint64_t *k0, uint64_t *k1, uint64_t *size,
-                           uint64_t *h) except -1:
-    cdef uint8_t pad[16]
-    cdef Py_ssize_t n
-    if not PyBytes_Check(key):
-        raise TypeError(f"keys are bytes, got {type(key).__name__}")
-    n = PyBytes_GET_SIZE(key)
-    if n >= 16:
-        memcpy(pad, PyBytes_AS_STRING(key), 16)
-    else:
-        memset(pad, 0, 16)
-        memcpy(pad, PyBytes_AS_STRING(key), n)
-    memcpy(k0, pad, 8)
-    memcpy(k1, pad + 8, 8)
-    size[0] = <uint64_t>n if n <= 16 else LONG
-    h[0] = _hash(k0[0], k1[0], size[0], key)
-    return 0
 
 
 cdef inline bint _rec_is(Rec *r, uint64_t k0, uint64_t k1, uint64_t size, object key):
