@@ -252,7 +252,7 @@ class DomainMaps:
         of its parent (the first key's is `parent`). Returns how many keys are new on `tier`.
 
         When every key is new to the domain (the usual store) and none has held children
-        there, a C loop a map (`hold_new`); otherwise one Python loop (`hold_each`)."""
+        there, a C loop a map (`hold_new`); otherwise one Python loop."""
         n = len(keys)
         if (
             n > 1
@@ -270,17 +270,7 @@ class DomainMaps:
                 parent,
             )
             return n
-        return self.hold_each(engine_hashes, keys, tier, parent)
-
-    def hold_each(
-        self,
-        engine_hashes: Sequence[EngineHash],
-        keys: list[BlockHash],
-        tier: int,
-        parent: BlockHash | None,
-    ) -> int:
-        """`hold` key by key."""
-        held = self.held
+        held = self.held  # key by key
         engine = self.engine
         parent_of = self.parent
         children = self.children
