@@ -404,6 +404,12 @@ class ReplicaSet:
         if self.shared_load is not None:
             await self.shared_load.pace()
 
+    @property
+    def looks_ahead(self) -> bool:
+        """Whether requests register the requests ahead of them (`SharedLoad.ahead`): a
+        shared load with `place_ahead` on."""
+        return self.shared_load is not None and self.shared_load.ahead
+
     async def register_ahead(
         self, route: RouteRequest, deadline_s: float
     ) -> tuple[str, bool, list[Ahead]] | None:

@@ -508,7 +508,7 @@ class Director:
         it is decided on (the published load, with the requests ahead placed first in Redis's
         order). Without peers, off, on the local directory's lookup (`degraded`), or when Redis
         did not answer: no id and `route` and `snapshot` as they were."""
-        if degraded:
+        if degraded or not self.replicas.looks_ahead:
             return None, route, snapshot
         # on the request path: the lookup's deadline (Redis's time), not the rounds' second
         deadline_s = self.directory.lookup_deadline_s(0)
