@@ -22,16 +22,30 @@ Invariants (tests/loadgen/test_traces.py):
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 import random
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from loadgen.engine.tokenizer import default_tokenizer
 from loadgen.traces.readers import MOONCAKE_BLOCK_SIZE, TraceRequest
 
 _TEXT_CACHE_BLOCKS = 16_384
-"""Synthesized block texts kept (~3 KB each for 512-token blocks: ~50 MB at most)."""
+"""Synthesized block texts kept (~3 KB each for 512-token blocks: ~50 MB at most), shared by
+every synthesizer of the process: a bench's arms and replays draw the same blocks again."""
+
+
+def _draw(words: Sequence[str], seed: str, n: int) -> list[str]:
+    raw = random.Random(seed).randbytes(2 * n)
+    num_words = len(words)
+    return [words[i % num_words] for i in array.array("H", raw)]
+
+
+@functools.lru_cache(maxsize=_TEXT_CACHE_BLOCKS)
+def _block_text(namespace: str, block_size: int, hash_id: int) -> tuple[str, list[int]]:
+    """A block's text and its words' end offsets: a function of its id, namespace and size."""
+    words = _draw(default_tokenizer().words, f"{namespace}/block/{hash_id}", block_size)
+    return "".join(words), list(itertools.accumulate(len(w) for w in words))
 
 
 class PromptSynthesizer:
@@ -43,7 +57,6 @@ class PromptSynthesizer:
         self.block_size = block_size
         self.namespace = namespace
         self._words = default_tokenizer().words
-        self._blocks: OrderedDict[int, tuple[str, list[int]]] = OrderedDict()
         tokenizer = default_tokenizer()
         one_word = tokenizer.render_chat([self._message(self._words[0])])
         self.chat_overhead_tokens = tokenizer.count(one_word) - 1
@@ -54,23 +67,12 @@ class PromptSynthesizer:
         return {"role": "user", "content": content}
 
     def _draw(self, seed: str, n: int) -> list[str]:
-        raw = random.Random(seed).randbytes(2 * n)
-        words, num_words = self._words, len(self._words)
-        return [words[i % num_words] for i in array.array("H", raw)]
+        return _draw(self._words, seed, n)
 
     def block_text(self, hash_id: int) -> tuple[str, list[int]]:
-        """The block's full text and the end offset (in characters) of each of its words."""
-        hit = self._blocks.get(hash_id)
-        if hit is not None:
-            self._blocks.move_to_end(hash_id)
-            return hit
-        words = self._draw(f"{self.namespace}/block/{hash_id}", self.block_size)
-        text = "".join(words)
-        offsets = list(itertools.accumulate(len(w) for w in words))
-        self._blocks[hash_id] = (text, offsets)
-        if len(self._blocks) > _TEXT_CACHE_BLOCKS:
-            self._blocks.popitem(last=False)
-        return text, offsets
+        """The block's full text and the end offset (in characters) of each of its words
+        (shared: not to be changed)."""
+        return _block_text(self.namespace, self.block_size, hash_id)
 
     def content(self, hash_ids: Sequence[int], num_tokens: int, tail_key: str = "") -> str:
         """The first `num_tokens` tokens of the blocks named by `hash_ids`, then (when the ids
