@@ -21,6 +21,16 @@ from tests.servers import Served, start_app, stop_all
 # An empty certificate directory makes that context free; a developer's own setting is kept.
 os.environ.setdefault("SSL_CERT_DIR", tempfile.mkdtemp(prefix="kvgate-no-ca-"))
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files that start servers (`e2e`) first, the unit tests after, each file's tests in
+    their order: `-n 2 --dist loadfile` hands files out in this order, so the minutes-long
+    files start early and the many short ones fill both workers at the end instead of one
+    worker finishing a long file alone."""
+    serving = {item.path for item in items if item.get_closest_marker("e2e") is not None}
+    items.sort(key=lambda item: item.path not in serving)
+
+
 FAST = TimingModel(time_scale=1000.0)
 """Engines 1000x faster than real time: a 10k-token prefill takes under a millisecond."""
 TENANT_KEY = "sk-test-acme"
