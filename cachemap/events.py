@@ -50,9 +50,9 @@ Invariants:
   other reads the chain key by key, as before.
 
 Every map is per domain (`DomainMaps`: held masks, parents, children, engine hashes): a block
-stored or removed is a probe or two of its domain's table and a dict operation (compiled:
-`cachemap._native.DomainTable`, one record a key), in one loop over the event's blocks, and a
-wipe drops the domain's maps whole. A
+stored or removed is a probe or two of its domain's tables (compiled:
+`cachemap._native.DomainTable`, one record a key and one slot an engine hash), in one loop over
+the event's blocks, and a wipe drops the domain's maps whole. A
 thrashing engine stores and removes ~730 blocks a request at bench point 2, where a dict of
 holders per key, made and freed per block, and a Python step per block were ~17% of a precise
 gateway's CPU (py-spy).
@@ -191,9 +191,10 @@ class DomainMaps:
     holds a child of (`broken`, module docstring), and engine hash -> own key (`engine`).
 
     The definition of `cachemap._native.DomainTable`, which keeps the first four in one record
-    a key of one C table (broken: a record with held children and no tier) beside the engine
-    dict: a dict operation a map a block on ~16k-entry maps was the index's store and removal
-    at bench point 2, memory-bound (docs/design/compiled.md)."""
+    a key of one C table (broken: a record with held children and no tier) and the engine
+    hashes in a second (an int hash's 64 bits beside its key's bytes; bytes hashes in a dict):
+    a dict operation a map a block on ~16k-entry maps was the index's store and removal at
+    bench point 2, memory-bound (docs/design/compiled.md)."""
 
     __slots__ = ("broken", "children", "engine", "held", "parent")
 

@@ -272,8 +272,9 @@ MAPS: list[Callable[[], Any]] = [events.DomainMaps] + (
 )
 _BLOCKS = [bytes([i]) * 16 for i in range(10)] + [b"short", b"seventeen bytes!!"]
 """Own keys: a chain's 16 bytes, and shorter and longer ones (the table compares those apart)."""
-_HASHES = [*range(1, 9), b"h1", b"h2", 2**64 - 1, -5]
-"""Engine hashes: vLLM's unsigned ints, SGLang's signed ones, bytes."""
+_HASHES = [*range(1, 9), b"h1", b"h2", 2**64 - 1, -5, -(2**63), 2**64, -(2**63) - 1, 2**63]
+"""Engine hashes: vLLM's unsigned ints, SGLang's signed ones, bytes, and ints at and past the
+edges of 64 bits (the compiled table keeps [-2**63, 2**64) and the rest in a dict)."""
 _MAP_OPS = st.lists(
     st.one_of(
         st.tuples(
