@@ -752,17 +752,20 @@ class EventIndex:
 
         The leading run the domain holds on its GPU is found without a Python step per key
         (`_gpu_masks`): a continuation's blocks are all held but its last turn's, and stepping
-        through them was ~6% of a precise gateway's CPU on conversations (py-spy). When the
-        domain holds none of the keys past that run (a new prompt's, a continuation's new
-        turn), every window from the run's on lacks a block, and the entries are made in C
-        loops (`_speculate_past`): a Python step a window of a new ~730-block prompt was ~3%
-        of a precise gateway's samples at bench point 2 (py-spy)."""
+        through them was ~6% of a precise gateway's CPU on conversations (py-spy). A run
+        found (no key of the chain broken, no tier offloaded) is all the domain holds of the
+        chain (held chains are prefix-closed but where a key is broken: the module docstring;
+        the bisection relies on it too), so every window from the run's on lacks a block, and
+        the entries are made in C loops (`_speculate_past`): a Python step a window of a new
+        ~730-block prompt was ~3% of a precise gateway's samples at bench point 2 (py-spy),
+        and checking that no key past the run is held a table probe a key (~0.15 ms a new
+        prompt with the table's records out of the caches, as live between batches)."""
         state = self._domain(domain)
         self.sweep(domain, now_s)
         expires = now_s + self.speculative_ttl_s
         n = len(keys)
         run = self._held_run(domain, state, keys)  # without offloaded tiers: the GPU's run
-        if run is not None and run < n and not state.maps.holds_any(keys[run:]):
+        if run is not None and run < n:  # none held past the run (a run: no key broken)
             added = self._speculate_past(domain, state, keys, run, expires)
         else:
             added = self._speculate_each(domain, state, keys, run, expires)

@@ -407,7 +407,9 @@ def test_an_event_index_on_the_compiled_loops_is_the_pure_one(
     """Random event streams on three domains: stores of any run (a repeat takes the stepped
     path), removals of any run with unknown hashes and repeats, wipes, CPU tiers (a domain
     with offloaded blocks removes key by key). After every event both indexes hold the same
-    maps, count the same and answer every lookup alike."""
+    maps, count the same and answer every lookup alike, and a chain's held run, where found
+    (no key of it broken, nothing offloaded), is all the domain holds of it (`speculate`
+    makes its entries past the run unchecked)."""
     pure, other = EventIndex(), EventIndex()
     chains = [precise_keys(_ids(b, 8), "s", 16) for b in range(4)]
     for kind, domain, branch, at, count, tier, odd in stream:
@@ -439,6 +441,9 @@ def test_an_event_index_on_the_compiled_loops_is_the_pure_one(
             assert got.tier_counts == state.tier_counts
         for keys_ in chains:
             assert other.lookup(keys_, 1.0) == pure.lookup(keys_, 1.0)
+            for name, state in other._domains.items():  # what `speculate` relies on
+                run = other._held_run(name, state, keys_)
+                assert run is None or not state.maps.holds_any(keys_[run:])
 
 
 class DictTable:
