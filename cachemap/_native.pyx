@@ -8,7 +8,8 @@ cachemap.native).
   its order, instead of an OrderedDict (three dict probes and a linked node a move).
 - `DomainTable`: `cachemap.events.DomainMaps`, a domain's held masks, parents and held-children
   counts in one record a key of an open-addressing table (broken: a record with children and
-  no tier), its stores and removals one loop over the event's blocks.
+  no tier) and its engine hashes in a second, its stores and removals one loop over the
+  event's blocks.
 - `WordTable`: a mirror of the precise word cache's young pieces, first and later
   (`gateway.events.words`), that looks a text's words up from its characters, no `str` made a
   word (`words._tail`'s form).
@@ -25,6 +26,7 @@ import array
 from cpython cimport array
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.object cimport PyObject, PyObject_Hash
+from cpython.long cimport PyLong_Check, PyLong_FromLongLong, PyLong_FromUnsignedLongLong
 from cpython.ref cimport Py_DECREF, Py_INCREF
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc, realloc
@@ -437,6 +439,93 @@ cdef struct Parsed:
     uint64_t h
 
 
+cdef struct Eng:
+    uint64_t eh  # the engine hash's 64 bits (two's complement when negative)
+    uint64_t k0  # the own key's first 16 bytes, zero padded
+    uint64_t k1
+    PyObject *long_key  # the own key when longer than 16 bytes (a reference held), else NULL
+    uint8_t state  # EMPTY, LIVE or EMPTIED
+    uint8_t neg  # the engine hash was negative (SGLang's signed hashes)
+    uint8_t size  # the own key's length (LONG: longer than 16)
+
+
+cdef enum:
+    EMPTY = 0
+    LIVE = 1
+    EMPTIED = 2
+
+
+cdef struct EngineInt:
+    uint64_t eh
+    uint8_t neg
+    uint8_t is_int  # an int in [-2**63, 2**64): kept in the table, else in the dict
+
+
+cdef extern from *:
+    """
+    #include <Python.h>
+    #include <stdint.h>
+    /* 1 when `o` is an int in [-2**63, 2**64): `*eh` its 64 bits (two's complement below 0),
+       `*neg` whether it is below 0; else 0 (another type, or past 64 bits). The sign and the
+       bit count are read in O(1) and the bits by the mask, where CPython exports them (3.11 to
+       3.13: `PyLong_AsUnsignedLongLong` of a hash past 2**63 went through `_PyLong_AsByteArray`,
+       ~200 instructions); else by the public calls, an overflow cleared. */
+    static int kvg_engine_int(PyObject *o, uint64_t *eh, uint8_t *neg) {
+        if (!PyLong_Check(o))
+            return 0;
+    #if PY_VERSION_HEX < 0x030E0000
+        {
+            int sign = _PyLong_Sign(o);
+            size_t bits = _PyLong_NumBits(o);
+            if (bits == (size_t)-1) {
+                PyErr_Clear();
+                return 0;
+            }
+            if (bits > 64)
+                return 0;
+            *eh = (uint64_t)PyLong_AsUnsignedLongLongMask(o);
+            *neg = sign < 0;
+            /* below 0 with 64 bits: only -2**63 fits */
+            return sign >= 0 || bits < 64 || *eh == 0x8000000000000000ULL;
+        }
+    #else
+        {
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+            unsigned long long u;
+            if (overflow == 0) {
+                *eh = (uint64_t)v;
+                *neg = v < 0;
+                return 1;
+            }
+            if (overflow < 0)
+                return 0;
+            u = PyLong_AsUnsignedLongLong(o);
+            if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return 0;
+            }
+            *eh = (uint64_t)u;
+            *neg = 0;
+            return 1;
+        }
+    #endif
+    }
+    """
+    int kvg_engine_int(object o, uint64_t *eh, uint8_t *neg)
+
+
+cdef inline int _engine_int(object o, EngineInt *out) except -1:
+    """Whether `o` is an int the engine table keeps (in [-2**63, 2**64); bool as int, as a
+    dict's key equals it), its 64 bits and sign in `out` (`kvg_engine_int`)."""
+    out.is_int = <uint8_t>kvg_engine_int(o, &out.eh, &out.neg)
+    return 0
+
+
+cdef inline uint64_t _engine_hash(uint64_t eh, uint8_t neg) nogil:
+    return kvg_fmix64(eh ^ (0x9E3779B97F4A7C15ULL if neg else 0))
+
+
 cdef inline bint _broken(Rec *r):
     return r.mask == 0 and r.children > 0
 
@@ -444,10 +533,12 @@ cdef inline bint _broken(Rec *r):
 cdef class DomainTable:
     """`cachemap.events.DomainMaps`: a domain's held masks, parents and held-children counts in
     one record a key (an open-addressing table, linear probing, at most 3/4 full counting the
-    emptied records), beside the engine hash -> own key dict. A key is broken when its record
-    has held children and no tier, so no set is kept for it. A store or a removal is one loop
-    over the event's blocks: a dict operation and a probe or two of the table a block, against
-    a dict operation a map a block (~5) on the pure form's four maps."""
+    emptied records), and the engine hash -> own key map in a second table (`Eng`: an int
+    hash's 64 bits beside the key's 16 bytes, no object a block; a hash that is no such int,
+    bytes, in a dict). A key is broken when its record has held children and no tier, so no set
+    is kept for it. A store or a removal is one loop over the event's blocks: a probe of each
+    table a block (two for a removal's parent), its slots fetched ahead, against a dict
+    operation a map a block (~5) on the pure form's five maps."""
 
     cdef Rec *recs
     cdef Py_ssize_t mask  # len(recs) - 1, a power of two minus one
@@ -455,15 +546,22 @@ cdef class DomainTable:
     cdef Py_ssize_t filled  # records in use or emptied
     cdef Py_ssize_t nheld
     cdef Py_ssize_t nbroken
-    cdef dict engine
+    cdef Eng *engs
+    cdef Py_ssize_t eng_mask  # len(engs) - 1
+    cdef Py_ssize_t eng_live
+    cdef Py_ssize_t eng_filled  # live or emptied
+    cdef dict other  # engine hashes the table does not keep (bytes, ints past 64 bits)
 
     def __cinit__(self):
         self.recs = <Rec *>malloc(8 * sizeof(Rec))
-        if self.recs == NULL:
+        self.engs = <Eng *>malloc(8 * sizeof(Eng))
+        if self.recs == NULL or self.engs == NULL:
             raise MemoryError()
         memset(self.recs, 0, 8 * sizeof(Rec))
+        memset(self.engs, 0, 8 * sizeof(Eng))
         self.mask = 7
-        self.engine = {}
+        self.eng_mask = 7
+        self.other = {}
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -471,6 +569,11 @@ cdef class DomainTable:
             for i in range(self.mask + 1):
                 self._release(&self.recs[i])
             free(self.recs)
+        if self.engs != NULL:
+            for i in range(self.eng_mask + 1):
+                if self.engs[i].state == LIVE and self.engs[i].long_key != NULL:
+                    Py_DECREF(<object>self.engs[i].long_key)
+            free(self.engs)
 
     cdef inline void _release(self, Rec *r):
         """Let go of the record's references (it is being freed or emptied)."""
@@ -492,6 +595,19 @@ cdef class DomainTable:
         cdef Rec *r
         _parse_key(key, &k0, &k1, &size, &h)
         i = <Py_ssize_t>(h & <uint64_t>self.mask)
+        while True:
+            r = &self.recs[i]
+            if r.key == NULL:
+                return NULL
+            if r.key != GONE and _rec_is(r, k0, k1, size, key):
+                return r
+            i = (i + 1) & self.mask
+
+    cdef Rec *_find_parsed(self, object key, uint64_t k0, uint64_t k1, uint64_t size,
+                           uint64_t h):
+        """`_find` of a key `_parse_key` has read (`key` read only when LONG)."""
+        cdef Py_ssize_t i = <Py_ssize_t>(h & <uint64_t>self.mask)
+        cdef Rec *r
         while True:
             r = &self.recs[i]
             if r.key == NULL:
@@ -601,18 +717,159 @@ cdef class DomainTable:
             self._drop(r)
         return 0
 
+    # -- the engine hashes -----------------------------------------------------------------
+
+    cdef Eng *_eng_find(self, uint64_t eh, uint8_t neg) nogil:
+        """The live slot of engine hash (eh, neg), or NULL."""
+        cdef Py_ssize_t i = <Py_ssize_t>(_engine_hash(eh, neg) & <uint64_t>self.eng_mask)
+        cdef Eng *e
+        while True:
+            e = &self.engs[i]
+            if e.state == EMPTY:
+                return NULL
+            if e.state == LIVE and e.eh == eh and e.neg == neg:
+                return e
+            i = (i + 1) & self.eng_mask
+
+    cdef inline void _eng_prefetch(self, uint64_t eh, uint8_t neg) nogil:
+        KVG_PREFETCH(&self.engs[<Py_ssize_t>(_engine_hash(eh, neg) & <uint64_t>self.eng_mask)])
+
+    cdef int _eng_reserve(self, Py_ssize_t extra) except -1:
+        """Room for `extra` more hashes without growing: rebuilt without the emptied slots to
+        at most half full when they would pass 3/4."""
+        cdef Py_ssize_t size = 8, i, j
+        cdef Eng *old = self.engs
+        cdef Eng *fresh
+        if (self.eng_filled + extra) * 4 <= (self.eng_mask + 1) * 3:
+            return 0
+        while size < (self.eng_live + extra) * 2:
+            size *= 2
+        fresh = <Eng *>malloc(size * sizeof(Eng))
+        if fresh == NULL:
+            raise MemoryError()
+        memset(fresh, 0, size * sizeof(Eng))
+        for i in range(self.eng_mask + 1):
+            if old[i].state != LIVE:
+                continue
+            j = <Py_ssize_t>(_engine_hash(old[i].eh, old[i].neg) & <uint64_t>(size - 1))
+            while fresh[j].state != EMPTY:
+                j = (j + 1) & (size - 1)
+            fresh[j] = old[i]
+        free(old)
+        self.engs = fresh
+        self.eng_mask = size - 1
+        self.eng_filled = self.eng_live
+        return 0
+
+    cdef int _eng_put(self, uint64_t eh, uint8_t neg, Parsed *k, object key) except -1:
+        """Engine hash (eh, neg) -> `key` (parsed as `k`); room reserved (`_eng_reserve`)."""
+        cdef Py_ssize_t i = <Py_ssize_t>(_engine_hash(eh, neg) & <uint64_t>self.eng_mask)
+        cdef Py_ssize_t spot = -1
+        cdef Eng *e
+        while True:
+            e = &self.engs[i]
+            if e.state == EMPTY:
+                break
+            if e.state == EMPTIED:
+                if spot < 0:
+                    spot = i
+            elif e.eh == eh and e.neg == neg:
+                if e.long_key != NULL:
+                    Py_DECREF(<object>e.long_key)
+                    e.long_key = NULL
+                break
+            i = (i + 1) & self.eng_mask
+        if e.state != LIVE:
+            if spot < 0:
+                spot = i
+                self.eng_filled += 1
+            e = &self.engs[spot]
+            e.state = LIVE
+            e.eh = eh
+            e.neg = neg
+            e.long_key = NULL
+            self.eng_live += 1
+        e.k0 = k.k0
+        e.k1 = k.k1
+        e.size = <uint8_t>k.size
+        if k.size == LONG:
+            Py_INCREF(key)
+            e.long_key = <PyObject *>key
+        return 0
+
+    cdef inline void _eng_drop(self, Eng *e):
+        if e.long_key != NULL:
+            Py_DECREF(<object>e.long_key)
+            e.long_key = NULL
+        e.state = EMPTIED
+        self.eng_live -= 1
+
+    cdef inline object _eng_key(self, Eng *e):
+        """The own key of a live slot, as bytes."""
+        cdef uint8_t pad[16]
+        if e.size == LONG:
+            return <object>e.long_key
+        memcpy(pad, &e.k0, 8)
+        memcpy(pad + 8, &e.k1, 8)
+        return PyBytes_FromStringAndSize(<char *>pad, e.size)
+
+    cdef inline Rec *_eng_rec(self, Eng *e):
+        """The record of a live slot's key, or NULL."""
+        cdef object key = <object>e.long_key if e.size == LONG else None
+        return self._find_parsed(key, e.k0, e.k1, e.size, _hash(e.k0, e.k1, e.size, key))
+
+    cdef object _engine_get(self, object engine_hash, bint pop):
+        """The own key of `engine_hash` (None: unknown), its entry dropped when `pop`."""
+        cdef EngineInt parsed
+        cdef Eng *e
+        _engine_int(engine_hash, &parsed)
+        if not parsed.is_int:
+            return self.other.pop(engine_hash, None) if pop else self.other.get(engine_hash)
+        e = self._eng_find(parsed.eh, parsed.neg)
+        if e == NULL:
+            return None
+        key = self._eng_key(e)
+        if pop:
+            self._eng_drop(e)
+        return key
+
     # -- DomainMaps's methods --------------------------------------------------------------
 
     def mask_of(self, key):
         cdef Rec *r = self._find(key)
         return r.mask if r != NULL else 0
 
+    cdef Parsed *_parse_all(self, list keys) except NULL:
+        """Every key of `keys` read (`_parse_key`) and its record's slot fetched, into an array
+        the caller frees: a chain's records are scattered over a table bigger than the caches,
+        so a probe a key in turn waited for a miss a key (~0.2 us each, caches cold), where
+        fetched ahead their misses overlap."""
+        cdef Py_ssize_t n = len(keys), i
+        cdef Parsed *parsed = <Parsed *>malloc((n if n else 1) * sizeof(Parsed))
+        if parsed == NULL:
+            raise MemoryError()
+        try:
+            for i in range(n):
+                _parse_key(keys[i], &parsed[i].k0, &parsed[i].k1, &parsed[i].size, &parsed[i].h)
+                KVG_PREFETCH(&self.recs[<Py_ssize_t>(parsed[i].h & <uint64_t>self.mask)])
+        except BaseException:
+            free(parsed)
+            raise
+        return parsed
+
     def masks(self, keys):
+        cdef list chain = keys if type(keys) is list else list(keys)
+        cdef Py_ssize_t i
         cdef list out = []
         cdef Rec *r
-        for key in keys:
-            r = self._find(key)
-            out.append(r.mask if r != NULL else 0)
+        cdef Parsed *parsed = self._parse_all(chain)
+        try:
+            for i in range(len(chain)):
+                r = self._find_parsed(chain[i], parsed[i].k0, parsed[i].k1, parsed[i].size,
+                                      parsed[i].h)
+                out.append(r.mask if r != NULL else 0)
+        finally:
+            free(parsed)
         return out
 
     def holds(self, key):
@@ -620,21 +877,36 @@ cdef class DomainTable:
         return r != NULL and r.mask != 0
 
     def holds_any(self, keys):
+        cdef list chain = keys if type(keys) is list else list(keys)
+        cdef Py_ssize_t i
         cdef Rec *r
-        for key in keys:
-            r = self._find(key)
-            if r != NULL and r.mask != 0:
-                return True
+        cdef Parsed *parsed = self._parse_all(chain)
+        try:
+            for i in range(len(chain)):
+                r = self._find_parsed(chain[i], parsed[i].k0, parsed[i].k1, parsed[i].size,
+                                      parsed[i].h)
+                if r != NULL and r.mask != 0:
+                    return True
+        finally:
+            free(parsed)
         return False
 
     def held_run(self, keys):
-        cdef Py_ssize_t low = 0, high = len(keys), mid
+        cdef Py_ssize_t low = 0, high = len(keys), mid, i
         cdef Rec *r
+        cdef list chain
+        cdef Parsed *parsed
         if self.nbroken:
-            for key in keys:
-                r = self._find(key)
-                if r != NULL and _broken(r):
-                    return None
+            chain = keys if type(keys) is list else list(keys)
+            parsed = self._parse_all(chain)
+            try:
+                for i in range(len(chain)):
+                    r = self._find_parsed(chain[i], parsed[i].k0, parsed[i].k1, parsed[i].size,
+                                          parsed[i].h)
+                    if r != NULL and _broken(r):
+                        return None
+            finally:
+                free(parsed)
         while low < high:
             mid = (low + high) // 2
             r = self._find(keys[mid])
@@ -645,7 +917,7 @@ cdef class DomainTable:
         return low
 
     def own_key(self, engine_hash):
-        return self.engine.get(engine_hash)
+        return self._engine_get(engine_hash, False)
 
     def hold(self, engine_hashes, list keys, uint32_t tier, object parent):
         """Each key i held on `tier` under engine hash i; a key newly held is a held child
@@ -658,20 +930,28 @@ cdef class DomainTable:
         cdef object key
         cdef object prev_key = parent
         cdef uint32_t m
-        cdef dict engine = self.engine
         cdef Parsed *parsed
+        cdef EngineInt *ehs
         self._reserve(n + 1)
+        self._eng_reserve(n)
         if parent is not None and n:
             prev = self._find(parent)  # made only when a key is newly held under it
-        # every key read and its slot fetched first: the chain's slots are scattered over a
-        # table bigger than the caches, so their misses overlap instead of coming one a block
+        # every key and engine hash read and their slots fetched first: the chain's slots are
+        # scattered over tables bigger than the caches, so their misses overlap instead of
+        # coming one a block
         parsed = <Parsed *>malloc((n if n else 1) * sizeof(Parsed))
-        if parsed == NULL:
+        ehs = <EngineInt *>malloc((n if n else 1) * sizeof(EngineInt))
+        if parsed == NULL or ehs == NULL:
+            free(parsed)
+            free(ehs)
             raise MemoryError()
         try:
             for i in range(n):
                 _parse_key(keys[i], &parsed[i].k0, &parsed[i].k1, &parsed[i].size, &parsed[i].h)
                 KVG_PREFETCH(&self.recs[<Py_ssize_t>(parsed[i].h & <uint64_t>self.mask)])
+                _engine_int(hashes[i], &ehs[i])
+                if ehs[i].is_int:
+                    self._eng_prefetch(ehs[i].eh, ehs[i].neg)
             for i in range(n):
                 key = keys[i]
                 r = self._get_parsed(key, parsed[i].k0, parsed[i].k1, parsed[i].size,
@@ -696,26 +976,67 @@ cdef class DomainTable:
                 r.mask = m | tier
                 prev = r
                 prev_key = key
-                engine[hashes[i]] = key
+                if ehs[i].is_int:
+                    self._eng_put(ehs[i].eh, ehs[i].neg, &parsed[i], key)
+                else:
+                    self.other[hashes[i]] = key
         finally:
             free(parsed)
+            free(ehs)
         return new
 
     def remove_whole(self, engine_hashes):
         """Every block of `engine_hashes` leaves whatever its tiers: (the keys that left, in
         order; how many hashes were unknown or repeats)."""
+        cdef list hashes = engine_hashes if type(engine_hashes) is list else list(engine_hashes)
+        cdef Py_ssize_t n = len(hashes), i
         cdef list gone = []
         cdef Py_ssize_t unknown = 0
         cdef Rec *r
-        cdef dict engine = self.engine
-        for engine_hash in engine_hashes:
-            key = engine.pop(engine_hash, None)
-            r = self._find(key) if key is not None else NULL
-            if r == NULL or r.mask == 0:
-                unknown += 1
-                continue
-            gone.append(key)
-            self._leave(r)
+        cdef Eng *e
+        cdef EngineInt *ehs = <EngineInt *>malloc((n if n else 1) * sizeof(EngineInt))
+        if ehs == NULL:
+            raise MemoryError()
+        try:
+            # the hashes' slots fetched, then their keys' records, then the keys (a reference
+            # given up a block), then the work: passes whose misses overlap, where one pass
+            # waited for three or four a block
+            for i in range(n):
+                _engine_int(hashes[i], &ehs[i])
+                if ehs[i].is_int:
+                    self._eng_prefetch(ehs[i].eh, ehs[i].neg)
+            for i in range(n):
+                if ehs[i].is_int:
+                    e = self._eng_find(ehs[i].eh, ehs[i].neg)
+                    if e != NULL and e.size != LONG:
+                        KVG_PREFETCH(&self.recs[<Py_ssize_t>(
+                            _hash(e.k0, e.k1, e.size, None) & <uint64_t>self.mask)])
+            for i in range(n):
+                if ehs[i].is_int:
+                    e = self._eng_find(ehs[i].eh, ehs[i].neg)
+                    if e != NULL and e.size != LONG:
+                        r = self._eng_rec(e)
+                        if r != NULL:
+                            KVG_PREFETCH(r.key)
+            for i in range(n):
+                if ehs[i].is_int:
+                    e = self._eng_find(ehs[i].eh, ehs[i].neg)
+                    if e == NULL:
+                        unknown += 1
+                        continue
+                    r = self._eng_rec(e)
+                    key = <object>r.key if r != NULL and r.mask != 0 else None
+                    self._eng_drop(e)
+                else:
+                    key = self.other.pop(hashes[i], None)
+                    r = self._find(key) if key is not None else NULL
+                if r == NULL or r.mask == 0:
+                    unknown += 1
+                    continue
+                gone.append(key)
+                self._leave(r)
+        finally:
+            free(ehs)
         return gone, unknown
 
     def remove_tier(self, engine_hashes, uint32_t tier):
@@ -725,9 +1046,8 @@ cdef class DomainTable:
         cdef list removed = []
         cdef Py_ssize_t unknown = 0
         cdef Rec *r
-        cdef dict engine = self.engine
         for engine_hash in engine_hashes:
-            key = engine.get(engine_hash)
+            key = self._engine_get(engine_hash, False)
             r = self._find(key) if key is not None else NULL
             if r == NULL or not r.mask & tier:
                 unknown += 1
@@ -737,7 +1057,7 @@ cdef class DomainTable:
                 r.mask &= ~tier
                 continue
             self._leave(r)
-            del engine[engine_hash]
+            self._engine_get(engine_hash, True)
         return removed, unknown
 
     # -- the maps, for the invariants' tests -----------------------------------------------
@@ -748,7 +1068,9 @@ cdef class DomainTable:
         cdef Py_ssize_t i
         cdef Rec *r
         cdef dict held = {}, parents = {}, children = {}
+        cdef dict engine = dict(self.other)
         cdef set broken = set()
+        cdef Eng *e
         for i in range(self.mask + 1):
             r = &self.recs[i]
             if r.key == NULL or r.key == GONE:
@@ -761,7 +1083,12 @@ cdef class DomainTable:
                 children[<object>r.key] = r.children
             if _broken(r):
                 broken.add(<object>r.key)
-        return held, parents, children, dict(self.engine), broken
+        for i in range(self.eng_mask + 1):
+            e = &self.engs[i]
+            if e.state == LIVE:
+                engine[PyLong_FromLongLong(<long long>e.eh) if e.neg
+                       else PyLong_FromUnsignedLongLong(e.eh)] = self._eng_key(e)
+        return held, parents, children, engine, broken
 
 
 cdef extern from *:

@@ -50,9 +50,9 @@ Invariants:
   other reads the chain key by key, as before.
 
 Every map is per domain (`DomainMaps`: held masks, parents, children, engine hashes): a block
-stored or removed is a probe or two of its domain's table and a dict operation (compiled:
-`cachemap._native.DomainTable`, one record a key), in one loop over the event's blocks, and a
-wipe drops the domain's maps whole. A
+stored or removed is a probe or two of its domain's tables (compiled:
+`cachemap._native.DomainTable`, one record a key and one slot an engine hash), in one loop over
+the event's blocks, and a wipe drops the domain's maps whole. A
 thrashing engine stores and removes ~730 blocks a request at bench point 2, where a dict of
 holders per key, made and freed per block, and a Python step per block were ~17% of a precise
 gateway's CPU (py-spy).
@@ -191,9 +191,10 @@ class DomainMaps:
     holds a child of (`broken`, module docstring), and engine hash -> own key (`engine`).
 
     The definition of `cachemap._native.DomainTable`, which keeps the first four in one record
-    a key of one C table (broken: a record with held children and no tier) beside the engine
-    dict: a dict operation a map a block on ~16k-entry maps was the index's store and removal
-    at bench point 2, memory-bound (docs/design/compiled.md)."""
+    a key of one C table (broken: a record with held children and no tier) and the engine
+    hashes in a second (an int hash's 64 bits beside its key's bytes; bytes hashes in a dict):
+    a dict operation a map a block on ~16k-entry maps was the index's store and removal at
+    bench point 2, memory-bound (docs/design/compiled.md)."""
 
     __slots__ = ("broken", "children", "engine", "held", "parent")
 
@@ -751,17 +752,20 @@ class EventIndex:
 
         The leading run the domain holds on its GPU is found without a Python step per key
         (`_gpu_masks`): a continuation's blocks are all held but its last turn's, and stepping
-        through them was ~6% of a precise gateway's CPU on conversations (py-spy). When the
-        domain holds none of the keys past that run (a new prompt's, a continuation's new
-        turn), every window from the run's on lacks a block, and the entries are made in C
-        loops (`_speculate_past`): a Python step a window of a new ~730-block prompt was ~3%
-        of a precise gateway's samples at bench point 2 (py-spy)."""
+        through them was ~6% of a precise gateway's CPU on conversations (py-spy). A run
+        found (no key of the chain broken, no tier offloaded) is all the domain holds of the
+        chain (held chains are prefix-closed but where a key is broken: the module docstring;
+        the bisection relies on it too), so every window from the run's on lacks a block, and
+        the entries are made in C loops (`_speculate_past`): a Python step a window of a new
+        ~730-block prompt was ~3% of a precise gateway's samples at bench point 2 (py-spy),
+        and checking that no key past the run is held a table probe a key (~0.15 ms a new
+        prompt with the table's records out of the caches, as live between batches)."""
         state = self._domain(domain)
         self.sweep(domain, now_s)
         expires = now_s + self.speculative_ttl_s
         n = len(keys)
         run = self._held_run(domain, state, keys)  # without offloaded tiers: the GPU's run
-        if run is not None and run < n and not state.maps.holds_any(keys[run:]):
+        if run is not None and run < n:  # none held past the run (a run: no key broken)
             added = self._speculate_past(domain, state, keys, run, expires)
         else:
             added = self._speculate_each(domain, state, keys, run, expires)

@@ -272,8 +272,9 @@ MAPS: list[Callable[[], Any]] = [events.DomainMaps] + (
 )
 _BLOCKS = [bytes([i]) * 16 for i in range(10)] + [b"short", b"seventeen bytes!!"]
 """Own keys: a chain's 16 bytes, and shorter and longer ones (the table compares those apart)."""
-_HASHES = [*range(1, 9), b"h1", b"h2", 2**64 - 1, -5]
-"""Engine hashes: vLLM's unsigned ints, SGLang's signed ones, bytes."""
+_HASHES = [*range(1, 9), b"h1", b"h2", 2**64 - 1, -5, -(2**63), 2**64, -(2**63) - 1, 2**63]
+"""Engine hashes: vLLM's unsigned ints, SGLang's signed ones, bytes, and ints at and past the
+edges of 64 bits (the compiled table keeps [-2**63, 2**64) and the rest in a dict)."""
 _MAP_OPS = st.lists(
     st.one_of(
         st.tuples(
@@ -406,7 +407,9 @@ def test_an_event_index_on_the_compiled_loops_is_the_pure_one(
     """Random event streams on three domains: stores of any run (a repeat takes the stepped
     path), removals of any run with unknown hashes and repeats, wipes, CPU tiers (a domain
     with offloaded blocks removes key by key). After every event both indexes hold the same
-    maps, count the same and answer every lookup alike."""
+    maps, count the same and answer every lookup alike, and a chain's held run, where found
+    (no key of it broken, nothing offloaded), is all the domain holds of it (`speculate`
+    makes its entries past the run unchecked)."""
     pure, other = EventIndex(), EventIndex()
     chains = [precise_keys(_ids(b, 8), "s", 16) for b in range(4)]
     for kind, domain, branch, at, count, tier, odd in stream:
@@ -438,6 +441,9 @@ def test_an_event_index_on_the_compiled_loops_is_the_pure_one(
             assert got.tier_counts == state.tier_counts
         for keys_ in chains:
             assert other.lookup(keys_, 1.0) == pure.lookup(keys_, 1.0)
+            for name, state in other._domains.items():  # what `speculate` relies on
+                run = other._held_run(name, state, keys_)
+                assert run is None or not state.maps.holds_any(keys_[run:])
 
 
 class DictTable:
