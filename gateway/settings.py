@@ -443,8 +443,13 @@ class Settings(BaseSettings):
     """At saturation, requests wait in the gateway in per-scope queues, dequeued fairly (VTC
     within a priority band) when a replica has room; with room, a request dispatches at once."""
     flow_max_pending_prefill_s: float = DEFAULT_FLOW_MAX_PENDING_PREFILL_S
-    """A replica has room while its queued prefill is under this much work (at
-    `engine_prefill_tokens_per_s`)."""
+    """A replica has room while its queued prefill is under this much work (at the prefill rate
+    `flow_measure_rate` says)."""
+    flow_measure_rate: bool = True
+    """Flow control counts the running prefills' progress and its room at the engines' prefill
+    rate as this gateway's first tokens measure it (uncached tokens over the time from the
+    engine beginning each prefill to its first byte), `engine_prefill_tokens_per_s` until 8
+    were measured; false: at `engine_prefill_tokens_per_s` always."""
     flow_floor_share: float = DEFAULT_FLOOR_SHARE
     """Dispatches each lower backlogged band earns per dispatch of the best band (0: strict)."""
     flow_lower_band_room_share: float = DEFAULT_LOWER_BAND_ROOM_SHARE

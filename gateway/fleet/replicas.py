@@ -92,6 +92,11 @@ its port is checked within 50 ms of its /health answering (each failed probe cos
 connect, microseconds)."""
 SUSPECT_CHECK_S = 30.0
 """...for at most this long: a replica still away after that is left to the health interval."""
+PREFILL_RATE_LEARNING_RATE = 0.05
+"""Weight of each measured prefill in the engines' prefill rate (decayed sums of tokens and of
+seconds, so a long prefill weighs what it took: ~20 prefills)."""
+MIN_PREFILL_SAMPLES = 8
+"""Prefills measured before the rate is trusted over `engine_prefill_tokens_per_s`."""
 DEFAULT_OUTPUT_TOKENS = 256.0
 """Output tokens assumed for a request without max_tokens until the engines' usage has taught
 the mean: a chat answer of a few paragraphs."""
@@ -106,6 +111,11 @@ class FleetLoad:
     num_routed: int = 0
     mean_output_tokens: float = DEFAULT_OUTPUT_TOKENS
     num_answered: int = 0
+    prefill_tokens: float = 0.0
+    """Uncached prompt tokens of the prefills measured, decayed (`observe_prefill`)..."""
+    prefill_seconds: float = 0.0
+    """...and the seconds they took, decayed alike: their ratio is the engines' prefill rate."""
+    num_prefills: int = 0
     on_freed: Callable[[], None] | None = field(default=None, repr=False)
     """Called when a lease frees room on a replica (its prefill ended, or it was released):
     flow control's wake-up (gateway.pipeline.flow)."""
@@ -131,6 +141,25 @@ class FleetLoad:
             self.mean_output_tokens += REQUEST_TOKENS_LEARNING_RATE * (
                 completion_tokens - self.mean_output_tokens
             )
+
+    def observe_prefill(self, tokens: float, seconds: float) -> None:
+        """A first token: `tokens` uncached prompt tokens prefilled in `seconds`, from when the
+        engine began the prefill as far as this gateway can tell (`ReplicaState.prefill_started_s`)
+        to its first byte here."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        keep = 1.0 - PREFILL_RATE_LEARNING_RATE
+        self.prefill_tokens = self.prefill_tokens * keep + tokens
+        self.prefill_seconds = self.prefill_seconds * keep + seconds
+        self.num_prefills += 1
+
+    def prefill_tokens_per_s(self, default: float) -> float:
+        """The engines' prefill rate as this gateway measured it (`default` until
+        `MIN_PREFILL_SAMPLES` prefills were): what flow control counts a running prefill's
+        progress and its room at (gateway.pipeline.flow)."""
+        if self.num_prefills < MIN_PREFILL_SAMPLES:
+            return default
+        return self.prefill_tokens / self.prefill_seconds
 
     def expected_output_tokens(self, max_tokens: int | None) -> float:
         """What a request will generate: its max_tokens when it sets one (load generators set
@@ -294,12 +323,17 @@ class Lease:
             leased()
         self._done_prefill = self._released = self._kept = False
 
-    def prefilled(self) -> None:
-        """The first byte came back (or the attempt ended): the prefill is done."""
+    def prefilled(self, first_byte: bool = False) -> None:
+        """The first byte came back (`first_byte`: the prefill's time is measured, from when
+        the replica began it) or the attempt ended: the prefill is done."""
         if self._done_prefill:
             return
         self._done_prefill = True
         state = self.state
+        if first_byte and state.num_prefilling:
+            state.fleet.observe_prefill(
+                self.uncached_tokens, time.monotonic() - state.prefill_started_s
+            )
         state.pending_prefill_tokens = max(state.pending_prefill_tokens - self.uncached_tokens, 0.0)
         state.num_prefilling = max(state.num_prefilling - 1, 0)
         if state.num_prefilling:
@@ -326,7 +360,7 @@ class Lease:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.prefilled()
+        self.prefilled(first_byte=self._kept)
         if not self._kept:
             self.release()
 

@@ -17,9 +17,10 @@ Room (`router.fairness.headroom_tokens`): a replica has room while the prefill q
 this gateway's unanswered prefills (`ReplicaState.pending_prefill_tokens`, less the progress of
 the one in prefill since it began) and other gateways' requests waiting at the engine
 (`vllm:num_requests_waiting`, counted through `Replica.foreign_prefill_tokens`) — is under
-`max_pending_prefill_s` of work — for a request of a band below an active one, under
-`lower_band_room_share` of it (`router.fairness.band_room_bound`), so a higher band's next request
-finds at most that share queued at the engine. A request
+`max_pending_prefill_s` of work (progress and bound at the engines' prefill rate as this
+gateway's first tokens measure it, `FlowControl.prefill_tokens_per_s`) — for a request of a
+band below an active one, under `lower_band_room_share` of it (`router.fairness.band_room_bound`),
+so a higher band's next request finds at most that share queued at the engine. A request
 dispatched but not yet leased (it is still being keyed and placed) holds its prompt tokens in
 `transit_tokens`, so a burst does not overshoot between its dispatch and its lease.
 
@@ -128,11 +129,16 @@ class FlowLimits:
     max_queued: int
     max_queue_s: float
     prefill_tokens_per_s: float
-    """To turn a backlog into a Retry-After, and a cached prefix into the time it saves."""
+    """The configured rate (`engine_prefill_tokens_per_s`), at which `max_pending_prefill_tokens`
+    is counted: with `measure_rate`, until the gateway has measured the engines' own."""
     affinity_wait_s: float = 0.0
     """How long a request may wait for its cached replica when that one is full (0: never)."""
     lower_band_room_share: float = DEFAULT_LOWER_BAND_ROOM_SHARE
     """The share of `max_pending_prefill_tokens` a band below an active one may fill (1: all)."""
+    measure_rate: bool = True
+    """Count progress, room, a Retry-After and what a cached prefix saves at the prefill rate
+    this gateway measured (`FleetLoad.prefill_tokens_per_s`), the room bound in seconds of it;
+    False: at `prefill_tokens_per_s` always."""
 
 
 @dataclass
@@ -263,6 +269,27 @@ class FlowControl:
         replicas.fleet.on_freed = self.pump
 
     # -- room --------------------------------------------------------------------------------
+    def prefill_tokens_per_s(self) -> float:
+        """The engines' prefill rate flow control counts at: measured from this gateway's
+        first tokens (`FleetLoad.prefill_tokens_per_s`) with `measure_rate`, else (and until
+        it has measured) the configured one."""
+        configured = self.limits.prefill_tokens_per_s
+        if not self.limits.measure_rate:
+            return configured
+        return self.replicas.fleet.prefill_tokens_per_s(configured)
+
+    def pending_bound(self) -> float:
+        """The room bound in tokens: `max_pending_prefill_tokens` is that many seconds of work
+        at the configured rate, so the same seconds at the rate counted (`prefill_tokens_per_s`).
+        An engine faster than configured was otherwise sent its next request only at its first
+        token, and idled for the gateway's dispatch (docs/flow-control.md, "The engines' prefill
+        rate, measured")."""
+        limits = self.limits
+        if not limits.measure_rate:
+            return limits.max_pending_prefill_tokens
+        scale = self.prefill_tokens_per_s() / limits.prefill_tokens_per_s
+        return limits.max_pending_prefill_tokens * scale
+
     def headroom(self, candidates: Sequence[ReplicaState], bound: float | None = None) -> float:
         """Prompt tokens the replicas can still take before none has room (under `bound`,
         default the whole room bound); infinite when none is healthy (nothing to wait for:
@@ -271,15 +298,13 @@ class FlowControl:
         queued = [self.queued_tokens(c, now_s) for c in candidates if c.healthy]
         if not queued:
             return math.inf
-        return headroom_tokens(
-            queued, self.limits.max_pending_prefill_tokens if bound is None else bound
-        )
+        return headroom_tokens(queued, self.pending_bound() if bound is None else bound)
 
     def band_bound(self, band: int) -> float:
         """The room bound a request of `band` may be dispatched into: the whole bound, or
         `lower_band_room_share` of it while a better band is active (queued, or seen within
         `BAND_ACTIVE_S`) and this band is not owed a floor dispatch."""
-        bound, share = self.limits.max_pending_prefill_tokens, self.limits.lower_band_room_share
+        bound, share = self.pending_bound(), self.limits.lower_band_room_share
         if share >= 1.0 or self.queue.owed(band):
             return bound
         best = self.activity.best(self.clock(), self.queue.bands())
@@ -292,13 +317,13 @@ class FlowControl:
         engine runs dry, so the gateway's own latency never idles it."""
         queued = state.queued_prefill_tokens()
         if state.num_prefilling:
-            progress = (now_s - state.prefill_started_s) * self.limits.prefill_tokens_per_s
+            progress = (now_s - state.prefill_started_s) * self.prefill_tokens_per_s()
             queued -= min(progress, state.pending_prefill_tokens / state.num_prefilling)
         return max(queued, 0.0)
 
     def room(self) -> dict[str, float]:
         """Each routed replica's room in prompt tokens (the metrics' `replica_room_tokens`)."""
-        bound, now_s = self.limits.max_pending_prefill_tokens, time.monotonic()
+        bound, now_s = self.pending_bound(), time.monotonic()
         return {
             s.id: headroom_tokens([self.queued_tokens(s, now_s)], bound) if s.healthy else 0.0
             for s in self.replicas.states.values()
@@ -311,8 +336,8 @@ class FlowControl:
         already is not counted: its room is taken, or an event follows (transit placed, a
         prefill ended)."""
         if bound is None:
-            bound = self.limits.max_pending_prefill_tokens
-        rate = self.limits.prefill_tokens_per_s
+            bound = self.pending_bound()
+        rate = self.prefill_tokens_per_s()
         soonest: float | None = None
         for state in self.replicas.states.values():
             if not state.healthy or not state.num_prefilling:
@@ -352,7 +377,7 @@ class FlowControl:
         if not state.healthy:
             return False
         queued = self.queued_tokens(state, now_s) + self.claimed.get(state.id, 0.0)
-        return queued < (self.limits.max_pending_prefill_tokens if bound is None else bound)
+        return queued < (self.pending_bound() if bound is None else bound)
 
     def unclaim(self, replica: str, tokens: float) -> None:
         left = self.claimed.get(replica, 0.0) - tokens
@@ -378,7 +403,7 @@ class FlowControl:
         room = {r: self.replica_has_room(states[r], now_s, bound) for r in cached if r in states}
         kept = {r: cached[r] for r in room}
         verdict = affinity_verdict(
-            kept, room, self.limits.prefill_tokens_per_s, self.limits.affinity_wait_s, waited_s
+            kept, room, self.prefill_tokens_per_s(), self.limits.affinity_wait_s, waited_s
         )
         if verdict == "elsewhere":
             # past the bound: placed by the router, the full cached replica still a candidate
@@ -574,7 +599,7 @@ class FlowControl:
         past `max_queue_s`: no request waits longer, so by then the backlog ahead has turned
         over. (A long one, 256 prompts of 10k tokens at 13k tokens/s is ~200 s, also passed
         the 2 minutes the openai SDK waits out: it gave up at once.)"""
-        drained_s = backlog * max(prompt_tokens, 1.0) / self.limits.prefill_tokens_per_s
+        drained_s = backlog * max(prompt_tokens, 1.0) / self.prefill_tokens_per_s()
         return max(min(drained_s, self.limits.max_queue_s), 1.0)
 
     # -- dispatch ------------------------------------------------------------------------------

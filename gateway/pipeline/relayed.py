@@ -57,7 +57,7 @@ class RelayedExchange(Exchange):
         if self.started:
             return
         self.started = True
-        self.lease.prefilled()
+        self.lease.prefilled(first_byte=True)
         self._maybe_land(True)
         await self.hooks.first_token(self)
 

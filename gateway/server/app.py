@@ -268,6 +268,7 @@ def _flow(settings: Settings, replicas: ReplicaSet) -> FlowControl | None:
         affinity_wait_s=settings.flow_affinity_wait_ms / 1000.0,
         prefill_tokens_per_s=settings.engine_prefill_tokens_per_s,
         lower_band_room_share=settings.flow_lower_band_room_share,
+        measure_rate=settings.flow_measure_rate,
     )
     return FlowControl(
         replicas, limits, FairQueue(settings.flow_floor_share, settings.flow_decode_weight)

@@ -153,6 +153,12 @@ class GatewayCollector(Collector):
             "Prompt tokens of requests dispatched from flow control and not yet placed.",
             value=flow.transit_tokens,
         )
+        yield GaugeMetricFamily(
+            "kvgate_flow_prefill_tokens_per_s",
+            "The engines' prefill rate flow control counts progress and room at: measured from "
+            "this gateway's first tokens (flow_measure_rate), else engine_prefill_tokens_per_s.",
+            value=flow.prefill_tokens_per_s(),
+        )
         if flow.shared is not None:
             rounds = CounterMetricFamily(
                 "kvgate_flow_shared_rounds",

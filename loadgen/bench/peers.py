@@ -444,7 +444,11 @@ def scaled_gateway_env(time_scale: float) -> dict[str, str]:
     2.29 / 2.42 against 3.59 / 4.31 trace s. Unscaled, a gateway holds requests longer than
     one in real time would (room: 1,300 tokens, ~0.01 s of the engines' wall work; its
     affinity wait, 0.5 wall s, is 2 trace s at time scale 4), which the many-gateway goal
-    rows all share."""
+    rows all share. Since `flow_measure_rate` (on by default) flow control counts progress
+    and room at the rate the gateway's first tokens measure, so it follows the engines' wall
+    rate whatever this setting says (bench point 2's first 1,000 requests, one gateway, quiet:
+    TTFT mean 0.816 / 0.849 against 1.329 / 1.253 s; docs/flow-control.md, "The engines'
+    prefill rate, measured"); the measurements above at many gateways predate it."""
     scaled = {
         # a precise placement's claim covers its queued prefill (`router.claims`): trace seconds
         "KVGATE_SPECULATIVE_TTL_S": f"{DEFAULT_SPECULATIVE_TTL_S / time_scale:g}",

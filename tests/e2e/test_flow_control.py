@@ -842,12 +842,19 @@ def test_every_way_a_request_ends_gives_its_room_back(
             httpx.get(metrics_url(gateway) + "/metrics").text
         )
         for s in family.samples
-        if s.name in ("kvgate_replica_room_tokens", "kvgate_flow_transit_tokens")
+        if s.name
+        in (
+            "kvgate_replica_room_tokens",
+            "kvgate_flow_transit_tokens",
+            "kvgate_flow_prefill_tokens_per_s",
+        )
     }
     assert gauges[("kvgate_flow_transit_tokens", None)] < 1e-6
+    rate = gauges[("kvgate_flow_prefill_tokens_per_s", None)]  # measured from the first tokens
+    assert rate > 0
     for served in engines:  # the whole room bound on each: 0.02 s at the prefill rate
         room = gauges[("kvgate_replica_room_tokens", served.url)]
-        assert room == pytest.approx(PREFILL_TOKENS_PER_S * 0.02)
+        assert room == pytest.approx(rate * 0.02)
 
     def immediate() -> int:
         return flow.stats.dispatched.get(("0", "immediate"), 0)

@@ -11,7 +11,14 @@ import uvloop
 
 from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
 from gateway.fleet.engine_metrics import EngineMetrics
-from gateway.fleet.replicas import Lease, ReplicaSet
+from gateway.fleet.replicas import (
+    MIN_PREFILL_SAMPLES,
+    PREFILL_RATE_LEARNING_RATE,
+    FleetLoad,
+    Lease,
+    ReplicaSet,
+    ReplicaState,
+)
 from gateway.pipeline.flow import FlowControl, FlowLimits, Ticket, request_priority
 from gateway.request.parsed import CHAT, ParsedRequest
 from gateway.request.tenant import Tenant, TenantPolicy
@@ -39,7 +46,9 @@ def _replicas(n: int = 1) -> ReplicaSet:
     return replicas
 
 
-def _flow(replicas: ReplicaSet, floor_share: float = 0.0, **limits: float) -> FlowControl:
+def _flow(
+    replicas: ReplicaSet, floor_share: float = 0.0, measure_rate: bool = True, **limits: float
+) -> FlowControl:
     values: dict[str, float] = {
         "max_pending_prefill_tokens": BOUND,
         "max_queued_per_scope": 8,
@@ -58,6 +67,7 @@ def _flow(replicas: ReplicaSet, floor_share: float = 0.0, **limits: float) -> Fl
             max_queue_s=values["max_queue_s"],
             prefill_tokens_per_s=values["prefill_tokens_per_s"],
             lower_band_room_share=values["lower_band_room_share"],
+            measure_rate=measure_rate,
         ),
         FairQueue(floor_share=floor_share),
     )
@@ -125,6 +135,78 @@ async def test_the_running_prefills_progress_makes_room_before_it_ends() -> None
     assert flow.queued_tokens(state, state.prefill_started_s + 1.5) == pytest.approx(500.0)
     assert flow.try_enter(a, 0, 10.0, 0.0, [state]) is not None
     assert flow.queued_tokens(state, state.prefill_started_s + 60.0) == 0.0
+
+
+def _prefill(state: ReplicaState, tokens: float, seconds: float, commit: bool = True) -> None:
+    """One attempt on `state` that took `seconds` from the engine starting its prefill to its
+    first byte (committed) or to its failure (not committed), then ended."""
+    with state.lease(tokens) as lease:
+        state.prefill_started_s -= seconds
+        if commit:
+            lease.keep()
+    lease.release()
+
+
+async def test_room_is_counted_at_the_prefill_rate_the_first_tokens_measured() -> None:
+    """Engines four times faster than configured (4,000 against 1,000 tokens/s; the bench's
+    time-compressed engines ran 3.6x the gateway's default): once eight first tokens measured
+    2,000-token prefills in 0.5 s, a replica 0.45 s into its next one has 200 tokens left and
+    room under the 0.1-s bound (400 tokens at that rate), so the next request goes before the
+    engine runs dry. At the configured rate it would count 1,550 left and send the next one
+    only at the first token, idling the engine for the gateway's dispatch each prefill."""
+    replicas = _replicas()
+    flow = _flow(replicas, max_pending_prefill_tokens=100.0)  # 0.1 s at 1,000 tokens/s
+    state = replicas.states["http://r0"]
+    a = _tenant("a")
+    _prefill(state, 2_000.0, 0.5, commit=False)  # failed attempts measure nothing
+    for _ in range(7):
+        _prefill(state, 2_000.0, 0.5)
+    assert flow.prefill_tokens_per_s() == 1_000.0  # not yet trusted: the configured rate
+    _prefill(state, 2_000.0, 0.5)
+    assert flow.prefill_tokens_per_s() == pytest.approx(4_000.0, rel=1e-3)
+    assert flow.pending_bound() == pytest.approx(400.0, rel=1e-3)
+    lease = state.lease(2_000.0)
+    state.prefill_started_s -= 0.45
+    assert flow.queued_tokens(state, state.prefill_started_s + 0.45) == pytest.approx(
+        200.0, abs=1.0
+    )
+    ticket = flow.try_enter(a, 0, 2_000.0, 0.0, [state])
+    assert ticket is not None
+    ticket.routed()
+    lease.release()
+    flow.close()
+
+
+async def test_without_measure_rate_room_is_counted_at_the_configured_rate() -> None:
+    """`flow_measure_rate: false`: the same measured prefills leave the bound and the
+    progress at `engine_prefill_tokens_per_s`."""
+    replicas = _replicas()
+    flow = _flow(replicas, max_pending_prefill_tokens=100.0, measure_rate=False)
+    state = replicas.states["http://r0"]
+    for _ in range(8):
+        _prefill(state, 2_000.0, 0.5)
+    assert flow.prefill_tokens_per_s() == 1_000.0 and flow.pending_bound() == 100.0
+    lease = state.lease(2_000.0)
+    state.prefill_started_s -= 0.45
+    assert flow.try_enter(_tenant("a"), 0, 2_000.0, 0.0, [state]) is None
+    lease.release()
+    flow.close()
+
+
+def test_the_measured_rate_weighs_each_prefill_by_what_it_took() -> None:
+    """The rate is decayed tokens over decayed seconds: a long prefill weighs its time, a
+    prefill of nothing (a fully cached prompt) or an instant one adds nothing."""
+    fleet = FleetLoad()
+    for _ in range(MIN_PREFILL_SAMPLES):
+        fleet.observe_prefill(1_000.0, 1.0)
+    fleet.observe_prefill(0.0, 0.2)
+    fleet.observe_prefill(500.0, 0.0)
+    assert fleet.prefill_tokens_per_s(9.0) == pytest.approx(1_000.0)
+    fleet.observe_prefill(30_000.0, 10.0)  # 3,000 tokens/s, ten seconds of it
+    keep = 1.0 - PREFILL_RATE_LEARNING_RATE
+    tokens = sum(1_000.0 * keep ** (i + 1) for i in range(MIN_PREFILL_SAMPLES)) + 30_000.0
+    seconds = sum(keep ** (i + 1) for i in range(MIN_PREFILL_SAMPLES)) + 10.0
+    assert fleet.prefill_tokens_per_s(9.0) == pytest.approx(tokens / seconds)
 
 
 async def test_a_light_scope_overtakes_a_flooding_ones_backlog() -> None:
