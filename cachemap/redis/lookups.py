@@ -240,6 +240,17 @@ class LookupLane:
         self._send([_Call(command, future, deadline_s, source)])
         return future
 
+    def commands(
+        self, commands: Sequence[tuple[Any, ...]], deadline_s: float | None = None
+    ) -> list[asyncio.Future[Any]]:
+        """Plain commands down this lane in one write, on one deadline (Redis's time): a
+        round's pipeline without the pool's machinery (a connection taken and given back, the
+        retry wrapper, the send's `wait_for`). Their answers, in order."""
+        loop = asyncio.get_running_loop()
+        batch = [_Call(command, loop.create_future(), deadline_s) for command in commands]
+        self._send(batch)
+        return [call.future for call in batch]
+
     def _send(self, batch: list[_Call]) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()

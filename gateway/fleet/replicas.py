@@ -122,6 +122,9 @@ class FleetLoad:
     on_leased: Callable[[], None] | None = field(default=None, repr=False)
     """Called when a lease starts: the shared load's idle loop wakes for its next round
     (gateway.fleet.shared_load)."""
+    on_released: Callable[[], None] | None = field(default=None, repr=False)
+    """Called when a lease's prefill ends or the lease is released: the shared load publishes
+    the figures at the end of the loop turn, as it does a placement (gateway.fleet.shared_load)."""
 
     def observe(self, uncached_tokens: float) -> None:
         self.num_routed += 1
@@ -341,6 +344,9 @@ class Lease:
         freed = state.fleet.on_freed
         if freed is not None:
             freed()
+        released = state.fleet.on_released
+        if released is not None:
+            released()
 
     def release(self) -> None:
         """The request is off the replica."""
@@ -350,6 +356,9 @@ class Lease:
             state = self.state
             state.num_inflight -= 1
             state.decode_tokens = max(state.decode_tokens - self.output_tokens, 0.0)
+            released = state.fleet.on_released
+            if released is not None:
+                released()
 
     def keep(self) -> Lease:
         """The attempt committed: the exchange owns the lease now."""
@@ -426,6 +435,7 @@ class ReplicaSet:
             ahead=ahead,
         )
         self.fleet.on_leased = self.shared_load.wake
+        self.fleet.on_released = self.shared_load.changed
         return self.shared_load
 
     def herd(self) -> tuple[int, int]:

@@ -38,9 +38,16 @@ own round trip: the hash's HGETALL rides ahead of each pipelined batch of lookup
 answer showed a peer), so a decision counts every peer's placement that reached Redis before
 its lookup did. On a Cluster the hash is in another slot: the read goes down that master's lane
 beside the lookups (`NodeLanes.ride`), and a lookup answered before it routes on the previous
-read's figures. Releases (a first token, an end) reach the peers at the next round. `kvgate sim
---gateways 4 --placement-delay-ms 1.5 --routing-ms 1` models it (docs/design/directory.md,
-"Four gateways' hit ratio").
+read's figures. Releases (a first token, an end) are published the same way (`changed`), so a
+peer's next read counts them: they reached it at this gateway's next round, then the peer's
+(up to two rounds, 0.8 trace s at the bench's time scale, while a request waited there for the
+room). `kvgate sim --gateways 4 --placement-delay-ms 1.5 --routing-ms 1` models it
+(docs/design/directory.md, "Four gateways' hit ratio").
+
+With every change published as it happens, a busy gateway's round writes only its heartbeat
+(the script, once a second), and its read repeats the reads in the lookups' round trips: a
+round due less than a round after such a read is left out (`fresh`). A round still reads while
+no lookup has (a gateway whose requests all wait, or have not come yet).
 
 Even read in the lookup's round trip, a peer's placement reaches this gateway's view a round
 trip and a loop turn after it was made: the gateways deciding their shares of one burst at the
@@ -316,8 +323,13 @@ class SharedLoad:
         """This gateway published requests in flight, or saw a peer's, at its last call."""
         self._waker: asyncio.Future[None] | None = None
         """Set while the loop sleeps idle (`_idle`): resolved by a lease (`wake`)."""
+        self._read_s = -math.inf
+        """When the peers' figures were last read outside the rounds (`ride`, `pace`,
+        `register`): a round within `round_s` of it only repeats it (`fresh`)."""
         self.ticks = 0
         """The loop's wake-ups (each a round, due or not)."""
+        self.skipped = 0
+        """Rounds due but left out: the view was `fresh`."""
         self.rounds = 0
         self.writes = 0
         """Rounds that ran the script (the others only read)."""
@@ -377,12 +389,30 @@ class SharedLoad:
         return any(s.num_inflight > 0 for s in states)
 
     async def tick(self) -> bool:
-        """One 0.1-s round: a call when `due`. True when it called."""
+        """One 0.1-s round: a call when `due` and the view is not `fresh`. True when it
+        called."""
         states = list(self.states())
         if not self.due(states):
             return False
+        if self.fresh(states):
+            self.skipped += 1
+            return False
         await self.round(states)
         return True
+
+    def fresh(self, states: list[ReplicaState]) -> bool:
+        """Whether a round would only repeat what this gateway already did: its figures are
+        those its last write gave (`publish` writes each change at the end of its loop turn),
+        the heartbeat is not due, and the peers' figures were read less than a round ago (in
+        a lookup's round trip: `ride`). The view is then as fresh as the round would make it,
+        and the peers see the same figures."""
+        now_s = self.clock()
+        return (
+            now_s - self._read_s < self.round_s
+            and now_s - self._written_s < HEARTBEAT_S
+            and self._written is not None
+            and encode(states) == self._written
+        )
 
     async def round(self, states: list[ReplicaState] | None = None) -> None:
         """Publish, read, apply: one call. The script when this gateway's figures changed
@@ -516,7 +546,7 @@ class SharedLoad:
             return False
         self.malformed += self._sums.fold(entries)
         self.num_peers = len(entries)
-        self._answered_s = now_s
+        self._answered_s = self._read_s = now_s
         self._apply(list(self.states()), self._sums.view())
         return True
 
@@ -533,14 +563,36 @@ class SharedLoad:
 
     @staticmethod
     def _apply(states: list[ReplicaState], peers: dict[str, PeerLoad]) -> None:
+        """The peers' sums onto the replicas. Where a peer's prefill or requests left a
+        replica, room may have come: flow control's wake-up runs (`FleetLoad.on_freed`), as
+        for a lease of this gateway's own, so a request waiting here for that replica goes at
+        once, not at its queue's next tick."""
+        freed = False
         for state in states:
-            state.peer = peers.get(state.url)
+            old, new = state.peer, peers.get(state.url)
+            if old is not None and (
+                new is None
+                or new.prefill_tokens < old.prefill_tokens
+                or new.num_inflight < old.num_inflight
+            ):
+                freed = True
+            state.peer = new
+        hook = states[0].fleet.on_freed if freed else None
+        if hook is not None:
+            hook()
 
     def wake(self) -> None:
         """A lease started: an idle loop's next round comes at its place (`_idle`), and this
         gateway's figures are published at the end of this loop turn (`publish`)."""
         if self._waker is not None:
             _resolve(self._waker)
+        self.changed()
+
+    def changed(self) -> None:
+        """This gateway's figures changed (a lease started, its prefill ended, it was
+        released): they are published at the end of this loop turn (`publish`: one write
+        for the turn's changes), so a peer's next read counts a release as it counts a
+        placement, not after this gateway's next round."""
         if not self._publishing and not self._stopped:
             self._publishing = True
             asyncio.get_running_loop().call_soon(self._publish_soon)

@@ -9,7 +9,12 @@ publishes what it served, batched, and adds what the others served to its own co
 
 One pipeline a round (`round_s`, 0.1 s by default), only when something was served or is
 tracked: HINCRBYFLOAT this gateway's service since the last round, HMGET the totals of the
-scopes this gateway tracks, and PEXPIRE (idle keys go within `EXPIRE_S`). For each tracked
+scopes this gateway tracks, and PEXPIRE (idle keys go within `EXPIRE_S`). On a single Redis
+the round's commands go down a connection of their own in one write (`cachemap.redis.lookups.
+LookupLane.commands`), not through the client's pool: a pooled pipeline (a connection taken
+and given back, the retry wrapper, the send's `wait_for`) was ~0.6 ms of a busy gateway's CPU
+a round, 10 rounds a second a gateway, whatever its traffic (docs/design/directory.md, "The
+tier's CPU per request"). A Cluster keeps the pipeline. For each tracked
 scope, `total − what this gateway published` is what the others served; its growth since the
 last round is added to the local counter (`FairQueue.add_remote`). A scope first seen here
 starts from the totals as they are (the arrival lift already levels it with its band): no
@@ -30,7 +35,10 @@ import asyncio
 import logging
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
+
 from cachemap.redis.client import AnyRedis
+from cachemap.redis.lookups import LookupLane
 from gateway.tasks import BackgroundTasks
 from router.fairness import FairQueue
 
@@ -41,6 +49,9 @@ KEY_PREFIX = "kvg:{kvg-flow}:vtc:"
 EXPIRE_S = 3600
 """A band's hash goes an hour after its last service anywhere (counters then restart level:
 the arrival lift would level them anyway)."""
+ROUND_DEADLINE_S = 1.0
+"""A round down the lane that Redis has not answered within this fails (the client's socket
+timeout, which bounded the pooled pipeline)."""
 
 
 def band_key(band: int) -> str:
@@ -59,6 +70,8 @@ class SharedCounters:
         """What this gateway added to each total (since it last tracked the scope)."""
         self._applied: dict[tuple[int, str], float] = {}
         """The others' service already added to the local counter."""
+        self._lane = None if isinstance(client, RedisCluster) else LookupLane(client, "", "")
+        """The rounds' own connection on a single Redis (module docstring)."""
         self._tasks = BackgroundTasks("shared fairness counters")
         self.rounds = 0
         self.failed = 0
@@ -73,15 +86,14 @@ class SharedCounters:
         for band, scope in tracked:
             by_band.setdefault(band, []).append(scope)
         bands = sorted({b for b, _ in served} | set(by_band))
+        commands: list[tuple[Any, ...]] = [
+            ("HINCRBYFLOAT", band_key(band), scope, weighted)
+            for (band, scope), weighted in served.items()
+        ]
+        commands += [("HMGET", band_key(band), *scopes) for band, scopes in by_band.items()]
+        commands += [("EXPIRE", band_key(band), EXPIRE_S) for band in bands]
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for (band, scope), weighted in served.items():
-                    pipe.hincrbyfloat(band_key(band), scope, weighted)
-                for band, scopes in by_band.items():
-                    pipe.hmget(band_key(band), scopes)
-                for band in bands:
-                    pipe.expire(band_key(band), EXPIRE_S)
-                replies = await pipe.execute()
+            replies = await self._execute(commands)
         except Exception as exc:  # Redis away: the service waits for the next round
             self.failed += 1
             log.debug("shared fairness counters: round failed: %r", exc)
@@ -107,6 +119,22 @@ class SharedCounters:
             for key in [k for k in book if k not in seen and k not in served]:
                 del book[key]
 
+    async def _execute(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """The round's commands in one write, their replies in order (the first error
+        raised)."""
+        if self._lane is None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for command in commands:
+                    pipe.execute_command(*command)
+                return list(await pipe.execute())
+        answers = await asyncio.gather(
+            *self._lane.commands(commands, ROUND_DEADLINE_S), return_exceptions=True
+        )
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return list(answers)
+
     async def _loop(self) -> None:
         while True:  # bounded: cancelled by `stop`
             await asyncio.sleep(self.round_s)
@@ -121,3 +149,5 @@ class SharedCounters:
             await asyncio.wait_for(self.round(), 0.5)
         except Exception as exc:
             log.debug("shared fairness counters: last round failed: %r", exc)
+        if self._lane is not None:
+            await self._lane.close()

@@ -473,3 +473,119 @@ async def test_a_paced_decision_waits_its_turn_and_reads_the_peers_placements(
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_release_is_published_at_the_end_of_its_loop_turn(client: AnyRedis) -> None:
+    """A lease's prefill ending and its release reach Redis as its start does (`changed`, one
+    write a loop turn): a peer's next read counts them, with no round of the releasing
+    gateway's between (they waited for it, then for the peer's round)."""
+    (x,) = urls(1)
+    mine, theirs = fleet(x), fleet(x)
+    a, b = gateway(client, theirs), gateway(client, mine)
+    theirs[x].fleet.on_leased, theirs[x].fleet.on_released = a.wake, a.changed
+    writes: list[asyncio.Future[Any] | None] = []
+    plain = a.publish
+
+    def publish() -> asyncio.Future[Any] | None:
+        writes.append(plain())
+        return writes[-1]
+
+    a.publish = publish  # type: ignore[method-assign]
+
+    async def turn() -> None:
+        """The loop turn's end: its one write, awaited."""
+        count = len(writes)
+        await asyncio.sleep(0)  # a yield, not a wait: the callbacks scheduled so far run
+        assert len(writes) == count + 1
+        written = writes[-1]
+        assert written is not None
+        await written
+
+    try:
+        await a.round()
+        await b.round()
+        lease = theirs[x].lease(40_000.0, output_tokens=200.0).keep()
+        await turn()
+        await b.round()
+        peer = mine[x].peer
+        assert peer is not None and peer.prefill_tokens == 40_000.0
+        lease.prefilled()  # its first token: the prefill leaves the figures
+        await turn()
+        await b.round()
+        peer = mine[x].peer
+        assert peer is not None and peer.prefill_tokens == 0.0 and peer.decode_tokens == 200.0
+        lease.release()
+        await turn()
+        await b.round()
+        assert mine[x].peer is None
+        assert (a.rounds, a.writes, a.published) == (1, 1, 3)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_round_right_after_a_lookups_read_is_left_out(client: AnyRedis) -> None:
+    """A round due less than a round after the peers' figures were read in a lookup's round
+    trip (`ride`), its own figures published, only repeats that read: it is left out. A round
+    later, or once its figures changed unpublished, it goes to Redis again."""
+    (x,) = urls(1)
+    mine, theirs = fleet(x), fleet(x)
+    now = [100.0]
+    b = SharedLoad(client, lambda: list(mine.values()), round_s=0.125, clock=lambda: now[0])
+    a = gateway(client, theirs)
+    try:
+        theirs[x].lease(500.0).keep()
+        await a.round()
+        mine[x].lease(1_000.0).keep()
+        await b.round()
+        assert b.num_peers >= 1 and b.rounds == 1
+        wanted = b.ride()  # what the lookups' lane writes ahead of a batch
+        assert wanted is not None
+        command, done = wanted
+        read: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        read.set_result(await client.execute_command(*command))
+        done(read)
+        assert b.rides == 1
+        now[0] += 0.1
+        assert not await b.tick() and b.skipped == 1 and b.rounds == 1
+        now[0] += 0.05  # a round past the read
+        assert await b.tick() and b.rounds == 2
+        done(read)  # read again; then a change this gateway did not publish
+        mine[x].lease(2_000.0).keep()
+        assert await b.tick() and b.rounds == 3 and b.writes == 2
+        assert b.skipped == 1
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_peers_release_read_here_wakes_flow_control(client: AnyRedis) -> None:
+    """A read that finds a peer's prefill or request gone from a replica runs flow control's
+    wake-up (`FleetLoad.on_freed`), as this gateway's own lease ending does; a read that finds
+    only more load, or the same, does not."""
+    (x,) = urls(1)
+    mine, theirs = fleet(x), fleet(x)
+    a, b = gateway(client, theirs), gateway(client, mine)
+    woken: list[int] = []
+    mine[x].fleet.on_freed = lambda: woken.append(1)
+    try:
+        lease = theirs[x].lease(40_000.0, output_tokens=200.0).keep()
+        await a.round()
+        await b.round()
+        theirs[x].lease(1_000.0).keep()
+        await a.round()
+        await b.round()
+        assert mine[x].peer is not None and not woken  # more load: nothing freed
+        lease.prefilled()
+        await a.round()
+        await b.round()
+        assert len(woken) == 1
+        await b.round()
+        assert len(woken) == 1  # the same figures again
+        lease.release()
+        await a.round()
+        await b.round()
+        assert len(woken) == 2
+    finally:
+        await a.stop()
+        await b.stop()
