@@ -526,6 +526,28 @@ cdef inline uint64_t _engine_hash(uint64_t eh, uint8_t neg) nogil:
     return kvg_fmix64(eh ^ (0x9E3779B97F4A7C15ULL if neg else 0))
 
 
+cdef inline Py_ssize_t _rebuilt_size(Py_ssize_t filled, Py_ssize_t live, Py_ssize_t mask,
+                                     Py_ssize_t extra):
+    """The slots an open-addressed table of `mask + 1` (`filled` used, `live` of them still
+    live) is rebuilt with to take `extra` more: 0 while they fit under 3/4, else the smallest
+    power of two (from 8) that leaves it at most half full."""
+    cdef Py_ssize_t size = 8
+    if (filled + extra) * 4 <= (mask + 1) * 3:
+        return 0
+    while size < (live + extra) * 2:
+        size *= 2
+    return size
+
+
+cdef void *_zeroed(size_t nbytes) except NULL:
+    """`nbytes` of zeroed memory (the caller frees it)."""
+    cdef void *p = malloc(nbytes)
+    if p == NULL:
+        raise MemoryError()
+    memset(p, 0, nbytes)
+    return p
+
+
 cdef inline bint _broken(Rec *r):
     return r.mask == 0 and r.children > 0
 
@@ -591,17 +613,8 @@ cdef class DomainTable:
     cdef Rec *_find(self, object key) except? NULL:
         """The record of `key`, or NULL."""
         cdef uint64_t k0, k1, size, h
-        cdef Py_ssize_t i
-        cdef Rec *r
         _parse_key(key, &k0, &k1, &size, &h)
-        i = <Py_ssize_t>(h & <uint64_t>self.mask)
-        while True:
-            r = &self.recs[i]
-            if r.key == NULL:
-                return NULL
-            if r.key != GONE and _rec_is(r, k0, k1, size, key):
-                return r
-            i = (i + 1) & self.mask
+        return self._find_parsed(key, k0, k1, size, h)
 
     cdef Rec *_find_parsed(self, object key, uint64_t k0, uint64_t k1, uint64_t size,
                            uint64_t h):
@@ -663,18 +676,13 @@ cdef class DomainTable:
     cdef int _reserve(self, Py_ssize_t extra) except -1:
         """Room for `extra` more records without growing: rebuilt without the emptied records
         to at most half full when they would pass 3/4."""
-        cdef Py_ssize_t size = 8, i, j
+        cdef Py_ssize_t size = _rebuilt_size(self.filled, self.live, self.mask, extra), i, j
         cdef Rec *old = self.recs
         cdef Rec *fresh
         cdef Rec *r
-        if (self.filled + extra) * 4 <= (self.mask + 1) * 3:
+        if size == 0:
             return 0
-        while size < (self.live + extra) * 2:
-            size *= 2
-        fresh = <Rec *>malloc(size * sizeof(Rec))
-        if fresh == NULL:
-            raise MemoryError()
-        memset(fresh, 0, size * sizeof(Rec))
+        fresh = <Rec *>_zeroed(size * sizeof(Rec))
         for i in range(self.mask + 1):
             r = &old[i]
             if r.key == NULL or r.key == GONE:
@@ -737,17 +745,13 @@ cdef class DomainTable:
     cdef int _eng_reserve(self, Py_ssize_t extra) except -1:
         """Room for `extra` more hashes without growing: rebuilt without the emptied slots to
         at most half full when they would pass 3/4."""
-        cdef Py_ssize_t size = 8, i, j
+        cdef Py_ssize_t size = _rebuilt_size(self.eng_filled, self.eng_live, self.eng_mask, extra)
+        cdef Py_ssize_t i, j
         cdef Eng *old = self.engs
         cdef Eng *fresh
-        if (self.eng_filled + extra) * 4 <= (self.eng_mask + 1) * 3:
+        if size == 0:
             return 0
-        while size < (self.eng_live + extra) * 2:
-            size *= 2
-        fresh = <Eng *>malloc(size * sizeof(Eng))
-        if fresh == NULL:
-            raise MemoryError()
-        memset(fresh, 0, size * sizeof(Eng))
+        fresh = <Eng *>_zeroed(size * sizeof(Eng))
         for i in range(self.eng_mask + 1):
             if old[i].state != LIVE:
                 continue
