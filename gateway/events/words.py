@@ -357,17 +357,18 @@ class WordIds:
         """(`missing`'s pieces, the texts mostly new: to encode whole, not piece by piece)."""
         out: dict[str, None] = {}
         whole_texts: list[str] = []
-        later = self._young.of(salt)[0]
-        table = self._young.tables.get(salt)  # `later`'s mirror, where compiled
         self._parted = parted = {}
         self._joined = joined = {}
         for text in texts:
-            found = self._whole(table, salt, text)
+            # the young generation read again each time: a piece promoted from the old one
+            # (`_find`) can turn it over
+            found = self._whole(self._young.tables.get(salt), salt, text)
             if found is not None:
                 joined[salt, text] = found
                 continue
             parts = parts_of(text, self.loose)
             head = self._find(salt, parts[0], False)
+            later = self._young.of(salt)[0]
             whole = _all_young(later, head, parts)
             if whole is not None:  # `ids` of it next looks up nothing
                 joined[salt, text] = (whole, len(parts))
