@@ -11,11 +11,28 @@ from typing import Any
 
 import redis as sync_redis
 
+from cachemap.redis.lookups import _unread
+
 
 def hog(seconds: float) -> None:
     """Hold the event loop with CPU, as other requests' work does under load."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
+        pass
+
+
+def hog_until_answered(lane: Any, seconds: float, bound_s: float = 0.2) -> None:
+    """`hog` for `seconds`, and on until a reply waits unread on one of `lane`'s connections
+    (a `LookupLane`, or a Cluster's `NodeLanes`; at most `bound_s`, inside the lookups' grace
+    past their deadline): on a loaded machine Redis may not have run within the fixed hog,
+    and a reply that came after the deadline is a timeout, not a late answer."""
+    hog(seconds)
+    lanes = list(lane._lanes.values()) if hasattr(lane, "_lanes") else [lane]
+    end = time.perf_counter() + bound_s
+    while time.perf_counter() < end and not any(
+        wire is not None and wire.live and _unread(wire.conn)
+        for wire in (one._wire for one in lanes)
+    ):
         pass
 
 

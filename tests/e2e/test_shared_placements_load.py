@@ -60,7 +60,7 @@ def test_a_peers_placements_count_at_this_gateways_next_decision(
     seen = director(here).replicas.get(holder)
     store = redis.Redis.from_url(url) if backend == "redis" else RedisCluster.from_url(url)
     try:
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(5) as pool:
             futures = [pool.submit(_flood, peer, messages, n) for n in range(4)]
             wait_until(lambda: queued.num_prefilling >= 3, what="the peer's prefills queued")
             wait_until(
@@ -68,7 +68,10 @@ def test_a_peers_placements_count_at_this_gateways_next_decision(
                 what="the peer's placements in Redis, published as they were made",
             )
             if backend == "cluster":  # the read rides beside a lookup: one lookup brings it
-                ask(here, conversation("placements-load-another"))
+                # not awaited: placed on the holder, it would answer after the peer's queue
+                # drained, and the decision below would rightly see no load left there
+                other = conversation("placements-load-another")
+                futures.append(pool.submit(ask, here, other))
                 wait_until(
                     lambda: seen.peer is not None and seen.peer.num_prefilling >= 3,
                     what="the peer's placements read beside a lookup",
