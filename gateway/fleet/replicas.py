@@ -50,8 +50,10 @@ its replica still finishes its bookkeeping.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass, field, replace
 
@@ -92,9 +94,12 @@ its port is checked within 50 ms of its /health answering (each failed probe cos
 connect, microseconds)."""
 SUSPECT_CHECK_S = 30.0
 """...for at most this long: a replica still away after that is left to the health interval."""
-PREFILL_RATE_LEARNING_RATE = 0.05
-"""Weight of each measured prefill in the engines' prefill rate (decayed sums of tokens and of
-seconds, so a long prefill weighs what it took: ~20 prefills)."""
+PREFILL_RATE_WINDOW = 40
+"""Measured prefills the engines' prefill rate is read from: the last this many
+(`FleetLoad.observe_prefill`)..."""
+PREFILL_RATE_KEPT = 20
+"""...of which the fastest this many count (ratio of their tokens to their seconds, so a long
+prefill weighs what it took)."""
 MIN_PREFILL_SAMPLES = 8
 """Prefills measured before the rate is trusted over `engine_prefill_tokens_per_s`."""
 DEFAULT_OUTPUT_TOKENS = 256.0
@@ -111,11 +116,16 @@ class FleetLoad:
     num_routed: int = 0
     mean_output_tokens: float = DEFAULT_OUTPUT_TOKENS
     num_answered: int = 0
-    prefill_tokens: float = 0.0
-    """Uncached prompt tokens of the prefills measured, decayed (`observe_prefill`)..."""
-    prefill_seconds: float = 0.0
-    """...and the seconds they took, decayed alike: their ratio is the engines' prefill rate."""
+    prefills: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=PREFILL_RATE_WINDOW), repr=False
+    )
+    """The last prefills measured, (tokens, seconds) (`observe_prefill`)..."""
+    measured_tokens_per_s: float = 0.0
+    """...and the rate read from them (`prefill_tokens_per_s`)."""
     num_prefills: int = 0
+    num_prefills_unmeasured: int = 0
+    """First tokens not measured: other gateways' prefills were queued on the replica when
+    this one's began (`ReplicaState.prefill_behind_peers`), so its time counts theirs."""
     on_freed: Callable[[], None] | None = field(default=None, repr=False)
     """Called when a lease frees room on a replica (its prefill ended, or it was released):
     flow control's wake-up (gateway.pipeline.flow)."""
@@ -148,13 +158,20 @@ class FleetLoad:
     def observe_prefill(self, tokens: float, seconds: float) -> None:
         """A first token: `tokens` uncached prompt tokens prefilled in `seconds`, from when the
         engine began the prefill as far as this gateway can tell (`ReplicaState.prefill_started_s`)
-        to its first byte here."""
+        to its first byte here.
+
+        The rate is read from the fastest half of the last `PREFILL_RATE_WINDOW`: whatever
+        else a measured prefill shares the engine with only slows it (other gateways' prefills
+        queued ahead of it that this gateway's view had not caught yet, decode steps in the
+        batch, a wait for KV blocks), so the engine's own speed is the fast end of the
+        measurements, not their mean. Four gateways' means read 28,000-34,000 tokens/s
+        of engines one gateway read at 49,700 (issue 39)."""
         if tokens <= 0 or seconds <= 0:
             return
-        keep = 1.0 - PREFILL_RATE_LEARNING_RATE
-        self.prefill_tokens = self.prefill_tokens * keep + tokens
-        self.prefill_seconds = self.prefill_seconds * keep + seconds
+        self.prefills.append((tokens, seconds))
         self.num_prefills += 1
+        fastest = heapq.nlargest(PREFILL_RATE_KEPT, self.prefills, key=lambda p: p[0] / p[1])
+        self.measured_tokens_per_s = sum(p[0] for p in fastest) / sum(p[1] for p in fastest)
 
     def prefill_tokens_per_s(self, default: float) -> float:
         """The engines' prefill rate as this gateway measured it (`default` until
@@ -162,7 +179,7 @@ class FleetLoad:
         progress and its room at (gateway.pipeline.flow)."""
         if self.num_prefills < MIN_PREFILL_SAMPLES:
             return default
-        return self.prefill_tokens / self.prefill_seconds
+        return self.measured_tokens_per_s
 
     def expected_output_tokens(self, max_tokens: int | None) -> float:
         """What a request will generate: its max_tokens when it sets one (load generators set
@@ -186,6 +203,10 @@ class ReplicaState:
     (monotonic): a request sent to it with none of ours pending, or a prefill of ours ending
     with others pending (engines prefill first come, first served). Flow control subtracts
     the progress since from the work queued there."""
+    prefill_behind_peers: bool = field(default=False, repr=False)
+    """Other gateways had prefills queued on the replica (`peer`) when `prefill_started_s` was
+    set: the prefill's first token is not measured (`Lease.prefilled`), since the time to it
+    counts theirs ahead of it (engines prefill first come, first served)."""
     num_requests: int = 0
     decode_tokens: float = 0.0
     """Output tokens expected from this gateway's requests on the replica (router.types)."""
@@ -234,6 +255,13 @@ class ReplicaState:
         if metrics is not None and metrics.running_lora_adapters is not None:
             running, waiting = metrics.lora_adapters_in_use()
             self.adapters.observe(metrics.max_lora, running, waiting, time.monotonic())
+
+    def began_prefill(self) -> None:
+        """The replica began a prefill of ours, as far as this gateway can tell: now, behind
+        whatever other gateways had queued there (`prefill_behind_peers`)."""
+        self.prefill_started_s = time.monotonic()
+        peer = self.peer
+        self.prefill_behind_peers = peer is not None and peer.prefill_tokens > 0
 
     @property
     def id(self) -> str:
@@ -318,7 +346,7 @@ class Lease:
         state.num_requests += 1
         state.pending_prefill_tokens += uncached_tokens
         if not state.num_prefilling:
-            state.prefill_started_s = time.monotonic()
+            state.began_prefill()
         state.num_prefilling += 1
         state.fleet.observe(uncached_tokens)
         leased = state.fleet.on_leased
@@ -334,13 +362,16 @@ class Lease:
         self._done_prefill = True
         state = self.state
         if first_byte and state.num_prefilling:
-            state.fleet.observe_prefill(
-                self.uncached_tokens, time.monotonic() - state.prefill_started_s
-            )
+            if state.prefill_behind_peers:
+                state.fleet.num_prefills_unmeasured += 1
+            else:
+                state.fleet.observe_prefill(
+                    self.uncached_tokens, time.monotonic() - state.prefill_started_s
+                )
         state.pending_prefill_tokens = max(state.pending_prefill_tokens - self.uncached_tokens, 0.0)
         state.num_prefilling = max(state.num_prefilling - 1, 0)
         if state.num_prefilling:
-            state.prefill_started_s = time.monotonic()
+            state.began_prefill()
         freed = state.fleet.on_freed
         if freed is not None:
             freed()

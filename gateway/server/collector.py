@@ -159,6 +159,16 @@ class GatewayCollector(Collector):
             "this gateway's first tokens (flow_measure_rate), else engine_prefill_tokens_per_s.",
             value=flow.prefill_tokens_per_s(),
         )
+        fleet = flow.replicas.fleet
+        measured = CounterMetricFamily(
+            "kvgate_flow_prefills_timed",
+            "First tokens flow control's prefill rate was measured from (measured), or not "
+            "(behind_peers: other gateways' prefills were queued on the replica when it began).",
+            labels=["sample"],
+        )
+        measured.add_metric(["measured"], fleet.num_prefills)
+        measured.add_metric(["behind_peers"], fleet.num_prefills_unmeasured)
+        yield measured
         if flow.shared is not None:
             rounds = CounterMetricFamily(
                 "kvgate_flow_shared_rounds",

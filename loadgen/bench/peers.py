@@ -730,6 +730,13 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
                 for key, value in counters.items():
                     directory[key] = directory.get(key, 0) + value
         if arm.kind in GATEWAY_KINDS and router.metrics_url:
+            rates = [prefill_rate(url) for url in (router.metrics_url, *router.other_metrics_urls)]
+            print(
+                f"{arm.name} (run {run}): prefill rate flow control counted at, by gateway: "
+                + ", ".join(f"{r:,.0f}" for r, _, _ in rates)
+                + f" tokens/s; first tokens timed {sum(t for _, t, _ in rates):,}, "
+                f"not timed (begun behind peers' prefills) {sum(b for _, _, b in rates):,}"
+            )
             left = flow_not_at_rest(httpx.get(router.metrics_url + "/metrics", timeout=10.0).text)
             if left:  # before the idle probe, which a stopped queue would hold
                 print(f"{arm.name} (run {run}): flow control not at rest after the replay: {left}")
@@ -958,6 +965,23 @@ DIRECTORY_COUNTERS = {
     "kvgate_directory_lookup_lagged_total": "lagged",
 }
 """The directory's counters an `@N` arm reports (a gateway without one reports it absent)."""
+
+
+def prefill_rate(metrics_url: str) -> tuple[float, int, int]:
+    """The engines' prefill rate a gateway's flow control counts at
+    (`kvgate_flow_prefill_tokens_per_s`) and the first tokens it was measured from and not
+    (`kvgate_flow_prefills_timed_total`: measured, behind_peers), from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(metrics_url + "/metrics", timeout=10.0).text
+    rate, timed = 0.0, {"measured": 0, "behind_peers": 0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvgate_flow_prefill_tokens_per_s":
+                rate = sample.value
+            elif sample.name == "kvgate_flow_prefills_timed_total":
+                timed[sample.labels.get("sample", "")] = int(sample.value)
+    return rate, timed["measured"], timed["behind_peers"]
 
 
 def directory_lookups(metrics_url: str) -> dict[str, int]:

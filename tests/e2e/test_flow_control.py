@@ -836,11 +836,10 @@ def test_every_way_a_request_ends_gives_its_room_back(
     assert transit < 1e-6 and claimed == {}, (transit, claimed)
     # (a float's rounding may leave ~1e-13 of the sums: no room is lost to it)
     assert max(pending) < 1e-6 and prefilling == [0, 0], (pending, prefilling)
+    page = httpx.get(metrics_url(gateway) + "/metrics").text
     gauges = {
         (s.name, s.labels.get("replica")): s.value
-        for family in text_string_to_metric_families(
-            httpx.get(metrics_url(gateway) + "/metrics").text
-        )
+        for family in text_string_to_metric_families(page)
         for s in family.samples
         if s.name
         in (
@@ -852,6 +851,13 @@ def test_every_way_a_request_ends_gives_its_room_back(
     assert gauges[("kvgate_flow_transit_tokens", None)] < 1e-6
     rate = gauges[("kvgate_flow_prefill_tokens_per_s", None)]  # measured from the first tokens
     assert rate > 0
+    timed = {
+        s.labels["sample"]: s.value
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+        if s.name == "kvgate_flow_prefills_timed_total"
+    }
+    assert timed["measured"] >= 1 and timed["behind_peers"] == 0  # one gateway: no peers
     for served in engines:  # the whole room bound on each: 0.02 s at the prefill rate
         room = gauges[("kvgate_replica_room_tokens", served.url)]
         assert room == pytest.approx(rate * 0.02)

@@ -13,12 +13,14 @@ from gateway.errors import ClientGone, InvalidRequest, Overloaded, QueueFull
 from gateway.fleet.engine_metrics import EngineMetrics
 from gateway.fleet.replicas import (
     MIN_PREFILL_SAMPLES,
-    PREFILL_RATE_LEARNING_RATE,
+    PREFILL_RATE_KEPT,
+    PREFILL_RATE_WINDOW,
     FleetLoad,
     Lease,
     ReplicaSet,
     ReplicaState,
 )
+from gateway.fleet.shared_load import PeerLoad
 from gateway.pipeline.flow import FlowControl, FlowLimits, Ticket, request_priority
 from gateway.request.parsed import CHAT, ParsedRequest
 from gateway.request.tenant import Tenant, TenantPolicy
@@ -193,20 +195,50 @@ async def test_without_measure_rate_room_is_counted_at_the_configured_rate() -> 
     flow.close()
 
 
-def test_the_measured_rate_weighs_each_prefill_by_what_it_took() -> None:
-    """The rate is decayed tokens over decayed seconds: a long prefill weighs its time, a
-    prefill of nothing (a fully cached prompt) or an instant one adds nothing."""
-    fleet = FleetLoad()
+def test_a_prefill_begun_behind_other_gateways_prefills_is_not_timed() -> None:
+    """Issue 39: behind one Service, a replica's queue holds the other gateways' prefills too
+    (their shared load, `ReplicaState.peer`). A prefill of ours that began behind theirs took
+    their time as well as its own: timed, it read the engines slower than they are (eight
+    2,000-token prefills in 1 s each, behind 2,000 of the peers' tokens: 2,000 tokens/s for
+    engines of 4,000), and flow control held requests back from engines with room. Such a
+    first token is counted as not timed; one begun with nothing of theirs queued is timed."""
+    replicas = _replicas()
+    state = replicas.states["http://r0"]
+    fleet = replicas.fleet
+    state.peer = PeerLoad(num_inflight=1, num_prefilling=1, prefill_tokens=2_000.0)
     for _ in range(MIN_PREFILL_SAMPLES):
+        _prefill(state, 2_000.0, 1.0)
+    assert (fleet.num_prefills, fleet.num_prefills_unmeasured) == (0, MIN_PREFILL_SAMPLES)
+    assert fleet.prefill_tokens_per_s(1_000.0) == 1_000.0  # the configured rate still
+    state.peer = PeerLoad(num_inflight=1)  # the peers' request decodes: nothing queued ahead
+    for _ in range(MIN_PREFILL_SAMPLES):
+        _prefill(state, 2_000.0, 0.5)
+    assert fleet.num_prefills == MIN_PREFILL_SAMPLES
+    assert fleet.prefill_tokens_per_s(1_000.0) == pytest.approx(4_000.0, rel=1e-3)
+
+
+def test_the_measured_rate_is_the_fast_half_of_the_last_prefills_by_what_each_took() -> None:
+    """The rate is read from the fastest `PREFILL_RATE_KEPT` of the last `PREFILL_RATE_WINDOW`
+    prefills, each weighed by its seconds: a prefill slowed by work ahead of it that this
+    gateway could not see (a peer's, a decode batch) is left out once the window has faster
+    ones, a prefill of nothing (a fully cached prompt) or an instant one adds nothing, and
+    old prefills leave the window."""
+    fleet = FleetLoad()
+    for _ in range(PREFILL_RATE_KEPT):
         fleet.observe_prefill(1_000.0, 1.0)
     fleet.observe_prefill(0.0, 0.2)
     fleet.observe_prefill(500.0, 0.0)
     assert fleet.prefill_tokens_per_s(9.0) == pytest.approx(1_000.0)
-    fleet.observe_prefill(30_000.0, 10.0)  # 3,000 tokens/s, ten seconds of it
-    keep = 1.0 - PREFILL_RATE_LEARNING_RATE
-    tokens = sum(1_000.0 * keep ** (i + 1) for i in range(MIN_PREFILL_SAMPLES)) + 30_000.0
-    seconds = sum(keep ** (i + 1) for i in range(MIN_PREFILL_SAMPLES)) + 10.0
+    for _ in range(PREFILL_RATE_WINDOW - PREFILL_RATE_KEPT):  # slowed by work ahead
+        fleet.observe_prefill(1_000.0, 3.0)
+    assert fleet.prefill_tokens_per_s(9.0) == pytest.approx(1_000.0)
+    fleet.observe_prefill(30_000.0, 10.0)  # 3,000 tokens/s, ten seconds; the oldest leaves
+    tokens = 30_000.0 + 1_000.0 * (PREFILL_RATE_KEPT - 1)
+    seconds = 10.0 + 1.0 * (PREFILL_RATE_KEPT - 1)
     assert fleet.prefill_tokens_per_s(9.0) == pytest.approx(tokens / seconds)
+    for _ in range(PREFILL_RATE_WINDOW):  # the engines slowed down: the window follows
+        fleet.observe_prefill(500.0, 1.0)
+    assert fleet.prefill_tokens_per_s(9.0) == pytest.approx(500.0)
 
 
 async def test_a_light_scope_overtakes_a_flooding_ones_backlog() -> None:
