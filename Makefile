@@ -45,14 +45,19 @@ BROWSER := /usr/bin/chromedriver
 $(BROWSER):
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
 
-# two workers (pytest-xdist), each taking whole test files (--dist loadfile: a module's fixtures
-# and servers stay on one worker); TEST_WORKERS=0 runs it in one process
-TEST_WORKERS ?= 2
+# three workers (pytest-xdist) on this 2-core machine: the e2e files spend much of their time
+# waiting on their servers' sockets and simulated engines, so a third worker fills CPU the
+# two left idle; each takes whole test files (--dist loadfile: a module's fixtures and servers
+# stay on one worker) in the order tests/conftest.py collects them, the files that
+# start servers first (--no-loadscope-reorder: xdist 3.6+ otherwise hands the files out by their
+# number of tests, most first, and the few-test minutes-long files came last); TEST_WORKERS=0
+# runs it in one process
+TEST_WORKERS ?= 3
 test: $(DEV_STAMP) $(BROWSER) ## the test suite (starts its own engines and servers on loopback)
 	$(PY) -m compileall -q -j0 kvgate_cli.py cachemap gateway loadgen router tools
-	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(ARGS)
-	@# cachemap's tests again on the pure-Python forms, where the compiled module is built (~10 s)
-	$(if $(wildcard cachemap/_native*.so),KVGATE_PURE=1 $(PY) -m pytest -q tests/cachemap)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(ARGS)
+	@# cachemap's tests again on the pure-Python forms, where the compiled module is built
+	$(if $(wildcard cachemap/_native*.so),KVGATE_PURE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) tests/cachemap)
 
 lint: $(DEV_STAMP) ## ruff format --check and ruff check
 	$(VENV)/bin/ruff format --check .

@@ -24,9 +24,10 @@ os.environ.setdefault("SSL_CERT_DIR", tempfile.mkdtemp(prefix="kvgate-no-ca-"))
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The files that start servers (`e2e`) first, the unit tests after, each file's tests in
-    their order: `-n 2 --dist loadfile` hands files out in this order, so the minutes-long
-    files start early and the many short ones fill both workers at the end instead of one
-    worker finishing a long file alone."""
+    their order: `make test`'s `--dist loadfile --no-loadscope-reorder` hands files out in this
+    order (without that flag xdist sorts the files by their number of tests and this order is
+    lost), so the minutes-long files start early and the many short ones fill the workers at
+    the end instead of one worker finishing a long file alone."""
     serving = {item.path for item in items if item.get_closest_marker("e2e") is not None}
     items.sort(key=lambda item: item.path not in serving)
 
