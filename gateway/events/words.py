@@ -344,8 +344,22 @@ class WordIds:
             return None
         if not tail[0]:  # its first piece's ids too
             return tail[1], tail[2]
+        if self._would_turn_over(salt, text[: tail[0]]):
+            return None  # the later pieces just read would be the old generation's: cut
         head = self._find(salt, text[: tail[0]], False)
         return (head + tail[1], tail[2]) if head is not None else None
+
+    def _would_turn_over(self, salt: str, first: str) -> bool:
+        """Whether finding the first piece `first` may promote it from the old generation and
+        turn the young one over. `_whole` then leaves the text to the cuts, which read the
+        later pieces from the young generation after the first one's promotion, promoting
+        them too, as a cache without a table does (the two caches hold the same pieces)."""
+        young = self._young
+        if young.size + 1 < self.max_pieces // 2:
+            return False
+        later = first[:1] == " "
+        maps = young.salts.get(salt)
+        return maps is None or (first[1:] if later else first) not in maps[0 if later else 1]
 
     def missing(self, texts: Sequence[str], salt: str) -> list[str]:
         """The pieces of `texts` the cache lacks, each once, as texts to encode."""
