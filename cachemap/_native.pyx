@@ -1145,7 +1145,6 @@ cdef enum:
 
 cdef enum:
     WORD_SEED = 0x5bd1e995
-    LOOKAHEAD = 8  # `WordTable.tail`'s pieces scanned between a slot's prefetch and its probe
 
 cdef uint64_t ONES = 0x0101010101010101ULL
 cdef uint64_t HIGHS = 0x8080808080808080ULL
@@ -1330,10 +1329,7 @@ cdef class WordTable:
 
         One pass over the characters: each later piece's bytes are checked and hashed as its
         end is sought (a check of the whole text first, then a scan a word and a hash a word,
-        read every byte three times: ~1/3 of keying bench point 2's prompts, py-spy). A piece
-        is looked up `LOOKAHEAD` pieces after its slot was prefetched (the slot's load was a
-        quarter of this call's samples with the next piece's prefetch only, in the gateway's
-        process, where the table is out of the core's cache by the next prompt)."""
+        read every byte three times: ~1/3 of keying bench point 2's prompts, py-spy)."""
         cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
         cdef const char *p
         cdef Py_ssize_t i, start, first_end
@@ -1344,10 +1340,8 @@ cdef class WordTable:
         cdef Py_ssize_t count = 0
         cdef Py_ssize_t pieces = 1
         cdef Py_ssize_t cap
-        cdef Py_ssize_t at_of[LOOKAHEAD]
-        cdef Py_ssize_t n_of[LOOKAHEAD]
-        cdef uint64_t h_of[LOOKAHEAD]
-        cdef Py_ssize_t queued = 0, taken = 0, q
+        cdef Py_ssize_t last = 0
+        cdef uint64_t last_h = 0
         cdef Py_ssize_t head_at, head_n
         cdef object result
         if n == 0 or not PyUnicode_IS_ASCII(text):
@@ -1424,25 +1418,19 @@ cdef class WordTable:
                     i += 1
                 if i == start or i - start > WORD_KEY_BYTES:
                     return None  # two spaces in a row; a piece no slot keeps
-                # the probe `LOOKAHEAD` pieces late: its slot fetched while they are scanned
+                # the probe a word late: its slot fetched while the next word is scanned
                 h = _word_end(h, k, i - start)
                 KVG_PREFETCH(&self.slots[<Py_ssize_t>(h >> 7) & self.mask])
-                q = queued & (LOOKAHEAD - 1)
-                at_of[q], n_of[q], h_of[q] = start, i - start, h
-                queued += 1
-                if queued - taken == LOOKAHEAD:
-                    q = taken & (LOOKAHEAD - 1)
-                    count = self._take(p + at_of[q], n_of[q], h_of[q], &out, &cap, count)
+                if pieces > 1:
+                    count = self._take(p + last, start - 1 - last, last_h, &out, &cap, count)
                     if count < 0:
                         return None
-                    taken += 1
+                last, last_h = start, h
                 pieces += 1
-            while taken < queued:
-                q = taken & (LOOKAHEAD - 1)
-                count = self._take(p + at_of[q], n_of[q], h_of[q], &out, &cap, count)
+            if pieces > 1:
+                count = self._take(p + last, n - last, last_h, &out, &cap, count)
                 if count < 0:
                     return None
-                taken += 1
             result = PyBytes_FromStringAndSize(<char *>out, 4 * count)
         finally:
             free(out)

@@ -544,24 +544,6 @@ def test_a_word_table_grows_and_keeps_every_piece() -> None:
         assert table.tail(text) == (0, array.array("I", [7, 7]).tobytes() + later, 5001)
 
 
-def test_a_word_table_misses_a_text_whatever_piece_it_lacks() -> None:
-    """`tail` probes a piece some pieces after it is scanned (its slot prefetched meanwhile):
-    a piece the table lacks, wherever it is (among the first, the middle or the last ones,
-    probed after the scan ends), misses the text; with none lacking, the ids come in order."""
-    for make in TABLES:
-        table = make()
-        pieces = [f"p{i}" for i in range(20)]
-        for i, piece in enumerate(pieces):
-            table.put(piece, array.array("I", [i, i]).tobytes())
-        for n in range(1, 21):
-            text = "first " + " ".join(pieces[:n])
-            ids = array.array("I", [i for i in range(n) for _ in (0, 1)]).tobytes()
-            assert table.tail(text) == (5, ids, n + 1)
-            for lacking in range(n):
-                words_ = [*pieces[:lacking], "absent", *pieces[lacking + 1 : n]]
-                assert table.tail("first " + " ".join(words_)) is None, (n, lacking)
-
-
 def _encode(pieces: Sequence[str]) -> list[list[int]]:
     """Ids that tell pieces apart, 1 to 10 of them (more than a `WordTable` slot keeps)."""
     return [
