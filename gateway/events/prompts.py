@@ -379,18 +379,14 @@ class PromptTokens:
         return _Plan(salt, array.array("I"), text, suffix, key, header)
 
     def _assemble(self, plan: _Plan, body: Mapping[str, Any], chat: bool) -> array.array[int]:
-        """The prompt's ids: head + ids(text), kept as the prefix of the next turn, + the
-        suffix's. The arrays the caches hold are read only and shared: a prompt's ids(text) are
-        its text-prefix entry's and, for a conversation rendered whole (no head), its prefix
-        entry's too, so the ids are copied once (into what is returned), not four times (a
-        ~12k-token prompt of bench point 2: ~40 kB a copy, and as many kB kept anew)."""
-        ids = self._encode(plan.text, plan.salt)
-        prefix = ids if not plan.head else plan.head + ids if ids else plan.head
+        out = array.array("I", plan.head)
+        out.extend(self.encode(plan.text, plan.salt))
         if plan.key is not None:
-            self._keep_prefix(plan.key, prefix)
+            self._keep_prefix(plan.key, out)
         if plan.header is not None:
-            self._keep_prefix(plan.header[0], self._encode(plan.header[1], plan.salt))
-        out = prefix + self._encode(plan.suffix, plan.salt) if plan.suffix else prefix[:]
+            self._keep_prefix(plan.header[0], self.encode(plan.header[1], plan.salt))
+        if plan.suffix:
+            out.extend(self.encode(plan.suffix, plan.salt))
         if plan.verify is not None:
             out = self._verify(plan, out, body, chat)
         self.stats.tokens += len(out)
@@ -421,10 +417,6 @@ class PromptTokens:
         """The ids of `text`: a long one from where it parts from a text encoded before
         (`gateway.events.texts`), the rest segment by segment through the salted segment
         cache (a segment it lacks word by word when `words`)."""
-        return self._encode(text, salt)[:]
-
-    def _encode(self, text: str, salt: str) -> array.array[int]:
-        """`encode`'s ids, read only: the text-prefix cache may hold the same array."""
         cut = self._cut(text, salt)
         cutting = cut.cut or (self.words and " " in text)
         check = cutting and self._cut_check_due()
@@ -449,8 +441,7 @@ class PromptTokens:
     def _keep_text(
         self, text: str, salt: str, cut: _Cut, ids: array.array[int], at: list[int]
     ) -> None:
-        """Keep `text`'s ids with its cuts: where each piece began (`at`: its first token).
-        `ids` are kept as they are: read only from here on (`_encode`)."""
+        """Keep `text`'s ids with its cuts: where each piece began (`at`: its first token)."""
         if len(at) != len(cut.pieces):  # an empty piece (never cut so): not kept
             return
         starts = array.array("q", itertools.accumulate(map(len, cut.pieces), initial=cut.start))
@@ -460,7 +451,7 @@ class PromptTokens:
         if reuse is not None:  # the cuts before `start`, then the new pieces' (start again)
             starts = reuse.cuts[:-1] + starts
             tokens = reuse.at[:-1] + tokens
-        self.texts.keep(salt, TextIds(text, ids, starts, tokens))
+        self.texts.keep(salt, TextIds(text, ids[:], starts, tokens))  # ids: the caller's
 
     def _encode_pieces(
         self,
@@ -621,15 +612,13 @@ class PromptTokens:
         begins this one's; None when the messages are not JSON."""
         if not messages:
             return []
+        digest = mmh3.mmh3_x64_128_digest
         try:
-            key = _chained(_PROMPTS_DOMAIN + salt.encode() + b"\x00", orjson.dumps(tools))
+            key = digest(_PROMPTS_DOMAIN + salt.encode() + b"\x00" + orjson.dumps(tools))
+            first = digest(key + orjson.dumps(messages[0]))
             whole = orjson.dumps(messages)
-            # a lone message's JSON is the list's between its brackets (orjson writes no
-            # spaces): one serialization of a ~50 kB prompt instead of two (bench point 2's)
-            opening = memoryview(whole)[1:-1] if len(messages) == 1 else orjson.dumps(messages[0])
         except (orjson.JSONEncodeError, UnicodeEncodeError):
             return None
-        first = _chained(key, opening)
         keys = [first]
         if len(messages) == 1:
             # nothing to keep: a later list computes key(0) from its first message all the
@@ -653,7 +642,7 @@ class PromptTokens:
             break
         key = keys[-1]
         for message in messages[len(keys) :]:
-            key = _chained(key, orjson.dumps(message))  # JSON already: cannot fail now
+            key = digest(key + orjson.dumps(message))  # JSON already: cannot fail now
             keys.append(key)
         self._keep_chat(first, chats, whole, keys)
         return keys
@@ -684,14 +673,12 @@ class PromptTokens:
             self._cached_tokens -= len(dropped) >> 2
 
     def _keep_prefix(self, key: bytes, ids: array.array[int]) -> None:
-        """Keep a conversation prefix's ids as they are (no copy: read only from here on, like
-        every array the caches hold; `_assemble` copies what it returns)."""
         if len(ids) > self.max_prefix_tokens:
             return
         old = self._prefixes.pop(key, None)
         if old is not None:
             self._prefix_tokens -= len(old)
-        self._prefixes[key] = ids
+        self._prefixes[key] = array.array("I", ids)
         self._prefix_tokens += len(ids)
         while self._prefix_tokens > self.max_prefix_tokens:
             _, dropped = self._prefixes.popitem(last=False)
@@ -704,15 +691,6 @@ class PromptTokens:
     @property
     def prefix_cached_tokens(self) -> int:
         return self._prefix_tokens
-
-
-def _chained(key: bytes, data: bytes | memoryview) -> bytes:
-    """H(`key` || `data`) (`mmh3_x64_128_digest` of the two joined) without joining them: a
-    message's JSON is up to a whole prompt, and the join was a copy of it."""
-    hasher = mmh3.mmh3_x64_128()
-    hasher.update(key)
-    hasher.update(data)
-    return hasher.digest()
 
 
 def word_cuts(text: str, start: int, stop: int, every: int) -> list[int]:

@@ -382,9 +382,9 @@ def test_message_keys_reused_from_a_conversations_last_list_are_its_keys_from_sc
     ],
 )
 def test_a_lone_message_is_keyed_as_the_first_of_a_longer_list(message: Any) -> None:
-    """A one-message list's key comes from the list's JSON between its brackets (one dump of
-    a prompt, not two): it is the key from scratch, and the key(0) a longer list that opens
-    with the same message gets, so its next turn finds the prefix."""
+    """A one-message list (its list is not kept for later ones: it has no other key to lend)
+    is keyed as from scratch, and gets the key(0) a longer list that opens with the same
+    message gets, so its next turn finds the prefix."""
     tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
     for salt, tools in (("s", None), ("t", [TOOL])):
         lone = tokens._message_keys(salt, [message], tools)
@@ -395,8 +395,8 @@ def test_a_lone_message_is_keyed_as_the_first_of_a_longer_list(message: Any) -> 
 
 
 def test_the_ids_returned_are_the_callers_own() -> None:
-    """The caches share one read-only array among them (a text's ids, the prefix's), never
-    with the caller: changing the ids returned changes no later request's."""
+    """The caches keep no array the caller gets (a text's ids, a prefix's): changing the ids
+    returned changes no later request's."""
     tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
     long = "Log:" + words("own-ids", 3_000)
     messages: list[dict[str, Any]] = [{"role": "user", "content": long}]
