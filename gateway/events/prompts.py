@@ -620,6 +620,11 @@ class PromptTokens:
         except (orjson.JSONEncodeError, UnicodeEncodeError):
             return None
         keys = [first]
+        if len(messages) == 1:
+            # nothing to keep: a later list computes key(0) from its first message all the
+            # same, and a lone one's list has no other key to lend (bench point 2's prompts
+            # kept ~50 kB each for nothing, new memory a request: page faults)
+            return keys
         chats = self._chats.pop(first, None) or []
         for i, (old, old_keys) in enumerate(chats):
             if whole == old:  # a retry, a sibling sent again

@@ -3,6 +3,7 @@ model's template and tokenized by segments, against a real engine's /tokenize.""
 
 from __future__ import annotations
 
+import array
 import itertools
 import os
 import re
@@ -368,6 +369,55 @@ def test_message_keys_reused_from_a_conversations_last_list_are_its_keys_from_sc
         assert tokens._message_keys(salt, messages, tools) == message_keys_from_scratch(
             salt, messages, tools
         )
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": 'quotes " and \\ slashes, \n\t\x00 controls, naïve 日本語 🙂'},
+        {"role": "user", "content": ""},
+        "a bare string",
+        [1, [2, {"a": None}]],
+        -7,
+    ],
+)
+def test_a_lone_message_is_keyed_as_the_first_of_a_longer_list(message: Any) -> None:
+    """A one-message list (its list is not kept for later ones: it has no other key to lend)
+    is keyed as from scratch, and gets the key(0) a longer list that opens with the same
+    message gets, so its next turn finds the prefix."""
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    for salt, tools in (("s", None), ("t", [TOOL])):
+        lone = tokens._message_keys(salt, [message], tools)
+        assert lone == message_keys_from_scratch(salt, [message], tools)
+        longer = [message, {"role": "assistant", "content": "ok"}]
+        fresh = PromptTokens(ModelTokenizer(MODEL_DIR))._message_keys(salt, longer, tools)
+        assert fresh is not None and lone == fresh[:1]
+
+
+def test_the_ids_returned_are_the_callers_own() -> None:
+    """The caches keep no array the caller gets (a text's ids, a prefix's): changing the ids
+    returned changes no later request's."""
+    tokens = PromptTokens(ModelTokenizer(MODEL_DIR))
+    long = "Log:" + words("own-ids", 3_000)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": long}]
+    for turn in range(3):
+        for agp in (True, False):
+            body = {"messages": messages, "add_generation_prompt": agp}
+            whole = tokens.tokenizer.encode(
+                tokens.tokenizer.render_chat(messages, add_generation_prompt=agp)
+            )
+            ids = tokens.ids(body, chat=True, cache_salt="s")
+            assert list(ids) == whole, (turn, agp)
+            assert isinstance(ids, array.array)
+            ids[:] = array.array("I", [0] * len(ids))  # the caller's to change
+            ids.append(1)
+            assert list(tokens.ids(body, chat=True, cache_salt="s")) == whole
+            text = tokens.encode(long, "s")
+            assert list(text) == tokens.tokenizer.encode(long)
+            text[:] = array.array("I", [0] * len(text))
+        messages = [*messages, {"role": "assistant", "content": words(f"own{turn}", 50)}]
+        messages.append({"role": "user", "content": long + words(f"own-more{turn}", 400)})
+    assert tokens.stats.prefix_hits and tokens.stats.text_prefix_hits
 
 
 def test_a_number_that_runs_on_is_not_a_message_already_keyed() -> None:
