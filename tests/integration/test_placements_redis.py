@@ -148,6 +148,46 @@ async def test_records_and_placements_share_one_pipeline_and_survive_a_script_fl
             assert found["r2"] == (6, 0.0)  # in flight: no last use
 
 
+async def test_the_write_behinds_rounds_go_down_a_connection_of_their_own(
+    fresh_redis: RedisServer,
+) -> None:
+    """On a single Redis the write-behind's rounds (records, placements) are written down the
+    directory's own connection for them (`LookupLane.commands`), taken from the client's pool
+    once, not a pooled pipeline a round (a connection taken and given back, the retry wrapper,
+    the send's `wait_for`: issue 39's tier CPU); what they write is the same, and a Redis that
+    lost the scripts has them loaded again."""
+    client = await open_redis(fresh_redis.url)
+    d = RedisDirectory(client, capacity_blocks=1_000_000)
+    await d.refresh_generations()
+    d.register(["r1", "r2"])
+    pool = client.connection_pool
+    taken = [0]
+    plain = pool.get_connection
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        taken[0] += 1
+        return await plain(*args, **kwargs)
+
+    try:
+        chains = [chain(1_200) for _ in range(3)]  # each a batch of three rounds
+        flights = [chain(6) for _ in range(3)]
+        await d.record_many([("r1", chain(1), None, None)], [("r2", chain(1))])  # loaded
+        pool.get_connection = counted  # type: ignore[method-assign]
+        for c, flight in zip(chains, flights, strict=True):
+            await d.record_many([("r1", c, None, None)], [("r2", flight)])
+        assert taken[0] == 0  # the first record's connection, kept
+        pool.get_connection = plain  # type: ignore[method-assign]
+        await client.script_flush()  # Redis forgets every script
+        chains.append(chain(300))
+        await d.record_many([("r1", chains[-1], None, None)], [("r2", flights[0])])
+        for c in chains:
+            assert await d.lookup(c) == {"r1": len(c)}
+        assert await d.lookup(flights[0]) == {"r2": 6}
+    finally:
+        pool.get_connection = plain  # type: ignore[method-assign]
+        await d.close()
+
+
 def _script_calls(sync: redis.Redis) -> dict[str, int]:
     """Commands Redis ran since the last reset (a script's own calls counted), by name."""
     return {
