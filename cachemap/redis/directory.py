@@ -104,7 +104,7 @@ gateways' lookups for at most this long, as one prediction reconciliation does n
 RECORD_CHUNK = 128
 """Blocks per `RECORD` call; a longer chain's record is several calls. In precise mode the
 chain is the engine's 16-token blocks: an agent's 50k-115k-token prompt is 3,000-7,000 of them,
-every turn rewrites them all (their last use), at ~4 µs of Redis a block (HMGET, HSET,
+every turn rewrites them all (their last use), at ~4 µs of Redis a block (HGET, HSET,
 PEXPIRE): one call held Redis 20 ms median and up to 0.38 s at two gateways on a loaded
 machine, and the lookups queued behind it timed out (issue 39)."""
 RECORD_REFRESH_S = 4.0
