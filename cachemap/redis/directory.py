@@ -104,7 +104,7 @@ gateways' lookups for at most this long, as one prediction reconciliation does n
 RECORD_CHUNK = 128
 """Blocks per `RECORD` call; a longer chain's record is several calls. In precise mode the
 chain is the engine's 16-token blocks: an agent's 50k-115k-token prompt is 3,000-7,000 of them,
-every turn rewrites them all (their last use), at ~4 µs of Redis a block (HMGET, HSET,
+every turn rewrites them all (their last use), at ~4 µs of Redis a block (HGET, HSET,
 PEXPIRE): one call held Redis 20 ms median and up to 0.38 s at two gateways on a loaded
 machine, and the lookups queued behind it timed out (issue 39)."""
 RECORD_REFRESH_S = 4.0
@@ -202,6 +202,12 @@ class RedisDirectory:
         self._place = client.register_script(scripts.PLACE)
         self._restore = client.register_script(scripts.RESTORE)
         self._drop = client.register_script(scripts.DROP)
+        self._writes = None if isinstance(client, RedisCluster) else LookupLane(client, "", "")
+        """The write-behind's connection on a single Redis (`_pipelined`): a round of records,
+        placements and landings in one write down a connection of its own, not a pooled
+        pipeline (a connection taken and given back, the retry wrapper, the send's
+        `wait_for`: ~0.6 ms of a busy gateway's CPU a round of flow control's counters).
+        A Cluster keeps the pipeline (its masters' shares)."""
         self.hot = RateStore(client)
         self.markers = MarkerStore(client, self.lane)
         self.homes = HomeStore(client, self.lane)
@@ -473,10 +479,18 @@ class RedisDirectory:
         )
 
     async def _pipelined(self, commands: list[tuple[Any, ...]], sources: list[str]) -> list[Any]:
-        """Script calls in one pipeline (a cluster's: each master its share), in order; a
-        script Redis lost (a restart, `SCRIPT FLUSH`) is loaded and its calls sent again once.
-        Raises the first error."""
-        pipe = self.client.pipeline() if self.cluster else self.client.pipeline(transaction=False)
+        """Script calls in one write, in order (a single Redis: down `_writes`; a cluster: one
+        pipeline, each master its share); a script Redis lost (a restart, `SCRIPT FLUSH`) is
+        loaded and its calls sent again once. Raises the first error."""
+        if self._writes is not None:  # a single Redis: down the writes' own connection
+            answers = await asyncio.gather(
+                *self._writes.commands(commands, None, sources), return_exceptions=True
+            )
+            for answer in answers:
+                if isinstance(answer, BaseException):
+                    raise answer
+            return list(answers)
+        pipe = self.client.pipeline()
         for command in commands:
             pipe.execute_command(*command)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
@@ -484,7 +498,7 @@ class RedisDirectory:
         if lost:
             for source in dict.fromkeys(sources[i] for i in lost):
                 await self.client.script_load(source)
-            again = self.client.pipeline() if self.cluster else self.client.pipeline(False)
+            again = self.client.pipeline()
             for i in lost:
                 again.execute_command(*commands[i])
             for i, reply in zip(lost, await again.execute(raise_on_error=False), strict=True):
@@ -570,6 +584,8 @@ class RedisDirectory:
         for task in self._tasks:
             await stop_task(task, 2 * GEN_REFRESH_S)
         await self.lane.close()
+        if self._writes is not None:
+            await self._writes.close()
         await self.client.aclose()
 
     # -- generations -------------------------------------------------------------------------

@@ -241,13 +241,21 @@ class LookupLane:
         return future
 
     def commands(
-        self, commands: Sequence[tuple[Any, ...]], deadline_s: float | None = None
+        self,
+        commands: Sequence[tuple[Any, ...]],
+        deadline_s: float | None = None,
+        sources: Sequence[str] = (),
     ) -> list[asyncio.Future[Any]]:
-        """Plain commands down this lane in one write, on one deadline (Redis's time): a
-        round's pipeline without the pool's machinery (a connection taken and given back, the
-        retry wrapper, the send's `wait_for`). Their answers, in order."""
+        """Commands down this lane in one write, on one deadline (Redis's time): a round's
+        pipeline without the pool's machinery (a connection taken and given back, the retry
+        wrapper, the send's `wait_for`). `sources`: each command's script ("" for a plain
+        command), loaded again if Redis lost it; none: all plain. Their answers, in order."""
         loop = asyncio.get_running_loop()
-        batch = [_Call(command, loop.create_future(), deadline_s) for command in commands]
+        scripts = sources or [""] * len(commands)
+        batch = [
+            _Call(command, loop.create_future(), deadline_s, source)
+            for command, source in zip(commands, scripts, strict=True)
+        ]
         self._send(batch)
         return [call.future for call in batch]
 

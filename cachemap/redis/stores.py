@@ -35,6 +35,14 @@ class RateStore:
         """Take back one request of the prefix's count (a later sibling of a fan-out flight)."""
         await self._uncount(keys=[block_keys([prefix])[0] + b":r"], args=[])
 
+    def set_k_command(self, prefix: BlockHash, k: int) -> tuple[tuple[Any, ...], str]:
+        """`set_k` as a command to pipeline and its script (`RedisDirectory.record_many`)."""
+        return ("EVALSHA", self._set_k.sha, 1, block_keys([prefix])[0] + b":r", k), scripts.SET_K
+
+    def uncount_command(self, prefix: BlockHash) -> tuple[tuple[Any, ...], str]:
+        """`uncount` as a command to pipeline and its script (`RedisDirectory.record_many`)."""
+        return ("EVALSHA", self._uncount.sha, 1, block_keys([prefix])[0] + b":r"), scripts.UNCOUNT
+
 
 class MarkerStore:
     """With a `lane` (the lookups' own: `cachemap.redis.lookups`), a call given a deadline goes

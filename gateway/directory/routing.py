@@ -58,7 +58,6 @@ from gateway.directory.landings import POLL_UNSUBSCRIBED_S, READ_INTERVAL_S, Lan
 from gateway.directory.restore import WriteBack
 from gateway.directory.siblings import Siblings
 from gateway.directory.writes import (
-    Call,
     Drop,
     Expire,
     Place,
@@ -373,12 +372,12 @@ class RoutingDirectory:
         in both stores (the siblings of one flight are one arrival)."""
         if self.rates is not None:
             self.rates.unobserve(prefix)
-        self._write(Call(lambda shared: shared.hot.uncount(prefix)))
+        self._write(Scripted(lambda shared: shared.hot.uncount_command(prefix)))
 
     def set_k(self, prefix: BlockHash, k: int) -> None:
         if self.rates is not None:
             self.rates.set_k(prefix, k)
-        self._write(Call(lambda shared: shared.hot.set_k(prefix, k)))
+        self._write(Scripted(lambda shared: shared.hot.set_k_command(prefix, k)))
 
     # -- what the engines hold ---------------------------------------------------------------
     async def record(

@@ -50,7 +50,8 @@ class Place:
 @dataclass(frozen=True, slots=True)
 class Scripted:
     """A script call built when its batch is written — (command, the script's source) — and
-    pipelined with the records (a fan-out landing, a conversation's home)."""
+    pipelined with the records (a fan-out landing, a conversation's home, a hot prefix's k or
+    a sibling's count taken back: each was a pooled call of its own)."""
 
     build: Callable[[RedisDirectory], tuple[tuple[Any, ...], str]]
 
@@ -69,7 +70,7 @@ class Expire:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """Any other write (a hot prefix's k, a fan-out landing)."""
+    """Any other write, a call of its own after the batch's pipeline."""
 
     run: Callable[[RedisDirectory], Awaitable[object]]
 

@@ -213,8 +213,8 @@ def test_a_turns_record_writes_only_what_its_replica_did_not_hold(
 ) -> None:
     """Issue 39's tier CPU: the next turn's record, at its first token, leaves the prefix its
     lookup found fresh in Redis (the turn before's, seconds ago) and writes its new blocks:
-    Redis's HMGETs (one per block a record writes) fall to a few, where the whole chain was
-    read and written again every turn."""
+    Redis's HGETs (one per block a record writes, and its count's two) fall to a few, where
+    the whole chain was read and written again every turn."""
     engines = start_engines(2)
     gateway = start_gateway(engines, redis_url=fresh_redis.url, **SHARED)
     sync = redis.Redis.from_url(fresh_redis.url)
@@ -227,7 +227,7 @@ def test_a_turns_record_writes_only_what_its_replica_did_not_hold(
             reply, _, matched = ask(gateway, messages)
             assert matched > 0 or turn == 0
             wait_until(lambda: director(gateway).directory.idle, what="record reached Redis")
-            reads.append(int(sync.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0)))
+            reads.append(int(sync.info("commandstats").get("cmdstat_hget", {}).get("calls", 0)))
             messages = [
                 *messages,
                 {"role": "assistant", "content": reply.choices[0].message.content},

@@ -19,7 +19,7 @@ from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.lookups import LAG_GRACE_S
 from cachemap.redis.meta import DirectoryLayoutError
-from cachemap.redis.schema import replica_id
+from cachemap.redis.schema import block_keys, replica_id
 from gateway.directory.breaker import DEGRADE_AFTER
 from gateway.directory.routing import DirectoryStats, RoutingDirectory
 from gateway.server.app import build
@@ -606,3 +606,47 @@ def test_marker_and_home_calls_answered_while_the_loop_was_busy_are_not_failures
     run = uvloop.run if loop == "uvloop" else asyncio.run
     stats = run(_calls_past_a_busy_loop(url, 3))
     assert (stats.marker_failures, stats.home_failures) == (0, 0)
+
+
+async def test_a_hot_prefixs_k_and_a_siblings_count_go_down_the_records_write(
+    redis_url: str, replica: str
+) -> None:
+    """Issue 39's tier CPU: a hot prefix's k and a later sibling's count taken back were a
+    pooled script call each after the write-behind's batch (a connection taken and given back,
+    the retry wrapper); they go with the batch's records now, in one write down the directory's
+    own connection for its writes, and Redis holds what the calls wrote."""
+    d = await composed(redis_url, [replica])
+    shared = d.shared
+    assert shared is not None
+    pool = shared.client.connection_pool
+    plain = pool.get_connection
+    taken = [0]
+
+    background = {"generations poll", "generations channel", "landings", "directory probe"}
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        task = asyncio.current_task()
+        if task is None or task.get_name() not in background:  # the writes' own or a call's
+            taken[0] += 1
+        return await plain(*args, **kwargs)
+
+    try:
+        spine = chain(f"{replica}-hot", 3)
+        await d.record(replica, spine)
+        other = chain(f"{replica}-other", 1)
+        d.set_k(other[-1], 2)
+        d.uncount(other[-1])
+        await d.flushed()  # the scripts are loaded and the writes' connection open
+        for _ in range(3):
+            await shared.lookup_full(spine, rate_window_s=60.0)
+        pool.get_connection = counted  # type: ignore[method-assign]
+        d.set_k(spine[-1], 3)
+        d.uncount(spine[-1])
+        await d.record(replica, spine)
+        await d.flushed()
+        assert taken[0] == 0
+        rate = block_keys(spine[-1:])[0] + b":r"
+        assert await shared.client.hmget(rate, "k", "c") == [b"3", b"2"]
+    finally:
+        pool.get_connection = plain  # type: ignore[method-assign]
+        await d.close()
