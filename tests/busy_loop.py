@@ -5,7 +5,9 @@ held by another client's back-to-back calls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -34,6 +36,26 @@ def hog_until_answered(lane: Any, seconds: float, bound_s: float = 0.2) -> None:
         for wire in (one._wire for one in lanes)
     ):
         pass
+
+
+@contextlib.contextmanager
+def lent_connections(pool: Any, counts: Callable[[], bool] = lambda: True) -> Iterator[list[int]]:
+    """The connections `pool` (a redis-py async pool) lends inside the block, counted: a
+    one-element list read as it grows (`counts`: whether the lending at hand counts, e.g. not
+    a background task's); the pool lends as before after the block."""
+    plain = pool.get_connection
+    taken = [0]
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        if counts():
+            taken[0] += 1
+        return await plain(*args, **kwargs)
+
+    pool.get_connection = counted
+    try:
+        yield taken
+    finally:
+        pool.get_connection = plain
 
 
 def script_calls(stats: sync_redis.Redis) -> int:

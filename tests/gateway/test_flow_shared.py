@@ -14,6 +14,7 @@ from cachemap.redis.client import open_redis
 from gateway.pipeline.flow_shared import SharedCounters, band_key
 from loadgen.harness.redis_servers import RedisServer
 from router.fairness import FairQueue
+from tests.busy_loop import lent_connections
 
 COST = 1_000.0
 STEPS = 240
@@ -98,34 +99,26 @@ async def test_rounds_go_down_a_connection_of_their_own(redis_url: str) -> None:
     peer: FairQueue[str] = FairQueue()
     scope = f"s-{uuid.uuid4().hex}"
     client = await open_redis(redis_url)
-    pool = client.connection_pool
-    taken = [0]
-    plain = pool.get_connection
-
-    async def counted(*args: object, **kwargs: object) -> object:
-        taken[0] += 1
-        return await plain(*args, **kwargs)
-
-    pool.get_connection = counted  # type: ignore[method-assign]
-    counters = SharedCounters(client, queue, 0.1)
-    other = SharedCounters(await open_redis(redis_url), peer, 0.1)
-    try:
-        for step in range(3):
-            _keep_backlogged(queue, [scope], step)
-            _keep_backlogged(peer, [scope], step)
-            assert queue.pop() is not None and peer.pop() is not None
-            await counters.round()
-            await other.round()
-        assert (counters.rounds, counters.failed, taken[0]) == (3, 0, 1)
-        assert float(await client.hget(band_key(0), scope)) == 6 * COST
-        assert 0 < await client.ttl(band_key(0)) <= 3600
-        before = queue.counter(scope, 0)
-        assert before is not None
-        await counters.round()  # reads the peer's last dispatch, published after its read
-        assert queue.counter(scope, 0) == before + COST
-    finally:
-        await counters.stop()
-        await other.stop()
-        await client.hdel(band_key(0), scope)
-        await client.aclose()
-        await other.client.aclose()
+    with lent_connections(client.connection_pool) as taken:
+        counters = SharedCounters(client, queue, 0.1)
+        other = SharedCounters(await open_redis(redis_url), peer, 0.1)
+        try:
+            for step in range(3):
+                _keep_backlogged(queue, [scope], step)
+                _keep_backlogged(peer, [scope], step)
+                assert queue.pop() is not None and peer.pop() is not None
+                await counters.round()
+                await other.round()
+            assert (counters.rounds, counters.failed, taken[0]) == (3, 0, 1)
+            assert float(await client.hget(band_key(0), scope)) == 6 * COST
+            assert 0 < await client.ttl(band_key(0)) <= 3600
+            before = queue.counter(scope, 0)
+            assert before is not None
+            await counters.round()  # reads the peer's last dispatch, published after its read
+            assert queue.counter(scope, 0) == before + COST
+        finally:
+            await counters.stop()
+            await other.stop()
+            await client.hdel(band_key(0), scope)
+            await client.aclose()
+            await other.client.aclose()

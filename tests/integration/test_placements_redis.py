@@ -16,6 +16,7 @@ from cachemap.redis.client import open_redis
 from cachemap.redis.directory import RedisDirectory
 from cachemap.redis.schema import block_keys, replica_id
 from loadgen.harness.redis_servers import RedisServer
+from tests.busy_loop import lent_connections
 
 pytestmark = pytest.mark.redis
 
@@ -160,23 +161,14 @@ async def test_the_write_behinds_rounds_go_down_a_connection_of_their_own(
     d = RedisDirectory(client, capacity_blocks=1_000_000)
     await d.refresh_generations()
     d.register(["r1", "r2"])
-    pool = client.connection_pool
-    taken = [0]
-    plain = pool.get_connection
-
-    async def counted(*args: object, **kwargs: object) -> object:
-        taken[0] += 1
-        return await plain(*args, **kwargs)
-
     try:
         chains = [chain(1_200) for _ in range(3)]  # each a batch of three rounds
         flights = [chain(6) for _ in range(3)]
         await d.record_many([("r1", chain(1), None, None)], [("r2", chain(1))])  # loaded
-        pool.get_connection = counted  # type: ignore[method-assign]
-        for c, flight in zip(chains, flights, strict=True):
-            await d.record_many([("r1", c, None, None)], [("r2", flight)])
+        with lent_connections(client.connection_pool) as taken:
+            for c, flight in zip(chains, flights, strict=True):
+                await d.record_many([("r1", c, None, None)], [("r2", flight)])
         assert taken[0] == 0  # the first record's connection, kept
-        pool.get_connection = plain  # type: ignore[method-assign]
         await client.script_flush()  # Redis forgets every script
         chains.append(chain(300))
         await d.record_many([("r1", chains[-1], None, None)], [("r2", flights[0])])
@@ -184,7 +176,6 @@ async def test_the_write_behinds_rounds_go_down_a_connection_of_their_own(
             assert await d.lookup(c) == {"r1": len(c)}
         assert await d.lookup(flights[0]) == {"r2": 6}
     finally:
-        pool.get_connection = plain  # type: ignore[method-assign]
         await d.close()
 
 

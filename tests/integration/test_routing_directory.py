@@ -25,7 +25,7 @@ from gateway.directory.routing import DirectoryStats, RoutingDirectory
 from gateway.server.app import build
 from loadgen.harness.redis_servers import RedisServer
 from loadgen.harness.stall_proxy import StallProxy
-from tests.busy_loop import CommandCalls, hog, hog_until_answered, until_ran
+from tests.busy_loop import CommandCalls, hog, hog_until_answered, lent_connections, until_ran
 from tests.conftest import gateway_settings
 
 pytestmark = pytest.mark.redis
@@ -618,17 +618,11 @@ async def test_a_hot_prefixs_k_and_a_siblings_count_go_down_the_records_write(
     d = await composed(redis_url, [replica])
     shared = d.shared
     assert shared is not None
-    pool = shared.client.connection_pool
-    plain = pool.get_connection
-    taken = [0]
-
     background = {"generations poll", "generations channel", "landings", "directory probe"}
 
-    async def counted(*args: object, **kwargs: object) -> object:
+    def counts() -> bool:  # the writes' own or a call's, not a background task's
         task = asyncio.current_task()
-        if task is None or task.get_name() not in background:  # the writes' own or a call's
-            taken[0] += 1
-        return await plain(*args, **kwargs)
+        return task is None or task.get_name() not in background
 
     try:
         spine = chain(f"{replica}-hot", 3)
@@ -639,14 +633,13 @@ async def test_a_hot_prefixs_k_and_a_siblings_count_go_down_the_records_write(
         await d.flushed()  # the scripts are loaded and the writes' connection open
         for _ in range(3):
             await shared.lookup_full(spine, rate_window_s=60.0)
-        pool.get_connection = counted  # type: ignore[method-assign]
-        d.set_k(spine[-1], 3)
-        d.uncount(spine[-1])
-        await d.record(replica, spine)
-        await d.flushed()
+        with lent_connections(shared.client.connection_pool, counts) as taken:
+            d.set_k(spine[-1], 3)
+            d.uncount(spine[-1])
+            await d.record(replica, spine)
+            await d.flushed()
         assert taken[0] == 0
         rate = block_keys(spine[-1:])[0] + b":r"
         assert await shared.client.hmget(rate, "k", "c") == [b"3", b"2"]
     finally:
-        pool.get_connection = plain  # type: ignore[method-assign]
         await d.close()
