@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import orjson
@@ -23,10 +25,49 @@ STARTUP_TIMEOUT_S = 60.0
 while the suite ran on two pytest-xdist workers."""
 
 
+LOWEST_PORT = 10_000
+"""The lowest port `free_port` hands out: above the well-known and most services' ports."""
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel draws outgoing connections' source ports from."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def _port_block() -> range:
+    """This process's ports: below the ephemeral range, a block of their own per
+    pytest-xdist worker (`PYTEST_XDIST_WORKER`), the whole span otherwise."""
+    high = max(_ephemeral_low(), LOWEST_PORT + 1_000)
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or "1"), 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) % count if worker[2:].isdigit() else 0
+    size = (high - LOWEST_PORT) // count
+    return range(LOWEST_PORT + index * size, LOWEST_PORT + (index + 1) * size)
+
+
+_cursor: list[int] = []
+"""Where in `_port_block` the next `free_port` looks (it starts at random: two processes
+sharing a block seldom look at the same ports at once)."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port no socket holds now, for a server another process will bind. Not one the kernel
+    hands out itself (`bind(0)`): those are drawn from the range outgoing connections' source
+    ports come from, and one was taken by a connection between the choice and the server's
+    bind (a gateway exited at start, uvicorn's status 3, with three test workers). These are
+    below that range, from this worker's block, each handed out once a cycle of it."""
+    block = _port_block()
+    if not _cursor:
+        _cursor.append(random.randrange(len(block)))
+    for _ in range(len(block)):
+        _cursor[0] = (_cursor[0] + 1) % len(block)
+        port = block[_cursor[0]]
+        if port_is_free(port):
+            return port
+    raise RuntimeError(f"no free port in {block.start}-{block.stop - 1}")
 
 
 def port_is_free(port: int) -> bool:
@@ -85,10 +126,9 @@ def wait_ready(url: str, path: str, proc: subprocess.Popen[bytes], timeout_s: fl
 
 
 START_ATTEMPTS = 3
-"""Starts of a server on ports `free_port` chose, before it is given up: a port can be taken
-between the choice and the server's bind (an outgoing connection's source port is drawn from
-the same range), and the server then exits at once (uvicorn: status 3); it is started again on
-new ports."""
+"""Starts of a server on ports `free_port` chose, before it is given up: a port can still be
+taken between the choice and the server's bind (by another process's server), and the server
+then exits at once (uvicorn: status 3); it is started again on new ports."""
 
 
 def wait_all(procs: list[Proc], path: str, restart: Callable[[], Proc] | None) -> None:
