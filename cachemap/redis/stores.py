@@ -28,9 +28,6 @@ class RateStore:
         self._set_k = client.register_script(scripts.SET_K)
         self._uncount = client.register_script(scripts.UNCOUNT)
 
-    async def set_k(self, prefix: BlockHash, k: int) -> None:
-        await self._set_k(keys=[block_keys([prefix])[0] + b":r"], args=[k])
-
     async def uncount(self, prefix: BlockHash) -> None:
         """Take back one request of the prefix's count (a later sibling of a fan-out flight)."""
         await self._uncount(keys=[block_keys([prefix])[0] + b":r"], args=[])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,14 +68,7 @@ class Expire:
     before_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class Call:
-    """Any other write, a call of its own after the batch's pipeline."""
-
-    run: Callable[[RedisDirectory], Awaitable[object]]
-
-
-Write = Record | Place | Scripted | Drop | Expire | Call
+Write = Record | Place | Scripted | Drop | Expire
 
 
 class WriteBehind:
@@ -135,5 +128,4 @@ async def _write(shared: RedisDirectory, batch: list[Write]) -> None:
     await asyncio.gather(
         *(shared.drop(w.replica, w.hashes) for w in batch if isinstance(w, Drop)),
         *(shared.expire(w.replica, w.before_s) for w in batch if isinstance(w, Expire)),
-        *(w.run(shared) for w in batch if isinstance(w, Call)),
     )

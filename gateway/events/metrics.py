@@ -67,7 +67,7 @@ def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iter
     speculative.add_metric(["confirmed"], stats.speculative_confirmed)
     speculative.add_metric(["expired"], stats.speculative_expired)
     yield speculative
-    yield _by(
+    yield counter_by(
         "kvgate_events_stored_blocks",
         "Event blocks stored in the index, by how their own keys were had: hashed from their "
         "tokens, or taken from the chain of the placement that sent them (no second hash).",
@@ -97,13 +97,13 @@ def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iter
     tokenize.add_metric(["prefix"], tokens.prefix_tokens)
     yield tokenize
     word_stats = precise.tokens.word_ids.stats
-    yield _by(
+    yield counter_by(
         "kvgate_precise_word_pieces",
         "Pieces of new text looked up word by word, by result (a miss is encoded by the BPE).",
         "result",
         {"hit": word_stats.pieces - word_stats.misses, "miss": word_stats.misses},
     )
-    yield _by(
+    yield counter_by(
         "kvgate_precise_incremental_checks",
         "Sampled chats rendered message by message and whole, by result (a mismatch turns "
         "message-by-message rendering off).",
@@ -120,7 +120,7 @@ def precise_families(precise: PreciseKeys, check: TokenizerCheck | None) -> Iter
     )
     if check is not None:
         checked = check.stats
-        yield _by(
+        yield counter_by(
             "kvgate_precise_tokenizer_checks",
             "Sampled requests compared with an engine's /tokenize, by result.",
             "result",
@@ -151,7 +151,7 @@ def _shared(precise: PreciseKeys, writer: EventWriter) -> Iterable[Any]:
         yield handed
         frontiers = intake.frontiers
         if frontiers is not None:
-            yield _by(
+            yield counter_by(
                 "kvgate_events_shared_frontiers",
                 "Eviction orders shared for cache_pressure, by what happened: published (by "
                 "this gateway as an owner), malformed (fetched and skipped), touches sent "
@@ -169,21 +169,21 @@ def _shared(precise: PreciseKeys, writer: EventWriter) -> Iterable[Any]:
                 },
             )
     if precise.shared is not None:
-        yield _by(
+        yield counter_by(
             "kvgate_events_shared_speculative",
             "Speculative entries written into the shared index, by outcome (blocks written; "
             "writes failed or not sent).",
             "outcome",
             {"blocks": precise.shared.speculated, "failed": precise.shared.speculate_failures},
         )
-    yield _by(
+    yield counter_by(
         "kvgate_events_shared_flushes",
         "Pipelined writes of the event index into Redis, by outcome.",
         "outcome",
         {"ok": writer.flushes, "error": writer.flush_errors},
     )
     stats = precise.stats
-    yield _by(
+    yield counter_by(
         "kvgate_events_shared_lookups",
         "Lookups of the shared event index, by outcome (failed: routed on the prediction).",
         "outcome",
@@ -191,7 +191,7 @@ def _shared(precise: PreciseKeys, writer: EventWriter) -> Iterable[Any]:
     )
 
 
-def _by(name: str, documentation: str, label: str, values: dict[str, float]) -> Any:
+def counter_by(name: str, documentation: str, label: str, values: dict[str, float]) -> Any:
     """A counter with one sample per value of `label`."""
     family = CounterMetricFamily(name, documentation, labels=[label])
     for value, count in values.items():

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from gateway.billing.meter import TenantSpend
 from gateway.directory.routing import RoutingDirectory
-from gateway.events.metrics import precise_families
+from gateway.events.metrics import counter_by, precise_families
 from gateway.events.precise import PreciseKeys, TokenizerCheck
 from gateway.fleet.discovery import Discovery
 from gateway.fleet.replicas import ReplicaSet
@@ -160,15 +160,13 @@ class GatewayCollector(Collector):
             value=flow.prefill_tokens_per_s(),
         )
         fleet = flow.replicas.fleet
-        measured = CounterMetricFamily(
+        yield counter_by(
             "kvgate_flow_prefills_timed",
             "First tokens flow control's prefill rate was measured from (measured), or not "
             "(behind_peers: other gateways' prefills were queued on the replica when it began).",
-            labels=["sample"],
+            "sample",
+            {"measured": fleet.num_prefills, "behind_peers": fleet.num_prefills_unmeasured},
         )
-        measured.add_metric(["measured"], fleet.num_prefills)
-        measured.add_metric(["behind_peers"], fleet.num_prefills_unmeasured)
-        yield measured
         if flow.shared is not None:
             rounds = CounterMetricFamily(
                 "kvgate_flow_shared_rounds",
