@@ -75,6 +75,7 @@ import orjson
 from cachemap.events import DEFAULT_SPECULATIVE_TTL_S
 from loadgen.bench.engine_work import busy_seconds, engine_totals, imbalance
 from loadgen.bench.fast_engine import fast_engines
+from loadgen.bench.hog import hogging
 from loadgen.bench.rate import (
     DEFAULT_FACTOR,
     DEFAULT_MAX_STEPS,
@@ -162,6 +163,9 @@ class Arm:
     """kvgate arms: gateways sharing one redis-server's directory (1: in-process, no Redis)."""
     cluster: bool = False
     """`@Nc`: the gateways share a 3-master Redis Cluster of the arm's own, not one server."""
+    hog_percent: int = 0
+    """`~P`: a process taking P% of one core beside the arm's replay (`loadgen.bench.hog`): what
+    another arm's extra CPU costs this one's TTFT on this machine, measured."""
 
     @property
     def shared(self) -> bool:
@@ -171,7 +175,8 @@ class Arm:
     @property
     def name(self) -> str:
         many = f"@{self.gateways}" if self.shared else ""
-        return f"{self.kind}:{self.policy}{many}{'c' if self.cluster else ''}"
+        hog = f"~{self.hog_percent}" if self.hog_percent else ""
+        return f"{self.kind}:{self.policy}{many}{'c' if self.cluster else ''}{hog}"
 
 
 MANY_KINDS = ("kvgate", "noflow", "precise")
@@ -182,7 +187,7 @@ CLUSTER_MASTERS = 3
 def parse_arms(spec: str, gateways: int = 1) -> list[Arm]:
     """`all` or a comma-separated list of kind:policy names; a kvgate, noflow or precise arm may
     end in `@N` (N gateways on one Redis) or `@Nc` (on a 3-master Redis Cluster), else it has
-    `gateways`."""
+    `gateways`; any arm may then end in `~P` (a hog taking P% of one core beside it)."""
     if gateways < 1:
         raise ValueError(f"--gateways must be at least 1, got {gateways}")
     epp = [f"{kind}:cache_aware" for kind in EPP_KINDS]
@@ -197,6 +202,9 @@ def parse_arms(spec: str, gateways: int = 1) -> list[Arm]:
     valid |= {f"{kind}:{p}" for kind in EPP_KINDS for p in POLICIES}
     arms = []
     for name in names:
+        name, _, hog = name.partition("~")
+        if hog and (not hog.isdigit() or not 1 <= int(hog) <= 100):
+            raise ValueError(f"{name}~{hog}: ~P takes a whole percent of one core, 1 to 100")
         name, _, many = name.partition("@")
         if name not in valid:
             raise ValueError(f"unknown arm {name!r}; choose from {', '.join(sorted(valid))}")
@@ -212,7 +220,7 @@ def parse_arms(spec: str, gateways: int = 1) -> list[Arm]:
                     "N a whole number >= 1"
                 )
             count = int(digits)
-        arms.append(Arm(kind, policy, count, cluster))
+        arms.append(Arm(kind, policy, count, cluster, int(hog or 0)))
     return arms
 
 
@@ -686,15 +694,22 @@ def run_arm(arm: Arm, setup: Setup, run: int, trace: Trace | None = None) -> Arm
         client_cpu0 = time.process_time()
         load = MachineLoad()
         load.start()
-        if restarting is None:
-            rows, wall = asyncio.run(replay(trace, options))
-        else:
-            assert setup.restart_at is not None
-            at_s = setup.restart_at * trace.span_s / setup.time_scale
-            rows, wall, restart = asyncio.run(
-                _replay_with_restart(trace, options, restarting, rotation, in_flight, at_s)
-            )
+        with hogging(arm.hog_percent) as hog_cpu:
+            if restarting is None:
+                rows, wall = asyncio.run(replay(trace, options))
+            else:
+                assert setup.restart_at is not None
+                at_s = setup.restart_at * trace.span_s / setup.time_scale
+                rows, wall, restart = asyncio.run(
+                    _replay_with_restart(trace, options, restarting, rotation, in_flight, at_s)
+                )
         busy = load.stop()
+        if hog_cpu:
+            print(
+                f"{arm.name} (run {run}): the hog took {hog_cpu[0]:.2f} CPU s over the replay's "
+                f"{wall:.1f} s ({hog_cpu[0] / max(wall, 1e-9):.1%} of a core, "
+                f"{hog_cpu[0] / max(len(rows), 1) * 1e3:.2f} ms a request)"
+            )
         load_after = os.getloadavg()[0]
         n = max(len(rows), 1)
         router_cpu1 = router.cpu_seconds()

@@ -58,6 +58,15 @@ def test_arms_are_parsed_and_unknown_ones_named() -> None:
             parse_arms(bad)
     with pytest.raises(ValueError, match="--gateways must be at least 1"):
         parse_arms("kvgate:cache_aware", 0)
+    # a hog beside an arm: what another arm's extra CPU costs this one (issue 39's TTFT goal)
+    assert parse_arms("kvgate:cache_aware~12,kvgate:cache_aware@4c~5") == [
+        Arm("kvgate", "cache_aware", hog_percent=12),
+        Arm("kvgate", "cache_aware", 4, cluster=True, hog_percent=5),
+    ]
+    assert parse_arms("sglang:cache_aware~30")[0].name == "sglang:cache_aware~30"
+    for bad in ("kvgate:cache_aware~0", "kvgate:cache_aware~101", "kvgate:cache_aware~x"):
+        with pytest.raises(ValueError, match="~P takes a whole percent of one core"):
+            parse_arms(bad)
 
 
 def test_a_small_bench_runs_every_arm_and_writes_one_table(
