@@ -1111,7 +1111,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--arms",
         default="all",
-        help="'all' or a comma-separated list, e.g. kvgate:cache_aware,sglang:cache_aware",
+        help="'all' or a comma-separated list, e.g. kvgate:cache_aware,sglang:cache_aware; a "
+        "kvgate, noflow or precise arm may end in @N (N gateways on one redis-server) or @Nc (on "
+        "a 3-master Cluster), any arm in ~P (a process taking P%% of one core beside it)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="run every arm this many times")
     parser.add_argument(
