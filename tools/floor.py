@@ -81,8 +81,11 @@ class Floor:
 async def _relay(conn: UpstreamConnection, send: Send) -> None:
     """The engine's stream to the client a read at a time, as the gateway's relay writes it
     (each read one chunk, in the connection's read callback while the client keeps up)."""
-    start: Message = {"type": "http.response.start", "status": conn.status}
-    start["headers"] = STREAM_HEADERS
+    start: Message = {
+        "type": "http.response.start",
+        "status": conn.status,
+        "headers": STREAM_HEADERS,
+    }
     out = await start_chunked(send, start)
     if out is None:  # not uvicorn's httptools protocol: body messages through `send`
         while data := await conn.readany():
