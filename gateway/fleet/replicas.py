@@ -50,12 +50,12 @@ its replica still finishes its bookkeeping.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 
 import aiohttp
 import orjson
@@ -105,6 +105,8 @@ MIN_PREFILL_SAMPLES = 8
 DEFAULT_OUTPUT_TOKENS = 256.0
 """Output tokens assumed for a request without max_tokens until the engines' usage has taught
 the mean: a chat answer of a few paragraphs."""
+_RATE, _TOKENS, _SECONDS = itemgetter(0), itemgetter(1), itemgetter(2)
+"""The fields of a measured prefill (`FleetLoad.prefills`)."""
 
 
 @dataclass
@@ -116,10 +118,10 @@ class FleetLoad:
     num_routed: int = 0
     mean_output_tokens: float = DEFAULT_OUTPUT_TOKENS
     num_answered: int = 0
-    prefills: deque[tuple[float, float]] = field(
+    prefills: deque[tuple[float, float, float]] = field(
         default_factory=lambda: deque(maxlen=PREFILL_RATE_WINDOW), repr=False
     )
-    """The last prefills measured, (tokens, seconds) (`observe_prefill`)..."""
+    """The last prefills measured, (tokens a second, tokens, seconds) (`observe_prefill`)..."""
     measured_tokens_per_s: float = 0.0
     """...and the rate read from them (`prefill_tokens_per_s`)."""
     num_prefills: int = 0
@@ -168,10 +170,12 @@ class FleetLoad:
         of engines one gateway read at 49,700 (issue 39)."""
         if tokens <= 0 or seconds <= 0:
             return
-        self.prefills.append((tokens, seconds))
+        self.prefills.append((tokens / seconds, tokens, seconds))
         self.num_prefills += 1
-        fastest = heapq.nlargest(PREFILL_RATE_KEPT, self.prefills, key=lambda p: p[0] / p[1])
-        self.measured_tokens_per_s = sum(p[0] for p in fastest) / sum(p[1] for p in fastest)
+        # heapq.nlargest's own definition with a key, in C: its Python loop and a key call a
+        # prefill were ~4% of the gateway's CPU a small request (`bench-cpu`, issue 41)
+        fastest = sorted(self.prefills, key=_RATE, reverse=True)[:PREFILL_RATE_KEPT]
+        self.measured_tokens_per_s = sum(map(_TOKENS, fastest)) / sum(map(_SECONDS, fastest))
 
     def prefill_tokens_per_s(self, default: float) -> float:
         """The engines' prefill rate as this gateway measured it (`default` until

@@ -21,6 +21,13 @@ and run in blocks of turns, A B C then C B A, so the machine's drift during the 
 arm alike; the first turns (the whole prompt tokenized) and the continuations (turns 2 to
 `--turns`) are separate passes, so each is reported per request on its own.
 
+`--floor` measures, in the same passes, the floor under the gateway: a proxy on the gateway's
+own stack (`tools.floor`: uvicorn as the gateway configures it, a raw ASGI callable, the
+gateway's engine client and its writes to the client) that forwards each request to the same
+engine and returns its answer, with no parse, routing, records or metrics. Its CPU per request
+is what the stack alone costs; the gateway's over it is what the gateway's own work costs
+(issue 41). The two alternate in passes of half the requests, kvgate, floor, floor, kvgate.
+
 `--suite` runs what issue 17 tracks in one go: small and agent-sized prompts, each with and
 without streaming, the per-stage costs of an agent-sized body (`tools.stages`), and the
 relay. Every run prints what it ran on first, because the same commit measures 0.34 ms on a
@@ -125,6 +132,12 @@ def add_bench_cpu_arguments(parser: argparse.ArgumentParser) -> None:
         "the same engine, passes interleaved A B B A (with --relay: the relay's µs per chunk)",
     )
     parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also a bare proxy on the gateway's stack (tools.floor), passes interleaved: "
+        "the floor under the gateway's CPU (small or --stream requests only)",
+    )
+    parser.add_argument(
         "--suite",
         action="store_true",
         help="small and agent-sized, streamed and not, the stages and the relay (issue 17)",
@@ -225,22 +238,62 @@ def _timed(
     return Pass(name, errors, wall, engine_cpu, gw_user + gw_sys, events, gw_sys, ttfts)
 
 
+@contextlib.contextmanager
+def _floor(engine_url: str) -> Iterator[processes.Proc]:
+    """`tools.floor` on `engine_url`, answering (a subprocess: it runs the gateway's code,
+    which loadgen does not import)."""
+
+    def start() -> processes.Proc:
+        port = processes.free_port()
+        argv = [sys.executable, "-m", "tools.floor", "--port", str(port), "--engine", engine_url]
+        popen = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return processes.Proc(f"floor:{port}", f"http://127.0.0.1:{port}", popen)
+
+    procs = [start()]
+    try:
+        processes.wait_all(procs, "/readyz", start)
+        yield procs[0]
+    finally:
+        processes.stop(procs)
+
+
+def _beside_floor(
+    args: argparse.Namespace, key: str, engine: processes.Proc, arms: dict[str, processes.Proc]
+) -> list[Pass]:
+    """Direct to the engine, then the arms (kvgate, the floor: the same requests, its key
+    included) in passes of half the requests, A B B A, each arm's two summed."""
+    direct = _timed("direct to engine", engine.url, None, (engine.pid, None), args, args.max_tokens)
+    half = argparse.Namespace(**{**vars(args), "requests": args.requests // 2})
+    names = [*arms, *reversed(arms)]
+    timed = [
+        _timed(n, arms[n].url, key, (engine.pid, arms[n].pid), half, args.max_tokens) for n in names
+    ]
+    return [direct, *(_summed(n, [p for p in timed if p.name == n]) for n in arms)]
+
+
 def _measure(
     args: argparse.Namespace,
     gateway_args: list[str],
     key: str,
     engine_args: list[str] = FAST_ENGINE,
     tokens: tuple[int, ...] = (),
+    floor: bool = False,
 ) -> list[Pass]:
-    """Direct to the engine, then through kvgate (one pass per entry of `tokens` when given)."""
+    """Direct to the engine, then through kvgate (one pass per entry of `tokens` when given);
+    with `floor`, through kvgate and through the floor in passes of half the requests, A B B A
+    (their sums are returned, kvgate's first)."""
     serve = ["--policy", args.policy, "--tenant", f"bench:{key}", "--log-level", "warning"]
     with (
         processes.engines(1, engine_args) as engines,
         processes.gateway([engines[0].url], [*serve, *gateway_args, *args.gateway_arg]) as gw,
+        _floor(engines[0].url) if floor else contextlib.nullcontext() as bare,
     ):
         engine = engines[0]
         # warm up both paths (connections, caches, code)
         asyncio.run(_load(gw.url, key, 200, args, args.max_tokens))
+        if bare is not None:
+            asyncio.run(_load(bare.url, key, 200, args, args.max_tokens))
+            return _beside_floor(args, key, engine, {"through kvgate": gw, "floor": bare})
         if tokens:
             return [
                 _timed(f"kvgate, {n} tokens", gw.url, key, (engine.pid, gw.pid), args, n)
@@ -325,8 +378,22 @@ def _print_passes(args: argparse.Namespace, rows: list[tuple[str, Pass]]) -> Non
         )
 
 
+def _print_floor(args: argparse.Namespace, kvgate: Pass, floor: Pass) -> None:
+    """The floor beside the gateway: ms a request, and its share of the gateway's."""
+    gateway_ms = kvgate.gateway_cpu_s / args.requests * 1e3
+    floor_ms = floor.gateway_cpu_s / args.requests * 1e3
+    share = floor.gateway_cpu_s / kvgate.gateway_cpu_s if kvgate.gateway_cpu_s else 0.0
+    print(
+        f"floor (the stack alone): {floor_ms:.3f} ms/req, {share:.1%} of kvgate's "
+        f"{gateway_ms:.3f}; kvgate over the floor: {gateway_ms - floor_ms:.3f} ms/req "
+        f"({1 - share:.1%})"
+    )
+
+
 def _run_passes(args: argparse.Namespace, key: str) -> list[tuple[str, Pass]]:
-    rows = [("in-process", p) for p in _measure(args, [], key)]
+    if args.floor:  # two arms in halves: an even count, so every row is per the same requests
+        args = argparse.Namespace(**{**vars(args), "requests": args.requests - args.requests % 2})
+    rows = [("in-process", p) for p in _measure(args, [], key, floor=args.floor)]
     if args.redis:
         from loadgen.harness.redis_servers import redis_server
 
@@ -334,6 +401,8 @@ def _run_passes(args: argparse.Namespace, key: str) -> list[tuple[str, Pass]]:
             redis_rows = _measure(args, ["--redis-url", server.url], key)
         rows += [("redis", p) for p in redis_rows if p.name == "through kvgate"]
     _print_passes(args, rows)
+    if args.floor:
+        _print_floor(args, rows[1][1], rows[2][1])
     return rows
 
 
@@ -583,6 +652,9 @@ def run_conversations(args: argparse.Namespace, key: str) -> list[Pass]:
 
 def run_bench_cpu(args: argparse.Namespace) -> int:
     key = "sk-bench"
+    if args.floor and (args.conversations or args.suite or args.relay or args.against):
+        print("kvgate bench-cpu: --floor goes with small or --stream requests only")
+        return 2
     print(f"on: {environment()}")
     if args.conversations:
         passes = run_conversations(args, key)

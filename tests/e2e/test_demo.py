@@ -59,11 +59,29 @@ def test_cache_aware_beats_consistent_hashing_on_the_team_day() -> None:
     assert imbalance(hashed, args.engines) >= 3.0
 
 
-def test_the_cpu_benchmark_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_bench_cpu(_args(add_bench_cpu_arguments, "--requests", "200")) == 0
+@pytest.mark.parametrize("stream", [False, True], ids=["small", "streamed"])
+def test_the_cpu_benchmark_runs_with_the_floor_beside_the_gateway(
+    capsys: pytest.CaptureFixture[str], stream: bool
+) -> None:
+    argv = ["--requests", "200", "--floor", *(["--stream"] if stream else [])]
+    assert run_bench_cpu(_args(add_bench_cpu_arguments, *argv)) == 0  # 0: no request failed
     out = capsys.readouterr().out
     assert "through kvgate" in out and "direct to engine" in out
     assert out.startswith("on: python ") and "load average" in out  # what it ran on
+    # the floor's row counts its own process's CPU (the direct row's column is 0: no proxy)
+    floor = re.search(r"^floor +- +0 +\d+ +[\d.]+ +([\d.]+)$", out, re.M)
+    assert floor is not None and float(floor[1]) > 0, out
+    share = re.search(
+        r"^floor \(the stack alone\): ([\d.]+) ms/req, ([\d.]+)% of kvgate's", out, re.M
+    )
+    assert share is not None and share[1] == floor[1], out
+
+
+def test_the_floor_goes_with_small_or_streamed_requests_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_bench_cpu(_args(add_bench_cpu_arguments, "--floor", "--relay")) == 2
+    assert "--floor goes with small or --stream requests only" in capsys.readouterr().out
 
 
 def test_the_billing_benchmark_prices_billing_and_times_first_tokens(
