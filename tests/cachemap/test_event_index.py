@@ -337,6 +337,9 @@ def _check_bookkeeping(index: EventIndex) -> None:
     for key, spec in index._speculative.items():
         assert spec
         assert all((d, key, t) in queued for d, t in spec.items())
+    # the odd ends are entries' keys, none at a window's end
+    assert set(index._odd_ends) <= set(index._speculative)
+    assert all(i % SPECULATIVE_STRIDE != SPECULATIVE_STRIDE - 1 for i in index._odd_ends.values())
 
 
 @settings(max_examples=400, deadline=None)
@@ -348,8 +351,11 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
     its parent is held), removals in any order (holes: broken keys), wipes, speculative
     entries and, in half the examples, tier moves (else every block is on a GPU: the
     bisection's case). After every op, every branch's lookup equals the stepped reference,
-    and a speculation adds one entry per window not all on the domain's GPU."""
+    and a speculation adds one entry per window not all on the domain's GPU. A store confirms
+    the entries a store looking every key up confirms (`_entry_keys` skips the others)."""
     index = EventIndex(speculative_ttl_s=2.0)
+    every_key = EventIndex(speculative_ttl_s=2.0)
+    every_key._entry_keys = lambda keys, first: keys  # type: ignore[method-assign]
     chains = [precise_keys(_branch_ids(b, 8), SALT, 16) for b in range(4)]
     for kind, domain, branch, at, count, any_tier in ops:
         tier = any_tier if offload else GPU
@@ -358,12 +364,17 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
             parent = _branch_hash(branch, at - 1) if at else None
             hashes = [_branch_hash(branch, i) for i in range(at, stop)]
             ids = _branch_ids(branch, stop)[16 * at :]
-            index.store(domain, stored(hashes, ids, parent=parent, tier=tier))
+            for each in (index, every_key):
+                each.store(domain, stored(hashes, ids, parent=parent, tier=tier))
+            assert index._speculative == every_key._speculative
+            assert index.stats.speculative_confirmed == every_key.stats.speculative_confirmed
         elif kind == "remove":
             hashes = [_branch_hash(branch, i) for i in range(at, min(8, at + count))]
             index.remove(domain, BlockRemoved(hashes, tier))
+            every_key.remove(domain, BlockRemoved(hashes, tier))
         elif kind == "clear":
             index.clear(domain)
+            every_key.clear(domain)
         else:
             keys = chains[branch][:at]
             on_gpu = [bool(_mask(index, k, domain) & GPU) for k in keys]
@@ -371,6 +382,7 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
             lacking = sum(not all(on_gpu[w : w + SPECULATIVE_STRIDE]) for w in windows)
             data = token_bytes(_branch_ids(branch, at)) if count else None
             assert index.speculate(domain, keys, 10.0, data) == lacking
+            every_key.speculate(domain, keys, 10.0, data)
         _check_bookkeeping(index)
         for keys in chains:
             for n in (1, 4, 8):
