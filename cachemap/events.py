@@ -761,13 +761,16 @@ class EventIndex:
     def _confirm(self, domain: str, keys: Sequence[BlockHash]) -> None:
         """The domain holds `keys` now: its speculative entries of them are confirmed."""
         speculative = self._speculative
+        odd = self._odd_ends
         confirmed = 0
         for key in filter(speculative.__contains__, keys):
             spec = speculative[key]
             if spec.pop(domain, None) is not None:
                 confirmed += 1
-                if not spec:
-                    self._drop_entry(key)
+                if not spec:  # `_drop_entry`, inline: ~183 a new prompt
+                    del speculative[key]
+                    if odd:
+                        odd.pop(key, None)
         self.stats.speculative_confirmed += confirmed
 
     def _drop_entry(self, key: BlockHash) -> None:
