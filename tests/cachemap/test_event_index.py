@@ -111,6 +111,11 @@ def _mask(index: EventIndex, key: bytes, domain: str) -> int:
     return state.maps.mask_of(key) if state is not None else 0
 
 
+def _claims(index: EventIndex) -> dict[tuple[str, bytes], float]:
+    """(domain, key) -> when the domain's speculative entry of the key expires."""
+    return {(d, k): t for d, state in index._domains.items() for k, t in state.claims.items()}
+
+
 def _children(state: Any) -> dict[bytes, int]:
     """Per key (held or broken), how many of its children the domain holds."""
     children: dict[bytes, int] = state.maps.maps()[2]
@@ -130,9 +135,7 @@ def _stepped_lookup(index: EventIndex, keys: list[bytes], now_s: float) -> dict[
 
     def claimed(domain: str, i: int) -> bool:
         end = min(i - i % SPECULATIVE_STRIDE + SPECULATIVE_STRIDE, len(keys))
-        return any(
-            index._speculative.get(keys[p], {}).get(domain, 0.0) > now_s for p in range(i, end)
-        )
+        return any(_claims(index).get((domain, keys[p]), 0.0) > now_s for p in range(i, end))
 
     depth: dict[str, int] = {}
     offloaded: dict[str, int] = {}
@@ -331,15 +334,14 @@ def _check_bookkeeping(index: EventIndex) -> None:
             counts[parent] = counts.get(parent, 0) + 1
         assert children == counts
         assert broken == {k for k in counts if k not in held}
-    # every speculative entry names a domain (an emptied one is deleted: `_confirm` relies on
-    # it) and is in that domain's queue with its expiry
-    queued = {(d, k, t) for d, state in index._domains.items() for t, k in state.speculative}
-    for key, spec in index._speculative.items():
-        assert spec
-        assert all((d, key, t) in queued for d, t in spec.items())
-    # the odd ends are entries' keys, none at a window's end
-    assert set(index._odd_ends) <= set(index._speculative)
-    assert all(i % SPECULATIVE_STRIDE != SPECULATIVE_STRIDE - 1 for i in index._odd_ends.values())
+    # every speculative entry is in its domain's queue with its expiry, and the odd ends are
+    # entries' keys, none at a window's end
+    for state in index._domains.values():
+        queued = set(state.speculative)
+        assert all((t, k) in queued for k, t in state.claims.items())
+        assert set(state.odd_ends) <= set(state.claims)
+        stride = SPECULATIVE_STRIDE
+        assert all(i % stride != stride - 1 for i in state.odd_ends.values())
 
 
 @settings(max_examples=400, deadline=None)
@@ -355,7 +357,7 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
     the entries a store looking every key up confirms (`_entry_keys` skips the others)."""
     index = EventIndex(speculative_ttl_s=2.0)
     every_key = EventIndex(speculative_ttl_s=2.0)
-    every_key._entry_keys = lambda keys, first: keys  # type: ignore[method-assign]
+    every_key._entry_keys = lambda state, keys, first: keys  # type: ignore[method-assign]
     chains = [precise_keys(_branch_ids(b, 8), SALT, 16) for b in range(4)]
     for kind, domain, branch, at, count, any_tier in ops:
         tier = any_tier if offload else GPU
@@ -366,7 +368,7 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
             ids = _branch_ids(branch, stop)[16 * at :]
             for each in (index, every_key):
                 each.store(domain, stored(hashes, ids, parent=parent, tier=tier))
-            assert index._speculative == every_key._speculative
+            assert _claims(index) == _claims(every_key)
             assert index.stats.speculative_confirmed == every_key.stats.speculative_confirmed
         elif kind == "remove":
             hashes = [_branch_hash(branch, i) for i in range(at, min(8, at + count))]
@@ -427,11 +429,9 @@ def test_a_speculation_past_the_held_run_leaves_the_entries_stepping_window_by_w
         run = slow._held_run("a", state, keys[:n])
         past += run is not None and run < n
         slow.sweep("a", 6.0)
-        assert fast.speculate("a", keys[:n], 6.0) == slow._speculate_each(
-            "a", state, keys[:n], run, 8.0
-        )
+        assert fast.speculate("a", keys[:n], 6.0) == slow._speculate_each(state, keys[:n], run, 8.0)
         assert list(fast._domains["a"].speculative) == list(state.speculative)
-        assert fast._speculative == slow._speculative
+        assert _claims(fast) == _claims(slow)
     assert past > 50  # half the trials or so took the C loops
 
 
