@@ -117,8 +117,6 @@ MAX_EXPECTED_PER_DOMAIN = 64
 `data`), the oldest dropped first: a domain's prefills in flight, a few times over. Each holds
 its prompt's token bytes (4 a token) until its store comes or it is dropped."""
 
-_EMPTY_SPEC: dict[str, float] = {}
-
 
 def _first(values: Sequence[int], value: int, start: int, stop: int) -> int:
     """The first index in [start, stop) of `value` in `values` (`list.index`), else `stop`."""
@@ -518,6 +516,18 @@ class _Domain:
     )
     sliding_groups: set[int] = field(default_factory=set)
     speculative: deque[tuple[float, BlockHash]] = field(default_factory=deque)
+    """The domain's speculative entries in the order they expire (confirmed and renewed ones
+    stay until their turn: `claims` says which are current)."""
+    claims: dict[BlockHash, float] = field(default_factory=dict)
+    """key -> when the domain's current speculative entry of it expires (`speculate`): a
+    float a key in one dict a domain, made and confirmed in C loops, where a dict of domains a
+    key (`{domain: expires}`) was made, emptied and freed an entry (~183 a new ~730-block
+    prompt at bench point 2)."""
+    odd_ends: dict[BlockHash, int] = field(default_factory=dict)
+    """The keys of `claims` not at a window's end (a placement's last block, its chain not a
+    whole number of windows) -> their index in the chain (their block's in the prompt: keys
+    chain from the root): all a store whose place in its chain is known must look up besides
+    the windows' ends (`_entry_keys`)."""
     recency: DomainRecency | None = None
     expected: dict[bytes, tuple[bytes, Sequence[BlockHash], int]] = field(default_factory=dict)
     """The key before a placed chain's first block the domain lacked, and that block's token
@@ -550,7 +560,6 @@ class EventIndex:
         self.clock = clock
         """When a store is applied (`track_recency`): the time its blocks were last used."""
         self.stats = IndexStats()
-        self._speculative: dict[BlockHash, dict[str, float]] = {}
         self._domains: dict[str, _Domain] = {}
         self.on_stored: Callable[[str, list[BlockHash]], None] | None = None
         """Told (domain, own keys) of every applied BlockStored (fan-out holds release on it)."""
@@ -583,10 +592,12 @@ class EventIndex:
             if parent_key is None:
                 self.stats.unresolved_parents += 1
                 return []
-        keys = self._expected_keys(state, event, parent_key)
-        if keys is None:
-            keys = stored_keys(event, parent_key, self.block_size)
-        self._hold_all(domain, state, event.block_hashes, keys, event.tier, parent_key)
+        expected = self._expected_keys(state, event, parent_key)
+        if expected is None:
+            keys, first = stored_keys(event, parent_key, self.block_size), None
+        else:
+            keys, first = expected
+        self._hold_all(domain, state, event.block_hashes, keys, event.tier, parent_key, first)
         if self.track_recency and event.tier == GPU:
             self._recency(state).use(keys[: len(event.block_hashes)], self.clock())
         self.stats.stored_blocks += len(keys)
@@ -594,10 +605,11 @@ class EventIndex:
 
     def _expected_keys(
         self, state: _Domain, event: BlockStored, parent_key: BlockHash | None
-    ) -> list[BlockHash] | None:
+    ) -> tuple[list[BlockHash], int] | None:
         """The own keys of a store the domain expected (`speculate`'s `data`): the placed
         chain's keys from where the store starts, when its tokens are the chain's there (one
-        compare); else None, and the caller hashes them. A store that ends before the chain
+        compare), and the index in the chain of the first; else None, and the caller hashes
+        them. A store that ends before the chain
         does leaves the rest expected (a prefill announced in chunks).
 
         A key names its whole prefix, so the keys of the same tokens after the same key are
@@ -624,7 +636,7 @@ class EventIndex:
         if start + count < len(chain):
             self._expect(state, known, chain, start + count, width)
         self.stats.expected_blocks += count
-        return list(chain[start : start + count])
+        return list(chain[start : start + count]), start
 
     @staticmethod
     def _expect(
@@ -670,14 +682,8 @@ class EventIndex:
 
     def clear(self, domain: str) -> None:
         """The domain's engine was wiped or restarted: every block of it goes, now."""
-        state = self._domains.pop(domain, None)
+        self._domains.pop(domain, None)  # its speculative entries with it
         self.stats.clears += 1
-        if state is None:
-            return
-        for _, key in state.speculative:
-            spec = self._speculative.get(key)
-            if spec is not None and spec.pop(domain, None) is not None and not spec:
-                del self._speculative[key]
 
     @staticmethod
     def _recency(state: _Domain) -> DomainRecency:
@@ -717,9 +723,11 @@ class EventIndex:
         keys: list[BlockHash],
         tier: int,
         parent: BlockHash | None,
+        first: int | None = None,
     ) -> None:
         """Hold each (engine hash, own key) pair on `tier`, confirming speculative entries;
         a key newly held counts as a held child of its parent (the first key's is `parent`).
+        `first`: the index of `keys[0]` in its chain, when known (an expected store).
 
         The domain's maps take the chain in one call (`DomainMaps.hold`: one C loop over it
         where the table is built)."""
@@ -728,16 +736,39 @@ class EventIndex:
             keys = keys[:n]
         new = state.maps.hold(engine_hashes, keys, tier, parent)
         state.tier_counts[tier] += new
-        speculative = self._speculative
-        if speculative:
-            confirmed = 0
-            for key in filter(speculative.__contains__, keys):
-                spec = speculative[key]
-                if spec.pop(domain, None) is not None:
-                    confirmed += 1
-                    if not spec:
-                        del speculative[key]
-            self.stats.speculative_confirmed += confirmed
+        claims = state.claims
+        if claims:  # the domain's entries of these keys are confirmed
+            before = len(claims)
+            found = self._entry_keys(state, keys, first)
+            deque(map(claims.pop, found, repeat(None)), maxlen=0)
+            if state.odd_ends:
+                deque(map(state.odd_ends.pop, found, repeat(None)), maxlen=0)
+            self.stats.speculative_confirmed += before - len(claims)
+
+    @staticmethod
+    def _entry_keys(state: _Domain, keys: list[BlockHash], first: int | None) -> list[BlockHash]:
+        """The keys of a store that may have speculative entries: every one when its place in
+        the chain is unknown (`first` None); else the windows' ends among them and the odd
+        ends (`_Domain.odd_ends`) they hold. An entry is only ever made for those, so the
+        others' lookups (~3 in 4 keys, each a cold `bytes` hashed and probed: ~0.3 us a key
+        live, ~0.2 ms a request at bench point 2) find nothing."""
+        odd = state.odd_ends
+        if first is None or len(odd) > len(keys):
+            return keys
+        stride = SPECULATIVE_STRIDE
+        out = keys[(stride - 1 - first) % stride :: stride]
+        stop = first + len(keys)
+        for key, i in odd.items():
+            if first <= i < stop and keys[i - first] == key:
+                out.append(key)
+        return out
+
+    @staticmethod
+    def _drop_entry(state: _Domain, key: BlockHash) -> None:
+        """The domain's speculative entry of `key` goes (expired)."""
+        del state.claims[key]
+        if state.odd_ends:
+            state.odd_ends.pop(key, None)
 
     # -- speculation -----------------------------------------------------------------------
     def speculate(
@@ -766,18 +797,17 @@ class EventIndex:
         n = len(keys)
         run = self._held_run(domain, state, keys)  # without offloaded tiers: the GPU's run
         if run is not None and run < n:  # none held past the run (a run: no key broken)
-            added = self._speculate_past(domain, state, keys, run, expires)
+            added = self._speculate_past(state, keys, run, expires)
         else:
-            added = self._speculate_each(domain, state, keys, run, expires)
+            added = self._speculate_each(state, keys, run, expires)
         if data is not None and run is not None and run < n:
             self._expect(state, data, keys, run, 4 * self.block_size)
         while len(state.speculative) > MAX_SPECULATIVE_PER_DOMAIN:
-            self._expire_one(domain, state, float("inf"))
+            self._expire_one(state, float("inf"))
         return added
 
-    def _speculate_past(
-        self, domain: str, state: _Domain, keys: Sequence[BlockHash], run: int, expires: float
-    ) -> int:
+    @staticmethod
+    def _speculate_past(state: _Domain, keys: Sequence[BlockHash], run: int, expires: float) -> int:
         """`speculate` where the domain holds `keys[:run]` and none after: an entry for the
         last key of every window from `run`'s, each window's in C loops."""
         n = len(keys)
@@ -786,25 +816,13 @@ class EventIndex:
         ends = list(keys[base + stride - 1 : n : stride])
         if (n - base) % stride:  # the last window is partial: its last key
             ends.append(keys[n - 1])
-        speculative = self._speculative
-        if speculative.keys().isdisjoint(ends):  # no other domain's entry, none renewed
-            entries = map(
-                dict.fromkeys, repeat((domain,), len(ends)), repeat(expires)
-            )  # {domain: expires}
-            speculative.update(zip(ends, entries, strict=True))
-        else:
-            for key in ends:
-                spec = speculative.get(key)
-                if spec is None:
-                    speculative[key] = {domain: expires}
-                else:
-                    spec[domain] = expires
+            state.odd_ends[keys[n - 1]] = n - 1
+        state.claims.update(zip(ends, repeat(expires)))  # new or renewed alike
         state.speculative.extend(zip(repeat(expires), ends))
         return len(ends)
 
     def _speculate_each(
         self,
-        domain: str,
         state: _Domain,
         keys: Sequence[BlockHash],
         run: int | None,
@@ -822,7 +840,7 @@ class EventIndex:
         else:
             base = run - run % stride
             gpu = self._gpu_masks(state, keys[base:])
-        speculative = self._speculative
+        claims = state.claims
         append = state.speculative.append
         added = 0
         for low in range(base, n, stride):
@@ -830,11 +848,9 @@ class EventIndex:
             if 0 not in gpu[low - base : end - base]:
                 continue
             key = keys[end - 1]
-            spec = speculative.get(key)
-            if spec is None:
-                speculative[key] = {domain: expires}
-            else:
-                spec[domain] = expires
+            claims[key] = expires
+            if end % stride:  # the chain's last key, not a window's end
+                state.odd_ends[key] = end - 1
             append((expires, key))
             added += 1
         return added
@@ -848,15 +864,12 @@ class EventIndex:
         """Expire the domain's speculative entries whose time has passed (counted)."""
         state = self._domains.get(domain)
         while state is not None and state.speculative and state.speculative[0][0] <= now_s:
-            self._expire_one(domain, state, now_s)
+            self._expire_one(state, now_s)
 
-    def _expire_one(self, domain: str, state: _Domain, now_s: float) -> None:
+    def _expire_one(self, state: _Domain, now_s: float) -> None:
         expires, key = state.speculative.popleft()
-        spec = self._speculative.get(key)
-        if spec is not None and spec.get(domain) == expires:  # not confirmed nor renewed
-            del spec[domain]
-            if not spec:
-                del self._speculative[key]
+        if state.claims.get(key) == expires:  # not confirmed nor renewed
+            self._drop_entry(state, key)
             if expires <= now_s:
                 self.stats.speculative_expired += 1
 
@@ -874,10 +887,11 @@ class EventIndex:
             return {}
         first = keys[0]
         domains = [d for d, state in self._domains.items() if state.maps.holds(first)]
-        for key in keys[:SPECULATIVE_STRIDE]:
-            for d, expires in self._speculative.get(key, _EMPTY_SPEC).items():
-                if expires > now_s and d not in domains:
-                    domains.append(d)
+        head = keys[:SPECULATIVE_STRIDE]
+        for d, claiming in self._domains.items():
+            claims = claiming.claims
+            if claims and d not in domains and any(claims.get(k, 0.0) > now_s for k in head):
+                domains.append(d)
         if not domains:
             return {}
         matches = {}
@@ -919,12 +933,14 @@ class EventIndex:
     def _claim(self, domain: str, keys: Sequence[BlockHash], i: int, now_s: float) -> int:
         """The last position of `i`'s window claimed with `i` by an unexpired speculative
         entry of `domain` (the deepest such key from `i` to the window's end), or -1."""
-        speculative = self._speculative
+        state = self._domains.get(domain)
+        if state is None or not state.claims:
+            return -1
+        claims = state.claims
         for p in range(
             min(i - i % SPECULATIVE_STRIDE + SPECULATIVE_STRIDE, len(keys)) - 1, i - 1, -1
         ):
-            spec = speculative.get(keys[p])
-            if spec is not None and spec.get(domain, 0.0) > now_s:
+            if claims.get(keys[p], 0.0) > now_s:
                 return p
         return -1
 

@@ -17,6 +17,8 @@
     python -m tools.precise_cost fleet [REPLICAS ...]   the intake's per-request work (drain every
                                                         candidate's sockets, which of them are live)
                                                         against the fleet's size
+    python -m tools.precise_cost speculation [PROMPTS]  speculation's own CPU a new prompt: its
+                                                        entries made, confirmed by its store, swept
 
 `ingest`: NUM_BLOCKS (131,072) blocks in vLLM map-encoded batches of one BlockStored of
 BLOCKS_PER_EVENT (64) blocks each (a 1,024-token prefill; a decode step's batch holds a block or
@@ -37,6 +39,14 @@ looked up); and the precise path rendering every chat whole (`incremental=False`
 before). CPU time of the process (the tokenizer's threads included); the first turn (everything
 tokenized) and the median continuation apart, and the BPE alone of each continuation's new text.
 
+`speculation`: PROMPTS (300) new 730-block prompts (bench point 2's), each placed on one of 4
+domains with its token bytes (`EventIndex.speculate`), the store of the one placed 8 before
+applied (one in 5 never stored: its entries expire), every domain swept after each placement.
+Thread CPU a prompt of the placements, of the stores less the domain table's `hold` (timed
+apart: the same in any tree, and most of a store), and of the sweeps, with the entries
+confirmed and expired. Imports nothing of `tools`: to compare another checkout, run this file
+with that checkout first on PYTHONPATH.
+
 `images`: REQUESTS (200) chats of a 2,000-word system prompt and a user turn of 30 words and one
 image of KB (100) kilobytes of random bytes as a data URL, each its own image, keyed by the
 precise path (the placeholder expanded, the image decoded and hashed, the blocks hashed with
@@ -49,11 +59,13 @@ decode + SHA-256 alone.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import base64
 import hashlib
 import multiprocessing
 import os
+import random
 import statistics
 import sys
 import time
@@ -66,7 +78,7 @@ import zmq
 import zmq.asyncio
 
 from cachemap.events import BlockRemoved, BlockStored, EventIndex, precise_keys
-from cachemap.keys import chain_hashes, root_hash
+from cachemap.keys import chain_hashes, root_hash, token_bytes
 from cachemap.memory import MemoryIndex
 from cachemap.tokenizer import ModelTokenizer
 from gateway.api.openai.parse import parse_chat
@@ -792,8 +804,81 @@ def local_lookup_us() -> float:
     return statistics.median(times) * 1e6
 
 
+class _HoldTimed:
+    """A domain's maps with `hold`'s thread CPU added up (`speculation`)."""
+
+    def __init__(self, maps: Any) -> None:
+        self.maps = maps
+        self.spent = 0.0
+
+    def hold(self, *args: Any) -> int:
+        start = time.thread_time()
+        try:
+            return int(self.maps.hold(*args))
+        finally:
+            self.spent += time.thread_time() - start
+
+    def __len__(self) -> int:
+        return len(self.maps)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.maps, name)
+
+
+def speculation(prompts: int, blocks: int = 730, domains: int = 4, in_flight: int = 8) -> None:
+    rng = random.Random(7)
+    index = EventIndex(speculative_ttl_s=1.0)
+    timed = {}
+    for d in range(domains):
+        state = index._domain(f"d{d}")
+        state.maps = timed[d] = _HoldTimed(state.maps)  # type: ignore[assignment]
+    placed: list[tuple[list[int], list[bytes]]] = []
+    engine_hashes = iter(range(1, 1 << 62))
+    spent = {"placements": 0.0, "stores less hold": 0.0, "sweeps": 0.0}
+    clock = time.thread_time
+    for p in range(prompts):
+        ids = [rng.randrange(1, 150_000) for _ in range(16 * blocks + 5)]
+        keys = precise_keys(ids, "", 16)
+        placed.append((ids, keys))
+        now = p * 0.05
+        start = clock()
+        index.speculate(f"d{p % domains}", keys, now, token_bytes(ids[: 16 * blocks]))
+        spent["placements"] += clock() - start
+        if p >= in_flight and (p - in_flight) % 5:
+            ids, keys = placed[p - in_flight]
+            hashes = [next(engine_hashes) for _ in keys]
+            event = BlockStored(hashes, None, array.array("I", ids[: 16 * blocks]), 16)
+            domain = (p - in_flight) % domains
+            held = timed[domain].spent
+            start = clock()
+            index.store(f"d{domain}", event)
+            spent["stores less hold"] += clock() - start - (timed[domain].spent - held)
+        start = clock()
+        for d in range(domains):
+            index.sweep(f"d{d}", now)
+        spent["sweeps"] += clock() - start
+    parts = ", ".join(f"{name} {s / prompts * 1e6:.0f}" for name, s in spent.items())
+    total = sum(spent.values()) / prompts * 1e6
+    stats = index.stats
+    print(
+        f"speculation a new {blocks}-block prompt: {parts}, sum {total:.0f} us (thread CPU); "
+        f"entries confirmed {stats.speculative_confirmed}, expired {stats.speculative_expired}"
+    )
+
+
 def main(argv: list[str]) -> int:
-    modes = ("ingest", "keying", "long", "wipe", "redis", "shared", "images", "route", "fleet")
+    modes = (
+        "ingest",
+        "keying",
+        "long",
+        "wipe",
+        "redis",
+        "shared",
+        "images",
+        "route",
+        "fleet",
+        "speculation",
+    )
     if not argv or argv[0] not in modes:
         print(__doc__)
         return 2
@@ -813,6 +898,8 @@ def main(argv: list[str]) -> int:
         route(int(argv[1]) if len(argv) > 1 else DEFAULT_TURNS)
     elif argv[0] == "fleet":
         asyncio.run(fleet([int(n) for n in argv[1:]] or FLEET_SIZES))
+    elif argv[0] == "speculation":
+        speculation(int(argv[1]) if len(argv) > 1 else 300)
     elif argv[0] == "long":
         asyncio.run(long_prompts(int(argv[1]) if len(argv) > 1 else 40))
     elif argv[0] == "wipe":

@@ -616,15 +616,16 @@ class PromptTokens:
         try:
             key = digest(_PROMPTS_DOMAIN + salt.encode() + b"\x00" + orjson.dumps(tools))
             first = digest(key + orjson.dumps(messages[0]))
+            if len(messages) == 1:
+                # nothing to keep, nor to serialize again whole: a later list computes key(0)
+                # from its first message all the same, and a lone one's list has no other key
+                # to lend (bench point 2's prompts kept ~50 kB each for nothing, new memory a
+                # request: page faults)
+                return [first]
             whole = orjson.dumps(messages)
         except (orjson.JSONEncodeError, UnicodeEncodeError):
             return None
         keys = [first]
-        if len(messages) == 1:
-            # nothing to keep: a later list computes key(0) from its first message all the
-            # same, and a lone one's list has no other key to lend (bench point 2's prompts
-            # kept ~50 kB each for nothing, new memory a request: page faults)
-            return keys
         chats = self._chats.pop(first, None) or []
         for i, (old, old_keys) in enumerate(chats):
             if whole == old:  # a retry, a sibling sent again

@@ -111,6 +111,11 @@ def _mask(index: EventIndex, key: bytes, domain: str) -> int:
     return state.maps.mask_of(key) if state is not None else 0
 
 
+def _claims(index: EventIndex) -> dict[tuple[str, bytes], float]:
+    """(domain, key) -> when the domain's speculative entry of the key expires."""
+    return {(d, k): t for d, state in index._domains.items() for k, t in state.claims.items()}
+
+
 def _children(state: Any) -> dict[bytes, int]:
     """Per key (held or broken), how many of its children the domain holds."""
     children: dict[bytes, int] = state.maps.maps()[2]
@@ -130,9 +135,7 @@ def _stepped_lookup(index: EventIndex, keys: list[bytes], now_s: float) -> dict[
 
     def claimed(domain: str, i: int) -> bool:
         end = min(i - i % SPECULATIVE_STRIDE + SPECULATIVE_STRIDE, len(keys))
-        return any(
-            index._speculative.get(keys[p], {}).get(domain, 0.0) > now_s for p in range(i, end)
-        )
+        return any(_claims(index).get((domain, keys[p]), 0.0) > now_s for p in range(i, end))
 
     depth: dict[str, int] = {}
     offloaded: dict[str, int] = {}
@@ -331,12 +334,14 @@ def _check_bookkeeping(index: EventIndex) -> None:
             counts[parent] = counts.get(parent, 0) + 1
         assert children == counts
         assert broken == {k for k in counts if k not in held}
-    # every speculative entry names a domain (an emptied one is deleted: `_confirm` relies on
-    # it) and is in that domain's queue with its expiry
-    queued = {(d, k, t) for d, state in index._domains.items() for t, k in state.speculative}
-    for key, spec in index._speculative.items():
-        assert spec
-        assert all((d, key, t) in queued for d, t in spec.items())
+    # every speculative entry is in its domain's queue with its expiry, and the odd ends are
+    # entries' keys, none at a window's end
+    for state in index._domains.values():
+        queued = set(state.speculative)
+        assert all((t, k) in queued for k, t in state.claims.items())
+        assert set(state.odd_ends) <= set(state.claims)
+        stride = SPECULATIVE_STRIDE
+        assert all(i % stride != stride - 1 for i in state.odd_ends.values())
 
 
 @settings(max_examples=400, deadline=None)
@@ -348,8 +353,11 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
     its parent is held), removals in any order (holes: broken keys), wipes, speculative
     entries and, in half the examples, tier moves (else every block is on a GPU: the
     bisection's case). After every op, every branch's lookup equals the stepped reference,
-    and a speculation adds one entry per window not all on the domain's GPU."""
+    and a speculation adds one entry per window not all on the domain's GPU. A store confirms
+    the entries a store looking every key up confirms (`_entry_keys` skips the others)."""
     index = EventIndex(speculative_ttl_s=2.0)
+    every_key = EventIndex(speculative_ttl_s=2.0)
+    every_key._entry_keys = lambda state, keys, first: keys  # type: ignore[method-assign]
     chains = [precise_keys(_branch_ids(b, 8), SALT, 16) for b in range(4)]
     for kind, domain, branch, at, count, any_tier in ops:
         tier = any_tier if offload else GPU
@@ -358,12 +366,17 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
             parent = _branch_hash(branch, at - 1) if at else None
             hashes = [_branch_hash(branch, i) for i in range(at, stop)]
             ids = _branch_ids(branch, stop)[16 * at :]
-            index.store(domain, stored(hashes, ids, parent=parent, tier=tier))
+            for each in (index, every_key):
+                each.store(domain, stored(hashes, ids, parent=parent, tier=tier))
+            assert _claims(index) == _claims(every_key)
+            assert index.stats.speculative_confirmed == every_key.stats.speculative_confirmed
         elif kind == "remove":
             hashes = [_branch_hash(branch, i) for i in range(at, min(8, at + count))]
             index.remove(domain, BlockRemoved(hashes, tier))
+            every_key.remove(domain, BlockRemoved(hashes, tier))
         elif kind == "clear":
             index.clear(domain)
+            every_key.clear(domain)
         else:
             keys = chains[branch][:at]
             on_gpu = [bool(_mask(index, k, domain) & GPU) for k in keys]
@@ -371,6 +384,7 @@ def test_bisected_lookups_and_speculations_equal_stepping_key_by_key(
             lacking = sum(not all(on_gpu[w : w + SPECULATIVE_STRIDE]) for w in windows)
             data = token_bytes(_branch_ids(branch, at)) if count else None
             assert index.speculate(domain, keys, 10.0, data) == lacking
+            every_key.speculate(domain, keys, 10.0, data)
         _check_bookkeeping(index)
         for keys in chains:
             for n in (1, 4, 8):
@@ -415,11 +429,9 @@ def test_a_speculation_past_the_held_run_leaves_the_entries_stepping_window_by_w
         run = slow._held_run("a", state, keys[:n])
         past += run is not None and run < n
         slow.sweep("a", 6.0)
-        assert fast.speculate("a", keys[:n], 6.0) == slow._speculate_each(
-            "a", state, keys[:n], run, 8.0
-        )
+        assert fast.speculate("a", keys[:n], 6.0) == slow._speculate_each(state, keys[:n], run, 8.0)
         assert list(fast._domains["a"].speculative) == list(state.speculative)
-        assert fast._speculative == slow._speculative
+        assert _claims(fast) == _claims(slow)
     assert past > 50  # half the trials or so took the C loops
 
 

@@ -3,6 +3,8 @@ it must survive (vLLM's newer fields, short arrays, garbage)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -99,3 +101,15 @@ def test_a_block_hash_longer_than_any_engines_is_malformed() -> None:
         removed = ["BlockRemoved", long.get("block_hashes", [b"\x03" * 65]), "GPU"]
         with pytest.raises(MalformedBatch, match="at most 64 bytes"):
             decode_batch(msgspec.msgpack.encode([1.0, [removed]]))
+
+
+@pytest.mark.parametrize("hashes", [[True], ["x"], [1.5], [None], "not a list", None])
+def test_a_block_hash_of_another_type_is_malformed_in_either_layout(hashes: Any) -> None:
+    """The fast layouts check the hashes as msgspec decodes them (`_Hashes`); a batch they
+    fail goes the tolerant way, whose error says what is wrong, as it did for every batch."""
+    stored = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+              "token_ids": [1] * 16, "block_size": 16}  # fmt: skip
+    removed = {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
+    for event in (stored, removed, list(stored.values()), list(removed.values())):
+        with pytest.raises(MalformedBatch, match="block_hashes must be a list"):
+            decode_batch(msgspec.msgpack.encode([1.0, [event]]))
