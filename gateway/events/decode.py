@@ -53,7 +53,7 @@ import array
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import msgspec
 
@@ -274,8 +274,7 @@ def _event(item: Any) -> CacheEvent | None:
 def _removed(
     block_hashes: Any, medium: Any, group_idx: Any, *, checked: bool = False
 ) -> BlockRemoved:
-    hashes = block_hashes if checked and block_hashes is not None else _hashes(block_hashes)
-    return BlockRemoved(hashes, tier_of(medium), _int(group_idx))
+    return BlockRemoved(_hashes(block_hashes, checked), tier_of(medium), _int(group_idx))
 
 
 def _stored(
@@ -302,7 +301,7 @@ def _stored(
         raise MalformedBatch("BlockStored.lora_name must be a string")
     if lora_name is None and lora_id is not None:  # an adapter known only by its id
         lora_name = f"{UNNAMED_ADAPTER}{lora_id}"
-    hashes = block_hashes if checked and block_hashes is not None else _hashes(block_hashes)
+    hashes = _hashes(block_hashes, checked)
     if type(token_ids) is msgspec.Raw:  # the fast layouts'
         ids = _UNPACK_U32(token_ids)
         if ids is None:  # the tolerant path says what is wrong
@@ -384,10 +383,13 @@ def _mm_keys(extra_keys: Any, num_blocks: int) -> list[tuple[tuple[str, int], ..
 _HASH_TYPES = frozenset((int, bytes))
 
 
-def _hashes(value: Any) -> list[EngineHash]:
+def _hashes(value: Any, checked: bool = False) -> list[EngineHash]:
     """Each an int (not a bool; msgpack's are 64-bit) or bytes of at most `MAX_HASH_BYTES`:
     checked by type in C loops (a Python step per hash was ~8% of decoding a conversation's
-    events), and by length only when there are bytes."""
+    events), and by length only when there are bytes. `checked`: a list the fast layouts'
+    decode already checked (`_Hashes`), taken as it is."""
+    if checked and value is not None:
+        return cast(list[EngineHash], value)
     if not isinstance(value, list):
         raise MalformedBatch("block_hashes must be a list of integers or bytes")
     types = set(map(type, value))

@@ -59,15 +59,23 @@ def test_cache_aware_beats_consistent_hashing_on_the_team_day() -> None:
     assert imbalance(hashed, args.engines) >= 3.0
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["small", "streamed"])
+@pytest.mark.parametrize(
+    ("stream", "with_floor"),
+    [(False, False), (False, True), (True, True)],
+    ids=["small", "small-floor", "streamed-floor"],
+)
 def test_the_cpu_benchmark_runs_with_the_floor_beside_the_gateway(
-    capsys: pytest.CaptureFixture[str], stream: bool
+    capsys: pytest.CaptureFixture[str], stream: bool, with_floor: bool
 ) -> None:
-    argv = ["--requests", "200", "--floor", *(["--stream"] if stream else [])]
+    argv = ["--requests", "200", *(["--floor"] if with_floor else [])]
+    argv += ["--stream"] if stream else []
     assert run_bench_cpu(_args(add_bench_cpu_arguments, *argv)) == 0  # 0: no request failed
     out = capsys.readouterr().out
     assert "through kvgate" in out and "direct to engine" in out
     assert out.startswith("on: python ") and "load average" in out  # what it ran on
+    if not with_floor:  # the plain run: the gateway's passes alone
+        assert "floor" not in out
+        return
     # the floor's row counts its own process's CPU (the direct row's column is 0: no proxy)
     floor = re.search(r"^floor +- +0 +\d+ +[\d.]+ +([\d.]+)$", out, re.M)
     assert floor is not None and float(floor[1]) > 0, out
